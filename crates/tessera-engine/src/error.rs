@@ -1,0 +1,22 @@
+use std::io;
+
+/// Why an engine operation failed. A failed operation leaves the engine as it was.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("I/O error: {0}")]
+    Io(#[from] io::Error),
+    #[error("corrupt data: {0}")]
+    Corrupt(String),
+    #[error("LSM engine: {0}")]
+    Lsm(String),
+    #[error("remote engine: {0}")]
+    Remote(String),
+    #[error("invalid engine option: {0}")]
+    InvalidOption(String),
+    #[error("invalid scan cursor")]
+    InvalidCursor,
+    #[error("value of {0} bytes exceeds the engine's limit of {1} bytes")]
+    TooLarge(usize, usize),
+}
+
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;

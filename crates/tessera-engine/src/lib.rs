@@ -1,0 +1,128 @@
+//! Single-node storage engines behind one small trait.
+//!
+//! An engine stores opaque byte values under byte keys and knows nothing of
+//! replication, types or expiry: the layers above keep their metadata inside the
+//! value. Every engine passes the same conformance suite (`tests/conformance.rs`).
+
+mod background;
+mod error;
+mod log;
+mod lsm;
+mod memory;
+mod ordered;
+mod remote;
+mod sharded;
+mod spec;
+
+use bytes::Bytes;
+
+pub use error::{EngineError, Result};
+pub use log::{FsyncPolicy, LogEngine, LogOptions};
+pub use lsm::LsmEngine;
+pub use memory::MemoryEngine;
+pub use ordered::OrderedEngine;
+pub use remote::{RedisEngine, RedisOptions};
+pub use spec::{open_engine, EngineKind, EngineSpec};
+
+/// What an engine can do beyond the common operations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capabilities {
+    /// `scan` returns keys in ascending byte order.
+    pub ordered: bool,
+    /// Data survives a restart of the process.
+    pub persistent: bool,
+    /// Calls may block on disk or network I/O for a long time; async callers
+    /// should move them off their reactor threads.
+    pub blocking: bool,
+}
+
+/// A half-open key range `[start, end)`; `None` is unbounded on that side.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KeyRange {
+    pub start: Option<Bytes>,
+    pub end: Option<Bytes>,
+}
+
+impl KeyRange {
+    /// Every key.
+    pub fn all() -> Self {
+        Self::default()
+    }
+
+    pub fn contains(&self, key: &[u8]) -> bool {
+        self.start.as_deref().is_none_or(|start| key >= start)
+            && self.end.as_deref().is_none_or(|end| key < end)
+    }
+}
+
+/// Where a scan resumes. Engines define the meaning of the bytes; callers only
+/// pass back what an earlier page returned.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ScanCursor(pub Bytes);
+
+impl ScanCursor {
+    pub fn start() -> Self {
+        Self(Bytes::new())
+    }
+
+    pub fn is_start(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// One page of a scan.
+#[derive(Clone, Debug, Default)]
+pub struct ScanPage {
+    pub entries: Vec<(Bytes, Bytes)>,
+    /// `None` when the scan is complete.
+    pub next: Option<ScanCursor>,
+}
+
+/// A single-node store of opaque values.
+///
+/// Concurrency: every method may be called from many threads at once. Each
+/// single-key operation is atomic; nothing orders operations on different keys.
+/// A scan returns every key that was present for the whole scan at least once
+/// and never returns a key that was absent for the whole scan.
+pub trait Engine: Send + Sync + 'static {
+    /// The name the engine is selected by (`memory`, `ordered`, ...).
+    fn name(&self) -> &'static str;
+
+    fn capabilities(&self) -> Capabilities;
+
+    fn get(&self, key: &[u8]) -> Result<Option<Bytes>>;
+
+    /// Stores `value` under `key`, replacing any earlier value. When this returns
+    /// `Ok` the write is as durable as the engine's configured policy promises.
+    fn put(&self, key: &[u8], value: Bytes) -> Result<()>;
+
+    /// Removes `key`; returns whether it was present.
+    fn delete(&self, key: &[u8]) -> Result<bool>;
+
+    /// Returns up to about `limit` entries of `range` from `cursor` on. Ordered
+    /// engines return keys in ascending order; the others in an order of their own.
+    fn scan(&self, range: &KeyRange, cursor: &ScanCursor, limit: usize) -> Result<ScanPage>;
+
+    /// The number of keys (exact, or a close estimate where counting is costly).
+    fn len(&self) -> Result<u64>;
+
+    fn is_empty(&self) -> Result<bool> {
+        Ok(self.len()? == 0)
+    }
+
+    /// Removes every key.
+    fn clear(&self) -> Result<()>;
+
+    /// Makes every write that has returned durable (a no-op for volatile engines).
+    fn flush(&self) -> Result<()>;
+
+    /// Reads several keys; engines that can batch (a remote server) override it.
+    fn get_many(&self, keys: &[&[u8]]) -> Result<Vec<Option<Bytes>>> {
+        keys.iter().map(|key| self.get(key)).collect()
+    }
+
+    /// Writes several entries; not atomic across keys.
+    fn put_many(&self, entries: &[(&[u8], Bytes)]) -> Result<()> {
+        entries.iter().try_for_each(|(key, value)| self.put(key, value.clone()))
+    }
+}

@@ -1,0 +1,143 @@
+//! Choosing an engine by name, with options given as text (from a config file or
+//! `TABLE.CREATE ... ENGINE name option value ...`).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::{
+    Engine, EngineError, FsyncPolicy, LogEngine, LogOptions, LsmEngine, MemoryEngine, OrderedEngine,
+};
+use crate::{RedisEngine, RedisOptions, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineKind {
+    Memory,
+    Ordered,
+    Log,
+    Lsm,
+    Redis,
+}
+
+impl EngineKind {
+    pub const ALL: [EngineKind; 5] = [Self::Memory, Self::Ordered, Self::Log, Self::Lsm, Self::Redis];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Memory => "memory",
+            Self::Ordered => "ordered",
+            Self::Log => "log",
+            Self::Lsm => "lsm",
+            Self::Redis => "redis",
+        }
+    }
+
+    /// The options this engine accepts.
+    pub fn option_names(self) -> &'static [&'static str] {
+        match self {
+            Self::Memory | Self::Ordered => &[],
+            Self::Log => &["fsync", "segment-bytes"],
+            Self::Lsm => &["fsync"],
+            Self::Redis => &["addr", "db", "password", "pool", "timeout-ms"],
+        }
+    }
+}
+
+impl std::str::FromStr for EngineKind {
+    type Err = EngineError;
+
+    fn from_str(name: &str) -> Result<Self> {
+        Self::ALL.into_iter().find(|kind| kind.name().eq_ignore_ascii_case(name)).ok_or_else(|| {
+            EngineError::InvalidOption(format!(
+                "unknown engine {name:?}; choose one of memory, ordered, log, lsm, redis"
+            ))
+        })
+    }
+}
+
+/// An engine and its options, checked when built so that opening cannot fail on
+/// a typo.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineSpec {
+    pub kind: EngineKind,
+    pub options: BTreeMap<String, String>,
+}
+
+fn parse_option<T: std::str::FromStr>(options: &BTreeMap<String, String>, name: &str) -> Result<Option<T>> {
+    options
+        .get(name)
+        .map(|text| {
+            text.parse()
+                .map_err(|_| EngineError::InvalidOption(format!("option {name}: cannot use {text:?}")))
+        })
+        .transpose()
+}
+
+impl EngineSpec {
+    pub fn new(kind: EngineKind, options: BTreeMap<String, String>) -> Result<Self> {
+        let options: BTreeMap<String, String> =
+            options.into_iter().map(|(name, value)| (name.to_ascii_lowercase(), value)).collect();
+        if let Some(unknown) = options.keys().find(|name| !kind.option_names().contains(&name.as_str())) {
+            return Err(EngineError::InvalidOption(format!(
+                "engine {} has no option {unknown:?} (it takes: {})",
+                kind.name(),
+                kind.option_names().join(", ")
+            )));
+        }
+        let spec = Self { kind, options };
+        spec.log_options()?;
+        spec.redis_options()?;
+        Ok(spec)
+    }
+
+    fn fsync(&self) -> Result<FsyncPolicy> {
+        Ok(parse_option(&self.options, "fsync")?.unwrap_or(FsyncPolicy::EveryMs(1000)))
+    }
+
+    fn log_options(&self) -> Result<LogOptions> {
+        let defaults = LogOptions::default();
+        Ok(LogOptions {
+            fsync: self.fsync()?,
+            segment_bytes_max: parse_option(&self.options, "segment-bytes")?
+                .unwrap_or(defaults.segment_bytes_max),
+            ..defaults
+        })
+    }
+
+    fn redis_options(&self) -> Result<RedisOptions> {
+        let defaults = RedisOptions::default();
+        Ok(RedisOptions {
+            address: self.options.get("addr").cloned().unwrap_or(defaults.address),
+            database: parse_option(&self.options, "db")?.unwrap_or(defaults.database),
+            password: self.options.get("password").cloned(),
+            pool_size: parse_option(&self.options, "pool")?.unwrap_or(defaults.pool_size),
+            timeout: parse_option(&self.options, "timeout-ms")?
+                .map(Duration::from_millis)
+                .unwrap_or(defaults.timeout),
+        })
+    }
+
+    /// Opens the engine, keeping any files in `dir`.
+    pub fn open(&self, dir: &Path) -> Result<Arc<dyn Engine>> {
+        Ok(match self.kind {
+            EngineKind::Memory => Arc::new(MemoryEngine::new()),
+            EngineKind::Ordered => Arc::new(OrderedEngine::new()),
+            EngineKind::Log => Arc::new(LogEngine::open(dir, self.log_options()?)?),
+            EngineKind::Lsm => Arc::new(LsmEngine::open(dir, self.fsync()?)?),
+            EngineKind::Redis => Arc::new(RedisEngine::open(self.redis_options()?)?),
+        })
+    }
+
+    /// The address and database of a `redis` engine, which must not be shared
+    /// by two tables.
+    pub fn remote_database(&self) -> Option<(String, u32)> {
+        let options = self.redis_options().ok()?;
+        (self.kind == EngineKind::Redis).then_some((options.address, options.database))
+    }
+}
+
+/// Opens an engine by name with default options.
+pub fn open_engine(name: &str, dir: &Path) -> Result<Arc<dyn Engine>> {
+    EngineSpec::new(name.parse()?, BTreeMap::new())?.open(dir)
+}

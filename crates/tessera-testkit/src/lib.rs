@@ -1,0 +1,89 @@
+//! Test support shared by the crates' test suites: a real `redis-server` started
+//! on a free loopback port, and helpers to wait for servers.
+
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// A port that was free a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .expect("bind an ephemeral port")
+        .local_addr()
+        .expect("local address")
+        .port()
+}
+
+/// Waits until something accepts connections on `port`.
+pub fn wait_for_port(port: u16, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return true;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+/// Whether a program is on the PATH.
+pub fn have_program(name: &str) -> bool {
+    std::env::var_os("PATH")
+        .map(|paths| std::env::split_paths(&paths).any(|dir| Path::new(&dir).join(name).is_file()))
+        .unwrap_or(false)
+}
+
+/// Tests that need an external program call this: it returns false (and says
+/// why) when the program is missing, unless `TESSERA_REQUIRE_EXTERNAL=1` (set by
+/// the project's test command), in which case a missing program fails the test.
+pub fn external_program_available(name: &str) -> bool {
+    if have_program(name) {
+        return true;
+    }
+    if std::env::var("TESSERA_REQUIRE_EXTERNAL").is_ok_and(|value| value == "1") {
+        panic!("{name} is required (TESSERA_REQUIRE_EXTERNAL=1) but not installed");
+    }
+    eprintln!("skipping: {name} is not installed (the project's test command installs it)");
+    false
+}
+
+/// A real redis-server with no persistence, killed when dropped.
+pub struct RedisServer {
+    pub port: u16,
+    child: Child,
+    _dir: tempfile::TempDir,
+}
+
+impl RedisServer {
+    /// Starts one, or returns `None` when redis-server is not installed.
+    pub fn start() -> Option<Self> {
+        if !external_program_available("redis-server") {
+            return None;
+        }
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let port = free_port();
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start redis-server");
+        assert!(wait_for_port(port, Duration::from_secs(10)), "redis-server did not start");
+        Some(Self { port, child, _dir: dir })
+    }
+
+    pub fn address(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

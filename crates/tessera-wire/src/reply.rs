@@ -1,0 +1,207 @@
+//! Writes replies in RESP2 or RESP3, whichever the connection negotiated with
+//! HELLO. Types RESP2 lacks (maps, sets, doubles, booleans, null) fall back to
+//! their RESP2 spellings, as Redis does.
+
+/// The protocol version a connection speaks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Protocol {
+    #[default]
+    Resp2,
+    Resp3,
+}
+
+/// An output buffer of replies.
+#[derive(Debug, Default)]
+pub struct ReplyWriter {
+    buf: Vec<u8>,
+    protocol: Protocol,
+}
+
+impl ReplyWriter {
+    pub fn new(protocol: Protocol) -> Self {
+        Self { buf: Vec::with_capacity(16 << 10), protocol }
+    }
+
+    pub fn protocol(&self) -> Protocol {
+        self.protocol
+    }
+
+    pub fn set_protocol(&mut self, protocol: Protocol) {
+        self.protocol = protocol;
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.buf
+    }
+
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+
+    pub fn clear(&mut self) {
+        self.buf.clear();
+    }
+
+    /// Drops what was written after `mark` (a length taken earlier with [`len`](Self::len)).
+    pub fn truncate(&mut self, mark: usize) {
+        self.buf.truncate(mark);
+    }
+
+    fn line(&mut self, prefix: u8, body: &[u8]) {
+        self.buf.push(prefix);
+        self.buf.extend_from_slice(body);
+        self.buf.extend_from_slice(b"\r\n");
+    }
+
+    fn number_line(&mut self, prefix: u8, value: i64) {
+        let mut digits = itoa::Buffer::new();
+        self.line(prefix, digits.format(value).as_bytes());
+    }
+
+    pub fn ok(&mut self) {
+        self.buf.extend_from_slice(b"+OK\r\n");
+    }
+
+    /// A simple string; it must not contain CR or LF.
+    pub fn simple(&mut self, text: &str) {
+        debug_assert!(!text.contains(['\r', '\n']));
+        self.line(b'+', text.as_bytes());
+    }
+
+    /// An error; `message` starts with its code (`ERR`, `WRONGTYPE`, ...). Line
+    /// breaks are replaced so that the reply stays one frame.
+    pub fn error(&mut self, message: &str) {
+        if message.contains(['\r', '\n']) {
+            self.line(b'-', message.replace(['\r', '\n'], " ").as_bytes());
+        } else {
+            self.line(b'-', message.as_bytes());
+        }
+    }
+
+    pub fn integer(&mut self, value: i64) {
+        self.number_line(b':', value);
+    }
+
+    pub fn bulk(&mut self, value: &[u8]) {
+        self.number_line(b'$', value.len() as i64);
+        self.buf.extend_from_slice(value);
+        self.buf.extend_from_slice(b"\r\n");
+    }
+
+    pub fn bulk_or_null(&mut self, value: Option<&[u8]>) {
+        match value {
+            Some(value) => self.bulk(value),
+            None => self.null(),
+        }
+    }
+
+    /// The null bulk string (RESP2) or null (RESP3).
+    pub fn null(&mut self) {
+        match self.protocol {
+            Protocol::Resp2 => self.buf.extend_from_slice(b"$-1\r\n"),
+            Protocol::Resp3 => self.buf.extend_from_slice(b"_\r\n"),
+        }
+    }
+
+    /// The null array (RESP2) or null (RESP3).
+    pub fn null_array(&mut self) {
+        match self.protocol {
+            Protocol::Resp2 => self.buf.extend_from_slice(b"*-1\r\n"),
+            Protocol::Resp3 => self.buf.extend_from_slice(b"_\r\n"),
+        }
+    }
+
+    pub fn array(&mut self, length: usize) {
+        self.number_line(b'*', length as i64);
+    }
+
+    /// A map of `length` pairs; in RESP2 a flat array of twice the length.
+    pub fn map(&mut self, length: usize) {
+        match self.protocol {
+            Protocol::Resp2 => self.number_line(b'*', 2 * length as i64),
+            Protocol::Resp3 => self.number_line(b'%', length as i64),
+        }
+    }
+
+    pub fn set(&mut self, length: usize) {
+        match self.protocol {
+            Protocol::Resp2 => self.number_line(b'*', length as i64),
+            Protocol::Resp3 => self.number_line(b'~', length as i64),
+        }
+    }
+
+    pub fn boolean(&mut self, value: bool) {
+        match self.protocol {
+            Protocol::Resp2 => self.integer(i64::from(value)),
+            Protocol::Resp3 => self.buf.extend_from_slice(if value { b"#t\r\n" } else { b"#f\r\n" }),
+        }
+    }
+
+    /// A double; in RESP2 a bulk string.
+    pub fn double(&mut self, value: f64) {
+        let text = format_double(value);
+        match self.protocol {
+            Protocol::Resp2 => self.bulk(text.as_bytes()),
+            Protocol::Resp3 => self.line(b',', text.as_bytes()),
+        }
+    }
+
+    /// Human-readable text (INFO): a verbatim string in RESP3, a bulk string in RESP2.
+    pub fn verbatim(&mut self, text: &str) {
+        match self.protocol {
+            Protocol::Resp2 => self.bulk(text.as_bytes()),
+            Protocol::Resp3 => {
+                self.number_line(b'=', text.len() as i64 + 4);
+                self.buf.extend_from_slice(b"txt:");
+                self.buf.extend_from_slice(text.as_bytes());
+                self.buf.extend_from_slice(b"\r\n");
+            }
+        }
+    }
+}
+
+/// Formats a double the way Redis prints scores: integers without a fraction,
+/// infinities as `inf` / `-inf`.
+pub fn format_double(value: f64) -> String {
+    if value.is_infinite() {
+        return if value > 0.0 { "inf".into() } else { "-inf".into() };
+    }
+    if value.is_nan() {
+        return "nan".into();
+    }
+    if value.fract() == 0.0 && value.abs() < 1e17 {
+        return format!("{}", value as i64);
+    }
+    format!("{value}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resp2_and_resp3_spell_types_differently() {
+        let mut two = ReplyWriter::new(Protocol::Resp2);
+        let mut three = ReplyWriter::new(Protocol::Resp3);
+        for writer in [&mut two, &mut three] {
+            writer.map(1);
+            writer.bulk(b"k");
+            writer.null();
+            writer.boolean(true);
+            writer.double(1.5);
+        }
+        assert_eq!(two.as_bytes(), b"*2\r\n$1\r\nk\r\n$-1\r\n:1\r\n$3\r\n1.5\r\n");
+        assert_eq!(three.as_bytes(), b"%1\r\n$1\r\nk\r\n_\r\n#t\r\n,1.5\r\n");
+    }
+
+    #[test]
+    fn errors_stay_on_one_line() {
+        let mut writer = ReplyWriter::new(Protocol::Resp2);
+        writer.error("ERR bad\r\nthing");
+        assert_eq!(writer.as_bytes(), b"-ERR bad  thing\r\n");
+    }
+}
