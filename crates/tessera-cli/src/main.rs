@@ -1,1 +1,303 @@
-fn main() {}
+//! `tessera`: run a node, or talk to one.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use tessera_node::{Config, Server};
+use tessera_wire::{Client, Value};
+
+#[derive(Parser)]
+#[command(name = "tessera", version, about = "Tessera: scale-out key-value stores from single-node engines, spoken to over the Redis protocol")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    #[command(flatten)]
+    connection: ConnectionArgs,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a node: a RESP server over tables of chosen engines.
+    Serve(ServeArgs),
+    /// Read a key.
+    Get {
+        key: String,
+    },
+    /// Write a key.
+    Set {
+        key: String,
+        value: String,
+        /// Expire after this many seconds.
+        #[arg(long)]
+        ex: Option<u64>,
+    },
+    /// Delete keys.
+    Del {
+        #[arg(required = true)]
+        keys: Vec<String>,
+    },
+    /// List keys, optionally matching a glob pattern.
+    Scan {
+        /// Glob pattern (`*`, `?`, `[abc]`).
+        #[arg(long = "match")]
+        pattern: Option<String>,
+        /// Keys fetched per round trip.
+        #[arg(long, default_value_t = 1000)]
+        count: u32,
+    },
+    /// Manage tables.
+    Table {
+        #[command(subcommand)]
+        command: TableCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum TableCommand {
+    /// Create a table owning a key prefix, on an engine.
+    Create {
+        name: String,
+        #[arg(long)]
+        prefix: String,
+        /// memory, ordered, log, lsm or redis.
+        #[arg(long)]
+        engine: String,
+        /// Engine options as NAME=VALUE (e.g. fsync=always, addr=127.0.0.1:6379).
+        #[arg(long = "option", value_name = "NAME=VALUE")]
+        options: Vec<String>,
+    },
+    /// Drop a table and its data.
+    Drop { name: String },
+    /// List table names.
+    List,
+    /// Show a table's definition and size.
+    Info { name: String },
+}
+
+#[derive(Args)]
+struct ConnectionArgs {
+    /// Address of the node (client commands).
+    #[arg(long, short = 'a', global = true, default_value = "127.0.0.1:7379", env = "TESSERA_ADDR")]
+    addr: String,
+    /// Password, if the node requires one (client commands).
+    #[arg(long = "auth", global = true, env = "TESSERA_AUTH")]
+    password: Option<String>,
+}
+
+/// Flags override the config file, which overrides the defaults.
+#[derive(Args)]
+struct ServeArgs {
+    /// TOML config file; every key is optional (see docs/OPERATIONS.md).
+    #[arg(long, short = 'c')]
+    config: Option<PathBuf>,
+    /// Address to listen on [default: 127.0.0.1].
+    #[arg(long)]
+    bind: Option<String>,
+    /// TCP port [default: 7379].
+    #[arg(long, short = 'p')]
+    port: Option<u16>,
+    /// Data directory: table catalog and persistent engines' files [default: ./tessera-data].
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Engine of the default table: memory, ordered, log, lsm or redis [default: memory].
+    #[arg(long)]
+    engine: Option<String>,
+    /// Option of the default table's engine, NAME=VALUE (repeatable), e.g. fsync=always.
+    #[arg(long = "engine-option", value_name = "NAME=VALUE")]
+    engine_options: Vec<String>,
+    /// Require clients to AUTH with this password.
+    #[arg(long, env = "TESSERA_PASSWORD")]
+    password: Option<String>,
+    /// Worker threads; 0 = one per core [default: 0].
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Most simultaneous client connections [default: 10000].
+    #[arg(long)]
+    max_clients: Option<usize>,
+    /// Largest bulk string (argument) a client may send, in bytes [default: 536870912].
+    #[arg(long)]
+    bulk_bytes_max: Option<usize>,
+    /// Most arguments in one command [default: 1048576].
+    #[arg(long)]
+    args_max: Option<usize>,
+    /// Longest inline command, in bytes [default: 65536].
+    #[arg(long)]
+    inline_bytes_max: Option<usize>,
+    /// Unparsed input a connection may hold before it is closed, in bytes [default: 1073741824].
+    #[arg(long)]
+    query_buffer_bytes_max: Option<usize>,
+    /// How long shutdown waits for in-flight requests, in ms [default: 5000].
+    #[arg(long)]
+    shutdown_timeout_ms: Option<u64>,
+    /// Log filter, e.g. info or tessera_node=debug [default: info].
+    #[arg(long, env = "TESSERA_LOG", default_value = "info")]
+    log: String,
+}
+
+fn parse_pairs(pairs: &[String]) -> Result<BTreeMap<String, String>, String> {
+    pairs
+        .iter()
+        .map(|pair| {
+            pair.split_once('=')
+                .map(|(name, value)| (name.trim().to_string(), value.to_string()))
+                .ok_or_else(|| format!("expected NAME=VALUE, got {pair:?}"))
+        })
+        .collect()
+}
+
+impl ServeArgs {
+    fn config(&self) -> Result<Config, String> {
+        let mut config = match &self.config {
+            Some(path) => Config::from_file(path).map_err(|error| error.to_string())?,
+            None => Config::default(),
+        };
+        macro_rules! override_with {
+            ($($field:ident),*) => { $( if let Some(value) = &self.$field { config.$field = value.clone(); } )* };
+        }
+        override_with!(bind, port, dir, engine, threads, max_clients, bulk_bytes_max, args_max, inline_bytes_max,
+            query_buffer_bytes_max, shutdown_timeout_ms);
+        if self.password.is_some() {
+            config.password = self.password.clone();
+        }
+        config.engine_options.extend(parse_pairs(&self.engine_options)?);
+        config.validate().map_err(|error| error.to_string())?;
+        Ok(config)
+    }
+}
+
+fn serve(args: ServeArgs) -> Result<(), String> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&args.log).map_err(|error| error.to_string())?)
+        .with_writer(std::io::stderr)
+        .init();
+    let config = args.config()?;
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if config.threads > 0 {
+        runtime.worker_threads(config.threads);
+    }
+    let runtime = runtime.enable_all().build().map_err(|error| error.to_string())?;
+    runtime.block_on(async move {
+        let server = Server::bind(config).await.map_err(|error| error.to_string())?;
+        let address = server.local_addr().map_err(|error| error.to_string())?;
+        tracing::info!(%address, "tessera node ready; try: redis-cli -p {} ping", address.port());
+        server.run(shutdown_signal()).await;
+        Ok(())
+    })
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut terminate), Ok(mut interrupt)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        // Without signal handlers, run until killed.
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = terminate.recv() => tracing::info!("SIGTERM received"),
+        _ = interrupt.recv() => tracing::info!("SIGINT received"),
+    }
+}
+
+fn connect(args: &ConnectionArgs) -> Result<Client, String> {
+    let mut client = Client::connect(args.addr.as_str(), Duration::from_secs(10))
+        .map_err(|error| format!("cannot connect to {}: {error}", args.addr))?;
+    if let Some(password) = &args.password {
+        expect_ok(client.command(&["AUTH", password.as_str()]).map_err(|error| error.to_string())?)?;
+    }
+    Ok(client)
+}
+
+fn expect_ok(value: Value) -> Result<Value, String> {
+    match value {
+        Value::Error(message) => Err(message),
+        value => Ok(value),
+    }
+}
+
+fn run_command(connection: &ConnectionArgs, args: &[&str]) -> Result<Value, String> {
+    let mut client = connect(connection)?;
+    expect_ok(client.command(args).map_err(|error| error.to_string())?)
+}
+
+fn client_command(connection: &ConnectionArgs, command: Command) -> Result<(), String> {
+    match command {
+        Command::Serve(_) => unreachable!("handled by main"),
+        Command::Get { key } => match run_command(connection, &["GET", &key])? {
+            Value::Null => Err(format!("no such key: {key}")),
+            value => {
+                println!("{}", String::from_utf8_lossy(value.as_bytes().unwrap_or_default()));
+                Ok(())
+            }
+        },
+        Command::Set { key, value, ex } => {
+            let seconds = ex.map(|seconds| seconds.to_string());
+            let mut args = vec!["SET", &key, &value];
+            if let Some(seconds) = &seconds {
+                args.extend(["EX", seconds]);
+            }
+            println!("{}", run_command(connection, &args)?.render());
+            Ok(())
+        }
+        Command::Del { keys } => {
+            let mut args = vec!["DEL"];
+            args.extend(keys.iter().map(String::as_str));
+            println!("{}", run_command(connection, &args)?.render());
+            Ok(())
+        }
+        Command::Scan { pattern, count } => {
+            let mut client = connect(connection)?;
+            let mut cursor = "0".to_string();
+            let count = count.to_string();
+            loop {
+                let mut args = vec!["SCAN", &cursor, "COUNT", &count];
+                if let Some(pattern) = &pattern {
+                    args.extend(["MATCH", pattern]);
+                }
+                let reply = expect_ok(client.command(&args).map_err(|error| error.to_string())?)?;
+                let mut parts = reply.into_items().ok_or("malformed SCAN reply")?.into_iter();
+                let next = parts.next().and_then(|next| next.as_bytes().map(|b| String::from_utf8_lossy(b).into_owned()));
+                for key in parts.next().and_then(Value::into_items).unwrap_or_default() {
+                    println!("{}", String::from_utf8_lossy(key.as_bytes().unwrap_or_default()));
+                }
+                match next {
+                    Some(next) if next != "0" => cursor = next,
+                    _ => return Ok(()),
+                }
+            }
+        }
+        Command::Table { command } => {
+            let reply = match &command {
+                TableCommand::Create { name, prefix, engine, options } => {
+                    let options = parse_pairs(options)?;
+                    let mut args = vec!["TABLE.CREATE", name, "PREFIX", prefix, "ENGINE", engine];
+                    for (option, value) in &options {
+                        args.extend([option.as_str(), value.as_str()]);
+                    }
+                    run_command(connection, &args)?
+                }
+                TableCommand::Drop { name } => run_command(connection, &["TABLE.DROP", name])?,
+                TableCommand::List => run_command(connection, &["TABLE.LIST"])?,
+                TableCommand::Info { name } => run_command(connection, &["TABLE.INFO", name])?,
+            };
+            println!("{}", reply.render());
+            Ok(())
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Serve(args) => serve(args),
+        command => client_command(&cli.connection, command),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("tessera: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}

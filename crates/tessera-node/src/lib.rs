@@ -1,1 +1,22 @@
+//! The Tessera node: a RESP server in front of tables, each table an engine.
+//!
+//! Layers, top to bottom: [`server`] accepts connections and drives
+//! [`connection`]s, which parse requests and run [`commands`] against the
+//! [`store`]: tables routed by key prefix, typed values ([`typed`]) kept inside
+//! the engines' opaque values.
 
+pub mod commands;
+pub mod config;
+pub mod connection;
+pub mod error;
+pub mod glob;
+pub mod server;
+pub mod store;
+pub mod tables;
+pub mod typed;
+
+pub use config::Config;
+pub use server::Server;
+
+/// The Redis version Tessera reports, for clients that check features by it.
+pub const REDIS_COMPATIBLE_VERSION: &str = "7.2.0";

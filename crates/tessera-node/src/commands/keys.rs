@@ -1,0 +1,302 @@
+//! Commands on keys of any type: DEL, EXISTS, expiry, TYPE, SCAN, KEYS, DBSIZE,
+//! FLUSHDB.
+
+use tessera_engine::{KeyRange, ScanCursor};
+use tessera_wire::Request;
+
+use super::strings::deadline;
+use super::{integer_arg, is, CommandSpec, Context};
+use crate::error::{CommandError, CommandResult};
+use crate::glob::glob_match;
+use crate::store::{read_live, ScanPosition};
+use crate::typed::{encode, Kind, Stored};
+
+pub const COMMANDS: &[CommandSpec] = &[
+    CommandSpec { name: "del", arity: -2, flags: &["write"], first_key: 1, last_key: -1, step: 1, handler: del },
+    CommandSpec { name: "unlink", arity: -2, flags: &["write", "fast"], first_key: 1, last_key: -1, step: 1, handler: del },
+    CommandSpec { name: "exists", arity: -2, flags: &["readonly", "fast"], first_key: 1, last_key: -1, step: 1, handler: exists },
+    CommandSpec { name: "expire", arity: -3, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, handler: expire },
+    CommandSpec { name: "pexpire", arity: -3, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, handler: pexpire },
+    CommandSpec { name: "expireat", arity: -3, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, handler: expireat },
+    CommandSpec { name: "pexpireat", arity: -3, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, handler: pexpireat },
+    CommandSpec { name: "ttl", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: ttl },
+    CommandSpec { name: "pttl", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: pttl },
+    CommandSpec { name: "persist", arity: 2, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, handler: persist },
+    CommandSpec { name: "type", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: key_type },
+    CommandSpec { name: "scan", arity: -2, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, handler: scan },
+    CommandSpec { name: "keys", arity: 2, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, handler: keys },
+    CommandSpec { name: "dbsize", arity: 1, flags: &["readonly", "fast"], first_key: 0, last_key: 0, step: 0, handler: dbsize },
+    CommandSpec { name: "flushdb", arity: -1, flags: &["write"], first_key: 0, last_key: 0, step: 0, handler: flushdb },
+    CommandSpec { name: "flushall", arity: -1, flags: &["write"], first_key: 0, last_key: 0, step: 0, handler: flushdb },
+];
+
+fn del(context: &mut Context, request: &Request) -> CommandResult {
+    let _locks = context.store.lock_keys(request.args().skip(1));
+    let mut deleted = 0;
+    for key in request.args().skip(1) {
+        let engine = context.engine(key);
+        // An expired key is removed too, but not counted: it was already gone.
+        let live = read_live(engine, key, context.now_ms)?.is_some();
+        if engine.delete(key)? && live {
+            deleted += 1;
+        }
+    }
+    context.out.integer(deleted);
+    Ok(())
+}
+
+fn exists(context: &mut Context, request: &Request) -> CommandResult {
+    let mut count = 0;
+    for key in request.args().skip(1) {
+        if read_live(context.engine(key), key, context.now_ms)?.is_some() {
+            count += 1;
+        }
+    }
+    context.out.integer(count);
+    Ok(())
+}
+
+/// EXPIRE and its variants: sets a deadline subject to NX / XX / GT / LT.
+fn set_expiry(context: &mut Context, request: &Request, unit_ms: i64, absolute: bool, command: &str) -> CommandResult {
+    let key = request.arg(1);
+    let amount = integer_arg(request, 2)?;
+    let deadline_ms = deadline(context.now_ms, amount, unit_ms, absolute, command)?;
+    let (mut nx, mut xx, mut gt, mut lt) = (false, false, false, false);
+    for option in request.args().skip(3) {
+        match () {
+            _ if is(option, "nx") => nx = true,
+            _ if is(option, "xx") => xx = true,
+            _ if is(option, "gt") => gt = true,
+            _ if is(option, "lt") => lt = true,
+            _ => return Err(CommandError::Other(format!("Unsupported option {}", String::from_utf8_lossy(option)))),
+        }
+    }
+    if nx && (xx || gt || lt) || gt && lt {
+        return Err(CommandError::Other("NX and XX, GT or LT options at the same time are not compatible".into()));
+    }
+    let engine = context.engine(key);
+    let _lock = context.store.lock_key(key);
+    let Some(stored) = read_live(engine, key, context.now_ms)? else {
+        context.out.integer(0);
+        return Ok(());
+    };
+    // No deadline counts as an infinite one for GT and LT.
+    let allowed = match stored.expires_at_ms {
+        None => !xx && !gt,
+        Some(current) => !nx && (!gt || deadline_ms > current as i64) && (!lt || deadline_ms < current as i64),
+    };
+    if !allowed {
+        context.out.integer(0);
+        return Ok(());
+    }
+    if deadline_ms <= context.now_ms as i64 {
+        engine.delete(key)?;
+    } else {
+        engine.put(key, encode(stored.kind, Some(deadline_ms as u64), &stored.payload))?;
+    }
+    context.out.integer(1);
+    Ok(())
+}
+
+fn expire(context: &mut Context, request: &Request) -> CommandResult {
+    set_expiry(context, request, 1000, false, "expire")
+}
+
+fn pexpire(context: &mut Context, request: &Request) -> CommandResult {
+    set_expiry(context, request, 1, false, "pexpire")
+}
+
+fn expireat(context: &mut Context, request: &Request) -> CommandResult {
+    set_expiry(context, request, 1000, true, "expireat")
+}
+
+fn pexpireat(context: &mut Context, request: &Request) -> CommandResult {
+    set_expiry(context, request, 1, true, "pexpireat")
+}
+
+/// -2 for a missing key, -1 for no deadline, else the time left in `unit_ms`.
+fn time_to_live(context: &mut Context, request: &Request, unit_ms: u64) -> CommandResult {
+    let key = request.arg(1);
+    let answer = match read_live(context.engine(key), key, context.now_ms)? {
+        None => -2,
+        Some(Stored { expires_at_ms: None, .. }) => -1,
+        Some(Stored { expires_at_ms: Some(deadline), .. }) => {
+            let left_ms = deadline.saturating_sub(context.now_ms);
+            left_ms.div_ceil(unit_ms).min(i64::MAX as u64) as i64
+        }
+    };
+    context.out.integer(answer);
+    Ok(())
+}
+
+fn ttl(context: &mut Context, request: &Request) -> CommandResult {
+    time_to_live(context, request, 1000)
+}
+
+fn pttl(context: &mut Context, request: &Request) -> CommandResult {
+    time_to_live(context, request, 1)
+}
+
+fn persist(context: &mut Context, request: &Request) -> CommandResult {
+    let key = request.arg(1);
+    let engine = context.engine(key);
+    let _lock = context.store.lock_key(key);
+    let changed = match read_live(engine, key, context.now_ms)? {
+        Some(stored) if stored.expires_at_ms.is_some() => {
+            engine.put(key, encode(stored.kind, None, &stored.payload))?;
+            true
+        }
+        _ => false,
+    };
+    context.out.integer(i64::from(changed));
+    Ok(())
+}
+
+fn key_type(context: &mut Context, request: &Request) -> CommandResult {
+    let key = request.arg(1);
+    let stored = read_live(context.engine(key), key, context.now_ms)?;
+    context.out.simple(stored.map_or("none", |stored| stored.kind.name()));
+    Ok(())
+}
+
+/// SCAN's filters.
+struct ScanFilter<'a> {
+    pattern: Option<&'a [u8]>,
+    kind: Option<Kind>,
+}
+
+impl ScanFilter<'_> {
+    fn accepts(&self, key: &[u8], raw: bytes::Bytes, now_ms: u64) -> bool {
+        let Ok(stored) = Stored::decode(raw) else { return false };
+        !stored.is_expired(now_ms)
+            && self.kind.is_none_or(|kind| kind == stored.kind)
+            && self.pattern.is_none_or(|pattern| glob_match(pattern, key))
+    }
+}
+
+/// SCAN walks the tables in name order, each with its engine's own cursor. The
+/// integer cursor a client sees names a saved (table, engine cursor) position.
+fn scan(context: &mut Context, request: &Request) -> CommandResult {
+    let cursor_text = request.arg(1);
+    let cursor_id: u64 = std::str::from_utf8(cursor_text)
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .ok_or(CommandError::InvalidCursor)?;
+    let mut filter = ScanFilter { pattern: None, kind: None };
+    let mut count = 10usize;
+    let mut index = 2;
+    while index < request.len() {
+        let option = request.arg(index);
+        let value = (index + 1 < request.len()).then(|| request.arg(index + 1)).ok_or(CommandError::Syntax)?;
+        if is(option, "match") {
+            filter.pattern = Some(value).filter(|pattern| *pattern != b"*");
+        } else if is(option, "count") {
+            count = integer_arg(request, index + 1)?
+                .try_into()
+                .ok()
+                .filter(|count| *count >= 1)
+                .ok_or(CommandError::Syntax)?;
+        } else if is(option, "type") {
+            filter.kind = Some(if is(value, "string") {
+                Kind::String
+            } else if is(value, "hash") {
+                Kind::Hash
+            } else {
+                // No key has a type Tessera does not store.
+                context.out.array(2);
+                context.out.bulk(b"0");
+                context.out.array(0);
+                return Ok(());
+            });
+        } else {
+            return Err(CommandError::Syntax);
+        }
+        index += 2;
+    }
+    let tables = context.tables.by_name();
+    let mut position = if cursor_id == 0 {
+        ScanPosition { table: tables[0].def.name.clone(), cursor: ScanCursor::start() }
+    } else {
+        context.store.scan_position(cursor_id).ok_or(CommandError::InvalidCursor)?
+    };
+    let mut keys = Vec::new();
+    let next = loop {
+        // A table dropped mid-scan is skipped: the scan goes on with the next name.
+        let Some(table) = tables.iter().find(|table| table.def.name >= position.table) else { break None };
+        if table.def.name != position.table {
+            position = ScanPosition { table: table.def.name.clone(), cursor: ScanCursor::start() };
+        }
+        let page = table.engine.scan(&KeyRange::all(), &position.cursor, count)?;
+        for (key, raw) in page.entries {
+            // Keys of a shorter-prefix table may sit in the engine only if they
+            // were written before the table existed; creation refuses that.
+            if filter.accepts(&key, raw, context.now_ms) {
+                keys.push(key);
+            }
+        }
+        match page.next {
+            Some(cursor) => position.cursor = cursor,
+            None => {
+                let next_table = tables.iter().find(|other| other.def.name > table.def.name);
+                match next_table {
+                    Some(next) => position = ScanPosition { table: next.def.name.clone(), cursor: ScanCursor::start() },
+                    None => break None,
+                }
+            }
+        }
+        if keys.len() >= count {
+            break Some(position);
+        }
+    };
+    let next_id = next.map_or(0, |position| context.store.save_scan_position(position));
+    context.out.array(2);
+    context.out.bulk(next_id.to_string().as_bytes());
+    context.out.array(keys.len());
+    for key in &keys {
+        context.out.bulk(key);
+    }
+    Ok(())
+}
+
+fn keys(context: &mut Context, request: &Request) -> CommandResult {
+    let filter = ScanFilter { pattern: Some(request.arg(1)).filter(|pattern| *pattern != b"*"), kind: None };
+    let mut keys = Vec::new();
+    for table in context.tables.by_name() {
+        let mut cursor = ScanCursor::start();
+        loop {
+            let page = table.engine.scan(&KeyRange::all(), &cursor, 1024)?;
+            keys.extend(
+                page.entries.into_iter().filter(|(key, raw)| filter.accepts(key, raw.clone(), context.now_ms)).map(|(key, _)| key),
+            );
+            match page.next {
+                Some(next) => cursor = next,
+                None => break,
+            }
+        }
+    }
+    context.out.array(keys.len());
+    for key in &keys {
+        context.out.bulk(key);
+    }
+    Ok(())
+}
+
+fn dbsize(context: &mut Context, _request: &Request) -> CommandResult {
+    let mut total = 0;
+    for table in context.tables.by_name() {
+        total += table.engine.len()?;
+    }
+    context.out.integer(total as i64);
+    Ok(())
+}
+
+fn flushdb(context: &mut Context, request: &Request) -> CommandResult {
+    if request.len() > 2 || (request.len() == 2 && !is(request.arg(1), "sync") && !is(request.arg(1), "async")) {
+        return Err(CommandError::Syntax);
+    }
+    for table in context.tables.by_name() {
+        table.engine.clear()?;
+    }
+    context.out.ok();
+    Ok(())
+}

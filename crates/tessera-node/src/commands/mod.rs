@@ -1,0 +1,202 @@
+//! The command table. Each group of commands lives in its own file and lists
+//! its commands in a `COMMANDS` table; adding a command is a handler and a row.
+
+mod connection;
+mod hashes;
+mod keys;
+mod server;
+mod strings;
+mod tables;
+
+use std::collections::HashMap;
+use std::sync::OnceLock;
+
+use bytes::Bytes;
+use tessera_engine::Engine;
+use tessera_wire::{ReplyWriter, Request};
+
+use crate::error::{CommandError, CommandResult};
+use crate::store::Store;
+use crate::tables::TableSet;
+use crate::typed::parse_i64;
+
+/// Per-connection state the commands read and change.
+#[derive(Debug, Default)]
+pub struct Session {
+    pub id: u64,
+    pub name: Option<Bytes>,
+    pub authenticated: bool,
+    /// Set by QUIT: close after the reply is written.
+    pub closing: bool,
+    pub library_name: Option<Bytes>,
+    pub library_version: Option<Bytes>,
+}
+
+/// Counters a connection accumulates and adds to the shared ones in batches.
+#[derive(Debug, Default)]
+pub struct LocalStats {
+    pub commands: u64,
+    pub hits: u64,
+    pub misses: u64,
+}
+
+/// What a command handler works with.
+pub struct Context<'a> {
+    pub store: &'a Store,
+    pub tables: &'a TableSet,
+    pub session: &'a mut Session,
+    pub out: &'a mut ReplyWriter,
+    pub stats: &'a mut LocalStats,
+    /// Wall-clock milliseconds, read once per batch of commands.
+    pub now_ms: u64,
+}
+
+impl Context<'_> {
+    /// The engine of the table that owns `key`.
+    pub fn engine(&self, key: &[u8]) -> &dyn Engine {
+        self.tables.route(key).engine.as_ref()
+    }
+
+    pub fn bulk_bytes_max(&self) -> usize {
+        self.store.config.bulk_bytes_max
+    }
+
+    pub fn count_lookup(&mut self, hit: bool) {
+        if hit {
+            self.stats.hits += 1;
+        } else {
+            self.stats.misses += 1;
+        }
+    }
+}
+
+pub type Handler = fn(&mut Context, &Request) -> CommandResult;
+
+/// One command: how it is called and where its keys are (for COMMAND, which
+/// cluster clients read to route requests).
+pub struct CommandSpec {
+    pub name: &'static str,
+    /// Redis's convention: `n` means exactly n arguments (with the name), `-n`
+    /// at least n.
+    pub arity: i32,
+    pub flags: &'static [&'static str],
+    pub first_key: i32,
+    pub last_key: i32,
+    pub step: i32,
+    pub handler: Handler,
+}
+
+impl CommandSpec {
+    fn arity_ok(&self, count: usize) -> bool {
+        let count = count as i32;
+        if self.arity >= 0 {
+            count == self.arity
+        } else {
+            count >= -self.arity
+        }
+    }
+
+    /// Whether the command may run before AUTH.
+    fn allowed_unauthenticated(&self) -> bool {
+        matches!(self.name, "auth" | "hello" | "quit")
+    }
+}
+
+fn table() -> &'static HashMap<&'static [u8], &'static CommandSpec> {
+    static TABLE: OnceLock<HashMap<&'static [u8], &'static CommandSpec>> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        all_commands().map(|spec| (spec.name.as_bytes(), spec)).collect()
+    })
+}
+
+pub fn all_commands() -> impl Iterator<Item = &'static CommandSpec> {
+    [
+        connection::COMMANDS,
+        strings::COMMANDS,
+        keys::COMMANDS,
+        hashes::COMMANDS,
+        server::COMMANDS,
+        tables::COMMANDS,
+    ]
+    .into_iter()
+    .flatten()
+}
+
+/// Finds a command by name, in any letter case.
+pub fn lookup(name: &[u8]) -> Option<&'static CommandSpec> {
+    let mut lower = [0u8; 32];
+    let lower = lower.get_mut(..name.len())?;
+    for (target, byte) in lower.iter_mut().zip(name) {
+        *target = byte.to_ascii_lowercase();
+    }
+    table().get(&*lower).copied()
+}
+
+/// Runs one request and writes its reply (or error) to `context.out`.
+pub fn dispatch(context: &mut Context, request: &Request) {
+    context.stats.commands += 1;
+    let mark = context.out.len();
+    if let Err(error) = run(context, request) {
+        // A handler that failed half-way may have written part of a reply.
+        context.out.truncate(mark);
+        context.out.error(&error.to_string());
+    }
+}
+
+fn run(context: &mut Context, request: &Request) -> CommandResult {
+    let name = request.arg(0);
+    let Some(spec) = lookup(name) else {
+        let arguments: Vec<String> =
+            request.args().skip(1).take(8).map(|arg| format!("'{}'", String::from_utf8_lossy(arg))).collect();
+        return Err(CommandError::UnknownCommand(
+            String::from_utf8_lossy(&name[..name.len().min(128)]).into_owned(),
+            arguments.join(" "),
+        ));
+    };
+    if !context.session.authenticated && !spec.allowed_unauthenticated() {
+        return Err(CommandError::NoAuth);
+    }
+    if !spec.arity_ok(request.len()) {
+        return Err(CommandError::WrongArity(spec.name.into()));
+    }
+    (spec.handler)(context, request)
+}
+
+// ---- helpers shared by the command groups ----
+
+/// The argument at `index` as an integer.
+pub fn integer_arg(request: &Request, index: usize) -> CommandResult<i64> {
+    parse_i64(request.arg(index))
+}
+
+/// Whether an argument equals an option name, ignoring case.
+pub fn is(arg: &[u8], option: &str) -> bool {
+    arg.eq_ignore_ascii_case(option.as_bytes())
+}
+
+/// A wrong-arity error for the command being run.
+pub fn wrong_arity(request: &Request) -> CommandError {
+    CommandError::WrongArity(String::from_utf8_lossy(request.arg(0)).to_ascii_lowercase())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_command_is_registered_once_in_lower_case() {
+        let mut names: Vec<_> = all_commands().map(|spec| spec.name).collect();
+        assert!(names.iter().all(|name| *name == name.to_ascii_lowercase()));
+        let count = names.len();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), count, "a command is registered twice");
+        assert_eq!(table().len(), count);
+    }
+
+    #[test]
+    fn lookup_ignores_case_and_rejects_long_names() {
+        assert_eq!(lookup(b"GeT").map(|spec| spec.name), Some("get"));
+        assert!(lookup(&[b'a'; 100]).is_none());
+    }
+}

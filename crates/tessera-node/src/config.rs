@@ -1,0 +1,121 @@
+//! Node configuration: a TOML file, overridden by command-line flags. Every
+//! limit on what clients may send is here, with a default that is safe.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use tessera_wire::Limits;
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Address to listen on.
+    pub bind: String,
+    pub port: u16,
+    /// Data directory: table catalog and persistent engines' files.
+    pub dir: PathBuf,
+    /// Engine of the default table (memory, ordered, log, lsm, redis).
+    pub engine: String,
+    /// Options of the default table's engine (e.g. fsync = "always").
+    pub engine_options: BTreeMap<String, String>,
+    /// Clients must AUTH with this password; none = open.
+    pub password: Option<String>,
+    /// Worker threads; 0 = one per core.
+    pub threads: usize,
+    pub max_clients: usize,
+    /// Largest bulk string a client may send (Redis's proto-max-bulk-len).
+    pub bulk_bytes_max: usize,
+    /// Most arguments in one command.
+    pub args_max: usize,
+    /// Longest inline (telnet-style) command.
+    pub inline_bytes_max: usize,
+    /// Unparsed input a connection may hold before it is closed.
+    pub query_buffer_bytes_max: usize,
+    /// How long shutdown waits for connections to finish their requests.
+    pub shutdown_timeout_ms: u64,
+    /// How often expired keys are swept, and how many entries per table each sweep reads.
+    pub expiry_sweep_interval_ms: u64,
+    pub expiry_sweep_entries: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        let limits = Limits::default();
+        Self {
+            bind: "127.0.0.1".into(),
+            port: 7379,
+            dir: PathBuf::from("./tessera-data"),
+            engine: "memory".into(),
+            engine_options: BTreeMap::new(),
+            password: None,
+            threads: 0,
+            max_clients: 10_000,
+            bulk_bytes_max: limits.bulk_bytes_max,
+            args_max: limits.args_max,
+            inline_bytes_max: limits.inline_bytes_max,
+            query_buffer_bytes_max: 1 << 30,
+            shutdown_timeout_ms: 5_000,
+            expiry_sweep_interval_ms: 100,
+            expiry_sweep_entries: 256,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config file {0}: {1}")]
+    File(PathBuf, String),
+    #[error("config: {0}")]
+    Invalid(String),
+}
+
+impl Config {
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|error| ConfigError::File(path.into(), error.to_string()))?;
+        toml::from_str(&text).map_err(|error| ConfigError::File(path.into(), error.to_string()))
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |message: &str| Err(ConfigError::Invalid(message.into()));
+        if let Err(error) = self.engine.parse::<tessera_engine::EngineKind>() {
+            return Err(ConfigError::Invalid(error.to_string()));
+        }
+        if self.max_clients == 0 {
+            return invalid("max_clients must be at least 1");
+        }
+        if self.bulk_bytes_max == 0 || self.bulk_bytes_max > (u32::MAX as usize - 1) {
+            return invalid("bulk_bytes_max must be between 1 and 4294967294");
+        }
+        if self.args_max == 0 || self.inline_bytes_max == 0 {
+            return invalid("args_max and inline_bytes_max must be at least 1");
+        }
+        if self.query_buffer_bytes_max < self.bulk_bytes_max {
+            return invalid("query_buffer_bytes_max must be at least bulk_bytes_max");
+        }
+        if self.expiry_sweep_interval_ms == 0 || self.expiry_sweep_entries == 0 {
+            return invalid("expiry_sweep_interval_ms and expiry_sweep_entries must be at least 1");
+        }
+        Ok(())
+    }
+
+    pub fn limits(&self) -> Limits {
+        Limits { bulk_bytes_max: self.bulk_bytes_max, args_max: self.args_max, inline_bytes_max: self.inline_bytes_max }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_rejected() {
+        assert!(toml::from_str::<Config>("prot = 1").is_err());
+        let config: Config = toml::from_str("engine = \"nosuch\"").unwrap();
+        assert!(config.validate().is_err());
+        let config: Config = toml::from_str("port = 9000\n[engine_options]\nfsync = \"always\"").unwrap();
+        assert_eq!(config.port, 9000);
+        assert_eq!(config.engine_options["fsync"], "always");
+        config.validate().unwrap();
+    }
+}

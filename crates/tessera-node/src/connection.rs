@@ -1,0 +1,174 @@
+//! One client connection: read what the socket has, run every whole command in
+//! it, write all the replies in one go. Pipelined requests therefore cost one
+//! read and one write per batch, and nothing hops threads on the way.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+use tessera_wire::{Parsed, Protocol, ReplyWriter, Request, RequestParser};
+
+use crate::commands::{dispatch, Context, LocalStats, Session};
+use crate::store::{now_ms, Store};
+use crate::tables::TableSet;
+
+/// Read at least this much at a time.
+const READ_CHUNK_BYTES: usize = 16 << 10;
+/// Replies are written out mid-batch once this much is waiting.
+const OUTPUT_FLUSH_BYTES: usize = 1 << 20;
+/// Buffers grown past this by one large request are shrunk back afterwards.
+const BUFFER_KEEP_BYTES: usize = 1 << 20;
+
+/// Runs `work` where it may block: off the reactor on a multi-threaded runtime.
+pub fn run_blocking<T>(work: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current().map(|handle| handle.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
+        _ => work(),
+    }
+}
+
+pub struct Connection {
+    store: Arc<Store>,
+    stream: TcpStream,
+    input: Vec<u8>,
+    parser: RequestParser,
+    out: ReplyWriter,
+    session: Session,
+    stats: LocalStats,
+    tables: Arc<TableSet>,
+    tables_generation: u64,
+}
+
+impl Connection {
+    pub fn new(store: Arc<Store>, stream: TcpStream) -> Self {
+        let session = Session {
+            id: store.next_client_id.fetch_add(1, Ordering::Relaxed),
+            authenticated: store.config.password.is_none(),
+            ..Session::default()
+        };
+        let tables_generation = store.tables_generation();
+        Self {
+            parser: RequestParser::new(store.config.limits()),
+            tables: store.tables(),
+            tables_generation,
+            store,
+            stream,
+            input: Vec::with_capacity(READ_CHUNK_BYTES),
+            out: ReplyWriter::new(Protocol::Resp2),
+            session,
+            stats: LocalStats::default(),
+        }
+    }
+
+    /// Serves until the client leaves, breaks the protocol, or shutdown begins.
+    /// Shutdown is noticed between batches, so a batch that was read is answered.
+    pub async fn run(mut self, mut shutdown: watch::Receiver<bool>) {
+        let _ = self.stream.set_nodelay(true);
+        loop {
+            if self.input.capacity() - self.input.len() < READ_CHUNK_BYTES / 4 {
+                self.input.reserve(READ_CHUNK_BYTES);
+            }
+            let read = tokio::select! {
+                read = self.stream.read_buf(&mut self.input) => read,
+                _ = shutdown.changed() => break,
+            };
+            match read {
+                Ok(0) | Err(_) => break,
+                Ok(count) => self.store.stats.net_input_bytes.fetch_add(count as u64, Ordering::Relaxed),
+            };
+            let keep_open = self.run_batch().await;
+            if self.flush_output().await.is_err() || !keep_open {
+                break;
+            }
+            self.publish_stats();
+        }
+        self.publish_stats();
+        let _ = self.stream.shutdown().await;
+    }
+
+    /// Runs every whole command in the input. Returns false when the
+    /// connection must close (QUIT, a protocol error, an oversized buffer).
+    async fn run_batch(&mut self) -> bool {
+        if self.store.tables_generation() != self.tables_generation {
+            self.tables_generation = self.store.tables_generation();
+            self.tables = self.store.tables();
+        }
+        let now_ms = now_ms();
+        let mut start = 0;
+        let mut keep_open = true;
+        loop {
+            match self.parser.parse(&self.input, start) {
+                Ok(Parsed::Complete { end }) => {
+                    let request = Request::new(&self.input, self.parser.args());
+                    let mut context = Context {
+                        store: &self.store,
+                        tables: &self.tables,
+                        session: &mut self.session,
+                        out: &mut self.out,
+                        stats: &mut self.stats,
+                        now_ms,
+                    };
+                    if self.tables.any_blocking {
+                        run_blocking(|| dispatch(&mut context, &request));
+                    } else {
+                        dispatch(&mut context, &request);
+                    }
+                    start = end;
+                    if self.session.closing {
+                        keep_open = false;
+                        break;
+                    }
+                    if self.out.len() >= OUTPUT_FLUSH_BYTES && self.flush_output().await.is_err() {
+                        keep_open = false;
+                        break;
+                    }
+                }
+                Ok(Parsed::Empty { end }) => start = end,
+                Ok(Parsed::Incomplete) => break,
+                Err(error) => {
+                    // The next frame boundary is unknown: answer and close.
+                    self.out.error(&format!("ERR {error}"));
+                    keep_open = false;
+                    break;
+                }
+            }
+        }
+        self.input.drain(..start);
+        self.parser.discard_front(start);
+        if self.input.len() > self.store.config.query_buffer_bytes_max {
+            self.out.error("ERR query buffer limit exceeded, closing the connection");
+            keep_open = false;
+        }
+        if self.input.capacity() > BUFFER_KEEP_BYTES && self.input.len() < READ_CHUNK_BYTES {
+            self.input.shrink_to(READ_CHUNK_BYTES);
+        }
+        keep_open
+    }
+
+    async fn flush_output(&mut self) -> std::io::Result<()> {
+        if self.out.is_empty() {
+            return Ok(());
+        }
+        let result = self.stream.write_all(self.out.as_bytes()).await;
+        self.store.stats.net_output_bytes.fetch_add(self.out.len() as u64, Ordering::Relaxed);
+        self.out.clear();
+        result
+    }
+
+    fn publish_stats(&mut self) {
+        let stats = &self.store.stats;
+        let local = std::mem::take(&mut self.stats);
+        if local.commands > 0 {
+            stats.commands_processed.fetch_add(local.commands, Ordering::Relaxed);
+        }
+        if local.hits > 0 {
+            stats.keyspace_hits.fetch_add(local.hits, Ordering::Relaxed);
+        }
+        if local.misses > 0 {
+            stats.keyspace_misses.fetch_add(local.misses, Ordering::Relaxed);
+        }
+    }
+}

@@ -1,0 +1,233 @@
+//! The node's shared state: the tables, per-key write locks, SCAN cursors and
+//! statistics.
+//!
+//! Every write (and every read-modify-write) holds the lock stripe of its key,
+//! so INCR, HSET, APPEND and SET on one key are atomic with respect to each
+//! other; reads take no lock. Multi-key writes (MSET, DEL) hold all their
+//! stripes, taken in index order so that two of them cannot deadlock.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use parking_lot::{Mutex, MutexGuard, RwLock};
+use tessera_engine::{Engine, ScanCursor};
+
+use crate::config::Config;
+use crate::error::{CommandError, CommandResult};
+use crate::tables::{Catalogue, TableDef, TableError, TableSet};
+use crate::typed::{self, Kind, Stored};
+
+const LOCK_STRIPES: usize = 1024;
+/// SCAN cursors kept before the oldest are forgotten.
+const SCAN_CURSORS_MAX: usize = 100_000;
+
+/// Counters reported by INFO. Connections add their counts in batches.
+#[derive(Default)]
+pub struct Stats {
+    pub connections_received: AtomicU64,
+    pub connections_rejected: AtomicU64,
+    pub connected_clients: AtomicUsize,
+    pub commands_processed: AtomicU64,
+    pub keyspace_hits: AtomicU64,
+    pub keyspace_misses: AtomicU64,
+    pub expired_keys: AtomicU64,
+    pub net_input_bytes: AtomicU64,
+    pub net_output_bytes: AtomicU64,
+}
+
+/// Where a SCAN stopped: a table and that table's engine cursor.
+#[derive(Clone, Debug)]
+pub struct ScanPosition {
+    pub table: String,
+    pub cursor: ScanCursor,
+}
+
+#[derive(Default)]
+struct ScanCursors {
+    next_id: u64,
+    positions: HashMap<u64, ScanPosition>,
+    order: VecDeque<u64>,
+}
+
+pub struct Store {
+    pub config: Config,
+    catalogue: Catalogue,
+    tables: RwLock<Arc<TableSet>>,
+    /// Bumped on every table change, so connections know to refresh their copy.
+    tables_generation: AtomicU64,
+    /// Serialises table changes with each other.
+    table_changes: Mutex<()>,
+    stripes: Box<[Mutex<()>]>,
+    scan_cursors: Mutex<ScanCursors>,
+    /// Where the expiry sweeper stopped in each table.
+    sweep_positions: Mutex<HashMap<String, ScanCursor>>,
+    pub stats: Stats,
+    pub started: Instant,
+    pub next_client_id: AtomicU64,
+}
+
+pub fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |elapsed| elapsed.as_millis() as u64)
+}
+
+impl Store {
+    pub fn open(config: Config) -> Result<Self, TableError> {
+        let catalogue = Catalogue::new(&config.dir);
+        let tables = catalogue.load(&config.engine, &config.engine_options)?;
+        Ok(Self {
+            config,
+            catalogue,
+            tables: RwLock::new(Arc::new(tables)),
+            tables_generation: AtomicU64::new(0),
+            table_changes: Mutex::new(()),
+            stripes: (0..LOCK_STRIPES).map(|_| Mutex::new(())).collect(),
+            scan_cursors: Mutex::new(ScanCursors::default()),
+            sweep_positions: Mutex::new(HashMap::new()),
+            stats: Stats::default(),
+            started: Instant::now(),
+            next_client_id: AtomicU64::new(1),
+        })
+    }
+
+    pub fn tables(&self) -> Arc<TableSet> {
+        self.tables.read().clone()
+    }
+
+    pub fn tables_generation(&self) -> u64 {
+        self.tables_generation.load(Ordering::Acquire)
+    }
+
+    fn replace_tables(&self, tables: TableSet) {
+        *self.tables.write() = Arc::new(tables);
+        self.tables_generation.fetch_add(1, Ordering::Release);
+    }
+
+    pub fn create_table(&self, def: TableDef) -> Result<(), TableError> {
+        let _serial = self.table_changes.lock();
+        let tables = self.catalogue.create(&self.tables(), def)?;
+        self.replace_tables(tables);
+        Ok(())
+    }
+
+    pub fn drop_table(&self, name: &str) -> Result<(), TableError> {
+        let _serial = self.table_changes.lock();
+        let tables = self.catalogue.drop_table(&self.tables(), name)?;
+        self.replace_tables(tables);
+        Ok(())
+    }
+
+    fn stripe_index(key: &[u8]) -> usize {
+        // FNV-1a: cheap, and spreads keys over the stripes well enough.
+        let hash = key.iter().fold(0x811c9dc5u32, |hash, &byte| (hash ^ byte as u32).wrapping_mul(0x01000193));
+        hash as usize % LOCK_STRIPES
+    }
+
+    /// Holds the write lock of one key.
+    pub fn lock_key(&self, key: &[u8]) -> MutexGuard<'_, ()> {
+        self.stripes[Self::stripe_index(key)].lock()
+    }
+
+    /// Holds the write locks of several keys, in a deadlock-free order.
+    pub fn lock_keys<'k>(&self, keys: impl Iterator<Item = &'k [u8]>) -> Vec<MutexGuard<'_, ()>> {
+        let mut indexes: Vec<usize> = keys.map(Self::stripe_index).collect();
+        indexes.sort_unstable();
+        indexes.dedup();
+        indexes.into_iter().map(|index| self.stripes[index].lock()).collect()
+    }
+
+    /// Flushes every engine (shutdown).
+    pub fn flush_all(&self) {
+        for table in self.tables().by_name() {
+            if let Err(error) = table.engine.flush() {
+                tracing::error!(table = %table.def.name, %error, "flush failed");
+            }
+        }
+    }
+
+    pub fn save_scan_position(&self, position: ScanPosition) -> u64 {
+        let mut cursors = self.scan_cursors.lock();
+        cursors.next_id += 1;
+        let id = cursors.next_id;
+        cursors.positions.insert(id, position);
+        cursors.order.push_back(id);
+        while cursors.order.len() > SCAN_CURSORS_MAX {
+            if let Some(oldest) = cursors.order.pop_front() {
+                cursors.positions.remove(&oldest);
+            }
+        }
+        id
+    }
+
+    pub fn scan_position(&self, id: u64) -> Option<ScanPosition> {
+        self.scan_cursors.lock().positions.get(&id).cloned()
+    }
+
+    /// Deletes expired keys from a slice of every table; called periodically.
+    /// Reads remove nothing: they only treat an expired key as absent.
+    pub fn sweep_expired(&self, entries_per_table: usize) {
+        let now = now_ms();
+        for table in self.tables().by_name() {
+            let cursor = self.sweep_positions.lock().remove(&table.def.name).unwrap_or_default();
+            let page = match table.engine.scan(&tessera_engine::KeyRange::all(), &cursor, entries_per_table) {
+                Ok(page) => page,
+                Err(error) => {
+                    tracing::warn!(table = %table.def.name, %error, "expiry sweep failed");
+                    continue;
+                }
+            };
+            for (key, raw) in page.entries {
+                if Stored::decode(raw).is_ok_and(|stored| stored.is_expired(now)) {
+                    let _lock = self.lock_key(&key);
+                    if let Ok(true) = self.remove_if_expired(table.engine.as_ref(), &key, now) {
+                        self.stats.expired_keys.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            if let Some(next) = page.next {
+                self.sweep_positions.lock().insert(table.def.name.clone(), next);
+            }
+        }
+    }
+
+    /// With the key's lock held: deletes it if it is (still) expired.
+    fn remove_if_expired(&self, engine: &dyn Engine, key: &[u8], now: u64) -> CommandResult<bool> {
+        match engine.get(key)? {
+            Some(raw) if Stored::decode(raw.clone()).is_ok_and(|stored| stored.is_expired(now)) => Ok(engine.delete(key)?),
+            _ => Ok(false),
+        }
+    }
+}
+
+/// Reads a live (unexpired) value.
+pub fn read_live(engine: &dyn Engine, key: &[u8], now: u64) -> CommandResult<Option<Stored>> {
+    match engine.get(key)? {
+        Some(raw) => {
+            let stored = Stored::decode(raw)?;
+            Ok((!stored.is_expired(now)).then_some(stored))
+        }
+        None => Ok(None),
+    }
+}
+
+/// Reads a live value of the given kind: `WRONGTYPE` for another kind.
+pub fn read_kind(engine: &dyn Engine, key: &[u8], kind: Kind, now: u64) -> CommandResult<Option<Stored>> {
+    read_live(engine, key, now)?.map(|stored| stored.expect(kind)).transpose()
+}
+
+/// Writes a value, checking the size limit.
+pub fn write(
+    engine: &dyn Engine,
+    key: &[u8],
+    kind: Kind,
+    expires_at_ms: Option<u64>,
+    payload: &[u8],
+    bytes_max: usize,
+) -> CommandResult<()> {
+    if payload.len() > bytes_max {
+        return Err(CommandError::TooLarge);
+    }
+    engine.put(key, typed::encode(kind, expires_at_ms, payload))?;
+    Ok(())
+}
