@@ -10,7 +10,11 @@ use tessera_node::{Config, Server};
 use tessera_wire::{Client, Value};
 
 #[derive(Parser)]
-#[command(name = "tessera", version, about = "Tessera: scale-out key-value stores from single-node engines, spoken to over the Redis protocol")]
+#[command(
+    name = "tessera",
+    version,
+    about = "Tessera: scale-out key-value stores from single-node engines, spoken to over the Redis protocol"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -23,9 +27,7 @@ enum Command {
     /// Run a node: a RESP server over tables of chosen engines.
     Serve(ServeArgs),
     /// Read a key.
-    Get {
-        key: String,
-    },
+    Get { key: String },
     /// Write a key.
     Set {
         key: String,
@@ -157,8 +159,19 @@ impl ServeArgs {
         macro_rules! override_with {
             ($($field:ident),*) => { $( if let Some(value) = &self.$field { config.$field = value.clone(); } )* };
         }
-        override_with!(bind, port, dir, engine, threads, max_clients, bulk_bytes_max, args_max, inline_bytes_max,
-            query_buffer_bytes_max, shutdown_timeout_ms);
+        override_with!(
+            bind,
+            port,
+            dir,
+            engine,
+            threads,
+            max_clients,
+            bulk_bytes_max,
+            args_max,
+            inline_bytes_max,
+            query_buffer_bytes_max,
+            shutdown_timeout_ms
+        );
         if self.password.is_some() {
             config.password = self.password.clone();
         }
@@ -170,7 +183,9 @@ impl ServeArgs {
 
 fn serve(args: ServeArgs) -> Result<(), String> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&args.log).map_err(|error| error.to_string())?)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(&args.log).map_err(|error| error.to_string())?,
+        )
         .with_writer(std::io::stderr)
         .init();
     let config = args.config()?;
@@ -190,7 +205,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
 
 async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut terminate), Ok(mut interrupt)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+    let (Ok(mut terminate), Ok(mut interrupt)) =
+        (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+    else {
         // Without signal handlers, run until killed.
         return std::future::pending().await;
     };
@@ -257,7 +274,9 @@ fn client_command(connection: &ConnectionArgs, command: Command) -> Result<(), S
                 }
                 let reply = expect_ok(client.command(&args).map_err(|error| error.to_string())?)?;
                 let mut parts = reply.into_items().ok_or("malformed SCAN reply")?.into_iter();
-                let next = parts.next().and_then(|next| next.as_bytes().map(|b| String::from_utf8_lossy(b).into_owned()));
+                let next = parts
+                    .next()
+                    .and_then(|next| next.as_bytes().map(|b| String::from_utf8_lossy(b).into_owned()));
                 for key in parts.next().and_then(Value::into_items).unwrap_or_default() {
                     println!("{}", String::from_utf8_lossy(key.as_bytes().unwrap_or_default()));
                 }

@@ -72,7 +72,8 @@ pub enum ConfigError {
 
 impl Config {
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|error| ConfigError::File(path.into(), error.to_string()))?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|error| ConfigError::File(path.into(), error.to_string()))?;
         toml::from_str(&text).map_err(|error| ConfigError::File(path.into(), error.to_string()))
     }
 
@@ -100,7 +101,11 @@ impl Config {
     }
 
     pub fn limits(&self) -> Limits {
-        Limits { bulk_bytes_max: self.bulk_bytes_max, args_max: self.args_max, inline_bytes_max: self.inline_bytes_max }
+        Limits {
+            bulk_bytes_max: self.bulk_bytes_max,
+            args_max: self.args_max,
+            inline_bytes_max: self.inline_bytes_max,
+        }
     }
 }
 

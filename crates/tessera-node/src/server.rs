@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -39,7 +39,8 @@ impl Server {
         config.validate()?;
         let address = format!("{}:{}", config.bind, config.port);
         let store = run_blocking(|| Store::open(config))?;
-        let listener = TcpListener::bind(&address).await.map_err(|error| ServerError::Bind(address, error))?;
+        let listener =
+            TcpListener::bind(&address).await.map_err(|error| ServerError::Bind(address, error))?;
         Ok(Self { store: Arc::new(store), listener })
     }
 
@@ -79,6 +80,14 @@ impl Server {
                 store.stats.connections_rejected.fetch_add(1, Ordering::Relaxed);
                 tokio::spawn(async move {
                     let _ = stream.write_all(b"-ERR max number of clients reached\r\n").await;
+                    // Close politely: read until the client hangs up, so that
+                    // unread input does not turn the close into a reset that
+                    // could destroy the error before the client reads it.
+                    let _ = stream.shutdown().await;
+                    let mut sink = [0u8; 1024];
+                    let drain =
+                        async { while matches!(stream.read(&mut sink).await, Ok(read) if read > 0) {} };
+                    let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
                 });
                 continue;
             }
@@ -94,7 +103,10 @@ impl Server {
         tracing::info!(connections = connections.len(), "shutting down: finishing in-flight requests");
         let _ = stop_connections.send(true);
         let timeout = Duration::from_millis(store.config.shutdown_timeout_ms);
-        if tokio::time::timeout(timeout, async { while connections.join_next().await.is_some() {} }).await.is_err() {
+        if tokio::time::timeout(timeout, async { while connections.join_next().await.is_some() {} })
+            .await
+            .is_err()
+        {
             tracing::warn!(remaining = connections.len(), "shutdown timeout: closing remaining connections");
             connections.abort_all();
         }

@@ -120,7 +120,8 @@ impl Store {
 
     fn stripe_index(key: &[u8]) -> usize {
         // FNV-1a: cheap, and spreads keys over the stripes well enough.
-        let hash = key.iter().fold(0x811c9dc5u32, |hash, &byte| (hash ^ byte as u32).wrapping_mul(0x01000193));
+        let hash =
+            key.iter().fold(0x811c9dc5u32, |hash, &byte| (hash ^ byte as u32).wrapping_mul(0x01000193));
         hash as usize % LOCK_STRIPES
     }
 
@@ -194,7 +195,9 @@ impl Store {
     /// With the key's lock held: deletes it if it is (still) expired.
     fn remove_if_expired(&self, engine: &dyn Engine, key: &[u8], now: u64) -> CommandResult<bool> {
         match engine.get(key)? {
-            Some(raw) if Stored::decode(raw.clone()).is_ok_and(|stored| stored.is_expired(now)) => Ok(engine.delete(key)?),
+            Some(raw) if Stored::decode(raw.clone()).is_ok_and(|stored| stored.is_expired(now)) => {
+                Ok(engine.delete(key)?)
+            }
             _ => Ok(false),
         }
     }

@@ -161,7 +161,11 @@ impl Catalogue {
     /// Loads the catalog, or starts one whose default table uses `default_engine`.
     /// A catalog that says otherwise about the default table wins only if it
     /// agrees: silently switching engines would hide the stored data.
-    pub fn load(&self, default_engine: &str, default_options: &BTreeMap<String, String>) -> Result<TableSet, TableError> {
+    pub fn load(
+        &self,
+        default_engine: &str,
+        default_options: &BTreeMap<String, String>,
+    ) -> Result<TableSet, TableError> {
         let path = self.catalog_path();
         let catalog_error = |message: String| TableError::Catalog(path.clone(), message);
         let mut catalog: Catalog = match fs::read_to_string(&path) {
@@ -201,8 +205,9 @@ impl Catalogue {
     }
 
     fn open_table(&self, def: TableDef) -> Result<Table, TableError> {
-        let prefix = unescape_prefix(&def.prefix)
-            .ok_or_else(|| TableError::Catalog(self.catalog_path(), format!("bad prefix {:?}", def.prefix)))?;
+        let prefix = unescape_prefix(&def.prefix).ok_or_else(|| {
+            TableError::Catalog(self.catalog_path(), format!("bad prefix {:?}", def.prefix))
+        })?;
         let spec = EngineSpec::new(def.engine.parse()?, def.options.clone())?;
         let engine = spec.open(&self.table_dir(&def.name))?;
         Ok(Table { prefix: Bytes::from(prefix), spec, engine, def })
@@ -240,7 +245,11 @@ impl Catalogue {
         }
         let spec = EngineSpec::new(def.engine.parse()?, def.options.clone())?;
         if let Some((address, database)) = spec.remote_database() {
-            if let Some(other) = current.tables.iter().find(|table| table.spec.remote_database() == Some((address.clone(), database))) {
+            if let Some(other) = current
+                .tables
+                .iter()
+                .find(|table| table.spec.remote_database() == Some((address.clone(), database)))
+            {
                 return Err(TableError::RemoteShared(address, database, other.def.name.clone()));
             }
         }

@@ -214,7 +214,10 @@ mod tests {
     fn values_round_trip_with_and_without_expiry() {
         for expires in [None, Some(1_700_000_000_000)] {
             let stored = Stored::decode(encode(Kind::String, expires, b"payload")).unwrap();
-            assert_eq!(stored, Stored { kind: Kind::String, expires_at_ms: expires, payload: "payload".into() });
+            assert_eq!(
+                stored,
+                Stored { kind: Kind::String, expires_at_ms: expires, payload: "payload".into() }
+            );
         }
         assert!(Stored::decode(Bytes::from_static(b"")).is_err());
         assert!(Stored::decode(Bytes::from_static(b"\x8f12")).is_err());

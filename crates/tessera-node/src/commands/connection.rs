@@ -8,13 +8,69 @@ use crate::error::{CommandError, CommandResult};
 use crate::REDIS_COMPATIBLE_VERSION;
 
 pub const COMMANDS: &[CommandSpec] = &[
-    CommandSpec { name: "ping", arity: -1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, handler: ping },
-    CommandSpec { name: "echo", arity: 2, flags: &["fast"], first_key: 0, last_key: 0, step: 0, handler: echo },
-    CommandSpec { name: "hello", arity: -1, flags: &["noauth", "fast"], first_key: 0, last_key: 0, step: 0, handler: hello },
-    CommandSpec { name: "auth", arity: -2, flags: &["noauth", "fast"], first_key: 0, last_key: 0, step: 0, handler: auth },
-    CommandSpec { name: "select", arity: 2, flags: &["fast"], first_key: 0, last_key: 0, step: 0, handler: select },
-    CommandSpec { name: "quit", arity: -1, flags: &["noauth", "fast"], first_key: 0, last_key: 0, step: 0, handler: quit },
-    CommandSpec { name: "client", arity: -2, flags: &[], first_key: 0, last_key: 0, step: 0, handler: client },
+    CommandSpec {
+        name: "ping",
+        arity: -1,
+        flags: &["fast"],
+        first_key: 0,
+        last_key: 0,
+        step: 0,
+        handler: ping,
+    },
+    CommandSpec {
+        name: "echo",
+        arity: 2,
+        flags: &["fast"],
+        first_key: 0,
+        last_key: 0,
+        step: 0,
+        handler: echo,
+    },
+    CommandSpec {
+        name: "hello",
+        arity: -1,
+        flags: &["noauth", "fast"],
+        first_key: 0,
+        last_key: 0,
+        step: 0,
+        handler: hello,
+    },
+    CommandSpec {
+        name: "auth",
+        arity: -2,
+        flags: &["noauth", "fast"],
+        first_key: 0,
+        last_key: 0,
+        step: 0,
+        handler: auth,
+    },
+    CommandSpec {
+        name: "select",
+        arity: 2,
+        flags: &["fast"],
+        first_key: 0,
+        last_key: 0,
+        step: 0,
+        handler: select,
+    },
+    CommandSpec {
+        name: "quit",
+        arity: -1,
+        flags: &["noauth", "fast"],
+        first_key: 0,
+        last_key: 0,
+        step: 0,
+        handler: quit,
+    },
+    CommandSpec {
+        name: "client",
+        arity: -2,
+        flags: &[],
+        first_key: 0,
+        last_key: 0,
+        step: 0,
+        handler: client,
+    },
 ];
 
 fn ping(context: &mut Context, request: &Request) -> CommandResult {
@@ -64,7 +120,9 @@ fn hello(context: &mut Context, request: &Request) -> CommandResult {
             Ok(2) => Protocol::Resp2,
             Ok(3) => Protocol::Resp3,
             Ok(_) => return Err(CommandError::NoProto),
-            Err(_) => return Err(CommandError::Other("Protocol version is not an integer or out of range".into())),
+            Err(_) => {
+                return Err(CommandError::Other("Protocol version is not an integer or out of range".into()))
+            }
         };
     }
     let mut index = 2;
@@ -108,7 +166,9 @@ fn select(context: &mut Context, request: &Request) -> CommandResult {
             context.out.ok();
             Ok(())
         }
-        Ok(_) => Err(CommandError::Other("DB index is out of range (Tessera has one database; use tables)".into())),
+        Ok(_) => {
+            Err(CommandError::Other("DB index is out of range (Tessera has one database; use tables)".into()))
+        }
         Err(_) => Err(CommandError::NotInteger),
     }
 }
@@ -122,17 +182,21 @@ fn quit(context: &mut Context, _request: &Request) -> CommandResult {
 /// Client names may not contain spaces or newlines (they appear in CLIENT LIST).
 fn valid_client_name(name: &[u8]) -> CommandResult<Bytes> {
     if name.iter().any(|&byte| byte <= b' ' || byte > b'~') {
-        return Err(CommandError::Other("Client names cannot contain spaces, newlines or special characters.".into()));
+        return Err(CommandError::Other(
+            "Client names cannot contain spaces, newlines or special characters.".into(),
+        ));
     }
     Ok(Bytes::copy_from_slice(name))
 }
 
 fn client(context: &mut Context, request: &Request) -> CommandResult {
     let subcommand = request.arg(1);
-    let arity_error = || CommandError::Other(format!(
-        "unknown subcommand or wrong number of arguments for '{}'. Try CLIENT HELP.",
-        String::from_utf8_lossy(subcommand)
-    ));
+    let arity_error = || {
+        CommandError::Other(format!(
+            "unknown subcommand or wrong number of arguments for '{}'. Try CLIENT HELP.",
+            String::from_utf8_lossy(subcommand)
+        ))
+    };
     if is(subcommand, "setname") {
         if request.len() != 3 {
             return Err(arity_error());
@@ -171,7 +235,14 @@ fn client(context: &mut Context, request: &Request) -> CommandResult {
         );
         context.out.verbatim(&text);
     } else if is(subcommand, "help") {
-        let lines = ["CLIENT <subcommand>", "ID", "GETNAME", "SETNAME <name>", "SETINFO <LIB-NAME|LIB-VER> <value>", "INFO"];
+        let lines = [
+            "CLIENT <subcommand>",
+            "ID",
+            "GETNAME",
+            "SETNAME <name>",
+            "SETINFO <LIB-NAME|LIB-VER> <value>",
+            "INFO",
+        ];
         context.out.array(lines.len());
         for line in lines {
             context.out.simple(line);

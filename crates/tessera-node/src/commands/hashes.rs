@@ -10,19 +10,123 @@ use crate::store::{read_kind, write};
 use crate::typed::{parse_i64, Hash, HashFields, Kind, Stored};
 
 pub const COMMANDS: &[CommandSpec] = &[
-    CommandSpec { name: "hset", arity: -4, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: hset },
-    CommandSpec { name: "hmset", arity: -4, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: hmset },
-    CommandSpec { name: "hsetnx", arity: 4, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: hsetnx },
-    CommandSpec { name: "hget", arity: 3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: hget },
-    CommandSpec { name: "hmget", arity: -3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: hmget },
-    CommandSpec { name: "hgetall", arity: 2, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, handler: hgetall },
-    CommandSpec { name: "hdel", arity: -3, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, handler: hdel },
-    CommandSpec { name: "hlen", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: hlen },
-    CommandSpec { name: "hexists", arity: 3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: hexists },
-    CommandSpec { name: "hkeys", arity: 2, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, handler: hkeys },
-    CommandSpec { name: "hvals", arity: 2, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, handler: hvals },
-    CommandSpec { name: "hstrlen", arity: 3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: hstrlen },
-    CommandSpec { name: "hincrby", arity: 4, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: hincrby },
+    CommandSpec {
+        name: "hset",
+        arity: -4,
+        flags: &["write", "denyoom", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: hset,
+    },
+    CommandSpec {
+        name: "hmset",
+        arity: -4,
+        flags: &["write", "denyoom", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: hmset,
+    },
+    CommandSpec {
+        name: "hsetnx",
+        arity: 4,
+        flags: &["write", "denyoom", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: hsetnx,
+    },
+    CommandSpec {
+        name: "hget",
+        arity: 3,
+        flags: &["readonly", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: hget,
+    },
+    CommandSpec {
+        name: "hmget",
+        arity: -3,
+        flags: &["readonly", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: hmget,
+    },
+    CommandSpec {
+        name: "hgetall",
+        arity: 2,
+        flags: &["readonly"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: hgetall,
+    },
+    CommandSpec {
+        name: "hdel",
+        arity: -3,
+        flags: &["write", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: hdel,
+    },
+    CommandSpec {
+        name: "hlen",
+        arity: 2,
+        flags: &["readonly", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: hlen,
+    },
+    CommandSpec {
+        name: "hexists",
+        arity: 3,
+        flags: &["readonly", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: hexists,
+    },
+    CommandSpec {
+        name: "hkeys",
+        arity: 2,
+        flags: &["readonly"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: hkeys,
+    },
+    CommandSpec {
+        name: "hvals",
+        arity: 2,
+        flags: &["readonly"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: hvals,
+    },
+    CommandSpec {
+        name: "hstrlen",
+        arity: 3,
+        flags: &["readonly", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: hstrlen,
+    },
+    CommandSpec {
+        name: "hincrby",
+        arity: 4,
+        flags: &["write", "denyoom", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: hincrby,
+    },
 ];
 
 fn read_hash(context: &mut Context, key: &[u8]) -> CommandResult<Option<Stored>> {
@@ -33,7 +137,11 @@ fn read_hash(context: &mut Context, key: &[u8]) -> CommandResult<Option<Stored>>
 
 /// Runs `change` on the hash at `key` under the key's lock and stores the
 /// result, keeping its TTL; an emptied hash is deleted, as in Redis.
-fn update_hash<T>(context: &mut Context, key: &[u8], change: impl FnOnce(&mut Hash) -> CommandResult<T>) -> CommandResult<T> {
+fn update_hash<T>(
+    context: &mut Context,
+    key: &[u8],
+    change: impl FnOnce(&mut Hash) -> CommandResult<T>,
+) -> CommandResult<T> {
     let engine = context.engine(key);
     let _lock = context.store.lock_key(key);
     let old = read_kind(engine, key, Kind::Hash, context.now_ms)?;
@@ -81,7 +189,8 @@ fn hmset(context: &mut Context, request: &Request) -> CommandResult {
 
 fn hsetnx(context: &mut Context, request: &Request) -> CommandResult {
     let added = update_hash(context, request.arg(1), |hash| {
-        Ok(hash.get(request.arg(2)).is_none() && hash.set(request.arg(2), Bytes::copy_from_slice(request.arg(3))))
+        Ok(hash.get(request.arg(2)).is_none()
+            && hash.set(request.arg(2), Bytes::copy_from_slice(request.arg(3))))
     })?;
     context.out.integer(i64::from(added));
     Ok(())

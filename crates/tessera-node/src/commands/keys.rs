@@ -12,22 +12,150 @@ use crate::store::{read_live, ScanPosition};
 use crate::typed::{encode, Kind, Stored};
 
 pub const COMMANDS: &[CommandSpec] = &[
-    CommandSpec { name: "del", arity: -2, flags: &["write"], first_key: 1, last_key: -1, step: 1, handler: del },
-    CommandSpec { name: "unlink", arity: -2, flags: &["write", "fast"], first_key: 1, last_key: -1, step: 1, handler: del },
-    CommandSpec { name: "exists", arity: -2, flags: &["readonly", "fast"], first_key: 1, last_key: -1, step: 1, handler: exists },
-    CommandSpec { name: "expire", arity: -3, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, handler: expire },
-    CommandSpec { name: "pexpire", arity: -3, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, handler: pexpire },
-    CommandSpec { name: "expireat", arity: -3, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, handler: expireat },
-    CommandSpec { name: "pexpireat", arity: -3, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, handler: pexpireat },
-    CommandSpec { name: "ttl", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: ttl },
-    CommandSpec { name: "pttl", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: pttl },
-    CommandSpec { name: "persist", arity: 2, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, handler: persist },
-    CommandSpec { name: "type", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: key_type },
-    CommandSpec { name: "scan", arity: -2, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, handler: scan },
-    CommandSpec { name: "keys", arity: 2, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, handler: keys },
-    CommandSpec { name: "dbsize", arity: 1, flags: &["readonly", "fast"], first_key: 0, last_key: 0, step: 0, handler: dbsize },
-    CommandSpec { name: "flushdb", arity: -1, flags: &["write"], first_key: 0, last_key: 0, step: 0, handler: flushdb },
-    CommandSpec { name: "flushall", arity: -1, flags: &["write"], first_key: 0, last_key: 0, step: 0, handler: flushdb },
+    CommandSpec {
+        name: "del",
+        arity: -2,
+        flags: &["write"],
+        first_key: 1,
+        last_key: -1,
+        step: 1,
+        handler: del,
+    },
+    CommandSpec {
+        name: "unlink",
+        arity: -2,
+        flags: &["write", "fast"],
+        first_key: 1,
+        last_key: -1,
+        step: 1,
+        handler: del,
+    },
+    CommandSpec {
+        name: "exists",
+        arity: -2,
+        flags: &["readonly", "fast"],
+        first_key: 1,
+        last_key: -1,
+        step: 1,
+        handler: exists,
+    },
+    CommandSpec {
+        name: "expire",
+        arity: -3,
+        flags: &["write", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: expire,
+    },
+    CommandSpec {
+        name: "pexpire",
+        arity: -3,
+        flags: &["write", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: pexpire,
+    },
+    CommandSpec {
+        name: "expireat",
+        arity: -3,
+        flags: &["write", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: expireat,
+    },
+    CommandSpec {
+        name: "pexpireat",
+        arity: -3,
+        flags: &["write", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: pexpireat,
+    },
+    CommandSpec {
+        name: "ttl",
+        arity: 2,
+        flags: &["readonly", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: ttl,
+    },
+    CommandSpec {
+        name: "pttl",
+        arity: 2,
+        flags: &["readonly", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: pttl,
+    },
+    CommandSpec {
+        name: "persist",
+        arity: 2,
+        flags: &["write", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: persist,
+    },
+    CommandSpec {
+        name: "type",
+        arity: 2,
+        flags: &["readonly", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: key_type,
+    },
+    CommandSpec {
+        name: "scan",
+        arity: -2,
+        flags: &["readonly"],
+        first_key: 0,
+        last_key: 0,
+        step: 0,
+        handler: scan,
+    },
+    CommandSpec {
+        name: "keys",
+        arity: 2,
+        flags: &["readonly"],
+        first_key: 0,
+        last_key: 0,
+        step: 0,
+        handler: keys,
+    },
+    CommandSpec {
+        name: "dbsize",
+        arity: 1,
+        flags: &["readonly", "fast"],
+        first_key: 0,
+        last_key: 0,
+        step: 0,
+        handler: dbsize,
+    },
+    CommandSpec {
+        name: "flushdb",
+        arity: -1,
+        flags: &["write"],
+        first_key: 0,
+        last_key: 0,
+        step: 0,
+        handler: flushdb,
+    },
+    CommandSpec {
+        name: "flushall",
+        arity: -1,
+        flags: &["write"],
+        first_key: 0,
+        last_key: 0,
+        step: 0,
+        handler: flushdb,
+    },
 ];
 
 fn del(context: &mut Context, request: &Request) -> CommandResult {
@@ -57,7 +185,13 @@ fn exists(context: &mut Context, request: &Request) -> CommandResult {
 }
 
 /// EXPIRE and its variants: sets a deadline subject to NX / XX / GT / LT.
-fn set_expiry(context: &mut Context, request: &Request, unit_ms: i64, absolute: bool, command: &str) -> CommandResult {
+fn set_expiry(
+    context: &mut Context,
+    request: &Request,
+    unit_ms: i64,
+    absolute: bool,
+    command: &str,
+) -> CommandResult {
     let key = request.arg(1);
     let amount = integer_arg(request, 2)?;
     let deadline_ms = deadline(context.now_ms, amount, unit_ms, absolute, command)?;
@@ -68,11 +202,18 @@ fn set_expiry(context: &mut Context, request: &Request, unit_ms: i64, absolute: 
             _ if is(option, "xx") => xx = true,
             _ if is(option, "gt") => gt = true,
             _ if is(option, "lt") => lt = true,
-            _ => return Err(CommandError::Other(format!("Unsupported option {}", String::from_utf8_lossy(option)))),
+            _ => {
+                return Err(CommandError::Other(format!(
+                    "Unsupported option {}",
+                    String::from_utf8_lossy(option)
+                )))
+            }
         }
     }
     if nx && (xx || gt || lt) || gt && lt {
-        return Err(CommandError::Other("NX and XX, GT or LT options at the same time are not compatible".into()));
+        return Err(CommandError::Other(
+            "NX and XX, GT or LT options at the same time are not compatible".into(),
+        ));
     }
     let engine = context.engine(key);
     let _lock = context.store.lock_key(key);
@@ -83,7 +224,9 @@ fn set_expiry(context: &mut Context, request: &Request, unit_ms: i64, absolute: 
     // No deadline counts as an infinite one for GT and LT.
     let allowed = match stored.expires_at_ms {
         None => !xx && !gt,
-        Some(current) => !nx && (!gt || deadline_ms > current as i64) && (!lt || deadline_ms < current as i64),
+        Some(current) => {
+            !nx && (!gt || deadline_ms > current as i64) && (!lt || deadline_ms < current as i64)
+        }
     };
     if !allowed {
         context.out.integer(0);
@@ -187,7 +330,8 @@ fn scan(context: &mut Context, request: &Request) -> CommandResult {
     let mut index = 2;
     while index < request.len() {
         let option = request.arg(index);
-        let value = (index + 1 < request.len()).then(|| request.arg(index + 1)).ok_or(CommandError::Syntax)?;
+        let value =
+            (index + 1 < request.len()).then(|| request.arg(index + 1)).ok_or(CommandError::Syntax)?;
         if is(option, "match") {
             filter.pattern = Some(value).filter(|pattern| *pattern != b"*");
         } else if is(option, "count") {
@@ -239,7 +383,9 @@ fn scan(context: &mut Context, request: &Request) -> CommandResult {
             None => {
                 let next_table = tables.iter().find(|other| other.def.name > table.def.name);
                 match next_table {
-                    Some(next) => position = ScanPosition { table: next.def.name.clone(), cursor: ScanCursor::start() },
+                    Some(next) => {
+                        position = ScanPosition { table: next.def.name.clone(), cursor: ScanCursor::start() }
+                    }
                     None => break None,
                 }
             }
@@ -266,7 +412,10 @@ fn keys(context: &mut Context, request: &Request) -> CommandResult {
         loop {
             let page = table.engine.scan(&KeyRange::all(), &cursor, 1024)?;
             keys.extend(
-                page.entries.into_iter().filter(|(key, raw)| filter.accepts(key, raw.clone(), context.now_ms)).map(|(key, _)| key),
+                page.entries
+                    .into_iter()
+                    .filter(|(key, raw)| filter.accepts(key, raw.clone(), context.now_ms))
+                    .map(|(key, _)| key),
             );
             match page.next {
                 Some(next) => cursor = next,
@@ -291,7 +440,9 @@ fn dbsize(context: &mut Context, _request: &Request) -> CommandResult {
 }
 
 fn flushdb(context: &mut Context, request: &Request) -> CommandResult {
-    if request.len() > 2 || (request.len() == 2 && !is(request.arg(1), "sync") && !is(request.arg(1), "async")) {
+    if request.len() > 2
+        || (request.len() == 2 && !is(request.arg(1), "sync") && !is(request.arg(1), "async"))
+    {
         return Err(CommandError::Syntax);
     }
     for table in context.tables.by_name() {

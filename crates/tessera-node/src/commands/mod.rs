@@ -104,9 +104,7 @@ impl CommandSpec {
 
 fn table() -> &'static HashMap<&'static [u8], &'static CommandSpec> {
     static TABLE: OnceLock<HashMap<&'static [u8], &'static CommandSpec>> = OnceLock::new();
-    TABLE.get_or_init(|| {
-        all_commands().map(|spec| (spec.name.as_bytes(), spec)).collect()
-    })
+    TABLE.get_or_init(|| all_commands().map(|spec| (spec.name.as_bytes(), spec)).collect())
 }
 
 pub fn all_commands() -> impl Iterator<Item = &'static CommandSpec> {

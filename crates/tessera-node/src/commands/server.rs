@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 
-use tessera_wire::{Request, ReplyWriter};
+use tessera_wire::{ReplyWriter, Request};
 
 use super::{all_commands, is, lookup, CommandSpec, Context};
 use crate::error::{CommandError, CommandResult};
@@ -11,10 +11,42 @@ use crate::tables::escape_prefix;
 use crate::REDIS_COMPATIBLE_VERSION;
 
 pub const COMMANDS: &[CommandSpec] = &[
-    CommandSpec { name: "info", arity: -1, flags: &["loading", "stale"], first_key: 0, last_key: 0, step: 0, handler: info },
-    CommandSpec { name: "command", arity: -1, flags: &["loading", "stale"], first_key: 0, last_key: 0, step: 0, handler: command },
-    CommandSpec { name: "config", arity: -2, flags: &["admin", "loading", "stale"], first_key: 0, last_key: 0, step: 0, handler: config },
-    CommandSpec { name: "time", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, handler: time },
+    CommandSpec {
+        name: "info",
+        arity: -1,
+        flags: &["loading", "stale"],
+        first_key: 0,
+        last_key: 0,
+        step: 0,
+        handler: info,
+    },
+    CommandSpec {
+        name: "command",
+        arity: -1,
+        flags: &["loading", "stale"],
+        first_key: 0,
+        last_key: 0,
+        step: 0,
+        handler: command,
+    },
+    CommandSpec {
+        name: "config",
+        arity: -2,
+        flags: &["admin", "loading", "stale"],
+        first_key: 0,
+        last_key: 0,
+        step: 0,
+        handler: config,
+    },
+    CommandSpec {
+        name: "time",
+        arity: 1,
+        flags: &["fast"],
+        first_key: 0,
+        last_key: 0,
+        step: 0,
+        handler: time,
+    },
 ];
 
 /// INFO [section ...]: the sections Redis tools read, in Redis's format, plus
@@ -23,7 +55,10 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
     let wanted: Vec<String> =
         request.args().skip(1).map(|section| String::from_utf8_lossy(section).to_ascii_lowercase()).collect();
     let include = |section: &str| {
-        wanted.is_empty() || wanted.iter().any(|name| name == section || name == "all" || name == "everything" || name == "default")
+        wanted.is_empty()
+            || wanted
+                .iter()
+                .any(|name| name == section || name == "all" || name == "everything" || name == "default")
     };
     let store = context.store;
     let stats = &store.stats;
@@ -149,7 +184,8 @@ fn command(context: &mut Context, request: &Request) -> CommandResult {
         if request.len() < 3 {
             return Err(CommandError::WrongArity("command|getkeys".into()));
         }
-        let spec = lookup(request.arg(2)).ok_or_else(|| CommandError::Other("Invalid command specified".into()))?;
+        let spec =
+            lookup(request.arg(2)).ok_or_else(|| CommandError::Other("Invalid command specified".into()))?;
         let args: Vec<&[u8]> = request.args().skip(2).collect();
         if spec.first_key == 0 {
             return Err(CommandError::Other("The command has no key arguments".into()));
@@ -164,7 +200,10 @@ fn command(context: &mut Context, request: &Request) -> CommandResult {
             out.bulk(key);
         }
     } else {
-        return Err(CommandError::UnknownSubcommand(String::from_utf8_lossy(subcommand).into_owned(), "COMMAND".into()));
+        return Err(CommandError::UnknownSubcommand(
+            String::from_utf8_lossy(subcommand).into_owned(),
+            "COMMAND".into(),
+        ));
     }
     Ok(())
 }
@@ -191,7 +230,12 @@ fn config(context: &mut Context, request: &Request) -> CommandResult {
         ];
         let matched: Vec<_> = parameters
             .iter()
-            .filter(|(name, _)| request.args().skip(2).any(|pattern| crate::glob::glob_match(&pattern.to_ascii_lowercase(), name.as_bytes())))
+            .filter(|(name, _)| {
+                request
+                    .args()
+                    .skip(2)
+                    .any(|pattern| crate::glob::glob_match(&pattern.to_ascii_lowercase(), name.as_bytes()))
+            })
             .collect();
         context.out.map(matched.len());
         for (name, value) in matched {
@@ -199,9 +243,14 @@ fn config(context: &mut Context, request: &Request) -> CommandResult {
             context.out.bulk(value.as_bytes());
         }
     } else if is(subcommand, "set") || is(subcommand, "rewrite") {
-        return Err(CommandError::Other("CONFIG SET and REWRITE are not supported: edit the config file and restart".into()));
+        return Err(CommandError::Other(
+            "CONFIG SET and REWRITE are not supported: edit the config file and restart".into(),
+        ));
     } else {
-        return Err(CommandError::UnknownSubcommand(String::from_utf8_lossy(subcommand).into_owned(), "CONFIG".into()));
+        return Err(CommandError::UnknownSubcommand(
+            String::from_utf8_lossy(subcommand).into_owned(),
+            "CONFIG".into(),
+        ));
     }
     Ok(())
 }

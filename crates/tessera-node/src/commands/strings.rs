@@ -9,21 +9,141 @@ use crate::store::{read_kind, read_live, write};
 use crate::typed::{parse_i64, Kind};
 
 pub const COMMANDS: &[CommandSpec] = &[
-    CommandSpec { name: "get", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: get },
-    CommandSpec { name: "set", arity: -3, flags: &["write", "denyoom"], first_key: 1, last_key: 1, step: 1, handler: set },
-    CommandSpec { name: "setnx", arity: 3, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: setnx },
-    CommandSpec { name: "setex", arity: 4, flags: &["write", "denyoom"], first_key: 1, last_key: 1, step: 1, handler: setex },
-    CommandSpec { name: "psetex", arity: 4, flags: &["write", "denyoom"], first_key: 1, last_key: 1, step: 1, handler: psetex },
-    CommandSpec { name: "getset", arity: 3, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: getset },
-    CommandSpec { name: "getdel", arity: 2, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, handler: getdel },
-    CommandSpec { name: "mget", arity: -2, flags: &["readonly", "fast"], first_key: 1, last_key: -1, step: 1, handler: mget },
-    CommandSpec { name: "mset", arity: -3, flags: &["write", "denyoom"], first_key: 1, last_key: -1, step: 2, handler: mset },
-    CommandSpec { name: "incr", arity: 2, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: incr },
-    CommandSpec { name: "decr", arity: 2, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: decr },
-    CommandSpec { name: "incrby", arity: 3, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: incrby },
-    CommandSpec { name: "decrby", arity: 3, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: decrby },
-    CommandSpec { name: "append", arity: 3, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: append },
-    CommandSpec { name: "strlen", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: strlen },
+    CommandSpec {
+        name: "get",
+        arity: 2,
+        flags: &["readonly", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: get,
+    },
+    CommandSpec {
+        name: "set",
+        arity: -3,
+        flags: &["write", "denyoom"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: set,
+    },
+    CommandSpec {
+        name: "setnx",
+        arity: 3,
+        flags: &["write", "denyoom", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: setnx,
+    },
+    CommandSpec {
+        name: "setex",
+        arity: 4,
+        flags: &["write", "denyoom"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: setex,
+    },
+    CommandSpec {
+        name: "psetex",
+        arity: 4,
+        flags: &["write", "denyoom"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: psetex,
+    },
+    CommandSpec {
+        name: "getset",
+        arity: 3,
+        flags: &["write", "denyoom", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: getset,
+    },
+    CommandSpec {
+        name: "getdel",
+        arity: 2,
+        flags: &["write", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: getdel,
+    },
+    CommandSpec {
+        name: "mget",
+        arity: -2,
+        flags: &["readonly", "fast"],
+        first_key: 1,
+        last_key: -1,
+        step: 1,
+        handler: mget,
+    },
+    CommandSpec {
+        name: "mset",
+        arity: -3,
+        flags: &["write", "denyoom"],
+        first_key: 1,
+        last_key: -1,
+        step: 2,
+        handler: mset,
+    },
+    CommandSpec {
+        name: "incr",
+        arity: 2,
+        flags: &["write", "denyoom", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: incr,
+    },
+    CommandSpec {
+        name: "decr",
+        arity: 2,
+        flags: &["write", "denyoom", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: decr,
+    },
+    CommandSpec {
+        name: "incrby",
+        arity: 3,
+        flags: &["write", "denyoom", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: incrby,
+    },
+    CommandSpec {
+        name: "decrby",
+        arity: 3,
+        flags: &["write", "denyoom", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: decrby,
+    },
+    CommandSpec {
+        name: "append",
+        arity: 3,
+        flags: &["write", "denyoom", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: append,
+    },
+    CommandSpec {
+        name: "strlen",
+        arity: 2,
+        flags: &["readonly", "fast"],
+        first_key: 1,
+        last_key: 1,
+        step: 1,
+        handler: strlen,
+    },
 ];
 
 /// Turns a relative or absolute expiry argument into a deadline in unix ms.
@@ -93,11 +213,17 @@ fn parse_set_options(context: &Context, request: &Request) -> CommandResult<SetO
 
 /// The shared body of SET, SETNX, SETEX, GETSET: writes `value` under `key`.
 /// Returns whether it wrote, and the old string when `options.return_old`.
-fn set_value(context: &mut Context, key: &[u8], value: &[u8], options: &SetOptions) -> CommandResult<(bool, Option<Bytes>)> {
+fn set_value(
+    context: &mut Context,
+    key: &[u8],
+    value: &[u8],
+    options: &SetOptions,
+) -> CommandResult<(bool, Option<Bytes>)> {
     let engine = context.engine(key);
     let _lock = context.store.lock_key(key);
     // Plain SET needs no read; options that depend on the old value do.
-    let needs_old = options.only_if_absent || options.only_if_present || options.return_old || options.keep_ttl;
+    let needs_old =
+        options.only_if_absent || options.only_if_present || options.return_old || options.keep_ttl;
     let old = if needs_old { read_live(engine, key, context.now_ms)? } else { None };
     if options.return_old {
         if let Some(old) = &old {
@@ -187,7 +313,8 @@ fn mget(context: &mut Context, request: &Request) -> CommandResult {
     context.out.array(request.len() - 1);
     for key in request.args().skip(1) {
         // MGET answers nil for a key of another type rather than failing.
-        let stored = read_live(context.engine(key), key, context.now_ms)?.filter(|stored| stored.kind == Kind::String);
+        let stored =
+            read_live(context.engine(key), key, context.now_ms)?.filter(|stored| stored.kind == Kind::String);
         context.count_lookup(stored.is_some());
         context.out.bulk_or_null(stored.as_ref().map(|stored| stored.payload.as_ref()));
     }

@@ -9,14 +9,47 @@ use crate::error::{CommandError, CommandResult};
 use crate::tables::{escape_prefix, TableDef};
 
 pub const COMMANDS: &[CommandSpec] = &[
-    CommandSpec { name: "table.create", arity: -6, flags: &["write", "admin"], first_key: 0, last_key: 0, step: 0, handler: create },
-    CommandSpec { name: "table.drop", arity: 2, flags: &["write", "admin"], first_key: 0, last_key: 0, step: 0, handler: drop_table },
-    CommandSpec { name: "table.list", arity: 1, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, handler: list },
-    CommandSpec { name: "table.info", arity: 2, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, handler: info },
+    CommandSpec {
+        name: "table.create",
+        arity: -6,
+        flags: &["write", "admin"],
+        first_key: 0,
+        last_key: 0,
+        step: 0,
+        handler: create,
+    },
+    CommandSpec {
+        name: "table.drop",
+        arity: 2,
+        flags: &["write", "admin"],
+        first_key: 0,
+        last_key: 0,
+        step: 0,
+        handler: drop_table,
+    },
+    CommandSpec {
+        name: "table.list",
+        arity: 1,
+        flags: &["readonly"],
+        first_key: 0,
+        last_key: 0,
+        step: 0,
+        handler: list,
+    },
+    CommandSpec {
+        name: "table.info",
+        arity: 2,
+        flags: &["readonly"],
+        first_key: 0,
+        last_key: 0,
+        step: 0,
+        handler: info,
+    },
 ];
 
 fn text(arg: &[u8]) -> CommandResult<String> {
-    String::from_utf8(arg.to_vec()).map_err(|_| CommandError::Other("table arguments must be UTF-8 text".into()))
+    String::from_utf8(arg.to_vec())
+        .map_err(|_| CommandError::Other("table arguments must be UTF-8 text".into()))
 }
 
 /// TABLE.CREATE name PREFIX p ENGINE e [option value ...]
@@ -38,7 +71,8 @@ fn create(context: &mut Context, request: &Request) -> CommandResult {
     };
     // Opening a persistent or remote engine may block.
     let store = context.store;
-    crate::connection::run_blocking(|| store.create_table(def)).map_err(|error| CommandError::Other(error.to_string()))?;
+    crate::connection::run_blocking(|| store.create_table(def))
+        .map_err(|error| CommandError::Other(error.to_string()))?;
     context.out.ok();
     Ok(())
 }
@@ -46,7 +80,8 @@ fn create(context: &mut Context, request: &Request) -> CommandResult {
 fn drop_table(context: &mut Context, request: &Request) -> CommandResult {
     let name = text(request.arg(1))?;
     let store = context.store;
-    crate::connection::run_blocking(|| store.drop_table(&name)).map_err(|error| CommandError::Other(error.to_string()))?;
+    crate::connection::run_blocking(|| store.drop_table(&name))
+        .map_err(|error| CommandError::Other(error.to_string()))?;
     context.out.ok();
     Ok(())
 }
@@ -62,7 +97,8 @@ fn list(context: &mut Context, _request: &Request) -> CommandResult {
 
 fn info(context: &mut Context, request: &Request) -> CommandResult {
     let name = text(request.arg(1))?;
-    let table = context.tables.get(&name).ok_or_else(|| CommandError::Other(format!("no such table '{name}'")))?;
+    let table =
+        context.tables.get(&name).ok_or_else(|| CommandError::Other(format!("no such table '{name}'")))?;
     let capabilities = table.engine.capabilities();
     let keys = table.engine.len()?;
     let options: Vec<String> = table

@@ -1,0 +1,84 @@
+"""Starts real `tessera serve` processes for the redis-py tests."""
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+ROOT = Path(__file__).resolve().parents[2]
+BINARY = Path(os.environ.get("TESSERA_BIN", ROOT / "target" / "release" / "tessera"))
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Node:
+    """One tessera node process on a free loopback port."""
+
+    def __init__(self, data_dir, *args):
+        self.data_dir = data_dir
+        self.args = list(args)
+        self.port = free_port()
+        self.process = None
+
+    def start(self):
+        assert BINARY.exists(), f"build the binary first: {BINARY}"
+        self.log = open(Path(self.data_dir) / f"node-{self.port}.log", "ab")
+        self.process = subprocess.Popen(
+            [str(BINARY), "serve", "--port", str(self.port), "--dir", str(self.data_dir), *self.args],
+            stdout=self.log,
+            stderr=self.log,
+        )
+        deadline = time.time() + 15
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tessera exited with {self.process.returncode}: {self.read_log()}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("tessera did not start listening")
+
+    def read_log(self):
+        return (Path(self.data_dir) / f"node-{self.port}.log").read_text(errors="replace")
+
+    def stop(self, sig=signal.SIGTERM):
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(sig)
+            self.process.wait(timeout=30)
+        return self.process.returncode
+
+    def client(self, **kwargs):
+        kwargs.setdefault("protocol", 2)
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=30, **kwargs)
+
+
+@pytest.fixture
+def data_dir():
+    with tempfile.TemporaryDirectory() as path:
+        yield path
+
+
+@pytest.fixture
+def node(data_dir):
+    node = Node(data_dir).start()
+    yield node
+    node.stop()
+    assert node.process.returncode == 0, node.read_log()
+
+
+@pytest.fixture
+def r(node):
+    client = node.client()
+    yield client
+    client.close()

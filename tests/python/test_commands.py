@@ -1,0 +1,274 @@
+"""The command list against a real node, through redis-py (RESP2 and RESP3)."""
+
+import socket
+import threading
+import time
+
+import pytest
+import redis
+
+
+def test_strings(r):
+    assert r.ping()
+    assert r.echo("hi") == b"hi"
+    assert r.set("k", "v")
+    assert r.get("k") == b"v"
+    assert r.get("missing") is None
+    assert r.set("k", "w", nx=True) is None
+    assert r.set("k", "w", xx=True)
+    assert r.set("new", "x", xx=True) is None
+    assert r.set("k", "z", get=True) == b"w"
+    assert r.getset("k", "y") == b"z"
+    assert r.setnx("k", "q") is False
+    assert r.mset({"a": "1", "b": "2"})
+    assert r.mget("a", "b", "nope") == [b"1", b"2", None]
+    assert r.append("a", "23") == 3
+    assert r.strlen("a") == 3
+    assert r.getdel("a") == b"123"
+    assert r.exists("a", "b", "b") == 2
+    assert r.delete("b", "k", "missing") == 2
+    assert r.set("", "empty key")
+    assert r.get("") == b"empty key"
+    binary = bytes(range(256))
+    assert r.set(binary, binary)
+    assert r.get(binary) == binary
+
+
+def test_counters_are_atomic_under_concurrency(node):
+    def work():
+        client = node.client()
+        for _ in range(500):
+            client.incr("counter")
+        client.close()
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    r = node.client()
+    assert int(r.get("counter")) == 4000
+    assert r.incrby("counter", -4000) == 0
+    assert r.decr("counter") == -1
+    assert r.decrby("counter", 9) == -10
+    r.set("text", "abc")
+    with pytest.raises(redis.ResponseError, match="not an integer"):
+        r.incr("text")
+    r.set("big", str(2**63 - 1))
+    with pytest.raises(redis.ResponseError, match="overflow"):
+        r.incr("big")
+
+
+def test_expiry(r):
+    assert r.set("e", "v", ex=100)
+    assert 98 <= r.ttl("e") <= 100
+    assert r.pttl("e") > 98000
+    assert r.persist("e")
+    assert r.ttl("e") == -1
+    assert r.ttl("missing") == -2
+    assert r.expire("e", 1)
+    assert r.set("p", "v", px=50)
+    assert r.incr("n") == 1 and r.expire("n", 100)
+    assert r.incr("n") == 2 and r.ttl("n") > 0, "INCR keeps the TTL"
+    time.sleep(1.2)
+    assert r.get("e") is None
+    assert r.get("p") is None
+    assert r.exists("e") == 0
+    with pytest.raises(redis.ResponseError, match="invalid expire"):
+        r.set("bad", "v", ex=0)
+    assert r.expire("n", 200, gt=True)
+    assert not r.expire("n", 100, gt=True)
+    assert r.set("k", "v", keepttl=True) and r.ttl("k") == -1
+
+
+def test_hashes_and_wrongtype(r):
+    assert r.hset("h", mapping={"f1": "v1", "f2": "v2"}) == 2
+    assert r.hset("h", "f1", "v1b") == 0
+    assert r.hsetnx("h", "f1", "x") == 0
+    assert r.hsetnx("h", "f3", "v3") == 1
+    assert r.hget("h", "f1") == b"v1b"
+    assert r.hmget("h", "f1", "nope", "f3") == [b"v1b", None, b"v3"]
+    assert r.hgetall("h") == {b"f1": b"v1b", b"f2": b"v2", b"f3": b"v3"}
+    assert r.hlen("h") == 3
+    assert r.hexists("h", "f2") and not r.hexists("h", "zz")
+    assert r.hkeys("h") == [b"f1", b"f2", b"f3"]
+    assert r.hvals("h") == [b"v1b", b"v2", b"v3"]
+    assert r.hstrlen("h", "f1") == 3
+    assert r.hincrby("h", "count", 5) == 5
+    assert r.hincrby("h", "count", -2) == 3
+    with pytest.raises(redis.ResponseError, match="hash value is not an integer"):
+        r.hincrby("h", "f1", 1)
+    assert r.execute_command("HMSET", "h", "f4", "v4")
+    assert r.hdel("h", "f1", "f2", "nope") == 2
+    assert r.type("h") == b"hash"
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        r.get("h")
+    r.set("s", "v")
+    assert r.type("s") == b"string"
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        r.hget("s", "f")
+    assert r.mget("s", "h") == [b"v", None]
+    assert r.hdel("h", "f3", "count", "f4") == 3
+    assert r.exists("h") == 0, "an emptied hash is deleted"
+
+
+def test_scan_keys_dbsize_flush(r):
+    pipe = r.pipeline(transaction=False)
+    for i in range(2500):
+        pipe.set(f"user:{i}", i)
+    for i in range(50):
+        pipe.hset(f"hash:{i}", "f", i)
+    pipe.execute()
+    assert r.dbsize() == 2550
+    seen = set(r.scan_iter(count=100))
+    assert len(seen) == 2550
+    assert set(r.scan_iter(match="hash:*")) == {f"hash:{i}".encode() for i in range(50)}
+    assert len(list(r.scan_iter(_type="HASH"))) == 50
+    assert len(r.keys("user:1*")) == 1111
+    with pytest.raises(redis.ResponseError, match="invalid cursor"):
+        r.scan(cursor=987654321)
+    assert r.flushdb()
+    assert r.dbsize() == 0
+
+
+def test_pipelining_keeps_order(r):
+    pipe = r.pipeline(transaction=False)
+    for i in range(10000):
+        pipe.set(f"k{i}", i)
+        pipe.get(f"k{i}")
+    replies = pipe.execute()
+    assert replies[1::2] == [str(i).encode() for i in range(10000)]
+
+
+def test_resp3(node):
+    r = node.client(protocol=3)
+    assert r.ping()
+    r.hset("h", mapping={"a": "1"})
+    assert r.hgetall("h") == {b"a": b"1"}
+    assert r.get("nothing") is None
+    info = r.execute_command("HELLO", "3")
+    assert info[b"proto"] == 3
+    assert r.client_setname("worker-1")
+    assert r.client_getname() == b"worker-1"
+    assert isinstance(r.client_id(), int)
+
+
+def test_info_command_and_config(r):
+    r.set("x", "y")
+    info = r.info()
+    assert info["redis_version"]
+    assert info["connected_clients"] >= 1
+    assert info["total_commands_processed"] >= 1
+    assert r.info("keyspace")["db0"]["keys"] == 1
+    assert r.command_count() > 40
+    get_info = r.execute_command("COMMAND", "INFO", "get")["get"]
+    assert (get_info["arity"], get_info["first_key_pos"], get_info["last_key_pos"], get_info["step_count"]) == (2, 1, 1, 1)
+    assert "mset" in r.command() and r.command()["mset"]["step_count"] == 2
+    assert r.config_get("maxclients") == {"maxclients": "10000"}
+    assert r.select(0)
+    with pytest.raises(redis.ResponseError, match="out of range"):
+        r.select(1)
+
+
+def test_errors_are_clear_and_the_connection_survives(r):
+    with pytest.raises(redis.ResponseError, match="unknown command"):
+        r.execute_command("NOSUCHCOMMAND", "a")
+    with pytest.raises(redis.ResponseError, match="wrong number of arguments"):
+        r.execute_command("GET")
+    with pytest.raises(redis.ResponseError, match="wrong number of arguments"):
+        r.execute_command("HSET", "h", "f")
+    with pytest.raises(redis.ResponseError, match="syntax error"):
+        r.execute_command("SET", "k", "v", "BOGUS")
+    with pytest.raises(redis.ResponseError, match="no such table"):
+        r.execute_command("TABLE.INFO", "nope")
+    assert r.ping()
+
+
+def raw_exchange(port, payload, read_until_close=True):
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(payload)
+        chunks = []
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except socket.timeout:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+            if not read_until_close:
+                break
+        return b"".join(chunks)
+
+
+def test_malformed_protocol_gets_an_error_and_a_close(node):
+    cases = {
+        b"*1\r\n$-5\r\n": b"invalid bulk length",
+        b"*abc\r\n": b"invalid multibulk length",
+        b"*1\r\n+PING\r\n": b"expected '$'",
+        b"*1\r\n$999999999999\r\n": b"invalid bulk length",
+        b"*2\r\n$3\r\nGET\r\n$1\r\nabc\r\n": b"not terminated",
+    }
+    for payload, message in cases.items():
+        reply = raw_exchange(node.port, payload)
+        assert reply.startswith(b"-ERR Protocol error") and message in reply, (payload, reply)
+    reply = raw_exchange(node.port, b"PING\r\nset k \"two words\"\r\nget k\r\nQUIT\r\n")
+    assert reply == b"+PONG\r\n+OK\r\n$9\r\ntwo words\r\n+OK\r\n"
+    assert node.client().ping(), "other clients are unaffected"
+
+
+def test_oversized_values_are_refused(data_dir):
+    from conftest import Node
+
+    node = Node(data_dir, "--bulk-bytes-max", "1024").start()
+    try:
+        r = node.client()
+        assert r.set("small", "x" * 1024)
+        with pytest.raises(redis.ResponseError, match="invalid bulk length"):
+            r.set("big", "x" * 1025)
+        r = node.client()
+        r.set("grow", "x" * 1000)
+        with pytest.raises(redis.ResponseError, match="maximum allowed size"):
+            r.append("grow", "y" * 100)
+        assert r.strlen("grow") == 1000
+    finally:
+        node.stop()
+
+
+def test_large_values_round_trip(r):
+    value = bytes(range(256)) * (64 * 1024 * 4)  # 64 MiB
+    assert r.set("big", value)
+    assert r.get("big") == value
+    assert r.strlen("big") == len(value)
+
+
+def test_auth(data_dir):
+    from conftest import Node
+
+    node = Node(data_dir, "--password", "s3cret").start()
+    try:
+        with pytest.raises(redis.AuthenticationError):
+            node.client().get("k")
+        with pytest.raises(redis.AuthenticationError):
+            node.client(password="wrong").get("k")
+        r = node.client(password="s3cret")
+        assert r.set("k", "v") and r.get("k") == b"v"
+        assert node.client(password="s3cret", username="default", protocol=3).get("k") == b"v"
+    finally:
+        node.stop()
+
+
+def test_max_clients(data_dir):
+    from conftest import Node
+
+    node = Node(data_dir, "--max-clients", "2").start()
+    try:
+        first, second = node.client(), node.client()
+        assert first.ping() and second.ping()
+        reply = raw_exchange(node.port, b"PING\r\n")
+        assert reply.startswith(b"-ERR max number of clients reached")
+        first.close()
+        time.sleep(0.2)
+        assert node.client().ping()
+    finally:
+        node.stop()

@@ -1,0 +1,98 @@
+"""Tables, engines and restarts of a real node."""
+
+import signal
+
+import pytest
+import redis
+
+from conftest import Node
+
+PERSISTENT_ENGINES = ["log", "lsm"]
+
+
+def test_tables_route_by_longest_prefix(node, r):
+    assert r.execute_command("TABLE.CREATE", "users", "PREFIX", "user:", "ENGINE", "ordered")
+    assert r.execute_command("TABLE.CREATE", "admins", "PREFIX", "user:admin:", "ENGINE", "memory")
+    r.set("user:1", "a")
+    r.set("user:admin:1", "b")
+    r.set("other", "c")
+    info = r.execute_command("TABLE.INFO", "users")
+    assert dict(zip(info[::2], info[1::2]))[b"keys"] == 1
+    info = node.client(protocol=3).execute_command("TABLE.INFO", "admins")
+    assert info[b"keys"] == 1 and info[b"engine"] == b"memory"
+    assert sorted(r.execute_command("TABLE.LIST")) == [b"admins", b"default", b"users"]
+    assert set(r.scan_iter()) == {b"user:1", b"user:admin:1", b"other"}
+    assert r.dbsize() == 3
+    with pytest.raises(redis.ResponseError, match="already exists"):
+        r.execute_command("TABLE.CREATE", "users", "PREFIX", "x:", "ENGINE", "memory")
+    with pytest.raises(redis.ResponseError, match="already owned"):
+        r.execute_command("TABLE.CREATE", "again", "PREFIX", "user:", "ENGINE", "memory")
+    with pytest.raises(redis.ResponseError, match="unknown engine"):
+        r.execute_command("TABLE.CREATE", "bad", "PREFIX", "b:", "ENGINE", "nosuch")
+    with pytest.raises(redis.ResponseError, match="has no option"):
+        r.execute_command("TABLE.CREATE", "bad", "PREFIX", "b:", "ENGINE", "log", "color", "red")
+    with pytest.raises(redis.ResponseError, match="keys with prefix"):
+        r.execute_command("TABLE.CREATE", "shadow", "PREFIX", "oth", "ENGINE", "memory")
+    with pytest.raises(redis.ResponseError, match="cannot be dropped"):
+        r.execute_command("TABLE.DROP", "default")
+    assert r.execute_command("TABLE.DROP", "admins")
+    assert r.get("user:admin:1") is None, "a dropped table's data is gone"
+    assert r.get("user:1") == b"a"
+
+
+@pytest.mark.parametrize("engine", PERSISTENT_ENGINES)
+def test_data_survives_a_restart(data_dir, engine):
+    node = Node(data_dir, "--engine", engine).start()
+    r = node.client()
+    pipe = r.pipeline(transaction=False)
+    for i in range(3000):
+        pipe.set(f"key:{i}", f"value:{i}")
+    pipe.hset("h", mapping={"a": "1", "b": "2"})
+    pipe.set("ttl", "v", ex=1000)
+    pipe.execute()
+    r.delete("key:7")
+    r.execute_command("TABLE.CREATE", "events", "PREFIX", "ev:", "ENGINE", "log", "fsync", "always")
+    r.set("ev:1", "launch")
+    assert node.stop() == 0, node.read_log()
+
+    node = Node(data_dir, "--engine", engine).start()
+    r = node.client()
+    assert r.dbsize() == 3002
+    assert r.get("key:2999") == b"value:2999"
+    assert r.get("key:7") is None
+    assert r.hgetall("h") == {b"a": b"1", b"b": b"2"}
+    assert 990 < r.ttl("ttl") <= 1000
+    assert r.get("ev:1") == b"launch"
+    assert b"events" in r.execute_command("TABLE.LIST")
+    node.stop()
+
+
+def test_fsync_always_survives_kill_9(data_dir):
+    """With fsync=always, every acknowledged write is on disk the moment it is acknowledged."""
+    node = Node(data_dir, "--engine", "log", "--engine-option", "fsync=always").start()
+    r = node.client()
+    for i in range(300):
+        r.set(f"k{i}", i)
+    node.stop(signal.SIGKILL)
+    node = Node(data_dir, "--engine", "log").start()
+    r = node.client()
+    assert [r.get(f"k{i}") for i in range(300)] == [str(i).encode() for i in range(300)]
+    node.stop()
+
+
+def test_engine_mismatch_is_a_clear_startup_error(data_dir):
+    node = Node(data_dir, "--engine", "log").start()
+    node.stop()
+    node = Node(data_dir, "--engine", "lsm")
+    with pytest.raises(RuntimeError, match="created with engine 'log'"):
+        node.start()
+
+
+def test_bad_config_is_a_clear_startup_error(data_dir):
+    from pathlib import Path
+
+    config = Path(data_dir) / "bad.toml"
+    config.write_text("prot = 7379\n")
+    node = Node(data_dir, "--config", str(config))
+    with pytest.raises(RuntimeError, match="unknown field"):
+        node.start()
