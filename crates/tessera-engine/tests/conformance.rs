@@ -12,11 +12,14 @@ use tessera_engine::{
 };
 use tessera_testkit::RedisServer;
 
+/// Opens an engine, on the given directory for persistent ones.
+type Opener = Box<dyn Fn(Option<&PathBuf>) -> Arc<dyn Engine>>;
+
 /// An engine under test, and how to open it again on the same data.
 struct Subject {
     name: &'static str,
     dir: Option<tempfile::TempDir>,
-    open: Box<dyn Fn(Option<&PathBuf>) -> Arc<dyn Engine>>,
+    open: Opener,
     _server: Option<RedisServer>,
 }
 
@@ -456,7 +459,7 @@ fn log_recovers_when_a_crash_interrupts_compaction() {
     let engine = LogEngine::open(dir.path(), log_options()).unwrap();
     let mut expected: BTreeMap<Vec<u8>, Vec<u8>> =
         (40..50u32).map(|i| (format!("k{}", i % 10).into_bytes(), i.to_string().into_bytes())).collect();
-    expected.remove(&b"k3".to_vec());
+    expected.remove(b"k3".as_slice());
     expected.insert(b"k4".to_vec(), b"after".to_vec());
     assert_matches_model(&engine, &expected, "old segments resurrected");
 }

@@ -161,7 +161,7 @@ fn update_hash<T>(
 }
 
 fn set_fields(context: &mut Context, request: &Request) -> CommandResult<i64> {
-    if request.len() % 2 != 0 {
+    if !request.len().is_multiple_of(2) {
         return Err(wrong_arity(request));
     }
     update_hash(context, request.arg(1), |hash| {

@@ -322,7 +322,7 @@ fn mget(context: &mut Context, request: &Request) -> CommandResult {
 }
 
 fn mset(context: &mut Context, request: &Request) -> CommandResult {
-    if request.len() % 2 == 0 {
+    if request.len().is_multiple_of(2) {
         return Err(wrong_arity(request));
     }
     let pairs: Vec<(&[u8], &[u8])> =

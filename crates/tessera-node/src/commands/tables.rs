@@ -54,7 +54,7 @@ fn text(arg: &[u8]) -> CommandResult<String> {
 
 /// TABLE.CREATE name PREFIX p ENGINE e [option value ...]
 fn create(context: &mut Context, request: &Request) -> CommandResult {
-    if !is(request.arg(2), "prefix") || !is(request.arg(4), "engine") || request.len() % 2 != 0 {
+    if !is(request.arg(2), "prefix") || !is(request.arg(4), "engine") || !request.len().is_multiple_of(2) {
         return Err(CommandError::Other(
             "usage: TABLE.CREATE name PREFIX prefix ENGINE engine [option value ...]".into(),
         ));

@@ -1,0 +1,191 @@
+//! The real `tessera` binary driven by redis-cli (Debian's redis-tools), a
+//! client nobody here wrote, and by `tessera`'s own client commands.
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use tessera_testkit::{external_program_available, free_port, wait_for_port};
+
+struct Node {
+    port: u16,
+    child: Child,
+}
+
+impl Node {
+    fn start(dir: &Path, args: &[&str]) -> Self {
+        let port = free_port();
+        let child = Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .args(["serve", "--port", &port.to_string(), "--log", "warn"])
+            .arg("--dir")
+            .arg(dir)
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start tessera");
+        assert!(wait_for_port(port, Duration::from_secs(15)), "tessera did not start");
+        Self { port, child }
+    }
+
+    fn redis_cli(&self, args: &[&str]) -> String {
+        let output =
+            Command::new("redis-cli").args(["-p", &self.port.to_string()]).args(args).output().unwrap();
+        assert!(output.status.success(), "redis-cli {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8(output.stdout).unwrap().trim_end().to_string()
+    }
+
+    fn tessera(&self, args: &[&str]) -> Output {
+        Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .args(["--addr", &format!("127.0.0.1:{}", self.port)])
+            .args(args)
+            .output()
+            .unwrap()
+    }
+
+    /// Sends SIGTERM and waits for a clean exit.
+    fn terminate(mut self) {
+        let status = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        assert!(status.success());
+        let exit = self.child.wait().unwrap();
+        assert!(exit.success(), "tessera exited with {exit} after SIGTERM");
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn redis_cli_runs_the_common_commands() {
+    if !external_program_available("redis-cli") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start(dir.path(), &[]);
+    assert_eq!(node.redis_cli(&["PING"]), "PONG");
+    assert_eq!(node.redis_cli(&["SET", "greeting", "hello world"]), "OK");
+    assert_eq!(node.redis_cli(&["GET", "greeting"]), "hello world");
+    assert_eq!(node.redis_cli(&["INCRBY", "n", "41"]), "41");
+    assert_eq!(node.redis_cli(&["INCR", "n"]), "42");
+    assert_eq!(node.redis_cli(&["HSET", "h", "a", "1", "b", "2"]), "2");
+    assert_eq!(node.redis_cli(&["HGETALL", "h"]), "a\n1\nb\n2");
+    assert_eq!(
+        node.redis_cli(&["GET", "h"]),
+        "WRONGTYPE Operation against a key holding the wrong kind of value"
+    );
+    assert_eq!(node.redis_cli(&["DBSIZE"]), "3");
+    assert!(node.redis_cli(&["INFO", "server"]).contains("redis_version:"));
+    // RESP3 through HELLO 3: redis-cli prints a map's pairs on one line each,
+    // where the RESP2 flat array above gave one element per line.
+    assert_eq!(node.redis_cli(&["-3", "HGETALL", "h"]), "a 1\nb 2");
+    // The cursor-driven --scan mode walks every key.
+    let mut keys: Vec<String> = node.redis_cli(&["--scan"]).lines().map(str::to_string).collect();
+    keys.sort();
+    assert_eq!(keys, ["greeting", "h", "n"]);
+    assert_eq!(node.redis_cli(&["--scan", "--pattern", "g*"]), "greeting");
+}
+
+#[test]
+fn redis_cli_pipe_mode_loads_many_keys() {
+    if !external_program_available("redis-cli") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start(dir.path(), &[]);
+    let mut input = Vec::new();
+    for i in 0..20_000 {
+        tessera_wire::encode_command(&["SET", &format!("key:{i}"), &format!("value:{i}")], &mut input);
+    }
+    let mut pipe = Command::new("redis-cli")
+        .args(["-p", &node.port.to_string(), "--pipe"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    pipe.stdin.take().unwrap().write_all(&input).unwrap();
+    let output = pipe.wait_with_output().unwrap();
+    let report = String::from_utf8_lossy(&output.stdout);
+    assert!(report.contains("errors: 0, replies: 20000"), "{report}");
+    assert_eq!(node.redis_cli(&["DBSIZE"]), "20000");
+    assert_eq!(node.redis_cli(&["GET", "key:19999"]), "value:19999");
+}
+
+#[test]
+fn sigterm_flushes_a_persistent_engine_and_restart_keeps_the_data() {
+    if !external_program_available("redis-cli") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // fsync=never: only the shutdown flush makes the writes durable.
+    let node = Node::start(dir.path(), &["--engine", "log", "--engine-option", "fsync=never"]);
+    for i in 0..100 {
+        node.redis_cli(&["SET", &format!("k{i}"), &format!("v{i}")]);
+    }
+    node.terminate();
+    let node = Node::start(dir.path(), &["--engine", "log"]);
+    assert_eq!(node.redis_cli(&["DBSIZE"]), "100");
+    assert_eq!(node.redis_cli(&["GET", "k99"]), "v99");
+}
+
+#[test]
+fn tessera_client_commands_talk_to_a_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start(dir.path(), &[]);
+    assert!(node.tessera(&["set", "city", "Lyon"]).status.success());
+    let get = node.tessera(&["get", "city"]);
+    assert_eq!(String::from_utf8_lossy(&get.stdout), "Lyon\n");
+    let missing = node.tessera(&["get", "nowhere"]);
+    assert!(!missing.status.success());
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("no such key"));
+    let create = node.tessera(&[
+        "table",
+        "create",
+        "logs",
+        "--prefix",
+        "log:",
+        "--engine",
+        "log",
+        "--option",
+        "fsync=always",
+    ]);
+    assert!(create.status.success(), "{}", String::from_utf8_lossy(&create.stderr));
+    assert!(node.tessera(&["set", "log:1", "boot"]).status.success());
+    let scan = node.tessera(&["scan", "--match", "log:*"]);
+    assert_eq!(String::from_utf8_lossy(&scan.stdout), "log:1\n");
+    let list = node.tessera(&["table", "list"]);
+    assert!(String::from_utf8_lossy(&list.stdout).contains("\"logs\""));
+    let bad = node.tessera(&["table", "create", "x", "--prefix", "x:", "--engine", "nosuch"]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown engine"));
+    let deleted = node.tessera(&["del", "city", "log:1"]);
+    assert_eq!(String::from_utf8_lossy(&deleted.stdout), "(integer) 2\n");
+}
+
+#[test]
+fn unreachable_node_is_one_clear_error() {
+    let output = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["--addr", &format!("127.0.0.1:{}", free_port()), "get", "k"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.starts_with("tessera: cannot connect"), "{stderr}");
+}
+
+#[test]
+fn bad_flags_are_rejected_before_listening() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["serve", "--engine", "nosuch", "--port", &free_port().to_string()])
+        .arg("--dir")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("unknown engine"));
+}

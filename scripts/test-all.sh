@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs what the tests need (redis-server, redis-cli, redis-py, pytest) and
+# runs every check: formatting, lints, unit and property tests, the engine
+# conformance suite, and integration tests with real clients against the real
+# binary. CI runs exactly this (.ci/run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+missing=()
+command -v redis-server >/dev/null || missing+=(redis-server)
+command -v redis-cli >/dev/null || missing+=(redis-tools)
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "== installing ${missing[*]}"
+    as_root apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+echo "== installing Python test clients"
+python3 -m pip install -q --disable-pip-version-check -r tests/python/requirements.txt
+
+# Tests that need an external program fail, rather than skip, when it is missing.
+export TESSERA_REQUIRE_EXTERNAL=1
+
+echo "== cargo fmt"
+cargo fmt --all -- --check
+echo "== cargo clippy"
+cargo clippy --all-targets --release -- -D warnings
+echo "== cargo test"
+cargo test --release --workspace
+echo "== redis-py integration tests"
+TESSERA_BIN="$PWD/target/release/tessera" python3 -m pytest -q tests/python
