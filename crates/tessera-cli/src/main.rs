@@ -189,18 +189,17 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         .with_writer(std::io::stderr)
         .init();
     let config = args.config()?;
-    let mut runtime = tokio::runtime::Builder::new_multi_thread();
-    if config.threads > 0 {
-        runtime.worker_threads(config.threads);
-    }
-    let runtime = runtime.enable_all().build().map_err(|error| error.to_string())?;
-    runtime.block_on(async move {
-        let server = Server::bind(config).await.map_err(|error| error.to_string())?;
-        let address = server.local_addr().map_err(|error| error.to_string())?;
-        tracing::info!(%address, "tessera node ready; try: redis-cli -p {} ping", address.port());
-        server.run(shutdown_signal()).await;
-        Ok(())
-    })
+    // Signals are awaited on this thread; the server has threads of its own.
+    let signals = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|error| error.to_string())?;
+    let server = Server::start(config).map_err(|error| error.to_string())?;
+    let address = server.local_addr();
+    tracing::info!(%address, "tessera node ready; try: redis-cli -p {} ping", address.port());
+    signals.block_on(shutdown_signal());
+    server.shutdown();
+    Ok(())
 }
 
 async fn shutdown_signal() {

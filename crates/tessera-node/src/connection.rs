@@ -11,8 +11,8 @@ use tokio::sync::watch;
 
 use tessera_wire::{Parsed, Protocol, ReplyWriter, Request, RequestParser};
 
-use crate::commands::{dispatch, Context, LocalStats, Session};
-use crate::store::{now_ms, Store};
+use crate::commands::{dispatch, Context, Session};
+use crate::store::{now_ms, Store, WorkerStats};
 use crate::tables::TableSet;
 
 /// Read at least this much at a time.
@@ -22,14 +22,6 @@ const OUTPUT_FLUSH_BYTES: usize = 1 << 20;
 /// Buffers grown past this by one large request are shrunk back afterwards.
 const BUFFER_KEEP_BYTES: usize = 1 << 20;
 
-/// Runs `work` where it may block: off the reactor on a multi-threaded runtime.
-pub fn run_blocking<T>(work: impl FnOnce() -> T) -> T {
-    match tokio::runtime::Handle::try_current().map(|handle| handle.runtime_flavor()) {
-        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
-        _ => work(),
-    }
-}
-
 pub struct Connection {
     store: Arc<Store>,
     stream: TcpStream,
@@ -37,13 +29,14 @@ pub struct Connection {
     parser: RequestParser,
     out: ReplyWriter,
     session: Session,
-    stats: LocalStats,
+    /// The counters of the worker thread this connection runs on.
+    stats: Arc<WorkerStats>,
     tables: Arc<TableSet>,
     tables_generation: u64,
 }
 
 impl Connection {
-    pub fn new(store: Arc<Store>, stream: TcpStream) -> Self {
+    pub fn new(store: Arc<Store>, stats: Arc<WorkerStats>, stream: TcpStream) -> Self {
         let session = Session {
             id: store.next_client_id.fetch_add(1, Ordering::Relaxed),
             authenticated: store.config.password.is_none(),
@@ -59,7 +52,7 @@ impl Connection {
             input: Vec::with_capacity(READ_CHUNK_BYTES),
             out: ReplyWriter::new(Protocol::Resp2),
             session,
-            stats: LocalStats::default(),
+            stats,
         }
     }
 
@@ -77,15 +70,13 @@ impl Connection {
             };
             match read {
                 Ok(0) | Err(_) => break,
-                Ok(count) => self.store.stats.net_input_bytes.fetch_add(count as u64, Ordering::Relaxed),
-            };
+                Ok(count) => WorkerStats::add(&self.stats.net_input_bytes, count as u64),
+            }
             let keep_open = self.run_batch().await;
             if self.flush_output().await.is_err() || !keep_open {
                 break;
             }
-            self.publish_stats();
         }
-        self.publish_stats();
         let _ = self.stream.shutdown().await;
     }
 
@@ -108,14 +99,10 @@ impl Connection {
                         tables: &self.tables,
                         session: &mut self.session,
                         out: &mut self.out,
-                        stats: &mut self.stats,
+                        stats: &self.stats,
                         now_ms,
                     };
-                    if self.tables.any_blocking {
-                        run_blocking(|| dispatch(&mut context, &request));
-                    } else {
-                        dispatch(&mut context, &request);
-                    }
+                    dispatch(&mut context, &request);
                     start = end;
                     if self.session.closing {
                         keep_open = false;
@@ -153,22 +140,8 @@ impl Connection {
             return Ok(());
         }
         let result = self.stream.write_all(self.out.as_bytes()).await;
-        self.store.stats.net_output_bytes.fetch_add(self.out.len() as u64, Ordering::Relaxed);
+        WorkerStats::add(&self.stats.net_output_bytes, self.out.len() as u64);
         self.out.clear();
         result
-    }
-
-    fn publish_stats(&mut self) {
-        let stats = &self.store.stats;
-        let local = std::mem::take(&mut self.stats);
-        if local.commands > 0 {
-            stats.commands_processed.fetch_add(local.commands, Ordering::Relaxed);
-        }
-        if local.hits > 0 {
-            stats.keyspace_hits.fetch_add(local.hits, Ordering::Relaxed);
-        }
-        if local.misses > 0 {
-            stats.keyspace_misses.fetch_add(local.misses, Ordering::Relaxed);
-        }
     }
 }

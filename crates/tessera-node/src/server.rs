@@ -1,20 +1,30 @@
-//! Accepts connections, enforces the connection cap, sweeps expired keys, and
-//! shuts down gracefully: stop accepting, let every connection answer what it
-//! has read, then flush the engines.
+//! The node's threads: shared-nothing workers over a shared store.
+//!
+//! Each worker thread runs its own single-threaded tokio runtime and its own
+//! listening socket on the same port (`SO_REUSEPORT`: the kernel spreads new
+//! connections over them). A connection lives and dies on one thread, so a
+//! request never hops threads and no runtime wakes another (shadowfax-slides.txt:
+//! partitioned dispatch over shared data). An engine call that blocks holds up
+//! only its own worker's connections; `threads` above the core count leaves
+//! others to serve meanwhile.
+//!
+//! Shutdown: stop accepting, let every connection answer the batch it has read,
+//! wait up to `shutdown_timeout_ms`, then flush every engine.
 
-use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::thread::{self, JoinHandle};
 use std::time::Duration;
 
+use socket2::{Domain, Protocol, Socket, Type};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::config::{Config, ConfigError};
-use crate::connection::{run_blocking, Connection};
+use crate::connection::Connection;
 use crate::store::Store;
 use crate::tables::TableError;
 
@@ -26,105 +36,183 @@ pub enum ServerError {
     Tables(#[from] TableError),
     #[error("cannot listen on {0}: {1}")]
     Bind(String, std::io::Error),
+    #[error("cannot start a worker thread: {0}")]
+    Thread(std::io::Error),
 }
 
+/// A running node. Dropping it without [`shutdown`](Self::shutdown) leaves the
+/// threads running until the process exits.
 pub struct Server {
     store: Arc<Store>,
-    listener: TcpListener,
+    local_addr: SocketAddr,
+    stop: watch::Sender<bool>,
+    workers: Vec<JoinHandle<()>>,
+    sweeper_stop: Arc<AtomicBool>,
+    sweeper: Option<JoinHandle<()>>,
+}
+
+/// A listening socket that other workers may bind too. tokio's listener must be
+/// created inside the worker's runtime, so this hands over a non-blocking std one.
+fn listen(address: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    let socket = Socket::new(Domain::for_address(address), Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    socket.set_reuse_port(true)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&address.into())?;
+    socket.listen(1024)?;
+    Ok(socket.into())
 }
 
 impl Server {
-    /// Opens the tables and binds the listening socket.
-    pub async fn bind(config: Config) -> Result<Self, ServerError> {
+    /// Opens the tables, binds one listening socket per worker and starts serving.
+    pub fn start(config: Config) -> Result<Self, ServerError> {
         config.validate()?;
-        let address = format!("{}:{}", config.bind, config.port);
-        let store = run_blocking(|| Store::open(config))?;
-        let listener =
-            TcpListener::bind(&address).await.map_err(|error| ServerError::Bind(address, error))?;
-        Ok(Self { store: Arc::new(store), listener })
+        let text_address = format!("{}:{}", config.bind, config.port);
+        let bind_error = |error| ServerError::Bind(text_address.clone(), error);
+        let address: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(text_address.as_str())
+            .map_err(bind_error)?
+            .next()
+            .ok_or_else(|| bind_error(std::io::Error::other("address resolves to nothing")))?;
+        let threads = match config.threads {
+            0 => thread::available_parallelism().map_or(1, |cores| cores.get()),
+            threads => threads,
+        };
+        let store = Arc::new(Store::open(config)?);
+        // The first socket picks the port when port 0 asks for any free one.
+        let first = listen(address).map_err(bind_error)?;
+        let local_addr = first.local_addr().map_err(bind_error)?;
+        let mut listeners = vec![first];
+        for _ in 1..threads {
+            listeners.push(listen(local_addr).map_err(bind_error)?);
+        }
+        let (stop, stopping) = watch::channel(false);
+        let mut workers = Vec::with_capacity(threads);
+        for (index, listener) in listeners.into_iter().enumerate() {
+            let (store, stopping) = (store.clone(), stopping.clone());
+            let worker = thread::Builder::new()
+                .name(format!("tessera-worker-{index}"))
+                .spawn(move || run_worker(store, listener, stopping))
+                .map_err(ServerError::Thread)?;
+            workers.push(worker);
+        }
+        let sweeper_stop = Arc::new(AtomicBool::new(false));
+        let sweeper = {
+            let (store, stop) = (store.clone(), sweeper_stop.clone());
+            thread::Builder::new()
+                .name("tessera-expiry".into())
+                .spawn(move || sweep_expired(store, stop))
+                .map_err(ServerError::Thread)?
+        };
+        Ok(Self { store, local_addr, stop, workers, sweeper_stop, sweeper: Some(sweeper) })
     }
 
-    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
-        self.listener.local_addr()
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
     }
 
     pub fn store(&self) -> &Arc<Store> {
         &self.store
     }
 
-    /// Serves until `shutdown` completes.
-    pub async fn run(self, shutdown: impl Future<Output = ()>) {
-        let Server { store, listener } = self;
-        let (stop_connections, stopping) = watch::channel(false);
-        let mut connections = JoinSet::new();
-        let sweeper = tokio::spawn(sweep_expired(store.clone(), stopping.clone()));
-        tokio::pin!(shutdown);
-        loop {
-            let accepted = tokio::select! {
-                accepted = listener.accept() => accepted,
-                _ = &mut shutdown => break,
-                // Reap finished connections so the set does not grow.
-                Some(_) = connections.join_next(), if !connections.is_empty() => continue,
-            };
-            let (mut stream, _) = match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    // Out of file descriptors and the like: wait instead of spinning.
-                    tracing::warn!(%error, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            store.stats.connections_received.fetch_add(1, Ordering::Relaxed);
-            if store.stats.connected_clients.load(Ordering::Relaxed) >= store.config.max_clients {
-                store.stats.connections_rejected.fetch_add(1, Ordering::Relaxed);
-                tokio::spawn(async move {
-                    let _ = stream.write_all(b"-ERR max number of clients reached\r\n").await;
-                    // Close politely: read until the client hangs up, so that
-                    // unread input does not turn the close into a reset that
-                    // could destroy the error before the client reads it.
-                    let _ = stream.shutdown().await;
-                    let mut sink = [0u8; 1024];
-                    let drain =
-                        async { while matches!(stream.read(&mut sink).await, Ok(read) if read > 0) {} };
-                    let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
-                });
-                continue;
+    /// Stops gracefully and returns once every engine is flushed.
+    pub fn shutdown(mut self) {
+        tracing::info!("shutting down: finishing in-flight requests");
+        let _ = self.stop.send(true);
+        for worker in self.workers.drain(..) {
+            if worker.join().is_err() {
+                tracing::error!("a worker thread panicked");
             }
-            store.stats.connected_clients.fetch_add(1, Ordering::Relaxed);
-            let connection = Connection::new(store.clone(), stream);
-            let (store, stopping) = (store.clone(), stopping.clone());
-            connections.spawn(async move {
-                connection.run(stopping).await;
-                store.stats.connected_clients.fetch_sub(1, Ordering::Relaxed);
-            });
         }
-        drop(listener);
-        tracing::info!(connections = connections.len(), "shutting down: finishing in-flight requests");
-        let _ = stop_connections.send(true);
-        let timeout = Duration::from_millis(store.config.shutdown_timeout_ms);
-        if tokio::time::timeout(timeout, async { while connections.join_next().await.is_some() {} })
-            .await
-            .is_err()
-        {
-            tracing::warn!(remaining = connections.len(), "shutdown timeout: closing remaining connections");
-            connections.abort_all();
+        self.sweeper_stop.store(true, Ordering::Relaxed);
+        if let Some(sweeper) = self.sweeper.take() {
+            let _ = sweeper.join();
         }
-        let _ = sweeper.await;
-        run_blocking(|| store.flush_all());
+        self.store.flush_all();
         tracing::info!("shutdown complete");
     }
 }
 
-async fn sweep_expired(store: Arc<Store>, mut stopping: watch::Receiver<bool>) {
-    let mut interval = tokio::time::interval(Duration::from_millis(store.config.expiry_sweep_interval_ms));
-    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = interval.tick() => {}
-            _ = stopping.changed() => return,
+fn run_worker(store: Arc<Store>, listener: std::net::TcpListener, stopping: watch::Receiver<bool>) {
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            tracing::error!(%error, "cannot start a worker runtime");
+            return;
         }
-        let entries = store.config.expiry_sweep_entries;
-        run_blocking(|| store.sweep_expired(entries));
+    };
+    runtime.block_on(async move {
+        let listener = match TcpListener::from_std(listener) {
+            Ok(listener) => listener,
+            Err(error) => {
+                tracing::error!(%error, "cannot register the listening socket");
+                return;
+            }
+        };
+        serve(store, listener, stopping).await;
+    });
+}
+
+async fn serve(store: Arc<Store>, listener: TcpListener, mut stopping: watch::Receiver<bool>) {
+    let worker_stats = store.new_worker_stats();
+    let mut connections = JoinSet::new();
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = stopping.changed() => break,
+            // Reap finished connections so the set does not grow.
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(error) => {
+                // Out of file descriptors and the like: wait instead of spinning.
+                tracing::warn!(%error, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let stats = &store.stats;
+        stats.connections_received.fetch_add(1, Ordering::Relaxed);
+        // Count first, then check, so that workers racing cannot overshoot.
+        if stats.connected_clients.fetch_add(1, Ordering::AcqRel) >= store.config.max_clients {
+            stats.connected_clients.fetch_sub(1, Ordering::AcqRel);
+            stats.connections_rejected.fetch_add(1, Ordering::Relaxed);
+            tokio::spawn(reject(stream));
+            continue;
+        }
+        let connection = Connection::new(store.clone(), worker_stats.clone(), stream);
+        let (store, stopping) = (store.clone(), stopping.clone());
+        connections.spawn(async move {
+            connection.run(stopping).await;
+            store.stats.connected_clients.fetch_sub(1, Ordering::AcqRel);
+        });
+    }
+    drop(listener);
+    let timeout = Duration::from_millis(store.config.shutdown_timeout_ms);
+    if tokio::time::timeout(timeout, async { while connections.join_next().await.is_some() {} })
+        .await
+        .is_err()
+    {
+        tracing::warn!(remaining = connections.len(), "shutdown timeout: closing remaining connections");
+        connections.abort_all();
+    }
+}
+
+/// Tells a client over the connection cap why it is being turned away.
+async fn reject(mut stream: TcpStream) {
+    let _ = stream.write_all(b"-ERR max number of clients reached\r\n").await;
+    // Close politely: read until the client hangs up, so that unread input does
+    // not turn the close into a reset that destroys the error unread.
+    let _ = stream.shutdown().await;
+    let mut sink = [0u8; 1024];
+    let drain = async { while matches!(stream.read(&mut sink).await, Ok(read) if read > 0) {} };
+    let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
+}
+
+fn sweep_expired(store: Arc<Store>, stop: Arc<AtomicBool>) {
+    let interval = Duration::from_millis(store.config.expiry_sweep_interval_ms);
+    while !stop.load(Ordering::Relaxed) {
+        thread::sleep(interval);
+        store.sweep_expired(store.config.expiry_sweep_entries);
     }
 }

@@ -68,15 +68,12 @@ pub struct Table {
 /// builds a new set, so a connection can keep using the one it holds.
 pub struct TableSet {
     tables: Vec<Arc<Table>>,
-    /// Some engine may block on I/O; commands then run off the reactor threads.
-    pub any_blocking: bool,
 }
 
 impl TableSet {
     fn new(mut tables: Vec<Arc<Table>>) -> Self {
         tables.sort_by(|a, b| b.prefix.len().cmp(&a.prefix.len()).then_with(|| a.def.name.cmp(&b.def.name)));
-        let any_blocking = tables.iter().any(|table| table.engine.capabilities().blocking);
-        Self { tables, any_blocking }
+        Self { tables }
     }
 
     /// The table that owns `key`.

@@ -16,7 +16,7 @@ use tessera_engine::Engine;
 use tessera_wire::{ReplyWriter, Request};
 
 use crate::error::{CommandError, CommandResult};
-use crate::store::Store;
+use crate::store::{Store, WorkerStats};
 use crate::tables::TableSet;
 use crate::typed::parse_i64;
 
@@ -32,21 +32,13 @@ pub struct Session {
     pub library_version: Option<Bytes>,
 }
 
-/// Counters a connection accumulates and adds to the shared ones in batches.
-#[derive(Debug, Default)]
-pub struct LocalStats {
-    pub commands: u64,
-    pub hits: u64,
-    pub misses: u64,
-}
-
 /// What a command handler works with.
 pub struct Context<'a> {
     pub store: &'a Store,
     pub tables: &'a TableSet,
     pub session: &'a mut Session,
     pub out: &'a mut ReplyWriter,
-    pub stats: &'a mut LocalStats,
+    pub stats: &'a WorkerStats,
     /// Wall-clock milliseconds, read once per batch of commands.
     pub now_ms: u64,
 }
@@ -62,11 +54,8 @@ impl Context<'_> {
     }
 
     pub fn count_lookup(&mut self, hit: bool) {
-        if hit {
-            self.stats.hits += 1;
-        } else {
-            self.stats.misses += 1;
-        }
+        let counter = if hit { &self.stats.keyspace_hits } else { &self.stats.keyspace_misses };
+        WorkerStats::add(counter, 1);
     }
 }
 
@@ -132,7 +121,7 @@ pub fn lookup(name: &[u8]) -> Option<&'static CommandSpec> {
 
 /// Runs one request and writes its reply (or error) to `context.out`.
 pub fn dispatch(context: &mut Context, request: &Request) {
-    context.stats.commands += 1;
+    WorkerStats::add(&context.stats.commands, 1);
     let mark = context.out.len();
     if let Err(error) = run(context, request) {
         // A handler that failed half-way may have written part of a reply.

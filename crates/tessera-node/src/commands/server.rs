@@ -92,13 +92,13 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
              total_net_input_bytes:{}\r\ntotal_net_output_bytes:{}\r\nrejected_connections:{}\r\n\
              expired_keys:{}\r\nkeyspace_hits:{}\r\nkeyspace_misses:{}\r\n\r\n",
             stats.connections_received.load(Ordering::Relaxed),
-            stats.commands_processed.load(Ordering::Relaxed) + context.stats.commands,
-            stats.net_input_bytes.load(Ordering::Relaxed),
-            stats.net_output_bytes.load(Ordering::Relaxed),
+            store.worker_total(|worker| &worker.commands),
+            store.worker_total(|worker| &worker.net_input_bytes),
+            store.worker_total(|worker| &worker.net_output_bytes),
             stats.connections_rejected.load(Ordering::Relaxed),
             stats.expired_keys.load(Ordering::Relaxed),
-            stats.keyspace_hits.load(Ordering::Relaxed) + context.stats.hits,
-            stats.keyspace_misses.load(Ordering::Relaxed) + context.stats.misses,
+            store.worker_total(|worker| &worker.keyspace_hits),
+            store.worker_total(|worker| &worker.keyspace_misses),
         );
     }
     let tables = context.tables.by_name();

@@ -69,19 +69,14 @@ fn create(context: &mut Context, request: &Request) -> CommandResult {
         engine: text(request.arg(5))?.to_ascii_lowercase(),
         options,
     };
-    // Opening a persistent or remote engine may block.
-    let store = context.store;
-    crate::connection::run_blocking(|| store.create_table(def))
-        .map_err(|error| CommandError::Other(error.to_string()))?;
+    context.store.create_table(def).map_err(|error| CommandError::Other(error.to_string()))?;
     context.out.ok();
     Ok(())
 }
 
 fn drop_table(context: &mut Context, request: &Request) -> CommandResult {
     let name = text(request.arg(1))?;
-    let store = context.store;
-    crate::connection::run_blocking(|| store.drop_table(&name))
-        .map_err(|error| CommandError::Other(error.to_string()))?;
+    context.store.drop_table(&name).map_err(|error| CommandError::Other(error.to_string()))?;
     context.out.ok();
     Ok(())
 }
