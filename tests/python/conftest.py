@@ -64,6 +64,30 @@ class Node:
 
 
 @pytest.fixture
+def redis_server(data_dir):
+    """A real redis-server, for the `redis` engine."""
+    port = free_port()
+    process = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", data_dir],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 10
+    while True:
+        try:
+            redis.Redis(port=port).ping()
+            break
+        except redis.ConnectionError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.05)
+    yield port
+    process.terminate()
+    process.wait(timeout=10)
+
+
+@pytest.fixture
 def data_dir():
     with tempfile.TemporaryDirectory() as path:
         yield path

@@ -96,3 +96,35 @@ def test_bad_config_is_a_clear_startup_error(data_dir):
     node = Node(data_dir, "--config", str(config))
     with pytest.raises(RuntimeError, match="unknown field"):
         node.start()
+
+
+def test_redis_server_as_the_engine(data_dir, redis_server):
+    """A real Redis behind Tessera: data lives there and outlives the node."""
+    address = f"127.0.0.1:{redis_server}"
+    node = Node(data_dir, "--engine", "redis", "--engine-option", f"addr={address}").start()
+    r = node.client()
+    r.set("k", "v")
+    r.hset("h", mapping={"f": "1"})
+    assert r.incr("n") == 1
+    assert r.get("k") == b"v"
+    r.execute_command("TABLE.CREATE", "cache", "PREFIX", "c:", "ENGINE", "redis", "addr", address, "db", "1")
+    r.set("c:1", "cached")
+    with pytest.raises(redis.ResponseError, match="already backs table"):
+        r.execute_command("TABLE.CREATE", "again", "PREFIX", "a:", "ENGINE", "redis", "addr", address, "db", "1")
+    assert node.stop() == 0
+    backing = redis.Redis(port=redis_server)
+    assert backing.dbsize() == 3, "the default table's keys live in the remote server"
+    assert redis.Redis(port=redis_server, db=1).dbsize() == 1
+    node = Node(data_dir, "--engine", "redis", "--engine-option", f"addr={address}").start()
+    r = node.client()
+    assert r.get("k") == b"v" and r.hgetall("h") == {b"f": b"1"} and r.get("c:1") == b"cached"
+    assert sorted(r.scan_iter()) == [b"c:1", b"h", b"k", b"n"]
+    node.stop()
+
+
+def test_unreachable_redis_engine_is_a_clear_error(data_dir):
+    from conftest import free_port
+
+    node = Node(data_dir, "--engine", "redis", "--engine-option", f"addr=127.0.0.1:{free_port()}")
+    with pytest.raises(RuntimeError, match="connecting to"):
+        node.start()

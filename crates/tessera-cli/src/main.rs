@@ -134,6 +134,12 @@ struct ServeArgs {
     /// How long shutdown waits for in-flight requests, in ms [default: 5000].
     #[arg(long)]
     shutdown_timeout_ms: Option<u64>,
+    /// How often expired keys are swept, in ms [default: 100].
+    #[arg(long)]
+    expiry_sweep_interval_ms: Option<u64>,
+    /// Entries each sweep reads per table [default: 256].
+    #[arg(long)]
+    expiry_sweep_entries: Option<usize>,
     /// Log filter, e.g. info or tessera_node=debug [default: info].
     #[arg(long, env = "TESSERA_LOG", default_value = "info")]
     log: String,

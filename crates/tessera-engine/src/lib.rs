@@ -6,6 +6,7 @@
 
 mod background;
 mod error;
+mod key;
 mod log;
 mod lsm;
 mod memory;
@@ -91,6 +92,15 @@ pub trait Engine: Send + Sync + 'static {
     fn capabilities(&self) -> Capabilities;
 
     fn get(&self, key: &[u8]) -> Result<Option<Bytes>>;
+
+    /// Calls `visit` with the value (or `None`) without copying it where the
+    /// engine can lend it: the hot read path answers straight from the engine's
+    /// memory. `visit` must be quick; the engine may hold a lock meanwhile.
+    fn get_with(&self, key: &[u8], visit: &mut dyn FnMut(Option<&[u8]>)) -> Result<()> {
+        let value = self.get(key)?;
+        visit(value.as_deref());
+        Ok(())
+    }
 
     /// Stores `value` under `key`, replacing any earlier value. When this returns
     /// `Ok` the write is as durable as the engine's configured policy promises.

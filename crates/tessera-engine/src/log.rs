@@ -36,6 +36,7 @@ use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
 
 use crate::background::{spawn_periodic, PeriodicTask};
+use crate::key::StoredKey;
 use crate::sharded::ShardedMap;
 use crate::{Capabilities, Engine, EngineError, KeyRange, Result, ScanCursor, ScanPage};
 
@@ -291,10 +292,10 @@ impl LogEngine {
             while let Some(record) = reader.next_record()? {
                 let mut bucket = index.bucket(&record.key).write();
                 let replaced = match &record.value {
-                    Some(_) => bucket.insert(record.key.clone(), record.location(id)),
+                    Some(_) => bucket.insert(StoredKey::new(&record.key), record.location(id)),
                     None => {
                         dead_bytes += record.bytes();
-                        bucket.remove(&record.key)
+                        bucket.remove(record.key.as_ref())
                     }
                 };
                 if record.value.is_some() {
@@ -424,7 +425,7 @@ impl Inner {
                 self.live_bytes.fetch_add(location.record_bytes(), Ordering::Relaxed);
                 match bucket.get_mut(key) {
                     Some(slot) => Some(std::mem::replace(slot, location)),
-                    None => bucket.insert(Bytes::copy_from_slice(key), location),
+                    None => bucket.insert(StoredKey::new(key), location),
                 }
             }
             None => {
@@ -491,7 +492,7 @@ impl Inner {
                     continue;
                 }
                 let old = record.location(segment.id);
-                if self.index.bucket(&record.key).read().get(&record.key) != Some(&old) {
+                if self.index.bucket(&record.key).read().get(record.key.as_ref()) != Some(&old) {
                     continue;
                 }
                 let bytes = encode_record(&record.key, record.value.as_deref())?;
@@ -512,7 +513,7 @@ impl Inner {
         // Point the index at the copies unless a newer write moved the key on.
         for (key, old, new) in &moves {
             let mut bucket = self.index.bucket(key).write();
-            if let Some(slot) = bucket.get_mut(key.as_ref()) {
+            if let Some(slot) = bucket.get_mut(key.as_ref() as &[u8]) {
                 if slot == old {
                     *slot = *new;
                 }
@@ -594,7 +595,7 @@ impl Engine for LogEngine {
         let next = self.inner.index.scan_buckets(cursor, limit, |key, _| {
             let wanted = range.contains(key);
             if wanted {
-                keys.push(key.clone());
+                keys.push(Bytes::copy_from_slice(key));
             }
             Ok(wanted)
         })?;
@@ -618,7 +619,7 @@ impl Engine for LogEngine {
         loop {
             let mut keys = Vec::new();
             let next = self.inner.index.scan_buckets(&cursor, 1024, |key, _| {
-                keys.push(key.clone());
+                keys.push(Bytes::copy_from_slice(key));
                 Ok(true)
             })?;
             for key in keys {

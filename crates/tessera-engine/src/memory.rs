@@ -1,12 +1,51 @@
 //! `memory`: a concurrent in-memory hash engine over a bucketed hash map.
+//!
+//! Small values live inside the map entry next to an inline key, so a read of a
+//! small value touches one cache line of the map and nothing else.
 
 use bytes::Bytes;
 
+use crate::key::StoredKey;
 use crate::sharded::ShardedMap;
 use crate::{Capabilities, Engine, KeyRange, Result, ScanCursor, ScanPage};
 
+/// Values up to this size are stored inline.
+const INLINE_VALUE_BYTES: usize = 30;
+
+#[derive(Clone)]
+enum StoredValue {
+    Inline { length: u8, bytes: [u8; INLINE_VALUE_BYTES] },
+    Shared(Bytes),
+}
+
+impl StoredValue {
+    fn new(value: Bytes) -> Self {
+        if value.len() <= INLINE_VALUE_BYTES {
+            let mut bytes = [0u8; INLINE_VALUE_BYTES];
+            bytes[..value.len()].copy_from_slice(&value);
+            StoredValue::Inline { length: value.len() as u8, bytes }
+        } else {
+            StoredValue::Shared(value)
+        }
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            StoredValue::Inline { length, bytes } => &bytes[..*length as usize],
+            StoredValue::Shared(bytes) => bytes,
+        }
+    }
+
+    fn to_bytes(&self) -> Bytes {
+        match self {
+            StoredValue::Inline { .. } => Bytes::copy_from_slice(self.as_slice()),
+            StoredValue::Shared(bytes) => bytes.clone(),
+        }
+    }
+}
+
 pub struct MemoryEngine {
-    map: ShardedMap<Bytes>,
+    map: ShardedMap<StoredValue>,
 }
 
 impl Default for MemoryEngine {
@@ -31,15 +70,21 @@ impl Engine for MemoryEngine {
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Bytes>> {
-        Ok(self.map.bucket(key).read().get(key).cloned())
+        Ok(self.map.bucket(key).read().get(key).map(StoredValue::to_bytes))
+    }
+
+    fn get_with(&self, key: &[u8], visit: &mut dyn FnMut(Option<&[u8]>)) -> Result<()> {
+        visit(self.map.bucket(key).read().get(key).map(StoredValue::as_slice));
+        Ok(())
     }
 
     fn put(&self, key: &[u8], value: Bytes) -> Result<()> {
+        let value = StoredValue::new(value);
         let mut bucket = self.map.bucket(key).write();
         match bucket.get_mut(key) {
             Some(slot) => *slot = value,
             None => {
-                bucket.insert(Bytes::copy_from_slice(key), value);
+                bucket.insert(StoredKey::new(key), value);
             }
         }
         Ok(())
@@ -54,7 +99,7 @@ impl Engine for MemoryEngine {
         let next = self.map.scan_buckets(cursor, limit, |key, value| {
             let wanted = range.contains(key);
             if wanted {
-                entries.push((key.clone(), value.clone()));
+                entries.push((Bytes::copy_from_slice(key), value.to_bytes()));
             }
             Ok(wanted)
         })?;

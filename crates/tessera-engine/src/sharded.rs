@@ -9,12 +9,13 @@ use bytes::Bytes;
 use hashbrown::{DefaultHashBuilder, HashMap};
 use parking_lot::RwLock;
 
+use crate::key::StoredKey;
 use crate::{EngineError, Result, ScanCursor};
 
 pub(crate) const BUCKET_COUNT: usize = 4096;
 
 pub(crate) struct ShardedMap<V> {
-    buckets: Box<[RwLock<HashMap<Bytes, V>>]>,
+    buckets: Box<[RwLock<HashMap<StoredKey, V>>]>,
     bucket_hasher: DefaultHashBuilder,
 }
 
@@ -26,7 +27,7 @@ impl<V> ShardedMap<V> {
         }
     }
 
-    pub(crate) fn bucket(&self, key: &[u8]) -> &RwLock<HashMap<Bytes, V>> {
+    pub(crate) fn bucket(&self, key: &[u8]) -> &RwLock<HashMap<StoredKey, V>> {
         // The top bits pick the bucket; the map inside hashes with its own seed.
         let hash = self.bucket_hasher.hash_one(key);
         &self.buckets[(hash >> 52) as usize % BUCKET_COUNT]
@@ -49,13 +50,13 @@ impl<V> ShardedMap<V> {
         &self,
         cursor: &ScanCursor,
         limit: usize,
-        mut visit: impl FnMut(&Bytes, &V) -> Result<bool>,
+        mut visit: impl FnMut(&[u8], &V) -> Result<bool>,
     ) -> Result<Option<ScanCursor>> {
         let mut index = decode_bucket_cursor(cursor)?;
         let mut accepted = 0;
         while index < BUCKET_COUNT && accepted < limit.max(1) {
             for (key, value) in self.buckets[index].read().iter() {
-                if visit(key, value)? {
+                if visit(key.as_slice(), value)? {
                     accepted += 1;
                 }
             }

@@ -45,23 +45,30 @@ pub struct Stored {
     pub payload: Bytes,
 }
 
+/// A stored value's header: its kind, its deadline, and where the payload starts.
+/// Bytes that are not a Tessera value (a remote Redis shared with other
+/// writers, say) are an error, not a panic.
+pub fn decode_header(raw: &[u8]) -> CommandResult<(Kind, Option<u64>, usize)> {
+    let corrupt = || CommandError::Other("stored value is not in Tessera's format".into());
+    let &first = raw.first().ok_or_else(corrupt)?;
+    let kind = match first & !EXPIRES_FLAG {
+        b's' => Kind::String,
+        b'h' => Kind::Hash,
+        _ => return Err(corrupt()),
+    };
+    if first & EXPIRES_FLAG != 0 {
+        let deadline: [u8; 8] = raw.get(1..9).ok_or_else(corrupt)?.try_into().expect("8 bytes");
+        Ok((kind, Some(u64::from_le_bytes(deadline)), 9))
+    } else {
+        Ok((kind, None, 1))
+    }
+}
+
 impl Stored {
-    /// Decodes what an engine returned. Bytes that are not a Tessera value (a
-    /// remote Redis shared with other writers, say) are an error, not a panic.
+    /// Decodes what an engine returned, sharing its buffer.
     pub fn decode(raw: Bytes) -> CommandResult<Self> {
-        let corrupt = || CommandError::Other("stored value is not in Tessera's format".into());
-        let &first = raw.first().ok_or_else(corrupt)?;
-        let kind = match first & !EXPIRES_FLAG {
-            b's' => Kind::String,
-            b'h' => Kind::Hash,
-            _ => return Err(corrupt()),
-        };
-        if first & EXPIRES_FLAG != 0 {
-            let deadline: [u8; 8] = raw.get(1..9).ok_or_else(corrupt)?.try_into().expect("8 bytes");
-            Ok(Self { kind, expires_at_ms: Some(u64::from_le_bytes(deadline)), payload: raw.slice(9..) })
-        } else {
-            Ok(Self { kind, expires_at_ms: None, payload: raw.slice(1..) })
-        }
+        let (kind, expires_at_ms, payload_start) = decode_header(&raw)?;
+        Ok(Self { kind, expires_at_ms, payload: raw.slice(payload_start..) })
     }
 
     pub fn is_expired(&self, now_ms: u64) -> bool {

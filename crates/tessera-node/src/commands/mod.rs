@@ -8,10 +8,10 @@ mod server;
 mod strings;
 mod tables;
 
-use std::collections::HashMap;
 use std::sync::OnceLock;
 
 use bytes::Bytes;
+use hashbrown::HashMap;
 use tessera_engine::Engine;
 use tessera_wire::{ReplyWriter, Request};
 

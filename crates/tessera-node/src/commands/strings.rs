@@ -6,7 +6,7 @@ use tessera_wire::Request;
 use super::{integer_arg, is, wrong_arity, CommandSpec, Context};
 use crate::error::{CommandError, CommandResult};
 use crate::store::{read_kind, read_live, write};
-use crate::typed::{parse_i64, Kind};
+use crate::typed::{decode_header, parse_i64, Kind};
 
 pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec {
@@ -158,11 +158,32 @@ pub fn deadline(now_ms: u64, amount: i64, unit_ms: i64, absolute: bool, command:
     }
 }
 
+/// The hot path: the reply is written from the engine's own copy of the value.
 fn get(context: &mut Context, request: &Request) -> CommandResult {
     let key = request.arg(1);
-    let stored = read_kind(context.engine(key), key, Kind::String, context.now_ms)?;
-    context.count_lookup(stored.is_some());
-    context.out.bulk_or_null(stored.as_ref().map(|stored| stored.payload.as_ref()));
+    let now_ms = context.now_ms;
+    let out = &mut *context.out;
+    let mut found = Ok(false);
+    context.tables.route(key).engine.get_with(key, &mut |raw| {
+        found = match raw.map(decode_header).transpose() {
+            Ok(Some((Kind::String, deadline, start)))
+                if deadline.is_none_or(|deadline| deadline > now_ms) =>
+            {
+                out.bulk(&raw.unwrap_or_default()[start..]);
+                Ok(true)
+            }
+            Ok(Some((Kind::Hash, deadline, _))) if deadline.is_none_or(|deadline| deadline > now_ms) => {
+                Err(CommandError::WrongType)
+            }
+            Ok(_) => {
+                out.null();
+                Ok(false)
+            }
+            Err(error) => Err(error),
+        };
+    })?;
+    let found = found?;
+    context.count_lookup(found);
     Ok(())
 }
 
