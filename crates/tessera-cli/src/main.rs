@@ -25,7 +25,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run a node: a RESP server over tables of chosen engines.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Read a key.
     Get { key: String },
     /// Write a key.
@@ -50,11 +50,42 @@ enum Command {
         #[arg(long, default_value_t = 1000)]
         count: u32,
     },
+    /// Run replication protocols in the deterministic simulator, with faults,
+    /// and check their histories. Exits non-zero on any violation.
+    Sim(SimArgs),
     /// Manage tables.
     Table {
         #[command(subcommand)]
         command: TableCommand,
     },
+}
+
+#[derive(Args)]
+struct SimArgs {
+    /// chain, chain-craq or primary-backup.
+    #[arg(long)]
+    protocol: String,
+    /// How many seeds to run, from --first-seed on.
+    #[arg(long, default_value_t = 100)]
+    seeds: u64,
+    #[arg(long, default_value_t = 0)]
+    first_seed: u64,
+    /// Run exactly this seed (a failing seed replays exactly) and print its history.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Faults seeds may draw from: all, none, or a list of delay, reorder, drop,
+    /// partition, crash, skew, suspicion.
+    #[arg(long, default_value = "all")]
+    faults: String,
+    #[arg(long, default_value_t = 3)]
+    replicas: u32,
+    #[arg(long, default_value_t = 4)]
+    clients: usize,
+    /// Virtual milliseconds of traffic with faults, then after healing.
+    #[arg(long, default_value_t = 3000)]
+    safety_ms: u64,
+    #[arg(long, default_value_t = 2000)]
+    liveness_ms: u64,
 }
 
 #[derive(Subcommand)]
@@ -245,7 +276,7 @@ fn run_command(connection: &ConnectionArgs, args: &[&str]) -> Result<Value, Stri
 
 fn client_command(connection: &ConnectionArgs, command: Command) -> Result<(), String> {
     match command {
-        Command::Serve(_) => unreachable!("handled by main"),
+        Command::Serve(_) | Command::Sim(_) => unreachable!("handled by main"),
         Command::Get { key } => match run_command(connection, &["GET", &key])? {
             Value::Null => Err(format!("no such key: {key}")),
             value => {
@@ -311,10 +342,85 @@ fn client_command(connection: &ConnectionArgs, command: Command) -> Result<(), S
     }
 }
 
+fn simulate(args: SimArgs) -> Result<(), String> {
+    let protocol: tessera_sim::ProtocolKind = args.protocol.parse()?;
+    let config = tessera_sim::SimConfig {
+        faults: tessera_sim::FaultKind::parse_list(&args.faults)?,
+        replicas: args.replicas,
+        clients: args.clients,
+        safety_ms: args.safety_ms,
+        liveness_ms: args.liveness_ms,
+        ..tessera_sim::SimConfig::new(protocol)
+    };
+    if args.replicas == 0 || args.clients == 0 {
+        return Err("--replicas and --clients must be at least 1".into());
+    }
+    let seeds = match args.seed {
+        Some(seed) => seed..seed + 1,
+        None => args.first_seed..args.first_seed + args.seeds,
+    };
+    let started = std::time::Instant::now();
+    let (mut runs, mut failed, mut inconclusive) = (0u64, 0u64, 0u64);
+    let (mut completed, mut unknown, mut view_changes, mut lost, mut acknowledged) =
+        (0u64, 0u64, 0u64, 0u64, 0u64);
+    let mut strong_reads: std::collections::BTreeMap<u32, u64> = Default::default();
+    for seed in seeds {
+        let report = tessera_sim::run(seed, &config);
+        runs += 1;
+        completed += report.completed;
+        unknown += report.unknown;
+        view_changes += report.view_changes;
+        lost += report.lost_acknowledged_writes;
+        acknowledged += report.acknowledged_writes;
+        for (replica, count) in &report.strong_reads_by_replica {
+            *strong_reads.entry(*replica).or_default() += count;
+        }
+        if report.inconclusive {
+            inconclusive += 1;
+        }
+        if args.seed.is_some() {
+            println!("seed {seed}: faults {}", report.faults.describe());
+            for line in &report.log {
+                println!("  {line}");
+            }
+            if std::env::var_os("TESSERA_SIM_HISTORY").is_some() {
+                for operation in &report.history.operations {
+                    println!("  {operation:?}");
+                }
+            }
+        }
+        if !report.violations.is_empty() {
+            failed += 1;
+            println!("FAIL seed {seed} faults {}", report.faults.describe());
+            for violation in &report.violations {
+                println!("  {violation}");
+            }
+            println!("  replay: tessera sim --protocol {} --seed {seed}", protocol.name());
+        }
+    }
+    println!(
+        "{}: {runs} seeds in {:.1}s, {failed} failed, {inconclusive} inconclusive",
+        protocol.name(),
+        started.elapsed().as_secs_f64()
+    );
+    println!(
+        "  operations completed {completed}, unknown outcome {unknown}, view changes {view_changes}, \
+         acknowledged writes {acknowledged}, acknowledged writes lost {lost}"
+    );
+    let reads: Vec<String> =
+        strong_reads.iter().map(|(replica, count)| format!("n{replica}={count}")).collect();
+    println!("  strong reads received per replica: {}", reads.join(" "));
+    if failed > 0 {
+        return Err(format!("{failed} of {runs} seeds violated a checked property"));
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Serve(args) => serve(args),
+        Command::Serve(args) => serve(*args),
+        Command::Sim(args) => simulate(args),
         command => client_command(&cli.connection, command),
     };
     match result {

@@ -1,0 +1,550 @@
+//! MS+SC: chain replication (bespokv.txt section IV-A; van Renesse and
+//! Schneider, OSDI 2004), with CRAQ-style reads as an option (Terrace and
+//! Freedman, USENIX ATC 2009).
+//!
+//! Guarantees: gets, puts, deletes and increments are linearizable; a write
+//! acknowledged to a client is applied at every replica of the chain.
+//!
+//! Writes enter at the head, which numbers them; every replica applies them in
+//! number order, keeps them in its *sent list* until the tail's cumulative
+//! acknowledgement comes back, and forwards them to its successor. The head
+//! answers the client when the acknowledgement reaches it. Strong reads are
+//! answered by the tail (or, with CRAQ reads, by any replica whose copy of the key
+//! is clean), always under a lease from the coordinator.
+//!
+//! Network assumptions: none beyond eventual delivery between live replicas.
+//! Messages may be lost, duplicated, delayed or reordered: a replica applies only
+//! the next number, and a replica whose sent list makes no progress resends it.
+//! Messages from another view are ignored (fencing).
+//!
+//! Failover follows the views the coordinator installs (section IV-A,
+//! "Failover"): a new successor is sent the whole sent list; a replica that
+//! becomes the tail commits everything it has applied; a new head numbers new
+//! writes after the highest it applied.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tessera_engine::Engine;
+
+use crate::record::{Record, Version};
+use crate::{
+    increment_value, ClientReply, ClientRequest, Consistency, Effects, NodeId, Operation, PeerMessage,
+    Progress, Protocol, RequestId, ShardView, Time, Write,
+};
+
+#[derive(Clone, Debug)]
+pub struct ChainOptions {
+    /// Let any replica answer a strong read of a clean key (CRAQ).
+    pub craq_reads: bool,
+    /// Resend the sent list when it has made no progress for this long.
+    pub retransmit_after_ms: u64,
+    /// The most entries resent at once.
+    pub resend_batch_max: usize,
+    /// Deliberately wrong, for proving the checkers: the head answers before the
+    /// tail has the write.
+    #[cfg(feature = "broken")]
+    pub broken_early_ack: bool,
+}
+
+impl Default for ChainOptions {
+    fn default() -> Self {
+        Self {
+            craq_reads: false,
+            retransmit_after_ms: 50,
+            resend_batch_max: 512,
+            #[cfg(feature = "broken")]
+            broken_early_ack: false,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ChainMessage {
+    /// Write number `seq`, accepted by `origin` (the head), flowing down the chain.
+    Forward { view: u64, seq: u64, origin: NodeId, key: Bytes, write: Write },
+    /// Every write up to `seq` is applied at the tail; flows up the chain.
+    Ack { view: u64, seq: u64 },
+    /// CRAQ: a strong read of a dirty key, asked of the tail.
+    ReadForward { view: u64, request: RequestId, key: Bytes },
+    /// The tail's answer; `None` when it could not serve (no lease).
+    ReadReply { view: u64, request: RequestId, value: Option<Option<Bytes>> },
+}
+
+impl ChainMessage {
+    fn view(&self) -> u64 {
+        match self {
+            ChainMessage::Forward { view, .. }
+            | ChainMessage::Ack { view, .. }
+            | ChainMessage::ReadForward { view, .. }
+            | ChainMessage::ReadReply { view, .. } => *view,
+        }
+    }
+}
+
+struct SentEntry {
+    origin: NodeId,
+    key: Bytes,
+    write: Write,
+}
+
+/// What the head tells a client once its write commits.
+enum Answer {
+    Written,
+    Value(Bytes),
+}
+
+pub struct ChainReplication {
+    me: NodeId,
+    engine: Arc<dyn Engine>,
+    options: ChainOptions,
+    view: Option<ShardView>,
+    /// The highest write number applied here (writes are applied in order).
+    applied: u64,
+    /// The highest write number known to be applied at the tail.
+    acked: u64,
+    /// Applied here, not yet acknowledged by the tail.
+    sent: BTreeMap<u64, SentEntry>,
+    /// At the head: clients waiting for their write to commit.
+    waiting: HashMap<u64, (RequestId, Answer)>,
+    /// Keys with an entry in `sent` and how many (CRAQ's dirty keys).
+    dirty: HashMap<Bytes, u32>,
+    /// When the sent list last made progress (or was last resent).
+    last_progress_at: Time,
+}
+
+impl ChainReplication {
+    pub fn new(me: NodeId, engine: Arc<dyn Engine>, options: ChainOptions) -> Self {
+        Self {
+            me,
+            engine,
+            options,
+            view: None,
+            applied: 0,
+            acked: 0,
+            sent: BTreeMap::new(),
+            waiting: HashMap::new(),
+            dirty: HashMap::new(),
+            last_progress_at: 0,
+        }
+    }
+
+    fn position(&self) -> Option<usize> {
+        self.view.as_ref()?.position(self.me)
+    }
+
+    fn neighbour(&self, offset: isize) -> Option<NodeId> {
+        let view = self.view.as_ref()?;
+        let position = view.position(self.me)? as isize + offset;
+        usize::try_from(position).ok().and_then(|position| view.replicas.get(position)).copied()
+    }
+
+    fn predecessor(&self) -> Option<NodeId> {
+        self.neighbour(-1)
+    }
+
+    fn successor(&self) -> Option<NodeId> {
+        self.neighbour(1)
+    }
+
+    fn tail(&self) -> Option<NodeId> {
+        self.view.as_ref()?.replicas.last().copied()
+    }
+
+    fn view_number(&self) -> u64 {
+        self.view.as_ref().map_or(0, |view| view.number)
+    }
+
+    fn lease_valid(&self, now: Time) -> bool {
+        self.view.as_ref().is_some_and(|view| now < view.lease_until)
+    }
+
+    fn read_local(&self, key: &[u8]) -> Result<Option<Bytes>, String> {
+        match self.engine.get(key).map_err(|error| error.to_string())? {
+            None => Ok(None),
+            Some(raw) => {
+                let record = Record::decode(raw).map_err(|error| error.to_string())?;
+                Ok(record.visible().cloned())
+            }
+        }
+    }
+
+    /// Applies write `seq` to the engine; the caller checked it is the next one.
+    fn apply(&mut self, seq: u64, origin: NodeId, key: &Bytes, write: &Write) -> Result<(), String> {
+        debug_assert_eq!(seq, self.applied + 1);
+        let result = match write {
+            Write::Put(value) => {
+                self.engine.put(key, Record::value(Version(seq), origin, value.clone()).encode()).map(drop)
+            }
+            Write::Delete => self.engine.delete(key).map(drop),
+        };
+        result.map_err(|error| error.to_string())?;
+        self.applied = seq;
+        Ok(())
+    }
+
+    fn forward(&self, seq: u64, entry: &SentEntry) -> PeerMessage {
+        PeerMessage::Chain(ChainMessage::Forward {
+            view: self.view_number(),
+            seq,
+            origin: entry.origin,
+            key: entry.key.clone(),
+            write: entry.write.clone(),
+        })
+    }
+
+    /// Keeps an applied write until the tail acknowledges it, and passes it on.
+    fn remember_and_forward(&mut self, seq: u64, entry: SentEntry, fx: &mut Effects) {
+        *self.dirty.entry(entry.key.clone()).or_default() += 1;
+        if let Some(successor) = self.successor() {
+            fx.send(successor, self.forward(seq, &entry));
+        }
+        if self.sent.is_empty() {
+            self.last_progress_at = fx.now();
+        }
+        self.sent.insert(seq, entry);
+    }
+
+    /// Everything up to `seq` is applied at the tail: answer waiting clients and
+    /// tell the predecessor.
+    fn commit_through(&mut self, seq: u64, fx: &mut Effects) {
+        if seq <= self.acked {
+            return;
+        }
+        self.acked = seq;
+        self.last_progress_at = fx.now();
+        while let Some(entry) = self.sent.first_entry() {
+            if *entry.key() > seq {
+                break;
+            }
+            let (number, entry) = entry.remove_entry();
+            if let Some(count) = self.dirty.get_mut(&entry.key) {
+                *count -= 1;
+                if *count == 0 {
+                    self.dirty.remove(&entry.key);
+                }
+            }
+            if let Some((request, answer)) = self.waiting.remove(&number) {
+                let reply = match answer {
+                    Answer::Written => ClientReply::Written,
+                    Answer::Value(value) => ClientReply::Value(Some(value)),
+                };
+                fx.reply(request, reply);
+            }
+        }
+        if let Some(predecessor) = self.predecessor() {
+            fx.send(predecessor, PeerMessage::Chain(ChainMessage::Ack { view: self.view_number(), seq }));
+        }
+    }
+
+    fn resend_sent(&mut self, to: NodeId, fx: &mut Effects) {
+        let messages: Vec<PeerMessage> = self
+            .sent
+            .iter()
+            .take(self.options.resend_batch_max)
+            .map(|(seq, entry)| self.forward(*seq, entry))
+            .collect();
+        for message in messages {
+            fx.send(to, message);
+        }
+        self.last_progress_at = fx.now();
+    }
+
+    fn on_read(&mut self, request: RequestId, key: Bytes, consistency: Consistency, fx: &mut Effects) {
+        let local = |chain: &Self| match chain.read_local(&key) {
+            Ok(value) => ClientReply::Value(value),
+            Err(error) => ClientReply::Failed(error),
+        };
+        let reply = match consistency {
+            Consistency::Eventual => local(self),
+            Consistency::Strong if !self.lease_valid(fx.now()) => ClientReply::Retry("lease expired"),
+            Consistency::Strong if self.successor().is_none() => local(self),
+            Consistency::Strong if self.options.craq_reads && !self.dirty.contains_key(&key) => local(self),
+            Consistency::Strong if self.options.craq_reads => {
+                let tail = self.tail().expect("a replica in a view has a tail");
+                let message = ChainMessage::ReadForward { view: self.view_number(), request, key };
+                fx.send(tail, PeerMessage::Chain(message));
+                return;
+            }
+            Consistency::Strong => ClientReply::Retry("strong reads go to the tail"),
+        };
+        fx.reply(request, reply);
+    }
+
+    fn on_write(&mut self, request: RequestId, operation: Operation, fx: &mut Effects) {
+        if self.predecessor().is_some() {
+            return fx.reply(request, ClientReply::Retry("writes go to the head"));
+        }
+        let alone = self.successor().is_none();
+        // A head that is also the tail commits alone, so it needs the lease.
+        if alone && !self.lease_valid(fx.now()) {
+            return fx.reply(request, ClientReply::Retry("lease expired"));
+        }
+        let (key, write, answer) = match operation {
+            Operation::Put { key, value } => (key, Write::Put(value), Answer::Written),
+            Operation::Delete { key } => (key, Write::Delete, Answer::Written),
+            Operation::Increment { key, delta } => {
+                // The head holds every write it ordered, so its copy is the
+                // newest; the result travels down the chain as a plain put.
+                let updated =
+                    self.read_local(&key).and_then(|current| increment_value(current.as_deref(), delta));
+                match updated {
+                    Ok(updated) => (key, Write::Put(updated.clone()), Answer::Value(updated)),
+                    Err(error) => return fx.reply(request, ClientReply::Failed(error)),
+                }
+            }
+            Operation::Get { .. } => unreachable!("reads are handled by on_read"),
+        };
+        let seq = self.applied + 1;
+        if let Err(error) = self.apply(seq, self.me, &key, &write) {
+            return fx.reply(request, ClientReply::Failed(error));
+        }
+        #[cfg(feature = "broken")]
+        if self.options.broken_early_ack {
+            fx.reply(
+                request,
+                match answer {
+                    Answer::Written => ClientReply::Written,
+                    Answer::Value(value) => ClientReply::Value(Some(value)),
+                },
+            );
+            self.remember_and_forward(seq, SentEntry { origin: self.me, key, write }, fx);
+            return;
+        }
+        self.waiting.insert(seq, (request, answer));
+        self.remember_and_forward(seq, SentEntry { origin: self.me, key, write }, fx);
+        if alone {
+            self.commit_through(seq, fx);
+        }
+    }
+
+    fn on_forward(
+        &mut self,
+        from: NodeId,
+        seq: u64,
+        origin: NodeId,
+        key: Bytes,
+        write: Write,
+        fx: &mut Effects,
+    ) {
+        if Some(from) != self.predecessor() {
+            return;
+        }
+        let view = self.view_number();
+        if seq <= self.applied {
+            // A resend: our acknowledgement may have been lost on the way up.
+            if self.acked > 0 {
+                fx.send(from, PeerMessage::Chain(ChainMessage::Ack { view, seq: self.acked }));
+            }
+            return;
+        }
+        if seq != self.applied + 1 {
+            return; // a gap: the predecessor resends what is missing
+        }
+        if let Err(error) = self.apply(seq, origin, &key, &write) {
+            tracing::error!(replica = %self.me, seq, %error, "cannot apply a forwarded write; waiting for a resend");
+            return;
+        }
+        self.remember_and_forward(seq, SentEntry { origin, key, write }, fx);
+        if self.successor().is_none() {
+            self.commit_through(seq, fx);
+        }
+    }
+}
+
+impl Protocol for ChainReplication {
+    fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
+        if self.position().is_none() {
+            return fx.reply(request.id, ClientReply::Retry("not a replica of this shard"));
+        }
+        match request.operation {
+            Operation::Get { key, consistency } => self.on_read(request.id, key, consistency, fx),
+            operation => self.on_write(request.id, operation, fx),
+        }
+    }
+
+    fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
+        let PeerMessage::Chain(message) = message else { return };
+        if self.position().is_none() || message.view() != self.view_number() {
+            return; // another view's message: fenced off
+        }
+        match message {
+            ChainMessage::Forward { seq, origin, key, write, .. } => {
+                self.on_forward(from, seq, origin, key, write, fx)
+            }
+            ChainMessage::Ack { seq, .. } => {
+                if Some(from) == self.successor() {
+                    self.commit_through(seq, fx);
+                }
+            }
+            ChainMessage::ReadForward { view, request, key } => {
+                let value = if self.successor().is_none() && self.lease_valid(fx.now()) {
+                    self.read_local(&key).ok()
+                } else {
+                    None
+                };
+                fx.send(from, PeerMessage::Chain(ChainMessage::ReadReply { view, request, value }));
+            }
+            ChainMessage::ReadReply { request, value, .. } => {
+                let reply = match value {
+                    Some(value) => ClientReply::Value(value),
+                    None => ClientReply::Retry("the tail could not serve the read"),
+                };
+                fx.reply(request, reply);
+            }
+        }
+    }
+
+    fn on_tick(&mut self, fx: &mut Effects) {
+        let stalled = fx.now().saturating_sub(self.last_progress_at) >= self.options.retransmit_after_ms;
+        if let Some(successor) = self.successor() {
+            if stalled && !self.sent.is_empty() {
+                self.resend_sent(successor, fx);
+            }
+        }
+    }
+
+    fn on_view(&mut self, view: &ShardView, fx: &mut Effects) {
+        if let Some(current) = &mut self.view {
+            if view.number < current.number {
+                return;
+            }
+            if view.number == current.number {
+                current.lease_until = current.lease_until.max(view.lease_until);
+                return;
+            }
+        }
+        let old_successor = self.successor();
+        self.view = Some(view.clone());
+        if self.position().is_none() {
+            return; // removed from the chain: serve nothing until added back
+        }
+        match self.successor() {
+            // A new successor may lack anything not yet acknowledged.
+            Some(successor) if Some(successor) != old_successor => self.resend_sent(successor, fx),
+            Some(_) => {}
+            // The tail's copy is the committed one: all it applied is committed.
+            // (A predecessor that missed an older acknowledgement resends, and
+            // a resend is acknowledged.)
+            None => self.commit_through(self.applied, fx),
+        }
+    }
+
+    fn progress(&self) -> Progress {
+        Progress { applied: self.applied }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Effect;
+    use tessera_engine::MemoryEngine;
+
+    fn replica(id: u32) -> ChainReplication {
+        ChainReplication::new(NodeId(id), Arc::new(MemoryEngine::new()), ChainOptions::default())
+    }
+
+    fn view(number: u64, replicas: &[u32]) -> ShardView {
+        ShardView { number, replicas: replicas.iter().map(|id| NodeId(*id)).collect(), lease_until: 1_000 }
+    }
+
+    fn put(id: u64, key: &str, value: &str) -> ClientRequest {
+        ClientRequest {
+            id: RequestId(id),
+            operation: Operation::Put {
+                key: Bytes::from(key.to_string()),
+                value: Bytes::from(value.to_string()),
+            },
+        }
+    }
+
+    fn forward(view: u64, seq: u64, key: &str, value: &str) -> PeerMessage {
+        PeerMessage::Chain(ChainMessage::Forward {
+            view,
+            seq,
+            origin: NodeId(1),
+            key: Bytes::from(key.to_string()),
+            write: Write::Put(Bytes::from(value.to_string())),
+        })
+    }
+
+    fn ack(view: u64, seq: u64) -> PeerMessage {
+        PeerMessage::Chain(ChainMessage::Ack { view, seq })
+    }
+
+    #[test]
+    fn head_forwards_and_answers_only_after_the_tail_acknowledges() {
+        let mut head = replica(1);
+        let mut fx = Effects::new(10);
+        head.on_view(&view(1, &[1, 2, 3]), &mut fx);
+        head.on_client(put(7, "k", "v"), &mut fx);
+        assert_eq!(fx.take(), vec![Effect::Send { to: NodeId(2), message: forward(1, 1, "k", "v") }]);
+        head.on_peer(NodeId(2), ack(1, 1), &mut fx);
+        assert_eq!(fx.take(), vec![Effect::Reply { request: RequestId(7), reply: ClientReply::Written }]);
+    }
+
+    #[test]
+    fn tail_applies_in_order_and_acknowledges_cumulatively() {
+        let mut tail = replica(3);
+        let mut fx = Effects::new(10);
+        tail.on_view(&view(1, &[1, 2, 3]), &mut fx);
+        tail.on_peer(NodeId(2), forward(1, 2, "k", "second"), &mut fx);
+        assert_eq!(fx.take(), Vec::<Effect>::new(), "a gap is not applied");
+        tail.on_peer(NodeId(2), forward(1, 1, "k", "first"), &mut fx);
+        assert_eq!(fx.take(), vec![Effect::Send { to: NodeId(2), message: ack(1, 1) }]);
+        tail.on_peer(NodeId(2), forward(1, 1, "k", "first"), &mut fx);
+        assert_eq!(
+            fx.take(),
+            vec![Effect::Send { to: NodeId(2), message: ack(1, 1) }],
+            "a resend is re-acknowledged"
+        );
+        tail.on_peer(NodeId(2), forward(7, 2, "k", "second"), &mut fx);
+        assert_eq!(fx.take(), Vec::<Effect>::new(), "another view's message is ignored");
+    }
+
+    #[test]
+    fn new_successor_gets_the_sent_list_and_a_new_tail_commits() {
+        let mut head = replica(1);
+        let mut fx = Effects::new(10);
+        head.on_view(&view(1, &[1, 2, 3]), &mut fx);
+        head.on_client(put(7, "k", "v"), &mut fx);
+        fx.take();
+        // The middle replica fails: the head resends to the tail.
+        head.on_view(&view(2, &[1, 3]), &mut fx);
+        assert_eq!(fx.take(), vec![Effect::Send { to: NodeId(3), message: forward(2, 1, "k", "v") }]);
+        // Then the tail fails: the head is alone and everything it applied commits.
+        head.on_view(&view(3, &[1]), &mut fx);
+        assert_eq!(fx.take(), vec![Effect::Reply { request: RequestId(7), reply: ClientReply::Written }]);
+    }
+
+    #[test]
+    fn strong_reads_need_the_tail_and_a_lease() {
+        let read = |id| ClientRequest {
+            id: RequestId(id),
+            operation: Operation::Get { key: Bytes::from_static(b"k"), consistency: Consistency::Strong },
+        };
+        let mut middle = replica(2);
+        let mut fx = Effects::new(10);
+        middle.on_view(&view(1, &[1, 2, 3]), &mut fx);
+        middle.on_client(read(1), &mut fx);
+        assert_eq!(
+            fx.take(),
+            vec![Effect::Reply {
+                request: RequestId(1),
+                reply: ClientReply::Retry("strong reads go to the tail")
+            }]
+        );
+        let mut tail = replica(3);
+        tail.on_view(&view(1, &[1, 2, 3]), &mut fx);
+        tail.on_client(read(2), &mut fx);
+        assert_eq!(fx.take(), vec![Effect::Reply { request: RequestId(2), reply: ClientReply::Value(None) }]);
+        let mut late = Effects::new(5_000);
+        tail.on_client(read(3), &mut late);
+        assert_eq!(
+            late.take(),
+            vec![Effect::Reply { request: RequestId(3), reply: ClientReply::Retry("lease expired") }]
+        );
+    }
+}

@@ -1,0 +1,208 @@
+//! Replication protocols as sans-IO state machines (dkvf.txt: protocols as event
+//! handlers close to their pseudocode).
+//!
+//! A protocol instance serves one shard on one replica. It reacts to four events
+//! ([`Protocol`]) and asks for everything outside itself through [`Effects`]: no
+//! sockets, threads, clocks or global randomness, so the same code runs in the
+//! node and in the deterministic simulator. Engine calls are made directly.
+
+pub mod chain;
+pub mod primary_backup;
+pub mod record;
+
+use bytes::Bytes;
+
+pub use chain::{ChainOptions, ChainReplication};
+pub use primary_backup::{PrimaryBackup, PrimaryBackupOptions};
+pub use record::{Hlc, Record, Version};
+
+/// A replica's identity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NodeId(pub u32);
+
+impl std::fmt::Display for NodeId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "n{}", self.0)
+    }
+}
+
+/// Milliseconds on the local clock of the replica handling the event.
+pub type Time = u64;
+
+/// Chosen by the driver; unique among the requests a replica has outstanding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RequestId(pub u64);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Consistency {
+    /// Linearizable.
+    Strong,
+    /// Any replica's current copy.
+    Eventual,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Operation {
+    Get {
+        key: Bytes,
+        consistency: Consistency,
+    },
+    Put {
+        key: Bytes,
+        value: Bytes,
+    },
+    Delete {
+        key: Bytes,
+    },
+    /// Adds `delta` to the decimal integer stored at `key` (absent counts as 0)
+    /// and returns the new value: a read-modify-write, like INCRBY.
+    Increment {
+        key: Bytes,
+        delta: i64,
+    },
+}
+
+impl Operation {
+    pub fn key(&self) -> &Bytes {
+        match self {
+            Operation::Get { key, .. }
+            | Operation::Put { key, .. }
+            | Operation::Delete { key }
+            | Operation::Increment { key, .. } => key,
+        }
+    }
+
+    pub fn is_write(&self) -> bool {
+        !matches!(self, Operation::Get { .. })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClientRequest {
+    pub id: RequestId,
+    pub operation: Operation,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClientReply {
+    /// A get's value, or an increment's new value.
+    Value(Option<Bytes>),
+    /// A put or delete took effect.
+    Written,
+    /// This replica cannot serve the request now (not the head, lease expired,
+    /// view changing); the client should ask the coordinator and try again. The
+    /// operation did not take effect.
+    Retry(&'static str),
+    /// The operation failed and did not take effect (an increment of a value
+    /// that is not an integer, an engine error).
+    Failed(String),
+}
+
+/// A write as replicas ship it to each other.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Write {
+    Put(Bytes),
+    Delete,
+}
+
+/// The coordinator's view of one shard.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardView {
+    /// Increases with every change.
+    pub number: u64,
+    /// The replicas in order: for chain replication head first, tail last; for
+    /// primary–backup the primary first.
+    pub replicas: Vec<NodeId>,
+    /// Until when (local clock) this replica may answer strong reads alone. The
+    /// driver computes it from the coordinator's lease grants.
+    pub lease_until: Time,
+}
+
+impl ShardView {
+    pub fn position(&self, node: NodeId) -> Option<usize> {
+        self.replicas.iter().position(|replica| *replica == node)
+    }
+}
+
+/// Messages between replicas. Every message carries the sender's view number.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PeerMessage {
+    Chain(chain::ChainMessage),
+    Backup(primary_backup::BackupMessage),
+}
+
+/// What a protocol asks its driver to do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Effect {
+    /// Deliver `message` to `to`. Protocols say what they assume of the channel.
+    Send { to: NodeId, message: PeerMessage },
+    /// Answer the client. Emitted only once the promised durability holds.
+    Reply { request: RequestId, reply: ClientReply },
+}
+
+/// The sink a handler writes effects into, with the local time of the event.
+#[derive(Debug)]
+pub struct Effects {
+    now: Time,
+    effects: Vec<Effect>,
+}
+
+impl Effects {
+    pub fn new(now: Time) -> Self {
+        Self { now, effects: Vec::new() }
+    }
+
+    /// The local time at which the event is handled.
+    pub fn now(&self) -> Time {
+        self.now
+    }
+
+    pub fn send(&mut self, to: NodeId, message: PeerMessage) {
+        self.effects.push(Effect::Send { to, message });
+    }
+
+    pub fn reply(&mut self, request: RequestId, reply: ClientReply) {
+        self.effects.push(Effect::Reply { request, reply });
+    }
+
+    pub fn take(&mut self) -> Vec<Effect> {
+        std::mem::take(&mut self.effects)
+    }
+
+    pub fn as_slice(&self) -> &[Effect] {
+        &self.effects
+    }
+}
+
+/// A replica's progress, reported with heartbeats so that the coordinator can
+/// pick whom to promote.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// The highest write sequence number applied locally.
+    pub applied: u64,
+}
+
+/// A replication protocol as event handlers.
+///
+/// Handlers run one at a time per instance (the driver serialises them).
+pub trait Protocol: Send {
+    fn on_client(&mut self, request: ClientRequest, fx: &mut Effects);
+    fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects);
+    fn on_tick(&mut self, fx: &mut Effects);
+    fn on_view(&mut self, view: &ShardView, fx: &mut Effects);
+    fn progress(&self) -> Progress;
+}
+
+/// Applies an increment to a stored value, as INCRBY would.
+pub fn increment_value(current: Option<&[u8]>, delta: i64) -> Result<Bytes, String> {
+    let current = match current {
+        None => 0,
+        Some(text) => std::str::from_utf8(text)
+            .ok()
+            .and_then(|text| text.parse::<i64>().ok())
+            .ok_or_else(|| "value is not an integer or out of range".to_string())?,
+    };
+    let updated =
+        current.checked_add(delta).ok_or_else(|| "increment or decrement would overflow".to_string())?;
+    Ok(Bytes::from(updated.to_string()))
+}

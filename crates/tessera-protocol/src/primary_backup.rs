@@ -1,0 +1,458 @@
+//! MS+EC: primary–backup with asynchronous, batched propagation
+//! (bespokv.txt section IV, MS+EC).
+//!
+//! Guarantees: the primary applies and acknowledges a write at once, then ships
+//! it; every replica applies the primary's writes in the primary's order, so
+//! replicas converge once writes stop. Reads may be served by any replica
+//! (eventual) or by the primary under its lease (strong, until a failover).
+//! Loss window: writes the primary acknowledged but had not shipped when it
+//! failed are lost when a backup is promoted. The simulator measures it.
+//!
+//! Each write carries (view, number). A backup reports the number and view of
+//! the last write it applied; the primary ships the rest only if it holds the
+//! same entry (so the backup's history is a prefix of its own), and otherwise
+//! sends a snapshot of its whole state. A backup that applied writes of a
+//! deposed primary that the new primary never had is thereby reset, not left
+//! diverged.
+//!
+//! Network assumptions: none beyond eventual delivery between live replicas;
+//! backups report their position every tick and the primary resends what makes
+//! no progress. Messages from another view are ignored.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tessera_engine::{Engine, KeyRange, ScanCursor};
+
+use crate::record::{Record, Version};
+use crate::{
+    increment_value, ClientReply, ClientRequest, Consistency, Effects, NodeId, Operation, PeerMessage,
+    Progress, Protocol, ShardView, Time, Write,
+};
+
+#[derive(Clone, Debug)]
+pub struct PrimaryBackupOptions {
+    /// Entries per update message.
+    pub batch_max: usize,
+    /// Recent entries kept to bring backups up to date; a backup further
+    /// behind gets a snapshot.
+    pub log_entries_max: usize,
+    /// Resend what a backup has not confirmed after this long.
+    pub retransmit_after_ms: u64,
+}
+
+impl Default for PrimaryBackupOptions {
+    fn default() -> Self {
+        Self { batch_max: 256, log_entries_max: 100_000, retransmit_after_ms: 50 }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LogEntry {
+    pub seq: u64,
+    /// The view whose primary ordered this write.
+    pub epoch: u64,
+    pub origin: NodeId,
+    pub key: Bytes,
+    pub write: Write,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BackupMessage {
+    /// Consecutive entries, in order.
+    Updates { view: u64, entries: Vec<LogEntry> },
+    /// The primary's whole state (raw engine values) as of (`epoch`, `applied`).
+    Snapshot { view: u64, applied: u64, epoch: u64, entries: Vec<(Bytes, Bytes)> },
+    /// A backup's position: the last entry it applied.
+    Position { view: u64, applied: u64, epoch: u64 },
+}
+
+impl BackupMessage {
+    fn view(&self) -> u64 {
+        match self {
+            BackupMessage::Updates { view, .. }
+            | BackupMessage::Snapshot { view, .. }
+            | BackupMessage::Position { view, .. } => *view,
+        }
+    }
+}
+
+/// What the primary knows of one backup.
+#[derive(Clone, Debug, Default)]
+struct BackupState {
+    /// The last entry the backup confirmed to hold, once its history is known
+    /// to be a prefix of the primary's.
+    confirmed: Option<u64>,
+    /// The highest entry sent, and when.
+    sent_upto: u64,
+    last_sent_at: Time,
+    snapshot_sent_at: Option<Time>,
+}
+
+pub struct PrimaryBackup {
+    me: NodeId,
+    engine: Arc<dyn Engine>,
+    options: PrimaryBackupOptions,
+    view: Option<ShardView>,
+    applied: u64,
+    /// The view of the entry at `applied`.
+    applied_epoch: u64,
+    /// Recent entries, for bringing backups up to date (every replica keeps
+    /// them: any may become primary).
+    log: BTreeMap<u64, LogEntry>,
+    backups: HashMap<NodeId, BackupState>,
+}
+
+impl PrimaryBackup {
+    pub fn new(me: NodeId, engine: Arc<dyn Engine>, options: PrimaryBackupOptions) -> Self {
+        Self {
+            me,
+            engine,
+            options,
+            view: None,
+            applied: 0,
+            applied_epoch: 0,
+            log: BTreeMap::new(),
+            backups: HashMap::new(),
+        }
+    }
+
+    fn view_number(&self) -> u64 {
+        self.view.as_ref().map_or(0, |view| view.number)
+    }
+
+    fn primary(&self) -> Option<NodeId> {
+        self.view.as_ref()?.replicas.first().copied()
+    }
+
+    fn is_primary(&self) -> bool {
+        self.primary() == Some(self.me)
+    }
+
+    fn lease_valid(&self, now: Time) -> bool {
+        self.view.as_ref().is_some_and(|view| now < view.lease_until)
+    }
+
+    fn read_local(&self, key: &[u8]) -> Result<Option<Bytes>, String> {
+        match self.engine.get(key).map_err(|error| error.to_string())? {
+            None => Ok(None),
+            Some(raw) => Ok(Record::decode(raw).map_err(|error| error.to_string())?.visible().cloned()),
+        }
+    }
+
+    fn apply(&mut self, entry: LogEntry) -> Result<(), String> {
+        debug_assert_eq!(entry.seq, self.applied + 1);
+        let result = match &entry.write {
+            Write::Put(value) => {
+                let record = Record::value(Version(entry.seq), entry.origin, value.clone());
+                self.engine.put(&entry.key, record.encode()).map(drop)
+            }
+            Write::Delete => self.engine.delete(&entry.key).map(drop),
+        };
+        result.map_err(|error| error.to_string())?;
+        self.applied = entry.seq;
+        self.applied_epoch = entry.epoch;
+        self.log.insert(entry.seq, entry);
+        while self.log.len() > self.options.log_entries_max {
+            self.log.pop_first();
+        }
+        Ok(())
+    }
+
+    fn on_write(&mut self, request: ClientRequest, fx: &mut Effects) {
+        if !self.is_primary() {
+            return fx.reply(request.id, ClientReply::Retry("writes go to the primary"));
+        }
+        // A primary acknowledges alone, so it needs the lease.
+        if !self.lease_valid(fx.now()) {
+            return fx.reply(request.id, ClientReply::Retry("lease expired"));
+        }
+        let (key, write, reply) = match request.operation {
+            Operation::Put { key, value } => (key, Write::Put(value), ClientReply::Written),
+            Operation::Delete { key } => (key, Write::Delete, ClientReply::Written),
+            Operation::Increment { key, delta } => {
+                match self.read_local(&key).and_then(|current| increment_value(current.as_deref(), delta)) {
+                    Ok(updated) => (key, Write::Put(updated.clone()), ClientReply::Value(Some(updated))),
+                    Err(error) => return fx.reply(request.id, ClientReply::Failed(error)),
+                }
+            }
+            Operation::Get { .. } => unreachable!("reads are handled separately"),
+        };
+        let entry =
+            LogEntry { seq: self.applied + 1, epoch: self.view_number(), origin: self.me, key, write };
+        match self.apply(entry) {
+            Ok(()) => fx.reply(request.id, reply),
+            Err(error) => fx.reply(request.id, ClientReply::Failed(error)),
+        }
+    }
+
+    /// Decides how to bring a backup at (`applied`, `epoch`) up to date.
+    fn on_position(&mut self, from: NodeId, applied: u64, epoch: u64, fx: &mut Effects) {
+        // The backup's history is a prefix of ours if it ends at an entry we
+        // hold (same number, same view) or is empty; we can bring it up to date
+        // from the log if the log holds the entry after it.
+        let same_end = applied == self.applied && epoch == self.applied_epoch;
+        let prefix = applied == 0 || self.log.get(&applied).is_some_and(|entry| entry.epoch == epoch);
+        let matches = same_end || (applied < self.applied && prefix && self.log.contains_key(&(applied + 1)));
+        let now = fx.now();
+        let retransmit_after = self.options.retransmit_after_ms;
+        let state = self.backups.entry(from).or_default();
+        if matches {
+            if state.confirmed.is_none_or(|confirmed| applied > confirmed) {
+                state.last_sent_at = now; // progress: no need to resend yet
+            }
+            state.confirmed = Some(applied);
+            state.sent_upto = state.sent_upto.max(applied);
+            state.snapshot_sent_at = None;
+            return;
+        }
+        state.confirmed = None;
+        if state.snapshot_sent_at.is_some_and(|at| now.saturating_sub(at) < retransmit_after) {
+            return;
+        }
+        state.snapshot_sent_at = Some(now);
+        match self.snapshot() {
+            Ok(entries) => {
+                let message = BackupMessage::Snapshot {
+                    view: self.view_number(),
+                    applied: self.applied,
+                    epoch: self.applied_epoch,
+                    entries,
+                };
+                fx.send(from, PeerMessage::Backup(message));
+            }
+            Err(error) => tracing::error!(replica = %self.me, %error, "cannot read a snapshot for a backup"),
+        }
+    }
+
+    fn snapshot(&self) -> Result<Vec<(Bytes, Bytes)>, String> {
+        let mut entries = Vec::new();
+        let mut cursor = ScanCursor::start();
+        loop {
+            let page =
+                self.engine.scan(&KeyRange::all(), &cursor, 1024).map_err(|error| error.to_string())?;
+            entries.extend(page.entries);
+            match page.next {
+                Some(next) => cursor = next,
+                None => return Ok(entries),
+            }
+        }
+    }
+
+    fn on_snapshot(&mut self, applied: u64, epoch: u64, entries: Vec<(Bytes, Bytes)>) -> Result<(), String> {
+        self.engine.clear().map_err(|error| error.to_string())?;
+        for (key, value) in entries {
+            self.engine.put(&key, value).map_err(|error| error.to_string())?;
+        }
+        self.applied = applied;
+        self.applied_epoch = epoch;
+        self.log.clear();
+        Ok(())
+    }
+
+    fn on_updates(&mut self, entries: Vec<LogEntry>) {
+        for entry in entries {
+            if entry.seq <= self.applied {
+                continue;
+            }
+            if entry.seq != self.applied + 1 {
+                return; // a gap: the primary resends
+            }
+            if let Err(error) = self.apply(entry) {
+                tracing::error!(replica = %self.me, %error, "cannot apply a propagated write; waiting for a resend");
+                return;
+            }
+        }
+    }
+
+    /// The primary ships each confirmed backup what it lacks.
+    fn propagate(&mut self, fx: &mut Effects) {
+        let now = fx.now();
+        let view = self.view_number();
+        let Some(replicas) = self.view.as_ref().map(|view| view.replicas.clone()) else { return };
+        for backup in replicas.into_iter().filter(|replica| *replica != self.me) {
+            let state = self.backups.entry(backup).or_default();
+            let Some(confirmed) = state.confirmed else { continue };
+            let from = if now.saturating_sub(state.last_sent_at) >= self.options.retransmit_after_ms {
+                confirmed
+            } else {
+                state.sent_upto
+            };
+            if from >= self.applied {
+                continue;
+            }
+            if self.log.first_key_value().is_some_and(|(first, _)| *first > from + 1) {
+                // Too far behind for the log: the next position report gets a snapshot.
+                state.confirmed = None;
+                continue;
+            }
+            let entries: Vec<LogEntry> = self
+                .log
+                .range(from + 1..)
+                .take(self.options.batch_max)
+                .map(|(_, entry)| entry.clone())
+                .collect();
+            state.sent_upto = entries.last().map_or(from, |entry| entry.seq);
+            state.last_sent_at = now;
+            fx.send(backup, PeerMessage::Backup(BackupMessage::Updates { view, entries }));
+        }
+    }
+}
+
+impl Protocol for PrimaryBackup {
+    fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
+        if self.view.as_ref().and_then(|view| view.position(self.me)).is_none() {
+            return fx.reply(request.id, ClientReply::Retry("not a replica of this shard"));
+        }
+        match &request.operation {
+            Operation::Get { key, consistency } => {
+                let reply = match consistency {
+                    Consistency::Strong if !self.is_primary() => {
+                        ClientReply::Retry("strong reads go to the primary")
+                    }
+                    Consistency::Strong if !self.lease_valid(fx.now()) => ClientReply::Retry("lease expired"),
+                    _ => match self.read_local(key) {
+                        Ok(value) => ClientReply::Value(value),
+                        Err(error) => ClientReply::Failed(error),
+                    },
+                };
+                fx.reply(request.id, reply);
+            }
+            _ => self.on_write(request, fx),
+        }
+    }
+
+    fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
+        let PeerMessage::Backup(message) = message else { return };
+        if message.view() != self.view_number()
+            || self.view.as_ref().and_then(|view| view.position(self.me)).is_none()
+        {
+            return;
+        }
+        match message {
+            BackupMessage::Position { applied, epoch, .. } if self.is_primary() => {
+                self.on_position(from, applied, epoch, fx)
+            }
+            BackupMessage::Updates { entries, .. } if Some(from) == self.primary() => {
+                self.on_updates(entries)
+            }
+            BackupMessage::Snapshot { applied, epoch, entries, .. } if Some(from) == self.primary() => {
+                if let Err(error) = self.on_snapshot(applied, epoch, entries) {
+                    tracing::error!(replica = %self.me, %error, "cannot install a snapshot");
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn on_tick(&mut self, fx: &mut Effects) {
+        if self.is_primary() {
+            self.propagate(fx);
+        } else if let Some(primary) = self.primary() {
+            if self.view.as_ref().and_then(|view| view.position(self.me)).is_some() {
+                let message = BackupMessage::Position {
+                    view: self.view_number(),
+                    applied: self.applied,
+                    epoch: self.applied_epoch,
+                };
+                fx.send(primary, PeerMessage::Backup(message));
+            }
+        }
+    }
+
+    fn on_view(&mut self, view: &ShardView, _fx: &mut Effects) {
+        if let Some(current) = &mut self.view {
+            if view.number < current.number {
+                return;
+            }
+            if view.number == current.number {
+                current.lease_until = current.lease_until.max(view.lease_until);
+                return;
+            }
+        }
+        self.view = Some(view.clone());
+        // A new view means new backups, or a new primary: positions are relearnt.
+        self.backups.clear();
+    }
+
+    fn progress(&self) -> Progress {
+        Progress { applied: self.applied }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Effect, RequestId};
+    use tessera_engine::MemoryEngine;
+
+    fn replica(id: u32) -> PrimaryBackup {
+        PrimaryBackup::new(NodeId(id), Arc::new(MemoryEngine::new()), PrimaryBackupOptions::default())
+    }
+
+    fn view(number: u64, replicas: &[u32]) -> ShardView {
+        ShardView { number, replicas: replicas.iter().map(|id| NodeId(*id)).collect(), lease_until: 1_000 }
+    }
+
+    fn put(id: u64, key: &'static str, value: &'static str) -> ClientRequest {
+        ClientRequest {
+            id: RequestId(id),
+            operation: Operation::Put {
+                key: Bytes::from_static(key.as_bytes()),
+                value: Bytes::from_static(value.as_bytes()),
+            },
+        }
+    }
+
+    #[test]
+    fn primary_acknowledges_at_once_and_ships_after_the_backup_reports() {
+        let mut primary = replica(1);
+        let mut backup = replica(2);
+        let mut fx = Effects::new(10);
+        primary.on_view(&view(1, &[1, 2]), &mut fx);
+        backup.on_view(&view(1, &[1, 2]), &mut fx);
+        primary.on_client(put(7, "k", "v"), &mut fx);
+        assert_eq!(fx.take(), vec![Effect::Reply { request: RequestId(7), reply: ClientReply::Written }]);
+        primary.on_tick(&mut fx);
+        assert_eq!(
+            fx.take(),
+            Vec::<Effect>::new(),
+            "nothing is shipped before the backup's position is known"
+        );
+        backup.on_tick(&mut fx);
+        let position = fx.take();
+        let Effect::Send { message, .. } = position[0].clone() else { panic!("a position report") };
+        primary.on_peer(NodeId(2), message, &mut fx);
+        primary.on_tick(&mut fx);
+        let updates = fx.take();
+        let Effect::Send { to, message } = updates[0].clone() else { panic!("updates") };
+        assert_eq!(to, NodeId(2));
+        backup.on_peer(NodeId(1), message, &mut fx);
+        assert_eq!(backup.read_local(b"k").unwrap(), Some(Bytes::from_static(b"v")));
+        assert_eq!(backup.progress().applied, 1);
+    }
+
+    #[test]
+    fn a_backup_ahead_of_a_new_primary_is_reset_by_a_snapshot() {
+        let mut new_primary = replica(2);
+        let mut fx = Effects::new(10);
+        new_primary.on_view(&view(2, &[2, 3]), &mut fx);
+        new_primary.on_client(put(1, "k", "new"), &mut fx);
+        fx.take();
+        // Replica 3 applied two writes of the deposed primary (view 1).
+        new_primary.on_peer(
+            NodeId(3),
+            PeerMessage::Backup(BackupMessage::Position { view: 2, applied: 2, epoch: 1 }),
+            &mut fx,
+        );
+        let sent = fx.take();
+        assert!(matches!(
+            &sent[0],
+            Effect::Send {
+                message: PeerMessage::Backup(BackupMessage::Snapshot { applied: 1, epoch: 2, .. }),
+                ..
+            }
+        ));
+    }
+}

@@ -1,0 +1,68 @@
+//! The fixed seed set CI runs for every protocol, the proof that the checkers
+//! catch a broken protocol, and exact replay.
+
+use crate::{run, FaultKind, ProtocolKind, Report, SimConfig};
+
+fn failures(protocol: ProtocolKind, seeds: std::ops::Range<u64>) -> Vec<Report> {
+    let config = SimConfig::new(protocol);
+    seeds.map(|seed| run(seed, &config)).filter(|report| !report.violations.is_empty()).collect()
+}
+
+fn assert_no_failures(protocol: ProtocolKind, seeds: std::ops::Range<u64>) {
+    let failed = failures(protocol, seeds);
+    if let Some(report) = failed.first() {
+        panic!(
+            "{} seeds of {} failed; first: seed {} faults {}: {:?}\nreplay: tessera sim --protocol {} --seed {}",
+            failed.len(),
+            protocol.name(),
+            report.seed,
+            report.faults.describe(),
+            report.violations,
+            protocol.name(),
+            report.seed
+        );
+    }
+}
+
+#[test]
+fn chain_replication_passes_the_fixed_seeds() {
+    assert_no_failures(ProtocolKind::Chain, 0..300);
+}
+
+#[test]
+fn chain_replication_with_craq_reads_passes_the_fixed_seeds() {
+    assert_no_failures(ProtocolKind::ChainCraq, 0..300);
+}
+
+#[test]
+fn primary_backup_converges_on_the_fixed_seeds() {
+    assert_no_failures(ProtocolKind::PrimaryBackup, 0..300);
+}
+
+#[test]
+fn the_checkers_catch_a_head_that_answers_before_the_tail_has_the_write() {
+    let failed = failures(ProtocolKind::BrokenChainEarlyAck, 0..100);
+    assert!(!failed.is_empty(), "100 seeds of the broken chain passed: the checkers do not bite");
+}
+
+#[test]
+fn a_seed_replays_exactly() {
+    let config = SimConfig::new(ProtocolKind::Chain);
+    let first = run(42, &config);
+    let second = run(42, &config);
+    assert_eq!(first.history.operations, second.history.operations);
+    assert_eq!(first.messages, second.messages);
+    assert!(first.completed > 100, "a run does real work ({} operations)", first.completed);
+}
+
+#[test]
+fn runs_without_faults_lose_nothing_even_in_eventual_mode() {
+    let config = SimConfig { faults: Default::default(), ..SimConfig::new(ProtocolKind::PrimaryBackup) };
+    for seed in 0..20 {
+        let report = run(seed, &config);
+        assert!(report.violations.is_empty(), "seed {seed}: {:?}", report.violations);
+        assert_eq!(report.lost_acknowledged_writes, 0, "seed {seed}");
+        assert_eq!(report.view_changes, 0);
+    }
+    let _ = FaultKind::ALL;
+}

@@ -1,0 +1,1019 @@
+//! One simulated cluster run: a shard's replicas running a real protocol over
+//! real engines, a coordinator, clients, and a network that delays, reorders,
+//! drops and partitions — all in one thread, in virtual time, every choice drawn
+//! from one seed. The same seed replays the same run.
+//!
+//! A run has a safety phase (traffic and faults) and a liveness phase (faults
+//! healed, traffic goes on, then every key is read back). The report carries the
+//! history and what the checkers found.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tessera_engine::{Engine, KeyRange, MemoryEngine, ScanCursor};
+use tessera_protocol::{
+    ChainOptions, ChainReplication, ClientReply, ClientRequest, Consistency, Effect, Effects, NodeId,
+    Operation as ProtocolOperation, PeerMessage, PrimaryBackup, PrimaryBackupOptions, Progress, Protocol,
+    RequestId, ShardView,
+};
+
+use crate::history::{Call, History, Operation, Outcome};
+use crate::linearizability::{self, Verdict};
+use crate::rng::Rng;
+
+/// The protocols the simulator can run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProtocolKind {
+    /// MS+SC, strong reads at the tail.
+    Chain,
+    /// MS+SC with CRAQ reads: any replica answers a strong read of a clean key.
+    ChainCraq,
+    /// MS+EC.
+    PrimaryBackup,
+    /// Chain replication whose head answers before the tail has the write.
+    #[cfg(any(test, feature = "broken"))]
+    BrokenChainEarlyAck,
+}
+
+impl ProtocolKind {
+    pub const ALL: &'static [ProtocolKind] =
+        &[ProtocolKind::Chain, ProtocolKind::ChainCraq, ProtocolKind::PrimaryBackup];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ProtocolKind::Chain => "chain",
+            ProtocolKind::ChainCraq => "chain-craq",
+            ProtocolKind::PrimaryBackup => "primary-backup",
+            #[cfg(any(test, feature = "broken"))]
+            ProtocolKind::BrokenChainEarlyAck => "broken-chain-early-ack",
+        }
+    }
+
+    pub fn strong(self) -> bool {
+        !matches!(self, ProtocolKind::PrimaryBackup)
+    }
+
+    fn instance(self, me: NodeId, engine: Arc<dyn Engine>) -> Box<dyn Protocol> {
+        match self {
+            ProtocolKind::Chain => Box::new(ChainReplication::new(me, engine, ChainOptions::default())),
+            ProtocolKind::ChainCraq => Box::new(ChainReplication::new(
+                me,
+                engine,
+                ChainOptions { craq_reads: true, ..ChainOptions::default() },
+            )),
+            ProtocolKind::PrimaryBackup => {
+                Box::new(PrimaryBackup::new(me, engine, PrimaryBackupOptions::default()))
+            }
+            #[cfg(any(test, feature = "broken"))]
+            ProtocolKind::BrokenChainEarlyAck => Box::new(ChainReplication::new(
+                me,
+                engine,
+                ChainOptions { broken_early_ack: true, ..ChainOptions::default() },
+            )),
+        }
+    }
+}
+
+impl std::str::FromStr for ProtocolKind {
+    type Err = String;
+
+    fn from_str(name: &str) -> Result<Self, String> {
+        ProtocolKind::ALL.iter().copied().find(|kind| kind.name() == name).ok_or_else(|| {
+            let names: Vec<_> = ProtocolKind::ALL.iter().map(|kind| kind.name()).collect();
+            format!("unknown protocol {name:?}; choose one of {}", names.join(", "))
+        })
+    }
+}
+
+/// The kinds of fault a run may draw from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum FaultKind {
+    /// Random delays; with `Reorder` off, each channel stays FIFO.
+    Delay,
+    /// Channels are not FIFO.
+    Reorder,
+    Drop,
+    /// Symmetric and one-way partitions among replicas and the coordinator.
+    Partition,
+    /// A replica crashes (losing everything, memory engine) and later restarts empty.
+    Crash,
+    /// Replicas' clocks are offset from each other.
+    ClockSkew,
+    /// The coordinator wrongly declares a live replica failed and removes it.
+    FalseSuspicion,
+}
+
+impl FaultKind {
+    pub const ALL: &'static [FaultKind] = &[
+        FaultKind::Delay,
+        FaultKind::Reorder,
+        FaultKind::Drop,
+        FaultKind::Partition,
+        FaultKind::Crash,
+        FaultKind::ClockSkew,
+        FaultKind::FalseSuspicion,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultKind::Delay => "delay",
+            FaultKind::Reorder => "reorder",
+            FaultKind::Drop => "drop",
+            FaultKind::Partition => "partition",
+            FaultKind::Crash => "crash",
+            FaultKind::ClockSkew => "skew",
+            FaultKind::FalseSuspicion => "suspicion",
+        }
+    }
+
+    pub fn parse_list(text: &str) -> Result<BTreeSet<FaultKind>, String> {
+        if text == "all" {
+            return Ok(FaultKind::ALL.iter().copied().collect());
+        }
+        if text == "none" || text.is_empty() {
+            return Ok(BTreeSet::new());
+        }
+        text.split(',')
+            .map(|name| {
+                FaultKind::ALL.iter().copied().find(|kind| kind.name() == name.trim()).ok_or_else(|| {
+                    let names: Vec<_> = FaultKind::ALL.iter().map(|kind| kind.name()).collect();
+                    format!("unknown fault {name:?}; choose from {} (or all, none)", names.join(", "))
+                })
+            })
+            .collect()
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    pub protocol: ProtocolKind,
+    pub replicas: u32,
+    pub clients: usize,
+    /// Keys for puts, deletes and gets; counters for increments.
+    pub keys: usize,
+    pub counters: usize,
+    /// Faults a run may draw; each seed enables a random subset (swarm testing).
+    pub faults: BTreeSet<FaultKind>,
+    pub safety_ms: u64,
+    pub liveness_ms: u64,
+    pub tick_ms: u64,
+    pub lease_ms: u64,
+    pub failure_timeout_ms: u64,
+    pub client_timeout_ms: u64,
+    /// The share of reads that ask for eventual consistency.
+    pub eventual_read_fraction: f64,
+}
+
+impl SimConfig {
+    pub fn new(protocol: ProtocolKind) -> Self {
+        Self {
+            protocol,
+            replicas: 3,
+            clients: 4,
+            keys: 4,
+            counters: 2,
+            faults: FaultKind::ALL.iter().copied().collect(),
+            safety_ms: 3_000,
+            liveness_ms: 2_000,
+            tick_ms: 10,
+            lease_ms: 200,
+            failure_timeout_ms: 150,
+            client_timeout_ms: 400,
+            eventual_read_fraction: 0.2,
+        }
+    }
+}
+
+/// The faults one seed drew, and their intensities.
+#[derive(Clone, Debug, Default)]
+pub struct FaultMix {
+    pub enabled: BTreeSet<FaultKind>,
+    pub drop_probability: f64,
+    pub delay_max_ms: u64,
+    pub skew_max_ms: u64,
+}
+
+impl FaultMix {
+    fn draw(rng: &mut Rng, allowed: &BTreeSet<FaultKind>) -> Self {
+        let enabled: BTreeSet<FaultKind> = allowed.iter().copied().filter(|_| rng.chance(0.6)).collect();
+        Self {
+            drop_probability: if enabled.contains(&FaultKind::Drop) {
+                rng.between(1, 50) as f64 / 1000.0
+            } else {
+                0.0
+            },
+            delay_max_ms: if enabled.contains(&FaultKind::Delay) { rng.between(2, 40) } else { 1 },
+            skew_max_ms: if enabled.contains(&FaultKind::ClockSkew) { rng.between(10, 500) } else { 0 },
+            enabled,
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        let names: Vec<_> = self.enabled.iter().map(|kind| kind.name()).collect();
+        format!(
+            "[{}] drop={:.3} delay<={}ms skew<={}ms",
+            names.join(","),
+            self.drop_probability,
+            self.delay_max_ms,
+            self.skew_max_ms
+        )
+    }
+}
+
+/// What a run found.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    pub seed: u64,
+    pub faults: FaultMix,
+    pub history: History,
+    /// Safety and liveness violations, one line each.
+    pub violations: Vec<String>,
+    /// The linearizability search gave up on a key.
+    pub inconclusive: bool,
+    pub completed: u64,
+    pub unknown: u64,
+    pub retried: u64,
+    pub view_changes: u64,
+    pub messages: u64,
+    /// Strong reads answered, per replica (CRAQ spreads them).
+    pub strong_reads_by_replica: BTreeMap<u32, u64>,
+    /// Acknowledged writes lost (eventual modes: the documented window).
+    pub lost_acknowledged_writes: u64,
+    pub acknowledged_writes: u64,
+    /// Faults and view changes with their virtual times, for replaying a seed.
+    pub log: Vec<String>,
+}
+
+/// Where a message goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+enum Address {
+    Replica(u32),
+    Coordinator,
+    Client(usize),
+}
+
+#[derive(Clone, Debug)]
+enum Message {
+    Peer(PeerMessage),
+    /// Replica → coordinator: alive, with progress; asks for a lease. The
+    /// incarnation changes at every restart.
+    Heartbeat {
+        seq: u64,
+        progress: Progress,
+        incarnation: u64,
+    },
+    /// Coordinator → replica: the current view, granting a lease for heartbeat `seq`.
+    Grant {
+        seq: u64,
+        view: ShardView,
+    },
+    Request(ClientRequest),
+    Response {
+        request: RequestId,
+        reply: ClientReply,
+    },
+}
+
+#[derive(Clone, Debug)]
+enum Event {
+    Deliver { from: Address, to: Address, message: Message },
+    ReplicaTick(u32),
+    CoordinatorTick,
+    ClientWake(usize),
+    Crash(u32),
+    Restart(u32),
+    Partition(Vec<(Address, Address)>),
+    Heal,
+    Suspect(u32),
+}
+
+struct Replica {
+    alive: bool,
+    /// Bumped at every restart: a restarted replica has lost its state and must
+    /// not be taken for the member it was.
+    incarnation: u64,
+    protocol: Box<dyn Protocol>,
+    engine: Arc<dyn Engine>,
+    /// Added to virtual time to give this replica's clock.
+    clock_offset_ms: u64,
+    next_heartbeat: u64,
+    /// Local send time of each unanswered heartbeat.
+    heartbeats: BTreeMap<u64, u64>,
+    lease_until: u64,
+}
+
+struct Coordinator {
+    view: ShardView,
+    incarnations: HashMap<u32, u64>,
+    last_heard: HashMap<u32, u64>,
+    granted_until: HashMap<u32, u64>,
+    progress: HashMap<u32, u64>,
+    suspected: BTreeSet<u32>,
+}
+
+struct Pending {
+    request: RequestId,
+    key: Bytes,
+    call: Call,
+    strong: bool,
+    invoked_at: u64,
+    deadline: u64,
+}
+
+struct Client {
+    rng: Rng,
+    next_request: u64,
+    pending: Option<Pending>,
+    /// Keys still to read back in the liveness phase.
+    final_reads: Vec<Bytes>,
+}
+
+pub struct Simulation {
+    config: SimConfig,
+    rng: Rng,
+    now: u64,
+    queue: BinaryHeap<Reverse<(u64, u64)>>,
+    events: HashMap<u64, Event>,
+    next_event: u64,
+    replicas: Vec<Replica>,
+    coordinator: Coordinator,
+    clients: Vec<Client>,
+    blocked: BTreeSet<(Address, Address)>,
+    /// Per channel, the last scheduled delivery time (for FIFO channels).
+    channel_clock: HashMap<(Address, Address), u64>,
+    healed: bool,
+    report: Report,
+    eventual_reads: u64,
+}
+
+fn key_name(prefix: &str, index: usize) -> Bytes {
+    Bytes::from(format!("{prefix}{index}"))
+}
+
+impl Simulation {
+    pub fn new(seed: u64, config: SimConfig) -> Self {
+        let mut rng = Rng::new(seed);
+        let faults = FaultMix::draw(&mut rng, &config.faults);
+        let replicas = (0..config.replicas)
+            .map(|id| {
+                let engine: Arc<dyn Engine> = Arc::new(MemoryEngine::new());
+                let clock_offset_ms = if faults.skew_max_ms > 0 { rng.below(faults.skew_max_ms) } else { 0 };
+                Replica {
+                    alive: true,
+                    incarnation: 0,
+                    protocol: config.protocol.instance(NodeId(id), engine.clone()),
+                    engine,
+                    clock_offset_ms,
+                    next_heartbeat: 1,
+                    heartbeats: BTreeMap::new(),
+                    lease_until: 0,
+                }
+            })
+            .collect();
+        let clients = (0..config.clients)
+            .map(|_| Client { rng: rng.fork(), next_request: 1, pending: None, final_reads: Vec::new() })
+            .collect();
+        let coordinator = Coordinator {
+            view: ShardView {
+                number: 1,
+                replicas: (0..config.replicas).map(NodeId).collect(),
+                lease_until: 0,
+            },
+            incarnations: (0..config.replicas).map(|id| (id, 0)).collect(),
+            last_heard: (0..config.replicas).map(|id| (id, 0)).collect(),
+            granted_until: HashMap::new(),
+            progress: HashMap::new(),
+            suspected: BTreeSet::new(),
+        };
+        let mut simulation = Self {
+            rng,
+            now: 0,
+            queue: BinaryHeap::new(),
+            events: HashMap::new(),
+            next_event: 0,
+            replicas,
+            coordinator,
+            clients,
+            blocked: BTreeSet::new(),
+            channel_clock: HashMap::new(),
+            healed: false,
+            report: Report { seed, faults, ..Report::default() },
+            eventual_reads: 0,
+            config,
+        };
+        simulation.schedule_start();
+        simulation
+    }
+
+    fn schedule(&mut self, at: u64, event: Event) {
+        let id = self.next_event;
+        self.next_event += 1;
+        self.events.insert(id, event);
+        self.queue.push(Reverse((at, id)));
+    }
+
+    fn schedule_start(&mut self) {
+        for id in 0..self.config.replicas {
+            let first = self.rng.below(self.config.tick_ms);
+            self.schedule(first, Event::ReplicaTick(id));
+        }
+        self.schedule(0, Event::CoordinatorTick);
+        for client in 0..self.config.clients {
+            // Clients start once replicas have had a first lease.
+            let start = 50 + self.rng.below(20);
+            self.schedule(start, Event::ClientWake(client));
+        }
+        let enabled = self.report.faults.enabled.clone();
+        let mut at = 200;
+        while at < self.config.safety_ms {
+            let fault = *self.rng.pick(&[FaultKind::Partition, FaultKind::Crash, FaultKind::FalseSuspicion]);
+            if enabled.contains(&fault) {
+                let replica = self.rng.below(self.config.replicas as u64) as u32;
+                match fault {
+                    FaultKind::Partition => {
+                        let cut = self.draw_partition();
+                        let heal_at = at + self.rng.between(50, 600);
+                        self.schedule(at, Event::Partition(cut));
+                        self.schedule(heal_at.min(self.config.safety_ms), Event::Heal);
+                    }
+                    FaultKind::Crash => {
+                        self.schedule(at, Event::Crash(replica));
+                        let restart_at = at + self.rng.between(100, 800);
+                        self.schedule(restart_at, Event::Restart(replica));
+                    }
+                    _ => self.schedule(at, Event::Suspect(replica)),
+                }
+            }
+            at += self.rng.between(150, 700);
+        }
+    }
+
+    /// A random cut among replicas and the coordinator: some links blocked one
+    /// way or both.
+    fn draw_partition(&mut self) -> Vec<(Address, Address)> {
+        let mut servers: Vec<Address> = (0..self.config.replicas).map(Address::Replica).collect();
+        servers.push(Address::Coordinator);
+        let side: Vec<bool> = servers.iter().map(|_| self.rng.chance(0.5)).collect();
+        let one_way = self.rng.chance(0.3);
+        let mut cut = Vec::new();
+        for (a, a_side) in servers.iter().zip(&side) {
+            for (b, b_side) in servers.iter().zip(&side) {
+                if a_side != b_side && (!one_way || *a_side) {
+                    cut.push((*a, *b));
+                }
+            }
+        }
+        cut
+    }
+
+    fn local_time(&self, replica: u32) -> u64 {
+        self.now + self.replicas[replica as usize].clock_offset_ms
+    }
+
+    fn send(&mut self, from: Address, to: Address, message: Message) {
+        self.report.messages += 1;
+        let faults_on = !self.healed;
+        if faults_on && self.blocked.contains(&(from, to)) {
+            return;
+        }
+        if faults_on && self.rng.chance(self.report.faults.drop_probability) {
+            return;
+        }
+        let delay = 1 + self.rng.below(self.report.faults.delay_max_ms.max(1));
+        let mut at = self.now + delay;
+        let fifo = !self.report.faults.enabled.contains(&FaultKind::Reorder) || !faults_on;
+        if fifo {
+            let clock = self.channel_clock.entry((from, to)).or_insert(0);
+            at = at.max(*clock);
+            *clock = at;
+        }
+        self.schedule(at, Event::Deliver { from, to, message });
+    }
+
+    /// Runs the whole scenario and checks it.
+    pub fn run(mut self) -> Report {
+        let end = self.config.safety_ms + self.config.liveness_ms;
+        while let Some(Reverse((at, id))) = self.queue.pop() {
+            if at > end {
+                break;
+            }
+            self.now = at;
+            if !self.healed && self.now >= self.config.safety_ms {
+                self.heal_for_liveness();
+            }
+            let event = self.events.remove(&id).expect("every queued event is stored");
+            self.handle(event);
+        }
+        self.finish()
+    }
+
+    fn heal_for_liveness(&mut self) {
+        self.report.log.push(format!("{}ms healed for liveness", self.now));
+        self.healed = true;
+        self.blocked.clear();
+        for client in &mut self.clients {
+            client.final_reads = (0..self.config.keys)
+                .map(|index| key_name("k", index))
+                .chain((0..self.config.counters).map(|index| key_name("c", index)))
+                .collect();
+        }
+    }
+
+    fn handle(&mut self, event: Event) {
+        match event {
+            Event::Deliver { from, to, message } => self.deliver(from, to, message),
+            Event::ReplicaTick(id) => {
+                if self.replicas[id as usize].alive {
+                    self.replica_tick(id);
+                }
+                self.schedule(self.now + self.config.tick_ms, Event::ReplicaTick(id));
+            }
+            Event::CoordinatorTick => {
+                self.coordinator_tick();
+                self.schedule(self.now + self.config.tick_ms, Event::CoordinatorTick);
+            }
+            Event::ClientWake(client) => self.client_wake(client),
+            Event::Crash(id) => {
+                // At most f failures: the last live member of the view holds the
+                // only copy, and losing it loses the data in any system.
+                let live_others = self.healthy_members_except(id);
+                let replica = &mut self.replicas[id as usize];
+                if replica.alive && live_others > 0 && !self.healed {
+                    replica.alive = false;
+                    self.report.log.push(format!("{}ms crash n{id}", self.now));
+                }
+            }
+            Event::Restart(id) => {
+                let config_protocol = self.config.protocol;
+                let replica = &mut self.replicas[id as usize];
+                if !replica.alive {
+                    // A crash loses everything in memory, engine included.
+                    replica.engine = Arc::new(MemoryEngine::new());
+                    replica.protocol = config_protocol.instance(NodeId(id), replica.engine.clone());
+                    replica.heartbeats.clear();
+                    replica.lease_until = 0;
+                    replica.incarnation += 1;
+                    replica.alive = true;
+                    self.report.log.push(format!("{}ms restart n{id} (empty)", self.now));
+                }
+            }
+            Event::Partition(cut) => {
+                if !self.healed {
+                    self.report.log.push(format!("{}ms partition {cut:?}", self.now));
+                    self.blocked.extend(cut);
+                }
+            }
+            Event::Heal => {
+                self.report.log.push(format!("{}ms heal", self.now));
+                self.blocked.clear();
+            }
+            Event::Suspect(id) => {
+                let member = self.coordinator.view.position(NodeId(id)).is_some();
+                if member && self.healthy_members_except(id) > 0 && !self.healed {
+                    self.coordinator.suspected.insert(id);
+                    self.report.log.push(format!("{}ms coordinator suspects n{id}", self.now));
+                }
+            }
+        }
+    }
+
+    /// Members of the view, other than `id`, that are alive and not about to be
+    /// removed: the copies that survive if `id` is lost.
+    fn healthy_members_except(&self, id: u32) -> usize {
+        self.coordinator
+            .view
+            .replicas
+            .iter()
+            .filter(|node| {
+                let replica = &self.replicas[node.0 as usize];
+                let heard_at = self.coordinator.last_heard.get(&node.0).copied().unwrap_or(0);
+                node.0 != id
+                    && replica.alive
+                    && self.now.saturating_sub(heard_at) <= self.config.failure_timeout_ms / 2
+                    && self.coordinator.incarnations.get(&node.0) == Some(&replica.incarnation)
+                    && !self.coordinator.suspected.contains(&node.0)
+            })
+            .count()
+    }
+
+    fn run_effects(&mut self, id: u32, effects: Vec<Effect>) {
+        for effect in effects {
+            match effect {
+                Effect::Send { to, message } => {
+                    self.send(Address::Replica(id), Address::Replica(to.0), Message::Peer(message))
+                }
+                Effect::Reply { request, reply } => {
+                    // Request ids carry their client in the high half.
+                    let client = (request.0 >> 32) as usize;
+                    self.send(
+                        Address::Replica(id),
+                        Address::Client(client),
+                        Message::Response { request, reply },
+                    );
+                }
+            }
+        }
+    }
+
+    fn replica_tick(&mut self, id: u32) {
+        let local = self.local_time(id);
+        let replica = &mut self.replicas[id as usize];
+        let mut fx = Effects::new(local);
+        replica.protocol.on_tick(&mut fx);
+        let seq = replica.next_heartbeat;
+        replica.next_heartbeat += 1;
+        replica.heartbeats.insert(seq, local);
+        let progress = replica.protocol.progress();
+        let incarnation = replica.incarnation;
+        let effects = fx.take();
+        self.run_effects(id, effects);
+        self.send(
+            Address::Replica(id),
+            Address::Coordinator,
+            Message::Heartbeat { seq, progress, incarnation },
+        );
+    }
+
+    fn deliver(&mut self, from: Address, to: Address, message: Message) {
+        match to {
+            Address::Replica(id) => {
+                if !self.replicas[id as usize].alive {
+                    return;
+                }
+                let local = self.local_time(id);
+                let mut fx = Effects::new(local);
+                let replica = &mut self.replicas[id as usize];
+                match message {
+                    Message::Peer(peer) => {
+                        let Address::Replica(sender) = from else { return };
+                        replica.protocol.on_peer(NodeId(sender), peer, &mut fx);
+                    }
+                    Message::Grant { seq, view } => {
+                        // The lease runs from when this replica asked for it, on its own clock.
+                        let Some(&asked_at) = replica.heartbeats.get(&seq) else { return };
+                        replica.heartbeats = replica.heartbeats.split_off(&seq);
+                        replica.lease_until = replica.lease_until.max(asked_at + self.config.lease_ms);
+                        let view = ShardView { lease_until: replica.lease_until, ..view };
+                        replica.protocol.on_view(&view, &mut fx);
+                    }
+                    Message::Request(request) => {
+                        if let ProtocolOperation::Get { consistency: Consistency::Strong, .. } =
+                            request.operation
+                        {
+                            *self.report.strong_reads_by_replica.entry(id).or_default() += 1;
+                        }
+                        replica.protocol.on_client(request, &mut fx);
+                    }
+                    _ => return,
+                }
+                let effects = fx.take();
+                self.run_effects(id, effects);
+            }
+            Address::Coordinator => {
+                if let (Address::Replica(id), Message::Heartbeat { seq, progress, incarnation }) =
+                    (from, message)
+                {
+                    self.on_heartbeat(id, seq, progress, incarnation);
+                }
+            }
+            Address::Client(client) => {
+                if let Message::Response { request, reply } = message {
+                    self.on_response(client, request, reply);
+                }
+            }
+        }
+    }
+
+    fn on_heartbeat(&mut self, id: u32, seq: u64, progress: Progress, incarnation: u64) {
+        let coordinator = &mut self.coordinator;
+        if coordinator.incarnations.get(&id) != Some(&incarnation) {
+            // Restarted with nothing: it is no longer the member it was, and
+            // must never be granted a lease as that member.
+            coordinator.suspected.insert(id);
+            return;
+        }
+        if coordinator.view.position(NodeId(id)).is_none() || coordinator.suspected.contains(&id) {
+            return; // not a member (or being removed): no lease
+        }
+        coordinator.last_heard.insert(id, self.now);
+        coordinator.granted_until.insert(id, self.now + self.config.lease_ms);
+        coordinator.progress.insert(id, progress.applied);
+        let view = ShardView { lease_until: 0, ..coordinator.view.clone() };
+        self.send(Address::Coordinator, Address::Replica(id), Message::Grant { seq, view });
+    }
+
+    /// Removes replicas that stopped heartbeating (or are wrongly suspected),
+    /// but only once every lease granted to them has run out.
+    fn coordinator_tick(&mut self) {
+        let now = self.now;
+        // The longest silent first: when several fail at once, the one heard
+        // from last is the one kept.
+        let mut members: Vec<u32> = self.coordinator.view.replicas.iter().map(|node| node.0).collect();
+        members.sort_by_key(|id| self.coordinator.last_heard.get(id).copied().unwrap_or(0));
+        for id in members {
+            let coordinator = &mut self.coordinator;
+            if coordinator.view.replicas.len() <= 1 {
+                // The last member holds the only copy: it stays, and a
+                // suspicion that cannot be acted on is dropped.
+                if coordinator.suspected.remove(&id) {
+                    self.report.log.push(format!("{now}ms coordinator keeps n{id}, its last member"));
+                }
+                return;
+            }
+            let silent = now.saturating_sub(coordinator.last_heard.get(&id).copied().unwrap_or(0))
+                > self.config.failure_timeout_ms;
+            let failed = silent || coordinator.suspected.contains(&id);
+            let lease_over = now >= coordinator.granted_until.get(&id).copied().unwrap_or(0);
+            if failed && lease_over {
+                self.remove_replica(id);
+            }
+        }
+    }
+
+    fn remove_replica(&mut self, id: u32) {
+        let coordinator = &mut self.coordinator;
+        coordinator.suspected.remove(&id);
+        let was_first = coordinator.view.replicas.first() == Some(&NodeId(id));
+        coordinator.view.replicas.retain(|node| node.0 != id);
+        if was_first && self.config.protocol == ProtocolKind::PrimaryBackup {
+            // Promote the most up-to-date backup.
+            let best = coordinator
+                .view
+                .replicas
+                .iter()
+                .copied()
+                .max_by_key(|node| (coordinator.progress.get(&node.0).copied().unwrap_or(0), Reverse(node.0)))
+                .expect("a view keeps at least one replica");
+            coordinator.view.replicas.retain(|node| *node != best);
+            coordinator.view.replicas.insert(0, best);
+        }
+        coordinator.view.number += 1;
+        self.report.view_changes += 1;
+        let replicas: Vec<String> = coordinator.view.replicas.iter().map(|node| node.to_string()).collect();
+        self.report.log.push(format!(
+            "{}ms view {}: [{}]",
+            self.now,
+            coordinator.view.number,
+            replicas.join(", ")
+        ));
+    }
+
+    fn client_wake(&mut self, client: usize) {
+        let now = self.now;
+        if let Some(pending) = &self.clients[client].pending {
+            if now < pending.deadline {
+                return; // a stale wake-up; the deadline one is queued
+            }
+            let pending = self.clients[client].pending.take().expect("checked above");
+            self.report.unknown += 1;
+            if pending.strong || pending.call != Call::Get {
+                self.report.history.operations.push(Operation {
+                    client,
+                    key: pending.key,
+                    call: pending.call,
+                    outcome: Outcome::Unknown,
+                    invoked_at: pending.invoked_at,
+                    completed_at: None,
+                });
+            }
+        }
+        let end = self.config.safety_ms + self.config.liveness_ms;
+        // The last stretch is quiet, so that propagation can finish before the
+        // convergence check.
+        if now + self.config.client_timeout_ms + 200 > end && self.clients[client].final_reads.is_empty() {
+            return;
+        }
+        self.issue(client);
+    }
+
+    fn issue(&mut self, client: usize) {
+        let config = &self.config;
+        let state = &mut self.clients[client];
+        let (key, call, strong) = if let Some(key) = state.final_reads.last().cloned() {
+            (key, Call::Get, true)
+        } else if state.rng.chance(0.25) && config.counters > 0 {
+            let key = key_name("c", state.rng.below(config.counters as u64) as usize);
+            if state.rng.chance(0.5) {
+                (key, Call::Increment(state.rng.between(1, 5) as i64), true)
+            } else {
+                (key, Call::Get, !state.rng.chance(config.eventual_read_fraction))
+            }
+        } else {
+            let key = key_name("k", state.rng.below(config.keys as u64) as usize);
+            let roll = state.rng.below(100);
+            let call = if roll < 45 {
+                Call::Get
+            } else if roll < 90 {
+                Call::Put(Bytes::from(format!("c{client}-{}", state.next_request)))
+            } else {
+                Call::Delete
+            };
+            let strong = call != Call::Get || !state.rng.chance(config.eventual_read_fraction);
+            (key, call, strong)
+        };
+        let request = RequestId(((client as u64) << 32) | state.next_request);
+        state.next_request += 1;
+        let operation = match &call {
+            Call::Get => ProtocolOperation::Get {
+                key: key.clone(),
+                consistency: if strong { Consistency::Strong } else { Consistency::Eventual },
+            },
+            Call::Put(value) => ProtocolOperation::Put { key: key.clone(), value: value.clone() },
+            Call::Delete => ProtocolOperation::Delete { key: key.clone() },
+            Call::Increment(delta) => ProtocolOperation::Increment { key: key.clone(), delta: *delta },
+        };
+        let target = self.route(client, &call, strong);
+        let deadline = self.now + self.config.client_timeout_ms;
+        self.clients[client].pending =
+            Some(Pending { request, key, call, strong, invoked_at: self.now, deadline });
+        self.send(
+            Address::Client(client),
+            Address::Replica(target),
+            Message::Request(ClientRequest { id: request, operation }),
+        );
+        self.schedule(deadline, Event::ClientWake(client));
+    }
+
+    /// Where a client sends a request, from the coordinator's current view (what
+    /// a client learns from the shard map).
+    fn route(&mut self, client: usize, call: &Call, strong: bool) -> u32 {
+        let replicas = &self.coordinator.view.replicas;
+        let rng = &mut self.clients[client].rng;
+        let target = if *call != Call::Get {
+            replicas[0]
+        } else if !strong || self.config.protocol == ProtocolKind::ChainCraq {
+            *rng.pick(replicas)
+        } else if self.config.protocol == ProtocolKind::PrimaryBackup {
+            replicas[0]
+        } else {
+            *replicas.last().expect("a view keeps at least one replica")
+        };
+        target.0
+    }
+
+    fn on_response(&mut self, client: usize, request: RequestId, reply: ClientReply) {
+        let Some(pending) = &self.clients[client].pending else { return };
+        if pending.request != request {
+            return; // an answer to a request the client gave up on
+        }
+        let pending = self.clients[client].pending.take().expect("checked above");
+        let outcome = match reply {
+            ClientReply::Value(value) => Outcome::Value(value),
+            ClientReply::Written => Outcome::Written,
+            ClientReply::Retry(_) | ClientReply::Failed(_) => {
+                // No effect: try something again shortly.
+                self.report.retried += 1;
+                let retry_at = self.now + 5 + self.clients[client].rng.below(10);
+                self.schedule(retry_at, Event::ClientWake(client));
+                return;
+            }
+        };
+        self.report.completed += 1;
+        if pending.strong || pending.call != Call::Get {
+            if pending.call != Call::Get {
+                self.report.acknowledged_writes += 1;
+            }
+            self.report.history.operations.push(Operation {
+                client,
+                key: pending.key.clone(),
+                call: pending.call,
+                outcome,
+                invoked_at: pending.invoked_at,
+                completed_at: Some(self.now),
+            });
+        } else {
+            self.eventual_reads += 1;
+        }
+        if self.healed && self.clients[client].final_reads.last() == Some(&pending.key) {
+            self.clients[client].final_reads.pop();
+        }
+        let think = self.clients[client].rng.below(5);
+        self.schedule(self.now + think, Event::ClientWake(client));
+    }
+
+    fn engine_contents(engine: &dyn Engine) -> Vec<(Bytes, Bytes)> {
+        let mut entries = Vec::new();
+        let mut cursor = ScanCursor::start();
+        loop {
+            let page = engine.scan(&KeyRange::all(), &cursor, 1024).expect("memory engines do not fail");
+            entries.extend(page.entries);
+            match page.next {
+                Some(next) => cursor = next,
+                None => break,
+            }
+        }
+        entries.sort();
+        entries
+    }
+
+    fn finish(mut self) -> Report {
+        // Liveness: after healing, every client read every key back.
+        for (index, client) in self.clients.iter().enumerate() {
+            if !client.final_reads.is_empty() {
+                self.report.violations.push(format!(
+                    "liveness: client {index} could not read back {} keys within {} ms of healing",
+                    client.final_reads.len(),
+                    self.config.liveness_ms
+                ));
+            }
+        }
+        // Convergence: the live members of the final view hold the same data.
+        let members: Vec<u32> = self
+            .coordinator
+            .view
+            .replicas
+            .iter()
+            .map(|node| node.0)
+            .filter(|id| self.replicas[*id as usize].alive)
+            .collect();
+        let contents: Vec<_> = members
+            .iter()
+            .map(|id| (id, Self::engine_contents(self.replicas[*id as usize].engine.as_ref())))
+            .collect();
+        if let Some((first_id, first)) = contents.first() {
+            for (id, other) in &contents[1..] {
+                if other != first {
+                    self.report.violations.push(format!(
+                        "convergence: replicas n{first_id} and n{id} differ after {} quiet ms",
+                        self.config.client_timeout_ms + 200
+                    ));
+                }
+            }
+        }
+        self.report.lost_acknowledged_writes =
+            self.count_lost_writes(contents.first().map(|(_, c)| c.as_slice()));
+        if self.config.protocol.strong() {
+            match linearizability::check(&self.report.history) {
+                Verdict::Linearizable => {}
+                Verdict::Violation { key, detail } => self
+                    .report
+                    .violations
+                    .push(format!("linearizability: key {:?}: {detail}", String::from_utf8_lossy(&key))),
+                Verdict::Inconclusive { .. } => self.report.inconclusive = true,
+            }
+            if self.report.lost_acknowledged_writes > 0 {
+                self.report.violations.push(format!(
+                    "durability: {} acknowledged writes lost",
+                    self.report.lost_acknowledged_writes
+                ));
+            }
+        }
+        self.report
+    }
+
+    /// For each key, the last acknowledged write (by completion time) whose
+    /// value is absent from the final state although no later write to the key
+    /// was even invoked: a lost acknowledged write. A lower bound (earlier lost
+    /// writes of a key may be hidden by later ones).
+    fn count_lost_writes(&self, final_state: Option<&[(Bytes, Bytes)]>) -> u64 {
+        let Some(final_state) = final_state else { return 0 };
+        let final_values: HashMap<&Bytes, Option<Bytes>> = final_state
+            .iter()
+            .map(|(key, raw)| {
+                let value = tessera_protocol::Record::decode(raw.clone())
+                    .ok()
+                    .and_then(|record| record.visible().cloned());
+                (key, value)
+            })
+            .collect();
+        let mut by_key: BTreeMap<&Bytes, Vec<&Operation>> = BTreeMap::new();
+        for operation in self.report.history.operations.iter().filter(|operation| operation.is_write()) {
+            by_key.entry(&operation.key).or_default().push(operation);
+        }
+        let mut lost = 0;
+        for (key, writes) in by_key {
+            let Some(last) = writes
+                .iter()
+                .filter(|write| write.completed_at.is_some())
+                .max_by_key(|write| write.completed_at)
+            else {
+                continue;
+            };
+            // Any other write not over before this one began may come after it.
+            let may_follow = |write: &&&Operation| {
+                !std::ptr::eq(**write, *last) && write.completed_at.is_none_or(|done| done > last.invoked_at)
+            };
+            if writes.iter().any(|write| may_follow(&write)) {
+                continue;
+            }
+            let expected = match (&last.call, &last.outcome) {
+                (Call::Put(value), _) => Some(value.clone()),
+                (Call::Delete, _) => None,
+                (Call::Increment(_), Outcome::Value(value)) => value.clone(),
+                _ => continue,
+            };
+            let actual = final_values.get(key).cloned().flatten();
+            if actual != expected {
+                lost += 1;
+            }
+        }
+        lost
+    }
+}
+
+/// Runs one seed.
+pub fn run(seed: u64, config: &SimConfig) -> Report {
+    Simulation::new(seed, config.clone()).run()
+}
