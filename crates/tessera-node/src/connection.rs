@@ -5,7 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
@@ -37,6 +37,11 @@ pub struct Connection {
 
 impl Connection {
     pub fn new(store: Arc<Store>, stats: Arc<WorkerStats>, stream: TcpStream) -> Self {
+        assert_eq!(
+            tokio::runtime::Handle::current().runtime_flavor(),
+            tokio::runtime::RuntimeFlavor::CurrentThread,
+            "connections rely on a single-threaded runtime (see forget_readiness)"
+        );
         let session = Session {
             id: store.next_client_id.fetch_add(1, Ordering::Relaxed),
             authenticated: store.config.password.is_none(),
@@ -64,13 +69,19 @@ impl Connection {
             if self.input.capacity() - self.input.len() < READ_CHUNK_BYTES / 4 {
                 self.input.reserve(READ_CHUNK_BYTES);
             }
+            let room = self.input.capacity() - self.input.len();
             let read = tokio::select! {
                 read = self.stream.read_buf(&mut self.input) => read,
                 _ = shutdown.changed() => break,
             };
             match read {
                 Ok(0) | Err(_) => break,
-                Ok(count) => WorkerStats::add(&self.stats.net_input_bytes, count as u64),
+                Ok(count) => {
+                    WorkerStats::add(&self.stats.net_input_bytes, count as u64);
+                    if count < room {
+                        self.forget_readiness();
+                    }
+                }
             }
             let keep_open = self.run_batch().await;
             if self.flush_output().await.is_err() || !keep_open {
@@ -133,6 +144,18 @@ impl Connection {
             self.input.shrink_to(READ_CHUNK_BYTES);
         }
         keep_open
+    }
+
+    /// After a read that left room in the buffer, the socket was empty when
+    /// read. Clearing tokio's readiness flag now saves the next read, which
+    /// would only return EAGAIN before waiting: one syscall per request at
+    /// pipeline depth 1. Safe only because the worker's runtime is
+    /// single-threaded: its reactor cannot have taken in a new readiness event
+    /// since the read (this runs in the same poll), and data arriving after the
+    /// read raises a new edge that the reactor delivers later.
+    fn forget_readiness(&self) {
+        let _ =
+            self.stream.try_io(Interest::READABLE, || Err::<(), _>(std::io::ErrorKind::WouldBlock.into()));
     }
 
     async fn flush_output(&mut self) -> std::io::Result<()> {
