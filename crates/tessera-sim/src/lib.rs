@@ -12,4 +12,4 @@ pub mod sim;
 #[cfg(test)]
 mod seed_tests;
 
-pub use sim::{run, FaultKind, ProtocolKind, Report, SimConfig};
+pub use sim::{run, FaultKind, ProtocolKind, Report, SimConfig, Workload};

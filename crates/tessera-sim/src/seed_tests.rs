@@ -1,7 +1,7 @@
 //! The fixed seed set CI runs for every protocol, the proof that the checkers
 //! catch a broken protocol, and exact replay.
 
-use crate::{run, FaultKind, ProtocolKind, Report, SimConfig};
+use crate::{run, FaultKind, ProtocolKind, Report, SimConfig, Workload};
 
 fn failures(protocol: ProtocolKind, seeds: std::ops::Range<u64>) -> Vec<Report> {
     let config = SimConfig::new(protocol);
@@ -37,6 +37,16 @@ fn chain_replication_with_craq_reads_passes_the_fixed_seeds() {
 #[test]
 fn primary_backup_converges_on_the_fixed_seeds() {
     assert_no_failures(ProtocolKind::PrimaryBackup, 0..300);
+}
+
+#[test]
+fn chain_replication_loses_no_acknowledged_write() {
+    let config = SimConfig { workload: Workload::Appends, ..SimConfig::new(ProtocolKind::Chain) };
+    for seed in 0..100 {
+        let report = run(seed, &config);
+        assert!(report.violations.is_empty(), "seed {seed}: {:?}", report.violations);
+        assert_eq!(report.lost_acknowledged_writes, 0, "seed {seed} lost acknowledged writes");
+    }
 }
 
 #[test]

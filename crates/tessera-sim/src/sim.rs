@@ -146,9 +146,33 @@ impl FaultKind {
     }
 }
 
+/// What clients do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Workload {
+    /// Gets, puts, deletes and increments on a few keys: contention, for the
+    /// history checkers.
+    Registers,
+    /// Every write to a fresh key: an acknowledged key missing at the end was
+    /// lost, so loss is counted exactly (the eventual modes' window).
+    Appends,
+}
+
+impl std::str::FromStr for Workload {
+    type Err = String;
+
+    fn from_str(name: &str) -> Result<Self, String> {
+        match name {
+            "registers" => Ok(Workload::Registers),
+            "appends" => Ok(Workload::Appends),
+            _ => Err(format!("unknown workload {name:?}; choose registers or appends")),
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct SimConfig {
     pub protocol: ProtocolKind,
+    pub workload: Workload,
     pub replicas: u32,
     pub clients: usize,
     /// Keys for puts, deletes and gets; counters for increments.
@@ -170,6 +194,7 @@ impl SimConfig {
     pub fn new(protocol: ProtocolKind) -> Self {
         Self {
             protocol,
+            workload: Workload::Registers,
             replicas: 3,
             clients: 4,
             keys: 4,
@@ -236,6 +261,8 @@ pub struct Report {
     pub unknown: u64,
     pub retried: u64,
     pub view_changes: u64,
+    /// View changes that replaced the primary (or the head).
+    pub primary_changes: u64,
     pub messages: u64,
     /// Strong reads answered, per replica (CRAQ spreads them).
     pub strong_reads_by_replica: BTreeMap<u32, u64>,
@@ -513,6 +540,9 @@ impl Simulation {
         self.report.log.push(format!("{}ms healed for liveness", self.now));
         self.healed = true;
         self.blocked.clear();
+        if self.config.workload == Workload::Appends {
+            return; // liveness shows in writes completing; nothing to read back
+        }
         for client in &mut self.clients {
             client.final_reads = (0..self.config.keys)
                 .map(|index| key_name("k", index))
@@ -736,6 +766,9 @@ impl Simulation {
         let coordinator = &mut self.coordinator;
         coordinator.suspected.remove(&id);
         let was_first = coordinator.view.replicas.first() == Some(&NodeId(id));
+        if was_first {
+            self.report.primary_changes += 1;
+        }
         coordinator.view.replicas.retain(|node| node.0 != id);
         if was_first && self.config.protocol == ProtocolKind::PrimaryBackup {
             // Promote the most up-to-date backup.
@@ -793,6 +826,9 @@ impl Simulation {
         let state = &mut self.clients[client];
         let (key, call, strong) = if let Some(key) = state.final_reads.last().cloned() {
             (key, Call::Get, true)
+        } else if config.workload == Workload::Appends {
+            let key = Bytes::from(format!("a{client}-{}", state.next_request));
+            (key.clone(), Call::Put(key), true)
         } else if state.rng.chance(0.25) && config.counters > 0 {
             let key = key_name("c", state.rng.below(config.counters as u64) as usize);
             if state.rng.chance(0.5) {
@@ -942,8 +978,20 @@ impl Simulation {
                 }
             }
         }
-        self.report.lost_acknowledged_writes =
-            self.count_lost_writes(contents.first().map(|(_, c)| c.as_slice()));
+        let final_state = contents.first().map(|(_, contents)| contents.as_slice());
+        self.report.lost_acknowledged_writes = match self.config.workload {
+            Workload::Registers => self.count_lost_writes(final_state),
+            Workload::Appends => self.count_lost_appends(final_state),
+        };
+        if self.config.workload == Workload::Appends {
+            let writes_after_healing =
+                self.report.history.operations.iter().any(|operation| {
+                    operation.completed_at.is_some_and(|done| done >= self.config.safety_ms)
+                });
+            if !writes_after_healing {
+                self.report.violations.push("liveness: no write completed after healing".into());
+            }
+        }
         if self.config.protocol.strong() {
             match linearizability::check(&self.report.history) {
                 Verdict::Linearizable => {}
@@ -961,6 +1009,17 @@ impl Simulation {
             }
         }
         self.report
+    }
+
+    /// Acknowledged appends whose key is missing at the end.
+    fn count_lost_appends(&self, final_state: Option<&[(Bytes, Bytes)]>) -> u64 {
+        let present: BTreeSet<&Bytes> = final_state.unwrap_or_default().iter().map(|(key, _)| key).collect();
+        self.report
+            .history
+            .operations
+            .iter()
+            .filter(|operation| operation.outcome == Outcome::Written && !present.contains(&operation.key))
+            .count() as u64
     }
 
     /// For each key, the last acknowledged write (by completion time) whose
