@@ -70,6 +70,9 @@ pub enum ChainMessage {
     ReadForward { view: u64, request: RequestId, key: Bytes },
     /// The tail's answer; `None` when it could not serve (no lease).
     ReadReply { view: u64, request: RequestId, value: Option<Option<Bytes>> },
+    /// The tail's whole state (raw engine values) as of write `applied`, for a
+    /// learner. Later writes follow as forwards.
+    Snapshot { view: u64, applied: u64, entries: Vec<(Bytes, Bytes)> },
 }
 
 impl ChainMessage {
@@ -78,7 +81,8 @@ impl ChainMessage {
             ChainMessage::Forward { view, .. }
             | ChainMessage::Ack { view, .. }
             | ChainMessage::ReadForward { view, .. }
-            | ChainMessage::ReadReply { view, .. } => *view,
+            | ChainMessage::ReadReply { view, .. }
+            | ChainMessage::Snapshot { view, .. } => *view,
         }
     }
 }
@@ -95,6 +99,21 @@ enum Answer {
     Value(Bytes),
 }
 
+/// The tail's view of a learner (its would-be successor).
+struct Learner {
+    node: NodeId,
+    /// The highest write the learner acknowledged.
+    acked: u64,
+    /// The write number the snapshot covers, and when it was sent.
+    snapshot_at: u64,
+    snapshot_sent_at: Time,
+    /// The learner acknowledged something since the snapshot: it has it.
+    snapshot_acked: bool,
+    /// The learner has caught up: the tail no longer commits on its own but
+    /// only what the learner acknowledged, so that the learner can take over.
+    handover: bool,
+}
+
 pub struct ChainReplication {
     me: NodeId,
     engine: Arc<dyn Engine>,
@@ -107,11 +126,15 @@ pub struct ChainReplication {
     /// Applied here, not yet acknowledged by the tail.
     sent: BTreeMap<u64, SentEntry>,
     /// At the head: clients waiting for their write to commit.
-    waiting: HashMap<u64, (RequestId, Answer)>,
+    waiting: BTreeMap<u64, (RequestId, Answer)>,
     /// Keys with an entry in `sent` and how many (CRAQ's dirty keys).
     dirty: HashMap<Bytes, u32>,
     /// When the sent list last made progress (or was last resent).
     last_progress_at: Time,
+    /// At the tail: the learner being brought up to date, if any.
+    learner: Option<Learner>,
+    /// As a learner: the tail whose snapshot is installed, if any.
+    snapshot_source: Option<NodeId>,
 }
 
 impl ChainReplication {
@@ -124,9 +147,11 @@ impl ChainReplication {
             applied: 0,
             acked: 0,
             sent: BTreeMap::new(),
-            waiting: HashMap::new(),
+            waiting: BTreeMap::new(),
             dirty: HashMap::new(),
             last_progress_at: 0,
+            learner: None,
+            snapshot_source: None,
         }
     }
 
@@ -141,7 +166,19 @@ impl ChainReplication {
     }
 
     fn predecessor(&self) -> Option<NodeId> {
+        if self.is_learner() {
+            return self.tail();
+        }
         self.neighbour(-1)
+    }
+
+    fn is_learner(&self) -> bool {
+        self.view.as_ref().is_some_and(|view| view.learners.contains(&self.me))
+    }
+
+    /// Where applied writes go next: the successor, or the tail's learner.
+    fn downstream(&self) -> Option<NodeId> {
+        self.successor().or_else(|| self.learner.as_ref().map(|learner| learner.node))
     }
 
     fn successor(&self) -> Option<NodeId> {
@@ -197,8 +234,8 @@ impl ChainReplication {
     /// Keeps an applied write until the tail acknowledges it, and passes it on.
     fn remember_and_forward(&mut self, seq: u64, entry: SentEntry, fx: &mut Effects) {
         *self.dirty.entry(entry.key.clone()).or_default() += 1;
-        if let Some(successor) = self.successor() {
-            fx.send(successor, self.forward(seq, &entry));
+        if let Some(next) = self.downstream() {
+            fx.send(next, self.forward(seq, &entry));
         }
         if self.sent.is_empty() {
             self.last_progress_at = fx.now();
@@ -206,36 +243,133 @@ impl ChainReplication {
         self.sent.insert(seq, entry);
     }
 
-    /// Everything up to `seq` is applied at the tail: answer waiting clients and
-    /// tell the predecessor.
+    /// Everything up to `seq` is applied downstream: drop it from the sent list
+    /// and, if it is news, commit it.
     fn commit_through(&mut self, seq: u64, fx: &mut Effects) {
-        if seq <= self.acked {
-            return;
-        }
-        self.acked = seq;
-        self.last_progress_at = fx.now();
+        self.release_sent(seq, fx.now());
+        self.acknowledge(seq, fx);
+    }
+
+    /// Drops entries up to `seq` from the sent list: the next replica has them.
+    fn release_sent(&mut self, seq: u64, now: Time) {
         while let Some(entry) = self.sent.first_entry() {
             if *entry.key() > seq {
                 break;
             }
-            let (number, entry) = entry.remove_entry();
+            let entry = entry.remove();
+            self.last_progress_at = now;
             if let Some(count) = self.dirty.get_mut(&entry.key) {
                 *count -= 1;
                 if *count == 0 {
                     self.dirty.remove(&entry.key);
                 }
             }
-            if let Some((request, answer)) = self.waiting.remove(&number) {
-                let reply = match answer {
-                    Answer::Written => ClientReply::Written,
-                    Answer::Value(value) => ClientReply::Value(Some(value)),
-                };
-                fx.reply(request, reply);
+        }
+    }
+
+    /// Writes up to `seq` are committed: answer waiting clients and tell the
+    /// predecessor.
+    fn acknowledge(&mut self, seq: u64, fx: &mut Effects) {
+        if seq <= self.acked {
+            return;
+        }
+        self.acked = seq;
+        self.last_progress_at = fx.now();
+        while let Some(entry) = self.waiting.first_entry() {
+            if *entry.key() > seq {
+                break;
             }
+            let (request, answer) = entry.remove();
+            let reply = match answer {
+                Answer::Written => ClientReply::Written,
+                Answer::Value(value) => ClientReply::Value(Some(value)),
+            };
+            fx.reply(request, reply);
         }
         if let Some(predecessor) = self.predecessor() {
             fx.send(predecessor, PeerMessage::Chain(ChainMessage::Ack { view: self.view_number(), seq }));
         }
+    }
+
+    /// The tail has applied write `seq`: it is committed, unless a learner is
+    /// taking over, in which case it keeps the entry until the learner has it.
+    fn applied_at_tail(&mut self, seq: u64, fx: &mut Effects) {
+        match &self.learner {
+            None => self.commit_through(seq, fx),
+            Some(learner) if learner.handover => {}
+            Some(_) => self.acknowledge(seq, fx),
+        }
+    }
+
+    /// The tail's learner acknowledged everything up to `seq`.
+    fn on_learner_ack(&mut self, seq: u64, fx: &mut Effects) {
+        let applied = self.applied;
+        let Some(learner) = self.learner.as_mut() else { return };
+        learner.acked = learner.acked.max(seq);
+        learner.snapshot_acked |= seq >= learner.snapshot_at;
+        let handover = learner.handover;
+        if learner.acked >= applied {
+            learner.handover = true;
+        }
+        self.release_sent(seq, fx.now());
+        if handover {
+            self.acknowledge(seq, fx);
+        }
+    }
+
+    fn send_snapshot(&mut self, to: NodeId, fx: &mut Effects) {
+        let mut entries = Vec::new();
+        let mut cursor = tessera_engine::ScanCursor::start();
+        loop {
+            match self.engine.scan(&tessera_engine::KeyRange::all(), &cursor, 1024) {
+                Ok(page) => {
+                    entries.extend(page.entries);
+                    match page.next {
+                        Some(next) => cursor = next,
+                        None => break,
+                    }
+                }
+                Err(error) => {
+                    tracing::error!(replica = %self.me, %error, "cannot read a snapshot for a learner");
+                    return;
+                }
+            }
+        }
+        let message = ChainMessage::Snapshot { view: self.view_number(), applied: self.applied, entries };
+        fx.send(to, PeerMessage::Chain(message));
+        if let Some(learner) = self.learner.as_mut() {
+            learner.snapshot_at = self.applied;
+            learner.snapshot_sent_at = fx.now();
+        }
+    }
+
+    fn on_snapshot(&mut self, from: NodeId, applied: u64, entries: Vec<(Bytes, Bytes)>, fx: &mut Effects) {
+        if !self.is_learner() || Some(from) != self.predecessor() || self.snapshot_source.is_some() {
+            return;
+        }
+        let installed = self
+            .engine
+            .clear()
+            .and_then(|()| entries.into_iter().try_for_each(|(key, value)| self.engine.put(&key, value)));
+        if let Err(error) = installed {
+            tracing::error!(replica = %self.me, %error, "cannot install a snapshot; waiting for a resend");
+            return;
+        }
+        self.applied = applied;
+        self.acked = applied;
+        self.snapshot_source = Some(from);
+        fx.send(from, PeerMessage::Chain(ChainMessage::Ack { view: self.view_number(), seq: applied }));
+    }
+
+    /// Forgets all replication state (the engine is replaced by a snapshot).
+    fn reset(&mut self) {
+        self.applied = 0;
+        self.acked = 0;
+        self.sent.clear();
+        self.waiting.clear();
+        self.dirty.clear();
+        self.learner = None;
+        self.snapshot_source = None;
     }
 
     fn resend_sent(&mut self, to: NodeId, fx: &mut Effects) {
@@ -259,7 +393,14 @@ impl ChainReplication {
         let reply = match consistency {
             Consistency::Eventual => local(self),
             Consistency::Strong if !self.lease_valid(fx.now()) => ClientReply::Retry("lease expired"),
-            Consistency::Strong if self.successor().is_none() => local(self),
+            Consistency::Strong if self.successor().is_none() => {
+                let handing_over = self.learner.as_ref().is_some_and(|learner| learner.handover);
+                if handing_over && self.dirty.contains_key(&key) {
+                    ClientReply::Retry("the tail is handing over to a new tail")
+                } else {
+                    local(self)
+                }
+            }
             Consistency::Strong if self.options.craq_reads && !self.dirty.contains_key(&key) => local(self),
             Consistency::Strong if self.options.craq_reads => {
                 let tail = self.tail().expect("a replica in a view has a tail");
@@ -315,7 +456,7 @@ impl ChainReplication {
         self.waiting.insert(seq, (request, answer));
         self.remember_and_forward(seq, SentEntry { origin: self.me, key, write }, fx);
         if alone {
-            self.commit_through(seq, fx);
+            self.applied_at_tail(seq, fx);
         }
     }
 
@@ -332,10 +473,14 @@ impl ChainReplication {
             return;
         }
         let view = self.view_number();
+        if self.is_learner() && self.snapshot_source.is_none() {
+            return; // nothing to apply a write to before the snapshot
+        }
         if seq <= self.applied {
             // A resend: our acknowledgement may have been lost on the way up.
-            if self.acked > 0 {
-                fx.send(from, PeerMessage::Chain(ChainMessage::Ack { view, seq: self.acked }));
+            let acknowledged = if self.is_learner() { self.applied } else { self.acked };
+            if acknowledged > 0 {
+                fx.send(from, PeerMessage::Chain(ChainMessage::Ack { view, seq: acknowledged }));
             }
             return;
         }
@@ -346,9 +491,15 @@ impl ChainReplication {
             tracing::error!(replica = %self.me, seq, %error, "cannot apply a forwarded write; waiting for a resend");
             return;
         }
+        if self.is_learner() {
+            // A learner keeps nothing to resend: it only acknowledges.
+            self.acked = seq;
+            fx.send(from, PeerMessage::Chain(ChainMessage::Ack { view, seq }));
+            return;
+        }
         self.remember_and_forward(seq, SentEntry { origin, key, write }, fx);
         if self.successor().is_none() {
-            self.commit_through(seq, fx);
+            self.applied_at_tail(seq, fx);
         }
     }
 }
@@ -366,7 +517,7 @@ impl Protocol for ChainReplication {
 
     fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
         let PeerMessage::Chain(message) = message else { return };
-        if self.position().is_none() || message.view() != self.view_number() {
+        if (self.position().is_none() && !self.is_learner()) || message.view() != self.view_number() {
             return; // another view's message: fenced off
         }
         match message {
@@ -376,8 +527,11 @@ impl Protocol for ChainReplication {
             ChainMessage::Ack { seq, .. } => {
                 if Some(from) == self.successor() {
                     self.commit_through(seq, fx);
+                } else if self.learner.as_ref().is_some_and(|learner| learner.node == from) {
+                    self.on_learner_ack(seq, fx);
                 }
             }
+            ChainMessage::Snapshot { applied, entries, .. } => self.on_snapshot(from, applied, entries, fx),
             ChainMessage::ReadForward { view, request, key } => {
                 let value = if self.successor().is_none() && self.lease_valid(fx.now()) {
                     self.read_local(&key).ok()
@@ -397,10 +551,20 @@ impl Protocol for ChainReplication {
     }
 
     fn on_tick(&mut self, fx: &mut Effects) {
-        let stalled = fx.now().saturating_sub(self.last_progress_at) >= self.options.retransmit_after_ms;
-        if let Some(successor) = self.successor() {
+        let now = fx.now();
+        let retransmit_after = self.options.retransmit_after_ms;
+        let stalled = now.saturating_sub(self.last_progress_at) >= retransmit_after;
+        if let Some(learner) = &self.learner {
+            // A learner that acknowledged nothing since the snapshot lost it.
+            if !learner.snapshot_acked && now.saturating_sub(learner.snapshot_sent_at) >= retransmit_after {
+                let node = learner.node;
+                self.send_snapshot(node, fx);
+                return;
+            }
+        }
+        if let Some(next) = self.downstream() {
             if stalled && !self.sent.is_empty() {
-                self.resend_sent(successor, fx);
+                self.resend_sent(next, fx);
             }
         }
     }
@@ -416,23 +580,62 @@ impl Protocol for ChainReplication {
             }
         }
         let old_successor = self.successor();
+        let was_member = self.position().is_some();
         self.view = Some(view.clone());
+        if self.is_learner() {
+            // A replica that was a member holds stale state, and a snapshot
+            // from another tail does not match this tail's numbering: both
+            // start over from this tail's snapshot.
+            let source_changed =
+                self.snapshot_source.is_some() && self.snapshot_source != view.replicas.last().copied();
+            if was_member || source_changed {
+                self.reset();
+            }
+            return;
+        }
         if self.position().is_none() {
             return; // removed from the chain: serve nothing until added back
+        }
+        self.snapshot_source = None;
+        let learner = view.learners.first().copied().filter(|_| self.successor().is_none());
+        if self.learner.as_ref().map(|learner| learner.node) != learner {
+            self.learner = None;
+            // Entries kept for a departed learner need no resend.
+            if self.successor().is_none() {
+                let applied = self.applied;
+                self.release_sent(applied, fx.now());
+            }
+            if let Some(node) = learner {
+                self.learner = Some(Learner {
+                    node,
+                    acked: 0,
+                    snapshot_at: 0,
+                    snapshot_sent_at: 0,
+                    snapshot_acked: false,
+                    handover: false,
+                });
+                self.send_snapshot(node, fx);
+            }
         }
         match self.successor() {
             // A new successor may lack anything not yet acknowledged.
             Some(successor) if Some(successor) != old_successor => self.resend_sent(successor, fx),
             Some(_) => {}
-            // The tail's copy is the committed one: all it applied is committed.
-            // (A predecessor that missed an older acknowledgement resends, and
-            // a resend is acknowledged.)
-            None => self.commit_through(self.applied, fx),
+            // The tail's copy is the committed one: all it applied is committed
+            // (unless a learner is taking over). A predecessor that missed an
+            // older acknowledgement resends, and a resend is acknowledged.
+            None if self.learner.is_none() => self.commit_through(self.applied, fx),
+            None => self.acknowledge(self.applied, fx),
         }
     }
 
     fn progress(&self) -> Progress {
-        Progress { applied: self.applied }
+        let learner_ready = self
+            .learner
+            .as_ref()
+            .filter(|learner| learner.handover && learner.acked >= self.applied)
+            .map(|learner| (learner.node, self.view_number()));
+        Progress { applied: self.applied, learner_ready }
     }
 }
 
@@ -447,7 +650,12 @@ mod tests {
     }
 
     fn view(number: u64, replicas: &[u32]) -> ShardView {
-        ShardView { number, replicas: replicas.iter().map(|id| NodeId(*id)).collect(), lease_until: 1_000 }
+        ShardView {
+            number,
+            replicas: replicas.iter().map(|id| NodeId(*id)).collect(),
+            learners: Vec::new(),
+            lease_until: 1_000,
+        }
     }
 
     fn put(id: u64, key: &str, value: &str) -> ClientRequest {
@@ -517,6 +725,53 @@ mod tests {
         // Then the tail fails: the head is alone and everything it applied commits.
         head.on_view(&view(3, &[1]), &mut fx);
         assert_eq!(fx.take(), vec![Effect::Reply { request: RequestId(7), reply: ClientReply::Written }]);
+    }
+
+    #[test]
+    fn a_learner_gets_a_snapshot_and_later_writes_while_the_tail_keeps_committing() {
+        let mut tail = replica(2);
+        let mut learner = replica(3);
+        let mut fx = Effects::new(10);
+        let joining = ShardView { learners: vec![NodeId(3)], ..view(2, &[1, 2]) };
+        tail.on_view(&view(1, &[1, 2]), &mut fx);
+        tail.on_peer(
+            NodeId(1),
+            PeerMessage::Chain(ChainMessage::Forward {
+                view: 1,
+                seq: 1,
+                origin: NodeId(1),
+                key: Bytes::from_static(b"a"),
+                write: Write::Put(Bytes::from_static(b"1")),
+            }),
+            &mut fx,
+        );
+        fx.take();
+        tail.on_view(&joining, &mut fx);
+        learner.on_view(&joining, &mut fx);
+        let sent = fx.take();
+        let Effect::Send { to, message: snapshot } = sent[0].clone() else { panic!("a snapshot") };
+        assert_eq!(to, NodeId(3));
+        // A write arriving during the transfer commits at once (writes never stop) ...
+        tail.on_peer(NodeId(1), forward(2, 2, "b", "2"), &mut fx);
+        let effects = fx.take();
+        assert!(effects.contains(&Effect::Send { to: NodeId(1), message: ack(2, 2) }), "{effects:?}");
+        let Some(Effect::Send { message: forwarded, .. }) =
+            effects.iter().find(|e| matches!(e, Effect::Send { to: NodeId(3), .. })).cloned()
+        else {
+            panic!("the write is forwarded to the learner")
+        };
+        // ... and the learner applies it after the snapshot.
+        learner.on_peer(NodeId(2), forwarded.clone(), &mut fx);
+        assert_eq!(fx.take(), Vec::<Effect>::new(), "nothing is applied before the snapshot");
+        learner.on_peer(NodeId(2), snapshot, &mut fx);
+        learner.on_peer(NodeId(2), forwarded, &mut fx);
+        for effect in fx.take() {
+            let Effect::Send { message, .. } = effect else { continue };
+            tail.on_peer(NodeId(3), message, &mut fx);
+        }
+        assert_eq!(learner.read_local(b"a").unwrap(), Some(Bytes::from_static(b"1")));
+        assert_eq!(learner.read_local(b"b").unwrap(), Some(Bytes::from_static(b"2")));
+        assert_eq!(tail.progress().learner_ready, Some((NodeId(3), 2)), "caught up: ready to be the tail");
     }
 
     #[test]

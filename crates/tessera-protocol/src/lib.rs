@@ -113,6 +113,9 @@ pub struct ShardView {
     /// The replicas in order: for chain replication head first, tail last; for
     /// primary–backup the primary first.
     pub replicas: Vec<NodeId>,
+    /// Replicas receiving the shard's state before they become members (chain
+    /// replication: the next tail). They serve nothing yet.
+    pub learners: Vec<NodeId>,
     /// Until when (local clock) this replica may answer strong reads alone. The
     /// driver computes it from the coordinator's lease grants.
     pub lease_until: Time,
@@ -180,6 +183,10 @@ impl Effects {
 pub struct Progress {
     /// The highest write sequence number applied locally.
     pub applied: u64,
+    /// A tail whose learner has caught up names it and the view in which it
+    /// did: the coordinator may make it the tail if that view is still current
+    /// (a report about an earlier view may be about an earlier incarnation).
+    pub learner_ready: Option<(NodeId, u64)>,
 }
 
 /// A replication protocol as event handlers.

@@ -377,7 +377,7 @@ impl Protocol for PrimaryBackup {
     }
 
     fn progress(&self) -> Progress {
-        Progress { applied: self.applied }
+        Progress { applied: self.applied, learner_ready: None }
     }
 }
 
@@ -392,7 +392,12 @@ mod tests {
     }
 
     fn view(number: u64, replicas: &[u32]) -> ShardView {
-        ShardView { number, replicas: replicas.iter().map(|id| NodeId(*id)).collect(), lease_until: 1_000 }
+        ShardView {
+            number,
+            replicas: replicas.iter().map(|id| NodeId(*id)).collect(),
+            learners: Vec::new(),
+            lease_until: 1_000,
+        }
     }
 
     fn put(id: u64, key: &'static str, value: &'static str) -> ClientRequest {

@@ -49,6 +49,24 @@ fn chain_replication_loses_no_acknowledged_write() {
     }
 }
 
+/// Seeds that once failed, each named after what it caught.
+#[test]
+fn regression_seeds_stay_fixed() {
+    let cases: &[(ProtocolKind, u64, &str)] = &[
+        (ProtocolKind::Chain, 11, "a learner reset its snapshot when only the view number changed"),
+        (ProtocolKind::ChainCraq, 5885, "a stale readiness report promoted an empty learner to tail"),
+    ];
+    for (protocol, seed, what) in cases {
+        let report = run(*seed, &SimConfig::new(*protocol));
+        assert!(
+            report.violations.is_empty(),
+            "{} seed {seed} ({what}): {:?}",
+            protocol.name(),
+            report.violations
+        );
+    }
+}
+
 #[test]
 fn the_checkers_catch_a_head_that_answers_before_the_tail_has_the_write() {
     let failed = failures(ProtocolKind::BrokenChainEarlyAck, 0..100);

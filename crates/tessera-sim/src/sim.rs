@@ -406,6 +406,7 @@ impl Simulation {
             view: ShardView {
                 number: 1,
                 replicas: (0..config.replicas).map(NodeId).collect(),
+                learners: Vec::new(),
                 lease_until: 0,
             },
             incarnations: (0..config.replicas).map(|id| (id, 0)).collect(),
@@ -717,16 +718,43 @@ impl Simulation {
     }
 
     fn on_heartbeat(&mut self, id: u32, seq: u64, progress: Progress, incarnation: u64) {
-        let coordinator = &mut self.coordinator;
-        if coordinator.incarnations.get(&id) != Some(&incarnation) {
+        let node = NodeId(id);
+        let member = self.coordinator.view.position(node).is_some();
+        let learner = self.coordinator.view.learners.contains(&node);
+        if member && self.coordinator.incarnations.get(&id) != Some(&incarnation) {
             // Restarted with nothing: it is no longer the member it was, and
             // must never be granted a lease as that member.
-            coordinator.suspected.insert(id);
+            self.coordinator.suspected.insert(id);
             return;
         }
-        if coordinator.view.position(NodeId(id)).is_none() || coordinator.suspected.contains(&id) {
-            return; // not a member (or being removed): no lease
+        if learner && self.coordinator.incarnations.get(&id) != Some(&incarnation) {
+            self.change_view(|view| view.learners.retain(|other| *other != node), "learner restarted");
+            return;
         }
+        if !member && !learner {
+            if !self.coordinator.suspected.contains(&id) {
+                self.admit(id, incarnation);
+            }
+            return;
+        }
+        if self.coordinator.suspected.contains(&id) {
+            return; // being removed: no lease
+        }
+        // The tail reports its learner caught up: the learner becomes the tail.
+        if let Some((ready, in_view)) = progress.learner_ready {
+            let view = &self.coordinator.view;
+            let is_tail = view.replicas.last() == Some(&node);
+            if is_tail && in_view == view.number && view.learners.first() == Some(&ready) {
+                self.change_view(
+                    |view| {
+                        view.learners.clear();
+                        view.replicas.push(ready);
+                    },
+                    "learner promoted to tail",
+                );
+            }
+        }
+        let coordinator = &mut self.coordinator;
         coordinator.last_heard.insert(id, self.now);
         coordinator.granted_until.insert(id, self.now + self.config.lease_ms);
         coordinator.progress.insert(id, progress.applied);
@@ -734,10 +762,60 @@ impl Simulation {
         self.send(Address::Coordinator, Address::Replica(id), Message::Grant { seq, view });
     }
 
+    /// Brings a live replica that is not in the view back: for chain
+    /// replication as a learner behind the tail (one at a time), for
+    /// primary–backup straight in as a backup (its position report gets it a
+    /// snapshot).
+    fn admit(&mut self, id: u32, incarnation: u64) {
+        let node = NodeId(id);
+        if self.config.protocol == ProtocolKind::PrimaryBackup {
+            self.coordinator.incarnations.insert(id, incarnation);
+            self.coordinator.last_heard.insert(id, self.now);
+            self.change_view(|view| view.replicas.push(node), "backup added");
+        } else if self.coordinator.view.learners.is_empty() {
+            self.coordinator.incarnations.insert(id, incarnation);
+            self.coordinator.last_heard.insert(id, self.now);
+            self.change_view(|view| view.learners.push(node), "learner added");
+        }
+    }
+
+    fn change_view(&mut self, change: impl FnOnce(&mut ShardView), why: &str) {
+        let view = &mut self.coordinator.view;
+        change(view);
+        view.number += 1;
+        self.report.view_changes += 1;
+        let replicas: Vec<String> = view.replicas.iter().map(|node| node.to_string()).collect();
+        let learners: Vec<String> = view.learners.iter().map(|node| node.to_string()).collect();
+        self.report.log.push(format!(
+            "{}ms view {}: [{}] learners [{}] ({why})",
+            self.now,
+            view.number,
+            replicas.join(", "),
+            learners.join(", ")
+        ));
+    }
+
     /// Removes replicas that stopped heartbeating (or are wrongly suspected),
     /// but only once every lease granted to them has run out.
     fn coordinator_tick(&mut self) {
         let now = self.now;
+        let silent_learners: Vec<NodeId> = self
+            .coordinator
+            .view
+            .learners
+            .iter()
+            .copied()
+            .filter(|node| {
+                now.saturating_sub(self.coordinator.last_heard.get(&node.0).copied().unwrap_or(0))
+                    > self.config.failure_timeout_ms
+            })
+            .collect();
+        if !silent_learners.is_empty() {
+            self.change_view(
+                |view| view.learners.retain(|node| !silent_learners.contains(node)),
+                "learner silent",
+            );
+        }
         // The longest silent first: when several fail at once, the one heard
         // from last is the one kept.
         let mut members: Vec<u32> = self.coordinator.view.replicas.iter().map(|node| node.0).collect();
@@ -782,15 +860,7 @@ impl Simulation {
             coordinator.view.replicas.retain(|node| *node != best);
             coordinator.view.replicas.insert(0, best);
         }
-        coordinator.view.number += 1;
-        self.report.view_changes += 1;
-        let replicas: Vec<String> = coordinator.view.replicas.iter().map(|node| node.to_string()).collect();
-        self.report.log.push(format!(
-            "{}ms view {}: [{}]",
-            self.now,
-            coordinator.view.number,
-            replicas.join(", ")
-        ));
+        self.change_view(|_| {}, "replica removed");
     }
 
     fn client_wake(&mut self, client: usize) {
@@ -971,8 +1041,14 @@ impl Simulation {
         if let Some((first_id, first)) = contents.first() {
             for (id, other) in &contents[1..] {
                 if other != first {
+                    let difference = first
+                        .iter()
+                        .zip(other.iter())
+                        .find(|(a, b)| a != b)
+                        .map(|(a, b)| format!("first difference {a:?} / {b:?}"))
+                        .unwrap_or_else(|| format!("{} / {} keys", first.len(), other.len()));
                     self.report.violations.push(format!(
-                        "convergence: replicas n{first_id} and n{id} differ after {} quiet ms",
+                        "convergence: replicas n{first_id} and n{id} differ after {} quiet ms: {difference}",
                         self.config.client_timeout_ms + 200
                     ));
                 }
