@@ -30,8 +30,8 @@ use tessera_engine::Engine;
 
 use crate::record::{Record, Version};
 use crate::{
-    increment_value, ClientReply, ClientRequest, Consistency, Effects, NodeId, Operation, PeerMessage,
-    Progress, Protocol, RequestId, ShardView, Time, Write,
+    engine_entries, increment_value, read_visible, ClientReply, ClientRequest, Consistency, Effects, NodeId,
+    Operation, PeerMessage, Progress, Protocol, RequestId, ShardView, Time, Write,
 };
 
 #[derive(Clone, Debug)]
@@ -198,13 +198,7 @@ impl ChainReplication {
     }
 
     fn read_local(&self, key: &[u8]) -> Result<Option<Bytes>, String> {
-        match self.engine.get(key).map_err(|error| error.to_string())? {
-            None => Ok(None),
-            Some(raw) => {
-                let record = Record::decode(raw).map_err(|error| error.to_string())?;
-                Ok(record.visible().cloned())
-            }
-        }
+        read_visible(self.engine.as_ref(), key)
     }
 
     /// Applies write `seq` to the engine; the caller checked it is the next one.
@@ -318,23 +312,13 @@ impl ChainReplication {
     }
 
     fn send_snapshot(&mut self, to: NodeId, fx: &mut Effects) {
-        let mut entries = Vec::new();
-        let mut cursor = tessera_engine::ScanCursor::start();
-        loop {
-            match self.engine.scan(&tessera_engine::KeyRange::all(), &cursor, 1024) {
-                Ok(page) => {
-                    entries.extend(page.entries);
-                    match page.next {
-                        Some(next) => cursor = next,
-                        None => break,
-                    }
-                }
-                Err(error) => {
-                    tracing::error!(replica = %self.me, %error, "cannot read a snapshot for a learner");
-                    return;
-                }
+        let entries = match engine_entries(self.engine.as_ref()) {
+            Ok(entries) => entries,
+            Err(error) => {
+                tracing::error!(replica = %self.me, %error, "cannot read a snapshot for a learner");
+                return;
             }
-        }
+        };
         let message = ChainMessage::Snapshot { view: self.view_number(), applied: self.applied, entries };
         fx.send(to, PeerMessage::Chain(message));
         if let Some(learner) = self.learner.as_mut() {

@@ -11,6 +11,7 @@ pub mod primary_backup;
 pub mod record;
 
 use bytes::Bytes;
+use tessera_engine::{Engine, KeyRange, ScanCursor};
 
 pub use chain::{ChainOptions, ChainReplication};
 pub use primary_backup::{PrimaryBackup, PrimaryBackupOptions};
@@ -198,6 +199,29 @@ pub trait Protocol: Send {
     fn on_tick(&mut self, fx: &mut Effects);
     fn on_view(&mut self, view: &ShardView, fx: &mut Effects);
     fn progress(&self) -> Progress;
+}
+
+/// The value a reader sees for `key`: the record's value, or none for a
+/// missing key or a tombstone.
+pub fn read_visible(engine: &dyn Engine, key: &[u8]) -> Result<Option<Bytes>, String> {
+    match engine.get(key).map_err(|error| error.to_string())? {
+        None => Ok(None),
+        Some(raw) => Ok(Record::decode(raw).map_err(|error| error.to_string())?.visible().cloned()),
+    }
+}
+
+/// Every entry of an engine, raw: a snapshot for state transfer.
+pub fn engine_entries(engine: &dyn Engine) -> Result<Vec<(Bytes, Bytes)>, String> {
+    let mut entries = Vec::new();
+    let mut cursor = ScanCursor::start();
+    loop {
+        let page = engine.scan(&KeyRange::all(), &cursor, 1024).map_err(|error| error.to_string())?;
+        entries.extend(page.entries);
+        match page.next {
+            Some(next) => cursor = next,
+            None => return Ok(entries),
+        }
+    }
 }
 
 /// Applies an increment to a stored value, as INCRBY would.

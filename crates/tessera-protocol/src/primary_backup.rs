@@ -23,12 +23,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use tessera_engine::{Engine, KeyRange, ScanCursor};
+use tessera_engine::Engine;
 
 use crate::record::{Record, Version};
 use crate::{
-    increment_value, ClientReply, ClientRequest, Consistency, Effects, NodeId, Operation, PeerMessage,
-    Progress, Protocol, ShardView, Time, Write,
+    engine_entries, increment_value, read_visible, ClientReply, ClientRequest, Consistency, Effects, NodeId,
+    Operation, PeerMessage, Progress, Protocol, ShardView, Time, Write,
 };
 
 #[derive(Clone, Debug)]
@@ -135,10 +135,7 @@ impl PrimaryBackup {
     }
 
     fn read_local(&self, key: &[u8]) -> Result<Option<Bytes>, String> {
-        match self.engine.get(key).map_err(|error| error.to_string())? {
-            None => Ok(None),
-            Some(raw) => Ok(Record::decode(raw).map_err(|error| error.to_string())?.visible().cloned()),
-        }
+        read_visible(self.engine.as_ref(), key)
     }
 
     fn apply(&mut self, entry: LogEntry) -> Result<(), String> {
@@ -212,7 +209,7 @@ impl PrimaryBackup {
             return;
         }
         state.snapshot_sent_at = Some(now);
-        match self.snapshot() {
+        match engine_entries(self.engine.as_ref()) {
             Ok(entries) => {
                 let message = BackupMessage::Snapshot {
                     view: self.view_number(),
@@ -223,20 +220,6 @@ impl PrimaryBackup {
                 fx.send(from, PeerMessage::Backup(message));
             }
             Err(error) => tracing::error!(replica = %self.me, %error, "cannot read a snapshot for a backup"),
-        }
-    }
-
-    fn snapshot(&self) -> Result<Vec<(Bytes, Bytes)>, String> {
-        let mut entries = Vec::new();
-        let mut cursor = ScanCursor::start();
-        loop {
-            let page =
-                self.engine.scan(&KeyRange::all(), &cursor, 1024).map_err(|error| error.to_string())?;
-            entries.extend(page.entries);
-            match page.next {
-                Some(next) => cursor = next,
-                None => return Ok(entries),
-            }
         }
     }
 

@@ -12,11 +12,11 @@ use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use tessera_engine::{Engine, KeyRange, MemoryEngine, ScanCursor};
+use tessera_engine::{Engine, MemoryEngine};
 use tessera_protocol::{
-    ChainOptions, ChainReplication, ClientReply, ClientRequest, Consistency, Effect, Effects, NodeId,
-    Operation as ProtocolOperation, PeerMessage, PrimaryBackup, PrimaryBackupOptions, Progress, Protocol,
-    RequestId, ShardView,
+    engine_entries, ChainOptions, ChainReplication, ClientReply, ClientRequest, Consistency, Effect, Effects,
+    NodeId, Operation as ProtocolOperation, PeerMessage, PrimaryBackup, PrimaryBackupOptions, Progress,
+    Protocol, RequestId, ShardView,
 };
 
 use crate::history::{Call, History, Operation, Outcome};
@@ -1000,16 +1000,7 @@ impl Simulation {
     }
 
     fn engine_contents(engine: &dyn Engine) -> Vec<(Bytes, Bytes)> {
-        let mut entries = Vec::new();
-        let mut cursor = ScanCursor::start();
-        loop {
-            let page = engine.scan(&KeyRange::all(), &cursor, 1024).expect("memory engines do not fail");
-            entries.extend(page.entries);
-            match page.next {
-                Some(next) => cursor = next,
-                None => break,
-            }
-        }
+        let mut entries = engine_entries(engine).expect("memory engines do not fail");
         entries.sort();
         entries
     }

@@ -8,43 +8,12 @@ use super::{is, CommandSpec, Context};
 use crate::error::{CommandError, CommandResult};
 use crate::tables::{escape_prefix, TableDef};
 
+#[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
-    CommandSpec {
-        name: "table.create",
-        arity: -6,
-        flags: &["write", "admin"],
-        first_key: 0,
-        last_key: 0,
-        step: 0,
-        handler: create,
-    },
-    CommandSpec {
-        name: "table.drop",
-        arity: 2,
-        flags: &["write", "admin"],
-        first_key: 0,
-        last_key: 0,
-        step: 0,
-        handler: drop_table,
-    },
-    CommandSpec {
-        name: "table.list",
-        arity: 1,
-        flags: &["readonly"],
-        first_key: 0,
-        last_key: 0,
-        step: 0,
-        handler: list,
-    },
-    CommandSpec {
-        name: "table.info",
-        arity: 2,
-        flags: &["readonly"],
-        first_key: 0,
-        last_key: 0,
-        step: 0,
-        handler: info,
-    },
+    CommandSpec { name: "table.create", arity: -6, flags: &["write", "admin"], first_key: 0, last_key: 0, step: 0, handler: create },
+    CommandSpec { name: "table.drop", arity: 2, flags: &["write", "admin"], first_key: 0, last_key: 0, step: 0, handler: drop_table },
+    CommandSpec { name: "table.list", arity: 1, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, handler: list },
+    CommandSpec { name: "table.info", arity: 2, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, handler: info },
 ];
 
 fn text(arg: &[u8]) -> CommandResult<String> {
