@@ -23,7 +23,7 @@ pub use lsm::LsmEngine;
 pub use memory::MemoryEngine;
 pub use ordered::OrderedEngine;
 pub use remote::{RedisEngine, RedisOptions};
-pub use spec::{open_engine, EngineKind, EngineSpec};
+pub use spec::{EngineKind, EngineSpec};
 
 /// What an engine can do beyond the common operations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,9 +32,6 @@ pub struct Capabilities {
     pub ordered: bool,
     /// Data survives a restart of the process.
     pub persistent: bool,
-    /// Calls may block on disk or network I/O for a long time; async callers
-    /// should move them off their reactor threads.
-    pub blocking: bool,
 }
 
 /// A half-open key range `[start, end)`; `None` is unbounded on that side.

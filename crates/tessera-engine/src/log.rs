@@ -568,11 +568,7 @@ impl Engine for LogEngine {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            ordered: false,
-            persistent: true,
-            blocking: self.inner.options.fsync == FsyncPolicy::Always,
-        }
+        Capabilities { ordered: false, persistent: true }
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Bytes>> {

@@ -117,7 +117,7 @@ impl Engine for LsmEngine {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { ordered: true, persistent: true, blocking: true }
+        Capabilities { ordered: true, persistent: true }
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Bytes>> {

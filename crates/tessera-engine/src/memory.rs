@@ -66,7 +66,7 @@ impl Engine for MemoryEngine {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { ordered: false, persistent: false, blocking: false }
+        Capabilities { ordered: false, persistent: false }
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Bytes>> {

@@ -57,7 +57,7 @@ impl Engine for OrderedEngine {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { ordered: true, persistent: false, blocking: false }
+        Capabilities { ordered: true, persistent: false }
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Bytes>> {

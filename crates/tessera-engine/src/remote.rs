@@ -123,7 +123,7 @@ impl Engine for RedisEngine {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { ordered: false, persistent: true, blocking: true }
+        Capabilities { ordered: false, persistent: true }
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Bytes>> {

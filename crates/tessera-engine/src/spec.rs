@@ -136,8 +136,3 @@ impl EngineSpec {
         (self.kind == EngineKind::Redis).then_some((options.address, options.database))
     }
 }
-
-/// Opens an engine by name with default options.
-pub fn open_engine(name: &str, dir: &Path) -> Result<Arc<dyn Engine>> {
-    EngineSpec::new(name.parse()?, BTreeMap::new())?.open(dir)
-}

@@ -165,6 +165,7 @@ impl Connection {
         let result = self.stream.write_all(self.out.as_bytes()).await;
         WorkerStats::add(&self.stats.net_output_bytes, self.out.len() as u64);
         self.out.clear();
+        self.out.shrink_to(BUFFER_KEEP_BYTES);
         result
     }
 }

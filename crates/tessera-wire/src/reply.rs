@@ -46,6 +46,13 @@ impl ReplyWriter {
         self.buf.clear();
     }
 
+    /// Gives memory back after an unusually large reply.
+    pub fn shrink_to(&mut self, capacity: usize) {
+        if self.buf.capacity() > capacity && self.buf.len() <= capacity {
+            self.buf.shrink_to(capacity);
+        }
+    }
+
     /// Drops what was written after `mark` (a length taken earlier with [`len`](Self::len)).
     pub fn truncate(&mut self, mark: usize) {
         self.buf.truncate(mark);

@@ -245,8 +245,6 @@ fn scan(context: &mut Context, request: &Request) -> CommandResult {
         }
         let page = table.engine.scan(&KeyRange::all(), &position.cursor, count)?;
         for (key, raw) in page.entries {
-            // Keys of a shorter-prefix table may sit in the engine only if they
-            // were written before the table existed; creation refuses that.
             if filter.accepts(&key, raw, context.now_ms) {
                 keys.push(key);
             }
