@@ -1,0 +1,6 @@
+//! Workload generation for `tessera bench`: the key choosers and operation mixes
+//! of YCSB (Cooper et al., SoCC 2010), so that figures compare with what users
+//! measure elsewhere.
+
+pub mod generator;
+pub mod workload;
