@@ -2,5 +2,7 @@
 //! of YCSB (Cooper et al., SoCC 2010), so that figures compare with what users
 //! measure elsewhere.
 
+pub mod driver;
 pub mod generator;
+pub mod report;
 pub mod workload;

@@ -50,6 +50,9 @@ enum Command {
         #[arg(long, default_value_t = 1000)]
         count: u32,
     },
+    /// Drive a YCSB workload against RESP endpoints (Tessera, Redis, ...) and
+    /// report throughput and latency percentiles.
+    Bench(BenchArgs),
     /// Run replication protocols in the deterministic simulator, with faults,
     /// and check their histories. Exits non-zero on any violation.
     Sim(SimArgs),
@@ -58,6 +61,48 @@ enum Command {
         #[command(subcommand)]
         command: TableCommand,
     },
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Endpoints, host:port[,host:port...]; keys are sharded over several.
+    #[arg(long, value_delimiter = ',', required = true)]
+    target: Vec<String>,
+    /// YCSB core workload: A, B, C, D, E, F, or W (write only).
+    #[arg(long, default_value = "A")]
+    workload: String,
+    /// A custom mix instead of the workload's, e.g. read=0.62,update=0.38.
+    #[arg(long)]
+    mix: Option<String>,
+    /// Key distribution: uniform, zipfian[:θ], latest[:θ], hotspot[:keys,ops];
+    /// default: the workload's.
+    #[arg(long)]
+    distribution: Option<String>,
+    /// load (insert the records), run (the mix), or both.
+    #[arg(long, default_value = "both")]
+    phase: String,
+    #[arg(long, default_value_t = 100_000)]
+    records: u64,
+    #[arg(long, default_value_t = 1_000_000)]
+    operations: u64,
+    /// Concurrent connections (per endpoint).
+    #[arg(long, default_value_t = 50)]
+    connections: usize,
+    /// Operations in flight per connection.
+    #[arg(long, default_value_t = 1)]
+    pipeline: usize,
+    /// Fields per record and bytes per field (YCSB: 10 x 100).
+    #[arg(long, default_value_t = 10)]
+    fields: usize,
+    #[arg(long, default_value_t = 100)]
+    field_bytes: usize,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Write the run's report as JSON / CSV to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    #[arg(long)]
+    csv: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -280,7 +325,7 @@ fn run_command(connection: &ConnectionArgs, args: &[&str]) -> Result<Value, Stri
 
 fn client_command(connection: &ConnectionArgs, command: Command) -> Result<(), String> {
     match command {
-        Command::Serve(_) | Command::Sim(_) => unreachable!("handled by main"),
+        Command::Serve(_) | Command::Sim(_) | Command::Bench(_) => unreachable!("handled by main"),
         Command::Get { key } => match run_command(connection, &["GET", &key])? {
             Value::Null => Err(format!("no such key: {key}")),
             value => {
@@ -344,6 +389,64 @@ fn client_command(connection: &ConnectionArgs, command: Command) -> Result<(), S
             Ok(())
         }
     }
+}
+
+fn bench(args: BenchArgs, password: Option<String>) -> Result<(), String> {
+    use tessera_bench::{driver, generator::Distribution, workload::Mix, workload::Workload};
+    let mut workload = Workload::named(&args.workload)?;
+    if let Some(mix) = &args.mix {
+        workload.mix = Mix::parse(mix)?;
+        workload.name = format!("{} mix {mix}", workload.name);
+    }
+    if let Some(distribution) = &args.distribution {
+        workload.distribution = distribution.parse::<Distribution>()?;
+    }
+    let (do_load, do_run) = match args.phase.as_str() {
+        "load" => (true, false),
+        "run" => (false, true),
+        "both" => (true, true),
+        other => return Err(format!("unknown phase {other:?}; choose load, run or both")),
+    };
+    let config = driver::DriverConfig {
+        targets: args.target,
+        connections: args.connections,
+        pipeline: args.pipeline,
+        records: args.records,
+        operations: args.operations,
+        fields: args.fields,
+        field_bytes: args.field_bytes,
+        seed: args.seed,
+        password,
+        connect_timeout: Duration::from_secs(5),
+    };
+    config.validate(&workload)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|error| error.to_string())?;
+    runtime.block_on(async {
+        let mut last = None;
+        if do_load {
+            let report = driver::load(&config, &workload).await?;
+            print!("{}", report.render());
+            last = Some(report);
+        }
+        if do_run {
+            let report = driver::run(&config, &workload).await?;
+            print!("{}", report.render());
+            last = Some(report);
+        }
+        if let Some(report) = last {
+            if let Some(path) = &args.json {
+                let json = serde_json::to_string_pretty(&report).map_err(|error| error.to_string())?;
+                std::fs::write(path, json).map_err(|error| format!("{}: {error}", path.display()))?;
+            }
+            if let Some(path) = &args.csv {
+                std::fs::write(path, report.csv()).map_err(|error| format!("{}: {error}", path.display()))?;
+            }
+        }
+        Ok(())
+    })
 }
 
 fn simulate(args: SimArgs) -> Result<(), String> {
@@ -432,6 +535,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => serve(*args),
         Command::Sim(args) => simulate(args),
+        Command::Bench(args) => bench(args, cli.connection.password.clone()),
         command => client_command(&cli.connection, command),
     };
     match result {

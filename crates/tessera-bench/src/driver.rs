@@ -1,0 +1,289 @@
+//! Drives a workload against RESP endpoints, closed loop: each worker keeps one
+//! connection per endpoint and sends `pipeline` operations at a time, then reads
+//! their replies. Latency is measured from the batch's send to each reply.
+//!
+//! Records follow YCSB's Redis binding: key `user<n>`, a hash of `fields`
+//! fields of `field_bytes` bytes. With several endpoints, keys are sharded over
+//! them on the client by a hash of the record number.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use tessera_wire::{encode_command, parse_value, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::generator::{fnv_hash_64, KeyChooser};
+use crate::report::{Recorder, Report};
+use crate::workload::{OperationKind, Workload};
+
+#[derive(Clone, Debug)]
+pub struct DriverConfig {
+    /// `host:port` of each endpoint.
+    pub targets: Vec<String>,
+    /// Concurrent workers, each with one connection per endpoint.
+    pub connections: usize,
+    /// Operations in flight per connection.
+    pub pipeline: usize,
+    pub records: u64,
+    pub operations: u64,
+    pub fields: usize,
+    pub field_bytes: usize,
+    pub seed: u64,
+    pub password: Option<String>,
+    pub connect_timeout: Duration,
+}
+
+impl DriverConfig {
+    pub fn validate(&self, workload: &Workload) -> Result<(), String> {
+        if self.targets.is_empty() {
+            return Err("no --target given".into());
+        }
+        if self.connections == 0 || self.pipeline == 0 || self.fields == 0 {
+            return Err("--connections, --pipeline and --fields must be at least 1".into());
+        }
+        if self.records < 2 {
+            return Err("--records must be at least 2".into());
+        }
+        if workload.mix.share(OperationKind::Scan) > 0.0 {
+            return Err("scans (workload E) need the sorted-set index of YCSB's Redis binding, which Tessera does not serve yet".into());
+        }
+        Ok(())
+    }
+}
+
+fn key(record: u64) -> Vec<u8> {
+    format!("user{record}").into_bytes()
+}
+
+fn target_of(record: u64, targets: usize) -> usize {
+    (fnv_hash_64(record) % targets as u64) as usize
+}
+
+struct Connection {
+    stream: TcpStream,
+    read_buf: Vec<u8>,
+    write_buf: Vec<u8>,
+}
+
+impl Connection {
+    async fn open(address: &str, config: &DriverConfig) -> Result<Self, String> {
+        let stream = tokio::time::timeout(config.connect_timeout, TcpStream::connect(address))
+            .await
+            .map_err(|_| format!("cannot connect to {address}: timed out"))?
+            .map_err(|error| format!("cannot connect to {address}: {error}"))?;
+        stream.set_nodelay(true).map_err(|error| error.to_string())?;
+        let mut connection = Self { stream, read_buf: Vec::with_capacity(64 << 10), write_buf: Vec::new() };
+        if let Some(password) = &config.password {
+            encode_command(&[b"AUTH".as_ref(), password.as_bytes()], &mut connection.write_buf);
+            connection.flush().await.map_err(|error| format!("{address}: {error}"))?;
+            if let Value::Error(message) =
+                connection.read_value().await.map_err(|error| format!("{address}: {error}"))?
+            {
+                return Err(format!("{address}: AUTH failed: {message}"));
+            }
+        }
+        Ok(connection)
+    }
+
+    async fn flush(&mut self) -> std::io::Result<()> {
+        self.stream.write_all(&self.write_buf).await?;
+        self.write_buf.clear();
+        Ok(())
+    }
+
+    async fn read_value(&mut self) -> std::io::Result<Value> {
+        loop {
+            match parse_value(&self.read_buf) {
+                Ok(Some((value, used))) => {
+                    self.read_buf.drain(..used);
+                    return Ok(value);
+                }
+                Ok(None) => {}
+                Err(error) => return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, error)),
+            }
+            if self.stream.read_buf(&mut self.read_buf).await? == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+        }
+    }
+}
+
+/// State shared by the workers of one phase.
+struct Shared {
+    /// Operations still to hand out.
+    remaining: AtomicU64,
+    /// The next record number to insert (and so the number of records).
+    inserted: AtomicU64,
+}
+
+/// One operation of a batch: which endpoint answers it and with how many replies.
+struct Pending {
+    kind: OperationKind,
+    target: usize,
+    replies: usize,
+}
+
+fn field_value(rng: &mut SmallRng, bytes: usize) -> Vec<u8> {
+    (0..bytes).map(|_| rng.gen_range(b'a'..=b'z')).collect()
+}
+
+/// Writes the commands of one operation; returns how many replies it expects.
+fn encode_operation(
+    kind: OperationKind,
+    record: u64,
+    config: &DriverConfig,
+    rng: &mut SmallRng,
+    out: &mut Vec<u8>,
+) -> usize {
+    let key = key(record);
+    let update = |rng: &mut SmallRng, out: &mut Vec<u8>| {
+        let field = format!("field{}", rng.gen_range(0..config.fields));
+        encode_command(
+            &[b"HSET".as_ref(), &key, field.as_bytes(), &field_value(rng, config.field_bytes)],
+            out,
+        );
+    };
+    match kind {
+        OperationKind::Read => {
+            encode_command(&[b"HGETALL".as_ref(), &key], out);
+            1
+        }
+        OperationKind::Update => {
+            update(rng, out);
+            1
+        }
+        OperationKind::Insert => {
+            let mut args: Vec<Vec<u8>> = vec![b"HSET".to_vec(), key.clone()];
+            for field in 0..config.fields {
+                args.push(format!("field{field}").into_bytes());
+                args.push(field_value(rng, config.field_bytes));
+            }
+            encode_command(&args, out);
+            1
+        }
+        OperationKind::ReadModifyWrite => {
+            encode_command(&[b"HGETALL".as_ref(), &key], out);
+            update(rng, out);
+            2
+        }
+        OperationKind::Scan => unreachable!("rejected by DriverConfig::validate"),
+    }
+}
+
+async fn worker(
+    index: usize,
+    config: Arc<DriverConfig>,
+    workload: Arc<Workload>,
+    chooser: Arc<KeyChooser>,
+    shared: Arc<Shared>,
+    load: bool,
+    started: Instant,
+) -> Result<Recorder, String> {
+    let mut connections = Vec::with_capacity(config.targets.len());
+    for target in &config.targets {
+        connections.push(Connection::open(target, &config).await?);
+    }
+    let mut rng = SmallRng::seed_from_u64(config.seed ^ (index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let mut recorder = Recorder::default();
+    let mut batch: Vec<Pending> = Vec::with_capacity(config.pipeline);
+    loop {
+        let claimed = shared
+            .remaining
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |left| {
+                (left > 0).then(|| left.saturating_sub(config.pipeline as u64))
+            })
+            .unwrap_or(0)
+            .min(config.pipeline as u64);
+        if claimed == 0 {
+            return Ok(recorder);
+        }
+        batch.clear();
+        for _ in 0..claimed {
+            let kind = if load { OperationKind::Insert } else { workload.mix.next(&mut rng) };
+            let record = match kind {
+                OperationKind::Insert => shared.inserted.fetch_add(1, Ordering::Relaxed),
+                _ => chooser.next(shared.inserted.load(Ordering::Relaxed).max(2), &mut rng),
+            };
+            let target = target_of(record, connections.len());
+            let replies =
+                encode_operation(kind, record, &config, &mut rng, &mut connections[target].write_buf);
+            batch.push(Pending { kind, target, replies });
+        }
+        let sent_at = Instant::now();
+        for connection in connections.iter_mut() {
+            if !connection.write_buf.is_empty() {
+                connection.flush().await.map_err(|error| format!("sending: {error}"))?;
+            }
+        }
+        // Replies come back in order on each connection.
+        for pending in &batch {
+            let mut failed = None;
+            for _ in 0..pending.replies {
+                match connections[pending.target].read_value().await {
+                    Ok(Value::Error(message)) => {
+                        failed = Some(message.split(' ').next().unwrap_or("ERR").to_string());
+                    }
+                    Ok(_) => {}
+                    Err(error) => {
+                        return Err(format!(
+                            "reading replies from {}: {error}",
+                            config.targets[pending.target]
+                        ))
+                    }
+                }
+            }
+            match failed {
+                Some(kind) => recorder.error(&kind),
+                None => {
+                    recorder.record(pending.kind, sent_at.elapsed(), started.elapsed().as_secs() as usize)
+                }
+            }
+        }
+    }
+}
+
+async fn run_phase(config: &DriverConfig, workload: &Workload, load: bool) -> Result<Report, String> {
+    config.validate(workload)?;
+    let operations = if load { config.records } else { config.operations };
+    let shared = Arc::new(Shared {
+        remaining: AtomicU64::new(operations),
+        inserted: AtomicU64::new(if load { 0 } else { config.records }),
+    });
+    let chooser = Arc::new(KeyChooser::new(workload.distribution, config.records));
+    let (config_arc, workload_arc) = (Arc::new(config.clone()), Arc::new(workload.clone()));
+    let started = Instant::now();
+    let workers: Vec<_> = (0..config.connections)
+        .map(|index| {
+            tokio::spawn(worker(
+                index,
+                config_arc.clone(),
+                workload_arc.clone(),
+                chooser.clone(),
+                shared.clone(),
+                load,
+                started,
+            ))
+        })
+        .collect();
+    let mut total = Recorder::default();
+    for worker in workers {
+        let recorder = worker.await.map_err(|error| format!("a worker failed: {error}"))??;
+        total.merge(&recorder);
+    }
+    let name = if load { format!("{} (load)", workload.name) } else { workload.name.clone() };
+    Ok(total.report(&name, started.elapsed()))
+}
+
+/// Inserts records `0..records`.
+pub async fn load(config: &DriverConfig, workload: &Workload) -> Result<Report, String> {
+    run_phase(config, workload, true).await
+}
+
+/// Runs `operations` operations of the workload's mix over loaded records.
+pub async fn run(config: &DriverConfig, workload: &Workload) -> Result<Report, String> {
+    run_phase(config, workload, false).await
+}

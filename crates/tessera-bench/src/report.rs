@@ -1,0 +1,192 @@
+//! Latency histograms (HDR, microseconds) and the final report: throughput,
+//! per-operation percentiles, errors by kind, and a per-second time series.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+use crate::workload::OperationKind;
+
+/// Latencies up to an hour are recorded exactly to three significant digits.
+fn new_histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("valid histogram bounds")
+}
+
+/// What one connection (or the merge of all) saw.
+#[derive(Clone, Debug, Default)]
+pub struct Recorder {
+    latencies: BTreeMap<&'static str, Histogram<u64>>,
+    pub errors: BTreeMap<String, u64>,
+    /// Operations completed in each second since the start.
+    pub per_second: Vec<u64>,
+}
+
+impl Recorder {
+    pub fn record(&mut self, kind: OperationKind, latency: Duration, second: usize) {
+        let micros = (latency.as_micros() as u64).clamp(1, 3_600_000_000);
+        self.latencies.entry(kind.name()).or_insert_with(new_histogram).saturating_record(micros);
+        if self.per_second.len() <= second {
+            self.per_second.resize(second + 1, 0);
+        }
+        self.per_second[second] += 1;
+    }
+
+    /// Counts an error by its kind (the first word of a server error, or a
+    /// transport failure).
+    pub fn error(&mut self, kind: &str) {
+        *self.errors.entry(kind.to_string()).or_default() += 1;
+    }
+
+    pub fn merge(&mut self, other: &Recorder) {
+        for (name, histogram) in &other.latencies {
+            self.latencies.entry(name).or_insert_with(new_histogram).add(histogram).expect("same bounds");
+        }
+        for (kind, count) in &other.errors {
+            *self.errors.entry(kind.clone()).or_default() += count;
+        }
+        if self.per_second.len() < other.per_second.len() {
+            self.per_second.resize(other.per_second.len(), 0);
+        }
+        for (slot, count) in self.per_second.iter_mut().zip(&other.per_second) {
+            *slot += count;
+        }
+    }
+
+    pub fn report(&self, workload: &str, elapsed: Duration) -> Report {
+        let operations: u64 = self.latencies.values().map(Histogram::len).sum();
+        let latency = self
+            .latencies
+            .iter()
+            .map(|(name, histogram)| {
+                let at = |quantile: f64| histogram.value_at_quantile(quantile);
+                let summary = LatencySummary {
+                    count: histogram.len(),
+                    mean_us: histogram.mean(),
+                    p50_us: at(0.50),
+                    p90_us: at(0.90),
+                    p99_us: at(0.99),
+                    p999_us: at(0.999),
+                    max_us: histogram.max(),
+                };
+                (name.to_string(), summary)
+            })
+            .collect();
+        Report {
+            workload: workload.to_string(),
+            elapsed_s: elapsed.as_secs_f64(),
+            operations,
+            throughput_ops_per_s: operations as f64 / elapsed.as_secs_f64().max(1e-9),
+            latency,
+            errors: self.errors.clone(),
+            per_second: self.per_second.clone(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct LatencySummary {
+    pub count: u64,
+    pub mean_us: f64,
+    pub p50_us: u64,
+    pub p90_us: u64,
+    pub p99_us: u64,
+    pub p999_us: u64,
+    pub max_us: u64,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Report {
+    pub workload: String,
+    pub elapsed_s: f64,
+    pub operations: u64,
+    pub throughput_ops_per_s: f64,
+    pub latency: BTreeMap<String, LatencySummary>,
+    pub errors: BTreeMap<String, u64>,
+    pub per_second: Vec<u64>,
+}
+
+impl Report {
+    /// The human-readable summary.
+    pub fn render(&self) -> String {
+        let mut out = format!(
+            "workload {}: {} operations in {:.2} s = {:.0} ops/s\n",
+            self.workload, self.operations, self.elapsed_s, self.throughput_ops_per_s
+        );
+        out.push_str("operation      count   mean µs    p50    p90    p99  p99.9      max\n");
+        for (name, summary) in &self.latency {
+            out.push_str(&format!(
+                "{name:<9} {:>10} {:>9.1} {:>6} {:>6} {:>6} {:>6} {:>8}\n",
+                summary.count,
+                summary.mean_us,
+                summary.p50_us,
+                summary.p90_us,
+                summary.p99_us,
+                summary.p999_us,
+                summary.max_us
+            ));
+        }
+        if self.errors.is_empty() {
+            out.push_str("errors: none\n");
+        } else {
+            let errors: Vec<String> =
+                self.errors.iter().map(|(kind, count)| format!("{kind}={count}")).collect();
+            out.push_str(&format!("errors: {}\n", errors.join(" ")));
+        }
+        out
+    }
+
+    /// One CSV row per operation kind.
+    pub fn csv(&self) -> String {
+        let mut out = String::from(
+            "workload,operation,count,throughput_ops_per_s,mean_us,p50_us,p90_us,p99_us,p999_us,max_us\n",
+        );
+        for (name, s) in &self.latency {
+            out.push_str(&format!(
+                "{},{name},{},{:.1},{:.1},{},{},{},{},{}\n",
+                self.workload,
+                s.count,
+                self.throughput_ops_per_s,
+                s.mean_us,
+                s.p50_us,
+                s.p90_us,
+                s.p99_us,
+                s.p999_us,
+                s.max_us
+            ));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_merge_and_errors_are_counted() {
+        let mut first = Recorder::default();
+        let mut second = Recorder::default();
+        for micros in 1..=1000u64 {
+            let recorder = if micros % 2 == 0 { &mut first } else { &mut second };
+            recorder.record(OperationKind::Read, Duration::from_micros(micros), (micros / 500) as usize);
+        }
+        second.error("WRONGTYPE");
+        second.error("WRONGTYPE");
+        first.merge(&second);
+        let report = first.report("A", Duration::from_secs(2));
+        let read = &report.latency["read"];
+        assert_eq!(read.count, 1000);
+        assert!((499..=501).contains(&read.p50_us), "p50 {}", read.p50_us);
+        assert!((989..=991).contains(&read.p99_us), "p99 {}", read.p99_us);
+        assert_eq!(read.max_us, 1000);
+        assert_eq!(report.throughput_ops_per_s, 500.0);
+        assert_eq!(report.errors["WRONGTYPE"], 2);
+        assert_eq!(report.per_second, vec![499, 500, 1]);
+        let json = serde_json::to_value(&report).unwrap();
+        assert_eq!(json["latency"]["read"]["count"], 1000);
+        assert!(report.csv().lines().nth(1).unwrap().starts_with("A,read,1000,"));
+        assert!(report.render().contains("WRONGTYPE=2"));
+    }
+}
