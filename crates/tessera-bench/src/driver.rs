@@ -35,6 +35,13 @@ pub struct DriverConfig {
     pub seed: u64,
     pub password: Option<String>,
     pub connect_timeout: Duration,
+    /// Open loop: this many operations per second in total, each batch sent at
+    /// its scheduled time and timed from it, so a stall shows in the latencies
+    /// instead of silently lowering the load (no coordinated omission).
+    /// `None`: closed loop, each worker as fast as replies come.
+    pub target_rate: Option<f64>,
+    /// Stop the run phase after this long, whatever `operations` says.
+    pub duration: Option<Duration>,
 }
 
 impl DriverConfig {
@@ -47,6 +54,9 @@ impl DriverConfig {
         }
         if self.records < 2 {
             return Err("--records must be at least 2".into());
+        }
+        if self.target_rate.is_some_and(|rate| !(rate > 0.0 && rate.is_finite())) {
+            return Err("--rate must be a positive number of operations per second".into());
         }
         if workload.mix.share(OperationKind::Scan) > 0.0 {
             return Err("scans (workload E) need the sorted-set index of YCSB's Redis binding, which Tessera does not serve yet".into());
@@ -190,7 +200,16 @@ async fn worker(
     let mut rng = SmallRng::seed_from_u64(config.seed ^ (index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
     let mut recorder = Recorder::default();
     let mut batch: Vec<Pending> = Vec::with_capacity(config.pipeline);
+    // Open loop: batches leave every `interval`, workers staggered over one.
+    let interval = config
+        .target_rate
+        .map(|rate| Duration::from_secs_f64(config.pipeline as f64 * config.connections as f64 / rate));
+    let mut next_send =
+        interval.map(|interval| started + interval.mul_f64(index as f64 / config.connections as f64));
     loop {
+        if config.duration.is_some_and(|duration| started.elapsed() >= duration) && !load {
+            return Ok(recorder);
+        }
         let claimed = shared
             .remaining
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |left| {
@@ -213,7 +232,15 @@ async fn worker(
                 encode_operation(kind, record, &config, &mut rng, &mut connections[target].write_buf);
             batch.push(Pending { kind, target, replies });
         }
-        let sent_at = Instant::now();
+        let sent_at = match (next_send.as_mut(), interval) {
+            (Some(next), Some(interval)) => {
+                let intended = *next;
+                tokio::time::sleep_until(intended.into()).await;
+                *next += interval;
+                intended
+            }
+            _ => Instant::now(),
+        };
         for connection in connections.iter_mut() {
             if !connection.write_buf.is_empty() {
                 connection.flush().await.map_err(|error| format!("sending: {error}"))?;
@@ -248,7 +275,11 @@ async fn worker(
 
 async fn run_phase(config: &DriverConfig, workload: &Workload, load: bool) -> Result<Report, String> {
     config.validate(workload)?;
-    let operations = if load { config.records } else { config.operations };
+    let operations = match (load, config.duration) {
+        (true, _) => config.records,
+        (false, Some(_)) => u64::MAX,
+        (false, None) => config.operations,
+    };
     let shared = Arc::new(Shared {
         remaining: AtomicU64::new(operations),
         inserted: AtomicU64::new(if load { 0 } else { config.records }),

@@ -19,6 +19,8 @@ fn config(target: String) -> DriverConfig {
         seed: 1,
         password: None,
         connect_timeout: Duration::from_secs(5),
+        target_rate: None,
+        duration: None,
     }
 }
 
@@ -71,4 +73,18 @@ async fn unreachable_targets_and_scans_are_clear_errors() {
     assert!(error.contains("cannot connect"), "{error}");
     let error = run(&unreachable, &Workload::named("E").unwrap()).await.unwrap_err();
     assert!(error.contains("scans"), "{error}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_loop_holds_the_rate_and_times_from_the_schedule() {
+    let Some(server) = RedisServer::start() else { return };
+    let workload = Workload::named("B").unwrap();
+    let mut config = config(server.address());
+    load(&config, &workload).await.unwrap();
+    config.target_rate = Some(4_000.0);
+    config.duration = Some(Duration::from_secs(2));
+    let report = run(&config, &workload).await.unwrap();
+    // 2 s at 4,000 ops/s: about 8,000 operations, not as many as possible.
+    assert!((7_000..=8_700).contains(&report.operations), "{} operations", report.operations);
+    assert!(report.errors.is_empty());
 }

@@ -98,6 +98,13 @@ struct BenchArgs {
     field_bytes: usize,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Open loop at this many operations per second in total; latencies are
+    /// timed from each batch's scheduled send (no coordinated omission).
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Run for this many seconds instead of --operations.
+    #[arg(long)]
+    duration: Option<f64>,
     /// Write the run's report as JSON / CSV to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -418,6 +425,15 @@ fn bench(args: BenchArgs, password: Option<String>) -> Result<(), String> {
         seed: args.seed,
         password,
         connect_timeout: Duration::from_secs(5),
+        target_rate: args.rate,
+        duration: args
+            .duration
+            .map(|seconds| {
+                (seconds > 0.0 && seconds.is_finite())
+                    .then(|| Duration::from_secs_f64(seconds))
+                    .ok_or("--duration must be a positive number of seconds")
+            })
+            .transpose()?,
     };
     config.validate(&workload)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
