@@ -42,6 +42,8 @@ pub struct DriverConfig {
     pub target_rate: Option<f64>,
     /// Stop the run phase after this long, whatever `operations` says.
     pub duration: Option<Duration>,
+    /// Print operations done and the rate of the last second to stderr.
+    pub progress: bool,
 }
 
 impl DriverConfig {
@@ -128,6 +130,8 @@ struct Shared {
     remaining: AtomicU64,
     /// The next record number to insert (and so the number of records).
     inserted: AtomicU64,
+    /// Operations answered so far, for the progress line.
+    completed: AtomicU64,
 }
 
 /// One operation of a batch: which endpoint answers it and with how many replies.
@@ -270,6 +274,7 @@ async fn worker(
                 }
             }
         }
+        shared.completed.fetch_add(batch.len() as u64, Ordering::Relaxed);
     }
 }
 
@@ -283,6 +288,7 @@ async fn run_phase(config: &DriverConfig, workload: &Workload, load: bool) -> Re
     let shared = Arc::new(Shared {
         remaining: AtomicU64::new(operations),
         inserted: AtomicU64::new(if load { 0 } else { config.records }),
+        completed: AtomicU64::new(0),
     });
     let chooser = Arc::new(KeyChooser::new(workload.distribution, config.records));
     let (config_arc, workload_arc) = (Arc::new(config.clone()), Arc::new(workload.clone()));
@@ -300,13 +306,35 @@ async fn run_phase(config: &DriverConfig, workload: &Workload, load: bool) -> Re
             ))
         })
         .collect();
+    let progress = config.progress.then(|| tokio::spawn(show_progress(shared.clone(), started)));
     let mut total = Recorder::default();
     for worker in workers {
         let recorder = worker.await.map_err(|error| format!("a worker failed: {error}"))??;
         total.merge(&recorder);
     }
+    if let Some(progress) = progress {
+        progress.abort();
+        eprintln!();
+    }
     let name = if load { format!("{} (load)", workload.name) } else { workload.name.clone() };
     Ok(total.report(&name, started.elapsed()))
+}
+
+/// Rewrites one status line on stderr every second until aborted.
+async fn show_progress(shared: Arc<Shared>, started: Instant) {
+    let mut ticker = tokio::time::interval(Duration::from_secs(1));
+    ticker.tick().await;
+    let mut previous = 0;
+    loop {
+        ticker.tick().await;
+        let done = shared.completed.load(Ordering::Relaxed);
+        eprint!(
+            "\r{:>5.0} s  {done:>12} operations  {:>10} ops/s in the last second ",
+            started.elapsed().as_secs_f64(),
+            done - previous
+        );
+        previous = done;
+    }
 }
 
 /// Inserts records `0..records`.

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::workload::OperationKind;
 
@@ -85,7 +85,7 @@ impl Recorder {
     }
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct LatencySummary {
     pub count: u64,
     pub mean_us: f64,
@@ -96,7 +96,7 @@ pub struct LatencySummary {
     pub max_us: u64,
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Report {
     pub workload: String,
     pub elapsed_s: f64,
@@ -160,6 +160,41 @@ impl Report {
     }
 }
 
+/// A side-by-side table of several reports, each with its ratio to the first:
+/// throughput, and p50 / p99 of every operation the first report has.
+pub fn compare(reports: &[(String, Report)]) -> String {
+    let Some((_, baseline)) = reports.first() else { return String::new() };
+    let mut out = String::from("| run | ops/s | ratio |");
+    for operation in baseline.latency.keys() {
+        out.push_str(&format!(" {operation} p50 µs | ratio | {operation} p99 µs | ratio |"));
+    }
+    out.push('\n');
+    out.push_str(&"|---".repeat(3 + 4 * baseline.latency.len()));
+    out.push_str("|\n");
+    let ratio = |value: f64, base: f64| if base > 0.0 { format!("{:.2}x", value / base) } else { "-".into() };
+    for (name, report) in reports {
+        out.push_str(&format!(
+            "| {name} | {:.0} | {} |",
+            report.throughput_ops_per_s,
+            ratio(report.throughput_ops_per_s, baseline.throughput_ops_per_s)
+        ));
+        for (operation, base) in &baseline.latency {
+            match report.latency.get(operation) {
+                Some(summary) => out.push_str(&format!(
+                    " {} | {} | {} | {} |",
+                    summary.p50_us,
+                    ratio(summary.p50_us as f64, base.p50_us as f64),
+                    summary.p99_us,
+                    ratio(summary.p99_us as f64, base.p99_us as f64)
+                )),
+                None => out.push_str(" - | - | - | - |"),
+            }
+        }
+        out.push('\n');
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -188,5 +223,25 @@ mod tests {
         assert_eq!(json["latency"]["read"]["count"], 1000);
         assert!(report.csv().lines().nth(1).unwrap().starts_with("A,read,1000,"));
         assert!(report.render().contains("WRONGTYPE=2"));
+        let back: Report = serde_json::from_value(json).unwrap();
+        assert_eq!(back, report);
+    }
+
+    #[test]
+    fn comparisons_give_ratios_to_the_first_report() {
+        let mut fast = Recorder::default();
+        let mut slow = Recorder::default();
+        for _ in 0..100 {
+            fast.record(OperationKind::Read, Duration::from_micros(100), 0);
+            slow.record(OperationKind::Read, Duration::from_micros(200), 0);
+        }
+        let table = compare(&[
+            ("redis".into(), fast.report("C", Duration::from_secs(1))),
+            ("tessera".into(), slow.report("C", Duration::from_secs(2))),
+        ]);
+        let rows: Vec<&str> = table.lines().collect();
+        assert_eq!(rows.len(), 4);
+        assert!(rows[2].starts_with("| redis | 100 | 1.00x | 100 | 1.00x |"), "{}", rows[2]);
+        assert!(rows[3].starts_with("| tessera | 50 | 0.50x | 200 | 2.00x |"), "{}", rows[3]);
     }
 }

@@ -21,6 +21,7 @@ fn config(target: String) -> DriverConfig {
         connect_timeout: Duration::from_secs(5),
         target_rate: None,
         duration: None,
+        progress: false,
     }
 }
 

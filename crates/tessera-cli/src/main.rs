@@ -65,8 +65,10 @@ enum Command {
 
 #[derive(Args)]
 struct BenchArgs {
+    #[command(subcommand)]
+    action: Option<BenchAction>,
     /// Endpoints, host:port[,host:port...]; keys are sharded over several.
-    #[arg(long, value_delimiter = ',', required = true)]
+    #[arg(long, value_delimiter = ',')]
     target: Vec<String>,
     /// YCSB core workload: A, B, C, D, E, F, or W (write only).
     #[arg(long, default_value = "A")]
@@ -105,11 +107,23 @@ struct BenchArgs {
     /// Run for this many seconds instead of --operations.
     #[arg(long)]
     duration: Option<f64>,
+    /// No live progress line on stderr.
+    #[arg(long)]
+    quiet: bool,
     /// Write the run's report as JSON / CSV to this file.
     #[arg(long)]
     json: Option<PathBuf>,
     #[arg(long)]
     csv: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum BenchAction {
+    /// Print reports (--json files) side by side, with ratios to the first.
+    Compare {
+        #[arg(required = true)]
+        reports: Vec<PathBuf>,
+    },
 }
 
 #[derive(Args)]
@@ -400,6 +414,24 @@ fn client_command(connection: &ConnectionArgs, command: Command) -> Result<(), S
 
 fn bench(args: BenchArgs, password: Option<String>) -> Result<(), String> {
     use tessera_bench::{driver, generator::Distribution, workload::Mix, workload::Workload};
+    if let Some(BenchAction::Compare { reports }) = &args.action {
+        let mut loaded = Vec::new();
+        for path in reports {
+            let text =
+                std::fs::read_to_string(path).map_err(|error| format!("{}: {error}", path.display()))?;
+            let report: tessera_bench::report::Report = serde_json::from_str(&text)
+                .map_err(|error| format!("{}: not a bench report: {error}", path.display()))?;
+            let name = path
+                .file_stem()
+                .map_or_else(|| path.display().to_string(), |stem| stem.to_string_lossy().into());
+            loaded.push((name, report));
+        }
+        print!("{}", tessera_bench::report::compare(&loaded));
+        return Ok(());
+    }
+    if args.target.is_empty() {
+        return Err("--target is required (host:port[,host:port...])".into());
+    }
     let mut workload = Workload::named(&args.workload)?;
     if let Some(mix) = &args.mix {
         workload.mix = Mix::parse(mix)?;
@@ -425,6 +457,7 @@ fn bench(args: BenchArgs, password: Option<String>) -> Result<(), String> {
         seed: args.seed,
         password,
         connect_timeout: Duration::from_secs(5),
+        progress: !args.quiet,
         target_rate: args.rate,
         duration: args
             .duration
