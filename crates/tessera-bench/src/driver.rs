@@ -3,7 +3,8 @@
 //! their replies. Latency is measured from the batch's send to each reply.
 //!
 //! Records follow YCSB's Redis binding: key `user<n>`, a hash of `fields`
-//! fields of `field_bytes` bytes. With several endpoints, keys are sharded over
+//! fields of `field_bytes` bytes; or, as redis-benchmark does, a string of
+//! `field_bytes` bytes (GET / SET), which also lets the two tools be compared. With several endpoints, keys are sharded over
 //! them on the client by a hash of the record number.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,6 +21,27 @@ use crate::generator::{fnv_hash_64, KeyChooser};
 use crate::report::{Recorder, Report};
 use crate::workload::{OperationKind, Workload};
 
+/// How a record is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordKind {
+    /// A hash of fields (YCSB's Redis binding): HGETALL, HSET.
+    Hash,
+    /// A string value (redis-benchmark): GET, SET.
+    String,
+}
+
+impl std::str::FromStr for RecordKind {
+    type Err = String;
+
+    fn from_str(name: &str) -> Result<Self, String> {
+        match name {
+            "hash" => Ok(RecordKind::Hash),
+            "string" => Ok(RecordKind::String),
+            _ => Err(format!("unknown record kind {name:?}; choose hash or string")),
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct DriverConfig {
     /// `host:port` of each endpoint.
@@ -30,6 +52,7 @@ pub struct DriverConfig {
     pub pipeline: usize,
     pub records: u64,
     pub operations: u64,
+    pub record_kind: RecordKind,
     pub fields: usize,
     pub field_bytes: usize,
     pub seed: u64,
@@ -154,6 +177,27 @@ fn encode_operation(
     out: &mut Vec<u8>,
 ) -> usize {
     let key = key(record);
+    if config.record_kind == RecordKind::String {
+        let set = |rng: &mut SmallRng, out: &mut Vec<u8>| {
+            encode_command(&[b"SET".as_ref(), &key, &field_value(rng, config.field_bytes)], out);
+        };
+        return match kind {
+            OperationKind::Read => {
+                encode_command(&[b"GET".as_ref(), &key], out);
+                1
+            }
+            OperationKind::Update | OperationKind::Insert => {
+                set(rng, out);
+                1
+            }
+            OperationKind::ReadModifyWrite => {
+                encode_command(&[b"GET".as_ref(), &key], out);
+                set(rng, out);
+                2
+            }
+            OperationKind::Scan => unreachable!("rejected by DriverConfig::validate"),
+        };
+    }
     let update = |rng: &mut SmallRng, out: &mut Vec<u8>| {
         let field = format!("field{}", rng.gen_range(0..config.fields));
         encode_command(

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use tessera_bench::driver::{load, run, DriverConfig};
+use tessera_bench::driver::{load, run, DriverConfig, RecordKind};
 use tessera_bench::workload::{Mix, Workload};
 use tessera_testkit::RedisServer;
 use tessera_wire::{Client, Value};
@@ -14,6 +14,7 @@ fn config(target: String) -> DriverConfig {
         pipeline: 8,
         records: 500,
         operations: 4_000,
+        record_kind: RecordKind::Hash,
         fields: 10,
         field_bytes: 100,
         seed: 1,
@@ -88,4 +89,17 @@ async fn open_loop_holds_the_rate_and_times_from_the_schedule() {
     // 2 s at 4,000 ops/s: about 8,000 operations, not as many as possible.
     assert!((7_000..=8_700).contains(&report.operations), "{} operations", report.operations);
     assert!(report.errors.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn string_records_use_get_and_set() {
+    let Some(server) = RedisServer::start() else { return };
+    let config = DriverConfig { record_kind: RecordKind::String, field_bytes: 3, ..config(server.address()) };
+    let workload = Workload::named("A").unwrap();
+    load(&config, &workload).await.unwrap();
+    let report = run(&config, &workload).await.unwrap();
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    let mut client = Client::connect(server.address().as_str(), Duration::from_secs(5)).unwrap();
+    let value = client.command(&["GET", "user7"]).unwrap();
+    assert_eq!(value.as_bytes().map(<[u8]>::len), Some(3));
 }

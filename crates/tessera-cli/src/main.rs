@@ -93,7 +93,11 @@ struct BenchArgs {
     /// Operations in flight per connection.
     #[arg(long, default_value_t = 1)]
     pipeline: usize,
-    /// Fields per record and bytes per field (YCSB: 10 x 100).
+    /// Records as hashes (YCSB's Redis binding) or strings (redis-benchmark).
+    #[arg(long, default_value = "hash")]
+    record: String,
+    /// Fields per hash record, and bytes per field or per string value
+    /// (YCSB: 10 x 100).
     #[arg(long, default_value_t = 10)]
     fields: usize,
     #[arg(long, default_value_t = 100)]
@@ -452,6 +456,7 @@ fn bench(args: BenchArgs, password: Option<String>) -> Result<(), String> {
         pipeline: args.pipeline,
         records: args.records,
         operations: args.operations,
+        record_kind: args.record.parse()?,
         fields: args.fields,
         field_bytes: args.field_bytes,
         seed: args.seed,
