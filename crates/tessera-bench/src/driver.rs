@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use tessera_wire::{encode_command, parse_value, Value};
+use tessera_wire::{encode_command, skip_value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -101,6 +101,8 @@ fn target_of(record: u64, targets: usize) -> usize {
 struct Connection {
     stream: TcpStream,
     read_buf: Vec<u8>,
+    /// Replies before this offset of `read_buf` are consumed.
+    read_at: usize,
     write_buf: Vec<u8>,
 }
 
@@ -111,12 +113,13 @@ impl Connection {
             .map_err(|_| format!("cannot connect to {address}: timed out"))?
             .map_err(|error| format!("cannot connect to {address}: {error}"))?;
         stream.set_nodelay(true).map_err(|error| error.to_string())?;
-        let mut connection = Self { stream, read_buf: Vec::with_capacity(64 << 10), write_buf: Vec::new() };
+        let mut connection =
+            Self { stream, read_buf: Vec::with_capacity(64 << 10), read_at: 0, write_buf: Vec::new() };
         if let Some(password) = &config.password {
             encode_command(&[b"AUTH".as_ref(), password.as_bytes()], &mut connection.write_buf);
             connection.flush().await.map_err(|error| format!("{address}: {error}"))?;
-            if let Value::Error(message) =
-                connection.read_value().await.map_err(|error| format!("{address}: {error}"))?
+            if let Some(message) =
+                connection.read_reply().await.map_err(|error| format!("{address}: {error}"))?
             {
                 return Err(format!("{address}: AUTH failed: {message}"));
             }
@@ -130,15 +133,25 @@ impl Connection {
         Ok(())
     }
 
-    async fn read_value(&mut self) -> std::io::Result<Value> {
+    /// Reads one reply without building it; returns its error message if it
+    /// is an error.
+    async fn read_reply(&mut self) -> std::io::Result<Option<String>> {
         loop {
-            match parse_value(&self.read_buf) {
-                Ok(Some((value, used))) => {
-                    self.read_buf.drain(..used);
-                    return Ok(value);
+            match skip_value(&self.read_buf[self.read_at..]) {
+                Ok(Some((used, error))) => {
+                    self.read_at += used;
+                    if self.read_at == self.read_buf.len() {
+                        self.read_buf.clear();
+                        self.read_at = 0;
+                    }
+                    return Ok(error);
                 }
                 Ok(None) => {}
                 Err(error) => return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, error)),
+            }
+            if self.read_at > 0 {
+                self.read_buf.drain(..self.read_at);
+                self.read_at = 0;
             }
             if self.stream.read_buf(&mut self.read_buf).await? == 0 {
                 return Err(std::io::ErrorKind::UnexpectedEof.into());
@@ -298,11 +311,11 @@ async fn worker(
         for pending in &batch {
             let mut failed = None;
             for _ in 0..pending.replies {
-                match connections[pending.target].read_value().await {
-                    Ok(Value::Error(message)) => {
+                match connections[pending.target].read_reply().await {
+                    Ok(Some(message)) => {
                         failed = Some(message.split(' ').next().unwrap_or("ERR").to_string());
                     }
-                    Ok(_) => {}
+                    Ok(None) => {}
                     Err(error) => {
                         return Err(format!(
                             "reading replies from {}: {error}",

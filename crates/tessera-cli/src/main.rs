@@ -111,6 +111,10 @@ struct BenchArgs {
     /// Run for this many seconds instead of --operations.
     #[arg(long)]
     duration: Option<f64>,
+    /// Client threads; 0 = one per core. On a machine shared with the server,
+    /// 1 leaves the server the other cores (as redis-benchmark does).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
     /// No live progress line on stderr.
     #[arg(long)]
     quiet: bool,

@@ -15,4 +15,4 @@ pub mod value;
 pub use client::{Client, ClientError};
 pub use reply::{Protocol, ReplyWriter};
 pub use request::{Limits, Parsed, ProtocolError, Request, RequestParser};
-pub use value::{encode_command, parse_value, Value};
+pub use value::{encode_command, parse_value, skip_value, Value};

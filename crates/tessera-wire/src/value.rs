@@ -184,6 +184,77 @@ fn parse_at(buf: &[u8], at: usize, depth: usize) -> Result<Option<(Value, usize)
     Ok(Some(value))
 }
 
+/// The extent of one reply at the front of `buf`, without building it: how many
+/// bytes it takes and, for an error reply at the top level, its message.
+/// `Ok(None)` means more bytes are needed. For clients that only count replies
+/// (load generators), this avoids an allocation per reply.
+pub fn skip_value(buf: &[u8]) -> Result<Option<(usize, Option<String>)>, MalformedReply> {
+    fn skip(buf: &[u8], at: usize, depth: usize) -> Result<Option<usize>, MalformedReply> {
+        if depth > DEPTH_MAX {
+            return Err(malformed("nesting too deep"));
+        }
+        let Some(&marker) = buf.get(at) else { return Ok(None) };
+        let Some(line_end) = buf[at..].windows(2).position(|pair| pair == b"\r\n").map(|offset| at + offset)
+        else {
+            return Ok(None);
+        };
+        let next = line_end + 2;
+        let number = || -> Result<i64, MalformedReply> {
+            std::str::from_utf8(&buf[at + 1..line_end])
+                .ok()
+                .and_then(|text| text.parse().ok())
+                .ok_or_else(|| malformed("bad length"))
+        };
+        match marker {
+            b'+' | b'-' | b'_' | b'#' | b'(' => Ok(Some(next)),
+            b':' => number().map(|_| Some(next)),
+            b',' => std::str::from_utf8(&buf[at + 1..line_end])
+                .ok()
+                .and_then(|text| text.parse::<f64>().ok())
+                .map(|_| Some(next))
+                .ok_or_else(|| malformed("bad double")),
+            b'$' | b'=' | b'!' => {
+                let length = number()?;
+                if length < 0 {
+                    return Ok(Some(next));
+                }
+                let end = next + length as usize + 2;
+                Ok((buf.len() >= end).then_some(end))
+            }
+            b'*' | b'~' | b'>' | b'%' | b'|' => {
+                let count = number()?;
+                if count < 0 {
+                    return Ok(Some(next));
+                }
+                let elements =
+                    if matches!(marker, b'%' | b'|') { count as usize * 2 } else { count as usize };
+                let mut position = next;
+                for _ in 0..elements {
+                    match skip(buf, position, depth + 1)? {
+                        Some(after) => position = after,
+                        None => return Ok(None),
+                    }
+                }
+                if marker == b'|' {
+                    return skip(buf, position, depth); // attributes precede the real reply
+                }
+                Ok(Some(position))
+            }
+            other => Err(malformed(format!("unexpected type byte {:?}", other as char))),
+        }
+    }
+    let Some(end) = skip(buf, 0, 0)? else { return Ok(None) };
+    let error = match buf.first() {
+        Some(b'-') => Some(String::from_utf8_lossy(&buf[1..end - 2]).into_owned()),
+        Some(b'!') => parse_value(&buf[..end])?.and_then(|(value, _)| match value {
+            Value::Error(message) => Some(message),
+            _ => None,
+        }),
+        _ => None,
+    };
+    Ok(Some((end, error)))
+}
+
 /// Appends `args` to `out` as a RESP array of bulk strings.
 pub fn encode_command<A: AsRef<[u8]>>(args: &[A], out: &mut Vec<u8>) {
     let mut digits = itoa::Buffer::new();
@@ -229,6 +300,21 @@ mod tests {
         #[test]
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
             let _ = parse_value(&bytes);
+            let _ = skip_value(&bytes);
+        }
+
+        #[test]
+        fn skipping_agrees_with_parsing(bytes in proptest::collection::vec(
+            prop_oneof![Just(b'*'), Just(b'$'), Just(b'%'), Just(b'-'), Just(b'+'), Just(b':'), Just(b'1'),
+                        Just(b'2'), Just(b'\r'), Just(b'\n'), Just(b'x'), Just(b'_'), Just(b'|')], 0..48)) {
+            match (parse_value(&bytes), skip_value(&bytes)) {
+                (Ok(Some((value, used))), Ok(Some((skipped, error)))) => {
+                    prop_assert_eq!(used, skipped);
+                    prop_assert_eq!(matches!(value, Value::Error(_)), error.is_some());
+                }
+                (Ok(None), Ok(None)) | (Err(_), Err(_)) => {}
+                (parsed, skipped) => prop_assert!(false, "parse {:?} vs skip {:?}", parsed, skipped),
+            }
         }
     }
 }
