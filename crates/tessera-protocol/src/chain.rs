@@ -634,12 +634,7 @@ mod tests {
     }
 
     fn view(number: u64, replicas: &[u32]) -> ShardView {
-        ShardView {
-            number,
-            replicas: replicas.iter().map(|id| NodeId(*id)).collect(),
-            learners: Vec::new(),
-            lease_until: 1_000,
-        }
+        ShardView::for_test(number, replicas)
     }
 
     fn put(id: u64, key: &str, value: &str) -> ClientRequest {

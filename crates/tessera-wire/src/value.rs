@@ -98,36 +98,50 @@ fn malformed(what: impl Into<String>) -> MalformedReply {
     MalformedReply(what.into())
 }
 
+/// A value's type byte, its header line's text, and the offset after the
+/// header's CRLF.
+type Header<'a> = (u8, &'a [u8], usize);
+
+/// The header of the value at `at`; `Ok(None)` means more bytes are needed.
+fn read_header(buf: &[u8], at: usize, depth: usize) -> Result<Option<Header<'_>>, MalformedReply> {
+    if depth > DEPTH_MAX {
+        return Err(malformed("nesting too deep"));
+    }
+    let Some(&marker) = buf.get(at) else { return Ok(None) };
+    // The header line starts after the type byte, so a CRLF in its place is a
+    // malformed header, not a slice that ends before it starts.
+    let Some(line_end) =
+        buf[at + 1..].windows(2).position(|pair| pair == b"\r\n").map(|offset| at + 1 + offset)
+    else {
+        return Ok(None);
+    };
+    Ok(Some((marker, &buf[at + 1..line_end], line_end + 2)))
+}
+
+fn parse_number(line: &[u8]) -> Result<i64, MalformedReply> {
+    std::str::from_utf8(line).ok().and_then(|text| text.parse().ok()).ok_or_else(|| malformed("bad length"))
+}
+
+fn parse_double(line: &[u8]) -> Result<f64, MalformedReply> {
+    std::str::from_utf8(line).ok().and_then(|text| text.parse().ok()).ok_or_else(|| malformed("bad double"))
+}
+
 /// Parses one value from the front of `buf`; `Ok(None)` means more bytes are needed.
 pub fn parse_value(buf: &[u8]) -> Result<Option<(Value, usize)>, MalformedReply> {
     parse_at(buf, 0, 0)
 }
 
 fn parse_at(buf: &[u8], at: usize, depth: usize) -> Result<Option<(Value, usize)>, MalformedReply> {
-    if depth > DEPTH_MAX {
-        return Err(malformed("nesting too deep"));
-    }
-    let Some(&marker) = buf.get(at) else { return Ok(None) };
-    let Some(line_end) = buf[at..].windows(2).position(|pair| pair == b"\r\n").map(|offset| at + offset)
-    else {
-        return Ok(None);
-    };
-    let line = &buf[at + 1..line_end];
+    let Some((marker, line, next)) = read_header(buf, at, depth)? else { return Ok(None) };
     let text = || String::from_utf8_lossy(line).into_owned();
-    let number = || -> Result<i64, MalformedReply> {
-        std::str::from_utf8(line)
-            .ok()
-            .and_then(|text| text.parse().ok())
-            .ok_or_else(|| malformed("bad length"))
-    };
-    let next = line_end + 2;
+    let number = || parse_number(line);
     let value = match marker {
         b'+' => (Value::Simple(text()), next),
         b'-' => (Value::Error(text()), next),
         b':' => (Value::Integer(number()?), next),
         b'_' => (Value::Null, next),
         b'#' => (Value::Boolean(line == b"t"), next),
-        b',' => (Value::Double(text().parse().map_err(|_| malformed("bad double"))?), next),
+        b',' => (Value::Double(parse_double(line)?), next),
         b'(' => (Value::BigNumber(text()), next),
         b'$' | b'=' | b'!' => {
             let length = number()?;
@@ -190,29 +204,12 @@ fn parse_at(buf: &[u8], at: usize, depth: usize) -> Result<Option<(Value, usize)
 /// (load generators), this avoids an allocation per reply.
 pub fn skip_value(buf: &[u8]) -> Result<Option<(usize, Option<String>)>, MalformedReply> {
     fn skip(buf: &[u8], at: usize, depth: usize) -> Result<Option<usize>, MalformedReply> {
-        if depth > DEPTH_MAX {
-            return Err(malformed("nesting too deep"));
-        }
-        let Some(&marker) = buf.get(at) else { return Ok(None) };
-        let Some(line_end) = buf[at..].windows(2).position(|pair| pair == b"\r\n").map(|offset| at + offset)
-        else {
-            return Ok(None);
-        };
-        let next = line_end + 2;
-        let number = || -> Result<i64, MalformedReply> {
-            std::str::from_utf8(&buf[at + 1..line_end])
-                .ok()
-                .and_then(|text| text.parse().ok())
-                .ok_or_else(|| malformed("bad length"))
-        };
+        let Some((marker, line, next)) = read_header(buf, at, depth)? else { return Ok(None) };
+        let number = || parse_number(line);
         match marker {
             b'+' | b'-' | b'_' | b'#' | b'(' => Ok(Some(next)),
             b':' => number().map(|_| Some(next)),
-            b',' => std::str::from_utf8(&buf[at + 1..line_end])
-                .ok()
-                .and_then(|text| text.parse::<f64>().ok())
-                .map(|_| Some(next))
-                .ok_or_else(|| malformed("bad double")),
+            b',' => parse_double(line).map(|_| Some(next)),
             b'$' | b'=' | b'!' => {
                 let length = number()?;
                 if length < 0 {
@@ -288,6 +285,13 @@ mod tests {
                 (Value::Bulk(Bytes::from_static(b"b")), Value::Array(vec![Value::Null, Value::Double(2.5)])),
             ])
         );
+    }
+
+    #[test]
+    fn a_reply_starting_with_crlf_is_an_error_not_a_panic() {
+        assert_eq!(parse_value(b"\r\n"), Ok(None));
+        assert!(parse_value(b"\r\n:1\r\n").is_err());
+        assert!(skip_value(b"\r\n:1\r\n").is_err());
     }
 
     #[test]
