@@ -626,25 +626,12 @@ impl Protocol for ChainReplication {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_support::{put, view};
     use crate::Effect;
     use tessera_engine::MemoryEngine;
 
     fn replica(id: u32) -> ChainReplication {
         ChainReplication::new(NodeId(id), Arc::new(MemoryEngine::new()), ChainOptions::default())
-    }
-
-    fn view(number: u64, replicas: &[u32]) -> ShardView {
-        ShardView::for_test(number, replicas)
-    }
-
-    fn put(id: u64, key: &str, value: &str) -> ClientRequest {
-        ClientRequest {
-            id: RequestId(id),
-            operation: Operation::Put {
-                key: Bytes::from(key.to_string()),
-                value: Bytes::from(value.to_string()),
-            },
-        }
     }
 
     fn forward(view: u64, seq: u64, key: &str, value: &str) -> PeerMessage {

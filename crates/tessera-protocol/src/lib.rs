@@ -9,6 +9,8 @@
 pub mod chain;
 pub mod primary_backup;
 pub mod record;
+#[cfg(test)]
+mod test_support;
 
 use bytes::Bytes;
 use tessera_engine::{Engine, KeyRange, ScanCursor};
@@ -123,17 +125,6 @@ pub struct ShardView {
 }
 
 impl ShardView {
-    /// A view of `replicas` in order, with a lease until time 1,000 (tests).
-    #[cfg(test)]
-    pub(crate) fn for_test(number: u64, replicas: &[u32]) -> Self {
-        Self {
-            number,
-            replicas: replicas.iter().map(|id| NodeId(*id)).collect(),
-            learners: Vec::new(),
-            lease_until: 1_000,
-        }
-    }
-
     pub fn position(&self, node: NodeId) -> Option<usize> {
         self.replicas.iter().position(|replica| *replica == node)
     }

@@ -367,25 +367,12 @@ impl Protocol for PrimaryBackup {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_support::{put, view};
     use crate::{Effect, RequestId};
     use tessera_engine::MemoryEngine;
 
     fn replica(id: u32) -> PrimaryBackup {
         PrimaryBackup::new(NodeId(id), Arc::new(MemoryEngine::new()), PrimaryBackupOptions::default())
-    }
-
-    fn view(number: u64, replicas: &[u32]) -> ShardView {
-        ShardView::for_test(number, replicas)
-    }
-
-    fn put(id: u64, key: &'static str, value: &'static str) -> ClientRequest {
-        ClientRequest {
-            id: RequestId(id),
-            operation: Operation::Put {
-                key: Bytes::from_static(key.as_bytes()),
-                value: Bytes::from_static(value.as_bytes()),
-            },
-        }
     }
 
     #[test]

@@ -142,22 +142,26 @@ fn hgetall(context: &mut Context, request: &Request) -> CommandResult {
     Ok(())
 }
 
-fn hkeys(context: &mut Context, request: &Request) -> CommandResult {
+/// HKEYS and HVALS: one part of every field, in insertion order.
+fn reply_field_parts(
+    context: &mut Context,
+    request: &Request,
+    part: fn(&(Bytes, Bytes)) -> &Bytes,
+) -> CommandResult {
     let fields = all_fields(context, request.arg(1))?;
     context.out.array(fields.len());
-    for (field, _) in &fields {
-        context.out.bulk(field);
+    for field in &fields {
+        context.out.bulk(part(field));
     }
     Ok(())
 }
 
+fn hkeys(context: &mut Context, request: &Request) -> CommandResult {
+    reply_field_parts(context, request, |(field, _)| field)
+}
+
 fn hvals(context: &mut Context, request: &Request) -> CommandResult {
-    let fields = all_fields(context, request.arg(1))?;
-    context.out.array(fields.len());
-    for (_, value) in &fields {
-        context.out.bulk(value);
-    }
-    Ok(())
+    reply_field_parts(context, request, |(_, value)| value)
 }
 
 fn hdel(context: &mut Context, request: &Request) -> CommandResult {
