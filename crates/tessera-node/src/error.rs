@@ -33,6 +33,10 @@ pub enum CommandError {
     NoProto,
     #[error("WRONGPASS invalid username-password pair or user is disabled.")]
     WrongPass,
+    #[error(
+        "ERR key '{0}' is in the reserved key space (keys starting with bytes FF FF 23 belong to Tessera)"
+    )]
+    ReservedKey(String),
     #[error("ERR {0}")]
     Other(String),
     #[error("ERR engine error: {0}")]

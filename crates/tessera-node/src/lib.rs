@@ -3,7 +3,8 @@
 //! Layers, top to bottom: [`server`] accepts connections and drives
 //! [`connection`]s, which parse requests and run [`commands`] against the
 //! [`store`]: tables routed by key prefix, typed values ([`typed`]) kept inside
-//! the engines' opaque values.
+//! the engines' opaque values, sorted sets spread over entries of their own
+//! ([`zset`]).
 
 pub mod commands;
 pub mod config;
@@ -14,6 +15,7 @@ pub mod server;
 pub mod store;
 pub mod tables;
 pub mod typed;
+pub mod zset;
 
 pub use config::Config;
 pub use server::Server;

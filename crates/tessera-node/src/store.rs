@@ -16,8 +16,9 @@ use tessera_engine::{Engine, ScanCursor};
 
 use crate::config::Config;
 use crate::error::{CommandError, CommandResult};
-use crate::tables::{Catalogue, TableDef, TableError, TableSet};
+use crate::tables::{Catalogue, Table, TableDef, TableError, TableSet};
 use crate::typed::{self, Kind, Stored};
+use crate::zset;
 
 const LOCK_STRIPES: usize = 1024;
 /// SCAN cursors kept before the oldest are forgotten.
@@ -166,6 +167,11 @@ impl Store {
         indexes.into_iter().map(|index| self.stripes[index].lock()).collect()
     }
 
+    /// Holds every key's lock (FLUSHDB: no change may straddle the wipe).
+    pub fn lock_all(&self) -> Vec<MutexGuard<'_, ()>> {
+        self.stripes.iter().map(|stripe| stripe.lock()).collect()
+    }
+
     /// Flushes every engine (shutdown).
     pub fn flush_all(&self) {
         for table in self.tables().by_name() {
@@ -207,7 +213,9 @@ impl Store {
                 }
             };
             for (key, raw) in page.entries {
-                if Stored::decode(raw).is_ok_and(|stored| stored.is_expired(now)) {
+                if zset::is_reserved(&key) {
+                    self.remove_if_orphan(table, &key, now);
+                } else if Stored::decode(raw).is_ok_and(|stored| stored.is_expired(now)) {
                     let _lock = self.lock_key(&key);
                     if let Ok(true) = self.remove_if_expired(table.engine.as_ref(), &key, now) {
                         self.stats.expired_keys.fetch_add(1, Ordering::Relaxed);
@@ -217,6 +225,20 @@ impl Store {
             if let Some(next) = page.next {
                 self.sweep_positions.lock().insert(table.def.name.clone(), next);
             }
+        }
+    }
+
+    /// Deletes a sorted set's entry whose set is gone (see [`zset::is_orphan`]).
+    fn remove_if_orphan(&self, table: &Table, entry: &[u8], now: u64) {
+        let Some(owner) = zset::owner_key(entry) else { return };
+        let _lock = self.lock_key(owner);
+        let engine = table.engine.as_ref();
+        match zset::is_orphan(engine, entry, now).and_then(|orphan| Ok(orphan && engine.delete(entry)?)) {
+            Ok(true) => {
+                table.reserved_entries.fetch_sub(1, Ordering::Relaxed);
+            }
+            Ok(false) => {}
+            Err(error) => tracing::warn!(table = %table.def.name, %error, "sorted-set clean-up failed"),
         }
     }
 

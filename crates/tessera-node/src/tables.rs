@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -62,6 +63,8 @@ pub struct Table {
     pub prefix: Bytes,
     pub spec: EngineSpec,
     pub engine: Arc<dyn Engine>,
+    /// Entries under [`crate::zset::RESERVED_PREFIX`], which DBSIZE leaves out.
+    pub reserved_entries: AtomicU64,
 }
 
 /// The tables in routing order (longest prefix first). Immutable: a change
@@ -207,7 +210,16 @@ impl Catalogue {
         })?;
         let spec = EngineSpec::new(def.engine.parse()?, def.options.clone())?;
         let engine = spec.open(&self.table_dir(&def.name))?;
-        Ok(Table { prefix: Bytes::from(prefix), spec, engine, def })
+        let reserved = crate::zset::recover(engine.as_ref()).map_err(|error| {
+            TableError::Catalog(self.catalog_path(), format!("table '{}': {error}", def.name))
+        })?;
+        Ok(Table {
+            prefix: Bytes::from(prefix),
+            spec,
+            engine,
+            def,
+            reserved_entries: AtomicU64::new(reserved),
+        })
     }
 
     fn save(&self, defs: &[TableDef]) -> Result<(), TableError> {

@@ -1,13 +1,14 @@
 //! Typed values inside the engines' opaque bytes.
 //!
 //! ```text
-//! kind (1 byte: 's' string, 'h' hash; bit 0x80 set = has expiry) | [expiry unix ms, u64 LE] | payload
+//! kind (1 byte: 's' string, 'h' hash, 'z' sorted set; bit 0x80 set = has expiry) | [expiry unix ms, u64 LE] | payload
 //! ```
 //!
 //! A string's payload is its bytes. A hash's payload is its fields in insertion
 //! order, each `field_len u32 LE | field | value_len u32 LE | value`. A hash is
 //! rewritten whole on every change, which suits the small hashes Redis
 //! applications and YCSB use (tens of fields); very large hashes pay for it.
+//! A sorted set's payload points to entries of its own ([`crate::zset`]).
 
 use bytes::{BufMut, Bytes, BytesMut};
 
@@ -19,6 +20,7 @@ const EXPIRES_FLAG: u8 = 0x80;
 pub enum Kind {
     String,
     Hash,
+    SortedSet,
 }
 
 impl Kind {
@@ -26,6 +28,7 @@ impl Kind {
         match self {
             Kind::String => b's',
             Kind::Hash => b'h',
+            Kind::SortedSet => b'z',
         }
     }
 
@@ -33,6 +36,7 @@ impl Kind {
         match self {
             Kind::String => "string",
             Kind::Hash => "hash",
+            Kind::SortedSet => "zset",
         }
     }
 }
@@ -54,6 +58,7 @@ pub fn decode_header(raw: &[u8]) -> CommandResult<(Kind, Option<u64>, usize)> {
     let kind = match first & !EXPIRES_FLAG {
         b's' => Kind::String,
         b'h' => Kind::Hash,
+        b'z' => Kind::SortedSet,
         _ => return Err(corrupt()),
     };
     if first & EXPIRES_FLAG != 0 {

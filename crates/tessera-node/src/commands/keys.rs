@@ -1,6 +1,8 @@
 //! Commands on keys of any type: DEL, EXISTS, expiry, TYPE, SCAN, KEYS, DBSIZE,
 //! FLUSHDB.
 
+use std::sync::atomic::Ordering;
+
 use tessera_engine::{KeyRange, ScanCursor};
 use tessera_wire::Request;
 
@@ -10,6 +12,7 @@ use crate::error::{CommandError, CommandResult};
 use crate::glob::glob_match;
 use crate::store::{read_live, ScanPosition};
 use crate::typed::{encode, Kind, Stored};
+use crate::zset;
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
@@ -183,6 +186,9 @@ struct ScanFilter<'a> {
 
 impl ScanFilter<'_> {
     fn accepts(&self, key: &[u8], raw: bytes::Bytes, now_ms: u64) -> bool {
+        if zset::is_reserved(key) {
+            return false;
+        }
         let Ok(stored) = Stored::decode(raw) else { return false };
         !stored.is_expired(now_ms)
             && self.kind.is_none_or(|kind| kind == stored.kind)
@@ -218,6 +224,8 @@ fn scan(context: &mut Context, request: &Request) -> CommandResult {
                 Kind::String
             } else if is(value, "hash") {
                 Kind::Hash
+            } else if is(value, "zset") {
+                Kind::SortedSet
             } else {
                 // No key has a type Tessera does not store.
                 context.out.array(2);
@@ -304,7 +312,7 @@ fn keys(context: &mut Context, request: &Request) -> CommandResult {
 fn dbsize(context: &mut Context, _request: &Request) -> CommandResult {
     let mut total = 0;
     for table in context.tables.by_name() {
-        total += table.engine.len()?;
+        total += table.engine.len()?.saturating_sub(table.reserved_entries.load(Ordering::Relaxed));
     }
     context.out.integer(total as i64);
     Ok(())
@@ -316,8 +324,10 @@ fn flushdb(context: &mut Context, request: &Request) -> CommandResult {
     {
         return Err(CommandError::Syntax);
     }
+    let _locks = context.store.lock_all();
     for table in context.tables.by_name() {
         table.engine.clear()?;
+        table.reserved_entries.store(0, Ordering::Relaxed);
     }
     context.out.ok();
     Ok(())

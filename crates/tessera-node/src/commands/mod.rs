@@ -5,6 +5,7 @@ mod connection;
 mod hashes;
 mod keys;
 mod server;
+mod sorted_sets;
 mod strings;
 mod tables;
 
@@ -17,8 +18,9 @@ use tessera_wire::{ReplyWriter, Request};
 
 use crate::error::{CommandError, CommandResult};
 use crate::store::{Store, WorkerStats};
-use crate::tables::TableSet;
+use crate::tables::{Table, TableSet};
 use crate::typed::parse_i64;
+use crate::zset;
 
 /// Per-connection state the commands read and change.
 #[derive(Debug, Default)]
@@ -49,11 +51,16 @@ impl Context<'_> {
         self.tables.route(key).engine.as_ref()
     }
 
+    /// The table that owns `key`.
+    pub fn table(&self, key: &[u8]) -> &Table {
+        self.tables.route(key)
+    }
+
     pub fn bulk_bytes_max(&self) -> usize {
         self.store.config.bulk_bytes_max
     }
 
-    pub fn count_lookup(&mut self, hit: bool) {
+    pub fn count_lookup(&self, hit: bool) {
         let counter = if hit { &self.stats.keyspace_hits } else { &self.stats.keyspace_misses };
         WorkerStats::add(counter, 1);
     }
@@ -85,6 +92,13 @@ impl CommandSpec {
         }
     }
 
+    /// Where the keys are in a call with `count` arguments (the name included).
+    pub fn key_positions(&self, count: usize) -> impl Iterator<Item = usize> {
+        let last = if self.last_key < 0 { count as i32 + self.last_key } else { self.last_key };
+        let first = if self.first_key > 0 { self.first_key } else { last + 1 };
+        (first..=last).step_by(self.step.max(1) as usize).map(|index| index as usize)
+    }
+
     /// Whether the command may run before AUTH.
     fn allowed_unauthenticated(&self) -> bool {
         matches!(self.name, "auth" | "hello" | "quit")
@@ -102,6 +116,7 @@ pub fn all_commands() -> impl Iterator<Item = &'static CommandSpec> {
         strings::COMMANDS,
         keys::COMMANDS,
         hashes::COMMANDS,
+        sorted_sets::COMMANDS,
         server::COMMANDS,
         tables::COMMANDS,
     ]
@@ -145,6 +160,13 @@ fn run(context: &mut Context, request: &Request) -> CommandResult {
     }
     if !spec.arity_ok(request.len()) {
         return Err(CommandError::WrongArity(spec.name.into()));
+    }
+    if let Some(key) =
+        spec.key_positions(request.len()).map(|index| request.arg(index)).find(|key| zset::is_reserved(key))
+    {
+        return Err(CommandError::ReservedKey(
+            String::from_utf8_lossy(&key[..key.len().min(64)]).into_owned(),
+        ));
     }
     (spec.handler)(context, request)
 }

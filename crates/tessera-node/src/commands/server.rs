@@ -159,11 +159,8 @@ fn command(context: &mut Context, request: &Request) -> CommandResult {
         if spec.first_key == 0 {
             return Err(CommandError::Other("The command has no key arguments".into()));
         }
-        let last = if spec.last_key < 0 { args.len() as i32 + spec.last_key } else { spec.last_key };
-        let keys: Vec<&[u8]> = (spec.first_key..=last)
-            .step_by(spec.step.max(1) as usize)
-            .filter_map(|index| args.get(index as usize).copied())
-            .collect();
+        let keys: Vec<&[u8]> =
+            spec.key_positions(args.len()).filter_map(|index| args.get(index).copied()).collect();
         out.array(keys.len());
         for key in keys {
             out.bulk(key);

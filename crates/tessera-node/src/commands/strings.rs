@@ -53,7 +53,7 @@ fn get(context: &mut Context, request: &Request) -> CommandResult {
                 out.bulk(&raw.unwrap_or_default()[start..]);
                 Ok(true)
             }
-            Ok(Some((Kind::Hash, deadline, _))) if deadline.is_none_or(|deadline| deadline > now_ms) => {
+            Ok(Some((_, deadline, _))) if deadline.is_none_or(|deadline| deadline > now_ms) => {
                 Err(CommandError::WrongType)
             }
             Ok(_) => {

@@ -1,0 +1,902 @@
+//! Sorted sets over any engine, atomic per key (changed under the key's lock).
+//!
+//! A sorted set is spread over several engine entries so that a change costs a
+//! few small reads and writes rather than a rewrite of the whole set (the YCSB
+//! Redis binding keeps every record's key in one sorted set):
+//!
+//! ```text
+//! key                                'z' value: set id u64 | members u64 | next page id u64
+//! R | key_len u32 | key | id | 'd'   directory: (lower bound, page id) per page, in order
+//! R | key_len u32 | key | id | 'p' | page id    up to PAGE_MAX (score, member), sorted
+//! R | key_len u32 | key | id | 'm' | member     the member's score
+//! R | key_len u32 | key | id | 'w'   intent: every write of a change in progress
+//! ```
+//!
+//! `R` is [`RESERVED_PREFIX`]: keys under it are Tessera's own, refused from
+//! clients and hidden from SCAN, KEYS and DBSIZE. The entries live in the
+//! engine of the table that owns `key`. Each set has a random id, so a key that
+//! is deleted, overwritten or expires as a whole needs no clean-up on the spot:
+//! its entries stop matching the key's value and the expiry sweep removes them
+//! ([`is_orphan`]). On a persistent engine a change of more than one entry is
+//! first written as one intent entry and replayed on open if the process died
+//! half-way ([`recover`]).
+
+use std::cmp::Ordering;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use tessera_engine::{Engine, KeyRange, ScanCursor};
+
+use crate::error::{CommandError, CommandResult};
+use crate::store::read_kind;
+use crate::typed::{self, Kind};
+
+/// Keys that start with these bytes belong to Tessera, not to clients.
+pub const RESERVED_PREFIX: &[u8] = b"\xff\xff#";
+
+/// Entries per page; a page that grows past it splits in two.
+const PAGE_MAX: usize = 128;
+
+const DIRECTORY: u8 = b'd';
+const PAGE: u8 = b'p';
+const MEMBER: u8 = b'm';
+const INTENT: u8 = b'w';
+
+pub fn is_reserved(key: &[u8]) -> bool {
+    key.starts_with(RESERVED_PREFIX)
+}
+
+/// The range of every reserved key.
+pub fn reserved_range() -> KeyRange {
+    let mut end = RESERVED_PREFIX.to_vec();
+    *end.last_mut().expect("non-empty") += 1;
+    KeyRange { start: Some(Bytes::from_static(RESERVED_PREFIX)), end: Some(end.into()) }
+}
+
+fn corrupt() -> CommandError {
+    CommandError::Other("stored sorted set is corrupt".into())
+}
+
+/// Orders (score, member) pairs as Redis does: by score, then by member bytes.
+fn compare(a: (f64, &[u8]), b: (f64, &[u8])) -> Ordering {
+    a.0.total_cmp(&b.0).then_with(|| a.1.cmp(b.1))
+}
+
+/// A score bound of a range query, as in `ZRANGEBYSCORE key (1 +inf`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ScoreBound {
+    pub score: f64,
+    pub exclusive: bool,
+}
+
+impl ScoreBound {
+    pub fn parse(text: &[u8]) -> CommandResult<Self> {
+        let (exclusive, number) = match text.strip_prefix(b"(") {
+            Some(rest) => (true, rest),
+            None => (false, text),
+        };
+        let score =
+            parse_score(number).map_err(|_| CommandError::Other("min or max is not a float".into()))?;
+        Ok(Self { score, exclusive })
+    }
+
+    fn admits_from_below(&self, score: f64) -> bool {
+        if self.exclusive {
+            score > self.score
+        } else {
+            score >= self.score
+        }
+    }
+
+    fn admits_from_above(&self, score: f64) -> bool {
+        if self.exclusive {
+            score < self.score
+        } else {
+            score <= self.score
+        }
+    }
+}
+
+/// Parses a score: a decimal or `inf` / `+inf` / `-inf`; never NaN.
+pub fn parse_score(text: &[u8]) -> CommandResult<f64> {
+    let invalid = || CommandError::Other("value is not a valid float".into());
+    let text = std::str::from_utf8(text).map_err(|_| invalid())?;
+    if text.is_empty() || text.starts_with(char::is_whitespace) || text.ends_with(char::is_whitespace) {
+        return Err(invalid());
+    }
+    let score: f64 = text.parse().map_err(|_| invalid())?;
+    if score.is_nan() {
+        return Err(invalid());
+    }
+    // One zero: -0 and 0 are the same score.
+    Ok(if score == 0.0 { 0.0 } else { score })
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Meta {
+    id: u64,
+    len: u64,
+    next_page: u64,
+    expires_at_ms: Option<u64>,
+}
+
+impl Meta {
+    fn encode(&self) -> Bytes {
+        let mut payload = [0u8; 24];
+        payload[..8].copy_from_slice(&self.id.to_le_bytes());
+        payload[8..16].copy_from_slice(&self.len.to_le_bytes());
+        payload[16..].copy_from_slice(&self.next_page.to_le_bytes());
+        typed::encode(Kind::SortedSet, self.expires_at_ms, &payload)
+    }
+
+    fn decode(payload: &[u8], expires_at_ms: Option<u64>) -> CommandResult<Self> {
+        let word = |at: usize| -> CommandResult<u64> {
+            Ok(u64::from_le_bytes(payload.get(at..at + 8).ok_or_else(corrupt)?.try_into().expect("8 bytes")))
+        };
+        Ok(Self { id: word(0)?, len: word(8)?, next_page: word(16)?, expires_at_ms })
+    }
+}
+
+fn entry_key(key: &[u8], id: u64, tag: u8, suffix: &[u8]) -> Bytes {
+    let mut out = BytesMut::with_capacity(RESERVED_PREFIX.len() + 13 + key.len() + suffix.len());
+    out.put_slice(RESERVED_PREFIX);
+    out.put_u32(key.len() as u32);
+    out.put_slice(key);
+    out.put_u64(id);
+    out.put_u8(tag);
+    out.put_slice(suffix);
+    out.freeze()
+}
+
+/// Splits a reserved key into (set key, set id, tag).
+fn parse_entry_key(raw: &[u8]) -> Option<(&[u8], u64, u8)> {
+    let rest = raw.strip_prefix(RESERVED_PREFIX)?;
+    let key_len = u32::from_be_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+    let key = rest.get(4..4 + key_len)?;
+    let id = u64::from_be_bytes(rest.get(4 + key_len..12 + key_len)?.try_into().ok()?);
+    let tag = *rest.get(12 + key_len)?;
+    Some((key, id, tag))
+}
+
+/// Reads length-prefixed byte strings and fixed words from an entry's value.
+struct Reader<'a> {
+    bytes: &'a Bytes,
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn new(bytes: &'a Bytes) -> Self {
+        Self { bytes, at: 0 }
+    }
+
+    fn done(&self) -> bool {
+        self.at >= self.bytes.len()
+    }
+
+    fn u64(&mut self) -> CommandResult<u64> {
+        let word = self.bytes.get(self.at..self.at + 8).ok_or_else(corrupt)?;
+        self.at += 8;
+        Ok(u64::from_le_bytes(word.try_into().expect("8 bytes")))
+    }
+
+    fn score(&mut self) -> CommandResult<f64> {
+        Ok(f64::from_bits(self.u64()?))
+    }
+
+    fn bytes(&mut self) -> CommandResult<Bytes> {
+        let length = self.bytes.get(self.at..self.at + 4).ok_or_else(corrupt)?;
+        let length = u32::from_le_bytes(length.try_into().expect("4 bytes")) as usize;
+        let start = self.at + 4;
+        let end = start.checked_add(length).filter(|end| *end <= self.bytes.len()).ok_or_else(corrupt)?;
+        self.at = end;
+        Ok(self.bytes.slice(start..end))
+    }
+}
+
+/// One entry to write (`Some`) or delete (`None`).
+type EntryWrite = (Bytes, Option<Bytes>);
+
+fn put_bytes(out: &mut BytesMut, bytes: &[u8]) {
+    out.put_u32_le(bytes.len() as u32);
+    out.put_slice(bytes);
+}
+
+/// A page's lower bound: every entry of page i is in [bound i, bound i+1).
+#[derive(Clone, Debug)]
+struct PageBound {
+    score: f64,
+    member: Bytes,
+    page: u64,
+}
+
+fn encode_directory(directory: &[PageBound]) -> Bytes {
+    let mut out = BytesMut::new();
+    for bound in directory {
+        out.put_u64_le(bound.score.to_bits());
+        put_bytes(&mut out, &bound.member);
+        out.put_u64_le(bound.page);
+    }
+    out.freeze()
+}
+
+fn decode_directory(raw: &Bytes) -> CommandResult<Vec<PageBound>> {
+    let mut reader = Reader::new(raw);
+    let mut directory = Vec::new();
+    while !reader.done() {
+        directory.push(PageBound { score: reader.score()?, member: reader.bytes()?, page: reader.u64()? });
+    }
+    if directory.is_empty() {
+        return Err(corrupt());
+    }
+    Ok(directory)
+}
+
+fn encode_page(entries: &[(f64, Bytes)]) -> Bytes {
+    let mut out = BytesMut::with_capacity(entries.iter().map(|(_, member)| 12 + member.len()).sum());
+    for (score, member) in entries {
+        out.put_u64_le(score.to_bits());
+        put_bytes(&mut out, member);
+    }
+    out.freeze()
+}
+
+fn decode_page(raw: &Bytes) -> CommandResult<Vec<(f64, Bytes)>> {
+    let mut reader = Reader::new(raw);
+    let mut entries = Vec::new();
+    while !reader.done() {
+        entries.push((reader.score()?, reader.bytes()?));
+    }
+    Ok(entries)
+}
+
+/// The lowest possible bound, which the first page always has.
+fn lowest_bound(page: u64) -> PageBound {
+    PageBound { score: f64::NEG_INFINITY, member: Bytes::new(), page }
+}
+
+struct CachedPage {
+    entries: Vec<(f64, Bytes)>,
+    in_engine: bool,
+    dirty: bool,
+    deleted: bool,
+}
+
+/// A member's score as read from the engine and as changed since.
+struct MemberState {
+    stored: Option<f64>,
+    current: Option<f64>,
+}
+
+/// One sorted set, read lazily and changed in memory until [`SortedSet::commit`].
+/// The caller holds the key's lock for as long as it lives.
+pub struct SortedSet<'a> {
+    engine: &'a dyn Engine,
+    key: &'a [u8],
+    meta: Meta,
+    /// Whether the set's value is in the engine (false for a new set).
+    in_engine: bool,
+    directory: Option<Vec<PageBound>>,
+    directory_dirty: bool,
+    pages: HashMap<u64, CachedPage>,
+    members: HashMap<Bytes, MemberState>,
+}
+
+impl<'a> SortedSet<'a> {
+    /// The set at `key`, if there is one; `WRONGTYPE` for another kind of value.
+    pub fn open(engine: &'a dyn Engine, key: &'a [u8], now_ms: u64) -> CommandResult<Option<Self>> {
+        let Some(stored) = read_kind(engine, key, Kind::SortedSet, now_ms)? else { return Ok(None) };
+        let meta = Meta::decode(&stored.payload, stored.expires_at_ms)?;
+        Ok(Some(Self::with_meta(engine, key, meta, true)))
+    }
+
+    /// The set at `key`, or a new empty one (stored by `commit` only if it gains members).
+    pub fn open_or_new(engine: &'a dyn Engine, key: &'a [u8], now_ms: u64) -> CommandResult<Self> {
+        Ok(match Self::open(engine, key, now_ms)? {
+            Some(set) => set,
+            None => {
+                let meta = Meta { id: rand::random(), len: 0, next_page: 1, expires_at_ms: None };
+                let mut set = Self::with_meta(engine, key, meta, false);
+                set.directory = Some(vec![lowest_bound(0)]);
+                set.pages.insert(
+                    0,
+                    CachedPage { entries: Vec::new(), in_engine: false, dirty: false, deleted: false },
+                );
+                set
+            }
+        })
+    }
+
+    fn with_meta(engine: &'a dyn Engine, key: &'a [u8], meta: Meta, in_engine: bool) -> Self {
+        Self {
+            engine,
+            key,
+            meta,
+            in_engine,
+            directory: None,
+            directory_dirty: false,
+            pages: HashMap::new(),
+            members: HashMap::new(),
+        }
+    }
+
+    pub fn len(&self) -> u64 {
+        self.meta.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.meta.len == 0
+    }
+
+    fn entry_key(&self, tag: u8, suffix: &[u8]) -> Bytes {
+        entry_key(self.key, self.meta.id, tag, suffix)
+    }
+
+    fn directory(&mut self) -> CommandResult<&mut Vec<PageBound>> {
+        if self.directory.is_none() {
+            let raw = self.engine.get(&self.entry_key(DIRECTORY, &[]))?.ok_or_else(corrupt)?;
+            self.directory = Some(decode_directory(&raw)?);
+        }
+        Ok(self.directory.as_mut().expect("loaded"))
+    }
+
+    fn page(&mut self, page: u64) -> CommandResult<&mut CachedPage> {
+        if !self.pages.contains_key(&page) {
+            let raw = self.engine.get(&self.entry_key(PAGE, &page.to_be_bytes()))?.ok_or_else(corrupt)?;
+            let entries = decode_page(&raw)?;
+            self.pages.insert(page, CachedPage { entries, in_engine: true, dirty: false, deleted: false });
+        }
+        Ok(self.pages.get_mut(&page).expect("loaded"))
+    }
+
+    /// The index in the directory of the page that holds (or would hold) an entry.
+    fn page_index_for(&mut self, score: f64, member: &[u8]) -> CommandResult<usize> {
+        let directory = self.directory()?;
+        let after =
+            directory.partition_point(|bound| compare((bound.score, &bound.member), (score, member)).is_le());
+        Ok(after.saturating_sub(1))
+    }
+
+    pub fn score(&mut self, member: &[u8]) -> CommandResult<Option<f64>> {
+        if let Some(state) = self.members.get(member) {
+            return Ok(state.current);
+        }
+        let stored = if self.in_engine {
+            match self.engine.get(&self.entry_key(MEMBER, member))? {
+                Some(raw) => Some(Reader::new(&raw).score()?),
+                None => None,
+            }
+        } else {
+            None
+        };
+        self.members.insert(Bytes::copy_from_slice(member), MemberState { stored, current: stored });
+        Ok(stored)
+    }
+
+    /// Sets a member's score; returns its previous score.
+    pub fn insert(&mut self, member: &[u8], score: f64) -> CommandResult<Option<f64>> {
+        let previous = self.score(member)?;
+        if previous == Some(score) {
+            return Ok(previous);
+        }
+        if let Some(old) = previous {
+            self.remove_from_page(member, old)?;
+        } else {
+            self.meta.len += 1;
+        }
+        let index = self.page_index_for(score, member)?;
+        let page_id = self.directory()?[index].page;
+        let page = self.page(page_id)?;
+        let at = page.entries.partition_point(|(s, m)| compare((*s, m), (score, member)).is_lt());
+        page.entries.insert(at, (score, Bytes::copy_from_slice(member)));
+        page.dirty = true;
+        let overfull = page.entries.len() > PAGE_MAX;
+        if overfull {
+            let page = self.page(page_id)?;
+            let upper = page.entries.split_off(page.entries.len() / 2);
+            let new_page = self.meta.next_page;
+            self.meta.next_page += 1;
+            let bound = PageBound { score: upper[0].0, member: upper[0].1.clone(), page: new_page };
+            self.pages.insert(
+                new_page,
+                CachedPage { entries: upper, in_engine: false, dirty: true, deleted: false },
+            );
+            self.directory()?.insert(index + 1, bound);
+            self.directory_dirty = true;
+        }
+        self.members.get_mut(member).expect("looked up").current = Some(score);
+        Ok(previous)
+    }
+
+    /// Removes a member; returns its score if it was there.
+    pub fn remove(&mut self, member: &[u8]) -> CommandResult<Option<f64>> {
+        let previous = self.score(member)?;
+        if let Some(old) = previous {
+            self.remove_from_page(member, old)?;
+            self.meta.len -= 1;
+            self.members.get_mut(member).expect("looked up").current = None;
+        }
+        Ok(previous)
+    }
+
+    fn remove_from_page(&mut self, member: &[u8], score: f64) -> CommandResult<()> {
+        let index = self.page_index_for(score, member)?;
+        let page_id = self.directory()?[index].page;
+        let page = self.page(page_id)?;
+        let at = page
+            .entries
+            .binary_search_by(|(s, m)| compare((*s, m), (score, member)))
+            .map_err(|_| corrupt())?;
+        page.entries.remove(at);
+        page.dirty = true;
+        if page.entries.is_empty() {
+            let directory = self.directory()?;
+            if directory.len() > 1 {
+                directory.remove(index);
+                if index == 0 {
+                    directory[0] = lowest_bound(directory[0].page);
+                }
+                self.directory_dirty = true;
+                self.pages.get_mut(&page_id).expect("loaded").deleted = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// Entries in score order from the first one at or after `from`, calling
+    /// `visit` until it returns false.
+    fn walk_forward(
+        &mut self,
+        from: Option<(f64, &[u8])>,
+        mut visit: impl FnMut(f64, &Bytes) -> bool,
+    ) -> CommandResult<()> {
+        let start = match from {
+            Some((score, member)) => self.page_index_for(score, member)?,
+            None => 0,
+        };
+        let page_count = self.directory()?.len();
+        for index in start..page_count {
+            let page_id = self.directory()?[index].page;
+            for (score, member) in &self.page(page_id)?.entries {
+                if from.is_some_and(|from| compare((*score, member), from).is_lt()) {
+                    continue;
+                }
+                if !visit(*score, member) {
+                    return Ok(());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Entries in descending order from the last one whose score is at most `to`
+    /// (below it if `exclusive`).
+    fn walk_backward(
+        &mut self,
+        to: Option<ScoreBound>,
+        mut visit: impl FnMut(f64, &Bytes) -> bool,
+    ) -> CommandResult<()> {
+        let directory = self.directory()?;
+        let end = match to {
+            Some(bound) => directory
+                .partition_point(|page| {
+                    page.score < bound.score || (!bound.exclusive && page.score == bound.score)
+                })
+                .max(1),
+            None => directory.len(),
+        };
+        for index in (0..end).rev() {
+            let page_id = self.directory()?[index].page;
+            for (score, member) in self.page(page_id)?.entries.iter().rev() {
+                if to.is_some_and(|bound| !bound.admits_from_above(*score)) {
+                    continue;
+                }
+                if !visit(*score, member) {
+                    return Ok(());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Members with scores between `min` and `max`, skipping `offset` and
+    /// returning at most `limit`; descending when `reverse` (then `min` is the
+    /// upper bound, as in ZREVRANGEBYSCORE).
+    pub fn range_by_score(
+        &mut self,
+        min: ScoreBound,
+        max: ScoreBound,
+        reverse: bool,
+        offset: usize,
+        limit: usize,
+    ) -> CommandResult<Vec<(f64, Bytes)>> {
+        let mut out = Vec::new();
+        let mut skipped = 0;
+        let mut take = |score: f64, member: &Bytes, inside: bool| -> bool {
+            if !inside || out.len() >= limit {
+                return false;
+            }
+            if skipped < offset {
+                skipped += 1;
+            } else {
+                out.push((score, member.clone()));
+            }
+            out.len() < limit
+        };
+        if limit == 0 {
+            return Ok(out);
+        }
+        if reverse {
+            let (upper, lower) = (min, max);
+            self.walk_backward(Some(upper), |score, member| {
+                take(score, member, lower.admits_from_below(score))
+            })?;
+        } else {
+            self.walk_forward(Some((min.score, b"")), |score, member| {
+                if !min.admits_from_below(score) {
+                    return true;
+                }
+                take(score, member, max.admits_from_above(score))
+            })?;
+        }
+        Ok(out)
+    }
+
+    /// Members ranked `start..=stop` (0-based, in score order or descending).
+    pub fn range_by_rank(
+        &mut self,
+        start: u64,
+        stop: u64,
+        reverse: bool,
+    ) -> CommandResult<Vec<(f64, Bytes)>> {
+        let mut out = Vec::new();
+        let mut rank = 0u64;
+        let mut take = |score: f64, member: &Bytes| {
+            if rank >= start {
+                out.push((score, member.clone()));
+            }
+            rank += 1;
+            rank <= stop
+        };
+        if start <= stop {
+            if reverse {
+                self.walk_backward(None, &mut take)?;
+            } else {
+                self.walk_forward(None, &mut take)?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// A member's 0-based rank, ascending or descending.
+    pub fn rank(&mut self, member: &[u8], reverse: bool) -> CommandResult<Option<(u64, f64)>> {
+        let Some(score) = self.score(member)? else { return Ok(None) };
+        let mut below = 0u64;
+        self.walk_forward(None, |entry_score, entry_member| {
+            let before = compare((entry_score, entry_member), (score, member)).is_lt();
+            if before {
+                below += 1;
+            }
+            before
+        })?;
+        let rank = if reverse { self.meta.len - 1 - below } else { below };
+        Ok(Some((rank, score)))
+    }
+
+    /// How many members have scores between `min` and `max`.
+    pub fn count(&mut self, min: ScoreBound, max: ScoreBound) -> CommandResult<u64> {
+        let mut count = 0;
+        self.walk_forward(Some((min.score, b"")), |score, _| {
+            if min.admits_from_below(score) {
+                if !max.admits_from_above(score) {
+                    return false;
+                }
+                count += 1;
+            }
+            true
+        })?;
+        Ok(count)
+    }
+
+    /// Writes the changes; an emptied set is deleted, as in Redis. `reserved`
+    /// counts the table's reserved entries (DBSIZE leaves them out).
+    pub fn commit(mut self, reserved: &AtomicU64) -> CommandResult<()> {
+        let mut writes: Vec<EntryWrite> = Vec::new();
+        let mut created = 0i64;
+        let mut note = |writes: &mut Vec<_>, key: Bytes, value: Option<Bytes>, was_there: bool| {
+            created += i64::from(value.is_some()) - i64::from(was_there);
+            writes.push((key, value));
+        };
+        let emptied = self.meta.len == 0;
+        for (member, state) in std::mem::take(&mut self.members) {
+            if state.current != state.stored {
+                let value = state.current.map(|score| Bytes::copy_from_slice(&score.to_bits().to_le_bytes()));
+                note(&mut writes, self.entry_key(MEMBER, &member), value, state.stored.is_some());
+            }
+        }
+        let pages: BTreeMap<u64, CachedPage> = std::mem::take(&mut self.pages).into_iter().collect();
+        for (page_id, page) in pages {
+            let removed = page.deleted || emptied;
+            if page.dirty || removed {
+                let value = (!removed).then(|| encode_page(&page.entries));
+                if value.is_some() || page.in_engine {
+                    note(&mut writes, self.entry_key(PAGE, &page_id.to_be_bytes()), value, page.in_engine);
+                }
+            }
+        }
+        if emptied {
+            if self.in_engine {
+                note(&mut writes, self.entry_key(DIRECTORY, &[]), None, true);
+            }
+        } else if self.directory_dirty || !self.in_engine {
+            let directory =
+                encode_directory(self.directory.as_ref().expect("a changed set has its directory"));
+            note(&mut writes, self.entry_key(DIRECTORY, &[]), Some(directory), self.in_engine);
+        }
+        if writes.is_empty() {
+            // Nothing changed (a set's size and pages change only with its entries).
+            return Ok(());
+        }
+        let main = (!emptied).then(|| self.meta.encode());
+        let intent = self.engine.capabilities().persistent;
+        let intent_key = self.entry_key(INTENT, &[]);
+        if intent {
+            self.engine.put(&intent_key, encode_intent(&writes, main.as_ref()))?;
+        }
+        apply(self.engine, self.key, &writes, main)?;
+        if intent {
+            self.engine.delete(&intent_key)?;
+        }
+        if created >= 0 {
+            reserved.fetch_add(created as u64, AtomicOrdering::Relaxed);
+        } else {
+            reserved.fetch_sub(created.unsigned_abs(), AtomicOrdering::Relaxed);
+        }
+        Ok(())
+    }
+}
+
+fn apply(engine: &dyn Engine, key: &[u8], writes: &[EntryWrite], main: Option<Bytes>) -> CommandResult<()> {
+    for (entry, value) in writes {
+        match value {
+            Some(value) => engine.put(entry, value.clone())?,
+            None => {
+                engine.delete(entry)?;
+            }
+        }
+    }
+    match main {
+        Some(value) => engine.put(key, value)?,
+        None => {
+            engine.delete(key)?;
+        }
+    }
+    Ok(())
+}
+
+fn encode_intent(writes: &[EntryWrite], main: Option<&Bytes>) -> Bytes {
+    let mut out = BytesMut::new();
+    let put_optional = |out: &mut BytesMut, value: Option<&Bytes>| match value {
+        Some(value) => {
+            out.put_u8(1);
+            put_bytes(out, value);
+        }
+        None => out.put_u8(0),
+    };
+    put_optional(&mut out, main);
+    for (key, value) in writes {
+        put_bytes(&mut out, key);
+        put_optional(&mut out, value.as_ref());
+    }
+    out.freeze()
+}
+
+fn decode_intent(raw: &Bytes) -> CommandResult<(Option<Bytes>, Vec<EntryWrite>)> {
+    let mut reader = Reader::new(raw);
+    let optional = |reader: &mut Reader| -> CommandResult<Option<Bytes>> {
+        let flag = *raw.get(reader.at).ok_or_else(corrupt)?;
+        reader.at += 1;
+        match flag {
+            0 => Ok(None),
+            1 => Ok(Some(reader.bytes()?)),
+            _ => Err(corrupt()),
+        }
+    };
+    let main = optional(&mut reader)?;
+    let mut writes = Vec::new();
+    while !reader.done() {
+        let key = reader.bytes()?;
+        writes.push((key, optional(&mut reader)?));
+    }
+    Ok((main, writes))
+}
+
+/// Finishes changes a crash interrupted and counts the reserved entries; run
+/// when a table opens, before it serves.
+pub fn recover(engine: &dyn Engine) -> CommandResult<u64> {
+    let mut intents = Vec::new();
+    for_each_reserved(engine, |key, value| {
+        if parse_entry_key(key).is_some_and(|(_, _, tag)| tag == INTENT) {
+            intents.push((Bytes::copy_from_slice(key), value.clone()));
+        }
+    })?;
+    for (intent_key, raw) in intents {
+        let (set_key, _, _) = parse_entry_key(&intent_key).expect("parsed above");
+        let (main, writes) = decode_intent(&raw)?;
+        apply(engine, set_key, &writes, main)?;
+        engine.delete(&intent_key)?;
+        tracing::info!(key = %String::from_utf8_lossy(set_key), "finished an interrupted sorted-set change");
+    }
+    let mut count = 0;
+    for_each_reserved(engine, |_, _| count += 1)?;
+    Ok(count)
+}
+
+fn for_each_reserved(engine: &dyn Engine, mut visit: impl FnMut(&[u8], &Bytes)) -> CommandResult<()> {
+    let range = reserved_range();
+    let mut cursor = ScanCursor::start();
+    loop {
+        let page = engine.scan(&range, &cursor, 1024)?;
+        for (key, value) in &page.entries {
+            if range.contains(key) {
+                visit(key, value);
+            }
+        }
+        match page.next {
+            Some(next) => cursor = next,
+            None => return Ok(()),
+        }
+    }
+}
+
+/// The key a reserved entry belongs to, for locking before [`is_orphan`].
+pub fn owner_key(entry: &[u8]) -> Option<&[u8]> {
+    parse_entry_key(entry).map(|(key, _, _)| key)
+}
+
+/// Whether a reserved entry belongs to no live set (its key was deleted,
+/// overwritten or expired). Call with the owner key's lock held.
+pub fn is_orphan(engine: &dyn Engine, entry: &[u8], now_ms: u64) -> CommandResult<bool> {
+    let Some((key, id, tag)) = parse_entry_key(entry) else { return Ok(true) };
+    if tag == INTENT {
+        // Only a crash leaves one behind, and opening the table replays it.
+        return Ok(false);
+    }
+    Ok(match read_kind(engine, key, Kind::SortedSet, now_ms) {
+        Ok(Some(stored)) => Meta::decode(&stored.payload, None)?.id != id,
+        Ok(None) | Err(CommandError::WrongType) => true,
+        Err(error) => return Err(error),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+    use tessera_engine::MemoryEngine;
+
+    fn model_entries(model: &BTreeMap<Vec<u8>, f64>) -> Vec<(f64, Bytes)> {
+        let mut entries: Vec<(f64, Bytes)> =
+            model.iter().map(|(member, score)| (*score, Bytes::from(member.clone()))).collect();
+        entries.sort_by(|a, b| compare((a.0, &a.1), (b.0, &b.1)));
+        entries
+    }
+
+    #[test]
+    fn scores_parse_like_redis() {
+        assert_eq!(parse_score(b"1.5").unwrap(), 1.5);
+        assert_eq!(parse_score(b"-inf").unwrap(), f64::NEG_INFINITY);
+        assert_eq!(parse_score(b"+inf").unwrap(), f64::INFINITY);
+        assert_eq!(parse_score(b"-0").unwrap().to_bits(), 0.0f64.to_bits());
+        for bad in [&b""[..], b"nan", b"abc", b" 1", b"1 ", b"1x"] {
+            assert!(parse_score(bad).is_err(), "{bad:?}");
+        }
+        let bound = ScoreBound::parse(b"(3").unwrap();
+        assert!(bound.exclusive && bound.score == 3.0);
+        assert!(ScoreBound::parse(b"(").is_err());
+    }
+
+    #[test]
+    fn reserved_keys_parse_back() {
+        let key = entry_key(b"index", 42, PAGE, &7u64.to_be_bytes());
+        assert!(is_reserved(&key) && reserved_range().contains(&key));
+        assert_eq!(parse_entry_key(&key), Some((&b"index"[..], 42, PAGE)));
+        assert_eq!(parse_entry_key(b"\xff\xff#\x00\x00"), None);
+    }
+
+    /// Random changes across many page splits and merges, held to a model after
+    /// every commit, on a volatile and a persistent engine.
+    #[test]
+    fn changes_match_a_model() {
+        use rand::{Rng, SeedableRng};
+        let dir = tempfile::tempdir().unwrap();
+        let log = tessera_engine::LogEngine::open(dir.path(), Default::default()).unwrap();
+        let engines: [&dyn Engine; 2] = [&MemoryEngine::new(), &log];
+        for engine in engines {
+            let reserved = AtomicU64::new(0);
+            let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+            let mut model: BTreeMap<Vec<u8>, f64> = BTreeMap::new();
+            for round in 0..300 {
+                let mut set = SortedSet::open_or_new(engine, b"z", 0).unwrap();
+                for _ in 0..rng.gen_range(1..40) {
+                    let member = format!("m{}", rng.gen_range(0..2000)).into_bytes();
+                    if rng.gen_bool(if round < 150 { 0.8 } else { 0.3 }) {
+                        let score = f64::from(rng.gen_range(-50..50));
+                        assert_eq!(set.insert(&member, score).unwrap(), model.insert(member, score));
+                    } else {
+                        assert_eq!(set.remove(&member).unwrap(), model.remove(&member));
+                    }
+                }
+                set.commit(&reserved).unwrap();
+                let expected = model_entries(&model);
+                let Some(mut set) = SortedSet::open(engine, b"z", 0).unwrap() else {
+                    assert!(model.is_empty());
+                    continue;
+                };
+                assert_eq!(set.len(), model.len() as u64);
+                assert_eq!(set.range_by_rank(0, u64::MAX, false).unwrap(), expected);
+                let mut reversed = expected.clone();
+                reversed.reverse();
+                assert_eq!(set.range_by_rank(0, u64::MAX, true).unwrap(), reversed);
+                let (low, high) = (f64::from(rng.gen_range(-60..60)), f64::from(rng.gen_range(-60..60)));
+                for (min_open, max_open) in [(false, false), (true, false), (false, true), (true, true)] {
+                    let min = ScoreBound { score: low, exclusive: min_open };
+                    let max = ScoreBound { score: high, exclusive: max_open };
+                    let inside: Vec<_> = expected
+                        .iter()
+                        .filter(|(score, _)| min.admits_from_below(*score) && max.admits_from_above(*score))
+                        .cloned()
+                        .collect();
+                    assert_eq!(set.range_by_score(min, max, false, 0, usize::MAX).unwrap(), inside);
+                    assert_eq!(set.count(min, max).unwrap(), inside.len() as u64);
+                    let mut inside_reversed = inside.clone();
+                    inside_reversed.reverse();
+                    assert_eq!(set.range_by_score(max, min, true, 0, usize::MAX).unwrap(), inside_reversed);
+                    let window: Vec<_> = inside.iter().skip(3).take(5).cloned().collect();
+                    assert_eq!(set.range_by_score(min, max, false, 3, 5).unwrap(), window);
+                }
+                if let Some((member, score)) = model.iter().nth(model.len() / 2) {
+                    let rank = expected.iter().position(|(_, m)| m.as_ref() == member.as_slice()).unwrap();
+                    assert_eq!(set.rank(member, false).unwrap(), Some((rank as u64, *score)));
+                    assert_eq!(
+                        set.rank(member, true).unwrap(),
+                        Some(((model.len() - 1 - rank) as u64, *score))
+                    );
+                }
+            }
+            // Every reserved entry is counted and belongs to the live set.
+            let mut live = BTreeSet::new();
+            for_each_reserved(engine, |key, _| {
+                assert!(!is_orphan(engine, key, 0).unwrap());
+                live.insert(key.to_vec());
+            })
+            .unwrap();
+            assert_eq!(reserved.load(AtomicOrdering::Relaxed), live.len() as u64);
+            let pages = live.iter().filter(|key| parse_entry_key(key).is_some_and(|(_, _, tag)| tag == PAGE));
+            assert!(pages.count() >= 3, "the set spans several pages");
+        }
+    }
+
+    #[test]
+    fn an_interrupted_change_is_finished_on_recovery() {
+        let engine = MemoryEngine::new();
+        let key = &b"z"[..];
+        let writes = vec![(entry_key(key, 9, MEMBER, b"a"), Some(Bytes::from_static(&[0; 8])))];
+        let main = Meta { id: 9, len: 1, next_page: 1, expires_at_ms: None }.encode();
+        engine.put(&entry_key(key, 9, INTENT, &[]), encode_intent(&writes, Some(&main))).unwrap();
+        assert_eq!(recover(&engine).unwrap(), 1);
+        assert_eq!(engine.get(key).unwrap(), Some(main));
+        assert!(engine.get(&entry_key(key, 9, INTENT, &[])).unwrap().is_none());
+    }
+
+    #[test]
+    fn replaced_sets_leave_orphans_for_the_sweep() {
+        let engine = MemoryEngine::new();
+        let reserved = AtomicU64::new(0);
+        let mut set = SortedSet::open_or_new(&engine, b"z", 0).unwrap();
+        set.insert(b"a", 1.0).unwrap();
+        set.commit(&reserved).unwrap();
+        engine.put(b"z", typed::encode(Kind::String, None, b"plain")).unwrap();
+        for_each_reserved(&engine, |key, _| assert!(is_orphan(&engine, key, 0).unwrap())).unwrap();
+    }
+}
