@@ -210,26 +210,93 @@ struct PageBound {
     page: u64,
 }
 
-fn encode_directory(directory: &[PageBound]) -> Bytes {
-    let mut out = BytesMut::new();
-    for bound in directory {
-        out.put_u64_le(bound.score.to_bits());
-        put_bytes(&mut out, &bound.member);
-        out.put_u64_le(bound.page);
-    }
-    out.freeze()
+/// The page directory. As stored it is searched in place (an offset table
+/// makes each bound one lookup), so a change that splits no page decodes
+/// only the few bounds a binary search touches; it is decoded whole only to
+/// change it.
+///
+/// ```text
+/// count u32 | offset u32 × count | (score u64, member_len u32, member, page u64) × count
+/// ```
+enum Directory {
+    Stored(Bytes),
+    Changed(Vec<PageBound>),
 }
 
-fn decode_directory(raw: &Bytes) -> CommandResult<Vec<PageBound>> {
-    let mut reader = Reader::new(raw);
-    let mut directory = Vec::new();
-    while !reader.done() {
-        directory.push(PageBound { score: reader.score()?, member: reader.bytes()?, page: reader.u64()? });
+impl Directory {
+    fn from_stored(raw: Bytes) -> CommandResult<Self> {
+        let count =
+            u32::from_le_bytes(raw.get(..4).ok_or_else(corrupt)?.try_into().expect("4 bytes")) as usize;
+        if count == 0 || raw.len() < 4 + 4 * count {
+            return Err(corrupt());
+        }
+        Ok(Self::Stored(raw))
     }
-    if directory.is_empty() {
-        return Err(corrupt());
+
+    fn len(&self) -> usize {
+        match self {
+            Self::Stored(raw) => u32::from_le_bytes(raw[..4].try_into().expect("4 bytes")) as usize,
+            Self::Changed(bounds) => bounds.len(),
+        }
     }
-    Ok(directory)
+
+    fn bound(&self, index: usize) -> CommandResult<PageBound> {
+        match self {
+            Self::Stored(raw) => {
+                let at = 4 + 4 * index;
+                let offset = raw.get(at..at + 4).ok_or_else(corrupt)?;
+                let mut reader = Reader::new(raw);
+                reader.at = u32::from_le_bytes(offset.try_into().expect("4 bytes")) as usize;
+                Ok(PageBound { score: reader.score()?, member: reader.bytes()?, page: reader.u64()? })
+            }
+            Self::Changed(bounds) => bounds.get(index).cloned().ok_or_else(corrupt),
+        }
+    }
+
+    /// The number of leading bounds for which `before` holds (it must hold for
+    /// a prefix of the directory, as for `slice::partition_point`).
+    fn partition_point(&self, before: impl Fn(&PageBound) -> bool) -> CommandResult<usize> {
+        let (mut low, mut high) = (0, self.len());
+        while low < high {
+            let middle = low + (high - low) / 2;
+            if before(&self.bound(middle)?) {
+                low = middle + 1;
+            } else {
+                high = middle;
+            }
+        }
+        Ok(low)
+    }
+
+    fn changed(&mut self) -> CommandResult<&mut Vec<PageBound>> {
+        if let Self::Stored(_) = self {
+            let bounds = (0..self.len()).map(|index| self.bound(index)).collect::<CommandResult<_>>()?;
+            *self = Self::Changed(bounds);
+        }
+        match self {
+            Self::Changed(bounds) => Ok(bounds),
+            Self::Stored(_) => unreachable!("decoded above"),
+        }
+    }
+
+    fn encode(&self) -> CommandResult<Bytes> {
+        let bounds = match self {
+            Self::Stored(raw) => return Ok(raw.clone()),
+            Self::Changed(bounds) => bounds,
+        };
+        let header = 4 + 4 * bounds.len();
+        let mut entries = BytesMut::new();
+        let mut out = BytesMut::with_capacity(header);
+        out.put_u32_le(bounds.len() as u32);
+        for bound in bounds {
+            out.put_u32_le((header + entries.len()) as u32);
+            entries.put_u64_le(bound.score.to_bits());
+            put_bytes(&mut entries, &bound.member);
+            entries.put_u64_le(bound.page);
+        }
+        out.extend_from_slice(&entries);
+        Ok(out.freeze())
+    }
 }
 
 fn encode_page(entries: &[(f64, Bytes)]) -> Bytes {
@@ -276,7 +343,7 @@ pub struct SortedSet<'a> {
     meta: Meta,
     /// Whether the set's value is in the engine (false for a new set).
     in_engine: bool,
-    directory: Option<Vec<PageBound>>,
+    directory: Option<Directory>,
     directory_dirty: bool,
     pages: HashMap<u64, CachedPage>,
     members: HashMap<Bytes, MemberState>,
@@ -297,7 +364,7 @@ impl<'a> SortedSet<'a> {
             None => {
                 let meta = Meta { id: rand::random(), len: 0, next_page: 1, expires_at_ms: None };
                 let mut set = Self::with_meta(engine, key, meta, false);
-                set.directory = Some(vec![lowest_bound(0)]);
+                set.directory = Some(Directory::Changed(vec![lowest_bound(0)]));
                 set.pages.insert(
                     0,
                     CachedPage { entries: Vec::new(), in_engine: false, dirty: false, deleted: false },
@@ -332,12 +399,16 @@ impl<'a> SortedSet<'a> {
         entry_key(self.key, self.meta.id, tag, suffix)
     }
 
-    fn directory(&mut self) -> CommandResult<&mut Vec<PageBound>> {
+    fn directory(&mut self) -> CommandResult<&mut Directory> {
         if self.directory.is_none() {
             let raw = self.engine.get(&self.entry_key(DIRECTORY, &[]))?.ok_or_else(corrupt)?;
-            self.directory = Some(decode_directory(&raw)?);
+            self.directory = Some(Directory::from_stored(raw)?);
         }
         Ok(self.directory.as_mut().expect("loaded"))
+    }
+
+    fn page_id(&mut self, index: usize) -> CommandResult<u64> {
+        Ok(self.directory()?.bound(index)?.page)
     }
 
     fn page(&mut self, page: u64) -> CommandResult<&mut CachedPage> {
@@ -352,8 +423,8 @@ impl<'a> SortedSet<'a> {
     /// The index in the directory of the page that holds (or would hold) an entry.
     fn page_index_for(&mut self, score: f64, member: &[u8]) -> CommandResult<usize> {
         let directory = self.directory()?;
-        let after =
-            directory.partition_point(|bound| compare((bound.score, &bound.member), (score, member)).is_le());
+        let after = directory
+            .partition_point(|bound| compare((bound.score, &bound.member), (score, member)).is_le())?;
         Ok(after.saturating_sub(1))
     }
 
@@ -385,7 +456,7 @@ impl<'a> SortedSet<'a> {
             self.meta.len += 1;
         }
         let index = self.page_index_for(score, member)?;
-        let page_id = self.directory()?[index].page;
+        let page_id = self.page_id(index)?;
         let page = self.page(page_id)?;
         let at = page.entries.partition_point(|(s, m)| compare((*s, m), (score, member)).is_lt());
         page.entries.insert(at, (score, Bytes::copy_from_slice(member)));
@@ -401,7 +472,7 @@ impl<'a> SortedSet<'a> {
                 new_page,
                 CachedPage { entries: upper, in_engine: false, dirty: true, deleted: false },
             );
-            self.directory()?.insert(index + 1, bound);
+            self.directory()?.changed()?.insert(index + 1, bound);
             self.directory_dirty = true;
         }
         self.members.get_mut(member).expect("looked up").current = Some(score);
@@ -421,7 +492,7 @@ impl<'a> SortedSet<'a> {
 
     fn remove_from_page(&mut self, member: &[u8], score: f64) -> CommandResult<()> {
         let index = self.page_index_for(score, member)?;
-        let page_id = self.directory()?[index].page;
+        let page_id = self.page_id(index)?;
         let page = self.page(page_id)?;
         let at = page
             .entries
@@ -430,7 +501,7 @@ impl<'a> SortedSet<'a> {
         page.entries.remove(at);
         page.dirty = true;
         if page.entries.is_empty() {
-            let directory = self.directory()?;
+            let directory = self.directory()?.changed()?;
             if directory.len() > 1 {
                 directory.remove(index);
                 if index == 0 {
@@ -456,7 +527,7 @@ impl<'a> SortedSet<'a> {
         };
         let page_count = self.directory()?.len();
         for index in start..page_count {
-            let page_id = self.directory()?[index].page;
+            let page_id = self.page_id(index)?;
             for (score, member) in &self.page(page_id)?.entries {
                 if from.is_some_and(|from| compare((*score, member), from).is_lt()) {
                     continue;
@@ -481,12 +552,12 @@ impl<'a> SortedSet<'a> {
             Some(bound) => directory
                 .partition_point(|page| {
                     page.score < bound.score || (!bound.exclusive && page.score == bound.score)
-                })
+                })?
                 .max(1),
             None => directory.len(),
         };
         for index in (0..end).rev() {
-            let page_id = self.directory()?[index].page;
+            let page_id = self.page_id(index)?;
             for (score, member) in self.page(page_id)?.entries.iter().rev() {
                 if to.is_some_and(|bound| !bound.admits_from_above(*score)) {
                     continue;
@@ -629,8 +700,7 @@ impl<'a> SortedSet<'a> {
                 note(&mut writes, self.entry_key(DIRECTORY, &[]), None, true);
             }
         } else if self.directory_dirty || !self.in_engine {
-            let directory =
-                encode_directory(self.directory.as_ref().expect("a changed set has its directory"));
+            let directory = self.directory.as_ref().expect("a changed set has its directory").encode()?;
             note(&mut writes, self.entry_key(DIRECTORY, &[]), Some(directory), self.in_engine);
         }
         if writes.is_empty() {
