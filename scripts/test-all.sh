@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs what the tests need (redis-server, redis-cli, redis-py, pytest) and
+# Installs what the tests need (redis-server, redis-cli, redis-py, pytest,
+# go-ycsb) and
 # runs every check: formatting, lints, unit and property tests, the engine
 # conformance suite, and integration tests with real clients against the real
 # binary. CI runs exactly this (.ci/run).
@@ -11,6 +12,7 @@ as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v redis-cli >/dev/null || missing+=(redis-tools)
+command -v go >/dev/null || missing+=(golang-go)
 if [ ${#missing[@]} -gt 0 ]; then
     echo "== installing ${missing[*]}"
     as_root apt-get update -qq
@@ -18,6 +20,10 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 echo "== installing Python test clients"
 python3 -m pip install -q --disable-pip-version-check -r tests/python/requirements.txt
+
+echo "== building go-ycsb from the Go module proxy"
+scripts/build-go-ycsb.sh
+export GO_YCSB="$PWD/target/tools/go-ycsb"
 
 # Tests that need an external program fail, rather than skip, when it is missing.
 export TESSERA_REQUIRE_EXTERNAL=1
