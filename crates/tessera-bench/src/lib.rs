@@ -2,7 +2,9 @@
 //! of YCSB (Cooper et al., SoCC 2010), so that figures compare with what users
 //! measure elsewhere.
 
+pub mod cluster;
 pub mod driver;
 pub mod generator;
+pub mod plot;
 pub mod report;
 pub mod workload;

@@ -7,8 +7,6 @@ use std::time::Duration;
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
-use crate::workload::OperationKind;
-
 /// Latencies up to an hour are recorded exactly to three significant digits.
 fn new_histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("valid histogram bounds")
@@ -24,9 +22,10 @@ pub struct Recorder {
 }
 
 impl Recorder {
-    pub fn record(&mut self, kind: OperationKind, latency: Duration, second: usize) {
+    /// Records an operation's latency under its name (`read`, `update`, ...).
+    pub fn record(&mut self, name: &'static str, latency: Duration, second: usize) {
         let micros = (latency.as_micros() as u64).clamp(1, 3_600_000_000);
-        self.latencies.entry(kind.name()).or_insert_with(new_histogram).saturating_record(micros);
+        self.latencies.entry(name).or_insert_with(new_histogram).saturating_record(micros);
         if self.per_second.len() <= second {
             self.per_second.resize(second + 1, 0);
         }
@@ -69,6 +68,7 @@ impl Recorder {
                     p99_us: at(0.99),
                     p999_us: at(0.999),
                     max_us: histogram.max(),
+                    cdf: CDF_QUANTILES.iter().map(|quantile| (*quantile, at(*quantile))).collect(),
                 };
                 (name.to_string(), summary)
             })
@@ -94,7 +94,17 @@ pub struct LatencySummary {
     pub p99_us: u64,
     pub p999_us: u64,
     pub max_us: u64,
+    /// (quantile, latency) pairs for plotting the distribution.
+    #[serde(default)]
+    pub cdf: Vec<(f64, u64)>,
 }
+
+/// Where the latency distribution is sampled: evenly to the 90th percentile,
+/// then ever closer to the tail.
+const CDF_QUANTILES: [f64; 27] = [
+    0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9,
+    0.95, 0.98, 0.99, 0.995, 0.999, 0.9995, 0.9999, 1.0,
+];
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Report {
@@ -205,7 +215,7 @@ mod tests {
         let mut second = Recorder::default();
         for micros in 1..=1000u64 {
             let recorder = if micros % 2 == 0 { &mut first } else { &mut second };
-            recorder.record(OperationKind::Read, Duration::from_micros(micros), (micros / 500) as usize);
+            recorder.record("read", Duration::from_micros(micros), (micros / 500) as usize);
         }
         second.error("WRONGTYPE");
         second.error("WRONGTYPE");
@@ -232,8 +242,8 @@ mod tests {
         let mut fast = Recorder::default();
         let mut slow = Recorder::default();
         for _ in 0..100 {
-            fast.record(OperationKind::Read, Duration::from_micros(100), 0);
-            slow.record(OperationKind::Read, Duration::from_micros(200), 0);
+            fast.record("read", Duration::from_micros(100), 0);
+            slow.record("read", Duration::from_micros(200), 0);
         }
         let table = compare(&[
             ("redis".into(), fast.report("C", Duration::from_secs(1))),

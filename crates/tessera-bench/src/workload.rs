@@ -1,5 +1,6 @@
-//! Operation mixes: YCSB's core workloads A–F, W (write only, as in scid.txt),
-//! and mixes given on the command line.
+//! Operation mixes: YCSB's core workloads A–F, W (write only, as in SCID's
+//! evaluation), the HPC mixes of BespoKV's evaluation, and mixes given on the
+//! command line.
 
 use rand::Rng;
 
@@ -112,9 +113,15 @@ impl Workload {
                 "E" => (&[(Scan, 0.95), (Insert, 0.05)], zipfian),
                 "F" => (&[(Read, 0.5), (ReadModifyWrite, 0.5)], zipfian),
                 "W" => (&[(Update, 1.0)], zipfian),
+                // BespoKV's HPC workloads (section VIII-A): job launch's control
+                // messages are gets and the compute nodes' results puts, half
+                // each; I/O forwarding (file-system metadata) reads 62%.
+                "JOBLAUNCH" => (&[(Read, 0.5), (Update, 0.5)], Distribution::Uniform),
+                "IOFORWARD" => (&[(Read, 0.62), (Update, 0.38)], Distribution::Uniform),
                 _ => {
                     return Err(format!(
-                        "unknown workload {name:?}; choose A, B, C, D, E, F or W, or give a --mix"
+                        "unknown workload {name:?}; choose A, B, C, D, E, F, W, joblaunch or ioforward, \
+                         or give a --mix"
                     ))
                 }
             };
@@ -143,6 +150,9 @@ mod tests {
         assert_eq!(Workload::named("E").unwrap().mix.share(OperationKind::Scan), 0.95);
         assert_eq!(Workload::named("F").unwrap().mix.share(OperationKind::ReadModifyWrite), 0.5);
         assert!(Workload::named("Z").is_err());
+        let io = Workload::named("ioforward").unwrap();
+        assert_eq!((io.mix.share(OperationKind::Read), io.mix.share(OperationKind::Update)), (0.62, 0.38));
+        assert_eq!(Workload::named("JobLaunch").unwrap().mix.share(OperationKind::Read), 0.5);
     }
 
     #[test]

@@ -52,7 +52,7 @@ enum Command {
     },
     /// Drive a YCSB workload against RESP endpoints (Tessera, Redis, ...) and
     /// report throughput and latency percentiles.
-    Bench(BenchArgs),
+    Bench(Box<BenchArgs>),
     /// Run replication protocols in the deterministic simulator, with faults,
     /// and check their histories. Exits non-zero on any violation.
     Sim(SimArgs),
@@ -67,10 +67,15 @@ enum Command {
 struct BenchArgs {
     #[command(subcommand)]
     action: Option<BenchAction>,
-    /// Endpoints, host:port[,host:port...]; keys are sharded over several.
+    /// Endpoints, host:port[,host:port...]; keys are sharded over several
+    /// (with --cluster: nodes to ask for the slot map).
     #[arg(long, value_delimiter = ',')]
     target: Vec<String>,
-    /// YCSB core workload: A, B, C, D, E, F, or W (write only).
+    /// Route by the Redis Cluster slot map (CLUSTER SLOTS), following MOVED and ASK.
+    #[arg(long)]
+    cluster: bool,
+    /// YCSB core workload A, B, C, D, E, F; W (write only); joblaunch or
+    /// ioforward (the HPC mixes of BespoKV's evaluation).
     #[arg(long, default_value = "A")]
     workload: String,
     /// A custom mix instead of the workload's, e.g. read=0.62,update=0.38.
@@ -100,8 +105,20 @@ struct BenchArgs {
     /// (YCSB: 10 x 100).
     #[arg(long, default_value_t = 10)]
     fields: usize,
-    #[arg(long, default_value_t = 100)]
-    field_bytes: usize,
+    /// Bytes per field or string value: N or MIN..MAX (uniform).
+    #[arg(long, default_value = "100")]
+    field_bytes: String,
+    /// Pad keys to N or MIN..MAX bytes (fixed per record); default: user<n>.
+    #[arg(long)]
+    key_bytes: Option<String>,
+    /// Internal writes per update or insert request (amplified requests, as in
+    /// DKVF's evaluation); throughput and latency count requests.
+    #[arg(long, default_value_t = 1)]
+    amplify: usize,
+    /// With --cluster: the share of reads sent to the slot's master; the rest
+    /// go to replicas on READONLY connections (eventual reads, reported apart).
+    #[arg(long)]
+    strong_reads: Option<f64>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Open loop at this many operations per second in total; latencies are
@@ -123,6 +140,9 @@ struct BenchArgs {
     json: Option<PathBuf>,
     #[arg(long)]
     csv: Option<PathBuf>,
+    /// Draw throughput over time and the latency CDF as SVG files in this directory.
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -131,6 +151,9 @@ enum BenchAction {
     Compare {
         #[arg(required = true)]
         reports: Vec<PathBuf>,
+        /// Also overlay their throughput and latency CDFs as SVG files here.
+        #[arg(long)]
+        plot: Option<PathBuf>,
     },
 }
 
@@ -422,7 +445,7 @@ fn client_command(connection: &ConnectionArgs, command: Command) -> Result<(), S
 
 fn bench(args: BenchArgs, password: Option<String>) -> Result<(), String> {
     use tessera_bench::{driver, generator::Distribution, workload::Mix, workload::Workload};
-    if let Some(BenchAction::Compare { reports }) = &args.action {
+    if let Some(BenchAction::Compare { reports, plot }) = &args.action {
         let mut loaded = Vec::new();
         for path in reports {
             let text =
@@ -435,6 +458,12 @@ fn bench(args: BenchArgs, password: Option<String>) -> Result<(), String> {
             loaded.push((name, report));
         }
         print!("{}", tessera_bench::report::compare(&loaded));
+        if let Some(dir) = plot {
+            let named: Vec<_> = loaded.iter().map(|(name, report)| (name.clone(), report)).collect();
+            for path in tessera_bench::plot::write_plots_of(&named, dir)? {
+                println!("plot: {}", path.display());
+            }
+        }
         return Ok(());
     }
     if args.target.is_empty() {
@@ -456,13 +485,22 @@ fn bench(args: BenchArgs, password: Option<String>) -> Result<(), String> {
     };
     let config = driver::DriverConfig {
         targets: args.target,
+        cluster: args.cluster,
         connections: args.connections,
         pipeline: args.pipeline,
         records: args.records,
         operations: args.operations,
         record_kind: args.record.parse()?,
         fields: args.fields,
-        field_bytes: args.field_bytes,
+        field_bytes: args.field_bytes.parse().map_err(|error| format!("--field-bytes: {error}"))?,
+        key_bytes: args
+            .key_bytes
+            .as_deref()
+            .map(str::parse)
+            .transpose()
+            .map_err(|error| format!("--key-bytes: {error}"))?,
+        amplify: args.amplify,
+        strong_reads: args.strong_reads,
         seed: args.seed,
         password,
         connect_timeout: Duration::from_secs(5),
@@ -477,7 +515,7 @@ fn bench(args: BenchArgs, password: Option<String>) -> Result<(), String> {
             })
             .transpose()?,
     };
-    config.validate(&workload)?;
+    config.validate()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -501,6 +539,11 @@ fn bench(args: BenchArgs, password: Option<String>) -> Result<(), String> {
             }
             if let Some(path) = &args.csv {
                 std::fs::write(path, report.csv()).map_err(|error| format!("{}: {error}", path.display()))?;
+            }
+            if let Some(dir) = &args.plot {
+                for path in tessera_bench::plot::write_plots(&report, dir)? {
+                    println!("plot: {}", path.display());
+                }
             }
         }
         Ok(())
@@ -593,7 +636,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => serve(*args),
         Command::Sim(args) => simulate(args),
-        Command::Bench(args) => bench(args, cli.connection.password.clone()),
+        Command::Bench(args) => bench(*args, cli.connection.password.clone()),
         command => client_command(&cli.connection, command),
     };
     match result {

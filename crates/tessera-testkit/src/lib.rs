@@ -59,6 +59,11 @@ pub struct RedisServer {
 impl RedisServer {
     /// Starts one, or returns `None` when redis-server is not installed.
     pub fn start() -> Option<Self> {
+        Self::start_with(&[])
+    }
+
+    /// Starts one with extra configuration arguments.
+    pub fn start_with(extra: &[String]) -> Option<Self> {
         if !external_program_available("redis-server") {
             return None;
         }
@@ -66,6 +71,7 @@ impl RedisServer {
         let port = free_port();
         let child = Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(extra)
             .arg("--dir")
             .arg(dir.path())
             .stdout(Stdio::null())
@@ -86,4 +92,72 @@ impl Drop for RedisServer {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// A real Redis Cluster on loopback: `masters` masters with `replicas` replicas
+/// each, made by `redis-cli --cluster create`; killed when dropped.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts one, or returns `None` when redis-server or redis-cli is missing.
+    pub fn start(masters: usize, replicas: usize) -> Option<Self> {
+        if !external_program_available("redis-server") || !external_program_available("redis-cli") {
+            return None;
+        }
+        let nodes: Vec<RedisServer> = (0..masters * (1 + replicas))
+            .map(|_| {
+                // The bus port is chosen too: port + 10000 may not exist.
+                let bus = free_port().to_string();
+                let extra =
+                    ["--cluster-enabled", "yes", "--cluster-port", &bus, "--cluster-node-timeout", "5000"];
+                RedisServer::start_with(&extra.map(String::from)).expect("redis-server is installed")
+            })
+            .collect();
+        let created = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(nodes.iter().map(RedisServer::address))
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
+            .output()
+            .expect("run redis-cli --cluster create");
+        assert!(created.status.success(), "cluster create: {}", String::from_utf8_lossy(&created.stdout));
+        let cluster = Self { nodes };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let (count, replica_count) = (cluster.nodes.len(), masters * replicas);
+        while !cluster.nodes.iter().all(|node| cluster_ok(node.port, count, replica_count)) {
+            assert!(Instant::now() < deadline, "the Redis Cluster did not become ready");
+            thread::sleep(Duration::from_millis(100));
+        }
+        Some(cluster)
+    }
+
+    pub fn addresses(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::address).collect()
+    }
+}
+
+/// Whether a node sees the cluster whole: state ok, and every node connected
+/// with the expected number of replicas.
+fn cluster_ok(port: u16, nodes: usize, replicas: usize) -> bool {
+    let ask = |args: &[&str]| {
+        Command::new("redis-cli")
+            .args(["-p", &port.to_string()])
+            .args(args)
+            .output()
+            .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
+            .unwrap_or_default()
+    };
+    let view = ask(&["cluster", "nodes"]);
+    let lines: Vec<&str> = view.lines().filter(|line| !line.is_empty()).collect();
+    let replication = ask(&["info", "replication"]);
+    let replicas_synced = !replication.contains("slave0:")
+        || !replication.contains("state=wait_bgsave") && !replication.contains("state=send_bulk");
+    ask(&["cluster", "info"]).contains("cluster_state:ok")
+        && replicas_synced
+        && !replication.contains("master_sync_in_progress:1")
+        && lines.len() == nodes
+        && lines.iter().all(|line| line.contains("connected"))
+        && lines.iter().filter(|line| line.contains("slave")).count() == replicas
 }

@@ -1,0 +1,174 @@
+//! Where keys live: client-side sharding over a list of endpoints, or a Redis
+//! Cluster's slot map (from CLUSTER SLOTS, corrected by MOVED replies).
+
+use tessera_wire::Value;
+
+pub const SLOTS: usize = 16384;
+
+/// CRC16/XMODEM, the checksum Redis Cluster hashes keys with.
+const fn crc16_table() -> [u16; 256] {
+    let mut table = [0u16; 256];
+    let mut byte = 0;
+    while byte < 256 {
+        let mut crc = (byte as u16) << 8;
+        let mut bit = 0;
+        while bit < 8 {
+            crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };
+            bit += 1;
+        }
+        table[byte] = crc;
+        byte += 1;
+    }
+    table
+}
+
+const CRC16: [u16; 256] = crc16_table();
+
+fn crc16(bytes: &[u8]) -> u16 {
+    bytes.iter().fold(0u16, |crc, &byte| (crc << 8) ^ CRC16[((crc >> 8) as u8 ^ byte) as usize])
+}
+
+/// The slot of a key: the CRC of its hash tag (`{...}`) if it has a non-empty
+/// one, else of the whole key.
+pub fn key_slot(key: &[u8]) -> usize {
+    let hashed = key
+        .iter()
+        .position(|&byte| byte == b'{')
+        .and_then(|open| {
+            let close = key[open + 1..].iter().position(|&byte| byte == b'}')?;
+            (close > 0).then(|| &key[open + 1..open + 1 + close])
+        })
+        .unwrap_or(key);
+    crc16(hashed) as usize % SLOTS
+}
+
+/// FNV-1a over bytes: client-side sharding, as proxies such as twemproxy do.
+pub fn shard_hash(bytes: &[u8]) -> u64 {
+    bytes
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |hash, &byte| (hash ^ byte as u64).wrapping_mul(0x100_0000_01b3))
+}
+
+/// Which endpoint serves each slot: the master, and a replica for eventual reads.
+#[derive(Clone, Debug)]
+pub struct SlotMap {
+    /// Endpoint addresses; the map refers to them by index.
+    pub addresses: Vec<String>,
+    pub master: Vec<u16>,
+    pub replica: Vec<Option<u16>>,
+}
+
+impl SlotMap {
+    /// Builds the map from a CLUSTER SLOTS reply; every slot must be served.
+    pub fn from_cluster_slots(reply: &Value) -> Result<Self, String> {
+        let bad = |what: &str| format!("unexpected CLUSTER SLOTS reply: {what}");
+        let Value::Array(ranges) = reply else { return Err(bad("not an array")) };
+        let mut map =
+            Self { addresses: Vec::new(), master: vec![u16::MAX; SLOTS], replica: vec![None; SLOTS] };
+        for range in ranges {
+            let Value::Array(parts) = range else { return Err(bad("a range is not an array")) };
+            let (Some(Value::Integer(start)), Some(Value::Integer(end))) = (parts.first(), parts.get(1))
+            else {
+                return Err(bad("a range has no bounds"));
+            };
+            if !(0..SLOTS as i64).contains(start) || !(*start..SLOTS as i64).contains(end) {
+                return Err(bad("slot out of range"));
+            }
+            let master =
+                map.endpoint(node_address(parts.get(2)).ok_or_else(|| bad("a range has no master"))?);
+            let replica =
+                parts.get(3).and_then(|node| node_address(Some(node))).map(|address| map.endpoint(address));
+            for slot in *start as usize..=*end as usize {
+                map.master[slot] = master;
+                map.replica[slot] = replica;
+            }
+        }
+        if let Some(slot) = map.master.iter().position(|master| *master == u16::MAX) {
+            return Err(format!("the cluster serves no node for slot {slot}"));
+        }
+        Ok(map)
+    }
+
+    /// The index of an endpoint, added if new.
+    pub fn endpoint(&mut self, address: String) -> u16 {
+        match self.addresses.iter().position(|known| *known == address) {
+            Some(index) => index as u16,
+            None => {
+                self.addresses.push(address);
+                (self.addresses.len() - 1) as u16
+            }
+        }
+    }
+}
+
+fn node_address(node: Option<&Value>) -> Option<String> {
+    let Value::Array(parts) = node? else { return None };
+    let host = String::from_utf8_lossy(parts.first()?.as_bytes()?).into_owned();
+    let Value::Integer(port) = parts.get(1)? else { return None };
+    Some(if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") })
+}
+
+/// A redirection from a cluster node: `MOVED slot address` or `ASK slot address`.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Redirect {
+    pub slot: usize,
+    pub address: String,
+    /// ASK: this once, and with ASKING first; MOVED: from now on.
+    pub ask: bool,
+}
+
+impl Redirect {
+    pub fn parse(message: &str) -> Option<Self> {
+        let mut words = message.split(' ');
+        let ask = match words.next()? {
+            "MOVED" => false,
+            "ASK" => true,
+            _ => return None,
+        };
+        let slot = words.next()?.parse().ok().filter(|slot| *slot < SLOTS)?;
+        let address = words.next()?.to_string();
+        Some(Self { slot, address, ask })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_match_redis_cluster() {
+        // Values from the Redis Cluster specification and `CLUSTER KEYSLOT`.
+        assert_eq!(crc16(b"123456789"), 0x31c3);
+        assert_eq!(key_slot(b"foo"), 12182);
+        assert_eq!(key_slot(b"{user1000}.following"), key_slot(b"user1000"));
+        assert_eq!(key_slot(b"foo{}{bar}"), key_slot(b"foo{}{bar}"));
+        assert_eq!(key_slot(b"foo{}{bar}"), crc16(b"foo{}{bar}") as usize % SLOTS);
+        assert_eq!(key_slot(b"foo{{bar}}zap"), key_slot(b"{bar"));
+    }
+
+    #[test]
+    fn redirects_parse() {
+        assert_eq!(
+            Redirect::parse("MOVED 3999 127.0.0.1:6381"),
+            Some(Redirect { slot: 3999, address: "127.0.0.1:6381".into(), ask: false })
+        );
+        assert!(Redirect::parse("ASK 1 h:1").unwrap().ask);
+        assert_eq!(Redirect::parse("MOVED 99999 h:1"), None);
+        assert_eq!(Redirect::parse("ERR nope"), None);
+    }
+
+    #[test]
+    fn slot_maps_come_from_cluster_slots() {
+        let node = |port: i64| Value::Array(vec![Value::Bulk("127.0.0.1".into()), Value::Integer(port)]);
+        let reply = Value::Array(vec![
+            Value::Array(vec![Value::Integer(0), Value::Integer(8191), node(7000), node(7003)]),
+            Value::Array(vec![Value::Integer(8192), Value::Integer(16383), node(7001)]),
+        ]);
+        let map = SlotMap::from_cluster_slots(&reply).unwrap();
+        assert_eq!(map.addresses, ["127.0.0.1:7000", "127.0.0.1:7003", "127.0.0.1:7001"]);
+        assert_eq!((map.master[0], map.replica[0]), (0, Some(1)));
+        assert_eq!((map.master[16383], map.replica[16383]), (2, None));
+        let partial = Value::Array(vec![Value::Array(vec![Value::Integer(0), Value::Integer(10), node(1)])]);
+        assert!(SlotMap::from_cluster_slots(&partial).unwrap_err().contains("slot 11"));
+    }
+}
