@@ -93,7 +93,8 @@ fn tick_label(value: f64) -> String {
     } else if value >= 1e3 {
         format!("{}k", value / 1e3)
     } else {
-        format!("{value}")
+        // Rounded, so that 3 × 0.2 prints as 0.6.
+        format!("{}", (value * 1e6).round() / 1e6)
     }
 }
 
@@ -226,8 +227,9 @@ pub fn latency_cdf_svg(reports: &[(String, &Report)]) -> String {
     }
     let slowest = series.iter().flat_map(|line| line.points.iter().map(|(x, _)| *x)).fold(10.0, f64::max);
     let fastest = series.iter().flat_map(|line| line.points.iter().map(|(x, _)| *x)).fold(slowest, f64::min);
-    let x =
-        Axis { label: "latency (µs, log scale)", scale: Scale::Log10, min: fastest.max(1.0), max: slowest };
+    // Whole decades, so that every tick lies on the axis.
+    let (min, max) = (10f64.powf(fastest.max(1.0).log10().floor()), 10f64.powf(slowest.log10().ceil()));
+    let x = Axis { label: "latency (µs, log scale)", scale: Scale::Log10, min, max: max.max(min * 10.0) };
     let y = Axis { label: "share of operations", scale: Scale::Linear, min: 0.0, max: 1.0 };
     svg("Latency CDF", &x, &y, &series)
 }
@@ -279,8 +281,9 @@ mod tests {
     fn axes_have_readable_ticks() {
         assert_eq!(nice_step(230.0), 500.0);
         assert_eq!(nice_step(0.19), 0.2);
-        let log = Axis { label: "", scale: Scale::Log10, min: 35.0, max: 20_000.0 };
+        let log = Axis { label: "", scale: Scale::Log10, min: 10.0, max: 100_000.0 };
         assert_eq!(log.ticks(), vec![10.0, 100.0, 1000.0, 10_000.0, 100_000.0]);
         assert_eq!(tick_label(20_000.0), "20k");
+        assert_eq!(tick_label(3.0 * 0.2), "0.6");
     }
 }
