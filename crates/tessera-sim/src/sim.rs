@@ -19,6 +19,8 @@ use tessera_protocol::{
     Protocol, RequestId, ShardView,
 };
 
+use tessera_protocol::coordinator::{Admission, CoordinatorConfig, ShardCoordinator};
+
 use crate::history::{Call, History, Operation, Outcome};
 use crate::linearizability::{self, Verdict};
 use crate::rng::Rng;
@@ -331,15 +333,6 @@ struct Replica {
     lease_until: u64,
 }
 
-struct Coordinator {
-    view: ShardView,
-    incarnations: HashMap<u32, u64>,
-    last_heard: HashMap<u32, u64>,
-    granted_until: HashMap<u32, u64>,
-    progress: HashMap<u32, u64>,
-    suspected: BTreeSet<u32>,
-}
-
 struct Pending {
     request: RequestId,
     key: Bytes,
@@ -365,7 +358,7 @@ pub struct Simulation {
     events: HashMap<u64, Event>,
     next_event: u64,
     replicas: Vec<Replica>,
-    coordinator: Coordinator,
+    coordinator: ShardCoordinator,
     clients: Vec<Client>,
     blocked: BTreeSet<(Address, Address)>,
     /// Per channel, the last scheduled delivery time (for FIFO channels).
@@ -402,19 +395,26 @@ impl Simulation {
         let clients = (0..config.clients)
             .map(|_| Client { rng: rng.fork(), next_request: 1, pending: None, final_reads: Vec::new() })
             .collect();
-        let coordinator = Coordinator {
-            view: ShardView {
+        let admission = if config.protocol == ProtocolKind::PrimaryBackup {
+            Admission::Backup
+        } else {
+            Admission::Learner
+        };
+        let coordinator = ShardCoordinator::new(
+            CoordinatorConfig {
+                lease_ms: config.lease_ms,
+                failure_timeout_ms: config.failure_timeout_ms,
+                admission,
+            },
+            ShardView {
                 number: 1,
                 replicas: (0..config.replicas).map(NodeId).collect(),
                 learners: Vec::new(),
                 lease_until: 0,
             },
-            incarnations: (0..config.replicas).map(|id| (id, 0)).collect(),
-            last_heard: (0..config.replicas).map(|id| (id, 0)).collect(),
-            granted_until: HashMap::new(),
-            progress: HashMap::new(),
-            suspected: BTreeSet::new(),
-        };
+            (0..config.replicas).map(|id| (NodeId(id), 0)).collect(),
+            0,
+        );
         let mut simulation = Self {
             rng,
             now: 0,
@@ -601,9 +601,8 @@ impl Simulation {
                 self.blocked.clear();
             }
             Event::Suspect(id) => {
-                let member = self.coordinator.view.position(NodeId(id)).is_some();
-                if member && self.healthy_members_except(id) > 0 && !self.healed {
-                    self.coordinator.suspected.insert(id);
+                if self.healthy_members_except(id) > 0 && !self.healed && self.coordinator.suspect(NodeId(id))
+                {
                     self.report.log.push(format!("{}ms coordinator suspects n{id}", self.now));
                 }
             }
@@ -613,18 +612,21 @@ impl Simulation {
     /// Members of the view, other than `id`, that are alive and not about to be
     /// removed: the copies that survive if `id` is lost.
     fn healthy_members_except(&self, id: u32) -> usize {
-        self.coordinator
-            .view
+        let coordinator = &self.coordinator;
+        coordinator
+            .view()
             .replicas
             .iter()
             .filter(|node| {
                 let replica = &self.replicas[node.0 as usize];
-                let heard_at = self.coordinator.last_heard.get(&node.0).copied().unwrap_or(0);
                 node.0 != id
                     && replica.alive
-                    && self.now.saturating_sub(heard_at) <= self.config.failure_timeout_ms / 2
-                    && self.coordinator.incarnations.get(&node.0) == Some(&replica.incarnation)
-                    && !self.coordinator.suspected.contains(&node.0)
+                    && coordinator.in_good_standing(
+                        **node,
+                        replica.incarnation,
+                        self.now,
+                        self.config.failure_timeout_ms / 2,
+                    )
             })
             .count()
     }
@@ -718,149 +720,37 @@ impl Simulation {
     }
 
     fn on_heartbeat(&mut self, id: u32, seq: u64, progress: Progress, incarnation: u64) {
-        let node = NodeId(id);
-        let member = self.coordinator.view.position(node).is_some();
-        let learner = self.coordinator.view.learners.contains(&node);
-        if member && self.coordinator.incarnations.get(&id) != Some(&incarnation) {
-            // Restarted with nothing: it is no longer the member it was, and
-            // must never be granted a lease as that member.
-            self.coordinator.suspected.insert(id);
-            return;
-        }
-        if learner && self.coordinator.incarnations.get(&id) != Some(&incarnation) {
-            self.change_view(|view| view.learners.retain(|other| *other != node), "learner restarted");
-            return;
-        }
-        if !member && !learner {
-            if !self.coordinator.suspected.contains(&id) {
-                self.admit(id, incarnation);
-            }
-            return;
-        }
-        if self.coordinator.suspected.contains(&id) {
-            return; // being removed: no lease
-        }
-        // The tail reports its learner caught up: the learner becomes the tail.
-        if let Some((ready, in_view)) = progress.learner_ready {
-            let view = &self.coordinator.view;
-            let is_tail = view.replicas.last() == Some(&node);
-            if is_tail && in_view == view.number && view.learners.first() == Some(&ready) {
-                self.change_view(
-                    |view| {
-                        view.learners.clear();
-                        view.replicas.push(ready);
-                    },
-                    "learner promoted to tail",
-                );
-            }
-        }
-        let coordinator = &mut self.coordinator;
-        coordinator.last_heard.insert(id, self.now);
-        coordinator.granted_until.insert(id, self.now + self.config.lease_ms);
-        coordinator.progress.insert(id, progress.applied);
-        let view = ShardView { lease_until: 0, ..coordinator.view.clone() };
-        self.send(Address::Coordinator, Address::Replica(id), Message::Grant { seq, view });
-    }
-
-    /// Brings a live replica that is not in the view back: for chain
-    /// replication as a learner behind the tail (one at a time), for
-    /// primary–backup straight in as a backup (its position report gets it a
-    /// snapshot).
-    fn admit(&mut self, id: u32, incarnation: u64) {
-        let node = NodeId(id);
-        if self.config.protocol == ProtocolKind::PrimaryBackup {
-            self.coordinator.incarnations.insert(id, incarnation);
-            self.coordinator.last_heard.insert(id, self.now);
-            self.change_view(|view| view.replicas.push(node), "backup added");
-        } else if self.coordinator.view.learners.is_empty() {
-            self.coordinator.incarnations.insert(id, incarnation);
-            self.coordinator.last_heard.insert(id, self.now);
-            self.change_view(|view| view.learners.push(node), "learner added");
+        let granted = self.coordinator.on_heartbeat(self.now, NodeId(id), incarnation, &progress);
+        self.log_view_changes();
+        if let Some(view) = granted {
+            self.send(Address::Coordinator, Address::Replica(id), Message::Grant { seq, view });
         }
     }
 
-    fn change_view(&mut self, change: impl FnOnce(&mut ShardView), why: &str) {
-        let view = &mut self.coordinator.view;
-        change(view);
-        view.number += 1;
-        self.report.view_changes += 1;
-        let replicas: Vec<String> = view.replicas.iter().map(|node| node.to_string()).collect();
-        let learners: Vec<String> = view.learners.iter().map(|node| node.to_string()).collect();
-        self.report.log.push(format!(
-            "{}ms view {}: [{}] learners [{}] ({why})",
-            self.now,
-            view.number,
-            replicas.join(", "),
-            learners.join(", ")
-        ));
-    }
-
-    /// Removes replicas that stopped heartbeating (or are wrongly suspected),
-    /// but only once every lease granted to them has run out.
     fn coordinator_tick(&mut self) {
-        let now = self.now;
-        let silent_learners: Vec<NodeId> = self
-            .coordinator
-            .view
-            .learners
-            .iter()
-            .copied()
-            .filter(|node| {
-                now.saturating_sub(self.coordinator.last_heard.get(&node.0).copied().unwrap_or(0))
-                    > self.config.failure_timeout_ms
-            })
-            .collect();
-        if !silent_learners.is_empty() {
-            self.change_view(
-                |view| view.learners.retain(|node| !silent_learners.contains(node)),
-                "learner silent",
-            );
+        for node in self.coordinator.on_tick(self.now) {
+            self.report.log.push(format!("{}ms coordinator keeps {node}, its last member", self.now));
         }
-        // The longest silent first: when several fail at once, the one heard
-        // from last is the one kept.
-        let mut members: Vec<u32> = self.coordinator.view.replicas.iter().map(|node| node.0).collect();
-        members.sort_by_key(|id| self.coordinator.last_heard.get(id).copied().unwrap_or(0));
-        for id in members {
-            let coordinator = &mut self.coordinator;
-            if coordinator.view.replicas.len() <= 1 {
-                // The last member holds the only copy: it stays, and a
-                // suspicion that cannot be acted on is dropped.
-                if coordinator.suspected.remove(&id) {
-                    self.report.log.push(format!("{now}ms coordinator keeps n{id}, its last member"));
-                }
-                return;
-            }
-            let silent = now.saturating_sub(coordinator.last_heard.get(&id).copied().unwrap_or(0))
-                > self.config.failure_timeout_ms;
-            let failed = silent || coordinator.suspected.contains(&id);
-            let lease_over = now >= coordinator.granted_until.get(&id).copied().unwrap_or(0);
-            if failed && lease_over {
-                self.remove_replica(id);
-            }
-        }
+        self.log_view_changes();
     }
 
-    fn remove_replica(&mut self, id: u32) {
-        let coordinator = &mut self.coordinator;
-        coordinator.suspected.remove(&id);
-        let was_first = coordinator.view.replicas.first() == Some(&NodeId(id));
-        if was_first {
-            self.report.primary_changes += 1;
+    fn log_view_changes(&mut self) {
+        for change in self.coordinator.take_changes() {
+            self.report.view_changes += 1;
+            if change.primary_changed {
+                self.report.primary_changes += 1;
+            }
+            let replicas: Vec<String> = change.view.replicas.iter().map(|node| node.to_string()).collect();
+            let learners: Vec<String> = change.view.learners.iter().map(|node| node.to_string()).collect();
+            self.report.log.push(format!(
+                "{}ms view {}: [{}] learners [{}] ({})",
+                change.at_ms,
+                change.view.number,
+                replicas.join(", "),
+                learners.join(", "),
+                change.reason
+            ));
         }
-        coordinator.view.replicas.retain(|node| node.0 != id);
-        if was_first && self.config.protocol == ProtocolKind::PrimaryBackup {
-            // Promote the most up-to-date backup.
-            let best = coordinator
-                .view
-                .replicas
-                .iter()
-                .copied()
-                .max_by_key(|node| (coordinator.progress.get(&node.0).copied().unwrap_or(0), Reverse(node.0)))
-                .expect("a view keeps at least one replica");
-            coordinator.view.replicas.retain(|node| *node != best);
-            coordinator.view.replicas.insert(0, best);
-        }
-        self.change_view(|_| {}, "replica removed");
     }
 
     fn client_wake(&mut self, client: usize) {
@@ -945,7 +835,7 @@ impl Simulation {
     /// Where a client sends a request, from the coordinator's current view (what
     /// a client learns from the shard map).
     fn route(&mut self, client: usize, call: &Call, strong: bool) -> u32 {
-        let replicas = &self.coordinator.view.replicas;
+        let replicas = &self.coordinator.view().replicas;
         let rng = &mut self.clients[client].rng;
         let target = if *call != Call::Get {
             replicas[0]
@@ -1019,7 +909,7 @@ impl Simulation {
         // Convergence: the live members of the final view hold the same data.
         let members: Vec<u32> = self
             .coordinator
-            .view
+            .view()
             .replicas
             .iter()
             .map(|node| node.0)

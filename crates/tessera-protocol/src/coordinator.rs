@@ -1,0 +1,329 @@
+//! The coordinator's decisions for one shard, sans-IO: heartbeats in, leases
+//! and view changes out. The simulator and the cluster runtime both drive it,
+//! so what the simulator checks under faults is what runs on sockets.
+//!
+//! Rules (docs/PROTOCOLS.md, "Membership"):
+//! - A heartbeat from a member with the incarnation the coordinator knows gets
+//!   the current view and a lease until `now + lease_ms`.
+//! - A member heard from with another incarnation restarted with nothing: it is
+//!   suspected and never granted a lease as the member it was.
+//! - A member silent for `failure_timeout_ms`, or suspected, is removed once
+//!   every lease granted to it has run out, the longest silent first, never the
+//!   last member. Removing the first member of a primary–backup view promotes
+//!   the backup that has applied the most.
+//! - A live node outside the view is admitted: as a learner behind the tail for
+//!   chain replication (one at a time, promoted when the tail reports it caught
+//!   up in the current view), straight in as a backup for primary–backup.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, HashMap};
+
+use crate::{NodeId, Progress, ShardView};
+
+/// How a node outside the view joins it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// Behind the tail as a learner, promoted once caught up (chain replication).
+    Learner,
+    /// Straight in as a backup; its position report gets it a snapshot (primary–backup).
+    Backup,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CoordinatorConfig {
+    pub lease_ms: u64,
+    pub failure_timeout_ms: u64,
+    pub admission: Admission,
+}
+
+/// A new view and why it was made.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ViewChange {
+    pub at_ms: u64,
+    pub view: ShardView,
+    pub reason: &'static str,
+    /// The first member (head or primary) changed.
+    pub primary_changed: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct ShardCoordinator {
+    config: CoordinatorConfig,
+    view: ShardView,
+    incarnations: HashMap<NodeId, u64>,
+    last_heard: HashMap<NodeId, u64>,
+    granted_until: HashMap<NodeId, u64>,
+    progress: HashMap<NodeId, u64>,
+    suspected: BTreeSet<NodeId>,
+    changes: Vec<ViewChange>,
+}
+
+impl ShardCoordinator {
+    /// Starts from a view whose members are known by their incarnations, all
+    /// counted as heard from at `now`.
+    pub fn new(
+        config: CoordinatorConfig,
+        view: ShardView,
+        incarnations: HashMap<NodeId, u64>,
+        now: u64,
+    ) -> Self {
+        let last_heard = view.replicas.iter().chain(&view.learners).map(|node| (*node, now)).collect();
+        Self {
+            config,
+            view,
+            incarnations,
+            last_heard,
+            granted_until: HashMap::new(),
+            progress: HashMap::new(),
+            suspected: BTreeSet::new(),
+            changes: Vec::new(),
+        }
+    }
+
+    pub fn view(&self) -> &ShardView {
+        &self.view
+    }
+
+    pub fn config(&self) -> &CoordinatorConfig {
+        &self.config
+    }
+
+    /// The incarnation the coordinator knows a member or learner by.
+    pub fn incarnation(&self, node: NodeId) -> Option<u64> {
+        self.incarnations.get(&node).copied()
+    }
+
+    /// The view changes made since the last call.
+    pub fn take_changes(&mut self) -> Vec<ViewChange> {
+        std::mem::take(&mut self.changes)
+    }
+
+    /// Whether `node` is a member in good standing: heard from within
+    /// `within_ms` as the incarnation the coordinator knows, and not suspected.
+    pub fn in_good_standing(&self, node: NodeId, incarnation: u64, now: u64, within_ms: u64) -> bool {
+        self.view.position(node).is_some()
+            && now.saturating_sub(self.last_heard.get(&node).copied().unwrap_or(0)) <= within_ms
+            && self.incarnations.get(&node) == Some(&incarnation)
+            && !self.suspected.contains(&node)
+    }
+
+    /// Marks a member for removal (a failure detector's verdict, or an
+    /// operator's); it is removed once its lease has run out.
+    pub fn suspect(&mut self, node: NodeId) -> bool {
+        self.view.position(node).is_some() && self.suspected.insert(node)
+    }
+
+    /// A heartbeat from `node`: returns the view to grant it a lease on, if any.
+    pub fn on_heartbeat(
+        &mut self,
+        now: u64,
+        node: NodeId,
+        incarnation: u64,
+        progress: &Progress,
+    ) -> Option<ShardView> {
+        let member = self.view.position(node).is_some();
+        let learner = self.view.learners.contains(&node);
+        let known = self.incarnations.get(&node) == Some(&incarnation);
+        if member && !known {
+            // Restarted with nothing: no longer the member it was.
+            self.suspected.insert(node);
+            return None;
+        }
+        if learner && !known {
+            self.change_view(now, |view| view.learners.retain(|other| *other != node), "learner restarted");
+            return None;
+        }
+        if !member && !learner {
+            if !self.suspected.contains(&node) {
+                self.admit(now, node, incarnation);
+            }
+            return None;
+        }
+        if self.suspected.contains(&node) {
+            return None; // being removed: no lease
+        }
+        if let Some((ready, in_view)) = progress.learner_ready {
+            let is_tail = self.view.replicas.last() == Some(&node);
+            if is_tail && in_view == self.view.number && self.view.learners.first() == Some(&ready) {
+                self.change_view(
+                    now,
+                    |view| {
+                        view.learners.clear();
+                        view.replicas.push(ready);
+                    },
+                    "learner promoted to tail",
+                );
+            }
+        }
+        self.last_heard.insert(node, now);
+        self.granted_until.insert(node, now + self.config.lease_ms);
+        self.progress.insert(node, progress.applied);
+        Some(ShardView { lease_until: 0, ..self.view.clone() })
+    }
+
+    fn admit(&mut self, now: u64, node: NodeId, incarnation: u64) {
+        match self.config.admission {
+            Admission::Backup => {
+                self.incarnations.insert(node, incarnation);
+                self.last_heard.insert(node, now);
+                self.change_view(now, |view| view.replicas.push(node), "backup added");
+            }
+            Admission::Learner if self.view.learners.is_empty() => {
+                self.incarnations.insert(node, incarnation);
+                self.last_heard.insert(node, now);
+                self.change_view(now, |view| view.learners.push(node), "learner added");
+            }
+            Admission::Learner => {} // one learner at a time
+        }
+    }
+
+    fn silent(&self, node: NodeId, now: u64) -> bool {
+        now.saturating_sub(self.last_heard.get(&node).copied().unwrap_or(0)) > self.config.failure_timeout_ms
+    }
+
+    /// Removes what failed; returns the nodes that kept only because they are
+    /// the last member (their suspicion is dropped).
+    pub fn on_tick(&mut self, now: u64) -> Vec<NodeId> {
+        let mut kept = Vec::new();
+        let silent_learners: Vec<NodeId> =
+            self.view.learners.iter().copied().filter(|node| self.silent(*node, now)).collect();
+        if !silent_learners.is_empty() {
+            self.change_view(
+                now,
+                |view| view.learners.retain(|node| !silent_learners.contains(node)),
+                "learner silent",
+            );
+        }
+        // The longest silent first: when several fail at once, the one heard
+        // from last is the one kept.
+        let mut members = self.view.replicas.clone();
+        members.sort_by_key(|node| self.last_heard.get(node).copied().unwrap_or(0));
+        for node in members {
+            if self.view.replicas.len() <= 1 {
+                // The last member holds the only copy: it stays.
+                if self.suspected.remove(&node) {
+                    kept.push(node);
+                }
+                break;
+            }
+            let failed = self.silent(node, now) || self.suspected.contains(&node);
+            let lease_over = now >= self.granted_until.get(&node).copied().unwrap_or(0);
+            if failed && lease_over {
+                self.remove(now, node);
+            }
+        }
+        kept
+    }
+
+    fn remove(&mut self, now: u64, node: NodeId) {
+        self.suspected.remove(&node);
+        let was_first = self.view.replicas.first() == Some(&node);
+        self.view.replicas.retain(|other| *other != node);
+        if was_first && self.config.admission == Admission::Backup {
+            let progress = &self.progress;
+            let best = self
+                .view
+                .replicas
+                .iter()
+                .copied()
+                .max_by_key(|node| (progress.get(node).copied().unwrap_or(0), Reverse(node.0)))
+                .expect("a view keeps at least one replica");
+            self.view.replicas.retain(|other| *other != best);
+            self.view.replicas.insert(0, best);
+        }
+        self.change_view(now, |_| {}, "replica removed");
+        if let Some(change) = self.changes.last_mut() {
+            change.primary_changed = was_first;
+        }
+    }
+
+    fn change_view(&mut self, now: u64, change: impl FnOnce(&mut ShardView), reason: &'static str) {
+        let first = self.view.replicas.first().copied();
+        change(&mut self.view);
+        self.view.number += 1;
+        let primary_changed = self.view.replicas.first().copied() != first;
+        self.changes.push(ViewChange { at_ms: now, view: self.view.clone(), reason, primary_changed });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn coordinator(admission: Admission) -> ShardCoordinator {
+        let view = ShardView {
+            number: 1,
+            replicas: vec![NodeId(0), NodeId(1), NodeId(2)],
+            learners: vec![],
+            lease_until: 0,
+        };
+        let config = CoordinatorConfig { lease_ms: 200, failure_timeout_ms: 150, admission };
+        ShardCoordinator::new(config, view, (0..3).map(|id| (NodeId(id), 0)).collect(), 0)
+    }
+
+    fn beat(coordinator: &mut ShardCoordinator, now: u64, node: u32) -> Option<ShardView> {
+        coordinator.on_heartbeat(now, NodeId(node), 0, &Progress::default())
+    }
+
+    #[test]
+    fn a_silent_member_goes_only_after_its_lease() {
+        let mut chain = coordinator(Admission::Learner);
+        for node in 0..3 {
+            assert!(beat(&mut chain, 100, node).is_some());
+        }
+        // Node 1 falls silent; the others keep beating.
+        for now in (150..=250).step_by(50) {
+            beat(&mut chain, now, 0);
+            beat(&mut chain, now, 2);
+            chain.on_tick(now);
+        }
+        assert_eq!(chain.view().replicas.len(), 3, "silent since 100, but its lease runs to 300");
+        beat(&mut chain, 300, 0);
+        beat(&mut chain, 300, 2);
+        chain.on_tick(300);
+        assert_eq!(chain.view().replicas, vec![NodeId(0), NodeId(2)]);
+        let changes = chain.take_changes();
+        assert_eq!(changes.len(), 1);
+        assert!(!changes[0].primary_changed);
+        // It comes back: a learner behind the tail, promoted when the tail says so.
+        assert!(beat(&mut chain, 400, 1).is_none());
+        assert_eq!(chain.view().learners, vec![NodeId(1)]);
+        let number = chain.view().number;
+        let ready = Progress { applied: 9, learner_ready: Some((NodeId(1), number)) };
+        chain.on_heartbeat(420, NodeId(2), 0, &ready);
+        assert_eq!(chain.view().replicas, vec![NodeId(0), NodeId(2), NodeId(1)]);
+    }
+
+    #[test]
+    fn a_restarted_member_gets_no_lease_and_is_removed() {
+        let mut chain = coordinator(Admission::Learner);
+        assert!(chain.on_heartbeat(10, NodeId(0), 1, &Progress::default()).is_none());
+        beat(&mut chain, 10, 1);
+        beat(&mut chain, 10, 2);
+        chain.on_tick(10);
+        assert_eq!(chain.view().replicas, vec![NodeId(1), NodeId(2)], "never granted, so removed at once");
+        assert!(chain.take_changes()[0].primary_changed);
+    }
+
+    #[test]
+    fn primary_backup_promotes_the_most_up_to_date_backup() {
+        let mut pb = coordinator(Admission::Backup);
+        let at = |applied| Progress { applied, learner_ready: None };
+        pb.on_heartbeat(0, NodeId(1), 0, &at(5));
+        pb.on_heartbeat(0, NodeId(2), 0, &at(8));
+        pb.suspect(NodeId(0));
+        pb.on_tick(0);
+        assert_eq!(pb.view().replicas, vec![NodeId(2), NodeId(1)]);
+    }
+
+    #[test]
+    fn the_last_member_stays() {
+        let view = ShardView { number: 1, replicas: vec![NodeId(0)], learners: vec![], lease_until: 0 };
+        let config =
+            CoordinatorConfig { lease_ms: 200, failure_timeout_ms: 150, admission: Admission::Learner };
+        let mut single = ShardCoordinator::new(config, view, HashMap::from([(NodeId(0), 0)]), 0);
+        single.suspect(NodeId(0));
+        assert_eq!(single.on_tick(1_000), vec![NodeId(0)]);
+        assert_eq!(single.view().replicas, vec![NodeId(0)]);
+    }
+}
