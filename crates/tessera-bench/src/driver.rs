@@ -20,11 +20,12 @@ use std::time::{Duration, Instant};
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+use tessera_wire::slot::key_slot;
 use tessera_wire::{encode_command, parse_value, skip_value, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::cluster::{key_slot, shard_hash, Redirect, SlotMap};
+use crate::cluster::{shard_hash, Redirect, SlotMap};
 use crate::generator::{fnv_hash_64, KeyChooser};
 use crate::report::{Recorder, Report};
 use crate::workload::{OperationKind, Workload};

@@ -10,6 +10,7 @@
 pub mod client;
 pub mod reply;
 pub mod request;
+pub mod slot;
 pub mod value;
 
 pub use client::{Client, ClientError};
