@@ -1,0 +1,295 @@
+//! The cluster map: which nodes exist, which shards they serve, and which hash
+//! slots each shard owns. The coordinator is its only writer; nodes and
+//! clients read it. Every change raises `epoch`.
+
+use std::collections::BTreeSet;
+
+use serde::{Deserialize, Serialize};
+use tessera_protocol::{NodeId, ShardView};
+use tessera_wire::slot::SLOTS;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum MapError {
+    #[error("invalid cluster map: {0}")]
+    Invalid(String),
+    #[error("a cluster of {nodes} nodes cannot keep {replicas} replicas of each shard")]
+    TooFewNodes { nodes: usize, replicas: usize },
+}
+
+/// How every shard replicates (per-table modes come with online transitions).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ReplicationMode {
+    /// Master–slave, strongly consistent: chain replication.
+    MsStrong,
+    /// Master–slave, eventually consistent: primary–backup.
+    MsEventual,
+}
+
+impl ReplicationMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::MsStrong => "ms+sc",
+            Self::MsEventual => "ms+ec",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum NodeRole {
+    /// Serves the shards the map places on it.
+    Member,
+    /// Holds nothing until a failure brings it in.
+    Standby,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    pub id: u32,
+    /// Where clients and peers reach it, `host:port`.
+    pub address: String,
+    pub role: NodeRole,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Shard {
+    pub id: u32,
+    /// Inclusive slot ranges.
+    pub slots: Vec<(u16, u16)>,
+    pub view_number: u64,
+    /// In chain order: the head (or primary) first, the tail last.
+    pub members: Vec<u32>,
+    pub learners: Vec<u32>,
+}
+
+impl Shard {
+    /// The shard's view as the protocols see it (the lease is each replica's own).
+    pub fn view(&self) -> ShardView {
+        ShardView {
+            number: self.view_number,
+            replicas: self.members.iter().copied().map(NodeId).collect(),
+            learners: self.learners.iter().copied().map(NodeId).collect(),
+            lease_until: 0,
+        }
+    }
+
+    pub fn set_view(&mut self, view: &ShardView) {
+        self.view_number = view.number;
+        self.members = view.replicas.iter().map(|node| node.0).collect();
+        self.learners = view.learners.iter().map(|node| node.0).collect();
+    }
+
+    pub fn owns(&self, slot: u16) -> bool {
+        self.slots.iter().any(|(first, last)| (*first..=*last).contains(&slot))
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterMap {
+    /// Nodes started for another cluster are refused.
+    pub cluster_id: String,
+    pub epoch: u64,
+    pub mode: ReplicationMode,
+    pub replicas: usize,
+    pub nodes: Vec<NodeInfo>,
+    pub shards: Vec<Shard>,
+}
+
+impl ClusterMap {
+    /// A new cluster: the first `members` nodes serve, the rest stand by. With
+    /// `n` serving nodes there are `n` shards, shard `i` on nodes `i, i+1, …,
+    /// i+replicas-1` (mod `n`), so every node heads one shard and the slots are
+    /// split evenly.
+    pub fn place(
+        cluster_id: &str,
+        mode: ReplicationMode,
+        replicas: usize,
+        addresses: &[String],
+        members: usize,
+    ) -> Result<Self, MapError> {
+        if replicas == 0 || members < replicas || members > addresses.len() {
+            return Err(MapError::TooFewNodes { nodes: members.min(addresses.len()), replicas });
+        }
+        let nodes = addresses
+            .iter()
+            .enumerate()
+            .map(|(index, address)| NodeInfo {
+                id: index as u32,
+                address: address.clone(),
+                role: if index < members { NodeRole::Member } else { NodeRole::Standby },
+            })
+            .collect();
+        let shards = (0..members)
+            .map(|index| {
+                let first = SLOTS * index / members;
+                let last = SLOTS * (index + 1) / members - 1;
+                Shard {
+                    id: index as u32,
+                    slots: vec![(first as u16, last as u16)],
+                    view_number: 1,
+                    members: (0..replicas).map(|offset| ((index + offset) % members) as u32).collect(),
+                    learners: Vec::new(),
+                }
+            })
+            .collect();
+        let map = Self { cluster_id: cluster_id.to_string(), epoch: 1, mode, replicas, nodes, shards };
+        map.validate()?;
+        Ok(map)
+    }
+
+    pub fn node(&self, id: u32) -> Option<&NodeInfo> {
+        self.nodes.iter().find(|node| node.id == id)
+    }
+
+    pub fn shard(&self, id: u32) -> Option<&Shard> {
+        self.shards.iter().find(|shard| shard.id == id)
+    }
+
+    /// The shard that owns `slot`.
+    pub fn shard_for_slot(&self, slot: u16) -> Option<&Shard> {
+        self.shards.iter().find(|shard| shard.owns(slot))
+    }
+
+    /// The shards a node serves or is joining.
+    pub fn shards_of(&self, node: u32) -> impl Iterator<Item = &Shard> {
+        self.shards
+            .iter()
+            .filter(move |shard| shard.members.contains(&node) || shard.learners.contains(&node))
+    }
+
+    /// Checks what a map read from a store or the network must satisfy: unique
+    /// ids, every slot owned by exactly one shard, members and learners that
+    /// are known nodes, no shard without members.
+    pub fn validate(&self) -> Result<(), MapError> {
+        let invalid = |message: String| Err(MapError::Invalid(message));
+        if self.cluster_id.is_empty() {
+            return invalid("empty cluster id".into());
+        }
+        let mut node_ids = BTreeSet::new();
+        for node in &self.nodes {
+            if !node_ids.insert(node.id) {
+                return invalid(format!("node {} appears twice", node.id));
+            }
+            if node.address.rsplit_once(':').is_none_or(|(_, port)| port.parse::<u16>().is_err()) {
+                return invalid(format!("node {} has address {:?}, not host:port", node.id, node.address));
+            }
+        }
+        let mut owner = vec![None; SLOTS];
+        let mut shard_ids = BTreeSet::new();
+        for shard in &self.shards {
+            if !shard_ids.insert(shard.id) {
+                return invalid(format!("shard {} appears twice", shard.id));
+            }
+            if shard.members.is_empty() {
+                return invalid(format!("shard {} has no members", shard.id));
+            }
+            let mut seen = BTreeSet::new();
+            for node in shard.members.iter().chain(&shard.learners) {
+                if !node_ids.contains(node) {
+                    return invalid(format!("shard {} names unknown node {node}", shard.id));
+                }
+                if !seen.insert(node) {
+                    return invalid(format!("shard {} names node {node} twice", shard.id));
+                }
+            }
+            for (first, last) in &shard.slots {
+                if first > last || *last as usize >= SLOTS {
+                    return invalid(format!("shard {} has slot range {first}-{last}", shard.id));
+                }
+                for slot in *first..=*last {
+                    if let Some(other) = owner[slot as usize].replace(shard.id) {
+                        return invalid(format!("slot {slot} is owned by shards {other} and {}", shard.id));
+                    }
+                }
+            }
+        }
+        if let Some(slot) = owner.iter().position(Option::is_none) {
+            return invalid(format!("slot {slot} has no shard"));
+        }
+        Ok(())
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a map serializes")
+    }
+
+    /// Parses and validates a map.
+    pub fn from_json(text: &str) -> Result<Self, MapError> {
+        let map: Self = serde_json::from_str(text).map_err(|error| MapError::Invalid(error.to_string()))?;
+        map.validate()?;
+        Ok(map)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_wire::slot::key_slot;
+
+    fn addresses(count: usize) -> Vec<String> {
+        (0..count).map(|index| format!("127.0.0.1:{}", 7000 + index)).collect()
+    }
+
+    #[test]
+    fn placement_spreads_heads_and_slots() {
+        let map = ClusterMap::place("c1", ReplicationMode::MsStrong, 3, &addresses(7), 6).unwrap();
+        assert_eq!(map.shards.len(), 6);
+        let heads: BTreeSet<u32> = map.shards.iter().map(|shard| shard.members[0]).collect();
+        assert_eq!(heads.len(), 6, "every member heads one shard");
+        assert_eq!(map.shards[5].members, vec![5, 0, 1]);
+        assert_eq!(map.node(6).unwrap().role, NodeRole::Standby);
+        assert_eq!(map.shards_of(0).count(), 3);
+        assert_eq!(map.shards_of(6).count(), 0);
+        let sizes: Vec<usize> = map
+            .shards
+            .iter()
+            .map(|shard| shard.slots.iter().map(|(a, b)| (b - a) as usize + 1).sum())
+            .collect();
+        assert!(sizes.iter().all(|size| (2730..=2731).contains(size)), "{sizes:?}");
+        let slot = key_slot(b"user1000") as u16;
+        assert!(map.shard_for_slot(slot).unwrap().owns(slot));
+    }
+
+    #[test]
+    fn too_few_nodes_is_an_error() {
+        assert_eq!(
+            ClusterMap::place("c", ReplicationMode::MsStrong, 3, &addresses(2), 2),
+            Err(MapError::TooFewNodes { nodes: 2, replicas: 3 })
+        );
+    }
+
+    #[test]
+    fn maps_round_trip_and_malformed_maps_are_refused() {
+        let map = ClusterMap::place("c1", ReplicationMode::MsEventual, 2, &addresses(3), 3).unwrap();
+        assert_eq!(ClusterMap::from_json(&map.to_json()).unwrap(), map);
+        let mut gap = map.clone();
+        gap.shards[1].slots = vec![(5461, 10000)];
+        assert!(gap.validate().unwrap_err().to_string().contains("slot 10001 has no shard"));
+        let mut overlap = map.clone();
+        overlap.shards[0].slots.push((6000, 6000));
+        assert!(overlap.validate().unwrap_err().to_string().contains("slot 6000"));
+        let mut stranger = map.clone();
+        stranger.shards[2].learners.push(42);
+        assert!(stranger.validate().unwrap_err().to_string().contains("unknown node 42"));
+        let mut bad_address = map.clone();
+        bad_address.nodes[0].address = "nowhere".into();
+        assert!(bad_address.validate().is_err());
+        assert!(ClusterMap::from_json("{\"cluster_id\": 3}").is_err());
+        assert!(ClusterMap::from_json("not json").is_err());
+    }
+
+    #[test]
+    fn views_convert_both_ways() {
+        let mut map = ClusterMap::place("c1", ReplicationMode::MsStrong, 3, &addresses(3), 3).unwrap();
+        let mut view = map.shards[0].view();
+        view.number = 7;
+        view.replicas.remove(1);
+        view.learners.push(NodeId(1));
+        map.shards[0].set_view(&view);
+        assert_eq!(map.shards[0].members, vec![0, 2]);
+        assert_eq!(map.shards[0].learners, vec![1]);
+        assert_eq!(map.shards[0].view(), view);
+        map.validate().unwrap();
+    }
+}
