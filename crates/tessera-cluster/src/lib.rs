@@ -1,9 +1,11 @@
-//! Cluster metadata (docs/ARCHITECTURE.md, "Clusters"): the map of nodes and
-//! shards ([`map`]) and the stores that keep it across coordinator restarts
-//! ([`store`]).
+//! Clusters (docs/ARCHITECTURE.md, "Clusters"): the map of nodes and shards
+//! ([`map`]), the stores that keep it across coordinator restarts ([`store`]),
+//! and the coordinator's logic ([`coordinator`]).
 
+pub mod coordinator;
 pub mod map;
 pub mod store;
 
+pub use coordinator::{ClusterCoordinator, Grants, JoinError, Timing};
 pub use map::{ClusterMap, MapError, NodeInfo, NodeRole, ReplicationMode, Shard};
 pub use store::{FileStore, MetadataStore, StoreError, Versioned};

@@ -2,7 +2,7 @@
 //! slots each shard owns. The coordinator is its only writer; nodes and
 //! clients read it. Every change raises `epoch`.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 use tessera_protocol::{NodeId, ShardView};
@@ -61,6 +61,10 @@ pub struct Shard {
     /// In chain order: the head (or primary) first, the tail last.
     pub members: Vec<u32>,
     pub learners: Vec<u32>,
+    /// The incarnation each member and learner was admitted as: a node that
+    /// comes back with another has lost its state and is not that member.
+    #[serde(default)]
+    pub incarnations: BTreeMap<u32, u64>,
 }
 
 impl Shard {
@@ -130,6 +134,7 @@ impl ClusterMap {
                     view_number: 1,
                     members: (0..replicas).map(|offset| ((index + offset) % members) as u32).collect(),
                     learners: Vec::new(),
+                    incarnations: BTreeMap::new(),
                 }
             })
             .collect();

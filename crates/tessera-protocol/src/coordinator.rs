@@ -60,7 +60,8 @@ pub struct ShardCoordinator {
 
 impl ShardCoordinator {
     /// Starts from a view whose members are known by their incarnations, all
-    /// counted as heard from at `now`.
+    /// counted as heard from at `now`. A member missing from `incarnations`
+    /// (a cluster that was just made) is known by the first one it reports.
     pub fn new(
         config: CoordinatorConfig,
         view: ShardView,
@@ -123,6 +124,10 @@ impl ShardCoordinator {
     ) -> Option<ShardView> {
         let member = self.view.position(node).is_some();
         let learner = self.view.learners.contains(&node);
+        if member && !self.incarnations.contains_key(&node) {
+            // A member of a new cluster, heard from for the first time.
+            self.incarnations.insert(node, incarnation);
+        }
         let known = self.incarnations.get(&node) == Some(&incarnation);
         if member && !known {
             // Restarted with nothing: no longer the member it was.
@@ -314,6 +319,18 @@ mod tests {
         pb.suspect(NodeId(0));
         pb.on_tick(0);
         assert_eq!(pb.view().replicas, vec![NodeId(2), NodeId(1)]);
+    }
+
+    #[test]
+    fn a_new_clusters_members_are_known_by_their_first_heartbeat() {
+        let view =
+            ShardView { number: 1, replicas: vec![NodeId(0), NodeId(1)], learners: vec![], lease_until: 0 };
+        let config =
+            CoordinatorConfig { lease_ms: 200, failure_timeout_ms: 150, admission: Admission::Learner };
+        let mut fresh = ShardCoordinator::new(config, view, HashMap::new(), 0);
+        assert!(fresh.on_heartbeat(1, NodeId(0), 77, &Progress::default()).is_some());
+        assert_eq!(fresh.incarnation(NodeId(0)), Some(77));
+        assert!(fresh.on_heartbeat(2, NodeId(0), 78, &Progress::default()).is_none(), "a restart is noticed");
     }
 
     #[test]

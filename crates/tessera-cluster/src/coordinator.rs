@@ -1,0 +1,268 @@
+//! The cluster's coordinator, sans-IO: joins and heartbeats in, grants out, and
+//! a map that changes with every view change. One `ShardCoordinator` per shard
+//! makes the decisions (the same code the simulator checks); this layer routes
+//! heartbeats to them, brings standby nodes into shards that lost a member, and
+//! keeps the map (views, incarnations, epoch) in step for the store.
+
+use std::collections::BTreeMap;
+
+use tessera_protocol::coordinator::{Admission, CoordinatorConfig, ShardCoordinator};
+use tessera_protocol::{NodeId, Progress, ShardView};
+
+use crate::map::{ClusterMap, NodeRole, ReplicationMode};
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum JoinError {
+    #[error("this node belongs to cluster '{got}', the coordinator serves cluster '{expected}'")]
+    WrongCluster { expected: String, got: String },
+    #[error("node {0} is not in the cluster map")]
+    UnknownNode(u32),
+}
+
+/// Heartbeat and lease timing, in milliseconds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timing {
+    pub lease_ms: u64,
+    pub failure_timeout_ms: u64,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Self { lease_ms: 1_000, failure_timeout_ms: 1_500 }
+    }
+}
+
+/// The answer to a heartbeat: the map's epoch (a node that has an older one
+/// fetches the map) and a lease on each shard the node serves or joins.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Grants {
+    pub epoch: u64,
+    pub shards: Vec<(u32, ShardView)>,
+}
+
+pub struct ClusterCoordinator {
+    map: ClusterMap,
+    shards: BTreeMap<u32, ShardCoordinator>,
+    /// The map changed since [`ClusterCoordinator::take_changed_map`].
+    changed: bool,
+}
+
+impl ClusterCoordinator {
+    /// Takes over a map (new, or loaded from the store after a restart); every
+    /// member counts as heard from at `now`.
+    pub fn new(map: ClusterMap, timing: Timing, now: u64) -> Self {
+        let admission = match map.mode {
+            ReplicationMode::MsStrong => Admission::Learner,
+            ReplicationMode::MsEventual => Admission::Backup,
+        };
+        let config = CoordinatorConfig {
+            lease_ms: timing.lease_ms,
+            failure_timeout_ms: timing.failure_timeout_ms,
+            admission,
+        };
+        let shards = map
+            .shards
+            .iter()
+            .map(|shard| {
+                let incarnations = shard
+                    .incarnations
+                    .iter()
+                    .map(|(node, incarnation)| (NodeId(*node), *incarnation))
+                    .collect();
+                (shard.id, ShardCoordinator::new(config, shard.view(), incarnations, now))
+            })
+            .collect();
+        Self { map, shards, changed: false }
+    }
+
+    pub fn map(&self) -> &ClusterMap {
+        &self.map
+    }
+
+    /// Checks that a node may take part: the right cluster, a known id.
+    pub fn check_join(&self, cluster_id: &str, node: u32) -> Result<(), JoinError> {
+        if cluster_id != self.map.cluster_id {
+            return Err(JoinError::WrongCluster {
+                expected: self.map.cluster_id.clone(),
+                got: cluster_id.into(),
+            });
+        }
+        self.map.node(node).map(|_| ()).ok_or(JoinError::UnknownNode(node))
+    }
+
+    /// A heartbeat from `node` with the progress of each shard it runs.
+    pub fn heartbeat(
+        &mut self,
+        now: u64,
+        node: u32,
+        incarnation: u64,
+        progress: &BTreeMap<u32, Progress>,
+    ) -> Result<Grants, JoinError> {
+        self.map.node(node).ok_or(JoinError::UnknownNode(node))?;
+        let mut shards: Vec<u32> = self.map.shards_of(node).map(|shard| shard.id).collect();
+        if shards.is_empty() {
+            // A node that serves nothing offers itself to one shard short of replicas.
+            shards.extend(self.shard_needing_a_replica());
+        }
+        let mut grants = Vec::new();
+        let mut learnt = Vec::new();
+        for shard in shards {
+            let coordinator = self.shards.get_mut(&shard).expect("a coordinator per shard");
+            let report = progress.get(&shard).cloned().unwrap_or_default();
+            let unknown = coordinator.incarnation(NodeId(node)).is_none();
+            if let Some(view) = coordinator.on_heartbeat(now, NodeId(node), incarnation, &report) {
+                grants.push((shard, view));
+            }
+            if unknown && coordinator.incarnation(NodeId(node)).is_some() {
+                learnt.push(shard);
+            }
+        }
+        self.sync(&learnt);
+        Ok(Grants { epoch: self.map.epoch, shards: grants })
+    }
+
+    /// The shard with the fewest members below the replication factor that has
+    /// no learner yet.
+    fn shard_needing_a_replica(&self) -> Option<u32> {
+        self.map
+            .shards
+            .iter()
+            .filter(|shard| shard.members.len() < self.map.replicas && shard.learners.is_empty())
+            .min_by_key(|shard| (shard.members.len(), shard.id))
+            .map(|shard| shard.id)
+    }
+
+    /// Removes failed replicas whose leases have run out.
+    pub fn tick(&mut self, now: u64) {
+        for coordinator in self.shards.values_mut() {
+            coordinator.on_tick(now);
+        }
+        self.sync(&[]);
+    }
+
+    /// Copies view changes, and the incarnations of a new cluster's members as
+    /// they are first heard (`learnt`: a restarted coordinator must know them),
+    /// into the map, and raises its epoch.
+    fn sync(&mut self, learnt: &[u32]) {
+        let mut changed = false;
+        for (id, coordinator) in &mut self.shards {
+            if coordinator.take_changes().is_empty() && !learnt.contains(id) {
+                continue;
+            }
+            let shard = self.map.shards.iter_mut().find(|shard| shard.id == *id).expect("shard in map");
+            shard.set_view(coordinator.view());
+            shard.incarnations = shard
+                .members
+                .iter()
+                .chain(&shard.learners)
+                .filter_map(|node| {
+                    coordinator.incarnation(NodeId(*node)).map(|incarnation| (*node, incarnation))
+                })
+                .collect();
+            changed = true;
+        }
+        if !changed {
+            return;
+        }
+        let serving: Vec<u32> = self
+            .map
+            .shards
+            .iter()
+            .flat_map(|shard| shard.members.iter().chain(&shard.learners))
+            .copied()
+            .collect();
+        for node in &mut self.map.nodes {
+            if serving.contains(&node.id) {
+                node.role = NodeRole::Member;
+            }
+        }
+        self.map.epoch += 1;
+        self.changed = true;
+    }
+
+    /// The map, if it changed since the last call: the caller stores it.
+    pub fn take_changed_map(&mut self) -> Option<ClusterMap> {
+        std::mem::take(&mut self.changed).then(|| self.map.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{FileStore, MetadataStore};
+
+    fn cluster(nodes: usize, members: usize) -> ClusterCoordinator {
+        let addresses: Vec<String> = (0..nodes).map(|index| format!("127.0.0.1:{}", 7000 + index)).collect();
+        let map = ClusterMap::place("c1", ReplicationMode::MsStrong, 3, &addresses, members).unwrap();
+        ClusterCoordinator::new(map, Timing { lease_ms: 200, failure_timeout_ms: 150 }, 0)
+    }
+
+    fn beat(coordinator: &mut ClusterCoordinator, now: u64, node: u32) -> Grants {
+        coordinator.heartbeat(now, node, 1, &BTreeMap::new()).unwrap()
+    }
+
+    #[test]
+    fn members_get_a_lease_on_each_of_their_shards() {
+        let mut coordinator = cluster(4, 3);
+        let grants = beat(&mut coordinator, 10, 0);
+        assert_eq!(grants.shards.len(), 3, "with 3 members and 3 replicas, every node is in every shard");
+        assert!(coordinator.take_changed_map().is_some(), "its incarnation is news to keep");
+        beat(&mut coordinator, 20, 0);
+        assert!(coordinator.take_changed_map().is_none());
+        assert!(beat(&mut coordinator, 10, 3).shards.is_empty(), "a standby with nothing to join");
+        assert_eq!(
+            coordinator.check_join("other", 0),
+            Err(JoinError::WrongCluster { expected: "c1".into(), got: "other".into() })
+        );
+        assert_eq!(coordinator.check_join("c1", 9), Err(JoinError::UnknownNode(9)));
+    }
+
+    #[test]
+    fn a_dead_member_is_replaced_by_a_standby_that_joins_as_a_learner() {
+        let mut coordinator = cluster(4, 3);
+        for now in (0..=400).step_by(50) {
+            beat(&mut coordinator, now, 0);
+            beat(&mut coordinator, now, 1);
+            beat(&mut coordinator, now, 3);
+            coordinator.tick(now);
+        }
+        let map = coordinator.take_changed_map().expect("node 2 was removed");
+        assert!(map.epoch > 1);
+        assert!(map.shards.iter().all(|shard| !shard.members.contains(&2)));
+        // The standby was offered to one shard short of a replica, as its learner.
+        let joining: Vec<_> = map.shards.iter().filter(|shard| shard.learners.contains(&3)).collect();
+        assert_eq!(joining.len(), 1);
+        assert_eq!(map.node(3).unwrap().role, NodeRole::Member);
+        // The tail reports the learner caught up: it becomes the tail.
+        let shard = joining[0].id;
+        let tail = *joining[0].members.last().unwrap();
+        let number = joining[0].view_number;
+        let ready =
+            BTreeMap::from([(shard, Progress { applied: 5, learner_ready: Some((NodeId(3), number)) })]);
+        coordinator.heartbeat(450, tail, 1, &ready).unwrap();
+        let map = coordinator.take_changed_map().unwrap();
+        assert_eq!(map.shard(shard).unwrap().members.last(), Some(&3));
+        assert_eq!(map.shard(shard).unwrap().incarnations.get(&3), Some(&1));
+    }
+
+    #[test]
+    fn a_restarted_coordinator_still_knows_who_lost_their_state() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FileStore::new(dir.path());
+        let mut coordinator = cluster(3, 3);
+        for node in 0..3 {
+            beat(&mut coordinator, 0, node);
+        }
+        // The incarnations first heard are in the map to store.
+        let map = coordinator.take_changed_map().unwrap();
+        assert!(map.shards.iter().all(|shard| shard.incarnations.len() == 3));
+        let version = store.store(None, &map).unwrap();
+        let stored = store.load().unwrap().unwrap();
+        assert_eq!(stored.version, version);
+        let mut restarted =
+            ClusterCoordinator::new(stored.map, Timing { lease_ms: 200, failure_timeout_ms: 150 }, 500);
+        assert!(!restarted.heartbeat(500, 0, 1, &BTreeMap::new()).unwrap().shards.is_empty());
+        // Node 1 restarted with nothing while the coordinator was down.
+        assert!(restarted.heartbeat(500, 1, 2, &BTreeMap::new()).unwrap().shards.is_empty());
+    }
+}
