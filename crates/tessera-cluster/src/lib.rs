@@ -4,8 +4,10 @@
 
 pub mod coordinator;
 pub mod map;
+pub mod server;
 pub mod store;
 
 pub use coordinator::{ClusterCoordinator, Grants, JoinError, Timing};
 pub use map::{ClusterMap, MapError, NodeInfo, NodeRole, ReplicationMode, Shard};
+pub use server::CoordinatorServer;
 pub use store::{FileStore, MetadataStore, StoreError, Versioned};

@@ -1,0 +1,297 @@
+//! The coordinator as a process: [`ClusterCoordinator`] behind a RESP port,
+//! its map kept in a [`MetadataStore`] after every change.
+//!
+//! ```text
+//! COORD.JOIN cluster-id node                        +OK, or an error naming the mismatch
+//! COORD.HEARTBEAT cluster-id node incarnation [shard applied ready-learner ready-view]...
+//!     -> [epoch, [shard, view-number, [members...], [learners...]]...]   (ready-learner -1: none)
+//! COORD.MAP [known-epoch wait-ms]                   the map as JSON; with an epoch, answers
+//!                                                   once the map is newer or the wait is over
+//! ```
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tessera_protocol::{NodeId, Progress};
+use tessera_wire::{Limits, Parsed, Protocol as Resp, ReplyWriter, Request, RequestParser};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+use crate::coordinator::{ClusterCoordinator, Timing};
+use crate::map::ClusterMap;
+use crate::store::MetadataStore;
+
+/// The longest a `COORD.MAP` watch may wait.
+const WAIT_MS_MAX: u64 = 60_000;
+
+struct State {
+    coordinator: ClusterCoordinator,
+    store: Box<dyn MetadataStore>,
+    version: Option<u64>,
+    epochs: watch::Sender<u64>,
+    started: Instant,
+    /// Set when storing the map failed: this coordinator decides nothing more.
+    fenced: Option<String>,
+}
+
+impl State {
+    fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// Stores the map if it changed; a conflict means another writer took
+    /// over the store, after which this coordinator must not decide anything.
+    fn persist(&mut self) -> Result<(), String> {
+        if let Some(reason) = &self.fenced {
+            return Err(format!("this coordinator stopped deciding: {reason}"));
+        }
+        if let Some(map) = self.coordinator.take_changed_map() {
+            match self.store.store(self.version, &map) {
+                Ok(version) => self.version = Some(version),
+                Err(error) => {
+                    tracing::error!(%error, "cannot store the cluster map; this coordinator stops deciding");
+                    self.fenced = Some(error.to_string());
+                    return Err(error.to_string());
+                }
+            }
+            self.epochs.send_replace(map.epoch);
+        }
+        Ok(())
+    }
+}
+
+/// A running coordinator; dropping it stops it.
+pub struct CoordinatorServer {
+    state: Arc<Mutex<State>>,
+    address: SocketAddr,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for CoordinatorServer {
+    fn drop(&mut self) {
+        // Connections still open must not decide for a stopped coordinator.
+        self.state.lock().fenced = Some("the coordinator was stopped".into());
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+impl CoordinatorServer {
+    /// Loads the map from `store` (or stores `initial` if there is none) and
+    /// starts serving on `listen`. A stored map wins over `initial` only if it
+    /// is for the same cluster: a stray directory must not take over another.
+    pub async fn start(
+        listen: SocketAddr,
+        store: Box<dyn MetadataStore>,
+        initial: Option<ClusterMap>,
+        timing: Timing,
+    ) -> Result<Self, String> {
+        let stored = store.load().map_err(|error| error.to_string())?;
+        let (map, version) = match (stored, initial) {
+            (Some(stored), Some(initial)) if stored.map.cluster_id != initial.cluster_id => {
+                return Err(format!(
+                    "the store holds cluster '{}', not '{}'; use another directory",
+                    stored.map.cluster_id, initial.cluster_id
+                ))
+            }
+            (Some(stored), _) => (stored.map, Some(stored.version)),
+            (None, Some(initial)) => {
+                let version = store.store(None, &initial).map_err(|error| error.to_string())?;
+                (initial, Some(version))
+            }
+            (None, None) => return Err("no cluster map stored, and none given to start one".into()),
+        };
+        let (epochs, _) = watch::channel(map.epoch);
+        let started = Instant::now();
+        let state = State {
+            coordinator: ClusterCoordinator::new(map, timing, 0),
+            store,
+            version,
+            epochs,
+            started,
+            fenced: None,
+        };
+        let state = Arc::new(Mutex::new(state));
+        let listener =
+            TcpListener::bind(listen).await.map_err(|error| format!("cannot listen on {listen}: {error}"))?;
+        let address = listener.local_addr().map_err(|error| error.to_string())?;
+        let tasks =
+            vec![tokio::spawn(accept(listener, state.clone())), tokio::spawn(tick(state.clone(), timing))];
+        Ok(Self { state, address, tasks })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.address
+    }
+
+    pub fn map(&self) -> ClusterMap {
+        self.state.lock().coordinator.map().clone()
+    }
+}
+
+async fn tick(state: Arc<Mutex<State>>, timing: Timing) {
+    let mut ticker = tokio::time::interval(Duration::from_millis((timing.failure_timeout_ms / 10).max(5)));
+    loop {
+        ticker.tick().await;
+        let mut state = state.lock();
+        if state.fenced.is_some() {
+            continue;
+        }
+        let now = state.now_ms();
+        state.coordinator.tick(now);
+        let _ = state.persist();
+    }
+}
+
+async fn accept(listener: TcpListener, state: Arc<Mutex<State>>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                let _ = stream.set_nodelay(true);
+                tokio::spawn(serve(stream, state.clone()));
+            }
+            Err(error) => {
+                tracing::warn!(%error, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+async fn serve(mut stream: TcpStream, state: Arc<Mutex<State>>) {
+    let mut parser = RequestParser::new(Limits::default());
+    let mut input = Vec::with_capacity(4096);
+    let mut out = ReplyWriter::new(Resp::Resp2);
+    loop {
+        match stream.read_buf(&mut input).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        let mut start = 0;
+        let mut close = false;
+        loop {
+            match parser.parse(&input, start) {
+                Ok(Parsed::Complete { end }) => {
+                    let args: Vec<Vec<u8>> =
+                        Request::new(&input, parser.args()).args().map(<[u8]>::to_vec).collect();
+                    start = end;
+                    answer(&state, &args, &mut out).await;
+                }
+                Ok(Parsed::Empty { end }) => start = end,
+                Ok(Parsed::Incomplete) => break,
+                Err(error) => {
+                    out.error(&format!("ERR {error}"));
+                    close = true;
+                    break;
+                }
+            }
+        }
+        input.drain(..start);
+        parser.discard_front(start);
+        if stream.write_all(out.as_bytes()).await.is_err() || close {
+            return;
+        }
+        out.clear();
+    }
+}
+
+fn text(arg: &[u8]) -> String {
+    String::from_utf8_lossy(arg).into_owned()
+}
+
+fn number<T: std::str::FromStr>(arg: &[u8], what: &str) -> Result<T, String> {
+    std::str::from_utf8(arg)
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .ok_or_else(|| format!("{what} is not a number"))
+}
+
+async fn answer(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) {
+    let name = args[0].to_ascii_uppercase();
+    let result = match name.as_slice() {
+        b"COORD.JOIN" if args.len() == 3 => join(state, args, out),
+        b"COORD.HEARTBEAT" if args.len() >= 4 && (args.len() - 4).is_multiple_of(4) => {
+            heartbeat(state, args, out)
+        }
+        b"COORD.MAP" if args.len() == 1 || args.len() == 3 => watch_map(state, args, out).await,
+        b"PING" => {
+            out.simple("PONG");
+            Ok(())
+        }
+        b"COORD.JOIN" | b"COORD.HEARTBEAT" | b"COORD.MAP" => {
+            Err(format!("wrong number of arguments for '{}'", text(&args[0]).to_ascii_lowercase()))
+        }
+        _ => Err(format!("unknown command '{}' for a coordinator", text(&args[0]))),
+    };
+    if let Err(message) = result {
+        out.error(&format!("ERR {message}"));
+    }
+}
+
+fn join(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) -> Result<(), String> {
+    let node: u32 = number(&args[2], "node id")?;
+    state.lock().coordinator.check_join(&text(&args[1]), node).map_err(|error| error.to_string())?;
+    out.ok();
+    Ok(())
+}
+
+fn heartbeat(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) -> Result<(), String> {
+    let node: u32 = number(&args[2], "node id")?;
+    let incarnation: u64 = number(&args[3], "incarnation")?;
+    let mut progress = BTreeMap::new();
+    for report in args[4..].chunks(4) {
+        let learner: i64 = number(&report[2], "ready learner")?;
+        let learner_ready = u32::try_from(learner)
+            .ok()
+            .map(|learner| number(&report[3], "ready view").map(|view| (NodeId(learner), view)));
+        progress.insert(
+            number(&report[0], "shard")?,
+            Progress { applied: number(&report[1], "applied")?, learner_ready: learner_ready.transpose()? },
+        );
+    }
+    let mut state = state.lock();
+    state.coordinator.check_join(&text(&args[1]), node).map_err(|error| error.to_string())?;
+    if let Some(reason) = &state.fenced {
+        return Err(format!("this coordinator stopped deciding: {reason}"));
+    }
+    let now = state.now_ms();
+    let grants =
+        state.coordinator.heartbeat(now, node, incarnation, &progress).map_err(|error| error.to_string())?;
+    // A lease is granted only on a map that is stored.
+    state.persist()?;
+    drop(state);
+    out.array(2);
+    out.integer(grants.epoch as i64);
+    out.array(grants.shards.len());
+    for (shard, view) in grants.shards {
+        out.array(4);
+        out.integer(i64::from(shard));
+        out.integer(view.number as i64);
+        out.array(view.replicas.len());
+        for member in &view.replicas {
+            out.integer(i64::from(member.0));
+        }
+        out.array(view.learners.len());
+        for learner in &view.learners {
+            out.integer(i64::from(learner.0));
+        }
+    }
+    Ok(())
+}
+
+async fn watch_map(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) -> Result<(), String> {
+    if args.len() == 3 {
+        let known: u64 = number(&args[1], "epoch")?;
+        let wait = Duration::from_millis(number::<u64>(&args[2], "wait")?.min(WAIT_MS_MAX));
+        let mut epochs = state.lock().epochs.subscribe();
+        let _ = tokio::time::timeout(wait, epochs.wait_for(|epoch| *epoch > known)).await;
+    }
+    let json = state.lock().coordinator.map().to_json();
+    out.bulk(json.as_bytes());
+    Ok(())
+}
