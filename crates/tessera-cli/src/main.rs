@@ -50,6 +50,8 @@ enum Command {
         #[arg(long, default_value_t = 1000)]
         count: u32,
     },
+    /// Run a cluster's coordinator: the shard map, liveness and failover.
+    Coordinator(CoordinatorArgs),
     /// Drive a YCSB workload against RESP endpoints (Tessera, Redis, ...) and
     /// report throughput and latency percentiles.
     Bench(Box<BenchArgs>),
@@ -143,6 +145,40 @@ struct BenchArgs {
     /// Draw throughput over time and the latency CDF as SVG files in this directory.
     #[arg(long)]
     plot: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct CoordinatorArgs {
+    /// Where the cluster map is kept (cluster.json); a restart resumes from it.
+    #[arg(long, default_value = "tessera-coordinator")]
+    dir: PathBuf,
+    #[arg(long, default_value = "127.0.0.1")]
+    bind: String,
+    #[arg(long, default_value_t = 7300)]
+    port: u16,
+    /// To start a new cluster: its id (nodes started for another are refused).
+    #[arg(long)]
+    cluster_id: Option<String>,
+    /// To start a new cluster: every node's host:port, in node-id order.
+    #[arg(long, value_delimiter = ',')]
+    nodes: Vec<String>,
+    /// How many of --nodes serve from the start; the rest stand by. Default: all.
+    #[arg(long)]
+    members: Option<usize>,
+    #[arg(long, default_value_t = 3)]
+    replicas: usize,
+    /// strong (chain replication) or eventual (primary–backup).
+    #[arg(long, default_value = "strong")]
+    consistency: String,
+    /// A replica acts alone (tail reads, acknowledgements) for this long after
+    /// each heartbeat it sends.
+    #[arg(long, default_value_t = 1000)]
+    lease_ms: u64,
+    /// A replica not heard from for this long is removed (once its lease ran out).
+    #[arg(long, default_value_t = 1500)]
+    failure_timeout_ms: u64,
+    #[arg(long, default_value = "info")]
+    log: String,
 }
 
 #[derive(Subcommand)]
@@ -319,6 +355,58 @@ impl ServeArgs {
     }
 }
 
+fn coordinator(args: CoordinatorArgs) -> Result<(), String> {
+    use tessera_cluster::{ClusterMap, CoordinatorServer, FileStore, ReplicationMode, Timing};
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(&args.log).map_err(|error| error.to_string())?,
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    if args.failure_timeout_ms <= args.lease_ms {
+        return Err("--failure-timeout-ms must be longer than --lease-ms".into());
+    }
+    let initial = match (&args.cluster_id, args.nodes.is_empty()) {
+        (Some(id), false) => {
+            let mode = match args.consistency.as_str() {
+                "strong" => ReplicationMode::MsStrong,
+                "eventual" => ReplicationMode::MsEventual,
+                other => return Err(format!("unknown consistency {other:?}; choose strong or eventual")),
+            };
+            let members = args.members.unwrap_or(args.nodes.len());
+            Some(
+                ClusterMap::place(id, mode, args.replicas, &args.nodes, members)
+                    .map_err(|error| error.to_string())?,
+            )
+        }
+        (None, true) => None,
+        _ => return Err("a new cluster needs both --cluster-id and --nodes".into()),
+    };
+    let listen: std::net::SocketAddr =
+        format!("{}:{}", args.bind, args.port).parse().map_err(|error| format!("--bind/--port: {error}"))?;
+    let timing = Timing { lease_ms: args.lease_ms, failure_timeout_ms: args.failure_timeout_ms };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|error| error.to_string())?;
+    runtime.block_on(async {
+        let server =
+            CoordinatorServer::start(listen, Box::new(FileStore::new(&args.dir)), initial, timing).await?;
+        let map = server.map();
+        tracing::info!(
+            address = %server.local_addr(),
+            cluster = %map.cluster_id,
+            epoch = map.epoch,
+            nodes = map.nodes.len(),
+            shards = map.shards.len(),
+            "coordinator ready"
+        );
+        shutdown_signal().await;
+        Ok(())
+    })
+}
+
 fn serve(args: ServeArgs) -> Result<(), String> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -377,7 +465,9 @@ fn run_command(connection: &ConnectionArgs, args: &[&str]) -> Result<Value, Stri
 
 fn client_command(connection: &ConnectionArgs, command: Command) -> Result<(), String> {
     match command {
-        Command::Serve(_) | Command::Sim(_) | Command::Bench(_) => unreachable!("handled by main"),
+        Command::Serve(_) | Command::Sim(_) | Command::Bench(_) | Command::Coordinator(_) => {
+            unreachable!("handled by main")
+        }
         Command::Get { key } => match run_command(connection, &["GET", &key])? {
             Value::Null => Err(format!("no such key: {key}")),
             value => {
@@ -636,6 +726,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => serve(*args),
         Command::Sim(args) => simulate(args),
+        Command::Coordinator(args) => coordinator(args),
         Command::Bench(args) => bench(*args, cli.connection.password.clone()),
         command => client_command(&cli.connection, command),
     };
