@@ -189,3 +189,25 @@ fn bad_flags_are_rejected_before_listening() {
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("unknown engine"));
 }
+
+#[test]
+fn a_coordinator_refuses_an_incomplete_or_impossible_cluster() {
+    let dir = tempfile::tempdir().unwrap();
+    let coordinator = |args: &[&str]| {
+        let output = Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .args(["coordinator", "--port", &free_port().to_string()])
+            .arg("--dir")
+            .arg(dir.path())
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!output.status.success());
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    assert!(coordinator(&[]).contains("no cluster map stored"));
+    assert!(coordinator(&["--nodes", "127.0.0.1:1"]).contains("--cluster-id"));
+    assert!(coordinator(&["--cluster-id", "c", "--nodes", "127.0.0.1:1,127.0.0.1:2"])
+        .contains("cannot keep 3 replicas"));
+    assert!(coordinator(&["--cluster-id", "c", "--nodes", "a,b,c"]).contains("not host:port"));
+    assert!(coordinator(&["--lease-ms", "2000"]).contains("longer than --lease-ms"));
+}
