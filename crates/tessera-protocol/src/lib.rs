@@ -7,6 +7,7 @@
 //! node and in the deterministic simulator. Engine calls are made directly.
 
 pub mod chain;
+pub mod codec;
 pub mod coordinator;
 pub mod primary_backup;
 pub mod record;

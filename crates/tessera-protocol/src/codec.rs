@@ -1,0 +1,331 @@
+//! Peer messages as bytes, for the links between nodes. A frame's body is
+//! one message: a tag byte, then fixed-width little-endian integers and
+//! length-prefixed byte strings. Decoding checks every length against what is
+//! left, so bytes from a confused or hostile peer are an error, never a panic
+//! or a huge allocation.
+
+use bytes::{BufMut, Bytes};
+
+use crate::chain::ChainMessage;
+use crate::primary_backup::{BackupMessage, LogEntry};
+use crate::{NodeId, PeerMessage, RequestId, Write};
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("malformed peer message: {0}")]
+pub struct CodecError(&'static str);
+
+const FORWARD: u8 = 1;
+const ACK: u8 = 2;
+const READ_FORWARD: u8 = 3;
+const READ_REPLY: u8 = 4;
+const CHAIN_SNAPSHOT: u8 = 5;
+const UPDATES: u8 = 16;
+const BACKUP_SNAPSHOT: u8 = 17;
+const POSITION: u8 = 18;
+
+fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
+    out.put_u32_le(bytes.len() as u32);
+    out.put_slice(bytes);
+}
+
+fn put_write(out: &mut Vec<u8>, write: &Write) {
+    match write {
+        Write::Put(value) => {
+            out.put_u8(1);
+            put_bytes(out, value);
+        }
+        Write::Delete => out.put_u8(0),
+    }
+}
+
+fn put_entries(out: &mut Vec<u8>, entries: &[(Bytes, Bytes)]) {
+    out.put_u32_le(entries.len() as u32);
+    for (key, value) in entries {
+        put_bytes(out, key);
+        put_bytes(out, value);
+    }
+}
+
+/// Appends `message` to `out`.
+pub fn encode(message: &PeerMessage, out: &mut Vec<u8>) {
+    match message {
+        PeerMessage::Chain(message) => match message {
+            ChainMessage::Forward { view, seq, origin, key, write } => {
+                out.put_u8(FORWARD);
+                out.put_u64_le(*view);
+                out.put_u64_le(*seq);
+                out.put_u32_le(origin.0);
+                put_bytes(out, key);
+                put_write(out, write);
+            }
+            ChainMessage::Ack { view, seq } => {
+                out.put_u8(ACK);
+                out.put_u64_le(*view);
+                out.put_u64_le(*seq);
+            }
+            ChainMessage::ReadForward { view, request, key } => {
+                out.put_u8(READ_FORWARD);
+                out.put_u64_le(*view);
+                out.put_u64_le(request.0);
+                put_bytes(out, key);
+            }
+            ChainMessage::ReadReply { view, request, value } => {
+                out.put_u8(READ_REPLY);
+                out.put_u64_le(*view);
+                out.put_u64_le(request.0);
+                match value {
+                    None => out.put_u8(0),
+                    Some(None) => out.put_u8(1),
+                    Some(Some(value)) => {
+                        out.put_u8(2);
+                        put_bytes(out, value);
+                    }
+                }
+            }
+            ChainMessage::Snapshot { view, applied, entries } => {
+                out.put_u8(CHAIN_SNAPSHOT);
+                out.put_u64_le(*view);
+                out.put_u64_le(*applied);
+                put_entries(out, entries);
+            }
+        },
+        PeerMessage::Backup(message) => match message {
+            BackupMessage::Updates { view, entries } => {
+                out.put_u8(UPDATES);
+                out.put_u64_le(*view);
+                out.put_u32_le(entries.len() as u32);
+                for entry in entries {
+                    out.put_u64_le(entry.seq);
+                    out.put_u64_le(entry.epoch);
+                    out.put_u32_le(entry.origin.0);
+                    put_bytes(out, &entry.key);
+                    put_write(out, &entry.write);
+                }
+            }
+            BackupMessage::Snapshot { view, applied, epoch, entries } => {
+                out.put_u8(BACKUP_SNAPSHOT);
+                out.put_u64_le(*view);
+                out.put_u64_le(*applied);
+                out.put_u64_le(*epoch);
+                put_entries(out, entries);
+            }
+            BackupMessage::Position { view, applied, epoch } => {
+                out.put_u8(POSITION);
+                out.put_u64_le(*view);
+                out.put_u64_le(*applied);
+                out.put_u64_le(*epoch);
+            }
+        },
+    }
+}
+
+struct Reader {
+    bytes: Bytes,
+    at: usize,
+}
+
+impl Reader {
+    fn take(&mut self, count: usize) -> Result<Bytes, CodecError> {
+        let end = self
+            .at
+            .checked_add(count)
+            .filter(|end| *end <= self.bytes.len())
+            .ok_or(CodecError("truncated"))?;
+        let slice = self.bytes.slice(self.at..end);
+        self.at = end;
+        Ok(slice)
+    }
+
+    fn u8(&mut self) -> Result<u8, CodecError> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn u32(&mut self) -> Result<u32, CodecError> {
+        Ok(u32::from_le_bytes(self.take(4)?.as_ref().try_into().expect("4 bytes")))
+    }
+
+    fn u64(&mut self) -> Result<u64, CodecError> {
+        Ok(u64::from_le_bytes(self.take(8)?.as_ref().try_into().expect("8 bytes")))
+    }
+
+    fn bytes(&mut self) -> Result<Bytes, CodecError> {
+        let length = self.u32()? as usize;
+        self.take(length)
+    }
+
+    fn write(&mut self) -> Result<Write, CodecError> {
+        match self.u8()? {
+            0 => Ok(Write::Delete),
+            1 => Ok(Write::Put(self.bytes()?)),
+            _ => Err(CodecError("unknown write kind")),
+        }
+    }
+
+    /// A count of items each at least `item_bytes` long: checked against what
+    /// is left before anything is allocated.
+    fn count(&mut self, item_bytes: usize) -> Result<usize, CodecError> {
+        let count = self.u32()? as usize;
+        if count.saturating_mul(item_bytes) > self.bytes.len() - self.at {
+            return Err(CodecError("count larger than the message"));
+        }
+        Ok(count)
+    }
+
+    fn entries(&mut self) -> Result<Vec<(Bytes, Bytes)>, CodecError> {
+        let count = self.count(8)?;
+        (0..count).map(|_| Ok((self.bytes()?, self.bytes()?))).collect()
+    }
+}
+
+/// Decodes one message that fills `bytes` exactly (sharing its buffer).
+pub fn decode(bytes: Bytes) -> Result<PeerMessage, CodecError> {
+    let mut reader = Reader { bytes, at: 0 };
+    let message = match reader.u8()? {
+        FORWARD => PeerMessage::Chain(ChainMessage::Forward {
+            view: reader.u64()?,
+            seq: reader.u64()?,
+            origin: NodeId(reader.u32()?),
+            key: reader.bytes()?,
+            write: reader.write()?,
+        }),
+        ACK => PeerMessage::Chain(ChainMessage::Ack { view: reader.u64()?, seq: reader.u64()? }),
+        READ_FORWARD => PeerMessage::Chain(ChainMessage::ReadForward {
+            view: reader.u64()?,
+            request: RequestId(reader.u64()?),
+            key: reader.bytes()?,
+        }),
+        READ_REPLY => {
+            let (view, request) = (reader.u64()?, RequestId(reader.u64()?));
+            let value = match reader.u8()? {
+                0 => None,
+                1 => Some(None),
+                2 => Some(Some(reader.bytes()?)),
+                _ => return Err(CodecError("unknown read reply kind")),
+            };
+            PeerMessage::Chain(ChainMessage::ReadReply { view, request, value })
+        }
+        CHAIN_SNAPSHOT => PeerMessage::Chain(ChainMessage::Snapshot {
+            view: reader.u64()?,
+            applied: reader.u64()?,
+            entries: reader.entries()?,
+        }),
+        UPDATES => {
+            let view = reader.u64()?;
+            let count = reader.count(25)?;
+            let entries = (0..count)
+                .map(|_| {
+                    Ok(LogEntry {
+                        seq: reader.u64()?,
+                        epoch: reader.u64()?,
+                        origin: NodeId(reader.u32()?),
+                        key: reader.bytes()?,
+                        write: reader.write()?,
+                    })
+                })
+                .collect::<Result<_, CodecError>>()?;
+            PeerMessage::Backup(BackupMessage::Updates { view, entries })
+        }
+        BACKUP_SNAPSHOT => PeerMessage::Backup(BackupMessage::Snapshot {
+            view: reader.u64()?,
+            applied: reader.u64()?,
+            epoch: reader.u64()?,
+            entries: reader.entries()?,
+        }),
+        POSITION => PeerMessage::Backup(BackupMessage::Position {
+            view: reader.u64()?,
+            applied: reader.u64()?,
+            epoch: reader.u64()?,
+        }),
+        _ => return Err(CodecError("unknown message tag")),
+    };
+    if reader.at != reader.bytes.len() {
+        return Err(CodecError("trailing bytes"));
+    }
+    Ok(message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn bytes() -> impl Strategy<Value = Bytes> {
+        proptest::collection::vec(any::<u8>(), 0..24).prop_map(Bytes::from)
+    }
+
+    fn write() -> impl Strategy<Value = Write> {
+        prop_oneof![Just(Write::Delete), bytes().prop_map(Write::Put)]
+    }
+
+    fn entries() -> impl Strategy<Value = Vec<(Bytes, Bytes)>> {
+        proptest::collection::vec((bytes(), bytes()), 0..5)
+    }
+
+    fn message() -> impl Strategy<Value = PeerMessage> {
+        let chain = prop_oneof![
+            (any::<u64>(), any::<u64>(), any::<u32>(), bytes(), write()).prop_map(
+                |(view, seq, origin, key, write)| {
+                    ChainMessage::Forward { view, seq, origin: NodeId(origin), key, write }
+                }
+            ),
+            (any::<u64>(), any::<u64>()).prop_map(|(view, seq)| ChainMessage::Ack { view, seq }),
+            (any::<u64>(), any::<u64>(), bytes()).prop_map(|(view, request, key)| {
+                ChainMessage::ReadForward { view, request: RequestId(request), key }
+            }),
+            (any::<u64>(), any::<u64>(), proptest::option::of(proptest::option::of(bytes()))).prop_map(
+                |(view, request, value)| ChainMessage::ReadReply { view, request: RequestId(request), value }
+            ),
+            (any::<u64>(), any::<u64>(), entries())
+                .prop_map(|(view, applied, entries)| ChainMessage::Snapshot { view, applied, entries }),
+        ]
+        .prop_map(PeerMessage::Chain);
+        let entry = (any::<u64>(), any::<u64>(), any::<u32>(), bytes(), write()).prop_map(
+            |(seq, epoch, origin, key, write)| LogEntry { seq, epoch, origin: NodeId(origin), key, write },
+        );
+        let backup = prop_oneof![
+            (any::<u64>(), proptest::collection::vec(entry, 0..4))
+                .prop_map(|(view, entries)| BackupMessage::Updates { view, entries }),
+            (any::<u64>(), any::<u64>(), any::<u64>(), entries()).prop_map(
+                |(view, applied, epoch, entries)| {
+                    BackupMessage::Snapshot { view, applied, epoch, entries }
+                }
+            ),
+            (any::<u64>(), any::<u64>(), any::<u64>())
+                .prop_map(|(view, applied, epoch)| BackupMessage::Position { view, applied, epoch }),
+        ]
+        .prop_map(PeerMessage::Backup);
+        prop_oneof![chain, backup]
+    }
+
+    proptest! {
+        #[test]
+        fn messages_round_trip(message in message()) {
+            let mut out = Vec::new();
+            encode(&message, &mut out);
+            prop_assert_eq!(decode(Bytes::from(out)).unwrap(), message);
+        }
+
+        #[test]
+        fn truncated_or_extended_messages_are_errors(message in message(), cut in any::<prop::sample::Index>()) {
+            let mut out = Vec::new();
+            encode(&message, &mut out);
+            let cut = cut.index(out.len());
+            prop_assert!(decode(Bytes::copy_from_slice(&out[..cut])).is_err());
+            out.push(0);
+            prop_assert!(decode(Bytes::from(out)).is_err());
+        }
+
+        #[test]
+        fn garbage_is_an_error_not_a_panic(garbage in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let _ = decode(Bytes::from(garbage));
+        }
+    }
+
+    #[test]
+    fn a_huge_count_allocates_nothing() {
+        let mut out = vec![CHAIN_SNAPSHOT];
+        out.extend_from_slice(&[0; 16]);
+        out.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(decode(Bytes::from(out)), Err(CodecError("count larger than the message")));
+    }
+}
