@@ -17,6 +17,18 @@ fn config(target: String) -> DriverConfig {
     }
 }
 
+/// A one-worker Tessera node on a free port, and its data directory.
+fn start_node() -> (tessera_node::Server, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tessera_node::Config {
+        port: 0,
+        dir: dir.path().to_path_buf(),
+        threads: 1,
+        ..tessera_node::Config::default()
+    };
+    (tessera_node::Server::start(config).unwrap(), dir)
+}
+
 async fn load_and_run(target: String) {
     let config = config(target.clone());
     let workload = Workload::named("A").unwrap();
@@ -43,14 +55,7 @@ async fn drives_a_real_redis() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drives_a_real_tessera_node() {
-    let dir = tempfile::tempdir().unwrap();
-    let node_config = tessera_node::Config {
-        port: 0,
-        dir: dir.path().to_path_buf(),
-        threads: 1,
-        ..tessera_node::Config::default()
-    };
-    let server = tessera_node::Server::start(node_config).unwrap();
+    let (server, _dir) = start_node();
     load_and_run(server.local_addr().to_string()).await;
     let mix = Workload { mix: Mix::parse("read=0.5,rmw=0.5").unwrap(), ..Workload::named("F").unwrap() };
     let report = run(&config(server.local_addr().to_string()), &mix).await.unwrap();
@@ -90,14 +95,7 @@ async fn scans(target: String) {
 async fn scans_over_redis_and_tessera() {
     let Some(server) = RedisServer::start() else { return };
     scans(server.address()).await;
-    let dir = tempfile::tempdir().unwrap();
-    let node_config = tessera_node::Config {
-        port: 0,
-        dir: dir.path().to_path_buf(),
-        threads: 1,
-        ..tessera_node::Config::default()
-    };
-    let node = tessera_node::Server::start(node_config).unwrap();
+    let (node, _dir) = start_node();
     scans(node.local_addr().to_string()).await;
     node.shutdown();
 }

@@ -357,12 +357,7 @@ impl ServeArgs {
 
 fn coordinator(args: CoordinatorArgs) -> Result<(), String> {
     use tessera_cluster::{ClusterMap, CoordinatorServer, FileStore, ReplicationMode, Timing};
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_new(&args.log).map_err(|error| error.to_string())?,
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    init_logging(&args.log)?;
     if args.failure_timeout_ms <= args.lease_ms {
         return Err("--failure-timeout-ms must be longer than --lease-ms".into());
     }
@@ -408,12 +403,7 @@ fn coordinator(args: CoordinatorArgs) -> Result<(), String> {
 }
 
 fn serve(args: ServeArgs) -> Result<(), String> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_new(&args.log).map_err(|error| error.to_string())?,
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    init_logging(&args.log)?;
     let config = args.config()?;
     // Signals are awaited on this thread; the server has threads of its own.
     let signals = tokio::runtime::Builder::new_current_thread()
@@ -425,6 +415,15 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     tracing::info!(%address, "tessera node ready; try: redis-cli -p {} ping", address.port());
     signals.block_on(shutdown_signal());
     server.shutdown();
+    Ok(())
+}
+
+/// Logs to stderr at the level a `--log` filter gives (`info`, `tessera=debug`, ...).
+fn init_logging(filter: &str) -> Result<(), String> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_new(filter).map_err(|error| error.to_string())?)
+        .with_writer(std::io::stderr)
+        .init();
     Ok(())
 }
 
