@@ -2,6 +2,7 @@
 //! ([`map`]), the stores that keep it across coordinator restarts ([`store`]),
 //! and the coordinator's logic ([`coordinator`]).
 
+pub mod agent;
 pub mod coordinator;
 pub mod links;
 pub mod map;

@@ -1,0 +1,130 @@
+//! A coordinator and three node agents on loopback: shards granted by
+//! heartbeats, writes committed through chains over real peer links, and a
+//! failed middle replica replaced while writes go on.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tessera_cluster::agent::{Agent, AgentConfig};
+use tessera_cluster::{ClusterMap, CoordinatorServer, FileStore, ReplicationMode, Timing};
+use tessera_engine::{EngineKind, EngineSpec};
+use tessera_protocol::{read_visible, ClientReply, Consistency, Operation};
+
+const TIMING: Timing = Timing { lease_ms: 400, failure_timeout_ms: 600 };
+
+/// A peer port whose client port (peer − 10000) is a valid port number.
+fn peer_port() -> u16 {
+    loop {
+        let port = tessera_testkit::free_port();
+        if port > 11_000 {
+            return port;
+        }
+    }
+}
+
+async fn put(agent: &Agent, shard: u32, key: &str, value: &str) -> ClientReply {
+    agent
+        .submit(
+            shard,
+            Operation::Put { key: Bytes::from(key.to_string()), value: Bytes::from(value.to_string()) },
+        )
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
+    let dir = tempfile::tempdir().unwrap();
+    let peers: Vec<u16> = (0..3).map(|_| peer_port()).collect();
+    let addresses: Vec<String> = peers.iter().map(|port| format!("127.0.0.1:{}", port - 10_000)).collect();
+    let map = ClusterMap::place("c1", ReplicationMode::MsStrong, 3, &addresses, 3).unwrap();
+    let coordinator = CoordinatorServer::start(
+        "127.0.0.1:0".parse().unwrap(),
+        Box::new(FileStore::new(&dir.path().join("coordinator"))),
+        Some(map),
+        TIMING,
+    )
+    .await
+    .unwrap();
+    let mut agents: Vec<Option<Arc<Agent>>> = Vec::new();
+    for (node, port) in peers.iter().enumerate() {
+        let config = AgentConfig {
+            cluster_id: "c1".into(),
+            node: node as u32,
+            incarnation: 1,
+            coordinator: coordinator.local_addr().to_string(),
+            peer_listen: format!("127.0.0.1:{port}").parse().unwrap(),
+            data_dir: dir.path().join(format!("node{node}")),
+            engine: EngineSpec::new(EngineKind::Memory, BTreeMap::new()).unwrap(),
+            heartbeat_ms: 100,
+            lease_ms: TIMING.lease_ms,
+            tick_ms: 10,
+        };
+        agents.push(Some(Agent::start(config).await.unwrap()));
+    }
+    let wrong = AgentConfig {
+        cluster_id: "other".into(),
+        node: 0,
+        incarnation: 1,
+        coordinator: coordinator.local_addr().to_string(),
+        peer_listen: "127.0.0.1:0".parse().unwrap(),
+        data_dir: dir.path().join("stranger"),
+        engine: EngineSpec::new(EngineKind::Memory, BTreeMap::new()).unwrap(),
+        heartbeat_ms: 100,
+        lease_ms: TIMING.lease_ms,
+        tick_ms: 10,
+    };
+    assert!(Agent::start(wrong).await.err().unwrap().contains("refused"));
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !agents.iter().flatten().all(|agent| agent.shards().len() == 3) {
+        assert!(Instant::now() < deadline, "shards were never granted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let shard = coordinator.map().shards[0].clone();
+    let (head, middle, tail) =
+        (shard.members[0] as usize, shard.members[1] as usize, shard.members[2] as usize);
+    let agent = |index: usize| agents[index].as_ref().unwrap().clone();
+    let (head_agent, middle_agent, tail_agent) = (agent(head), agent(middle), agent(tail));
+
+    // A write at the head commits once the tail has it; every replica holds it.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match put(&head_agent, shard.id, "k1", "v1").await {
+            ClientReply::Written => break,
+            other => assert!(Instant::now() < deadline, "no write committed: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let read = tail_agent
+        .submit(shard.id, Operation::Get { key: Bytes::from_static(b"k1"), consistency: Consistency::Strong })
+        .await;
+    assert_eq!(read, ClientReply::Value(Some(Bytes::from_static(b"v1"))));
+    for agent in [&head_agent, &middle_agent, &tail_agent] {
+        let engine = agent.engine(shard.id).unwrap();
+        assert_eq!(read_visible(engine.as_ref(), b"k1").unwrap(), Some(Bytes::from_static(b"v1")));
+    }
+
+    // The middle replica dies: writes resume once the coordinator drops it.
+    drop(middle_agent);
+    agents[middle] = None;
+    let died = Instant::now();
+    let mut written = 0;
+    let recovered = loop {
+        let key = format!("after{written}");
+        if put(&head_agent, shard.id, &key, "v").await == ClientReply::Written {
+            written += 1;
+            if written == 1 {
+                break died.elapsed();
+            }
+        }
+        assert!(died.elapsed() < Duration::from_secs(15), "writes never resumed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    eprintln!("writes resumed {recovered:?} after the middle replica died");
+    let view = coordinator.map().shards[0].clone();
+    assert_eq!(view.members, vec![head as u32, tail as u32]);
+    let engine = tail_agent.engine(shard.id).unwrap();
+    assert_eq!(read_visible(engine.as_ref(), b"after0").unwrap(), Some(Bytes::from_static(b"v")));
+}
