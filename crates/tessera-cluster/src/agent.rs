@@ -48,7 +48,38 @@ pub struct AgentConfig {
 struct Replica {
     protocol: Box<dyn Protocol>,
     engine: Arc<dyn Engine>,
+    view: ShardView,
     lease_until: u64,
+}
+
+/// A node's place in a shard (chain order: the head takes writes, the tail
+/// answers strong reads; a primary is a head).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The only member: head and tail at once.
+    Alone,
+    Head,
+    Middle,
+    Tail,
+    /// Receiving the shard's state; serves nothing yet.
+    Learner,
+}
+
+/// An answer on its way from a shard's protocol.
+pub enum Pending {
+    Ready(ClientReply),
+    Waiting(oneshot::Receiver<ClientReply>),
+}
+
+impl Pending {
+    pub async fn answer(self) -> ClientReply {
+        match self {
+            Pending::Ready(reply) => reply,
+            Pending::Waiting(receiver) => {
+                receiver.await.unwrap_or(ClientReply::Retry("the shard was closed"))
+            }
+        }
+    }
 }
 
 struct State {
@@ -123,25 +154,45 @@ impl Agent {
         self.state.lock().shards.iter().map(|(id, replica)| (*id, replica.protocol.progress())).collect()
     }
 
+    /// Hands an operation to a shard's protocol now: a write is ordered, and
+    /// applied at the head, before this returns. The answer follows.
+    pub fn begin(&self, shard: u32, operation: Operation) -> Pending {
+        let mut state = self.state.lock();
+        let id = RequestId(state.next_request);
+        state.next_request += 1;
+        let (sender, receiver) = oneshot::channel();
+        state.waiting.insert(id, sender);
+        let now = self.now();
+        let Some(replica) = state.shards.get_mut(&shard) else {
+            state.waiting.remove(&id);
+            return Pending::Ready(ClientReply::Retry("this node does not serve the shard"));
+        };
+        let mut fx = Effects::new(now);
+        replica.protocol.on_client(ClientRequest { id, operation }, &mut fx);
+        self.run_effects(&mut state, shard, fx);
+        Pending::Waiting(receiver)
+    }
+
     /// Hands an operation to a shard's protocol and waits for its answer.
     pub async fn submit(&self, shard: u32, operation: Operation) -> ClientReply {
-        let receiver = {
-            let mut state = self.state.lock();
-            let id = RequestId(state.next_request);
-            state.next_request += 1;
-            let (sender, receiver) = oneshot::channel();
-            state.waiting.insert(id, sender);
-            let now = self.now();
-            let Some(replica) = state.shards.get_mut(&shard) else {
-                state.waiting.remove(&id);
-                return ClientReply::Retry("this node does not serve the shard");
-            };
-            let mut fx = Effects::new(now);
-            replica.protocol.on_client(ClientRequest { id, operation }, &mut fx);
-            self.run_effects(&mut state, shard, fx);
-            receiver
-        };
-        receiver.await.unwrap_or(ClientReply::Retry("the shard was closed"))
+        self.begin(shard, operation).answer().await
+    }
+
+    /// This node's place in a shard's current view, if it has one.
+    pub fn role(&self, shard: u32) -> Option<Role> {
+        let state = self.state.lock();
+        let view = &state.shards.get(&shard)?.view;
+        let me = NodeId(self.config.node);
+        if view.learners.contains(&me) {
+            return Some(Role::Learner);
+        }
+        let position = view.position(me)?;
+        Some(match (position == 0, position + 1 == view.replicas.len()) {
+            (true, true) => Role::Alone,
+            (true, false) => Role::Head,
+            (false, true) => Role::Tail,
+            (false, false) => Role::Middle,
+        })
     }
 
     fn run_effects(&self, state: &mut State, shard: u32, mut fx: Effects) {
@@ -169,7 +220,8 @@ impl Agent {
                 Box::new(PrimaryBackup::new(me, engine.clone(), PrimaryBackupOptions::default()))
             }
         };
-        Ok(Replica { protocol, engine, lease_until: 0 })
+        let view = ShardView { number: 0, replicas: Vec::new(), learners: Vec::new(), lease_until: 0 };
+        Ok(Replica { protocol, engine, view, lease_until: 0 })
     }
 
     /// Applies the coordinator's grants: new shards get a replica, every granted
@@ -193,6 +245,7 @@ impl Agent {
             let view = ShardView { lease_until: replica.lease_until, ..view };
             let mut fx = Effects::new(now);
             replica.protocol.on_view(&view, &mut fx);
+            replica.view = view;
             self.run_effects(&mut state, shard, fx);
         }
     }

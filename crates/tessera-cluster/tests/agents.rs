@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tessera_cluster::agent::{Agent, AgentConfig};
+use tessera_cluster::agent::{Agent, AgentConfig, Role};
 use tessera_cluster::{ClusterMap, CoordinatorServer, FileStore, ReplicationMode, Timing};
 use tessera_engine::{EngineKind, EngineSpec};
 use tessera_protocol::{read_visible, ClientReply, Consistency, Operation};
@@ -125,6 +125,11 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
     eprintln!("writes resumed {recovered:?} after the middle replica died");
     let view = coordinator.map().shards[0].clone();
     assert_eq!(view.members, vec![head as u32, tail as u32]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while tail_agent.role(shard.id) != Some(Role::Tail) || head_agent.role(shard.id) != Some(Role::Head) {
+        assert!(Instant::now() < deadline, "roles after the failure");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let engine = tail_agent.engine(shard.id).unwrap();
     assert_eq!(read_visible(engine.as_ref(), b"after0").unwrap(), Some(Bytes::from_static(b"v")));
 }
