@@ -28,6 +28,15 @@ pub fn wait_for_port(port: u16, timeout: Duration) -> bool {
     false
 }
 
+/// Whether a Redis-speaking server answers PING on `port`.
+fn answers_ping(port: u16) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) else { return false };
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+    let mut reply = [0u8; 7];
+    stream.write_all(b"PING\r\n").is_ok() && stream.read_exact(&mut reply).is_ok() && &reply == b"+PONG\r\n"
+}
+
 /// Whether a program is on the PATH.
 pub fn have_program(name: &str) -> bool {
     std::env::var_os("PATH")
@@ -68,18 +77,43 @@ impl RedisServer {
             return None;
         }
         let dir = tempfile::tempdir().expect("temporary directory");
-        let port = free_port();
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .args(extra)
-            .arg("--dir")
-            .arg(dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start redis-server");
-        assert!(wait_for_port(port, Duration::from_secs(10)), "redis-server did not start");
-        Some(Self { port, child, _dir: dir })
+        // A port free a moment ago may be taken by the time the server binds it
+        // (tests run in parallel and start many servers): check that it is our
+        // server that answers, and try another port if not.
+        for _ in 0..10 {
+            let port = free_port();
+            let mut child = Command::new("redis-server")
+                .args([
+                    "--port",
+                    &port.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ])
+                .args(extra)
+                .arg("--dir")
+                .arg(dir.path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start redis-server");
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                if child.try_wait().ok().flatten().is_some() {
+                    break; // it could not bind: try another port
+                }
+                if answers_ping(port) {
+                    return Some(Self { port, child, _dir: dir });
+                }
+                thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        panic!("redis-server did not start on any of 10 ports");
     }
 
     pub fn address(&self) -> String {
