@@ -17,6 +17,8 @@ pub enum EngineError {
     InvalidCursor,
     #[error("value of {0} bytes exceeds the engine's limit of {1} bytes")]
     TooLarge(usize, usize),
+    #[error("{0}")]
+    Unsupported(&'static str),
 }
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
