@@ -254,7 +254,13 @@ impl Agent {
         let addresses = map
             .nodes
             .iter()
-            .map(|node| (NodeId(node.id), peer_address(&node.address)))
+            .filter_map(|node| match peer_address(&node.address) {
+                Some(address) => Some((NodeId(node.id), address)),
+                None => {
+                    tracing::error!(node = node.id, address = %node.address, "no peer port for this node");
+                    None
+                }
+            })
             .collect::<HashMap<_, _>>();
         self.links.set_addresses(addresses);
         self.state.lock().map = Some(map);
@@ -266,12 +272,12 @@ impl Agent {
     }
 }
 
-/// Peers listen on the client port + 10000, as Redis Cluster's bus does.
-pub fn peer_address(client_address: &str) -> String {
-    match client_address.rsplit_once(':').and_then(|(host, port)| Some((host, port.parse::<u16>().ok()?))) {
-        Some((host, port)) => format!("{host}:{}", port.wrapping_add(10_000)),
-        None => client_address.to_string(),
-    }
+/// Peers listen on the client port + 10000, as Redis Cluster's bus does;
+/// `None` for a client port above 55535, which leaves no room for it.
+pub fn peer_address(client_address: &str) -> Option<String> {
+    let (host, port) = client_address.rsplit_once(':')?;
+    let peer_port = port.parse::<u16>().ok()?.checked_add(10_000)?;
+    Some(format!("{host}:{peer_port}"))
 }
 
 /// A RESP connection to the coordinator.
@@ -410,5 +416,17 @@ async fn peer_loop(agent: std::sync::Weak<Agent>, mut incoming: mpsc::UnboundedR
             replica.protocol.on_peer(from, message, &mut fx);
             agent.run_effects(&mut state, shard, fx);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peers_listen_ten_thousand_ports_up() {
+        assert_eq!(peer_address("127.0.0.1:7001").as_deref(), Some("127.0.0.1:17001"));
+        assert_eq!(peer_address("127.0.0.1:60000"), None);
+        assert_eq!(peer_address("nowhere"), None);
     }
 }

@@ -223,23 +223,26 @@ impl ShardCoordinator {
     fn remove(&mut self, now: u64, node: NodeId) {
         self.suspected.remove(&node);
         let was_first = self.view.replicas.first() == Some(&node);
-        self.view.replicas.retain(|other| *other != node);
-        if was_first && self.config.admission == Admission::Backup {
-            let progress = &self.progress;
-            let best = self
-                .view
-                .replicas
-                .iter()
-                .copied()
-                .max_by_key(|node| (progress.get(node).copied().unwrap_or(0), Reverse(node.0)))
-                .expect("a view keeps at least one replica");
-            self.view.replicas.retain(|other| *other != best);
-            self.view.replicas.insert(0, best);
-        }
-        self.change_view(now, |_| {}, "replica removed");
-        if let Some(change) = self.changes.last_mut() {
-            change.primary_changed = was_first;
-        }
+        // Removing a primary–backup view's primary promotes the backup that
+        // has applied the most.
+        let promoted =
+            (was_first && self.config.admission == Admission::Backup)
+                .then(|| {
+                    self.view.replicas.iter().copied().filter(|other| *other != node).max_by_key(|other| {
+                        (self.progress.get(other).copied().unwrap_or(0), Reverse(other.0))
+                    })
+                })
+                .flatten();
+        self.change_view(
+            now,
+            |view| {
+                view.replicas.retain(|other| *other != node && Some(*other) != promoted);
+                if let Some(best) = promoted {
+                    view.replicas.insert(0, best);
+                }
+            },
+            "replica removed",
+        );
     }
 
     fn change_view(&mut self, now: u64, change: impl FnOnce(&mut ShardView), reason: &'static str) {

@@ -185,12 +185,13 @@ fn cluster_ok(port: u16, nodes: usize, replicas: usize) -> bool {
     };
     let view = ask(&["cluster", "nodes"]);
     let lines: Vec<&str> = view.lines().filter(|line| !line.is_empty()).collect();
+    // A master lists each replica with its sync state; a replica says whether it is syncing.
     let replication = ask(&["info", "replication"]);
-    let replicas_synced = !replication.contains("slave0:")
-        || !replication.contains("state=wait_bgsave") && !replication.contains("state=send_bulk");
+    let syncing = ["state=wait_bgsave", "state=send_bulk", "master_sync_in_progress:1"]
+        .iter()
+        .any(|sign| replication.contains(sign));
     ask(&["cluster", "info"]).contains("cluster_state:ok")
-        && replicas_synced
-        && !replication.contains("master_sync_in_progress:1")
+        && !syncing
         && lines.len() == nodes
         && lines.iter().all(|line| line.contains("connected"))
         && lines.iter().filter(|line| line.contains("slave")).count() == replicas
