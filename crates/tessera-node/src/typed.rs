@@ -24,6 +24,8 @@ pub enum Kind {
 }
 
 impl Kind {
+    pub const ALL: [Kind; 3] = [Kind::String, Kind::Hash, Kind::SortedSet];
+
     fn tag(self) -> u8 {
         match self {
             Kind::String => b's',

@@ -220,19 +220,14 @@ fn scan(context: &mut Context, request: &Request) -> CommandResult {
                 .filter(|count| *count >= 1)
                 .ok_or(CommandError::Syntax)?;
         } else if is(option, "type") {
-            filter.kind = Some(if is(value, "string") {
-                Kind::String
-            } else if is(value, "hash") {
-                Kind::Hash
-            } else if is(value, "zset") {
-                Kind::SortedSet
-            } else {
+            let Some(kind) = Kind::ALL.into_iter().find(|kind| is(value, kind.name())) else {
                 // No key has a type Tessera does not store.
                 context.out.array(2);
                 context.out.bulk(b"0");
                 context.out.array(0);
                 return Ok(());
-            });
+            };
+            filter.kind = Some(kind);
         } else {
             return Err(CommandError::Syntax);
         }

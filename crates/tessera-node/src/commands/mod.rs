@@ -48,7 +48,7 @@ pub struct Context<'a> {
 impl Context<'_> {
     /// The engine of the table that owns `key`.
     pub fn engine(&self, key: &[u8]) -> &dyn Engine {
-        self.tables.route(key).engine.as_ref()
+        self.table(key).engine.as_ref()
     }
 
     /// The table that owns `key`.
