@@ -520,13 +520,18 @@ impl Worker {
             }
             // Each connection answers in the order it was written to.
             for command in queue.drain(..) {
-                let address = self.endpoint_address(command.endpoint).to_string();
-                let reading = |error: std::io::Error| format!("reading replies from {address}: {error}");
                 let connection = self.connection(command.endpoint);
+                let mut reply = Ok(Reply::Ok(None));
                 if command.asking {
-                    connection.read_reply(false).await.map_err(reading)?;
+                    reply = connection.read_reply(false).await;
                 }
-                let reply = connection.read_reply(command.then == Then::ReadEach).await.map_err(reading)?;
+                if reply.is_ok() {
+                    reply = connection.read_reply(command.then == Then::ReadEach).await;
+                }
+                // The address is looked up only for the error message, off the hot path.
+                let reply = reply.map_err(|error| {
+                    format!("reading replies from {}: {error}", self.endpoint_address(command.endpoint))
+                })?;
                 match reply {
                     Reply::Error(message) => {
                         let redirect =
