@@ -308,6 +308,16 @@ struct ServeArgs {
     /// Entries each sweep reads per table [default: 256].
     #[arg(long)]
     expiry_sweep_entries: Option<usize>,
+    /// Join this cluster (with --node-id and --coordinator); peers reach the
+    /// node on its port + 10000.
+    #[arg(long, requires_all = ["node_id", "coordinator"])]
+    cluster_id: Option<String>,
+    /// This node's id in the cluster map.
+    #[arg(long)]
+    node_id: Option<u32>,
+    /// The cluster coordinator's host:port.
+    #[arg(long)]
+    coordinator: Option<String>,
     /// Log filter, e.g. info or tessera_node=debug [default: info].
     #[arg(long, env = "TESSERA_LOG", default_value = "info")]
     log: String,
@@ -350,6 +360,15 @@ impl ServeArgs {
             config.password = self.password.clone();
         }
         config.engine_options.extend(parse_pairs(&self.engine_options)?);
+        if let (Some(id), Some(node), Some(coordinator)) = (&self.cluster_id, self.node_id, &self.coordinator)
+        {
+            let mut cluster = config
+                .cluster
+                .take()
+                .unwrap_or_else(|| tessera_node::config::ClusterConfig::new(id, node, coordinator));
+            (cluster.id, cluster.node, cluster.coordinator) = (id.clone(), node, coordinator.clone());
+            config.cluster = Some(cluster);
+        }
         config.validate().map_err(|error| error.to_string())?;
         Ok(config)
     }

@@ -12,16 +12,18 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use parking_lot::Mutex;
 use tessera_engine::{Engine, EngineSpec};
 use tessera_protocol::{
     ChainOptions, ChainReplication, ClientReply, ClientRequest, Effect, Effects, NodeId, Operation,
     PrimaryBackup, PrimaryBackupOptions, Progress, Protocol, RequestId, ShardView,
 };
+use tessera_wire::slot::SLOTS;
 use tessera_wire::{encode_command, parse_value, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use crate::links::{serve_incoming, Incoming, LinkConfig, Links};
@@ -40,8 +42,6 @@ pub struct AgentConfig {
     pub data_dir: PathBuf,
     pub engine: EngineSpec,
     pub heartbeat_ms: u64,
-    /// Must match the coordinator's.
-    pub lease_ms: u64,
     pub tick_ms: u64,
 }
 
@@ -50,7 +50,14 @@ struct Replica {
     engine: Arc<dyn Engine>,
     view: ShardView,
     lease_until: u64,
+    /// A write ordered when this node became the head of the current view:
+    /// once it commits, so has everything an earlier head left uncommitted,
+    /// and strong reads of the local copy are safe.
+    read_barrier: Option<Completion>,
 }
+
+/// A reserved key (see the node's sorted-set layout): the barrier deletes it.
+const BARRIER_KEY: &[u8] = b"\xff\xff#barrier";
 
 /// A node's place in a shard (chain order: the head takes writes, the tail
 /// answers strong reads; a primary is a head).
@@ -72,6 +79,14 @@ pub enum Pending {
 }
 
 impl Pending {
+    /// The answer if it has already arrived.
+    fn now(&mut self) -> Option<ClientReply> {
+        match self {
+            Pending::Ready(reply) => Some(reply.clone()),
+            Pending::Waiting(receiver) => receiver.try_recv().ok(),
+        }
+    }
+
     pub async fn answer(self) -> ClientReply {
         match self {
             Pending::Ready(reply) => reply,
@@ -82,9 +97,109 @@ impl Pending {
     }
 }
 
+/// What a write's answer means for the client that asked.
+pub fn outcome(reply: &ClientReply) -> Result<(), String> {
+    match reply {
+        ClientReply::Value(_) | ClientReply::Written => Ok(()),
+        ClientReply::Retry(reason) => Err(format!("TRYAGAIN {reason}")),
+        ClientReply::Failed(error) => Err(format!("ERR replication failed: {error}")),
+    }
+}
+
+/// The outcome of a group of writes, which any number of requests may wait
+/// for: the command that made them, and reads that saw them before they
+/// committed.
+#[derive(Clone, Debug)]
+pub struct Completion(watch::Receiver<Option<Result<(), String>>>);
+
+impl Completion {
+    /// Resolves when every one of `pendings` is answered: Ok if all took
+    /// effect, the first failure otherwise. Waiting happens on a task of the
+    /// current runtime unless every answer is already in.
+    pub fn of(mut pendings: Vec<Pending>) -> Self {
+        let answered: Option<Vec<ClientReply>> = pendings.iter_mut().map(Pending::now).collect();
+        if let Some(replies) = answered {
+            return Self::resolved(replies.iter().try_for_each(outcome));
+        }
+        let (sender, receiver) = watch::channel(None);
+        tokio::spawn(async move {
+            let mut result = Ok(());
+            for pending in pendings {
+                let reply = pending.answer().await;
+                if result.is_ok() {
+                    result = outcome(&reply);
+                }
+            }
+            let _ = sender.send(Some(result));
+        });
+        Self(receiver)
+    }
+
+    pub fn resolved(result: Result<(), String>) -> Self {
+        Self(watch::channel(Some(result)).1)
+    }
+
+    /// Whether the writes are known to have taken effect.
+    pub fn succeeded(&self) -> bool {
+        matches!(&*self.0.borrow(), Some(Ok(())))
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.0.borrow().is_some()
+    }
+
+    pub async fn wait(mut self) -> Result<(), String> {
+        match self.0.wait_for(Option::is_some).await {
+            Ok(result) => result.clone().expect("waited for an outcome"),
+            Err(_) => Err("TRYAGAIN the shard was closed".into()),
+        }
+    }
+}
+
+/// Why this node does not serve a request for a shard itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// It is not the shard's head (or, for eventual reads, not a member).
+    NotOwner,
+    /// It is the head but its lease has run out (a new view may be coming).
+    LeaseExpired,
+}
+
+/// A shard's routing as this node last learned it.
+#[derive(Clone, Debug)]
+pub struct Routing {
+    pub map: Arc<ClusterMap>,
+    /// The shard of every slot.
+    slot_shards: Arc<[u32]>,
+}
+
+impl Routing {
+    fn new(map: ClusterMap) -> Self {
+        let mut slot_shards = vec![u32::MAX; SLOTS];
+        for shard in &map.shards {
+            for (first, last) in &shard.slots {
+                for slot in *first..=*last {
+                    slot_shards[slot as usize] = shard.id;
+                }
+            }
+        }
+        Self { map: Arc::new(map), slot_shards: slot_shards.into() }
+    }
+
+    pub fn shard_of(&self, slot: u16) -> Option<u32> {
+        self.slot_shards.get(slot as usize).copied().filter(|shard| *shard != u32::MAX)
+    }
+
+    /// The client address of a shard's head.
+    pub fn head_address(&self, shard: u32) -> Option<&str> {
+        let head = *self.map.shard(shard)?.members.first()?;
+        Some(self.map.node(head)?.address.as_str())
+    }
+}
+
 struct State {
     shards: BTreeMap<u32, Replica>,
-    map: Option<ClusterMap>,
+    routing: Option<Routing>,
     waiting: HashMap<RequestId, oneshot::Sender<ClientReply>>,
     next_request: u64,
 }
@@ -94,6 +209,8 @@ pub struct Agent {
     state: Arc<Mutex<State>>,
     links: Arc<Links>,
     started: Instant,
+    /// How long a granted view lasts, as the coordinator counts it.
+    lease_ms: u64,
     /// The agent's loops; they hold it weakly and are stopped when it drops.
     tasks: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -114,9 +231,11 @@ impl Agent {
         let node = config.node.to_string();
         let joined =
             coordinator.call(&[b"COORD.JOIN", config.cluster_id.as_bytes(), node.as_bytes()]).await?;
-        if let Value::Error(message) = joined {
-            return Err(format!("the coordinator refused this node: {message}"));
-        }
+        let lease_ms = match joined {
+            Value::Integer(lease_ms) if lease_ms > 0 => lease_ms as u64,
+            Value::Error(message) => return Err(format!("the coordinator refused this node: {message}")),
+            other => return Err(format!("unexpected answer to COORD.JOIN: {other:?}")),
+        };
         let listener = TcpListener::bind(config.peer_listen)
             .await
             .map_err(|error| format!("cannot listen for peers on {}: {error}", config.peer_listen))?;
@@ -129,14 +248,20 @@ impl Agent {
         });
         let state = Arc::new(Mutex::new(State {
             shards: BTreeMap::new(),
-            map: None,
+            routing: None,
             waiting: HashMap::new(),
             next_request: 1,
         }));
         let (incoming_sender, incoming) = mpsc::unbounded_channel();
         let peers = tokio::spawn(serve_incoming(listener, config.cluster_id.clone(), incoming_sender));
-        let agent =
-            Arc::new(Self { config, state, links, started: Instant::now(), tasks: Mutex::new(vec![peers]) });
+        let agent = Arc::new(Self {
+            config,
+            state,
+            links,
+            started: Instant::now(),
+            lease_ms,
+            tasks: Mutex::new(vec![peers]),
+        });
         agent.tasks.lock().extend([
             tokio::spawn(heartbeat_loop(Arc::downgrade(&agent), coordinator)),
             tokio::spawn(tick_loop(Arc::downgrade(&agent))),
@@ -171,6 +296,70 @@ impl Agent {
         replica.protocol.on_client(ClientRequest { id, operation }, &mut fx);
         self.run_effects(&mut state, shard, fx);
         Pending::Waiting(receiver)
+    }
+
+    /// Orders a command's writes in one step, so that no view change falls
+    /// between them: all are ordered in one view, or none is.
+    pub fn begin_all(&self, shard: u32, operations: Vec<Operation>) -> Vec<Pending> {
+        let mut state = self.state.lock();
+        let now = self.now();
+        if !state.shards.contains_key(&shard) {
+            return operations
+                .iter()
+                .map(|_| Pending::Ready(ClientReply::Retry("this node does not serve the shard")))
+                .collect();
+        }
+        let mut pendings = Vec::with_capacity(operations.len());
+        let mut fx = Effects::new(now);
+        for operation in operations {
+            let id = RequestId(state.next_request);
+            state.next_request += 1;
+            let (sender, receiver) = oneshot::channel();
+            state.waiting.insert(id, sender);
+            let replica = state.shards.get_mut(&shard).expect("checked above");
+            replica.protocol.on_client(ClientRequest { id, operation }, &mut fx);
+            pendings.push(Pending::Waiting(receiver));
+        }
+        self.run_effects(&mut state, shard, fx);
+        pendings
+    }
+
+    /// Whether this node may order writes for a shard now.
+    pub fn check_write(&self, shard: u32) -> Result<(), Refusal> {
+        match self.role(shard) {
+            Some(Role::Head | Role::Alone) => Ok(()),
+            _ => Err(Refusal::NotOwner),
+        }
+    }
+
+    /// Whether this node may answer a read of a shard from its own copy. A
+    /// strong read needs the head's role, its lease, and (returned) the
+    /// barrier of its view to commit before the answer is released; an
+    /// eventual read needs only to be a member.
+    pub fn check_read(&self, shard: u32, strong: bool) -> Result<Option<Completion>, Refusal> {
+        let state = self.state.lock();
+        let replica = state.shards.get(&shard).ok_or(Refusal::NotOwner)?;
+        let me = NodeId(self.config.node);
+        let position = replica.view.position(me).ok_or(Refusal::NotOwner)?;
+        if !strong {
+            return Ok(None);
+        }
+        if position != 0 {
+            return Err(Refusal::NotOwner);
+        }
+        if replica.lease_until <= self.now() {
+            return Err(Refusal::LeaseExpired);
+        }
+        Ok(replica.read_barrier.clone().filter(|barrier| !barrier.succeeded()))
+    }
+
+    /// The map and slot table this node routes by, once it has one.
+    pub fn routing(&self) -> Option<Routing> {
+        self.state.lock().routing.clone()
+    }
+
+    pub fn node_id(&self) -> u32 {
+        self.config.node
     }
 
     /// Hands an operation to a shard's protocol and waits for its answer.
@@ -221,14 +410,15 @@ impl Agent {
             }
         };
         let view = ShardView { number: 0, replicas: Vec::new(), learners: Vec::new(), lease_until: 0 };
-        Ok(Replica { protocol, engine, view, lease_until: 0 })
+        Ok(Replica { protocol, engine, view, lease_until: 0, read_barrier: None })
     }
 
     /// Applies the coordinator's grants: new shards get a replica, every granted
     /// shard its view with a lease from `asked_at`.
     fn apply_grants(&self, asked_at: u64, grants: Vec<(u32, ShardView)>) {
         let mut state = self.state.lock();
-        let Some(mode) = state.map.as_ref().map(|map| map.mode) else { return };
+        let Some(mode) = state.routing.as_ref().map(|routing| routing.map.mode) else { return };
+        let me = NodeId(self.config.node);
         for (shard, view) in grants {
             let replica = match state.shards.entry(shard) {
                 std::collections::btree_map::Entry::Occupied(entry) => entry.into_mut(),
@@ -241,11 +431,22 @@ impl Agent {
                 },
             };
             let now = self.now();
-            replica.lease_until = replica.lease_until.max(asked_at + self.config.lease_ms);
+            replica.lease_until = replica.lease_until.max(asked_at + self.lease_ms);
             let view = ShardView { lease_until: replica.lease_until, ..view };
+            let new_head = view.number != replica.view.number && view.position(me) == Some(0);
             let mut fx = Effects::new(now);
             replica.protocol.on_view(&view, &mut fx);
             replica.view = view;
+            if new_head {
+                let id = RequestId(state.next_request);
+                state.next_request += 1;
+                let (sender, receiver) = oneshot::channel();
+                state.waiting.insert(id, sender);
+                let replica = state.shards.get_mut(&shard).expect("inserted above");
+                let barrier = Operation::Delete { key: Bytes::from_static(BARRIER_KEY) };
+                replica.protocol.on_client(ClientRequest { id, operation: barrier }, &mut fx);
+                replica.read_barrier = Some(Completion::of(vec![Pending::Waiting(receiver)]));
+            }
             self.run_effects(&mut state, shard, fx);
         }
     }
@@ -263,7 +464,7 @@ impl Agent {
             })
             .collect::<HashMap<_, _>>();
         self.links.set_addresses(addresses);
-        self.state.lock().map = Some(map);
+        self.state.lock().routing = Some(Routing::new(map));
     }
 
     /// The engine behind a shard on this node (for inspection and tests).

@@ -2,7 +2,7 @@
 //! its map kept in a [`MetadataStore`] after every change.
 //!
 //! ```text
-//! COORD.JOIN cluster-id node                        +OK, or an error naming the mismatch
+//! COORD.JOIN cluster-id node                        the lease in ms, or an error naming the mismatch
 //! COORD.HEARTBEAT cluster-id node incarnation [shard applied ready-learner ready-view]...
 //!     -> [epoch, [shard, view-number, [members...], [learners...]]...]   (ready-learner -1: none)
 //! COORD.MAP [known-epoch wait-ms]                   the map as JSON; with an epoch, answers
@@ -34,6 +34,8 @@ struct State {
     version: Option<u64>,
     epochs: watch::Sender<u64>,
     started: Instant,
+    /// Told to joining nodes, which count their leases with it.
+    lease_ms: u64,
     /// Set when storing the map failed: this coordinator decides nothing more.
     fenced: Option<String>,
 }
@@ -110,6 +112,7 @@ impl CoordinatorServer {
         let started = Instant::now();
         let state = State {
             coordinator: ClusterCoordinator::new(map, timing, 0),
+            lease_ms: timing.lease_ms,
             store,
             version,
             epochs,
@@ -235,8 +238,9 @@ async fn answer(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWrit
 
 fn join(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) -> Result<(), String> {
     let node: u32 = number(&args[2], "node id")?;
-    state.lock().coordinator.check_join(&text(&args[1]), node).map_err(|error| error.to_string())?;
-    out.ok();
+    let state = state.lock();
+    state.coordinator.check_join(&text(&args[1]), node).map_err(|error| error.to_string())?;
+    out.integer(state.lease_ms as i64);
     Ok(())
 }
 

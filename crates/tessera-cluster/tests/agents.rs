@@ -58,7 +58,6 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
             data_dir: dir.path().join(format!("node{node}")),
             engine: EngineSpec::new(EngineKind::Memory, BTreeMap::new()).unwrap(),
             heartbeat_ms: 100,
-            lease_ms: TIMING.lease_ms,
             tick_ms: 10,
         };
         agents.push(Some(Agent::start(config).await.unwrap()));
@@ -72,7 +71,6 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
         data_dir: dir.path().join("stranger"),
         engine: EngineSpec::new(EngineKind::Memory, BTreeMap::new()).unwrap(),
         heartbeat_ms: 100,
-        lease_ms: TIMING.lease_ms,
         tick_ms: 10,
     };
     assert!(Agent::start(wrong).await.err().unwrap().contains("refused"));

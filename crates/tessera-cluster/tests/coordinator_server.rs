@@ -41,7 +41,11 @@ async fn serves_joins_heartbeats_and_a_watchable_map_and_resumes_after_a_restart
     let address = server.local_addr();
     let mut client = Client::connect(address, Duration::from_secs(5)).unwrap();
 
-    assert!(matches!(client.command(&["COORD.JOIN", "c1", "0"]).unwrap(), Value::Simple(_)));
+    assert_eq!(
+        client.command(&["COORD.JOIN", "c1", "0"]).unwrap(),
+        Value::Integer(TIMING.lease_ms as i64),
+        "a node learns the lease it must count with"
+    );
     let wrong = client.command(&["COORD.JOIN", "other", "0"]).unwrap();
     assert!(matches!(&wrong, Value::Error(message) if message.contains("cluster 'other'")), "{wrong:?}");
     let unknown = client.command(&["COORD.JOIN", "c1", "99"]).unwrap();

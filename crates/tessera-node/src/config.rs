@@ -37,6 +37,45 @@ pub struct Config {
     /// How often expired keys are swept, and how many entries per table each sweep reads.
     pub expiry_sweep_interval_ms: u64,
     pub expiry_sweep_entries: usize,
+    /// Set to run as a member of a cluster (docs/OPERATIONS.md, "Clusters").
+    pub cluster: Option<ClusterConfig>,
+}
+
+/// A node's place in a cluster. The node serves clients on its port and
+/// peers on that port + 10000, as Redis Cluster does.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// Must match the coordinator's: a node of another cluster is refused.
+    pub id: String,
+    /// This node's id in the cluster map.
+    pub node: u32,
+    /// The coordinator's `host:port`.
+    pub coordinator: String,
+    #[serde(default = "ClusterConfig::default_heartbeat_ms")]
+    pub heartbeat_ms: u64,
+    #[serde(default = "ClusterConfig::default_tick_ms")]
+    pub tick_ms: u64,
+}
+
+impl ClusterConfig {
+    pub fn new(id: &str, node: u32, coordinator: &str) -> Self {
+        Self {
+            id: id.to_string(),
+            node,
+            coordinator: coordinator.to_string(),
+            heartbeat_ms: Self::default_heartbeat_ms(),
+            tick_ms: Self::default_tick_ms(),
+        }
+    }
+
+    fn default_heartbeat_ms() -> u64 {
+        100
+    }
+
+    fn default_tick_ms() -> u64 {
+        10
+    }
 }
 
 impl Default for Config {
@@ -58,6 +97,7 @@ impl Default for Config {
             shutdown_timeout_ms: 5_000,
             expiry_sweep_interval_ms: 100,
             expiry_sweep_entries: 256,
+            cluster: None,
         }
     }
 }
@@ -96,6 +136,17 @@ impl Config {
         }
         if self.expiry_sweep_interval_ms == 0 || self.expiry_sweep_entries == 0 {
             return invalid("expiry_sweep_interval_ms and expiry_sweep_entries must be at least 1");
+        }
+        if let Some(cluster) = &self.cluster {
+            if cluster.id.is_empty() || cluster.coordinator.is_empty() {
+                return invalid("cluster.id and cluster.coordinator must not be empty");
+            }
+            if cluster.heartbeat_ms == 0 || cluster.tick_ms == 0 {
+                return invalid("cluster.heartbeat_ms and cluster.tick_ms must be at least 1");
+            }
+            if self.port > u16::MAX - 10_000 {
+                return invalid("a cluster node's port must leave room for its peer port (port + 10000)");
+            }
         }
         Ok(())
     }

@@ -9,9 +9,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
+use tessera_cluster::agent::Completion;
+use tessera_cluster::capture::CapturingView;
+use tessera_protocol::{Operation, Write};
 use tessera_wire::{Parsed, Protocol, ReplyWriter, Request, RequestParser};
 
-use crate::commands::{dispatch, Context, Session};
+use crate::cluster::{ClusterNode, Forwarder, Placement};
+use crate::commands::{dispatch, lookup, Context, Session};
 use crate::store::{now_ms, Store, WorkerStats};
 use crate::tables::TableSet;
 
@@ -33,7 +37,32 @@ pub struct Connection {
     stats: Arc<WorkerStats>,
     tables: Arc<TableSet>,
     tables_generation: u64,
+    /// In a cluster: replies written but held back until writes commit.
+    deferred: Vec<Deferred>,
+    forwarder: Forwarder,
 }
+
+/// A reply (the bytes `start..end` of the output) that may be sent only once
+/// every one of `waits` has committed; if one fails, the reply becomes its error.
+struct Deferred {
+    start: usize,
+    end: usize,
+    waits: Vec<Completion>,
+}
+
+/// Commands over one node's whole keyspace, which a cluster node's local
+/// tables do not hold.
+const NODE_WIDE: &[&str] = &[
+    "scan",
+    "keys",
+    "dbsize",
+    "flushdb",
+    "flushall",
+    "table.create",
+    "table.drop",
+    "table.list",
+    "table.info",
+];
 
 impl Connection {
     pub fn new(store: Arc<Store>, stats: Arc<WorkerStats>, stream: TcpStream) -> Self {
@@ -58,6 +87,8 @@ impl Connection {
             out: ReplyWriter::new(Protocol::Resp2),
             session,
             stats,
+            deferred: Vec::new(),
+            forwarder: Forwarder::default(),
         }
     }
 
@@ -112,8 +143,18 @@ impl Connection {
                         out: &mut self.out,
                         stats: &self.stats,
                         now_ms,
+                        engine_override: None,
+                        locks_held: false,
                     };
-                    dispatch(&mut context, &request);
+                    match self.store.cluster() {
+                        None => dispatch(&mut context, &request),
+                        Some(cluster) => {
+                            let raw = &self.input[start..end];
+                            let held =
+                                serve_in_cluster(cluster, &mut context, &request, raw, &mut self.forwarder);
+                            self.deferred.extend(held.await);
+                        }
+                    }
                     start = end;
                     if self.session.closing {
                         keep_open = false;
@@ -158,7 +199,34 @@ impl Connection {
             self.stream.try_io(Interest::READABLE, || Err::<(), _>(std::io::ErrorKind::WouldBlock.into()));
     }
 
+    /// Waits for the writes that held-back replies depend on, and replaces
+    /// each reply whose writes failed with the failure.
+    async fn settle(&mut self) {
+        let mut failures = Vec::new();
+        for Deferred { start, end, waits } in self.deferred.drain(..) {
+            for wait in waits {
+                if let Err(message) = wait.wait().await {
+                    failures.push((start, end, message));
+                    break;
+                }
+            }
+        }
+        if failures.is_empty() {
+            return;
+        }
+        let replies = self.out.as_bytes().to_vec();
+        self.out.clear();
+        let mut copied = 0;
+        for (start, end, message) in failures {
+            self.out.raw(&replies[copied..start]);
+            self.out.error(&message);
+            copied = end;
+        }
+        self.out.raw(&replies[copied..]);
+    }
+
     async fn flush_output(&mut self) -> std::io::Result<()> {
+        self.settle().await;
         if self.out.is_empty() {
             return Ok(());
         }
@@ -167,5 +235,106 @@ impl Connection {
         self.out.clear();
         self.out.shrink_to(BUFFER_KEEP_BYTES);
         result
+    }
+}
+
+/// Runs one request on a cluster node: here if this node serves its keys'
+/// shard, else `MOVED` for a cluster client or forwarded for a plain one.
+/// Returns the reply's hold if it depends on writes not yet committed.
+async fn serve_in_cluster(
+    cluster: &ClusterNode,
+    context: &mut Context<'_>,
+    request: &Request<'_>,
+    raw: &[u8],
+    forwarder: &mut Forwarder,
+) -> Option<Deferred> {
+    let spec = match lookup(request.arg(0)) {
+        Some(spec) if context.session.authenticated && spec.arity_ok(request.len()) => spec,
+        // Unknown, unauthenticated, wrong arity: the usual error, here.
+        _ => {
+            dispatch(context, request);
+            return None;
+        }
+    };
+    if NODE_WIDE.contains(&spec.name) {
+        context.out.error(&format!(
+            "ERR '{}' works on one node's tables; a cluster node does not serve it yet",
+            spec.name
+        ));
+        return None;
+    }
+    let keys = || spec.key_positions(request.len()).map(|index| request.arg(index));
+    let write = spec.flags.contains(&"write");
+    match cluster.place(keys(), write, context.session.readonly) {
+        Placement::Local => {
+            dispatch(context, request);
+            None
+        }
+        Placement::Refused(message) => {
+            context.out.error(&message);
+            None
+        }
+        Placement::Elsewhere { slot, address } if context.session.cluster_client => {
+            context.out.error(&format!("MOVED {slot} {address}"));
+            None
+        }
+        Placement::Elsewhere { address, .. } => {
+            match forwarder.forward(address, raw).await {
+                Ok(reply) => context.out.raw(&reply),
+                Err(message) => context.out.error(&message),
+            }
+            None
+        }
+        Placement::Shard { shard, write, strong, barrier } => {
+            let Some(engine) = cluster.agent.engine(shard) else {
+                context.out.error("TRYAGAIN the shard is being opened");
+                return None;
+            };
+            let start = context.out.len();
+            let mut waits: Vec<Completion> = barrier.into_iter().collect();
+            let view = CapturingView::new(engine);
+            {
+                // A strong request sees the keys' newest writes, so it must
+                // wait for those still in flight; its own writes are handed to
+                // replication before the locks go, so they are ordered as run.
+                let _locks = strong.then(|| context.store.lock_keys(keys()));
+                if strong {
+                    waits.extend(keys().filter_map(|key| cluster.in_flight(key)));
+                }
+                let mut on_shard = Context {
+                    store: context.store,
+                    tables: context.tables,
+                    session: &mut *context.session,
+                    out: &mut *context.out,
+                    stats: context.stats,
+                    now_ms: context.now_ms,
+                    engine_override: Some(&view),
+                    locks_held: strong,
+                };
+                dispatch(&mut on_shard, request);
+                let writes = view.take();
+                if write && !writes.is_empty() {
+                    let operations = writes
+                        .into_iter()
+                        .map(|(key, write)| match write {
+                            Write::Put(value) => Operation::Put { key, value },
+                            Write::Delete => Operation::Delete { key },
+                        })
+                        .collect();
+                    let completion = Completion::of(cluster.agent.begin_all(shard, operations));
+                    if !completion.is_done() {
+                        cluster.mark_in_flight(keys(), &completion);
+                    }
+                    waits.push(completion);
+                } else if !writes.is_empty() {
+                    tracing::error!(
+                        command = spec.name,
+                        "a read-only command wrote; its writes were dropped"
+                    );
+                }
+            }
+            waits.retain(|wait| !wait.succeeded());
+            (!waits.is_empty()).then(|| Deferred { start, end: context.out.len(), waits })
+        }
     }
 }

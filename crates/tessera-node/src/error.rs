@@ -39,6 +39,9 @@ pub enum CommandError {
     ReservedKey(String),
     #[error("ERR {0}")]
     Other(String),
+    /// An error whose code is not ERR (`CLUSTERDOWN ...`, `TRYAGAIN ...`).
+    #[error("{0}")]
+    Coded(String),
     #[error("ERR engine error: {0}")]
     Engine(#[from] EngineError),
 }

@@ -23,6 +23,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
+use crate::cluster::ClusterNode;
 use crate::config::{Config, ConfigError};
 use crate::connection::Connection;
 use crate::store::Store;
@@ -38,6 +39,8 @@ pub enum ServerError {
     Bind(String, std::io::Error),
     #[error("cannot start a worker thread: {0}")]
     Thread(std::io::Error),
+    #[error("cannot join the cluster: {0}")]
+    Cluster(String),
 }
 
 /// A running node. Dropping it without [`shutdown`](Self::shutdown) leaves the
@@ -84,6 +87,9 @@ impl Server {
         let mut listeners = vec![first];
         for _ in 1..threads {
             listeners.push(listen(local_addr).map_err(bind_error)?);
+        }
+        if store.config.cluster.is_some() {
+            store.join_cluster(ClusterNode::start(&store.config, local_addr).map_err(ServerError::Cluster)?);
         }
         let (stop, stopping) = watch::channel(false);
         let mut workers = Vec::with_capacity(threads);
@@ -214,5 +220,8 @@ fn sweep_expired(store: Arc<Store>, stop: Arc<AtomicBool>) {
     while !stop.load(Ordering::Relaxed) {
         thread::sleep(interval);
         store.sweep_expired(store.config.expiry_sweep_entries);
+        if let Some(cluster) = store.cluster() {
+            cluster.purge_finished();
+        }
     }
 }

@@ -8,12 +8,13 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use tessera_engine::{Engine, ScanCursor};
 
+use crate::cluster::ClusterNode;
 use crate::config::Config;
 use crate::error::{CommandError, CommandResult};
 use crate::tables::{Catalogue, Table, TableDef, TableError, TableSet};
@@ -82,6 +83,8 @@ pub struct Store {
     worker_stats: Mutex<Vec<Arc<WorkerStats>>>,
     pub started: Instant,
     pub next_client_id: AtomicU64,
+    /// Set once, at start, on a node that is a member of a cluster.
+    cluster: OnceLock<ClusterNode>,
 }
 
 pub fn now_ms() -> u64 {
@@ -105,7 +108,19 @@ impl Store {
             worker_stats: Mutex::new(Vec::new()),
             started: Instant::now(),
             next_client_id: AtomicU64::new(1),
+            cluster: OnceLock::new(),
         })
+    }
+
+    /// The node's part in a cluster, if it is a member of one.
+    pub fn cluster(&self) -> Option<&ClusterNode> {
+        self.cluster.get()
+    }
+
+    pub fn join_cluster(&self, node: ClusterNode) {
+        if self.cluster.set(node).is_err() {
+            tracing::error!("the node joined a cluster twice");
+        }
     }
 
     /// Registers a worker thread's counters.

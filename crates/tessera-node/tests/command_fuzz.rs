@@ -81,7 +81,16 @@ fn run(
     }
     let tables = store.tables();
     let mut out = ReplyWriter::new(protocol);
-    let mut context = Context { store, tables: &tables, session, out: &mut out, stats, now_ms: now_ms() };
+    let mut context = Context {
+        store,
+        tables: &tables,
+        session,
+        out: &mut out,
+        stats,
+        now_ms: now_ms(),
+        engine_override: None,
+        locks_held: false,
+    };
     dispatch(&mut context, &Request::new(&buffer, &ranges));
     out.as_bytes().to_vec()
 }

@@ -58,6 +58,12 @@ impl ReplyWriter {
         self.buf.truncate(mark);
     }
 
+    /// Appends replies already encoded (relayed from another server, or kept
+    /// aside while a rewrite replaces the ones between).
+    pub fn raw(&mut self, encoded: &[u8]) {
+        self.buf.extend_from_slice(encoded);
+    }
+
     fn line(&mut self, prefix: u8, body: &[u8]) {
         self.buf.push(prefix);
         self.buf.extend_from_slice(body);

@@ -40,7 +40,7 @@ fn update_hash<T>(
     change: impl FnOnce(&mut Hash) -> CommandResult<T>,
 ) -> CommandResult<T> {
     let engine = context.engine(key);
-    let _lock = context.store.lock_key(key);
+    let _lock = context.lock_key(key);
     let old = read_kind(engine, key, Kind::Hash, context.now_ms)?;
     let (mut hash, expires_at_ms) = match &old {
         Some(old) => (Hash::decode(&old.payload)?, old.expires_at_ms),

@@ -35,7 +35,7 @@ pub const COMMANDS: &[CommandSpec] = &[
 ];
 
 fn del(context: &mut Context, request: &Request) -> CommandResult {
-    let _locks = context.store.lock_keys(request.args().skip(1));
+    let _locks = context.lock_keys(request.args().skip(1));
     let mut deleted = 0;
     for key in request.args().skip(1) {
         let engine = context.engine(key);
@@ -92,7 +92,7 @@ fn set_expiry(
         ));
     }
     let engine = context.engine(key);
-    let _lock = context.store.lock_key(key);
+    let _lock = context.lock_key(key);
     let Some(stored) = read_live(engine, key, context.now_ms)? else {
         context.out.integer(0);
         return Ok(());
@@ -159,7 +159,7 @@ fn pttl(context: &mut Context, request: &Request) -> CommandResult {
 fn persist(context: &mut Context, request: &Request) -> CommandResult {
     let key = request.arg(1);
     let engine = context.engine(key);
-    let _lock = context.store.lock_key(key);
+    let _lock = context.lock_key(key);
     let changed = match read_live(engine, key, context.now_ms)? {
         Some(stored) if stored.expires_at_ms.is_some() => {
             engine.put(key, encode(stored.kind, None, &stored.payload))?;

@@ -1,6 +1,7 @@
 //! The command table. Each group of commands lives in its own file and lists
 //! its commands in a `COMMANDS` table; adding a command is a handler and a row.
 
+mod cluster;
 mod connection;
 mod hashes;
 mod keys;
@@ -13,6 +14,7 @@ use std::sync::OnceLock;
 
 use bytes::Bytes;
 use hashbrown::HashMap;
+use parking_lot::MutexGuard;
 use tessera_engine::Engine;
 use tessera_wire::{ReplyWriter, Request};
 
@@ -32,6 +34,11 @@ pub struct Session {
     pub closing: bool,
     pub library_name: Option<Bytes>,
     pub library_version: Option<Bytes>,
+    /// Speaks Redis Cluster (sent a CLUSTER command, READONLY, READWRITE or
+    /// ASKING): told MOVED where a plain client's request is forwarded.
+    pub cluster_client: bool,
+    /// READONLY: reads are served by any replica, eventually consistent.
+    pub readonly: bool,
 }
 
 /// What a command handler works with.
@@ -43,17 +50,39 @@ pub struct Context<'a> {
     pub stats: &'a WorkerStats,
     /// Wall-clock milliseconds, read once per batch of commands.
     pub now_ms: u64,
+    /// In a cluster: the view of the shard the command runs on, which takes
+    /// the place of every table's engine.
+    pub engine_override: Option<&'a dyn Engine>,
+    /// In a cluster the keys' locks are taken around the whole command (and
+    /// the hand-over of its writes to replication), not by the handler.
+    pub locks_held: bool,
 }
 
-impl Context<'_> {
-    /// The engine of the table that owns `key`.
-    pub fn engine(&self, key: &[u8]) -> &dyn Engine {
-        self.table(key).engine.as_ref()
+impl<'a> Context<'a> {
+    /// The engine that holds `key`.
+    pub fn engine(&self, key: &[u8]) -> &'a dyn Engine {
+        match self.engine_override {
+            Some(engine) => engine,
+            None => self.table(key).engine.as_ref(),
+        }
     }
 
     /// The table that owns `key`.
-    pub fn table(&self, key: &[u8]) -> &Table {
+    pub fn table(&self, key: &[u8]) -> &'a Table {
         self.tables.route(key)
+    }
+
+    /// Holds the write lock of one key, unless the caller already does.
+    pub fn lock_key(&self, key: &[u8]) -> Option<MutexGuard<'a, ()>> {
+        (!self.locks_held).then(|| self.store.lock_key(key))
+    }
+
+    /// Holds the write locks of several keys, unless the caller already does.
+    pub fn lock_keys<'k>(&self, keys: impl Iterator<Item = &'k [u8]>) -> Vec<MutexGuard<'a, ()>> {
+        if self.locks_held {
+            return Vec::new();
+        }
+        self.store.lock_keys(keys)
     }
 
     pub fn bulk_bytes_max(&self) -> usize {
@@ -83,7 +112,7 @@ pub struct CommandSpec {
 }
 
 impl CommandSpec {
-    fn arity_ok(&self, count: usize) -> bool {
+    pub fn arity_ok(&self, count: usize) -> bool {
         let count = count as i32;
         if self.arity >= 0 {
             count == self.arity
@@ -113,6 +142,7 @@ fn table() -> &'static HashMap<&'static [u8], &'static CommandSpec> {
 pub fn all_commands() -> impl Iterator<Item = &'static CommandSpec> {
     [
         connection::COMMANDS,
+        cluster::COMMANDS,
         strings::COMMANDS,
         keys::COMMANDS,
         hashes::COMMANDS,

@@ -31,7 +31,7 @@ fn read_set<T>(
     key: &[u8],
     body: impl FnOnce(Option<&mut SortedSet>) -> CommandResult<T>,
 ) -> CommandResult<T> {
-    let _lock = context.store.lock_key(key);
+    let _lock = context.lock_key(key);
     let mut set = SortedSet::open(context.engine(key), key, context.now_ms)?;
     context.count_lookup(set.is_some());
     body(set.as_mut())
@@ -44,11 +44,10 @@ fn update_set<T>(
     key: &[u8],
     change: impl FnOnce(&mut SortedSet) -> CommandResult<T>,
 ) -> CommandResult<T> {
-    let _lock = context.store.lock_key(key);
-    let table = context.table(key);
-    let mut set = SortedSet::open_or_new(table.engine.as_ref(), key, context.now_ms)?;
+    let _lock = context.lock_key(key);
+    let mut set = SortedSet::open_or_new(context.engine(key), key, context.now_ms)?;
     let answer = change(&mut set)?;
-    set.commit(&table.reserved_entries)?;
+    set.commit(&context.table(key).reserved_entries)?;
     Ok(answer)
 }
 
@@ -170,16 +169,15 @@ fn zincrby(context: &mut Context, request: &Request) -> CommandResult {
 
 fn zrem(context: &mut Context, request: &Request) -> CommandResult {
     let key = request.arg(1);
-    let _lock = context.store.lock_key(key);
-    let table = context.table(key);
+    let _lock = context.lock_key(key);
     let mut removed = 0;
-    if let Some(mut set) = SortedSet::open(table.engine.as_ref(), key, context.now_ms)? {
+    if let Some(mut set) = SortedSet::open(context.engine(key), key, context.now_ms)? {
         for member in request.args().skip(2) {
             if set.remove(member)?.is_some() {
                 removed += 1;
             }
         }
-        set.commit(&table.reserved_entries)?;
+        set.commit(&context.table(key).reserved_entries)?;
     }
     context.out.integer(removed);
     Ok(())

@@ -43,9 +43,10 @@ pub fn deadline(now_ms: u64, amount: i64, unit_ms: i64, absolute: bool, command:
 fn get(context: &mut Context, request: &Request) -> CommandResult {
     let key = request.arg(1);
     let now_ms = context.now_ms;
+    let engine = context.engine(key);
     let out = &mut *context.out;
     let mut found = Ok(false);
-    context.tables.route(key).engine.get_with(key, &mut |raw| {
+    engine.get_with(key, &mut |raw| {
         found = match raw.map(decode_header).transpose() {
             Ok(Some((Kind::String, deadline, start)))
                 if deadline.is_none_or(|deadline| deadline > now_ms) =>
@@ -122,7 +123,7 @@ fn set_value(
     options: &SetOptions,
 ) -> CommandResult<(bool, Option<Bytes>)> {
     let engine = context.engine(key);
-    let _lock = context.store.lock_key(key);
+    let _lock = context.lock_key(key);
     // Plain SET needs no read; options that depend on the old value do.
     let needs_old =
         options.only_if_absent || options.only_if_present || options.return_old || options.keep_ttl;
@@ -202,7 +203,7 @@ fn getset(context: &mut Context, request: &Request) -> CommandResult {
 fn getdel(context: &mut Context, request: &Request) -> CommandResult {
     let key = request.arg(1);
     let engine = context.engine(key);
-    let _lock = context.store.lock_key(key);
+    let _lock = context.lock_key(key);
     let stored = read_kind(engine, key, Kind::String, context.now_ms)?;
     if stored.is_some() {
         engine.delete(key)?;
@@ -229,7 +230,7 @@ fn mset(context: &mut Context, request: &Request) -> CommandResult {
     }
     let pairs: Vec<(&[u8], &[u8])> =
         (1..request.len()).step_by(2).map(|index| (request.arg(index), request.arg(index + 1))).collect();
-    let _locks = context.store.lock_keys(pairs.iter().map(|(key, _)| *key));
+    let _locks = context.lock_keys(pairs.iter().map(|(key, _)| *key));
     for (key, value) in pairs {
         write(context.engine(key), key, Kind::String, None, value, context.bulk_bytes_max())?;
     }
@@ -240,7 +241,7 @@ fn mset(context: &mut Context, request: &Request) -> CommandResult {
 /// Adds `delta` to the integer stored at `key` (0 if absent), keeping its TTL.
 fn add(context: &mut Context, key: &[u8], delta: i64) -> CommandResult {
     let engine = context.engine(key);
-    let _lock = context.store.lock_key(key);
+    let _lock = context.lock_key(key);
     let old = read_kind(engine, key, Kind::String, context.now_ms)?;
     let current = match &old {
         Some(old) => parse_i64(&old.payload)?,
@@ -275,7 +276,7 @@ fn decrby(context: &mut Context, request: &Request) -> CommandResult {
 fn append(context: &mut Context, request: &Request) -> CommandResult {
     let (key, suffix) = (request.arg(1), request.arg(2));
     let engine = context.engine(key);
-    let _lock = context.store.lock_key(key);
+    let _lock = context.lock_key(key);
     let old = read_kind(engine, key, Kind::String, context.now_ms)?;
     let mut value = old.as_ref().map(|old| old.payload.to_vec()).unwrap_or_default();
     if value.len() + suffix.len() > context.bulk_bytes_max() {

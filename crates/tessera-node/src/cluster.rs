@@ -1,0 +1,267 @@
+//! A node as a member of a cluster (docs/ARCHITECTURE.md, "Clusters"): the
+//! agent that runs its shards, where each request goes, and the writes still
+//! on their way through replication.
+//!
+//! A request's keys name one hash slot, the slot one shard. The shard's head
+//! runs writes and strong reads; a READONLY connection reads from any member.
+//! Anywhere else a cluster client is told `MOVED`, and a plain client's request
+//! is forwarded to the head and the answer relayed.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+use tessera_cluster::agent::{Agent, AgentConfig, Completion, Refusal};
+use tessera_engine::{EngineKind, EngineSpec};
+use tessera_wire::slot::key_slot;
+use tessera_wire::{encode_command, skip_value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::config::Config;
+
+/// Where a node keeps the incarnation of its persistent state.
+const INCARNATION_FILE: &str = "cluster-incarnation";
+/// A forwarded request follows at most this many `MOVED` answers.
+const FORWARD_HOPS_MAX: usize = 3;
+
+pub struct ClusterNode {
+    pub agent: Arc<Agent>,
+    /// Writes not yet known to be committed, by the client key they changed:
+    /// a strong read of the key waits for them before it answers.
+    in_flight: Mutex<HashMap<Bytes, Completion>>,
+    /// This node's client address, as the map names it.
+    pub address: String,
+    /// Runs the agent's loops; dropped with the node.
+    _runtime: tokio::runtime::Runtime,
+}
+
+/// Where a request is served.
+pub enum Placement {
+    /// Not about keys (PING, INFO, CLUSTER ...): this node answers.
+    Local,
+    /// This node serves it from shard `shard`; a strong read first waits for
+    /// `barrier` (the head's first write in its view) to commit.
+    Shard { shard: u32, write: bool, strong: bool, barrier: Option<Completion> },
+    /// Another node is the owner.
+    Elsewhere { slot: u16, address: String },
+    /// An error for the client (keys in several slots, no map yet, ...).
+    Refused(String),
+}
+
+impl ClusterNode {
+    /// Joins the cluster and starts the agent on a runtime of its own.
+    pub fn start(config: &Config, client_address: SocketAddr) -> Result<Self, String> {
+        let settings = config.cluster.as_ref().ok_or("no [cluster] section")?;
+        let kind: EngineKind = config.engine.parse().map_err(|error| format!("{error}"))?;
+        if kind == EngineKind::Redis {
+            return Err(
+                "the redis engine cannot back a cluster's shards: they would share one database".into()
+            );
+        }
+        let engine =
+            EngineSpec::new(kind, config.engine_options.clone()).map_err(|error| error.to_string())?;
+        let incarnation = incarnation(&config.dir, matches!(kind, EngineKind::Log | EngineKind::Lsm))?;
+        let peer_listen = SocketAddr::new(client_address.ip(), client_address.port() + 10_000);
+        let agent_config = AgentConfig {
+            cluster_id: settings.id.clone(),
+            node: settings.node,
+            incarnation,
+            coordinator: settings.coordinator.clone(),
+            peer_listen,
+            data_dir: config.dir.clone(),
+            engine,
+            heartbeat_ms: settings.heartbeat_ms,
+            tick_ms: settings.tick_ms,
+        };
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("tessera-cluster")
+            .enable_all()
+            .build()
+            .map_err(|error| format!("cannot start the cluster runtime: {error}"))?;
+        let agent = runtime.block_on(Agent::start(agent_config))?;
+        let address = format!("{}:{}", config.bind, client_address.port());
+        tracing::info!(node = settings.node, incarnation, %address, "joined cluster {}", settings.id);
+        Ok(Self { agent, in_flight: Mutex::new(HashMap::new()), address, _runtime: runtime })
+    }
+
+    /// Decides where a request with these keys is served. `write` and
+    /// `readonly` come from the command and the connection.
+    pub fn place<'k>(
+        &self,
+        mut keys: impl Iterator<Item = &'k [u8]>,
+        write: bool,
+        readonly: bool,
+    ) -> Placement {
+        let Some(first) = keys.next() else { return Placement::Local };
+        let slot = key_slot(first) as u16;
+        if keys.any(|key| key_slot(key) as u16 != slot) {
+            return Placement::Refused("CROSSSLOT Keys in request don't hash to the same slot".into());
+        }
+        let Some(routing) = self.agent.routing() else {
+            return Placement::Refused("CLUSTERDOWN this node has not received the cluster map yet".into());
+        };
+        let Some(shard) = routing.shard_of(slot) else {
+            return Placement::Refused(format!("CLUSTERDOWN Hash slot {slot} not served"));
+        };
+        let strong = write || !readonly;
+        let checked = if write {
+            self.agent.check_write(shard).map(|()| None)
+        } else {
+            self.agent.check_read(shard, strong)
+        };
+        match checked {
+            Ok(barrier) => Placement::Shard { shard, write, strong, barrier },
+            Err(Refusal::LeaseExpired) => {
+                Placement::Refused("TRYAGAIN the shard's lease is being renewed".into())
+            }
+            Err(Refusal::NotOwner) => match routing.head_address(shard) {
+                Some(address) if address != self.address => {
+                    Placement::Elsewhere { slot, address: address.to_string() }
+                }
+                _ => Placement::Refused(format!("TRYAGAIN slot {slot} is changing hands")),
+            },
+        }
+    }
+
+    /// The uncommitted writes a strong request on `key` must wait for.
+    pub fn in_flight(&self, key: &[u8]) -> Option<Completion> {
+        let mut in_flight = self.in_flight.lock();
+        let completion = in_flight.get(key)?;
+        if completion.succeeded() {
+            in_flight.remove(key);
+            return None;
+        }
+        Some(completion.clone())
+    }
+
+    /// Records a command's writes as the newest on each of its keys.
+    pub fn mark_in_flight<'k>(&self, keys: impl Iterator<Item = &'k [u8]>, completion: &Completion) {
+        let mut in_flight = self.in_flight.lock();
+        for key in keys {
+            in_flight.insert(Bytes::copy_from_slice(key), completion.clone());
+        }
+    }
+
+    /// Forgets writes that have finished (called periodically).
+    pub fn purge_finished(&self) {
+        self.in_flight.lock().retain(|_, completion| !completion.is_done());
+    }
+}
+
+/// The incarnation names this node's state: a memory engine starts empty every
+/// time, so it takes a new one at every start; a persistent engine keeps one in
+/// its data directory for as long as the data lives.
+fn incarnation(dir: &Path, persistent: bool) -> Result<u64, String> {
+    let fresh = SystemTime::now().duration_since(UNIX_EPOCH).map_or(1, |now| now.as_micros() as u64);
+    if !persistent {
+        return Ok(fresh);
+    }
+    let path = dir.join(INCARNATION_FILE);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => text.trim().parse().map_err(|_| format!("{}: not an incarnation number", path.display())),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::create_dir_all(dir).map_err(|error| format!("{}: {error}", dir.display()))?;
+            let temporary = path.with_extension("tmp");
+            std::fs::write(&temporary, fresh.to_string())
+                .and_then(|()| std::fs::rename(&temporary, &path))
+                .map_err(|error| format!("{}: {error}", path.display()))?;
+            Ok(fresh)
+        }
+        Err(error) => Err(format!("{}: {error}", path.display())),
+    }
+}
+
+/// A plain client's requests relayed to the nodes that own them: one
+/// connection per owner, opened on first use.
+#[derive(Default)]
+pub struct Forwarder {
+    links: HashMap<String, (TcpStream, Vec<u8>)>,
+}
+
+impl Forwarder {
+    /// Sends one encoded request to `address` and returns its encoded answer,
+    /// following `MOVED` if the owner changed meanwhile.
+    pub async fn forward(&mut self, mut address: String, request: &[u8]) -> Result<Vec<u8>, String> {
+        for _ in 0..FORWARD_HOPS_MAX {
+            let reply = self.exchange(&address, request).await.inspect_err(|_| {
+                self.links.remove(&address);
+            })?;
+            match moved_to(&reply) {
+                Some(next) => address = next,
+                None => return Ok(reply),
+            }
+        }
+        Err(format!("TRYAGAIN the owner kept moving (last asked {address})"))
+    }
+
+    async fn exchange(&mut self, address: &str, request: &[u8]) -> Result<Vec<u8>, String> {
+        let unreachable =
+            |error: std::io::Error| format!("TRYAGAIN cannot reach the owner {address}: {error}");
+        if !self.links.contains_key(address) {
+            let stream = tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(address))
+                .await
+                .map_err(|_| unreachable(std::io::ErrorKind::TimedOut.into()))?
+                .map_err(unreachable)?;
+            let _ = stream.set_nodelay(true);
+            let mut link = (stream, Vec::new());
+            // A forwarded request must not be forwarded again: as a cluster
+            // client, this link is told MOVED instead.
+            let mut hello = Vec::new();
+            encode_command(&[b"READWRITE"], &mut hello);
+            link.0.write_all(&hello).await.map_err(unreachable)?;
+            read_reply(&mut link).await.map_err(unreachable)?;
+            self.links.insert(address.to_string(), link);
+        }
+        let link = self.links.get_mut(address).expect("inserted above");
+        link.0.write_all(request).await.map_err(unreachable)?;
+        read_reply(link).await.map_err(unreachable)
+    }
+}
+
+async fn read_reply((stream, buffer): &mut (TcpStream, Vec<u8>)) -> std::io::Result<Vec<u8>> {
+    loop {
+        match skip_value(buffer) {
+            Ok(Some((end, _))) => return Ok(buffer.drain(..end).collect()),
+            Ok(None) => {}
+            Err(error) => return Err(std::io::Error::other(error.to_string())),
+        }
+        if stream.read_buf(buffer).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+}
+
+/// The address in a `-MOVED slot address` answer.
+fn moved_to(reply: &[u8]) -> Option<String> {
+    let text = std::str::from_utf8(reply.strip_prefix(b"-MOVED ")?).ok()?;
+    let address = text.trim_end().split(' ').nth(1)?;
+    Some(address.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn incarnations_are_kept_only_for_persistent_state() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = incarnation(dir.path(), true).unwrap();
+        assert_eq!(incarnation(dir.path(), true).unwrap(), first, "kept with the data");
+        std::thread::sleep(Duration::from_millis(2));
+        assert_ne!(incarnation(dir.path(), false).unwrap(), first, "memory state is new every start");
+        std::fs::write(dir.path().join(INCARNATION_FILE), "garbage").unwrap();
+        assert!(incarnation(dir.path(), true).unwrap_err().contains("not an incarnation"));
+    }
+
+    #[test]
+    fn moved_answers_name_the_new_owner() {
+        assert_eq!(moved_to(b"-MOVED 3999 127.0.0.1:7002\r\n").as_deref(), Some("127.0.0.1:7002"));
+        assert_eq!(moved_to(b"+OK\r\n"), None);
+    }
+}

@@ -1,0 +1,256 @@
+//! Redis Cluster's commands, answered from the cluster map: CLUSTER SLOTS,
+//! SHARDS, NODES, INFO, KEYSLOT, MYID, and READONLY / READWRITE / ASKING.
+//!
+//! A Tessera node may head one shard and follow in others, which Redis
+//! Cluster's one-master-or-one-replica model cannot say: SLOTS and SHARDS list
+//! every shard's members exactly; NODES shows a node as the master of the
+//! shards it heads.
+
+use tessera_cluster::ClusterMap;
+use tessera_wire::slot::key_slot;
+use tessera_wire::Request;
+
+use super::{is, CommandSpec, Context};
+use crate::cluster::ClusterNode;
+use crate::error::{CommandError, CommandResult};
+
+#[rustfmt::skip]
+pub const COMMANDS: &[CommandSpec] = &[
+    CommandSpec { name: "cluster", arity: -2, flags: &[], first_key: 0, last_key: 0, step: 0, handler: cluster },
+    CommandSpec { name: "readonly", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, handler: readonly },
+    CommandSpec { name: "readwrite", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, handler: readwrite },
+    CommandSpec { name: "asking", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, handler: asking },
+];
+
+fn member_of_cluster<'a>(context: &Context<'a>) -> CommandResult<&'a ClusterNode> {
+    context
+        .store
+        .cluster()
+        .ok_or_else(|| CommandError::Other("This instance has cluster support disabled".into()))
+}
+
+fn current_map(node: &ClusterNode) -> CommandResult<std::sync::Arc<ClusterMap>> {
+    node.agent.routing().map(|routing| routing.map).ok_or_else(|| {
+        CommandError::Coded("CLUSTERDOWN this node has not received the cluster map yet".into())
+    })
+}
+
+/// A node's 40-character name, as Redis Cluster clients expect one.
+pub fn node_name(map: &ClusterMap, node: u32) -> String {
+    let cluster = map
+        .cluster_id
+        .bytes()
+        .fold(0x811c9dc5u32, |hash, byte| (hash ^ byte as u32).wrapping_mul(0x01000193));
+    format!("{cluster:08x}{node:032x}")
+}
+
+fn host_port(address: &str) -> (&str, i64) {
+    match address.rsplit_once(':') {
+        Some((host, port)) => (host, port.parse().unwrap_or(0)),
+        None => (address, 0),
+    }
+}
+
+fn cluster(context: &mut Context, request: &Request) -> CommandResult {
+    let node = member_of_cluster(context)?;
+    context.session.cluster_client = true;
+    let subcommand = request.arg(1);
+    if is(subcommand, "keyslot") && request.len() == 3 {
+        context.out.integer(key_slot(request.arg(2)) as i64);
+        return Ok(());
+    }
+    let map = current_map(node)?;
+    let me = node.agent.node_id();
+    match () {
+        _ if is(subcommand, "slots") && request.len() == 2 => slots(context, &map),
+        _ if is(subcommand, "shards") && request.len() == 2 => shards(context, &map),
+        _ if is(subcommand, "nodes") && request.len() == 2 => context.out.bulk(nodes(&map, me).as_bytes()),
+        _ if is(subcommand, "info") && request.len() == 2 => context.out.bulk(info(&map, me).as_bytes()),
+        _ if is(subcommand, "myid") && request.len() == 2 => context.out.bulk(node_name(&map, me).as_bytes()),
+        _ => {
+            return Err(CommandError::Other(format!(
+                "unknown subcommand or wrong number of arguments for '{}'; try SLOTS, SHARDS, NODES, INFO, KEYSLOT or MYID",
+                String::from_utf8_lossy(subcommand)
+            )))
+        }
+    }
+    Ok(())
+}
+
+fn write_node(context: &mut Context, map: &ClusterMap, node: u32) {
+    let address = map.node(node).map_or("", |info| info.address.as_str());
+    let (host, port) = host_port(address);
+    context.out.array(3);
+    context.out.bulk(host.as_bytes());
+    context.out.integer(port);
+    context.out.bulk(node_name(map, node).as_bytes());
+}
+
+/// [first, last, head, followers...] per slot range.
+fn slots(context: &mut Context, map: &ClusterMap) {
+    let ranges: usize = map.shards.iter().map(|shard| shard.slots.len()).sum();
+    context.out.array(ranges);
+    for shard in &map.shards {
+        for (first, last) in &shard.slots {
+            context.out.array(2 + shard.members.len());
+            context.out.integer(*first as i64);
+            context.out.integer(*last as i64);
+            for member in &shard.members {
+                write_node(context, map, *member);
+            }
+        }
+    }
+}
+
+fn shards(context: &mut Context, map: &ClusterMap) {
+    context.out.array(map.shards.len());
+    for shard in &map.shards {
+        context.out.map(2);
+        context.out.bulk(b"slots");
+        context.out.array(shard.slots.len() * 2);
+        for (first, last) in &shard.slots {
+            context.out.integer(*first as i64);
+            context.out.integer(*last as i64);
+        }
+        context.out.bulk(b"nodes");
+        context.out.array(shard.members.len());
+        for (position, member) in shard.members.iter().enumerate() {
+            let address = map.node(*member).map_or("", |info| info.address.as_str());
+            let (host, port) = host_port(address);
+            context.out.map(6);
+            for (field, value) in [
+                ("id", node_name(map, *member)),
+                ("ip", host.to_string()),
+                ("endpoint", host.to_string()),
+                ("role", if position == 0 { "master" } else { "replica" }.to_string()),
+                ("health", "online".to_string()),
+            ] {
+                context.out.bulk(field.as_bytes());
+                context.out.bulk(value.as_bytes());
+            }
+            context.out.bulk(b"port");
+            context.out.integer(port);
+        }
+    }
+}
+
+/// CLUSTER NODES: one line per node; a node is the master of the shards it
+/// heads and otherwise a replica of the first shard it follows.
+fn nodes(map: &ClusterMap, me: u32) -> String {
+    let mut text = String::new();
+    for node in &map.nodes {
+        let headed: Vec<_> =
+            map.shards.iter().filter(|shard| shard.members.first() == Some(&node.id)).collect();
+        let followed = map.shards.iter().find(|shard| shard.members.iter().skip(1).any(|id| *id == node.id));
+        let myself = if node.id == me { "myself," } else { "" };
+        let (role, master) = match (headed.is_empty(), followed.and_then(|shard| shard.members.first())) {
+            (true, Some(head)) => ("slave", node_name(map, *head)),
+            _ => ("master", "-".to_string()),
+        };
+        let (host, port) = host_port(&node.address);
+        text.push_str(&format!(
+            "{} {host}:{port}@{} {myself}{role} {master} 0 0 {} connected",
+            node_name(map, node.id),
+            port + 10_000,
+            map.epoch
+        ));
+        for shard in headed {
+            for (first, last) in &shard.slots {
+                if first == last {
+                    text.push_str(&format!(" {first}"));
+                } else {
+                    text.push_str(&format!(" {first}-{last}"));
+                }
+            }
+        }
+        text.push('\n');
+    }
+    text
+}
+
+fn info(map: &ClusterMap, me: u32) -> String {
+    let served: usize = map
+        .shards
+        .iter()
+        .filter(|shard| !shard.members.is_empty())
+        .flat_map(|shard| &shard.slots)
+        .map(|(first, last)| (*last - *first) as usize + 1)
+        .sum();
+    let state = if served == tessera_wire::slot::SLOTS { "ok" } else { "fail" };
+    let my_epoch =
+        map.shards.iter().filter(|shard| shard.members.first() == Some(&me)).map(|shard| shard.view_number);
+    [
+        format!("cluster_state:{state}"),
+        format!("cluster_slots_assigned:{served}"),
+        format!("cluster_slots_ok:{served}"),
+        "cluster_slots_pfail:0".into(),
+        "cluster_slots_fail:0".into(),
+        format!("cluster_known_nodes:{}", map.nodes.len()),
+        format!("cluster_size:{}", map.shards.len()),
+        format!("cluster_current_epoch:{}", map.epoch),
+        format!("cluster_my_epoch:{}", my_epoch.max().unwrap_or(0)),
+        format!("tessera_mode:{}", map.mode.name()),
+        format!("tessera_replicas:{}", map.replicas),
+    ]
+    .join("\r\n")
+        + "\r\n"
+}
+
+fn readonly(context: &mut Context, _: &Request) -> CommandResult {
+    member_of_cluster(context)?;
+    context.session.cluster_client = true;
+    context.session.readonly = true;
+    context.out.ok();
+    Ok(())
+}
+
+fn readwrite(context: &mut Context, _: &Request) -> CommandResult {
+    member_of_cluster(context)?;
+    context.session.cluster_client = true;
+    context.session.readonly = false;
+    context.out.ok();
+    Ok(())
+}
+
+/// Slots never migrate between shards here, so ASK is never sent; clients
+/// that send ASKING anyway are told OK.
+fn asking(context: &mut Context, _: &Request) -> CommandResult {
+    member_of_cluster(context)?;
+    context.session.cluster_client = true;
+    context.out.ok();
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_cluster::ReplicationMode;
+
+    fn map() -> ClusterMap {
+        let addresses: Vec<String> = (0..4).map(|index| format!("127.0.0.1:{}", 7000 + index)).collect();
+        ClusterMap::place("c1", ReplicationMode::MsStrong, 2, &addresses, 3).unwrap()
+    }
+
+    #[test]
+    fn nodes_lists_heads_as_masters_with_their_slots() {
+        let map = map();
+        let text = nodes(&map, 1);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 4);
+        assert!(lines[0].contains("127.0.0.1:7000@17000 master - 0 0 1 connected 0-5460"), "{}", lines[0]);
+        assert!(lines[1].contains("myself,master"), "{}", lines[1]);
+        assert!(
+            lines[3].contains(" master - ") && !lines[3].contains("connected "),
+            "a standby heads nothing"
+        );
+        assert_eq!(node_name(&map, 1).len(), 40);
+    }
+
+    #[test]
+    fn info_reports_a_fully_served_map() {
+        let text = info(&map(), 0);
+        assert!(text.contains("cluster_state:ok\r\n"));
+        assert!(text.contains("cluster_slots_assigned:16384\r\n"));
+        assert!(text.contains("cluster_size:3\r\n"));
+    }
+}
