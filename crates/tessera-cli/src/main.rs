@@ -1,5 +1,7 @@
 //! `tessera`: run a node, or talk to one.
 
+mod cluster;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -52,6 +54,9 @@ enum Command {
     },
     /// Run a cluster's coordinator: the shard map, liveness and failover.
     Coordinator(CoordinatorArgs),
+    /// A local cluster of processes: up, status, kill, restart, add-standby, down.
+    #[command(subcommand)]
+    Cluster(cluster::ClusterCommand),
     /// Drive a YCSB workload against RESP endpoints (Tessera, Redis, ...) and
     /// report throughput and latency percentiles.
     Bench(Box<BenchArgs>),
@@ -483,7 +488,7 @@ fn run_command(connection: &ConnectionArgs, args: &[&str]) -> Result<Value, Stri
 
 fn client_command(connection: &ConnectionArgs, command: Command) -> Result<(), String> {
     match command {
-        Command::Serve(_) | Command::Sim(_) | Command::Bench(_) | Command::Coordinator(_) => {
+        Command::Serve(_) | Command::Sim(_) | Command::Bench(_) | Command::Coordinator(_) | Command::Cluster(_) => {
             unreachable!("handled by main")
         }
         Command::Get { key } => match run_command(connection, &["GET", &key])? {
@@ -745,6 +750,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve(*args),
         Command::Sim(args) => simulate(args),
         Command::Coordinator(args) => coordinator(args),
+        Command::Cluster(command) => cluster::run(command),
         Command::Bench(args) => bench(*args, cli.connection.password.clone()),
         command => client_command(&cli.connection, command),
     };

@@ -227,7 +227,19 @@ impl Agent {
     /// Joins the cluster (refused for a wrong cluster id or unknown node id)
     /// and starts heartbeating, ticking and serving peers.
     pub async fn start(config: AgentConfig) -> Result<Arc<Self>, String> {
-        let mut coordinator = Coordinator::connect(&config.coordinator).await?;
+        // The coordinator may be starting or restarting: keep trying to reach
+        // it (a refusal, below, is final).
+        let mut backoff = Duration::from_millis(50);
+        let mut coordinator = loop {
+            match Coordinator::connect(&config.coordinator).await {
+                Ok(coordinator) => break coordinator,
+                Err(error) => {
+                    tracing::warn!(%error, "waiting for the coordinator");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                }
+            }
+        };
         let node = config.node.to_string();
         let joined =
             coordinator.call(&[b"COORD.JOIN", config.cluster_id.as_bytes(), node.as_bytes()]).await?;

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use tessera_protocol::coordinator::{Admission, CoordinatorConfig, ShardCoordinator};
 use tessera_protocol::{NodeId, Progress, ShardView};
 
-use crate::map::{ClusterMap, NodeRole, ReplicationMode};
+use crate::map::{ClusterMap, MapError, NodeInfo, NodeRole, ReplicationMode};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum JoinError {
@@ -180,6 +180,22 @@ impl ClusterCoordinator {
         self.changed = true;
     }
 
+    /// Adds a standby node at `address`; it serves nothing until a shard short
+    /// of replicas takes it in. Returns its id.
+    pub fn add_standby(&mut self, address: &str) -> Result<u32, MapError> {
+        if self.map.nodes.iter().any(|node| node.address == address) {
+            return Err(MapError::Invalid(format!("a node at {address} is already in the map")));
+        }
+        let id = self.map.nodes.iter().map(|node| node.id + 1).max().unwrap_or(0);
+        let mut map = self.map.clone();
+        map.nodes.push(NodeInfo { id, address: address.to_string(), role: NodeRole::Standby });
+        map.epoch += 1;
+        map.validate()?;
+        self.map = map;
+        self.changed = true;
+        Ok(id)
+    }
+
     /// The map, if it changed since the last call: the caller stores it.
     pub fn take_changed_map(&mut self) -> Option<ClusterMap> {
         std::mem::take(&mut self.changed).then(|| self.map.clone())
@@ -243,6 +259,19 @@ mod tests {
         let map = coordinator.take_changed_map().unwrap();
         assert_eq!(map.shard(shard).unwrap().members.last(), Some(&3));
         assert_eq!(map.shard(shard).unwrap().incarnations.get(&3), Some(&1));
+    }
+
+    #[test]
+    fn standbys_are_added_with_new_ids_and_checked_addresses() {
+        let mut coordinator = cluster(3, 3);
+        let epoch = coordinator.map().epoch;
+        assert_eq!(coordinator.add_standby("127.0.0.1:7010").unwrap(), 3);
+        assert_eq!(coordinator.map().epoch, epoch + 1);
+        assert!(coordinator.take_changed_map().is_some(), "the new node is stored");
+        assert!(coordinator.add_standby("127.0.0.1:7010").is_err(), "one node per address");
+        assert!(coordinator.add_standby("no port").is_err());
+        assert_eq!(coordinator.map().nodes.len(), 4, "a refused node leaves the map as it was");
+        assert_eq!(coordinator.map().node(3).unwrap().role, NodeRole::Standby);
     }
 
     #[test]

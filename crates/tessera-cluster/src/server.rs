@@ -5,6 +5,7 @@
 //! COORD.JOIN cluster-id node                        the lease in ms, or an error naming the mismatch
 //! COORD.HEARTBEAT cluster-id node incarnation [shard applied ready-learner ready-view]...
 //!     -> [epoch, [shard, view-number, [members...], [learners...]]...]   (ready-learner -1: none)
+//! COORD.ADD-NODE address                           the new standby node's id
 //! COORD.MAP [known-epoch wait-ms]                   the map as JSON; with an epoch, answers
 //!                                                   once the map is newer or the wait is over
 //! ```
@@ -222,11 +223,12 @@ async fn answer(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWrit
             heartbeat(state, args, out)
         }
         b"COORD.MAP" if args.len() == 1 || args.len() == 3 => watch_map(state, args, out).await,
+        b"COORD.ADD-NODE" if args.len() == 2 => add_node(state, &text(&args[1]), out),
         b"PING" => {
             out.simple("PONG");
             Ok(())
         }
-        b"COORD.JOIN" | b"COORD.HEARTBEAT" | b"COORD.MAP" => {
+        b"COORD.JOIN" | b"COORD.HEARTBEAT" | b"COORD.MAP" | b"COORD.ADD-NODE" => {
             Err(format!("wrong number of arguments for '{}'", text(&args[0]).to_ascii_lowercase()))
         }
         _ => Err(format!("unknown command '{}' for a coordinator", text(&args[0]))),
@@ -285,6 +287,17 @@ fn heartbeat(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter)
             out.integer(i64::from(learner.0));
         }
     }
+    Ok(())
+}
+
+fn add_node(state: &Arc<Mutex<State>>, address: &str, out: &mut ReplyWriter) -> Result<(), String> {
+    let mut state = state.lock();
+    if let Some(reason) = &state.fenced {
+        return Err(format!("this coordinator stopped deciding: {reason}"));
+    }
+    let id = state.coordinator.add_standby(address).map_err(|error| error.to_string())?;
+    state.persist()?;
+    out.integer(i64::from(id));
     Ok(())
 }
 

@@ -1,0 +1,564 @@
+//! `tessera cluster`: a local cluster of processes on loopback, kept under one
+//! directory.
+//!
+//! ```text
+//! <dir>/layout.json         what `up` was asked for: ports, engine, mode, nodes
+//! <dir>/coordinator/        the coordinator's stored map
+//! <dir>/nodes/<id>/         each node's data (its shards' engines)
+//! <dir>/logs/<name>.log     each process's log
+//! <dir>/run/<name>.pid      each running process's pid
+//! ```
+//!
+//! The processes outlive the command that started them; every subcommand
+//! works from the directory alone.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use clap::{Args, Subcommand};
+use serde::{Deserialize, Serialize};
+use tessera_cluster::ClusterMap;
+use tessera_wire::slot::key_slot;
+use tessera_wire::{Client, Value};
+
+#[derive(Subcommand)]
+pub enum ClusterCommand {
+    /// Start a coordinator and nodes as processes, wait until every slot is
+    /// served, show a short demo and how to connect. On an existing directory,
+    /// starts whatever is not running.
+    Up(UpArgs),
+    /// Nodes, roles, shards, views, liveness and per-node operations per second.
+    Status(DirArgs),
+    /// Kill a node (kill -9) by id, or the coordinator.
+    Kill(TargetArgs),
+    /// Stop a node (or the coordinator) if it runs, and start it again.
+    Restart(TargetArgs),
+    /// Add a standby node; it joins the first shard short of replicas.
+    AddStandby(DirArgs),
+    /// Stop every process (data stays in the directory).
+    Down(DirArgs),
+}
+
+#[derive(Args)]
+pub struct DirArgs {
+    /// The cluster's directory.
+    #[arg(long, default_value = "tessera-cluster")]
+    dir: PathBuf,
+}
+
+#[derive(Args)]
+pub struct TargetArgs {
+    /// A node id, or `coordinator`.
+    target: String,
+    #[arg(long, default_value = "tessera-cluster")]
+    dir: PathBuf,
+}
+
+#[derive(Args)]
+pub struct UpArgs {
+    #[arg(long, default_value = "tessera-cluster")]
+    dir: PathBuf,
+    /// Nodes that serve from the start (each heads one shard).
+    #[arg(long, default_value_t = 6)]
+    nodes: u32,
+    /// Copies of each shard.
+    #[arg(long, default_value_t = 3)]
+    replicas: usize,
+    /// ms (master–slave); active–active topologies are not available yet.
+    #[arg(long, default_value = "ms")]
+    topology: String,
+    /// strong (chain replication) or eventual (primary–backup).
+    #[arg(long, default_value = "strong")]
+    consistency: String,
+    /// Each node's engine: memory, ordered, log or lsm.
+    #[arg(long, default_value = "memory")]
+    engine: String,
+    /// The coordinator listens here; node i on base-port + 1 + i (peers on +10000).
+    #[arg(long, default_value_t = 7000)]
+    base_port: u16,
+    /// Worker threads per node.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    #[arg(long, default_value_t = 1000)]
+    lease_ms: u64,
+    #[arg(long, default_value_t = 1500)]
+    failure_timeout_ms: u64,
+    /// Skip the demo of writes and reads.
+    #[arg(long)]
+    no_demo: bool,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Layout {
+    cluster_id: String,
+    host: String,
+    coordinator_port: u16,
+    /// Node id → client port, in id order.
+    nodes: Vec<(u32, u16)>,
+    replicas: usize,
+    consistency: String,
+    engine: String,
+    threads: usize,
+    lease_ms: u64,
+    failure_timeout_ms: u64,
+}
+
+impl Layout {
+    fn path(dir: &Path) -> PathBuf {
+        dir.join("layout.json")
+    }
+
+    fn load(dir: &Path) -> Result<Self, String> {
+        let path = Self::path(dir);
+        let text = fs::read_to_string(&path)
+            .map_err(|error| format!("no cluster in {} ({}: {error})", dir.display(), path.display()))?;
+        serde_json::from_str(&text).map_err(|error| format!("{}: {error}", path.display()))
+    }
+
+    fn save(&self, dir: &Path) -> Result<(), String> {
+        let path = Self::path(dir);
+        let temporary = path.with_extension("tmp");
+        let text = serde_json::to_string_pretty(self).map_err(|error| error.to_string())?;
+        fs::write(&temporary, text)
+            .and_then(|()| fs::rename(&temporary, &path))
+            .map_err(|error| format!("{}: {error}", path.display()))
+    }
+
+    fn coordinator_address(&self) -> String {
+        format!("{}:{}", self.host, self.coordinator_port)
+    }
+
+    fn node_address(&self, port: u16) -> String {
+        format!("{}:{port}", self.host)
+    }
+
+    fn port_of(&self, node: u32) -> Result<u16, String> {
+        self.nodes
+            .iter()
+            .find(|(id, _)| *id == node)
+            .map(|(_, port)| *port)
+            .ok_or_else(|| format!("no node {node} in this cluster"))
+    }
+}
+
+pub fn run(command: ClusterCommand) -> Result<(), String> {
+    match command {
+        ClusterCommand::Up(args) => up(args),
+        ClusterCommand::Status(args) => status(&args.dir),
+        ClusterCommand::Kill(args) => {
+            let layout = Layout::load(&args.dir)?;
+            let name = process_name(&layout, &args.target)?;
+            match running_pid(&args.dir, &name) {
+                Some(pid) => {
+                    signal(pid, libc::SIGKILL)?;
+                    let _ = fs::remove_file(pid_path(&args.dir, &name));
+                    println!("killed {name} (pid {pid})");
+                    Ok(())
+                }
+                None => Err(format!("{name} is not running")),
+            }
+        }
+        ClusterCommand::Restart(args) => {
+            let layout = Layout::load(&args.dir)?;
+            let name = process_name(&layout, &args.target)?;
+            stop(&args.dir, &name, Duration::from_secs(10))?;
+            start(&args.dir, &layout, &name)?;
+            println!("restarted {name}");
+            Ok(())
+        }
+        ClusterCommand::AddStandby(args) => add_standby(&args.dir),
+        ClusterCommand::Down(args) => down(&args.dir),
+    }
+}
+
+fn up(args: UpArgs) -> Result<(), String> {
+    let dir = &args.dir;
+    let layout = match Layout::load(dir) {
+        Ok(layout) => {
+            println!("resuming the cluster in {} (its layout.json wins over flags)", dir.display());
+            layout
+        }
+        Err(_) => {
+            if args.topology != "ms" {
+                return Err(format!(
+                    "topology {:?} is not available yet; the local cluster runs ms (master–slave)",
+                    args.topology
+                ));
+            }
+            if !["strong", "eventual"].contains(&args.consistency.as_str()) {
+                return Err(format!("unknown consistency {:?}; choose strong or eventual", args.consistency));
+            }
+            if !["memory", "ordered", "log", "lsm"].contains(&args.engine.as_str()) {
+                return Err(format!("engine {:?} cannot back a cluster; choose memory, ordered, log or lsm", args.engine));
+            }
+            if args.nodes == 0 || args.replicas == 0 || (args.nodes as usize) < args.replicas {
+                return Err(format!("{} nodes cannot keep {} replicas of each shard", args.nodes, args.replicas));
+            }
+            let last_port = u32::from(args.base_port) + args.nodes + 10_000;
+            if last_port > u32::from(u16::MAX) {
+                return Err("--base-port too high: nodes need port + 10000 for their peers".into());
+            }
+            let layout = Layout {
+                cluster_id: format!("tessera-{}", std::process::id()),
+                host: "127.0.0.1".into(),
+                coordinator_port: args.base_port,
+                nodes: (0..args.nodes).map(|id| (id, args.base_port + 1 + id as u16)).collect(),
+                replicas: args.replicas,
+                consistency: args.consistency.clone(),
+                engine: args.engine.clone(),
+                threads: args.threads,
+                lease_ms: args.lease_ms,
+                failure_timeout_ms: args.failure_timeout_ms,
+            };
+            fs::create_dir_all(dir).map_err(|error| format!("{}: {error}", dir.display()))?;
+            layout.save(dir)?;
+            layout
+        }
+    };
+    let started = Instant::now();
+    for name in std::iter::once("coordinator".to_string()).chain(layout.nodes.iter().map(|(id, _)| node_name(*id))) {
+        if running_pid(dir, &name).is_none() {
+            start(dir, &layout, &name)?;
+        }
+    }
+    let map = wait_until_served(&layout, dir, Duration::from_secs(60))?;
+    println!(
+        "cluster {} is serving: {} nodes, {} shards, {} ({} replicas), engine {}, ready in {:.1} s",
+        map.cluster_id,
+        map.nodes.len(),
+        map.shards.len(),
+        map.mode.name(),
+        map.replicas,
+        layout.engine,
+        started.elapsed().as_secs_f64()
+    );
+    if !args.no_demo {
+        demo(&layout, &map)?;
+    }
+    let first = layout.nodes.first().map(|(_, port)| *port).unwrap_or_default();
+    println!();
+    println!("connect:  redis-cli -c -p {first}        (any node; plain clients are forwarded, cluster clients follow MOVED)");
+    println!("status:   tessera cluster status --dir {}", dir.display());
+    println!("failover: tessera cluster kill 1 --dir {0} && tessera cluster status --dir {0}", dir.display());
+    println!("stop:     tessera cluster down --dir {}", dir.display());
+    Ok(())
+}
+
+/// Writes keys through one node (plain client: requests for other shards are
+/// forwarded), reads them back through another, and shows where they live.
+fn demo(layout: &Layout, map: &ClusterMap) -> Result<(), String> {
+    let (first, last) = match (layout.nodes.first(), layout.nodes.last()) {
+        (Some(first), Some(last)) => (first.1, last.1),
+        _ => return Ok(()),
+    };
+    let connect = |port| {
+        Client::connect(layout.node_address(port), Duration::from_secs(5)).map_err(|error| error.to_string())
+    };
+    let mut writer = connect(first)?;
+    let count = 1000;
+    let started = Instant::now();
+    let commands: Vec<Vec<String>> =
+        (0..count).map(|index| vec!["SET".into(), format!("demo:{index}"), format!("value-{index}")]).collect();
+    let replies = writer.pipeline(&commands).map_err(|error| error.to_string())?;
+    let written = replies.iter().filter(|reply| matches!(reply, Value::Simple(_))).count();
+    let write_time = started.elapsed();
+    let mut reader = connect(last)?;
+    let started = Instant::now();
+    let commands: Vec<Vec<String>> = (0..count).map(|index| vec!["GET".into(), format!("demo:{index}")]).collect();
+    let replies = reader.pipeline(&commands).map_err(|error| error.to_string())?;
+    let matching = replies
+        .iter()
+        .enumerate()
+        .filter(|(index, reply)| reply.as_bytes() == Some(format!("value-{index}").as_bytes()))
+        .count();
+    println!(
+        "demo: {written}/{count} SETs through node on port {first} in {:.0} ms, {matching}/{count} read back through port {last} in {:.0} ms",
+        write_time.as_secs_f64() * 1e3,
+        started.elapsed().as_secs_f64() * 1e3
+    );
+    let mut per_shard = vec![0usize; map.shards.len()];
+    for index in 0..count {
+        let slot = key_slot(format!("demo:{index}").as_bytes()) as u16;
+        if let Some(position) = map.shards.iter().position(|shard| shard.owns(slot)) {
+            per_shard[position] += 1;
+        }
+    }
+    for (shard, keys) in map.shards.iter().zip(per_shard) {
+        let chain: Vec<String> = shard.members.iter().map(|node| format!("n{node}")).collect();
+        println!("  shard {} (slots {:?}): {keys} keys on {}", shard.id, shard.slots, chain.join(" → "));
+    }
+    if written != count || matching != count {
+        return Err("the demo's writes did not all read back".into());
+    }
+    Ok(())
+}
+
+/// Waits until the coordinator has a map and every shard's head takes a write.
+fn wait_until_served(layout: &Layout, dir: &Path, timeout: Duration) -> Result<ClusterMap, String> {
+    let deadline = Instant::now() + timeout;
+    let mut last_problem = String::new();
+    while Instant::now() < deadline {
+        if let Some((id, _)) = layout.nodes.iter().find(|(id, _)| running_pid(dir, &node_name(*id)).is_none()) {
+            let log = dir.join("logs").join(format!("{}.log", node_name(*id)));
+            let text = fs::read_to_string(&log).unwrap_or_default();
+            let last = text.lines().last().unwrap_or("no log");
+            return Err(format!("node {id} exited: {last} (log: {})", log.display()));
+        }
+        match probe(layout) {
+            Ok(map) => return Ok(map),
+            Err(problem) => last_problem = problem,
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Err(format!(
+        "the cluster did not serve within {} s ({last_problem}); see the logs in {}",
+        timeout.as_secs(),
+        dir.join("logs").display()
+    ))
+}
+
+fn probe(layout: &Layout) -> Result<ClusterMap, String> {
+    let map = fetch_map(layout)?;
+    for shard in &map.shards {
+        let head = shard.members.first().ok_or(format!("shard {} has no members", shard.id))?;
+        let address = &map.node(*head).ok_or("a head that is not in the map")?.address;
+        let (first, _) = *shard.slots.first().ok_or("a shard without slots")?;
+        let key = (0u32..).map(|index| format!("tessera:probe:{index}")).find(|key| {
+            key_slot(key.as_bytes()) as u16 == first || shard.owns(key_slot(key.as_bytes()) as u16)
+        });
+        let key = key.expect("some key hashes into any slot range");
+        let mut client =
+            Client::connect(address.as_str(), Duration::from_secs(1)).map_err(|error| format!("{address}: {error}"))?;
+        match client.command(&["SET", key.as_str(), "1"]).map_err(|error| error.to_string())? {
+            Value::Simple(_) => {}
+            other => return Err(format!("shard {} answers {other:?}", shard.id)),
+        }
+    }
+    Ok(map)
+}
+
+fn fetch_map(layout: &Layout) -> Result<ClusterMap, String> {
+    let address = layout.coordinator_address();
+    let mut client = Client::connect(address.as_str(), Duration::from_secs(1))
+        .map_err(|error| format!("coordinator {address}: {error}"))?;
+    match client.command(&["COORD.MAP"]).map_err(|error| error.to_string())? {
+        Value::Bulk(json) => ClusterMap::from_json(&String::from_utf8_lossy(&json)).map_err(|error| error.to_string()),
+        other => Err(format!("the coordinator answered {other:?}")),
+    }
+}
+
+fn status(dir: &Path) -> Result<(), String> {
+    let layout = Layout::load(dir)?;
+    let coordinator = match running_pid(dir, "coordinator") {
+        Some(pid) => format!("running (pid {pid}) on {}", layout.coordinator_address()),
+        None => "NOT RUNNING".into(),
+    };
+    println!("cluster {} in {}; coordinator {coordinator}", layout.cluster_id, dir.display());
+    let map = fetch_map(&layout).ok();
+    let before = commands_per_node(&layout);
+    let sampled = Instant::now();
+    std::thread::sleep(Duration::from_millis(500));
+    let after = commands_per_node(&layout);
+    let seconds = sampled.elapsed().as_secs_f64();
+    println!("{:<6} {:<18} {:<16} {:>9}  roles", "node", "address", "process", "ops/s");
+    for ((id, port), (before, after)) in layout.nodes.iter().zip(before.iter().zip(&after)) {
+        let process = match running_pid(dir, &node_name(*id)) {
+            Some(pid) => format!("up (pid {pid})"),
+            None => "down".into(),
+        };
+        let rate = match (before, after) {
+            (Some(before), Some(after)) => format!("{:.0}", after.saturating_sub(*before) as f64 / seconds),
+            _ => "-".into(),
+        };
+        let roles = map.as_ref().map_or_else(|| "?".into(), |map| roles_of(map, *id));
+        println!("n{id:<5} {:<18} {process:<16} {rate:>9}  {roles}", layout.node_address(*port));
+    }
+    match &map {
+        Some(map) => {
+            println!("map epoch {}, mode {}, {} replicas per shard", map.epoch, map.mode.name(), map.replicas);
+            for shard in &map.shards {
+                let chain: Vec<String> = shard.members.iter().map(|node| format!("n{node}")).collect();
+                let learners: Vec<String> = shard.learners.iter().map(|node| format!("n{node}")).collect();
+                println!(
+                    "  shard {:<3} slots {:<14} view {:<4} {}{}",
+                    shard.id,
+                    format!("{:?}", shard.slots),
+                    shard.view_number,
+                    chain.join(" → "),
+                    if learners.is_empty() { String::new() } else { format!("  (learning: {})", learners.join(", ")) }
+                );
+            }
+        }
+        None => println!("the coordinator does not answer: no map"),
+    }
+    Ok(())
+}
+
+fn roles_of(map: &ClusterMap, node: u32) -> String {
+    let roles: Vec<String> = map
+        .shards
+        .iter()
+        .filter_map(|shard| {
+            let role = match shard.members.iter().position(|member| *member == node) {
+                Some(0) => "head",
+                Some(position) if position + 1 == shard.members.len() => "tail",
+                Some(_) => "middle",
+                None if shard.learners.contains(&node) => "learner",
+                None => return None,
+            };
+            Some(format!("{role} of {}", shard.id))
+        })
+        .collect();
+    if roles.is_empty() {
+        "standby".into()
+    } else {
+        roles.join(", ")
+    }
+}
+
+/// Each node's total_commands_processed, or None where it does not answer.
+fn commands_per_node(layout: &Layout) -> Vec<Option<u64>> {
+    layout
+        .nodes
+        .iter()
+        .map(|(_, port)| {
+            let mut client = Client::connect(layout.node_address(*port), Duration::from_millis(300)).ok()?;
+            let info = client.command(&["INFO", "stats"]).ok()?;
+            let text = String::from_utf8_lossy(info.as_bytes()?).into_owned();
+            text.lines().find_map(|line| line.strip_prefix("total_commands_processed:")?.trim().parse().ok())
+        })
+        .collect()
+}
+
+fn add_standby(dir: &Path) -> Result<(), String> {
+    let mut layout = Layout::load(dir)?;
+    let port = layout.nodes.iter().map(|(_, port)| *port).max().unwrap_or(layout.coordinator_port) + 1;
+    let address = layout.node_address(port);
+    let mut client = Client::connect(layout.coordinator_address(), Duration::from_secs(2))
+        .map_err(|error| format!("coordinator: {error}"))?;
+    let id = match client.command(&["COORD.ADD-NODE", address.as_str()]).map_err(|error| error.to_string())? {
+        Value::Integer(id) => id as u32,
+        other => return Err(format!("the coordinator refused the node: {other:?}")),
+    };
+    layout.nodes.push((id, port));
+    layout.save(dir)?;
+    start(dir, &layout, &node_name(id))?;
+    println!("added standby n{id} on {address}; it joins a shard short of replicas, if one is");
+    Ok(())
+}
+
+fn down(dir: &Path) -> Result<(), String> {
+    let layout = Layout::load(dir)?;
+    let names: Vec<String> =
+        layout.nodes.iter().map(|(id, _)| node_name(*id)).chain(std::iter::once("coordinator".into())).collect();
+    for name in &names {
+        stop(dir, name, Duration::from_secs(10))?;
+    }
+    println!("cluster {} stopped; its data stays in {}", layout.cluster_id, dir.display());
+    Ok(())
+}
+
+fn node_name(id: u32) -> String {
+    format!("node-{id}")
+}
+
+fn process_name(layout: &Layout, target: &str) -> Result<String, String> {
+    if target == "coordinator" {
+        return Ok(target.into());
+    }
+    let id = target.trim_start_matches('n').parse::<u32>().map_err(|_| format!("{target:?} is neither a node id nor coordinator"))?;
+    layout.port_of(id)?;
+    Ok(node_name(id))
+}
+
+fn pid_path(dir: &Path, name: &str) -> PathBuf {
+    dir.join("run").join(format!("{name}.pid"))
+}
+
+/// The pid of a process this directory started, if it still runs.
+fn running_pid(dir: &Path, name: &str) -> Option<i32> {
+    let pid: i32 = fs::read_to_string(pid_path(dir, name)).ok()?.trim().parse().ok()?;
+    // The pid may have been reused: it must still be a tessera process of this directory.
+    let command_line = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
+    let marker = dir.canonicalize().ok()?.to_string_lossy().into_owned();
+    let ours = String::from_utf8_lossy(&command_line).contains(&marker);
+    (ours && state != Some('Z')).then_some(pid)
+}
+
+fn signal(pid: i32, signal: i32) -> Result<(), String> {
+    // SAFETY: kill(2) has no memory effects; the pid was checked to be ours.
+    if unsafe { libc::kill(pid, signal) } == 0 {
+        Ok(())
+    } else {
+        Err(format!("cannot signal pid {pid}: {}", std::io::Error::last_os_error()))
+    }
+}
+
+/// Stops a process gracefully (SIGTERM, then SIGKILL after `grace`).
+fn stop(dir: &Path, name: &str, grace: Duration) -> Result<(), String> {
+    if let Some(pid) = running_pid(dir, name) {
+        signal(pid, libc::SIGTERM)?;
+        let deadline = Instant::now() + grace;
+        while running_pid(dir, name).is_some() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if running_pid(dir, name).is_some() {
+            signal(pid, libc::SIGKILL)?;
+        }
+    }
+    let _ = fs::remove_file(pid_path(dir, name));
+    Ok(())
+}
+
+/// Starts a process of the cluster, detached, logging to `<dir>/logs`.
+fn start(dir: &Path, layout: &Layout, name: &str) -> Result<(), String> {
+    use std::os::unix::process::CommandExt;
+    let dir = dir.canonicalize().map_err(|error| format!("{}: {error}", dir.display()))?;
+    for sub in ["logs", "run", "nodes"] {
+        fs::create_dir_all(dir.join(sub)).map_err(|error| format!("{}: {error}", dir.join(sub).display()))?;
+    }
+    let exe = std::env::current_exe().map_err(|error| format!("cannot find the tessera binary: {error}"))?;
+    let mut args: Vec<String> = Vec::new();
+    if name == "coordinator" {
+        let state = dir.join("coordinator");
+        args.extend(["coordinator".into(), "--dir".into(), state.display().to_string()]);
+        args.extend(["--bind".into(), layout.host.clone(), "--port".into(), layout.coordinator_port.to_string()]);
+        args.extend(["--lease-ms".into(), layout.lease_ms.to_string()]);
+        args.extend(["--failure-timeout-ms".into(), layout.failure_timeout_ms.to_string()]);
+        if !state.join("cluster.json").exists() {
+            let addresses: Vec<String> = layout.nodes.iter().map(|(_, port)| layout.node_address(*port)).collect();
+            args.extend(["--cluster-id".into(), layout.cluster_id.clone(), "--nodes".into(), addresses.join(",")]);
+            args.extend(["--replicas".into(), layout.replicas.to_string()]);
+            args.extend(["--consistency".into(), layout.consistency.clone()]);
+        }
+    } else {
+        let id: u32 = name.trim_start_matches("node-").parse().map_err(|_| format!("no process {name}"))?;
+        let port = layout.port_of(id)?;
+        args.extend(["serve".into(), "--bind".into(), layout.host.clone(), "--port".into(), port.to_string()]);
+        args.extend(["--dir".into(), dir.join("nodes").join(id.to_string()).display().to_string()]);
+        args.extend(["--engine".into(), layout.engine.clone(), "--threads".into(), layout.threads.to_string()]);
+        args.extend(["--cluster-id".into(), layout.cluster_id.clone(), "--node-id".into(), id.to_string()]);
+        args.extend(["--coordinator".into(), layout.coordinator_address()]);
+    }
+    let log_path = dir.join("logs").join(format!("{name}.log"));
+    let log = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .map_err(|error| format!("{}: {error}", log_path.display()))?;
+    let child = std::process::Command::new(exe)
+        .args(&args)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().map_err(|error| error.to_string())?)
+        .stderr(log)
+        // Its own process group: Ctrl-C on this command does not reach it.
+        .process_group(0)
+        .spawn()
+        .map_err(|error| format!("cannot start {name}: {error}"))?;
+    fs::write(pid_path(&dir, name), child.id().to_string()).map_err(|error| error.to_string())?;
+    Ok(())
+}
