@@ -191,10 +191,16 @@ fn up(args: UpArgs) -> Result<(), String> {
                 return Err(format!("unknown consistency {:?}; choose strong or eventual", args.consistency));
             }
             if !["memory", "ordered", "log", "lsm"].contains(&args.engine.as_str()) {
-                return Err(format!("engine {:?} cannot back a cluster; choose memory, ordered, log or lsm", args.engine));
+                return Err(format!(
+                    "engine {:?} cannot back a cluster; choose memory, ordered, log or lsm",
+                    args.engine
+                ));
             }
             if args.nodes == 0 || args.replicas == 0 || (args.nodes as usize) < args.replicas {
-                return Err(format!("{} nodes cannot keep {} replicas of each shard", args.nodes, args.replicas));
+                return Err(format!(
+                    "{} nodes cannot keep {} replicas of each shard",
+                    args.nodes, args.replicas
+                ));
             }
             let last_port = u32::from(args.base_port) + args.nodes + 10_000;
             if last_port > u32::from(u16::MAX) {
@@ -218,7 +224,9 @@ fn up(args: UpArgs) -> Result<(), String> {
         }
     };
     let started = Instant::now();
-    for name in std::iter::once("coordinator".to_string()).chain(layout.nodes.iter().map(|(id, _)| node_name(*id))) {
+    for name in
+        std::iter::once("coordinator".to_string()).chain(layout.nodes.iter().map(|(id, _)| node_name(*id)))
+    {
         if running_pid(dir, &name).is_none() {
             start(dir, &layout, &name)?;
         }
@@ -259,14 +267,16 @@ fn demo(layout: &Layout, map: &ClusterMap) -> Result<(), String> {
     let mut writer = connect(first)?;
     let count = 1000;
     let started = Instant::now();
-    let commands: Vec<Vec<String>> =
-        (0..count).map(|index| vec!["SET".into(), format!("demo:{index}"), format!("value-{index}")]).collect();
+    let commands: Vec<Vec<String>> = (0..count)
+        .map(|index| vec!["SET".into(), format!("demo:{index}"), format!("value-{index}")])
+        .collect();
     let replies = writer.pipeline(&commands).map_err(|error| error.to_string())?;
     let written = replies.iter().filter(|reply| matches!(reply, Value::Simple(_))).count();
     let write_time = started.elapsed();
     let mut reader = connect(last)?;
     let started = Instant::now();
-    let commands: Vec<Vec<String>> = (0..count).map(|index| vec!["GET".into(), format!("demo:{index}")]).collect();
+    let commands: Vec<Vec<String>> =
+        (0..count).map(|index| vec!["GET".into(), format!("demo:{index}")]).collect();
     let replies = reader.pipeline(&commands).map_err(|error| error.to_string())?;
     let matching = replies
         .iter()
@@ -300,7 +310,8 @@ fn wait_until_served(layout: &Layout, dir: &Path, timeout: Duration) -> Result<C
     let deadline = Instant::now() + timeout;
     let mut last_problem = String::new();
     while Instant::now() < deadline {
-        if let Some((id, _)) = layout.nodes.iter().find(|(id, _)| running_pid(dir, &node_name(*id)).is_none()) {
+        if let Some((id, _)) = layout.nodes.iter().find(|(id, _)| running_pid(dir, &node_name(*id)).is_none())
+        {
             let log = dir.join("logs").join(format!("{}.log", node_name(*id)));
             let text = fs::read_to_string(&log).unwrap_or_default();
             let last = text.lines().last().unwrap_or("no log");
@@ -329,8 +340,8 @@ fn probe(layout: &Layout) -> Result<ClusterMap, String> {
             key_slot(key.as_bytes()) as u16 == first || shard.owns(key_slot(key.as_bytes()) as u16)
         });
         let key = key.expect("some key hashes into any slot range");
-        let mut client =
-            Client::connect(address.as_str(), Duration::from_secs(1)).map_err(|error| format!("{address}: {error}"))?;
+        let mut client = Client::connect(address.as_str(), Duration::from_secs(1))
+            .map_err(|error| format!("{address}: {error}"))?;
         match client.command(&["SET", key.as_str(), "1"]).map_err(|error| error.to_string())? {
             Value::Simple(_) => {}
             other => return Err(format!("shard {} answers {other:?}", shard.id)),
@@ -344,7 +355,9 @@ fn fetch_map(layout: &Layout) -> Result<ClusterMap, String> {
     let mut client = Client::connect(address.as_str(), Duration::from_secs(1))
         .map_err(|error| format!("coordinator {address}: {error}"))?;
     match client.command(&["COORD.MAP"]).map_err(|error| error.to_string())? {
-        Value::Bulk(json) => ClusterMap::from_json(&String::from_utf8_lossy(&json)).map_err(|error| error.to_string()),
+        Value::Bulk(json) => {
+            ClusterMap::from_json(&String::from_utf8_lossy(&json)).map_err(|error| error.to_string())
+        }
         other => Err(format!("the coordinator answered {other:?}")),
     }
 }
@@ -377,7 +390,12 @@ fn status(dir: &Path) -> Result<(), String> {
     }
     match &map {
         Some(map) => {
-            println!("map epoch {}, mode {}, {} replicas per shard", map.epoch, map.mode.name(), map.replicas);
+            println!(
+                "map epoch {}, mode {}, {} replicas per shard",
+                map.epoch,
+                map.mode.name(),
+                map.replicas
+            );
             for shard in &map.shards {
                 let chain: Vec<String> = shard.members.iter().map(|node| format!("n{node}")).collect();
                 let learners: Vec<String> = shard.learners.iter().map(|node| format!("n{node}")).collect();
@@ -387,7 +405,11 @@ fn status(dir: &Path) -> Result<(), String> {
                     format!("{:?}", shard.slots),
                     shard.view_number,
                     chain.join(" → "),
-                    if learners.is_empty() { String::new() } else { format!("  (learning: {})", learners.join(", ")) }
+                    if learners.is_empty() {
+                        String::new()
+                    } else {
+                        format!("  (learning: {})", learners.join(", "))
+                    }
                 );
             }
         }
@@ -451,8 +473,12 @@ fn add_standby(dir: &Path) -> Result<(), String> {
 
 fn down(dir: &Path) -> Result<(), String> {
     let layout = Layout::load(dir)?;
-    let names: Vec<String> =
-        layout.nodes.iter().map(|(id, _)| node_name(*id)).chain(std::iter::once("coordinator".into())).collect();
+    let names: Vec<String> = layout
+        .nodes
+        .iter()
+        .map(|(id, _)| node_name(*id))
+        .chain(std::iter::once("coordinator".into()))
+        .collect();
     for name in &names {
         stop(dir, name, Duration::from_secs(10))?;
     }
@@ -468,7 +494,10 @@ fn process_name(layout: &Layout, target: &str) -> Result<String, String> {
     if target == "coordinator" {
         return Ok(target.into());
     }
-    let id = target.trim_start_matches('n').parse::<u32>().map_err(|_| format!("{target:?} is neither a node id nor coordinator"))?;
+    let id = target
+        .trim_start_matches('n')
+        .parse::<u32>()
+        .map_err(|_| format!("{target:?} is neither a node id nor coordinator"))?;
     layout.port_of(id)?;
     Ok(node_name(id))
 }
@@ -485,7 +514,8 @@ fn running_pid(dir: &Path, name: &str) -> Option<i32> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
     let marker = dir.canonicalize().ok()?.to_string_lossy().into_owned();
-    let ours = String::from_utf8_lossy(&command_line).contains(&marker);
+    // A process in the middle of exec shows an empty command line for a moment.
+    let ours = command_line.is_empty() || String::from_utf8_lossy(&command_line).contains(&marker);
     (ours && state != Some('Z')).then_some(pid)
 }
 
@@ -526,21 +556,43 @@ fn start(dir: &Path, layout: &Layout, name: &str) -> Result<(), String> {
     if name == "coordinator" {
         let state = dir.join("coordinator");
         args.extend(["coordinator".into(), "--dir".into(), state.display().to_string()]);
-        args.extend(["--bind".into(), layout.host.clone(), "--port".into(), layout.coordinator_port.to_string()]);
+        args.extend([
+            "--bind".into(),
+            layout.host.clone(),
+            "--port".into(),
+            layout.coordinator_port.to_string(),
+        ]);
         args.extend(["--lease-ms".into(), layout.lease_ms.to_string()]);
         args.extend(["--failure-timeout-ms".into(), layout.failure_timeout_ms.to_string()]);
         if !state.join("cluster.json").exists() {
-            let addresses: Vec<String> = layout.nodes.iter().map(|(_, port)| layout.node_address(*port)).collect();
-            args.extend(["--cluster-id".into(), layout.cluster_id.clone(), "--nodes".into(), addresses.join(",")]);
+            let addresses: Vec<String> =
+                layout.nodes.iter().map(|(_, port)| layout.node_address(*port)).collect();
+            args.extend([
+                "--cluster-id".into(),
+                layout.cluster_id.clone(),
+                "--nodes".into(),
+                addresses.join(","),
+            ]);
             args.extend(["--replicas".into(), layout.replicas.to_string()]);
             args.extend(["--consistency".into(), layout.consistency.clone()]);
         }
     } else {
         let id: u32 = name.trim_start_matches("node-").parse().map_err(|_| format!("no process {name}"))?;
         let port = layout.port_of(id)?;
-        args.extend(["serve".into(), "--bind".into(), layout.host.clone(), "--port".into(), port.to_string()]);
+        args.extend([
+            "serve".into(),
+            "--bind".into(),
+            layout.host.clone(),
+            "--port".into(),
+            port.to_string(),
+        ]);
         args.extend(["--dir".into(), dir.join("nodes").join(id.to_string()).display().to_string()]);
-        args.extend(["--engine".into(), layout.engine.clone(), "--threads".into(), layout.threads.to_string()]);
+        args.extend([
+            "--engine".into(),
+            layout.engine.clone(),
+            "--threads".into(),
+            layout.threads.to_string(),
+        ]);
         args.extend(["--cluster-id".into(), layout.cluster_id.clone(), "--node-id".into(), id.to_string()]);
         args.extend(["--coordinator".into(), layout.coordinator_address()]);
     }

@@ -63,6 +63,9 @@ enum Command {
     /// Run replication protocols in the deterministic simulator, with faults,
     /// and check their histories. Exits non-zero on any violation.
     Sim(SimArgs),
+    /// Check a history recorded from real clients (JSON lines, see
+    /// docs/OPERATIONS.md) for linearizability, with the simulator's checker.
+    CheckHistory { file: PathBuf },
     /// Manage tables.
     Table {
         #[command(subcommand)]
@@ -443,6 +446,28 @@ fn serve(args: ServeArgs) -> Result<(), String> {
 }
 
 /// Logs to stderr at the level a `--log` filter gives (`info`, `tessera=debug`, ...).
+fn check_history(file: &std::path::Path) -> Result<(), String> {
+    use tessera_sim::linearizability::{check, Verdict};
+    let text = std::fs::read_to_string(file).map_err(|error| format!("{}: {error}", file.display()))?;
+    let history = tessera_sim::history::from_json_lines(&text)?;
+    let keys: std::collections::HashSet<_> =
+        history.operations.iter().map(|operation| &operation.key).collect();
+    let summary = format!("{} operations on {} keys", history.operations.len(), keys.len());
+    match check(&history) {
+        Verdict::Linearizable => {
+            println!("linearizable: {summary}");
+            Ok(())
+        }
+        Verdict::Violation { key, detail } => {
+            Err(format!("NOT linearizable ({summary}): key {:?}: {detail}", String::from_utf8_lossy(&key)))
+        }
+        Verdict::Inconclusive { key } => Err(format!(
+            "inconclusive ({summary}): the search for key {:?} gave up",
+            String::from_utf8_lossy(&key)
+        )),
+    }
+}
+
 fn init_logging(filter: &str) -> Result<(), String> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(filter).map_err(|error| error.to_string())?)
@@ -488,7 +513,12 @@ fn run_command(connection: &ConnectionArgs, args: &[&str]) -> Result<Value, Stri
 
 fn client_command(connection: &ConnectionArgs, command: Command) -> Result<(), String> {
     match command {
-        Command::Serve(_) | Command::Sim(_) | Command::Bench(_) | Command::Coordinator(_) | Command::Cluster(_) => {
+        Command::Serve(_)
+        | Command::Sim(_)
+        | Command::Bench(_)
+        | Command::Coordinator(_)
+        | Command::Cluster(_)
+        | Command::CheckHistory { .. } => {
             unreachable!("handled by main")
         }
         Command::Get { key } => match run_command(connection, &["GET", &key])? {
@@ -751,6 +781,7 @@ fn main() -> ExitCode {
         Command::Sim(args) => simulate(args),
         Command::Coordinator(args) => coordinator(args),
         Command::Cluster(command) => cluster::run(command),
+        Command::CheckHistory { file } => check_history(&file),
         Command::Bench(args) => bench(*args, cli.connection.password.clone()),
         command => client_command(&cli.connection, command),
     };

@@ -200,8 +200,33 @@ impl Routing {
 struct State {
     shards: BTreeMap<u32, Replica>,
     routing: Option<Routing>,
-    waiting: HashMap<RequestId, oneshot::Sender<ClientReply>>,
+    /// Requests handed to a protocol, with their shard, until answered.
+    waiting: HashMap<RequestId, (u32, oneshot::Sender<ClientReply>)>,
     next_request: u64,
+}
+
+impl State {
+    /// A new request to a shard's protocol, and where its answer will arrive.
+    fn register(&mut self, shard: u32) -> (RequestId, oneshot::Receiver<ClientReply>) {
+        let id = RequestId(self.next_request);
+        self.next_request += 1;
+        let (sender, receiver) = oneshot::channel();
+        self.waiting.insert(id, (shard, sender));
+        (id, receiver)
+    }
+
+    /// Stops running a shard the coordinator no longer grants this node; its
+    /// unanswered requests are told to retry elsewhere.
+    fn leave(&mut self, shard: u32) {
+        self.shards.remove(&shard);
+        let unanswered: Vec<RequestId> =
+            self.waiting.iter().filter(|(_, (of, _))| *of == shard).map(|(id, _)| *id).collect();
+        for id in unanswered {
+            if let Some((_, waiter)) = self.waiting.remove(&id) {
+                let _ = waiter.send(ClientReply::Retry("this node left the shard"));
+            }
+        }
+    }
 }
 
 pub struct Agent {
@@ -294,20 +319,7 @@ impl Agent {
     /// Hands an operation to a shard's protocol now: a write is ordered, and
     /// applied at the head, before this returns. The answer follows.
     pub fn begin(&self, shard: u32, operation: Operation) -> Pending {
-        let mut state = self.state.lock();
-        let id = RequestId(state.next_request);
-        state.next_request += 1;
-        let (sender, receiver) = oneshot::channel();
-        state.waiting.insert(id, sender);
-        let now = self.now();
-        let Some(replica) = state.shards.get_mut(&shard) else {
-            state.waiting.remove(&id);
-            return Pending::Ready(ClientReply::Retry("this node does not serve the shard"));
-        };
-        let mut fx = Effects::new(now);
-        replica.protocol.on_client(ClientRequest { id, operation }, &mut fx);
-        self.run_effects(&mut state, shard, fx);
-        Pending::Waiting(receiver)
+        self.begin_all(shard, vec![operation]).pop().expect("one operation, one answer")
     }
 
     /// Orders a command's writes in one step, so that no view change falls
@@ -324,10 +336,7 @@ impl Agent {
         let mut pendings = Vec::with_capacity(operations.len());
         let mut fx = Effects::new(now);
         for operation in operations {
-            let id = RequestId(state.next_request);
-            state.next_request += 1;
-            let (sender, receiver) = oneshot::channel();
-            state.waiting.insert(id, sender);
+            let (id, receiver) = state.register(shard);
             let replica = state.shards.get_mut(&shard).expect("checked above");
             replica.protocol.on_client(ClientRequest { id, operation }, &mut fx);
             pendings.push(Pending::Waiting(receiver));
@@ -401,7 +410,7 @@ impl Agent {
             match effect {
                 Effect::Send { to, message } => self.links.send(to, shard, &message),
                 Effect::Reply { request, reply } => {
-                    if let Some(waiter) = state.waiting.remove(&request) {
+                    if let Some((_, waiter)) = state.waiting.remove(&request) {
                         let _ = waiter.send(reply);
                     }
                 }
@@ -431,6 +440,16 @@ impl Agent {
         let mut state = self.state.lock();
         let Some(mode) = state.routing.as_ref().map(|routing| routing.map.mode) else { return };
         let me = NodeId(self.config.node);
+        let left: Vec<u32> = state
+            .shards
+            .keys()
+            .filter(|shard| !grants.iter().any(|(granted, _)| granted == *shard))
+            .copied()
+            .collect();
+        for shard in left {
+            tracing::info!(shard, "no longer granted this shard; leaving it");
+            state.leave(shard);
+        }
         for (shard, view) in grants {
             let replica = match state.shards.entry(shard) {
                 std::collections::btree_map::Entry::Occupied(entry) => entry.into_mut(),
@@ -450,10 +469,7 @@ impl Agent {
             replica.protocol.on_view(&view, &mut fx);
             replica.view = view;
             if new_head {
-                let id = RequestId(state.next_request);
-                state.next_request += 1;
-                let (sender, receiver) = oneshot::channel();
-                state.waiting.insert(id, sender);
+                let (id, receiver) = state.register(shard);
                 let replica = state.shards.get_mut(&shard).expect("inserted above");
                 let barrier = Operation::Delete { key: Bytes::from_static(BARRIER_KEY) };
                 replica.protocol.on_client(ClientRequest { id, operation: barrier }, &mut fx);

@@ -100,9 +100,10 @@ impl ClusterCoordinator {
     ) -> Result<Grants, JoinError> {
         self.map.node(node).ok_or(JoinError::UnknownNode(node))?;
         let mut shards: Vec<u32> = self.map.shards_of(node).map(|shard| shard.id).collect();
-        if shards.is_empty() {
-            // A node that serves nothing offers itself to one shard short of replicas.
-            shards.extend(self.shard_needing_a_replica());
+        if shards.len() < self.fair_share() {
+            // A node with room (a standby, or one that came back after losing
+            // its place) is offered to one shard short of replicas.
+            shards.extend(self.shard_needing_a_replica(node));
         }
         let mut grants = Vec::new();
         let mut learnt = Vec::new();
@@ -121,13 +122,22 @@ impl ClusterCoordinator {
         Ok(Grants { epoch: self.map.epoch, shards: grants })
     }
 
+    /// How many shards a node serves when replicas are spread evenly.
+    fn fair_share(&self) -> usize {
+        (self.map.shards.len() * self.map.replicas).div_ceil(self.map.nodes.len().max(1))
+    }
+
     /// The shard with the fewest members below the replication factor that has
-    /// no learner yet.
-    fn shard_needing_a_replica(&self) -> Option<u32> {
+    /// no learner yet and does not have `node`.
+    fn shard_needing_a_replica(&self, node: u32) -> Option<u32> {
         self.map
             .shards
             .iter()
-            .filter(|shard| shard.members.len() < self.map.replicas && shard.learners.is_empty())
+            .filter(|shard| {
+                shard.members.len() < self.map.replicas
+                    && shard.learners.is_empty()
+                    && !shard.members.contains(&node)
+            })
             .min_by_key(|shard| (shard.members.len(), shard.id))
             .map(|shard| shard.id)
     }
@@ -245,9 +255,10 @@ mod tests {
         let map = coordinator.take_changed_map().expect("node 2 was removed");
         assert!(map.epoch > 1);
         assert!(map.shards.iter().all(|shard| !shard.members.contains(&2)));
-        // The standby was offered to one shard short of a replica, as its learner.
+        // The standby was offered, one heartbeat at a time, to every shard short
+        // of a replica (its fair share is 3 of the 9 replicas), as their learner.
         let joining: Vec<_> = map.shards.iter().filter(|shard| shard.learners.contains(&3)).collect();
-        assert_eq!(joining.len(), 1);
+        assert_eq!(joining.len(), 3);
         assert_eq!(map.node(3).unwrap().role, NodeRole::Member);
         // The tail reports the learner caught up: it becomes the tail.
         let shard = joining[0].id;

@@ -43,3 +43,89 @@ impl Operation {
 pub struct History {
     pub operations: Vec<Operation>,
 }
+
+/// Reads a history recorded from real clients, one JSON object per line:
+///
+/// ```text
+/// {"client": 3, "key": "k7", "call": "set", "value": "12", "outcome": "written", "invoked": 1042, "completed": 1390}
+/// {"client": 1, "key": "k7", "call": "get", "outcome": "value", "result": "12", "invoked": 1100, "completed": 1200}
+/// {"client": 2, "key": "k7", "call": "incr", "delta": 1, "outcome": "unknown", "invoked": 1300}
+/// ```
+///
+/// `call` is get, set, del or incr; `outcome` is value (with `result`, null
+/// for a missing key), written, or unknown (the client got an error or gave
+/// up: the operation may or may not have taken effect, and has no
+/// `completed`). Times are in any one unit, from one clock.
+pub fn from_json_lines(text: &str) -> Result<History, String> {
+    let mut operations = Vec::new();
+    for (index, line) in text.lines().enumerate().filter(|(_, line)| !line.trim().is_empty()) {
+        let at = |message: String| format!("line {}: {message}", index + 1);
+        let record: serde_json::Value = serde_json::from_str(line).map_err(|error| at(error.to_string()))?;
+        let field = |name: &str| record.get(name).ok_or_else(|| at(format!("no {name:?}")));
+        let text_of = |name: &str| -> Result<Bytes, String> {
+            field(name)?
+                .as_str()
+                .map(|text| Bytes::from(text.to_string()))
+                .ok_or_else(|| at(format!("{name:?} is not a string")))
+        };
+        let number_of = |name: &str| -> Result<i64, String> {
+            field(name)?.as_i64().ok_or_else(|| at(format!("{name:?} is not an integer")))
+        };
+        let call = match field("call")?.as_str() {
+            Some("get") => Call::Get,
+            Some("set") => Call::Put(text_of("value")?),
+            Some("del") => Call::Delete,
+            Some("incr") => Call::Increment(number_of("delta")?),
+            other => return Err(at(format!("unknown call {other:?}"))),
+        };
+        let (outcome, completed_at) = match field("outcome")?.as_str() {
+            Some("value") => {
+                let result = match field("result")? {
+                    serde_json::Value::Null => None,
+                    _ => Some(text_of("result")?),
+                };
+                (Outcome::Value(result), Some(number_of("completed")? as u64))
+            }
+            Some("written") => (Outcome::Written, Some(number_of("completed")? as u64)),
+            Some("unknown") => (Outcome::Unknown, None),
+            other => return Err(at(format!("unknown outcome {other:?}"))),
+        };
+        operations.push(Operation {
+            client: number_of("client")? as usize,
+            key: text_of("key")?,
+            call,
+            outcome,
+            invoked_at: number_of("invoked")? as u64,
+            completed_at,
+        });
+    }
+    Ok(History { operations })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::linearizability::{check, Verdict};
+
+    #[test]
+    fn recorded_histories_are_read_and_checked() {
+        let good = r#"
+{"client": 0, "key": "k", "call": "set", "value": "1", "outcome": "written", "invoked": 0, "completed": 10}
+{"client": 1, "key": "k", "call": "get", "outcome": "value", "result": "1", "invoked": 20, "completed": 30}
+{"client": 1, "key": "k", "call": "incr", "delta": 2, "outcome": "unknown", "invoked": 40}
+{"client": 0, "key": "k", "call": "get", "outcome": "value", "result": "3", "invoked": 50, "completed": 60}
+"#;
+        let history = from_json_lines(good).unwrap();
+        assert_eq!(history.operations.len(), 4);
+        assert_eq!(check(&history), Verdict::Linearizable);
+        let stale = r#"
+{"client": 0, "key": "k", "call": "set", "value": "1", "outcome": "written", "invoked": 0, "completed": 10}
+{"client": 1, "key": "k", "call": "get", "outcome": "value", "result": null, "invoked": 20, "completed": 30}
+"#;
+        assert!(matches!(check(&from_json_lines(stale).unwrap()), Verdict::Violation { .. }));
+        assert!(from_json_lines(r#"{"client": 0, "key": "k", "call": "cas"}"#)
+            .unwrap_err()
+            .contains("line 1"));
+        assert!(from_json_lines("not json").is_err());
+    }
+}

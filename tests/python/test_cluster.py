@@ -1,0 +1,373 @@
+"""A real local cluster (`tessera cluster up`: a coordinator and node processes)
+under redis-py's cluster client, with kill -9, SIGSTOP/SIGCONT and coordinator
+restarts while clients read and write. MS+SC: the recorded history is checked
+for linearizability by the simulator's checker (`tessera check-history`), and
+every acknowledged write is readable. MS+EC: writes lost by a primary failover
+were acknowledged just before the kill, and replicas converge."""
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.retry import Retry
+
+from conftest import BINARY
+
+LEASE_MS = 400
+FAILURE_TIMEOUT_MS = 700
+NODES = 6
+
+
+def port_free(port):
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def free_base_port(count):
+    """A base port with `count` free ports above it, and their peer ports (+10000)."""
+    for _ in range(200):
+        base = random.randrange(20000, 40000)
+        ports = range(base, base + count + 1)
+        if all(port_free(port) and port_free(port + 10000) for port in ports):
+            return base
+    raise RuntimeError("no free port range")
+
+
+def now_us():
+    return time.monotonic_ns() // 1000
+
+
+class LocalCluster:
+    def __init__(self, directory, consistency):
+        self.dir = Path(directory) / "cluster"
+        self.consistency = consistency
+        # Room for a standby.
+        self.base_port = free_base_port(NODES + 2)
+
+    def cli(self, *args, check=True):
+        result = subprocess.run(
+            [str(BINARY), "cluster", *args, "--dir", str(self.dir)], capture_output=True, text=True, timeout=120
+        )
+        if check and result.returncode != 0:
+            raise RuntimeError(f"tessera cluster {' '.join(args)}: {result.stdout}{result.stderr}")
+        return result
+
+    def up(self):
+        self.cli(
+            "up", "--nodes", str(NODES), "--replicas", "3", "--consistency", self.consistency,
+            "--base-port", str(self.base_port), "--lease-ms", str(LEASE_MS),
+            "--failure-timeout-ms", str(FAILURE_TIMEOUT_MS), "--no-demo",
+        )
+        return self
+
+    def pid(self, name):
+        return int((self.dir / "run" / f"{name}.pid").read_text())
+
+    def down(self):
+        for pid_file in (self.dir / "run").glob("*.pid"):
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGCONT)
+            except (OSError, ValueError):
+                pass
+        self.cli("down", check=False)
+
+    def port(self, node):
+        return self.base_port + 1 + node
+
+    def map(self):
+        coordinator = redis.Redis(port=self.base_port, socket_timeout=5, protocol=2)
+        return json.loads(coordinator.execute_command("COORD.MAP"))
+
+    def shard(self, shard_id):
+        return next(shard for shard in self.map()["shards"] if shard["id"] == shard_id)
+
+    def client(self):
+        return RedisCluster(
+            startup_nodes=[ClusterNode("127.0.0.1", self.port(node)) for node in range(NODES)],
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 40),
+            socket_timeout=2,
+        )
+
+    def wait_for_full_shards(self, timeout=30):
+        """Until every shard has all its replicas again (restarted nodes caught up)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            shards = self.map()["shards"]
+            if all(len(shard["members"]) == 3 and not shard["learners"] for shard in shards):
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"shards not back to 3 replicas: {self.map()['shards']}")
+
+
+@pytest.fixture
+def cluster_factory(tmp_path):
+    clusters = []
+
+    def make(consistency):
+        cluster = LocalCluster(tmp_path, consistency)
+        clusters.append(cluster)
+        return cluster.up()
+
+    yield make
+    for cluster in clusters:
+        cluster.down()
+
+
+class Recorder(threading.Thread):
+    """One client thread: random SETs (unique values) and GETs on a few keys,
+    each recorded with its invocation and completion times."""
+
+    def __init__(self, cluster, client_id, keys, stop):
+        super().__init__(daemon=True)
+        self.client = cluster.client()
+        self.client_id = client_id
+        self.keys = keys
+        self.stop_event = stop
+        self.history = []
+        self.acknowledged = {}
+        self.failures = 0
+        self.successes_at = []
+
+    def run(self):
+        rng = random.Random(self.client_id)
+        sequence = 0
+        while not self.stop_event.is_set():
+            key = rng.choice(self.keys)
+            record = {"client": self.client_id, "key": key, "invoked": now_us()}
+            try:
+                if rng.random() < 0.5:
+                    sequence += 1
+                    value = f"{self.client_id}-{sequence}"
+                    record.update(call="set", value=value)
+                    self.client.set(key, value)
+                    record.update(outcome="written")
+                else:
+                    record.update(call="get")
+                    found = self.client.get(key)
+                    record.update(outcome="value", result=None if found is None else found.decode())
+                record["completed"] = now_us()
+                self.successes_at.append(record["completed"])
+            except redis.RedisError:
+                self.failures += 1
+                record["outcome"] = "unknown"
+            if record["outcome"] != "unknown" or record["call"] == "set":
+                self.history.append(record)
+
+
+def run_with_faults(cluster, faults, clients=4, keys=24):
+    stop = threading.Event()
+    key_names = [f"reg:{index}" for index in range(keys)]
+    recorders = [Recorder(cluster, client, key_names, stop) for client in range(clients)]
+    for recorder in recorders:
+        recorder.start()
+    time.sleep(1.0)
+    marks = []
+    for fault in faults:
+        marks.append((fault.__name__, now_us()))
+        fault()
+    time.sleep(1.5)
+    stop.set()
+    for recorder in recorders:
+        recorder.join(timeout=120)
+    return recorders, key_names, marks
+
+
+def kill_node(cluster, node):
+    def fault():
+        cluster.cli("kill", str(node))
+        time.sleep(1.5)
+        cluster.cli("restart", str(node))
+        time.sleep(1.0)
+
+    fault.__name__ = f"kill -9 n{node}"
+    return fault
+
+
+def check_history(tmp_path, operations):
+    path = tmp_path / "history.jsonl"
+    path.write_text("\n".join(json.dumps(operation) for operation in operations) + "\n")
+    result = subprocess.run([str(BINARY), "check-history", str(path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.strip()
+
+
+def test_strong_cluster_stays_linearizable_through_kills_stops_and_coordinator_restarts(
+    cluster_factory, tmp_path
+):
+    cluster = cluster_factory("strong")
+    # Chains: shard i runs on n_i → n_i+1 → n_i+2.
+    head_of_0 = cluster.shard(0)["members"][0]
+    middle_of_1 = cluster.shard(1)["members"][1]
+    tail_of_3 = cluster.shard(3)["members"][2]
+
+    def stop_and_continue():
+        pid = cluster.pid("node-4")
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(2 * FAILURE_TIMEOUT_MS / 1000)
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(1.5)
+
+    def restart_coordinator():
+        cluster.cli("restart", "coordinator")
+        time.sleep(1.5)
+
+    faults = [
+        kill_node(cluster, head_of_0),
+        kill_node(cluster, middle_of_1),
+        kill_node(cluster, tail_of_3),
+        stop_and_continue,
+        restart_coordinator,
+    ]
+    recorders, keys, marks = run_with_faults(cluster, faults)
+    operations = [operation for recorder in recorders for operation in recorder.history]
+    completed = [operation for operation in operations if operation["outcome"] != "unknown"]
+    assert len(completed) > 500, f"too little traffic got through: {len(completed)}"
+    # Service continued after every fault: successes in the last second of traffic.
+    last_fault_end = max(at for recorder in recorders for at in recorder.successes_at) - 1_000_000
+    assert sum(at > last_fault_end for recorder in recorders for at in recorder.successes_at) > 20
+
+    # Every key read once more, after everything: every acknowledged write that
+    # was not overwritten must be there (the checker sees these reads too).
+    reader = cluster.client()
+    final = now_us()
+    for key in keys:
+        found = reader.get(key)
+        operations.append({
+            "client": 99, "key": key, "call": "get", "outcome": "value",
+            "result": None if found is None else found.decode(), "invoked": final, "completed": now_us(),
+        })
+    verdict = check_history(tmp_path, operations)
+    assert verdict.startswith("linearizable"), verdict
+    failures = sum(recorder.failures for recorder in recorders)
+    print(f"\n{verdict}; {failures} client errors; faults at {[name for name, _ in marks]}")
+
+    cluster.wait_for_full_shards()
+    # Replicas of each shard hold the same values (eventual reads from each member).
+    assert_replicas_converge(cluster, keys)
+
+
+def assert_replicas_converge(cluster, keys, timeout=10):
+    deadline = time.time() + timeout
+    while True:
+        differing = []
+        cluster_map = cluster.map()
+        for key in keys:
+            slot = redis.Redis(port=cluster.port(0)).execute_command("CLUSTER", "KEYSLOT", key)
+            shard = next(
+                shard for shard in cluster_map["shards"]
+                if any(first <= slot <= last for first, last in shard["slots"])
+            )
+            values = set()
+            for member in shard["members"]:
+                connection = redis.Redis(port=cluster.port(member), socket_timeout=5)
+                connection.execute_command("READONLY")
+                values.add(connection.get(key))
+            if len(values) != 1:
+                differing.append((key, values))
+        if not differing:
+            return
+        if time.time() > deadline:
+            raise AssertionError(f"replicas differ: {differing[:5]}")
+        time.sleep(0.2)
+
+
+def test_eventual_cluster_loses_only_the_last_moment_of_writes_on_primary_failover(cluster_factory):
+    cluster = cluster_factory("eventual")
+    client = cluster.client()
+    primary = cluster.shard(2)["members"][0]
+    # Every write a fresh key, so each lost acknowledged write is seen.
+    acknowledged = {}
+    stop = threading.Event()
+
+    def writer():
+        index = 0
+        while not stop.is_set():
+            key = f"append:{index}"
+            try:
+                client.set(key, "x")
+                acknowledged[key] = now_us()
+            except redis.RedisError:
+                pass
+            index += 1
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    time.sleep(1.5)
+    killed_at = now_us()
+    cluster.cli("kill", str(primary))
+    time.sleep(2.0)
+    cluster.cli("restart", str(primary))
+    time.sleep(1.0)
+    stop.set()
+    thread.join(timeout=60)
+
+    reader = cluster.client()
+    lost = [key for key in acknowledged if reader.get(key) is None]
+    window_us = [killed_at - acknowledged[key] for key in lost]
+    print(f"\nMS+EC primary failover: {len(lost)} of {len(acknowledged)} acknowledged writes lost, "
+          f"acknowledged {max(window_us, default=0) / 1000:.1f} ms or less before the kill")
+    assert len(acknowledged) > 500
+    assert all(-50_000 <= window <= 1_000_000 for window in window_us), (
+        "a lost write was acknowledged outside the window before the primary died"
+    )
+    cluster.wait_for_full_shards()
+    assert_replicas_converge(cluster, sorted(acknowledged)[:300])
+
+
+def test_bad_input_gets_clear_errors(cluster_factory, tmp_path):
+    cluster = cluster_factory("strong")
+    # A node started for another cluster is refused, and says why.
+    stranger = subprocess.run(
+        [str(BINARY), "serve", "--port", str(cluster.base_port + NODES + 1), "--dir", str(tmp_path / "stranger"),
+         "--cluster-id", "someone-else", "--node-id", "0", "--coordinator", f"127.0.0.1:{cluster.base_port}"],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert stranger.returncode != 0
+    assert "cluster" in stranger.stderr and "someone-else" in stranger.stderr, stranger.stderr
+
+    # A cluster client is redirected; a plain client anywhere is answered.
+    plain = redis.Redis(port=cluster.port(0), socket_timeout=5)
+    aware = redis.Redis(port=cluster.port(0), socket_timeout=5)
+    aware.execute_command("READWRITE")
+    moved = 0
+    for index in range(50):
+        key = f"anywhere:{index}"
+        assert plain.set(key, index)
+        assert plain.get(key) == str(index).encode()
+        try:
+            aware.get(key)
+        except redis.exceptions.MovedError as error:
+            assert f":{cluster.port(0)}" not in str(error), "never redirected to itself"
+            moved += 1
+    assert moved > 0, "some keys live on other nodes"
+    with pytest.raises(redis.ResponseError, match="hash to the same slot"):
+        plain.mset({"a": 1, "b": 2})
+    with pytest.raises(redis.ResponseError, match="not serve it yet"):
+        plain.dbsize()
+
+    # A standby owns nothing: it still answers, by forwarding to the owners.
+    cluster.cli("add-standby")
+    standby = redis.Redis(port=cluster.port(NODES), socket_timeout=5)
+    deadline = time.time() + 10
+    while True:
+        try:
+            assert standby.get("anywhere:7") == b"7"
+            break
+        except (redis.ConnectionError, redis.ResponseError):
+            if time.time() > deadline:
+                raise
+            time.sleep(0.1)
