@@ -39,11 +39,12 @@ trap cleanup EXIT
 
 start_etcd() {
     local members="e1=http://127.0.0.1:12380,e2=http://127.0.0.1:22380,e3=http://127.0.0.1:32380"
+    local token="bench-$RANDOM$RANDOM"
     for i in 1 2 3; do
-        etcd --name "e$i" --data-dir "$WORK/etcd-data-$RANDOM/e$i" \
+        etcd --name "e$i" --data-dir "$WORK/etcd-data-$token/e$i" \
             --listen-client-urls "http://127.0.0.1:${i}2379" --advertise-client-urls "http://127.0.0.1:${i}2379" \
             --listen-peer-urls "http://127.0.0.1:${i}2380" --initial-advertise-peer-urls "http://127.0.0.1:${i}2380" \
-            --initial-cluster "$members" --initial-cluster-state new --initial-cluster-token "bench-$RANDOM" \
+            --initial-cluster "$members" --initial-cluster-state new --initial-cluster-token "$token" \
             >"$WORK/etcd-$i.log" 2>&1 &
         ETCD_PIDS+=($!)
     done
@@ -88,8 +89,9 @@ for repeat in $(seq "$REPEATS"); do
     for consistency in strong eventual; do
         rm -rf "$WORK/tessera"
         "$TESSERA" cluster up --dir "$WORK/tessera" --nodes 6 --replicas 3 --consistency "$consistency" \
-            --base-port 27000 --no-demo >/dev/null
-        addresses=$(seq -s, 27001 27006 | sed 's/\([0-9]*\)/127.0.0.1:\1/g')
+            --base-port 17000 --no-demo >/dev/null
+        addresses=$(seq -s';' 17001 17006 | sed 's/\([0-9]*\)/127.0.0.1:\1/g')
+        # go-ycsb separates cluster addresses with semicolons.
         ycsb "tessera-$consistency" redis -p redis.mode=cluster -p redis.addr="$addresses" | tee -a "$RESULTS"
         "$TESSERA" cluster down --dir "$WORK/tessera" >/dev/null
     done

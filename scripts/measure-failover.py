@@ -39,7 +39,7 @@ def free_base_port(count):
                 return False
 
     for _ in range(200):
-        base = random.randrange(20000, 40000)
+        base = random.randrange(10000, 22000)  # peers (+10000) below the ephemeral range
         if all(free(port) and free(port + 10000) for port in range(base, base + count + 1)):
             return base
     raise RuntimeError("no free port range")

@@ -40,7 +40,7 @@ def port_free(port):
 def free_base_port(count):
     """A base port with `count` free ports above it, and their peer ports (+10000)."""
     for _ in range(200):
-        base = random.randrange(20000, 40000)
+        base = random.randrange(10000, 22000)  # peers (+10000) below the ephemeral range
         ports = range(base, base + count + 1)
         if all(port_free(port) and port_free(port + 10000) for port in ports):
             return base
