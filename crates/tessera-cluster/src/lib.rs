@@ -5,12 +5,14 @@
 pub mod agent;
 pub mod capture;
 pub mod coordinator;
+pub mod etcd;
 pub mod links;
 pub mod map;
 pub mod server;
 pub mod store;
 
 pub use coordinator::{ClusterCoordinator, Grants, JoinError, Timing};
+pub use etcd::{Etcd, EtcdStore};
 pub use map::{ClusterMap, MapError, NodeInfo, NodeRole, ReplicationMode, Shard};
 pub use server::CoordinatorServer;
 pub use store::{FileStore, MetadataStore, StoreError, Versioned};

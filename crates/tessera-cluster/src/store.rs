@@ -15,10 +15,14 @@ use crate::map::{ClusterMap, MapError};
 pub enum StoreError {
     #[error("the stored map changed (version {found:?}, expected {expected:?}); reload it")]
     Conflict { expected: Option<u64>, found: Option<u64> },
-    #[error("{path}: {message}")]
-    Io { path: PathBuf, message: String },
-    #[error("{path}: {source}")]
-    Corrupt { path: PathBuf, source: MapError },
+    /// `location` is a file, or an etcd endpoint and key.
+    #[error("{location}: {message}")]
+    Io { location: String, message: String },
+    #[error("{location}: {source}")]
+    Corrupt { location: String, source: MapError },
+    /// This coordinator is no longer the leader: it must not decide.
+    #[error("leadership lost: {0}")]
+    NotLeader(String),
 }
 
 /// A map and the version the store gave it.
@@ -52,7 +56,7 @@ impl FileStore {
     }
 
     fn io_error(&self, error: impl std::fmt::Display) -> StoreError {
-        StoreError::Io { path: self.path.clone(), message: error.to_string() }
+        StoreError::Io { location: self.path.display().to_string(), message: error.to_string() }
     }
 }
 
@@ -63,7 +67,7 @@ impl MetadataStore for FileStore {
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(error) => return Err(self.io_error(error)),
         };
-        let corrupt = |source| StoreError::Corrupt { path: self.path.clone(), source };
+        let corrupt = |source| StoreError::Corrupt { location: self.path.display().to_string(), source };
         let stored: Versioned =
             serde_json::from_str(&text).map_err(|error| corrupt(MapError::Invalid(error.to_string())))?;
         stored.map.validate().map_err(corrupt)?;
@@ -71,7 +75,8 @@ impl MetadataStore for FileStore {
     }
 
     fn store(&self, expected: Option<u64>, map: &ClusterMap) -> Result<u64, StoreError> {
-        map.validate().map_err(|source| StoreError::Corrupt { path: self.path.clone(), source })?;
+        map.validate()
+            .map_err(|source| StoreError::Corrupt { location: self.path.display().to_string(), source })?;
         let _writing = self.writing.lock();
         let found = self.load()?.map(|stored| stored.version);
         if found != expected {

@@ -1,6 +1,7 @@
 //! Test support shared by the crates' test suites: a real `redis-server` started
 //! on a free loopback port, and helpers to wait for servers.
 
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -195,4 +196,77 @@ fn cluster_ok(port: u16, nodes: usize, replicas: usize) -> bool {
         && lines.len() == nodes
         && lines.iter().all(|line| line.contains("connected"))
         && lines.iter().filter(|line| line.contains("slave")).count() == replicas
+}
+
+/// A real single-member etcd on loopback, killed when dropped.
+pub struct EtcdServer {
+    pub port: u16,
+    child: Child,
+    _dir: tempfile::TempDir,
+}
+
+impl EtcdServer {
+    /// Starts one, or returns `None` when etcd is not installed.
+    pub fn start() -> Option<Self> {
+        if !external_program_available("etcd") {
+            return None;
+        }
+        let dir = tempfile::tempdir().expect("temporary directory");
+        for _ in 0..10 {
+            let (port, peer_port) = (free_port(), free_port());
+            let client_url = format!("http://127.0.0.1:{port}");
+            let peer_url = format!("http://127.0.0.1:{peer_port}");
+            let mut child = Command::new("etcd")
+                .args(["--name", "test", "--listen-client-urls", &client_url, "--advertise-client-urls"])
+                .arg(&client_url)
+                .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
+                .arg("--initial-cluster")
+                .arg(format!("test={peer_url}"))
+                .arg("--data-dir")
+                .arg(dir.path().join(port.to_string()))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start etcd");
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while Instant::now() < deadline {
+                if child.try_wait().ok().flatten().is_some() {
+                    break; // it could not bind: try other ports
+                }
+                if etcd_healthy(port) {
+                    return Some(Self { port, child, _dir: dir });
+                }
+                thread::sleep(Duration::from_millis(50));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        panic!("etcd did not start on any of 10 ports");
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+}
+
+/// Whether an etcd answers `/health` as healthy on this port.
+fn etcd_healthy(port: u16) -> bool {
+    let Ok(mut stream) =
+        TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200))
+    else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
+    let request = "GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+    let mut answer = String::new();
+    stream.write_all(request.as_bytes()).is_ok()
+        && stream.read_to_string(&mut answer).is_ok()
+        && answer.contains("\"health\":\"true\"")
+}
+
+impl Drop for EtcdServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
