@@ -17,10 +17,10 @@ OPERATIONS=${2:-60000}
 THREADS=${3:-32}
 REPEATS=${4:-3}
 
-if ! command -v etcd >/dev/null; then
+if ! command -v etcd >/dev/null || ! command -v etcdctl >/dev/null; then
     sudo_if_needed=""
     [ "$(id -u)" = 0 ] || sudo_if_needed=sudo
-    $sudo_if_needed apt-get install -y -q etcd-server >/dev/null
+    $sudo_if_needed apt-get install -y -q etcd-server etcd-client >/dev/null
 fi
 scripts/build-go-ycsb.sh
 cargo build --release -q -p tessera-cli

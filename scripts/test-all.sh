@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what the tests need (redis-server, redis-cli, redis-py, pytest,
+# Installs what the tests need (redis-server, redis-cli, etcd, redis-py, pytest,
 # go-ycsb) and
 # runs every check: formatting, lints, unit and property tests, the engine
 # conformance suite, and integration tests with real clients against the real
@@ -13,6 +13,7 @@ missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v redis-cli >/dev/null || missing+=(redis-tools)
 command -v go >/dev/null || missing+=(golang-go)
+command -v etcd >/dev/null || missing+=(etcd-server)
 if [ ${#missing[@]} -gt 0 ]; then
     echo "== installing ${missing[*]}"
     as_root apt-get update -qq

@@ -371,3 +371,137 @@ def test_bad_input_gets_clear_errors(cluster_factory, tmp_path):
             if time.time() > deadline:
                 raise
             time.sleep(0.1)
+
+
+def start_etcd(directory):
+    client_port, peer_port = free_base_port(0), free_base_port(0) + 5000
+    url, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+    process = subprocess.Popen(
+        ["etcd", "--name", "e", "--data-dir", str(directory / "etcd"), "--listen-client-urls", url,
+         "--advertise-client-urls", url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+         "--initial-cluster", f"e={peer}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", client_port), timeout=0.2):
+                return process, f"127.0.0.1:{client_port}"
+        except OSError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError("etcd did not start")
+
+
+def wait_listening(port, timeout=20):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
+def test_service_continues_when_the_leading_coordinator_dies_with_etcd(tmp_path):
+    processes = []
+    etcd, endpoint = start_etcd(tmp_path)
+    processes.append(etcd)
+    base = free_base_port(6)
+    coordinators = [base, base + 1]
+    nodes = [base + 2 + index for index in range(3)]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    def spawn(name, *args):
+        log = open(logs / f"{name}.log", "ab")
+        process = subprocess.Popen([str(BINARY), *args], stdout=log, stderr=log)
+        processes.append(process)
+        return process
+
+    def coordinator(index):
+        return spawn(
+            f"coordinator-{index}", "coordinator", "--etcd", endpoint, "--cluster-id", "etcd-test",
+            "--nodes", ",".join(f"127.0.0.1:{port}" for port in nodes), "--replicas", "3",
+            "--port", str(coordinators[index]), "--name", f"coordinator-{index}",
+            "--lease-ms", str(LEASE_MS), "--failure-timeout-ms", str(FAILURE_TIMEOUT_MS),
+        )
+
+    def node(index):
+        return spawn(
+            f"node-{index}", "serve", "--port", str(nodes[index]), "--dir", str(tmp_path / f"node-{index}"),
+            "--threads", "1", "--cluster-id", "etcd-test", "--node-id", str(index),
+            "--coordinator", ",".join(f"127.0.0.1:{port}" for port in coordinators),
+        )
+
+    try:
+        leader = coordinator(0)
+        wait_listening(coordinators[0])
+        coordinator(1)
+        time.sleep(0.5)
+        assert not port_free(coordinators[0]) and port_free(coordinators[1]), "only the leader listens"
+        running = [node(index) for index in range(3)]
+        for port in nodes:
+            wait_listening(port)
+        client = RedisCluster(
+            startup_nodes=[ClusterNode("127.0.0.1", port) for port in nodes],
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 60), socket_timeout=2,
+        )
+        deadline = time.time() + 20
+        while True:
+            try:
+                client.set("ready", 1)
+                break
+            except redis.RedisError:
+                assert time.time() < deadline, "the cluster did not serve"
+                time.sleep(0.2)
+
+        # Per key: the last acknowledged value, and later writes that failed
+        # (they may or may not have taken effect).
+        acknowledged, uncertain, successes, stop = {}, {}, [], threading.Event()
+
+        def writer():
+            index = 0
+            while not stop.is_set():
+                key = f"etcd:{index % 200}"
+                try:
+                    client.set(key, index)
+                    acknowledged[key] = str(index).encode()
+                    uncertain.pop(key, None)
+                    successes.append(time.time())
+                except redis.RedisError:
+                    uncertain.setdefault(key, set()).add(str(index).encode())
+                index += 1
+
+        thread = threading.Thread(target=writer, daemon=True)
+        thread.start()
+        time.sleep(1.0)
+        leader.kill()  # kill -9 the leading coordinator
+        killed = time.time()
+        wait_listening(coordinators[1], timeout=15)
+        took_over = time.time() - killed
+        time.sleep(1.5)
+        # The new leader decides: a node's death is handled and writes go on.
+        running[0].kill()
+        node_killed = time.time()
+        time.sleep(3.0)
+        stop.set()
+        thread.join(timeout=60)
+        after_takeover = [at for at in successes if at > node_killed + 2.0]
+        print(f"\nstandby coordinator took over after {took_over:.1f} s; "
+              f"{len(successes)} writes acknowledged, {len(after_takeover)} after the node kill")
+        assert after_takeover, "no write succeeded after the node died under the new leader"
+        survivor = RedisCluster(
+            startup_nodes=[ClusterNode("127.0.0.1", port) for port in nodes[1:]],
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 60), socket_timeout=2,
+        )
+        lost = [
+            key for key, value in acknowledged.items()
+            if survivor.get(key) not in {value, *uncertain.get(key, ())}
+        ]
+        assert not lost, f"acknowledged writes lost: {lost[:5]}"
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()

@@ -185,6 +185,17 @@ struct CoordinatorArgs {
     /// A replica not heard from for this long is removed (once its lease ran out).
     #[arg(long, default_value_t = 1500)]
     failure_timeout_ms: u64,
+    /// Keep the map in etcd instead of --dir (host:port,... of its members);
+    /// needs --cluster-id. Several coordinators may run: one leads, the others
+    /// wait and take over when its etcd lease lapses.
+    #[arg(long)]
+    etcd: Option<String>,
+    /// This coordinator's name in the election [default: its bind:port].
+    #[arg(long)]
+    name: Option<String>,
+    /// Seconds a leader's etcd lease lasts without renewal.
+    #[arg(long, default_value_t = 2)]
+    leader_ttl_secs: u64,
     #[arg(long, default_value = "info")]
     log: String,
 }
@@ -412,6 +423,20 @@ fn coordinator(args: CoordinatorArgs) -> Result<(), String> {
         .enable_all()
         .build()
         .map_err(|error| error.to_string())?;
+    if let Some(endpoints) = &args.etcd {
+        let cluster_id =
+            args.cluster_id.clone().ok_or("--etcd needs --cluster-id (the key prefix in etcd)")?;
+        let name = args.name.clone().unwrap_or_else(|| listen.to_string());
+        return runtime.block_on(coordinate_with_etcd(
+            endpoints,
+            &cluster_id,
+            &name,
+            listen,
+            initial,
+            timing,
+            args.leader_ttl_secs,
+        ));
+    }
     runtime.block_on(async {
         let server =
             CoordinatorServer::start(listen, Box::new(FileStore::new(&args.dir)), initial, timing).await?;
@@ -427,6 +452,75 @@ fn coordinator(args: CoordinatorArgs) -> Result<(), String> {
         shutdown_signal().await;
         Ok(())
     })
+}
+
+/// Waits to lead (an etcd lease on the leader key), then coordinates until
+/// the lease cannot be renewed or a signal arrives. A coordinator that loses
+/// the lease exits: its map writes would be refused anyway, and its
+/// supervisor (or `tessera cluster`) starts it again to stand by.
+async fn coordinate_with_etcd(
+    endpoints: &str,
+    cluster_id: &str,
+    name: &str,
+    listen: std::net::SocketAddr,
+    initial: Option<tessera_cluster::ClusterMap>,
+    timing: tessera_cluster::Timing,
+    ttl_secs: u64,
+) -> Result<(), String> {
+    use tessera_cluster::{CoordinatorServer, Etcd, EtcdStore};
+    let etcd = Etcd::new(endpoints)?;
+    let store = || EtcdStore::new(etcd.clone(), cluster_id).fenced_by(name);
+    let shutdown = shutdown_signal();
+    tokio::pin!(shutdown);
+    let mut announced = false;
+    let lease = loop {
+        let campaign = tokio::task::spawn_blocking({
+            let candidate = store();
+            let name = name.to_string();
+            move || candidate.campaign(&name, ttl_secs).map(|lease| (lease, candidate.leader()))
+        });
+        match campaign.await.map_err(|error| error.to_string())? {
+            Ok((Some(lease), _)) => break lease,
+            Ok((None, leader)) if !announced => {
+                let leader = leader.ok().flatten().unwrap_or_default();
+                tracing::info!(%name, %leader, "standing by: another coordinator leads");
+                announced = true;
+            }
+            Ok((None, _)) => {}
+            Err(error) => tracing::warn!(%error, "cannot reach etcd"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(std::time::Duration::from_millis(300)) => {}
+            _ = &mut shutdown => return Ok(()),
+        }
+    };
+    let lease = std::sync::Arc::new(lease);
+    tracing::info!(%name, "leading the cluster");
+    let server = match CoordinatorServer::start(listen, Box::new(store()), initial, timing).await {
+        Ok(server) => server,
+        Err(error) => {
+            lease.revoke();
+            return Err(error);
+        }
+    };
+    tracing::info!(address = %server.local_addr(), cluster = %cluster_id, epoch = server.map().epoch, "coordinator ready");
+    let renew_every = std::time::Duration::from_millis(ttl_secs * 1000 / 3);
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(renew_every) => {}
+            _ = &mut shutdown => {
+                lease.revoke();
+                return Ok(());
+            }
+        }
+        let renewing = lease.clone();
+        let renewed = tokio::task::spawn_blocking(move || renewing.keep_alive()).await;
+        match renewed {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => return Err(format!("lost the leadership: {error}")),
+            Err(error) => return Err(error.to_string()),
+        }
+    }
 }
 
 fn serve(args: ServeArgs) -> Result<(), String> {

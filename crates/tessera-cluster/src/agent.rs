@@ -35,6 +35,8 @@ pub struct AgentConfig {
     pub node: u32,
     /// Names this node's state: a new one whenever the state starts empty.
     pub incarnation: u64,
+    /// The coordinators' addresses, comma-separated: the leader is the one
+    /// that listens.
     pub coordinator: String,
     /// Where peers reach this node.
     pub peer_listen: SocketAddr,
@@ -256,7 +258,7 @@ impl Agent {
         // it (a refusal, below, is final).
         let mut backoff = Duration::from_millis(50);
         let mut coordinator = loop {
-            match Coordinator::connect(&config.coordinator).await {
+            match Coordinator::connect_any(&config.coordinator).await {
                 Ok(coordinator) => break coordinator,
                 Err(error) => {
                     tracing::warn!(%error, "waiting for the coordinator");
@@ -516,6 +518,19 @@ struct Coordinator {
 }
 
 impl Coordinator {
+    /// Connects to the first of several coordinators (comma-separated) that
+    /// answers: only the leader listens.
+    async fn connect_any(addresses: &str) -> Result<Self, String> {
+        let mut errors = Vec::new();
+        for address in addresses.split(',').map(str::trim).filter(|address| !address.is_empty()) {
+            match Self::connect(address).await {
+                Ok(coordinator) => return Ok(coordinator),
+                Err(error) => errors.push(error),
+            }
+        }
+        Err(errors.join("; "))
+    }
+
     async fn connect(address: &str) -> Result<Self, String> {
         let stream = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(address))
             .await
@@ -605,7 +620,7 @@ async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: Coordina
             },
             Err(error) => {
                 tracing::warn!(%error, "heartbeat failed; reconnecting to the coordinator");
-                match Coordinator::connect(&agent_ref.config.coordinator).await {
+                match Coordinator::connect_any(&agent_ref.config.coordinator).await {
                     Ok(fresh) => coordinator = fresh,
                     Err(error) => tracing::warn!(%error, "coordinator unreachable"),
                 }
