@@ -505,3 +505,46 @@ def test_service_continues_when_the_leading_coordinator_dies_with_etcd(tmp_path)
         for process in processes:
             process.kill()
             process.wait()
+
+
+def test_unmodified_cluster_clients_and_tools(cluster_factory, tmp_path):
+    cluster = cluster_factory("strong")
+    ports = [cluster.port(node) for node in range(NODES)]
+
+    # redis-cli in cluster mode follows MOVED on its own.
+    def redis_cli(port, *args):
+        return subprocess.run(["redis-cli", "-c", "-p", str(port), *args], capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+
+    for index in range(20):
+        assert redis_cli(ports[0], "SET", f"cli:{index}", f"v{index}") == "OK"
+    assert [redis_cli(ports[-1], "GET", f"cli:{index}") for index in range(20)] == [f"v{i}" for i in range(20)]
+
+    # go-ycsb's redis binding in cluster mode (go-redis's cluster client).
+    from test_ycsb_clients import GO_YCSB, counts
+    if Path(GO_YCSB).exists() or os.environ.get("TESSERA_REQUIRE_EXTERNAL") == "1":
+        workloads = Path(GO_YCSB).parent / "go-ycsb-src" / "workloads"
+        addresses = ";".join(f"127.0.0.1:{port}" for port in ports)
+        for phase, extra in [("load", []), ("run", ["-p", "operationcount=6000"])]:
+            done = subprocess.run(
+                [GO_YCSB, phase, "redis", "-P", str(workloads / "workloada"), "-p", "redis.mode=cluster",
+                 "-p", f"redis.addr={addresses}", "-p", "recordcount=2000", "-p", "threadcount=8", *extra],
+                capture_output=True, text=True, timeout=300,
+            )
+            assert done.returncode == 0 and "_ERROR" not in done.stdout, done.stdout + done.stderr
+        done_counts = counts(done.stdout)
+        assert done_counts["READ"] + done_counts["UPDATE"] == 6000
+
+    # tessera bench routes by CLUSTER SLOTS and reads half from replicas (READONLY).
+    report = tmp_path / "bench.json"
+    bench = subprocess.run(
+        [str(BINARY), "bench", "--target", f"127.0.0.1:{ports[0]}", "--cluster", "--strong-reads", "0.5",
+         "--workload", "B", "--records", "2000", "--operations", "20000", "--connections", "4",
+         "--threads", "1", "--quiet", "--json", str(report)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert bench.returncode == 0, bench.stdout + bench.stderr
+    summary = json.loads(report.read_text())
+    assert summary["errors"] == {}, summary["errors"]
+    assert summary["latency"]["read-eventual"]["count"] > 2000, "about half the reads went to replicas"
+    assert summary["latency"]["read"]["count"] > 2000
