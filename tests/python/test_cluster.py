@@ -66,9 +66,10 @@ class LocalCluster:
             raise RuntimeError(f"tessera cluster {' '.join(args)}: {result.stdout}{result.stderr}")
         return result
 
-    def up(self):
+    def up(self, nodes=NODES):
+        self.nodes = nodes
         self.cli(
-            "up", "--nodes", str(NODES), "--replicas", "3", "--consistency", self.consistency,
+            "up", "--nodes", str(nodes), "--replicas", "3", "--consistency", self.consistency,
             "--base-port", str(self.base_port), "--lease-ms", str(LEASE_MS),
             "--failure-timeout-ms", str(FAILURE_TIMEOUT_MS), "--no-demo",
         )
@@ -97,7 +98,7 @@ class LocalCluster:
 
     def client(self):
         return RedisCluster(
-            startup_nodes=[ClusterNode("127.0.0.1", self.port(node)) for node in range(NODES)],
+            startup_nodes=[ClusterNode("127.0.0.1", self.port(node)) for node in range(self.nodes)],
             retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 40),
             socket_timeout=2,
         )
@@ -117,10 +118,10 @@ class LocalCluster:
 def cluster_factory(tmp_path):
     clusters = []
 
-    def make(consistency):
+    def make(consistency, nodes=NODES):
         cluster = LocalCluster(tmp_path, consistency)
         clusters.append(cluster)
-        return cluster.up()
+        return cluster.up(nodes)
 
     yield make
     for cluster in clusters:
@@ -548,3 +549,30 @@ def test_unmodified_cluster_clients_and_tools(cluster_factory, tmp_path):
     assert summary["errors"] == {}, summary["errors"]
     assert summary["latency"]["read-eventual"]["count"] > 2000, "about half the reads went to replicas"
     assert summary["latency"]["read"]["count"] > 2000
+
+
+@pytest.mark.parametrize("consistency", ["strong", "eventual"])
+def test_a_returning_node_gets_shards_larger_than_a_snapshot_chunk(cluster_factory, consistency):
+    """Snapshots travel in 4 MiB chunks: a restarted memory node (a new
+    incarnation, so a learner or a fresh backup) receives ~12 MiB per shard."""
+    cluster = cluster_factory(consistency, nodes=3)
+    client = cluster.client()
+    value = os.urandom(64 * 1024)
+    keys = [f"big:{index}" for index in range(600)]  # ~38 MiB over 3 shards
+    pipe = client.pipeline()
+    for key in keys:
+        pipe.set(key, value)
+    pipe.execute()
+    cluster.cli("kill", "1")
+    time.sleep(2 * FAILURE_TIMEOUT_MS / 1000)
+    cluster.cli("restart", "1")
+    cluster.wait_for_full_shards(timeout=60)
+    returned = redis.Redis(port=cluster.port(1), socket_timeout=10)
+    returned.execute_command("READONLY")
+    deadline = time.time() + 30
+    while True:
+        missing = [key for key in keys if returned.get(key) != value]
+        if not missing:
+            break
+        assert time.time() < deadline, f"{len(missing)} keys never reached the returned node"
+        time.sleep(0.5)

@@ -30,8 +30,9 @@ use tessera_engine::Engine;
 
 use crate::record::{Record, Version};
 use crate::{
-    engine_entries, increment_value, read_visible, ClientReply, ClientRequest, Consistency, Effects, NodeId,
-    Operation, PeerMessage, Progress, Protocol, RequestId, ShardView, Time, Write,
+    engine_entries, increment_value, read_visible, snapshot_chunks, snapshot_resend_after, Chunk,
+    ClientReply, ClientRequest, Consistency, Effects, NodeId, Operation, PeerMessage, Progress, Protocol,
+    RequestId, ShardView, SnapshotAssembly, Time, Write,
 };
 
 #[derive(Clone, Debug)]
@@ -70,9 +71,9 @@ pub enum ChainMessage {
     ReadForward { view: u64, request: RequestId, key: Bytes },
     /// The tail's answer; `None` when it could not serve (no lease).
     ReadReply { view: u64, request: RequestId, value: Option<Option<Bytes>> },
-    /// The tail's whole state (raw engine values) as of write `applied`, for a
-    /// learner. Later writes follow as forwards.
-    Snapshot { view: u64, applied: u64, entries: Vec<(Bytes, Bytes)> },
+    /// A chunk of the tail's whole state (raw engine values) as of write
+    /// `applied`, for a learner. Later writes follow as forwards.
+    Snapshot { view: u64, applied: u64, chunk: Chunk, entries: Vec<(Bytes, Bytes)> },
 }
 
 impl ChainMessage {
@@ -107,6 +108,8 @@ struct Learner {
     /// The write number the snapshot covers, and when it was sent.
     snapshot_at: u64,
     snapshot_sent_at: Time,
+    /// How long to wait for the snapshot's acknowledgement before resending it.
+    snapshot_resend_after: u64,
     /// The learner acknowledged something since the snapshot: it has it.
     snapshot_acked: bool,
     /// The learner has caught up: the tail no longer commits on its own but
@@ -135,6 +138,8 @@ pub struct ChainReplication {
     learner: Option<Learner>,
     /// As a learner: the tail whose snapshot is installed, if any.
     snapshot_source: Option<NodeId>,
+    /// As a learner: the snapshot's chunks received so far.
+    snapshot_assembly: SnapshotAssembly,
 }
 
 impl ChainReplication {
@@ -152,6 +157,7 @@ impl ChainReplication {
             last_progress_at: 0,
             learner: None,
             snapshot_source: None,
+            snapshot_assembly: SnapshotAssembly::default(),
         }
     }
 
@@ -319,18 +325,32 @@ impl ChainReplication {
                 return;
             }
         };
-        let message = ChainMessage::Snapshot { view: self.view_number(), applied: self.applied, entries };
-        fx.send(to, PeerMessage::Chain(message));
+        let chunks = snapshot_chunks(entries);
+        let resend_after = snapshot_resend_after(self.options.retransmit_after_ms, chunks.len());
+        for (chunk, entries) in chunks {
+            let message =
+                ChainMessage::Snapshot { view: self.view_number(), applied: self.applied, chunk, entries };
+            fx.send(to, PeerMessage::Chain(message));
+        }
         if let Some(learner) = self.learner.as_mut() {
             learner.snapshot_at = self.applied;
             learner.snapshot_sent_at = fx.now();
+            learner.snapshot_resend_after = resend_after;
         }
     }
 
-    fn on_snapshot(&mut self, from: NodeId, applied: u64, entries: Vec<(Bytes, Bytes)>, fx: &mut Effects) {
+    fn on_snapshot(
+        &mut self,
+        from: NodeId,
+        applied: u64,
+        chunk: Chunk,
+        entries: Vec<(Bytes, Bytes)>,
+        fx: &mut Effects,
+    ) {
         if !self.is_learner() || Some(from) != self.predecessor() || self.snapshot_source.is_some() {
             return;
         }
+        let Some(entries) = self.snapshot_assembly.add(from, chunk, entries) else { return };
         let installed = self
             .engine
             .clear()
@@ -354,6 +374,7 @@ impl ChainReplication {
         self.dirty.clear();
         self.learner = None;
         self.snapshot_source = None;
+        self.snapshot_assembly.clear();
     }
 
     fn resend_sent(&mut self, to: NodeId, fx: &mut Effects) {
@@ -515,7 +536,9 @@ impl Protocol for ChainReplication {
                     self.on_learner_ack(seq, fx);
                 }
             }
-            ChainMessage::Snapshot { applied, entries, .. } => self.on_snapshot(from, applied, entries, fx),
+            ChainMessage::Snapshot { applied, chunk, entries, .. } => {
+                self.on_snapshot(from, applied, chunk, entries, fx)
+            }
             ChainMessage::ReadForward { view, request, key } => {
                 let value = if self.successor().is_none() && self.lease_valid(fx.now()) {
                     self.read_local(&key).ok()
@@ -540,7 +563,9 @@ impl Protocol for ChainReplication {
         let stalled = now.saturating_sub(self.last_progress_at) >= retransmit_after;
         if let Some(learner) = &self.learner {
             // A learner that acknowledged nothing since the snapshot lost it.
-            if !learner.snapshot_acked && now.saturating_sub(learner.snapshot_sent_at) >= retransmit_after {
+            if !learner.snapshot_acked
+                && now.saturating_sub(learner.snapshot_sent_at) >= learner.snapshot_resend_after
+            {
                 let node = learner.node;
                 self.send_snapshot(node, fx);
                 return;
@@ -595,6 +620,7 @@ impl Protocol for ChainReplication {
                     acked: 0,
                     snapshot_at: 0,
                     snapshot_sent_at: 0,
+                    snapshot_resend_after: 0,
                     snapshot_acked: false,
                     handover: false,
                 });

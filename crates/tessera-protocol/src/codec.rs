@@ -8,7 +8,7 @@ use bytes::{BufMut, Bytes};
 
 use crate::chain::ChainMessage;
 use crate::primary_backup::{BackupMessage, LogEntry};
-use crate::{NodeId, PeerMessage, RequestId, Write};
+use crate::{Chunk, NodeId, PeerMessage, RequestId, Write};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("malformed peer message: {0}")]
@@ -36,6 +36,11 @@ fn put_write(out: &mut Vec<u8>, write: &Write) {
         }
         Write::Delete => out.put_u8(0),
     }
+}
+
+fn put_chunk(out: &mut Vec<u8>, chunk: Chunk) {
+    out.put_u32_le(chunk.index);
+    out.put_u8(u8::from(chunk.last));
 }
 
 fn put_entries(out: &mut Vec<u8>, entries: &[(Bytes, Bytes)]) {
@@ -82,10 +87,11 @@ pub fn encode(message: &PeerMessage, out: &mut Vec<u8>) {
                     }
                 }
             }
-            ChainMessage::Snapshot { view, applied, entries } => {
+            ChainMessage::Snapshot { view, applied, chunk, entries } => {
                 out.put_u8(CHAIN_SNAPSHOT);
                 out.put_u64_le(*view);
                 out.put_u64_le(*applied);
+                put_chunk(out, *chunk);
                 put_entries(out, entries);
             }
         },
@@ -102,11 +108,12 @@ pub fn encode(message: &PeerMessage, out: &mut Vec<u8>) {
                     put_write(out, &entry.write);
                 }
             }
-            BackupMessage::Snapshot { view, applied, epoch, entries } => {
+            BackupMessage::Snapshot { view, applied, epoch, chunk, entries } => {
                 out.put_u8(BACKUP_SNAPSHOT);
                 out.put_u64_le(*view);
                 out.put_u64_le(*applied);
                 out.put_u64_le(*epoch);
+                put_chunk(out, *chunk);
                 put_entries(out, entries);
             }
             BackupMessage::Position { view, applied, epoch } => {
@@ -171,6 +178,16 @@ impl Reader {
         Ok(count)
     }
 
+    fn chunk(&mut self) -> Result<Chunk, CodecError> {
+        let index = self.u32()?;
+        let last = match self.u8()? {
+            0 => false,
+            1 => true,
+            _ => return Err(CodecError("a chunk's last flag is neither 0 nor 1")),
+        };
+        Ok(Chunk { index, last })
+    }
+
     fn entries(&mut self) -> Result<Vec<(Bytes, Bytes)>, CodecError> {
         let count = self.count(8)?;
         (0..count).map(|_| Ok((self.bytes()?, self.bytes()?))).collect()
@@ -207,6 +224,7 @@ pub fn decode(bytes: Bytes) -> Result<PeerMessage, CodecError> {
         CHAIN_SNAPSHOT => PeerMessage::Chain(ChainMessage::Snapshot {
             view: reader.u64()?,
             applied: reader.u64()?,
+            chunk: reader.chunk()?,
             entries: reader.entries()?,
         }),
         UPDATES => {
@@ -229,6 +247,7 @@ pub fn decode(bytes: Bytes) -> Result<PeerMessage, CodecError> {
             view: reader.u64()?,
             applied: reader.u64()?,
             epoch: reader.u64()?,
+            chunk: reader.chunk()?,
             entries: reader.entries()?,
         }),
         POSITION => PeerMessage::Backup(BackupMessage::Position {
@@ -261,6 +280,10 @@ mod tests {
         proptest::collection::vec((bytes(), bytes()), 0..5)
     }
 
+    fn chunk() -> impl Strategy<Value = Chunk> {
+        (any::<u32>(), any::<bool>()).prop_map(|(index, last)| Chunk { index, last })
+    }
+
     fn message() -> impl Strategy<Value = PeerMessage> {
         let chain = prop_oneof![
             (any::<u64>(), any::<u64>(), any::<u32>(), bytes(), write()).prop_map(
@@ -275,8 +298,9 @@ mod tests {
             (any::<u64>(), any::<u64>(), proptest::option::of(proptest::option::of(bytes()))).prop_map(
                 |(view, request, value)| ChainMessage::ReadReply { view, request: RequestId(request), value }
             ),
-            (any::<u64>(), any::<u64>(), entries())
-                .prop_map(|(view, applied, entries)| ChainMessage::Snapshot { view, applied, entries }),
+            (any::<u64>(), any::<u64>(), chunk(), entries()).prop_map(|(view, applied, chunk, entries)| {
+                ChainMessage::Snapshot { view, applied, chunk, entries }
+            }),
         ]
         .prop_map(PeerMessage::Chain);
         let entry = (any::<u64>(), any::<u64>(), any::<u32>(), bytes(), write()).prop_map(
@@ -285,9 +309,9 @@ mod tests {
         let backup = prop_oneof![
             (any::<u64>(), proptest::collection::vec(entry, 0..4))
                 .prop_map(|(view, entries)| BackupMessage::Updates { view, entries }),
-            (any::<u64>(), any::<u64>(), any::<u64>(), entries()).prop_map(
-                |(view, applied, epoch, entries)| {
-                    BackupMessage::Snapshot { view, applied, epoch, entries }
+            (any::<u64>(), any::<u64>(), any::<u64>(), chunk(), entries()).prop_map(
+                |(view, applied, epoch, chunk, entries)| {
+                    BackupMessage::Snapshot { view, applied, epoch, chunk, entries }
                 }
             ),
             (any::<u64>(), any::<u64>(), any::<u64>())
@@ -324,7 +348,8 @@ mod tests {
     #[test]
     fn a_huge_count_allocates_nothing() {
         let mut out = vec![CHAIN_SNAPSHOT];
-        out.extend_from_slice(&[0; 16]);
+        out.extend_from_slice(&[0; 16]); // view, applied
+        out.extend_from_slice(&[0, 0, 0, 0, 1]); // chunk 0, the last
         out.extend_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(decode(Bytes::from(out)), Err(CodecError("count larger than the message")));
     }

@@ -27,8 +27,9 @@ use tessera_engine::Engine;
 
 use crate::record::{Record, Version};
 use crate::{
-    engine_entries, increment_value, read_visible, ClientReply, ClientRequest, Consistency, Effects, NodeId,
-    Operation, PeerMessage, Progress, Protocol, ShardView, Time, Write,
+    engine_entries, increment_value, read_visible, snapshot_chunks, snapshot_resend_after, Chunk,
+    ClientReply, ClientRequest, Consistency, Effects, NodeId, Operation, PeerMessage, Progress, Protocol,
+    ShardView, SnapshotAssembly, Time, Write,
 };
 
 #[derive(Clone, Debug)]
@@ -63,7 +64,8 @@ pub enum BackupMessage {
     /// Consecutive entries, in order.
     Updates { view: u64, entries: Vec<LogEntry> },
     /// The primary's whole state (raw engine values) as of (`epoch`, `applied`).
-    Snapshot { view: u64, applied: u64, epoch: u64, entries: Vec<(Bytes, Bytes)> },
+    /// A chunk of the primary's whole state as of write `applied` of `epoch`.
+    Snapshot { view: u64, applied: u64, epoch: u64, chunk: Chunk, entries: Vec<(Bytes, Bytes)> },
     /// A backup's position: the last entry it applied.
     Position { view: u64, applied: u64, epoch: u64 },
 }
@@ -88,6 +90,7 @@ struct BackupState {
     sent_upto: u64,
     last_sent_at: Time,
     snapshot_sent_at: Option<Time>,
+    snapshot_resend_after: u64,
 }
 
 pub struct PrimaryBackup {
@@ -102,6 +105,8 @@ pub struct PrimaryBackup {
     /// them: any may become primary).
     log: BTreeMap<u64, LogEntry>,
     backups: HashMap<NodeId, BackupState>,
+    /// As a backup: the snapshot's chunks received so far.
+    snapshot_assembly: SnapshotAssembly,
 }
 
 impl PrimaryBackup {
@@ -115,6 +120,7 @@ impl PrimaryBackup {
             applied_epoch: 0,
             log: BTreeMap::new(),
             backups: HashMap::new(),
+            snapshot_assembly: SnapshotAssembly::default(),
         }
     }
 
@@ -205,19 +211,19 @@ impl PrimaryBackup {
             return;
         }
         state.confirmed = None;
-        if state.snapshot_sent_at.is_some_and(|at| now.saturating_sub(at) < retransmit_after) {
+        if state.snapshot_sent_at.is_some_and(|at| now.saturating_sub(at) < state.snapshot_resend_after) {
             return;
         }
         state.snapshot_sent_at = Some(now);
         match engine_entries(self.engine.as_ref()) {
             Ok(entries) => {
-                let message = BackupMessage::Snapshot {
-                    view: self.view_number(),
-                    applied: self.applied,
-                    epoch: self.applied_epoch,
-                    entries,
-                };
-                fx.send(from, PeerMessage::Backup(message));
+                let chunks = snapshot_chunks(entries);
+                state.snapshot_resend_after = snapshot_resend_after(retransmit_after, chunks.len());
+                let (view, applied, epoch) = (self.view_number(), self.applied, self.applied_epoch);
+                for (chunk, entries) in chunks {
+                    let message = BackupMessage::Snapshot { view, applied, epoch, chunk, entries };
+                    fx.send(from, PeerMessage::Backup(message));
+                }
             }
             Err(error) => tracing::error!(replica = %self.me, %error, "cannot read a snapshot for a backup"),
         }
@@ -320,7 +326,10 @@ impl Protocol for PrimaryBackup {
             BackupMessage::Updates { entries, .. } if Some(from) == self.primary() => {
                 self.on_updates(entries)
             }
-            BackupMessage::Snapshot { applied, epoch, entries, .. } if Some(from) == self.primary() => {
+            BackupMessage::Snapshot { applied, epoch, chunk, entries, .. }
+                if Some(from) == self.primary() =>
+            {
+                let Some(entries) = self.snapshot_assembly.add(from, chunk, entries) else { return };
                 if let Err(error) = self.on_snapshot(applied, epoch, entries) {
                     tracing::error!(replica = %self.me, %error, "cannot install a snapshot");
                 }
