@@ -335,11 +335,13 @@ fn probe(layout: &Layout) -> Result<ClusterMap, String> {
     for shard in &map.shards {
         let head = shard.members.first().ok_or(format!("shard {} has no members", shard.id))?;
         let address = &map.node(*head).ok_or("a head that is not in the map")?.address;
-        let (first, _) = *shard.slots.first().ok_or("a shard without slots")?;
-        let key = (0u32..).map(|index| format!("tessera:probe:{index}")).find(|key| {
-            key_slot(key.as_bytes()) as u16 == first || shard.owns(key_slot(key.as_bytes()) as u16)
-        });
-        let key = key.expect("some key hashes into any slot range");
+        if shard.slots.is_empty() {
+            return Err(format!("shard {} owns no slots", shard.id));
+        }
+        let key = (0u32..)
+            .map(|index| format!("tessera:probe:{index}"))
+            .find(|key| shard.owns(key_slot(key.as_bytes()) as u16))
+            .expect("some key hashes into any slot");
         let mut client = Client::connect(address.as_str(), Duration::from_secs(1))
             .map_err(|error| format!("{address}: {error}"))?;
         match client.command(&["SET", key.as_str(), "1"]).map_err(|error| error.to_string())? {

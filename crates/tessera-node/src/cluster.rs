@@ -179,12 +179,17 @@ fn incarnation(dir: &Path, persistent: bool) -> Result<u64, String> {
 
 /// A plain client's requests relayed to the nodes that own them: one
 /// connection per owner, opened on first use.
-#[derive(Default)]
 pub struct Forwarder {
     links: HashMap<String, (TcpStream, Vec<u8>)>,
+    /// The cluster's password, if its nodes require one (they share it).
+    password: Option<String>,
 }
 
 impl Forwarder {
+    pub fn new(password: Option<String>) -> Self {
+        Self { links: HashMap::new(), password }
+    }
+
     /// Sends one encoded request to `address` and returns its encoded answer,
     /// following `MOVED` if the owner changed meanwhile.
     pub async fn forward(&mut self, mut address: String, request: &[u8]) -> Result<Vec<u8>, String> {
@@ -213,9 +218,18 @@ impl Forwarder {
             // A forwarded request must not be forwarded again: as a cluster
             // client, this link is told MOVED instead.
             let mut hello = Vec::new();
+            if let Some(password) = &self.password {
+                encode_command(&[b"AUTH".as_slice(), password.as_bytes()], &mut hello);
+            }
             encode_command(&[b"READWRITE"], &mut hello);
             link.0.write_all(&hello).await.map_err(unreachable)?;
-            read_reply(&mut link).await.map_err(unreachable)?;
+            for _ in 0..1 + usize::from(self.password.is_some()) {
+                let reply = read_reply(&mut link).await.map_err(unreachable)?;
+                if reply.first() == Some(&b'-') {
+                    let message = String::from_utf8_lossy(&reply[1..]).trim_end().to_string();
+                    return Err(format!("ERR the owner {address} refused this node: {message}"));
+                }
+            }
             self.links.insert(address.to_string(), link);
         }
         let link = self.links.get_mut(address).expect("inserted above");

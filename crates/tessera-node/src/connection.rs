@@ -77,6 +77,7 @@ impl Connection {
             ..Session::default()
         };
         let tables_generation = store.tables_generation();
+        let forwarder = Forwarder::new(store.config.password.clone());
         Self {
             parser: RequestParser::new(store.config.limits()),
             tables: store.tables(),
@@ -88,7 +89,7 @@ impl Connection {
             session,
             stats,
             deferred: Vec::new(),
-            forwarder: Forwarder::default(),
+            forwarder,
         }
     }
 
