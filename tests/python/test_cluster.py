@@ -576,3 +576,40 @@ def test_a_returning_node_gets_shards_larger_than_a_snapshot_chunk(cluster_facto
             break
         assert time.time() < deadline, f"{len(missing)} keys never reached the returned node"
         time.sleep(0.5)
+
+
+def test_tables_live_in_their_own_replica_groups_and_survive_failover(cluster_factory):
+    cluster = cluster_factory("strong", nodes=3)
+    admin = redis.Redis(port=cluster.port(1), socket_timeout=10, protocol=2)
+    assert admin.execute_command("TABLE.CREATE", "events", "PREFIX", "ev:", "ENGINE", "lsm", "fsync", "always")
+    assert admin.execute_command("TABLE.LIST") == [b"default", b"events"]
+    with pytest.raises(redis.ResponseError, match="shared prefix"):
+        admin.execute_command("TABLE.CREATE", "again", "PREFIX", "ev:", "ENGINE", "memory")
+    with pytest.raises(redis.ResponseError, match="nosuch"):
+        admin.execute_command("TABLE.CREATE", "odd", "PREFIX", "o:", "ENGINE", "nosuch")
+    # Clients still see one shard per node: tables do not multiply the slots.
+    assert len(redis.Redis(port=cluster.port(0), protocol=2).execute_command("CLUSTER", "SLOTS")) == 3
+
+    client = cluster.client()
+    for index in range(200):
+        client.set(f"ev:{index}", f"event-{index}")
+        client.set(f"plain:{index}", index)
+    info = admin.execute_command("TABLE.INFO", "events")
+    info = dict(zip(info[::2], info[1::2]))
+    assert info[b"engine"] == b"lsm" and info[b"options"] == b"fsync=always" and len(info[b"groups"]) == 3
+    # The table's groups are on its own engine, in their own directories.
+    node_dir = cluster.dir / "nodes" / "2" / "shards"
+    assert len([path for path in node_dir.iterdir() if any(path.iterdir())]) >= 3
+
+    head = cluster.shard(0)["members"][0]
+    cluster.cli("kill", str(head))
+    time.sleep(2 * FAILURE_TIMEOUT_MS / 1000)
+    assert [client.get(f"ev:{index}") for index in range(200)] == [f"event-{i}".encode() for i in range(200)]
+    client.set("ev:after", "x")
+    cluster.cli("restart", str(head))
+    cluster.wait_for_full_shards(timeout=60)
+
+    assert admin.execute_command("TABLE.DROP", "events")
+    assert admin.execute_command("TABLE.LIST") == [b"default"]
+    assert client.get("ev:1") is None, "the table's keys went with it"
+    assert client.get("plain:1") == b"1"

@@ -236,7 +236,7 @@ fn up(args: UpArgs) -> Result<(), String> {
         "cluster {} is serving: {} nodes, {} shards, {} ({} replicas), engine {}, ready in {:.1} s",
         map.cluster_id,
         map.nodes.len(),
-        map.shards.len(),
+        map.slot_shards().count(),
         map.mode.name(),
         map.replicas,
         layout.engine,
@@ -288,14 +288,15 @@ fn demo(layout: &Layout, map: &ClusterMap) -> Result<(), String> {
         write_time.as_secs_f64() * 1e3,
         started.elapsed().as_secs_f64() * 1e3
     );
-    let mut per_shard = vec![0usize; map.shards.len()];
+    let shards: Vec<_> = map.slot_shards().collect();
+    let mut per_shard = vec![0usize; shards.len()];
     for index in 0..count {
         let slot = key_slot(format!("demo:{index}").as_bytes()) as u16;
-        if let Some(position) = map.shards.iter().position(|shard| shard.owns(slot)) {
+        if let Some(position) = shards.iter().position(|shard| shard.owns(slot)) {
             per_shard[position] += 1;
         }
     }
-    for (shard, keys) in map.shards.iter().zip(per_shard) {
+    for (shard, keys) in shards.iter().zip(per_shard) {
         let chain: Vec<String> = shard.members.iter().map(|node| format!("n{node}")).collect();
         println!("  shard {} (slots {:?}): {keys} keys on {}", shard.id, shard.slots, chain.join(" → "));
     }
@@ -332,7 +333,7 @@ fn wait_until_served(layout: &Layout, dir: &Path, timeout: Duration) -> Result<C
 
 fn probe(layout: &Layout) -> Result<ClusterMap, String> {
     let map = fetch_map(layout)?;
-    for shard in &map.shards {
+    for shard in map.slot_shards() {
         let head = shard.members.first().ok_or(format!("shard {} has no members", shard.id))?;
         let address = &map.node(*head).ok_or("a head that is not in the map")?.address;
         if shard.slots.is_empty() {
@@ -402,8 +403,9 @@ fn status(dir: &Path) -> Result<(), String> {
                 let chain: Vec<String> = shard.members.iter().map(|node| format!("n{node}")).collect();
                 let learners: Vec<String> = shard.learners.iter().map(|node| format!("n{node}")).collect();
                 println!(
-                    "  shard {:<3} slots {:<14} view {:<4} {}{}",
+                    "  shard {:<3} {:<10} slots {:<14} view {:<4} {}{}",
                     shard.id,
+                    shard.table,
                     format!("{:?}", shard.slots),
                     shard.view_number,
                     chain.join(" → "),

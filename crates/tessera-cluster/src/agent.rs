@@ -19,6 +19,7 @@ use tessera_protocol::{
     ChainOptions, ChainReplication, ClientReply, ClientRequest, Effect, Effects, NodeId, Operation,
     PrimaryBackup, PrimaryBackupOptions, Progress, Protocol, RequestId, ShardView,
 };
+use tessera_wire::prefix::unescape_prefix;
 use tessera_wire::slot::SLOTS;
 use tessera_wire::{encode_command, parse_value, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -27,7 +28,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use crate::links::{serve_incoming, Incoming, LinkConfig, Links};
-use crate::map::{ClusterMap, ReplicationMode};
+use crate::map::{ClusterMap, ReplicationMode, DEFAULT_TABLE};
 
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
@@ -167,29 +168,47 @@ pub enum Refusal {
     LeaseExpired,
 }
 
-/// A shard's routing as this node last learned it.
+/// Where keys live, as this node last learned it.
 #[derive(Clone, Debug)]
 pub struct Routing {
     pub map: Arc<ClusterMap>,
-    /// The shard of every slot.
-    slot_shards: Arc<[u32]>,
+    /// Per table, the replica group of every slot.
+    slot_shards: Arc<HashMap<String, Vec<u32>>>,
+    /// The tables' key prefixes, longest first.
+    prefixes: Arc<Vec<(Vec<u8>, String)>>,
 }
 
 impl Routing {
     fn new(map: ClusterMap) -> Self {
-        let mut slot_shards = vec![u32::MAX; SLOTS];
+        let mut slot_shards: HashMap<String, Vec<u32>> = HashMap::new();
         for shard in &map.shards {
+            let slots = slot_shards.entry(shard.table.clone()).or_insert_with(|| vec![u32::MAX; SLOTS]);
             for (first, last) in &shard.slots {
                 for slot in *first..=*last {
-                    slot_shards[slot as usize] = shard.id;
+                    slots[slot as usize] = shard.id;
                 }
             }
         }
-        Self { map: Arc::new(map), slot_shards: slot_shards.into() }
+        let mut prefixes: Vec<(Vec<u8>, String)> = map
+            .tables
+            .iter()
+            .filter_map(|table| Some((unescape_prefix(&table.prefix)?, table.name.clone())))
+            .collect();
+        prefixes.sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
+        Self { map: Arc::new(map), slot_shards: Arc::new(slot_shards), prefixes: Arc::new(prefixes) }
     }
 
-    pub fn shard_of(&self, slot: u16) -> Option<u32> {
-        self.slot_shards.get(slot as usize).copied().filter(|shard| *shard != u32::MAX)
+    /// The table that owns `key`: the longest prefix it starts with.
+    pub fn table_of(&self, key: &[u8]) -> &str {
+        self.prefixes
+            .iter()
+            .find(|(prefix, _)| key.starts_with(prefix))
+            .map_or(DEFAULT_TABLE, |(_, name)| name.as_str())
+    }
+
+    /// The replica group that holds `table`'s keys in `slot`.
+    pub fn shard_of(&self, table: &str, slot: u16) -> Option<u32> {
+        self.slot_shards.get(table)?.get(slot as usize).copied().filter(|shard| *shard != u32::MAX)
     }
 
     /// The client address of a shard's head.
@@ -385,6 +404,28 @@ impl Agent {
         self.config.node
     }
 
+    /// Sends one command to the leading coordinator (administrative changes:
+    /// tables) and returns its answer.
+    pub async fn ask_coordinator(&self, args: &[&[u8]]) -> Result<Value, String> {
+        let mut coordinator = Coordinator::connect_any(&self.config.coordinator).await?;
+        coordinator.call(args).await
+    }
+
+    /// Waits until the map this node routes by satisfies `ready` (a change the
+    /// coordinator made arrives with the next heartbeat).
+    pub async fn wait_for_map(&self, ready: impl Fn(&ClusterMap) -> bool, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.routing().is_some_and(|routing| ready(&routing.map)) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     /// Hands an operation to a shard's protocol and waits for its answer.
     pub async fn submit(&self, shard: u32, operation: Operation) -> ClientReply {
         self.begin(shard, operation).answer().await
@@ -420,9 +461,20 @@ impl Agent {
         }
     }
 
-    fn new_replica(&self, shard: u32, mode: ReplicationMode) -> Result<Replica, String> {
+    /// A replica of group `shard` on the engine of its table.
+    fn new_replica(&self, shard: u32, map: &ClusterMap) -> Result<Replica, String> {
         let dir = self.config.data_dir.join("shards").join(shard.to_string());
-        let engine = self.config.engine.open(&dir).map_err(|error| format!("shard {shard}: {error}"))?;
+        let table = map.shard(shard).map(|group| group.table.as_str()).unwrap_or(DEFAULT_TABLE);
+        let spec = match map.table(table) {
+            None => self.config.engine.clone(),
+            Some(table) => table
+                .engine
+                .parse()
+                .and_then(|kind| EngineSpec::new(kind, table.options.clone()))
+                .map_err(|error| format!("table {}: {error}", table.name))?,
+        };
+        let engine = spec.open(&dir).map_err(|error| format!("shard {shard}: {error}"))?;
+        let mode = map.mode;
         let me = NodeId(self.config.node);
         let protocol: Box<dyn Protocol> = match mode {
             ReplicationMode::MsStrong => {
@@ -440,7 +492,7 @@ impl Agent {
     /// shard its view with a lease from `asked_at`.
     fn apply_grants(&self, asked_at: u64, grants: Vec<(u32, ShardView)>) {
         let mut state = self.state.lock();
-        let Some(mode) = state.routing.as_ref().map(|routing| routing.map.mode) else { return };
+        let Some(map) = state.routing.as_ref().map(|routing| routing.map.clone()) else { return };
         let me = NodeId(self.config.node);
         let left: Vec<u32> = state
             .shards
@@ -455,7 +507,7 @@ impl Agent {
         for (shard, view) in grants {
             let replica = match state.shards.entry(shard) {
                 std::collections::btree_map::Entry::Occupied(entry) => entry.into_mut(),
-                std::collections::btree_map::Entry::Vacant(entry) => match self.new_replica(shard, mode) {
+                std::collections::btree_map::Entry::Vacant(entry) => match self.new_replica(shard, &map) {
                     Ok(replica) => entry.insert(replica),
                     Err(error) => {
                         tracing::error!(%error, "cannot open a shard's engine");

@@ -6,10 +6,13 @@
 
 use std::collections::BTreeMap;
 
+use tessera_engine::{EngineError, EngineKind, EngineSpec};
 use tessera_protocol::coordinator::{Admission, CoordinatorConfig, ShardCoordinator};
 use tessera_protocol::{NodeId, Progress, ShardView};
 
-use crate::map::{ClusterMap, MapError, NodeInfo, NodeRole, ReplicationMode};
+use crate::map::{
+    ClusterMap, ClusterTable, MapError, NodeInfo, NodeRole, ReplicationMode, Shard, DEFAULT_TABLE,
+};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum JoinError {
@@ -42,6 +45,7 @@ pub struct Grants {
 
 pub struct ClusterCoordinator {
     map: ClusterMap,
+    config: CoordinatorConfig,
     shards: BTreeMap<u32, ShardCoordinator>,
     /// The map changed since [`ClusterCoordinator::take_changed_map`].
     changed: bool,
@@ -72,7 +76,7 @@ impl ClusterCoordinator {
                 (shard.id, ShardCoordinator::new(config, shard.view(), incarnations, now))
             })
             .collect();
-        Self { map, shards, changed: false }
+        Self { map, config, shards, changed: false }
     }
 
     pub fn map(&self) -> &ClusterMap {
@@ -206,6 +210,74 @@ impl ClusterCoordinator {
         Ok(id)
     }
 
+    /// Adds a table: for each of the default table's shards, a new replica
+    /// group for the table's keys in the same slots, on the same nodes in the
+    /// same order (so a slot's head is usually the same node for every table).
+    pub fn create_table(&mut self, table: ClusterTable, now: u64) -> Result<(), MapError> {
+        let invalid = |message: String| MapError::Invalid(format!("table {}: {message}", table.name));
+        let kind: EngineKind =
+            table.engine.parse().map_err(|error: EngineError| invalid(error.to_string()))?;
+        if kind == EngineKind::Redis {
+            return Err(invalid("the redis engine cannot back a cluster's replica groups".into()));
+        }
+        EngineSpec::new(kind, table.options.clone()).map_err(|error| invalid(error.to_string()))?;
+        let mut map = self.map.clone();
+        let mut next_id = map.shards.iter().map(|shard| shard.id + 1).max().unwrap_or(0);
+        let groups: Vec<Shard> = map
+            .slot_shards()
+            .map(|shard| {
+                next_id += 1;
+                Shard {
+                    id: next_id - 1,
+                    table: table.name.clone(),
+                    slots: shard.slots.clone(),
+                    view_number: 1,
+                    members: shard.members.clone(),
+                    learners: Vec::new(),
+                    incarnations: shard
+                        .incarnations
+                        .iter()
+                        .filter(|(node, _)| shard.members.contains(node))
+                        .map(|(node, incarnation)| (*node, *incarnation))
+                        .collect(),
+                }
+            })
+            .collect();
+        map.tables.push(table);
+        map.shards.extend(groups.iter().cloned());
+        map.epoch += 1;
+        map.validate()?;
+        for group in &groups {
+            let incarnations =
+                group.incarnations.iter().map(|(node, incarnation)| (NodeId(*node), *incarnation)).collect();
+            self.shards.insert(group.id, ShardCoordinator::new(self.config, group.view(), incarnations, now));
+        }
+        self.map = map;
+        self.changed = true;
+        Ok(())
+    }
+
+    /// Removes a table and its replica groups; nodes drop them on their next
+    /// heartbeat.
+    pub fn drop_table(&mut self, name: &str) -> Result<(), MapError> {
+        if name == DEFAULT_TABLE {
+            return Err(MapError::Invalid("the default table cannot be dropped".into()));
+        }
+        if self.map.table(name).is_none() {
+            return Err(MapError::Invalid(format!("no such table '{name}'")));
+        }
+        self.map.tables.retain(|table| table.name != name);
+        let dropped: Vec<u32> =
+            self.map.shards.iter().filter(|shard| shard.table == name).map(|shard| shard.id).collect();
+        self.map.shards.retain(|shard| shard.table != name);
+        for id in dropped {
+            self.shards.remove(&id);
+        }
+        self.map.epoch += 1;
+        self.changed = true;
+        Ok(())
+    }
+
     /// The map, if it changed since the last call: the caller stores it.
     pub fn take_changed_map(&mut self) -> Option<ClusterMap> {
         std::mem::take(&mut self.changed).then(|| self.map.clone())
@@ -283,6 +355,43 @@ mod tests {
         assert!(coordinator.add_standby("no port").is_err());
         assert_eq!(coordinator.map().nodes.len(), 4, "a refused node leaves the map as it was");
         assert_eq!(coordinator.map().node(3).unwrap().role, NodeRole::Standby);
+    }
+
+    #[test]
+    fn tables_get_replica_groups_on_the_default_tables_nodes_and_leave_with_them() {
+        let mut coordinator = cluster(4, 3);
+        let table = |name: &str, prefix: &str, engine: &str| ClusterTable {
+            name: name.into(),
+            prefix: prefix.into(),
+            engine: engine.into(),
+            options: BTreeMap::new(),
+        };
+        coordinator.create_table(table("events", "ev:", "lsm"), 0).unwrap();
+        let map = coordinator.take_changed_map().expect("stored");
+        let groups: Vec<&Shard> = map.shards.iter().filter(|shard| shard.table == "events").collect();
+        assert_eq!(groups.len(), 3);
+        for (group, shard) in groups.iter().zip(map.slot_shards()) {
+            assert_eq!((&group.slots, &group.members), (&shard.slots, &shard.members));
+            assert_ne!(group.id, shard.id);
+        }
+        // Heartbeats now grant the table's groups too.
+        assert_eq!(beat(&mut coordinator, 10, 0).shards.len(), 6);
+        for (bad, why) in [
+            (table("events", "other:", "lsm"), "twice"),
+            (table("more", "ev:", "lsm"), "shared prefix"),
+            (table("bad", "b:", "nosuch"), "nosuch"),
+            (table("remote", "r:", "redis"), "redis engine"),
+            (table("no space", "n:", "memory"), "invalid table name"),
+        ] {
+            let error = coordinator.create_table(bad, 0).unwrap_err().to_string();
+            assert!(error.contains(why), "{error}");
+        }
+        assert_eq!(coordinator.map().tables.len(), 1, "refused tables change nothing");
+        coordinator.drop_table("events").unwrap();
+        assert!(coordinator.map().shards.iter().all(|shard| shard.table == DEFAULT_TABLE));
+        assert_eq!(beat(&mut coordinator, 20, 0).shards.len(), 3);
+        assert!(coordinator.drop_table("events").is_err());
+        assert!(coordinator.drop_table(DEFAULT_TABLE).is_err());
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 use tessera_protocol::{NodeId, ShardView};
+use tessera_wire::prefix::{unescape_prefix, valid_table_name};
 use tessera_wire::slot::SLOTS;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -52,9 +53,33 @@ pub struct NodeInfo {
     pub role: NodeRole,
 }
 
+/// The table every key belongs to unless a table's prefix claims it.
+pub const DEFAULT_TABLE: &str = "default";
+
+fn default_table() -> String {
+    DEFAULT_TABLE.to_string()
+}
+
+/// A table of the cluster: keys that start with its prefix (the longest
+/// matching prefix wins) live in replica groups of their own, on the table's
+/// engine. The default table (empty prefix, the nodes' own engine) is implicit.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterTable {
+    pub name: String,
+    /// The key prefix, as text with `\xNN` escapes for non-printable bytes.
+    pub prefix: String,
+    pub engine: String,
+    #[serde(default)]
+    pub options: BTreeMap<String, String>,
+}
+
+/// A replica group: one table's keys in some slot ranges, on some nodes.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Shard {
     pub id: u32,
+    /// The table whose keys it holds.
+    #[serde(default = "default_table")]
+    pub table: String,
     /// Inclusive slot ranges.
     pub slots: Vec<(u16, u16)>,
     pub view_number: u64,
@@ -98,6 +123,9 @@ pub struct ClusterMap {
     pub replicas: usize,
     pub nodes: Vec<NodeInfo>,
     pub shards: Vec<Shard>,
+    /// Tables besides the default one.
+    #[serde(default)]
+    pub tables: Vec<ClusterTable>,
 }
 
 impl ClusterMap {
@@ -130,6 +158,7 @@ impl ClusterMap {
                 let last = SLOTS * (index + 1) / members - 1;
                 Shard {
                     id: index as u32,
+                    table: default_table(),
                     slots: vec![(first as u16, last as u16)],
                     view_number: 1,
                     members: (0..replicas).map(|offset| ((index + offset) % members) as u32).collect(),
@@ -138,7 +167,15 @@ impl ClusterMap {
                 }
             })
             .collect();
-        let map = Self { cluster_id: cluster_id.to_string(), epoch: 1, mode, replicas, nodes, shards };
+        let map = Self {
+            cluster_id: cluster_id.to_string(),
+            epoch: 1,
+            mode,
+            replicas,
+            nodes,
+            shards,
+            tables: Vec::new(),
+        };
         map.validate()?;
         Ok(map)
     }
@@ -151,9 +188,19 @@ impl ClusterMap {
         self.shards.iter().find(|shard| shard.id == id)
     }
 
-    /// The shard that owns `slot`.
+    /// The default table's shard that owns `slot`.
     pub fn shard_for_slot(&self, slot: u16) -> Option<&Shard> {
-        self.shards.iter().find(|shard| shard.owns(slot))
+        self.slot_shards().find(|shard| shard.owns(slot))
+    }
+
+    /// The default table's shards: what Redis Cluster clients see as the
+    /// cluster's shards (every other table's groups start on the same nodes).
+    pub fn slot_shards(&self) -> impl Iterator<Item = &Shard> {
+        self.shards.iter().filter(|shard| shard.table == DEFAULT_TABLE)
+    }
+
+    pub fn table(&self, name: &str) -> Option<&ClusterTable> {
+        self.tables.iter().find(|table| table.name == name)
     }
 
     /// The shards a node serves or is joining.
@@ -180,9 +227,28 @@ impl ClusterMap {
                 return invalid(format!("node {} has address {:?}, not host:port", node.id, node.address));
             }
         }
-        let mut owner = vec![None; SLOTS];
+        let mut table_names = BTreeSet::from([DEFAULT_TABLE]);
+        let mut prefixes = BTreeSet::new();
+        for table in &self.tables {
+            if !valid_table_name(&table.name) {
+                return invalid(format!("invalid table name {:?}", table.name));
+            }
+            if !table_names.insert(table.name.as_str()) {
+                return invalid(format!("table {} appears twice", table.name));
+            }
+            if unescape_prefix(&table.prefix).is_none_or(|prefix| prefix.is_empty())
+                || !prefixes.insert(table.prefix.as_str())
+            {
+                return invalid(format!("table {} has an empty, malformed or shared prefix", table.name));
+            }
+        }
+        let mut owners: BTreeMap<&str, Vec<Option<u32>>> =
+            table_names.iter().map(|name| (*name, vec![None; SLOTS])).collect();
         let mut shard_ids = BTreeSet::new();
         for shard in &self.shards {
+            let Some(owner) = owners.get_mut(shard.table.as_str()) else {
+                return invalid(format!("shard {} belongs to unknown table {}", shard.id, shard.table));
+            };
             if !shard_ids.insert(shard.id) {
                 return invalid(format!("shard {} appears twice", shard.id));
             }
@@ -209,8 +275,13 @@ impl ClusterMap {
                 }
             }
         }
-        if let Some(slot) = owner.iter().position(Option::is_none) {
-            return invalid(format!("slot {slot} has no shard"));
+        for (table, owner) in owners {
+            if let Some(slot) = owner.iter().position(Option::is_none) {
+                return match table {
+                    DEFAULT_TABLE => invalid(format!("slot {slot} has no shard")),
+                    _ => invalid(format!("slot {slot} of table {table} has no shard")),
+                };
+            }
         }
         Ok(())
     }
@@ -282,6 +353,32 @@ mod tests {
         assert!(bad_address.validate().is_err());
         assert!(ClusterMap::from_json("{\"cluster_id\": 3}").is_err());
         assert!(ClusterMap::from_json("not json").is_err());
+    }
+
+    #[test]
+    fn every_table_needs_every_slot_once() {
+        let mut map = ClusterMap::place("c1", ReplicationMode::MsStrong, 3, &addresses(3), 3).unwrap();
+        map.tables.push(ClusterTable {
+            name: "events".into(),
+            prefix: "ev:".into(),
+            engine: "lsm".into(),
+            options: BTreeMap::new(),
+        });
+        assert!(map.validate().unwrap_err().to_string().contains("slot 0 of table events has no shard"));
+        let mut group = map.shards[0].clone();
+        group.id = 10;
+        group.table = "events".into();
+        group.slots = vec![(0, 16383)];
+        map.shards.push(group.clone());
+        map.validate().unwrap();
+        assert_eq!(map.slot_shards().count(), 3, "clients see the default table's shards");
+        assert_eq!(ClusterMap::from_json(&map.to_json()).unwrap(), map);
+        let mut stray = map.clone();
+        stray.shards[3].table = "nosuch".into();
+        assert!(stray.validate().unwrap_err().to_string().contains("unknown table nosuch"));
+        let mut bad_prefix = map.clone();
+        bad_prefix.tables[0].prefix = "\\x4".into();
+        assert!(bad_prefix.validate().is_err());
     }
 
     #[test]

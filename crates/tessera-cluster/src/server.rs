@@ -6,6 +6,8 @@
 //! COORD.HEARTBEAT cluster-id node incarnation [shard applied ready-learner ready-view]...
 //!     -> [epoch, [shard, view-number, [members...], [learners...]]...]   (ready-learner -1: none)
 //! COORD.ADD-NODE address                           the new standby node's id
+//! COORD.TABLE-CREATE name prefix engine [option value]...   +OK (prefix \xNN-escaped)
+//! COORD.TABLE-DROP name                             +OK
 //! COORD.MAP [known-epoch wait-ms]                   the map as JSON; with an epoch, answers
 //!                                                   once the map is newer or the wait is over
 //! ```
@@ -23,7 +25,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use crate::coordinator::{ClusterCoordinator, Timing};
-use crate::map::ClusterMap;
+use crate::map::{ClusterMap, ClusterTable, MapError};
 use crate::store::MetadataStore;
 
 /// The longest a `COORD.MAP` watch may wait.
@@ -224,11 +226,22 @@ async fn answer(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWrit
         }
         b"COORD.MAP" if args.len() == 1 || args.len() == 3 => watch_map(state, args, out).await,
         b"COORD.ADD-NODE" if args.len() == 2 => add_node(state, &text(&args[1]), out),
+        b"COORD.TABLE-CREATE" if args.len() >= 4 && args.len().is_multiple_of(2) => {
+            create_table(state, args, out)
+        }
+        b"COORD.TABLE-DROP" if args.len() == 2 => {
+            change_map(state, out, |coordinator, _| coordinator.drop_table(&text(&args[1])))
+        }
         b"PING" => {
             out.simple("PONG");
             Ok(())
         }
-        b"COORD.JOIN" | b"COORD.HEARTBEAT" | b"COORD.MAP" | b"COORD.ADD-NODE" => {
+        b"COORD.JOIN"
+        | b"COORD.HEARTBEAT"
+        | b"COORD.MAP"
+        | b"COORD.ADD-NODE"
+        | b"COORD.TABLE-CREATE"
+        | b"COORD.TABLE-DROP" => {
             Err(format!("wrong number of arguments for '{}'", text(&args[0]).to_ascii_lowercase()))
         }
         _ => Err(format!("unknown command '{}' for a coordinator", text(&args[0]))),
@@ -298,6 +311,35 @@ fn add_node(state: &Arc<Mutex<State>>, address: &str, out: &mut ReplyWriter) -> 
     let id = state.coordinator.add_standby(address).map_err(|error| error.to_string())?;
     state.persist()?;
     out.integer(i64::from(id));
+    Ok(())
+}
+
+fn create_table(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) -> Result<(), String> {
+    let options =
+        args[4..].chunks(2).map(|pair| (text(&pair[0]).to_ascii_lowercase(), text(&pair[1]))).collect();
+    let table = ClusterTable {
+        name: text(&args[1]),
+        prefix: text(&args[2]),
+        engine: text(&args[3]).to_ascii_lowercase(),
+        options,
+    };
+    change_map(state, out, |coordinator, now| coordinator.create_table(table, now))
+}
+
+/// Applies an administrative change to the map and stores it before answering.
+fn change_map(
+    state: &Arc<Mutex<State>>,
+    out: &mut ReplyWriter,
+    change: impl FnOnce(&mut ClusterCoordinator, u64) -> Result<(), MapError>,
+) -> Result<(), String> {
+    let mut state = state.lock();
+    if let Some(reason) = &state.fenced {
+        return Err(format!("this coordinator stopped deciding: {reason}"));
+    }
+    let now = state.now_ms();
+    change(&mut state.coordinator, now).map_err(|error| error.to_string())?;
+    state.persist()?;
+    out.ok();
     Ok(())
 }
 

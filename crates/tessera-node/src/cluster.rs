@@ -16,13 +16,17 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use parking_lot::Mutex;
 use tessera_cluster::agent::{Agent, AgentConfig, Completion, Refusal};
+use tessera_cluster::{ClusterMap, DEFAULT_TABLE};
 use tessera_engine::{EngineKind, EngineSpec};
+use tessera_wire::prefix::unescape_prefix;
 use tessera_wire::slot::key_slot;
-use tessera_wire::{encode_command, skip_value};
+use tessera_wire::{encode_command, skip_value, ReplyWriter, Request, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use crate::commands::tables::{parse_create, text};
 use crate::config::Config;
+use crate::error::{CommandError, CommandResult};
 
 /// Where a node keeps the incarnation of its persistent state.
 const INCARNATION_FILE: &str = "cluster-incarnation";
@@ -47,8 +51,9 @@ pub enum Placement {
     /// This node serves it from shard `shard`; a strong read first waits for
     /// `barrier` (the head's first write in its view) to commit.
     Shard { shard: u32, write: bool, strong: bool, barrier: Option<Completion> },
-    /// Another node is the owner.
-    Elsewhere { slot: u16, address: String },
+    /// Another node is the owner; `forward_only` when a cluster client must
+    /// not be told MOVED either (see [`ClusterNode::place`]).
+    Elsewhere { slot: u16, address: String, forward_only: bool },
     /// An error for the client (keys in several slots, no map yet, ...).
     Refused(String),
 }
@@ -99,14 +104,18 @@ impl ClusterNode {
         readonly: bool,
     ) -> Placement {
         let Some(first) = keys.next() else { return Placement::Local };
-        let slot = key_slot(first) as u16;
-        if keys.any(|key| key_slot(key) as u16 != slot) {
-            return Placement::Refused("CROSSSLOT Keys in request don't hash to the same slot".into());
-        }
         let Some(routing) = self.agent.routing() else {
             return Placement::Refused("CLUSTERDOWN this node has not received the cluster map yet".into());
         };
-        let Some(shard) = routing.shard_of(slot) else {
+        let slot = key_slot(first) as u16;
+        let table = routing.table_of(first);
+        if keys.any(|key| key_slot(key) as u16 != slot || routing.table_of(key) != table) {
+            return Placement::Refused(
+                "CROSSSLOT Keys in request don't hash to the same slot (or belong to different tables)"
+                    .into(),
+            );
+        }
+        let Some(shard) = routing.shard_of(table, slot) else {
             return Placement::Refused(format!("CLUSTERDOWN Hash slot {slot} not served"));
         };
         let strong = write || !readonly;
@@ -122,11 +131,113 @@ impl ClusterNode {
             }
             Err(Refusal::NotOwner) => match routing.head_address(shard) {
                 Some(address) if address != self.address => {
-                    Placement::Elsewhere { slot, address: address.to_string() }
+                    // Cluster clients route by slot to the default table's
+                    // head; if that is this node, another table's group has a
+                    // different head here: forward rather than MOVE the slot.
+                    let slot_head =
+                        routing.shard_of(DEFAULT_TABLE, slot).and_then(|id| routing.head_address(id));
+                    let forward_only = table != DEFAULT_TABLE && slot_head == Some(self.address.as_str());
+                    Placement::Elsewhere { slot, address: address.to_string(), forward_only }
                 }
                 _ => Placement::Refused(format!("TRYAGAIN slot {slot} is changing hands")),
             },
         }
+    }
+
+    /// TABLE.CREATE / DROP / LIST / INFO on a cluster node: tables are part of
+    /// the cluster map, changed through the coordinator.
+    pub async fn table_command(&self, request: &Request<'_>, out: &mut ReplyWriter) -> CommandResult {
+        let name = request.arg(0).to_ascii_lowercase();
+        let change: Vec<Vec<u8>> = match name.as_slice() {
+            b"table.create" => {
+                let def = parse_create(request)?;
+                let mut args = vec![b"COORD.TABLE-CREATE".to_vec(), def.name.into_bytes()];
+                args.extend([def.prefix.into_bytes(), def.engine.into_bytes()]);
+                for (option, value) in def.options {
+                    args.extend([option.into_bytes(), value.into_bytes()]);
+                }
+                args
+            }
+            b"table.drop" => vec![b"COORD.TABLE-DROP".to_vec(), request.arg(1).to_vec()],
+            b"table.list" => {
+                let map = self.map()?;
+                out.array(1 + map.tables.len());
+                out.bulk(DEFAULT_TABLE.as_bytes());
+                for table in &map.tables {
+                    out.bulk(table.name.as_bytes());
+                }
+                return Ok(());
+            }
+            _ => return self.table_info(&text(request.arg(1))?, out),
+        };
+        let args: Vec<&[u8]> = change.iter().map(Vec::as_slice).collect();
+        let answer = self
+            .agent
+            .ask_coordinator(&args)
+            .await
+            .map_err(|error| CommandError::Coded(format!("TRYAGAIN {error}")))?;
+        if let Value::Error(message) = answer {
+            return Err(CommandError::Coded(message));
+        }
+        let table = text(request.arg(1))?;
+        let creating = name == b"table.create";
+        let arrived = self
+            .agent
+            .wait_for_map(|map| map.table(&table).is_some() == creating, Duration::from_secs(5))
+            .await;
+        if !arrived {
+            return Err(CommandError::Coded(
+                "TRYAGAIN the coordinator changed the map; this node has not seen it yet".into(),
+            ));
+        }
+        out.ok();
+        Ok(())
+    }
+
+    fn map(&self) -> CommandResult<Arc<ClusterMap>> {
+        self.agent.routing().map(|routing| routing.map).ok_or_else(|| {
+            CommandError::Coded("CLUSTERDOWN this node has not received the cluster map yet".into())
+        })
+    }
+
+    fn table_info(&self, name: &str, out: &mut ReplyWriter) -> CommandResult {
+        let map = self.map()?;
+        let (prefix, engine, options) = match map.table(name) {
+            Some(table) => (table.prefix.clone(), table.engine.clone(), table.options.clone()),
+            None if name == DEFAULT_TABLE => (String::new(), "the nodes' own".into(), Default::default()),
+            None => return Err(CommandError::Other(format!("no such table '{name}'"))),
+        };
+        let groups: Vec<_> = map.shards.iter().filter(|shard| shard.table == name).collect();
+        let options: Vec<String> = options
+            .iter()
+            .filter(|(option, _)| option.as_str() != "password")
+            .map(|(option, value)| format!("{option}={value}"))
+            .collect();
+        out.map(5);
+        out.bulk(b"name");
+        out.bulk(name.as_bytes());
+        out.bulk(b"prefix");
+        out.bulk(&unescape_prefix(&prefix).unwrap_or_default());
+        out.bulk(b"engine");
+        out.bulk(engine.as_bytes());
+        out.bulk(b"options");
+        out.bulk(options.join(" ").as_bytes());
+        out.bulk(b"groups");
+        out.array(groups.len());
+        for group in groups {
+            let members: Vec<String> = group.members.iter().map(|node| format!("n{node}")).collect();
+            out.bulk(
+                format!(
+                    "{} slots {:?} view {} {}",
+                    group.id,
+                    group.slots,
+                    group.view_number,
+                    members.join(">")
+                )
+                .as_bytes(),
+            );
+        }
+        Ok(())
     }
 
     /// The uncommitted writes a strong request on `key` must wait for.

@@ -52,17 +52,7 @@ struct Deferred {
 
 /// Commands over one node's whole keyspace, which a cluster node's local
 /// tables do not hold.
-const NODE_WIDE: &[&str] = &[
-    "scan",
-    "keys",
-    "dbsize",
-    "flushdb",
-    "flushall",
-    "table.create",
-    "table.drop",
-    "table.list",
-    "table.info",
-];
+const NODE_WIDE: &[&str] = &["scan", "keys", "dbsize", "flushdb", "flushall"];
 
 impl Connection {
     pub fn new(store: Arc<Store>, stats: Arc<WorkerStats>, stream: TcpStream) -> Self {
@@ -257,6 +247,14 @@ async fn serve_in_cluster(
             return None;
         }
     };
+    if spec.name.starts_with("table.") {
+        let mark = context.out.len();
+        if let Err(error) = cluster.table_command(request, context.out).await {
+            context.out.truncate(mark);
+            context.out.error(&error.to_string());
+        }
+        return None;
+    }
     if NODE_WIDE.contains(&spec.name) {
         context.out.error(&format!(
             "ERR '{}' works on one node's tables; a cluster node does not serve it yet",
@@ -275,7 +273,7 @@ async fn serve_in_cluster(
             context.out.error(&message);
             None
         }
-        Placement::Elsewhere { slot, address } if context.session.cluster_client => {
+        Placement::Elsewhere { slot, address, forward_only: false } if context.session.cluster_client => {
             context.out.error(&format!("MOVED {slot} {address}"));
             None
         }

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use tessera_engine::{Engine, EngineKind, EngineSpec};
+pub use tessera_wire::prefix::{escape_prefix, unescape_prefix, valid_table_name};
 
 pub const DEFAULT_TABLE: &str = "default";
 const CATALOG_FILE: &str = "tables.toml";
@@ -97,47 +98,6 @@ impl TableSet {
         tables.sort_by(|a, b| a.def.name.cmp(&b.def.name));
         tables
     }
-}
-
-/// Renders a prefix for the catalog and for replies: printable ASCII as is,
-/// other bytes as `\xNN`.
-pub fn escape_prefix(prefix: &[u8]) -> String {
-    prefix
-        .iter()
-        .map(|&byte| {
-            if byte.is_ascii_graphic() && byte != b'\\' || byte == b' ' {
-                (byte as char).to_string()
-            } else {
-                format!("\\x{byte:02x}")
-            }
-        })
-        .collect()
-}
-
-pub fn unescape_prefix(text: &str) -> Option<Vec<u8>> {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'\\' {
-            let hex = std::str::from_utf8(bytes.get(i + 2..i + 4)?).ok()?;
-            if bytes.get(i + 1) != Some(&b'x') {
-                return None;
-            }
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 4;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    Some(out)
-}
-
-fn valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 64
-        && name.bytes().all(|byte| byte.is_ascii_alphanumeric() || byte == b'-' || byte == b'_')
 }
 
 /// Opens tables and keeps the catalog on disk.
@@ -239,7 +199,7 @@ impl Catalogue {
     /// Creates a table and returns the new set. Refuses a prefix under which
     /// the table that owns it now already holds keys: they would vanish from view.
     pub fn create(&self, current: &TableSet, def: TableDef) -> Result<TableSet, TableError> {
-        if !valid_name(&def.name) {
+        if !valid_table_name(&def.name) {
             return Err(TableError::InvalidName(def.name));
         }
         if current.get(&def.name).is_some() {
@@ -308,18 +268,5 @@ fn has_keys_with_prefix(engine: &dyn Engine, prefix: &[u8]) -> Result<bool, Tabl
             Some(next) => cursor = next,
             None => return Ok(false),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn prefixes_escape_and_unescape() {
-        for prefix in [&b"user:"[..], b"\x00\xff", b"a\\b", b""] {
-            assert_eq!(unescape_prefix(&escape_prefix(prefix)).unwrap(), prefix);
-        }
-        assert_eq!(unescape_prefix("\\x4"), None);
     }
 }

@@ -8,6 +8,7 @@
 //! - [`client`]: a blocking, pipelining client connection.
 
 pub mod client;
+pub mod prefix;
 pub mod reply;
 pub mod request;
 pub mod slot;

@@ -4,7 +4,8 @@
 //! A Tessera node may head one shard and follow in others, which Redis
 //! Cluster's one-master-or-one-replica model cannot say: SLOTS and SHARDS list
 //! every shard's members exactly; NODES shows a node as the master of the
-//! shards it heads.
+//! shards it heads. The shards shown are the default table's: every other
+//! table's replica groups start on the same nodes, slot for slot.
 
 use tessera_cluster::ClusterMap;
 use tessera_wire::slot::key_slot;
@@ -88,9 +89,9 @@ fn write_node(context: &mut Context, map: &ClusterMap, node: u32) {
 
 /// [first, last, head, followers...] per slot range.
 fn slots(context: &mut Context, map: &ClusterMap) {
-    let ranges: usize = map.shards.iter().map(|shard| shard.slots.len()).sum();
+    let ranges: usize = map.slot_shards().map(|shard| shard.slots.len()).sum();
     context.out.array(ranges);
-    for shard in &map.shards {
+    for shard in map.slot_shards() {
         for (first, last) in &shard.slots {
             context.out.array(2 + shard.members.len());
             context.out.integer(*first as i64);
@@ -103,8 +104,8 @@ fn slots(context: &mut Context, map: &ClusterMap) {
 }
 
 fn shards(context: &mut Context, map: &ClusterMap) {
-    context.out.array(map.shards.len());
-    for shard in &map.shards {
+    context.out.array(map.slot_shards().count());
+    for shard in map.slot_shards() {
         context.out.map(2);
         context.out.bulk(b"slots");
         context.out.array(shard.slots.len() * 2);
@@ -140,8 +141,8 @@ fn nodes(map: &ClusterMap, me: u32) -> String {
     let mut text = String::new();
     for node in &map.nodes {
         let headed: Vec<_> =
-            map.shards.iter().filter(|shard| shard.members.first() == Some(&node.id)).collect();
-        let followed = map.shards.iter().find(|shard| shard.members.iter().skip(1).any(|id| *id == node.id));
+            map.slot_shards().filter(|shard| shard.members.first() == Some(&node.id)).collect();
+        let followed = map.slot_shards().find(|shard| shard.members.iter().skip(1).any(|id| *id == node.id));
         let myself = if node.id == me { "myself," } else { "" };
         let (role, master) = match (headed.is_empty(), followed.and_then(|shard| shard.members.first())) {
             (true, Some(head)) => ("slave", node_name(map, *head)),
@@ -178,7 +179,7 @@ fn info(map: &ClusterMap, me: u32) -> String {
         .sum();
     let state = if served == tessera_wire::slot::SLOTS { "ok" } else { "fail" };
     let my_epoch =
-        map.shards.iter().filter(|shard| shard.members.first() == Some(&me)).map(|shard| shard.view_number);
+        map.slot_shards().filter(|shard| shard.members.first() == Some(&me)).map(|shard| shard.view_number);
     [
         format!("cluster_state:{state}"),
         format!("cluster_slots_assigned:{served}"),
@@ -186,7 +187,7 @@ fn info(map: &ClusterMap, me: u32) -> String {
         "cluster_slots_pfail:0".into(),
         "cluster_slots_fail:0".into(),
         format!("cluster_known_nodes:{}", map.nodes.len()),
-        format!("cluster_size:{}", map.shards.len()),
+        format!("cluster_size:{}", map.slot_shards().count()),
         format!("cluster_current_epoch:{}", map.epoch),
         format!("cluster_my_epoch:{}", my_epoch.max().unwrap_or(0)),
         format!("tessera_mode:{}", map.mode.name()),

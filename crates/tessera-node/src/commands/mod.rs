@@ -8,7 +8,7 @@ mod keys;
 mod server;
 mod sorted_sets;
 mod strings;
-mod tables;
+pub mod tables;
 
 use std::sync::OnceLock;
 

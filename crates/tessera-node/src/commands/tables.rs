@@ -16,13 +16,21 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "table.info", arity: 2, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, handler: info },
 ];
 
-fn text(arg: &[u8]) -> CommandResult<String> {
+pub fn text(arg: &[u8]) -> CommandResult<String> {
     String::from_utf8(arg.to_vec())
         .map_err(|_| CommandError::Other("table arguments must be UTF-8 text".into()))
 }
 
 /// TABLE.CREATE name PREFIX p ENGINE e [option value ...]
 fn create(context: &mut Context, request: &Request) -> CommandResult {
+    let def = parse_create(request)?;
+    context.store.create_table(def).map_err(|error| CommandError::Other(error.to_string()))?;
+    context.out.ok();
+    Ok(())
+}
+
+/// The table a TABLE.CREATE asks for.
+pub fn parse_create(request: &Request) -> CommandResult<TableDef> {
     if !is(request.arg(2), "prefix") || !is(request.arg(4), "engine") || !request.len().is_multiple_of(2) {
         return Err(CommandError::Other(
             "usage: TABLE.CREATE name PREFIX prefix ENGINE engine [option value ...]".into(),
@@ -32,15 +40,12 @@ fn create(context: &mut Context, request: &Request) -> CommandResult {
     for index in (6..request.len()).step_by(2) {
         options.insert(text(request.arg(index))?.to_ascii_lowercase(), text(request.arg(index + 1))?);
     }
-    let def = TableDef {
+    Ok(TableDef {
         name: text(request.arg(1))?,
         prefix: escape_prefix(request.arg(3)),
         engine: text(request.arg(5))?.to_ascii_lowercase(),
         options,
-    };
-    context.store.create_table(def).map_err(|error| CommandError::Other(error.to_string()))?;
-    context.out.ok();
-    Ok(())
+    })
 }
 
 fn drop_table(context: &mut Context, request: &Request) -> CommandResult {
