@@ -639,6 +639,8 @@ async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: Coordina
             agent_ref.config.cluster_id.clone().into_bytes(),
             agent_ref.config.node.to_string().into_bytes(),
             agent_ref.config.incarnation.to_string().into_bytes(),
+            // The map it routes by: table changes wait until every node has it.
+            known_epoch.to_string().into_bytes(),
         ];
         for (shard, progress) in agent_ref.shards() {
             let (learner, view) =

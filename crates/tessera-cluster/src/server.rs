@@ -3,16 +3,17 @@
 //!
 //! ```text
 //! COORD.JOIN cluster-id node                        the lease in ms, or an error naming the mismatch
-//! COORD.HEARTBEAT cluster-id node incarnation [shard applied ready-learner ready-view]...
+//! COORD.HEARTBEAT cluster-id node incarnation known-epoch [shard applied ready-learner ready-view]...
 //!     -> [epoch, [shard, view-number, [members...], [learners...]]...]   (ready-learner -1: none)
 //! COORD.ADD-NODE address                           the new standby node's id
 //! COORD.TABLE-CREATE name prefix engine [option value]...   +OK (prefix \xNN-escaped)
 //! COORD.TABLE-DROP name                             +OK
+//!     (table changes answer once every live node routes by the changed map)
 //! COORD.MAP [known-epoch wait-ms]                   the map as JSON; with an epoch, answers
 //!                                                   once the map is newer or the wait is over
 //! ```
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -39,6 +40,9 @@ struct State {
     started: Instant,
     /// Told to joining nodes, which count their leases with it.
     lease_ms: u64,
+    failure_timeout_ms: u64,
+    /// Per node, the newest map epoch it said it routes by, and when.
+    known_epochs: HashMap<u32, (u64, u64)>,
     /// Set when storing the map failed: this coordinator decides nothing more.
     fenced: Option<String>,
 }
@@ -116,6 +120,8 @@ impl CoordinatorServer {
         let state = State {
             coordinator: ClusterCoordinator::new(map, timing, 0),
             lease_ms: timing.lease_ms,
+            failure_timeout_ms: timing.failure_timeout_ms,
+            known_epochs: HashMap::new(),
             store,
             version,
             epochs,
@@ -221,16 +227,22 @@ async fn answer(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWrit
     let name = args[0].to_ascii_uppercase();
     let result = match name.as_slice() {
         b"COORD.JOIN" if args.len() == 3 => join(state, args, out),
-        b"COORD.HEARTBEAT" if args.len() >= 4 && (args.len() - 4).is_multiple_of(4) => {
+        b"COORD.HEARTBEAT" if args.len() >= 5 && (args.len() - 5).is_multiple_of(4) => {
             heartbeat(state, args, out)
         }
         b"COORD.MAP" if args.len() == 1 || args.len() == 3 => watch_map(state, args, out).await,
         b"COORD.ADD-NODE" if args.len() == 2 => add_node(state, &text(&args[1]), out),
         b"COORD.TABLE-CREATE" if args.len() >= 4 && args.len().is_multiple_of(2) => {
-            create_table(state, args, out)
+            match create_table(state, args) {
+                Ok(epoch) => seen_everywhere(state, epoch, out).await,
+                Err(error) => Err(error),
+            }
         }
         b"COORD.TABLE-DROP" if args.len() == 2 => {
-            change_map(state, out, |coordinator, _| coordinator.drop_table(&text(&args[1])))
+            match change_map(state, |coordinator, _| coordinator.drop_table(&text(&args[1]))) {
+                Ok(epoch) => seen_everywhere(state, epoch, out).await,
+                Err(error) => Err(error),
+            }
         }
         b"PING" => {
             out.simple("PONG");
@@ -262,8 +274,9 @@ fn join(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) -> R
 fn heartbeat(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) -> Result<(), String> {
     let node: u32 = number(&args[2], "node id")?;
     let incarnation: u64 = number(&args[3], "incarnation")?;
+    let known_epoch: u64 = number(&args[4], "known epoch")?;
     let mut progress = BTreeMap::new();
-    for report in args[4..].chunks(4) {
+    for report in args[5..].chunks(4) {
         let learner: i64 = number(&report[2], "ready learner")?;
         let learner_ready = u32::try_from(learner)
             .ok()
@@ -281,6 +294,7 @@ fn heartbeat(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter)
     let now = state.now_ms();
     let grants =
         state.coordinator.heartbeat(now, node, incarnation, &progress).map_err(|error| error.to_string())?;
+    state.known_epochs.insert(node, (known_epoch, now));
     // A lease is granted only on a map that is stored.
     state.persist()?;
     drop(state);
@@ -314,7 +328,7 @@ fn add_node(state: &Arc<Mutex<State>>, address: &str, out: &mut ReplyWriter) -> 
     Ok(())
 }
 
-fn create_table(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) -> Result<(), String> {
+fn create_table(state: &Arc<Mutex<State>>, args: &[Vec<u8>]) -> Result<u64, String> {
     let options =
         args[4..].chunks(2).map(|pair| (text(&pair[0]).to_ascii_lowercase(), text(&pair[1]))).collect();
     let table = ClusterTable {
@@ -323,15 +337,15 @@ fn create_table(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWrit
         engine: text(&args[3]).to_ascii_lowercase(),
         options,
     };
-    change_map(state, out, |coordinator, now| coordinator.create_table(table, now))
+    change_map(state, |coordinator, now| coordinator.create_table(table, now))
 }
 
-/// Applies an administrative change to the map and stores it before answering.
+/// Applies an administrative change to the map and stores it; returns the
+/// map's new epoch.
 fn change_map(
     state: &Arc<Mutex<State>>,
-    out: &mut ReplyWriter,
     change: impl FnOnce(&mut ClusterCoordinator, u64) -> Result<(), MapError>,
-) -> Result<(), String> {
+) -> Result<u64, String> {
     let mut state = state.lock();
     if let Some(reason) = &state.fenced {
         return Err(format!("this coordinator stopped deciding: {reason}"));
@@ -339,8 +353,43 @@ fn change_map(
     let now = state.now_ms();
     change(&mut state.coordinator, now).map_err(|error| error.to_string())?;
     state.persist()?;
-    out.ok();
-    Ok(())
+    Ok(state.coordinator.map().epoch)
+}
+
+/// Answers once every node that serves a shard routes by a map of at least
+/// `epoch` (it said so in a heartbeat), or has been silent long enough that
+/// its lease has run out: then no node can place a request by the older map.
+async fn seen_everywhere(state: &Arc<Mutex<State>>, epoch: u64, out: &mut ReplyWriter) -> Result<(), String> {
+    let deadline =
+        Instant::now() + Duration::from_millis(state.lock().failure_timeout_ms) + Duration::from_secs(3);
+    loop {
+        let behind = {
+            let state = state.lock();
+            let now = state.now_ms();
+            let map = state.coordinator.map();
+            map.nodes
+                .iter()
+                .filter(|node| map.shards_of(node.id).next().is_some())
+                .find(|node| match state.known_epochs.get(&node.id) {
+                    Some((known, _)) if *known >= epoch => false,
+                    Some((_, heard_at)) => now.saturating_sub(*heard_at) <= state.failure_timeout_ms,
+                    None => now <= state.failure_timeout_ms,
+                })
+                .map(|node| node.id)
+        };
+        match behind {
+            None => {
+                out.ok();
+                return Ok(());
+            }
+            Some(node) if Instant::now() >= deadline => {
+                return Err(format!(
+                    "the change is made, but node {node} has not seen it yet; retry to wait again"
+                ))
+            }
+            Some(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
+    }
 }
 
 async fn watch_map(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) -> Result<(), String> {

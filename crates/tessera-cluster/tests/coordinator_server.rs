@@ -16,7 +16,7 @@ fn items(value: Value) -> Vec<Value> {
 }
 
 fn heartbeat(client: &mut Client, node: u32) -> (i64, Vec<Value>) {
-    let reply = items(client.command(&["COORD.HEARTBEAT", "c1", &node.to_string(), "1"]).unwrap());
+    let reply = items(client.command(&["COORD.HEARTBEAT", "c1", &node.to_string(), "1", "0"]).unwrap());
     let epoch = reply[0].as_integer().unwrap();
     (epoch, items(reply[1].clone()))
 }
@@ -50,7 +50,7 @@ async fn serves_joins_heartbeats_and_a_watchable_map_and_resumes_after_a_restart
     assert!(matches!(&wrong, Value::Error(message) if message.contains("cluster 'other'")), "{wrong:?}");
     let unknown = client.command(&["COORD.JOIN", "c1", "99"]).unwrap();
     assert!(matches!(unknown, Value::Error(_)));
-    let garbage = client.command(&["COORD.HEARTBEAT", "c1", "x", "1"]).unwrap();
+    let garbage = client.command(&["COORD.HEARTBEAT", "c1", "x", "1", "0"]).unwrap();
     assert!(matches!(garbage, Value::Error(message) if message.contains("node id")));
 
     let (_, grants) = heartbeat(&mut client, 0);

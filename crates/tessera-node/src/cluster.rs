@@ -10,12 +10,14 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use parking_lot::Mutex;
 use tessera_cluster::agent::{Agent, AgentConfig, Completion, Refusal};
+use tessera_cluster::capture::CapturingView;
 use tessera_cluster::{ClusterMap, DEFAULT_TABLE};
 use tessera_engine::{EngineKind, EngineSpec};
 use tessera_wire::prefix::unescape_prefix;
@@ -27,6 +29,7 @@ use tokio::net::TcpStream;
 use crate::commands::tables::{parse_create, text};
 use crate::config::Config;
 use crate::error::{CommandError, CommandResult};
+use crate::tables::{Table, TableDef, TableSet};
 
 /// Where a node keeps the incarnation of its persistent state.
 const INCARNATION_FILE: &str = "cluster-incarnation";
@@ -40,6 +43,8 @@ pub struct ClusterNode {
     in_flight: Mutex<HashMap<Bytes, Completion>>,
     /// This node's client address, as the map names it.
     pub address: String,
+    /// The engine of the default table's groups.
+    engine: EngineSpec,
     /// Runs the agent's loops; dropped with the node.
     _runtime: tokio::runtime::Runtime,
 }
@@ -79,7 +84,7 @@ impl ClusterNode {
             coordinator: settings.coordinator.clone(),
             peer_listen,
             data_dir: config.dir.clone(),
-            engine,
+            engine: engine.clone(),
             heartbeat_ms: settings.heartbeat_ms,
             tick_ms: settings.tick_ms,
         };
@@ -92,7 +97,7 @@ impl ClusterNode {
         let agent = runtime.block_on(Agent::start(agent_config))?;
         let address = format!("{}:{}", config.bind, client_address.port());
         tracing::info!(node = settings.node, incarnation, %address, "joined cluster {}", settings.id);
-        Ok(Self { agent, in_flight: Mutex::new(HashMap::new()), address, _runtime: runtime })
+        Ok(Self { agent, in_flight: Mutex::new(HashMap::new()), address, engine, _runtime: runtime })
     }
 
     /// Decides where a request with these keys is served. `write` and
@@ -194,7 +199,8 @@ impl ClusterNode {
         Ok(())
     }
 
-    fn map(&self) -> CommandResult<Arc<ClusterMap>> {
+    /// The map this node routes by.
+    pub fn map(&self) -> CommandResult<Arc<ClusterMap>> {
         self.agent.routing().map(|routing| routing.map).ok_or_else(|| {
             CommandError::Coded("CLUSTERDOWN this node has not received the cluster map yet".into())
         })
@@ -238,6 +244,54 @@ impl ClusterNode {
             );
         }
         Ok(())
+    }
+
+    /// The groups this node heads, as tables over their replicated values:
+    /// what SCAN, KEYS and DBSIZE walk on a cluster node, so that across the
+    /// nodes every key is seen once, at its head.
+    pub fn headed_tables(&self) -> CommandResult<TableSet> {
+        let map = self.map()?;
+        let mut tables = Vec::new();
+        for group in self.agent.shards().into_keys() {
+            let (Ok(()), Some(engine), Some(shard)) =
+                (self.agent.check_write(group), self.agent.engine(group), map.shard(group))
+            else {
+                continue;
+            };
+            let (def, spec) = match map.table(&shard.table) {
+                Some(table) => {
+                    let spec = table
+                        .engine
+                        .parse()
+                        .and_then(|kind| EngineSpec::new(kind, table.options.clone()))
+                        .map_err(CommandError::Engine)?;
+                    let def = TableDef {
+                        name: format!("{}@{group}", table.name),
+                        prefix: table.prefix.clone(),
+                        engine: table.engine.clone(),
+                        options: table.options.clone(),
+                    };
+                    (def, spec)
+                }
+                None => {
+                    let def = TableDef {
+                        name: format!("{DEFAULT_TABLE}@{group}"),
+                        prefix: String::new(),
+                        engine: self.engine.kind.name().to_string(),
+                        options: self.engine.options.clone(),
+                    };
+                    (def, self.engine.clone())
+                }
+            };
+            tables.push(Arc::new(Table {
+                prefix: Bytes::from(unescape_prefix(&def.prefix).unwrap_or_default()),
+                def,
+                spec,
+                engine: Arc::new(CapturingView::new(engine)),
+                reserved_entries: AtomicU64::new(0),
+            }));
+        }
+        Ok(TableSet::new(tables))
     }
 
     /// The uncommitted writes a strong request on `key` must wait for.

@@ -50,9 +50,10 @@ struct Deferred {
     waits: Vec<Completion>,
 }
 
-/// Commands over one node's whole keyspace, which a cluster node's local
-/// tables do not hold.
-const NODE_WIDE: &[&str] = &["scan", "keys", "dbsize", "flushdb", "flushall"];
+/// Commands over a node's whole keyspace: on a cluster node, the groups it heads.
+const NODE_WIDE: &[&str] = &["scan", "keys", "dbsize"];
+/// Not served by cluster nodes yet.
+const CLUSTER_REFUSED: &[&str] = &["flushdb", "flushall"];
 
 impl Connection {
     pub fn new(store: Arc<Store>, stats: Arc<WorkerStats>, stream: TcpStream) -> Self {
@@ -256,8 +257,23 @@ async fn serve_in_cluster(
         return None;
     }
     if NODE_WIDE.contains(&spec.name) {
+        match cluster.headed_tables() {
+            Ok(headed) => {
+                let mut on_headed = Context {
+                    tables: &headed,
+                    session: &mut *context.session,
+                    out: &mut *context.out,
+                    ..*context
+                };
+                dispatch(&mut on_headed, request);
+            }
+            Err(error) => context.out.error(&error.to_string()),
+        }
+        return None;
+    }
+    if CLUSTER_REFUSED.contains(&spec.name) {
         context.out.error(&format!(
-            "ERR '{}' works on one node's tables; a cluster node does not serve it yet",
+            "ERR '{}' would wipe one node's copies; a cluster node does not serve it yet",
             spec.name
         ));
         return None;

@@ -75,7 +75,7 @@ pub struct TableSet {
 }
 
 impl TableSet {
-    fn new(mut tables: Vec<Arc<Table>>) -> Self {
+    pub fn new(mut tables: Vec<Arc<Table>>) -> Self {
         tables.sort_by(|a, b| b.prefix.len().cmp(&a.prefix.len()).then_with(|| a.def.name.cmp(&b.def.name)));
         Self { tables }
     }

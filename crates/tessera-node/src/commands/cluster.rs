@@ -30,12 +30,6 @@ fn member_of_cluster<'a>(context: &Context<'a>) -> CommandResult<&'a ClusterNode
         .ok_or_else(|| CommandError::Other("This instance has cluster support disabled".into()))
 }
 
-fn current_map(node: &ClusterNode) -> CommandResult<std::sync::Arc<ClusterMap>> {
-    node.agent.routing().map(|routing| routing.map).ok_or_else(|| {
-        CommandError::Coded("CLUSTERDOWN this node has not received the cluster map yet".into())
-    })
-}
-
 /// A node's 40-character name, as Redis Cluster clients expect one.
 pub fn node_name(map: &ClusterMap, node: u32) -> String {
     let cluster = map
@@ -60,7 +54,7 @@ fn cluster(context: &mut Context, request: &Request) -> CommandResult {
         context.out.integer(key_slot(request.arg(2)) as i64);
         return Ok(());
     }
-    let map = current_map(node)?;
+    let map = node.map()?;
     let me = node.agent.node_id();
     match () {
         _ if is(subcommand, "slots") && request.len() == 2 => slots(context, &map),
@@ -88,17 +82,34 @@ fn write_node(context: &mut Context, map: &ClusterMap, node: u32) {
 }
 
 /// [first, last, head, followers...] per slot range.
+///
+/// A node heads one shard and follows in others, but some clients (redis-py)
+/// fix a node's role where it first appears in this reply. So every shard's
+/// first slot comes first, with its head alone: every head is introduced as a
+/// primary before any range names it a replica. The rest of each shard's
+/// slots follow with the whole chain.
 fn slots(context: &mut Context, map: &ClusterMap) {
-    let ranges: usize = map.slot_shards().map(|shard| shard.slots.len()).sum();
-    context.out.array(ranges);
+    let mut introductions = Vec::new();
+    let mut ranges = Vec::new();
     for shard in map.slot_shards() {
-        for (first, last) in &shard.slots {
-            context.out.array(2 + shard.members.len());
-            context.out.integer(*first as i64);
-            context.out.integer(*last as i64);
-            for member in &shard.members {
-                write_node(context, map, *member);
+        for (index, (first, last)) in shard.slots.iter().enumerate() {
+            if index == 0 {
+                introductions.push((*first, *first, &shard.members[..1]));
+                if first < last {
+                    ranges.push((*first + 1, *last, &shard.members[..]));
+                }
+            } else {
+                ranges.push((*first, *last, &shard.members[..]));
             }
+        }
+    }
+    context.out.array(introductions.len() + ranges.len());
+    for (first, last, members) in introductions.into_iter().chain(ranges) {
+        context.out.array(2 + members.len());
+        context.out.integer(first as i64);
+        context.out.integer(last as i64);
+        for member in members {
+            write_node(context, map, *member);
         }
     }
 }

@@ -234,8 +234,15 @@ fn scan(context: &mut Context, request: &Request) -> CommandResult {
         index += 2;
     }
     let tables = context.tables.by_name();
+    let Some(first) = tables.first() else {
+        // A cluster node that heads no group holds no keys of its own.
+        context.out.array(2);
+        context.out.bulk(b"0");
+        context.out.array(0);
+        return Ok(());
+    };
     let mut position = if cursor_id == 0 {
-        ScanPosition { table: tables[0].def.name.clone(), cursor: ScanCursor::start() }
+        ScanPosition { table: first.def.name.clone(), cursor: ScanCursor::start() }
     } else {
         context.store.scan_position(cursor_id).ok_or(CommandError::InvalidCursor)?
     };
@@ -281,22 +288,7 @@ fn scan(context: &mut Context, request: &Request) -> CommandResult {
 fn keys(context: &mut Context, request: &Request) -> CommandResult {
     let filter = ScanFilter { pattern: Some(request.arg(1)).filter(|pattern| *pattern != b"*"), kind: None };
     let mut keys = Vec::new();
-    for table in context.tables.by_name() {
-        let mut cursor = ScanCursor::start();
-        loop {
-            let page = table.engine.scan(&KeyRange::all(), &cursor, 1024)?;
-            keys.extend(
-                page.entries
-                    .into_iter()
-                    .filter(|(key, raw)| filter.accepts(key, raw.clone(), context.now_ms))
-                    .map(|(key, _)| key),
-            );
-            match page.next {
-                Some(next) => cursor = next,
-                None => break,
-            }
-        }
-    }
+    walk_keys(context, &filter, |key| keys.push(key))?;
     context.out.array(keys.len());
     for key in &keys {
         context.out.bulk(key);
@@ -304,10 +296,36 @@ fn keys(context: &mut Context, request: &Request) -> CommandResult {
     Ok(())
 }
 
+/// Calls `found` with every live key of every table that `filter` accepts.
+fn walk_keys(context: &Context, filter: &ScanFilter, mut found: impl FnMut(bytes::Bytes)) -> CommandResult {
+    for table in context.tables.by_name() {
+        let mut cursor = ScanCursor::start();
+        loop {
+            let page = table.engine.scan(&KeyRange::all(), &cursor, 1024)?;
+            for (key, raw) in page.entries {
+                if filter.accepts(&key, raw, context.now_ms) {
+                    found(key);
+                }
+            }
+            match page.next {
+                Some(next) => cursor = next,
+                None => break,
+            }
+        }
+    }
+    Ok(())
+}
+
 fn dbsize(context: &mut Context, _request: &Request) -> CommandResult {
     let mut total = 0;
-    for table in context.tables.by_name() {
-        total += table.engine.len()?.saturating_sub(table.reserved_entries.load(Ordering::Relaxed));
+    if context.store.cluster().is_some() {
+        // Replicated groups keep tombstones and no count of sorted-set
+        // entries: count their live keys by walking them.
+        walk_keys(context, &ScanFilter { pattern: None, kind: None }, |_| total += 1)?;
+    } else {
+        for table in context.tables.by_name() {
+            total += table.engine.len()?.saturating_sub(table.reserved_entries.load(Ordering::Relaxed));
+        }
     }
     context.out.integer(total as i64);
     Ok(())
