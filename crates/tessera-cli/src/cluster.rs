@@ -144,6 +144,12 @@ impl Layout {
 }
 
 pub fn run(command: ClusterCommand) -> Result<(), String> {
+    // Printing into a closed pipe (`tessera cluster status | head`) ends the
+    // command quietly, as for other Unix tools, instead of panicking.
+    // SAFETY: restoring a signal's default disposition has no memory effects.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     match command {
         ClusterCommand::Up(args) => up(args),
         ClusterCommand::Status(args) => status(&args.dir),
