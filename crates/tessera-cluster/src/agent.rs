@@ -138,6 +138,27 @@ impl Completion {
         Self(receiver)
     }
 
+    /// Resolves when all of `completions` have: Ok if all succeeded.
+    pub fn all(completions: Vec<Completion>) -> Self {
+        if completions.iter().all(Completion::is_done) {
+            let first_failure =
+                completions.iter().find_map(|completion| completion.0.borrow().clone()?.err());
+            return Self::resolved(first_failure.map_or(Ok(()), Err));
+        }
+        let (sender, receiver) = watch::channel(None);
+        tokio::spawn(async move {
+            let mut result = Ok(());
+            for completion in completions {
+                let outcome = completion.wait().await;
+                if result.is_ok() {
+                    result = outcome;
+                }
+            }
+            let _ = sender.send(Some(result));
+        });
+        Self(receiver)
+    }
+
     pub fn resolved(result: Result<(), String>) -> Self {
         Self(watch::channel(Some(result)).1)
     }

@@ -19,7 +19,8 @@ use parking_lot::Mutex;
 use tessera_cluster::agent::{Agent, AgentConfig, Completion, Refusal};
 use tessera_cluster::capture::CapturingView;
 use tessera_cluster::{ClusterMap, DEFAULT_TABLE};
-use tessera_engine::{EngineKind, EngineSpec};
+use tessera_engine::{Engine, EngineKind, EngineSpec, KeyRange, ScanCursor};
+use tessera_protocol::Operation;
 use tessera_wire::prefix::unescape_prefix;
 use tessera_wire::slot::key_slot;
 use tessera_wire::{encode_command, skip_value, ReplyWriter, Request, Value};
@@ -29,7 +30,9 @@ use tokio::net::TcpStream;
 use crate::commands::tables::{parse_create, text};
 use crate::config::Config;
 use crate::error::{CommandError, CommandResult};
+use crate::store::Store;
 use crate::tables::{Table, TableDef, TableSet};
+use crate::zset;
 
 /// Where a node keeps the incarnation of its persistent state.
 const INCARNATION_FILE: &str = "cluster-incarnation";
@@ -292,6 +295,41 @@ impl ClusterNode {
             }));
         }
         Ok(TableSet::new(tables))
+    }
+
+    /// FLUSHDB / FLUSHALL on a cluster node: deletes every key of the groups
+    /// it heads, through replication (across the nodes, the whole cluster is
+    /// emptied, as a cluster client's FLUSHALL to every primary expects).
+    /// Every key's lock is held while the deletes are ordered, and reads of the
+    /// deleted keys wait for them to commit, as for any write.
+    pub fn flush_headed(&self, store: &Store) -> CommandResult<Completion> {
+        let _all = store.lock_all();
+        let mut pendings = Vec::new();
+        for group in self.agent.shards().into_keys() {
+            let (Ok(()), Some(engine)) = (self.agent.check_write(group), self.agent.engine(group)) else {
+                continue;
+            };
+            let view = CapturingView::new(engine);
+            let mut keys = Vec::new();
+            let mut cursor = ScanCursor::start();
+            loop {
+                let page = view.scan(&KeyRange::all(), &cursor, 1024)?;
+                keys.extend(page.entries.into_iter().map(|(key, _)| key));
+                match page.next {
+                    Some(next) => cursor = next,
+                    None => break,
+                }
+            }
+            let deletes = keys.iter().map(|key| Operation::Delete { key: key.clone() }).collect();
+            let group_pendings = self.agent.begin_all(group, deletes);
+            let completion = Completion::of(group_pendings);
+            self.mark_in_flight(
+                keys.iter().map(|key| key.as_ref()).filter(|key| !zset::is_reserved(key)),
+                &completion,
+            );
+            pendings.push(completion);
+        }
+        Ok(Completion::all(pendings))
     }
 
     /// The uncommitted writes a strong request on `key` must wait for.

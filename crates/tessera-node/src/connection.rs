@@ -15,7 +15,7 @@ use tessera_protocol::{Operation, Write};
 use tessera_wire::{Parsed, Protocol, ReplyWriter, Request, RequestParser};
 
 use crate::cluster::{ClusterNode, Forwarder, Placement};
-use crate::commands::{dispatch, lookup, Context, Session};
+use crate::commands::{dispatch, is, lookup, Context, Session};
 use crate::store::{now_ms, Store, WorkerStats};
 use crate::tables::TableSet;
 
@@ -52,8 +52,6 @@ struct Deferred {
 
 /// Commands over a node's whole keyspace: on a cluster node, the groups it heads.
 const NODE_WIDE: &[&str] = &["scan", "keys", "dbsize"];
-/// Not served by cluster nodes yet.
-const CLUSTER_REFUSED: &[&str] = &["flushdb", "flushall"];
 
 impl Connection {
     pub fn new(store: Arc<Store>, stats: Arc<WorkerStats>, stream: TcpStream) -> Self {
@@ -271,12 +269,27 @@ async fn serve_in_cluster(
         }
         return None;
     }
-    if CLUSTER_REFUSED.contains(&spec.name) {
-        context.out.error(&format!(
-            "ERR '{}' would wipe one node's copies; a cluster node does not serve it yet",
-            spec.name
-        ));
-        return None;
+    if matches!(spec.name, "flushdb" | "flushall") {
+        let mode = (request.len() == 2).then(|| request.arg(1));
+        if request.len() > 2 || mode.is_some_and(|mode| !is(mode, "sync") && !is(mode, "async")) {
+            context.out.error("ERR syntax error");
+            return None;
+        }
+        let start = context.out.len();
+        return match cluster.flush_headed(context.store) {
+            Ok(completion) => {
+                context.out.ok();
+                (!completion.succeeded()).then(|| Deferred {
+                    start,
+                    end: context.out.len(),
+                    waits: vec![completion],
+                })
+            }
+            Err(error) => {
+                context.out.error(&error.to_string());
+                None
+            }
+        };
     }
     let keys = || spec.key_positions(request.len()).map(|index| request.arg(index));
     let write = spec.flags.contains(&"write");
