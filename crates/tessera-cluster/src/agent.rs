@@ -101,7 +101,7 @@ impl Pending {
 }
 
 /// What a write's answer means for the client that asked.
-pub fn outcome(reply: &ClientReply) -> Result<(), String> {
+fn outcome(reply: &ClientReply) -> Result<(), String> {
     match reply {
         ClientReply::Value(_) | ClientReply::Written => Ok(()),
         ClientReply::Retry(reason) => Err(format!("TRYAGAIN {reason}")),
@@ -131,27 +131,6 @@ impl Completion {
                 let reply = pending.answer().await;
                 if result.is_ok() {
                     result = outcome(&reply);
-                }
-            }
-            let _ = sender.send(Some(result));
-        });
-        Self(receiver)
-    }
-
-    /// Resolves when all of `completions` have: Ok if all succeeded.
-    pub fn all(completions: Vec<Completion>) -> Self {
-        if completions.iter().all(Completion::is_done) {
-            let first_failure =
-                completions.iter().find_map(|completion| completion.0.borrow().clone()?.err());
-            return Self::resolved(first_failure.map_or(Ok(()), Err));
-        }
-        let (sender, receiver) = watch::channel(None);
-        tokio::spawn(async move {
-            let mut result = Ok(());
-            for completion in completions {
-                let outcome = completion.wait().await;
-                if result.is_ok() {
-                    result = outcome;
                 }
             }
             let _ = sender.send(Some(result));
@@ -358,14 +337,10 @@ impl Agent {
         self.state.lock().shards.iter().map(|(id, replica)| (*id, replica.protocol.progress())).collect()
     }
 
-    /// Hands an operation to a shard's protocol now: a write is ordered, and
-    /// applied at the head, before this returns. The answer follows.
-    pub fn begin(&self, shard: u32, operation: Operation) -> Pending {
-        self.begin_all(shard, vec![operation]).pop().expect("one operation, one answer")
-    }
-
-    /// Orders a command's writes in one step, so that no view change falls
-    /// between them: all are ordered in one view, or none is.
+    /// Hands a command's operations to a shard's protocol now: writes are
+    /// ordered (and applied at the head) before this returns, in one step, so
+    /// that no view change falls between them: all in one view, or none. The
+    /// answers follow.
     pub fn begin_all(&self, shard: u32, operations: Vec<Operation>) -> Vec<Pending> {
         let mut state = self.state.lock();
         let now = self.now();
@@ -449,7 +424,8 @@ impl Agent {
 
     /// Hands an operation to a shard's protocol and waits for its answer.
     pub async fn submit(&self, shard: u32, operation: Operation) -> ClientReply {
-        self.begin(shard, operation).answer().await
+        let pending = self.begin_all(shard, vec![operation]).pop();
+        pending.expect("one operation, one answer").answer().await
     }
 
     /// This node's place in a shard's current view, if it has one.

@@ -58,7 +58,7 @@ pub enum Placement {
     Local,
     /// This node serves it from shard `shard`; a strong read first waits for
     /// `barrier` (the head's first write in its view) to commit.
-    Shard { shard: u32, write: bool, strong: bool, barrier: Option<Completion> },
+    Shard { shard: u32, barrier: Option<Completion> },
     /// Another node is the owner; `forward_only` when a cluster client must
     /// not be told MOVED either (see [`ClusterNode::place`]).
     Elsewhere { slot: u16, address: String, forward_only: bool },
@@ -103,13 +103,13 @@ impl ClusterNode {
         Ok(Self { agent, in_flight: Mutex::new(HashMap::new()), address, engine, _runtime: runtime })
     }
 
-    /// Decides where a request with these keys is served. `write` and
-    /// `readonly` come from the command and the connection.
+    /// Decides where a request with these keys is served: a write, a strong
+    /// read, or (`strong` false: a READONLY connection's read) an eventual one.
     pub fn place<'k>(
         &self,
         mut keys: impl Iterator<Item = &'k [u8]>,
         write: bool,
-        readonly: bool,
+        strong: bool,
     ) -> Placement {
         let Some(first) = keys.next() else { return Placement::Local };
         let Some(routing) = self.agent.routing() else {
@@ -126,14 +126,13 @@ impl ClusterNode {
         let Some(shard) = routing.shard_of(table, slot) else {
             return Placement::Refused(format!("CLUSTERDOWN Hash slot {slot} not served"));
         };
-        let strong = write || !readonly;
         let checked = if write {
             self.agent.check_write(shard).map(|()| None)
         } else {
             self.agent.check_read(shard, strong)
         };
         match checked {
-            Ok(barrier) => Placement::Shard { shard, write, strong, barrier },
+            Ok(barrier) => Placement::Shard { shard, barrier },
             Err(Refusal::LeaseExpired) => {
                 Placement::Refused("TRYAGAIN the shard's lease is being renewed".into())
             }
@@ -305,6 +304,7 @@ impl ClusterNode {
     pub fn flush_headed(&self, store: &Store) -> CommandResult<Completion> {
         let _all = store.lock_all();
         let mut pendings = Vec::new();
+        let mut deleted = Vec::new();
         for group in self.agent.shards().into_keys() {
             let (Ok(()), Some(engine)) = (self.agent.check_write(group), self.agent.engine(group)) else {
                 continue;
@@ -321,15 +321,13 @@ impl ClusterNode {
                 }
             }
             let deletes = keys.iter().map(|key| Operation::Delete { key: key.clone() }).collect();
-            let group_pendings = self.agent.begin_all(group, deletes);
-            let completion = Completion::of(group_pendings);
-            self.mark_in_flight(
-                keys.iter().map(|key| key.as_ref()).filter(|key| !zset::is_reserved(key)),
-                &completion,
-            );
-            pendings.push(completion);
+            pendings.extend(self.agent.begin_all(group, deletes));
+            deleted.extend(keys);
         }
-        Ok(Completion::all(pendings))
+        let completion = Completion::of(pendings);
+        let client_keys = deleted.iter().map(|key| key.as_ref()).filter(|key| !zset::is_reserved(key));
+        self.mark_in_flight(client_keys, &completion);
+        Ok(completion)
     }
 
     /// The uncommitted writes a strong request on `key` must wait for.

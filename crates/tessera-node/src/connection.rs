@@ -293,7 +293,8 @@ async fn serve_in_cluster(
     }
     let keys = || spec.key_positions(request.len()).map(|index| request.arg(index));
     let write = spec.flags.contains(&"write");
-    match cluster.place(keys(), write, context.session.readonly) {
+    let strong = write || !context.session.readonly;
+    match cluster.place(keys(), write, strong) {
         Placement::Local => {
             dispatch(context, request);
             None
@@ -313,7 +314,7 @@ async fn serve_in_cluster(
             }
             None
         }
-        Placement::Shard { shard, write, strong, barrier } => {
+        Placement::Shard { shard, barrier } => {
             let Some(engine) = cluster.agent.engine(shard) else {
                 context.out.error("TRYAGAIN the shard is being opened");
                 return None;

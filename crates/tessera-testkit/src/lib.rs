@@ -59,6 +59,35 @@ pub fn external_program_available(name: &str) -> bool {
     false
 }
 
+/// Starts a server (`spawn` on a given port) on a port that was free a moment
+/// ago. Tests run in parallel and start many servers, so the port may be taken
+/// by the time the server binds it: it must be our server that is `ready` on
+/// it, and another port is tried if the server exits instead.
+fn start_on_a_free_port(
+    name: &str,
+    timeout: Duration,
+    ready: impl Fn(u16) -> bool,
+    spawn: impl Fn(u16) -> Child,
+) -> (u16, Child) {
+    for _ in 0..10 {
+        let port = free_port();
+        let mut child = spawn(port);
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if child.try_wait().ok().flatten().is_some() {
+                break; // it could not bind: try another port
+            }
+            if ready(port) {
+                return (port, child);
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    panic!("{name} did not start on any of 10 ports");
+}
+
 /// A real redis-server with no persistence, killed when dropped.
 pub struct RedisServer {
     pub port: u16,
@@ -78,43 +107,28 @@ impl RedisServer {
             return None;
         }
         let dir = tempfile::tempdir().expect("temporary directory");
-        // A port free a moment ago may be taken by the time the server binds it
-        // (tests run in parallel and start many servers): check that it is our
-        // server that answers, and try another port if not.
-        for _ in 0..10 {
-            let port = free_port();
-            let mut child = Command::new("redis-server")
-                .args([
-                    "--port",
-                    &port.to_string(),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                ])
-                .args(extra)
-                .arg("--dir")
-                .arg(dir.path())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("start redis-server");
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while Instant::now() < deadline {
-                if child.try_wait().ok().flatten().is_some() {
-                    break; // it could not bind: try another port
-                }
-                if answers_ping(port) {
-                    return Some(Self { port, child, _dir: dir });
-                }
-                thread::sleep(Duration::from_millis(20));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        panic!("redis-server did not start on any of 10 ports");
+        let (port, child) =
+            start_on_a_free_port("redis-server", Duration::from_secs(10), answers_ping, |port| {
+                Command::new("redis-server")
+                    .args([
+                        "--port",
+                        &port.to_string(),
+                        "--bind",
+                        "127.0.0.1",
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                    ])
+                    .args(extra)
+                    .arg("--dir")
+                    .arg(dir.path())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("start redis-server")
+            });
+        Some(Self { port, child, _dir: dir })
     }
 
     pub fn address(&self) -> String {
@@ -212,11 +226,10 @@ impl EtcdServer {
             return None;
         }
         let dir = tempfile::tempdir().expect("temporary directory");
-        for _ in 0..10 {
-            let (port, peer_port) = (free_port(), free_port());
+        let (port, child) = start_on_a_free_port("etcd", Duration::from_secs(20), etcd_healthy, |port| {
             let client_url = format!("http://127.0.0.1:{port}");
-            let peer_url = format!("http://127.0.0.1:{peer_port}");
-            let mut child = Command::new("etcd")
+            let peer_url = format!("http://127.0.0.1:{}", free_port());
+            Command::new("etcd")
                 .args(["--name", "test", "--listen-client-urls", &client_url, "--advertise-client-urls"])
                 .arg(&client_url)
                 .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
@@ -227,21 +240,9 @@ impl EtcdServer {
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
-                .expect("start etcd");
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while Instant::now() < deadline {
-                if child.try_wait().ok().flatten().is_some() {
-                    break; // it could not bind: try other ports
-                }
-                if etcd_healthy(port) {
-                    return Some(Self { port, child, _dir: dir });
-                }
-                thread::sleep(Duration::from_millis(50));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        panic!("etcd did not start on any of 10 ports");
+                .expect("start etcd")
+        });
+        Some(Self { port, child, _dir: dir })
     }
 
     pub fn endpoint(&self) -> String {
