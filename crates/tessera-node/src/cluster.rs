@@ -36,6 +36,8 @@ use crate::zset;
 
 /// Where a node keeps the incarnation of its persistent state.
 const INCARNATION_FILE: &str = "cluster-incarnation";
+/// What a node answers before the coordinator has given it a map.
+const NO_MAP_YET: &str = "CLUSTERDOWN this node has not received the cluster map yet";
 /// A forwarded request follows at most this many `MOVED` answers.
 const FORWARD_HOPS_MAX: usize = 3;
 
@@ -113,7 +115,7 @@ impl ClusterNode {
     ) -> Placement {
         let Some(first) = keys.next() else { return Placement::Local };
         let Some(routing) = self.agent.routing() else {
-            return Placement::Refused("CLUSTERDOWN this node has not received the cluster map yet".into());
+            return Placement::Refused(NO_MAP_YET.into());
         };
         let slot = key_slot(first) as u16;
         let table = routing.table_of(first);
@@ -203,9 +205,7 @@ impl ClusterNode {
 
     /// The map this node routes by.
     pub fn map(&self) -> CommandResult<Arc<ClusterMap>> {
-        self.agent.routing().map(|routing| routing.map).ok_or_else(|| {
-            CommandError::Coded("CLUSTERDOWN this node has not received the cluster map yet".into())
-        })
+        self.agent.routing().map(|routing| routing.map).ok_or_else(|| CommandError::Coded(NO_MAP_YET.into()))
     }
 
     fn table_info(&self, name: &str, out: &mut ReplyWriter) -> CommandResult {
