@@ -18,9 +18,9 @@ use crate::error::{CommandError, CommandResult};
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "cluster", arity: -2, flags: &[], first_key: 0, last_key: 0, step: 0, handler: cluster },
-    CommandSpec { name: "readonly", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, handler: readonly },
-    CommandSpec { name: "readwrite", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, handler: readwrite },
-    CommandSpec { name: "asking", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, handler: asking },
+    CommandSpec { name: "readonly", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, handler: connection_mode },
+    CommandSpec { name: "readwrite", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, handler: connection_mode },
+    CommandSpec { name: "asking", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, handler: connection_mode },
 ];
 
 fn member_of_cluster<'a>(context: &Context<'a>) -> CommandResult<&'a ClusterNode> {
@@ -208,27 +208,17 @@ fn info(map: &ClusterMap, me: u32) -> String {
         + "\r\n"
 }
 
-fn readonly(context: &mut Context, _: &Request) -> CommandResult {
+/// READONLY and READWRITE choose where this connection's reads go; ASKING is
+/// accepted (slots never migrate between shards here, so ASK is never sent).
+/// Each marks the connection as a cluster client.
+fn connection_mode(context: &mut Context, request: &Request) -> CommandResult {
     member_of_cluster(context)?;
     context.session.cluster_client = true;
-    context.session.readonly = true;
-    context.out.ok();
-    Ok(())
-}
-
-fn readwrite(context: &mut Context, _: &Request) -> CommandResult {
-    member_of_cluster(context)?;
-    context.session.cluster_client = true;
-    context.session.readonly = false;
-    context.out.ok();
-    Ok(())
-}
-
-/// Slots never migrate between shards here, so ASK is never sent; clients
-/// that send ASKING anyway are told OK.
-fn asking(context: &mut Context, _: &Request) -> CommandResult {
-    member_of_cluster(context)?;
-    context.session.cluster_client = true;
+    if is(request.arg(0), "readonly") {
+        context.session.readonly = true;
+    } else if is(request.arg(0), "readwrite") {
+        context.session.readonly = false;
+    }
     context.out.ok();
     Ok(())
 }
