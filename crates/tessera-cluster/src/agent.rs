@@ -28,7 +28,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use crate::links::{serve_incoming, Incoming, LinkConfig, Links};
-use crate::map::{ClusterMap, ReplicationMode, DEFAULT_TABLE};
+use crate::map::{range_index, ClusterMap, ReplicationMode, DEFAULT_TABLE};
 
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
@@ -172,8 +172,10 @@ pub enum Refusal {
 #[derive(Clone, Debug)]
 pub struct Routing {
     pub map: Arc<ClusterMap>,
-    /// Per table, the replica group of every slot.
+    /// Per hash-partitioned table, the replica group of every slot.
     slot_shards: Arc<HashMap<String, Vec<u32>>>,
+    /// Per range-partitioned table, its split keys and the group of each range.
+    range_shards: Arc<HashMap<String, TableRanges>>,
     /// The tables' key prefixes, longest first.
     prefixes: Arc<Vec<(Vec<u8>, String)>>,
 }
@@ -181,7 +183,22 @@ pub struct Routing {
 impl Routing {
     fn new(map: ClusterMap) -> Self {
         let mut slot_shards: HashMap<String, Vec<u32>> = HashMap::new();
+        let mut range_shards: HashMap<String, TableRanges> = map
+            .tables
+            .iter()
+            .filter_map(|table| {
+                let splits = table.splits()?;
+                let shards = vec![u32::MAX; splits.len() + 1];
+                Some((table.name.clone(), TableRanges { splits, shards }))
+            })
+            .collect();
         for shard in &map.shards {
+            if let (Some(range), Some(ranges)) = (shard.range, range_shards.get_mut(&shard.table)) {
+                if let Some(owner) = ranges.shards.get_mut(range) {
+                    *owner = shard.id;
+                }
+                continue;
+            }
             let slots = slot_shards.entry(shard.table.clone()).or_insert_with(|| vec![u32::MAX; SLOTS]);
             for (first, last) in &shard.slots {
                 for slot in *first..=*last {
@@ -195,7 +212,12 @@ impl Routing {
             .filter_map(|table| Some((unescape_prefix(&table.prefix)?, table.name.clone())))
             .collect();
         prefixes.sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
-        Self { map: Arc::new(map), slot_shards: Arc::new(slot_shards), prefixes: Arc::new(prefixes) }
+        Self {
+            map: Arc::new(map),
+            slot_shards: Arc::new(slot_shards),
+            range_shards: Arc::new(range_shards),
+            prefixes: Arc::new(prefixes),
+        }
     }
 
     /// The table that owns `key`: the longest prefix it starts with.
@@ -206,15 +228,41 @@ impl Routing {
             .map_or(DEFAULT_TABLE, |(_, name)| name.as_str())
     }
 
-    /// The replica group that holds `table`'s keys in `slot`.
-    pub fn shard_of(&self, table: &str, slot: u16) -> Option<u32> {
-        self.slot_shards.get(table)?.get(slot as usize).copied().filter(|shard| *shard != u32::MAX)
+    /// The replica group that holds `key` of `table` (whose slot is `slot`).
+    pub fn shard_of(&self, table: &str, key: &[u8], slot: u16) -> Option<u32> {
+        let shard = match self.range_shards.get(table) {
+            Some(ranges) => ranges.shards[range_index(&ranges.splits, key)],
+            None => *self.slot_shards.get(table)?.get(slot as usize)?,
+        };
+        Some(shard).filter(|shard| *shard != u32::MAX)
+    }
+
+    /// A range-partitioned table's ranges (`None`: hash-partitioned or unknown).
+    pub fn ranges(&self, table: &str) -> Option<&TableRanges> {
+        self.range_shards.get(table)
     }
 
     /// The client address of a shard's head.
     pub fn head_address(&self, shard: u32) -> Option<&str> {
         let head = *self.map.shard(shard)?.members.first()?;
         Some(self.map.node(head)?.address.as_str())
+    }
+}
+
+/// How a range-partitioned table's keys are divided among its groups.
+#[derive(Clone, Debug)]
+pub struct TableRanges {
+    /// Ascending; range `i` ends before split `i`.
+    pub splits: Vec<Vec<u8>>,
+    /// The group of each range (`u32::MAX`: none, in a map being repaired).
+    pub shards: Vec<u32>,
+}
+
+impl TableRanges {
+    /// The bounds of range `index`: from (inclusive) and to (exclusive).
+    pub fn bounds(&self, index: usize) -> (Option<&[u8]>, Option<&[u8]>) {
+        let start = index.checked_sub(1).and_then(|before| self.splits.get(before));
+        (start.map(Vec::as_slice), self.splits.get(index).map(Vec::as_slice))
     }
 }
 

@@ -222,25 +222,34 @@ impl ClusterCoordinator {
         }
         EngineSpec::new(kind, table.options.clone()).map_err(|error| invalid(error.to_string()))?;
         let mut map = self.map.clone();
-        let mut next_id = map.shards.iter().map(|shard| shard.id + 1).max().unwrap_or(0);
-        let groups: Vec<Shard> = map
-            .slot_shards()
-            .map(|shard| {
-                next_id += 1;
-                Shard {
-                    id: next_id - 1,
-                    table: table.name.clone(),
-                    slots: shard.slots.clone(),
-                    view_number: 1,
-                    members: shard.members.clone(),
-                    learners: Vec::new(),
-                    incarnations: shard
-                        .incarnations
-                        .iter()
-                        .filter(|(node, _)| shard.members.contains(node))
-                        .map(|(node, incarnation)| (*node, *incarnation))
-                        .collect(),
-                }
+        let first_id = map.shards.iter().map(|shard| shard.id + 1).max().unwrap_or(0);
+        // A hash-partitioned table gets a group per default shard, on the same
+        // slots; a range-partitioned one a group per key range, placed like the
+        // default shards in turn so that the ranges' heads are spread out.
+        let default_shards: Vec<&Shard> = map.slot_shards().collect();
+        let placements: Vec<(Option<usize>, &Shard)> = match &table.split_keys {
+            None => default_shards.iter().map(|shard| (None, *shard)).collect(),
+            Some(splits) => (0..=splits.len())
+                .map(|range| (Some(range), default_shards[range % default_shards.len()]))
+                .collect(),
+        };
+        let groups: Vec<Shard> = placements
+            .into_iter()
+            .zip(first_id..)
+            .map(|((range, shard), id)| Shard {
+                id,
+                table: table.name.clone(),
+                slots: if range.is_some() { Vec::new() } else { shard.slots.clone() },
+                range,
+                view_number: 1,
+                members: shard.members.clone(),
+                learners: Vec::new(),
+                incarnations: shard
+                    .incarnations
+                    .iter()
+                    .filter(|(node, _)| shard.members.contains(node))
+                    .map(|(node, incarnation)| (*node, *incarnation))
+                    .collect(),
             })
             .collect();
         map.tables.push(table);
@@ -365,6 +374,7 @@ mod tests {
             prefix: prefix.into(),
             engine: engine.into(),
             options: BTreeMap::new(),
+            split_keys: None,
         };
         coordinator.create_table(table("events", "ev:", "lsm"), 0).unwrap();
         let map = coordinator.take_changed_map().expect("stored");
@@ -392,6 +402,36 @@ mod tests {
         assert_eq!(beat(&mut coordinator, 20, 0).shards.len(), 3);
         assert!(coordinator.drop_table("events").is_err());
         assert!(coordinator.drop_table(DEFAULT_TABLE).is_err());
+    }
+
+    #[test]
+    fn a_range_partitioned_table_gets_a_group_per_range_with_heads_spread() {
+        let mut coordinator = cluster(4, 3);
+        let splits = ["ix:d", "ix:h", "ix:m", "ix:s"].map(String::from).to_vec();
+        let table = ClusterTable {
+            name: "index".into(),
+            prefix: "ix:".into(),
+            engine: "ordered".into(),
+            options: BTreeMap::new(),
+            split_keys: Some(splits),
+        };
+        coordinator.create_table(table.clone(), 0).unwrap();
+        let map = coordinator.map().clone();
+        let groups: Vec<&Shard> = map.shards.iter().filter(|shard| shard.table == "index").collect();
+        assert_eq!(
+            groups.iter().map(|group| group.range).collect::<Vec<_>>(),
+            (0..5).map(Some).collect::<Vec<_>>()
+        );
+        let heads: std::collections::BTreeSet<u32> = groups.iter().map(|group| group.members[0]).collect();
+        assert_eq!(heads.len(), 3, "every serving node heads some range");
+        assert!(groups.iter().all(|group| group.slots.is_empty() && group.members.len() == 3));
+        let unordered = ClusterTable {
+            name: "bad".into(),
+            prefix: "b:".into(),
+            split_keys: Some(vec!["b:z".into(), "b:a".into()]),
+            ..table
+        };
+        assert!(coordinator.create_table(unordered, 0).unwrap_err().to_string().contains("split keys"));
     }
 
     #[test]

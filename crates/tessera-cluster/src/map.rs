@@ -71,6 +71,25 @@ pub struct ClusterTable {
     pub engine: String,
     #[serde(default)]
     pub options: BTreeMap<String, String>,
+    /// A range-partitioned table's split keys (escaped, ascending): group `i`
+    /// holds the keys from split `i-1` (inclusive) to split `i` (exclusive).
+    /// `None`: the table is hash-partitioned, by slot, like the default table.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub split_keys: Option<Vec<String>>,
+}
+
+impl ClusterTable {
+    /// The split keys as bytes (`None` for a hash-partitioned table or a
+    /// malformed escape, which validation refuses).
+    pub fn splits(&self) -> Option<Vec<Vec<u8>>> {
+        self.split_keys.as_ref()?.iter().map(|key| unescape_prefix(key)).collect()
+    }
+}
+
+/// Where a key of a range-partitioned table lives: the index of the first split
+/// key above it.
+pub fn range_index(splits: &[Vec<u8>], key: &[u8]) -> usize {
+    splits.partition_point(|split| split.as_slice() <= key)
 }
 
 /// A replica group: one table's keys in some slot ranges, on some nodes.
@@ -80,8 +99,12 @@ pub struct Shard {
     /// The table whose keys it holds.
     #[serde(default = "default_table")]
     pub table: String,
-    /// Inclusive slot ranges.
+    /// Inclusive slot ranges (none for a range-partitioned table's group).
     pub slots: Vec<(u16, u16)>,
+    /// A range-partitioned table's group: which key range it holds (see
+    /// [`ClusterTable::split_keys`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub range: Option<usize>,
     pub view_number: u64,
     /// In chain order: the head (or primary) first, the tail last.
     pub members: Vec<u32>,
@@ -160,6 +183,7 @@ impl ClusterMap {
                     id: index as u32,
                     table: default_table(),
                     slots: vec![(first as u16, last as u16)],
+                    range: None,
                     view_number: 1,
                     members: (0..replicas).map(|offset| ((index + offset) % members) as u32).collect(),
                     learners: Vec::new(),
@@ -236,14 +260,32 @@ impl ClusterMap {
             if !table_names.insert(table.name.as_str()) {
                 return invalid(format!("table {} appears twice", table.name));
             }
-            if unescape_prefix(&table.prefix).is_none_or(|prefix| prefix.is_empty())
-                || !prefixes.insert(table.prefix.as_str())
-            {
+            let prefix = unescape_prefix(&table.prefix).unwrap_or_default();
+            if prefix.is_empty() || !prefixes.insert(table.prefix.as_str()) {
                 return invalid(format!("table {} has an empty, malformed or shared prefix", table.name));
             }
+            if table.split_keys.is_some() {
+                let splits = table.splits().unwrap_or_default();
+                if splits.len() != table.split_keys.as_ref().map_or(0, Vec::len)
+                    || splits.iter().any(|split| !split.starts_with(&prefix) || split.len() == prefix.len())
+                    || splits.windows(2).any(|pair| pair[0] >= pair[1])
+                {
+                    return invalid(format!(
+                        "table {}: split keys must be distinct, ascending, well escaped and extend the prefix",
+                        table.name
+                    ));
+                }
+            }
         }
-        let mut owners: BTreeMap<&str, Vec<Option<u32>>> =
-            table_names.iter().map(|name| (*name, vec![None; SLOTS])).collect();
+        // Per table, the owner of every slot (hash-partitioned) or every key
+        // range (range-partitioned).
+        let mut owners: BTreeMap<&str, Vec<Option<u32>>> = table_names
+            .iter()
+            .map(|name| {
+                let ranges = self.table(name).and_then(|table| table.split_keys.as_ref()).map(Vec::len);
+                (*name, vec![None; ranges.map_or(SLOTS, |splits| splits + 1)])
+            })
+            .collect();
         let mut shard_ids = BTreeSet::new();
         for shard in &self.shards {
             let Some(owner) = owners.get_mut(shard.table.as_str()) else {
@@ -264,6 +306,29 @@ impl ClusterMap {
                     return invalid(format!("shard {} names node {node} twice", shard.id));
                 }
             }
+            let range_partitioned = self.table(&shard.table).is_some_and(|table| table.split_keys.is_some());
+            if range_partitioned != shard.range.is_some() || (range_partitioned && !shard.slots.is_empty()) {
+                return invalid(format!(
+                    "shard {} must hold {} of table {}",
+                    shard.id,
+                    if range_partitioned { "one key range and no slots" } else { "slots, not a key range" },
+                    shard.table
+                ));
+            }
+            if let Some(range) = shard.range {
+                match owner.get_mut(range) {
+                    Some(Some(other)) => {
+                        return invalid(format!("range {range} is held by shards {other} and {}", shard.id))
+                    }
+                    Some(slot @ None) => *slot = Some(shard.id),
+                    None => {
+                        return invalid(format!(
+                            "shard {} holds range {range}, which does not exist",
+                            shard.id
+                        ))
+                    }
+                }
+            }
             for (first, last) in &shard.slots {
                 if first > last || *last as usize >= SLOTS {
                     return invalid(format!("shard {} has slot range {first}-{last}", shard.id));
@@ -276,10 +341,12 @@ impl ClusterMap {
             }
         }
         for (table, owner) in owners {
-            if let Some(slot) = owner.iter().position(Option::is_none) {
+            let range_partitioned = self.table(table).is_some_and(|table| table.split_keys.is_some());
+            if let Some(index) = owner.iter().position(Option::is_none) {
                 return match table {
-                    DEFAULT_TABLE => invalid(format!("slot {slot} has no shard")),
-                    _ => invalid(format!("slot {slot} of table {table} has no shard")),
+                    DEFAULT_TABLE => invalid(format!("slot {index} has no shard")),
+                    _ if range_partitioned => invalid(format!("range {index} of table {table} has no shard")),
+                    _ => invalid(format!("slot {index} of table {table} has no shard")),
                 };
             }
         }
@@ -363,6 +430,7 @@ mod tests {
             prefix: "ev:".into(),
             engine: "lsm".into(),
             options: BTreeMap::new(),
+            split_keys: None,
         });
         assert!(map.validate().unwrap_err().to_string().contains("slot 0 of table events has no shard"));
         let mut group = map.shards[0].clone();
@@ -379,6 +447,54 @@ mod tests {
         let mut bad_prefix = map.clone();
         bad_prefix.tables[0].prefix = "\\x4".into();
         assert!(bad_prefix.validate().is_err());
+    }
+
+    #[test]
+    fn a_range_partitioned_table_needs_every_range_once() {
+        let mut map = ClusterMap::place("c1", ReplicationMode::MsStrong, 3, &addresses(3), 3).unwrap();
+        map.tables.push(ClusterTable {
+            name: "events".into(),
+            prefix: "ev:".into(),
+            engine: "ordered".into(),
+            options: BTreeMap::new(),
+            split_keys: Some(vec!["ev:g".into(), "ev:p".into()]),
+        });
+        let group = |id: u32, range: usize| Shard {
+            id,
+            table: "events".into(),
+            slots: Vec::new(),
+            range: Some(range),
+            ..map.shards[0].clone()
+        };
+        let (first, second, third) = (group(10, 0), group(11, 1), group(12, 2));
+        map.shards.extend([first.clone(), second.clone()]);
+        assert!(map.validate().unwrap_err().to_string().contains("range 2 of table events has no shard"));
+        map.shards.push(third);
+        map.validate().unwrap();
+        assert_eq!(ClusterMap::from_json(&map.to_json()).unwrap(), map);
+
+        let splits = map.table("events").unwrap().splits().unwrap();
+        assert_eq!(range_index(&splits, b"ev:a"), 0);
+        assert_eq!(range_index(&splits, b"ev:g"), 1, "a split key starts its range");
+        assert_eq!(range_index(&splits, b"ev:ox"), 1);
+        assert_eq!(range_index(&splits, b"ev:zzz"), 2);
+
+        let mut twice = map.clone();
+        twice.shards.push(Shard { id: 13, ..second });
+        assert!(twice.validate().unwrap_err().to_string().contains("range 1 is held by shards 11 and 13"));
+        let mut with_slots = map.clone();
+        with_slots.shards[3].slots = vec![(0, 1)];
+        assert!(with_slots.validate().unwrap_err().to_string().contains("one key range and no slots"));
+        let mut beyond = map.clone();
+        beyond.shards[3].range = Some(7);
+        assert!(beyond.validate().unwrap_err().to_string().contains("range 7, which does not exist"));
+        for splits in
+            [vec!["ev:p", "ev:g"], vec!["ev:g", "ev:g"], vec!["other"], vec!["ev:"], vec!["ev:\\x4"]]
+        {
+            let mut bad = map.clone();
+            bad.tables[0].split_keys = Some(splits.iter().map(|split| split.to_string()).collect());
+            assert!(bad.validate().unwrap_err().to_string().contains("split keys"), "{splits:?}");
+        }
     }
 
     #[test]

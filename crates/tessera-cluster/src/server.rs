@@ -7,6 +7,7 @@
 //!     -> [epoch, [shard, view-number, [members...], [learners...]]...]   (ready-learner -1: none)
 //! COORD.ADD-NODE address                           the new standby node's id
 //! COORD.TABLE-CREATE name prefix engine [option value]...   +OK (prefix \xNN-escaped)
+//!     (option PARTITION RANGE|HASH; SPLIT key, repeated, for a range-partitioned table)
 //! COORD.TABLE-DROP name                             +OK
 //!     (table changes answer once every live node routes by the changed map)
 //! COORD.MAP [known-epoch wait-ms]                   the map as JSON; with an epoch, answers
@@ -329,13 +330,28 @@ fn add_node(state: &Arc<Mutex<State>>, address: &str, out: &mut ReplyWriter) -> 
 }
 
 fn create_table(state: &Arc<Mutex<State>>, args: &[Vec<u8>]) -> Result<u64, String> {
-    let options =
-        args[4..].chunks(2).map(|pair| (text(&pair[0]).to_ascii_lowercase(), text(&pair[1]))).collect();
+    let mut options = BTreeMap::new();
+    let mut split_keys = None;
+    for pair in args[4..].chunks(2) {
+        let (option, value) = (text(&pair[0]).to_ascii_lowercase(), text(&pair[1]));
+        match option.as_str() {
+            "partition" if value.eq_ignore_ascii_case("range") => {
+                split_keys.get_or_insert_with(Vec::new);
+            }
+            "partition" if value.eq_ignore_ascii_case("hash") => {}
+            "partition" => return Err(format!("unknown partitioning '{value}'; choose hash or range")),
+            "split" => split_keys.get_or_insert_with(Vec::new).push(value),
+            _ => {
+                options.insert(option, value);
+            }
+        }
+    }
     let table = ClusterTable {
         name: text(&args[1]),
         prefix: text(&args[2]),
         engine: text(&args[3]).to_ascii_lowercase(),
         options,
+        split_keys,
     };
     change_map(state, |coordinator, now| coordinator.create_table(table, now))
 }

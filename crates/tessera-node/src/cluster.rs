@@ -16,18 +16,19 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use parking_lot::Mutex;
-use tessera_cluster::agent::{Agent, AgentConfig, Completion, Refusal};
+use tessera_cluster::agent::{Agent, AgentConfig, Completion, Refusal, Routing};
 use tessera_cluster::capture::CapturingView;
+use tessera_cluster::map::range_index;
 use tessera_cluster::{ClusterMap, DEFAULT_TABLE};
 use tessera_engine::{Engine, EngineKind, EngineSpec, KeyRange, ScanCursor};
 use tessera_protocol::Operation;
-use tessera_wire::prefix::unescape_prefix;
+use tessera_wire::prefix::{escape_prefix, unescape_prefix};
 use tessera_wire::slot::key_slot;
-use tessera_wire::{encode_command, skip_value, ReplyWriter, Request, Value};
+use tessera_wire::{encode_command, parse_value, skip_value, ReplyWriter, Request, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::commands::tables::{parse_create, text};
+use crate::commands::tables::{ordered_keys, parse_create, parse_range, text};
 use crate::config::Config;
 use crate::error::{CommandError, CommandResult};
 use crate::store::Store;
@@ -119,15 +120,26 @@ impl ClusterNode {
         };
         let slot = key_slot(first) as u16;
         let table = routing.table_of(first);
-        if keys.any(|key| key_slot(key) as u16 != slot || routing.table_of(key) != table) {
-            return Placement::Refused(
-                "CROSSSLOT Keys in request don't hash to the same slot (or belong to different tables)"
-                    .into(),
-            );
-        }
-        let Some(shard) = routing.shard_of(table, slot) else {
+        let Some(shard) = routing.shard_of(table, first, slot) else {
             return Placement::Refused(format!("CLUSTERDOWN Hash slot {slot} not served"));
         };
+        // A range-partitioned table's keys go together when they are in one
+        // range, whatever their slots.
+        let range_partitioned = routing.ranges(table).is_some();
+        if keys.any(|key| {
+            routing.table_of(key) != table
+                || if range_partitioned {
+                    routing.shard_of(table, key, slot) != Some(shard)
+                } else {
+                    key_slot(key) as u16 != slot
+                }
+        }) {
+            return Placement::Refused(if range_partitioned {
+                format!("CROSSSLOT Keys in request span several key ranges of table {table}")
+            } else {
+                "CROSSSLOT Keys in request don't hash to the same slot (or belong to different tables)".into()
+            });
+        }
         let checked = if write {
             self.agent.check_write(shard).map(|()| None)
         } else {
@@ -143,9 +155,11 @@ impl ClusterNode {
                     // Cluster clients route by slot to the default table's
                     // head; if that is this node, another table's group has a
                     // different head here: forward rather than MOVE the slot.
+                    // A key range is not a slot at all: always forwarded.
                     let slot_head =
-                        routing.shard_of(DEFAULT_TABLE, slot).and_then(|id| routing.head_address(id));
-                    let forward_only = table != DEFAULT_TABLE && slot_head == Some(self.address.as_str());
+                        routing.shard_of(DEFAULT_TABLE, first, slot).and_then(|id| routing.head_address(id));
+                    let forward_only = range_partitioned
+                        || (table != DEFAULT_TABLE && slot_head == Some(self.address.as_str()));
                     Placement::Elsewhere { slot, address: address.to_string(), forward_only }
                 }
                 _ => Placement::Refused(format!("TRYAGAIN slot {slot} is changing hands")),
@@ -159,11 +173,17 @@ impl ClusterNode {
         let name = request.arg(0).to_ascii_lowercase();
         let change: Vec<Vec<u8>> = match name.as_slice() {
             b"table.create" => {
-                let def = parse_create(request)?;
+                let (def, split_keys) = parse_create(request)?;
                 let mut args = vec![b"COORD.TABLE-CREATE".to_vec(), def.name.into_bytes()];
                 args.extend([def.prefix.into_bytes(), def.engine.into_bytes()]);
                 for (option, value) in def.options {
                     args.extend([option.into_bytes(), value.into_bytes()]);
+                }
+                if let Some(splits) = split_keys {
+                    args.extend([b"PARTITION".to_vec(), b"RANGE".to_vec()]);
+                    for split in splits {
+                        args.extend([b"SPLIT".to_vec(), escape_prefix(&split).into_bytes()]);
+                    }
                 }
                 args
             }
@@ -203,6 +223,121 @@ impl ClusterNode {
         Ok(())
     }
 
+    /// TABLE.RANGE on a cluster node: the key ranges the query spans, in
+    /// order, each read at its group's head (this node, or forwarded there)
+    /// until `count` keys are found. Only range-partitioned tables are ordered
+    /// across their groups.
+    pub async fn table_range(
+        &self,
+        request: &Request<'_>,
+        relay: bool,
+        now_ms: u64,
+        forwarder: &mut Forwarder,
+    ) -> CommandResult<Vec<Bytes>> {
+        let query = parse_range(request)?;
+        let routing = self.agent.routing().ok_or_else(|| CommandError::Coded(NO_MAP_YET.into()))?;
+        let Some(ranges) = routing.ranges(&query.table) else {
+            let known = query.table == DEFAULT_TABLE || routing.map.table(&query.table).is_some();
+            return Err(CommandError::Other(if known {
+                format!("table '{}' is hash-partitioned; TABLE.RANGE needs PARTITION RANGE", query.table)
+            } else {
+                format!("no such table '{}'", query.table)
+            }));
+        };
+        let mut keys = Vec::new();
+        let first = query.keys.start.as_deref().map_or(0, |start| range_index(&ranges.splits, start));
+        for (index, shard) in ranges.shards.iter().enumerate().skip(first) {
+            let (from, to) = ranges.bounds(index);
+            let part = KeyRange {
+                start: query.keys.start.clone().max(from.map(Bytes::copy_from_slice)),
+                end: match (query.keys.end.clone(), to) {
+                    (Some(end), Some(to)) => Some(end.min(Bytes::copy_from_slice(to))),
+                    (end, to) => end.or(to.map(Bytes::copy_from_slice)),
+                },
+            };
+            if part.start.is_some() && part.end.is_some() && part.start >= part.end {
+                break;
+            }
+            let limit = query.count - keys.len();
+            keys.extend(
+                self.group_range(&routing, *shard, &query.table, &part, limit, relay, now_ms, forwarder)
+                    .await?,
+            );
+            if keys.len() >= query.count {
+                break;
+            }
+        }
+        Ok(keys)
+    }
+
+    /// One group's part of a TABLE.RANGE. At the head, the keys read are
+    /// answered once the writes in flight within the part have committed, as a
+    /// strong read of each key would be.
+    #[allow(clippy::too_many_arguments)]
+    async fn group_range(
+        &self,
+        routing: &Routing,
+        shard: u32,
+        table: &str,
+        part: &KeyRange,
+        limit: usize,
+        relay: bool,
+        now_ms: u64,
+        forwarder: &mut Forwarder,
+    ) -> CommandResult<Vec<Bytes>> {
+        let retry = |why: String| CommandError::Coded(format!("TRYAGAIN {why}"));
+        match self.agent.check_read(shard, true) {
+            Ok(barrier) => {
+                if let Some(barrier) = barrier {
+                    barrier.wait().await.map_err(retry)?;
+                }
+                let engine =
+                    self.agent.engine(shard).ok_or_else(|| retry("the group is being opened".into()))?;
+                let keys = ordered_keys(&CapturingView::new(engine), part, limit, now_ms)?;
+                let in_flight: Vec<Completion> = self
+                    .in_flight
+                    .lock()
+                    .iter()
+                    .filter(|(key, completion)| part.contains(key) && !completion.succeeded())
+                    .map(|(_, completion)| completion.clone())
+                    .collect();
+                for completion in in_flight {
+                    completion.wait().await.map_err(retry)?;
+                }
+                Ok(keys)
+            }
+            Err(Refusal::LeaseExpired) => Err(retry("the group's lease is being renewed".into())),
+            Err(Refusal::NotOwner) => {
+                let address = routing
+                    .head_address(shard)
+                    .filter(|address| *address != self.address)
+                    .ok_or_else(|| retry(format!("group {shard} is changing hands")))?;
+                if relay {
+                    return Err(CommandError::Coded(format!("MOVED 0 {address}")));
+                }
+                let start =
+                    part.start.as_ref().map_or(b"-".to_vec(), |start| [b"[", start.as_ref()].concat());
+                let end = part.end.as_ref().map_or(b"+".to_vec(), |end| [b"(", end.as_ref()].concat());
+                let count = limit.min(i64::MAX as usize).to_string();
+                let mut forwarded = Vec::new();
+                encode_command(
+                    &[b"TABLE.RANGE", table.as_bytes(), &start, &end, b"COUNT", count.as_bytes()],
+                    &mut forwarded,
+                );
+                let reply =
+                    forwarder.forward(address.to_string(), &forwarded).await.map_err(CommandError::Coded)?;
+                match parse_value(&reply) {
+                    Ok(Some((Value::Array(items), _))) => Ok(items
+                        .into_iter()
+                        .filter_map(|item| item.as_bytes().map(Bytes::copy_from_slice))
+                        .collect()),
+                    Ok(Some((Value::Error(message), _))) => Err(CommandError::Coded(message)),
+                    _ => Err(retry(format!("{address} answered TABLE.RANGE with something else"))),
+                }
+            }
+        }
+    }
+
     /// The map this node routes by.
     pub fn map(&self) -> CommandResult<Arc<ClusterMap>> {
         self.agent.routing().map(|routing| routing.map).ok_or_else(|| CommandError::Coded(NO_MAP_YET.into()))
@@ -216,12 +351,13 @@ impl ClusterNode {
             None => return Err(CommandError::Other(format!("no such table '{name}'"))),
         };
         let groups: Vec<_> = map.shards.iter().filter(|shard| shard.table == name).collect();
+        let splits = map.table(name).and_then(|table| table.splits());
         let options: Vec<String> = options
             .iter()
             .filter(|(option, _)| option.as_str() != "password")
             .map(|(option, value)| format!("{option}={value}"))
             .collect();
-        out.map(5);
+        out.map(6);
         out.bulk(b"name");
         out.bulk(name.as_bytes());
         out.bulk(b"prefix");
@@ -230,19 +366,26 @@ impl ClusterNode {
         out.bulk(engine.as_bytes());
         out.bulk(b"options");
         out.bulk(options.join(" ").as_bytes());
+        out.bulk(b"partition");
+        out.bulk(if splits.is_some() { b"range" } else { b"hash" });
         out.bulk(b"groups");
         out.array(groups.len());
         for group in groups {
             let members: Vec<String> = group.members.iter().map(|node| format!("n{node}")).collect();
+            // A range group's keys in TABLE.RANGE's notation.
+            let holds = match (group.range, &splits) {
+                (Some(range), Some(splits)) => {
+                    let from = range
+                        .checked_sub(1)
+                        .map_or("-".into(), |before| format!("[{}", escape_prefix(&splits[before])));
+                    let to =
+                        splits.get(range).map_or("+".into(), |split| format!("({}", escape_prefix(split)));
+                    format!("keys {from} {to}")
+                }
+                _ => format!("slots {:?}", group.slots),
+            };
             out.bulk(
-                format!(
-                    "{} slots {:?} view {} {}",
-                    group.id,
-                    group.slots,
-                    group.view_number,
-                    members.join(">")
-                )
-                .as_bytes(),
+                format!("{} {holds} view {} {}", group.id, group.view_number, members.join(">")).as_bytes(),
             );
         }
         Ok(())
@@ -416,13 +559,13 @@ impl Forwarder {
                 .map_err(unreachable)?;
             let _ = stream.set_nodelay(true);
             let mut link = (stream, Vec::new());
-            // A forwarded request must not be forwarded again: as a cluster
-            // client, this link is told MOVED instead.
+            // A forwarded request must not be forwarded again: as a relay,
+            // this link is told MOVED instead.
             let mut hello = Vec::new();
             if let Some(password) = &self.password {
                 encode_command(&[b"AUTH".as_slice(), password.as_bytes()], &mut hello);
             }
-            encode_command(&[b"READWRITE"], &mut hello);
+            encode_command(&[b"CLUSTER".as_slice(), b"RELAY"], &mut hello);
             link.0.write_all(&hello).await.map_err(unreachable)?;
             for _ in 0..1 + usize::from(self.password.is_some()) {
                 let reply = read_reply(&mut link).await.map_err(unreachable)?;

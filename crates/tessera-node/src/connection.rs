@@ -246,6 +246,18 @@ async fn serve_in_cluster(
             return None;
         }
     };
+    if spec.name == "table.range" {
+        match cluster.table_range(request, context.session.relay, context.now_ms, forwarder).await {
+            Ok(keys) => {
+                context.out.array(keys.len());
+                for key in keys {
+                    context.out.bulk(&key);
+                }
+            }
+            Err(error) => context.out.error(&error.to_string()),
+        }
+        return None;
+    }
     if spec.name.starts_with("table.") {
         let mark = context.out.len();
         if let Err(error) = cluster.table_command(request, context.out).await {
@@ -303,7 +315,9 @@ async fn serve_in_cluster(
             context.out.error(&message);
             None
         }
-        Placement::Elsewhere { slot, address, forward_only: false } if context.session.cluster_client => {
+        Placement::Elsewhere { slot, address, forward_only }
+            if context.session.relay || (context.session.cluster_client && !forward_only) =>
+        {
             context.out.error(&format!("MOVED {slot} {address}"));
             None
         }

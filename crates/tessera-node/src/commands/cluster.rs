@@ -1,5 +1,6 @@
 //! Redis Cluster's commands, answered from the cluster map: CLUSTER SLOTS,
-//! SHARDS, NODES, INFO, KEYSLOT, MYID, and READONLY / READWRITE / ASKING.
+//! SHARDS, NODES, INFO, KEYSLOT, MYID, and READONLY / READWRITE / ASKING; and
+//! Tessera's CLUSTER RELAY, which marks another node's forwarding link.
 //!
 //! A Tessera node may head one shard and follow in others, which Redis
 //! Cluster's one-master-or-one-replica model cannot say: SLOTS and SHARDS list
@@ -54,6 +55,11 @@ fn cluster(context: &mut Context, request: &Request) -> CommandResult {
         context.out.integer(key_slot(request.arg(2)) as i64);
         return Ok(());
     }
+    if is(subcommand, "relay") && request.len() == 2 {
+        context.session.relay = true;
+        context.out.ok();
+        return Ok(());
+    }
     let map = node.map()?;
     let me = node.agent.node_id();
     match () {
@@ -64,7 +70,7 @@ fn cluster(context: &mut Context, request: &Request) -> CommandResult {
         _ if is(subcommand, "myid") && request.len() == 2 => context.out.bulk(node_name(&map, me).as_bytes()),
         _ => {
             return Err(CommandError::Other(format!(
-                "unknown subcommand or wrong number of arguments for '{}'; try SLOTS, SHARDS, NODES, INFO, KEYSLOT or MYID",
+                "unknown subcommand or wrong number of arguments for '{}'; try SLOTS, SHARDS, NODES, INFO, KEYSLOT, MYID or RELAY",
                 String::from_utf8_lossy(subcommand)
             )))
         }

@@ -39,6 +39,9 @@ pub struct Session {
     pub cluster_client: bool,
     /// READONLY: reads are served by any replica, eventually consistent.
     pub readonly: bool,
+    /// Another node's forwarding link (CLUSTER RELAY): what this node does not
+    /// serve is answered MOVED, never forwarded again.
+    pub relay: bool,
 }
 
 /// What a command handler works with.
