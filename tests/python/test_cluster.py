@@ -663,3 +663,59 @@ def test_scan_keys_and_dbsize_see_every_key_once_across_the_nodes(cluster_factor
         assert node.get(b"k:1") is None and node.get(b"ev:1") is None
     client.set(b"k:1", "after")
     assert client.get(b"k:1") == b"after"
+
+
+def test_range_partitioned_tables_keep_keys_in_order_across_groups(cluster_factory):
+    cluster = cluster_factory("strong", nodes=3)
+    plain = [redis.Redis(port=cluster.port(node), socket_timeout=10, protocol=2) for node in range(3)]
+    assert plain[1].execute_command(
+        "TABLE.CREATE", "index", "PREFIX", "ix:", "ENGINE", "ordered",
+        "PARTITION", "RANGE", "SPLIT", "ix:6", "SPLIT", "ix:3", "SPLIT", "ix:9",
+    )
+    info = plain[0].execute_command("TABLE.INFO", "index")
+    info = dict(zip(info[::2], info[1::2]))
+    assert info[b"partition"] == b"range"
+    assert [group.split(b" ")[1:4] for group in info[b"groups"]] == [
+        [b"keys", b"-", b"(ix:3"], [b"keys", b"[ix:3", b"(ix:6"], [b"keys", b"[ix:6", b"(ix:9"], [b"keys", b"[ix:9", b"+"],
+    ]
+    groups = [shard for shard in cluster.map()["shards"] if shard["table"] == "index"]
+    assert len({group["members"][0] for group in groups}) == 3, "the ranges' heads are spread over the nodes"
+
+    # Cluster clients route by slot, which says nothing about a range: their
+    # requests are forwarded to the range's head, never answered MOVED.
+    client = cluster.client()
+    keys = [f"ix:{index:04d}" for index in range(0, 10000, 13)]
+    for key in keys:
+        client.set(key, key)
+    assert [client.get(key) for key in keys] == [key.encode() for key in keys]
+    # A plain client may write several keys of one range at once, whatever their slots.
+    assert plain[2].mset({"ix:40a": "1", "ix:41b": "2", "ix:59": "3"})
+    keys = sorted(keys + ["ix:40a", "ix:41b", "ix:59"])
+    with pytest.raises(redis.ResponseError, match="span several key ranges of table index"):
+        plain[2].mset({"ix:10": "1", "ix:70": "2"})
+
+    expected = [key.encode() for key in keys]
+    for node in plain:
+        assert node.execute_command("TABLE.RANGE", "index", "-", "+") == expected
+    # A page that crosses from one group's range into the next.
+    after = [key for key in expected if key > b"ix:2977"][:3]
+    assert after[0] < b"ix:3" <= after[-1]
+    assert plain[0].execute_command("TABLE.RANGE", "index", "(ix:2977", "+", "COUNT", "3") == after
+    assert plain[0].execute_command("TABLE.RANGE", "index", "[ix:59", "[ix:6019") == [
+        key for key in expected if b"ix:59" <= key <= b"ix:6019"
+    ]
+    with pytest.raises(redis.ResponseError, match="hash-partitioned"):
+        plain[0].execute_command("TABLE.RANGE", "default", "-", "+")
+    assert set(client.scan_iter(match="ix:*")) == set(expected), "SCAN sees each key once"
+
+    # The head of the middle ranges dies: the range's group fails over.
+    head = groups[1]["members"][0]
+    cluster.cli("kill", str(head))
+    time.sleep(2 * FAILURE_TIMEOUT_MS / 1000)
+    survivor = plain[(head + 1) % 3]
+    assert survivor.execute_command("TABLE.RANGE", "index", "-", "+") == expected
+    client.set("ix:3500", "after")
+    cluster.cli("restart", str(head))
+    cluster.wait_for_full_shards(timeout=60)
+    assert plain[head].get("ix:3500") == b"after"
+    assert plain[head].execute_command("TABLE.RANGE", "index", "[ix:35", "(ix:351") == [b"ix:3500"]

@@ -1,6 +1,7 @@
 """Tables, engines and restarts of a real node."""
 
 import signal
+import time
 
 import pytest
 import redis
@@ -38,6 +39,39 @@ def test_tables_route_by_longest_prefix(node, r):
     assert r.execute_command("TABLE.DROP", "admins")
     assert r.get("user:admin:1") is None, "a dropped table's data is gone"
     assert r.get("user:1") == b"a"
+
+
+@pytest.mark.parametrize("engine", ["ordered", "lsm"])
+def test_table_range_walks_keys_in_order(node, r, engine):
+    r.execute_command("TABLE.CREATE", "index", "PREFIX", "ix:", "ENGINE", engine)
+    keys = [f"ix:{i:04d}" for i in range(0, 2000, 7)]
+    pipe = r.pipeline(transaction=False)
+    for key in reversed(keys):
+        pipe.set(key, "v")
+    pipe.execute()
+    r.set("ix:gone", "v", px=1)
+    r.zadd("ix:zset", {"member": 1})
+    time.sleep(0.01)
+    everything = r.execute_command("TABLE.RANGE", "index", "-", "+")
+    assert everything == sorted([k.encode() for k in keys] + [b"ix:zset"]), "expired keys and zset internals hidden"
+    middle = r.execute_command("TABLE.RANGE", "index", "[ix:0014", "(ix:0035")
+    assert middle == [b"ix:0014", b"ix:0021", b"ix:0028"]
+    assert r.execute_command("TABLE.RANGE", "index", "(ix:0014", "[ix:0028") == [b"ix:0021", b"ix:0028"]
+    assert r.execute_command("TABLE.RANGE", "index", "[ix:1", "+", "COUNT", "3") == [b"ix:1001", b"ix:1008", b"ix:1015"]
+    assert r.execute_command("TABLE.RANGE", "index", "[ix:9", "[ix:1") == []
+    for bad, why in [
+        (["index", "ix:1", "+"], "start with"),
+        (["index", "-", "+", "COUNT", "0"], "syntax"),
+        (["index", "-", "+", "LIMIT", "3"], "syntax"),
+        (["nosuch", "-", "+"], "no such table"),
+        (["default", "-", "+"], "ordered engine"),
+    ]:
+        with pytest.raises(redis.ResponseError, match=why):
+            r.execute_command("TABLE.RANGE", *bad)
+    with pytest.raises(redis.ResponseError, match="single node holds all of it"):
+        r.execute_command("TABLE.CREATE", "ranged", "PREFIX", "rg:", "ENGINE", "ordered", "PARTITION", "RANGE")
+    with pytest.raises(redis.ResponseError, match="need PARTITION RANGE"):
+        r.execute_command("TABLE.CREATE", "ranged", "PREFIX", "rg:", "ENGINE", "ordered", "SPLIT", "rg:m")
 
 
 @pytest.mark.parametrize("engine", PERSISTENT_ENGINES)
