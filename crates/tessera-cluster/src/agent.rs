@@ -24,7 +24,7 @@ use tessera_wire::slot::SLOTS;
 use tessera_wire::{encode_command, parse_value, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 
 use crate::links::{serve_incoming, Incoming, LinkConfig, Links};
@@ -46,6 +46,9 @@ pub struct AgentConfig {
     pub engine: EngineSpec,
     pub heartbeat_ms: u64,
     pub tick_ms: u64,
+    /// Back-pressure: once this many writes wait to commit on this node, new
+    /// ones wait for room (their connections stop reading meanwhile).
+    pub max_uncommitted_writes: usize,
 }
 
 struct Replica {
@@ -307,6 +310,8 @@ pub struct Agent {
     lease_ms: u64,
     /// The agent's loops; they hold it weakly and are stopped when it drops.
     tasks: Mutex<Vec<JoinHandle<()>>>,
+    /// Told whenever writes stop waiting: see [`Agent::wait_for_room`].
+    room: Notify,
 }
 
 impl Drop for Agent {
@@ -367,6 +372,7 @@ impl Agent {
             started: Instant::now(),
             lease_ms,
             tasks: Mutex::new(vec![peers]),
+            room: Notify::new(),
         });
         agent.tasks.lock().extend([
             tokio::spawn(heartbeat_loop(Arc::downgrade(&agent), coordinator)),
@@ -408,6 +414,22 @@ impl Agent {
         }
         self.run_effects(&mut state, shard, fx);
         pendings
+    }
+
+    /// Returns once fewer than `max_uncommitted_writes` writes wait to commit
+    /// on this node: a connection calls it before it runs a write, so a
+    /// replica group that cannot keep up slows its writers instead of
+    /// queueing without bound.
+    pub async fn wait_for_room(&self) {
+        loop {
+            let notified = self.room.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.state.lock().waiting.len() < self.config.max_uncommitted_writes {
+                return;
+            }
+            notified.await;
+        }
     }
 
     /// Whether this node may order writes for a shard now.
@@ -494,15 +516,20 @@ impl Agent {
     }
 
     fn run_effects(&self, state: &mut State, shard: u32, mut fx: Effects) {
+        let mut answered = false;
         for effect in fx.take() {
             match effect {
                 Effect::Send { to, message } => self.links.send(to, shard, &message),
                 Effect::Reply { request, reply } => {
                     if let Some((_, waiter)) = state.waiting.remove(&request) {
                         let _ = waiter.send(reply);
+                        answered = true;
                     }
                 }
             }
+        }
+        if answered {
+            self.room.notify_waiters();
         }
     }
 
@@ -548,6 +575,7 @@ impl Agent {
         for shard in left {
             tracing::info!(shard, "no longer granted this shard; leaving it");
             state.leave(shard);
+            self.room.notify_waiters();
         }
         for (shard, view) in grants {
             let replica = match state.shards.entry(shard) {

@@ -59,6 +59,7 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
             engine: EngineSpec::new(EngineKind::Memory, BTreeMap::new()).unwrap(),
             heartbeat_ms: 100,
             tick_ms: 10,
+            max_uncommitted_writes: 8,
         };
         agents.push(Some(Agent::start(config).await.unwrap()));
     }
@@ -72,6 +73,7 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
         engine: EngineSpec::new(EngineKind::Memory, BTreeMap::new()).unwrap(),
         heartbeat_ms: 100,
         tick_ms: 10,
+        max_uncommitted_writes: 8,
     };
     assert!(Agent::start(wrong).await.err().unwrap().contains("refused"));
 
@@ -108,6 +110,21 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
     drop(middle_agent);
     agents[middle] = None;
     let died = Instant::now();
+    // Meanwhile nothing commits: past 8 waiting writes, writers must wait.
+    let stuck: Vec<_> = (0..8)
+        .map(|index| {
+            let key = Bytes::from(format!("stuck{index}"));
+            head_agent.begin_all(shard.id, vec![Operation::Put { key, value: Bytes::from_static(b"v") }])
+        })
+        .collect();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), head_agent.wait_for_room()).await.is_err(),
+        "room while 8 writes wait"
+    );
+    tokio::time::timeout(Duration::from_secs(15), head_agent.wait_for_room())
+        .await
+        .expect("room once they commit");
+    drop(stuck);
     let mut written = 0;
     let recovered = loop {
         let key = format!("after{written}");

@@ -93,6 +93,7 @@ impl ClusterNode {
             engine: engine.clone(),
             heartbeat_ms: settings.heartbeat_ms,
             tick_ms: settings.tick_ms,
+            max_uncommitted_writes: settings.max_uncommitted_writes,
         };
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)

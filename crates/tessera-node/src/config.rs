@@ -56,6 +56,9 @@ pub struct ClusterConfig {
     pub heartbeat_ms: u64,
     #[serde(default = "ClusterConfig::default_tick_ms")]
     pub tick_ms: u64,
+    /// Writes waiting to commit on this node beyond which new writes wait.
+    #[serde(default = "ClusterConfig::default_max_uncommitted_writes")]
+    pub max_uncommitted_writes: usize,
 }
 
 impl ClusterConfig {
@@ -66,6 +69,7 @@ impl ClusterConfig {
             coordinator: coordinator.to_string(),
             heartbeat_ms: Self::default_heartbeat_ms(),
             tick_ms: Self::default_tick_ms(),
+            max_uncommitted_writes: Self::default_max_uncommitted_writes(),
         }
     }
 
@@ -75,6 +79,10 @@ impl ClusterConfig {
 
     fn default_tick_ms() -> u64 {
         10
+    }
+
+    fn default_max_uncommitted_writes() -> usize {
+        16_384
     }
 }
 

@@ -329,6 +329,9 @@ async fn serve_in_cluster(
             None
         }
         Placement::Shard { shard, barrier } => {
+            if write {
+                cluster.agent.wait_for_room().await;
+            }
             let Some(engine) = cluster.agent.engine(shard) else {
                 context.out.error("TRYAGAIN the shard is being opened");
                 return None;
