@@ -7,6 +7,7 @@
 use bytes::{BufMut, Bytes};
 
 use crate::chain::ChainMessage;
+use crate::multi_master::MultiMessage;
 use crate::primary_backup::{BackupMessage, LogEntry};
 use crate::{Chunk, NodeId, PeerMessage, RequestId, Write};
 
@@ -22,6 +23,11 @@ const CHAIN_SNAPSHOT: u8 = 5;
 const UPDATES: u8 = 16;
 const BACKUP_SNAPSHOT: u8 = 17;
 const POSITION: u8 = 18;
+const RECORDS: u8 = 32;
+const ACKED: u8 = 33;
+const ROOTS: u8 = 34;
+const LEAVES: u8 = 35;
+const REPAIR: u8 = 36;
 
 fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
     out.put_u32_le(bytes.len() as u32);
@@ -121,6 +127,45 @@ pub fn encode(message: &PeerMessage, out: &mut Vec<u8>) {
                 out.put_u64_le(*view);
                 out.put_u64_le(*applied);
                 out.put_u64_le(*epoch);
+            }
+        },
+        PeerMessage::Multi(message) => match message {
+            MultiMessage::Records { view, batch, records } => {
+                out.put_u8(RECORDS);
+                out.put_u64_le(*view);
+                out.put_u64_le(*batch);
+                put_entries(out, records);
+            }
+            MultiMessage::Acked { view, batch } => {
+                out.put_u8(ACKED);
+                out.put_u64_le(*view);
+                out.put_u64_le(*batch);
+            }
+            MultiMessage::Roots { view, roots } => {
+                out.put_u8(ROOTS);
+                out.put_u64_le(*view);
+                out.put_u32_le(roots.len() as u32);
+                for root in roots {
+                    out.put_u64_le(*root);
+                }
+            }
+            MultiMessage::Leaves { view, leaves } => {
+                out.put_u8(LEAVES);
+                out.put_u64_le(*view);
+                out.put_u32_le(leaves.len() as u32);
+                for (leaf, digest) in leaves {
+                    out.put_u32_le(*leaf);
+                    out.put_u64_le(*digest);
+                }
+            }
+            MultiMessage::Repair { view, records, want } => {
+                out.put_u8(REPAIR);
+                out.put_u64_le(*view);
+                put_entries(out, records);
+                out.put_u32_le(want.len() as u32);
+                for leaf in want {
+                    out.put_u32_le(*leaf);
+                }
             }
         },
     }
@@ -255,6 +300,31 @@ pub fn decode(bytes: Bytes) -> Result<PeerMessage, CodecError> {
             applied: reader.u64()?,
             epoch: reader.u64()?,
         }),
+        RECORDS => PeerMessage::Multi(MultiMessage::Records {
+            view: reader.u64()?,
+            batch: reader.u64()?,
+            records: reader.entries()?,
+        }),
+        ACKED => PeerMessage::Multi(MultiMessage::Acked { view: reader.u64()?, batch: reader.u64()? }),
+        ROOTS => {
+            let view = reader.u64()?;
+            let count = reader.count(8)?;
+            let roots = (0..count).map(|_| reader.u64()).collect::<Result<_, _>>()?;
+            PeerMessage::Multi(MultiMessage::Roots { view, roots })
+        }
+        LEAVES => {
+            let view = reader.u64()?;
+            let count = reader.count(12)?;
+            let leaves =
+                (0..count).map(|_| Ok((reader.u32()?, reader.u64()?))).collect::<Result<_, CodecError>>()?;
+            PeerMessage::Multi(MultiMessage::Leaves { view, leaves })
+        }
+        REPAIR => {
+            let (view, records) = (reader.u64()?, reader.entries()?);
+            let count = reader.count(4)?;
+            let want = (0..count).map(|_| reader.u32()).collect::<Result<_, _>>()?;
+            PeerMessage::Multi(MultiMessage::Repair { view, records, want })
+        }
         _ => return Err(CodecError("unknown message tag")),
     };
     if reader.at != reader.bytes.len() {
@@ -318,7 +388,19 @@ mod tests {
                 .prop_map(|(view, applied, epoch)| BackupMessage::Position { view, applied, epoch }),
         ]
         .prop_map(PeerMessage::Backup);
-        prop_oneof![chain, backup]
+        let multi = prop_oneof![
+            (any::<u64>(), any::<u64>(), entries())
+                .prop_map(|(view, batch, records)| MultiMessage::Records { view, batch, records }),
+            (any::<u64>(), any::<u64>()).prop_map(|(view, batch)| MultiMessage::Acked { view, batch }),
+            (any::<u64>(), proptest::collection::vec(any::<u64>(), 0..5))
+                .prop_map(|(view, roots)| MultiMessage::Roots { view, roots }),
+            (any::<u64>(), proptest::collection::vec((any::<u32>(), any::<u64>()), 0..5))
+                .prop_map(|(view, leaves)| MultiMessage::Leaves { view, leaves }),
+            (any::<u64>(), entries(), proptest::collection::vec(any::<u32>(), 0..5))
+                .prop_map(|(view, records, want)| MultiMessage::Repair { view, records, want }),
+        ]
+        .prop_map(PeerMessage::Multi);
+        prop_oneof![chain, backup, multi]
     }
 
     proptest! {

@@ -9,6 +9,7 @@
 pub mod chain;
 pub mod codec;
 pub mod coordinator;
+pub mod multi_master;
 pub mod primary_backup;
 pub mod record;
 #[cfg(test)]
@@ -18,6 +19,7 @@ use bytes::Bytes;
 use tessera_engine::{Engine, KeyRange, ScanCursor};
 
 pub use chain::{ChainOptions, ChainReplication};
+pub use multi_master::{MultiMaster, MultiMasterOptions};
 pub use primary_backup::{PrimaryBackup, PrimaryBackupOptions};
 pub use record::{Hlc, Record, Version};
 
@@ -137,6 +139,7 @@ impl ShardView {
 pub enum PeerMessage {
     Chain(chain::ChainMessage),
     Backup(primary_backup::BackupMessage),
+    Multi(multi_master::MultiMessage),
 }
 
 /// What a protocol asks its driver to do.

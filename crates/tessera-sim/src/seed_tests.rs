@@ -40,6 +40,11 @@ fn primary_backup_converges_on_the_fixed_seeds() {
 }
 
 #[test]
+fn multi_master_converges_on_the_fixed_seeds() {
+    assert_no_failures(ProtocolKind::MultiMaster, 0..300);
+}
+
+#[test]
 fn chain_replication_loses_no_acknowledged_write() {
     let config = SimConfig { workload: Workload::Appends, ..SimConfig::new(ProtocolKind::Chain) };
     for seed in 0..100 {
@@ -74,6 +79,17 @@ fn the_checkers_catch_a_head_that_answers_before_the_tail_has_the_write() {
 }
 
 #[test]
+fn the_checkers_catch_replicas_that_never_repair_what_propagation_missed() {
+    let failed = failures(ProtocolKind::BrokenMultiMasterNoRepair, 0..100);
+    assert!(
+        failed
+            .iter()
+            .any(|report| report.violations.iter().any(|violation| violation.starts_with("convergence"))),
+        "100 seeds of multi-master without anti-entropy converged: the checker does not bite"
+    );
+}
+
+#[test]
 fn a_seed_replays_exactly() {
     let config = SimConfig::new(ProtocolKind::Chain);
     let first = run(42, &config);
@@ -84,12 +100,19 @@ fn a_seed_replays_exactly() {
 }
 
 #[test]
-fn runs_without_faults_lose_nothing_even_in_eventual_mode() {
-    let config = SimConfig { faults: Default::default(), ..SimConfig::new(ProtocolKind::PrimaryBackup) };
-    for seed in 0..20 {
-        let report = run(seed, &config);
-        assert!(report.violations.is_empty(), "seed {seed}: {:?}", report.violations);
-        assert_eq!(report.lost_acknowledged_writes, 0, "seed {seed}");
-        assert_eq!(report.view_changes, 0);
+fn runs_without_faults_lose_nothing_even_in_eventual_modes() {
+    for protocol in [ProtocolKind::PrimaryBackup, ProtocolKind::MultiMaster] {
+        for workload in [Workload::Registers, Workload::Appends] {
+            let config = SimConfig { faults: Default::default(), workload, ..SimConfig::new(protocol) };
+            for seed in 0..20 {
+                let report = run(seed, &config);
+                let name = protocol.name();
+                assert!(report.violations.is_empty(), "{name} seed {seed}: {:?}", report.violations);
+                assert_eq!(report.view_changes, 0);
+                if workload == Workload::Appends || protocol == ProtocolKind::PrimaryBackup {
+                    assert_eq!(report.lost_acknowledged_writes, 0, "{name} seed {seed}");
+                }
+            }
+        }
     }
 }

@@ -15,8 +15,8 @@ use bytes::Bytes;
 use tessera_engine::{Engine, MemoryEngine};
 use tessera_protocol::{
     engine_entries, ChainOptions, ChainReplication, ClientReply, ClientRequest, Consistency, Effect, Effects,
-    NodeId, Operation as ProtocolOperation, PeerMessage, PrimaryBackup, PrimaryBackupOptions, Progress,
-    Protocol, RequestId, ShardView,
+    MultiMaster, MultiMasterOptions, NodeId, Operation as ProtocolOperation, PeerMessage, PrimaryBackup,
+    PrimaryBackupOptions, Progress, Protocol, Record, RequestId, ShardView,
 };
 
 use tessera_protocol::coordinator::{Admission, CoordinatorConfig, ShardCoordinator};
@@ -34,27 +34,49 @@ pub enum ProtocolKind {
     ChainCraq,
     /// MS+EC.
     PrimaryBackup,
+    /// AA+EC: every replica accepts writes, last writer wins.
+    MultiMaster,
     /// Chain replication whose head answers before the tail has the write.
     #[cfg(any(test, feature = "broken"))]
     BrokenChainEarlyAck,
+    /// Multi-master without anti-entropy.
+    #[cfg(any(test, feature = "broken"))]
+    BrokenMultiMasterNoRepair,
 }
 
 impl ProtocolKind {
-    pub const ALL: &'static [ProtocolKind] =
-        &[ProtocolKind::Chain, ProtocolKind::ChainCraq, ProtocolKind::PrimaryBackup];
+    pub const ALL: &'static [ProtocolKind] = &[
+        ProtocolKind::Chain,
+        ProtocolKind::ChainCraq,
+        ProtocolKind::PrimaryBackup,
+        ProtocolKind::MultiMaster,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             ProtocolKind::Chain => "chain",
             ProtocolKind::ChainCraq => "chain-craq",
             ProtocolKind::PrimaryBackup => "primary-backup",
+            ProtocolKind::MultiMaster => "multi-master",
             #[cfg(any(test, feature = "broken"))]
             ProtocolKind::BrokenChainEarlyAck => "broken-chain-early-ack",
+            #[cfg(any(test, feature = "broken"))]
+            ProtocolKind::BrokenMultiMasterNoRepair => "broken-multi-master-no-repair",
         }
     }
 
     pub fn strong(self) -> bool {
-        !matches!(self, ProtocolKind::PrimaryBackup)
+        !matches!(self, ProtocolKind::PrimaryBackup) && !self.active_active()
+    }
+
+    /// Whether every replica accepts writes (else the first of the view does).
+    pub fn active_active(self) -> bool {
+        match self {
+            ProtocolKind::MultiMaster => true,
+            #[cfg(any(test, feature = "broken"))]
+            ProtocolKind::BrokenMultiMasterNoRepair => true,
+            _ => false,
+        }
     }
 
     fn instance(self, me: NodeId, engine: Arc<dyn Engine>) -> Box<dyn Protocol> {
@@ -68,6 +90,23 @@ impl ProtocolKind {
             ProtocolKind::PrimaryBackup => {
                 Box::new(PrimaryBackup::new(me, engine, PrimaryBackupOptions::default()))
             }
+            // Rounds and collection at the pace of a 5-second run: tombstones
+            // outlive any partition the run draws, as the grace must.
+            ProtocolKind::MultiMaster => Box::new(MultiMaster::new(
+                me,
+                engine,
+                MultiMasterOptions {
+                    anti_entropy_ms: Some(200),
+                    tombstone_grace_ms: 1_500,
+                    ..MultiMasterOptions::default()
+                },
+            )),
+            #[cfg(any(test, feature = "broken"))]
+            ProtocolKind::BrokenMultiMasterNoRepair => Box::new(MultiMaster::new(
+                me,
+                engine,
+                MultiMasterOptions { anti_entropy_ms: None, ..MultiMasterOptions::default() },
+            )),
             #[cfg(any(test, feature = "broken"))]
             ProtocolKind::BrokenChainEarlyAck => Box::new(ChainReplication::new(
                 me,
@@ -395,7 +434,7 @@ impl Simulation {
         let clients = (0..config.clients)
             .map(|_| Client { rng: rng.fork(), next_request: 1, pending: None, final_reads: Vec::new() })
             .collect();
-        let admission = if config.protocol == ProtocolKind::PrimaryBackup {
+        let admission = if config.protocol == ProtocolKind::PrimaryBackup || config.protocol.active_active() {
             Admission::Backup
         } else {
             Admission::Learner
@@ -837,7 +876,9 @@ impl Simulation {
     fn route(&mut self, client: usize, call: &Call, strong: bool) -> u32 {
         let replicas = &self.coordinator.view().replicas;
         let rng = &mut self.clients[client].rng;
-        let target = if *call != Call::Get {
+        let target = if self.config.protocol.active_active() {
+            *rng.pick(replicas)
+        } else if *call != Call::Get {
             replicas[0]
         } else if !strong || self.config.protocol == ProtocolKind::ChainCraq {
             *rng.pick(replicas)
@@ -889,9 +930,16 @@ impl Simulation {
         self.schedule(self.now + think, Event::ClientWake(client));
     }
 
-    fn engine_contents(engine: &dyn Engine) -> Vec<(Bytes, Bytes)> {
-        let mut entries = engine_entries(engine).expect("memory engines do not fail");
-        entries.sort();
+    /// A replica's live records, by key (tombstones are bookkeeping: when
+    /// each replica collects one is its own business).
+    fn engine_contents(engine: &dyn Engine) -> Vec<(Bytes, Record)> {
+        let mut entries: Vec<(Bytes, Record)> = engine_entries(engine)
+            .expect("memory engines do not fail")
+            .into_iter()
+            .filter_map(|(key, raw)| Some((key, Record::decode(raw).ok()?)))
+            .filter(|(_, record)| !record.tombstone)
+            .collect();
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
         entries
     }
 
@@ -969,7 +1017,7 @@ impl Simulation {
     }
 
     /// Acknowledged appends whose key is missing at the end.
-    fn count_lost_appends(&self, final_state: Option<&[(Bytes, Bytes)]>) -> u64 {
+    fn count_lost_appends(&self, final_state: Option<&[(Bytes, Record)]>) -> u64 {
         let present: BTreeSet<&Bytes> = final_state.unwrap_or_default().iter().map(|(key, _)| key).collect();
         self.report
             .history
@@ -983,17 +1031,10 @@ impl Simulation {
     /// value is absent from the final state although no later write to the key
     /// was even invoked: a lost acknowledged write. A lower bound (earlier lost
     /// writes of a key may be hidden by later ones).
-    fn count_lost_writes(&self, final_state: Option<&[(Bytes, Bytes)]>) -> u64 {
+    fn count_lost_writes(&self, final_state: Option<&[(Bytes, Record)]>) -> u64 {
         let Some(final_state) = final_state else { return 0 };
-        let final_values: HashMap<&Bytes, Option<Bytes>> = final_state
-            .iter()
-            .map(|(key, raw)| {
-                let value = tessera_protocol::Record::decode(raw.clone())
-                    .ok()
-                    .and_then(|record| record.visible().cloned());
-                (key, value)
-            })
-            .collect();
+        let final_values: HashMap<&Bytes, Option<Bytes>> =
+            final_state.iter().map(|(key, record)| (key, record.visible().cloned())).collect();
         let mut by_key: BTreeMap<&Bytes, Vec<&Operation>> = BTreeMap::new();
         for operation in self.report.history.operations.iter().filter(|operation| operation.is_write()) {
             by_key.entry(&operation.key).or_default().push(operation);

@@ -1,0 +1,704 @@
+//! AA+EC: every replica accepts writes; last writer wins (docs/PROTOCOLS.md,
+//! "AA+EC").
+//!
+//! Guarantees: a replica applies and acknowledges a write at once, stamped with
+//! its hybrid logical clock; records travel to every peer in batches and are
+//! applied wherever they outrank what is held (version, then origin), so
+//! replicas that can talk converge once writes stop, whatever the order, loss
+//! or duplication of messages. Concurrent writes keep the newest; an increment
+//! computed at one replica may overwrite a concurrent one at another.
+//!
+//! Anti-entropy repairs what propagation missed (a dropped outbox, a partition,
+//! an empty newcomer): replicas compare a two-level hash tree of their records
+//! and ship only the leaves that differ. Deletes are tombstones, collected after
+//! a grace period once every peer has acknowledged them.
+//!
+//! Network assumptions: none beyond eventual delivery between live replicas.
+//! Messages from another view are ignored.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tessera_engine::Engine;
+
+use crate::record::{Hlc, Record, Version};
+use crate::{
+    engine_entries, increment_value, ClientReply, ClientRequest, Effects, NodeId, Operation, PeerMessage,
+    Progress, Protocol, ShardView, Time, SNAPSHOT_CHUNK_BYTES,
+};
+
+/// Leaves of the hash tree; a key's leaf is a fixed hash of it.
+pub const TREE_LEAVES: usize = 4096;
+/// Leaves under each root.
+pub const LEAVES_PER_ROOT: usize = 64;
+pub const TREE_ROOTS: usize = TREE_LEAVES / LEAVES_PER_ROOT;
+
+#[derive(Clone, Debug)]
+pub struct MultiMasterOptions {
+    /// Records per propagation message.
+    pub batch_max: usize,
+    /// Unacknowledged batches per peer; beyond it, records wait in the outbox.
+    pub window_batches: usize,
+    /// Resend a batch a peer has not acknowledged after this long.
+    pub retransmit_after_ms: u64,
+    /// A peer whose outbox grows past this many keys is left to anti-entropy.
+    pub outbox_keys_max: usize,
+    /// How often a replica compares its tree with the next peer's; `None`
+    /// turns anti-entropy off (for showing what it repairs).
+    pub anti_entropy_ms: Option<u64>,
+    /// Tombstones are kept at least this long.
+    pub tombstone_grace_ms: u64,
+}
+
+impl Default for MultiMasterOptions {
+    fn default() -> Self {
+        Self {
+            batch_max: 256,
+            window_batches: 16,
+            retransmit_after_ms: 50,
+            outbox_keys_max: 1_000_000,
+            anti_entropy_ms: Some(1_000),
+            tombstone_grace_ms: 60_000,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MultiMessage {
+    /// Records (key, encoded record) to apply if they outrank what is held.
+    Records {
+        view: u64,
+        batch: u64,
+        records: Vec<(Bytes, Bytes)>,
+    },
+    Acked {
+        view: u64,
+        batch: u64,
+    },
+    /// The sender's tree roots: an anti-entropy round begins.
+    Roots {
+        view: u64,
+        roots: Vec<u64>,
+    },
+    /// The answer: the answerer's leaves under the roots that differ.
+    Leaves {
+        view: u64,
+        leaves: Vec<(u32, u64)>,
+    },
+    /// Records of differing leaves; `want` asks for the receiver's records in
+    /// those leaves.
+    Repair {
+        view: u64,
+        records: Vec<(Bytes, Bytes)>,
+        want: Vec<u32>,
+    },
+}
+
+impl MultiMessage {
+    fn view(&self) -> u64 {
+        match self {
+            MultiMessage::Records { view, .. }
+            | MultiMessage::Acked { view, .. }
+            | MultiMessage::Roots { view, .. }
+            | MultiMessage::Leaves { view, .. }
+            | MultiMessage::Repair { view, .. } => *view,
+        }
+    }
+}
+
+/// 64-bit FNV-1a, finished with a SplitMix64 mix: fixed across nodes and
+/// versions, which the tree's leaves must be.
+fn hash(parts: &[&[u8]]) -> u64 {
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    for part in parts {
+        for byte in *part {
+            hash = (hash ^ *byte as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+        hash = (hash ^ 0xff).wrapping_mul(0x0100_0000_01b3);
+    }
+    hash = (hash ^ (hash >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    hash = (hash ^ (hash >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    hash ^ (hash >> 31)
+}
+
+/// The tree leaf that holds `key`.
+pub fn leaf_of(key: &[u8]) -> usize {
+    (hash(&[key]) >> 52) as usize
+}
+
+fn record_hash(key: &[u8], record: &Record) -> u64 {
+    let tombstone = [u8::from(record.tombstone)];
+    hash(&[key, &record.version.0.to_le_bytes(), &record.origin.0.to_le_bytes(), &tombstone])
+}
+
+/// A two-level hash tree over a replica's records: each leaf the XOR of its
+/// records' hashes (so an update is two XORs), each root the XOR of its leaves.
+#[derive(Clone, Debug)]
+struct HashTree {
+    leaves: Vec<u64>,
+}
+
+impl HashTree {
+    fn new() -> Self {
+        Self { leaves: vec![0; TREE_LEAVES] }
+    }
+
+    fn toggle(&mut self, key: &[u8], record: &Record) {
+        self.leaves[leaf_of(key)] ^= record_hash(key, record);
+    }
+
+    fn roots(&self) -> Vec<u64> {
+        self.leaves
+            .chunks(LEAVES_PER_ROOT)
+            .map(|leaves| leaves.iter().fold(0, |all, leaf| all ^ leaf))
+            .collect()
+    }
+}
+
+/// What one peer still has to receive from this replica.
+#[derive(Debug, Default)]
+struct Outbox {
+    /// Keys written here and not yet sent, at the version written.
+    unsent: BTreeMap<Bytes, Version>,
+    /// Batches sent and not acknowledged: when last sent, and what.
+    in_flight: BTreeMap<u64, (Time, Vec<(Bytes, Version)>)>,
+}
+
+impl Outbox {
+    fn holds(&self, key: &[u8]) -> bool {
+        self.unsent.contains_key(key)
+            || self.in_flight.values().any(|(_, entries)| entries.iter().any(|(sent, _)| sent == key))
+    }
+
+    fn keys(&self) -> usize {
+        self.unsent.len() + self.in_flight.values().map(|(_, entries)| entries.len()).sum::<usize>()
+    }
+}
+
+pub struct MultiMaster {
+    me: NodeId,
+    engine: Arc<dyn Engine>,
+    options: MultiMasterOptions,
+    view: Option<ShardView>,
+    hlc: Hlc,
+    tree: HashTree,
+    /// Tombstones held, oldest first, for collection.
+    tombstones: BTreeSet<(Version, Bytes)>,
+    outboxes: HashMap<NodeId, Outbox>,
+    next_batch: u64,
+    /// When the next anti-entropy round starts, and with which peer.
+    next_round_at: Time,
+    round_turn: usize,
+    /// Set on entering a view: a round with every peer at the next tick.
+    round_with_everyone: bool,
+    /// Writes accepted here, for progress reports.
+    accepted: u64,
+}
+
+impl MultiMaster {
+    /// Opens a replica over an engine that may already hold records (a restart
+    /// on a persistent engine): the tree, the tombstones and the clock are
+    /// rebuilt from them.
+    pub fn new(me: NodeId, engine: Arc<dyn Engine>, options: MultiMasterOptions) -> Self {
+        let mut replica = Self {
+            me,
+            engine,
+            options,
+            view: None,
+            hlc: Hlc::default(),
+            tree: HashTree::new(),
+            tombstones: BTreeSet::new(),
+            outboxes: HashMap::new(),
+            next_batch: 1,
+            next_round_at: 0,
+            round_turn: 0,
+            round_with_everyone: false,
+            accepted: 0,
+        };
+        match engine_entries(replica.engine.as_ref()) {
+            Ok(entries) => {
+                for (key, raw) in entries {
+                    let Ok(record) = Record::decode(raw) else { continue };
+                    replica.hlc.observe(record.version, 0);
+                    replica.index(&key, &record, true);
+                }
+            }
+            Err(error) => tracing::error!(replica = %me, %error, "cannot read the shard to rebuild its tree"),
+        }
+        replica
+    }
+
+    fn view_number(&self) -> u64 {
+        self.view.as_ref().map_or(0, |view| view.number)
+    }
+
+    fn is_member(&self) -> bool {
+        self.view.as_ref().and_then(|view| view.position(self.me)).is_some()
+    }
+
+    fn peers(&self) -> Vec<NodeId> {
+        self.view.as_ref().map_or_else(Vec::new, |view| {
+            view.replicas.iter().chain(&view.learners).copied().filter(|node| *node != self.me).collect()
+        })
+    }
+
+    /// Adds (`present`) or removes a record from the tree and the tombstones.
+    fn index(&mut self, key: &Bytes, record: &Record, present: bool) {
+        self.tree.toggle(key, record);
+        if record.tombstone {
+            let entry = (record.version, key.clone());
+            if present {
+                self.tombstones.insert(entry);
+            } else {
+                self.tombstones.remove(&entry);
+            }
+        }
+    }
+
+    fn stored(&self, key: &[u8]) -> Result<Option<Record>, String> {
+        match self.engine.get(key).map_err(|error| error.to_string())? {
+            None => Ok(None),
+            Some(raw) => Record::decode(raw).map(Some).map_err(|error| error.to_string()),
+        }
+    }
+
+    /// Stores `record` if it outranks what is held; returns whether it did.
+    fn merge(&mut self, key: &Bytes, record: Record, now: Time) -> Result<bool, String> {
+        let current = self.stored(key)?;
+        if current
+            .as_ref()
+            .is_some_and(|current| (current.version, current.origin) >= (record.version, record.origin))
+        {
+            return Ok(false);
+        }
+        if current.is_none() && record.tombstone && self.past_grace(record.version, now) {
+            // Collected everywhere by now: storing it would only bring it back.
+            return Ok(false);
+        }
+        self.hlc.observe(record.version, now);
+        self.engine.put(key, record.encode()).map_err(|error| error.to_string())?;
+        if let Some(current) = &current {
+            self.index(key, current, false);
+        }
+        self.index(key, &record, true);
+        Ok(true)
+    }
+
+    fn past_grace(&self, version: Version, now: Time) -> bool {
+        version.physical_ms() + self.options.tombstone_grace_ms <= now
+    }
+
+    fn on_write(&mut self, request: ClientRequest, fx: &mut Effects) {
+        let now = fx.now();
+        let (key, value, reply) = match request.operation {
+            Operation::Put { key, value } => (key, Some(value), ClientReply::Written),
+            Operation::Delete { key } => (key, None, ClientReply::Written),
+            Operation::Increment { key, delta } => {
+                let current =
+                    self.stored(&key).map(|record| record.and_then(|record| record.visible().cloned()));
+                match current.and_then(|current| increment_value(current.as_deref(), delta)) {
+                    Ok(updated) => (key, Some(updated.clone()), ClientReply::Value(Some(updated))),
+                    Err(error) => return fx.reply(request.id, ClientReply::Failed(error)),
+                }
+            }
+            Operation::Get { .. } => unreachable!("reads are handled separately"),
+        };
+        let version = self.hlc.tick(now);
+        let record = match value {
+            Some(value) => Record::value(version, self.me, value),
+            None => Record::tombstone(version, self.me),
+        };
+        match self.merge(&key, record, now) {
+            Ok(_) => {
+                self.accepted += 1;
+                for peer in self.peers() {
+                    self.outboxes.entry(peer).or_default().unsent.insert(key.clone(), version);
+                }
+                fx.reply(request.id, reply);
+            }
+            Err(error) => fx.reply(request.id, ClientReply::Failed(error)),
+        }
+    }
+
+    /// Encoded records of `keys` still at the versions given (a key written
+    /// again since travels with its newer version, in a later batch).
+    fn records_at(&self, entries: &[(Bytes, Version)]) -> Vec<(Bytes, Bytes)> {
+        entries
+            .iter()
+            .filter_map(|(key, version)| {
+                let raw = self.engine.get(key).ok()??;
+                let record = Record::decode(raw.clone()).ok()?;
+                (record.version == *version && record.origin == self.me).then(|| (key.clone(), raw))
+            })
+            .collect()
+    }
+
+    /// Ships due batches to every peer: new ones while the window allows, and
+    /// those unacknowledged for too long again.
+    fn propagate(&mut self, fx: &mut Effects) {
+        let now = fx.now();
+        let view = self.view_number();
+        for peer in self.peers() {
+            let mut outbox = self.outboxes.remove(&peer).unwrap_or_default();
+            if outbox.keys() > self.options.outbox_keys_max {
+                tracing::warn!(replica = %self.me, %peer, "outbox overflowed; anti-entropy will repair the peer");
+                outbox = Outbox::default();
+            }
+            for (batch, (sent_at, entries)) in &mut outbox.in_flight {
+                if now.saturating_sub(*sent_at) >= self.options.retransmit_after_ms {
+                    *sent_at = now;
+                    let records = self.records_at(entries);
+                    fx.send(peer, PeerMessage::Multi(MultiMessage::Records { view, batch: *batch, records }));
+                }
+            }
+            while !outbox.unsent.is_empty() && outbox.in_flight.len() < self.options.window_batches {
+                let mut entries = Vec::new();
+                while entries.len() < self.options.batch_max {
+                    let Some(entry) = outbox.unsent.pop_first() else { break };
+                    entries.push(entry);
+                }
+                let batch = self.next_batch;
+                self.next_batch += 1;
+                let records = self.records_at(&entries);
+                outbox.in_flight.insert(batch, (now, entries));
+                fx.send(peer, PeerMessage::Multi(MultiMessage::Records { view, batch, records }));
+            }
+            self.outboxes.insert(peer, outbox);
+        }
+    }
+
+    /// Starts anti-entropy rounds that are due.
+    fn start_rounds(&mut self, fx: &mut Effects) {
+        let peers = self.peers();
+        let Some(interval) = self.options.anti_entropy_ms else { return };
+        if peers.is_empty() {
+            return;
+        }
+        let now = fx.now();
+        let targets = if std::mem::take(&mut self.round_with_everyone) {
+            peers
+        } else if now >= self.next_round_at {
+            self.round_turn = (self.round_turn + 1) % peers.len();
+            vec![peers[self.round_turn]]
+        } else {
+            return;
+        };
+        self.next_round_at = now.saturating_add(interval);
+        let roots = self.tree.roots();
+        for peer in targets {
+            let message = MultiMessage::Roots { view: self.view_number(), roots: roots.clone() };
+            fx.send(peer, PeerMessage::Multi(message));
+        }
+    }
+
+    /// Every record held in the given leaves, in messages of bounded size.
+    fn send_leaves(&self, to: NodeId, leaves: &BTreeSet<u32>, want: Vec<u32>, fx: &mut Effects) {
+        let entries = match engine_entries(self.engine.as_ref()) {
+            Ok(entries) => entries,
+            Err(error) => {
+                return tracing::error!(replica = %self.me, %error, "cannot read the shard for anti-entropy")
+            }
+        };
+        let view = self.view_number();
+        let mut want = Some(want);
+        let mut records = Vec::new();
+        let mut size = 0;
+        for (key, raw) in entries {
+            if !leaves.contains(&(leaf_of(&key) as u32)) {
+                continue;
+            }
+            size += key.len() + raw.len();
+            records.push((key, raw));
+            if size >= SNAPSHOT_CHUNK_BYTES {
+                let want = want.take().unwrap_or_default();
+                fx.send(to, PeerMessage::Multi(MultiMessage::Repair { view, records, want }));
+                records = Vec::new();
+                size = 0;
+            }
+        }
+        if !records.is_empty() || want.as_ref().is_some_and(|want| !want.is_empty()) {
+            let want = want.take().unwrap_or_default();
+            fx.send(to, PeerMessage::Multi(MultiMessage::Repair { view, records, want }));
+        }
+    }
+
+    fn apply_records(&mut self, records: Vec<(Bytes, Bytes)>, now: Time) {
+        for (key, raw) in records {
+            let Ok(record) = Record::decode(raw) else { continue };
+            if let Err(error) = self.merge(&key, record, now) {
+                tracing::error!(replica = %self.me, %error, "cannot apply a record from a peer");
+            }
+        }
+    }
+
+    /// Removes tombstones past the grace period that no peer still waits for.
+    fn collect_tombstones(&mut self, now: Time) {
+        let due: Vec<(Version, Bytes)> = self
+            .tombstones
+            .iter()
+            .take_while(|(version, _)| self.past_grace(*version, now))
+            .filter(|(_, key)| !self.outboxes.values().any(|outbox| outbox.holds(key)))
+            .cloned()
+            .collect();
+        for (version, key) in due {
+            match self.stored(&key) {
+                Ok(Some(record)) if record.tombstone && record.version == version => {
+                    if let Err(error) = self.engine.delete(&key) {
+                        tracing::error!(replica = %self.me, %error, "cannot collect a tombstone");
+                        continue;
+                    }
+                    self.index(&key, &record, false);
+                }
+                _ => {
+                    self.tombstones.remove(&(version, key));
+                }
+            }
+        }
+    }
+}
+
+impl Protocol for MultiMaster {
+    fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
+        if !self.is_member() {
+            return fx.reply(request.id, ClientReply::Retry("not a replica of this shard"));
+        }
+        match &request.operation {
+            Operation::Get { key, .. } => {
+                let reply = match self.stored(key) {
+                    Ok(record) => ClientReply::Value(record.and_then(|record| record.visible().cloned())),
+                    Err(error) => ClientReply::Failed(error),
+                };
+                fx.reply(request.id, reply);
+            }
+            _ => self.on_write(request, fx),
+        }
+    }
+
+    fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
+        let PeerMessage::Multi(message) = message else { return };
+        if message.view() != self.view_number() || !self.peers().contains(&from) {
+            return;
+        }
+        let view = self.view_number();
+        let now = fx.now();
+        match message {
+            MultiMessage::Records { batch, records, .. } => {
+                self.apply_records(records, now);
+                fx.send(from, PeerMessage::Multi(MultiMessage::Acked { view, batch }));
+            }
+            MultiMessage::Acked { batch, .. } => {
+                if let Some(outbox) = self.outboxes.get_mut(&from) {
+                    outbox.in_flight.remove(&batch);
+                }
+            }
+            MultiMessage::Roots { roots, .. } => {
+                let mine = self.tree.roots();
+                let leaves: Vec<(u32, u64)> = (0..TREE_ROOTS)
+                    .filter(|root| roots.get(*root) != Some(&mine[*root]))
+                    .flat_map(|root| root * LEAVES_PER_ROOT..(root + 1) * LEAVES_PER_ROOT)
+                    .map(|leaf| (leaf as u32, self.tree.leaves[leaf]))
+                    .collect();
+                if !leaves.is_empty() {
+                    fx.send(from, PeerMessage::Multi(MultiMessage::Leaves { view, leaves }));
+                }
+            }
+            MultiMessage::Leaves { leaves, .. } => {
+                let differing: BTreeSet<u32> = leaves
+                    .into_iter()
+                    .filter(|(leaf, digest)| {
+                        self.tree.leaves.get(*leaf as usize).is_some_and(|mine| mine != digest)
+                    })
+                    .map(|(leaf, _)| leaf)
+                    .collect();
+                if !differing.is_empty() {
+                    let want = differing.iter().copied().collect();
+                    self.send_leaves(from, &differing, want, fx);
+                }
+            }
+            MultiMessage::Repair { records, want, .. } => {
+                self.apply_records(records, now);
+                let wanted: BTreeSet<u32> =
+                    want.into_iter().filter(|leaf| (*leaf as usize) < TREE_LEAVES).collect();
+                if !wanted.is_empty() {
+                    self.send_leaves(from, &wanted, Vec::new(), fx);
+                }
+            }
+        }
+    }
+
+    fn on_tick(&mut self, fx: &mut Effects) {
+        if !self.is_member() {
+            return;
+        }
+        self.propagate(fx);
+        self.start_rounds(fx);
+        self.collect_tombstones(fx.now());
+    }
+
+    fn on_view(&mut self, view: &ShardView, _fx: &mut Effects) {
+        if self.view.as_ref().is_some_and(|current| view.number <= current.number) {
+            if let Some(current) = &mut self.view {
+                if view.number == current.number {
+                    current.lease_until = current.lease_until.max(view.lease_until);
+                }
+            }
+            return;
+        }
+        self.view = Some(view.clone());
+        // Peers that left get nothing more; a newcomer, or this replica
+        // arriving, is brought up to date by a round with everyone.
+        let peers = self.peers();
+        self.outboxes.retain(|peer, _| peers.contains(peer));
+        self.round_with_everyone = true;
+    }
+
+    fn progress(&self) -> Progress {
+        Progress { applied: self.accepted, learner_ready: None }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_support::{put, view};
+    use crate::{read_visible, Effect, RequestId};
+    use tessera_engine::MemoryEngine;
+
+    fn replica(id: u32) -> MultiMaster {
+        MultiMaster::new(NodeId(id), Arc::new(MemoryEngine::new()), MultiMasterOptions::default())
+    }
+
+    /// Delivers every message among the replicas until none is left; returns
+    /// how many records travelled.
+    fn settle(replicas: &mut [MultiMaster], mut fx: Effects) -> usize {
+        let mut records = 0;
+        let mut pending: Vec<(NodeId, Effect)> = Vec::new();
+        loop {
+            for replica in replicas.iter_mut() {
+                replica.on_tick(&mut fx);
+                pending.extend(fx.take().into_iter().map(|effect| (replica.me, effect)));
+            }
+            if pending.is_empty() {
+                return records;
+            }
+            while let Some((from, effect)) = pending.pop() {
+                let Effect::Send { to, message } = effect else { continue };
+                if let PeerMessage::Multi(
+                    MultiMessage::Records { records: sent, .. } | MultiMessage::Repair { records: sent, .. },
+                ) = &message
+                {
+                    records += sent.len();
+                }
+                let target = replicas.iter_mut().find(|replica| replica.me == to).unwrap();
+                target.on_peer(from, message, &mut fx);
+                pending.extend(fx.take().into_iter().map(|effect| (to, effect)));
+            }
+        }
+    }
+
+    fn value(replica: &MultiMaster, key: &str) -> Option<Bytes> {
+        read_visible(replica.engine.as_ref(), key.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn every_replica_accepts_writes_and_the_newest_wins_everywhere() {
+        let mut replicas: Vec<MultiMaster> = (1..=3).map(replica).collect();
+        let mut fx = Effects::new(100);
+        for replica in &mut replicas {
+            replica.on_view(&view(1, &[1, 2, 3]), &mut fx);
+        }
+        replicas[0].on_client(put(1, "k", "first"), &mut fx);
+        let mut later = Effects::new(105);
+        replicas[2].on_client(put(2, "k", "second"), &mut later);
+        replicas[1].on_client(put(3, "other", "x"), &mut later);
+        assert_eq!(later.take().len(), 2, "each answers at once");
+        settle(&mut replicas, Effects::new(110));
+        for replica in &replicas {
+            assert_eq!(value(replica, "k"), Some(Bytes::from_static(b"second")));
+            assert_eq!(value(replica, "other"), Some(Bytes::from_static(b"x")));
+        }
+        let roots: Vec<Vec<u64>> = replicas.iter().map(|replica| replica.tree.roots()).collect();
+        assert!(roots.windows(2).all(|pair| pair[0] == pair[1]), "identical trees");
+    }
+
+    #[test]
+    fn anti_entropy_repairs_a_partition_by_shipping_only_what_differs() {
+        let mut replicas: Vec<MultiMaster> = (1..=2).map(replica).collect();
+        let mut fx = Effects::new(10);
+        for replica in &mut replicas {
+            replica.on_view(&view(1, &[1, 2]), &mut fx);
+        }
+        for index in 0..2000 {
+            replicas[0].on_client(put(index, &format!("k{index}"), "v"), &mut fx);
+        }
+        settle(&mut replicas, Effects::new(20));
+        assert_eq!(value(&replicas[1], "k1999"), Some(Bytes::from_static(b"v")));
+        // A partition: each side writes, and the outboxes are lost.
+        replicas[0].on_client(put(5000, "left", "l"), &mut fx);
+        replicas[1].on_client(put(5001, "right", "r"), &mut fx);
+        replicas[1].on_client(put(5002, "k7", "changed"), &mut fx);
+        for replica in &mut replicas {
+            replica.outboxes.clear();
+        }
+        fx.take();
+        let shipped = settle(&mut replicas, Effects::new(5_000));
+        for replica in &replicas {
+            assert_eq!(value(replica, "left"), Some(Bytes::from_static(b"l")));
+            assert_eq!(value(replica, "right"), Some(Bytes::from_static(b"r")));
+            assert_eq!(value(replica, "k7"), Some(Bytes::from_static(b"changed")));
+        }
+        assert!(shipped < 20, "a few leaves travel, not the 2,003 records: {shipped}");
+        assert_eq!(replicas[0].tree.roots(), replicas[1].tree.roots());
+    }
+
+    #[test]
+    fn tombstones_win_and_are_collected_after_the_grace_once_acknowledged() {
+        let mut replicas: Vec<MultiMaster> = (1..=2).map(replica).collect();
+        let mut fx = Effects::new(10);
+        for replica in &mut replicas {
+            replica.on_view(&view(1, &[1, 2]), &mut fx);
+        }
+        replicas[0].on_client(put(1, "k", "v"), &mut fx);
+        settle(&mut replicas, Effects::new(20));
+        let delete = ClientRequest {
+            id: RequestId(2),
+            operation: Operation::Delete { key: Bytes::from_static(b"k") },
+        };
+        replicas[1].on_client(delete, &mut Effects::new(30));
+        settle(&mut replicas, Effects::new(40));
+        for replica in &replicas {
+            assert_eq!(value(replica, "k"), None);
+            assert!(replica.engine.get(b"k").unwrap().is_some(), "the tombstone is kept");
+        }
+        let after_grace = 30 + MultiMasterOptions::default().tombstone_grace_ms;
+        settle(&mut replicas, Effects::new(after_grace));
+        for replica in &replicas {
+            assert!(replica.engine.get(b"k").unwrap().is_none(), "collected");
+            assert!(replica.tombstones.is_empty());
+        }
+        assert_eq!(replicas[0].tree.roots(), replicas[1].tree.roots());
+    }
+
+    #[test]
+    fn an_empty_newcomer_receives_everything_and_a_restart_keeps_the_clock_ahead() {
+        let engine: Arc<dyn Engine> = Arc::new(MemoryEngine::new());
+        let mut first = MultiMaster::new(NodeId(1), engine.clone(), MultiMasterOptions::default());
+        let mut fx = Effects::new(1_000);
+        first.on_view(&view(1, &[1]), &mut fx);
+        for index in 0..300 {
+            first.on_client(put(index, &format!("k{index}"), "v"), &mut fx);
+        }
+        fx.take();
+        // The replica restarts on its persistent engine with a clock behind.
+        let restarted = MultiMaster::new(NodeId(1), engine, MultiMasterOptions::default());
+        assert!(restarted.hlc.clone().tick(0) > Version::new(1_000, 299), "versions never go back");
+        let mut replicas = vec![restarted, replica(2)];
+        for replica in &mut replicas {
+            replica.on_view(&view(2, &[1, 2]), &mut fx);
+        }
+        settle(&mut replicas, Effects::new(2_000));
+        assert_eq!(value(&replicas[1], "k299"), Some(Bytes::from_static(b"v")));
+        assert_eq!(replicas[0].tree.roots(), replicas[1].tree.roots());
+    }
+}
