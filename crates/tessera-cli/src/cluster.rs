@@ -66,10 +66,11 @@ pub struct UpArgs {
     /// Copies of each shard.
     #[arg(long, default_value_t = 3)]
     replicas: usize,
-    /// ms (master–slave); active–active topologies are not available yet.
+    /// ms (master–slave) or aa (active–active).
     #[arg(long, default_value = "ms")]
     topology: String,
-    /// strong (chain replication) or eventual (primary–backup).
+    /// strong or eventual (ms: chain replication or primary–backup; aa:
+    /// multi-master, last writer wins).
     #[arg(long, default_value = "strong")]
     consistency: String,
     /// Each node's engine: memory, ordered, log or lsm.
@@ -98,11 +99,17 @@ struct Layout {
     /// Node id → client port, in id order.
     nodes: Vec<(u32, u16)>,
     replicas: usize,
+    #[serde(default = "master_slave")]
+    topology: String,
     consistency: String,
     engine: String,
     threads: usize,
     lease_ms: u64,
     failure_timeout_ms: u64,
+}
+
+fn master_slave() -> String {
+    "ms".into()
 }
 
 impl Layout {
@@ -187,15 +194,7 @@ fn up(args: UpArgs) -> Result<(), String> {
             layout
         }
         Err(_) => {
-            if args.topology != "ms" {
-                return Err(format!(
-                    "topology {:?} is not available yet; the local cluster runs ms (master–slave)",
-                    args.topology
-                ));
-            }
-            if !["strong", "eventual"].contains(&args.consistency.as_str()) {
-                return Err(format!("unknown consistency {:?}; choose strong or eventual", args.consistency));
-            }
+            tessera_cluster::ReplicationMode::parse(&args.topology, &args.consistency)?;
             if !["memory", "ordered", "log", "lsm"].contains(&args.engine.as_str()) {
                 return Err(format!(
                     "engine {:?} cannot back a cluster; choose memory, ordered, log or lsm",
@@ -218,6 +217,7 @@ fn up(args: UpArgs) -> Result<(), String> {
                 coordinator_port: args.base_port,
                 nodes: (0..args.nodes).map(|id| (id, args.base_port + 1 + id as u16)).collect(),
                 replicas: args.replicas,
+                topology: args.topology.clone(),
                 consistency: args.consistency.clone(),
                 engine: args.engine.clone(),
                 threads: args.threads,
@@ -584,6 +584,7 @@ fn start(dir: &Path, layout: &Layout, name: &str) -> Result<(), String> {
                 addresses.join(","),
             ]);
             args.extend(["--replicas".into(), layout.replicas.to_string()]);
+            args.extend(["--topology".into(), layout.topology.clone()]);
             args.extend(["--consistency".into(), layout.consistency.clone()]);
         }
     } else {

@@ -175,7 +175,11 @@ struct CoordinatorArgs {
     members: Option<usize>,
     #[arg(long, default_value_t = 3)]
     replicas: usize,
-    /// strong (chain replication) or eventual (primary–backup).
+    /// ms (master–slave) or aa (active–active).
+    #[arg(long, default_value = "ms")]
+    topology: String,
+    /// strong or eventual: with ms, chain replication or primary–backup; with
+    /// aa, eventual is multi-master last-writer-wins.
     #[arg(long, default_value = "strong")]
     consistency: String,
     /// A replica acts alone (tail reads, acknowledgements) for this long after
@@ -401,11 +405,7 @@ fn coordinator(args: CoordinatorArgs) -> Result<(), String> {
     }
     let initial = match (&args.cluster_id, args.nodes.is_empty()) {
         (Some(id), false) => {
-            let mode = match args.consistency.as_str() {
-                "strong" => ReplicationMode::MsStrong,
-                "eventual" => ReplicationMode::MsEventual,
-                other => return Err(format!("unknown consistency {other:?}; choose strong or eventual")),
-            };
+            let mode = ReplicationMode::parse(&args.topology, &args.consistency)?;
             let members = args.members.unwrap_or(args.nodes.len());
             Some(
                 ClusterMap::place(id, mode, args.replicas, &args.nodes, members)

@@ -16,8 +16,9 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use tessera_engine::{Engine, EngineSpec};
 use tessera_protocol::{
-    ChainOptions, ChainReplication, ClientReply, ClientRequest, Effect, Effects, NodeId, Operation,
-    PrimaryBackup, PrimaryBackupOptions, Progress, Protocol, RequestId, ShardView,
+    ChainOptions, ChainReplication, ClientReply, ClientRequest, Effect, Effects, MultiMaster,
+    MultiMasterOptions, NodeId, Operation, PrimaryBackup, PrimaryBackupOptions, Progress, Protocol,
+    RequestId, ShardView,
 };
 use tessera_wire::prefix::unescape_prefix;
 use tessera_wire::slot::SLOTS;
@@ -432,12 +433,18 @@ impl Agent {
         }
     }
 
-    /// Whether this node may order writes for a shard now.
+    /// Whether this node may order writes for a shard now: its head, or in
+    /// an active–active mode any member.
     pub fn check_write(&self, shard: u32) -> Result<(), Refusal> {
         match self.role(shard) {
             Some(Role::Head | Role::Alone) => Ok(()),
+            Some(Role::Middle | Role::Tail) if self.active_active() => Ok(()),
             _ => Err(Refusal::NotOwner),
         }
+    }
+
+    fn active_active(&self) -> bool {
+        self.state.lock().routing.as_ref().is_some_and(|routing| routing.map.mode.active_active())
     }
 
     /// Whether this node may answer a read of a shard from its own copy. A
@@ -449,7 +456,9 @@ impl Agent {
         let replica = state.shards.get(&shard).ok_or(Refusal::NotOwner)?;
         let me = NodeId(self.config.node);
         let position = replica.view.position(me).ok_or(Refusal::NotOwner)?;
-        if !strong {
+        // Active–active eventual members answer every read from their copy.
+        let active_active = state.routing.as_ref().is_some_and(|routing| routing.map.mode.active_active());
+        if !strong || active_active {
             return Ok(None);
         }
         if position != 0 {
@@ -555,6 +564,9 @@ impl Agent {
             ReplicationMode::MsEventual => {
                 Box::new(PrimaryBackup::new(me, engine.clone(), PrimaryBackupOptions::default()))
             }
+            ReplicationMode::AaEventual => {
+                Box::new(MultiMaster::new(me, engine.clone(), MultiMasterOptions::default()))
+            }
         };
         let view = ShardView { number: 0, replicas: Vec::new(), learners: Vec::new(), lease_until: 0 };
         Ok(Replica { protocol, engine, view, lease_until: 0, read_barrier: None })
@@ -591,7 +603,9 @@ impl Agent {
             let now = self.now();
             replica.lease_until = replica.lease_until.max(asked_at + self.lease_ms);
             let view = ShardView { lease_until: replica.lease_until, ..view };
-            let new_head = view.number != replica.view.number && view.position(me) == Some(0);
+            let new_head = view.number != replica.view.number
+                && view.position(me) == Some(0)
+                && !map.mode.active_active();
             let mut fx = Effects::new(now);
             replica.protocol.on_view(&view, &mut fx);
             replica.view = view;

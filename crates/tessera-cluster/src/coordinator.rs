@@ -57,7 +57,7 @@ impl ClusterCoordinator {
     pub fn new(map: ClusterMap, timing: Timing, now: u64) -> Self {
         let admission = match map.mode {
             ReplicationMode::MsStrong => Admission::Learner,
-            ReplicationMode::MsEventual => Admission::Backup,
+            ReplicationMode::MsEventual | ReplicationMode::AaEventual => Admission::Backup,
         };
         let config = CoordinatorConfig {
             lease_ms: timing.lease_ms,

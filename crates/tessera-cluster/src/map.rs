@@ -25,6 +25,9 @@ pub enum ReplicationMode {
     MsStrong,
     /// Master–slave, eventually consistent: primary–backup.
     MsEventual,
+    /// Active–active, eventually consistent: every member accepts writes,
+    /// last writer wins.
+    AaEventual,
 }
 
 impl ReplicationMode {
@@ -32,7 +35,26 @@ impl ReplicationMode {
         match self {
             Self::MsStrong => "ms+sc",
             Self::MsEventual => "ms+ec",
+            Self::AaEventual => "aa+ec",
         }
+    }
+
+    /// The mode for a topology (`ms`, `aa`) and a consistency (`strong`,
+    /// `eventual`), as the command line names them.
+    pub fn parse(topology: &str, consistency: &str) -> Result<Self, String> {
+        match (topology, consistency) {
+            ("ms", "strong") => Ok(Self::MsStrong),
+            ("ms", "eventual") => Ok(Self::MsEventual),
+            ("aa", "eventual") => Ok(Self::AaEventual),
+            ("aa", "strong") => Err("aa+sc (active–active, strong) is not available yet".into()),
+            ("ms" | "aa", other) => Err(format!("unknown consistency {other:?}; choose strong or eventual")),
+            (other, _) => Err(format!("unknown topology {other:?}; choose ms or aa")),
+        }
+    }
+
+    /// Whether every member of a group accepts writes.
+    pub fn active_active(self) -> bool {
+        matches!(self, Self::AaEventual)
     }
 }
 
