@@ -712,6 +712,18 @@ def test_range_partitioned_tables_keep_keys_in_order_across_groups(cluster_facto
     ]
     with pytest.raises(redis.ResponseError, match="hash-partitioned"):
         plain[0].execute_command("TABLE.RANGE", "default", "-", "+")
+
+    # Per-request consistency in MS+SC: a strong read is served by the
+    # group's head (forwarded there), an eventual one by whichever member has it.
+    follower = next(node for node in range(3) if node != groups[1]["members"][0])
+    assert plain[follower].execute_command("CONSISTENCY.READ", "strong", "GET", "ix:3016") == [b"strong", b"ix:3016"]
+    assert plain[follower].execute_command("CONSISTENCY.READ", "eventual", "GET", "ix:3016") == [
+        b"eventual", b"ix:3016",
+    ]
+    eventual = redis.Redis(port=cluster.port(follower), socket_timeout=10, protocol=2)
+    eventual.execute_command("CONSISTENCY", "eventual")
+    assert eventual.execute_command("CONSISTENCY") == [b"eventual", b"eventual"]
+    assert eventual.get("ix:3016") == b"ix:3016"
     assert set(client.scan_iter(match="ix:*")) == set(expected), "SCAN sees each key once"
 
     # The head of the middle ranges dies: the range's group fails over.
@@ -750,6 +762,9 @@ def test_active_active_eventual_members_all_accept_writes_and_converge(cluster_f
     for thread in threads:
         thread.join()
     assert not errors, errors
+    # An active–active eventual group has no strong reads, and says so.
+    assert members[2].execute_command("CONSISTENCY.READ", "strong", "GET", keys[0])[0] == b"eventual"
+    assert members[2].execute_command("CONSISTENCY") == [b"strong", b"eventual"]
     assert members[1].incr("aa:counter") == 1 and members[2].incr("aa:counter") in (1, 2)
     assert_replicas_converge(cluster, keys[:200] + ["aa:counter"])
 

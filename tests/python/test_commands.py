@@ -131,6 +131,29 @@ def test_scan_keys_dbsize_flush(r):
     assert r.dbsize() == 0
 
 
+def test_per_request_consistency_states_what_a_read_got(r):
+    r.set("k", "v")
+    assert r.execute_command("CONSISTENCY") == [b"strong", b"strong"]
+    assert r.execute_command("CONSISTENCY", "eventual") == b"OK"
+    # One node holds the only copy: every read is strong, whatever it asks.
+    assert r.execute_command("CONSISTENCY") == [b"eventual", b"strong"]
+    assert r.get("k") == b"v"
+    assert r.execute_command("CONSISTENCY.READ", "eventual", "GET", "k") == [b"strong", b"v"]
+    assert r.execute_command("CONSISTENCY.READ", "strong", "MGET", "k", "nosuch") == [b"strong", [b"v", None]]
+    for bad, why in [
+        (["CONSISTENCY", "causal"], "not available yet"),
+        (["CONSISTENCY", "sometimes"], "strong or eventual"),
+        (["CONSISTENCY.READ", "strong", "SET", "k", "x"], "runs reads of keys"),
+        (["CONSISTENCY.READ", "strong", "DBSIZE"], "runs reads of keys"),
+        (["CONSISTENCY.READ", "strong", "GET"], "wrong number of arguments"),
+        (["CONSISTENCY.READ", "strong", "NOSUCH", "k"], "unknown command"),
+        (["CONSISTENCY.READ", "strong"], "wrong number of arguments"),
+    ]:
+        with pytest.raises(redis.ResponseError, match=why):
+            r.execute_command(*bad)
+    assert r.get("k") == b"v", "refused requests changed nothing"
+
+
 def test_pipelining_keeps_order(r):
     pipe = r.pipeline(transaction=False)
     for i in range(10000):

@@ -339,6 +339,12 @@ impl ClusterNode {
         }
     }
 
+    /// Whether a read asking for strong consistency gets it (not in an
+    /// active–active eventual cluster, which has no strong reads).
+    pub fn strong_reads(&self) -> bool {
+        self.agent.routing().is_some_and(|routing| !routing.map.mode.active_active())
+    }
+
     /// The map this node routes by.
     pub fn map(&self) -> CommandResult<Arc<ClusterMap>> {
         self.agent.routing().map(|routing| routing.map).ok_or_else(|| CommandError::Coded(NO_MAP_YET.into()))

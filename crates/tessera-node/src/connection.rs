@@ -15,6 +15,7 @@ use tessera_protocol::{Operation, Write};
 use tessera_wire::{Parsed, Protocol, ReplyWriter, Request, RequestParser};
 
 use crate::cluster::{ClusterNode, Forwarder, Placement};
+use crate::commands::consistency::{parse_level, wrapped_read, EVENTUAL, STRONG};
 use crate::commands::{dispatch, is, lookup, Context, Session};
 use crate::store::{now_ms, Store, WorkerStats};
 use crate::tables::TableSet;
@@ -303,11 +304,36 @@ async fn serve_in_cluster(
             }
         };
     }
+    // CONSISTENCY.READ level read: placed and run as the read it wraps, its
+    // reply preceded by the level it got.
+    let wrapped = if spec.name == "consistency.read" {
+        match parse_level(request.arg(1)).and_then(|strong| Ok((strong, wrapped_read(request)?))) {
+            Ok((strong, (inner_spec, inner))) => Some((strong, inner_spec, inner)),
+            Err(error) => {
+                context.out.error(&error.to_string());
+                return None;
+            }
+        }
+    } else {
+        None
+    };
+    let (spec, request, write, strong) = match &wrapped {
+        Some((strong, inner_spec, inner)) => (*inner_spec, inner, false, *strong),
+        None => {
+            let write = spec.flags.contains(&"write");
+            (spec, request, write, write || !context.session.readonly)
+        }
+    };
+    let level_header = |out: &mut tessera_wire::ReplyWriter| {
+        if wrapped.is_some() {
+            out.array(2);
+            out.bulk(if strong && cluster.strong_reads() { STRONG } else { EVENTUAL }.as_bytes());
+        }
+    };
     let keys = || spec.key_positions(request.len()).map(|index| request.arg(index));
-    let write = spec.flags.contains(&"write");
-    let strong = write || !context.session.readonly;
     match cluster.place(keys(), write, strong) {
         Placement::Local => {
+            level_header(context.out);
             dispatch(context, request);
             None
         }
@@ -337,6 +363,7 @@ async fn serve_in_cluster(
                 return None;
             };
             let start = context.out.len();
+            level_header(context.out);
             let mut waits: Vec<Completion> = barrier.into_iter().collect();
             let view = CapturingView::new(engine);
             {

@@ -78,6 +78,12 @@ impl<'a> Request<'a> {
         &self.buf[self.ranges[index].clone()]
     }
 
+    /// The request made of the arguments from `index` on: a command another
+    /// wraps (`index` must be below `len()`).
+    pub fn tail(&self, index: usize) -> Request<'a> {
+        Request { buf: self.buf, ranges: &self.ranges[index..] }
+    }
+
     pub fn args(&self) -> impl ExactSizeIterator<Item = &'a [u8]> + '_ {
         self.ranges.iter().map(|range| &self.buf[range.clone()])
     }

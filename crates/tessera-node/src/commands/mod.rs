@@ -3,6 +3,7 @@
 
 mod cluster;
 mod connection;
+pub mod consistency;
 mod hashes;
 mod keys;
 mod server;
@@ -37,7 +38,8 @@ pub struct Session {
     /// Speaks Redis Cluster (sent a CLUSTER command, READONLY, READWRITE or
     /// ASKING): told MOVED where a plain client's request is forwarded.
     pub cluster_client: bool,
-    /// READONLY: reads are served by any replica, eventually consistent.
+    /// READONLY or CONSISTENCY EVENTUAL: reads are served by any replica,
+    /// eventually consistent.
     pub readonly: bool,
     /// Another node's forwarding link (CLUSTER RELAY): what this node does not
     /// serve is answered MOVED, never forwarded again.
@@ -145,6 +147,7 @@ fn table() -> &'static HashMap<&'static [u8], &'static CommandSpec> {
 pub fn all_commands() -> impl Iterator<Item = &'static CommandSpec> {
     [
         connection::COMMANDS,
+        consistency::COMMANDS,
         cluster::COMMANDS,
         strings::COMMANDS,
         keys::COMMANDS,
