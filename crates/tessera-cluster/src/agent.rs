@@ -110,6 +110,10 @@ fn outcome(reply: &ClientReply) -> Result<(), String> {
         ClientReply::Value(_) | ClientReply::Written => Ok(()),
         ClientReply::Retry(reason) => Err(format!("TRYAGAIN {reason}")),
         ClientReply::Failed(error) => Err(format!("ERR replication failed: {error}")),
+        // Not TRYAGAIN: clients retry that by themselves.
+        ClientReply::Unknown(reason) => {
+            Err(format!("ERR the write may or may not have taken effect: {reason}"))
+        }
     }
 }
 

@@ -9,6 +9,8 @@ use bytes::{BufMut, Bytes};
 use crate::chain::ChainMessage;
 use crate::multi_master::MultiMessage;
 use crate::primary_backup::{BackupMessage, LogEntry};
+use crate::quorum::QuorumMessage;
+use crate::record::Version;
 use crate::{Chunk, NodeId, PeerMessage, RequestId, Write};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -28,6 +30,25 @@ const ACKED: u8 = 33;
 const ROOTS: u8 = 34;
 const LEAVES: u8 = 35;
 const REPAIR: u8 = 36;
+const PEEK: u8 = 48;
+const PEEKED: u8 = 49;
+const PREPARE: u8 = 50;
+const PROMISE: u8 = 51;
+const ACCEPT: u8 = 52;
+const ACCEPTED: u8 = 53;
+const SNAPSHOT_REQUEST: u8 = 54;
+const QUORUM_SNAPSHOT: u8 = 55;
+const CHOSEN: u8 = 56;
+
+fn put_optional(out: &mut Vec<u8>, bytes: &Option<Bytes>) {
+    match bytes {
+        None => out.put_u8(0),
+        Some(bytes) => {
+            out.put_u8(1);
+            put_bytes(out, bytes);
+        }
+    }
+}
 
 fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
     out.put_u32_le(bytes.len() as u32);
@@ -168,6 +189,66 @@ pub fn encode(message: &PeerMessage, out: &mut Vec<u8>) {
                 }
             }
         },
+        PeerMessage::Quorum(message) => match message {
+            QuorumMessage::Peek { view, op, key } => {
+                out.put_u8(PEEK);
+                out.put_u64_le(*view);
+                out.put_u64_le(*op);
+                put_bytes(out, key);
+            }
+            QuorumMessage::Peeked { view, op, record } => {
+                out.put_u8(PEEKED);
+                out.put_u64_le(*view);
+                out.put_u64_le(*op);
+                put_optional(out, record);
+            }
+            QuorumMessage::Prepare { view, op, key, ballot } => {
+                out.put_u8(PREPARE);
+                out.put_u64_le(*view);
+                out.put_u64_le(*op);
+                put_bytes(out, key);
+                out.put_u64_le(ballot.0 .0);
+                out.put_u32_le(ballot.1 .0);
+            }
+            QuorumMessage::Promise { view, op, ok, record, highest } => {
+                out.put_u8(PROMISE);
+                out.put_u64_le(*view);
+                out.put_u64_le(*op);
+                out.put_u8(u8::from(*ok));
+                put_optional(out, record);
+                out.put_u64_le(highest.0);
+            }
+            QuorumMessage::Accept { view, op, key, record } => {
+                out.put_u8(ACCEPT);
+                out.put_u64_le(*view);
+                out.put_u64_le(*op);
+                put_bytes(out, key);
+                put_bytes(out, record);
+            }
+            QuorumMessage::Accepted { view, op, ok, highest } => {
+                out.put_u8(ACCEPTED);
+                out.put_u64_le(*view);
+                out.put_u64_le(*op);
+                out.put_u8(u8::from(*ok));
+                out.put_u64_le(highest.0);
+            }
+            QuorumMessage::Chosen { view, key, record } => {
+                out.put_u8(CHOSEN);
+                out.put_u64_le(*view);
+                put_bytes(out, key);
+                put_bytes(out, record);
+            }
+            QuorumMessage::SnapshotRequest { view } => {
+                out.put_u8(SNAPSHOT_REQUEST);
+                out.put_u64_le(*view);
+            }
+            QuorumMessage::Snapshot { view, chunk, entries } => {
+                out.put_u8(QUORUM_SNAPSHOT);
+                out.put_u64_le(*view);
+                put_chunk(out, *chunk);
+                put_entries(out, entries);
+            }
+        },
     }
 }
 
@@ -221,6 +302,18 @@ impl Reader {
             return Err(CodecError("count larger than the message"));
         }
         Ok(count)
+    }
+
+    fn flag(&mut self) -> Result<bool, CodecError> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(CodecError("a flag is 0 or 1")),
+        }
+    }
+
+    fn optional(&mut self) -> Result<Option<Bytes>, CodecError> {
+        Ok(if self.flag()? { Some(self.bytes()?) } else { None })
     }
 
     fn chunk(&mut self) -> Result<Chunk, CodecError> {
@@ -325,6 +418,52 @@ pub fn decode(bytes: Bytes) -> Result<PeerMessage, CodecError> {
             let want = (0..count).map(|_| reader.u32()).collect::<Result<_, _>>()?;
             PeerMessage::Multi(MultiMessage::Repair { view, records, want })
         }
+        PEEK => PeerMessage::Quorum(QuorumMessage::Peek {
+            view: reader.u64()?,
+            op: reader.u64()?,
+            key: reader.bytes()?,
+        }),
+        PEEKED => PeerMessage::Quorum(QuorumMessage::Peeked {
+            view: reader.u64()?,
+            op: reader.u64()?,
+            record: reader.optional()?,
+        }),
+        PREPARE => PeerMessage::Quorum(QuorumMessage::Prepare {
+            view: reader.u64()?,
+            op: reader.u64()?,
+            key: reader.bytes()?,
+            ballot: (Version(reader.u64()?), NodeId(reader.u32()?)),
+        }),
+        PROMISE => PeerMessage::Quorum(QuorumMessage::Promise {
+            view: reader.u64()?,
+            op: reader.u64()?,
+            ok: reader.flag()?,
+            record: reader.optional()?,
+            highest: Version(reader.u64()?),
+        }),
+        ACCEPT => PeerMessage::Quorum(QuorumMessage::Accept {
+            view: reader.u64()?,
+            op: reader.u64()?,
+            key: reader.bytes()?,
+            record: reader.bytes()?,
+        }),
+        ACCEPTED => PeerMessage::Quorum(QuorumMessage::Accepted {
+            view: reader.u64()?,
+            op: reader.u64()?,
+            ok: reader.flag()?,
+            highest: Version(reader.u64()?),
+        }),
+        CHOSEN => PeerMessage::Quorum(QuorumMessage::Chosen {
+            view: reader.u64()?,
+            key: reader.bytes()?,
+            record: reader.bytes()?,
+        }),
+        SNAPSHOT_REQUEST => PeerMessage::Quorum(QuorumMessage::SnapshotRequest { view: reader.u64()? }),
+        QUORUM_SNAPSHOT => PeerMessage::Quorum(QuorumMessage::Snapshot {
+            view: reader.u64()?,
+            chunk: reader.chunk()?,
+            entries: reader.entries()?,
+        }),
         _ => return Err(CodecError("unknown message tag")),
     };
     if reader.at != reader.bytes.len() {
@@ -400,7 +539,45 @@ mod tests {
                 .prop_map(|(view, records, want)| MultiMessage::Repair { view, records, want }),
         ]
         .prop_map(PeerMessage::Multi);
-        prop_oneof![chain, backup, multi]
+        let ballot =
+            (any::<u64>(), any::<u32>()).prop_map(|(version, node)| (Version(version), NodeId(node)));
+        let quorum = prop_oneof![
+            (any::<u64>(), any::<u64>(), bytes()).prop_map(|(view, op, key)| QuorumMessage::Peek {
+                view,
+                op,
+                key
+            }),
+            (any::<u64>(), any::<u64>(), proptest::option::of(bytes()))
+                .prop_map(|(view, op, record)| QuorumMessage::Peeked { view, op, record }),
+            (any::<u64>(), any::<u64>(), bytes(), ballot)
+                .prop_map(|(view, op, key, ballot)| QuorumMessage::Prepare { view, op, key, ballot }),
+            (any::<u64>(), any::<u64>(), any::<bool>(), proptest::option::of(bytes()), any::<u64>())
+                .prop_map(|(view, op, ok, record, highest)| QuorumMessage::Promise {
+                    view,
+                    op,
+                    ok,
+                    record,
+                    highest: Version(highest)
+                }),
+            (any::<u64>(), any::<u64>(), bytes(), bytes())
+                .prop_map(|(view, op, key, record)| QuorumMessage::Accept { view, op, key, record }),
+            (any::<u64>(), any::<u64>(), any::<bool>(), any::<u64>()).prop_map(|(view, op, ok, highest)| {
+                QuorumMessage::Accepted { view, op, ok, highest: Version(highest) }
+            }),
+            (any::<u64>(), bytes(), bytes()).prop_map(|(view, key, record)| QuorumMessage::Chosen {
+                view,
+                key,
+                record
+            }),
+            any::<u64>().prop_map(|view| QuorumMessage::SnapshotRequest { view }),
+            (any::<u64>(), chunk(), entries()).prop_map(|(view, chunk, entries)| QuorumMessage::Snapshot {
+                view,
+                chunk,
+                entries
+            }),
+        ]
+        .prop_map(PeerMessage::Quorum);
+        prop_oneof![chain, backup, multi, quorum]
     }
 
     proptest! {

@@ -27,6 +27,10 @@ pub enum Admission {
     Learner,
     /// Straight in as a backup; its position report gets it a snapshot (primary–backup).
     Backup,
+    /// As a learner that merges every member's records and reports itself
+    /// ready (quorum protocols); members are removed only while `min_members`
+    /// remain, so that consecutive views' majorities keep intersecting.
+    Quorum { min_members: usize },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -148,15 +152,20 @@ impl ShardCoordinator {
             return None; // being removed: no lease
         }
         if let Some((ready, in_view)) = progress.learner_ready {
-            let is_tail = self.view.replicas.last() == Some(&node);
-            if is_tail && in_view == self.view.number && self.view.learners.first() == Some(&ready) {
+            // The tail speaks for its learner in chain replication; a quorum
+            // learner for itself.
+            let reporter = match self.config.admission {
+                Admission::Quorum { .. } => ready,
+                _ => self.view.replicas.last().copied().unwrap_or(ready),
+            };
+            if reporter == node && in_view == self.view.number && self.view.learners.first() == Some(&ready) {
                 self.change_view(
                     now,
                     |view| {
                         view.learners.clear();
                         view.replicas.push(ready);
                     },
-                    "learner promoted to tail",
+                    "learner promoted",
                 );
             }
         }
@@ -173,12 +182,12 @@ impl ShardCoordinator {
                 self.last_heard.insert(node, now);
                 self.change_view(now, |view| view.replicas.push(node), "backup added");
             }
-            Admission::Learner if self.view.learners.is_empty() => {
+            Admission::Learner | Admission::Quorum { .. } if self.view.learners.is_empty() => {
                 self.incarnations.insert(node, incarnation);
                 self.last_heard.insert(node, now);
                 self.change_view(now, |view| view.learners.push(node), "learner added");
             }
-            Admission::Learner => {} // one learner at a time
+            Admission::Learner | Admission::Quorum { .. } => {} // one learner at a time
         }
     }
 
@@ -203,9 +212,14 @@ impl ShardCoordinator {
         // from last is the one kept.
         let mut members = self.view.replicas.clone();
         members.sort_by_key(|node| self.last_heard.get(node).copied().unwrap_or(0));
+        let min_members = match self.config.admission {
+            Admission::Quorum { min_members } => min_members.max(1),
+            _ => 1,
+        };
         for node in members {
-            if self.view.replicas.len() <= 1 {
-                // The last member holds the only copy: it stays.
+            if self.view.replicas.len() <= min_members {
+                // The last member holds the only copy (or, in a quorum, the
+                // last majority holds every chosen record): it stays.
                 if self.suspected.remove(&node) {
                     kept.push(node);
                 }

@@ -11,6 +11,7 @@ pub mod codec;
 pub mod coordinator;
 pub mod multi_master;
 pub mod primary_backup;
+pub mod quorum;
 pub mod record;
 #[cfg(test)]
 mod test_support;
@@ -21,6 +22,7 @@ use tessera_engine::{Engine, KeyRange, ScanCursor};
 pub use chain::{ChainOptions, ChainReplication};
 pub use multi_master::{MultiMaster, MultiMasterOptions};
 pub use primary_backup::{PrimaryBackup, PrimaryBackupOptions};
+pub use quorum::{QuorumOptions, QuorumRegister};
 pub use record::{Hlc, Record, Version};
 
 /// A replica's identity.
@@ -103,6 +105,10 @@ pub enum ClientReply {
     /// The operation failed and did not take effect (an increment of a value
     /// that is not an integer, an engine error).
     Failed(String),
+    /// The operation may or may not have taken effect, now or later (a quorum
+    /// write interrupted after some replicas accepted it): not to be retried
+    /// blindly unless it is idempotent.
+    Unknown(&'static str),
 }
 
 /// A write as replicas ship it to each other.
@@ -140,6 +146,7 @@ pub enum PeerMessage {
     Chain(chain::ChainMessage),
     Backup(primary_backup::BackupMessage),
     Multi(multi_master::MultiMessage),
+    Quorum(quorum::QuorumMessage),
 }
 
 /// What a protocol asks its driver to do.

@@ -16,7 +16,7 @@ use tessera_engine::{Engine, MemoryEngine};
 use tessera_protocol::{
     engine_entries, ChainOptions, ChainReplication, ClientReply, ClientRequest, Consistency, Effect, Effects,
     MultiMaster, MultiMasterOptions, NodeId, Operation as ProtocolOperation, PeerMessage, PrimaryBackup,
-    PrimaryBackupOptions, Progress, Protocol, Record, RequestId, ShardView,
+    PrimaryBackupOptions, Progress, Protocol, QuorumOptions, QuorumRegister, Record, RequestId, ShardView,
 };
 
 use tessera_protocol::coordinator::{Admission, CoordinatorConfig, ShardCoordinator};
@@ -36,6 +36,8 @@ pub enum ProtocolKind {
     PrimaryBackup,
     /// AA+EC: every replica accepts writes, last writer wins.
     MultiMaster,
+    /// AA+SC: every replica proposes; CASPaxos per key.
+    Quorum,
     /// Chain replication whose head answers before the tail has the write.
     #[cfg(any(test, feature = "broken"))]
     BrokenChainEarlyAck,
@@ -50,6 +52,7 @@ impl ProtocolKind {
         ProtocolKind::ChainCraq,
         ProtocolKind::PrimaryBackup,
         ProtocolKind::MultiMaster,
+        ProtocolKind::Quorum,
     ];
 
     pub fn name(self) -> &'static str {
@@ -58,6 +61,7 @@ impl ProtocolKind {
             ProtocolKind::ChainCraq => "chain-craq",
             ProtocolKind::PrimaryBackup => "primary-backup",
             ProtocolKind::MultiMaster => "multi-master",
+            ProtocolKind::Quorum => "quorum",
             #[cfg(any(test, feature = "broken"))]
             ProtocolKind::BrokenChainEarlyAck => "broken-chain-early-ack",
             #[cfg(any(test, feature = "broken"))]
@@ -66,13 +70,32 @@ impl ProtocolKind {
     }
 
     pub fn strong(self) -> bool {
-        !matches!(self, ProtocolKind::PrimaryBackup) && !self.active_active()
+        !matches!(self, ProtocolKind::PrimaryBackup | ProtocolKind::MultiMaster) && !self.broken_eventual()
+    }
+
+    #[cfg(any(test, feature = "broken"))]
+    fn broken_eventual(self) -> bool {
+        self == ProtocolKind::BrokenMultiMasterNoRepair
+    }
+
+    #[cfg(not(any(test, feature = "broken")))]
+    fn broken_eventual(self) -> bool {
+        false
+    }
+
+    /// Members that must stay healthy for the shard to keep every
+    /// acknowledged write: one copy, or a majority for a quorum protocol.
+    fn copies_needed(self, replicas: u32) -> usize {
+        match self {
+            ProtocolKind::Quorum => replicas as usize / 2 + 1,
+            _ => 1,
+        }
     }
 
     /// Whether every replica accepts writes (else the first of the view does).
     pub fn active_active(self) -> bool {
         match self {
-            ProtocolKind::MultiMaster => true,
+            ProtocolKind::MultiMaster | ProtocolKind::Quorum => true,
             #[cfg(any(test, feature = "broken"))]
             ProtocolKind::BrokenMultiMasterNoRepair => true,
             _ => false,
@@ -101,6 +124,7 @@ impl ProtocolKind {
                     ..MultiMasterOptions::default()
                 },
             )),
+            ProtocolKind::Quorum => Box::new(QuorumRegister::new(me, engine, QuorumOptions::default())),
             #[cfg(any(test, feature = "broken"))]
             ProtocolKind::BrokenMultiMasterNoRepair => Box::new(MultiMaster::new(
                 me,
@@ -434,10 +458,14 @@ impl Simulation {
         let clients = (0..config.clients)
             .map(|_| Client { rng: rng.fork(), next_request: 1, pending: None, final_reads: Vec::new() })
             .collect();
-        let admission = if config.protocol == ProtocolKind::PrimaryBackup || config.protocol.active_active() {
-            Admission::Backup
-        } else {
-            Admission::Learner
+        let admission = match config.protocol {
+            ProtocolKind::Quorum => {
+                Admission::Quorum { min_members: ProtocolKind::Quorum.copies_needed(config.replicas) }
+            }
+            protocol if protocol == ProtocolKind::PrimaryBackup || protocol.active_active() => {
+                Admission::Backup
+            }
+            _ => Admission::Learner,
         };
         let coordinator = ShardCoordinator::new(
             CoordinatorConfig {
@@ -608,9 +636,10 @@ impl Simulation {
             Event::Crash(id) => {
                 // At most f failures: the last live member of the view holds the
                 // only copy, and losing it loses the data in any system.
+                let needed = self.config.protocol.copies_needed(self.config.replicas);
                 let live_others = self.healthy_members_except(id);
                 let replica = &mut self.replicas[id as usize];
-                if replica.alive && live_others > 0 && !self.healed {
+                if replica.alive && live_others >= needed && !self.healed {
                     replica.alive = false;
                     self.report.log.push(format!("{}ms crash n{id}", self.now));
                 }
@@ -640,7 +669,9 @@ impl Simulation {
                 self.blocked.clear();
             }
             Event::Suspect(id) => {
-                if self.healthy_members_except(id) > 0 && !self.healed && self.coordinator.suspect(NodeId(id))
+                if self.healthy_members_except(id) >= self.config.protocol.copies_needed(self.config.replicas)
+                    && !self.healed
+                    && self.coordinator.suspect(NodeId(id))
                 {
                     self.report.log.push(format!("{}ms coordinator suspects n{id}", self.now));
                 }
@@ -904,6 +935,20 @@ impl Simulation {
                 self.report.retried += 1;
                 let retry_at = self.now + 5 + self.clients[client].rng.below(10);
                 self.schedule(retry_at, Event::ClientWake(client));
+                return;
+            }
+            ClientReply::Unknown(_) => {
+                // As after a timeout: it may take effect at any time from now.
+                self.report.unknown += 1;
+                self.report.history.operations.push(Operation {
+                    client,
+                    key: pending.key,
+                    call: pending.call,
+                    outcome: Outcome::Unknown,
+                    invoked_at: pending.invoked_at,
+                    completed_at: None,
+                });
+                self.schedule(self.now + 1, Event::ClientWake(client));
                 return;
             }
         };

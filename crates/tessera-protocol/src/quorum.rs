@@ -1,0 +1,745 @@
+//! AA+SC: leaderless, linearizable (docs/PROTOCOLS.md, "AA+SC"): CASPaxos, a
+//! single-decree Paxos per key in which every operation maps the key's record
+//! to its next one.
+//!
+//! Any member proposes. A write sends *prepare(ballot)* to every member; with a
+//! majority of promises it takes the accepted record of the highest ballot,
+//! applies the operation, and sends *accept* of the result under its ballot; a
+//! majority of accepts answers the client. A strong read first *peeks* at a
+//! majority: if they hold the same record, it is chosen and is the answer;
+//! otherwise the read writes the newest back through prepare and accept. The
+//! accepted ballot is the record's (version, origin), so the engine holds one
+//! record per key as in every mode.
+//!
+//! A rejected prepare retries with a higher ballot after a backoff (nothing was
+//! written). A rejected or unanswered accept round may have left its record at
+//! a minority, where a later proposer can find and finish it: a read looks
+//! again; a write answers `Unknown` (writing it again after a later write could
+//! apply it twice). A proposer tells the members that missed a chosen record
+//! about it, so that replicas converge and later reads agree at once.
+//!
+//! Membership: a learner merges a snapshot from every member (every
+//! majority-accepted record is at one of them when views change one member at a
+//! time) and then reports itself ready; the coordinator keeps a majority of the
+//! replication factor in the view. Messages carry the view number and are
+//! answered only within the receiver's view. Promises are kept in memory: a
+//! replica that restarts comes back as a new incarnation.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tessera_engine::Engine;
+
+use crate::record::{Hlc, Record, Version};
+use crate::{
+    engine_entries, increment_value, snapshot_chunks, Chunk, ClientReply, ClientRequest, Consistency,
+    Effects, NodeId, Operation, PeerMessage, Progress, Protocol, RequestId, ShardView, SnapshotAssembly,
+    Time,
+};
+
+#[derive(Clone, Debug)]
+pub struct QuorumOptions {
+    /// A phase not answered by a majority within this long is retried.
+    pub phase_timeout_ms: u64,
+    /// Backoff before retrying a rejected prepare: up to this long, growing
+    /// with the attempt.
+    pub backoff_ms: u64,
+    /// Attempts before a client is told to retry.
+    pub attempts_max: u32,
+    /// A learner asks the members for their snapshots again after this long.
+    pub snapshot_retry_ms: u64,
+}
+
+impl Default for QuorumOptions {
+    fn default() -> Self {
+        Self { phase_timeout_ms: 100, backoff_ms: 10, attempts_max: 8, snapshot_retry_ms: 500 }
+    }
+}
+
+/// A ballot: the version a proposer stamps and the proposer. Ordered like the
+/// records it becomes.
+pub type Ballot = (Version, NodeId);
+
+fn ballot_of(record: &Record) -> Ballot {
+    (record.version, record.origin)
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum QuorumMessage {
+    /// A strong read's first look at a key's accepted record.
+    Peek {
+        view: u64,
+        op: u64,
+        key: Bytes,
+    },
+    Peeked {
+        view: u64,
+        op: u64,
+        record: Option<Bytes>,
+    },
+    Prepare {
+        view: u64,
+        op: u64,
+        key: Bytes,
+        ballot: Ballot,
+    },
+    /// `ok`: the promise, with the accepted record; else the highest version
+    /// seen for the key, to outbid.
+    Promise {
+        view: u64,
+        op: u64,
+        ok: bool,
+        record: Option<Bytes>,
+        highest: Version,
+    },
+    /// A record to accept: its (version, origin) is the ballot.
+    Accept {
+        view: u64,
+        op: u64,
+        key: Bytes,
+        record: Bytes,
+    },
+    Accepted {
+        view: u64,
+        op: u64,
+        ok: bool,
+        highest: Version,
+    },
+    /// A record a majority accepted, for members that missed it: stored if
+    /// it outranks what they accepted.
+    Chosen {
+        view: u64,
+        key: Bytes,
+        record: Bytes,
+    },
+    /// A learner asks a member for its records.
+    SnapshotRequest {
+        view: u64,
+    },
+    Snapshot {
+        view: u64,
+        chunk: Chunk,
+        entries: Vec<(Bytes, Bytes)>,
+    },
+}
+
+impl QuorumMessage {
+    fn view(&self) -> u64 {
+        match self {
+            QuorumMessage::Peek { view, .. }
+            | QuorumMessage::Peeked { view, .. }
+            | QuorumMessage::Prepare { view, .. }
+            | QuorumMessage::Promise { view, .. }
+            | QuorumMessage::Accept { view, .. }
+            | QuorumMessage::Accepted { view, .. }
+            | QuorumMessage::Chosen { view, .. }
+            | QuorumMessage::SnapshotRequest { view }
+            | QuorumMessage::Snapshot { view, .. } => *view,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Phase {
+    Peek,
+    Prepare {
+        ballot: Ballot,
+    },
+    Accept {
+        record: Record,
+        reply: ClientReply,
+    },
+    /// Waiting out a backoff before preparing again.
+    Backoff {
+        until: Time,
+    },
+}
+
+/// An answer to one phase, by member.
+#[derive(Clone, Debug)]
+enum Answer {
+    Peeked(Option<Record>),
+    Promised(Option<Record>),
+    Accepted,
+    Refused(Version),
+}
+
+struct Proposal {
+    request: RequestId,
+    operation: Operation,
+    phase: Phase,
+    answers: BTreeMap<NodeId, Answer>,
+    deadline: Time,
+    attempt: u32,
+}
+
+impl Proposal {
+    fn key(&self) -> &Bytes {
+        self.operation.key()
+    }
+
+    /// Whether an interrupted accept round may simply start over: only a
+    /// read's write-back. A write's record may already have been seen, and
+    /// writing it again after a later write would apply it twice.
+    fn restartable(&self) -> bool {
+        matches!(self.operation, Operation::Get { .. })
+    }
+}
+
+pub struct QuorumRegister {
+    me: NodeId,
+    engine: Arc<dyn Engine>,
+    options: QuorumOptions,
+    view: Option<ShardView>,
+    hlc: Hlc,
+    /// Per key, the highest ballot promised and not yet accepted.
+    promises: HashMap<Bytes, Ballot>,
+    /// In a map that iterates in order, so that a simulated run replays.
+    proposals: BTreeMap<u64, Proposal>,
+    next_op: u64,
+    /// As a learner: snapshots gathered per member, and who has delivered.
+    assemblies: HashMap<NodeId, SnapshotAssembly>,
+    merged_from: BTreeSet<NodeId>,
+    /// The view in which every member's snapshot was merged.
+    ready_in: Option<u64>,
+    snapshot_asked_at: Option<Time>,
+}
+
+impl QuorumRegister {
+    pub fn new(me: NodeId, engine: Arc<dyn Engine>, options: QuorumOptions) -> Self {
+        Self {
+            me,
+            engine,
+            options,
+            view: None,
+            hlc: Hlc::default(),
+            promises: HashMap::new(),
+            proposals: BTreeMap::new(),
+            next_op: 1,
+            assemblies: HashMap::new(),
+            merged_from: BTreeSet::new(),
+            ready_in: None,
+            snapshot_asked_at: None,
+        }
+    }
+
+    fn view_number(&self) -> u64 {
+        self.view.as_ref().map_or(0, |view| view.number)
+    }
+
+    fn members(&self) -> Vec<NodeId> {
+        self.view.as_ref().map_or_else(Vec::new, |view| view.replicas.clone())
+    }
+
+    fn is_member(&self) -> bool {
+        self.view.as_ref().and_then(|view| view.position(self.me)).is_some()
+    }
+
+    fn is_learner(&self) -> bool {
+        self.view.as_ref().is_some_and(|view| view.learners.contains(&self.me))
+    }
+
+    fn majority(&self) -> usize {
+        self.members().len() / 2 + 1
+    }
+
+    fn accepted(&self, key: &[u8]) -> Result<Option<Record>, String> {
+        match self.engine.get(key).map_err(|error| error.to_string())? {
+            None => Ok(None),
+            Some(raw) => Record::decode(raw).map(Some).map_err(|error| error.to_string()),
+        }
+    }
+
+    // --- Acceptor ---
+
+    fn on_prepare(&mut self, key: &Bytes, ballot: Ballot, now: Time) -> Answer {
+        let accepted = match self.accepted(key) {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                tracing::error!(replica = %self.me, %error, "cannot read a record to promise");
+                return Answer::Refused(Version(0));
+            }
+        };
+        let floor = accepted.as_ref().map(ballot_of).max(self.promises.get(key).copied());
+        self.hlc.observe(ballot.0, now);
+        if floor.is_some_and(|floor| ballot <= floor) {
+            return Answer::Refused(floor.map_or(Version(0), |(version, _)| version));
+        }
+        self.promises.insert(key.clone(), ballot);
+        Answer::Promised(accepted)
+    }
+
+    fn on_accept(&mut self, key: &Bytes, record: Record, now: Time) -> Answer {
+        let ballot = ballot_of(&record);
+        let accepted = match self.accepted(key) {
+            Ok(accepted) => accepted.as_ref().map(ballot_of),
+            Err(error) => {
+                tracing::error!(replica = %self.me, %error, "cannot read a record to accept");
+                return Answer::Refused(Version(0));
+            }
+        };
+        let promised = self.promises.get(key).copied();
+        self.hlc.observe(ballot.0, now);
+        if promised.is_some_and(|promised| ballot < promised)
+            || accepted.is_some_and(|accepted| ballot <= accepted)
+        {
+            let highest = promised.max(accepted).map_or(Version(0), |(version, _)| version);
+            return Answer::Refused(highest);
+        }
+        if let Err(error) = self.engine.put(key, record.encode()) {
+            tracing::error!(replica = %self.me, %error, "cannot store an accepted record");
+            return Answer::Refused(Version(0));
+        }
+        if promised.is_some_and(|promised| promised <= ballot) {
+            self.promises.remove(key);
+        }
+        Answer::Accepted
+    }
+
+    /// Stores a chosen record if it outranks the accepted one. Promises do
+    /// not stand in the way: a proposer that holds one read the majority this
+    /// record is at, so what it proposes already follows from it.
+    fn on_chosen(&mut self, key: &Bytes, record: Record, now: Time) {
+        match self.accepted(key) {
+            Ok(accepted)
+                if accepted.as_ref().is_none_or(|accepted| ballot_of(accepted) < ballot_of(&record)) =>
+            {
+                self.hlc.observe(record.version, now);
+                if let Err(error) = self.engine.put(key, record.encode()) {
+                    tracing::error!(replica = %self.me, %error, "cannot store a chosen record");
+                }
+            }
+            Ok(_) => {}
+            Err(error) => tracing::error!(replica = %self.me, %error, "cannot read a record"),
+        }
+    }
+
+    /// Tells the members outside `agreeing` about a chosen record.
+    fn announce(&self, key: &Bytes, record: &Record, agreeing: &BTreeSet<NodeId>, fx: &mut Effects) {
+        let view = self.view_number();
+        for member in self.members().into_iter().filter(|member| !agreeing.contains(member)) {
+            let message = QuorumMessage::Chosen { view, key: key.clone(), record: record.encode() };
+            fx.send(member, PeerMessage::Quorum(message));
+        }
+    }
+
+    fn answer_message(&self, op: u64, answer: Answer) -> QuorumMessage {
+        let view = self.view_number();
+        match answer {
+            Answer::Peeked(record) => {
+                QuorumMessage::Peeked { view, op, record: record.map(|record| record.encode()) }
+            }
+            Answer::Promised(record) => QuorumMessage::Promise {
+                view,
+                op,
+                ok: true,
+                record: record.map(|record| record.encode()),
+                highest: Version(0),
+            },
+            Answer::Refused(highest) => QuorumMessage::Promise { view, op, ok: false, record: None, highest },
+            Answer::Accepted => QuorumMessage::Accepted { view, op, ok: true, highest: Version(0) },
+        }
+    }
+
+    // --- Proposer ---
+
+    /// Sends the proposal's current phase to every member (answering its own
+    /// part at once). Each phase runs under an operation number of its own, so
+    /// a late answer to an earlier phase finds nothing to count toward.
+    fn send_phase(&mut self, old_op: u64, fx: &mut Effects) {
+        let now = fx.now();
+        let view = self.view_number();
+        let members = self.members();
+        let Some(mut proposal) = self.proposals.remove(&old_op) else { return };
+        let op = self.next_op;
+        self.next_op += 1;
+        proposal.answers.clear();
+        proposal.deadline = now + self.options.phase_timeout_ms;
+        let key = proposal.key().clone();
+        let message = match &proposal.phase {
+            Phase::Peek => QuorumMessage::Peek { view, op, key: key.clone() },
+            Phase::Prepare { ballot } => {
+                QuorumMessage::Prepare { view, op, key: key.clone(), ballot: *ballot }
+            }
+            Phase::Accept { record, .. } => {
+                QuorumMessage::Accept { view, op, key: key.clone(), record: record.encode() }
+            }
+            Phase::Backoff { .. } => {
+                self.proposals.insert(old_op, proposal);
+                return;
+            }
+        };
+        self.proposals.insert(op, proposal);
+        for member in members.iter().filter(|member| **member != self.me) {
+            fx.send(*member, PeerMessage::Quorum(message.clone()));
+        }
+        if members.contains(&self.me) {
+            let answer = self.answer_locally(&message, now);
+            self.on_answer(self.me, op, answer, fx);
+        }
+    }
+
+    fn answer_locally(&mut self, message: &QuorumMessage, now: Time) -> Answer {
+        match message {
+            QuorumMessage::Peek { key, .. } => match self.accepted(key) {
+                Ok(record) => Answer::Peeked(record),
+                Err(_) => Answer::Refused(Version(0)),
+            },
+            QuorumMessage::Prepare { key, ballot, .. } => self.on_prepare(key, *ballot, now),
+            QuorumMessage::Accept { key, record, .. } => match Record::decode(record.clone()) {
+                Ok(record) => self.on_accept(key, record, now),
+                Err(_) => Answer::Refused(Version(0)),
+            },
+            _ => Answer::Refused(Version(0)),
+        }
+    }
+
+    fn start_prepare(&mut self, op: u64, fx: &mut Effects) {
+        let ballot = (self.hlc.tick(fx.now()), self.me);
+        if let Some(proposal) = self.proposals.get_mut(&op) {
+            proposal.phase = Phase::Prepare { ballot };
+        }
+        self.send_phase(op, fx);
+    }
+
+    /// After a refusal or a timeout: prepare again after a backoff, or give up.
+    fn retry(&mut self, op: u64, outbid: Version, fx: &mut Effects) {
+        let now = fx.now();
+        self.hlc.observe(outbid, now);
+        let Some(proposal) = self.proposals.get_mut(&op) else { return };
+        let accepting = matches!(proposal.phase, Phase::Accept { .. });
+        proposal.attempt += 1;
+        if accepting && !proposal.restartable() {
+            let request = proposal.request;
+            self.proposals.remove(&op);
+            return fx.reply(
+                request,
+                ClientReply::Unknown("a concurrent proposal or a lost majority interrupted the write"),
+            );
+        }
+        if proposal.attempt >= self.options.attempts_max {
+            let request = proposal.request;
+            self.proposals.remove(&op);
+            let reply = if accepting {
+                ClientReply::Unknown("no majority accepted the write")
+            } else {
+                ClientReply::Retry("no majority answered")
+            };
+            return fx.reply(request, reply);
+        }
+        // A spread that grows with the attempt keeps proposers of one key apart.
+        let spread = self.options.backoff_ms * proposal.attempt as u64;
+        let jitter = (op.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ self.me.0 as u64) % spread.max(1);
+        proposal.phase = Phase::Backoff { until: now + 1 + jitter };
+        proposal.answers.clear();
+    }
+
+    fn on_answer(&mut self, from: NodeId, op: u64, answer: Answer, fx: &mut Effects) {
+        let majority = self.majority();
+        let Some(proposal) = self.proposals.get_mut(&op) else { return };
+        if matches!(proposal.phase, Phase::Backoff { .. }) {
+            return;
+        }
+        if let Answer::Refused(highest) = answer {
+            if !matches!(proposal.phase, Phase::Peek) {
+                return self.retry(op, highest, fx);
+            }
+        }
+        proposal.answers.insert(from, answer);
+        let fitting = proposal
+            .answers
+            .values()
+            .filter(|answer| match (&proposal.phase, answer) {
+                (Phase::Peek, _) => true,
+                (Phase::Prepare { .. }, Answer::Promised(_)) => true,
+                (Phase::Accept { .. }, Answer::Accepted) => true,
+                _ => false,
+            })
+            .count();
+        if fitting < majority {
+            return;
+        }
+        let answers: Vec<Answer> = proposal.answers.values().cloned().collect();
+        match proposal.phase.clone() {
+            Phase::Peek => {
+                let records: Vec<Option<Record>> = answers
+                    .into_iter()
+                    .filter_map(|answer| match answer {
+                        Answer::Peeked(record) => Some(record),
+                        _ => None,
+                    })
+                    .collect();
+                if records.len() >= majority && records.windows(2).all(|pair| pair[0] == pair[1]) {
+                    // A majority holds it: chosen.
+                    let value = records[0].as_ref().and_then(|record| record.visible().cloned());
+                    let agreeing: BTreeSet<NodeId> = proposal.answers.keys().copied().collect();
+                    let (request, key) = (proposal.request, proposal.key().clone());
+                    self.proposals.remove(&op);
+                    if let Some(record) = &records[0] {
+                        self.announce(&key, record, &agreeing, fx);
+                    }
+                    return fx.reply(request, ClientReply::Value(value));
+                }
+                self.start_prepare(op, fx);
+            }
+            Phase::Prepare { ballot } => {
+                let newest = answers
+                    .into_iter()
+                    .filter_map(|answer| match answer {
+                        Answer::Promised(record) => record,
+                        _ => None,
+                    })
+                    .max_by_key(ballot_of);
+                let current = newest.as_ref().and_then(|record| record.visible().cloned());
+                let (value, reply) = match &proposal.operation {
+                    Operation::Get { .. } => match &newest {
+                        // Nothing anywhere: nothing to write back.
+                        None => {
+                            let request = proposal.request;
+                            self.proposals.remove(&op);
+                            return fx.reply(request, ClientReply::Value(None));
+                        }
+                        Some(record) => (record.visible().cloned(), ClientReply::Value(current)),
+                    },
+                    Operation::Put { value, .. } => (Some(value.clone()), ClientReply::Written),
+                    Operation::Delete { .. } => (None, ClientReply::Written),
+                    Operation::Increment { delta, .. } => match increment_value(current.as_deref(), *delta) {
+                        Ok(updated) => (Some(updated.clone()), ClientReply::Value(Some(updated))),
+                        Err(error) => {
+                            let request = proposal.request;
+                            self.proposals.remove(&op);
+                            return fx.reply(request, ClientReply::Failed(error));
+                        }
+                    },
+                };
+                let record = match value {
+                    Some(value) => Record::value(ballot.0, ballot.1, value),
+                    None => Record::tombstone(ballot.0, ballot.1),
+                };
+                proposal.phase = Phase::Accept { record, reply };
+                self.send_phase(op, fx);
+            }
+            Phase::Accept { reply, record } => {
+                let agreeing: BTreeSet<NodeId> = proposal
+                    .answers
+                    .iter()
+                    .filter(|(_, answer)| matches!(answer, Answer::Accepted))
+                    .map(|(member, _)| *member)
+                    .collect();
+                let (request, key) = (proposal.request, proposal.key().clone());
+                self.proposals.remove(&op);
+                self.announce(&key, &record, &agreeing, fx);
+                fx.reply(request, reply);
+            }
+            Phase::Backoff { .. } => {}
+        }
+    }
+
+    // --- Learner ---
+
+    fn ask_for_snapshots(&mut self, fx: &mut Effects) {
+        let now = fx.now();
+        if self.snapshot_asked_at.is_some_and(|at| now < at + self.options.snapshot_retry_ms) {
+            return;
+        }
+        self.snapshot_asked_at = Some(now);
+        let view = self.view_number();
+        for member in self.members() {
+            if !self.merged_from.contains(&member) {
+                fx.send(member, PeerMessage::Quorum(QuorumMessage::SnapshotRequest { view }));
+            }
+        }
+    }
+
+    /// Keeps, per key, the record of the highest ballot.
+    fn merge_snapshot(&mut self, entries: Vec<(Bytes, Bytes)>, now: Time) -> Result<(), String> {
+        for (key, raw) in entries {
+            let Ok(record) = Record::decode(raw.clone()) else { continue };
+            let current = self.accepted(&key)?;
+            if current.as_ref().is_none_or(|current| ballot_of(current) < ballot_of(&record)) {
+                self.hlc.observe(record.version, now);
+                self.engine.put(&key, raw).map_err(|error| error.to_string())?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Protocol for QuorumRegister {
+    fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
+        if !self.is_member() {
+            return fx.reply(request.id, ClientReply::Retry("not a replica of this shard"));
+        }
+        if let Operation::Get { key, consistency: Consistency::Eventual } = &request.operation {
+            let reply = match self.accepted(key) {
+                Ok(record) => ClientReply::Value(record.and_then(|record| record.visible().cloned())),
+                Err(error) => ClientReply::Failed(error),
+            };
+            return fx.reply(request.id, reply);
+        }
+        let op = self.next_op;
+        self.next_op += 1;
+        let phase = if matches!(request.operation, Operation::Get { .. }) {
+            Phase::Peek
+        } else {
+            Phase::Backoff { until: 0 }
+        };
+        let proposal = Proposal {
+            request: request.id,
+            operation: request.operation,
+            phase,
+            answers: BTreeMap::new(),
+            deadline: 0,
+            attempt: 0,
+        };
+        let peek = matches!(proposal.phase, Phase::Peek);
+        self.proposals.insert(op, proposal);
+        if peek {
+            self.send_phase(op, fx);
+        } else {
+            self.start_prepare(op, fx);
+        }
+    }
+
+    fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
+        let PeerMessage::Quorum(message) = message else { return };
+        if message.view() != self.view_number() {
+            return;
+        }
+        let now = fx.now();
+        let in_view = |node: NodeId, view: &Option<ShardView>| {
+            view.as_ref().is_some_and(|view| view.replicas.contains(&node) || view.learners.contains(&node))
+        };
+        if !in_view(from, &self.view) {
+            return;
+        }
+        match message {
+            QuorumMessage::Peek { op, .. }
+            | QuorumMessage::Prepare { op, .. }
+            | QuorumMessage::Accept { op, .. }
+                if self.is_member() =>
+            {
+                let answer = self.answer_locally(&message, now);
+                let reply = match (&message, answer) {
+                    (QuorumMessage::Accept { .. }, Answer::Refused(highest)) => {
+                        QuorumMessage::Accepted { view: self.view_number(), op, ok: false, highest }
+                    }
+                    (_, answer) => self.answer_message(op, answer),
+                };
+                fx.send(from, PeerMessage::Quorum(reply));
+            }
+            QuorumMessage::Peeked { op, record, .. } => {
+                let record = record.and_then(|raw| Record::decode(raw).ok());
+                self.on_answer(from, op, Answer::Peeked(record), fx);
+            }
+            QuorumMessage::Promise { op, ok, record, highest, .. } => {
+                let answer = if ok {
+                    Answer::Promised(record.and_then(|raw| Record::decode(raw).ok()))
+                } else {
+                    Answer::Refused(highest)
+                };
+                self.on_answer(from, op, answer, fx);
+            }
+            QuorumMessage::Accepted { op, ok, highest, .. } => {
+                let answer = if ok { Answer::Accepted } else { Answer::Refused(highest) };
+                self.on_answer(from, op, answer, fx);
+            }
+            QuorumMessage::Chosen { key, record, .. } if self.is_member() || self.is_learner() => {
+                if let Ok(record) = Record::decode(record) {
+                    self.on_chosen(&key, record, now);
+                }
+            }
+            QuorumMessage::SnapshotRequest { view } if self.is_member() => {
+                match engine_entries(self.engine.as_ref()) {
+                    Ok(entries) => {
+                        for (chunk, entries) in snapshot_chunks(entries) {
+                            let message = QuorumMessage::Snapshot { view, chunk, entries };
+                            fx.send(from, PeerMessage::Quorum(message));
+                        }
+                    }
+                    Err(error) => {
+                        tracing::error!(replica = %self.me, %error, "cannot read a snapshot for a learner")
+                    }
+                }
+            }
+            QuorumMessage::Snapshot { chunk, entries, .. } if self.is_learner() => {
+                let assembly = self.assemblies.entry(from).or_default();
+                let Some(entries) = assembly.add(from, chunk, entries) else { return };
+                match self.merge_snapshot(entries, now) {
+                    Ok(()) => {
+                        self.merged_from.insert(from);
+                        if self.members().iter().all(|member| self.merged_from.contains(member)) {
+                            self.ready_in = Some(self.view_number());
+                        }
+                    }
+                    Err(error) => tracing::error!(replica = %self.me, %error, "cannot merge a snapshot"),
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn on_tick(&mut self, fx: &mut Effects) {
+        let now = fx.now();
+        if self.is_learner() && self.ready_in != Some(self.view_number()) {
+            self.ask_for_snapshots(fx);
+        }
+        let due: Vec<(u64, bool)> = self
+            .proposals
+            .iter()
+            .filter_map(|(op, proposal)| match proposal.phase {
+                Phase::Backoff { until } => (now >= until).then_some((*op, true)),
+                _ => (now >= proposal.deadline).then_some((*op, false)),
+            })
+            .collect();
+        for (op, backed_off) in due {
+            let read = self.proposals.get(&op).is_some_and(|proposal| proposal.restartable());
+            if backed_off && read {
+                // A read looks again: the write that outbid it may be chosen by now.
+                if let Some(proposal) = self.proposals.get_mut(&op) {
+                    proposal.phase = Phase::Peek;
+                }
+                self.send_phase(op, fx);
+            } else if backed_off {
+                self.start_prepare(op, fx);
+            } else if matches!(self.proposals.get(&op).map(|proposal| &proposal.phase), Some(Phase::Peek)) {
+                // Not enough peeks: take the full path.
+                self.start_prepare(op, fx);
+            } else {
+                self.retry(op, Version(0), fx);
+            }
+        }
+    }
+
+    fn on_view(&mut self, view: &ShardView, _fx: &mut Effects) {
+        if self.view.as_ref().is_some_and(|current| view.number <= current.number) {
+            return;
+        }
+        self.view = Some(view.clone());
+        // A new view: promises stay (they are about ballots, not views); a
+        // learner gathers from the new members again.
+        self.merged_from.retain(|member| view.replicas.contains(member));
+        self.assemblies.clear();
+        self.snapshot_asked_at = None;
+        if view.learners.contains(&self.me)
+            && view.replicas.iter().all(|member| self.merged_from.contains(member))
+        {
+            self.ready_in = Some(view.number);
+        }
+        if !self.is_learner() {
+            self.merged_from.clear();
+            self.ready_in = None;
+        }
+    }
+
+    fn progress(&self) -> Progress {
+        Progress {
+            applied: 0,
+            learner_ready: self
+                .ready_in
+                .filter(|view| *view == self.view_number() && self.is_learner())
+                .map(|view| (self.me, view)),
+        }
+    }
+}
