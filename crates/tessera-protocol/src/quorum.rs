@@ -49,17 +49,31 @@ pub struct QuorumOptions {
     pub attempts_max: u32,
     /// A learner asks the members for their snapshots again after this long.
     pub snapshot_retry_ms: u64,
+    /// For tests of the checkers: a proposer counts its own answer as a
+    /// majority.
+    #[cfg(feature = "broken")]
+    pub broken_quorum_of_one: bool,
 }
 
 impl Default for QuorumOptions {
     fn default() -> Self {
-        Self { phase_timeout_ms: 100, backoff_ms: 10, attempts_max: 8, snapshot_retry_ms: 500 }
+        Self {
+            phase_timeout_ms: 100,
+            backoff_ms: 10,
+            attempts_max: 8,
+            snapshot_retry_ms: 500,
+            #[cfg(feature = "broken")]
+            broken_quorum_of_one: false,
+        }
     }
 }
 
 /// A ballot: the version a proposer stamps and the proposer. Ordered like the
 /// records it becomes.
 pub type Ballot = (Version, NodeId);
+
+/// How often one key may be settled by this replica.
+const SETTLE_EVERY_MS: u64 = 1_000;
 
 fn ballot_of(record: &Record) -> Ballot {
     (record.version, record.origin)
@@ -166,7 +180,9 @@ enum Answer {
 }
 
 struct Proposal {
-    request: RequestId,
+    /// The client's request; none for a read this replica runs to settle a
+    /// key its peers disagree on.
+    request: Option<RequestId>,
     operation: Operation,
     phase: Phase,
     answers: BTreeMap<NodeId, Answer>,
@@ -187,6 +203,12 @@ impl Proposal {
     }
 }
 
+fn reply_to(request: Option<RequestId>, fx: &mut Effects, reply: ClientReply) {
+    if let Some(request) = request {
+        fx.reply(request, reply);
+    }
+}
+
 pub struct QuorumRegister {
     me: NodeId,
     engine: Arc<dyn Engine>,
@@ -197,6 +219,9 @@ pub struct QuorumRegister {
     promises: HashMap<Bytes, Ballot>,
     /// In a map that iterates in order, so that a simulated run replays.
     proposals: BTreeMap<u64, Proposal>,
+    /// Keys settled recently, and when: one settling read per key per
+    /// `SETTLE_EVERY_MS`, however many announcements disagree.
+    settled: HashMap<Bytes, Time>,
     next_op: u64,
     /// As a learner: snapshots gathered per member, and who has delivered.
     assemblies: HashMap<NodeId, SnapshotAssembly>,
@@ -216,6 +241,7 @@ impl QuorumRegister {
             hlc: Hlc::default(),
             promises: HashMap::new(),
             proposals: BTreeMap::new(),
+            settled: HashMap::new(),
             next_op: 1,
             assemblies: HashMap::new(),
             merged_from: BTreeSet::new(),
@@ -241,6 +267,10 @@ impl QuorumRegister {
     }
 
     fn majority(&self) -> usize {
+        #[cfg(feature = "broken")]
+        if self.options.broken_quorum_of_one {
+            return 1;
+        }
         self.members().len() / 2 + 1
     }
 
@@ -300,7 +330,8 @@ impl QuorumRegister {
     /// Stores a chosen record if it outranks the accepted one. Promises do
     /// not stand in the way: a proposer that holds one read the majority this
     /// record is at, so what it proposes already follows from it.
-    fn on_chosen(&mut self, key: &Bytes, record: Record, now: Time) {
+    fn on_chosen(&mut self, key: &Bytes, record: Record, fx: &mut Effects) {
+        let now = fx.now();
         match self.accepted(key) {
             Ok(accepted)
                 if accepted.as_ref().is_none_or(|accepted| ballot_of(accepted) < ballot_of(&record)) =>
@@ -310,9 +341,35 @@ impl QuorumRegister {
                     tracing::error!(replica = %self.me, %error, "cannot store a chosen record");
                 }
             }
+            Ok(Some(accepted)) if accepted != record => self.settle(key, fx),
             Ok(_) => {}
             Err(error) => tracing::error!(replica = %self.me, %error, "cannot read a record"),
         }
+    }
+
+    /// This replica holds a record newer than the chosen one: a write that
+    /// reached a minority. A read of the key through prepare and accept
+    /// settles it (the newest record becomes chosen), so that replicas
+    /// converge instead of keeping it until the key's next operation.
+    fn settle(&mut self, key: &Bytes, fx: &mut Effects) {
+        let now = fx.now();
+        let recent = self.settled.get(key).is_some_and(|at| now < at + SETTLE_EVERY_MS);
+        if !self.is_member() || recent {
+            return;
+        }
+        self.settled.insert(key.clone(), now);
+        let op = self.next_op;
+        self.next_op += 1;
+        let proposal = Proposal {
+            request: None,
+            operation: Operation::Get { key: key.clone(), consistency: Consistency::Strong },
+            phase: Phase::Backoff { until: 0 },
+            answers: BTreeMap::new(),
+            deadline: 0,
+            attempt: 0,
+        };
+        self.proposals.insert(op, proposal);
+        self.start_prepare(op, fx);
     }
 
     /// Tells the members outside `agreeing` about a chosen record.
@@ -413,10 +470,8 @@ impl QuorumRegister {
         if accepting && !proposal.restartable() {
             let request = proposal.request;
             self.proposals.remove(&op);
-            return fx.reply(
-                request,
-                ClientReply::Unknown("a concurrent proposal or a lost majority interrupted the write"),
-            );
+            let reason = "a concurrent proposal or a lost majority interrupted the write";
+            return reply_to(request, fx, ClientReply::Unknown(reason));
         }
         if proposal.attempt >= self.options.attempts_max {
             let request = proposal.request;
@@ -426,7 +481,7 @@ impl QuorumRegister {
             } else {
                 ClientReply::Retry("no majority answered")
             };
-            return fx.reply(request, reply);
+            return reply_to(request, fx, reply);
         }
         // A spread that grows with the attempt keeps proposers of one key apart.
         let spread = self.options.backoff_ms * proposal.attempt as u64;
@@ -450,11 +505,13 @@ impl QuorumRegister {
         let fitting = proposal
             .answers
             .values()
-            .filter(|answer| match (&proposal.phase, answer) {
-                (Phase::Peek, _) => true,
-                (Phase::Prepare { .. }, Answer::Promised(_)) => true,
-                (Phase::Accept { .. }, Answer::Accepted) => true,
-                _ => false,
+            .filter(|answer| {
+                matches!(
+                    (&proposal.phase, answer),
+                    (Phase::Peek, _)
+                        | (Phase::Prepare { .. }, Answer::Promised(_))
+                        | (Phase::Accept { .. }, Answer::Accepted)
+                )
             })
             .count();
         if fitting < majority {
@@ -479,7 +536,7 @@ impl QuorumRegister {
                     if let Some(record) = &records[0] {
                         self.announce(&key, record, &agreeing, fx);
                     }
-                    return fx.reply(request, ClientReply::Value(value));
+                    return reply_to(request, fx, ClientReply::Value(value));
                 }
                 self.start_prepare(op, fx);
             }
@@ -498,7 +555,7 @@ impl QuorumRegister {
                         None => {
                             let request = proposal.request;
                             self.proposals.remove(&op);
-                            return fx.reply(request, ClientReply::Value(None));
+                            return reply_to(request, fx, ClientReply::Value(None));
                         }
                         Some(record) => (record.visible().cloned(), ClientReply::Value(current)),
                     },
@@ -509,7 +566,7 @@ impl QuorumRegister {
                         Err(error) => {
                             let request = proposal.request;
                             self.proposals.remove(&op);
-                            return fx.reply(request, ClientReply::Failed(error));
+                            return reply_to(request, fx, ClientReply::Failed(error));
                         }
                     },
                 };
@@ -530,7 +587,7 @@ impl QuorumRegister {
                 let (request, key) = (proposal.request, proposal.key().clone());
                 self.proposals.remove(&op);
                 self.announce(&key, &record, &agreeing, fx);
-                fx.reply(request, reply);
+                reply_to(request, fx, reply);
             }
             Phase::Backoff { .. } => {}
         }
@@ -586,7 +643,7 @@ impl Protocol for QuorumRegister {
             Phase::Backoff { until: 0 }
         };
         let proposal = Proposal {
-            request: request.id,
+            request: Some(request.id),
             operation: request.operation,
             phase,
             answers: BTreeMap::new(),
@@ -647,7 +704,7 @@ impl Protocol for QuorumRegister {
             }
             QuorumMessage::Chosen { key, record, .. } if self.is_member() || self.is_learner() => {
                 if let Ok(record) = Record::decode(record) {
-                    self.on_chosen(&key, record, now);
+                    self.on_chosen(&key, record, fx);
                 }
             }
             QuorumMessage::SnapshotRequest { view } if self.is_member() => {
@@ -682,6 +739,7 @@ impl Protocol for QuorumRegister {
 
     fn on_tick(&mut self, fx: &mut Effects) {
         let now = fx.now();
+        self.settled.retain(|_, at| now < *at + SETTLE_EVERY_MS);
         if self.is_learner() && self.ready_in != Some(self.view_number()) {
             self.ask_for_snapshots(fx);
         }

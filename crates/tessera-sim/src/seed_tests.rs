@@ -45,6 +45,11 @@ fn multi_master_converges_on_the_fixed_seeds() {
 }
 
 #[test]
+fn quorum_registers_stay_linearizable_on_the_fixed_seeds() {
+    assert_no_failures(ProtocolKind::Quorum, 0..300);
+}
+
+#[test]
 fn chain_replication_loses_no_acknowledged_write() {
     let config = SimConfig { workload: Workload::Appends, ..SimConfig::new(ProtocolKind::Chain) };
     for seed in 0..100 {
@@ -86,6 +91,17 @@ fn the_checkers_catch_replicas_that_never_repair_what_propagation_missed() {
             .iter()
             .any(|report| report.violations.iter().any(|violation| violation.starts_with("convergence"))),
         "100 seeds of multi-master without anti-entropy converged: the checker does not bite"
+    );
+}
+
+#[test]
+fn the_checkers_catch_a_quorum_of_one() {
+    let failed = failures(ProtocolKind::BrokenQuorumOfOne, 0..100);
+    assert!(
+        failed
+            .iter()
+            .any(|report| report.violations.iter().any(|violation| violation.starts_with("linearizability"))),
+        "100 seeds of proposers deciding alone stayed linearizable: the checker does not bite"
     );
 }
 

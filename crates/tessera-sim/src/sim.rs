@@ -44,6 +44,9 @@ pub enum ProtocolKind {
     /// Multi-master without anti-entropy.
     #[cfg(any(test, feature = "broken"))]
     BrokenMultiMasterNoRepair,
+    /// Quorum proposers that count their own answer as a majority.
+    #[cfg(any(test, feature = "broken"))]
+    BrokenQuorumOfOne,
 }
 
 impl ProtocolKind {
@@ -66,6 +69,8 @@ impl ProtocolKind {
             ProtocolKind::BrokenChainEarlyAck => "broken-chain-early-ack",
             #[cfg(any(test, feature = "broken"))]
             ProtocolKind::BrokenMultiMasterNoRepair => "broken-multi-master-no-repair",
+            #[cfg(any(test, feature = "broken"))]
+            ProtocolKind::BrokenQuorumOfOne => "broken-quorum-of-one",
         }
     }
 
@@ -86,9 +91,19 @@ impl ProtocolKind {
     /// Members that must stay healthy for the shard to keep every
     /// acknowledged write: one copy, or a majority for a quorum protocol.
     fn copies_needed(self, replicas: u32) -> usize {
+        if self.quorum() {
+            replicas as usize / 2 + 1
+        } else {
+            1
+        }
+    }
+
+    fn quorum(self) -> bool {
         match self {
-            ProtocolKind::Quorum => replicas as usize / 2 + 1,
-            _ => 1,
+            ProtocolKind::Quorum => true,
+            #[cfg(any(test, feature = "broken"))]
+            ProtocolKind::BrokenQuorumOfOne => true,
+            _ => false,
         }
     }
 
@@ -97,7 +112,7 @@ impl ProtocolKind {
         match self {
             ProtocolKind::MultiMaster | ProtocolKind::Quorum => true,
             #[cfg(any(test, feature = "broken"))]
-            ProtocolKind::BrokenMultiMasterNoRepair => true,
+            ProtocolKind::BrokenMultiMasterNoRepair | ProtocolKind::BrokenQuorumOfOne => true,
             _ => false,
         }
     }
@@ -125,6 +140,12 @@ impl ProtocolKind {
                 },
             )),
             ProtocolKind::Quorum => Box::new(QuorumRegister::new(me, engine, QuorumOptions::default())),
+            #[cfg(any(test, feature = "broken"))]
+            ProtocolKind::BrokenQuorumOfOne => Box::new(QuorumRegister::new(
+                me,
+                engine,
+                QuorumOptions { broken_quorum_of_one: true, ..QuorumOptions::default() },
+            )),
             #[cfg(any(test, feature = "broken"))]
             ProtocolKind::BrokenMultiMasterNoRepair => Box::new(MultiMaster::new(
                 me,
@@ -459,8 +480,8 @@ impl Simulation {
             .map(|_| Client { rng: rng.fork(), next_request: 1, pending: None, final_reads: Vec::new() })
             .collect();
         let admission = match config.protocol {
-            ProtocolKind::Quorum => {
-                Admission::Quorum { min_members: ProtocolKind::Quorum.copies_needed(config.replicas) }
+            protocol if protocol.quorum() => {
+                Admission::Quorum { min_members: protocol.copies_needed(config.replicas) }
             }
             protocol if protocol == ProtocolKind::PrimaryBackup || protocol.active_active() => {
                 Admission::Backup
@@ -1012,23 +1033,16 @@ impl Simulation {
             .iter()
             .map(|id| (id, Self::engine_contents(self.replicas[*id as usize].engine.as_ref())))
             .collect();
-        if let Some((first_id, first)) = contents.first() {
-            for (id, other) in &contents[1..] {
-                if other != first {
-                    let difference = first
-                        .iter()
-                        .zip(other.iter())
-                        .find(|(a, b)| a != b)
-                        .map(|(a, b)| format!("first difference {a:?} / {b:?}"))
-                        .unwrap_or_else(|| format!("{} / {} keys", first.len(), other.len()));
-                    self.report.violations.push(format!(
-                        "convergence: replicas n{first_id} and n{id} differ after {} quiet ms: {difference}",
-                        self.config.client_timeout_ms + 200
-                    ));
-                }
-            }
-        }
-        let final_state = contents.first().map(|(_, contents)| contents.as_slice());
+        // A quorum protocol promises what a majority holds: a write that
+        // reached only a minority (its client was told the outcome is unknown)
+        // may stay there until the key's next operation settles it.
+        let final_state = if self.config.protocol.copies_needed(self.config.replicas) > 1 {
+            self.majority_state(&contents)
+        } else {
+            self.check_identical(&contents);
+            contents.first().map(|(_, contents)| contents.clone())
+        };
+        let final_state = final_state.as_deref();
         self.report.lost_acknowledged_writes = match self.config.workload {
             Workload::Registers => self.count_lost_writes(final_state),
             Workload::Appends => self.count_lost_appends(final_state),
@@ -1059,6 +1073,55 @@ impl Simulation {
             }
         }
         self.report
+    }
+
+    /// Convergence: every live member of the final view holds the same data.
+    fn check_identical(&mut self, contents: &[(&u32, Vec<(Bytes, Record)>)]) {
+        if let Some((first_id, first)) = contents.first() {
+            for (id, other) in &contents[1..] {
+                if other != first {
+                    let difference = first
+                        .iter()
+                        .zip(other.iter())
+                        .find(|(a, b)| a != b)
+                        .map(|(a, b)| format!("first difference {a:?} / {b:?}"))
+                        .unwrap_or_else(|| format!("{} / {} keys", first.len(), other.len()));
+                    self.report.violations.push(format!(
+                        "convergence: replicas n{first_id} and n{id} differ after {} quiet ms: {difference}",
+                        self.config.client_timeout_ms + 200
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Per key, the record a majority of the live members hold (absence
+    /// counts as a record); a key without one is a violation.
+    fn majority_state(&mut self, contents: &[(&u32, Vec<(Bytes, Record)>)]) -> Option<Vec<(Bytes, Record)>> {
+        let majority = contents.len() / 2 + 1;
+        let keys: BTreeSet<&Bytes> =
+            contents.iter().flat_map(|(_, entries)| entries.iter().map(|(key, _)| key)).collect();
+        let mut state = Vec::new();
+        for key in keys {
+            let mut counts: Vec<(Option<&Record>, usize)> = Vec::new();
+            for (_, entries) in contents {
+                let record = entries.iter().find(|(other, _)| other == key).map(|(_, record)| record);
+                match counts.iter_mut().find(|(seen, _)| *seen == record) {
+                    Some((_, count)) => *count += 1,
+                    None => counts.push((record, 1)),
+                }
+            }
+            match counts.into_iter().find(|(_, count)| *count >= majority) {
+                Some((Some(record), _)) => state.push((key.clone(), record.clone())),
+                Some((None, _)) => {}
+                None => self.report.violations.push(format!(
+                    "convergence: no majority of the {} live members holds one record of key {:?}",
+                    contents.len(),
+                    String::from_utf8_lossy(key)
+                )),
+            }
+        }
+        Some(state)
     }
 
     /// Acknowledged appends whose key is missing at the end.
