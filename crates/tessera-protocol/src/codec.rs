@@ -38,7 +38,6 @@ const ACCEPT: u8 = 52;
 const ACCEPTED: u8 = 53;
 const SNAPSHOT_REQUEST: u8 = 54;
 const QUORUM_SNAPSHOT: u8 = 55;
-const CHOSEN: u8 = 56;
 
 fn put_optional(out: &mut Vec<u8>, bytes: &Option<Bytes>) {
     match bytes {
@@ -231,12 +230,6 @@ pub fn encode(message: &PeerMessage, out: &mut Vec<u8>) {
                 out.put_u64_le(*op);
                 out.put_u8(u8::from(*ok));
                 out.put_u64_le(highest.0);
-            }
-            QuorumMessage::Chosen { view, key, record } => {
-                out.put_u8(CHOSEN);
-                out.put_u64_le(*view);
-                put_bytes(out, key);
-                put_bytes(out, record);
             }
             QuorumMessage::SnapshotRequest { view } => {
                 out.put_u8(SNAPSHOT_REQUEST);
@@ -453,11 +446,6 @@ pub fn decode(bytes: Bytes) -> Result<PeerMessage, CodecError> {
             ok: reader.flag()?,
             highest: Version(reader.u64()?),
         }),
-        CHOSEN => PeerMessage::Quorum(QuorumMessage::Chosen {
-            view: reader.u64()?,
-            key: reader.bytes()?,
-            record: reader.bytes()?,
-        }),
         SNAPSHOT_REQUEST => PeerMessage::Quorum(QuorumMessage::SnapshotRequest { view: reader.u64()? }),
         QUORUM_SNAPSHOT => PeerMessage::Quorum(QuorumMessage::Snapshot {
             view: reader.u64()?,
@@ -563,11 +551,6 @@ mod tests {
                 .prop_map(|(view, op, key, record)| QuorumMessage::Accept { view, op, key, record }),
             (any::<u64>(), any::<u64>(), any::<bool>(), any::<u64>()).prop_map(|(view, op, ok, highest)| {
                 QuorumMessage::Accepted { view, op, ok, highest: Version(highest) }
-            }),
-            (any::<u64>(), bytes(), bytes()).prop_map(|(view, key, record)| QuorumMessage::Chosen {
-                view,
-                key,
-                record
             }),
             any::<u64>().prop_map(|view| QuorumMessage::SnapshotRequest { view }),
             (any::<u64>(), chunk(), entries()).prop_map(|(view, chunk, entries)| QuorumMessage::Snapshot {

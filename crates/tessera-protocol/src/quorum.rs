@@ -15,8 +15,8 @@
 //! written). A rejected or unanswered accept round may have left its record at
 //! a minority, where a later proposer can find and finish it: a read looks
 //! again; a write answers `Unknown` (writing it again after a later write could
-//! apply it twice). A proposer tells the members that missed a chosen record
-//! about it, so that replicas converge and later reads agree at once.
+//! apply it twice). A member that missed an accept (or holds such a
+//! minority record) is brought level by the key's next strong operation.
 //!
 //! Membership: a learner merges a snapshot from every member (every
 //! majority-accepted record is at one of them when views change one member at a
@@ -72,9 +72,6 @@ impl Default for QuorumOptions {
 /// records it becomes.
 pub type Ballot = (Version, NodeId);
 
-/// How often one key may be settled by this replica.
-const SETTLE_EVERY_MS: u64 = 1_000;
-
 fn ballot_of(record: &Record) -> Ballot {
     (record.version, record.origin)
 }
@@ -120,13 +117,6 @@ pub enum QuorumMessage {
         ok: bool,
         highest: Version,
     },
-    /// A record a majority accepted, for members that missed it: stored if
-    /// it outranks what they accepted.
-    Chosen {
-        view: u64,
-        key: Bytes,
-        record: Bytes,
-    },
     /// A learner asks a member for its records.
     SnapshotRequest {
         view: u64,
@@ -147,7 +137,6 @@ impl QuorumMessage {
             | QuorumMessage::Promise { view, .. }
             | QuorumMessage::Accept { view, .. }
             | QuorumMessage::Accepted { view, .. }
-            | QuorumMessage::Chosen { view, .. }
             | QuorumMessage::SnapshotRequest { view }
             | QuorumMessage::Snapshot { view, .. } => *view,
         }
@@ -180,9 +169,7 @@ enum Answer {
 }
 
 struct Proposal {
-    /// The client's request; none for a read this replica runs to settle a
-    /// key its peers disagree on.
-    request: Option<RequestId>,
+    request: RequestId,
     operation: Operation,
     phase: Phase,
     answers: BTreeMap<NodeId, Answer>,
@@ -203,12 +190,6 @@ impl Proposal {
     }
 }
 
-fn reply_to(request: Option<RequestId>, fx: &mut Effects, reply: ClientReply) {
-    if let Some(request) = request {
-        fx.reply(request, reply);
-    }
-}
-
 pub struct QuorumRegister {
     me: NodeId,
     engine: Arc<dyn Engine>,
@@ -219,9 +200,6 @@ pub struct QuorumRegister {
     promises: HashMap<Bytes, Ballot>,
     /// In a map that iterates in order, so that a simulated run replays.
     proposals: BTreeMap<u64, Proposal>,
-    /// Keys settled recently, and when: one settling read per key per
-    /// `SETTLE_EVERY_MS`, however many announcements disagree.
-    settled: HashMap<Bytes, Time>,
     next_op: u64,
     /// As a learner: snapshots gathered per member, and who has delivered.
     assemblies: HashMap<NodeId, SnapshotAssembly>,
@@ -241,7 +219,6 @@ impl QuorumRegister {
             hlc: Hlc::default(),
             promises: HashMap::new(),
             proposals: BTreeMap::new(),
-            settled: HashMap::new(),
             next_op: 1,
             assemblies: HashMap::new(),
             merged_from: BTreeSet::new(),
@@ -325,60 +302,6 @@ impl QuorumRegister {
             self.promises.remove(key);
         }
         Answer::Accepted
-    }
-
-    /// Stores a chosen record if it outranks the accepted one. Promises do
-    /// not stand in the way: a proposer that holds one read the majority this
-    /// record is at, so what it proposes already follows from it.
-    fn on_chosen(&mut self, key: &Bytes, record: Record, fx: &mut Effects) {
-        let now = fx.now();
-        match self.accepted(key) {
-            Ok(accepted)
-                if accepted.as_ref().is_none_or(|accepted| ballot_of(accepted) < ballot_of(&record)) =>
-            {
-                self.hlc.observe(record.version, now);
-                if let Err(error) = self.engine.put(key, record.encode()) {
-                    tracing::error!(replica = %self.me, %error, "cannot store a chosen record");
-                }
-            }
-            Ok(Some(accepted)) if accepted != record => self.settle(key, fx),
-            Ok(_) => {}
-            Err(error) => tracing::error!(replica = %self.me, %error, "cannot read a record"),
-        }
-    }
-
-    /// This replica holds a record newer than the chosen one: a write that
-    /// reached a minority. A read of the key through prepare and accept
-    /// settles it (the newest record becomes chosen), so that replicas
-    /// converge instead of keeping it until the key's next operation.
-    fn settle(&mut self, key: &Bytes, fx: &mut Effects) {
-        let now = fx.now();
-        let recent = self.settled.get(key).is_some_and(|at| now < at + SETTLE_EVERY_MS);
-        if !self.is_member() || recent {
-            return;
-        }
-        self.settled.insert(key.clone(), now);
-        let op = self.next_op;
-        self.next_op += 1;
-        let proposal = Proposal {
-            request: None,
-            operation: Operation::Get { key: key.clone(), consistency: Consistency::Strong },
-            phase: Phase::Backoff { until: 0 },
-            answers: BTreeMap::new(),
-            deadline: 0,
-            attempt: 0,
-        };
-        self.proposals.insert(op, proposal);
-        self.start_prepare(op, fx);
-    }
-
-    /// Tells the members outside `agreeing` about a chosen record.
-    fn announce(&self, key: &Bytes, record: &Record, agreeing: &BTreeSet<NodeId>, fx: &mut Effects) {
-        let view = self.view_number();
-        for member in self.members().into_iter().filter(|member| !agreeing.contains(member)) {
-            let message = QuorumMessage::Chosen { view, key: key.clone(), record: record.encode() };
-            fx.send(member, PeerMessage::Quorum(message));
-        }
     }
 
     fn answer_message(&self, op: u64, answer: Answer) -> QuorumMessage {
@@ -471,7 +394,7 @@ impl QuorumRegister {
             let request = proposal.request;
             self.proposals.remove(&op);
             let reason = "a concurrent proposal or a lost majority interrupted the write";
-            return reply_to(request, fx, ClientReply::Unknown(reason));
+            return fx.reply(request, ClientReply::Unknown(reason));
         }
         if proposal.attempt >= self.options.attempts_max {
             let request = proposal.request;
@@ -481,7 +404,7 @@ impl QuorumRegister {
             } else {
                 ClientReply::Retry("no majority answered")
             };
-            return reply_to(request, fx, reply);
+            return fx.reply(request, reply);
         }
         // A spread that grows with the attempt keeps proposers of one key apart.
         let spread = self.options.backoff_ms * proposal.attempt as u64;
@@ -530,13 +453,9 @@ impl QuorumRegister {
                 if records.len() >= majority && records.windows(2).all(|pair| pair[0] == pair[1]) {
                     // A majority holds it: chosen.
                     let value = records[0].as_ref().and_then(|record| record.visible().cloned());
-                    let agreeing: BTreeSet<NodeId> = proposal.answers.keys().copied().collect();
-                    let (request, key) = (proposal.request, proposal.key().clone());
+                    let request = proposal.request;
                     self.proposals.remove(&op);
-                    if let Some(record) = &records[0] {
-                        self.announce(&key, record, &agreeing, fx);
-                    }
-                    return reply_to(request, fx, ClientReply::Value(value));
+                    return fx.reply(request, ClientReply::Value(value));
                 }
                 self.start_prepare(op, fx);
             }
@@ -555,7 +474,7 @@ impl QuorumRegister {
                         None => {
                             let request = proposal.request;
                             self.proposals.remove(&op);
-                            return reply_to(request, fx, ClientReply::Value(None));
+                            return fx.reply(request, ClientReply::Value(None));
                         }
                         Some(record) => (record.visible().cloned(), ClientReply::Value(current)),
                     },
@@ -566,7 +485,7 @@ impl QuorumRegister {
                         Err(error) => {
                             let request = proposal.request;
                             self.proposals.remove(&op);
-                            return reply_to(request, fx, ClientReply::Failed(error));
+                            return fx.reply(request, ClientReply::Failed(error));
                         }
                     },
                 };
@@ -577,17 +496,10 @@ impl QuorumRegister {
                 proposal.phase = Phase::Accept { record, reply };
                 self.send_phase(op, fx);
             }
-            Phase::Accept { reply, record } => {
-                let agreeing: BTreeSet<NodeId> = proposal
-                    .answers
-                    .iter()
-                    .filter(|(_, answer)| matches!(answer, Answer::Accepted))
-                    .map(|(member, _)| *member)
-                    .collect();
-                let (request, key) = (proposal.request, proposal.key().clone());
+            Phase::Accept { reply, .. } => {
+                let request = proposal.request;
                 self.proposals.remove(&op);
-                self.announce(&key, &record, &agreeing, fx);
-                reply_to(request, fx, reply);
+                fx.reply(request, reply);
             }
             Phase::Backoff { .. } => {}
         }
@@ -643,7 +555,7 @@ impl Protocol for QuorumRegister {
             Phase::Backoff { until: 0 }
         };
         let proposal = Proposal {
-            request: Some(request.id),
+            request: request.id,
             operation: request.operation,
             phase,
             answers: BTreeMap::new(),
@@ -702,11 +614,6 @@ impl Protocol for QuorumRegister {
                 let answer = if ok { Answer::Accepted } else { Answer::Refused(highest) };
                 self.on_answer(from, op, answer, fx);
             }
-            QuorumMessage::Chosen { key, record, .. } if self.is_member() || self.is_learner() => {
-                if let Ok(record) = Record::decode(record) {
-                    self.on_chosen(&key, record, fx);
-                }
-            }
             QuorumMessage::SnapshotRequest { view } if self.is_member() => {
                 match engine_entries(self.engine.as_ref()) {
                     Ok(entries) => {
@@ -739,7 +646,6 @@ impl Protocol for QuorumRegister {
 
     fn on_tick(&mut self, fx: &mut Effects) {
         let now = fx.now();
-        self.settled.retain(|_, at| now < *at + SETTLE_EVERY_MS);
         if self.is_learner() && self.ready_in != Some(self.view_number()) {
             self.ask_for_snapshots(fx);
         }
@@ -799,5 +705,123 @@ impl Protocol for QuorumRegister {
                 .filter(|view| *view == self.view_number() && self.is_learner())
                 .map(|view| (self.me, view)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_support::{put, view};
+    use crate::Effect;
+    use tessera_engine::MemoryEngine;
+
+    fn replicas(count: u32) -> Vec<QuorumRegister> {
+        let mut replicas: Vec<QuorumRegister> = (1..=count)
+            .map(|id| {
+                QuorumRegister::new(NodeId(id), Arc::new(MemoryEngine::new()), QuorumOptions::default())
+            })
+            .collect();
+        let members: Vec<u32> = (1..=count).collect();
+        for replica in &mut replicas {
+            replica.on_view(&view(1, &members), &mut Effects::new(0));
+        }
+        replicas
+    }
+
+    /// Delivers messages until none is left, except those to `cut`; returns
+    /// the client replies and how many peer messages travelled.
+    fn run(
+        replicas: &mut [QuorumRegister],
+        first: Vec<(NodeId, Effect)>,
+        cut: Option<NodeId>,
+    ) -> (Vec<ClientReply>, usize) {
+        let mut fx = Effects::new(10);
+        let mut pending = first;
+        let (mut replies, mut messages) = (Vec::new(), 0);
+        while let Some((from, effect)) = pending.pop() {
+            match effect {
+                Effect::Reply { reply, .. } => replies.push(reply),
+                Effect::Send { to, message } if Some(to) != cut => {
+                    messages += 1;
+                    let target = replicas.iter_mut().find(|replica| replica.me == to).unwrap();
+                    target.on_peer(from, message, &mut fx);
+                    pending.extend(fx.take().into_iter().map(|effect| (to, effect)));
+                }
+                Effect::Send { .. } => {}
+            }
+        }
+        (replies, messages)
+    }
+
+    fn client(
+        replicas: &mut [QuorumRegister],
+        at: usize,
+        request: ClientRequest,
+        cut: Option<NodeId>,
+    ) -> (Vec<ClientReply>, usize) {
+        let mut fx = Effects::new(10);
+        replicas[at].on_client(request, &mut fx);
+        let me = replicas[at].me;
+        let first = fx.take().into_iter().map(|effect| (me, effect)).collect();
+        run(replicas, first, cut)
+    }
+
+    fn get(id: u64, key: &str) -> ClientRequest {
+        ClientRequest {
+            id: RequestId(id),
+            operation: Operation::Get { key: Bytes::from(key.to_string()), consistency: Consistency::Strong },
+        }
+    }
+
+    #[test]
+    fn any_member_writes_and_a_read_that_finds_a_majority_agreeing_needs_one_round() {
+        let mut replicas = replicas(3);
+        let (replies, _) = client(&mut replicas, 0, put(1, "k", "v"), None);
+        assert_eq!(replies, vec![ClientReply::Written]);
+        let (replies, messages) = client(&mut replicas, 2, get(2, "k"), None);
+        assert_eq!(replies, vec![ClientReply::Value(Some(Bytes::from_static(b"v")))]);
+        assert_eq!(messages, 4, "peeks to two members and their answers, no write-back");
+        let increment = ClientRequest {
+            id: RequestId(3),
+            operation: Operation::Increment { key: Bytes::from_static(b"n"), delta: 5 },
+        };
+        assert_eq!(
+            client(&mut replicas, 1, increment, None).0,
+            vec![ClientReply::Value(Some(Bytes::from_static(b"5")))]
+        );
+    }
+
+    #[test]
+    fn a_member_that_missed_a_write_is_brought_level_by_the_next_read() {
+        let mut replicas = replicas(3);
+        client(&mut replicas, 0, put(1, "k", "old"), None);
+        // Replica 3 misses the next write: a majority still takes it.
+        let (replies, _) = client(&mut replicas, 0, put(2, "k", "new"), Some(NodeId(3)));
+        assert_eq!(replies, vec![ClientReply::Written]);
+        let stale = replicas[2].accepted(b"k").unwrap().unwrap();
+        assert_eq!(stale.value, Bytes::from_static(b"old"));
+        // A read at the stale member disagrees with the others, writes the
+        // newest back, and every member ends with it.
+        let (replies, _) = client(&mut replicas, 2, get(3, "k"), None);
+        assert_eq!(replies, vec![ClientReply::Value(Some(Bytes::from_static(b"new")))]);
+        for replica in &replicas {
+            assert_eq!(replica.accepted(b"k").unwrap().unwrap().value, Bytes::from_static(b"new"));
+        }
+    }
+
+    #[test]
+    fn a_lower_ballot_is_refused_and_a_member_outside_the_view_serves_nothing() {
+        let mut replicas = replicas(3);
+        let key = Bytes::from_static(b"k");
+        let high = (Version::new(100, 0), NodeId(2));
+        assert!(matches!(replicas[0].on_prepare(&key, high, 10), Answer::Promised(None)));
+        let low = Record::value(Version::new(50, 0), NodeId(3), Bytes::from_static(b"late"));
+        assert!(matches!(replicas[0].on_accept(&key, low, 10), Answer::Refused(_)));
+        let mut outsider =
+            QuorumRegister::new(NodeId(9), Arc::new(MemoryEngine::new()), QuorumOptions::default());
+        outsider.on_view(&view(1, &[1, 2, 3]), &mut Effects::new(0));
+        let mut fx = Effects::new(10);
+        outsider.on_client(put(1, "k", "v"), &mut fx);
+        assert!(matches!(fx.take()[..], [Effect::Reply { reply: ClientReply::Retry(_), .. }]));
     }
 }
