@@ -851,17 +851,7 @@ impl Simulation {
                 return; // a stale wake-up; the deadline one is queued
             }
             let pending = self.clients[client].pending.take().expect("checked above");
-            self.report.unknown += 1;
-            if pending.strong || pending.call != Call::Get {
-                self.report.history.operations.push(Operation {
-                    client,
-                    key: pending.key,
-                    call: pending.call,
-                    outcome: Outcome::Unknown,
-                    invoked_at: pending.invoked_at,
-                    completed_at: None,
-                });
-            }
+            self.record_unknown(client, pending);
         }
         let end = self.config.safety_ms + self.config.liveness_ms;
         // The last stretch is quiet, so that propagation can finish before the
@@ -870,6 +860,23 @@ impl Simulation {
             return;
         }
         self.issue(client);
+    }
+
+    /// An operation whose outcome the client cannot know (no answer in time,
+    /// or an answer saying so): it may take effect at any moment after it was
+    /// invoked.
+    fn record_unknown(&mut self, client: usize, pending: Pending) {
+        self.report.unknown += 1;
+        if pending.strong || pending.call != Call::Get {
+            self.report.history.operations.push(Operation {
+                client,
+                key: pending.key,
+                call: pending.call,
+                outcome: Outcome::Unknown,
+                invoked_at: pending.invoked_at,
+                completed_at: None,
+            });
+        }
     }
 
     fn issue(&mut self, client: usize) {
@@ -960,15 +967,7 @@ impl Simulation {
             }
             ClientReply::Unknown(_) => {
                 // As after a timeout: it may take effect at any time from now.
-                self.report.unknown += 1;
-                self.report.history.operations.push(Operation {
-                    client,
-                    key: pending.key,
-                    call: pending.call,
-                    outcome: Outcome::Unknown,
-                    invoked_at: pending.invoked_at,
-                    completed_at: None,
-                });
+                self.record_unknown(client, pending);
                 self.schedule(self.now + 1, Event::ClientWake(client));
                 return;
             }
