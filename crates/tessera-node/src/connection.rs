@@ -15,7 +15,7 @@ use tessera_protocol::{Operation, Write};
 use tessera_wire::{Parsed, Protocol, ReplyWriter, Request, RequestParser};
 
 use crate::cluster::{ClusterNode, Forwarder, Placement};
-use crate::commands::consistency::{parse_level, wrapped_read, EVENTUAL, STRONG};
+use crate::commands::consistency::{level_got, parse_level, wrapped_read};
 use crate::commands::{dispatch, is, lookup, Context, Session};
 use crate::store::{now_ms, Store, WorkerStats};
 use crate::tables::TableSet;
@@ -324,10 +324,11 @@ async fn serve_in_cluster(
             (spec, request, write, write || !context.session.readonly)
         }
     };
-    let level_header = |out: &mut tessera_wire::ReplyWriter| {
+    let got = level_got(Some(cluster), strong);
+    let level_header = |out: &mut ReplyWriter| {
         if wrapped.is_some() {
             out.array(2);
-            out.bulk(if strong && cluster.strong_reads() { STRONG } else { EVENTUAL }.as_bytes());
+            out.bulk(got.as_bytes());
         }
     };
     let keys = || spec.key_positions(request.len()).map(|index| request.arg(index));

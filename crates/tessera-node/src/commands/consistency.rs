@@ -10,6 +10,7 @@
 use tessera_wire::Request;
 
 use super::{dispatch, is, lookup, CommandSpec, Context};
+use crate::cluster::ClusterNode;
 use crate::error::{CommandError, CommandResult};
 
 #[rustfmt::skip]
@@ -18,8 +19,8 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "consistency.read", arity: -3, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, handler: read_at },
 ];
 
-pub const STRONG: &str = "strong";
-pub const EVENTUAL: &str = "eventual";
+const STRONG: &str = "strong";
+const EVENTUAL: &str = "eventual";
 
 /// Whether a level names strong reads.
 pub fn parse_level(level: &[u8]) -> CommandResult<bool> {
@@ -55,9 +56,10 @@ pub fn wrapped_read<'a>(request: &Request<'a>) -> CommandResult<(&'static Comman
     }
 }
 
-/// The level a read asking for `strong` gets here.
-fn level_got(context: &Context, strong: bool) -> &'static str {
-    match context.store.cluster() {
+/// The level a read asking for `strong` gets on a single node (`None`) or on
+/// a cluster node.
+pub fn level_got(cluster: Option<&ClusterNode>, strong: bool) -> &'static str {
+    match cluster {
         None => STRONG,
         Some(node) if strong && node.strong_reads() => STRONG,
         Some(_) => EVENTUAL,
@@ -71,7 +73,7 @@ fn consistency(context: &mut Context, request: &Request) -> CommandResult {
     match request.len() {
         1 => {
             let asked = !context.session.readonly;
-            let got = level_got(context, asked);
+            let got = level_got(context.store.cluster(), asked);
             context.out.array(2);
             context.out.bulk(if asked { STRONG } else { EVENTUAL }.as_bytes());
             context.out.bulk(got.as_bytes());
@@ -91,7 +93,7 @@ fn consistency(context: &mut Context, request: &Request) -> CommandResult {
 fn read_at(context: &mut Context, request: &Request) -> CommandResult {
     let strong = parse_level(request.arg(1))?;
     let (_, inner) = wrapped_read(request)?;
-    let got = level_got(context, strong);
+    let got = level_got(context.store.cluster(), strong);
     context.out.array(2);
     context.out.bulk(got.as_bytes());
     dispatch(context, &inner);
