@@ -440,7 +440,9 @@ impl ChainReplication {
                     Err(error) => return fx.reply(request, ClientReply::Failed(error)),
                 }
             }
-            Operation::Get { .. } => unreachable!("reads are handled by on_read"),
+            Operation::Get { .. } | Operation::Fetch { .. } | Operation::WriteIf { .. } => {
+                unreachable!("reads are handled by on_read; conditional writes are refused before")
+            }
         };
         let seq = self.applied + 1;
         if let Err(error) = self.apply(seq, self.me, &key, &write) {
@@ -513,6 +515,10 @@ impl Protocol for ChainReplication {
     fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
         if self.position().is_none() {
             return fx.reply(request.id, ClientReply::Retry("not a replica of this shard"));
+        }
+        if request.operation.needs_quorum() {
+            return fx
+                .reply(request.id, ClientReply::Failed("conditional writes need a quorum group".into()));
         }
         match request.operation {
             Operation::Get { key, consistency } => self.on_read(request.id, key, consistency, fx),

@@ -69,6 +69,19 @@ pub enum Operation {
         key: Bytes,
         delta: i64,
     },
+    /// A strong read that answers the key's whole record, encoded (or none):
+    /// the first half of a conditional write. Quorum protocols only.
+    Fetch {
+        key: Bytes,
+    },
+    /// Writes `write` if the key's newest record is still the one fetched
+    /// (`expected`: its version and origin; `None`: there was none); answers
+    /// `Retry`, without effect, if it changed. Quorum protocols only.
+    WriteIf {
+        key: Bytes,
+        expected: Option<(Version, NodeId)>,
+        write: Write,
+    },
 }
 
 impl Operation {
@@ -77,12 +90,19 @@ impl Operation {
             Operation::Get { key, .. }
             | Operation::Put { key, .. }
             | Operation::Delete { key }
-            | Operation::Increment { key, .. } => key,
+            | Operation::Increment { key, .. }
+            | Operation::Fetch { key }
+            | Operation::WriteIf { key, .. } => key,
         }
     }
 
     pub fn is_write(&self) -> bool {
-        !matches!(self, Operation::Get { .. })
+        !matches!(self, Operation::Get { .. } | Operation::Fetch { .. })
+    }
+
+    /// Whether only a quorum protocol can run it.
+    pub fn needs_quorum(&self) -> bool {
+        matches!(self, Operation::Fetch { .. } | Operation::WriteIf { .. })
     }
 }
 

@@ -302,7 +302,9 @@ impl MultiMaster {
                     Err(error) => return fx.reply(request.id, ClientReply::Failed(error)),
                 }
             }
-            Operation::Get { .. } => unreachable!("reads are handled separately"),
+            Operation::Get { .. } | Operation::Fetch { .. } | Operation::WriteIf { .. } => {
+                unreachable!("reads are handled separately; conditional writes are refused before")
+            }
         };
         let version = self.hlc.tick(now);
         let record = match value {
@@ -462,6 +464,10 @@ impl Protocol for MultiMaster {
     fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
         if !self.is_member() {
             return fx.reply(request.id, ClientReply::Retry("not a replica of this shard"));
+        }
+        if request.operation.needs_quorum() {
+            return fx
+                .reply(request.id, ClientReply::Failed("conditional writes need a quorum group".into()));
         }
         match &request.operation {
             Operation::Get { key, .. } => {

@@ -180,7 +180,9 @@ impl PrimaryBackup {
                     Err(error) => return fx.reply(request.id, ClientReply::Failed(error)),
                 }
             }
-            Operation::Get { .. } => unreachable!("reads are handled separately"),
+            Operation::Get { .. } | Operation::Fetch { .. } | Operation::WriteIf { .. } => {
+                unreachable!("reads are handled separately; conditional writes are refused before")
+            }
         };
         let entry =
             LogEntry { seq: self.applied + 1, epoch: self.view_number(), origin: self.me, key, write };
@@ -293,6 +295,10 @@ impl Protocol for PrimaryBackup {
     fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
         if self.view.as_ref().and_then(|view| view.position(self.me)).is_none() {
             return fx.reply(request.id, ClientReply::Retry("not a replica of this shard"));
+        }
+        if request.operation.needs_quorum() {
+            return fx
+                .reply(request.id, ClientReply::Failed("conditional writes need a quorum group".into()));
         }
         match &request.operation {
             Operation::Get { key, consistency } => {

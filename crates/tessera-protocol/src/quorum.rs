@@ -35,7 +35,7 @@ use crate::record::{Hlc, Record, Version};
 use crate::{
     engine_entries, increment_value, snapshot_chunks, Chunk, ClientReply, ClientRequest, Consistency,
     Effects, NodeId, Operation, PeerMessage, Progress, Protocol, RequestId, ShardView, SnapshotAssembly,
-    Time,
+    Time, Write,
 };
 
 #[derive(Clone, Debug)]
@@ -186,7 +186,7 @@ impl Proposal {
     /// read's write-back. A write's record may already have been seen, and
     /// writing it again after a later write would apply it twice.
     fn restartable(&self) -> bool {
-        matches!(self.operation, Operation::Get { .. })
+        matches!(self.operation, Operation::Get { .. } | Operation::Fetch { .. })
     }
 }
 
@@ -452,7 +452,10 @@ impl QuorumRegister {
                     .collect();
                 if records.len() >= majority && records.windows(2).all(|pair| pair[0] == pair[1]) {
                     // A majority holds it: chosen.
-                    let value = records[0].as_ref().and_then(|record| record.visible().cloned());
+                    let value = match proposal.operation {
+                        Operation::Fetch { .. } => records[0].as_ref().map(Record::encode),
+                        _ => records[0].as_ref().and_then(|record| record.visible().cloned()),
+                    };
                     let request = proposal.request;
                     self.proposals.remove(&op);
                     return fx.reply(request, ClientReply::Value(value));
@@ -469,7 +472,7 @@ impl QuorumRegister {
                     .max_by_key(ballot_of);
                 let current = newest.as_ref().and_then(|record| record.visible().cloned());
                 let (value, reply) = match &proposal.operation {
-                    Operation::Get { .. } => match &newest {
+                    Operation::Get { .. } | Operation::Fetch { .. } => match &newest {
                         // Nothing anywhere: nothing to write back.
                         None => {
                             let request = proposal.request;
@@ -478,7 +481,15 @@ impl QuorumRegister {
                         }
                         Some(record) => (record.visible().cloned(), ClientReply::Value(current)),
                     },
-                    Operation::Put { value, .. } => (Some(value.clone()), ClientReply::Written),
+                    Operation::WriteIf { expected, .. } if newest.as_ref().map(ballot_of) != *expected => {
+                        let request = proposal.request;
+                        self.proposals.remove(&op);
+                        return fx.reply(request, ClientReply::Retry("the key changed since it was read"));
+                    }
+                    Operation::WriteIf { write: Write::Put(value), .. } | Operation::Put { value, .. } => {
+                        (Some(value.clone()), ClientReply::Written)
+                    }
+                    Operation::WriteIf { write: Write::Delete, .. } => (None, ClientReply::Written),
                     Operation::Delete { .. } => (None, ClientReply::Written),
                     Operation::Increment { delta, .. } => match increment_value(current.as_deref(), *delta) {
                         Ok(updated) => (Some(updated.clone()), ClientReply::Value(Some(updated))),
@@ -492,6 +503,11 @@ impl QuorumRegister {
                 let record = match value {
                     Some(value) => Record::value(ballot.0, ballot.1, value),
                     None => Record::tombstone(ballot.0, ballot.1),
+                };
+                // A fetch answers the record as written back, at its new ballot.
+                let reply = match proposal.operation {
+                    Operation::Fetch { .. } => ClientReply::Value(Some(record.encode())),
+                    _ => reply,
                 };
                 proposal.phase = Phase::Accept { record, reply };
                 self.send_phase(op, fx);
@@ -549,7 +565,7 @@ impl Protocol for QuorumRegister {
         }
         let op = self.next_op;
         self.next_op += 1;
-        let phase = if matches!(request.operation, Operation::Get { .. }) {
+        let phase = if matches!(request.operation, Operation::Get { .. } | Operation::Fetch { .. }) {
             Phase::Peek
         } else {
             Phase::Backoff { until: 0 }
@@ -807,6 +823,40 @@ mod tests {
         for replica in &replicas {
             assert_eq!(replica.accepted(b"k").unwrap().unwrap().value, Bytes::from_static(b"new"));
         }
+    }
+
+    #[test]
+    fn a_conditional_write_takes_effect_only_if_the_key_is_as_fetched() {
+        let mut replicas = replicas(3);
+        let key = Bytes::from_static(b"k");
+        let fetch =
+            |id| ClientRequest { id: RequestId(id), operation: Operation::Fetch { key: key.clone() } };
+        let write_if = |id, expected, value: &'static str| ClientRequest {
+            id: RequestId(id),
+            operation: Operation::WriteIf {
+                key: key.clone(),
+                expected,
+                write: Write::Put(Bytes::from_static(value.as_bytes())),
+            },
+        };
+        assert_eq!(client(&mut replicas, 0, fetch(1), None).0, vec![ClientReply::Value(None)]);
+        assert_eq!(client(&mut replicas, 0, write_if(2, None, "first"), None).0, vec![ClientReply::Written]);
+        let (replies, _) = client(&mut replicas, 1, fetch(3), None);
+        let [ClientReply::Value(Some(raw))] = &replies[..] else { panic!("a record: {replies:?}") };
+        let fetched = Record::decode(raw.clone()).unwrap();
+        assert_eq!(fetched.value, Bytes::from_static(b"first"));
+        // Another member writes meanwhile: the write based on the old fetch is refused.
+        client(&mut replicas, 2, put(4, "k", "other"), None);
+        let stale = write_if(5, Some(ballot_of(&fetched)), "second");
+        assert!(matches!(client(&mut replicas, 1, stale, None).0[..], [ClientReply::Retry(_)]));
+        assert_eq!(replicas[0].accepted(b"k").unwrap().unwrap().value, Bytes::from_static(b"other"));
+        let (replies, _) = client(&mut replicas, 1, fetch(6), None);
+        let [ClientReply::Value(Some(raw))] = &replies[..] else { panic!("a record") };
+        let current = Record::decode(raw.clone()).unwrap();
+        assert_eq!(
+            client(&mut replicas, 1, write_if(7, Some(ballot_of(&current)), "second"), None).0,
+            vec![ClientReply::Written]
+        );
     }
 
     #[test]
