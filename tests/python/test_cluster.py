@@ -135,9 +135,9 @@ class Recorder(threading.Thread):
     """One client thread: random SETs (unique values) and GETs on a few keys,
     each recorded with its invocation and completion times."""
 
-    def __init__(self, cluster, client_id, keys, stop):
+    def __init__(self, cluster, client_id, keys, stop, client=None):
         super().__init__(daemon=True)
-        self.client = cluster.client()
+        self.client = client or cluster.client()
         self.client_id = client_id
         self.keys = keys
         self.stop_event = stop
@@ -172,10 +172,17 @@ class Recorder(threading.Thread):
                 self.history.append(record)
 
 
-def run_with_faults(cluster, faults, clients=4, keys=24):
+def run_with_faults(cluster, faults, clients=4, keys=24, plain_clients=0):
+    """Cluster clients, and plain clients each on a node of its own (which
+    serves what it can and forwards the rest)."""
     stop = threading.Event()
     key_names = [f"reg:{index}" for index in range(keys)]
     recorders = [Recorder(cluster, client, key_names, stop) for client in range(clients)]
+    recorders += [
+        Recorder(cluster, clients + index, key_names, stop,
+                 client=redis.Redis(port=cluster.port(index % cluster.nodes), socket_timeout=2, protocol=2))
+        for index in range(plain_clients)
+    ]
     for recorder in recorders:
         recorder.start()
     time.sleep(1.0)
@@ -783,3 +790,60 @@ def test_active_active_eventual_members_all_accept_writes_and_converge(cluster_f
     rejoined = redis.Redis(port=cluster.port(victim), socket_timeout=5, protocol=2)
     rejoined.execute_command("READONLY")
     assert [rejoined.get(key) for key in written] == list(written.values())
+
+
+def test_active_active_strong_cluster_is_linearizable_through_kills_and_stops(cluster_factory, tmp_path):
+    cluster = cluster_factory("strong", topology="aa")
+
+    def stop_and_continue():
+        pid = cluster.pid("node-4")
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(2 * FAILURE_TIMEOUT_MS / 1000)
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(1.5)
+
+    # Cluster clients send a key to its shard's first member; plain clients to
+    # whichever node they hold, which proposes itself when it is a member.
+    faults = [kill_node(cluster, 0), kill_node(cluster, 3), stop_and_continue]
+    recorders, keys, marks = run_with_faults(cluster, faults, clients=2, plain_clients=4)
+    operations = [operation for recorder in recorders for operation in recorder.history]
+    completed = [operation for operation in operations if operation["outcome"] != "unknown"]
+    assert len(completed) > 500, f"too little traffic got through: {len(completed)}"
+    reader = cluster.client()
+    final = now_us()
+    for key in keys:
+        found = reader.get(key)
+        operations.append({
+            "client": 99, "key": key, "call": "get", "outcome": "value",
+            "result": None if found is None else found.decode(), "invoked": final, "completed": now_us(),
+        })
+    verdict = check_history(tmp_path, operations)
+    assert verdict.startswith("linearizable"), verdict
+    failures = sum(recorder.failures for recorder in recorders)
+    print(f"\n{verdict}; {failures} client errors; faults: {[name for name, _ in marks[:-1]]}")
+    cluster.wait_for_full_shards(timeout=60)
+
+    # Read-modify-writes from every member at once stay exact: each INCR that
+    # answered is counted once, and those that did not answer at most once.
+    members = [redis.Redis(port=cluster.port(member), socket_timeout=5, protocol=2)
+               for member in cluster.shard(0)["members"]]
+    first, last = cluster.shard(0)["slots"][0]
+    counter = next(key for key in (f"counter:{index}" for index in range(1000)) if first <= key_slot(key.encode()) <= last)
+    answered, unanswered = [], []
+
+    def incr(connection):
+        for _ in range(100):
+            try:
+                answered.append(connection.incr(counter))
+            except redis.RedisError as error:
+                unanswered.append(str(error))
+
+    threads = [threading.Thread(target=incr, args=(member,)) for member in members]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(set(answered)) == len(answered), "two INCRs answered the same value"
+    total = int(members[0].get(counter))
+    assert len(answered) <= total <= len(answered) + len(unanswered), (total, len(answered), unanswered[:3])
+    assert members[0].execute_command("CONSISTENCY") == [b"strong", b"strong"]

@@ -18,7 +18,7 @@ use tessera_engine::{Engine, EngineSpec};
 use tessera_protocol::{
     ChainOptions, ChainReplication, ClientReply, ClientRequest, Effect, Effects, MultiMaster,
     MultiMasterOptions, NodeId, Operation, PrimaryBackup, PrimaryBackupOptions, Progress, Protocol,
-    RequestId, ShardView,
+    QuorumOptions, QuorumRegister, RequestId, ShardView,
 };
 use tessera_wire::prefix::unescape_prefix;
 use tessera_wire::slot::SLOTS;
@@ -104,8 +104,9 @@ impl Pending {
     }
 }
 
-/// What a write's answer means for the client that asked.
-fn outcome(reply: &ClientReply) -> Result<(), String> {
+/// What a protocol's answer means for the client that asked: success, or the
+/// error to tell it.
+pub fn outcome(reply: &ClientReply) -> Result<(), String> {
     match reply {
         ClientReply::Value(_) | ClientReply::Written => Ok(()),
         ClientReply::Retry(reason) => Err(format!("TRYAGAIN {reason}")),
@@ -570,6 +571,9 @@ impl Agent {
             }
             ReplicationMode::AaEventual => {
                 Box::new(MultiMaster::new(me, engine.clone(), MultiMasterOptions::default()))
+            }
+            ReplicationMode::AaStrong => {
+                Box::new(QuorumRegister::new(me, engine.clone(), QuorumOptions::default()))
             }
         };
         let view = ShardView { number: 0, replicas: Vec::new(), learners: Vec::new(), lease_until: 0 };

@@ -3,6 +3,7 @@
 //! instead of stored. The command layer runs unchanged on top; what it wrote
 //! goes through replication as values, so replicas stay byte-identical.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -13,11 +14,19 @@ use tessera_protocol::{read_visible, Record, Write};
 pub struct CapturingView {
     engine: Arc<dyn Engine>,
     captured: Mutex<Vec<(Bytes, Write)>>,
+    /// Values some keys are read as instead of the local copy's.
+    pins: HashMap<Bytes, Option<Bytes>>,
 }
 
 impl CapturingView {
     pub fn new(engine: Arc<dyn Engine>) -> Self {
-        Self { engine, captured: Mutex::new(Vec::new()) }
+        Self::pinned(engine, HashMap::new())
+    }
+
+    /// A view whose reads of the pinned keys see the given values (what a
+    /// quorum read answered) rather than this replica's copy.
+    pub fn pinned(engine: Arc<dyn Engine>, pins: HashMap<Bytes, Option<Bytes>>) -> Self {
+        Self { engine, captured: Mutex::new(Vec::new()), pins }
     }
 
     /// The writes made through the view, in order, leaving it empty.
@@ -43,7 +52,7 @@ impl Engine for CapturingView {
                 Write::Delete => None,
             },
         );
-        match own {
+        match own.or_else(|| self.pins.get(key).cloned()) {
             Some(value) => Ok(value),
             None => read_visible(self.engine.as_ref(), key).map_err(EngineError::Corrupt),
         }

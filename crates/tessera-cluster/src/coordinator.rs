@@ -58,6 +58,7 @@ impl ClusterCoordinator {
         let admission = match map.mode {
             ReplicationMode::MsStrong => Admission::Learner,
             ReplicationMode::MsEventual | ReplicationMode::AaEventual => Admission::Backup,
+            ReplicationMode::AaStrong => Admission::Quorum { min_members: map.replicas / 2 + 1 },
         };
         let config = CoordinatorConfig {
             lease_ms: timing.lease_ms,

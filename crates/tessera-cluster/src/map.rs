@@ -28,6 +28,8 @@ pub enum ReplicationMode {
     /// Active–active, eventually consistent: every member accepts writes,
     /// last writer wins.
     AaEventual,
+    /// Active–active, linearizable: every member proposes (CASPaxos per key).
+    AaStrong,
 }
 
 impl ReplicationMode {
@@ -36,6 +38,7 @@ impl ReplicationMode {
             Self::MsStrong => "ms+sc",
             Self::MsEventual => "ms+ec",
             Self::AaEventual => "aa+ec",
+            Self::AaStrong => "aa+sc",
         }
     }
 
@@ -46,7 +49,7 @@ impl ReplicationMode {
             ("ms", "strong") => Ok(Self::MsStrong),
             ("ms", "eventual") => Ok(Self::MsEventual),
             ("aa", "eventual") => Ok(Self::AaEventual),
-            ("aa", "strong") => Err("aa+sc (active–active, strong) is not available yet".into()),
+            ("aa", "strong") => Ok(Self::AaStrong),
             ("ms" | "aa", other) => Err(format!("unknown consistency {other:?}; choose strong or eventual")),
             (other, _) => Err(format!("unknown topology {other:?}; choose ms or aa")),
         }
@@ -54,7 +57,13 @@ impl ReplicationMode {
 
     /// Whether every member of a group accepts writes.
     pub fn active_active(self) -> bool {
-        matches!(self, Self::AaEventual)
+        matches!(self, Self::AaEventual | Self::AaStrong)
+    }
+
+    /// Whether groups are quorum registers: strong operations go through the
+    /// protocol, not a head's copy.
+    pub fn quorum(self) -> bool {
+        matches!(self, Self::AaStrong)
     }
 }
 

@@ -19,7 +19,7 @@ use parking_lot::Mutex;
 use tessera_cluster::agent::{Agent, AgentConfig, Completion, Refusal, Routing};
 use tessera_cluster::capture::CapturingView;
 use tessera_cluster::map::range_index;
-use tessera_cluster::{ClusterMap, DEFAULT_TABLE};
+use tessera_cluster::{ClusterMap, ReplicationMode, DEFAULT_TABLE};
 use tessera_engine::{Engine, EngineKind, EngineSpec, KeyRange, ScanCursor};
 use tessera_protocol::Operation;
 use tessera_wire::prefix::{escape_prefix, unescape_prefix};
@@ -342,7 +342,13 @@ impl ClusterNode {
     /// Whether a read asking for strong consistency gets it (not in an
     /// active–active eventual cluster, which has no strong reads).
     pub fn strong_reads(&self) -> bool {
-        self.agent.routing().is_some_and(|routing| !routing.map.mode.active_active())
+        self.agent.routing().is_some_and(|routing| routing.map.mode != ReplicationMode::AaEventual)
+    }
+
+    /// Whether groups are quorum registers (AA+SC): strong commands run
+    /// through the protocol rather than on this node's copy.
+    pub fn quorum_groups(&self) -> bool {
+        self.agent.routing().is_some_and(|routing| routing.map.mode.quorum())
     }
 
     /// The map this node routes by.

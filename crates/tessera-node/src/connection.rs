@@ -9,9 +9,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
-use tessera_cluster::agent::Completion;
+use std::collections::HashMap;
+use tessera_cluster::agent::{outcome, Completion};
 use tessera_cluster::capture::CapturingView;
-use tessera_protocol::{Operation, Write};
+
+use bytes::Bytes;
+use tessera_protocol::quorum::CHANGED;
+use tessera_protocol::{ClientReply, Operation, Record, Write};
 use tessera_wire::{Parsed, Protocol, ReplyWriter, Request, RequestParser};
 
 use crate::cluster::{ClusterNode, Forwarder, Placement};
@@ -355,6 +359,12 @@ async fn serve_in_cluster(
             }
             None
         }
+        Placement::Shard { shard, .. } if strong && cluster.quorum_groups() => {
+            level_header(context.out);
+            let keys: Vec<Bytes> = keys().map(Bytes::copy_from_slice).collect();
+            run_on_quorum(cluster, context, request, &keys, shard).await;
+            None
+        }
         Placement::Shard { shard, barrier } => {
             if write {
                 cluster.agent.wait_for_room().await;
@@ -411,4 +421,117 @@ async fn serve_in_cluster(
             (!waits.is_empty()).then(|| Deferred { start, end: context.out.len(), waits })
         }
     }
+}
+
+/// How many times a command on a quorum group runs before its keys are
+/// declared too busy.
+const QUORUM_ATTEMPTS: usize = 8;
+
+/// A command on a quorum group (AA+SC): its keys are fetched through the
+/// protocol, it runs on those values, and what it wrote is written only if
+/// each key is still as fetched; if one changed meanwhile, the command runs
+/// again on fresh values. Each key is linearizable; a command's writes to
+/// several keys are not atomic together.
+async fn run_on_quorum(
+    cluster: &ClusterNode,
+    context: &mut Context<'_>,
+    request: &Request<'_>,
+    keys: &[Bytes],
+    shard: u32,
+) {
+    let start = context.out.len();
+    for _ in 0..QUORUM_ATTEMPTS {
+        context.out.truncate(start);
+        let fetched = match fetch_records(cluster, shard, keys).await {
+            Ok(fetched) => fetched,
+            Err(message) => return context.out.error(&message),
+        };
+        let Some(engine) = cluster.agent.engine(shard) else {
+            return context.out.error("TRYAGAIN the shard is being opened");
+        };
+        let pins = fetched
+            .iter()
+            .map(|(key, record)| (key.clone(), record.as_ref().and_then(|record| record.visible().cloned())))
+            .collect();
+        let view = CapturingView::pinned(engine, pins);
+        let mut on_shard = Context {
+            store: context.store,
+            tables: context.tables,
+            session: &mut *context.session,
+            out: &mut *context.out,
+            stats: context.stats,
+            now_ms: context.now_ms,
+            engine_override: Some(&view),
+            locks_held: false,
+        };
+        dispatch(&mut on_shard, request);
+        // The last write to each key is the one that counts.
+        let mut writes: Vec<(Bytes, Write)> = Vec::new();
+        for (key, write) in view.take() {
+            writes.retain(|(written, _)| *written != key);
+            writes.push((key, write));
+        }
+        if writes.is_empty() {
+            return;
+        }
+        if let Some((key, _)) = writes.iter().find(|(key, _)| !fetched.contains_key(key)) {
+            context.out.truncate(start);
+            return context.out.error(&format!(
+                "ERR this command writes {:?}, which it does not name; active–active strong tables take commands that write only their own keys",
+                String::from_utf8_lossy(key)
+            ));
+        }
+        let operations = writes
+            .into_iter()
+            .map(|(key, write)| {
+                let expected = fetched[&key].as_ref().map(|record| (record.version, record.origin));
+                Operation::WriteIf { key, expected, write }
+            })
+            .collect();
+        let mut changed = false;
+        for pending in cluster.agent.begin_all(shard, operations) {
+            match pending.answer().await {
+                ClientReply::Written | ClientReply::Value(_) => {}
+                ClientReply::Retry(reason) if reason == CHANGED => changed = true,
+                other => {
+                    context.out.truncate(start);
+                    return context.out.error(
+                        &outcome(&other)
+                            .err()
+                            .unwrap_or_else(|| "ERR unexpected answer from the group".into()),
+                    );
+                }
+            }
+        }
+        if !changed {
+            return;
+        }
+    }
+    context.out.truncate(start);
+    context.out.error("TRYAGAIN the keys kept changing under concurrent writes");
+}
+
+/// Each key's newest record, read through the quorum.
+async fn fetch_records(
+    cluster: &ClusterNode,
+    shard: u32,
+    keys: &[Bytes],
+) -> Result<HashMap<Bytes, Option<Record>>, String> {
+    let operations = keys.iter().map(|key| Operation::Fetch { key: key.clone() }).collect();
+    let mut fetched = HashMap::new();
+    for (key, pending) in keys.iter().zip(cluster.agent.begin_all(shard, operations)) {
+        let record = match pending.answer().await {
+            ClientReply::Value(None) => None,
+            ClientReply::Value(Some(raw)) => {
+                Some(Record::decode(raw).map_err(|error| format!("ERR a replica sent {error}"))?)
+            }
+            other => {
+                return Err(outcome(&other)
+                    .err()
+                    .unwrap_or_else(|| "ERR unexpected answer from the group".into()))
+            }
+        };
+        fetched.insert(key.clone(), record);
+    }
+    Ok(fetched)
 }

@@ -25,7 +25,7 @@
 //! answered only within the receiver's view. Promises are kept in memory: a
 //! replica that restarts comes back as a new incarnation.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -67,6 +67,9 @@ impl Default for QuorumOptions {
         }
     }
 }
+
+/// The reason a conditional write answers `Retry` when its key changed.
+pub const CHANGED: &str = "the key changed since it was read";
 
 /// A ballot: the version a proposer stamps and the proposer. Ordered like the
 /// records it becomes.
@@ -157,6 +160,9 @@ enum Phase {
     Backoff {
         until: Time,
     },
+    /// Waiting for this replica's earlier proposal on the same key: proposals
+    /// of one replica on one key never duel.
+    Parked,
 }
 
 /// An answer to one phase, by member.
@@ -200,6 +206,8 @@ pub struct QuorumRegister {
     promises: HashMap<Bytes, Ballot>,
     /// In a map that iterates in order, so that a simulated run replays.
     proposals: BTreeMap<u64, Proposal>,
+    /// Keys with a proposal under way here, and the proposals parked behind it.
+    busy: HashMap<Bytes, VecDeque<u64>>,
     next_op: u64,
     /// As a learner: snapshots gathered per member, and who has delivered.
     assemblies: HashMap<NodeId, SnapshotAssembly>,
@@ -219,6 +227,7 @@ impl QuorumRegister {
             hlc: Hlc::default(),
             promises: HashMap::new(),
             proposals: BTreeMap::new(),
+            busy: HashMap::new(),
             next_op: 1,
             assemblies: HashMap::new(),
             merged_from: BTreeSet::new(),
@@ -345,7 +354,7 @@ impl QuorumRegister {
             Phase::Accept { record, .. } => {
                 QuorumMessage::Accept { view, op, key: key.clone(), record: record.encode() }
             }
-            Phase::Backoff { .. } => {
+            Phase::Backoff { .. } | Phase::Parked => {
                 self.proposals.insert(old_op, proposal);
                 return;
             }
@@ -391,20 +400,16 @@ impl QuorumRegister {
         let accepting = matches!(proposal.phase, Phase::Accept { .. });
         proposal.attempt += 1;
         if accepting && !proposal.restartable() {
-            let request = proposal.request;
-            self.proposals.remove(&op);
             let reason = "a concurrent proposal or a lost majority interrupted the write";
-            return fx.reply(request, ClientReply::Unknown(reason));
+            return self.finish(op, ClientReply::Unknown(reason), fx);
         }
         if proposal.attempt >= self.options.attempts_max {
-            let request = proposal.request;
-            self.proposals.remove(&op);
             let reply = if accepting {
                 ClientReply::Unknown("no majority accepted the write")
             } else {
                 ClientReply::Retry("no majority answered")
             };
-            return fx.reply(request, reply);
+            return self.finish(op, reply, fx);
         }
         // A spread that grows with the attempt keeps proposers of one key apart.
         let spread = self.options.backoff_ms * proposal.attempt as u64;
@@ -416,7 +421,7 @@ impl QuorumRegister {
     fn on_answer(&mut self, from: NodeId, op: u64, answer: Answer, fx: &mut Effects) {
         let majority = self.majority();
         let Some(proposal) = self.proposals.get_mut(&op) else { return };
-        if matches!(proposal.phase, Phase::Backoff { .. }) {
+        if matches!(proposal.phase, Phase::Backoff { .. } | Phase::Parked) {
             return;
         }
         if let Answer::Refused(highest) = answer {
@@ -456,9 +461,7 @@ impl QuorumRegister {
                         Operation::Fetch { .. } => records[0].as_ref().map(Record::encode),
                         _ => records[0].as_ref().and_then(|record| record.visible().cloned()),
                     };
-                    let request = proposal.request;
-                    self.proposals.remove(&op);
-                    return fx.reply(request, ClientReply::Value(value));
+                    return self.finish(op, ClientReply::Value(value), fx);
                 }
                 self.start_prepare(op, fx);
             }
@@ -475,16 +478,12 @@ impl QuorumRegister {
                     Operation::Get { .. } | Operation::Fetch { .. } => match &newest {
                         // Nothing anywhere: nothing to write back.
                         None => {
-                            let request = proposal.request;
-                            self.proposals.remove(&op);
-                            return fx.reply(request, ClientReply::Value(None));
+                            return self.finish(op, ClientReply::Value(None), fx);
                         }
                         Some(record) => (record.visible().cloned(), ClientReply::Value(current)),
                     },
                     Operation::WriteIf { expected, .. } if newest.as_ref().map(ballot_of) != *expected => {
-                        let request = proposal.request;
-                        self.proposals.remove(&op);
-                        return fx.reply(request, ClientReply::Retry("the key changed since it was read"));
+                        return self.finish(op, ClientReply::Retry(CHANGED), fx);
                     }
                     Operation::WriteIf { write: Write::Put(value), .. } | Operation::Put { value, .. } => {
                         (Some(value.clone()), ClientReply::Written)
@@ -494,9 +493,7 @@ impl QuorumRegister {
                     Operation::Increment { delta, .. } => match increment_value(current.as_deref(), *delta) {
                         Ok(updated) => (Some(updated.clone()), ClientReply::Value(Some(updated))),
                         Err(error) => {
-                            let request = proposal.request;
-                            self.proposals.remove(&op);
-                            return fx.reply(request, ClientReply::Failed(error));
+                            return self.finish(op, ClientReply::Failed(error), fx);
                         }
                     },
                 };
@@ -512,12 +509,32 @@ impl QuorumRegister {
                 proposal.phase = Phase::Accept { record, reply };
                 self.send_phase(op, fx);
             }
-            Phase::Accept { reply, .. } => {
-                let request = proposal.request;
-                self.proposals.remove(&op);
-                fx.reply(request, reply);
+            Phase::Accept { reply, .. } => self.finish(op, reply, fx),
+            Phase::Backoff { .. } | Phase::Parked => {}
+        }
+    }
+
+    /// Answers a proposal and starts the next one parked behind it on its key.
+    fn finish(&mut self, op: u64, reply: ClientReply, fx: &mut Effects) {
+        let Some(proposal) = self.proposals.remove(&op) else { return };
+        fx.reply(proposal.request, reply);
+        let key = proposal.key();
+        match self.busy.get_mut(key).and_then(VecDeque::pop_front) {
+            Some(next) => self.begin(next, fx),
+            None => {
+                self.busy.remove(key);
             }
-            Phase::Backoff { .. } => {}
+        }
+    }
+
+    /// Runs a proposal's first phase: a look for reads, a prepare for writes.
+    fn begin(&mut self, op: u64, fx: &mut Effects) {
+        let Some(proposal) = self.proposals.get_mut(&op) else { return };
+        if proposal.restartable() {
+            proposal.phase = Phase::Peek;
+            self.send_phase(op, fx);
+        } else {
+            self.start_prepare(op, fx);
         }
     }
 
@@ -565,25 +582,24 @@ impl Protocol for QuorumRegister {
         }
         let op = self.next_op;
         self.next_op += 1;
-        let phase = if matches!(request.operation, Operation::Get { .. } | Operation::Fetch { .. }) {
-            Phase::Peek
-        } else {
-            Phase::Backoff { until: 0 }
-        };
         let proposal = Proposal {
             request: request.id,
             operation: request.operation,
-            phase,
+            phase: Phase::Parked,
             answers: BTreeMap::new(),
             deadline: 0,
             attempt: 0,
         };
-        let peek = matches!(proposal.phase, Phase::Peek);
-        self.proposals.insert(op, proposal);
-        if peek {
-            self.send_phase(op, fx);
-        } else {
-            self.start_prepare(op, fx);
+        match self.busy.get_mut(proposal.key()) {
+            Some(queue) => {
+                queue.push_back(op);
+                self.proposals.insert(op, proposal);
+            }
+            None => {
+                self.busy.insert(proposal.key().clone(), VecDeque::new());
+                self.proposals.insert(op, proposal);
+                self.begin(op, fx);
+            }
         }
     }
 
@@ -669,6 +685,7 @@ impl Protocol for QuorumRegister {
             .proposals
             .iter()
             .filter_map(|(op, proposal)| match proposal.phase {
+                Phase::Parked => None,
                 Phase::Backoff { until } => (now >= until).then_some((*op, true)),
                 _ => (now >= proposal.deadline).then_some((*op, false)),
             })
