@@ -16,7 +16,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use parking_lot::Mutex;
-use tessera_cluster::agent::{Agent, AgentConfig, Completion, Refusal, Routing};
+use tessera_cluster::agent::{Agent, AgentConfig, Completion, Refusal, Role, Routing};
 use tessera_cluster::capture::CapturingView;
 use tessera_cluster::map::range_index;
 use tessera_cluster::{ClusterMap, ReplicationMode, DEFAULT_TABLE};
@@ -404,6 +404,13 @@ impl ClusterNode {
         Ok(())
     }
 
+    /// Whether this node is a group's first member: where node-wide commands
+    /// (SCAN, DBSIZE, FLUSHALL) take the group's keys, so that across the nodes
+    /// each key counts once, whatever the mode lets other members do.
+    fn heads(&self, group: u32) -> bool {
+        matches!(self.agent.role(group), Some(Role::Head | Role::Alone))
+    }
+
     /// The groups this node heads, as tables over their replicated values:
     /// what SCAN, KEYS and DBSIZE walk on a cluster node, so that across the
     /// nodes every key is seen once, at its head.
@@ -411,8 +418,8 @@ impl ClusterNode {
         let map = self.map()?;
         let mut tables = Vec::new();
         for group in self.agent.shards().into_keys() {
-            let (Ok(()), Some(engine), Some(shard)) =
-                (self.agent.check_write(group), self.agent.engine(group), map.shard(group))
+            let (true, Some(engine), Some(shard)) =
+                (self.heads(group), self.agent.engine(group), map.shard(group))
             else {
                 continue;
             };
@@ -462,7 +469,7 @@ impl ClusterNode {
         let mut pendings = Vec::new();
         let mut deleted = Vec::new();
         for group in self.agent.shards().into_keys() {
-            let (Ok(()), Some(engine)) = (self.agent.check_write(group), self.agent.engine(group)) else {
+            let (true, Some(engine)) = (self.heads(group), self.agent.engine(group)) else {
                 continue;
             };
             let view = CapturingView::new(engine);
