@@ -19,7 +19,8 @@ RECORDS=${1:-20000}
 SECONDS_PER_RUN=${2:-8}
 CONNECTIONS=${3:-16}
 REPEATS=${4:-3}
-BASE_PORT=27000
+# Peers listen on port + 10000: keep them below the ephemeral range (32768+).
+BASE_PORT=20000
 
 cargo build --release -q -p tessera-cli
 TESSERA="$PWD/target/release/tessera"
