@@ -2,21 +2,19 @@
 //! it, write all the replies in one go. Pipelined requests therefore cost one
 //! read and one write per batch, and nothing hops threads on the way.
 
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
-use tokio::net::TcpStream;
-use tokio::sync::watch;
-
-use std::collections::HashMap;
+use bytes::Bytes;
 use tessera_cluster::agent::{outcome, Completion};
 use tessera_cluster::capture::CapturingView;
-
-use bytes::Bytes;
 use tessera_protocol::quorum::CHANGED;
 use tessera_protocol::{ClientReply, Operation, Record, Write};
 use tessera_wire::{Parsed, Protocol, ReplyWriter, Request, RequestParser};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
 
 use crate::cluster::{ClusterNode, Forwarder, Placement};
 use crate::commands::consistency::{level_got, parse_level, wrapped_read};
@@ -495,11 +493,7 @@ async fn run_on_quorum(
                 ClientReply::Retry(reason) if reason == CHANGED => changed = true,
                 other => {
                     context.out.truncate(start);
-                    return context.out.error(
-                        &outcome(&other)
-                            .err()
-                            .unwrap_or_else(|| "ERR unexpected answer from the group".into()),
-                    );
+                    return context.out.error(&failure(&other));
                 }
             }
         }
@@ -525,13 +519,14 @@ async fn fetch_records(
             ClientReply::Value(Some(raw)) => {
                 Some(Record::decode(raw).map_err(|error| format!("ERR a replica sent {error}"))?)
             }
-            other => {
-                return Err(outcome(&other)
-                    .err()
-                    .unwrap_or_else(|| "ERR unexpected answer from the group".into()))
-            }
+            other => return Err(failure(&other)),
         };
         fetched.insert(key.clone(), record);
     }
     Ok(fetched)
+}
+
+/// The error for an answer that is not the success expected.
+fn failure(reply: &ClientReply) -> String {
+    outcome(reply).err().unwrap_or_else(|| "ERR unexpected answer from the group".into())
 }
