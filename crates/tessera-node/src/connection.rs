@@ -360,7 +360,7 @@ async fn serve_in_cluster(
         Placement::Shard { shard, .. } if strong && cluster.quorum_groups() => {
             level_header(context.out);
             let keys: Vec<Bytes> = keys().map(Bytes::copy_from_slice).collect();
-            run_on_quorum(cluster, context, request, &keys, shard).await;
+            run_on_quorum(cluster, context, request, &keys, shard, write).await;
             None
         }
         Placement::Shard { shard, barrier } => {
@@ -425,22 +425,30 @@ async fn serve_in_cluster(
 /// declared too busy.
 const QUORUM_ATTEMPTS: usize = 8;
 
-/// A command on a quorum group (AA+SC): its keys are fetched through the
-/// protocol, it runs on those values, and what it wrote is written only if
-/// each key is still as fetched; if one changed meanwhile, the command runs
-/// again on fresh values. Each key is linearizable; a command's writes to
-/// several keys are not atomic together.
+/// A command on a quorum group (AA+SC): it runs on its keys' records, and
+/// what it wrote is written only if each key's newest record is still the one
+/// it ran on; if one changed, the command runs again on records fetched
+/// through the quorum. A write first tries this member's own records (its
+/// proposals keep them current, so a key written through one member commits
+/// in a prepare and an accept); a read always fetches. Each key is
+/// linearizable; a command's writes to several keys are not atomic together.
 async fn run_on_quorum(
     cluster: &ClusterNode,
     context: &mut Context<'_>,
     request: &Request<'_>,
     keys: &[Bytes],
     shard: u32,
+    write: bool,
 ) {
     let start = context.out.len();
-    for _ in 0..QUORUM_ATTEMPTS {
+    for attempt in 0..QUORUM_ATTEMPTS {
         context.out.truncate(start);
-        let fetched = match fetch_records(cluster, shard, keys).await {
+        let records = if write && attempt == 0 {
+            local_records(cluster, shard, keys)
+        } else {
+            fetch_records(cluster, shard, keys).await
+        };
+        let fetched = match records {
             Ok(fetched) => fetched,
             Err(message) => return context.out.error(&message),
         };
@@ -503,6 +511,23 @@ async fn run_on_quorum(
     }
     context.out.truncate(start);
     context.out.error("TRYAGAIN the keys kept changing under concurrent writes");
+}
+
+/// Each key's record as this member holds it: a guess a conditional write
+/// checks.
+fn local_records(
+    cluster: &ClusterNode,
+    shard: u32,
+    keys: &[Bytes],
+) -> Result<HashMap<Bytes, Option<Record>>, String> {
+    let engine = cluster.agent.engine(shard).ok_or("TRYAGAIN the shard is being opened")?;
+    let mut records = HashMap::new();
+    for key in keys {
+        let raw = engine.get(key).map_err(|error| format!("ERR {error}"))?;
+        let record = raw.map(Record::decode).transpose().map_err(|error| format!("ERR {error}"))?;
+        records.insert(key.clone(), record);
+    }
+    Ok(records)
 }
 
 /// Each key's newest record, read through the quorum.
