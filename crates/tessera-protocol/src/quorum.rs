@@ -23,7 +23,8 @@
 //! time) and then reports itself ready; the coordinator keeps a majority of the
 //! replication factor in the view. Messages carry the view number and are
 //! answered only within the receiver's view. Promises are kept in memory: a
-//! replica that restarts comes back as a new incarnation.
+//! replica that restarts with its records refuses every ballot it may have
+//! promised away (see `RESTART_PROMISE_MARGIN_MS`).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
@@ -67,6 +68,12 @@ impl Default for QuorumOptions {
         }
     }
 }
+
+/// A replica that restarts on a persistent engine has forgotten the promises
+/// it made: it refuses every ballot below its clock at restart plus this
+/// margin, which stands above any ballot it can have promised unless a
+/// proposer's clock ran this far ahead of its own.
+const RESTART_PROMISE_MARGIN_MS: u64 = 10_000;
 
 /// The reason a conditional write answers `Retry` when its key changed.
 pub const CHANGED: &str = "the key changed since it was read";
@@ -204,6 +211,10 @@ pub struct QuorumRegister {
     hlc: Hlc,
     /// Per key, the highest ballot promised and not yet accepted.
     promises: HashMap<Bytes, Ballot>,
+    /// After a restart with state, a promise on every key (set at the first
+    /// event, when the clock is known): see [`RESTART_PROMISE_MARGIN_MS`].
+    promise_floor: Option<Ballot>,
+    restarted_with_state: bool,
     /// In a map that iterates in order, so that a simulated run replays.
     proposals: BTreeMap<u64, Proposal>,
     /// Keys with a proposal under way here, and the proposals parked behind it.
@@ -219,6 +230,7 @@ pub struct QuorumRegister {
 
 impl QuorumRegister {
     pub fn new(me: NodeId, engine: Arc<dyn Engine>, options: QuorumOptions) -> Self {
+        let restarted_with_state = engine.is_empty().map_or(true, |empty| !empty);
         Self {
             me,
             engine,
@@ -226,6 +238,8 @@ impl QuorumRegister {
             view: None,
             hlc: Hlc::default(),
             promises: HashMap::new(),
+            promise_floor: None,
+            restarted_with_state,
             proposals: BTreeMap::new(),
             busy: HashMap::new(),
             next_op: 1,
@@ -269,6 +283,14 @@ impl QuorumRegister {
 
     // --- Acceptor ---
 
+    /// The promise a restarted replica holds on every key.
+    fn floor(&mut self, now: Time) -> Option<Ballot> {
+        if self.restarted_with_state && self.promise_floor.is_none() {
+            self.promise_floor = Some((Version::new(now + RESTART_PROMISE_MARGIN_MS, 0), NodeId(0)));
+        }
+        self.promise_floor
+    }
+
     fn on_prepare(&mut self, key: &Bytes, ballot: Ballot, now: Time) -> Answer {
         let accepted = match self.accepted(key) {
             Ok(accepted) => accepted,
@@ -277,7 +299,8 @@ impl QuorumRegister {
                 return Answer::Refused(Version(0));
             }
         };
-        let floor = accepted.as_ref().map(ballot_of).max(self.promises.get(key).copied());
+        let promised = self.promises.get(key).copied().max(self.floor(now));
+        let floor = accepted.as_ref().map(ballot_of).max(promised);
         self.hlc.observe(ballot.0, now);
         if floor.is_some_and(|floor| ballot <= floor) {
             return Answer::Refused(floor.map_or(Version(0), |(version, _)| version));
@@ -295,7 +318,7 @@ impl QuorumRegister {
                 return Answer::Refused(Version(0));
             }
         };
-        let promised = self.promises.get(key).copied();
+        let promised = self.promises.get(key).copied().max(self.floor(now));
         self.hlc.observe(ballot.0, now);
         if promised.is_some_and(|promised| ballot < promised)
             || accepted.is_some_and(|accepted| ballot <= accepted)
@@ -874,6 +897,29 @@ mod tests {
             client(&mut replicas, 1, write_if(7, Some(ballot_of(&current)), "second"), None).0,
             vec![ClientReply::Written]
         );
+    }
+
+    #[test]
+    fn a_replica_restarted_with_state_refuses_ballots_it_may_have_promised_away() {
+        let engine: Arc<dyn Engine> = Arc::new(MemoryEngine::new());
+        engine
+            .put(b"k", Record::value(Version::new(50, 0), NodeId(1), Bytes::from_static(b"v")).encode())
+            .unwrap();
+        let mut restarted = QuorumRegister::new(NodeId(2), engine, QuorumOptions::default());
+        let key = Bytes::from_static(b"k");
+        let late = Record::value(Version::new(900, 0), NodeId(3), Bytes::from_static(b"late"));
+        assert!(
+            matches!(restarted.on_accept(&key, late, 1_000), Answer::Refused(_)),
+            "a ballot from before the restart"
+        );
+        let fresh = (Version::new(1_000 + RESTART_PROMISE_MARGIN_MS + 1, 0), NodeId(3));
+        assert!(matches!(restarted.on_prepare(&key, fresh, 1_000), Answer::Promised(Some(_))));
+        let mut empty =
+            QuorumRegister::new(NodeId(4), Arc::new(MemoryEngine::new()), QuorumOptions::default());
+        assert!(matches!(
+            empty.on_prepare(&key, (Version::new(1, 0), NodeId(3)), 1_000),
+            Answer::Promised(None)
+        ));
     }
 
     #[test]
