@@ -284,6 +284,11 @@ struct State {
 }
 
 impl State {
+    /// Whether every member of a group serves it (the map's mode is active–active).
+    fn active_active(&self) -> bool {
+        self.routing.as_ref().is_some_and(|routing| routing.map.mode.active_active())
+    }
+
     /// A new request to a shard's protocol, and where its answer will arrive.
     fn register(&mut self, shard: u32) -> (RequestId, oneshot::Receiver<ClientReply>) {
         let id = RequestId(self.next_request);
@@ -441,15 +446,13 @@ impl Agent {
     /// Whether this node may order writes for a shard now: its head, or in
     /// an active–active mode any member.
     pub fn check_write(&self, shard: u32) -> Result<(), Refusal> {
-        match self.role(shard) {
-            Some(Role::Head | Role::Alone) => Ok(()),
-            Some(Role::Middle | Role::Tail) if self.active_active() => Ok(()),
+        let state = self.state.lock();
+        let replica = state.shards.get(&shard).ok_or(Refusal::NotOwner)?;
+        match replica.view.position(NodeId(self.config.node)) {
+            Some(0) => Ok(()),
+            Some(_) if state.active_active() => Ok(()),
             _ => Err(Refusal::NotOwner),
         }
-    }
-
-    fn active_active(&self) -> bool {
-        self.state.lock().routing.as_ref().is_some_and(|routing| routing.map.mode.active_active())
     }
 
     /// Whether this node may answer a read of a shard from its own copy. A
@@ -461,9 +464,9 @@ impl Agent {
         let replica = state.shards.get(&shard).ok_or(Refusal::NotOwner)?;
         let me = NodeId(self.config.node);
         let position = replica.view.position(me).ok_or(Refusal::NotOwner)?;
-        // Active–active eventual members answer every read from their copy.
-        let active_active = state.routing.as_ref().is_some_and(|routing| routing.map.mode.active_active());
-        if !strong || active_active {
+        // Active–active members answer every read they are given (a node runs
+        // an AA+SC group's strong ones through the protocol).
+        if !strong || state.active_active() {
             return Ok(None);
         }
         if position != 0 {
@@ -553,11 +556,7 @@ impl Agent {
         let table = map.shard(shard).map(|group| group.table.as_str()).unwrap_or(DEFAULT_TABLE);
         let spec = match map.table(table) {
             None => self.config.engine.clone(),
-            Some(table) => table
-                .engine
-                .parse()
-                .and_then(|kind| EngineSpec::new(kind, table.options.clone()))
-                .map_err(|error| format!("table {}: {error}", table.name))?,
+            Some(table) => table.engine_spec().map_err(|error| format!("table {}: {error}", table.name))?,
         };
         let engine = spec.open(&dir).map_err(|error| format!("shard {shard}: {error}"))?;
         let mode = map.mode;

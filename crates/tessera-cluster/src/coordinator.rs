@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use tessera_engine::{EngineError, EngineKind, EngineSpec};
+use tessera_engine::EngineKind;
 use tessera_protocol::coordinator::{Admission, CoordinatorConfig, ShardCoordinator};
 use tessera_protocol::{NodeId, Progress, ShardView};
 
@@ -216,12 +216,10 @@ impl ClusterCoordinator {
     /// same order (so a slot's head is usually the same node for every table).
     pub fn create_table(&mut self, table: ClusterTable, now: u64) -> Result<(), MapError> {
         let invalid = |message: String| MapError::Invalid(format!("table {}: {message}", table.name));
-        let kind: EngineKind =
-            table.engine.parse().map_err(|error: EngineError| invalid(error.to_string()))?;
-        if kind == EngineKind::Redis {
+        let spec = table.engine_spec().map_err(|error| invalid(error.to_string()))?;
+        if spec.kind == EngineKind::Redis {
             return Err(invalid("the redis engine cannot back a cluster's replica groups".into()));
         }
-        EngineSpec::new(kind, table.options.clone()).map_err(|error| invalid(error.to_string()))?;
         let mut map = self.map.clone();
         let first_id = map.shards.iter().map(|shard| shard.id + 1).max().unwrap_or(0);
         // A hash-partitioned table gets a group per default shard, on the same

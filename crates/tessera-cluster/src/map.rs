@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
+use tessera_engine::{EngineError, EngineSpec};
 use tessera_protocol::{NodeId, ShardView};
 use tessera_wire::prefix::{unescape_prefix, valid_table_name};
 use tessera_wire::slot::SLOTS;
@@ -110,6 +111,11 @@ pub struct ClusterTable {
 }
 
 impl ClusterTable {
+    /// The engine its groups run on, with its options checked.
+    pub fn engine_spec(&self) -> Result<EngineSpec, EngineError> {
+        EngineSpec::new(self.engine.parse()?, self.options.clone())
+    }
+
     /// The split keys as bytes (`None` for a hash-partitioned table or a
     /// malformed escape, which validation refuses).
     pub fn splits(&self) -> Option<Vec<Vec<u8>>> {

@@ -62,6 +62,9 @@ pub enum Placement {
     /// This node serves it from shard `shard`; a strong read first waits for
     /// `barrier` (the head's first write in its view) to commit.
     Shard { shard: u32, barrier: Option<Completion> },
+    /// A strong request on a quorum group (AA+SC) this node is a member of:
+    /// it runs through the protocol, not on this node's copy.
+    Quorum { shard: u32 },
     /// Another node is the owner; `forward_only` when a cluster client must
     /// not be told MOVED either (see [`ClusterNode::place`]).
     Elsewhere { slot: u16, address: String, forward_only: bool },
@@ -147,6 +150,7 @@ impl ClusterNode {
             self.agent.check_read(shard, strong)
         };
         match checked {
+            Ok(_) if strong && routing.map.mode.quorum() => Placement::Quorum { shard },
             Ok(barrier) => Placement::Shard { shard, barrier },
             Err(Refusal::LeaseExpired) => {
                 Placement::Refused("TRYAGAIN the shard's lease is being renewed".into())
@@ -345,12 +349,6 @@ impl ClusterNode {
         self.agent.routing().is_some_and(|routing| routing.map.mode != ReplicationMode::AaEventual)
     }
 
-    /// Whether groups are quorum registers (AA+SC): strong commands run
-    /// through the protocol rather than on this node's copy.
-    pub fn quorum_groups(&self) -> bool {
-        self.agent.routing().is_some_and(|routing| routing.map.mode.quorum())
-    }
-
     /// The map this node routes by.
     pub fn map(&self) -> CommandResult<Arc<ClusterMap>> {
         self.agent.routing().map(|routing| routing.map).ok_or_else(|| CommandError::Coded(NO_MAP_YET.into()))
@@ -425,11 +423,7 @@ impl ClusterNode {
             };
             let (def, spec) = match map.table(&shard.table) {
                 Some(table) => {
-                    let spec = table
-                        .engine
-                        .parse()
-                        .and_then(|kind| EngineSpec::new(kind, table.options.clone()))
-                        .map_err(CommandError::Engine)?;
+                    let spec = table.engine_spec().map_err(CommandError::Engine)?;
                     let def = TableDef {
                         name: format!("{}@{group}", table.name),
                         prefix: table.prefix.clone(),

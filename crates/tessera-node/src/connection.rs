@@ -326,11 +326,10 @@ async fn serve_in_cluster(
             (spec, request, write, write || !context.session.readonly)
         }
     };
-    let got = level_got(Some(cluster), strong);
     let level_header = |out: &mut ReplyWriter| {
         if wrapped.is_some() {
             out.array(2);
-            out.bulk(got.as_bytes());
+            out.bulk(level_got(Some(cluster), strong).as_bytes());
         }
     };
     let keys = || spec.key_positions(request.len()).map(|index| request.arg(index));
@@ -357,7 +356,7 @@ async fn serve_in_cluster(
             }
             None
         }
-        Placement::Shard { shard, .. } if strong && cluster.quorum_groups() => {
+        Placement::Quorum { shard } => {
             level_header(context.out);
             let keys: Vec<Bytes> = keys().map(Bytes::copy_from_slice).collect();
             run_on_quorum(cluster, context, request, &keys, shard, write).await;
@@ -383,17 +382,7 @@ async fn serve_in_cluster(
                 if strong {
                     waits.extend(keys().filter_map(|key| cluster.in_flight(key)));
                 }
-                let mut on_shard = Context {
-                    store: context.store,
-                    tables: context.tables,
-                    session: &mut *context.session,
-                    out: &mut *context.out,
-                    stats: context.stats,
-                    now_ms: context.now_ms,
-                    engine_override: Some(&view),
-                    locks_held: strong,
-                };
-                dispatch(&mut on_shard, request);
+                dispatch(&mut context.over(&view, strong), request);
                 let writes = view.take();
                 if write && !writes.is_empty() {
                     let operations = writes
@@ -460,17 +449,7 @@ async fn run_on_quorum(
             .map(|(key, record)| (key.clone(), record.as_ref().and_then(|record| record.visible().cloned())))
             .collect();
         let view = CapturingView::pinned(engine, pins);
-        let mut on_shard = Context {
-            store: context.store,
-            tables: context.tables,
-            session: &mut *context.session,
-            out: &mut *context.out,
-            stats: context.stats,
-            now_ms: context.now_ms,
-            engine_override: Some(&view),
-            locks_held: false,
-        };
-        dispatch(&mut on_shard, request);
+        dispatch(&mut context.over(&view, false), request);
         // The last write to each key is the one that counts.
         let mut writes: Vec<(Bytes, Write)> = Vec::new();
         for (key, write) in view.take() {

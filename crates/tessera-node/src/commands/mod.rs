@@ -64,6 +64,21 @@ pub struct Context<'a> {
 }
 
 impl<'a> Context<'a> {
+    /// This context with `view` in place of every table's engine (a shard's
+    /// view in a cluster); `locks_held` when the caller holds the keys' locks.
+    pub fn over<'b>(&'b mut self, view: &'b dyn Engine, locks_held: bool) -> Context<'b> {
+        Context {
+            store: self.store,
+            tables: self.tables,
+            session: &mut *self.session,
+            out: &mut *self.out,
+            stats: self.stats,
+            now_ms: self.now_ms,
+            engine_override: Some(view),
+            locks_held,
+        }
+    }
+
     /// The engine that holds `key`.
     pub fn engine(&self, key: &[u8]) -> &'a dyn Engine {
         match self.engine_override {
