@@ -159,10 +159,11 @@ impl HashTree {
 /// What one peer still has to receive from this replica.
 #[derive(Debug, Default)]
 struct Outbox {
-    /// Keys written here and not yet sent, at the version written.
-    unsent: BTreeMap<Bytes, Version>,
+    /// Keys written here and not yet sent, with the encoded record written
+    /// (the newest: a key written again is sent once).
+    unsent: BTreeMap<Bytes, Bytes>,
     /// Batches sent and not acknowledged: when last sent, and what.
-    in_flight: BTreeMap<u64, (Time, Vec<(Bytes, Version)>)>,
+    in_flight: BTreeMap<u64, (Time, Vec<(Bytes, Bytes)>)>,
 }
 
 impl Outbox {
@@ -237,6 +238,16 @@ impl MultiMaster {
         self.view.as_ref().and_then(|view| view.position(self.me)).is_some()
     }
 
+    /// Whether `node` is another member or a learner of the view (checked on
+    /// every message, so without collecting the peers).
+    fn is_peer(&self, node: NodeId) -> bool {
+        node != self.me
+            && self
+                .view
+                .as_ref()
+                .is_some_and(|view| view.replicas.contains(&node) || view.learners.contains(&node))
+    }
+
     fn peers(&self) -> Vec<NodeId> {
         self.view.as_ref().map_or_else(Vec::new, |view| {
             view.replicas.iter().chain(&view.learners).copied().filter(|node| *node != self.me).collect()
@@ -264,7 +275,8 @@ impl MultiMaster {
     }
 
     /// Stores `record` if it outranks what is held; returns whether it did.
-    fn merge(&mut self, key: &Bytes, record: Record, now: Time) -> Result<bool, String> {
+    /// `raw` is `record` encoded, as it arrived or as it will travel.
+    fn merge(&mut self, key: &Bytes, record: Record, raw: Bytes, now: Time) -> Result<bool, String> {
         let current = self.stored(key)?;
         if current
             .as_ref()
@@ -277,7 +289,7 @@ impl MultiMaster {
             return Ok(false);
         }
         self.hlc.observe(record.version, now);
-        self.engine.put(key, record.encode()).map_err(|error| error.to_string())?;
+        self.engine.put(key, raw).map_err(|error| error.to_string())?;
         if let Some(current) = &current {
             self.index(key, current, false);
         }
@@ -311,29 +323,17 @@ impl MultiMaster {
             Some(value) => Record::value(version, self.me, value),
             None => Record::tombstone(version, self.me),
         };
-        match self.merge(&key, record, now) {
+        let raw = record.encode();
+        match self.merge(&key, record, raw.clone(), now) {
             Ok(_) => {
                 self.accepted += 1;
                 for peer in self.peers() {
-                    self.outboxes.entry(peer).or_default().unsent.insert(key.clone(), version);
+                    self.outboxes.entry(peer).or_default().unsent.insert(key.clone(), raw.clone());
                 }
                 fx.reply(request.id, reply);
             }
             Err(error) => fx.reply(request.id, ClientReply::Failed(error)),
         }
-    }
-
-    /// Encoded records of `keys` still at the versions given (a key written
-    /// again since travels with its newer version, in a later batch).
-    fn records_at(&self, entries: &[(Bytes, Version)]) -> Vec<(Bytes, Bytes)> {
-        entries
-            .iter()
-            .filter_map(|(key, version)| {
-                let raw = self.engine.get(key).ok()??;
-                let record = Record::decode(raw.clone()).ok()?;
-                (record.version == *version && record.origin == self.me).then(|| (key.clone(), raw))
-            })
-            .collect()
     }
 
     /// Ships due batches to every peer: new ones while the window allows, and
@@ -350,7 +350,7 @@ impl MultiMaster {
             for (batch, (sent_at, entries)) in &mut outbox.in_flight {
                 if now.saturating_sub(*sent_at) >= self.options.retransmit_after_ms {
                     *sent_at = now;
-                    let records = self.records_at(entries);
+                    let records = entries.clone();
                     fx.send(peer, PeerMessage::Multi(MultiMessage::Records { view, batch: *batch, records }));
                 }
             }
@@ -362,7 +362,7 @@ impl MultiMaster {
                 }
                 let batch = self.next_batch;
                 self.next_batch += 1;
-                let records = self.records_at(&entries);
+                let records = entries.clone();
                 outbox.in_flight.insert(batch, (now, entries));
                 fx.send(peer, PeerMessage::Multi(MultiMessage::Records { view, batch, records }));
             }
@@ -427,8 +427,8 @@ impl MultiMaster {
 
     fn apply_records(&mut self, records: Vec<(Bytes, Bytes)>, now: Time) {
         for (key, raw) in records {
-            let Ok(record) = Record::decode(raw) else { continue };
-            if let Err(error) = self.merge(&key, record, now) {
+            let Ok(record) = Record::decode(raw.clone()) else { continue };
+            if let Err(error) = self.merge(&key, record, raw, now) {
                 tracing::error!(replica = %self.me, %error, "cannot apply a record from a peer");
             }
         }
@@ -483,7 +483,7 @@ impl Protocol for MultiMaster {
 
     fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
         let PeerMessage::Multi(message) = message else { return };
-        if message.view() != self.view_number() || !self.peers().contains(&from) {
+        if message.view() != self.view_number() || !self.is_peer(from) {
             return;
         }
         let view = self.view_number();

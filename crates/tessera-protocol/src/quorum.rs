@@ -271,7 +271,7 @@ impl QuorumRegister {
         if self.options.broken_quorum_of_one {
             return 1;
         }
-        self.members().len() / 2 + 1
+        self.view.as_ref().map_or(0, |view| view.replicas.len()) / 2 + 1
     }
 
     fn accepted(&self, key: &[u8]) -> Result<Option<Record>, String> {
