@@ -209,6 +209,18 @@ def kill_node(cluster, node):
     return fault
 
 
+def stop_node(cluster, node):
+    def fault():
+        pid = cluster.pid(f"node-{node}")
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(2 * FAILURE_TIMEOUT_MS / 1000)
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(1.5)
+
+    fault.__name__ = f"SIGSTOP n{node} past the failure timeout"
+    return fault
+
+
 def check_history(tmp_path, operations):
     path = tmp_path / "history.jsonl"
     path.write_text("\n".join(json.dumps(operation) for operation in operations) + "\n")
@@ -217,34 +229,9 @@ def check_history(tmp_path, operations):
     return result.stdout.strip()
 
 
-def test_strong_cluster_stays_linearizable_through_kills_stops_and_coordinator_restarts(
-    cluster_factory, tmp_path
-):
-    cluster = cluster_factory("strong")
-    # Chains: shard i runs on n_i → n_i+1 → n_i+2.
-    head_of_0 = cluster.shard(0)["members"][0]
-    middle_of_1 = cluster.shard(1)["members"][1]
-    tail_of_3 = cluster.shard(3)["members"][2]
-
-    def stop_and_continue():
-        pid = cluster.pid("node-4")
-        os.kill(pid, signal.SIGSTOP)
-        time.sleep(2 * FAILURE_TIMEOUT_MS / 1000)
-        os.kill(pid, signal.SIGCONT)
-        time.sleep(1.5)
-
-    def restart_coordinator():
-        cluster.cli("restart", "coordinator")
-        time.sleep(1.5)
-
-    faults = [
-        kill_node(cluster, head_of_0),
-        kill_node(cluster, middle_of_1),
-        kill_node(cluster, tail_of_3),
-        stop_and_continue,
-        restart_coordinator,
-    ]
-    recorders, keys, marks = run_with_faults(cluster, faults)
+def assert_served_and_linearizable(cluster, tmp_path, recorders, keys, marks):
+    """Traffic got through, service came back after every fault, and the
+    whole recorded history, with a last read of every key, is linearizable."""
     operations = [operation for recorder in recorders for operation in recorder.history]
     completed = [operation for operation in operations if operation["outcome"] != "unknown"]
     assert len(completed) > 500, f"too little traffic got through: {len(completed)}"
@@ -270,6 +257,30 @@ def test_strong_cluster_stays_linearizable_through_kills_stops_and_coordinator_r
     assert verdict.startswith("linearizable"), verdict
     failures = sum(recorder.failures for recorder in recorders)
     print(f"\n{verdict}; {failures} client errors; faults: {[name for name, _ in marks[:-1]]}")
+
+
+def test_strong_cluster_stays_linearizable_through_kills_stops_and_coordinator_restarts(
+    cluster_factory, tmp_path
+):
+    cluster = cluster_factory("strong")
+    # Chains: shard i runs on n_i → n_i+1 → n_i+2.
+    head_of_0 = cluster.shard(0)["members"][0]
+    middle_of_1 = cluster.shard(1)["members"][1]
+    tail_of_3 = cluster.shard(3)["members"][2]
+
+    def restart_coordinator():
+        cluster.cli("restart", "coordinator")
+        time.sleep(1.5)
+
+    faults = [
+        kill_node(cluster, head_of_0),
+        kill_node(cluster, middle_of_1),
+        kill_node(cluster, tail_of_3),
+        stop_node(cluster, 4),
+        restart_coordinator,
+    ]
+    recorders, keys, marks = run_with_faults(cluster, faults)
+    assert_served_and_linearizable(cluster, tmp_path, recorders, keys, marks)
 
     cluster.wait_for_full_shards()
     # Replicas of each shard hold the same values (eventual reads from each member).
@@ -799,33 +810,11 @@ def test_active_active_eventual_members_all_accept_writes_and_converge(cluster_f
 
 def test_active_active_strong_cluster_is_linearizable_through_kills_and_stops(cluster_factory, tmp_path):
     cluster = cluster_factory("strong", topology="aa")
-
-    def stop_and_continue():
-        pid = cluster.pid("node-4")
-        os.kill(pid, signal.SIGSTOP)
-        time.sleep(2 * FAILURE_TIMEOUT_MS / 1000)
-        os.kill(pid, signal.SIGCONT)
-        time.sleep(1.5)
-
     # Cluster clients send a key to its shard's first member; plain clients to
     # whichever node they hold, which proposes itself when it is a member.
-    faults = [kill_node(cluster, 0), kill_node(cluster, 3), stop_and_continue]
+    faults = [kill_node(cluster, 0), kill_node(cluster, 3), stop_node(cluster, 4)]
     recorders, keys, marks = run_with_faults(cluster, faults, clients=2, plain_clients=4)
-    operations = [operation for recorder in recorders for operation in recorder.history]
-    completed = [operation for operation in operations if operation["outcome"] != "unknown"]
-    assert len(completed) > 500, f"too little traffic got through: {len(completed)}"
-    reader = cluster.client()
-    final = now_us()
-    for key in keys:
-        found = reader.get(key)
-        operations.append({
-            "client": 99, "key": key, "call": "get", "outcome": "value",
-            "result": None if found is None else found.decode(), "invoked": final, "completed": now_us(),
-        })
-    verdict = check_history(tmp_path, operations)
-    assert verdict.startswith("linearizable"), verdict
-    failures = sum(recorder.failures for recorder in recorders)
-    print(f"\n{verdict}; {failures} client errors; faults: {[name for name, _ in marks[:-1]]}")
+    assert_served_and_linearizable(cluster, tmp_path, recorders, keys, marks)
     cluster.wait_for_full_shards(timeout=60)
 
     # Read-modify-writes from every member at once stay exact: each INCR that
