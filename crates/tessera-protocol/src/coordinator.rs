@@ -9,11 +9,13 @@
 //!   suspected and never granted a lease as the member it was.
 //! - A member silent for `failure_timeout_ms`, or suspected, is removed once
 //!   every lease granted to it has run out, the longest silent first, never the
-//!   last member. Removing the first member of a primary–backup view promotes
-//!   the backup that has applied the most.
+//!   last member (for quorum protocols, never below `min_members`). Removing
+//!   the first member of a primary–backup view promotes the backup that has
+//!   applied the most.
 //! - A live node outside the view is admitted: as a learner behind the tail for
 //!   chain replication (one at a time, promoted when the tail reports it caught
-//!   up in the current view), straight in as a backup for primary–backup.
+//!   up in the current view), straight in as a backup for primary–backup and
+//!   multi-master, as a learner that reports itself ready for quorums.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
