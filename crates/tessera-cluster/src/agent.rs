@@ -575,7 +575,13 @@ impl Agent {
                 Box::new(QuorumRegister::new(me, engine.clone(), QuorumOptions::default()))
             }
         };
-        let view = ShardView { number: 0, replicas: Vec::new(), learners: Vec::new(), lease_until: 0 };
+        let view = ShardView {
+            number: 0,
+            replicas: Vec::new(),
+            learners: Vec::new(),
+            lease_until: 0,
+            draining: false,
+        };
         Ok(Replica { protocol, engine, view, lease_until: 0, read_barrier: None })
     }
 

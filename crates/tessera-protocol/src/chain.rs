@@ -651,7 +651,11 @@ impl Protocol for ChainReplication {
             .as_ref()
             .filter(|learner| learner.handover && learner.acked >= self.applied)
             .map(|learner| (learner.node, self.view_number()));
-        Progress { applied: self.applied, learner_ready }
+        Progress { applied: self.applied, learner_ready, drained: None }
+    }
+
+    fn quiescent(&self) -> bool {
+        self.sent.is_empty() && self.waiting.is_empty()
     }
 }
 

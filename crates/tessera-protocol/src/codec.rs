@@ -11,6 +11,7 @@ use crate::multi_master::MultiMessage;
 use crate::primary_backup::{BackupMessage, LogEntry};
 use crate::quorum::QuorumMessage;
 use crate::record::Version;
+use crate::transition::TransitionMessage;
 use crate::{Chunk, NodeId, PeerMessage, RequestId, Write};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -38,6 +39,10 @@ const ACCEPT: u8 = 52;
 const ACCEPTED: u8 = 53;
 const SNAPSHOT_REQUEST: u8 = 54;
 const QUORUM_SNAPSHOT: u8 = 55;
+const QUIET: u8 = 64;
+const RECORDS_REQUEST: u8 = 65;
+const IN_SYNC: u8 = 66;
+const TRANSITION_RECORDS: u8 = 67;
 
 fn put_optional(out: &mut Vec<u8>, bytes: &Option<Bytes>) {
     match bytes {
@@ -237,6 +242,27 @@ pub fn encode(message: &PeerMessage, out: &mut Vec<u8>) {
             }
             QuorumMessage::Snapshot { view, chunk, entries } => {
                 out.put_u8(QUORUM_SNAPSHOT);
+                out.put_u64_le(*view);
+                put_chunk(out, *chunk);
+                put_entries(out, entries);
+            }
+        },
+        PeerMessage::Transition(message) => match message {
+            TransitionMessage::Quiet { view } => {
+                out.put_u8(QUIET);
+                out.put_u64_le(*view);
+            }
+            TransitionMessage::RecordsRequest { view, digest } => {
+                out.put_u8(RECORDS_REQUEST);
+                out.put_u64_le(*view);
+                out.put_u64_le(*digest);
+            }
+            TransitionMessage::InSync { view } => {
+                out.put_u8(IN_SYNC);
+                out.put_u64_le(*view);
+            }
+            TransitionMessage::Records { view, chunk, entries } => {
+                out.put_u8(TRANSITION_RECORDS);
                 out.put_u64_le(*view);
                 put_chunk(out, *chunk);
                 put_entries(out, entries);
@@ -452,6 +478,17 @@ pub fn decode(bytes: Bytes) -> Result<PeerMessage, CodecError> {
             chunk: reader.chunk()?,
             entries: reader.entries()?,
         }),
+        QUIET => PeerMessage::Transition(TransitionMessage::Quiet { view: reader.u64()? }),
+        RECORDS_REQUEST => PeerMessage::Transition(TransitionMessage::RecordsRequest {
+            view: reader.u64()?,
+            digest: reader.u64()?,
+        }),
+        IN_SYNC => PeerMessage::Transition(TransitionMessage::InSync { view: reader.u64()? }),
+        TRANSITION_RECORDS => PeerMessage::Transition(TransitionMessage::Records {
+            view: reader.u64()?,
+            chunk: reader.chunk()?,
+            entries: reader.entries()?,
+        }),
         _ => return Err(CodecError("unknown message tag")),
     };
     if reader.at != reader.bytes.len() {
@@ -560,7 +597,16 @@ mod tests {
             }),
         ]
         .prop_map(PeerMessage::Quorum);
-        prop_oneof![chain, backup, multi, quorum]
+        let transition = prop_oneof![
+            any::<u64>().prop_map(|view| TransitionMessage::Quiet { view }),
+            (any::<u64>(), any::<u64>())
+                .prop_map(|(view, digest)| TransitionMessage::RecordsRequest { view, digest }),
+            any::<u64>().prop_map(|view| TransitionMessage::InSync { view }),
+            (any::<u64>(), chunk(), entries())
+                .prop_map(|(view, chunk, entries)| TransitionMessage::Records { view, chunk, entries }),
+        ]
+        .prop_map(PeerMessage::Transition);
+        prop_oneof![chain, backup, multi, quorum, transition]
     }
 
     proptest! {

@@ -16,6 +16,10 @@
 //!   chain replication (one at a time, promoted when the tail reports it caught
 //!   up in the current view), straight in as a backup for primary–backup and
 //!   multi-master, as a learner that reports itself ready for quorums.
+//! - A transition to another protocol (`begin_transition`) makes the view
+//!   draining and drops its learner; nobody is admitted while it drains. Once
+//!   every member has reported itself drained in the current view, the next
+//!   view ends the transition and admission follows the new protocol's rule.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
@@ -62,6 +66,9 @@ pub struct ShardCoordinator {
     progress: HashMap<NodeId, u64>,
     suspected: BTreeSet<NodeId>,
     changes: Vec<ViewChange>,
+    /// During a transition: the admission rule after it, and the members that
+    /// reported themselves drained in the current view.
+    transition: Option<(Admission, BTreeSet<NodeId>)>,
 }
 
 impl ShardCoordinator {
@@ -84,7 +91,31 @@ impl ShardCoordinator {
             progress: HashMap::new(),
             suspected: BTreeSet::new(),
             changes: Vec::new(),
+            transition: None,
         }
+    }
+
+    /// Starts switching the shard to another protocol, admitted by
+    /// `admission` once done. Refused while a transition is under way.
+    pub fn begin_transition(&mut self, now: u64, admission: Admission) -> bool {
+        if self.transition.is_some() {
+            return false;
+        }
+        self.transition = Some((admission, BTreeSet::new()));
+        self.change_view(
+            now,
+            |view| {
+                view.draining = true;
+                view.learners.clear();
+            },
+            "transition started",
+        );
+        true
+    }
+
+    /// Whether a transition is under way.
+    pub fn transitioning(&self) -> bool {
+        self.transition.is_some()
     }
 
     pub fn view(&self) -> &ShardView {
@@ -145,7 +176,7 @@ impl ShardCoordinator {
             return None;
         }
         if !member && !learner {
-            if !self.suspected.contains(&node) {
+            if !self.suspected.contains(&node) && self.transition.is_none() {
                 self.admit(now, node, incarnation);
             }
             return None;
@@ -174,6 +205,9 @@ impl ShardCoordinator {
         self.last_heard.insert(node, now);
         self.granted_until.insert(node, now + self.config.lease_ms);
         self.progress.insert(node, progress.applied);
+        if progress.drained == Some(self.view.number) {
+            self.note_drained(now, node);
+        }
         Some(ShardView { lease_until: 0, ..self.view.clone() })
     }
 
@@ -261,7 +295,21 @@ impl ShardCoordinator {
         );
     }
 
+    fn note_drained(&mut self, now: u64, node: NodeId) {
+        let Some((_, drained)) = self.transition.as_mut() else { return };
+        drained.insert(node);
+        if !self.view.replicas.iter().all(|member| drained.contains(member)) {
+            return;
+        }
+        let (admission, _) = self.transition.take().expect("checked above");
+        self.config.admission = admission;
+        self.change_view(now, |view| view.draining = false, "transition complete");
+    }
+
     fn change_view(&mut self, now: u64, change: impl FnOnce(&mut ShardView), reason: &'static str) {
+        if let Some((_, drained)) = self.transition.as_mut() {
+            drained.clear(); // reports are per view
+        }
         let first = self.view.replicas.first().copied();
         change(&mut self.view);
         self.view.number += 1;
@@ -280,6 +328,7 @@ mod tests {
             replicas: vec![NodeId(0), NodeId(1), NodeId(2)],
             learners: vec![],
             lease_until: 0,
+            draining: false,
         };
         let config = CoordinatorConfig { lease_ms: 200, failure_timeout_ms: 150, admission };
         ShardCoordinator::new(config, view, (0..3).map(|id| (NodeId(id), 0)).collect(), 0)
@@ -313,7 +362,7 @@ mod tests {
         assert!(beat(&mut chain, 400, 1).is_none());
         assert_eq!(chain.view().learners, vec![NodeId(1)]);
         let number = chain.view().number;
-        let ready = Progress { applied: 9, learner_ready: Some((NodeId(1), number)) };
+        let ready = Progress { applied: 9, learner_ready: Some((NodeId(1), number)), drained: None };
         chain.on_heartbeat(420, NodeId(2), 0, &ready);
         assert_eq!(chain.view().replicas, vec![NodeId(0), NodeId(2), NodeId(1)]);
     }
@@ -332,7 +381,7 @@ mod tests {
     #[test]
     fn primary_backup_promotes_the_most_up_to_date_backup() {
         let mut pb = coordinator(Admission::Backup);
-        let at = |applied| Progress { applied, learner_ready: None };
+        let at = |applied| Progress { applied, ..Progress::default() };
         pb.on_heartbeat(0, NodeId(1), 0, &at(5));
         pb.on_heartbeat(0, NodeId(2), 0, &at(8));
         pb.suspect(NodeId(0));
@@ -342,8 +391,13 @@ mod tests {
 
     #[test]
     fn a_new_clusters_members_are_known_by_their_first_heartbeat() {
-        let view =
-            ShardView { number: 1, replicas: vec![NodeId(0), NodeId(1)], learners: vec![], lease_until: 0 };
+        let view = ShardView {
+            number: 1,
+            replicas: vec![NodeId(0), NodeId(1)],
+            learners: vec![],
+            lease_until: 0,
+            draining: false,
+        };
         let config =
             CoordinatorConfig { lease_ms: 200, failure_timeout_ms: 150, admission: Admission::Learner };
         let mut fresh = ShardCoordinator::new(config, view, HashMap::new(), 0);
@@ -354,7 +408,13 @@ mod tests {
 
     #[test]
     fn the_last_member_stays() {
-        let view = ShardView { number: 1, replicas: vec![NodeId(0)], learners: vec![], lease_until: 0 };
+        let view = ShardView {
+            number: 1,
+            replicas: vec![NodeId(0)],
+            learners: vec![],
+            lease_until: 0,
+            draining: false,
+        };
         let config =
             CoordinatorConfig { lease_ms: 200, failure_timeout_ms: 150, admission: Admission::Learner };
         let mut single = ShardCoordinator::new(config, view, HashMap::from([(NodeId(0), 0)]), 0);

@@ -15,6 +15,7 @@ pub mod quorum;
 pub mod record;
 #[cfg(test)]
 mod test_support;
+pub mod transition;
 
 use bytes::Bytes;
 use tessera_engine::{Engine, KeyRange, ScanCursor};
@@ -24,6 +25,7 @@ pub use multi_master::{MultiMaster, MultiMasterOptions};
 pub use primary_backup::{PrimaryBackup, PrimaryBackupOptions};
 pub use quorum::{QuorumOptions, QuorumRegister};
 pub use record::{Hlc, Record, Version};
+pub use transition::{Switchable, TransitionMessage};
 
 /// A replica's identity.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -152,6 +154,9 @@ pub struct ShardView {
     /// Until when (local clock) this replica may answer strong reads alone. The
     /// driver computes it from the coordinator's lease grants.
     pub lease_until: Time,
+    /// The group is switching protocols: the old one finishes what it has in
+    /// flight and starts nothing new (see [`transition`]).
+    pub draining: bool,
 }
 
 impl ShardView {
@@ -167,6 +172,7 @@ pub enum PeerMessage {
     Backup(primary_backup::BackupMessage),
     Multi(multi_master::MultiMessage),
     Quorum(quorum::QuorumMessage),
+    Transition(transition::TransitionMessage),
 }
 
 /// What a protocol asks its driver to do.
@@ -222,6 +228,9 @@ pub struct Progress {
     /// did: the coordinator may make it the tail if that view is still current
     /// (a report about an earlier view may be about an earlier incarnation).
     pub learner_ready: Option<(NodeId, u64)>,
+    /// During a transition: the draining view in which this replica's records
+    /// became the same as every other member's.
+    pub drained: Option<u64>,
 }
 
 /// A replication protocol as event handlers.
@@ -233,6 +242,11 @@ pub trait Protocol: Send {
     fn on_tick(&mut self, fx: &mut Effects);
     fn on_view(&mut self, view: &ShardView, fx: &mut Effects);
     fn progress(&self) -> Progress;
+    /// Whether nothing this replica started is in flight: every write it
+    /// ordered or accepted has reached the replicas it must reach, and no
+    /// operation waits for peers. A transition waits for it (new operations
+    /// are held meanwhile).
+    fn quiescent(&self) -> bool;
 }
 
 /// The value a reader sees for `key`: the record's value, or none for a

@@ -109,7 +109,7 @@ impl MultiMessage {
 
 /// 64-bit FNV-1a, finished with a SplitMix64 mix: fixed across nodes and
 /// versions, which the tree's leaves must be.
-fn hash(parts: &[&[u8]]) -> u64 {
+pub(crate) fn hash(parts: &[&[u8]]) -> u64 {
     let mut hash = 0xcbf2_9ce4_8422_2325u64;
     for part in parts {
         for byte in *part {
@@ -560,7 +560,15 @@ impl Protocol for MultiMaster {
     }
 
     fn progress(&self) -> Progress {
-        Progress { applied: self.accepted, learner_ready: None }
+        Progress { applied: self.accepted, learner_ready: None, drained: None }
+    }
+
+    /// Every write accepted here was acknowledged by every peer of the view.
+    fn quiescent(&self) -> bool {
+        self.outboxes
+            .iter()
+            .filter(|(peer, _)| self.is_peer(**peer))
+            .all(|(_, outbox)| outbox.unsent.is_empty() && outbox.in_flight.is_empty())
     }
 }
 

@@ -375,7 +375,20 @@ impl Protocol for PrimaryBackup {
     }
 
     fn progress(&self) -> Progress {
-        Progress { applied: self.applied, learner_ready: None }
+        Progress { applied: self.applied, learner_ready: None, drained: None }
+    }
+
+    /// The primary's: every backup of the view confirmed every write. A
+    /// backup starts nothing.
+    fn quiescent(&self) -> bool {
+        let Some(view) = self.view.as_ref().filter(|view| view.position(self.me) == Some(0)) else {
+            return true;
+        };
+        view.replicas[1..].iter().all(|backup| {
+            self.backups
+                .get(backup)
+                .is_some_and(|state| state.confirmed.is_some_and(|confirmed| confirmed >= self.applied))
+        })
     }
 }
 

@@ -250,6 +250,27 @@ impl QuorumRegister {
         }
     }
 
+    /// A replica that takes over a group's records from another protocol at
+    /// the end of a transition: no quorum instance of this group has promised
+    /// anything since the records last changed (the drain finished every
+    /// proposal), so there is no promise floor; the clock starts above every
+    /// stored version, so that its first ballots win.
+    pub fn switched_in(me: NodeId, engine: Arc<dyn Engine>, options: QuorumOptions) -> Self {
+        let mut replica = Self::new(me, engine, options);
+        replica.restarted_with_state = false;
+        match engine_entries(replica.engine.as_ref()) {
+            Ok(entries) => {
+                for (_, raw) in entries {
+                    if let Ok(record) = Record::decode(raw) {
+                        replica.hlc.observe(record.version, 0);
+                    }
+                }
+            }
+            Err(error) => tracing::error!(replica = %me, %error, "cannot read the shard to set the clock"),
+        }
+        replica
+    }
+
     fn view_number(&self) -> u64 {
         self.view.as_ref().map_or(0, |view| view.number)
     }
@@ -760,7 +781,12 @@ impl Protocol for QuorumRegister {
                 .ready_in
                 .filter(|view| *view == self.view_number() && self.is_learner())
                 .map(|view| (self.me, view)),
+            drained: None,
         }
+    }
+
+    fn quiescent(&self) -> bool {
+        self.proposals.is_empty()
     }
 }
 

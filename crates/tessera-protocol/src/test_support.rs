@@ -11,6 +11,7 @@ pub(crate) fn view(number: u64, replicas: &[u32]) -> ShardView {
         replicas: replicas.iter().map(|id| NodeId(*id)).collect(),
         learners: Vec::new(),
         lease_until: 1_000,
+        draining: false,
     }
 }
 

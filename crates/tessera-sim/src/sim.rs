@@ -499,6 +499,7 @@ impl Simulation {
                 replicas: (0..config.replicas).map(NodeId).collect(),
                 learners: Vec::new(),
                 lease_until: 0,
+                draining: false,
             },
             (0..config.replicas).map(|id| (NodeId(id), 0)).collect(),
             0,

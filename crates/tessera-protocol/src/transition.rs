@@ -1,0 +1,305 @@
+//! Online transitions between protocols (docs/PROTOCOLS.md, "Online
+//! transitions"): a group switches from one protocol to another over the same
+//! engine while it serves.
+//!
+//! The coordinator marks a view *draining*. In it, a replica starts no new
+//! operation of the old protocol: writes and strong reads wait here (eventual
+//! reads are answered from the local copy), and the old protocol finishes what
+//! it has in flight. Once it has nothing in flight ([`Protocol::quiescent`]),
+//! the replica tells every member it is *quiet*, and from then on ignores the
+//! old protocol's messages from members it knows to be quiet. A replica that is
+//! quiet and has heard every member quiet holds records that change only by the
+//! merge below; it answers a member's request with its records (or with
+//! *in sync* when both hold the same, by digest). Each member merges every
+//! other member's records, keeping per key the record of highest (version,
+//! origin), so all end with the same records: the newest each key had at any
+//! member. A replica that has merged every member reports itself *drained*;
+//! once all have, in the same view, the coordinator installs the next view
+//! with the new mode, the driver swaps the protocol in ([`Switchable::replace`])
+//! and the waiting requests run on it.
+//!
+//! A member that fails during the drain is removed by the coordinator as
+//! usual; the new (still draining) view starts the exchange over.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tessera_engine::Engine;
+
+use crate::multi_master::hash;
+use crate::{
+    engine_entries, read_visible, snapshot_chunks, Chunk, ClientReply, ClientRequest, Consistency, Effects,
+    NodeId, Operation, PeerMessage, Progress, Protocol, Record, ShardView, SnapshotAssembly, Time,
+};
+
+/// How often a draining replica repeats its announcements and requests (the
+/// channel may drop them).
+const RESEND_MS: u64 = 50;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TransitionMessage {
+    /// The sender has nothing of the old protocol in flight and starts nothing.
+    Quiet {
+        view: u64,
+    },
+    /// Asks for the receiver's records; `digest` summarises the sender's.
+    RecordsRequest {
+        view: u64,
+        digest: u64,
+    },
+    /// The receiver's records equal the requester's.
+    InSync {
+        view: u64,
+    },
+    Records {
+        view: u64,
+        chunk: Chunk,
+        entries: Vec<(Bytes, Bytes)>,
+    },
+}
+
+impl TransitionMessage {
+    pub fn view(&self) -> u64 {
+        match self {
+            TransitionMessage::Quiet { view }
+            | TransitionMessage::RecordsRequest { view, .. }
+            | TransitionMessage::InSync { view }
+            | TransitionMessage::Records { view, .. } => *view,
+        }
+    }
+}
+
+/// A draining view's progress on this replica.
+#[derive(Debug)]
+struct Drain {
+    view: u64,
+    quiet: bool,
+    quiet_peers: BTreeSet<NodeId>,
+    merged_from: BTreeSet<NodeId>,
+    assemblies: HashMap<NodeId, SnapshotAssembly>,
+    next_resend_at: Time,
+}
+
+/// A group's protocol on one replica, replaceable by another while it serves.
+pub struct Switchable {
+    me: NodeId,
+    engine: Arc<dyn Engine>,
+    protocol: Box<dyn Protocol>,
+    members: Vec<NodeId>,
+    drain: Option<Drain>,
+    /// Requests that arrived while draining, for the next protocol.
+    held: Vec<ClientRequest>,
+}
+
+impl Switchable {
+    pub fn new(me: NodeId, engine: Arc<dyn Engine>, protocol: Box<dyn Protocol>) -> Self {
+        Self { me, engine, protocol, members: Vec::new(), drain: None, held: Vec::new() }
+    }
+
+    /// Installs the next mode's protocol: called with the view that ends a
+    /// transition, before that view is handed to [`Protocol::on_view`].
+    pub fn replace(&mut self, protocol: Box<dyn Protocol>) {
+        self.protocol = protocol;
+    }
+
+    /// Whether a draining view is being worked through here.
+    pub fn draining(&self) -> bool {
+        self.drain.is_some()
+    }
+
+    /// How many requests wait for the next protocol.
+    pub fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    fn peers(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.members.iter().copied().filter(|member| *member != self.me)
+    }
+
+    fn heard_everyone_quiet(&self, drain: &Drain) -> bool {
+        drain.quiet && self.peers().all(|peer| drain.quiet_peers.contains(&peer))
+    }
+
+    fn drained(&self) -> Option<u64> {
+        let drain = self.drain.as_ref()?;
+        let merged = self.peers().all(|peer| drain.merged_from.contains(&peer));
+        (self.heard_everyone_quiet(drain) && merged).then_some(drain.view)
+    }
+
+    /// An order-independent summary of every record held.
+    fn digest(&self) -> u64 {
+        match engine_entries(self.engine.as_ref()) {
+            Ok(entries) => entries.iter().fold(0u64, |sum, (key, raw)| sum.wrapping_add(hash(&[key, raw]))),
+            Err(error) => {
+                tracing::error!(replica = %self.me, %error, "cannot read the shard to summarise it");
+                0 // matches nobody's digest in practice: the records travel
+            }
+        }
+    }
+
+    /// Keeps, per key, the record of highest (version, origin).
+    fn merge(&self, entries: Vec<(Bytes, Bytes)>) {
+        for (key, raw) in entries {
+            let Ok(incoming) = Record::decode(raw.clone()) else { continue };
+            let local = match self.engine.get(&key) {
+                Ok(local) => local.and_then(|raw| Record::decode(raw).ok()),
+                Err(error) => {
+                    tracing::error!(replica = %self.me, %error, "cannot read a record to merge");
+                    continue;
+                }
+            };
+            let newer = local
+                .map_or(true, |local| (incoming.version, incoming.origin) > (local.version, local.origin));
+            if newer {
+                if let Err(error) = self.engine.put(&key, raw) {
+                    tracing::error!(replica = %self.me, %error, "cannot store a merged record");
+                }
+            }
+        }
+    }
+
+    fn on_transition(&mut self, from: NodeId, message: TransitionMessage, fx: &mut Effects) {
+        let in_view = self.drain.as_ref().is_some_and(|drain| drain.view == message.view());
+        if !in_view || !self.members.contains(&from) || from == self.me {
+            return;
+        }
+        let view = message.view();
+        let drain = self.drain.as_mut().expect("checked above");
+        match message {
+            TransitionMessage::Quiet { .. } => {
+                drain.quiet_peers.insert(from);
+            }
+            TransitionMessage::InSync { .. } => {
+                drain.merged_from.insert(from);
+            }
+            TransitionMessage::Records { chunk, entries, .. } => {
+                if drain.merged_from.contains(&from) {
+                    return;
+                }
+                let whole = drain.assemblies.entry(from).or_default().add(from, chunk, entries);
+                if let Some(entries) = whole {
+                    self.merge(entries);
+                    self.drain.as_mut().expect("checked above").merged_from.insert(from);
+                }
+            }
+            TransitionMessage::RecordsRequest { digest, .. } => {
+                // Answered only once this replica's records can no longer
+                // change but by merging; the requester asks again until then.
+                if !self.heard_everyone_quiet(self.drain.as_ref().expect("checked above")) {
+                    return;
+                }
+                if self.digest() == digest {
+                    fx.send(from, PeerMessage::Transition(TransitionMessage::InSync { view }));
+                    return;
+                }
+                let entries = match engine_entries(self.engine.as_ref()) {
+                    Ok(entries) => entries,
+                    Err(error) => {
+                        tracing::error!(replica = %self.me, %error, "cannot read the shard for a peer");
+                        return;
+                    }
+                };
+                for (chunk, entries) in snapshot_chunks(entries) {
+                    fx.send(
+                        from,
+                        PeerMessage::Transition(TransitionMessage::Records { view, chunk, entries }),
+                    );
+                }
+            }
+        }
+    }
+
+    fn drain_step(&mut self, fx: &mut Effects) {
+        let now = fx.now();
+        let quiescent = self.protocol.quiescent();
+        let Some(drain) = self.drain.as_mut() else { return };
+        drain.quiet |= quiescent;
+        if !drain.quiet || now < drain.next_resend_at {
+            return;
+        }
+        drain.next_resend_at = now + RESEND_MS;
+        let drain = self.drain.as_ref().expect("checked above");
+        let view = drain.view;
+        let ask = self.heard_everyone_quiet(drain);
+        let unmerged: Vec<NodeId> = self.peers().filter(|peer| !drain.merged_from.contains(peer)).collect();
+        let peers: Vec<NodeId> = self.peers().collect();
+        for peer in peers {
+            fx.send(peer, PeerMessage::Transition(TransitionMessage::Quiet { view }));
+        }
+        if ask && !unmerged.is_empty() {
+            let digest = self.digest();
+            for peer in unmerged {
+                fx.send(peer, PeerMessage::Transition(TransitionMessage::RecordsRequest { view, digest }));
+            }
+        }
+    }
+}
+
+impl Protocol for Switchable {
+    fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
+        if self.drain.is_none() {
+            return self.protocol.on_client(request, fx);
+        }
+        match &request.operation {
+            Operation::Get { key, consistency: Consistency::Eventual } => {
+                let reply = match read_visible(self.engine.as_ref(), key) {
+                    Ok(value) => ClientReply::Value(value),
+                    Err(error) => ClientReply::Failed(error),
+                };
+                fx.reply(request.id, reply);
+            }
+            _ => self.held.push(request),
+        }
+    }
+
+    fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
+        match message {
+            PeerMessage::Transition(message) => self.on_transition(from, message, fx),
+            message => {
+                // A quiet member's old-protocol messages could change records
+                // that peers have already summed up: dropped.
+                if self.drain.as_ref().is_some_and(|drain| drain.quiet_peers.contains(&from)) {
+                    return;
+                }
+                self.protocol.on_peer(from, message, fx);
+            }
+        }
+    }
+
+    fn on_tick(&mut self, fx: &mut Effects) {
+        self.protocol.on_tick(fx);
+        self.drain_step(fx);
+    }
+
+    fn on_view(&mut self, view: &ShardView, fx: &mut Effects) {
+        self.members = view.replicas.clone();
+        self.protocol.on_view(view, fx);
+        if view.draining {
+            if self.drain.as_ref().map(|drain| drain.view) != Some(view.number) {
+                // Every view starts the exchange over: its members may differ.
+                self.drain = Some(Drain {
+                    view: view.number,
+                    quiet: false,
+                    quiet_peers: BTreeSet::new(),
+                    merged_from: BTreeSet::new(),
+                    assemblies: HashMap::new(),
+                    next_resend_at: 0,
+                });
+                self.drain_step(fx);
+            }
+        } else if self.drain.take().is_some() {
+            for request in std::mem::take(&mut self.held) {
+                self.protocol.on_client(request, fx);
+            }
+        }
+    }
+
+    fn progress(&self) -> Progress {
+        Progress { drained: self.drained(), ..self.protocol.progress() }
+    }
+
+    fn quiescent(&self) -> bool {
+        self.drain.is_none() && self.protocol.quiescent()
+    }
+}
