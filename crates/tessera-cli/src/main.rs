@@ -218,9 +218,13 @@ enum BenchAction {
 
 #[derive(Args)]
 struct SimArgs {
-    /// chain, chain-craq or primary-backup.
+    /// chain, chain-craq, primary-backup, multi-master or quorum.
     #[arg(long)]
     protocol: String,
+    /// Switch each run to this protocol at a random time while it serves
+    /// (an online transition), checked under both protocols' guarantees.
+    #[arg(long)]
+    transition_to: Option<String>,
     /// How many seeds to run, from --first-seed on.
     #[arg(long, default_value_t = 100)]
     seeds: u64,
@@ -796,7 +800,12 @@ fn simulate(args: SimArgs) -> Result<(), String> {
         clients: args.clients,
         safety_ms: args.safety_ms,
         liveness_ms: args.liveness_ms,
+        transition_to: args.transition_to.as_deref().map(str::parse).transpose()?,
         ..tessera_sim::SimConfig::new(protocol)
+    };
+    let name = match config.transition_to {
+        Some(target) => format!("{} --transition-to {}", protocol.name(), target.name()),
+        None => protocol.name().to_string(),
     };
     if args.replicas == 0 || args.clients == 0 {
         return Err("--replicas and --clients must be at least 1".into());
@@ -810,6 +819,7 @@ fn simulate(args: SimArgs) -> Result<(), String> {
     let (mut completed, mut unknown, mut view_changes, mut lost, mut acknowledged) =
         (0u64, 0u64, 0u64, 0u64, 0u64);
     let mut primary_changes = 0u64;
+    let mut transition_ms: Vec<u64> = Vec::new();
     let mut strong_reads: std::collections::BTreeMap<u32, u64> = Default::default();
     for seed in seeds {
         let report = tessera_sim::run(seed, &config);
@@ -820,6 +830,9 @@ fn simulate(args: SimArgs) -> Result<(), String> {
         primary_changes += report.primary_changes;
         lost += report.lost_acknowledged_writes;
         acknowledged += report.acknowledged_writes;
+        if let (Some(started), Some(completed)) = (report.transition_started_at, report.transition_completed_at) {
+            transition_ms.push(completed - started);
+        }
         for (replica, count) in &report.strong_reads_by_replica {
             *strong_reads.entry(*replica).or_default() += count;
         }
@@ -843,14 +856,22 @@ fn simulate(args: SimArgs) -> Result<(), String> {
             for violation in &report.violations {
                 println!("  {violation}");
             }
-            println!("  replay: tessera sim --protocol {} --seed {seed}", protocol.name());
+            println!("  replay: tessera sim --protocol {name} --seed {seed}");
         }
     }
     println!(
-        "{}: {runs} seeds in {:.1}s, {failed} failed, {inconclusive} inconclusive",
-        protocol.name(),
+        "{name}: {runs} seeds in {:.1}s, {failed} failed, {inconclusive} inconclusive",
         started.elapsed().as_secs_f64()
     );
+    if !transition_ms.is_empty() {
+        transition_ms.sort_unstable();
+        println!(
+            "  transitions completed {} of {runs}: median {} ms, slowest {} ms (virtual)",
+            transition_ms.len(),
+            transition_ms[transition_ms.len() / 2],
+            transition_ms.last().expect("not empty")
+        );
+    }
     println!(
         "  operations completed {completed}, unknown outcome {unknown}, view changes {view_changes} \
          ({primary_changes} replaced the head or primary)"

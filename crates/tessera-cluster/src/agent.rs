@@ -18,7 +18,7 @@ use tessera_engine::{Engine, EngineSpec};
 use tessera_protocol::{
     ChainOptions, ChainReplication, ClientReply, ClientRequest, Effect, Effects, MultiMaster,
     MultiMasterOptions, NodeId, Operation, PrimaryBackup, PrimaryBackupOptions, Progress, Protocol,
-    QuorumOptions, QuorumRegister, RequestId, ShardView,
+    QuorumOptions, QuorumRegister, RequestId, ShardView, Switchable,
 };
 use tessera_wire::prefix::unescape_prefix;
 use tessera_wire::slot::SLOTS;
@@ -53,7 +53,9 @@ pub struct AgentConfig {
 }
 
 struct Replica {
-    protocol: Box<dyn Protocol>,
+    protocol: Switchable,
+    /// The mode the protocol runs (the old one while a transition drains).
+    mode: ReplicationMode,
     engine: Arc<dyn Engine>,
     view: ShardView,
     lease_until: u64,
@@ -175,6 +177,9 @@ pub enum Refusal {
     NotOwner,
     /// It is the head but its lease has run out (a new view may be coming).
     LeaseExpired,
+    /// The group is switching modes: writes and strong reads wait until it
+    /// has ([`Agent::wait_while_draining`]).
+    Draining,
 }
 
 /// Where keys live, as this node last learned it.
@@ -284,11 +289,6 @@ struct State {
 }
 
 impl State {
-    /// Whether every member of a group serves it (the map's mode is active–active).
-    fn active_active(&self) -> bool {
-        self.routing.as_ref().is_some_and(|routing| routing.map.mode.active_active())
-    }
-
     /// A new request to a shard's protocol, and where its answer will arrive.
     fn register(&mut self, shard: u32) -> (RequestId, oneshot::Receiver<ClientReply>) {
         let id = RequestId(self.next_request);
@@ -323,6 +323,8 @@ pub struct Agent {
     tasks: Mutex<Vec<JoinHandle<()>>>,
     /// Told whenever writes stop waiting: see [`Agent::wait_for_room`].
     room: Notify,
+    /// Told whenever a group ends a transition here: see [`Agent::wait_while_draining`].
+    switched: Notify,
 }
 
 impl Drop for Agent {
@@ -384,6 +386,7 @@ impl Agent {
             lease_ms,
             tasks: Mutex::new(vec![peers]),
             room: Notify::new(),
+            switched: Notify::new(),
         });
         agent.tasks.lock().extend([
             tokio::spawn(heartbeat_loop(Arc::downgrade(&agent), coordinator)),
@@ -444,14 +447,39 @@ impl Agent {
     }
 
     /// Whether this node may order writes for a shard now: its head, or in
-    /// an active–active mode any member.
+    /// an active–active mode any member; not while the group switches modes.
     pub fn check_write(&self, shard: u32) -> Result<(), Refusal> {
         let state = self.state.lock();
         let replica = state.shards.get(&shard).ok_or(Refusal::NotOwner)?;
-        match replica.view.position(NodeId(self.config.node)) {
+        let position = replica.view.position(NodeId(self.config.node));
+        if position.is_some() && replica.protocol.draining() {
+            return Err(Refusal::Draining);
+        }
+        match position {
             Some(0) => Ok(()),
-            Some(_) if state.active_active() => Ok(()),
+            Some(_) if replica.mode.active_active() => Ok(()),
             _ => Err(Refusal::NotOwner),
+        }
+    }
+
+    /// The mode a shard runs on this node.
+    pub fn mode(&self, shard: u32) -> Option<ReplicationMode> {
+        self.state.lock().shards.get(&shard).map(|replica| replica.mode)
+    }
+
+    /// Waits until a shard is no longer draining here (a transition ended, or
+    /// the node left the shard), for at most `timeout`.
+    pub async fn wait_while_draining(&self, shard: u32, timeout: Duration) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let switched = self.switched.notified();
+            tokio::pin!(switched);
+            switched.as_mut().enable();
+            let draining =
+                self.state.lock().shards.get(&shard).is_some_and(|replica| replica.protocol.draining());
+            if !draining || tokio::time::timeout_at(deadline, switched).await.is_err() {
+                return;
+            }
         }
     }
 
@@ -464,9 +492,15 @@ impl Agent {
         let replica = state.shards.get(&shard).ok_or(Refusal::NotOwner)?;
         let me = NodeId(self.config.node);
         let position = replica.view.position(me).ok_or(Refusal::NotOwner)?;
+        if !strong {
+            return Ok(None);
+        }
+        if replica.protocol.draining() {
+            return Err(Refusal::Draining);
+        }
         // Active–active members answer every read they are given (a node runs
         // an AA+SC group's strong ones through the protocol).
-        if !strong || state.active_active() {
+        if replica.mode.active_active() {
             return Ok(None);
         }
         if position != 0 {
@@ -551,7 +585,7 @@ impl Agent {
     }
 
     /// A replica of group `shard` on the engine of its table.
-    fn new_replica(&self, shard: u32, map: &ClusterMap) -> Result<Replica, String> {
+    fn new_replica(&self, shard: u32, map: &ClusterMap, mode: ReplicationMode) -> Result<Replica, String> {
         let dir = self.config.data_dir.join("shards").join(shard.to_string());
         let table = map.shard(shard).map(|group| group.table.as_str()).unwrap_or(DEFAULT_TABLE);
         let spec = match map.table(table) {
@@ -559,42 +593,41 @@ impl Agent {
             Some(table) => table.engine_spec().map_err(|error| format!("table {}: {error}", table.name))?,
         };
         let engine = spec.open(&dir).map_err(|error| format!("shard {shard}: {error}"))?;
-        let mode = map.mode;
         let me = NodeId(self.config.node);
-        let protocol: Box<dyn Protocol> = match mode {
-            ReplicationMode::MsStrong => {
-                Box::new(ChainReplication::new(me, engine.clone(), ChainOptions::default()))
-            }
+        let protocol = Switchable::new(me, engine.clone(), self.instance(mode, engine.clone(), false));
+        let view =
+            ShardView { number: 0, replicas: Vec::new(), learners: Vec::new(), lease_until: 0, draining: false };
+        Ok(Replica { protocol, mode, engine, view, lease_until: 0, read_barrier: None })
+    }
+
+    /// A protocol instance for `mode` over a group's engine; `switched_in`:
+    /// taking over the records another protocol left at the end of a
+    /// transition (else opening them, perhaps after a restart).
+    fn instance(&self, mode: ReplicationMode, engine: Arc<dyn Engine>, switched_in: bool) -> Box<dyn Protocol> {
+        let me = NodeId(self.config.node);
+        match mode {
+            ReplicationMode::MsStrong => Box::new(ChainReplication::new(me, engine, ChainOptions::default())),
             ReplicationMode::MsEventual => {
-                Box::new(PrimaryBackup::new(me, engine.clone(), PrimaryBackupOptions::default()))
+                Box::new(PrimaryBackup::new(me, engine, PrimaryBackupOptions::default()))
             }
-            ReplicationMode::AaEventual => {
-                Box::new(MultiMaster::new(me, engine.clone(), MultiMasterOptions::default()))
+            ReplicationMode::AaEventual => Box::new(MultiMaster::new(me, engine, MultiMasterOptions::default())),
+            ReplicationMode::AaStrong if switched_in => {
+                Box::new(QuorumRegister::switched_in(me, engine, QuorumOptions::default()))
             }
-            ReplicationMode::AaStrong => {
-                Box::new(QuorumRegister::new(me, engine.clone(), QuorumOptions::default()))
-            }
-        };
-        let view = ShardView {
-            number: 0,
-            replicas: Vec::new(),
-            learners: Vec::new(),
-            lease_until: 0,
-            draining: false,
-        };
-        Ok(Replica { protocol, engine, view, lease_until: 0, read_barrier: None })
+            ReplicationMode::AaStrong => Box::new(QuorumRegister::new(me, engine, QuorumOptions::default())),
+        }
     }
 
     /// Applies the coordinator's grants: new shards get a replica, every granted
     /// shard its view with a lease from `asked_at`.
-    fn apply_grants(&self, asked_at: u64, grants: Vec<(u32, ShardView)>) {
+    fn apply_grants(&self, asked_at: u64, grants: Vec<(u32, ShardView, ReplicationMode)>) {
         let mut state = self.state.lock();
         let Some(map) = state.routing.as_ref().map(|routing| routing.map.clone()) else { return };
         let me = NodeId(self.config.node);
         let left: Vec<u32> = state
             .shards
             .keys()
-            .filter(|shard| !grants.iter().any(|(granted, _)| granted == *shard))
+            .filter(|shard| !grants.iter().any(|(granted, _, _)| granted == *shard))
             .copied()
             .collect();
         for shard in left {
@@ -602,10 +635,11 @@ impl Agent {
             state.leave(shard);
             self.room.notify_waiters();
         }
-        for (shard, view) in grants {
+        let mut switched = false;
+        for (shard, view, mode) in grants {
             let replica = match state.shards.entry(shard) {
                 std::collections::btree_map::Entry::Occupied(entry) => entry.into_mut(),
-                std::collections::btree_map::Entry::Vacant(entry) => match self.new_replica(shard, &map) {
+                std::collections::btree_map::Entry::Vacant(entry) => match self.new_replica(shard, &map, mode) {
                     Ok(replica) => entry.insert(replica),
                     Err(error) => {
                         tracing::error!(%error, "cannot open a shard's engine");
@@ -616,11 +650,20 @@ impl Agent {
             let now = self.now();
             replica.lease_until = replica.lease_until.max(asked_at + self.lease_ms);
             let view = ShardView { lease_until: replica.lease_until, ..view };
+            if mode != replica.mode && !view.draining {
+                // The view that ends a transition: the new mode's protocol
+                // takes over the records, and the held requests run on it.
+                tracing::info!(shard, from = replica.mode.name(), to = mode.name(), "group switched modes");
+                replica.protocol.replace(self.instance(mode, replica.engine.clone(), true));
+                replica.mode = mode;
+            }
+            let was_draining = replica.protocol.draining();
             let new_head = view.number != replica.view.number
                 && view.position(me) == Some(0)
-                && !map.mode.active_active();
+                && !mode.active_active();
             let mut fx = Effects::new(now);
             replica.protocol.on_view(&view, &mut fx);
+            switched |= was_draining && !replica.protocol.draining();
             replica.view = view;
             if new_head {
                 let (id, receiver) = state.register(shard);
@@ -630,6 +673,9 @@ impl Agent {
                 replica.read_barrier = Some(Completion::of(vec![Pending::Waiting(receiver)]));
             }
             self.run_effects(&mut state, shard, fx);
+        }
+        if switched {
+            self.switched.notify_waiters();
         }
     }
 
@@ -708,7 +754,7 @@ impl Coordinator {
     }
 }
 
-fn parse_grants(reply: Value) -> Option<(u64, Vec<(u32, ShardView)>)> {
+fn parse_grants(reply: Value) -> Option<(u64, Vec<(u32, ShardView, ReplicationMode)>)> {
     let mut parts = reply.into_items()?.into_iter();
     let epoch = parts.next()?.as_integer()? as u64;
     let mut grants = Vec::new();
@@ -722,8 +768,13 @@ fn parse_grants(reply: Value) -> Option<(u64, Vec<(u32, ShardView)>)> {
             replicas: nodes(fields.get(2)?)?,
             learners: nodes(fields.get(3)?)?,
             lease_until: 0,
+            draining: fields.get(4)?.as_integer()? != 0,
         };
-        grants.push((fields.first()?.as_integer()? as u32, view));
+        let mode = match fields.get(5)? {
+            Value::Bulk(name) => ReplicationMode::from_name(std::str::from_utf8(name).ok()?)?,
+            _ => return None,
+        };
+        grants.push((fields.first()?.as_integer()? as u32, view, mode));
     }
     Some((epoch, grants))
 }
@@ -745,9 +796,13 @@ async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: Coordina
         for (shard, progress) in agent_ref.shards() {
             let (learner, view) =
                 progress.learner_ready.map_or((-1, 0), |(node, view)| (i64::from(node.0), view));
-            for field in
-                [shard.to_string(), progress.applied.to_string(), learner.to_string(), view.to_string()]
-            {
+            for field in [
+                shard.to_string(),
+                progress.applied.to_string(),
+                learner.to_string(),
+                view.to_string(),
+                progress.drained.unwrap_or(0).to_string(),
+            ] {
                 args.push(field.into_bytes());
             }
         }

@@ -40,12 +40,23 @@ impl Default for Timing {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Grants {
     pub epoch: u64,
-    pub shards: Vec<(u32, ShardView)>,
+    /// Each group's view and the mode it runs in that view.
+    pub shards: Vec<(u32, ShardView, ReplicationMode)>,
+}
+
+/// How a group in `mode` is coordinated: the timing, and how nodes join it.
+fn shard_config(timing: Timing, mode: ReplicationMode, replicas: usize) -> CoordinatorConfig {
+    let admission = match mode {
+        ReplicationMode::MsStrong => Admission::Learner,
+        ReplicationMode::MsEventual | ReplicationMode::AaEventual => Admission::Backup,
+        ReplicationMode::AaStrong => Admission::Quorum { min_members: replicas / 2 + 1 },
+    };
+    CoordinatorConfig { lease_ms: timing.lease_ms, failure_timeout_ms: timing.failure_timeout_ms, admission }
 }
 
 pub struct ClusterCoordinator {
     map: ClusterMap,
-    config: CoordinatorConfig,
+    timing: Timing,
     shards: BTreeMap<u32, ShardCoordinator>,
     /// The map changed since [`ClusterCoordinator::take_changed_map`].
     changed: bool,
@@ -55,16 +66,6 @@ impl ClusterCoordinator {
     /// Takes over a map (new, or loaded from the store after a restart); every
     /// member counts as heard from at `now`.
     pub fn new(map: ClusterMap, timing: Timing, now: u64) -> Self {
-        let admission = match map.mode {
-            ReplicationMode::MsStrong => Admission::Learner,
-            ReplicationMode::MsEventual | ReplicationMode::AaEventual => Admission::Backup,
-            ReplicationMode::AaStrong => Admission::Quorum { min_members: map.replicas / 2 + 1 },
-        };
-        let config = CoordinatorConfig {
-            lease_ms: timing.lease_ms,
-            failure_timeout_ms: timing.failure_timeout_ms,
-            admission,
-        };
         let shards = map
             .shards
             .iter()
@@ -74,10 +75,16 @@ impl ClusterCoordinator {
                     .iter()
                     .map(|(node, incarnation)| (NodeId(*node), *incarnation))
                     .collect();
-                (shard.id, ShardCoordinator::new(config, shard.view(), incarnations, now))
+                let config = shard_config(timing, map.mode_of(shard), map.replicas);
+                let mut coordinator = ShardCoordinator::new(config, shard.view(), incarnations, now);
+                if let Some(next) = shard.next_mode {
+                    // A transition that a previous coordinator started.
+                    coordinator.resume_transition(shard_config(timing, next, map.replicas).admission);
+                }
+                (shard.id, coordinator)
             })
             .collect();
-        Self { map, config, shards, changed: false }
+        Self { map, timing, shards, changed: false }
     }
 
     pub fn map(&self) -> &ClusterMap {
@@ -93,6 +100,35 @@ impl ClusterCoordinator {
             });
         }
         self.map.node(node).map(|_| ()).ok_or(JoinError::UnknownNode(node))
+    }
+
+    /// Switches every group of a table to `mode` while it serves: each group's
+    /// view drains, and the group runs the new mode once every member holds
+    /// the same records. Refused while a group of the table is still
+    /// switching. Returns how many groups switch (none already in `mode`).
+    pub fn alter_table(&mut self, name: &str, mode: ReplicationMode, now: u64) -> Result<usize, MapError> {
+        if name != DEFAULT_TABLE && self.map.table(name).is_none() {
+            return Err(MapError::Invalid(format!("no such table '{name}'")));
+        }
+        let groups: Vec<u32> = self.map.shards.iter().filter(|shard| shard.table == name).map(|shard| shard.id).collect();
+        if groups.iter().any(|id| self.shards[id].transitioning()) {
+            return Err(MapError::Invalid(format!("table {name} is already switching modes; wait for it")));
+        }
+        let admission = shard_config(self.timing, mode, self.map.replicas).admission;
+        let mut switching = 0;
+        for id in groups {
+            let shard = self.map.shards.iter_mut().find(|shard| shard.id == id).expect("listed above");
+            let current = shard.mode.unwrap_or(self.map.mode);
+            if current == mode {
+                continue;
+            }
+            shard.next_mode = Some(mode);
+            let coordinator = self.shards.get_mut(&id).expect("a coordinator per shard");
+            coordinator.begin_transition(now, admission);
+            switching += 1;
+        }
+        self.sync(&[]);
+        Ok(switching)
     }
 
     /// A heartbeat from `node` with the progress of each shard it runs.
@@ -124,7 +160,16 @@ impl ClusterCoordinator {
             }
         }
         self.sync(&learnt);
-        Ok(Grants { epoch: self.map.epoch, shards: grants })
+        // The mode as of the views granted (a view that ended a transition
+        // reached the map in sync above).
+        let shards = grants
+            .into_iter()
+            .map(|(shard, view)| {
+                let mode = self.map.shard(shard).map_or(self.map.mode, |group| self.map.mode_of(group));
+                (shard, view, mode)
+            })
+            .collect();
+        Ok(Grants { epoch: self.map.epoch, shards })
     }
 
     /// How many shards a node serves when replicas are spread evenly.
@@ -161,11 +206,17 @@ impl ClusterCoordinator {
     fn sync(&mut self, learnt: &[u32]) {
         let mut changed = false;
         for (id, coordinator) in &mut self.shards {
-            if coordinator.take_changes().is_empty() && !learnt.contains(id) {
+            let changes = coordinator.take_changes();
+            if changes.is_empty() && !learnt.contains(id) {
                 continue;
             }
             let shard = self.map.shards.iter_mut().find(|shard| shard.id == *id).expect("shard in map");
             shard.set_view(coordinator.view());
+            if !coordinator.view().draining {
+                if let Some(next) = shard.next_mode.take() {
+                    shard.mode = (next != self.map.mode).then_some(next);
+                }
+            }
             shard.incarnations = shard
                 .members
                 .iter()
@@ -243,6 +294,8 @@ impl ClusterCoordinator {
                 view_number: 1,
                 members: shard.members.clone(),
                 learners: Vec::new(),
+                mode: None,
+                next_mode: None,
                 incarnations: shard
                     .incarnations
                     .iter()
@@ -258,7 +311,8 @@ impl ClusterCoordinator {
         for group in &groups {
             let incarnations =
                 group.incarnations.iter().map(|(node, incarnation)| (NodeId(*node), *incarnation)).collect();
-            self.shards.insert(group.id, ShardCoordinator::new(self.config, group.view(), incarnations, now));
+            let config = shard_config(self.timing, self.map.mode, self.map.replicas);
+            self.shards.insert(group.id, ShardCoordinator::new(config, group.view(), incarnations, now));
         }
         self.map = map;
         self.changed = true;

@@ -18,7 +18,8 @@ pub enum MapError {
     TooFewNodes { nodes: usize, replicas: usize },
 }
 
-/// How every shard replicates (per-table modes come with online transitions).
+/// How a replica group replicates: the map's mode, unless the group's table
+/// was altered to another.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum ReplicationMode {
@@ -65,6 +66,18 @@ impl ReplicationMode {
     /// protocol, not a head's copy.
     pub fn quorum(self) -> bool {
         matches!(self, Self::AaStrong)
+    }
+
+    /// Whether reads that ask for strong consistency get it.
+    pub fn strong(self) -> bool {
+        matches!(self, Self::MsStrong | Self::AaStrong)
+    }
+
+    /// Parses a mode's name (`ms+sc`, `ms+ec`, `aa+ec`, `aa+sc`).
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::MsStrong, Self::MsEventual, Self::AaEventual, Self::AaStrong]
+            .into_iter()
+            .find(|mode| mode.name().eq_ignore_ascii_case(name))
     }
 }
 
@@ -150,6 +163,13 @@ pub struct Shard {
     /// comes back with another has lost its state and is not that member.
     #[serde(default)]
     pub incarnations: BTreeMap<u32, u64>,
+    /// The group's mode when it is not the map's (its table was altered).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<ReplicationMode>,
+    /// During a transition: the mode the group is switching to (its view is
+    /// draining until every member has the same records).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_mode: Option<ReplicationMode>,
 }
 
 impl Shard {
@@ -160,6 +180,7 @@ impl Shard {
             replicas: self.members.iter().copied().map(NodeId).collect(),
             learners: self.learners.iter().copied().map(NodeId).collect(),
             lease_until: 0,
+            draining: self.next_mode.is_some(),
         }
     }
 
@@ -225,6 +246,8 @@ impl ClusterMap {
                     members: (0..replicas).map(|offset| ((index + offset) % members) as u32).collect(),
                     learners: Vec::new(),
                     incarnations: BTreeMap::new(),
+                    mode: None,
+                    next_mode: None,
                 }
             })
             .collect();
@@ -247,6 +270,11 @@ impl ClusterMap {
 
     pub fn shard(&self, id: u32) -> Option<&Shard> {
         self.shards.iter().find(|shard| shard.id == id)
+    }
+
+    /// The mode a group runs now (the old one while it drains).
+    pub fn mode_of(&self, shard: &Shard) -> ReplicationMode {
+        shard.mode.unwrap_or(self.mode)
     }
 
     /// The default table's shard that owns `slot`.

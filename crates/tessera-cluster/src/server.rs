@@ -27,7 +27,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use crate::coordinator::{ClusterCoordinator, Timing};
-use crate::map::{ClusterMap, ClusterTable, MapError};
+use crate::map::{ClusterMap, ClusterTable, MapError, ReplicationMode};
 use crate::store::MetadataStore;
 
 /// The longest a `COORD.MAP` watch may wait.
@@ -228,7 +228,7 @@ async fn answer(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWrit
     let name = args[0].to_ascii_uppercase();
     let result = match name.as_slice() {
         b"COORD.JOIN" if args.len() == 3 => join(state, args, out),
-        b"COORD.HEARTBEAT" if args.len() >= 5 && (args.len() - 5).is_multiple_of(4) => {
+        b"COORD.HEARTBEAT" if args.len() >= 5 && (args.len() - 5).is_multiple_of(5) => {
             heartbeat(state, args, out)
         }
         b"COORD.MAP" if args.len() == 1 || args.len() == 3 => watch_map(state, args, out).await,
@@ -245,6 +245,7 @@ async fn answer(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWrit
                 Err(error) => Err(error),
             }
         }
+        b"COORD.TABLE-ALTER" if args.len() == 3 => alter_table(state, &text(&args[1]), &text(&args[2]), out).await,
         b"PING" => {
             out.simple("PONG");
             Ok(())
@@ -254,7 +255,8 @@ async fn answer(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWrit
         | b"COORD.MAP"
         | b"COORD.ADD-NODE"
         | b"COORD.TABLE-CREATE"
-        | b"COORD.TABLE-DROP" => {
+        | b"COORD.TABLE-DROP"
+        | b"COORD.TABLE-ALTER" => {
             Err(format!("wrong number of arguments for '{}'", text(&args[0]).to_ascii_lowercase()))
         }
         _ => Err(format!("unknown command '{}' for a coordinator", text(&args[0]))),
@@ -277,14 +279,19 @@ fn heartbeat(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter)
     let incarnation: u64 = number(&args[3], "incarnation")?;
     let known_epoch: u64 = number(&args[4], "known epoch")?;
     let mut progress = BTreeMap::new();
-    for report in args[5..].chunks(4) {
+    for report in args[5..].chunks(5) {
         let learner: i64 = number(&report[2], "ready learner")?;
         let learner_ready = u32::try_from(learner)
             .ok()
             .map(|learner| number(&report[3], "ready view").map(|view| (NodeId(learner), view)));
+        let drained: u64 = number(&report[4], "drained view")?;
         progress.insert(
             number(&report[0], "shard")?,
-            Progress { applied: number(&report[1], "applied")?, learner_ready: learner_ready.transpose()? },
+            Progress {
+                applied: number(&report[1], "applied")?,
+                learner_ready: learner_ready.transpose()?,
+                drained: (drained > 0).then_some(drained),
+            },
         );
     }
     let mut state = state.lock();
@@ -302,8 +309,8 @@ fn heartbeat(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter)
     out.array(2);
     out.integer(grants.epoch as i64);
     out.array(grants.shards.len());
-    for (shard, view) in grants.shards {
-        out.array(4);
+    for (shard, view, mode) in grants.shards {
+        out.array(6);
         out.integer(i64::from(shard));
         out.integer(view.number as i64);
         out.array(view.replicas.len());
@@ -314,6 +321,8 @@ fn heartbeat(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter)
         for learner in &view.learners {
             out.integer(i64::from(learner.0));
         }
+        out.integer(i64::from(view.draining));
+        out.bulk(mode.name().as_bytes());
     }
     Ok(())
 }
@@ -358,6 +367,34 @@ fn create_table(state: &Arc<Mutex<State>>, args: &[Vec<u8>]) -> Result<u64, Stri
 
 /// Applies an administrative change to the map and stores it; returns the
 /// map's new epoch.
+/// Switches a table's groups to another mode and answers once every group
+/// runs it and every node routes by a map that says so: from then on the new
+/// mode's guarantees hold.
+async fn alter_table(state: &Arc<Mutex<State>>, table: &str, mode: &str, out: &mut ReplyWriter) -> Result<(), String> {
+    let mode = ReplicationMode::from_name(mode)
+        .ok_or_else(|| format!("unknown mode {mode:?}; choose ms+sc, ms+ec, aa+sc or aa+ec"))?;
+    change_map(state, |coordinator, now| coordinator.alter_table(table, mode, now).map(drop))?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let switched = {
+            let state = state.lock();
+            let map = state.coordinator.map();
+            map.shards
+                .iter()
+                .filter(|shard| shard.table == table)
+                .all(|shard| shard.next_mode.is_none() && map.mode_of(shard) == mode)
+                .then_some(map.epoch)
+        };
+        if let Some(epoch) = switched {
+            return seen_everywhere(state, epoch, out).await;
+        }
+        if Instant::now() >= deadline {
+            return Err(format!("table {table} is still switching to {}; TABLE.INFO shows when it is done", mode.name()));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 fn change_map(
     state: &Arc<Mutex<State>>,
     change: impl FnOnce(&mut ClusterCoordinator, u64) -> Result<(), MapError>,

@@ -68,6 +68,9 @@ pub enum Placement {
     /// Another node is the owner; `forward_only` when a cluster client must
     /// not be told MOVED either (see [`ClusterNode::place`]).
     Elsewhere { slot: u16, address: String, forward_only: bool },
+    /// The shard is switching modes here: ask again once it has
+    /// ([`Agent::wait_while_draining`](tessera_cluster::agent::Agent::wait_while_draining)).
+    Draining { shard: u32 },
     /// An error for the client (keys in several slots, no map yet, ...).
     Refused(String),
 }
@@ -150,8 +153,11 @@ impl ClusterNode {
             self.agent.check_read(shard, strong)
         };
         match checked {
-            Ok(_) if strong && routing.map.mode.quorum() => Placement::Quorum { shard },
+            Ok(_) if strong && self.agent.mode(shard).is_some_and(ReplicationMode::quorum) => {
+                Placement::Quorum { shard }
+            }
             Ok(barrier) => Placement::Shard { shard, barrier },
+            Err(Refusal::Draining) => Placement::Draining { shard },
             Err(Refusal::LeaseExpired) => {
                 Placement::Refused("TRYAGAIN the shard's lease is being renewed".into())
             }
@@ -291,7 +297,13 @@ impl ClusterNode {
         forwarder: &mut Forwarder,
     ) -> CommandResult<Vec<Bytes>> {
         let retry = |why: String| CommandError::Coded(format!("TRYAGAIN {why}"));
-        match self.agent.check_read(shard, true) {
+        let mut checked = self.agent.check_read(shard, true);
+        if matches!(checked, Err(Refusal::Draining)) {
+            self.agent.wait_while_draining(shard, std::time::Duration::from_secs(10)).await;
+            checked = self.agent.check_read(shard, true);
+        }
+        match checked {
+            Err(Refusal::Draining) => Err(retry("the group is still switching modes".into())),
             Ok(barrier) => {
                 if let Some(barrier) = barrier {
                     barrier.wait().await.map_err(retry)?;
@@ -343,10 +355,13 @@ impl ClusterNode {
         }
     }
 
-    /// Whether a read asking for strong consistency gets it (not in an
-    /// active–active eventual cluster, which has no strong reads).
+    /// Whether a read asking for strong consistency gets it: unless some
+    /// group runs active–active eventual, which has no strong reads.
     pub fn strong_reads(&self) -> bool {
-        self.agent.routing().is_some_and(|routing| routing.map.mode != ReplicationMode::AaEventual)
+        self.agent.routing().is_some_and(|routing| {
+            let map = &routing.map;
+            map.shards.iter().all(|shard| map.mode_of(shard) != ReplicationMode::AaEventual)
+        })
     }
 
     /// The map this node routes by.

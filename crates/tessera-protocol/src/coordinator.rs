@@ -113,6 +113,14 @@ impl ShardCoordinator {
         true
     }
 
+    /// Carries on a transition whose draining view this coordinator took
+    /// over (from a stored map, after a restart).
+    pub fn resume_transition(&mut self, admission: Admission) {
+        if self.view.draining && self.transition.is_none() {
+            self.transition = Some((admission, BTreeSet::new()));
+        }
+    }
+
     /// Whether a transition is under way.
     pub fn transitioning(&self) -> bool {
         self.transition.is_some()

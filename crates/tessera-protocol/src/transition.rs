@@ -6,10 +6,10 @@
 //! operation of the old protocol: writes and strong reads wait here (eventual
 //! reads are answered from the local copy), and the old protocol finishes what
 //! it has in flight. Once it has nothing in flight ([`Protocol::quiescent`]),
-//! the replica tells every member it is *quiet*, and from then on ignores the
-//! old protocol's messages from members it knows to be quiet. A replica that is
-//! quiet and has heard every member quiet holds records that change only by the
-//! merge below; it answers a member's request with its records (or with
+//! the replica tells every member it is *quiet*; once quiet itself, it ignores
+//! the old protocol's messages from members it knows to be quiet. A replica
+//! that is quiet and has heard every member quiet holds records that change
+//! only by the merge below; it answers a member's request with its records (or with
 //! *in sync* when both hold the same, by digest). Each member merges every
 //! other member's records, keeping per key the record of highest (version,
 //! origin), so all end with the same records: the newest each key had at any
@@ -257,9 +257,11 @@ impl Protocol for Switchable {
         match message {
             PeerMessage::Transition(message) => self.on_transition(from, message, fx),
             message => {
-                // A quiet member's old-protocol messages could change records
-                // that peers have already summed up: dropped.
-                if self.drain.as_ref().is_some_and(|drain| drain.quiet_peers.contains(&from)) {
+                // Once both ends are quiet, a late old-protocol message (a
+                // delayed accept) could change records that peers have
+                // already been sent: dropped. Before that this replica may
+                // still need it (a chain's acknowledgements).
+                if self.drain.as_ref().is_some_and(|drain| drain.quiet && drain.quiet_peers.contains(&from)) {
                     return;
                 }
                 self.protocol.on_peer(from, message, fx);

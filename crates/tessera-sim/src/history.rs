@@ -44,6 +44,43 @@ pub struct History {
     pub operations: Vec<Operation>,
 }
 
+impl History {
+    /// What a checker may demand of operations from `at` on, when the
+    /// guarantee starts then: later operations as they were; earlier writes as
+    /// if their outcome were unknown (each took effect at some moment, or
+    /// never); earlier reads dropped.
+    pub fn after(&self, at: u64) -> History {
+        let operations = self
+            .operations
+            .iter()
+            .filter(|operation| operation.invoked_at >= at || operation.is_write())
+            .map(|operation| match operation.invoked_at >= at {
+                true => operation.clone(),
+                false => Operation { outcome: Outcome::Unknown, completed_at: None, ..operation.clone() },
+            })
+            .collect();
+        History { operations }
+    }
+
+    /// The operations up to `at`, when the guarantee ends then: those over
+    /// by `at` as they were; writes still running as unknown; the rest dropped.
+    pub fn before(&self, at: u64) -> History {
+        let operations = self
+            .operations
+            .iter()
+            .filter(|operation| operation.invoked_at < at)
+            .filter_map(|operation| match operation.completed_at {
+                Some(done) if done <= at => Some(operation.clone()),
+                _ if operation.is_write() => {
+                    Some(Operation { outcome: Outcome::Unknown, completed_at: None, ..operation.clone() })
+                }
+                _ => None,
+            })
+            .collect();
+        History { operations }
+    }
+}
+
 /// Reads a history recorded from real clients, one JSON object per line:
 ///
 /// ```text

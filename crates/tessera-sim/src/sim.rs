@@ -17,6 +17,7 @@ use tessera_protocol::{
     engine_entries, ChainOptions, ChainReplication, ClientReply, ClientRequest, Consistency, Effect, Effects,
     MultiMaster, MultiMasterOptions, NodeId, Operation as ProtocolOperation, PeerMessage, PrimaryBackup,
     PrimaryBackupOptions, Progress, Protocol, QuorumOptions, QuorumRegister, Record, RequestId, ShardView,
+    Switchable,
 };
 
 use tessera_protocol::coordinator::{Admission, CoordinatorConfig, ShardCoordinator};
@@ -117,6 +118,19 @@ impl ProtocolKind {
         }
     }
 
+    /// How a node outside the view joins it under this protocol.
+    fn admission(self, replicas: u32) -> Admission {
+        if self.quorum() {
+            Admission::Quorum { min_members: self.copies_needed(replicas) }
+        } else if self == ProtocolKind::PrimaryBackup || self.active_active() {
+            Admission::Backup
+        } else {
+            Admission::Learner
+        }
+    }
+
+    /// An instance that takes over records another protocol left (the end of
+    /// a transition), or starts empty.
     fn instance(self, me: NodeId, engine: Arc<dyn Engine>) -> Box<dyn Protocol> {
         match self {
             ProtocolKind::Chain => Box::new(ChainReplication::new(me, engine, ChainOptions::default())),
@@ -139,7 +153,7 @@ impl ProtocolKind {
                     ..MultiMasterOptions::default()
                 },
             )),
-            ProtocolKind::Quorum => Box::new(QuorumRegister::new(me, engine, QuorumOptions::default())),
+            ProtocolKind::Quorum => Box::new(QuorumRegister::switched_in(me, engine, QuorumOptions::default())),
             #[cfg(any(test, feature = "broken"))]
             ProtocolKind::BrokenQuorumOfOne => Box::new(QuorumRegister::new(
                 me,
@@ -274,6 +288,8 @@ pub struct SimConfig {
     pub client_timeout_ms: u64,
     /// The share of reads that ask for eventual consistency.
     pub eventual_read_fraction: f64,
+    /// Switch the shard to this protocol at a random time of the safety phase.
+    pub transition_to: Option<ProtocolKind>,
 }
 
 impl SimConfig {
@@ -293,6 +309,7 @@ impl SimConfig {
             failure_timeout_ms: 150,
             client_timeout_ms: 400,
             eventual_read_fraction: 0.2,
+            transition_to: None,
         }
     }
 }
@@ -357,6 +374,9 @@ pub struct Report {
     pub acknowledged_writes: u64,
     /// Faults and view changes with their virtual times, for replaying a seed.
     pub log: Vec<String>,
+    /// A transition's start and completion (virtual ms).
+    pub transition_started_at: Option<u64>,
+    pub transition_completed_at: Option<u64>,
 }
 
 /// Where a message goes.
@@ -394,6 +414,7 @@ enum Event {
     Deliver { from: Address, to: Address, message: Message },
     ReplicaTick(u32),
     CoordinatorTick,
+    BeginTransition,
     ClientWake(usize),
     Crash(u32),
     Restart(u32),
@@ -407,7 +428,9 @@ struct Replica {
     /// Bumped at every restart: a restarted replica has lost its state and must
     /// not be taken for the member it was.
     incarnation: u64,
-    protocol: Box<dyn Protocol>,
+    protocol: Switchable,
+    /// The protocol the instance runs.
+    kind: ProtocolKind,
     engine: Arc<dyn Engine>,
     /// Added to virtual time to give this replica's clock.
     clock_offset_ms: u64,
@@ -450,6 +473,10 @@ pub struct Simulation {
     healed: bool,
     report: Report,
     eventual_reads: u64,
+    /// The protocol of the current view (the target's once a transition
+    /// completes), and the view that completed it.
+    kind: ProtocolKind,
+    switched_in_view: Option<u64>,
 }
 
 fn key_name(prefix: &str, index: usize) -> Bytes {
@@ -467,7 +494,12 @@ impl Simulation {
                 Replica {
                     alive: true,
                     incarnation: 0,
-                    protocol: config.protocol.instance(NodeId(id), engine.clone()),
+                    protocol: Switchable::new(
+                        NodeId(id),
+                        engine.clone(),
+                        config.protocol.instance(NodeId(id), engine.clone()),
+                    ),
+                    kind: config.protocol,
                     engine,
                     clock_offset_ms,
                     next_heartbeat: 1,
@@ -479,15 +511,7 @@ impl Simulation {
         let clients = (0..config.clients)
             .map(|_| Client { rng: rng.fork(), next_request: 1, pending: None, final_reads: Vec::new() })
             .collect();
-        let admission = match config.protocol {
-            protocol if protocol.quorum() => {
-                Admission::Quorum { min_members: protocol.copies_needed(config.replicas) }
-            }
-            protocol if protocol == ProtocolKind::PrimaryBackup || protocol.active_active() => {
-                Admission::Backup
-            }
-            _ => Admission::Learner,
-        };
+        let admission = config.protocol.admission(config.replicas);
         let coordinator = ShardCoordinator::new(
             CoordinatorConfig {
                 lease_ms: config.lease_ms,
@@ -518,6 +542,8 @@ impl Simulation {
             healed: false,
             report: Report { seed, faults, ..Report::default() },
             eventual_reads: 0,
+            kind: config.protocol,
+            switched_in_view: None,
             config,
         };
         simulation.schedule_start();
@@ -541,6 +567,10 @@ impl Simulation {
             // Clients start once replicas have had a first lease.
             let start = 50 + self.rng.below(20);
             self.schedule(start, Event::ClientWake(client));
+        }
+        if self.config.transition_to.is_some() {
+            let at = self.rng.between(300, self.config.safety_ms * 2 / 3);
+            self.schedule(at, Event::BeginTransition);
         }
         let enabled = self.report.faults.enabled.clone();
         let mut at = 200;
@@ -654,11 +684,18 @@ impl Simulation {
                 self.coordinator_tick();
                 self.schedule(self.now + self.config.tick_ms, Event::CoordinatorTick);
             }
+            Event::BeginTransition => {
+                let target = self.config.transition_to.expect("scheduled only with a target");
+                if self.coordinator.begin_transition(self.now, target.admission(self.config.replicas)) {
+                    self.report.transition_started_at = Some(self.now);
+                    self.log_view_changes();
+                }
+            }
             Event::ClientWake(client) => self.client_wake(client),
             Event::Crash(id) => {
                 // At most f failures: the last live member of the view holds the
                 // only copy, and losing it loses the data in any system.
-                let needed = self.config.protocol.copies_needed(self.config.replicas);
+                let needed = self.copies_needed();
                 let live_others = self.healthy_members_except(id);
                 let replica = &mut self.replicas[id as usize];
                 if replica.alive && live_others >= needed && !self.healed {
@@ -667,12 +704,17 @@ impl Simulation {
                 }
             }
             Event::Restart(id) => {
-                let config_protocol = self.config.protocol;
+                let kind = self.kind;
                 let replica = &mut self.replicas[id as usize];
                 if !replica.alive {
                     // A crash loses everything in memory, engine included.
                     replica.engine = Arc::new(MemoryEngine::new());
-                    replica.protocol = config_protocol.instance(NodeId(id), replica.engine.clone());
+                    replica.protocol = Switchable::new(
+                        NodeId(id),
+                        replica.engine.clone(),
+                        kind.instance(NodeId(id), replica.engine.clone()),
+                    );
+                    replica.kind = kind;
                     replica.heartbeats.clear();
                     replica.lease_until = 0;
                     replica.incarnation += 1;
@@ -691,7 +733,7 @@ impl Simulation {
                 self.blocked.clear();
             }
             Event::Suspect(id) => {
-                if self.healthy_members_except(id) >= self.config.protocol.copies_needed(self.config.replicas)
+                if self.healthy_members_except(id) >= self.copies_needed()
                     && !self.healed
                     && self.coordinator.suspect(NodeId(id))
                 {
@@ -699,6 +741,13 @@ impl Simulation {
                 }
             }
         }
+    }
+
+    /// Copies that must stay healthy: during a transition, what either
+    /// protocol needs.
+    fn copies_needed(&self) -> usize {
+        let target = self.config.transition_to.unwrap_or(self.config.protocol);
+        self.config.protocol.copies_needed(self.config.replicas).max(target.copies_needed(self.config.replicas))
     }
 
     /// Members of the view, other than `id`, that are alive and not about to be
@@ -781,6 +830,16 @@ impl Simulation {
                         replica.heartbeats = replica.heartbeats.split_off(&seq);
                         replica.lease_until = replica.lease_until.max(asked_at + self.config.lease_ms);
                         let view = ShardView { lease_until: replica.lease_until, ..view };
+                        // The view that completes a transition, and any after
+                        // it, run the target protocol.
+                        let kind = match (self.switched_in_view, self.config.transition_to) {
+                            (Some(first), Some(target)) if view.number >= first => target,
+                            _ => self.config.protocol,
+                        };
+                        if kind != replica.kind {
+                            replica.protocol.replace(kind.instance(NodeId(id), replica.engine.clone()));
+                            replica.kind = kind;
+                        }
                         replica.protocol.on_view(&view, &mut fx);
                     }
                     Message::Request(request) => {
@@ -828,6 +887,11 @@ impl Simulation {
 
     fn log_view_changes(&mut self) {
         for change in self.coordinator.take_changes() {
+            if change.reason == "transition complete" {
+                self.kind = self.config.transition_to.expect("a transition has a target");
+                self.switched_in_view = Some(change.view.number);
+                self.report.transition_completed_at = Some(change.at_ms);
+            }
             self.report.view_changes += 1;
             if change.primary_changed {
                 self.report.primary_changes += 1;
@@ -936,13 +1000,14 @@ impl Simulation {
     fn route(&mut self, client: usize, call: &Call, strong: bool) -> u32 {
         let replicas = &self.coordinator.view().replicas;
         let rng = &mut self.clients[client].rng;
-        let target = if self.config.protocol.active_active() {
+        let kind = self.kind;
+        let target = if kind.active_active() {
             *rng.pick(replicas)
         } else if *call != Call::Get {
             replicas[0]
-        } else if !strong || self.config.protocol == ProtocolKind::ChainCraq {
+        } else if !strong || kind == ProtocolKind::ChainCraq {
             *rng.pick(replicas)
-        } else if self.config.protocol == ProtocolKind::PrimaryBackup {
+        } else if kind == ProtocolKind::PrimaryBackup {
             replicas[0]
         } else {
             *replicas.last().expect("a view keeps at least one replica")
@@ -1036,17 +1101,17 @@ impl Simulation {
         // A quorum protocol promises what a majority holds: a write that
         // reached only a minority (its client was told the outcome is unknown)
         // may stay there until the key's next operation settles it.
-        let final_state = if self.config.protocol.copies_needed(self.config.replicas) > 1 {
+        if let (Some(target), None) = (self.config.transition_to, self.report.transition_completed_at) {
+            self.report.violations.push(format!("liveness: the transition to {} never completed", target.name()));
+        }
+        let final_state = if self.kind.copies_needed(self.config.replicas) > 1 {
             self.majority_state(&contents)
         } else {
             self.check_identical(&contents);
             contents.first().map(|(_, contents)| contents.clone())
         };
         let final_state = final_state.as_deref();
-        self.report.lost_acknowledged_writes = match self.config.workload {
-            Workload::Registers => self.count_lost_writes(final_state),
-            Workload::Appends => self.count_lost_appends(final_state),
-        };
+        self.report.lost_acknowledged_writes = self.count_lost(final_state, 0);
         if self.config.workload == Workload::Appends {
             let writes_after_healing =
                 self.report.history.operations.iter().any(|operation| {
@@ -1056,8 +1121,29 @@ impl Simulation {
                 self.report.violations.push("liveness: no write completed after healing".into());
             }
         }
-        if self.config.protocol.strong() {
-            match linearizability::check(&self.report.history) {
+        // What must be linearizable and durable: the whole run under a strong
+        // protocol; with a transition, strong throughout if both protocols
+        // are, else the part under the strong one (from the completion view
+        // on, or up to the draining view).
+        let original = self.config.protocol;
+        let (checked, durable_since) = match self.config.transition_to {
+            None => (original.strong().then(|| self.report.history.clone()), Some(0)),
+            Some(target) => {
+                let started = self.report.transition_started_at;
+                let completed = self.report.transition_completed_at;
+                if original.strong() && target.strong() {
+                    (Some(self.report.history.clone()), Some(0))
+                } else if let (true, Some(completed)) = (target.strong(), completed) {
+                    (Some(self.report.history.after(completed)), Some(completed))
+                } else if let (true, Some(started)) = (original.strong(), started) {
+                    (Some(self.report.history.before(started)), None)
+                } else {
+                    (None, None)
+                }
+            }
+        };
+        if let Some(history) = checked {
+            match linearizability::check(&history) {
                 Verdict::Linearizable => {}
                 Verdict::Violation { key, detail } => self
                     .report
@@ -1065,14 +1151,23 @@ impl Simulation {
                     .push(format!("linearizability: key {:?}: {detail}", String::from_utf8_lossy(&key))),
                 Verdict::Inconclusive { .. } => self.report.inconclusive = true,
             }
-            if self.report.lost_acknowledged_writes > 0 {
-                self.report.violations.push(format!(
-                    "durability: {} acknowledged writes lost",
-                    self.report.lost_acknowledged_writes
-                ));
+        }
+        if let Some(since) = durable_since {
+            let lost = self.count_lost(final_state, since);
+            if lost > 0 {
+                self.report.violations.push(format!("durability: {lost} acknowledged writes lost"));
             }
         }
         self.report
+    }
+
+    /// Acknowledged writes invoked at `since` or later that the final state
+    /// lacks.
+    fn count_lost(&self, final_state: Option<&[(Bytes, Record)]>, since: u64) -> u64 {
+        match self.config.workload {
+            Workload::Registers => self.count_lost_writes(final_state, since),
+            Workload::Appends => self.count_lost_appends(final_state, since),
+        }
     }
 
     /// Convergence: every live member of the final view holds the same data.
@@ -1125,13 +1220,17 @@ impl Simulation {
     }
 
     /// Acknowledged appends whose key is missing at the end.
-    fn count_lost_appends(&self, final_state: Option<&[(Bytes, Record)]>) -> u64 {
+    fn count_lost_appends(&self, final_state: Option<&[(Bytes, Record)]>, since: u64) -> u64 {
         let present: BTreeSet<&Bytes> = final_state.unwrap_or_default().iter().map(|(key, _)| key).collect();
         self.report
             .history
             .operations
             .iter()
-            .filter(|operation| operation.outcome == Outcome::Written && !present.contains(&operation.key))
+            .filter(|operation| {
+                operation.outcome == Outcome::Written
+                    && operation.invoked_at >= since
+                    && !present.contains(&operation.key)
+            })
             .count() as u64
     }
 
@@ -1139,7 +1238,7 @@ impl Simulation {
     /// value is absent from the final state although no later write to the key
     /// was even invoked: a lost acknowledged write. A lower bound (earlier lost
     /// writes of a key may be hidden by later ones).
-    fn count_lost_writes(&self, final_state: Option<&[(Bytes, Record)]>) -> u64 {
+    fn count_lost_writes(&self, final_state: Option<&[(Bytes, Record)]>, since: u64) -> u64 {
         let Some(final_state) = final_state else { return 0 };
         let final_values: HashMap<&Bytes, Option<Bytes>> =
             final_state.iter().map(|(key, record)| (key, record.visible().cloned())).collect();
@@ -1160,7 +1259,7 @@ impl Simulation {
             let may_follow = |write: &&&Operation| {
                 !std::ptr::eq(**write, *last) && write.completed_at.is_none_or(|done| done > last.invoked_at)
             };
-            if writes.iter().any(|write| may_follow(&write)) {
+            if last.invoked_at < since || writes.iter().any(|write| may_follow(&write)) {
                 continue;
             }
             let expected = match (&last.call, &last.outcome) {
