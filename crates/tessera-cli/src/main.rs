@@ -830,7 +830,9 @@ fn simulate(args: SimArgs) -> Result<(), String> {
         primary_changes += report.primary_changes;
         lost += report.lost_acknowledged_writes;
         acknowledged += report.acknowledged_writes;
-        if let (Some(started), Some(completed)) = (report.transition_started_at, report.transition_completed_at) {
+        if let (Some(started), Some(completed)) =
+            (report.transition_started_at, report.transition_completed_at)
+        {
             transition_ms.push(completed - started);
         }
         for (replica, count) in &report.strong_reads_by_replica {

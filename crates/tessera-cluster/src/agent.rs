@@ -595,22 +595,34 @@ impl Agent {
         let engine = spec.open(&dir).map_err(|error| format!("shard {shard}: {error}"))?;
         let me = NodeId(self.config.node);
         let protocol = Switchable::new(me, engine.clone(), self.instance(mode, engine.clone(), false));
-        let view =
-            ShardView { number: 0, replicas: Vec::new(), learners: Vec::new(), lease_until: 0, draining: false };
+        let view = ShardView {
+            number: 0,
+            replicas: Vec::new(),
+            learners: Vec::new(),
+            lease_until: 0,
+            draining: false,
+        };
         Ok(Replica { protocol, mode, engine, view, lease_until: 0, read_barrier: None })
     }
 
     /// A protocol instance for `mode` over a group's engine; `switched_in`:
     /// taking over the records another protocol left at the end of a
     /// transition (else opening them, perhaps after a restart).
-    fn instance(&self, mode: ReplicationMode, engine: Arc<dyn Engine>, switched_in: bool) -> Box<dyn Protocol> {
+    fn instance(
+        &self,
+        mode: ReplicationMode,
+        engine: Arc<dyn Engine>,
+        switched_in: bool,
+    ) -> Box<dyn Protocol> {
         let me = NodeId(self.config.node);
         match mode {
             ReplicationMode::MsStrong => Box::new(ChainReplication::new(me, engine, ChainOptions::default())),
             ReplicationMode::MsEventual => {
                 Box::new(PrimaryBackup::new(me, engine, PrimaryBackupOptions::default()))
             }
-            ReplicationMode::AaEventual => Box::new(MultiMaster::new(me, engine, MultiMasterOptions::default())),
+            ReplicationMode::AaEventual => {
+                Box::new(MultiMaster::new(me, engine, MultiMasterOptions::default()))
+            }
             ReplicationMode::AaStrong if switched_in => {
                 Box::new(QuorumRegister::switched_in(me, engine, QuorumOptions::default()))
             }
@@ -639,13 +651,15 @@ impl Agent {
         for (shard, view, mode) in grants {
             let replica = match state.shards.entry(shard) {
                 std::collections::btree_map::Entry::Occupied(entry) => entry.into_mut(),
-                std::collections::btree_map::Entry::Vacant(entry) => match self.new_replica(shard, &map, mode) {
-                    Ok(replica) => entry.insert(replica),
-                    Err(error) => {
-                        tracing::error!(%error, "cannot open a shard's engine");
-                        continue;
+                std::collections::btree_map::Entry::Vacant(entry) => {
+                    match self.new_replica(shard, &map, mode) {
+                        Ok(replica) => entry.insert(replica),
+                        Err(error) => {
+                            tracing::error!(%error, "cannot open a shard's engine");
+                            continue;
+                        }
                     }
-                },
+                }
             };
             let now = self.now();
             replica.lease_until = replica.lease_until.max(asked_at + self.lease_ms);
@@ -658,9 +672,8 @@ impl Agent {
                 replica.mode = mode;
             }
             let was_draining = replica.protocol.draining();
-            let new_head = view.number != replica.view.number
-                && view.position(me) == Some(0)
-                && !mode.active_active();
+            let new_head =
+                view.number != replica.view.number && view.position(me) == Some(0) && !mode.active_active();
             let mut fx = Effects::new(now);
             replica.protocol.on_view(&view, &mut fx);
             switched |= was_draining && !replica.protocol.draining();

@@ -110,7 +110,8 @@ impl ClusterCoordinator {
         if name != DEFAULT_TABLE && self.map.table(name).is_none() {
             return Err(MapError::Invalid(format!("no such table '{name}'")));
         }
-        let groups: Vec<u32> = self.map.shards.iter().filter(|shard| shard.table == name).map(|shard| shard.id).collect();
+        let groups: Vec<u32> =
+            self.map.shards.iter().filter(|shard| shard.table == name).map(|shard| shard.id).collect();
         if groups.iter().any(|id| self.shards[id].transitioning()) {
             return Err(MapError::Invalid(format!("table {name} is already switching modes; wait for it")));
         }

@@ -245,7 +245,9 @@ async fn answer(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWrit
                 Err(error) => Err(error),
             }
         }
-        b"COORD.TABLE-ALTER" if args.len() == 3 => alter_table(state, &text(&args[1]), &text(&args[2]), out).await,
+        b"COORD.TABLE-ALTER" if args.len() == 3 => {
+            alter_table(state, &text(&args[1]), &text(&args[2]), out).await
+        }
         b"PING" => {
             out.simple("PONG");
             Ok(())
@@ -370,7 +372,12 @@ fn create_table(state: &Arc<Mutex<State>>, args: &[Vec<u8>]) -> Result<u64, Stri
 /// Switches a table's groups to another mode and answers once every group
 /// runs it and every node routes by a map that says so: from then on the new
 /// mode's guarantees hold.
-async fn alter_table(state: &Arc<Mutex<State>>, table: &str, mode: &str, out: &mut ReplyWriter) -> Result<(), String> {
+async fn alter_table(
+    state: &Arc<Mutex<State>>,
+    table: &str,
+    mode: &str,
+    out: &mut ReplyWriter,
+) -> Result<(), String> {
     let mode = ReplicationMode::from_name(mode)
         .ok_or_else(|| format!("unknown mode {mode:?}; choose ms+sc, ms+ec, aa+sc or aa+ec"))?;
     change_map(state, |coordinator, now| coordinator.alter_table(table, mode, now).map(drop))?;
@@ -389,7 +396,10 @@ async fn alter_table(state: &Arc<Mutex<State>>, table: &str, mode: &str, out: &m
             return seen_everywhere(state, epoch, out).await;
         }
         if Instant::now() >= deadline {
-            return Err(format!("table {table} is still switching to {}; TABLE.INFO shows when it is done", mode.name()));
+            return Err(format!(
+                "table {table} is still switching to {}; TABLE.INFO shows when it is done",
+                mode.name()
+            ));
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

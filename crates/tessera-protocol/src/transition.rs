@@ -6,10 +6,9 @@
 //! operation of the old protocol: writes and strong reads wait here (eventual
 //! reads are answered from the local copy), and the old protocol finishes what
 //! it has in flight. Once it has nothing in flight ([`Protocol::quiescent`]),
-//! the replica tells every member it is *quiet*; once quiet itself, it ignores
-//! the old protocol's messages from members it knows to be quiet. A replica
-//! that is quiet and has heard every member quiet holds records that change
-//! only by the merge below; it answers a member's request with its records (or with
+//! the replica tells every member it is *quiet*. Once it has heard every
+//! member quiet, nothing is in flight anywhere: it ignores the old protocol's
+//! late messages, its records change only by the merge below, and it answers a member's request with its records (or with
 //! *in sync* when both hold the same, by digest). Each member merges every
 //! other member's records, keeping per key the record of highest (version,
 //! origin), so all end with the same records: the newest each key had at any
@@ -86,6 +85,8 @@ pub struct Switchable {
     me: NodeId,
     engine: Arc<dyn Engine>,
     protocol: Box<dyn Protocol>,
+    /// The newest view's number and members.
+    view_number: u64,
     members: Vec<NodeId>,
     drain: Option<Drain>,
     /// Requests that arrived while draining, for the next protocol.
@@ -94,7 +95,7 @@ pub struct Switchable {
 
 impl Switchable {
     pub fn new(me: NodeId, engine: Arc<dyn Engine>, protocol: Box<dyn Protocol>) -> Self {
-        Self { me, engine, protocol, members: Vec::new(), drain: None, held: Vec::new() }
+        Self { me, engine, protocol, view_number: 0, members: Vec::new(), drain: None, held: Vec::new() }
     }
 
     /// Installs the next mode's protocol: called with the view that ends a
@@ -257,11 +258,11 @@ impl Protocol for Switchable {
         match message {
             PeerMessage::Transition(message) => self.on_transition(from, message, fx),
             message => {
-                // Once both ends are quiet, a late old-protocol message (a
-                // delayed accept) could change records that peers have
-                // already been sent: dropped. Before that this replica may
-                // still need it (a chain's acknowledgements).
-                if self.drain.as_ref().is_some_and(|drain| drain.quiet && drain.quiet_peers.contains(&from)) {
+                // Once every member is quiet, an old-protocol message is late
+                // (a delayed accept) and could change records that peers
+                // have already been sent: dropped. Before that this replica
+                // may still need it (a chain's acknowledgements).
+                if self.drain.as_ref().is_some_and(|drain| self.heard_everyone_quiet(drain)) {
                     return;
                 }
                 self.protocol.on_peer(from, message, fx);
@@ -275,8 +276,12 @@ impl Protocol for Switchable {
     }
 
     fn on_view(&mut self, view: &ShardView, fx: &mut Effects) {
-        self.members = view.replicas.clone();
         self.protocol.on_view(view, fx);
+        if view.number < self.view_number {
+            return; // a late grant of an older view
+        }
+        self.view_number = view.number;
+        self.members = view.replicas.clone();
         if view.draining {
             if self.drain.as_ref().map(|drain| drain.view) != Some(view.number) {
                 // Every view starts the exchange over: its members may differ.

@@ -153,7 +153,9 @@ impl ProtocolKind {
                     ..MultiMasterOptions::default()
                 },
             )),
-            ProtocolKind::Quorum => Box::new(QuorumRegister::switched_in(me, engine, QuorumOptions::default())),
+            ProtocolKind::Quorum => {
+                Box::new(QuorumRegister::switched_in(me, engine, QuorumOptions::default()))
+            }
             #[cfg(any(test, feature = "broken"))]
             ProtocolKind::BrokenQuorumOfOne => Box::new(QuorumRegister::new(
                 me,
@@ -747,7 +749,10 @@ impl Simulation {
     /// protocol needs.
     fn copies_needed(&self) -> usize {
         let target = self.config.transition_to.unwrap_or(self.config.protocol);
-        self.config.protocol.copies_needed(self.config.replicas).max(target.copies_needed(self.config.replicas))
+        self.config
+            .protocol
+            .copies_needed(self.config.replicas)
+            .max(target.copies_needed(self.config.replicas))
     }
 
     /// Members of the view, other than `id`, that are alive and not about to be
@@ -1102,7 +1107,9 @@ impl Simulation {
         // reached only a minority (its client was told the outcome is unknown)
         // may stay there until the key's next operation settles it.
         if let (Some(target), None) = (self.config.transition_to, self.report.transition_completed_at) {
-            self.report.violations.push(format!("liveness: the transition to {} never completed", target.name()));
+            self.report
+                .violations
+                .push(format!("liveness: the transition to {} never completed", target.name()));
         }
         let final_state = if self.kind.copies_needed(self.config.replicas) > 1 {
             self.majority_state(&contents)
