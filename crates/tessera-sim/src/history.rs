@@ -46,19 +46,39 @@ pub struct History {
 
 impl History {
     /// What a checker may demand of operations from `at` on, when the
-    /// guarantee starts then: later operations as they were; earlier writes as
-    /// if their outcome were unknown (each took effect at some moment, or
-    /// never); earlier reads dropped.
-    pub fn after(&self, at: u64) -> History {
-        let operations = self
-            .operations
+    /// guarantee starts then with every key holding its value in `state`:
+    /// that state as writes made at `at`, then the operations still running
+    /// at `at` or begun later. Of those begun earlier, reads are dropped (they
+    /// were answered under the old guarantee) and increments count as unknown
+    /// (their effect may be in `state` already).
+    pub fn after(&self, at: u64, state: &[(Bytes, Option<Bytes>)]) -> History {
+        let mut operations: Vec<Operation> = state
             .iter()
-            .filter(|operation| operation.invoked_at >= at || operation.is_write())
-            .map(|operation| match operation.invoked_at >= at {
-                true => operation.clone(),
-                false => Operation { outcome: Outcome::Unknown, completed_at: None, ..operation.clone() },
+            .map(|(key, value)| Operation {
+                client: usize::MAX,
+                key: key.clone(),
+                call: value.clone().map_or(Call::Delete, Call::Put),
+                outcome: Outcome::Written,
+                invoked_at: at,
+                completed_at: Some(at),
             })
             .collect();
+        for operation in &self.operations {
+            if operation.completed_at.is_some_and(|done| done <= at) {
+                continue;
+            }
+            if operation.invoked_at >= at {
+                operations.push(operation.clone());
+                continue;
+            }
+            match operation.call {
+                Call::Get => {}
+                Call::Increment(_) => {
+                    operations.push(Operation { outcome: Outcome::Unknown, completed_at: None, ..operation.clone() })
+                }
+                _ => operations.push(operation.clone()),
+            }
+        }
         History { operations }
     }
 

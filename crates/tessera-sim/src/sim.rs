@@ -479,6 +479,9 @@ pub struct Simulation {
     /// completes), and the view that completed it.
     kind: ProtocolKind,
     switched_in_view: Option<u64>,
+    /// Every key's value when the transition completed (the members' common
+    /// records), where a strong target's guarantee starts.
+    switched_state: Vec<(Bytes, Option<Bytes>)>,
 }
 
 fn key_name(prefix: &str, index: usize) -> Bytes {
@@ -546,6 +549,7 @@ impl Simulation {
             eventual_reads: 0,
             kind: config.protocol,
             switched_in_view: None,
+            switched_state: Vec::new(),
             config,
         };
         simulation.schedule_start();
@@ -745,6 +749,24 @@ impl Simulation {
         }
     }
 
+    /// Every key's value at a member that reported itself drained (they all
+    /// hold the same records then), including keys it does not hold.
+    fn drained_state(&self, view: &ShardView) -> Vec<(Bytes, Option<Bytes>)> {
+        let drained = view.replicas.iter().find(|node| {
+            let replica = &self.replicas[node.0 as usize];
+            replica.alive && self.coordinator.incarnation(**node) == Some(replica.incarnation)
+        });
+        let Some(member) = drained else { return Vec::new() };
+        let held: BTreeMap<Bytes, Option<Bytes>> =
+            Self::engine_contents(self.replicas[member.0 as usize].engine.as_ref())
+                .into_iter()
+                .map(|(key, record)| (key, record.visible().cloned()))
+                .collect();
+        let keys = (0..self.config.keys).map(|index| key_name("k", index));
+        let counters = (0..self.config.counters).map(|index| key_name("c", index));
+        keys.chain(counters).map(|key| (key.clone(), held.get(&key).cloned().flatten())).collect()
+    }
+
     /// Copies that must stay healthy: during a transition, what either
     /// protocol needs.
     fn copies_needed(&self) -> usize {
@@ -896,6 +918,7 @@ impl Simulation {
                 self.kind = self.config.transition_to.expect("a transition has a target");
                 self.switched_in_view = Some(change.view.number);
                 self.report.transition_completed_at = Some(change.at_ms);
+                self.switched_state = self.drained_state(&change.view);
             }
             self.report.view_changes += 1;
             if change.primary_changed {
@@ -1141,7 +1164,7 @@ impl Simulation {
                 if original.strong() && target.strong() {
                     (Some(self.report.history.clone()), Some(0))
                 } else if let (true, Some(completed)) = (target.strong(), completed) {
-                    (Some(self.report.history.after(completed)), Some(completed))
+                    (Some(self.report.history.after(completed, &self.switched_state)), Some(completed))
                 } else if let (true, Some(started)) = (original.strong(), started) {
                     (Some(self.report.history.before(started)), None)
                 } else {
