@@ -668,7 +668,8 @@ impl Agent {
                 // The view that ends a transition: the new mode's protocol
                 // takes over the records, and the held requests run on it.
                 tracing::info!(shard, from = replica.mode.name(), to = mode.name(), "group switched modes");
-                replica.protocol.replace(self.instance(mode, replica.engine.clone(), true));
+                let engine = replica.engine.clone();
+                replica.protocol.replace(&view, || self.instance(mode, engine, true));
                 replica.mode = mode;
             }
             let was_draining = replica.protocol.draining();

@@ -98,10 +98,20 @@ impl Switchable {
         Self { me, engine, protocol, view_number: 0, members: Vec::new(), drain: None, held: Vec::new() }
     }
 
-    /// Installs the next mode's protocol: called with the view that ends a
-    /// transition, before that view is handed to [`Protocol::on_view`].
-    pub fn replace(&mut self, protocol: Box<dyn Protocol>) {
-        self.protocol = protocol;
+    /// Installs the next mode's protocol, made by `make` over the engine:
+    /// called with the view that ends a transition (or any later one), before
+    /// that view is handed to [`Protocol::on_view`]. A replica outside the
+    /// view's members did not take part in the drain: what it holds may be
+    /// writes the group lost under the old protocol's guarantees (an eventual
+    /// primary's unshipped writes), which no version order across protocols
+    /// can tell apart, so it starts empty and joins as a newcomer.
+    pub fn replace(&mut self, view: &ShardView, make: impl FnOnce() -> Box<dyn Protocol>) {
+        if view.position(self.me).is_none() {
+            if let Err(error) = self.engine.clear() {
+                tracing::error!(replica = %self.me, %error, "cannot empty a shard that missed a transition");
+            }
+        }
+        self.protocol = make();
     }
 
     /// Whether a draining view is being worked through here.

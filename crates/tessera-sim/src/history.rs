@@ -47,7 +47,7 @@ pub struct History {
 impl History {
     /// What a checker may demand of operations from `at` on, when the
     /// guarantee starts then with every key holding its value in `state`:
-    /// that state as writes made at `at`, then the operations still running
+    /// that state as writes made just before `at`, then the operations still running
     /// at `at` or begun later. Of those begun earlier, reads are dropped (they
     /// were answered under the old guarantee) and increments count as unknown
     /// (their effect may be in `state` already).
@@ -59,7 +59,9 @@ impl History {
                 key: key.clone(),
                 call: value.clone().map_or(Call::Delete, Call::Put),
                 outcome: Outcome::Written,
-                invoked_at: at,
+                // An operation takes time: one that returns as it is invoked
+                // would return before its own call.
+                invoked_at: at.saturating_sub(1),
                 completed_at: Some(at),
             })
             .collect();
@@ -73,9 +75,11 @@ impl History {
             }
             match operation.call {
                 Call::Get => {}
-                Call::Increment(_) => {
-                    operations.push(Operation { outcome: Outcome::Unknown, completed_at: None, ..operation.clone() })
-                }
+                Call::Increment(_) => operations.push(Operation {
+                    outcome: Outcome::Unknown,
+                    completed_at: None,
+                    ..operation.clone()
+                }),
                 _ => operations.push(operation.clone()),
             }
         }

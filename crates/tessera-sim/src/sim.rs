@@ -864,7 +864,8 @@ impl Simulation {
                             _ => self.config.protocol,
                         };
                         if kind != replica.kind {
-                            replica.protocol.replace(kind.instance(NodeId(id), replica.engine.clone()));
+                            let engine = replica.engine.clone();
+                            replica.protocol.replace(&view, || kind.instance(NodeId(id), engine));
                             replica.kind = kind;
                         }
                         replica.protocol.on_view(&view, &mut fx);
