@@ -664,7 +664,7 @@ impl Agent {
             let now = self.now();
             replica.lease_until = replica.lease_until.max(asked_at + self.lease_ms);
             let view = ShardView { lease_until: replica.lease_until, ..view };
-            if mode != replica.mode && !view.draining {
+            if mode != replica.mode && !view.draining && view.number > replica.view.number {
                 // The view that ends a transition: the new mode's protocol
                 // takes over the records, and the held requests run on it.
                 tracing::info!(shard, from = replica.mode.name(), to = mode.name(), "group switched modes");

@@ -57,6 +57,16 @@ impl ReplicationMode {
         }
     }
 
+    /// The topology and consistency, as [`ReplicationMode::parse`] takes them.
+    pub fn parts(self) -> (&'static str, &'static str) {
+        match self {
+            Self::MsStrong => ("ms", "strong"),
+            Self::MsEventual => ("ms", "eventual"),
+            Self::AaEventual => ("aa", "eventual"),
+            Self::AaStrong => ("aa", "strong"),
+        }
+    }
+
     /// Whether every member of a group accepts writes.
     pub fn active_active(self) -> bool {
         matches!(self, Self::AaEventual | Self::AaStrong)

@@ -7,7 +7,7 @@
 //! Anywhere else a cluster client is told `MOVED`, and a plain client's request
 //! is forwarded to the head and the answer relayed.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::AtomicU64;
@@ -18,7 +18,7 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use tessera_cluster::agent::{Agent, AgentConfig, Completion, Refusal, Role, Routing};
 use tessera_cluster::capture::CapturingView;
-use tessera_cluster::map::range_index;
+use tessera_cluster::map::{range_index, Shard};
 use tessera_cluster::{ClusterMap, ReplicationMode, DEFAULT_TABLE};
 use tessera_engine::{Engine, EngineKind, EngineSpec, KeyRange, ScanCursor};
 use tessera_protocol::Operation;
@@ -28,7 +28,7 @@ use tessera_wire::{encode_command, parse_value, skip_value, ReplyWriter, Request
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::commands::tables::{ordered_keys, parse_create, parse_range, text};
+use crate::commands::tables::{ordered_keys, parse_alter, parse_create, parse_range, text};
 use crate::config::Config;
 use crate::error::{CommandError, CommandResult};
 use crate::store::Store;
@@ -199,6 +199,7 @@ impl ClusterNode {
                 args
             }
             b"table.drop" => vec![b"COORD.TABLE-DROP".to_vec(), request.arg(1).to_vec()],
+            b"table.alter" => return self.alter_table(request, out).await,
             b"table.list" => {
                 let map = self.map()?;
                 out.array(1 + map.tables.len());
@@ -228,6 +229,46 @@ impl ClusterNode {
         if !arrived {
             return Err(CommandError::Coded(
                 "TRYAGAIN the coordinator changed the map; this node has not seen it yet".into(),
+            ));
+        }
+        out.ok();
+        Ok(())
+    }
+
+    /// TABLE.ALTER: switches every group of the table to the mode asked for
+    /// while it serves, and answers once the coordinator reports them all
+    /// switched (from then on the new mode's guarantees hold) and this node
+    /// routes by a map that says so.
+    async fn alter_table(&self, request: &Request<'_>, out: &mut ReplyWriter) -> CommandResult {
+        let (table, topology, consistency) = parse_alter(request)?;
+        let map = self.map()?;
+        let groups: Vec<&Shard> = map.shards.iter().filter(|shard| shard.table == table).collect();
+        let Some(current) = groups.first().map(|group| map.mode_of(group)) else {
+            return Err(CommandError::Other(format!("no such table '{table}'")));
+        };
+        let (current_topology, current_consistency) = current.parts();
+        let mode = ReplicationMode::parse(
+            topology.as_deref().unwrap_or(current_topology),
+            consistency.as_deref().unwrap_or(current_consistency),
+        )
+        .map_err(CommandError::Other)?;
+        let answer = self
+            .agent
+            .ask_coordinator(&[b"COORD.TABLE-ALTER", table.as_bytes(), mode.name().as_bytes()])
+            .await
+            .map_err(|error| CommandError::Coded(format!("TRYAGAIN {error}")))?;
+        if let Value::Error(message) = answer {
+            return Err(CommandError::Coded(message));
+        }
+        let switched = |map: &ClusterMap| {
+            map.shards
+                .iter()
+                .filter(|shard| shard.table == table)
+                .all(|shard| shard.next_mode.is_none() && map.mode_of(shard) == mode)
+        };
+        if !self.agent.wait_for_map(switched, Duration::from_secs(5)).await {
+            return Err(CommandError::Coded(
+                "TRYAGAIN the coordinator switched the table; this node has not seen it yet".into(),
             ));
         }
         out.ok();
@@ -383,9 +424,18 @@ impl ClusterNode {
             .filter(|(option, _)| option.as_str() != "password")
             .map(|(option, value)| format!("{option}={value}"))
             .collect();
-        out.map(6);
+        let modes: BTreeSet<String> = groups
+            .iter()
+            .map(|group| match group.next_mode {
+                Some(next) => format!("{} (switching to {})", map.mode_of(group).name(), next.name()),
+                None => map.mode_of(group).name().to_string(),
+            })
+            .collect();
+        out.map(7);
         out.bulk(b"name");
         out.bulk(name.as_bytes());
+        out.bulk(b"mode");
+        out.bulk(modes.into_iter().collect::<Vec<_>>().join(", ").as_bytes());
         out.bulk(b"prefix");
         out.bulk(&unescape_prefix(&prefix).unwrap_or_default());
         out.bulk(b"engine");

@@ -1,7 +1,7 @@
 //! The fixed seed set CI runs for every protocol, the proof that the checkers
 //! catch a broken protocol, and exact replay.
 
-use crate::{run, ProtocolKind, Report, SimConfig, Workload};
+use crate::{run, FaultKind, ProtocolKind, Report, SimConfig, Workload};
 
 fn failures(protocol: ProtocolKind, seeds: std::ops::Range<u64>) -> Vec<Report> {
     let config = SimConfig::new(protocol);
@@ -129,6 +129,64 @@ fn runs_without_faults_lose_nothing_even_in_eventual_modes() {
                     assert_eq!(report.lost_acknowledged_writes, 0, "{name} seed {seed}");
                 }
             }
+        }
+    }
+}
+
+/// Every direction between the four protocols.
+fn transitions() -> impl Iterator<Item = (ProtocolKind, ProtocolKind)> {
+    let kinds =
+        [ProtocolKind::Chain, ProtocolKind::PrimaryBackup, ProtocolKind::MultiMaster, ProtocolKind::Quorum];
+    kinds
+        .into_iter()
+        .flat_map(move |from| kinds.into_iter().filter(move |to| *to != from).map(move |to| (from, to)))
+}
+
+#[test]
+fn transitions_in_every_direction_pass_the_fixed_seeds() {
+    for (from, to) in transitions() {
+        let config = SimConfig { transition_to: Some(to), ..SimConfig::new(from) };
+        for seed in 0..60 {
+            let report = run(seed, &config);
+            assert!(
+                report.violations.is_empty(),
+                "{} to {} seed {seed} faults {}: {:?}\nreplay: tessera sim --protocol {} --transition-to {} --seed {seed}",
+                from.name(),
+                to.name(),
+                report.faults.describe(),
+                report.violations,
+                from.name(),
+                to.name()
+            );
+            assert!(report.transition_completed_at.is_some());
+        }
+    }
+}
+
+/// Without faults that lose copies (crashes, removals), no protocol loses an
+/// acknowledged write, so neither may a switch between two of them.
+#[test]
+fn transitions_lose_no_acknowledged_write() {
+    let faults =
+        [FaultKind::Delay, FaultKind::Reorder, FaultKind::Drop, FaultKind::ClockSkew].into_iter().collect();
+    for (from, to) in transitions() {
+        let config = SimConfig {
+            workload: Workload::Appends,
+            transition_to: Some(to),
+            faults,
+            ..SimConfig::new(from)
+        };
+        for seed in 0..30 {
+            let report = run(seed, &config);
+            assert!(
+                report.violations.is_empty(),
+                "{} to {} seed {seed}: {:?}",
+                from.name(),
+                to.name(),
+                report.violations
+            );
+            assert_eq!(report.lost_acknowledged_writes, 0, "{} to {} seed {seed}", from.name(), to.name());
+            assert!(report.acknowledged_writes > 100);
         }
     }
 }

@@ -858,15 +858,22 @@ impl Simulation {
                         replica.lease_until = replica.lease_until.max(asked_at + self.config.lease_ms);
                         let view = ShardView { lease_until: replica.lease_until, ..view };
                         // The view that completes a transition, and any after
-                        // it, run the target protocol.
-                        let kind = match (self.switched_in_view, self.config.transition_to) {
-                            (Some(first), Some(target)) if view.number >= first => target,
-                            _ => self.config.protocol,
+                        // it, run the target protocol (a late grant of an
+                        // older view changes nothing).
+                        let switched = match (self.switched_in_view, self.config.transition_to) {
+                            (Some(first), Some(target)) if view.number >= first => Some(target),
+                            _ => None,
                         };
-                        if kind != replica.kind {
+                        if let Some(kind) = switched.filter(|kind| *kind != replica.kind) {
                             let engine = replica.engine.clone();
                             replica.protocol.replace(&view, || kind.instance(NodeId(id), engine));
                             replica.kind = kind;
+                            self.report.log.push(format!(
+                                "{}ms n{id} runs {} from view {}",
+                                self.now,
+                                kind.name(),
+                                view.number
+                            ));
                         }
                         replica.protocol.on_view(&view, &mut fx);
                     }

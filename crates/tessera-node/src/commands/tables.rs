@@ -1,5 +1,6 @@
-//! Table management: TABLE.CREATE, TABLE.DROP, TABLE.LIST, TABLE.INFO, and
-//! TABLE.RANGE, the ordered walk of a table's keys.
+//! Table management: TABLE.CREATE, TABLE.DROP, TABLE.LIST, TABLE.INFO,
+//! TABLE.ALTER (a cluster table's replication mode), and TABLE.RANGE, the
+//! ordered walk of a table's keys.
 
 use std::collections::BTreeMap;
 
@@ -18,6 +19,7 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "table.create", arity: -6, flags: &["write", "admin"], first_key: 0, last_key: 0, step: 0, handler: create },
     CommandSpec { name: "table.drop", arity: 2, flags: &["write", "admin"], first_key: 0, last_key: 0, step: 0, handler: drop_table },
     CommandSpec { name: "table.list", arity: 1, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, handler: list },
+    CommandSpec { name: "table.alter", arity: -4, flags: &["write", "admin"], first_key: 0, last_key: 0, step: 0, handler: alter },
     CommandSpec { name: "table.info", arity: 2, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, handler: info },
     CommandSpec { name: "table.range", arity: -4, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, handler: range },
 ];
@@ -39,6 +41,35 @@ fn create(context: &mut Context, request: &Request) -> CommandResult {
     context.store.create_table(def).map_err(|error| CommandError::Other(error.to_string()))?;
     context.out.ok();
     Ok(())
+}
+
+/// TABLE.ALTER on a single node: one copy has no replication mode to change.
+fn alter(_context: &mut Context, request: &Request) -> CommandResult {
+    parse_alter(request)?;
+    Err(CommandError::Other(
+        "TABLE.ALTER changes how a cluster's replica groups replicate; a single node keeps one copy".into(),
+    ))
+}
+
+/// TABLE.ALTER name [TOPOLOGY ms|aa] [CONSISTENCY strong|eventual]: the table
+/// and the topology and consistency asked for (`None`: unchanged).
+pub fn parse_alter(request: &Request) -> CommandResult<(String, Option<String>, Option<String>)> {
+    let usage = || {
+        CommandError::Other("usage: TABLE.ALTER name [TOPOLOGY ms|aa] [CONSISTENCY strong|eventual]".into())
+    };
+    if request.len() % 2 != 0 {
+        return Err(usage());
+    }
+    let (mut topology, mut consistency) = (None, None);
+    for index in (2..request.len()).step_by(2) {
+        let value = text(request.arg(index + 1))?.to_ascii_lowercase();
+        match text(request.arg(index))?.to_ascii_lowercase().as_str() {
+            "topology" if matches!(value.as_str(), "ms" | "aa") => topology = Some(value),
+            "consistency" if matches!(value.as_str(), "strong" | "eventual") => consistency = Some(value),
+            _ => return Err(usage()),
+        }
+    }
+    Ok((text(request.arg(1))?, topology, consistency))
 }
 
 /// The table a TABLE.CREATE asks for, and its split keys (ascending) if it
