@@ -167,13 +167,13 @@ fn transitions_in_every_direction_pass_the_fixed_seeds() {
 /// acknowledged write, so neither may a switch between two of them.
 #[test]
 fn transitions_lose_no_acknowledged_write() {
-    let faults =
+    let faults: std::collections::BTreeSet<FaultKind> =
         [FaultKind::Delay, FaultKind::Reorder, FaultKind::Drop, FaultKind::ClockSkew].into_iter().collect();
     for (from, to) in transitions() {
         let config = SimConfig {
             workload: Workload::Appends,
             transition_to: Some(to),
-            faults,
+            faults: faults.clone(),
             ..SimConfig::new(from)
         };
         for seed in 0..30 {

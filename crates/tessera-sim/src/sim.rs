@@ -1165,7 +1165,7 @@ impl Simulation {
         // on, or up to the draining view).
         let original = self.config.protocol;
         let (checked, durable_since) = match self.config.transition_to {
-            None => (original.strong().then(|| self.report.history.clone()), Some(0)),
+            None => (original.strong().then(|| self.report.history.clone()), original.strong().then_some(0)),
             Some(target) => {
                 let started = self.report.transition_started_at;
                 let completed = self.report.transition_completed_at;
