@@ -841,3 +841,59 @@ def test_active_active_strong_cluster_is_linearizable_through_kills_and_stops(cl
     total = int(members[0].get(counter))
     assert len(answered) <= total <= len(answered) + len(unanswered), (total, len(answered), unanswered[:3])
     assert members[0].execute_command("CONSISTENCY") == [b"strong", b"strong"]
+
+
+def test_tables_switch_modes_while_clients_keep_working(cluster_factory):
+    """TABLE.ALTER through every mode under cluster and plain clients: no
+    client sees an error, no acknowledged write is lost, and INCRs stay exact."""
+    cluster = cluster_factory("strong", nodes=3)
+    stop = threading.Event()
+    keys = [f"reg:{index}" for index in range(24)]
+    recorders = [Recorder(cluster, client, keys, stop) for client in range(2)]
+    recorders += [
+        Recorder(cluster, 2 + node, keys, stop, client=redis.Redis(port=cluster.port(node), socket_timeout=10, protocol=2))
+        for node in range(3)
+    ]
+    acknowledged, increments, errors = {}, [], []
+
+    def fresh_writer():
+        client = cluster.client()
+        index = 0
+        while not stop.is_set():
+            try:
+                client.set(f"fresh:{index}", index)
+                acknowledged[f"fresh:{index}"] = str(index).encode()
+                increments.append(client.incr("switch:counter"))
+            except redis.RedisError as error:
+                errors.append(str(error))
+            index += 1
+
+    writer = threading.Thread(target=fresh_writer, daemon=True)
+    for thread in [*recorders, writer]:
+        thread.start()
+    admin = redis.Redis(port=cluster.port(0), socket_timeout=70, protocol=2)
+    steps = [("aa", "strong"), ("aa", "eventual"), ("ms", "eventual"), ("ms", "strong"), ("aa", "eventual"),
+             ("ms", "strong")]
+    for topology, consistency in steps:
+        time.sleep(0.7)
+        assert admin.execute_command("TABLE.ALTER", "default", "TOPOLOGY", topology, "CONSISTENCY", consistency) == b"OK"
+        info = dict(zip(*[iter(admin.execute_command("TABLE.INFO", "default"))] * 2))
+        expected = {"ms": "ms", "aa": "aa"}[topology] + "+" + {"strong": "sc", "eventual": "ec"}[consistency]
+        assert info[b"mode"] == expected.encode(), info
+    time.sleep(0.7)
+    stop.set()
+    for thread in [*recorders, writer]:
+        thread.join(timeout=60)
+    assert not errors, errors[:3]
+    assert all(recorder.failures == 0 for recorder in recorders), [recorder.failures for recorder in recorders]
+    client = cluster.client()
+    missing = [key for key, value in acknowledged.items() if client.get(key) != value]
+    assert not missing, f"{len(missing)} of {len(acknowledged)} acknowledged writes lost, e.g. {missing[:3]}"
+    assert increments == list(range(1, len(increments) + 1)), "INCRs lost or repeated"
+    assert int(client.get("switch:counter")) == len(increments)
+    assert_replicas_converge(cluster, keys + list(acknowledged)[-50:])
+    # A single node has one copy and no mode to change.
+    with pytest.raises(redis.ResponseError, match="no such table"):
+        admin.execute_command("TABLE.ALTER", "nosuch", "TOPOLOGY", "aa")
+    with pytest.raises(redis.ResponseError, match="usage"):
+        admin.execute_command("TABLE.ALTER", "default", "TOPOLOGY", "ring")

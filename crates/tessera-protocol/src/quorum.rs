@@ -753,11 +753,23 @@ impl Protocol for QuorumRegister {
         }
     }
 
-    fn on_view(&mut self, view: &ShardView, _fx: &mut Effects) {
+    fn on_view(&mut self, view: &ShardView, fx: &mut Effects) {
         if self.view.as_ref().is_some_and(|current| view.number <= current.number) {
             return;
         }
+        let same_members = self.view.as_ref().is_some_and(|current| current.replicas == view.replicas);
         self.view = Some(view.clone());
+        if same_members {
+            // The view changed but not its members (a transition starts):
+            // what is under way carries on in the new view, each phase sent
+            // again (members ignore the old view's messages), rather than
+            // timing out, which for a write in its accept round would leave
+            // its outcome unknown.
+            let under_way: Vec<u64> = self.proposals.keys().copied().collect();
+            for op in under_way {
+                self.send_phase(op, fx);
+            }
+        }
         // A new view: promises stay (they are about ballots, not views); a
         // learner gathers from the new members again.
         self.merged_from.retain(|member| view.replicas.contains(member));
