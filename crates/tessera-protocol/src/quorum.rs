@@ -341,8 +341,12 @@ impl QuorumRegister {
         };
         let promised = self.promises.get(key).copied().max(self.floor(now));
         self.hlc.observe(ballot.0, now);
+        if accepted == Some(ballot) {
+            // The same accept again (a resend): one ballot is one record.
+            return Answer::Accepted;
+        }
         if promised.is_some_and(|promised| ballot < promised)
-            || accepted.is_some_and(|accepted| ballot <= accepted)
+            || accepted.is_some_and(|accepted| ballot < accepted)
         {
             let highest = promised.max(accepted).map_or(Version(0), |(version, _)| version);
             return Answer::Refused(highest);
@@ -747,6 +751,17 @@ impl Protocol for QuorumRegister {
             } else if matches!(self.proposals.get(&op).map(|proposal| &proposal.phase), Some(Phase::Peek)) {
                 // Not enough peeks: take the full path.
                 self.start_prepare(op, fx);
+            } else if let Some(proposal) = self
+                .proposals
+                .get_mut(&op)
+                .filter(|proposal| matches!(proposal.phase, Phase::Accept { .. }))
+                .filter(|proposal| proposal.attempt + 1 < self.options.attempts_max)
+            {
+                // Unanswered, not refused (lost messages, members a view
+                // behind): the same accept again is safe, and a write
+                // abandoned here would have an unknown outcome.
+                proposal.attempt += 1;
+                self.send_phase(op, fx);
             } else {
                 self.retry(op, Version(0), fx);
             }
