@@ -632,7 +632,7 @@ impl Agent {
 
     /// Applies the coordinator's grants: new shards get a replica, every granted
     /// shard its view with a lease from `asked_at`.
-    fn apply_grants(&self, asked_at: u64, grants: Vec<(u32, ShardView, ReplicationMode)>) {
+    fn apply_grants(&self, asked_at: u64, grants: Vec<Grant>) {
         let mut state = self.state.lock();
         let Some(map) = state.routing.as_ref().map(|routing| routing.map.clone()) else { return };
         let me = NodeId(self.config.node);
@@ -768,7 +768,10 @@ impl Coordinator {
     }
 }
 
-fn parse_grants(reply: Value) -> Option<(u64, Vec<(u32, ShardView, ReplicationMode)>)> {
+/// A group's view, granted with a lease, and the mode it runs in that view.
+type Grant = (u32, ShardView, ReplicationMode);
+
+fn parse_grants(reply: Value) -> Option<(u64, Vec<Grant>)> {
     let mut parts = reply.into_items()?.into_iter();
     let epoch = parts.next()?.as_integer()? as u64;
     let mut grants = Vec::new();

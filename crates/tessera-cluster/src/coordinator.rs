@@ -399,8 +399,10 @@ mod tests {
         let shard = joining[0].id;
         let tail = *joining[0].members.last().unwrap();
         let number = joining[0].view_number;
-        let ready =
-            BTreeMap::from([(shard, Progress { applied: 5, learner_ready: Some((NodeId(3), number)) })]);
+        let ready = BTreeMap::from([(
+            shard,
+            Progress { applied: 5, learner_ready: Some((NodeId(3), number)), drained: None },
+        )]);
         coordinator.heartbeat(450, tail, 1, &ready).unwrap();
         let map = coordinator.take_changed_map().unwrap();
         assert_eq!(map.shard(shard).unwrap().members.last(), Some(&3));

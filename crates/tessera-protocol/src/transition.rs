@@ -160,8 +160,8 @@ impl Switchable {
                     continue;
                 }
             };
-            let newer = local
-                .map_or(true, |local| (incoming.version, incoming.origin) > (local.version, local.origin));
+            let newer =
+                local.is_none_or(|local| (incoming.version, incoming.origin) > (local.version, local.origin));
             if newer {
                 if let Err(error) = self.engine.put(&key, raw) {
                     tracing::error!(replica = %self.me, %error, "cannot store a merged record");

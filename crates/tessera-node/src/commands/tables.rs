@@ -57,7 +57,7 @@ pub fn parse_alter(request: &Request) -> CommandResult<(String, Option<String>, 
     let usage = || {
         CommandError::Other("usage: TABLE.ALTER name [TOPOLOGY ms|aa] [CONSISTENCY strong|eventual]".into())
     };
-    if request.len() % 2 != 0 {
+    if !request.len().is_multiple_of(2) {
         return Err(usage());
     }
     let (mut topology, mut consistency) = (None, None);
