@@ -17,8 +17,8 @@ use parking_lot::Mutex;
 use tessera_engine::{Engine, EngineSpec};
 use tessera_protocol::{
     ChainOptions, ChainReplication, ClientReply, ClientRequest, Effect, Effects, MultiMaster,
-    MultiMasterOptions, NodeId, Operation, PrimaryBackup, PrimaryBackupOptions, Progress, Protocol,
-    QuorumOptions, QuorumRegister, RequestId, ShardView, Switchable,
+    MultiMasterOptions, NodeId, Operation, PeerMessage, PrimaryBackup, PrimaryBackupOptions, Progress,
+    Protocol, QuorumOptions, QuorumRegister, RequestId, ShardView, Switchable,
 };
 use tessera_wire::prefix::unescape_prefix;
 use tessera_wire::slot::SLOTS;
@@ -325,6 +325,9 @@ pub struct Agent {
     room: Notify,
     /// Told whenever a group ends a transition here: see [`Agent::wait_while_draining`].
     switched: Notify,
+    /// Wakes the heartbeat loop early: a peer is in a view this node has not
+    /// been granted yet (a transition started), or a group just drained.
+    hurry: Arc<Notify>,
 }
 
 impl Drop for Agent {
@@ -387,6 +390,7 @@ impl Agent {
             tasks: Mutex::new(vec![peers]),
             room: Notify::new(),
             switched: Notify::new(),
+            hurry: Arc::new(Notify::new()),
         });
         agent.tasks.lock().extend([
             tokio::spawn(heartbeat_loop(Arc::downgrade(&agent), coordinator)),
@@ -678,6 +682,9 @@ impl Agent {
             let mut fx = Effects::new(now);
             replica.protocol.on_view(&view, &mut fx);
             switched |= was_draining && !replica.protocol.draining();
+            if !was_draining && replica.protocol.draining() {
+                tracing::info!(shard, view = view.number, "group draining to switch modes");
+            }
             replica.view = view;
             if new_head {
                 let (id, receiver) = state.register(shard);
@@ -852,10 +859,27 @@ async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: Coordina
                 }
             }
         }
+        // A group that has drained waits for the view that ends its
+        // transition, and its writes wait with it: ask again soon.
+        let drained = agent_ref
+            .state
+            .lock()
+            .shards
+            .values()
+            .any(|replica| replica.protocol.progress().drained.is_some());
+        let interval = if drained { interval.min(TRANSITION_HEARTBEAT) } else { interval };
+        let hurry = agent_ref.hurry.clone();
         drop(agent_ref);
-        tokio::time::sleep(interval).await;
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            _ = hurry.notified() => {}
+        }
     }
 }
+
+/// The heartbeat interval while a drained group waits for the end of its
+/// transition.
+const TRANSITION_HEARTBEAT: Duration = Duration::from_millis(20);
 
 async fn tick_loop(agent: std::sync::Weak<Agent>) {
     loop {
@@ -882,8 +906,17 @@ async fn peer_loop(agent: std::sync::Weak<Agent>, mut incoming: mpsc::UnboundedR
         let mut state = agent.state.lock();
         let now = agent.now();
         if let Some(replica) = state.shards.get_mut(&shard) {
+            let newer_view = matches!(&message, PeerMessage::Transition(transition) if transition.view() > replica.view.number);
+            let was_drained = replica.protocol.progress().drained.is_some();
             let mut fx = Effects::new(now);
             replica.protocol.on_peer(from, message, &mut fx);
+            let drained = !was_drained && replica.protocol.progress().drained.is_some();
+            if drained {
+                tracing::info!(shard, "group drained; waiting for the view that ends the transition");
+            }
+            if newer_view || drained {
+                agent.hurry.notify_one();
+            }
             agent.run_effects(&mut state, shard, fx);
         }
     }

@@ -252,10 +252,13 @@ pub fn encode(message: &PeerMessage, out: &mut Vec<u8>) {
                 out.put_u8(QUIET);
                 out.put_u64_le(*view);
             }
-            TransitionMessage::RecordsRequest { view, digest } => {
+            TransitionMessage::RecordsRequest { view, digests } => {
                 out.put_u8(RECORDS_REQUEST);
                 out.put_u64_le(*view);
-                out.put_u64_le(*digest);
+                out.put_u32_le(digests.len() as u32);
+                for digest in digests {
+                    out.put_u64_le(*digest);
+                }
             }
             TransitionMessage::InSync { view } => {
                 out.put_u8(IN_SYNC);
@@ -479,10 +482,12 @@ pub fn decode(bytes: Bytes) -> Result<PeerMessage, CodecError> {
             entries: reader.entries()?,
         }),
         QUIET => PeerMessage::Transition(TransitionMessage::Quiet { view: reader.u64()? }),
-        RECORDS_REQUEST => PeerMessage::Transition(TransitionMessage::RecordsRequest {
-            view: reader.u64()?,
-            digest: reader.u64()?,
-        }),
+        RECORDS_REQUEST => {
+            let view = reader.u64()?;
+            let count = reader.count(8)?;
+            let digests = (0..count).map(|_| reader.u64()).collect::<Result<_, _>>()?;
+            PeerMessage::Transition(TransitionMessage::RecordsRequest { view, digests })
+        }
         IN_SYNC => PeerMessage::Transition(TransitionMessage::InSync { view: reader.u64()? }),
         TRANSITION_RECORDS => PeerMessage::Transition(TransitionMessage::Records {
             view: reader.u64()?,
@@ -599,8 +604,8 @@ mod tests {
         .prop_map(PeerMessage::Quorum);
         let transition = prop_oneof![
             any::<u64>().prop_map(|view| TransitionMessage::Quiet { view }),
-            (any::<u64>(), any::<u64>())
-                .prop_map(|(view, digest)| TransitionMessage::RecordsRequest { view, digest }),
+            (any::<u64>(), proptest::collection::vec(any::<u64>(), 0..70))
+                .prop_map(|(view, digests)| TransitionMessage::RecordsRequest { view, digests }),
             any::<u64>().prop_map(|view| TransitionMessage::InSync { view }),
             (any::<u64>(), chunk(), entries())
                 .prop_map(|(view, chunk, entries)| TransitionMessage::Records { view, chunk, entries }),

@@ -9,7 +9,8 @@
 //! the replica tells every member it is *quiet*. Once it has heard every
 //! member quiet, nothing is in flight anywhere: it ignores the old protocol's
 //! late messages, its records change only by the merge below, and it answers a member's request with its records (or with
-//! *in sync* when both hold the same, by digest). Each member merges every
+//! *in sync* when both hold the same: digests of 64 buckets of keys tell which
+//! buckets need to travel). Each member merges every
 //! other member's records, keeping per key the record of highest (version,
 //! origin), so all end with the same records: the newest each key had at any
 //! member. A replica that has merged every member reports itself *drained*;
@@ -26,7 +27,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use tessera_engine::Engine;
 
-use crate::multi_master::hash;
+use crate::multi_master::{hash, leaf_of};
 use crate::{
     engine_entries, read_visible, snapshot_chunks, Chunk, ClientReply, ClientRequest, Consistency, Effects,
     NodeId, Operation, PeerMessage, Progress, Protocol, Record, ShardView, SnapshotAssembly, Time,
@@ -34,7 +35,15 @@ use crate::{
 
 /// How often a draining replica repeats its announcements and requests (the
 /// channel may drop them).
-const RESEND_MS: u64 = 50;
+const RESEND_MS: u64 = 20;
+
+/// Keys are summed up in this many buckets (by the multi-master tree's leaf
+/// of the key): replicas that differ on a few keys exchange those buckets.
+pub const DIGEST_BUCKETS: usize = 64;
+
+fn bucket_of(key: &[u8]) -> usize {
+    leaf_of(key) % DIGEST_BUCKETS
+}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TransitionMessage {
@@ -42,10 +51,12 @@ pub enum TransitionMessage {
     Quiet {
         view: u64,
     },
-    /// Asks for the receiver's records; `digest` summarises the sender's.
+    /// Asks for the receiver's records; `digests` summarise the sender's,
+    /// one per bucket of keys ([`DIGEST_BUCKETS`]), so that only buckets that
+    /// differ travel.
     RecordsRequest {
         view: u64,
-        digest: u64,
+        digests: Vec<u64>,
     },
     /// The receiver's records equal the requester's.
     InSync {
@@ -78,6 +89,9 @@ struct Drain {
     merged_from: BTreeSet<NodeId>,
     assemblies: HashMap<NodeId, SnapshotAssembly>,
     next_resend_at: Time,
+    /// The buckets' digests, once the records changed only by merging
+    /// (cleared by a merge).
+    digests: Option<Vec<u64>>,
 }
 
 /// A group's protocol on one replica, replaceable by another while it serves.
@@ -138,15 +152,21 @@ impl Switchable {
         (self.heard_everyone_quiet(drain) && merged).then_some(drain.view)
     }
 
-    /// An order-independent summary of every record held.
-    fn digest(&self) -> u64 {
-        match engine_entries(self.engine.as_ref()) {
-            Ok(entries) => entries.iter().fold(0u64, |sum, (key, raw)| sum.wrapping_add(hash(&[key, raw]))),
-            Err(error) => {
-                tracing::error!(replica = %self.me, %error, "cannot read the shard to summarise it");
-                0 // matches nobody's digest in practice: the records travel
-            }
+    /// An order-independent summary of each bucket's records, computed once
+    /// per drain and again after a merge (a scan of the whole shard).
+    fn digests(&mut self) -> Result<Vec<u64>, String> {
+        if let Some(digests) = self.drain.as_ref().and_then(|drain| drain.digests.clone()) {
+            return Ok(digests);
         }
+        let mut digests = vec![0u64; DIGEST_BUCKETS];
+        for (key, raw) in engine_entries(self.engine.as_ref())? {
+            let digest = &mut digests[bucket_of(&key)];
+            *digest = digest.wrapping_add(hash(&[&key, &raw]));
+        }
+        if let Some(drain) = self.drain.as_mut() {
+            drain.digests = Some(digests.clone());
+        }
+        Ok(digests)
     }
 
     /// Keeps, per key, the record of highest (version, origin).
@@ -180,6 +200,12 @@ impl Switchable {
         match message {
             TransitionMessage::Quiet { .. } => {
                 drain.quiet_peers.insert(from);
+                let drain = self.drain.as_ref().expect("checked above");
+                if self.heard_everyone_quiet(drain) && drain.merged_from.is_empty() {
+                    // Perhaps the last one heard: ask for records now.
+                    self.drain.as_mut().expect("checked above").next_resend_at = 0;
+                    self.drain_step(fx);
+                }
             }
             TransitionMessage::InSync { .. } => {
                 drain.merged_from.insert(from);
@@ -191,21 +217,35 @@ impl Switchable {
                 let whole = drain.assemblies.entry(from).or_default().add(from, chunk, entries);
                 if let Some(entries) = whole {
                     self.merge(entries);
-                    self.drain.as_mut().expect("checked above").merged_from.insert(from);
+                    let drain = self.drain.as_mut().expect("checked above");
+                    drain.merged_from.insert(from);
+                    drain.digests = None;
                 }
             }
-            TransitionMessage::RecordsRequest { digest, .. } => {
+            TransitionMessage::RecordsRequest { digests, .. } => {
                 // Answered only once this replica's records can no longer
                 // change but by merging; the requester asks again until then.
                 if !self.heard_everyone_quiet(self.drain.as_ref().expect("checked above")) {
                     return;
                 }
-                if self.digest() == digest {
-                    fx.send(from, PeerMessage::Transition(TransitionMessage::InSync { view }));
-                    return;
-                }
-                let entries = match engine_entries(self.engine.as_ref()) {
-                    Ok(entries) => entries,
+                let read = self.digests().and_then(|mine| {
+                    let differing: Vec<bool> = (0..DIGEST_BUCKETS)
+                        .map(|bucket| digests.get(bucket) != Some(&mine[bucket]))
+                        .collect();
+                    if !differing.contains(&true) {
+                        return Ok(None);
+                    }
+                    let entries = engine_entries(self.engine.as_ref())?;
+                    Ok(Some(
+                        entries.into_iter().filter(|(key, _)| differing[bucket_of(key)]).collect::<Vec<_>>(),
+                    ))
+                });
+                let entries = match read {
+                    Ok(Some(entries)) => entries,
+                    Ok(None) => {
+                        fx.send(from, PeerMessage::Transition(TransitionMessage::InSync { view }));
+                        return;
+                    }
                     Err(error) => {
                         tracing::error!(replica = %self.me, %error, "cannot read the shard for a peer");
                         return;
@@ -239,9 +279,16 @@ impl Switchable {
             fx.send(peer, PeerMessage::Transition(TransitionMessage::Quiet { view }));
         }
         if ask && !unmerged.is_empty() {
-            let digest = self.digest();
+            let digests = match self.digests() {
+                Ok(digests) => digests,
+                Err(error) => {
+                    tracing::error!(replica = %self.me, %error, "cannot read the shard to summarise it");
+                    return;
+                }
+            };
             for peer in unmerged {
-                fx.send(peer, PeerMessage::Transition(TransitionMessage::RecordsRequest { view, digest }));
+                let request = TransitionMessage::RecordsRequest { view, digests: digests.clone() };
+                fx.send(peer, PeerMessage::Transition(request));
             }
         }
     }
@@ -281,7 +328,12 @@ impl Protocol for Switchable {
     }
 
     fn on_tick(&mut self, fx: &mut Effects) {
-        self.protocol.on_tick(fx);
+        // Once every member is quiet the old protocol has nothing left to
+        // do, and its timers (resends, collection) would change records the
+        // digests sum up: it sleeps until the switch.
+        if !self.drain.as_ref().is_some_and(|drain| self.heard_everyone_quiet(drain)) {
+            self.protocol.on_tick(fx);
+        }
         self.drain_step(fx);
     }
 
@@ -302,6 +354,7 @@ impl Protocol for Switchable {
                     merged_from: BTreeSet::new(),
                     assemblies: HashMap::new(),
                     next_resend_at: 0,
+                    digests: None,
                 });
                 self.drain_step(fx);
             }
