@@ -13,7 +13,9 @@ the two modes' throughputs. Errors are the bench's, over the whole run.
 """
 
 import argparse
+import datetime
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -95,8 +97,41 @@ def main():
               f"{'+' + str(recovered) if recovered is not None else 'later'} (the switch's own second is +0)")
         previous = name
     print(f"errors: {result.get('errors') or 'none'}")
+    pauses = write_pauses(directory / "cluster" / "logs")
+    print(f"writes held per group and switch (first node draining to last node switched, from the nodes' logs): "
+          f"median {statistics.median(pauses):.0f} ms, longest {max(pauses):.0f} ms, over {len(pauses)}")
     if args.svg:
         draw(series, switches, args.svg)
+
+
+def write_pauses(logs):
+    """Per group and switch, from the first node that drains to the last that
+    runs the new mode: the time its writes wait."""
+    events = []
+    pattern = re.compile(r"^\S*?(\d{4}-\d\d-\d\dT[\d:.]+)Z.*?(draining to switch modes|switched modes) shard\S*?=\S*?(\d+)")
+    for log in logs.glob("node-*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            plain = re.sub(r"\x1b\[[0-9;]*m", "", line)
+            match = pattern.search(plain)
+            if match:
+                at = datetime.datetime.fromisoformat(match.group(1)).timestamp()
+                events.append((at, match.group(2).startswith("draining"), int(match.group(3))))
+    pauses = []
+    for shard in {group for _, _, group in events}:
+        opened = last_switched = None
+        for at, draining, group in sorted(events):
+            if group != shard:
+                continue
+            if draining and last_switched is not None:
+                pauses.append((last_switched - opened) * 1000)
+                opened = last_switched = None
+            if draining and opened is None:
+                opened = at
+            elif not draining and opened is not None:
+                last_switched = at
+        if last_switched is not None:
+            pauses.append((last_switched - opened) * 1000)
+    return pauses or [0.0]
 
 
 def draw(series, switches, path):
