@@ -510,4 +510,109 @@ mod tests {
         // Node 1 restarted with nothing while the coordinator was down.
         assert!(restarted.heartbeat(500, 1, 2, &BTreeMap::new()).unwrap().shards.is_empty());
     }
+
+    #[test]
+    fn a_table_switches_modes_alone_once_every_member_has_drained() {
+        let mut coordinator = cluster(3, 3);
+        let events = ClusterTable {
+            name: "events".into(),
+            prefix: "ev:".into(),
+            engine: "memory".into(),
+            options: BTreeMap::new(),
+            split_keys: None,
+        };
+        coordinator.create_table(events, 0).unwrap();
+        for node in 0..3 {
+            beat(&mut coordinator, 5, node);
+        }
+        assert_eq!(coordinator.alter_table("events", ReplicationMode::AaStrong, 10), Ok(3));
+        let groups: Vec<u32> = coordinator
+            .map()
+            .shards
+            .iter()
+            .filter(|shard| shard.table == "events")
+            .map(|shard| shard.id)
+            .collect();
+        let err = coordinator.alter_table("events", ReplicationMode::MsEventual, 11).unwrap_err();
+        assert!(err.to_string().contains("already switching"), "{err}");
+        assert!(coordinator.alter_table("nosuch", ReplicationMode::MsEventual, 11).is_err());
+        // Draining views, still in the old mode; the default table untouched.
+        let grants = beat(&mut coordinator, 20, 0);
+        for (shard, view, mode) in &grants.shards {
+            assert_eq!(view.draining, groups.contains(shard), "shard {shard}");
+            assert_eq!(*mode, ReplicationMode::MsStrong);
+        }
+        // Reports of drained views: the group ends its transition only once
+        // all three members have drained in its current view.
+        let drained = |coordinator: &ClusterCoordinator| -> BTreeMap<u32, Progress> {
+            groups
+                .iter()
+                .map(|id| {
+                    let view = coordinator.map().shard(*id).unwrap().view_number;
+                    (*id, Progress { drained: Some(view), ..Progress::default() })
+                })
+                .collect()
+        };
+        for node in 0..2 {
+            let report = drained(&coordinator);
+            coordinator.heartbeat(30, node, 1, &report).unwrap();
+        }
+        assert!(coordinator
+            .map()
+            .shards
+            .iter()
+            .all(|shard| shard.table != "events" || shard.next_mode.is_some()));
+        let report = drained(&coordinator);
+        let grants = coordinator.heartbeat(30, 2, 1, &report).unwrap();
+        for (shard, view, mode) in &grants.shards {
+            assert!(!view.draining);
+            let expected =
+                if groups.contains(shard) { ReplicationMode::AaStrong } else { ReplicationMode::MsStrong };
+            assert_eq!(*mode, expected, "shard {shard}");
+        }
+        let map = coordinator.take_changed_map().expect("stored");
+        for shard in &map.shards {
+            assert_eq!(shard.next_mode, None);
+            assert_eq!(
+                map.mode_of(shard),
+                if groups.contains(&shard.id) {
+                    ReplicationMode::AaStrong
+                } else {
+                    ReplicationMode::MsStrong
+                }
+            );
+        }
+        // A coordinator restarted from the stored map keeps the mode.
+        let restarted = ClusterCoordinator::new(map, Timing { lease_ms: 200, failure_timeout_ms: 150 }, 40);
+        assert_eq!(
+            restarted.map().mode_of(restarted.map().shard(groups[0]).unwrap()),
+            ReplicationMode::AaStrong
+        );
+    }
+
+    #[test]
+    fn a_transition_carries_on_under_a_restarted_coordinator() {
+        let mut coordinator = cluster(3, 3);
+        for node in 0..3 {
+            beat(&mut coordinator, 5, node);
+        }
+        assert_eq!(coordinator.alter_table(DEFAULT_TABLE, ReplicationMode::MsEventual, 10), Ok(3));
+        let map = coordinator.take_changed_map().expect("stored");
+        let mut restarted =
+            ClusterCoordinator::new(map, Timing { lease_ms: 200, failure_timeout_ms: 150 }, 20);
+        let report: BTreeMap<u32, Progress> = restarted
+            .map()
+            .shards
+            .iter()
+            .map(|shard| (shard.id, Progress { drained: Some(shard.view_number), ..Progress::default() }))
+            .collect();
+        for node in 0..3 {
+            restarted.heartbeat(30, node, 1, &report).unwrap();
+        }
+        let map = restarted.map();
+        assert!(map
+            .shards
+            .iter()
+            .all(|shard| shard.next_mode.is_none() && map.mode_of(shard) == ReplicationMode::MsEventual));
+    }
 }
