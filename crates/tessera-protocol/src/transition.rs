@@ -133,11 +133,6 @@ impl Switchable {
         self.drain.is_some()
     }
 
-    /// How many requests wait for the next protocol.
-    pub fn held(&self) -> usize {
-        self.held.len()
-    }
-
     fn peers(&self) -> impl Iterator<Item = NodeId> + '_ {
         self.members.iter().copied().filter(|member| *member != self.me)
     }
