@@ -400,7 +400,7 @@ fn status(dir: &Path) -> Result<(), String> {
     match &map {
         Some(map) => {
             println!(
-                "map epoch {}, mode {}, {} replicas per shard",
+                "map epoch {}, default mode {}, {} replicas per shard",
                 map.epoch,
                 map.mode.name(),
                 map.replicas
@@ -409,11 +409,15 @@ fn status(dir: &Path) -> Result<(), String> {
                 let chain: Vec<String> = shard.members.iter().map(|node| format!("n{node}")).collect();
                 let learners: Vec<String> = shard.learners.iter().map(|node| format!("n{node}")).collect();
                 println!(
-                    "  shard {:<3} {:<10} slots {:<14} view {:<4} {}{}",
+                    "  shard {:<3} {:<10} slots {:<14} view {:<4} {:<14} {}{}",
                     shard.id,
                     shard.table,
                     format!("{:?}", shard.slots),
                     shard.view_number,
+                    match shard.next_mode {
+                        Some(next) => format!("{}→{}", map.mode_of(shard).name(), next.name()),
+                        None => map.mode_of(shard).name().to_string(),
+                    },
                     chain.join(" → "),
                     if learners.is_empty() {
                         String::new()

@@ -207,7 +207,11 @@ fn info(map: &ClusterMap, me: u32) -> String {
         format!("cluster_size:{}", map.slot_shards().count()),
         format!("cluster_current_epoch:{}", map.epoch),
         format!("cluster_my_epoch:{}", my_epoch.max().unwrap_or(0)),
-        format!("tessera_mode:{}", map.mode.name()),
+        // The default table's, whose groups cluster clients see.
+        format!(
+            "tessera_mode:{}",
+            map.slot_shards().next().map_or(map.mode, |shard| map.mode_of(shard)).name()
+        ),
         format!("tessera_replicas:{}", map.replicas),
     ]
     .join("\r\n")
