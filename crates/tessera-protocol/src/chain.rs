@@ -30,9 +30,9 @@ use tessera_engine::Engine;
 
 use crate::record::{Record, Version};
 use crate::{
-    engine_entries, increment_value, read_visible, snapshot_chunks, snapshot_resend_after, Chunk,
-    ClientReply, ClientRequest, Consistency, Effects, NodeId, Operation, PeerMessage, Progress, Protocol,
-    RequestId, ShardView, SnapshotAssembly, Time, Write,
+    engine_entries, increment_value, read_visible, refused_without_quorum, snapshot_chunks,
+    snapshot_resend_after, Chunk, ClientReply, ClientRequest, Consistency, Effects, NodeId, Operation,
+    PeerMessage, Progress, Protocol, RequestId, ShardView, SnapshotAssembly, Time, Write,
 };
 
 #[derive(Clone, Debug)]
@@ -516,9 +516,8 @@ impl Protocol for ChainReplication {
         if self.position().is_none() {
             return fx.reply(request.id, ClientReply::Retry("not a replica of this shard"));
         }
-        if request.operation.needs_quorum() {
-            return fx
-                .reply(request.id, ClientReply::Failed("conditional writes need a quorum group".into()));
+        if refused_without_quorum(&request, fx) {
+            return;
         }
         match request.operation {
             Operation::Get { key, consistency } => self.on_read(request.id, key, consistency, fx),

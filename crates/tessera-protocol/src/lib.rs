@@ -249,6 +249,17 @@ pub trait Protocol: Send {
     fn quiescent(&self) -> bool;
 }
 
+/// Answers an operation only quorum protocols run (a conditional write's
+/// halves) with a failure, for the protocols that are not; returns whether it
+/// did.
+pub(crate) fn refused_without_quorum(request: &ClientRequest, fx: &mut Effects) -> bool {
+    let refused = request.operation.needs_quorum();
+    if refused {
+        fx.reply(request.id, ClientReply::Failed("conditional writes need a quorum group".into()));
+    }
+    refused
+}
+
 /// The value a reader sees for `key`: the record's value, or none for a
 /// missing key or a tombstone.
 pub fn read_visible(engine: &dyn Engine, key: &[u8]) -> Result<Option<Bytes>, String> {

@@ -24,8 +24,8 @@ use tessera_engine::Engine;
 
 use crate::record::{Hlc, Record, Version};
 use crate::{
-    engine_entries, increment_value, ClientReply, ClientRequest, Effects, NodeId, Operation, PeerMessage,
-    Progress, Protocol, ShardView, Time, SNAPSHOT_CHUNK_BYTES,
+    engine_entries, increment_value, refused_without_quorum, ClientReply, ClientRequest, Effects, NodeId,
+    Operation, PeerMessage, Progress, Protocol, ShardView, Time, SNAPSHOT_CHUNK_BYTES,
 };
 
 /// Leaves of the hash tree; a key's leaf is a fixed hash of it.
@@ -465,9 +465,8 @@ impl Protocol for MultiMaster {
         if !self.is_member() {
             return fx.reply(request.id, ClientReply::Retry("not a replica of this shard"));
         }
-        if request.operation.needs_quorum() {
-            return fx
-                .reply(request.id, ClientReply::Failed("conditional writes need a quorum group".into()));
+        if refused_without_quorum(&request, fx) {
+            return;
         }
         match &request.operation {
             Operation::Get { key, .. } => {
