@@ -475,9 +475,7 @@ pub struct Simulation {
     healed: bool,
     report: Report,
     eventual_reads: u64,
-    /// The protocol of the current view (the target's once a transition
-    /// completes), and the view that completed it.
-    kind: ProtocolKind,
+    /// The view that completed the transition, from which the target runs.
     switched_in_view: Option<u64>,
     /// Every key's value when the transition completed (the members' common
     /// records), where a strong target's guarantee starts.
@@ -547,7 +545,6 @@ impl Simulation {
             healed: false,
             report: Report { seed, faults, ..Report::default() },
             eventual_reads: 0,
-            kind: config.protocol,
             switched_in_view: None,
             switched_state: Vec::new(),
             config,
@@ -710,7 +707,7 @@ impl Simulation {
                 }
             }
             Event::Restart(id) => {
-                let kind = self.kind;
+                let kind = self.kind();
                 let replica = &mut self.replicas[id as usize];
                 if !replica.alive {
                     // A crash loses everything in memory, engine included.
@@ -765,6 +762,15 @@ impl Simulation {
         let keys = (0..self.config.keys).map(|index| key_name("k", index));
         let counters = (0..self.config.counters).map(|index| key_name("c", index));
         keys.chain(counters).map(|key| (key.clone(), held.get(&key).cloned().flatten())).collect()
+    }
+
+    /// The protocol of the current view: the target's once a transition
+    /// completed.
+    fn kind(&self) -> ProtocolKind {
+        match (self.switched_in_view, self.config.transition_to) {
+            (Some(_), Some(target)) => target,
+            _ => self.config.protocol,
+        }
     }
 
     /// Copies that must stay healthy: during a transition, what either
@@ -923,7 +929,6 @@ impl Simulation {
     fn log_view_changes(&mut self) {
         for change in self.coordinator.take_changes() {
             if change.reason == "transition complete" {
-                self.kind = self.config.transition_to.expect("a transition has a target");
                 self.switched_in_view = Some(change.view.number);
                 self.report.transition_completed_at = Some(change.at_ms);
                 self.switched_state = self.drained_state(&change.view);
@@ -1034,9 +1039,9 @@ impl Simulation {
     /// Where a client sends a request, from the coordinator's current view (what
     /// a client learns from the shard map).
     fn route(&mut self, client: usize, call: &Call, strong: bool) -> u32 {
+        let kind = self.kind();
         let replicas = &self.coordinator.view().replicas;
         let rng = &mut self.clients[client].rng;
-        let kind = self.kind;
         let target = if kind.active_active() {
             *rng.pick(replicas)
         } else if *call != Call::Get {
@@ -1142,7 +1147,7 @@ impl Simulation {
                 .violations
                 .push(format!("liveness: the transition to {} never completed", target.name()));
         }
-        let final_state = if self.kind.copies_needed(self.config.replicas) > 1 {
+        let final_state = if self.kind().copies_needed(self.config.replicas) > 1 {
             self.majority_state(&contents)
         } else {
             self.check_identical(&contents);
