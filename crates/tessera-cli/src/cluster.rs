@@ -414,11 +414,8 @@ fn status(dir: &Path) -> Result<(), String> {
                     shard.table,
                     format!("{:?}", shard.slots),
                     shard.view_number,
-                    match shard.next_mode {
-                        Some(next) => format!("{}→{}", map.mode_of(shard).name(), next.name()),
-                        None => map.mode_of(shard).name().to_string(),
-                    },
                     chain.join(" → "),
+                    map.mode_label(shard),
                     if learners.is_empty() {
                         String::new()
                     } else {

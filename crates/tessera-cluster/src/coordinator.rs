@@ -110,26 +110,25 @@ impl ClusterCoordinator {
         if name != DEFAULT_TABLE && self.map.table(name).is_none() {
             return Err(MapError::Invalid(format!("no such table '{name}'")));
         }
-        let groups: Vec<u32> =
-            self.map.shards.iter().filter(|shard| shard.table == name).map(|shard| shard.id).collect();
-        if groups.iter().any(|id| self.shards[id].transitioning()) {
+        let groups: Vec<(u32, ReplicationMode)> = self
+            .map
+            .shards
+            .iter()
+            .filter(|shard| shard.table == name)
+            .map(|shard| (shard.id, self.map.mode_of(shard)))
+            .collect();
+        if groups.iter().any(|(id, _)| self.shards[id].transitioning()) {
             return Err(MapError::Invalid(format!("table {name} is already switching modes; wait for it")));
         }
         let admission = shard_config(self.timing, mode, self.map.replicas).admission;
-        let mut switching = 0;
-        for id in groups {
-            let shard = self.map.shards.iter_mut().find(|shard| shard.id == id).expect("listed above");
-            let current = shard.mode.unwrap_or(self.map.mode);
-            if current == mode {
-                continue;
-            }
+        let switching: Vec<u32> =
+            groups.into_iter().filter(|(_, current)| *current != mode).map(|(id, _)| id).collect();
+        for shard in self.map.shards.iter_mut().filter(|shard| switching.contains(&shard.id)) {
             shard.next_mode = Some(mode);
-            let coordinator = self.shards.get_mut(&id).expect("a coordinator per shard");
-            coordinator.begin_transition(now, admission);
-            switching += 1;
+            self.shards.get_mut(&shard.id).expect("a coordinator per shard").begin_transition(now, admission);
         }
         self.sync(&[]);
-        Ok(switching)
+        Ok(switching.len())
     }
 
     /// A heartbeat from `node` with the progress of each shard it runs.
@@ -207,8 +206,7 @@ impl ClusterCoordinator {
     fn sync(&mut self, learnt: &[u32]) {
         let mut changed = false;
         for (id, coordinator) in &mut self.shards {
-            let changes = coordinator.take_changes();
-            if changes.is_empty() && !learnt.contains(id) {
+            if coordinator.take_changes().is_empty() && !learnt.contains(id) {
                 continue;
             }
             let shard = self.map.shards.iter_mut().find(|shard| shard.id == *id).expect("shard in map");

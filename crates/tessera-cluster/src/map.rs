@@ -78,11 +78,6 @@ impl ReplicationMode {
         matches!(self, Self::AaStrong)
     }
 
-    /// Whether reads that ask for strong consistency get it.
-    pub fn strong(self) -> bool {
-        matches!(self, Self::MsStrong | Self::AaStrong)
-    }
-
     /// Parses a mode's name (`ms+sc`, `ms+ec`, `aa+ec`, `aa+sc`).
     pub fn from_name(name: &str) -> Option<Self> {
         [Self::MsStrong, Self::MsEventual, Self::AaEventual, Self::AaStrong]
@@ -285,6 +280,23 @@ impl ClusterMap {
     /// The mode a group runs now (the old one while it drains).
     pub fn mode_of(&self, shard: &Shard) -> ReplicationMode {
         shard.mode.unwrap_or(self.mode)
+    }
+
+    /// A group's mode as operators read it: `ms+sc`, or `ms+sc (switching to
+    /// aa+sc)`.
+    pub fn mode_label(&self, shard: &Shard) -> String {
+        match shard.next_mode {
+            Some(next) => format!("{} (switching to {})", self.mode_of(shard).name(), next.name()),
+            None => self.mode_of(shard).name().to_string(),
+        }
+    }
+
+    /// Whether every group of `table` runs `mode`, none still switching.
+    pub fn table_runs(&self, table: &str, mode: ReplicationMode) -> bool {
+        self.shards
+            .iter()
+            .filter(|shard| shard.table == table)
+            .all(|shard| shard.next_mode.is_none() && self.mode_of(shard) == mode)
     }
 
     /// The default table's shard that owns `slot`.

@@ -386,11 +386,7 @@ async fn alter_table(
         let switched = {
             let state = state.lock();
             let map = state.coordinator.map();
-            map.shards
-                .iter()
-                .filter(|shard| shard.table == table)
-                .all(|shard| shard.next_mode.is_none() && map.mode_of(shard) == mode)
-                .then_some(map.epoch)
+            map.table_runs(table, mode).then_some(map.epoch)
         };
         if let Some(epoch) = switched {
             return seen_everywhere(state, epoch, out).await;

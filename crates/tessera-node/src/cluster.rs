@@ -260,13 +260,7 @@ impl ClusterNode {
         if let Value::Error(message) = answer {
             return Err(CommandError::Coded(message));
         }
-        let switched = |map: &ClusterMap| {
-            map.shards
-                .iter()
-                .filter(|shard| shard.table == table)
-                .all(|shard| shard.next_mode.is_none() && map.mode_of(shard) == mode)
-        };
-        if !self.agent.wait_for_map(switched, Duration::from_secs(5)).await {
+        if !self.agent.wait_for_map(|map| map.table_runs(&table, mode), Duration::from_secs(5)).await {
             return Err(CommandError::Coded(
                 "TRYAGAIN the coordinator switched the table; this node has not seen it yet".into(),
             ));
@@ -424,13 +418,7 @@ impl ClusterNode {
             .filter(|(option, _)| option.as_str() != "password")
             .map(|(option, value)| format!("{option}={value}"))
             .collect();
-        let modes: BTreeSet<String> = groups
-            .iter()
-            .map(|group| match group.next_mode {
-                Some(next) => format!("{} (switching to {})", map.mode_of(group).name(), next.name()),
-                None => map.mode_of(group).name().to_string(),
-            })
-            .collect();
+        let modes: BTreeSet<String> = groups.iter().map(|group| map.mode_label(group)).collect();
         out.map(7);
         out.bulk(b"name");
         out.bulk(name.as_bytes());
