@@ -861,12 +861,8 @@ async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: Coordina
         }
         // A group that has drained waits for the view that ends its
         // transition, and its writes wait with it: ask again soon.
-        let drained = agent_ref
-            .state
-            .lock()
-            .shards
-            .values()
-            .any(|replica| replica.protocol.progress().drained.is_some());
+        let drained =
+            agent_ref.state.lock().shards.values().any(|replica| replica.protocol.drained().is_some());
         let interval = if drained { interval.min(TRANSITION_HEARTBEAT) } else { interval };
         let hurry = agent_ref.hurry.clone();
         drop(agent_ref);
@@ -906,16 +902,23 @@ async fn peer_loop(agent: std::sync::Weak<Agent>, mut incoming: mpsc::UnboundedR
         let mut state = agent.state.lock();
         let now = agent.now();
         if let Some(replica) = state.shards.get_mut(&shard) {
-            let newer_view = matches!(&message, PeerMessage::Transition(transition) if transition.view() > replica.view.number);
-            let was_drained = replica.protocol.progress().drained.is_some();
+            // Only a transition's own messages can tell of a newer view or
+            // finish a drain: other messages cost nothing more.
+            let transition = match &message {
+                PeerMessage::Transition(transition) => Some(transition.view()),
+                _ => None,
+            };
+            let was_drained = transition.is_some() && replica.protocol.drained().is_some();
             let mut fx = Effects::new(now);
             replica.protocol.on_peer(from, message, &mut fx);
-            let drained = !was_drained && replica.protocol.progress().drained.is_some();
-            if drained {
-                tracing::info!(shard, "group drained; waiting for the view that ends the transition");
-            }
-            if newer_view || drained {
-                agent.hurry.notify_one();
+            if let Some(view) = transition {
+                let drained = !was_drained && replica.protocol.drained().is_some();
+                if drained {
+                    tracing::info!(shard, "group drained; waiting for the view that ends the transition");
+                }
+                if drained || view > replica.view.number {
+                    agent.hurry.notify_one();
+                }
             }
             agent.run_effects(&mut state, shard, fx);
         }

@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use parking_lot::Mutex;
@@ -54,6 +54,9 @@ pub struct ClusterNode {
     /// Runs the agent's loops; dropped with the node.
     _runtime: tokio::runtime::Runtime,
 }
+
+/// How long a request waits for its group to finish switching modes.
+const TRANSITION_WAIT: Duration = Duration::from_secs(10);
 
 /// Where a request is served.
 pub enum Placement {
@@ -111,6 +114,26 @@ impl ClusterNode {
         let address = format!("{}:{}", config.bind, client_address.port());
         tracing::info!(node = settings.node, incarnation, %address, "joined cluster {}", settings.id);
         Ok(Self { agent, in_flight: Mutex::new(HashMap::new()), address, engine, _runtime: runtime })
+    }
+
+    /// [`Self::place`], waiting while the keys' group switches modes (up to
+    /// [`TRANSITION_WAIT`]): writes and strong reads are then placed by the
+    /// new mode.
+    pub async fn place_when_settled<'k, I: Iterator<Item = &'k [u8]>>(
+        &self,
+        keys: impl Fn() -> I,
+        write: bool,
+        strong: bool,
+    ) -> Placement {
+        let waiting_since = Instant::now();
+        loop {
+            match self.place(keys(), write, strong) {
+                Placement::Draining { shard } if waiting_since.elapsed() < TRANSITION_WAIT => {
+                    self.agent.wait_while_draining(shard, TRANSITION_WAIT - waiting_since.elapsed()).await
+                }
+                placement => return placement,
+            }
+        }
     }
 
     /// Decides where a request with these keys is served: a write, a strong
@@ -334,7 +357,7 @@ impl ClusterNode {
         let retry = |why: String| CommandError::Coded(format!("TRYAGAIN {why}"));
         let mut checked = self.agent.check_read(shard, true);
         if matches!(checked, Err(Refusal::Draining)) {
-            self.agent.wait_while_draining(shard, std::time::Duration::from_secs(10)).await;
+            self.agent.wait_while_draining(shard, TRANSITION_WAIT).await;
             checked = self.agent.check_read(shard, true);
         }
         match checked {

@@ -333,18 +333,7 @@ async fn serve_in_cluster(
         }
     };
     let keys = || spec.key_positions(request.len()).map(|index| request.arg(index));
-    // While the keys' group switches modes, writes and strong reads wait
-    // here, then are placed by the new mode.
-    let mut placement = cluster.place(keys(), write, strong);
-    let waiting_since = std::time::Instant::now();
-    while let Placement::Draining { shard } = placement {
-        if waiting_since.elapsed() >= TRANSITION_WAIT {
-            break;
-        }
-        cluster.agent.wait_while_draining(shard, TRANSITION_WAIT).await;
-        placement = cluster.place(keys(), write, strong);
-    }
-    match placement {
+    match cluster.place_when_settled(keys, write, strong).await {
         Placement::Local => {
             level_header(context.out);
             dispatch(context, request);
@@ -424,9 +413,6 @@ async fn serve_in_cluster(
         }
     }
 }
-
-/// How long a request waits for its group to finish switching modes.
-const TRANSITION_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// How many times a command on a quorum group runs before its keys are
 /// declared too busy.

@@ -141,7 +141,9 @@ impl Switchable {
         drain.quiet && self.peers().all(|peer| drain.quiet_peers.contains(&peer))
     }
 
-    fn drained(&self) -> Option<u64> {
+    /// The draining view in which this replica holds the same records as
+    /// every member, once it does.
+    pub fn drained(&self) -> Option<u64> {
         let drain = self.drain.as_ref()?;
         let merged = self.peers().all(|peer| drain.merged_from.contains(&peer));
         (self.heard_everyone_quiet(drain) && merged).then_some(drain.view)
