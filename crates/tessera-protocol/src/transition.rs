@@ -105,11 +105,32 @@ pub struct Switchable {
     drain: Option<Drain>,
     /// Requests that arrived while draining, for the next protocol.
     held: Vec<ClientRequest>,
+    /// For tests of the checkers: every member answers *in sync*, so that
+    /// nothing is merged.
+    #[cfg(feature = "broken")]
+    broken_without_merge: bool,
 }
 
 impl Switchable {
     pub fn new(me: NodeId, engine: Arc<dyn Engine>, protocol: Box<dyn Protocol>) -> Self {
-        Self { me, engine, protocol, view_number: 0, members: Vec::new(), drain: None, held: Vec::new() }
+        Self {
+            me,
+            engine,
+            protocol,
+            view_number: 0,
+            members: Vec::new(),
+            drain: None,
+            held: Vec::new(),
+            #[cfg(feature = "broken")]
+            broken_without_merge: false,
+        }
+    }
+
+    /// For tests of the checkers: a replica that claims to hold what every
+    /// peer holds, so transitions skip the merge.
+    #[cfg(feature = "broken")]
+    pub fn broken_without_merge(self) -> Self {
+        Self { broken_without_merge: true, ..self }
     }
 
     /// Installs the next mode's protocol, made by `make` over the engine:
@@ -224,6 +245,10 @@ impl Switchable {
                 // change but by merging; the requester asks again until then.
                 if !self.heard_everyone_quiet(self.drain.as_ref().expect("checked above")) {
                     return;
+                }
+                #[cfg(feature = "broken")]
+                if self.broken_without_merge {
+                    return fx.send(from, PeerMessage::Transition(TransitionMessage::InSync { view }));
                 }
                 let read = self.digests().and_then(|mine| {
                     let differing: Vec<bool> = (0..DIGEST_BUCKETS)

@@ -190,3 +190,22 @@ fn transitions_lose_no_acknowledged_write() {
         }
     }
 }
+
+#[test]
+fn the_checkers_catch_a_transition_that_skips_the_merge() {
+    // After CASPaxos a write may sit at a bare majority; a chain head that
+    // missed it and is never brought level serves and extends a stale copy.
+    let config = SimConfig {
+        transition_to: Some(ProtocolKind::Chain),
+        broken_transition_without_merge: true,
+        ..SimConfig::new(ProtocolKind::Quorum)
+    };
+    let failed: Vec<Report> =
+        (0..100).map(|seed| run(seed, &config)).filter(|report| !report.violations.is_empty()).collect();
+    assert!(
+        failed.iter().any(|report| report.violations.iter().any(|violation| {
+            violation.starts_with("linearizability") || violation.starts_with("convergence")
+        })),
+        "100 seeds of transitions without a merge passed: the checkers do not bite"
+    );
+}

@@ -292,6 +292,9 @@ pub struct SimConfig {
     pub eventual_read_fraction: f64,
     /// Switch the shard to this protocol at a random time of the safety phase.
     pub transition_to: Option<ProtocolKind>,
+    /// Transitions that skip the merge of the members' records.
+    #[cfg(any(test, feature = "broken"))]
+    pub broken_transition_without_merge: bool,
 }
 
 impl SimConfig {
@@ -312,7 +315,19 @@ impl SimConfig {
             client_timeout_ms: 400,
             eventual_read_fraction: 0.2,
             transition_to: None,
+            #[cfg(any(test, feature = "broken"))]
+            broken_transition_without_merge: false,
         }
+    }
+
+    /// A replica's protocol, `kind`, over `engine`, ready to switch to another.
+    fn switchable(&self, me: NodeId, engine: Arc<dyn Engine>, kind: ProtocolKind) -> Switchable {
+        let switchable = Switchable::new(me, engine.clone(), kind.instance(me, engine));
+        #[cfg(any(test, feature = "broken"))]
+        if self.broken_transition_without_merge {
+            return switchable.broken_without_merge();
+        }
+        switchable
     }
 }
 
@@ -497,11 +512,7 @@ impl Simulation {
                 Replica {
                     alive: true,
                     incarnation: 0,
-                    protocol: Switchable::new(
-                        NodeId(id),
-                        engine.clone(),
-                        config.protocol.instance(NodeId(id), engine.clone()),
-                    ),
+                    protocol: config.switchable(NodeId(id), engine.clone(), config.protocol),
                     kind: config.protocol,
                     engine,
                     clock_offset_ms,
@@ -712,11 +723,7 @@ impl Simulation {
                 if !replica.alive {
                     // A crash loses everything in memory, engine included.
                     replica.engine = Arc::new(MemoryEngine::new());
-                    replica.protocol = Switchable::new(
-                        NodeId(id),
-                        replica.engine.clone(),
-                        kind.instance(NodeId(id), replica.engine.clone()),
-                    );
+                    replica.protocol = self.config.switchable(NodeId(id), replica.engine.clone(), kind);
                     replica.kind = kind;
                     replica.heartbeats.clear();
                     replica.lease_until = 0;
