@@ -12,6 +12,7 @@ mod lsm;
 mod memory;
 mod ordered;
 mod remote;
+pub mod reserved;
 mod sharded;
 mod spec;
 

@@ -25,9 +25,10 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use bytes::Bytes;
+use bytes::{BufMut, Bytes};
 use tessera_engine::Engine;
 
+use crate::codec::{put_bytes, put_chunk, put_entries, put_write, CodecError, Family, Message, Reader};
 use crate::record::{Record, Version};
 use crate::{
     engine_entries, increment_value, read_visible, refused_without_quorum, snapshot_chunks,
@@ -85,6 +86,95 @@ impl ChainMessage {
             | ChainMessage::ReadReply { view, .. }
             | ChainMessage::Snapshot { view, .. } => *view,
         }
+    }
+}
+
+const FORWARD: u8 = 1;
+const ACK: u8 = 2;
+const READ_FORWARD: u8 = 3;
+const READ_REPLY: u8 = 4;
+const SNAPSHOT: u8 = 5;
+
+impl Message for ChainMessage {
+    const FAMILY: Family = Family(1);
+
+    fn encode(&self, out: &mut Vec<u8>) {
+        match self {
+            ChainMessage::Forward { view, seq, origin, key, write } => {
+                out.put_u8(FORWARD);
+                out.put_u64_le(*view);
+                out.put_u64_le(*seq);
+                out.put_u32_le(origin.0);
+                put_bytes(out, key);
+                put_write(out, write);
+            }
+            ChainMessage::Ack { view, seq } => {
+                out.put_u8(ACK);
+                out.put_u64_le(*view);
+                out.put_u64_le(*seq);
+            }
+            ChainMessage::ReadForward { view, request, key } => {
+                out.put_u8(READ_FORWARD);
+                out.put_u64_le(*view);
+                out.put_u64_le(request.0);
+                put_bytes(out, key);
+            }
+            ChainMessage::ReadReply { view, request, value } => {
+                out.put_u8(READ_REPLY);
+                out.put_u64_le(*view);
+                out.put_u64_le(request.0);
+                match value {
+                    None => out.put_u8(0),
+                    Some(None) => out.put_u8(1),
+                    Some(Some(value)) => {
+                        out.put_u8(2);
+                        put_bytes(out, value);
+                    }
+                }
+            }
+            ChainMessage::Snapshot { view, applied, chunk, entries } => {
+                out.put_u8(SNAPSHOT);
+                out.put_u64_le(*view);
+                out.put_u64_le(*applied);
+                put_chunk(out, *chunk);
+                put_entries(out, entries);
+            }
+        }
+    }
+
+    fn decode(reader: &mut Reader) -> Result<Self, CodecError> {
+        Ok(match reader.u8()? {
+            FORWARD => ChainMessage::Forward {
+                view: reader.u64()?,
+                seq: reader.u64()?,
+                origin: reader.node()?,
+                key: reader.bytes()?,
+                write: reader.write()?,
+            },
+            ACK => ChainMessage::Ack { view: reader.u64()?, seq: reader.u64()? },
+            READ_FORWARD => ChainMessage::ReadForward {
+                view: reader.u64()?,
+                request: RequestId(reader.u64()?),
+                key: reader.bytes()?,
+            },
+            READ_REPLY => {
+                let (view, request) = (reader.u64()?, RequestId(reader.u64()?));
+                let value = match reader.u8()? {
+                    0 => None,
+                    1 => Some(None),
+                    2 => Some(Some(reader.bytes()?)),
+                    _ => return Err(CodecError("unknown read reply kind")),
+                };
+                ChainMessage::ReadReply { view, request, value }
+            }
+            SNAPSHOT => ChainMessage::Snapshot {
+                view: reader.u64()?,
+                applied: reader.u64()?,
+                chunk: reader.chunk()?,
+                entries: reader.entries()?,
+            },
+            _ => return Err(CodecError("unknown chain message")),
+        })
     }
 }
 
@@ -222,7 +312,7 @@ impl ChainReplication {
     }
 
     fn forward(&self, seq: u64, entry: &SentEntry) -> PeerMessage {
-        PeerMessage::Chain(ChainMessage::Forward {
+        PeerMessage::new(&ChainMessage::Forward {
             view: self.view_number(),
             seq,
             origin: entry.origin,
@@ -287,7 +377,7 @@ impl ChainReplication {
             fx.reply(request, reply);
         }
         if let Some(predecessor) = self.predecessor() {
-            fx.send(predecessor, PeerMessage::Chain(ChainMessage::Ack { view: self.view_number(), seq }));
+            fx.send(predecessor, PeerMessage::new(&ChainMessage::Ack { view: self.view_number(), seq }));
         }
     }
 
@@ -330,7 +420,7 @@ impl ChainReplication {
         for (chunk, entries) in chunks {
             let message =
                 ChainMessage::Snapshot { view: self.view_number(), applied: self.applied, chunk, entries };
-            fx.send(to, PeerMessage::Chain(message));
+            fx.send(to, PeerMessage::new(&message));
         }
         if let Some(learner) = self.learner.as_mut() {
             learner.snapshot_at = self.applied;
@@ -362,7 +452,7 @@ impl ChainReplication {
         self.applied = applied;
         self.acked = applied;
         self.snapshot_source = Some(from);
-        fx.send(from, PeerMessage::Chain(ChainMessage::Ack { view: self.view_number(), seq: applied }));
+        fx.send(from, PeerMessage::new(&ChainMessage::Ack { view: self.view_number(), seq: applied }));
     }
 
     /// Forgets all replication state (the engine is replaced by a snapshot).
@@ -410,7 +500,7 @@ impl ChainReplication {
             Consistency::Strong if self.options.craq_reads => {
                 let tail = self.tail().expect("a replica in a view has a tail");
                 let message = ChainMessage::ReadForward { view: self.view_number(), request, key };
-                fx.send(tail, PeerMessage::Chain(message));
+                fx.send(tail, PeerMessage::new(&message));
                 return;
             }
             Consistency::Strong => ClientReply::Retry("strong reads go to the tail"),
@@ -487,7 +577,7 @@ impl ChainReplication {
             // A resend: our acknowledgement may have been lost on the way up.
             let acknowledged = if self.is_learner() { self.applied } else { self.acked };
             if acknowledged > 0 {
-                fx.send(from, PeerMessage::Chain(ChainMessage::Ack { view, seq: acknowledged }));
+                fx.send(from, PeerMessage::new(&ChainMessage::Ack { view, seq: acknowledged }));
             }
             return;
         }
@@ -501,7 +591,7 @@ impl ChainReplication {
         if self.is_learner() {
             // A learner keeps nothing to resend: it only acknowledges.
             self.acked = seq;
-            fx.send(from, PeerMessage::Chain(ChainMessage::Ack { view, seq }));
+            fx.send(from, PeerMessage::new(&ChainMessage::Ack { view, seq }));
             return;
         }
         self.remember_and_forward(seq, SentEntry { origin, key, write }, fx);
@@ -526,7 +616,7 @@ impl Protocol for ChainReplication {
     }
 
     fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
-        let PeerMessage::Chain(message) = message else { return };
+        let Some(message) = crate::open::<ChainMessage>(self.me, from, &message) else { return };
         if (self.position().is_none() && !self.is_learner()) || message.view() != self.view_number() {
             return; // another view's message: fenced off
         }
@@ -550,7 +640,7 @@ impl Protocol for ChainReplication {
                 } else {
                     None
                 };
-                fx.send(from, PeerMessage::Chain(ChainMessage::ReadReply { view, request, value }));
+                fx.send(from, PeerMessage::new(&ChainMessage::ReadReply { view, request, value }));
             }
             ChainMessage::ReadReply { request, value, .. } => {
                 let reply = match value {
@@ -670,7 +760,7 @@ mod tests {
     }
 
     fn forward(view: u64, seq: u64, key: &str, value: &str) -> PeerMessage {
-        PeerMessage::Chain(ChainMessage::Forward {
+        PeerMessage::new(&ChainMessage::Forward {
             view,
             seq,
             origin: NodeId(1),
@@ -680,7 +770,7 @@ mod tests {
     }
 
     fn ack(view: u64, seq: u64) -> PeerMessage {
-        PeerMessage::Chain(ChainMessage::Ack { view, seq })
+        PeerMessage::new(&ChainMessage::Ack { view, seq })
     }
 
     #[test]
@@ -737,7 +827,7 @@ mod tests {
         tail.on_view(&view(1, &[1, 2]), &mut fx);
         tail.on_peer(
             NodeId(1),
-            PeerMessage::Chain(ChainMessage::Forward {
+            PeerMessage::new(&ChainMessage::Forward {
                 view: 1,
                 seq: 1,
                 origin: NodeId(1),
@@ -802,5 +892,45 @@ mod tests {
             late.take(),
             vec![Effect::Reply { request: RequestId(3), reply: ClientReply::Retry("lease expired") }]
         );
+    }
+}
+
+#[cfg(test)]
+mod codec_tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::codec::check_codec;
+    use crate::codec::strategies::{bytes, chunk, entries, write};
+
+    fn message() -> impl Strategy<Value = ChainMessage> {
+        prop_oneof![
+            (any::<u64>(), any::<u64>(), any::<u32>(), bytes(), write()).prop_map(
+                |(view, seq, origin, key, write)| ChainMessage::Forward {
+                    view,
+                    seq,
+                    origin: NodeId(origin),
+                    key,
+                    write
+                }
+            ),
+            (any::<u64>(), any::<u64>()).prop_map(|(view, seq)| ChainMessage::Ack { view, seq }),
+            (any::<u64>(), any::<u64>(), bytes()).prop_map(|(view, request, key)| {
+                ChainMessage::ReadForward { view, request: RequestId(request), key }
+            }),
+            (any::<u64>(), any::<u64>(), proptest::option::of(proptest::option::of(bytes()))).prop_map(
+                |(view, request, value)| ChainMessage::ReadReply { view, request: RequestId(request), value }
+            ),
+            (any::<u64>(), any::<u64>(), chunk(), entries()).prop_map(|(view, applied, chunk, entries)| {
+                ChainMessage::Snapshot { view, applied, chunk, entries }
+            }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn messages_round_trip_and_cut_ones_are_errors(message in message(), cut in any::<usize>()) {
+            check_codec(&message, cut);
+        }
     }
 }

@@ -13,6 +13,8 @@ pub mod multi_master;
 pub mod primary_backup;
 pub mod quorum;
 pub mod record;
+pub mod registry;
+pub mod replica;
 #[cfg(test)]
 mod test_support;
 pub mod transition;
@@ -21,10 +23,13 @@ use bytes::Bytes;
 use tessera_engine::{Engine, KeyRange, ScanCursor};
 
 pub use chain::{ChainOptions, ChainReplication};
+pub use codec::{Message, PeerMessage};
 pub use multi_master::{MultiMaster, MultiMasterOptions};
 pub use primary_backup::{PrimaryBackup, PrimaryBackupOptions};
 pub use quorum::{QuorumOptions, QuorumRegister};
 pub use record::{Hlc, Record, Version};
+pub use registry::{Mode, ProtocolSpec, Start, Tuning};
+pub use replica::{ReadGate, Refusal, Replica, ReplicaConfig, Role};
 pub use transition::{Switchable, TransitionMessage};
 
 /// A replica's identity.
@@ -165,14 +170,17 @@ impl ShardView {
     }
 }
 
-/// Messages between replicas. Every message carries the sender's view number.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum PeerMessage {
-    Chain(chain::ChainMessage),
-    Backup(primary_backup::BackupMessage),
-    Multi(multi_master::MultiMessage),
-    Quorum(quorum::QuorumMessage),
-    Transition(transition::TransitionMessage),
+/// Opens a message for protocol `M`: `None`, silently, for another
+/// protocol's (a late message of the protocol a group switched from), and
+/// `None`, with a warning, for a malformed one.
+pub(crate) fn open<M: Message>(me: NodeId, from: NodeId, message: &PeerMessage) -> Option<M> {
+    match message.open::<M>()? {
+        Ok(message) => Some(message),
+        Err(error) => {
+            tracing::warn!(replica = %me, %from, %error, "dropped a peer message");
+            None
+        }
+    }
 }
 
 /// What a protocol asks its driver to do.

@@ -19,9 +19,10 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
-use bytes::Bytes;
+use bytes::{BufMut, Bytes};
 use tessera_engine::Engine;
 
+use crate::codec::{put_entries, put_u64s, CodecError, Family, Message, Reader};
 use crate::record::{Hlc, Record, Version};
 use crate::{
     engine_entries, increment_value, refused_without_quorum, ClientReply, ClientRequest, Effects, NodeId,
@@ -104,6 +105,82 @@ impl MultiMessage {
             | MultiMessage::Leaves { view, .. }
             | MultiMessage::Repair { view, .. } => *view,
         }
+    }
+}
+
+const RECORDS: u8 = 1;
+const ACKED: u8 = 2;
+const ROOTS: u8 = 3;
+const LEAVES: u8 = 4;
+const REPAIR: u8 = 5;
+
+impl Message for MultiMessage {
+    const FAMILY: Family = Family(3);
+
+    fn encode(&self, out: &mut Vec<u8>) {
+        match self {
+            MultiMessage::Records { view, batch, records } => {
+                out.put_u8(RECORDS);
+                out.put_u64_le(*view);
+                out.put_u64_le(*batch);
+                put_entries(out, records);
+            }
+            MultiMessage::Acked { view, batch } => {
+                out.put_u8(ACKED);
+                out.put_u64_le(*view);
+                out.put_u64_le(*batch);
+            }
+            MultiMessage::Roots { view, roots } => {
+                out.put_u8(ROOTS);
+                out.put_u64_le(*view);
+                put_u64s(out, roots);
+            }
+            MultiMessage::Leaves { view, leaves } => {
+                out.put_u8(LEAVES);
+                out.put_u64_le(*view);
+                out.put_u32_le(leaves.len() as u32);
+                for (leaf, digest) in leaves {
+                    out.put_u32_le(*leaf);
+                    out.put_u64_le(*digest);
+                }
+            }
+            MultiMessage::Repair { view, records, want } => {
+                out.put_u8(REPAIR);
+                out.put_u64_le(*view);
+                put_entries(out, records);
+                out.put_u32_le(want.len() as u32);
+                for leaf in want {
+                    out.put_u32_le(*leaf);
+                }
+            }
+        }
+    }
+
+    fn decode(reader: &mut Reader) -> Result<Self, CodecError> {
+        Ok(match reader.u8()? {
+            RECORDS => MultiMessage::Records {
+                view: reader.u64()?,
+                batch: reader.u64()?,
+                records: reader.entries()?,
+            },
+            ACKED => MultiMessage::Acked { view: reader.u64()?, batch: reader.u64()? },
+            ROOTS => MultiMessage::Roots { view: reader.u64()?, roots: reader.u64s()? },
+            LEAVES => {
+                let view = reader.u64()?;
+                let count = reader.count(12)?;
+                let leaves = (0..count)
+                    .map(|_| Ok((reader.u32()?, reader.u64()?)))
+                    .collect::<Result<_, CodecError>>()?;
+                MultiMessage::Leaves { view, leaves }
+            }
+            REPAIR => {
+                let (view, records) = (reader.u64()?, reader.entries()?);
+                let count = reader.count(4)?;
+                let want = (0..count).map(|_| reader.u32()).collect::<Result<_, _>>()?;
+                MultiMessage::Repair { view, records, want }
+            }
+            _ => return Err(CodecError("unknown multi-master message")),
+        })
     }
 }
 
@@ -351,7 +428,7 @@ impl MultiMaster {
                 if now.saturating_sub(*sent_at) >= self.options.retransmit_after_ms {
                     *sent_at = now;
                     let records = entries.clone();
-                    fx.send(peer, PeerMessage::Multi(MultiMessage::Records { view, batch: *batch, records }));
+                    fx.send(peer, PeerMessage::new(&MultiMessage::Records { view, batch: *batch, records }));
                 }
             }
             while !outbox.unsent.is_empty() && outbox.in_flight.len() < self.options.window_batches {
@@ -364,7 +441,7 @@ impl MultiMaster {
                 self.next_batch += 1;
                 let records = entries.clone();
                 outbox.in_flight.insert(batch, (now, entries));
-                fx.send(peer, PeerMessage::Multi(MultiMessage::Records { view, batch, records }));
+                fx.send(peer, PeerMessage::new(&MultiMessage::Records { view, batch, records }));
             }
             self.outboxes.insert(peer, outbox);
         }
@@ -390,7 +467,7 @@ impl MultiMaster {
         let roots = self.tree.roots();
         for peer in targets {
             let message = MultiMessage::Roots { view: self.view_number(), roots: roots.clone() };
-            fx.send(peer, PeerMessage::Multi(message));
+            fx.send(peer, PeerMessage::new(&message));
         }
     }
 
@@ -414,14 +491,14 @@ impl MultiMaster {
             records.push((key, raw));
             if size >= SNAPSHOT_CHUNK_BYTES {
                 let want = want.take().unwrap_or_default();
-                fx.send(to, PeerMessage::Multi(MultiMessage::Repair { view, records, want }));
+                fx.send(to, PeerMessage::new(&MultiMessage::Repair { view, records, want }));
                 records = Vec::new();
                 size = 0;
             }
         }
         if !records.is_empty() || want.as_ref().is_some_and(|want| !want.is_empty()) {
             let want = want.take().unwrap_or_default();
-            fx.send(to, PeerMessage::Multi(MultiMessage::Repair { view, records, want }));
+            fx.send(to, PeerMessage::new(&MultiMessage::Repair { view, records, want }));
         }
     }
 
@@ -481,7 +558,7 @@ impl Protocol for MultiMaster {
     }
 
     fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
-        let PeerMessage::Multi(message) = message else { return };
+        let Some(message) = crate::open::<MultiMessage>(self.me, from, &message) else { return };
         if message.view() != self.view_number() || !self.is_peer(from) {
             return;
         }
@@ -490,7 +567,7 @@ impl Protocol for MultiMaster {
         match message {
             MultiMessage::Records { batch, records, .. } => {
                 self.apply_records(records, now);
-                fx.send(from, PeerMessage::Multi(MultiMessage::Acked { view, batch }));
+                fx.send(from, PeerMessage::new(&MultiMessage::Acked { view, batch }));
             }
             MultiMessage::Acked { batch, .. } => {
                 if let Some(outbox) = self.outboxes.get_mut(&from) {
@@ -505,7 +582,7 @@ impl Protocol for MultiMaster {
                     .map(|leaf| (leaf as u32, self.tree.leaves[leaf]))
                     .collect();
                 if !leaves.is_empty() {
-                    fx.send(from, PeerMessage::Multi(MultiMessage::Leaves { view, leaves }));
+                    fx.send(from, PeerMessage::new(&MultiMessage::Leaves { view, leaves }));
                 }
             }
             MultiMessage::Leaves { leaves, .. } => {
@@ -597,9 +674,9 @@ mod tests {
             }
             while let Some((from, effect)) = pending.pop() {
                 let Effect::Send { to, message } = effect else { continue };
-                if let PeerMessage::Multi(
+                if let Some(Ok(
                     MultiMessage::Records { records: sent, .. } | MultiMessage::Repair { records: sent, .. },
-                ) = &message
+                )) = message.open::<MultiMessage>()
                 {
                     records += sent.len();
                 }
@@ -713,5 +790,35 @@ mod tests {
         settle(&mut replicas, Effects::new(2_000));
         assert_eq!(value(&replicas[1], "k299"), Some(Bytes::from_static(b"v")));
         assert_eq!(replicas[0].tree.roots(), replicas[1].tree.roots());
+    }
+}
+
+#[cfg(test)]
+mod codec_tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::codec::check_codec;
+    use crate::codec::strategies::entries;
+
+    fn message() -> impl Strategy<Value = MultiMessage> {
+        prop_oneof![
+            (any::<u64>(), any::<u64>(), entries())
+                .prop_map(|(view, batch, records)| MultiMessage::Records { view, batch, records }),
+            (any::<u64>(), any::<u64>()).prop_map(|(view, batch)| MultiMessage::Acked { view, batch }),
+            (any::<u64>(), proptest::collection::vec(any::<u64>(), 0..5))
+                .prop_map(|(view, roots)| MultiMessage::Roots { view, roots }),
+            (any::<u64>(), proptest::collection::vec((any::<u32>(), any::<u64>()), 0..5))
+                .prop_map(|(view, leaves)| MultiMessage::Leaves { view, leaves }),
+            (any::<u64>(), entries(), proptest::collection::vec(any::<u32>(), 0..5))
+                .prop_map(|(view, records, want)| MultiMessage::Repair { view, records, want }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn messages_round_trip_and_cut_ones_are_errors(message in message(), cut in any::<usize>()) {
+            check_codec(&message, cut);
+        }
     }
 }

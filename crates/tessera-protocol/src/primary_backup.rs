@@ -22,9 +22,10 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use bytes::Bytes;
+use bytes::{BufMut, Bytes};
 use tessera_engine::Engine;
 
+use crate::codec::{put_bytes, put_chunk, put_entries, put_write, CodecError, Family, Message, Reader};
 use crate::record::{Record, Version};
 use crate::{
     engine_entries, increment_value, read_visible, refused_without_quorum, snapshot_chunks,
@@ -77,6 +78,78 @@ impl BackupMessage {
             | BackupMessage::Snapshot { view, .. }
             | BackupMessage::Position { view, .. } => *view,
         }
+    }
+}
+
+const UPDATES: u8 = 1;
+const SNAPSHOT: u8 = 2;
+const POSITION: u8 = 3;
+
+impl Message for BackupMessage {
+    const FAMILY: Family = Family(2);
+
+    fn encode(&self, out: &mut Vec<u8>) {
+        match self {
+            BackupMessage::Updates { view, entries } => {
+                out.put_u8(UPDATES);
+                out.put_u64_le(*view);
+                out.put_u32_le(entries.len() as u32);
+                for entry in entries {
+                    out.put_u64_le(entry.seq);
+                    out.put_u64_le(entry.epoch);
+                    out.put_u32_le(entry.origin.0);
+                    put_bytes(out, &entry.key);
+                    put_write(out, &entry.write);
+                }
+            }
+            BackupMessage::Snapshot { view, applied, epoch, chunk, entries } => {
+                out.put_u8(SNAPSHOT);
+                out.put_u64_le(*view);
+                out.put_u64_le(*applied);
+                out.put_u64_le(*epoch);
+                put_chunk(out, *chunk);
+                put_entries(out, entries);
+            }
+            BackupMessage::Position { view, applied, epoch } => {
+                out.put_u8(POSITION);
+                out.put_u64_le(*view);
+                out.put_u64_le(*applied);
+                out.put_u64_le(*epoch);
+            }
+        }
+    }
+
+    fn decode(reader: &mut Reader) -> Result<Self, CodecError> {
+        Ok(match reader.u8()? {
+            UPDATES => {
+                let view = reader.u64()?;
+                // seq, epoch, origin, key length, write kind: 25 bytes at least.
+                let count = reader.count(25)?;
+                let entries = (0..count)
+                    .map(|_| {
+                        Ok(LogEntry {
+                            seq: reader.u64()?,
+                            epoch: reader.u64()?,
+                            origin: reader.node()?,
+                            key: reader.bytes()?,
+                            write: reader.write()?,
+                        })
+                    })
+                    .collect::<Result<_, CodecError>>()?;
+                BackupMessage::Updates { view, entries }
+            }
+            SNAPSHOT => BackupMessage::Snapshot {
+                view: reader.u64()?,
+                applied: reader.u64()?,
+                epoch: reader.u64()?,
+                chunk: reader.chunk()?,
+                entries: reader.entries()?,
+            },
+            POSITION => {
+                BackupMessage::Position { view: reader.u64()?, applied: reader.u64()?, epoch: reader.u64()? }
+            }
+            _ => return Err(CodecError("unknown primary-backup message")),
+        })
     }
 }
 
@@ -224,7 +297,7 @@ impl PrimaryBackup {
                 let (view, applied, epoch) = (self.view_number(), self.applied, self.applied_epoch);
                 for (chunk, entries) in chunks {
                     let message = BackupMessage::Snapshot { view, applied, epoch, chunk, entries };
-                    fx.send(from, PeerMessage::Backup(message));
+                    fx.send(from, PeerMessage::new(&message));
                 }
             }
             Err(error) => tracing::error!(replica = %self.me, %error, "cannot read a snapshot for a backup"),
@@ -286,7 +359,7 @@ impl PrimaryBackup {
                 .collect();
             state.sent_upto = entries.last().map_or(from, |entry| entry.seq);
             state.last_sent_at = now;
-            fx.send(backup, PeerMessage::Backup(BackupMessage::Updates { view, entries }));
+            fx.send(backup, PeerMessage::new(&BackupMessage::Updates { view, entries }));
         }
     }
 }
@@ -318,7 +391,7 @@ impl Protocol for PrimaryBackup {
     }
 
     fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
-        let PeerMessage::Backup(message) = message else { return };
+        let Some(message) = crate::open::<BackupMessage>(self.me, from, &message) else { return };
         if message.view() != self.view_number()
             || self.view.as_ref().and_then(|view| view.position(self.me)).is_none()
         {
@@ -353,7 +426,7 @@ impl Protocol for PrimaryBackup {
                     applied: self.applied,
                     epoch: self.applied_epoch,
                 };
-                fx.send(primary, PeerMessage::Backup(message));
+                fx.send(primary, PeerMessage::new(&message));
             }
         }
     }
@@ -440,16 +513,51 @@ mod tests {
         // Replica 3 applied two writes of the deposed primary (view 1).
         new_primary.on_peer(
             NodeId(3),
-            PeerMessage::Backup(BackupMessage::Position { view: 2, applied: 2, epoch: 1 }),
+            PeerMessage::new(&BackupMessage::Position { view: 2, applied: 2, epoch: 1 }),
             &mut fx,
         );
         let sent = fx.take();
+        let Effect::Send { message, .. } = &sent[0] else { panic!("{sent:?}") };
         assert!(matches!(
-            &sent[0],
-            Effect::Send {
-                message: PeerMessage::Backup(BackupMessage::Snapshot { applied: 1, epoch: 2, .. }),
-                ..
-            }
+            message.open::<BackupMessage>(),
+            Some(Ok(BackupMessage::Snapshot { applied: 1, epoch: 2, .. }))
         ));
+    }
+}
+
+#[cfg(test)]
+mod codec_tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::codec::check_codec;
+    use crate::codec::strategies::{bytes, chunk, entries, write};
+
+    fn message() -> impl Strategy<Value = BackupMessage> {
+        let entry = (any::<u64>(), any::<u64>(), any::<u32>(), bytes(), write()).prop_map(
+            |(seq, epoch, origin, key, write)| LogEntry { seq, epoch, origin: NodeId(origin), key, write },
+        );
+        prop_oneof![
+            (any::<u64>(), proptest::collection::vec(entry, 0..4))
+                .prop_map(|(view, entries)| BackupMessage::Updates { view, entries }),
+            (any::<u64>(), any::<u64>(), any::<u64>(), chunk(), entries()).prop_map(
+                |(view, applied, epoch, chunk, entries)| BackupMessage::Snapshot {
+                    view,
+                    applied,
+                    epoch,
+                    chunk,
+                    entries
+                }
+            ),
+            (any::<u64>(), any::<u64>(), any::<u64>())
+                .prop_map(|(view, applied, epoch)| BackupMessage::Position { view, applied, epoch }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn messages_round_trip_and_cut_ones_are_errors(message in message(), cut in any::<usize>()) {
+            check_codec(&message, cut);
+        }
     }
 }

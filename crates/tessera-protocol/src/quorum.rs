@@ -29,9 +29,10 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 
-use bytes::Bytes;
+use bytes::{BufMut, Bytes};
 use tessera_engine::Engine;
 
+use crate::codec::{put_bytes, put_chunk, put_entries, put_optional, CodecError, Family, Message, Reader};
 use crate::record::{Hlc, Record, Version};
 use crate::{
     engine_entries, increment_value, snapshot_chunks, Chunk, ClientReply, ClientRequest, Consistency,
@@ -150,6 +151,117 @@ impl QuorumMessage {
             | QuorumMessage::SnapshotRequest { view }
             | QuorumMessage::Snapshot { view, .. } => *view,
         }
+    }
+}
+
+const PEEK: u8 = 1;
+const PEEKED: u8 = 2;
+const PREPARE: u8 = 3;
+const PROMISE: u8 = 4;
+const ACCEPT: u8 = 5;
+const ACCEPTED: u8 = 6;
+const SNAPSHOT_REQUEST: u8 = 7;
+const SNAPSHOT: u8 = 8;
+
+impl Message for QuorumMessage {
+    const FAMILY: Family = Family(4);
+
+    fn encode(&self, out: &mut Vec<u8>) {
+        match self {
+            QuorumMessage::Peek { view, op, key } => {
+                out.put_u8(PEEK);
+                out.put_u64_le(*view);
+                out.put_u64_le(*op);
+                put_bytes(out, key);
+            }
+            QuorumMessage::Peeked { view, op, record } => {
+                out.put_u8(PEEKED);
+                out.put_u64_le(*view);
+                out.put_u64_le(*op);
+                put_optional(out, record);
+            }
+            QuorumMessage::Prepare { view, op, key, ballot } => {
+                out.put_u8(PREPARE);
+                out.put_u64_le(*view);
+                out.put_u64_le(*op);
+                put_bytes(out, key);
+                out.put_u64_le(ballot.0 .0);
+                out.put_u32_le(ballot.1 .0);
+            }
+            QuorumMessage::Promise { view, op, ok, record, highest } => {
+                out.put_u8(PROMISE);
+                out.put_u64_le(*view);
+                out.put_u64_le(*op);
+                out.put_u8(u8::from(*ok));
+                put_optional(out, record);
+                out.put_u64_le(highest.0);
+            }
+            QuorumMessage::Accept { view, op, key, record } => {
+                out.put_u8(ACCEPT);
+                out.put_u64_le(*view);
+                out.put_u64_le(*op);
+                put_bytes(out, key);
+                put_bytes(out, record);
+            }
+            QuorumMessage::Accepted { view, op, ok, highest } => {
+                out.put_u8(ACCEPTED);
+                out.put_u64_le(*view);
+                out.put_u64_le(*op);
+                out.put_u8(u8::from(*ok));
+                out.put_u64_le(highest.0);
+            }
+            QuorumMessage::SnapshotRequest { view } => {
+                out.put_u8(SNAPSHOT_REQUEST);
+                out.put_u64_le(*view);
+            }
+            QuorumMessage::Snapshot { view, chunk, entries } => {
+                out.put_u8(SNAPSHOT);
+                out.put_u64_le(*view);
+                put_chunk(out, *chunk);
+                put_entries(out, entries);
+            }
+        }
+    }
+
+    fn decode(reader: &mut Reader) -> Result<Self, CodecError> {
+        Ok(match reader.u8()? {
+            PEEK => QuorumMessage::Peek { view: reader.u64()?, op: reader.u64()?, key: reader.bytes()? },
+            PEEKED => {
+                QuorumMessage::Peeked { view: reader.u64()?, op: reader.u64()?, record: reader.optional()? }
+            }
+            PREPARE => QuorumMessage::Prepare {
+                view: reader.u64()?,
+                op: reader.u64()?,
+                key: reader.bytes()?,
+                ballot: (Version(reader.u64()?), reader.node()?),
+            },
+            PROMISE => QuorumMessage::Promise {
+                view: reader.u64()?,
+                op: reader.u64()?,
+                ok: reader.flag()?,
+                record: reader.optional()?,
+                highest: Version(reader.u64()?),
+            },
+            ACCEPT => QuorumMessage::Accept {
+                view: reader.u64()?,
+                op: reader.u64()?,
+                key: reader.bytes()?,
+                record: reader.bytes()?,
+            },
+            ACCEPTED => QuorumMessage::Accepted {
+                view: reader.u64()?,
+                op: reader.u64()?,
+                ok: reader.flag()?,
+                highest: Version(reader.u64()?),
+            },
+            SNAPSHOT_REQUEST => QuorumMessage::SnapshotRequest { view: reader.u64()? },
+            SNAPSHOT => QuorumMessage::Snapshot {
+                view: reader.u64()?,
+                chunk: reader.chunk()?,
+                entries: reader.entries()?,
+            },
+            _ => return Err(CodecError("unknown quorum message")),
+        })
     }
 }
 
@@ -408,8 +520,9 @@ impl QuorumRegister {
             }
         };
         self.proposals.insert(op, proposal);
+        let sent = PeerMessage::new(&message);
         for member in members.iter().filter(|member| **member != self.me) {
-            fx.send(*member, PeerMessage::Quorum(message.clone()));
+            fx.send(*member, sent.clone());
         }
         if members.contains(&self.me) {
             let answer = self.answer_locally(&message, now);
@@ -597,7 +710,7 @@ impl QuorumRegister {
         let view = self.view_number();
         for member in self.members() {
             if !self.merged_from.contains(&member) {
-                fx.send(member, PeerMessage::Quorum(QuorumMessage::SnapshotRequest { view }));
+                fx.send(member, PeerMessage::new(&QuorumMessage::SnapshotRequest { view }));
             }
         }
     }
@@ -652,7 +765,7 @@ impl Protocol for QuorumRegister {
     }
 
     fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
-        let PeerMessage::Quorum(message) = message else { return };
+        let Some(message) = crate::open::<QuorumMessage>(self.me, from, &message) else { return };
         if message.view() != self.view_number() {
             return;
         }
@@ -676,7 +789,7 @@ impl Protocol for QuorumRegister {
                     }
                     (_, answer) => self.answer_message(op, answer),
                 };
-                fx.send(from, PeerMessage::Quorum(reply));
+                fx.send(from, PeerMessage::new(&reply));
             }
             QuorumMessage::Peeked { op, record, .. } => {
                 let record = record.and_then(|raw| Record::decode(raw).ok());
@@ -699,7 +812,7 @@ impl Protocol for QuorumRegister {
                     Ok(entries) => {
                         for (chunk, entries) in snapshot_chunks(entries) {
                             let message = QuorumMessage::Snapshot { view, chunk, entries };
-                            fx.send(from, PeerMessage::Quorum(message));
+                            fx.send(from, PeerMessage::new(&message));
                         }
                     }
                     Err(error) => {
@@ -989,5 +1102,56 @@ mod tests {
         let mut fx = Effects::new(10);
         outsider.on_client(put(1, "k", "v"), &mut fx);
         assert!(matches!(fx.take()[..], [Effect::Reply { reply: ClientReply::Retry(_), .. }]));
+    }
+}
+
+#[cfg(test)]
+mod codec_tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::codec::check_codec;
+    use crate::codec::strategies::{bytes, chunk, entries};
+
+    fn message() -> impl Strategy<Value = QuorumMessage> {
+        let ballot =
+            (any::<u64>(), any::<u32>()).prop_map(|(version, node)| (Version(version), NodeId(node)));
+        prop_oneof![
+            (any::<u64>(), any::<u64>(), bytes()).prop_map(|(view, op, key)| QuorumMessage::Peek {
+                view,
+                op,
+                key
+            }),
+            (any::<u64>(), any::<u64>(), proptest::option::of(bytes()))
+                .prop_map(|(view, op, record)| QuorumMessage::Peeked { view, op, record }),
+            (any::<u64>(), any::<u64>(), bytes(), ballot)
+                .prop_map(|(view, op, key, ballot)| QuorumMessage::Prepare { view, op, key, ballot }),
+            (any::<u64>(), any::<u64>(), any::<bool>(), proptest::option::of(bytes()), any::<u64>())
+                .prop_map(|(view, op, ok, record, highest)| QuorumMessage::Promise {
+                    view,
+                    op,
+                    ok,
+                    record,
+                    highest: Version(highest)
+                }),
+            (any::<u64>(), any::<u64>(), bytes(), bytes())
+                .prop_map(|(view, op, key, record)| QuorumMessage::Accept { view, op, key, record }),
+            (any::<u64>(), any::<u64>(), any::<bool>(), any::<u64>()).prop_map(|(view, op, ok, highest)| {
+                QuorumMessage::Accepted { view, op, ok, highest: Version(highest) }
+            }),
+            any::<u64>().prop_map(|view| QuorumMessage::SnapshotRequest { view }),
+            (any::<u64>(), chunk(), entries()).prop_map(|(view, chunk, entries)| QuorumMessage::Snapshot {
+                view,
+                chunk,
+                entries
+            }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn messages_round_trip_and_cut_ones_are_errors(message in message(), cut in any::<usize>()) {
+            check_codec(&message, cut);
+        }
     }
 }

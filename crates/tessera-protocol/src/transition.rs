@@ -24,9 +24,10 @@
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
-use bytes::Bytes;
+use bytes::{BufMut, Bytes};
 use tessera_engine::Engine;
 
+use crate::codec::{put_chunk, put_entries, put_u64s, CodecError, Family, Message, Reader};
 use crate::multi_master::{hash, leaf_of};
 use crate::{
     engine_entries, read_visible, snapshot_chunks, Chunk, ClientReply, ClientRequest, Consistency, Effects,
@@ -77,6 +78,56 @@ impl TransitionMessage {
             | TransitionMessage::InSync { view }
             | TransitionMessage::Records { view, .. } => *view,
         }
+    }
+}
+
+const QUIET: u8 = 1;
+const RECORDS_REQUEST: u8 = 2;
+const IN_SYNC: u8 = 3;
+const RECORDS: u8 = 4;
+
+/// The framework's own family: transitions run between any two protocols.
+impl Message for TransitionMessage {
+    const FAMILY: Family = Family(16);
+
+    fn encode(&self, out: &mut Vec<u8>) {
+        match self {
+            TransitionMessage::Quiet { view } => {
+                out.put_u8(QUIET);
+                out.put_u64_le(*view);
+            }
+            TransitionMessage::RecordsRequest { view, digests } => {
+                out.put_u8(RECORDS_REQUEST);
+                out.put_u64_le(*view);
+                put_u64s(out, digests);
+            }
+            TransitionMessage::InSync { view } => {
+                out.put_u8(IN_SYNC);
+                out.put_u64_le(*view);
+            }
+            TransitionMessage::Records { view, chunk, entries } => {
+                out.put_u8(RECORDS);
+                out.put_u64_le(*view);
+                put_chunk(out, *chunk);
+                put_entries(out, entries);
+            }
+        }
+    }
+
+    fn decode(reader: &mut Reader) -> Result<Self, CodecError> {
+        Ok(match reader.u8()? {
+            QUIET => TransitionMessage::Quiet { view: reader.u64()? },
+            RECORDS_REQUEST => {
+                TransitionMessage::RecordsRequest { view: reader.u64()?, digests: reader.u64s()? }
+            }
+            IN_SYNC => TransitionMessage::InSync { view: reader.u64()? },
+            RECORDS => TransitionMessage::Records {
+                view: reader.u64()?,
+                chunk: reader.chunk()?,
+                entries: reader.entries()?,
+            },
+            _ => return Err(CodecError("unknown transition message")),
+        })
     }
 }
 
@@ -248,7 +299,7 @@ impl Switchable {
                 }
                 #[cfg(feature = "broken")]
                 if self.broken_without_merge {
-                    return fx.send(from, PeerMessage::Transition(TransitionMessage::InSync { view }));
+                    return fx.send(from, PeerMessage::new(&TransitionMessage::InSync { view }));
                 }
                 let read = self.digests().and_then(|mine| {
                     let differing: Vec<bool> = (0..DIGEST_BUCKETS)
@@ -265,7 +316,7 @@ impl Switchable {
                 let entries = match read {
                     Ok(Some(entries)) => entries,
                     Ok(None) => {
-                        fx.send(from, PeerMessage::Transition(TransitionMessage::InSync { view }));
+                        fx.send(from, PeerMessage::new(&TransitionMessage::InSync { view }));
                         return;
                     }
                     Err(error) => {
@@ -274,10 +325,7 @@ impl Switchable {
                     }
                 };
                 for (chunk, entries) in snapshot_chunks(entries) {
-                    fx.send(
-                        from,
-                        PeerMessage::Transition(TransitionMessage::Records { view, chunk, entries }),
-                    );
+                    fx.send(from, PeerMessage::new(&TransitionMessage::Records { view, chunk, entries }));
                 }
             }
         }
@@ -298,7 +346,7 @@ impl Switchable {
         let unmerged: Vec<NodeId> = self.peers().filter(|peer| !drain.merged_from.contains(peer)).collect();
         let peers: Vec<NodeId> = self.peers().collect();
         for peer in peers {
-            fx.send(peer, PeerMessage::Transition(TransitionMessage::Quiet { view }));
+            fx.send(peer, PeerMessage::new(&TransitionMessage::Quiet { view }));
         }
         if ask && !unmerged.is_empty() {
             let digests = match self.digests() {
@@ -310,7 +358,7 @@ impl Switchable {
             };
             for peer in unmerged {
                 let request = TransitionMessage::RecordsRequest { view, digests: digests.clone() };
-                fx.send(peer, PeerMessage::Transition(request));
+                fx.send(peer, PeerMessage::new(&request));
             }
         }
     }
@@ -334,9 +382,10 @@ impl Protocol for Switchable {
     }
 
     fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
-        match message {
-            PeerMessage::Transition(message) => self.on_transition(from, message, fx),
-            message => {
+        match message.open::<TransitionMessage>() {
+            Some(Ok(message)) => self.on_transition(from, message, fx),
+            Some(Err(error)) => tracing::warn!(replica = %self.me, %from, %error, "dropped a peer message"),
+            None => {
                 // Once every member is quiet, an old-protocol message is late
                 // (a delayed accept) and could change records that peers
                 // have already been sent: dropped. Before that this replica
@@ -393,5 +442,32 @@ impl Protocol for Switchable {
 
     fn quiescent(&self) -> bool {
         self.drain.is_none() && self.protocol.quiescent()
+    }
+}
+
+#[cfg(test)]
+mod codec_tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::codec::check_codec;
+    use crate::codec::strategies::{chunk, entries};
+
+    fn message() -> impl Strategy<Value = TransitionMessage> {
+        prop_oneof![
+            any::<u64>().prop_map(|view| TransitionMessage::Quiet { view }),
+            (any::<u64>(), proptest::collection::vec(any::<u64>(), 0..70))
+                .prop_map(|(view, digests)| TransitionMessage::RecordsRequest { view, digests }),
+            any::<u64>().prop_map(|view| TransitionMessage::InSync { view }),
+            (any::<u64>(), chunk(), entries())
+                .prop_map(|(view, chunk, entries)| TransitionMessage::Records { view, chunk, entries }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn messages_round_trip_and_cut_ones_are_errors(message in message(), cut in any::<usize>()) {
+            check_codec(&message, cut);
+        }
     }
 }

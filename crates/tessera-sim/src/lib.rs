@@ -1,15 +1,21 @@
 //! Deterministic simulation of Tessera's replication protocols.
 //!
-//! [`sim`] runs a shard's replicas, a coordinator and clients in one thread in
-//! virtual time, injecting the faults a seed draws; [`linearizability`] checks
-//! the recorded history. A failing seed replays exactly.
+//! [`sim`] runs a group's replicas — each the driver the nodes run — a
+//! coordinator and clients in one thread in virtual time, injecting the
+//! faults a seed draws; [`checks`] judge the recorded history. A failing
+//! seed replays exactly.
 
+pub mod checks;
+mod clients;
+pub mod config;
 pub mod history;
-pub mod linearizability;
+mod network;
 pub mod rng;
 pub mod sim;
 
 #[cfg(test)]
 mod seed_tests;
 
-pub use sim::{run, FaultKind, ProtocolKind, Report, SimConfig, Workload};
+pub use checks::linearizability;
+pub use config::{FaultKind, SimConfig, Workload};
+pub use sim::{run, Report};

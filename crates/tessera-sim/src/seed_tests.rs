@@ -1,57 +1,47 @@
 //! The fixed seed set CI runs for every protocol, the proof that the checkers
 //! catch a broken protocol, and exact replay.
 
-use crate::{run, FaultKind, ProtocolKind, Report, SimConfig, Workload};
+use tessera_protocol::Mode;
 
-fn failures(protocol: ProtocolKind, seeds: std::ops::Range<u64>) -> Vec<Report> {
+use crate::{run, FaultKind, Report, SimConfig, Workload};
+
+fn mode(name: &str) -> Mode {
+    Mode::named(name).expect("a registered protocol")
+}
+
+fn failures(protocol: Mode, seeds: std::ops::Range<u64>) -> Vec<Report> {
     let config = SimConfig::new(protocol);
     seeds.map(|seed| run(seed, &config)).filter(|report| !report.violations.is_empty()).collect()
 }
 
-fn assert_no_failures(protocol: ProtocolKind, seeds: std::ops::Range<u64>) {
+fn assert_no_failures(protocol: Mode, seeds: std::ops::Range<u64>) {
     let failed = failures(protocol, seeds);
     if let Some(report) = failed.first() {
         panic!(
             "{} seeds of {} failed; first: seed {} faults {}: {:?}\nreplay: tessera sim --protocol {} --seed {}",
             failed.len(),
-            protocol.name(),
+            protocol,
             report.seed,
             report.faults.describe(),
             report.violations,
-            protocol.name(),
+            protocol,
             report.seed
         );
     }
 }
 
+/// Every protocol in the registry, with every fault type: a new protocol is
+/// checked as soon as it has its row.
 #[test]
-fn chain_replication_passes_the_fixed_seeds() {
-    assert_no_failures(ProtocolKind::Chain, 0..300);
-}
-
-#[test]
-fn chain_replication_with_craq_reads_passes_the_fixed_seeds() {
-    assert_no_failures(ProtocolKind::ChainCraq, 0..300);
-}
-
-#[test]
-fn primary_backup_converges_on_the_fixed_seeds() {
-    assert_no_failures(ProtocolKind::PrimaryBackup, 0..300);
-}
-
-#[test]
-fn multi_master_converges_on_the_fixed_seeds() {
-    assert_no_failures(ProtocolKind::MultiMaster, 0..300);
-}
-
-#[test]
-fn quorum_registers_stay_linearizable_on_the_fixed_seeds() {
-    assert_no_failures(ProtocolKind::Quorum, 0..300);
+fn every_registered_protocol_passes_the_fixed_seeds() {
+    for protocol in Mode::all() {
+        assert_no_failures(protocol, 0..300);
+    }
 }
 
 #[test]
 fn chain_replication_loses_no_acknowledged_write() {
-    let config = SimConfig { workload: Workload::Appends, ..SimConfig::new(ProtocolKind::Chain) };
+    let config = SimConfig { workload: Workload::Appends, ..SimConfig::new(mode("chain")) };
     for seed in 0..100 {
         let report = run(seed, &config);
         assert!(report.violations.is_empty(), "seed {seed}: {:?}", report.violations);
@@ -62,30 +52,25 @@ fn chain_replication_loses_no_acknowledged_write() {
 /// Seeds that once failed, each named after what it caught.
 #[test]
 fn regression_seeds_stay_fixed() {
-    let cases: &[(ProtocolKind, u64, &str)] = &[
-        (ProtocolKind::Chain, 11, "a learner reset its snapshot when only the view number changed"),
-        (ProtocolKind::ChainCraq, 5885, "a stale readiness report promoted an empty learner to tail"),
+    let cases: &[(Mode, u64, &str)] = &[
+        (mode("chain"), 11, "a learner reset its snapshot when only the view number changed"),
+        (mode("chain-craq"), 5885, "a stale readiness report promoted an empty learner to tail"),
     ];
     for (protocol, seed, what) in cases {
         let report = run(*seed, &SimConfig::new(*protocol));
-        assert!(
-            report.violations.is_empty(),
-            "{} seed {seed} ({what}): {:?}",
-            protocol.name(),
-            report.violations
-        );
+        assert!(report.violations.is_empty(), "{protocol} seed {seed} ({what}): {:?}", report.violations);
     }
 }
 
 #[test]
 fn the_checkers_catch_a_head_that_answers_before_the_tail_has_the_write() {
-    let failed = failures(ProtocolKind::BrokenChainEarlyAck, 0..100);
+    let failed = failures(mode("broken-chain-early-ack"), 0..100);
     assert!(!failed.is_empty(), "100 seeds of the broken chain passed: the checkers do not bite");
 }
 
 #[test]
 fn the_checkers_catch_replicas_that_never_repair_what_propagation_missed() {
-    let failed = failures(ProtocolKind::BrokenMultiMasterNoRepair, 0..100);
+    let failed = failures(mode("broken-multi-master-no-repair"), 0..100);
     assert!(
         failed
             .iter()
@@ -96,7 +81,7 @@ fn the_checkers_catch_replicas_that_never_repair_what_propagation_missed() {
 
 #[test]
 fn the_checkers_catch_a_quorum_of_one() {
-    let failed = failures(ProtocolKind::BrokenQuorumOfOne, 0..100);
+    let failed = failures(mode("broken-quorum-of-one"), 0..100);
     assert!(
         failed
             .iter()
@@ -107,7 +92,7 @@ fn the_checkers_catch_a_quorum_of_one() {
 
 #[test]
 fn a_seed_replays_exactly() {
-    let config = SimConfig::new(ProtocolKind::Chain);
+    let config = SimConfig::new(mode("chain"));
     let first = run(42, &config);
     let second = run(42, &config);
     assert_eq!(first.history.operations, second.history.operations);
@@ -117,15 +102,15 @@ fn a_seed_replays_exactly() {
 
 #[test]
 fn runs_without_faults_lose_nothing_even_in_eventual_modes() {
-    for protocol in [ProtocolKind::PrimaryBackup, ProtocolKind::MultiMaster] {
+    for protocol in [mode("primary-backup"), mode("multi-master")] {
         for workload in [Workload::Registers, Workload::Appends] {
             let config = SimConfig { faults: Default::default(), workload, ..SimConfig::new(protocol) };
             for seed in 0..20 {
                 let report = run(seed, &config);
-                let name = protocol.name();
+                let name = protocol;
                 assert!(report.violations.is_empty(), "{name} seed {seed}: {:?}", report.violations);
                 assert_eq!(report.view_changes, 0);
-                if workload == Workload::Appends || protocol == ProtocolKind::PrimaryBackup {
+                if workload == Workload::Appends || protocol == mode("primary-backup") {
                     assert_eq!(report.lost_acknowledged_writes, 0, "{name} seed {seed}");
                 }
             }
@@ -134,12 +119,12 @@ fn runs_without_faults_lose_nothing_even_in_eventual_modes() {
 }
 
 /// Every direction between the four protocols.
-fn transitions() -> impl Iterator<Item = (ProtocolKind, ProtocolKind)> {
-    let kinds =
-        [ProtocolKind::Chain, ProtocolKind::PrimaryBackup, ProtocolKind::MultiMaster, ProtocolKind::Quorum];
-    kinds
-        .into_iter()
-        .flat_map(move |from| kinds.into_iter().filter(move |to| *to != from).map(move |to| (from, to)))
+fn transitions() -> impl Iterator<Item = (Mode, Mode)> {
+    let kinds: Vec<Mode> = Mode::all().filter(|mode| mode.offered).collect();
+    let targets = kinds.clone();
+    kinds.into_iter().flat_map(move |from| {
+        targets.clone().into_iter().filter(move |to| *to != from).map(move |to| (from, to))
+    })
 }
 
 #[test]
@@ -151,12 +136,12 @@ fn transitions_in_every_direction_pass_the_fixed_seeds() {
             assert!(
                 report.violations.is_empty(),
                 "{} to {} seed {seed} faults {}: {:?}\nreplay: tessera sim --protocol {} --transition-to {} --seed {seed}",
-                from.name(),
-                to.name(),
+                from,
+                to,
                 report.faults.describe(),
                 report.violations,
-                from.name(),
-                to.name()
+                from,
+                to
             );
             assert!(report.transition_completed_at.is_some());
         }
@@ -178,14 +163,8 @@ fn transitions_lose_no_acknowledged_write() {
         };
         for seed in 0..30 {
             let report = run(seed, &config);
-            assert!(
-                report.violations.is_empty(),
-                "{} to {} seed {seed}: {:?}",
-                from.name(),
-                to.name(),
-                report.violations
-            );
-            assert_eq!(report.lost_acknowledged_writes, 0, "{} to {} seed {seed}", from.name(), to.name());
+            assert!(report.violations.is_empty(), "{} to {} seed {seed}: {:?}", from, to, report.violations);
+            assert_eq!(report.lost_acknowledged_writes, 0, "{} to {} seed {seed}", from, to);
             assert!(report.acknowledged_writes > 100);
         }
     }
@@ -196,9 +175,9 @@ fn the_checkers_catch_a_transition_that_skips_the_merge() {
     // After CASPaxos a write may sit at a bare majority; a chain head that
     // missed it and is never brought level serves and extends a stale copy.
     let config = SimConfig {
-        transition_to: Some(ProtocolKind::Chain),
+        transition_to: Some(mode("chain")),
         broken_transition_without_merge: true,
-        ..SimConfig::new(ProtocolKind::Quorum)
+        ..SimConfig::new(mode("quorum"))
     };
     let failed: Vec<Report> =
         (0..100).map(|seed| run(seed, &config)).filter(|report| !report.violations.is_empty()).collect();

@@ -1,0 +1,423 @@
+//! Every replication protocol, one row each. The coordinator, the nodes and
+//! the simulator know a protocol only through its row: its name, what it
+//! guarantees, where clients send it requests, how a node joins a group that
+//! runs it, how to make an instance, and the family of its messages (which
+//! its own file encodes). Adding a protocol is its file and a row here
+//! (docs/PROTOCOLS.md, "Adding a protocol").
+
+use std::sync::Arc;
+
+use tessera_engine::Engine;
+
+use crate::codec::{Family, Message};
+use crate::coordinator::Admission;
+use crate::{
+    chain, multi_master, primary_backup, quorum, ChainOptions, ChainReplication, MultiMaster,
+    MultiMasterOptions, NodeId, PrimaryBackup, PrimaryBackupOptions, Protocol, QuorumOptions, QuorumRegister,
+};
+
+/// How an instance begins.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Start {
+    /// On the group's records as this replica left them (empty, or after a
+    /// restart).
+    Open,
+    /// Taking over the records another protocol left at the end of a
+    /// transition.
+    SwitchedIn,
+}
+
+/// Protocol timers a deployment sets. The defaults suit a cluster; a
+/// simulated run of a few seconds needs them at the pace of its run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tuning {
+    /// How often an active–active replica starts an anti-entropy round
+    /// (`None`: never).
+    pub anti_entropy_ms: Option<u64>,
+    /// How long an active–active tombstone outlives its acknowledgement.
+    pub tombstone_grace_ms: u64,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        let defaults = MultiMasterOptions::default();
+        Self { anti_entropy_ms: defaults.anti_entropy_ms, tombstone_grace_ms: defaults.tombstone_grace_ms }
+    }
+}
+
+/// Which member answers a client's strong get through the protocol.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StrongReads {
+    /// The first member (head or primary).
+    First,
+    /// The last member (the chain's tail).
+    Last,
+    /// Any member.
+    Any,
+}
+
+/// One protocol as the rest of Tessera sees it.
+pub struct ProtocolSpec {
+    /// What operators and the simulator call it (`chain`, `quorum`, ...).
+    pub name: &'static str,
+    /// Gets, puts, deletes and read-modify-writes are linearizable.
+    pub strong: bool,
+    /// Every member accepts writes (else only the first does).
+    pub active_active: bool,
+    /// Strong operations run through the protocol at any member, as quorum
+    /// rounds, and it takes conditional writes (`Fetch`, `WriteIf`); else a
+    /// node serves them from the first member's copy.
+    pub quorum: bool,
+    /// A table can be given this mode (`TABLE.ALTER`, `cluster up`); the
+    /// other rows are variants for the simulator.
+    pub offered: bool,
+    pub strong_reads: StrongReads,
+    /// The family its messages carry; unique per protocol.
+    pub family: Family,
+    admission: fn(replicas: usize) -> Admission,
+    build: fn(NodeId, Arc<dyn Engine>, Start, &Tuning) -> Box<dyn Protocol>,
+}
+
+impl ProtocolSpec {
+    /// How a node outside the view joins a group of `replicas` replicas.
+    pub fn admission(&self, replicas: usize) -> Admission {
+        (self.admission)(replicas)
+    }
+
+    /// Members that must stay healthy for a group of `replicas` to keep every
+    /// acknowledged write: one copy, or a majority for a quorum.
+    pub fn copies_needed(&self, replicas: usize) -> usize {
+        match self.admission(replicas) {
+            Admission::Quorum { min_members } => min_members,
+            Admission::Learner | Admission::Backup => 1,
+        }
+    }
+
+    /// An instance for replica `me` over its group's engine.
+    pub fn instance(
+        &self,
+        me: NodeId,
+        engine: Arc<dyn Engine>,
+        start: Start,
+        tuning: &Tuning,
+    ) -> Box<dyn Protocol> {
+        (self.build)(me, engine, start, tuning)
+    }
+
+    /// Master–slave or active–active, strong or eventual, as operators read
+    /// it: `ms+sc`, `aa+ec`, ...
+    pub fn label(&self) -> &'static str {
+        match (self.active_active, self.strong) {
+            (false, true) => "ms+sc",
+            (false, false) => "ms+ec",
+            (true, false) => "aa+ec",
+            (true, true) => "aa+sc",
+        }
+    }
+}
+
+/// A protocol of the registry: a row, copied freely, compared by name.
+#[derive(Clone, Copy)]
+pub struct Mode(&'static ProtocolSpec);
+
+impl std::ops::Deref for Mode {
+    type Target = ProtocolSpec;
+
+    fn deref(&self) -> &ProtocolSpec {
+        self.0
+    }
+}
+
+impl PartialEq for Mode {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.name == other.0.name
+    }
+}
+
+impl Eq for Mode {}
+
+impl std::hash::Hash for Mode {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.name.hash(state)
+    }
+}
+
+impl std::fmt::Debug for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0.name)
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0.name)
+    }
+}
+
+/// Names the cluster map used before modes were registry rows.
+const FORMER_NAMES: &[(&str, &str)] = &[
+    ("ms-strong", "chain"),
+    ("ms-eventual", "primary-backup"),
+    ("aa-eventual", "multi-master"),
+    ("aa-strong", "quorum"),
+];
+
+impl Mode {
+    /// Every protocol a table or the simulator may run.
+    pub fn all() -> impl Iterator<Item = Mode> {
+        PROTOCOLS.iter().map(Mode)
+    }
+
+    /// A protocol by its name (`chain`), or an offered mode by its label
+    /// (`ms+sc`) or its former name in stored maps (`ms-strong`), in any case.
+    pub fn named(name: &str) -> Option<Mode> {
+        let name = FORMER_NAMES
+            .iter()
+            .find(|(former, _)| former.eq_ignore_ascii_case(name))
+            .map_or(name, |(_, current)| current);
+        Self::all().chain(Self::broken()).find(|mode| {
+            mode.name.eq_ignore_ascii_case(name) || (mode.offered && mode.label().eq_ignore_ascii_case(name))
+        })
+    }
+
+    /// The offered mode for a topology (`ms`, `aa`) and a consistency
+    /// (`strong`, `eventual`), as TABLE.ALTER and `cluster up` name them.
+    pub fn for_table(topology: &str, consistency: &str) -> Result<Mode, String> {
+        let active_active = match topology.to_ascii_lowercase().as_str() {
+            "ms" => false,
+            "aa" => true,
+            other => return Err(format!("unknown topology {other:?}; choose ms or aa")),
+        };
+        let strong = match consistency.to_ascii_lowercase().as_str() {
+            "strong" => true,
+            "eventual" => false,
+            other => return Err(format!("unknown consistency {other:?}; choose strong or eventual")),
+        };
+        Ok(Self::all()
+            .find(|mode| mode.offered && mode.active_active == active_active && mode.strong == strong)
+            .expect("every topology and consistency has an offered mode"))
+    }
+
+    /// The topology and consistency, as [`Mode::for_table`] takes them.
+    pub fn parts(self) -> (&'static str, &'static str) {
+        (if self.active_active { "aa" } else { "ms" }, if self.strong { "strong" } else { "eventual" })
+    }
+
+    /// Deliberately broken variants, which the simulator's checkers must
+    /// catch.
+    #[cfg(feature = "broken")]
+    pub fn broken() -> impl Iterator<Item = Mode> {
+        BROKEN.iter().map(Mode)
+    }
+
+    #[cfg(not(feature = "broken"))]
+    pub fn broken() -> impl Iterator<Item = Mode> {
+        std::iter::empty()
+    }
+}
+
+fn learner(_replicas: usize) -> Admission {
+    Admission::Learner
+}
+
+fn backup(_replicas: usize) -> Admission {
+    Admission::Backup
+}
+
+fn majority(replicas: usize) -> Admission {
+    Admission::Quorum { min_members: replicas / 2 + 1 }
+}
+
+fn multi_master_options(tuning: &Tuning) -> MultiMasterOptions {
+    MultiMasterOptions {
+        anti_entropy_ms: tuning.anti_entropy_ms,
+        tombstone_grace_ms: tuning.tombstone_grace_ms,
+        ..MultiMasterOptions::default()
+    }
+}
+
+fn quorum_register(
+    me: NodeId,
+    engine: Arc<dyn Engine>,
+    start: Start,
+    options: QuorumOptions,
+) -> Box<dyn Protocol> {
+    match start {
+        Start::Open => Box::new(QuorumRegister::new(me, engine, options)),
+        Start::SwitchedIn => Box::new(QuorumRegister::switched_in(me, engine, options)),
+    }
+}
+
+/// The registry. The four offered rows give the four table modes.
+static PROTOCOLS: &[ProtocolSpec] = &[CHAIN, CHAIN_CRAQ, PRIMARY_BACKUP, MULTI_MASTER, QUORUM];
+
+/// MS+SC (BespoKV, Anwar et al., SC 2018, IV-A): chain replication, strong
+/// reads at the tail.
+const CHAIN: ProtocolSpec = ProtocolSpec {
+    name: "chain",
+    strong: true,
+    active_active: false,
+    quorum: false,
+    offered: true,
+    strong_reads: StrongReads::Last,
+    family: chain::ChainMessage::FAMILY,
+    admission: learner,
+    build: |me, engine, _, _| Box::new(ChainReplication::new(me, engine, ChainOptions::default())),
+};
+
+/// Chain replication whose replicas answer strong reads of clean keys (CRAQ,
+/// Terrace and Freedman, USENIX ATC 2009).
+const CHAIN_CRAQ: ProtocolSpec = ProtocolSpec {
+    name: "chain-craq",
+    strong: true,
+    active_active: false,
+    quorum: false,
+    offered: false,
+    strong_reads: StrongReads::Any,
+    family: chain::ChainMessage::FAMILY,
+    admission: learner,
+    build: |me, engine, _, _| {
+        Box::new(ChainReplication::new(
+            me,
+            engine,
+            ChainOptions { craq_reads: true, ..ChainOptions::default() },
+        ))
+    },
+};
+
+/// MS+EC: primary–backup with asynchronous propagation.
+const PRIMARY_BACKUP: ProtocolSpec = ProtocolSpec {
+    name: "primary-backup",
+    strong: false,
+    active_active: false,
+    quorum: false,
+    offered: true,
+    strong_reads: StrongReads::First,
+    family: primary_backup::BackupMessage::FAMILY,
+    admission: backup,
+    build: |me, engine, _, _| Box::new(PrimaryBackup::new(me, engine, PrimaryBackupOptions::default())),
+};
+
+/// AA+EC: every member accepts writes, last writer wins, anti-entropy.
+const MULTI_MASTER: ProtocolSpec = ProtocolSpec {
+    name: "multi-master",
+    strong: false,
+    active_active: true,
+    quorum: false,
+    offered: true,
+    strong_reads: StrongReads::Any,
+    family: multi_master::MultiMessage::FAMILY,
+    admission: backup,
+    build: |me, engine, _, tuning| Box::new(MultiMaster::new(me, engine, multi_master_options(tuning))),
+};
+
+/// AA+SC: CASPaxos per key (Rystsov 2018) at any member.
+const QUORUM: ProtocolSpec = ProtocolSpec {
+    name: "quorum",
+    strong: true,
+    active_active: true,
+    quorum: true,
+    offered: true,
+    strong_reads: StrongReads::Any,
+    family: quorum::QuorumMessage::FAMILY,
+    admission: majority,
+    build: |me, engine, start, _| quorum_register(me, engine, start, QuorumOptions::default()),
+};
+
+/// Variants that break a protocol's guarantee on purpose, to show that the
+/// simulator's checkers catch it.
+#[cfg(feature = "broken")]
+static BROKEN: &[ProtocolSpec] = &[
+    // The head answers before the tail has the write.
+    ProtocolSpec {
+        name: "broken-chain-early-ack",
+        build: |me, engine, _, _| {
+            Box::new(ChainReplication::new(
+                me,
+                engine,
+                ChainOptions { broken_early_ack: true, ..ChainOptions::default() },
+            ))
+        },
+        ..CHAIN
+    },
+    // Multi-master without anti-entropy: what propagation misses is never repaired.
+    ProtocolSpec {
+        name: "broken-multi-master-no-repair",
+        build: |me, engine, _, tuning| {
+            Box::new(MultiMaster::new(
+                me,
+                engine,
+                MultiMasterOptions { anti_entropy_ms: None, ..multi_master_options(tuning) },
+            ))
+        },
+        offered: false,
+        ..MULTI_MASTER
+    },
+    // Proposers that count their own answer as a majority.
+    ProtocolSpec {
+        name: "broken-quorum-of-one",
+        build: |me, engine, start, _| {
+            quorum_register(
+                me,
+                engine,
+                start,
+                QuorumOptions { broken_quorum_of_one: true, ..QuorumOptions::default() },
+            )
+        },
+        offered: false,
+        ..QUORUM
+    },
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transition::TransitionMessage;
+
+    #[test]
+    fn names_are_unique_and_families_belong_to_one_protocol() {
+        let modes: Vec<Mode> = Mode::all().chain(Mode::broken()).collect();
+        for (index, mode) in modes.iter().enumerate() {
+            assert_eq!(Mode::named(mode.name), Some(*mode));
+            assert_ne!(mode.family, TransitionMessage::FAMILY, "{mode} uses the transitions' family");
+            for other in &modes[index + 1..] {
+                assert_ne!(mode.name, other.name);
+            }
+        }
+        // Rows that share a family run one protocol's code (the chain and its
+        // CRAQ reads), so they agree on what it is.
+        for mode in &modes {
+            for other in modes.iter().filter(|other| other.family == mode.family) {
+                assert_eq!(
+                    (mode.active_active, mode.quorum),
+                    (other.active_active, other.quorum),
+                    "{mode} / {other}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn every_topology_and_consistency_names_one_offered_mode() {
+        for (topology, consistency, label) in [
+            ("ms", "strong", "ms+sc"),
+            ("ms", "eventual", "ms+ec"),
+            ("aa", "eventual", "aa+ec"),
+            ("AA", "Strong", "aa+sc"),
+        ] {
+            let mode = Mode::for_table(topology, consistency).unwrap();
+            assert_eq!(mode.label(), label);
+            assert_eq!(Mode::named(label), Some(mode));
+            assert_eq!(Mode::for_table(mode.parts().0, mode.parts().1), Ok(mode));
+        }
+        assert_eq!(Mode::all().filter(|mode| mode.offered).count(), 4);
+        assert!(Mode::for_table("ring", "strong").unwrap_err().contains("topology"));
+        assert!(Mode::for_table("ms", "causal").unwrap_err().contains("consistency"));
+        assert_eq!(
+            Mode::named("ms-strong").map(|mode| mode.name),
+            Some("chain"),
+            "a stored map's former name"
+        );
+        assert_eq!(Mode::named("nosuch"), None);
+    }
+}

@@ -1,0 +1,414 @@
+//! One replica of a replica group on one node, as the node's agent and the
+//! simulator both drive it: the group's protocol (in a [`Switchable`], so the
+//! group can change modes), the mode it runs, the view and lease the
+//! coordinator granted, and the barrier a new head orders. The drivers only
+//! deliver events and carry out the effects; the rules in between — how a
+//! grant becomes a lease, when a transition's end swaps the protocol, when a
+//! head may serve from its own copy — are written once, here.
+//!
+//! Leases (docs/PROTOCOLS.md, "Leases"): a grant answers a heartbeat sent at
+//! local time `asked_at`; the replica may act alone until `asked_at +
+//! lease_ms` on its own clock, while the coordinator waits `lease_ms` from
+//! when it *received* that heartbeat before replacing it.
+//!
+//! Request ids are this replica's: [`Replica::submit`] hands them out, and
+//! every `Reply` effect names one.
+
+use std::sync::Arc;
+
+use tessera_engine::{reserved, Engine};
+
+use crate::registry::{Mode, Start, Tuning};
+use crate::transition::TransitionMessage;
+use crate::{
+    ClientRequest, Effect, Effects, NodeId, Operation, PeerMessage, Progress, Protocol, RequestId, ShardView,
+    Switchable, Time,
+};
+
+#[derive(Clone, Debug)]
+pub struct ReplicaConfig {
+    pub me: NodeId,
+    /// How long a grant lasts, from when the heartbeat that earned it was
+    /// sent; the coordinator's lease.
+    pub lease_ms: u64,
+    pub tuning: Tuning,
+    /// For tests of the checkers: transitions skip the merge.
+    #[cfg(feature = "broken")]
+    pub broken_transition_without_merge: bool,
+}
+
+impl ReplicaConfig {
+    pub fn new(me: NodeId, lease_ms: u64, tuning: Tuning) -> Self {
+        Self {
+            me,
+            lease_ms,
+            tuning,
+            #[cfg(feature = "broken")]
+            broken_transition_without_merge: false,
+        }
+    }
+}
+
+/// This replica's place in its group's view.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The only member: head and tail at once.
+    Alone,
+    Head,
+    Middle,
+    Tail,
+    /// Receiving the group's state; serves nothing yet.
+    Learner,
+}
+
+/// Why a replica does not serve a request itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// It is not the member that serves it (not the head, or not a member).
+    NotOwner,
+    /// It is the head but its lease has run out (a new view may be coming).
+    LeaseExpired,
+    /// The group is switching modes: writes and strong reads wait until it
+    /// has.
+    Draining,
+    /// This head's barrier failed: it is about to lose the head's role.
+    Unsettled,
+}
+
+/// What a strong read at the head waits for before its answer may go out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadGate {
+    /// Nothing: the head's copy holds only what is committed or in flight
+    /// on the keys (which the node waits for, per key).
+    Open,
+    /// The barrier this new head ordered: once it commits, so has whatever
+    /// the previous head left in flight.
+    AfterBarrier(RequestId),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BarrierState {
+    Pending(RequestId),
+    Committed,
+    Failed,
+}
+
+/// What the agent's heartbeat loop should know after a peer message.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Heard {
+    /// A peer is in a view this replica has not been granted: ask the
+    /// coordinator now rather than at the next heartbeat.
+    pub newer_view: bool,
+    /// The group has just drained here: its transition's end is one
+    /// heartbeat away.
+    pub drained: bool,
+}
+
+pub struct Replica {
+    config: ReplicaConfig,
+    engine: Arc<dyn Engine>,
+    mode: Mode,
+    protocol: Switchable,
+    /// The newest view granted, its lease folded in.
+    view: ShardView,
+    lease_until: Time,
+    /// None until this replica heads a view of a master–slave group.
+    barrier: Option<BarrierState>,
+    next_request: u64,
+}
+
+impl Replica {
+    /// A replica of a group in `mode` over its engine, as it opens (empty, or
+    /// with records it kept across a restart). It serves nothing until a
+    /// grant names its view.
+    pub fn new(config: ReplicaConfig, engine: Arc<dyn Engine>, mode: Mode) -> Self {
+        let instance = mode.instance(config.me, engine.clone(), Start::Open, &config.tuning);
+        let protocol = Switchable::new(config.me, engine.clone(), instance);
+        #[cfg(feature = "broken")]
+        let protocol =
+            if config.broken_transition_without_merge { protocol.broken_without_merge() } else { protocol };
+        let view = ShardView {
+            number: 0,
+            replicas: Vec::new(),
+            learners: Vec::new(),
+            lease_until: 0,
+            draining: false,
+        };
+        Self { config, engine, mode, protocol, view, lease_until: 0, barrier: None, next_request: 1 }
+    }
+
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    pub fn view(&self) -> &ShardView {
+        &self.view
+    }
+
+    pub fn engine(&self) -> &Arc<dyn Engine> {
+        &self.engine
+    }
+
+    pub fn lease_until(&self) -> Time {
+        self.lease_until
+    }
+
+    pub fn progress(&self) -> Progress {
+        self.protocol.progress()
+    }
+
+    /// Whether the group is switching modes here.
+    pub fn draining(&self) -> bool {
+        self.protocol.draining()
+    }
+
+    /// The draining view in which this replica holds every member's records.
+    pub fn drained(&self) -> Option<u64> {
+        self.protocol.drained()
+    }
+
+    pub fn role(&self) -> Option<Role> {
+        let me = self.config.me;
+        if self.view.learners.contains(&me) {
+            return Some(Role::Learner);
+        }
+        let position = self.view.position(me)?;
+        Some(match (position == 0, position + 1 == self.view.replicas.len()) {
+            (true, true) => Role::Alone,
+            (true, false) => Role::Head,
+            (false, true) => Role::Tail,
+            (false, false) => Role::Middle,
+        })
+    }
+
+    /// Whether this replica may order writes now: the first member, or in
+    /// an active–active mode any member; not while the group drains.
+    pub fn check_write(&self) -> Result<(), Refusal> {
+        let position = self.view.position(self.config.me).ok_or(Refusal::NotOwner)?;
+        if self.draining() {
+            return Err(Refusal::Draining);
+        }
+        match position {
+            0 => Ok(()),
+            _ if self.mode.active_active => Ok(()),
+            _ => Err(Refusal::NotOwner),
+        }
+    }
+
+    /// Whether this replica may answer a read from its own copy at `now`. An
+    /// eventual read needs only membership; a strong one the head's role,
+    /// its lease and its barrier — or, in an active–active mode, only
+    /// membership (a quorum group runs it through the protocol).
+    pub fn check_read(&self, strong: bool, now: Time) -> Result<ReadGate, Refusal> {
+        let position = self.view.position(self.config.me).ok_or(Refusal::NotOwner)?;
+        if !strong {
+            return Ok(ReadGate::Open);
+        }
+        if self.draining() {
+            return Err(Refusal::Draining);
+        }
+        if self.mode.active_active {
+            return Ok(ReadGate::Open);
+        }
+        if position != 0 {
+            return Err(Refusal::NotOwner);
+        }
+        if self.lease_until <= now {
+            return Err(Refusal::LeaseExpired);
+        }
+        match self.barrier {
+            Some(BarrierState::Pending(request)) => Ok(ReadGate::AfterBarrier(request)),
+            Some(BarrierState::Failed) => Err(Refusal::Unsettled),
+            Some(BarrierState::Committed) | None => Ok(ReadGate::Open),
+        }
+    }
+
+    /// Hands operations to the protocol in one step, so that no view change
+    /// falls between them: all in one view, or none. Returns their ids, in
+    /// order; the answers come as `Reply` effects, now or later.
+    pub fn submit(
+        &mut self,
+        operations: impl IntoIterator<Item = Operation>,
+        fx: &mut Effects,
+    ) -> Vec<RequestId> {
+        let mark = fx.as_slice().len();
+        let ids: Vec<RequestId> = operations
+            .into_iter()
+            .map(|operation| {
+                let id = self.next_id();
+                self.protocol.on_client(ClientRequest { id, operation }, fx);
+                id
+            })
+            .collect();
+        self.note_replies(mark, fx);
+        ids
+    }
+
+    fn next_id(&mut self) -> RequestId {
+        let id = RequestId(self.next_request);
+        self.next_request += 1;
+        id
+    }
+
+    /// A grant of `view`, in which the group runs `mode`, for the heartbeat
+    /// this replica sent at `asked_at` (its own clock). A grant of an older
+    /// view than one already granted (a late answer) renews the lease but
+    /// never takes the group back.
+    pub fn on_grant(&mut self, asked_at: Time, view: ShardView, mode: Mode, fx: &mut Effects) {
+        assert!(asked_at <= fx.now(), "a lease asked for at {asked_at} granted at {}", fx.now());
+        self.lease_until = self.lease_until.max(asked_at + self.config.lease_ms);
+        let view = ShardView { lease_until: self.lease_until, ..view };
+        let newer = view.number > self.view.number;
+        if newer && mode != self.mode && !view.draining {
+            // The view that ends a transition: the new mode's protocol takes
+            // over the records, and the held requests run on it.
+            tracing::info!(replica = %self.config.me, from = %self.mode, to = %mode, view = view.number, "group switched modes");
+            let instance =
+                mode.instance(self.config.me, self.engine.clone(), Start::SwitchedIn, &self.config.tuning);
+            self.protocol.replace(&view, || instance);
+            self.mode = mode;
+        }
+        let mark = fx.as_slice().len();
+        let heads_anew = newer && view.position(self.config.me) == Some(0) && !self.mode.active_active;
+        self.protocol.on_view(&view, fx);
+        if newer {
+            assert!(view.number > self.view.number, "view numbers only grow");
+            self.view = view;
+        } else {
+            self.view.lease_until = self.lease_until;
+        }
+        if heads_anew {
+            // A head that has just taken over may hold writes its predecessor
+            // ordered but never saw committed; once this write commits, so
+            // have they.
+            let id = self.next_id();
+            self.barrier = Some(BarrierState::Pending(id));
+            let barrier = Operation::Delete { key: bytes::Bytes::from_static(reserved::BARRIER) };
+            self.protocol.on_client(ClientRequest { id, operation: barrier }, fx);
+        }
+        self.note_replies(mark, fx);
+        debug_assert!(self.lease_until <= fx.now() + self.config.lease_ms, "a lease past what was granted");
+    }
+
+    pub fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) -> Heard {
+        assert_ne!(from, self.config.me, "a replica does not message itself");
+        let transition_view = (message.family() == <TransitionMessage as crate::Message>::FAMILY)
+            .then(|| message.open::<TransitionMessage>().and_then(Result::ok).map(|message| message.view()))
+            .flatten();
+        let was_drained = transition_view.is_some() && self.drained().is_some();
+        let mark = fx.as_slice().len();
+        self.protocol.on_peer(from, message, fx);
+        self.note_replies(mark, fx);
+        match transition_view {
+            None => Heard::default(),
+            Some(view) => Heard {
+                newer_view: view > self.view.number,
+                drained: !was_drained && self.drained().is_some(),
+            },
+        }
+    }
+
+    pub fn on_tick(&mut self, fx: &mut Effects) {
+        let mark = fx.as_slice().len();
+        self.protocol.on_tick(fx);
+        self.note_replies(mark, fx);
+    }
+
+    /// Watches the answers emitted since `mark` for this replica's barrier.
+    fn note_replies(&mut self, mark: usize, fx: &Effects) {
+        let Some(BarrierState::Pending(barrier)) = self.barrier else { return };
+        for effect in &fx.as_slice()[mark..] {
+            if let Effect::Reply { request, reply } = effect {
+                if *request == barrier {
+                    let committed = matches!(reply, crate::ClientReply::Written);
+                    self.barrier =
+                        Some(if committed { BarrierState::Committed } else { BarrierState::Failed });
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use tessera_engine::MemoryEngine;
+
+    use super::*;
+    use crate::test_support::view;
+    use crate::ClientReply;
+
+    fn replica(me: u32, mode: &str) -> Replica {
+        let config = ReplicaConfig::new(NodeId(me), 200, Tuning::default());
+        Replica::new(config, Arc::new(MemoryEngine::new()), Mode::named(mode).unwrap())
+    }
+
+    fn put(key: &str) -> Operation {
+        Operation::Put { key: Bytes::from(key.to_string()), value: Bytes::from_static(b"v") }
+    }
+
+    #[test]
+    fn a_lease_runs_from_the_heartbeat_and_a_late_grant_never_goes_back() {
+        let mut head = replica(1, "chain");
+        let mut fx = Effects::new(50);
+        head.on_grant(40, view(3, &[1]), Mode::named("chain").unwrap(), &mut fx);
+        assert_eq!(head.lease_until(), 240);
+        assert_eq!(
+            head.check_read(true, 239),
+            Ok(ReadGate::Open),
+            "a head alone commits its barrier at once"
+        );
+        assert_eq!(head.check_read(true, 240), Err(Refusal::LeaseExpired));
+        // A late answer to an older heartbeat, about an older view.
+        head.on_grant(10, view(2, &[2, 1]), Mode::named("chain").unwrap(), &mut fx);
+        assert_eq!((head.view().number, head.lease_until()), (3, 240));
+        assert_eq!(head.role(), Some(Role::Alone));
+    }
+
+    #[test]
+    fn a_new_head_serves_strong_reads_only_after_its_barrier_commits() {
+        let mut head = replica(1, "chain");
+        let mut fx = Effects::new(10);
+        head.on_grant(10, view(2, &[1, 2]), Mode::named("chain").unwrap(), &mut fx);
+        let ReadGate::AfterBarrier(barrier) = head.check_read(true, 20).unwrap() else { panic!() };
+        assert_eq!(head.check_write(), Ok(()));
+        let ids = head.submit([put("a")], &mut fx);
+        assert_ne!(ids[0], barrier);
+        // The tail acknowledges both writes at once.
+        let ack = PeerMessage::new(&crate::chain::ChainMessage::Ack { view: 2, seq: 2 });
+        fx.take();
+        head.on_peer(NodeId(2), ack, &mut fx);
+        let replies: Vec<RequestId> = fx
+            .take()
+            .into_iter()
+            .filter_map(|effect| match effect {
+                Effect::Reply { request, reply: ClientReply::Written } => Some(request),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(replies, vec![barrier, ids[0]]);
+        assert_eq!(head.check_read(true, 20), Ok(ReadGate::Open));
+        let mut tail = replica(2, "chain");
+        tail.on_grant(10, view(2, &[1, 2]), Mode::named("chain").unwrap(), &mut fx);
+        assert_eq!(tail.check_write(), Err(Refusal::NotOwner));
+        assert_eq!(tail.check_read(true, 20), Err(Refusal::NotOwner));
+        assert_eq!(tail.check_read(false, 20), Ok(ReadGate::Open));
+    }
+
+    #[test]
+    fn the_view_that_ends_a_transition_swaps_the_protocol_once() {
+        let chain = Mode::named("chain").unwrap();
+        let quorum = Mode::named("quorum").unwrap();
+        let mut member = replica(1, "chain");
+        let mut fx = Effects::new(10);
+        member.on_grant(10, view(2, &[1, 2, 3]), chain, &mut fx);
+        member.on_grant(10, ShardView { draining: true, ..view(3, &[1, 2, 3]) }, chain, &mut fx);
+        assert_eq!(member.check_write(), Err(Refusal::Draining));
+        member.on_grant(10, view(4, &[1, 2, 3]), quorum, &mut fx);
+        assert_eq!((member.mode(), member.draining()), (quorum, false));
+        assert_eq!(member.check_write(), Ok(()), "any member of an active–active group");
+        // A late grant of the draining view, in the old mode, changes nothing.
+        member.on_grant(10, ShardView { draining: true, ..view(3, &[1, 2, 3]) }, chain, &mut fx);
+        assert_eq!((member.mode(), member.view().number), (quorum, 4));
+    }
+}

@@ -1,0 +1,5 @@
+//! The checkers, one property each, run on what a run recorded.
+
+pub mod convergence;
+pub mod durability;
+pub mod linearizability;
