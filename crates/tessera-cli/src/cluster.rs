@@ -194,7 +194,7 @@ fn up(args: UpArgs) -> Result<(), String> {
             layout
         }
         Err(_) => {
-            tessera_cluster::ReplicationMode::parse(&args.topology, &args.consistency)?;
+            tessera_protocol::Mode::for_table(&args.topology, &args.consistency)?;
             if !["memory", "ordered", "log", "lsm"].contains(&args.engine.as_str()) {
                 return Err(format!(
                     "engine {:?} cannot back a cluster; choose memory, ordered, log or lsm",
@@ -243,7 +243,7 @@ fn up(args: UpArgs) -> Result<(), String> {
         map.cluster_id,
         map.nodes.len(),
         map.slot_shards().count(),
-        map.mode.name(),
+        map.mode.label(),
         map.replicas,
         layout.engine,
         started.elapsed().as_secs_f64()
@@ -402,7 +402,7 @@ fn status(dir: &Path) -> Result<(), String> {
             println!(
                 "map epoch {}, default mode {}, {} replicas per shard",
                 map.epoch,
-                map.mode.name(),
+                map.mode.label(),
                 map.replicas
             );
             for shard in &map.shards {

@@ -402,14 +402,14 @@ impl ServeArgs {
 }
 
 fn coordinator(args: CoordinatorArgs) -> Result<(), String> {
-    use tessera_cluster::{ClusterMap, CoordinatorServer, FileStore, ReplicationMode, Timing};
+    use tessera_cluster::{ClusterMap, CoordinatorServer, FileStore, Timing};
     init_logging(&args.log)?;
     if args.failure_timeout_ms <= args.lease_ms {
         return Err("--failure-timeout-ms must be longer than --lease-ms".into());
     }
     let initial = match (&args.cluster_id, args.nodes.is_empty()) {
         (Some(id), false) => {
-            let mode = ReplicationMode::parse(&args.topology, &args.consistency)?;
+            let mode = tessera_protocol::Mode::for_table(&args.topology, &args.consistency)?;
             let members = args.members.unwrap_or(args.nodes.len());
             Some(
                 ClusterMap::place(id, mode, args.replicas, &args.nodes, members)
@@ -791,8 +791,16 @@ fn bench(args: BenchArgs, password: Option<String>) -> Result<(), String> {
     })
 }
 
+/// A protocol of the registry, by name.
+fn sim_protocol(name: &str) -> Result<tessera_protocol::Mode, String> {
+    tessera_protocol::Mode::named(name).ok_or_else(|| {
+        let names: Vec<&str> = tessera_protocol::Mode::all().map(|mode| mode.name).collect();
+        format!("unknown protocol {name:?}; choose one of {}", names.join(", "))
+    })
+}
+
 fn simulate(args: SimArgs) -> Result<(), String> {
-    let protocol: tessera_sim::ProtocolKind = args.protocol.parse()?;
+    let protocol = sim_protocol(&args.protocol)?;
     let config = tessera_sim::SimConfig {
         faults: tessera_sim::FaultKind::parse_list(&args.faults)?,
         workload: args.workload.parse()?,
@@ -800,12 +808,12 @@ fn simulate(args: SimArgs) -> Result<(), String> {
         clients: args.clients,
         safety_ms: args.safety_ms,
         liveness_ms: args.liveness_ms,
-        transition_to: args.transition_to.as_deref().map(str::parse).transpose()?,
+        transition_to: args.transition_to.as_deref().map(sim_protocol).transpose()?,
         ..tessera_sim::SimConfig::new(protocol)
     };
     let name = match config.transition_to {
-        Some(target) => format!("{} --transition-to {}", protocol.name(), target.name()),
-        None => protocol.name().to_string(),
+        Some(target) => format!("{protocol} --transition-to {target}"),
+        None => protocol.to_string(),
     };
     if args.replicas == 0 || args.clients == 0 {
         return Err("--replicas and --clients must be at least 1".into());

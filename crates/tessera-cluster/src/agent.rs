@@ -1,24 +1,28 @@
-//! A node's part in a cluster: it heartbeats the coordinator, runs a protocol
-//! instance for each shard it is granted, drives their ticks, carries their
-//! messages over peer links, and answers requests submitted to them.
+//! A node's part in a cluster: it heartbeats the coordinator, runs a
+//! [`Replica`] driver for each replica group it is granted, drives their
+//! ticks, carries their messages over peer links, and answers requests
+//! submitted to them. Everything a group decides is in the driver, which the
+//! simulator runs too; this file is the I/O around it.
 //!
-//! Time for the protocols is this process's monotonic clock in milliseconds;
-//! a shard's lease runs `lease_ms` from when the heartbeat that earned it was
-//! sent (docs/PROTOCOLS.md, "Leases").
+//! Each group has its own lock, so requests to different groups never wait
+//! for each other; the list of groups and the routing table are snapshots
+//! that a request takes without blocking anyone (partitioned dispatch over
+//! shared data, as Shadowfax has it).
+//!
+//! Time for the drivers is this process's monotonic clock in milliseconds.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use tessera_engine::{Engine, EngineSpec};
 use tessera_protocol::{
-    ChainOptions, ChainReplication, ClientReply, ClientRequest, Effect, Effects, MultiMaster,
-    MultiMasterOptions, NodeId, Operation, PeerMessage, PrimaryBackup, PrimaryBackupOptions, Progress,
-    Protocol, QuorumOptions, QuorumRegister, RequestId, ShardView, Switchable,
+    ClientReply, Effect, Effects, Mode, NodeId, Operation, Progress, ReadGate, Refusal, Replica,
+    ReplicaConfig, RequestId, Role, ShardView, Tuning,
 };
 use tessera_wire::prefix::unescape_prefix;
 use tessera_wire::slot::SLOTS;
@@ -29,7 +33,7 @@ use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 
 use crate::links::{serve_incoming, Incoming, LinkConfig, Links};
-use crate::map::{range_index, ClusterMap, ReplicationMode, DEFAULT_TABLE};
+use crate::map::{range_index, ClusterMap, DEFAULT_TABLE};
 
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
@@ -50,35 +54,6 @@ pub struct AgentConfig {
     /// Back-pressure: once this many writes wait to commit on this node, new
     /// ones wait for room (their connections stop reading meanwhile).
     pub max_uncommitted_writes: usize,
-}
-
-struct Replica {
-    protocol: Switchable,
-    /// The mode the protocol runs (the old one while a transition drains).
-    mode: ReplicationMode,
-    engine: Arc<dyn Engine>,
-    view: ShardView,
-    lease_until: u64,
-    /// A write ordered when this node became the head of the current view:
-    /// once it commits, so has everything an earlier head left uncommitted,
-    /// and strong reads of the local copy are safe.
-    read_barrier: Option<Completion>,
-}
-
-/// A reserved key (see the node's sorted-set layout): the barrier deletes it.
-const BARRIER_KEY: &[u8] = b"\xff\xff#barrier";
-
-/// A node's place in a shard (chain order: the head takes writes, the tail
-/// answers strong reads; a primary is a head).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Role {
-    /// The only member: head and tail at once.
-    Alone,
-    Head,
-    Middle,
-    Tail,
-    /// Receiving the shard's state; serves nothing yet.
-    Learner,
 }
 
 /// An answer on its way from a shard's protocol.
@@ -170,16 +145,32 @@ impl Completion {
     }
 }
 
-/// Why this node does not serve a request for a shard itself.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Refusal {
-    /// It is not the shard's head (or, for eventual reads, not a member).
-    NotOwner,
-    /// It is the head but its lease has run out (a new view may be coming).
-    LeaseExpired,
-    /// The group is switching modes: writes and strong reads wait until it
-    /// has ([`Agent::wait_while_draining`]).
-    Draining,
+/// One replica group on this node.
+pub struct Group {
+    pub id: u32,
+    state: Mutex<GroupState>,
+}
+
+struct GroupState {
+    replica: Replica,
+    /// Requests handed to the driver, until answered.
+    waiting: HashMap<RequestId, oneshot::Sender<ClientReply>>,
+    /// The outcome of the barrier a new head ordered, which strong reads
+    /// wait for.
+    barrier: Option<(RequestId, Completion)>,
+    /// The node left the group: nothing more is submitted to it.
+    left: bool,
+}
+
+/// What a request needs to know of its group, read under one lock.
+pub struct GroupSnapshot {
+    pub mode: Mode,
+    pub engine: Arc<dyn Engine>,
+    pub role: Option<Role>,
+    pub write: Result<(), Refusal>,
+    /// A strong read from this node's copy, and what its answer waits for.
+    pub strong_read: Result<Option<Completion>, Refusal>,
+    pub eventual_read: Result<(), Refusal>,
 }
 
 /// Where keys live, as this node last learned it.
@@ -280,41 +271,13 @@ impl TableRanges {
     }
 }
 
-struct State {
-    shards: BTreeMap<u32, Replica>,
-    routing: Option<Routing>,
-    /// Requests handed to a protocol, with their shard, until answered.
-    waiting: HashMap<RequestId, (u32, oneshot::Sender<ClientReply>)>,
-    next_request: u64,
-}
-
-impl State {
-    /// A new request to a shard's protocol, and where its answer will arrive.
-    fn register(&mut self, shard: u32) -> (RequestId, oneshot::Receiver<ClientReply>) {
-        let id = RequestId(self.next_request);
-        self.next_request += 1;
-        let (sender, receiver) = oneshot::channel();
-        self.waiting.insert(id, (shard, sender));
-        (id, receiver)
-    }
-
-    /// Stops running a shard the coordinator no longer grants this node; its
-    /// unanswered requests are told to retry elsewhere.
-    fn leave(&mut self, shard: u32) {
-        self.shards.remove(&shard);
-        let unanswered: Vec<RequestId> =
-            self.waiting.iter().filter(|(_, (of, _))| *of == shard).map(|(id, _)| *id).collect();
-        for id in unanswered {
-            if let Some((_, waiter)) = self.waiting.remove(&id) {
-                let _ = waiter.send(ClientReply::Retry("this node left the shard"));
-            }
-        }
-    }
-}
-
 pub struct Agent {
     config: AgentConfig,
-    state: Arc<Mutex<State>>,
+    /// Replaced whole when groups come or go; each group locks alone.
+    groups: RwLock<Arc<BTreeMap<u32, Arc<Group>>>>,
+    routing: RwLock<Option<Routing>>,
+    /// Requests waiting for an answer on every group: the back-pressure count.
+    uncommitted: AtomicUsize,
     links: Arc<Links>,
     started: Instant,
     /// How long a granted view lasts, as the coordinator counts it.
@@ -373,17 +336,13 @@ impl Agent {
             connect_timeout: Duration::from_secs(1),
             backoff_max: Duration::from_millis(500),
         });
-        let state = Arc::new(Mutex::new(State {
-            shards: BTreeMap::new(),
-            routing: None,
-            waiting: HashMap::new(),
-            next_request: 1,
-        }));
         let (incoming_sender, incoming) = mpsc::unbounded_channel();
         let peers = tokio::spawn(serve_incoming(listener, config.cluster_id.clone(), incoming_sender));
         let agent = Arc::new(Self {
             config,
-            state,
+            groups: RwLock::new(Arc::new(BTreeMap::new())),
+            routing: RwLock::new(None),
+            uncommitted: AtomicUsize::new(0),
             links,
             started: Instant::now(),
             lease_ms,
@@ -400,125 +359,113 @@ impl Agent {
         Ok(agent)
     }
 
-    fn now(&self) -> u64 {
+    pub fn now(&self) -> u64 {
         self.started.elapsed().as_millis() as u64
     }
 
-    /// The shards this node runs, with their current views.
-    pub fn shards(&self) -> BTreeMap<u32, Progress> {
-        self.state.lock().shards.iter().map(|(id, replica)| (*id, replica.protocol.progress())).collect()
+    fn groups(&self) -> Arc<BTreeMap<u32, Arc<Group>>> {
+        self.groups.read().clone()
     }
 
-    /// Hands a command's operations to a shard's protocol now: writes are
-    /// ordered (and applied at the head) before this returns, in one step, so
-    /// that no view change falls between them: all in one view, or none. The
+    pub fn group(&self, shard: u32) -> Option<Arc<Group>> {
+        self.groups.read().get(&shard).cloned()
+    }
+
+    /// The groups this node runs, with their progress.
+    pub fn shards(&self) -> BTreeMap<u32, Progress> {
+        self.groups().iter().map(|(id, group)| (*id, group.state.lock().replica.progress())).collect()
+    }
+
+    /// What a request needs of group `shard`, in one look.
+    pub fn snapshot(&self, shard: u32) -> Option<GroupSnapshot> {
+        let group = self.group(shard)?;
+        let state = group.state.lock();
+        let replica = &state.replica;
+        let strong_read = replica.check_read(true, self.now()).map(|gate| match gate {
+            ReadGate::Open => None,
+            ReadGate::AfterBarrier(request) => state
+                .barrier
+                .as_ref()
+                .filter(|(barrier, _)| *barrier == request)
+                .map(|(_, completion)| completion.clone()),
+        });
+        Some(GroupSnapshot {
+            mode: replica.mode(),
+            engine: replica.engine().clone(),
+            role: replica.role(),
+            write: replica.check_write(),
+            strong_read,
+            eventual_read: replica.check_read(false, self.now()).map(drop),
+        })
+    }
+
+    /// Hands a command's operations to a group's driver in one step, so that
+    /// no view change falls between them: all in one view, or none. Writes
+    /// are ordered (and applied at the head) before this returns; the
     /// answers follow.
     pub fn begin_all(&self, shard: u32, operations: Vec<Operation>) -> Vec<Pending> {
-        let mut state = self.state.lock();
-        let now = self.now();
-        if !state.shards.contains_key(&shard) {
+        let Some(group) = self.group(shard) else {
             return operations
                 .iter()
                 .map(|_| Pending::Ready(ClientReply::Retry("this node does not serve the shard")))
                 .collect();
+        };
+        let mut state = group.state.lock();
+        if state.left {
+            return operations
+                .iter()
+                .map(|_| Pending::Ready(ClientReply::Retry("this node left the shard")))
+                .collect();
         }
-        let mut pendings = Vec::with_capacity(operations.len());
-        let mut fx = Effects::new(now);
-        for operation in operations {
-            let (id, receiver) = state.register(shard);
-            let replica = state.shards.get_mut(&shard).expect("checked above");
-            replica.protocol.on_client(ClientRequest { id, operation }, &mut fx);
-            pendings.push(Pending::Waiting(receiver));
-        }
-        self.run_effects(&mut state, shard, fx);
+        let mut fx = Effects::new(self.now());
+        let ids = state.replica.submit(operations, &mut fx);
+        let pendings = ids.into_iter().map(|id| Pending::Waiting(self.register(&mut state, id))).collect();
+        self.run_effects(shard, &mut state, fx);
         pendings
     }
 
-    /// Returns once fewer than `max_uncommitted_writes` writes wait to commit
-    /// on this node: a connection calls it before it runs a write, so a
-    /// replica group that cannot keep up slows its writers instead of
+    /// Where the answer to request `id` will arrive.
+    fn register(&self, state: &mut GroupState, id: RequestId) -> oneshot::Receiver<ClientReply> {
+        let (sender, receiver) = oneshot::channel();
+        state.waiting.insert(id, sender);
+        self.uncommitted.fetch_add(1, Ordering::Relaxed);
+        receiver
+    }
+
+    /// Returns once fewer than `max_uncommitted_writes` requests wait for
+    /// their answer on this node: a connection calls it before it runs a
+    /// write, so a group that cannot keep up slows its writers instead of
     /// queueing without bound.
     pub async fn wait_for_room(&self) {
         loop {
             let notified = self.room.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if self.state.lock().waiting.len() < self.config.max_uncommitted_writes {
+            if self.uncommitted.load(Ordering::Relaxed) < self.config.max_uncommitted_writes {
                 return;
             }
             notified.await;
         }
     }
 
-    /// Whether this node may order writes for a shard now: its head, or in
-    /// an active–active mode any member; not while the group switches modes.
-    pub fn check_write(&self, shard: u32) -> Result<(), Refusal> {
-        let state = self.state.lock();
-        let replica = state.shards.get(&shard).ok_or(Refusal::NotOwner)?;
-        let position = replica.view.position(NodeId(self.config.node));
-        if position.is_some() && replica.protocol.draining() {
-            return Err(Refusal::Draining);
-        }
-        match position {
-            Some(0) => Ok(()),
-            Some(_) if replica.mode.active_active() => Ok(()),
-            _ => Err(Refusal::NotOwner),
-        }
-    }
-
-    /// The mode a shard runs on this node.
-    pub fn mode(&self, shard: u32) -> Option<ReplicationMode> {
-        self.state.lock().shards.get(&shard).map(|replica| replica.mode)
-    }
-
-    /// Waits until a shard is no longer draining here (a transition ended, or
-    /// the node left the shard), for at most `timeout`.
+    /// Waits until a group is no longer draining here (a transition ended, or
+    /// the node left the group), for at most `timeout`.
     pub async fn wait_while_draining(&self, shard: u32, timeout: Duration) {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let switched = self.switched.notified();
             tokio::pin!(switched);
             switched.as_mut().enable();
-            let draining =
-                self.state.lock().shards.get(&shard).is_some_and(|replica| replica.protocol.draining());
+            let draining = self.group(shard).is_some_and(|group| group.state.lock().replica.draining());
             if !draining || tokio::time::timeout_at(deadline, switched).await.is_err() {
                 return;
             }
         }
     }
 
-    /// Whether this node may answer a read of a shard from its own copy. A
-    /// strong read needs the head's role, its lease, and (returned) the
-    /// barrier of its view to commit before the answer is released; an
-    /// eventual read needs only to be a member.
-    pub fn check_read(&self, shard: u32, strong: bool) -> Result<Option<Completion>, Refusal> {
-        let state = self.state.lock();
-        let replica = state.shards.get(&shard).ok_or(Refusal::NotOwner)?;
-        let me = NodeId(self.config.node);
-        let position = replica.view.position(me).ok_or(Refusal::NotOwner)?;
-        if !strong {
-            return Ok(None);
-        }
-        if replica.protocol.draining() {
-            return Err(Refusal::Draining);
-        }
-        // Active–active members answer every read they are given (a node runs
-        // an AA+SC group's strong ones through the protocol).
-        if replica.mode.active_active() {
-            return Ok(None);
-        }
-        if position != 0 {
-            return Err(Refusal::NotOwner);
-        }
-        if replica.lease_until <= self.now() {
-            return Err(Refusal::LeaseExpired);
-        }
-        Ok(replica.read_barrier.clone().filter(|barrier| !barrier.succeeded()))
-    }
-
     /// The map and slot table this node routes by, once it has one.
     pub fn routing(&self) -> Option<Routing> {
-        self.state.lock().routing.clone()
+        self.routing.read().clone()
     }
 
     pub fn node_id(&self) -> u32 {
@@ -547,49 +494,40 @@ impl Agent {
         }
     }
 
-    /// Hands an operation to a shard's protocol and waits for its answer.
+    /// Hands an operation to a group's driver and waits for its answer.
     pub async fn submit(&self, shard: u32, operation: Operation) -> ClientReply {
         let pending = self.begin_all(shard, vec![operation]).pop();
         pending.expect("one operation, one answer").answer().await
     }
 
-    /// This node's place in a shard's current view, if it has one.
+    /// This node's place in a group's current view, if it has one.
     pub fn role(&self, shard: u32) -> Option<Role> {
-        let state = self.state.lock();
-        let view = &state.shards.get(&shard)?.view;
-        let me = NodeId(self.config.node);
-        if view.learners.contains(&me) {
-            return Some(Role::Learner);
-        }
-        let position = view.position(me)?;
-        Some(match (position == 0, position + 1 == view.replicas.len()) {
-            (true, true) => Role::Alone,
-            (true, false) => Role::Head,
-            (false, true) => Role::Tail,
-            (false, false) => Role::Middle,
-        })
+        self.group(shard)?.state.lock().replica.role()
     }
 
-    fn run_effects(&self, state: &mut State, shard: u32, mut fx: Effects) {
-        let mut answered = false;
+    /// Carries out a driver's effects: messages to the links, answers to
+    /// whoever waits for them.
+    fn run_effects(&self, shard: u32, state: &mut GroupState, mut fx: Effects) {
+        let mut answered = 0;
         for effect in fx.take() {
             match effect {
                 Effect::Send { to, message } => self.links.send(to, shard, &message),
                 Effect::Reply { request, reply } => {
-                    if let Some((_, waiter)) = state.waiting.remove(&request) {
+                    if let Some(waiter) = state.waiting.remove(&request) {
                         let _ = waiter.send(reply);
-                        answered = true;
+                        answered += 1;
                     }
                 }
             }
         }
-        if answered {
+        if answered > 0 {
+            self.uncommitted.fetch_sub(answered, Ordering::Relaxed);
             self.room.notify_waiters();
         }
     }
 
-    /// A replica of group `shard` on the engine of its table.
-    fn new_replica(&self, shard: u32, map: &ClusterMap, mode: ReplicationMode) -> Result<Replica, String> {
+    /// A group's driver on the engine of its table.
+    fn new_group(&self, shard: u32, map: &ClusterMap, mode: Mode) -> Result<Group, String> {
         let dir = self.config.data_dir.join("shards").join(shard.to_string());
         let table = map.shard(shard).map(|group| group.table.as_str()).unwrap_or(DEFAULT_TABLE);
         let spec = match map.table(table) {
@@ -597,103 +535,73 @@ impl Agent {
             Some(table) => table.engine_spec().map_err(|error| format!("table {}: {error}", table.name))?,
         };
         let engine = spec.open(&dir).map_err(|error| format!("shard {shard}: {error}"))?;
-        let me = NodeId(self.config.node);
-        let protocol = Switchable::new(me, engine.clone(), self.instance(mode, engine.clone(), false));
-        let view = ShardView {
-            number: 0,
-            replicas: Vec::new(),
-            learners: Vec::new(),
-            lease_until: 0,
-            draining: false,
+        let config = ReplicaConfig::new(NodeId(self.config.node), self.lease_ms, Tuning::default());
+        let state = GroupState {
+            replica: Replica::new(config, engine, mode),
+            waiting: HashMap::new(),
+            barrier: None,
+            left: false,
         };
-        Ok(Replica { protocol, mode, engine, view, lease_until: 0, read_barrier: None })
+        Ok(Group { id: shard, state: Mutex::new(state) })
     }
 
-    /// A protocol instance for `mode` over a group's engine; `switched_in`:
-    /// taking over the records another protocol left at the end of a
-    /// transition (else opening them, perhaps after a restart).
-    fn instance(
-        &self,
-        mode: ReplicationMode,
-        engine: Arc<dyn Engine>,
-        switched_in: bool,
-    ) -> Box<dyn Protocol> {
-        let me = NodeId(self.config.node);
-        match mode {
-            ReplicationMode::MsStrong => Box::new(ChainReplication::new(me, engine, ChainOptions::default())),
-            ReplicationMode::MsEventual => {
-                Box::new(PrimaryBackup::new(me, engine, PrimaryBackupOptions::default()))
-            }
-            ReplicationMode::AaEventual => {
-                Box::new(MultiMaster::new(me, engine, MultiMasterOptions::default()))
-            }
-            ReplicationMode::AaStrong if switched_in => {
-                Box::new(QuorumRegister::switched_in(me, engine, QuorumOptions::default()))
-            }
-            ReplicationMode::AaStrong => Box::new(QuorumRegister::new(me, engine, QuorumOptions::default())),
-        }
-    }
-
-    /// Applies the coordinator's grants: new shards get a replica, every granted
-    /// shard its view with a lease from `asked_at`.
+    /// Applies the coordinator's grants, answering the heartbeat sent at
+    /// `asked_at`: new groups get a driver, every granted group its view;
+    /// groups no longer granted are left, their unanswered requests told to
+    /// retry elsewhere.
     fn apply_grants(&self, asked_at: u64, grants: Vec<Grant>) {
-        let mut state = self.state.lock();
-        let Some(map) = state.routing.as_ref().map(|routing| routing.map.clone()) else { return };
-        let me = NodeId(self.config.node);
-        let left: Vec<u32> = state
-            .shards
+        let Some(map) = self.routing().map(|routing| routing.map) else { return };
+        let mut groups = (*self.groups()).clone();
+        let left: Vec<u32> = groups
             .keys()
             .filter(|shard| !grants.iter().any(|(granted, _, _)| granted == *shard))
             .copied()
             .collect();
-        for shard in left {
-            tracing::info!(shard, "no longer granted this shard; leaving it");
-            state.leave(shard);
+        let left: Vec<Arc<Group>> = left.iter().filter_map(|shard| groups.remove(shard)).collect();
+        for (shard, _, mode) in &grants {
+            if groups.contains_key(shard) {
+                continue;
+            }
+            match self.new_group(*shard, &map, *mode) {
+                Ok(group) => {
+                    groups.insert(*shard, Arc::new(group));
+                }
+                Err(error) => tracing::error!(%error, "cannot open a shard's engine"),
+            }
+        }
+        // Published before the left groups are closed, so that no request
+        // reaches a closed group through the new list.
+        *self.groups.write() = Arc::new(groups.clone());
+        for group in left {
+            tracing::info!(shard = group.id, "no longer granted this shard; leaving it");
+            let mut state = group.state.lock();
+            state.left = true;
+            let unanswered = state.waiting.len();
+            for (_, waiter) in state.waiting.drain() {
+                let _ = waiter.send(ClientReply::Retry("this node left the shard"));
+            }
+            self.uncommitted.fetch_sub(unanswered, Ordering::Relaxed);
             self.room.notify_waiters();
         }
         let mut switched = false;
         for (shard, view, mode) in grants {
-            let replica = match state.shards.entry(shard) {
-                std::collections::btree_map::Entry::Occupied(entry) => entry.into_mut(),
-                std::collections::btree_map::Entry::Vacant(entry) => {
-                    match self.new_replica(shard, &map, mode) {
-                        Ok(replica) => entry.insert(replica),
-                        Err(error) => {
-                            tracing::error!(%error, "cannot open a shard's engine");
-                            continue;
-                        }
-                    }
+            let Some(group) = groups.get(&shard) else { continue };
+            let mut state = group.state.lock();
+            let was_draining = state.replica.draining();
+            let mut fx = Effects::new(self.now());
+            state.replica.on_grant(asked_at, view, mode, &mut fx);
+            let draining = state.replica.draining();
+            switched |= was_draining && !draining;
+            if !was_draining && draining {
+                tracing::info!(shard, view = state.replica.view().number, "group draining to switch modes");
+            }
+            if let Some(request) = state.replica.barrier_pending() {
+                if state.barrier.as_ref().is_none_or(|(barrier, _)| *barrier != request) {
+                    let answer = self.register(&mut state, request);
+                    state.barrier = Some((request, Completion::of(vec![Pending::Waiting(answer)])));
                 }
-            };
-            let now = self.now();
-            replica.lease_until = replica.lease_until.max(asked_at + self.lease_ms);
-            let view = ShardView { lease_until: replica.lease_until, ..view };
-            if mode != replica.mode && !view.draining && view.number > replica.view.number {
-                // The view that ends a transition: the new mode's protocol
-                // takes over the records, and the held requests run on it.
-                tracing::info!(shard, from = replica.mode.name(), to = mode.name(), "group switched modes");
-                let engine = replica.engine.clone();
-                replica.protocol.replace(&view, || self.instance(mode, engine, true));
-                replica.mode = mode;
             }
-            let was_draining = replica.protocol.draining();
-            let new_head =
-                view.number != replica.view.number && view.position(me) == Some(0) && !mode.active_active();
-            let mut fx = Effects::new(now);
-            replica.protocol.on_view(&view, &mut fx);
-            switched |= was_draining && !replica.protocol.draining();
-            if !was_draining && replica.protocol.draining() {
-                tracing::info!(shard, view = view.number, "group draining to switch modes");
-            }
-            replica.view = view;
-            if new_head {
-                let (id, receiver) = state.register(shard);
-                let replica = state.shards.get_mut(&shard).expect("inserted above");
-                let barrier = Operation::Delete { key: Bytes::from_static(BARRIER_KEY) };
-                replica.protocol.on_client(ClientRequest { id, operation: barrier }, &mut fx);
-                replica.read_barrier = Some(Completion::of(vec![Pending::Waiting(receiver)]));
-            }
-            self.run_effects(&mut state, shard, fx);
+            self.run_effects(shard, &mut state, fx);
         }
         if switched {
             self.switched.notify_waiters();
@@ -713,12 +621,12 @@ impl Agent {
             })
             .collect::<HashMap<_, _>>();
         self.links.set_addresses(addresses);
-        self.state.lock().routing = Some(Routing::new(map));
+        *self.routing.write() = Some(Routing::new(map));
     }
 
-    /// The engine behind a shard on this node (for inspection and tests).
+    /// The engine behind a group on this node (for inspection and tests).
     pub fn engine(&self, shard: u32) -> Option<Arc<dyn Engine>> {
-        self.state.lock().shards.get(&shard).map(|replica| replica.engine.clone())
+        Some(self.group(shard)?.state.lock().replica.engine().clone())
     }
 }
 
@@ -776,7 +684,7 @@ impl Coordinator {
 }
 
 /// A group's view, granted with a lease, and the mode it runs in that view.
-type Grant = (u32, ShardView, ReplicationMode);
+type Grant = (u32, ShardView, Mode);
 
 fn parse_grants(reply: Value) -> Option<(u64, Vec<Grant>)> {
     let mut parts = reply.into_items()?.into_iter();
@@ -795,7 +703,7 @@ fn parse_grants(reply: Value) -> Option<(u64, Vec<Grant>)> {
             draining: fields.get(4)?.as_integer()? != 0,
         };
         let mode = match fields.get(5)? {
-            Value::Bulk(name) => ReplicationMode::from_name(std::str::from_utf8(name).ok()?)?,
+            Value::Bulk(name) => Mode::named(std::str::from_utf8(name).ok()?)?,
             _ => return None,
         };
         grants.push((fields.first()?.as_integer()? as u32, view, mode));
@@ -861,8 +769,7 @@ async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: Coordina
         }
         // A group that has drained waits for the view that ends its
         // transition, and its writes wait with it: ask again soon.
-        let drained =
-            agent_ref.state.lock().shards.values().any(|replica| replica.protocol.drained().is_some());
+        let drained = agent_ref.groups().values().any(|group| group.state.lock().replica.drained().is_some());
         let interval = if drained { interval.min(TRANSITION_HEARTBEAT) } else { interval };
         let hurry = agent_ref.hurry.clone();
         drop(agent_ref);
@@ -881,15 +788,11 @@ async fn tick_loop(agent: std::sync::Weak<Agent>) {
     loop {
         let Some(agent) = agent.upgrade() else { return };
         let interval = Duration::from_millis(agent.config.tick_ms);
-        {
-            let mut state = agent.state.lock();
-            let now = agent.now();
-            let shards: Vec<u32> = state.shards.keys().copied().collect();
-            for shard in shards {
-                let mut fx = Effects::new(now);
-                state.shards.get_mut(&shard).expect("listed").protocol.on_tick(&mut fx);
-                agent.run_effects(&mut state, shard, fx);
-            }
+        for group in agent.groups().values() {
+            let mut state = group.state.lock();
+            let mut fx = Effects::new(agent.now());
+            state.replica.on_tick(&mut fx);
+            agent.run_effects(group.id, &mut state, fx);
         }
         drop(agent);
         tokio::time::sleep(interval).await;
@@ -899,29 +802,17 @@ async fn tick_loop(agent: std::sync::Weak<Agent>) {
 async fn peer_loop(agent: std::sync::Weak<Agent>, mut incoming: mpsc::UnboundedReceiver<Incoming>) {
     while let Some(Incoming { from, shard, message }) = incoming.recv().await {
         let Some(agent) = agent.upgrade() else { return };
-        let mut state = agent.state.lock();
-        let now = agent.now();
-        if let Some(replica) = state.shards.get_mut(&shard) {
-            // Only a transition's own messages can tell of a newer view or
-            // finish a drain: other messages cost nothing more.
-            let transition = match &message {
-                PeerMessage::Transition(transition) => Some(transition.view()),
-                _ => None,
-            };
-            let was_drained = transition.is_some() && replica.protocol.drained().is_some();
-            let mut fx = Effects::new(now);
-            replica.protocol.on_peer(from, message, &mut fx);
-            if let Some(view) = transition {
-                let drained = !was_drained && replica.protocol.drained().is_some();
-                if drained {
-                    tracing::info!(shard, "group drained; waiting for the view that ends the transition");
-                }
-                if drained || view > replica.view.number {
-                    agent.hurry.notify_one();
-                }
-            }
-            agent.run_effects(&mut state, shard, fx);
+        let Some(group) = agent.group(shard) else { continue };
+        let mut state = group.state.lock();
+        let mut fx = Effects::new(agent.now());
+        let heard = state.replica.on_peer(from, message, &mut fx);
+        if heard.drained {
+            tracing::info!(shard, "group drained; waiting for the view that ends the transition");
         }
+        if heard.drained || heard.newer_view {
+            agent.hurry.notify_one();
+        }
+        agent.run_effects(shard, &mut state, fx);
     }
 }
 

@@ -7,12 +7,10 @@
 use std::collections::BTreeMap;
 
 use tessera_engine::EngineKind;
-use tessera_protocol::coordinator::{Admission, CoordinatorConfig, ShardCoordinator};
-use tessera_protocol::{NodeId, Progress, ShardView};
+use tessera_protocol::coordinator::{CoordinatorConfig, ShardCoordinator};
+use tessera_protocol::{Mode, NodeId, Progress, ShardView};
 
-use crate::map::{
-    ClusterMap, ClusterTable, MapError, NodeInfo, NodeRole, ReplicationMode, Shard, DEFAULT_TABLE,
-};
+use crate::map::{ClusterMap, ClusterTable, MapError, NodeInfo, NodeRole, Shard, DEFAULT_TABLE};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum JoinError {
@@ -41,17 +39,16 @@ impl Default for Timing {
 pub struct Grants {
     pub epoch: u64,
     /// Each group's view and the mode it runs in that view.
-    pub shards: Vec<(u32, ShardView, ReplicationMode)>,
+    pub shards: Vec<(u32, ShardView, Mode)>,
 }
 
 /// How a group in `mode` is coordinated: the timing, and how nodes join it.
-fn shard_config(timing: Timing, mode: ReplicationMode, replicas: usize) -> CoordinatorConfig {
-    let admission = match mode {
-        ReplicationMode::MsStrong => Admission::Learner,
-        ReplicationMode::MsEventual | ReplicationMode::AaEventual => Admission::Backup,
-        ReplicationMode::AaStrong => Admission::Quorum { min_members: replicas / 2 + 1 },
-    };
-    CoordinatorConfig { lease_ms: timing.lease_ms, failure_timeout_ms: timing.failure_timeout_ms, admission }
+fn shard_config(timing: Timing, mode: Mode, replicas: usize) -> CoordinatorConfig {
+    CoordinatorConfig {
+        lease_ms: timing.lease_ms,
+        failure_timeout_ms: timing.failure_timeout_ms,
+        admission: mode.admission(replicas),
+    }
 }
 
 pub struct ClusterCoordinator {
@@ -106,11 +103,11 @@ impl ClusterCoordinator {
     /// view drains, and the group runs the new mode once every member holds
     /// the same records. Refused while a group of the table is still
     /// switching. Returns how many groups switch (none already in `mode`).
-    pub fn alter_table(&mut self, name: &str, mode: ReplicationMode, now: u64) -> Result<usize, MapError> {
+    pub fn alter_table(&mut self, name: &str, mode: Mode, now: u64) -> Result<usize, MapError> {
         if name != DEFAULT_TABLE && self.map.table(name).is_none() {
             return Err(MapError::Invalid(format!("no such table '{name}'")));
         }
-        let groups: Vec<(u32, ReplicationMode)> = self
+        let groups: Vec<(u32, Mode)> = self
             .map
             .shards
             .iter()
@@ -350,9 +347,13 @@ mod tests {
     use super::*;
     use crate::store::{FileStore, MetadataStore};
 
+    fn labelled(label: &str) -> Mode {
+        Mode::named(label).unwrap()
+    }
+
     fn cluster(nodes: usize, members: usize) -> ClusterCoordinator {
         let addresses: Vec<String> = (0..nodes).map(|index| format!("127.0.0.1:{}", 7000 + index)).collect();
-        let map = ClusterMap::place("c1", ReplicationMode::MsStrong, 3, &addresses, members).unwrap();
+        let map = ClusterMap::place("c1", labelled("ms+sc"), 3, &addresses, members).unwrap();
         ClusterCoordinator::new(map, Timing { lease_ms: 200, failure_timeout_ms: 150 }, 0)
     }
 
@@ -523,7 +524,7 @@ mod tests {
         for node in 0..3 {
             beat(&mut coordinator, 5, node);
         }
-        assert_eq!(coordinator.alter_table("events", ReplicationMode::AaStrong, 10), Ok(3));
+        assert_eq!(coordinator.alter_table("events", labelled("aa+sc"), 10), Ok(3));
         let groups: Vec<u32> = coordinator
             .map()
             .shards
@@ -531,14 +532,14 @@ mod tests {
             .filter(|shard| shard.table == "events")
             .map(|shard| shard.id)
             .collect();
-        let err = coordinator.alter_table("events", ReplicationMode::MsEventual, 11).unwrap_err();
+        let err = coordinator.alter_table("events", labelled("ms+ec"), 11).unwrap_err();
         assert!(err.to_string().contains("already switching"), "{err}");
-        assert!(coordinator.alter_table("nosuch", ReplicationMode::MsEventual, 11).is_err());
+        assert!(coordinator.alter_table("nosuch", labelled("ms+ec"), 11).is_err());
         // Draining views, still in the old mode; the default table untouched.
         let grants = beat(&mut coordinator, 20, 0);
         for (shard, view, mode) in &grants.shards {
             assert_eq!(view.draining, groups.contains(shard), "shard {shard}");
-            assert_eq!(*mode, ReplicationMode::MsStrong);
+            assert_eq!(*mode, labelled("ms+sc"));
         }
         // Reports of drained views: the group ends its transition only once
         // all three members have drained in its current view.
@@ -564,8 +565,7 @@ mod tests {
         let grants = coordinator.heartbeat(30, 2, 1, &report).unwrap();
         for (shard, view, mode) in &grants.shards {
             assert!(!view.draining);
-            let expected =
-                if groups.contains(shard) { ReplicationMode::AaStrong } else { ReplicationMode::MsStrong };
+            let expected = if groups.contains(shard) { labelled("aa+sc") } else { labelled("ms+sc") };
             assert_eq!(*mode, expected, "shard {shard}");
         }
         let map = coordinator.take_changed_map().expect("stored");
@@ -573,19 +573,12 @@ mod tests {
             assert_eq!(shard.next_mode, None);
             assert_eq!(
                 map.mode_of(shard),
-                if groups.contains(&shard.id) {
-                    ReplicationMode::AaStrong
-                } else {
-                    ReplicationMode::MsStrong
-                }
+                if groups.contains(&shard.id) { labelled("aa+sc") } else { labelled("ms+sc") }
             );
         }
         // A coordinator restarted from the stored map keeps the mode.
         let restarted = ClusterCoordinator::new(map, Timing { lease_ms: 200, failure_timeout_ms: 150 }, 40);
-        assert_eq!(
-            restarted.map().mode_of(restarted.map().shard(groups[0]).unwrap()),
-            ReplicationMode::AaStrong
-        );
+        assert_eq!(restarted.map().mode_of(restarted.map().shard(groups[0]).unwrap()), labelled("aa+sc"));
     }
 
     #[test]
@@ -594,7 +587,7 @@ mod tests {
         for node in 0..3 {
             beat(&mut coordinator, 5, node);
         }
-        assert_eq!(coordinator.alter_table(DEFAULT_TABLE, ReplicationMode::MsEventual, 10), Ok(3));
+        assert_eq!(coordinator.alter_table(DEFAULT_TABLE, labelled("ms+ec"), 10), Ok(3));
         let map = coordinator.take_changed_map().expect("stored");
         let mut restarted =
             ClusterCoordinator::new(map, Timing { lease_ms: 200, failure_timeout_ms: 150 }, 20);
@@ -611,6 +604,6 @@ mod tests {
         assert!(map
             .shards
             .iter()
-            .all(|shard| shard.next_mode.is_none() && map.mode_of(shard) == ReplicationMode::MsEventual));
+            .all(|shard| shard.next_mode.is_none() && map.mode_of(shard) == labelled("ms+ec")));
     }
 }

@@ -13,8 +13,6 @@ pub mod store;
 
 pub use coordinator::{ClusterCoordinator, Grants, JoinError, Timing};
 pub use etcd::{Etcd, EtcdStore};
-pub use map::{
-    ClusterMap, ClusterTable, MapError, NodeInfo, NodeRole, ReplicationMode, Shard, DEFAULT_TABLE,
-};
+pub use map::{ClusterMap, ClusterTable, MapError, NodeInfo, NodeRole, Shard, DEFAULT_TABLE};
 pub use server::CoordinatorServer;
 pub use store::{FileStore, MetadataStore, StoreError, Versioned};

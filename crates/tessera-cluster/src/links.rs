@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use parking_lot::Mutex;
-use tessera_protocol::{codec, NodeId, PeerMessage};
+use tessera_protocol::{NodeId, PeerMessage};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify};
@@ -82,7 +82,7 @@ impl Links {
         let mut frame = Vec::with_capacity(64);
         frame.extend_from_slice(&[0; 4]);
         frame.extend_from_slice(&shard.to_le_bytes());
-        codec::encode(message, &mut frame);
+        message.encode(&mut frame);
         let length = (frame.len() - 4) as u32;
         frame[..4].copy_from_slice(&length.to_le_bytes());
         let peer = self.peer(to);
@@ -232,7 +232,7 @@ async fn read_peer(
             return Err("frame without a shard".into());
         }
         let shard = u32::from_le_bytes(frame[..4].try_into().expect("4 bytes"));
-        let message = codec::decode(frame.slice(4..)).map_err(|error| error.to_string())?;
+        let message = PeerMessage::decode(frame.slice(4..)).map_err(|error| error.to_string())?;
         if incoming.send(Incoming { from, shard, message }).is_err() {
             return Ok(()); // the node is shutting down
         }
@@ -256,7 +256,7 @@ mod tests {
     }
 
     fn ack(seq: u64) -> PeerMessage {
-        PeerMessage::Chain(ChainMessage::Ack { view: 1, seq })
+        PeerMessage::new(&ChainMessage::Ack { view: 1, seq })
     }
 
     async fn listen(

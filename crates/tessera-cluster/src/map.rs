@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 use tessera_engine::{EngineError, EngineSpec};
-use tessera_protocol::{NodeId, ShardView};
+use tessera_protocol::{Mode, NodeId, ShardView};
 use tessera_wire::prefix::{unescape_prefix, valid_table_name};
 use tessera_wire::slot::SLOTS;
 
@@ -16,74 +16,6 @@ pub enum MapError {
     Invalid(String),
     #[error("a cluster of {nodes} nodes cannot keep {replicas} replicas of each shard")]
     TooFewNodes { nodes: usize, replicas: usize },
-}
-
-/// How a replica group replicates: the map's mode, unless the group's table
-/// was altered to another.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum ReplicationMode {
-    /// Master–slave, strongly consistent: chain replication.
-    MsStrong,
-    /// Master–slave, eventually consistent: primary–backup.
-    MsEventual,
-    /// Active–active, eventually consistent: every member accepts writes,
-    /// last writer wins.
-    AaEventual,
-    /// Active–active, linearizable: every member proposes (CASPaxos per key).
-    AaStrong,
-}
-
-impl ReplicationMode {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::MsStrong => "ms+sc",
-            Self::MsEventual => "ms+ec",
-            Self::AaEventual => "aa+ec",
-            Self::AaStrong => "aa+sc",
-        }
-    }
-
-    /// The mode for a topology (`ms`, `aa`) and a consistency (`strong`,
-    /// `eventual`), as the command line names them.
-    pub fn parse(topology: &str, consistency: &str) -> Result<Self, String> {
-        match (topology, consistency) {
-            ("ms", "strong") => Ok(Self::MsStrong),
-            ("ms", "eventual") => Ok(Self::MsEventual),
-            ("aa", "eventual") => Ok(Self::AaEventual),
-            ("aa", "strong") => Ok(Self::AaStrong),
-            ("ms" | "aa", other) => Err(format!("unknown consistency {other:?}; choose strong or eventual")),
-            (other, _) => Err(format!("unknown topology {other:?}; choose ms or aa")),
-        }
-    }
-
-    /// The topology and consistency, as [`ReplicationMode::parse`] takes them.
-    pub fn parts(self) -> (&'static str, &'static str) {
-        match self {
-            Self::MsStrong => ("ms", "strong"),
-            Self::MsEventual => ("ms", "eventual"),
-            Self::AaEventual => ("aa", "eventual"),
-            Self::AaStrong => ("aa", "strong"),
-        }
-    }
-
-    /// Whether every member of a group accepts writes.
-    pub fn active_active(self) -> bool {
-        matches!(self, Self::AaEventual | Self::AaStrong)
-    }
-
-    /// Whether groups are quorum registers: strong operations go through the
-    /// protocol, not a head's copy.
-    pub fn quorum(self) -> bool {
-        matches!(self, Self::AaStrong)
-    }
-
-    /// Parses a mode's name (`ms+sc`, `ms+ec`, `aa+ec`, `aa+sc`).
-    pub fn from_name(name: &str) -> Option<Self> {
-        [Self::MsStrong, Self::MsEventual, Self::AaEventual, Self::AaStrong]
-            .into_iter()
-            .find(|mode| mode.name().eq_ignore_ascii_case(name))
-    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -170,11 +102,11 @@ pub struct Shard {
     pub incarnations: BTreeMap<u32, u64>,
     /// The group's mode when it is not the map's (its table was altered).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mode: Option<ReplicationMode>,
+    pub mode: Option<Mode>,
     /// During a transition: the mode the group is switching to (its view is
     /// draining until every member has the same records).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub next_mode: Option<ReplicationMode>,
+    pub next_mode: Option<Mode>,
 }
 
 impl Shard {
@@ -205,7 +137,8 @@ pub struct ClusterMap {
     /// Nodes started for another cluster are refused.
     pub cluster_id: String,
     pub epoch: u64,
-    pub mode: ReplicationMode,
+    /// Every group's mode unless its own says otherwise (a registry row).
+    pub mode: Mode,
     pub replicas: usize,
     pub nodes: Vec<NodeInfo>,
     pub shards: Vec<Shard>,
@@ -221,7 +154,7 @@ impl ClusterMap {
     /// split evenly.
     pub fn place(
         cluster_id: &str,
-        mode: ReplicationMode,
+        mode: Mode,
         replicas: usize,
         addresses: &[String],
         members: usize,
@@ -278,7 +211,7 @@ impl ClusterMap {
     }
 
     /// The mode a group runs now (the old one while it drains).
-    pub fn mode_of(&self, shard: &Shard) -> ReplicationMode {
+    pub fn mode_of(&self, shard: &Shard) -> Mode {
         shard.mode.unwrap_or(self.mode)
     }
 
@@ -286,13 +219,13 @@ impl ClusterMap {
     /// aa+sc)`.
     pub fn mode_label(&self, shard: &Shard) -> String {
         match shard.next_mode {
-            Some(next) => format!("{} (switching to {})", self.mode_of(shard).name(), next.name()),
-            None => self.mode_of(shard).name().to_string(),
+            Some(next) => format!("{} (switching to {})", self.mode_of(shard).label(), next.label()),
+            None => self.mode_of(shard).label().to_string(),
         }
     }
 
     /// Whether every group of `table` runs `mode`, none still switching.
-    pub fn table_runs(&self, table: &str, mode: ReplicationMode) -> bool {
+    pub fn table_runs(&self, table: &str, mode: Mode) -> bool {
         self.shards
             .iter()
             .filter(|shard| shard.table == table)
@@ -457,13 +390,30 @@ mod tests {
     use super::*;
     use tessera_wire::slot::key_slot;
 
+    fn chain() -> Mode {
+        Mode::named("chain").unwrap()
+    }
+
+    fn primary_backup() -> Mode {
+        Mode::named("primary-backup").unwrap()
+    }
+
+    #[test]
+    fn maps_stored_with_the_former_mode_names_still_load() {
+        let map = ClusterMap::place("c1", chain(), 1, &addresses(1), 1).unwrap();
+        let stored = map.to_json().replace("\"chain\"", "\"ms-strong\"");
+        assert!(stored.contains("ms-strong"));
+        assert_eq!(ClusterMap::from_json(&stored).unwrap(), map);
+        assert!(ClusterMap::from_json(&map.to_json().replace("\"chain\"", "\"ring\"")).is_err());
+    }
+
     fn addresses(count: usize) -> Vec<String> {
         (0..count).map(|index| format!("127.0.0.1:{}", 7000 + index)).collect()
     }
 
     #[test]
     fn placement_spreads_heads_and_slots() {
-        let map = ClusterMap::place("c1", ReplicationMode::MsStrong, 3, &addresses(7), 6).unwrap();
+        let map = ClusterMap::place("c1", chain(), 3, &addresses(7), 6).unwrap();
         assert_eq!(map.shards.len(), 6);
         let heads: BTreeSet<u32> = map.shards.iter().map(|shard| shard.members[0]).collect();
         assert_eq!(heads.len(), 6, "every member heads one shard");
@@ -484,14 +434,14 @@ mod tests {
     #[test]
     fn too_few_nodes_is_an_error() {
         assert_eq!(
-            ClusterMap::place("c", ReplicationMode::MsStrong, 3, &addresses(2), 2),
+            ClusterMap::place("c", chain(), 3, &addresses(2), 2),
             Err(MapError::TooFewNodes { nodes: 2, replicas: 3 })
         );
     }
 
     #[test]
     fn maps_round_trip_and_malformed_maps_are_refused() {
-        let map = ClusterMap::place("c1", ReplicationMode::MsEventual, 2, &addresses(3), 3).unwrap();
+        let map = ClusterMap::place("c1", primary_backup(), 2, &addresses(3), 3).unwrap();
         assert_eq!(ClusterMap::from_json(&map.to_json()).unwrap(), map);
         let mut gap = map.clone();
         gap.shards[1].slots = vec![(5461, 10000)];
@@ -511,7 +461,7 @@ mod tests {
 
     #[test]
     fn every_table_needs_every_slot_once() {
-        let mut map = ClusterMap::place("c1", ReplicationMode::MsStrong, 3, &addresses(3), 3).unwrap();
+        let mut map = ClusterMap::place("c1", chain(), 3, &addresses(3), 3).unwrap();
         map.tables.push(ClusterTable {
             name: "events".into(),
             prefix: "ev:".into(),
@@ -538,7 +488,7 @@ mod tests {
 
     #[test]
     fn a_range_partitioned_table_needs_every_range_once() {
-        let mut map = ClusterMap::place("c1", ReplicationMode::MsStrong, 3, &addresses(3), 3).unwrap();
+        let mut map = ClusterMap::place("c1", chain(), 3, &addresses(3), 3).unwrap();
         map.tables.push(ClusterTable {
             name: "events".into(),
             prefix: "ev:".into(),
@@ -586,7 +536,7 @@ mod tests {
 
     #[test]
     fn views_convert_both_ways() {
-        let mut map = ClusterMap::place("c1", ReplicationMode::MsStrong, 3, &addresses(3), 3).unwrap();
+        let mut map = ClusterMap::place("c1", chain(), 3, &addresses(3), 3).unwrap();
         let mut view = map.shards[0].view();
         view.number = 7;
         view.replicas.remove(1);

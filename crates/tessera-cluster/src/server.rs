@@ -20,14 +20,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use tessera_protocol::{NodeId, Progress};
+use tessera_protocol::{Mode, NodeId, Progress};
 use tessera_wire::{Limits, Parsed, Protocol as Resp, ReplyWriter, Request, RequestParser};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use crate::coordinator::{ClusterCoordinator, Timing};
-use crate::map::{ClusterMap, ClusterTable, MapError, ReplicationMode};
+use crate::map::{ClusterMap, ClusterTable, MapError};
 use crate::store::MetadataStore;
 
 /// The longest a `COORD.MAP` watch may wait.
@@ -324,7 +324,7 @@ fn heartbeat(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter)
             out.integer(i64::from(learner.0));
         }
         out.integer(i64::from(view.draining));
-        out.bulk(mode.name().as_bytes());
+        out.bulk(mode.name.as_bytes());
     }
     Ok(())
 }
@@ -378,7 +378,8 @@ async fn alter_table(
     mode: &str,
     out: &mut ReplyWriter,
 ) -> Result<(), String> {
-    let mode = ReplicationMode::from_name(mode)
+    let mode = Mode::named(mode)
+        .filter(|mode| mode.offered)
         .ok_or_else(|| format!("unknown mode {mode:?}; choose ms+sc, ms+ec, aa+sc or aa+ec"))?;
     change_map(state, |coordinator, now| coordinator.alter_table(table, mode, now).map(drop))?;
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -394,7 +395,7 @@ async fn alter_table(
         if Instant::now() >= deadline {
             return Err(format!(
                 "table {table} is still switching to {}; TABLE.INFO shows when it is done",
-                mode.name()
+                mode.label()
             ));
         }
         tokio::time::sleep(Duration::from_millis(10)).await;

@@ -100,11 +100,11 @@ impl MetadataStore for FileStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::map::ReplicationMode;
+    use tessera_protocol::Mode;
 
     fn map() -> ClusterMap {
         let addresses: Vec<String> = (0..3).map(|index| format!("127.0.0.1:{}", 7000 + index)).collect();
-        ClusterMap::place("c1", ReplicationMode::MsStrong, 3, &addresses, 3).unwrap()
+        ClusterMap::place("c1", Mode::named("chain").unwrap(), 3, &addresses, 3).unwrap()
     }
 
     #[test]

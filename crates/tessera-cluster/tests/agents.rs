@@ -7,9 +7,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tessera_cluster::agent::{Agent, AgentConfig, Role};
-use tessera_cluster::{ClusterMap, CoordinatorServer, FileStore, ReplicationMode, Timing};
+use tessera_cluster::agent::{Agent, AgentConfig};
+use tessera_cluster::{ClusterMap, CoordinatorServer, FileStore, Timing};
 use tessera_engine::{EngineKind, EngineSpec};
+use tessera_protocol::Role;
 use tessera_protocol::{read_visible, ClientReply, Consistency, Operation};
 
 const TIMING: Timing = Timing { lease_ms: 400, failure_timeout_ms: 600 };
@@ -38,7 +39,8 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
     let dir = tempfile::tempdir().unwrap();
     let peers: Vec<u16> = (0..3).map(|_| peer_port()).collect();
     let addresses: Vec<String> = peers.iter().map(|port| format!("127.0.0.1:{}", port - 10_000)).collect();
-    let map = ClusterMap::place("c1", ReplicationMode::MsStrong, 3, &addresses, 3).unwrap();
+    let map =
+        ClusterMap::place("c1", tessera_protocol::Mode::named("chain").unwrap(), 3, &addresses, 3).unwrap();
     let coordinator = CoordinatorServer::start(
         "127.0.0.1:0".parse().unwrap(),
         Box::new(FileStore::new(&dir.path().join("coordinator"))),

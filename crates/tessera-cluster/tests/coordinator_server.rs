@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use tessera_cluster::{ClusterMap, CoordinatorServer, FileStore, ReplicationMode, Timing};
+use tessera_cluster::{ClusterMap, CoordinatorServer, FileStore, Timing};
 use tessera_wire::{Client, Value};
 
 const TIMING: Timing = Timing { lease_ms: 300, failure_timeout_ms: 400 };
@@ -29,7 +29,8 @@ fn map_of(client: &mut Client) -> ClusterMap {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serves_joins_heartbeats_and_a_watchable_map_and_resumes_after_a_restart() {
     let dir = tempfile::tempdir().unwrap();
-    let map = ClusterMap::place("c1", ReplicationMode::MsStrong, 3, &addresses(4), 3).unwrap();
+    let map = ClusterMap::place("c1", tessera_protocol::Mode::named("chain").unwrap(), 3, &addresses(4), 3)
+        .unwrap();
     let server = CoordinatorServer::start(
         "127.0.0.1:0".parse().unwrap(),
         Box::new(FileStore::new(dir.path())),
@@ -96,7 +97,8 @@ async fn serves_joins_heartbeats_and_a_watchable_map_and_resumes_after_a_restart
     .unwrap();
     assert!(resumed.map().epoch >= changed.epoch);
     assert_eq!(resumed.map().shards, with_learner.shards);
-    let other = ClusterMap::place("c2", ReplicationMode::MsStrong, 3, &addresses(3), 3).unwrap();
+    let other = ClusterMap::place("c2", tessera_protocol::Mode::named("chain").unwrap(), 3, &addresses(3), 3)
+        .unwrap();
     let refused = CoordinatorServer::start(
         "127.0.0.1:0".parse().unwrap(),
         Box::new(FileStore::new(dir.path())),

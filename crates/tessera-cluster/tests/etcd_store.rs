@@ -4,12 +4,12 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use tessera_cluster::store::{MetadataStore, StoreError};
-use tessera_cluster::{ClusterMap, CoordinatorServer, Etcd, EtcdStore, ReplicationMode, Timing};
+use tessera_cluster::{ClusterMap, CoordinatorServer, Etcd, EtcdStore, Timing};
 use tessera_testkit::EtcdServer;
 
 fn map(cluster_id: &str) -> ClusterMap {
     let addresses: Vec<String> = (0..3).map(|index| format!("127.0.0.1:{}", 7000 + index)).collect();
-    ClusterMap::place(cluster_id, ReplicationMode::MsStrong, 3, &addresses, 3).unwrap()
+    ClusterMap::place(cluster_id, tessera_protocol::Mode::named("chain").unwrap(), 3, &addresses, 3).unwrap()
 }
 
 fn store(etcd: &EtcdServer, cluster_id: &str) -> EtcdStore {

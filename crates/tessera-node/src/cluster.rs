@@ -16,12 +16,12 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use parking_lot::Mutex;
-use tessera_cluster::agent::{Agent, AgentConfig, Completion, Refusal, Role, Routing};
+use tessera_cluster::agent::{Agent, AgentConfig, Completion, Routing};
 use tessera_cluster::capture::CapturingView;
 use tessera_cluster::map::{range_index, Shard};
-use tessera_cluster::{ClusterMap, ReplicationMode, DEFAULT_TABLE};
+use tessera_cluster::{ClusterMap, DEFAULT_TABLE};
 use tessera_engine::{Engine, EngineKind, EngineSpec, KeyRange, ScanCursor};
-use tessera_protocol::Operation;
+use tessera_protocol::{Mode, Operation, Refusal, Role};
 use tessera_wire::prefix::{escape_prefix, unescape_prefix};
 use tessera_wire::slot::key_slot;
 use tessera_wire::{encode_command, parse_value, skip_value, ReplyWriter, Request, Value};
@@ -62,9 +62,10 @@ const TRANSITION_WAIT: Duration = Duration::from_secs(10);
 pub enum Placement {
     /// Not about keys (PING, INFO, CLUSTER ...): this node answers.
     Local,
-    /// This node serves it from shard `shard`; a strong read first waits for
-    /// `barrier` (the head's first write in its view) to commit.
-    Shard { shard: u32, barrier: Option<Completion> },
+    /// This node serves it from shard `shard`, whose engine is `engine`; a
+    /// strong read's answer first waits for `barrier` (the head's first
+    /// write in its view) to commit.
+    Shard { shard: u32, engine: Arc<dyn Engine>, barrier: Option<Completion> },
     /// A strong request on a quorum group (AA+SC) this node is a member of:
     /// it runs through the protocol, not on this node's copy.
     Quorum { shard: u32 },
@@ -170,21 +171,25 @@ impl ClusterNode {
                 "CROSSSLOT Keys in request don't hash to the same slot (or belong to different tables)".into()
             });
         }
-        let checked = if write {
-            self.agent.check_write(shard).map(|()| None)
-        } else {
-            self.agent.check_read(shard, strong)
+        let group = self.agent.snapshot(shard);
+        let checked = match &group {
+            None => Err(Refusal::NotOwner),
+            Some(group) if write => group.write.map(|()| None),
+            Some(group) if strong => group.strong_read.clone(),
+            Some(group) => group.eventual_read.map(|()| None),
         };
-        match checked {
-            Ok(_) if strong && self.agent.mode(shard).is_some_and(ReplicationMode::quorum) => {
-                Placement::Quorum { shard }
-            }
-            Ok(barrier) => Placement::Shard { shard, barrier },
-            Err(Refusal::Draining) => Placement::Draining { shard },
-            Err(Refusal::LeaseExpired) => {
+        match (checked, group) {
+            (Ok(_), Some(group)) if strong && group.mode.quorum => Placement::Quorum { shard },
+            (Ok(barrier), Some(group)) => Placement::Shard { shard, engine: group.engine, barrier },
+            (Ok(_), None) => unreachable!("a group that is not here refuses"),
+            (Err(Refusal::Draining), _) => Placement::Draining { shard },
+            (Err(Refusal::LeaseExpired), _) => {
                 Placement::Refused("TRYAGAIN the shard's lease is being renewed".into())
             }
-            Err(Refusal::NotOwner) => match routing.head_address(shard) {
+            (Err(Refusal::Unsettled), _) => {
+                Placement::Refused("TRYAGAIN the shard's new head has not settled yet".into())
+            }
+            (Err(Refusal::NotOwner), _) => match routing.head_address(shard) {
                 Some(address) if address != self.address => {
                     // Cluster clients route by slot to the default table's
                     // head; if that is this node, another table's group has a
@@ -270,14 +275,14 @@ impl ClusterNode {
             return Err(CommandError::Other(format!("no such table '{table}'")));
         };
         let (current_topology, current_consistency) = current.parts();
-        let mode = ReplicationMode::parse(
+        let mode = Mode::for_table(
             topology.as_deref().unwrap_or(current_topology),
             consistency.as_deref().unwrap_or(current_consistency),
         )
         .map_err(CommandError::Other)?;
         let answer = self
             .agent
-            .ask_coordinator(&[b"COORD.TABLE-ALTER", table.as_bytes(), mode.name().as_bytes()])
+            .ask_coordinator(&[b"COORD.TABLE-ALTER", table.as_bytes(), mode.name.as_bytes()])
             .await
             .map_err(|error| CommandError::Coded(format!("TRYAGAIN {error}")))?;
         if let Value::Error(message) = answer {
@@ -355,19 +360,21 @@ impl ClusterNode {
         forwarder: &mut Forwarder,
     ) -> CommandResult<Vec<Bytes>> {
         let retry = |why: String| CommandError::Coded(format!("TRYAGAIN {why}"));
-        let mut checked = self.agent.check_read(shard, true);
+        let strong_read = || {
+            let group = self.agent.snapshot(shard).ok_or(Refusal::NotOwner)?;
+            group.strong_read.map(|barrier| (barrier, group.engine))
+        };
+        let mut checked = strong_read();
         if matches!(checked, Err(Refusal::Draining)) {
             self.agent.wait_while_draining(shard, TRANSITION_WAIT).await;
-            checked = self.agent.check_read(shard, true);
+            checked = strong_read();
         }
         match checked {
             Err(Refusal::Draining) => Err(retry("the group is still switching modes".into())),
-            Ok(barrier) => {
+            Ok((barrier, engine)) => {
                 if let Some(barrier) = barrier {
                     barrier.wait().await.map_err(retry)?;
                 }
-                let engine =
-                    self.agent.engine(shard).ok_or_else(|| retry("the group is being opened".into()))?;
                 let keys = ordered_keys(&CapturingView::new(engine), part, limit, now_ms)?;
                 let in_flight: Vec<Completion> = self
                     .in_flight
@@ -382,6 +389,7 @@ impl ClusterNode {
                 Ok(keys)
             }
             Err(Refusal::LeaseExpired) => Err(retry("the group's lease is being renewed".into())),
+            Err(Refusal::Unsettled) => Err(retry("the group's new head has not settled yet".into())),
             Err(Refusal::NotOwner) => {
                 let address = routing
                     .head_address(shard)
@@ -418,7 +426,10 @@ impl ClusterNode {
     pub fn strong_reads(&self) -> bool {
         self.agent.routing().is_some_and(|routing| {
             let map = &routing.map;
-            map.shards.iter().all(|shard| map.mode_of(shard) != ReplicationMode::AaEventual)
+            map.shards.iter().all(|shard| {
+                let mode = map.mode_of(shard);
+                mode.strong || !mode.active_active
+            })
         })
     }
 

@@ -366,14 +366,10 @@ async fn serve_in_cluster(
             run_on_quorum(cluster, context, request, &keys, shard, write).await;
             None
         }
-        Placement::Shard { shard, barrier } => {
+        Placement::Shard { shard, engine, barrier } => {
             if write {
                 cluster.agent.wait_for_room().await;
             }
-            let Some(engine) = cluster.agent.engine(shard) else {
-                context.out.error("TRYAGAIN the shard is being opened");
-                return None;
-            };
             let start = context.out.len();
             level_header(context.out);
             let mut waits: Vec<Completion> = barrier.into_iter().collect();

@@ -154,6 +154,21 @@ impl std::fmt::Display for Mode {
     }
 }
 
+/// Stored by name; read back from a name, a label or a former name.
+impl serde::Serialize for Mode {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.name)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Mode {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(deserializer)?;
+        Mode::named(&name)
+            .ok_or_else(|| serde::de::Error::custom(format!("unknown replication mode {name:?}")))
+    }
+}
+
 /// Names the cluster map used before modes were registry rows.
 const FORMER_NAMES: &[(&str, &str)] = &[
     ("ms-strong", "chain"),

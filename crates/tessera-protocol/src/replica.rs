@@ -181,6 +181,14 @@ impl Replica {
         })
     }
 
+    /// The barrier this head ordered, while it has not committed.
+    pub fn barrier_pending(&self) -> Option<RequestId> {
+        match self.barrier {
+            Some(BarrierState::Pending(request)) => Some(request),
+            _ => None,
+        }
+    }
+
     /// Whether this replica may order writes now: the first member, or in
     /// an active–active mode any member; not while the group drains.
     pub fn check_write(&self) -> Result<(), Refusal> {

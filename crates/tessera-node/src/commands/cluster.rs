@@ -210,7 +210,7 @@ fn info(map: &ClusterMap, me: u32) -> String {
         // The default table's, whose groups cluster clients see.
         format!(
             "tessera_mode:{}",
-            map.slot_shards().next().map_or(map.mode, |shard| map.mode_of(shard)).name()
+            map.slot_shards().next().map_or(map.mode, |shard| map.mode_of(shard)).label()
         ),
         format!("tessera_replicas:{}", map.replicas),
     ]
@@ -236,11 +236,10 @@ fn connection_mode(context: &mut Context, request: &Request) -> CommandResult {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tessera_cluster::ReplicationMode;
 
     fn map() -> ClusterMap {
         let addresses: Vec<String> = (0..4).map(|index| format!("127.0.0.1:{}", 7000 + index)).collect();
-        ClusterMap::place("c1", ReplicationMode::MsStrong, 2, &addresses, 3).unwrap()
+        ClusterMap::place("c1", tessera_protocol::Mode::named("chain").unwrap(), 2, &addresses, 3).unwrap()
     }
 
     #[test]
