@@ -75,8 +75,12 @@ pub struct ProtocolSpec {
     /// The family its messages carry; unique per protocol.
     pub family: Family,
     admission: fn(replicas: usize) -> Admission,
-    build: fn(NodeId, Arc<dyn Engine>, Start, &Tuning) -> Box<dyn Protocol>,
+    build: Constructor,
 }
+
+/// Makes an instance for replica `me` over its group's engine.
+type Constructor =
+    fn(me: NodeId, engine: Arc<dyn Engine>, start: Start, tuning: &Tuning) -> Box<dyn Protocol>;
 
 impl ProtocolSpec {
     /// How a node outside the view joins a group of `replicas` replicas.
