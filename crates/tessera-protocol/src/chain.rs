@@ -299,7 +299,7 @@ impl ChainReplication {
 
     /// Applies write `seq` to the engine; the caller checked it is the next one.
     fn apply(&mut self, seq: u64, origin: NodeId, key: &Bytes, write: &Write) -> Result<(), String> {
-        debug_assert_eq!(seq, self.applied + 1);
+        assert_eq!(seq, self.applied + 1, "writes are applied in number order");
         let result = match write {
             Write::Put(value) => {
                 self.engine.put(key, Record::value(Version(seq), origin, value.clone()).encode()).map(drop)
@@ -360,6 +360,10 @@ impl ChainReplication {
     /// Writes up to `seq` are committed: answer waiting clients and tell the
     /// predecessor.
     fn acknowledge(&mut self, seq: u64, fx: &mut Effects) {
+        // Chain replication (van Renesse and Schneider, section 3): a write is
+        // answered only once every replica downstream, the tail last, has it;
+        // so never beyond what this replica applied itself.
+        assert!(seq <= self.applied, "acknowledging write {seq} with only {} applied", self.applied);
         if seq <= self.acked {
             return;
         }
@@ -623,6 +627,11 @@ impl Protocol for ChainReplication {
         match message {
             ChainMessage::Forward { seq, origin, key, write, .. } => {
                 self.on_forward(from, seq, origin, key, write, fx)
+            }
+            ChainMessage::Ack { seq, .. } if seq > self.applied => {
+                // Nothing downstream can hold a write this replica has not
+                // applied and sent: a confused or forged peer.
+                tracing::warn!(replica = %self.me, %from, seq, applied = self.applied, "dropped an acknowledgement of unsent writes");
             }
             ChainMessage::Ack { seq, .. } => {
                 if Some(from) == self.successor() {

@@ -299,7 +299,11 @@ impl Replica {
     }
 
     pub fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) -> Heard {
-        assert_ne!(from, self.config.me, "a replica does not message itself");
+        if from == self.config.me {
+            // The sender's id is the peer's own claim: nothing to assert on.
+            tracing::warn!(replica = %self.config.me, "dropped a peer message claiming to come from this replica");
+            return Heard::default();
+        }
         let transition_view = (message.family() == <TransitionMessage as crate::Message>::FAMILY)
             .then(|| message.open::<TransitionMessage>().and_then(Result::ok).map(|message| message.view()))
             .flatten();

@@ -636,7 +636,18 @@ impl Simulation {
     }
 }
 
-/// Runs one seed.
+/// Runs one seed. A broken assertion in a protocol or the driver fails the
+/// run loudly as a violation that names the seed, like any checker's.
 pub fn run(seed: u64, config: &SimConfig) -> Report {
-    Simulation::new(seed, config.clone()).run()
+    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        Simulation::new(seed, config.clone()).run()
+    }));
+    run.unwrap_or_else(|panic| {
+        let message = panic
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| panic.downcast_ref::<&str>().copied())
+            .unwrap_or("a panic without a message");
+        Report { seed, violations: vec![format!("assertion: {message} (seed {seed})")], ..Report::default() }
+    })
 }
