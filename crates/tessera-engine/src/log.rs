@@ -278,6 +278,8 @@ fn open_segment_file(path: &Path) -> io::Result<File> {
 }
 
 impl LogEngine {
+    pub const CAPABILITIES: Capabilities = Capabilities { ordered: false, persistent: true };
+
     /// Opens (or creates) the log in `dir`, replaying every segment.
     pub fn open(dir: impl AsRef<Path>, options: LogOptions) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
@@ -568,7 +570,7 @@ impl Engine for LogEngine {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { ordered: false, persistent: true }
+        Self::CAPABILITIES
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Bytes>> {

@@ -48,6 +48,8 @@ fn to_bytes(slice: fjall::Slice) -> Bytes {
 }
 
 impl LsmEngine {
+    pub const CAPABILITIES: Capabilities = Capabilities { ordered: true, persistent: true };
+
     pub fn open(dir: impl AsRef<Path>, fsync: FsyncPolicy) -> Result<Self> {
         std::fs::create_dir_all(dir.as_ref())?;
         let database = Database::builder(dir.as_ref()).open().map_err(lsm_error)?;
@@ -117,7 +119,7 @@ impl Engine for LsmEngine {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { ordered: true, persistent: true }
+        Self::CAPABILITIES
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Bytes>> {

@@ -55,6 +55,8 @@ impl Default for MemoryEngine {
 }
 
 impl MemoryEngine {
+    pub const CAPABILITIES: Capabilities = Capabilities { ordered: false, persistent: false };
+
     pub fn new() -> Self {
         Self { map: ShardedMap::new() }
     }
@@ -66,7 +68,7 @@ impl Engine for MemoryEngine {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { ordered: false, persistent: false }
+        Self::CAPABILITIES
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Bytes>> {

@@ -14,6 +14,8 @@ pub struct OrderedEngine {
 }
 
 impl OrderedEngine {
+    pub const CAPABILITIES: Capabilities = Capabilities { ordered: true, persistent: false };
+
     pub fn new() -> Self {
         Self::default()
     }
@@ -57,7 +59,7 @@ impl Engine for OrderedEngine {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { ordered: true, persistent: false }
+        Self::CAPABILITIES
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Bytes>> {

@@ -64,6 +64,8 @@ fn bulk_or_nil(value: Value) -> Result<Option<Bytes>> {
 }
 
 impl RedisEngine {
+    pub const CAPABILITIES: Capabilities = Capabilities { ordered: false, persistent: true };
+
     /// Connects once to check that the server is there and the options work.
     pub fn open(options: RedisOptions) -> Result<Self> {
         let engine = Self { options, idle: Mutex::new(Vec::new()) };
@@ -123,7 +125,7 @@ impl Engine for RedisEngine {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { ordered: false, persistent: true }
+        Self::CAPABILITIES
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Bytes>> {

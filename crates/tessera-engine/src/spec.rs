@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::{
-    Engine, EngineError, FsyncPolicy, LogEngine, LogOptions, LsmEngine, MemoryEngine, OrderedEngine,
+    Capabilities, Engine, EngineError, FsyncPolicy, LogEngine, LogOptions, LsmEngine, MemoryEngine,
+    OrderedEngine,
 };
 use crate::{RedisEngine, RedisOptions, Result};
 
@@ -30,6 +31,18 @@ impl EngineKind {
             Self::Log => "log",
             Self::Lsm => "lsm",
             Self::Redis => "redis",
+        }
+    }
+
+    /// What an engine of this kind can do, known before one is opened (a
+    /// node decides from it whether its state outlives a restart).
+    pub fn capabilities(self) -> Capabilities {
+        match self {
+            Self::Memory => MemoryEngine::CAPABILITIES,
+            Self::Ordered => OrderedEngine::CAPABILITIES,
+            Self::Log => LogEngine::CAPABILITIES,
+            Self::Lsm => LsmEngine::CAPABILITIES,
+            Self::Redis => RedisEngine::CAPABILITIES,
         }
     }
 

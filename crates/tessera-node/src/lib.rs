@@ -12,6 +12,7 @@ pub mod config;
 pub mod connection;
 pub mod error;
 pub mod glob;
+pub mod membership;
 pub mod server;
 pub mod store;
 pub mod tables;

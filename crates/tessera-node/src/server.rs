@@ -88,25 +88,28 @@ impl Server {
         for _ in 1..threads {
             listeners.push(listen(local_addr).map_err(bind_error)?);
         }
-        if store.config.cluster.is_some() {
-            store.join_cluster(ClusterNode::start(&store.config, local_addr).map_err(ServerError::Cluster)?);
-        }
+        let cluster = match store.config.cluster {
+            Some(_) => {
+                Some(Arc::new(ClusterNode::start(&store.config, local_addr).map_err(ServerError::Cluster)?))
+            }
+            None => None,
+        };
         let (stop, stopping) = watch::channel(false);
         let mut workers = Vec::with_capacity(threads);
         for (index, listener) in listeners.into_iter().enumerate() {
-            let (store, stopping) = (store.clone(), stopping.clone());
+            let (store, cluster, stopping) = (store.clone(), cluster.clone(), stopping.clone());
             let worker = thread::Builder::new()
                 .name(format!("tessera-worker-{index}"))
-                .spawn(move || run_worker(store, listener, stopping))
+                .spawn(move || run_worker(store, cluster, listener, stopping))
                 .map_err(ServerError::Thread)?;
             workers.push(worker);
         }
         let sweeper_stop = Arc::new(AtomicBool::new(false));
         let sweeper = {
-            let (store, stop) = (store.clone(), sweeper_stop.clone());
+            let (store, cluster, stop) = (store.clone(), cluster.clone(), sweeper_stop.clone());
             thread::Builder::new()
                 .name("tessera-expiry".into())
-                .spawn(move || sweep_expired(store, stop))
+                .spawn(move || sweep_expired(store, cluster, stop))
                 .map_err(ServerError::Thread)?
         };
         Ok(Self { store, local_addr, stop, workers, sweeper_stop, sweeper: Some(sweeper) })
@@ -138,7 +141,12 @@ impl Server {
     }
 }
 
-fn run_worker(store: Arc<Store>, listener: std::net::TcpListener, stopping: watch::Receiver<bool>) {
+fn run_worker(
+    store: Arc<Store>,
+    cluster: Option<Arc<ClusterNode>>,
+    listener: std::net::TcpListener,
+    stopping: watch::Receiver<bool>,
+) {
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {
@@ -154,11 +162,16 @@ fn run_worker(store: Arc<Store>, listener: std::net::TcpListener, stopping: watc
                 return;
             }
         };
-        serve(store, listener, stopping).await;
+        serve(store, cluster, listener, stopping).await;
     });
 }
 
-async fn serve(store: Arc<Store>, listener: TcpListener, mut stopping: watch::Receiver<bool>) {
+async fn serve(
+    store: Arc<Store>,
+    cluster: Option<Arc<ClusterNode>>,
+    listener: TcpListener,
+    mut stopping: watch::Receiver<bool>,
+) {
     let worker_stats = store.new_worker_stats();
     let mut connections = JoinSet::new();
     loop {
@@ -186,7 +199,7 @@ async fn serve(store: Arc<Store>, listener: TcpListener, mut stopping: watch::Re
             tokio::spawn(reject(stream));
             continue;
         }
-        let connection = Connection::new(store.clone(), worker_stats.clone(), stream);
+        let connection = Connection::new(store.clone(), cluster.clone(), worker_stats.clone(), stream);
         let (store, stopping) = (store.clone(), stopping.clone());
         connections.spawn(async move {
             connection.run(stopping).await;
@@ -215,12 +228,12 @@ async fn reject(mut stream: TcpStream) {
     let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
 }
 
-fn sweep_expired(store: Arc<Store>, stop: Arc<AtomicBool>) {
+fn sweep_expired(store: Arc<Store>, cluster: Option<Arc<ClusterNode>>, stop: Arc<AtomicBool>) {
     let interval = Duration::from_millis(store.config.expiry_sweep_interval_ms);
     while !stop.load(Ordering::Relaxed) {
         thread::sleep(interval);
         store.sweep_expired(store.config.expiry_sweep_entries);
-        if let Some(cluster) = store.cluster() {
+        if let Some(cluster) = &cluster {
             cluster.purge_finished();
         }
     }

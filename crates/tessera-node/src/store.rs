@@ -8,17 +8,16 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::{Mutex, MutexGuard, RwLock};
-use tessera_engine::{Engine, ScanCursor};
+use tessera_engine::{reserved, Engine, ScanCursor};
 
-use crate::cluster::ClusterNode;
 use crate::config::Config;
-use crate::error::{CommandError, CommandResult};
+use crate::error::CommandResult;
 use crate::tables::{Catalogue, Table, TableDef, TableError, TableSet};
-use crate::typed::{self, Kind, Stored};
+use crate::typed::Stored;
 use crate::zset;
 
 const LOCK_STRIPES: usize = 1024;
@@ -83,8 +82,6 @@ pub struct Store {
     worker_stats: Mutex<Vec<Arc<WorkerStats>>>,
     pub started: Instant,
     pub next_client_id: AtomicU64,
-    /// Set once, at start, on a node that is a member of a cluster.
-    cluster: OnceLock<ClusterNode>,
 }
 
 pub fn now_ms() -> u64 {
@@ -108,19 +105,7 @@ impl Store {
             worker_stats: Mutex::new(Vec::new()),
             started: Instant::now(),
             next_client_id: AtomicU64::new(1),
-            cluster: OnceLock::new(),
         })
-    }
-
-    /// The node's part in a cluster, if it is a member of one.
-    pub fn cluster(&self) -> Option<&ClusterNode> {
-        self.cluster.get()
-    }
-
-    pub fn join_cluster(&self, node: ClusterNode) {
-        if self.cluster.set(node).is_err() {
-            tracing::error!("the node joined a cluster twice");
-        }
     }
 
     /// Registers a worker thread's counters.
@@ -228,7 +213,7 @@ impl Store {
                 }
             };
             for (key, raw) in page.entries {
-                if zset::is_reserved(&key) {
+                if reserved::is_reserved(&key) {
                     self.remove_if_orphan(table, &key, now);
                 } else if Stored::decode(raw).is_ok_and(|stored| stored.is_expired(now)) {
                     let _lock = self.lock_key(&key);
@@ -266,36 +251,4 @@ impl Store {
             _ => Ok(false),
         }
     }
-}
-
-/// Reads a live (unexpired) value.
-pub fn read_live(engine: &dyn Engine, key: &[u8], now: u64) -> CommandResult<Option<Stored>> {
-    match engine.get(key)? {
-        Some(raw) => {
-            let stored = Stored::decode(raw)?;
-            Ok((!stored.is_expired(now)).then_some(stored))
-        }
-        None => Ok(None),
-    }
-}
-
-/// Reads a live value of the given kind: `WRONGTYPE` for another kind.
-pub fn read_kind(engine: &dyn Engine, key: &[u8], kind: Kind, now: u64) -> CommandResult<Option<Stored>> {
-    read_live(engine, key, now)?.map(|stored| stored.expect(kind)).transpose()
-}
-
-/// Writes a value, checking the size limit.
-pub fn write(
-    engine: &dyn Engine,
-    key: &[u8],
-    kind: Kind,
-    expires_at_ms: Option<u64>,
-    payload: &[u8],
-    bytes_max: usize,
-) -> CommandResult<()> {
-    if payload.len() > bytes_max {
-        return Err(CommandError::TooLarge);
-    }
-    engine.put(key, typed::encode(kind, expires_at_ms, payload))?;
-    Ok(())
 }

@@ -64,7 +64,7 @@ pub struct Table {
     pub prefix: Bytes,
     pub spec: EngineSpec,
     pub engine: Arc<dyn Engine>,
-    /// Entries under [`crate::zset::RESERVED_PREFIX`], which DBSIZE leaves out.
+    /// Entries under the reserved key space ([`tessera_engine::reserved`]), which DBSIZE leaves out.
     pub reserved_entries: AtomicU64,
 }
 

@@ -11,6 +11,7 @@
 //! A sorted set's payload points to entries of its own ([`crate::zset`]).
 
 use bytes::{BufMut, Bytes, BytesMut};
+use tessera_engine::Engine;
 
 use crate::error::{CommandError, CommandResult};
 
@@ -206,6 +207,38 @@ pub fn parse_i64(text: &[u8]) -> CommandResult<i64> {
         return Err(CommandError::NotInteger);
     }
     std::str::from_utf8(text).ok().and_then(|text| text.parse().ok()).ok_or(CommandError::NotInteger)
+}
+
+/// Reads a live (unexpired) value.
+pub fn read_live(engine: &dyn Engine, key: &[u8], now: u64) -> CommandResult<Option<Stored>> {
+    match engine.get(key)? {
+        Some(raw) => {
+            let stored = Stored::decode(raw)?;
+            Ok((!stored.is_expired(now)).then_some(stored))
+        }
+        None => Ok(None),
+    }
+}
+
+/// Reads a live value of the given kind: `WRONGTYPE` for another kind.
+pub fn read_kind(engine: &dyn Engine, key: &[u8], kind: Kind, now: u64) -> CommandResult<Option<Stored>> {
+    read_live(engine, key, now)?.map(|stored| stored.expect(kind)).transpose()
+}
+
+/// Writes a value, checking the size limit.
+pub fn write(
+    engine: &dyn Engine,
+    key: &[u8],
+    kind: Kind,
+    expires_at_ms: Option<u64>,
+    payload: &[u8],
+    bytes_max: usize,
+) -> CommandResult<()> {
+    if payload.len() > bytes_max {
+        return Err(CommandError::TooLarge);
+    }
+    engine.put(key, encode(kind, expires_at_ms, payload))?;
+    Ok(())
 }
 
 #[cfg(test)]

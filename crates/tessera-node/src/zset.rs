@@ -12,8 +12,9 @@
 //! R | key_len u32 | key | id | 'w'   intent: every write of a change in progress
 //! ```
 //!
-//! `R` is [`RESERVED_PREFIX`]: keys under it are Tessera's own, refused from
-//! clients and hidden from SCAN, KEYS and DBSIZE. The entries live in the
+//! `R` is the reserved key space's prefix ([`tessera_engine::reserved`]): keys
+//! under it are Tessera's own, refused from clients and hidden from SCAN, KEYS
+//! and DBSIZE. The entries live in the
 //! engine of the table that owns `key`. Each set has a random id, so a key that
 //! is deleted, overwritten or expires as a whole needs no clean-up on the spot:
 //! its entries stop matching the key's value and the expiry sweep removes them
@@ -26,14 +27,11 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 
 use bytes::{BufMut, Bytes, BytesMut};
-use tessera_engine::{Engine, KeyRange, ScanCursor};
+use tessera_engine::{reserved, Engine, ScanCursor};
 
 use crate::error::{CommandError, CommandResult};
-use crate::store::read_kind;
+use crate::typed::read_kind;
 use crate::typed::{self, Kind};
-
-/// Keys that start with these bytes belong to Tessera, not to clients.
-pub const RESERVED_PREFIX: &[u8] = b"\xff\xff#";
 
 /// Entries per page; a page that grows past it splits in two.
 const PAGE_MAX: usize = 128;
@@ -42,17 +40,6 @@ const DIRECTORY: u8 = b'd';
 const PAGE: u8 = b'p';
 const MEMBER: u8 = b'm';
 const INTENT: u8 = b'w';
-
-pub fn is_reserved(key: &[u8]) -> bool {
-    key.starts_with(RESERVED_PREFIX)
-}
-
-/// The range of every reserved key.
-pub fn reserved_range() -> KeyRange {
-    let mut end = RESERVED_PREFIX.to_vec();
-    *end.last_mut().expect("non-empty") += 1;
-    KeyRange { start: Some(Bytes::from_static(RESERVED_PREFIX)), end: Some(end.into()) }
-}
 
 fn corrupt() -> CommandError {
     CommandError::Other("stored sorted set is corrupt".into())
@@ -139,23 +126,18 @@ impl Meta {
 }
 
 fn entry_key(key: &[u8], id: u64, tag: u8, suffix: &[u8]) -> Bytes {
-    let mut out = BytesMut::with_capacity(RESERVED_PREFIX.len() + 13 + key.len() + suffix.len());
-    out.put_slice(RESERVED_PREFIX);
-    out.put_u32(key.len() as u32);
-    out.put_slice(key);
-    out.put_u64(id);
-    out.put_u8(tag);
-    out.put_slice(suffix);
-    out.freeze()
+    let mut after = Vec::with_capacity(9 + suffix.len());
+    after.extend_from_slice(&id.to_be_bytes());
+    after.push(tag);
+    after.extend_from_slice(suffix);
+    Bytes::from(reserved::owned(key, &after))
 }
 
 /// Splits a reserved key into (set key, set id, tag).
 fn parse_entry_key(raw: &[u8]) -> Option<(&[u8], u64, u8)> {
-    let rest = raw.strip_prefix(RESERVED_PREFIX)?;
-    let key_len = u32::from_be_bytes(rest.get(..4)?.try_into().ok()?) as usize;
-    let key = rest.get(4..4 + key_len)?;
-    let id = u64::from_be_bytes(rest.get(4 + key_len..12 + key_len)?.try_into().ok()?);
-    let tag = *rest.get(12 + key_len)?;
+    let (key, rest) = reserved::owner(raw)?;
+    let id = u64::from_be_bytes(rest.get(..8)?.try_into().ok()?);
+    let tag = *rest.get(8)?;
     Some((key, id, tag))
 }
 
@@ -803,7 +785,7 @@ pub fn recover(engine: &dyn Engine) -> CommandResult<u64> {
 }
 
 fn for_each_reserved(engine: &dyn Engine, mut visit: impl FnMut(&[u8], &Bytes)) -> CommandResult<()> {
-    let range = reserved_range();
+    let range = reserved::range();
     let mut cursor = ScanCursor::start();
     loop {
         let page = engine.scan(&range, &cursor, 1024)?;
@@ -869,7 +851,7 @@ mod tests {
     #[test]
     fn reserved_keys_parse_back() {
         let key = entry_key(b"index", 42, PAGE, &7u64.to_be_bytes());
-        assert!(is_reserved(&key) && reserved_range().contains(&key));
+        assert!(reserved::is_reserved(&key) && reserved::range().contains(&key));
         assert_eq!(parse_entry_key(&key), Some((&b"index"[..], 42, PAGE)));
         assert_eq!(parse_entry_key(b"\xff\xff#\x00\x00"), None);
     }

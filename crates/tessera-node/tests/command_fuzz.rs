@@ -87,6 +87,7 @@ fn run(
         session,
         out: &mut out,
         stats,
+        cluster: None,
         now_ms: now_ms(),
         engine_override: None,
         locks_held: false,

@@ -12,23 +12,20 @@ use tessera_cluster::ClusterMap;
 use tessera_wire::slot::key_slot;
 use tessera_wire::Request;
 
-use super::{is, CommandSpec, Context};
-use crate::cluster::ClusterNode;
+use super::{is, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
+use crate::membership::Membership;
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
-    CommandSpec { name: "cluster", arity: -2, flags: &[], first_key: 0, last_key: 0, step: 0, handler: cluster },
-    CommandSpec { name: "readonly", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, handler: connection_mode },
-    CommandSpec { name: "readwrite", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, handler: connection_mode },
-    CommandSpec { name: "asking", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, handler: connection_mode },
+    CommandSpec { name: "cluster", arity: -2, flags: &[], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: cluster },
+    CommandSpec { name: "readonly", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: connection_mode },
+    CommandSpec { name: "readwrite", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: connection_mode },
+    CommandSpec { name: "asking", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: connection_mode },
 ];
 
-fn member_of_cluster<'a>(context: &Context<'a>) -> CommandResult<&'a ClusterNode> {
-    context
-        .store
-        .cluster()
-        .ok_or_else(|| CommandError::Other("This instance has cluster support disabled".into()))
+fn member_of_cluster<'a>(context: &Context<'a>) -> CommandResult<&'a Membership> {
+    context.cluster.ok_or_else(|| CommandError::Other("This instance has cluster support disabled".into()))
 }
 
 /// A node's 40-character name, as Redis Cluster clients expect one.

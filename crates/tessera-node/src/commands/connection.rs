@@ -3,19 +3,19 @@
 use bytes::Bytes;
 use tessera_wire::{Protocol, Request};
 
-use super::{integer_arg, is, CommandSpec, Context};
+use super::{integer_arg, is, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 use crate::REDIS_COMPATIBLE_VERSION;
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
-    CommandSpec { name: "ping", arity: -1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, handler: ping },
-    CommandSpec { name: "echo", arity: 2, flags: &["fast"], first_key: 0, last_key: 0, step: 0, handler: echo },
-    CommandSpec { name: "hello", arity: -1, flags: &["noauth", "fast"], first_key: 0, last_key: 0, step: 0, handler: hello },
-    CommandSpec { name: "auth", arity: -2, flags: &["noauth", "fast"], first_key: 0, last_key: 0, step: 0, handler: auth },
-    CommandSpec { name: "select", arity: 2, flags: &["fast"], first_key: 0, last_key: 0, step: 0, handler: select },
-    CommandSpec { name: "quit", arity: -1, flags: &["noauth", "fast"], first_key: 0, last_key: 0, step: 0, handler: quit },
-    CommandSpec { name: "client", arity: -2, flags: &[], first_key: 0, last_key: 0, step: 0, handler: client },
+    CommandSpec { name: "ping", arity: -1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: ping },
+    CommandSpec { name: "echo", arity: 2, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: echo },
+    CommandSpec { name: "hello", arity: -1, flags: &["noauth", "fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: hello },
+    CommandSpec { name: "auth", arity: -2, flags: &["noauth", "fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: auth },
+    CommandSpec { name: "select", arity: 2, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: select },
+    CommandSpec { name: "quit", arity: -1, flags: &["noauth", "fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: quit },
+    CommandSpec { name: "client", arity: -2, flags: &[], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: client },
 ];
 
 fn ping(context: &mut Context, request: &Request) -> CommandResult {

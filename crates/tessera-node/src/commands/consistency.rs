@@ -9,14 +9,14 @@
 
 use tessera_wire::Request;
 
-use super::{dispatch, is, lookup, CommandSpec, Context};
-use crate::cluster::ClusterNode;
+use super::{dispatch, is, lookup, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
+use crate::membership::Membership;
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
-    CommandSpec { name: "consistency", arity: -1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, handler: consistency },
-    CommandSpec { name: "consistency.read", arity: -3, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, handler: read_at },
+    CommandSpec { name: "consistency", arity: -1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: consistency },
+    CommandSpec { name: "consistency.read", arity: -3, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, scope: Scope::WrappedRead, handler: read_at },
 ];
 
 const STRONG: &str = "strong";
@@ -58,7 +58,7 @@ pub fn wrapped_read<'a>(request: &Request<'a>) -> CommandResult<(&'static Comman
 
 /// The level a read asking for `strong` gets on a single node (`None`) or on
 /// a cluster node.
-pub fn level_got(cluster: Option<&ClusterNode>, strong: bool) -> &'static str {
+pub fn level_got(cluster: Option<&Membership>, strong: bool) -> &'static str {
     match cluster {
         None => STRONG,
         Some(node) if strong && node.strong_reads() => STRONG,
@@ -73,7 +73,7 @@ fn consistency(context: &mut Context, request: &Request) -> CommandResult {
     match request.len() {
         1 => {
             let asked = !context.session.readonly;
-            let got = level_got(context.store.cluster(), asked);
+            let got = level_got(context.cluster, asked);
             context.out.array(2);
             context.out.bulk(if asked { STRONG } else { EVENTUAL }.as_bytes());
             context.out.bulk(got.as_bytes());
@@ -93,7 +93,7 @@ fn consistency(context: &mut Context, request: &Request) -> CommandResult {
 fn read_at(context: &mut Context, request: &Request) -> CommandResult {
     let strong = parse_level(request.arg(1))?;
     let (_, inner) = wrapped_read(request)?;
-    let got = level_got(context.store.cluster(), strong);
+    let got = level_got(context.cluster, strong);
     context.out.array(2);
     context.out.bulk(got.as_bytes());
     dispatch(context, &inner);

@@ -4,26 +4,26 @@
 use bytes::Bytes;
 use tessera_wire::Request;
 
-use super::{wrong_arity, CommandSpec, Context};
+use super::{wrong_arity, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
-use crate::store::{read_kind, write};
 use crate::typed::{parse_i64, Hash, HashFields, Kind, Stored};
+use crate::typed::{read_kind, write};
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
-    CommandSpec { name: "hset", arity: -4, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: hset },
-    CommandSpec { name: "hmset", arity: -4, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: hmset },
-    CommandSpec { name: "hsetnx", arity: 4, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: hsetnx },
-    CommandSpec { name: "hget", arity: 3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: hget },
-    CommandSpec { name: "hmget", arity: -3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: hmget },
-    CommandSpec { name: "hgetall", arity: 2, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, handler: hgetall },
-    CommandSpec { name: "hdel", arity: -3, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, handler: hdel },
-    CommandSpec { name: "hlen", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: hlen },
-    CommandSpec { name: "hexists", arity: 3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: hexists },
-    CommandSpec { name: "hkeys", arity: 2, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, handler: hkeys },
-    CommandSpec { name: "hvals", arity: 2, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, handler: hvals },
-    CommandSpec { name: "hstrlen", arity: 3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: hstrlen },
-    CommandSpec { name: "hincrby", arity: 4, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: hincrby },
+    CommandSpec { name: "hset", arity: -4, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: hset },
+    CommandSpec { name: "hmset", arity: -4, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: hmset },
+    CommandSpec { name: "hsetnx", arity: 4, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: hsetnx },
+    CommandSpec { name: "hget", arity: 3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: hget },
+    CommandSpec { name: "hmget", arity: -3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: hmget },
+    CommandSpec { name: "hgetall", arity: 2, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: hgetall },
+    CommandSpec { name: "hdel", arity: -3, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: hdel },
+    CommandSpec { name: "hlen", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: hlen },
+    CommandSpec { name: "hexists", arity: 3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: hexists },
+    CommandSpec { name: "hkeys", arity: 2, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: hkeys },
+    CommandSpec { name: "hvals", arity: 2, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: hvals },
+    CommandSpec { name: "hstrlen", arity: 3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: hstrlen },
+    CommandSpec { name: "hincrby", arity: 4, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: hincrby },
 ];
 
 fn read_hash(context: &mut Context, key: &[u8]) -> CommandResult<Option<Stored>> {

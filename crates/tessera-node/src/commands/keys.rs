@@ -3,35 +3,35 @@
 
 use std::sync::atomic::Ordering;
 
-use tessera_engine::{KeyRange, ScanCursor};
+use tessera_engine::{reserved, KeyRange, ScanCursor};
 use tessera_wire::Request;
 
 use super::strings::deadline;
-use super::{integer_arg, is, CommandSpec, Context};
+use super::{integer_arg, is, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 use crate::glob::glob_match;
-use crate::store::{read_live, ScanPosition};
+use crate::store::ScanPosition;
+use crate::typed::read_live;
 use crate::typed::{encode, Kind, Stored};
-use crate::zset;
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
-    CommandSpec { name: "del", arity: -2, flags: &["write"], first_key: 1, last_key: -1, step: 1, handler: del },
-    CommandSpec { name: "unlink", arity: -2, flags: &["write", "fast"], first_key: 1, last_key: -1, step: 1, handler: del },
-    CommandSpec { name: "exists", arity: -2, flags: &["readonly", "fast"], first_key: 1, last_key: -1, step: 1, handler: exists },
-    CommandSpec { name: "expire", arity: -3, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, handler: expire },
-    CommandSpec { name: "pexpire", arity: -3, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, handler: pexpire },
-    CommandSpec { name: "expireat", arity: -3, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, handler: expireat },
-    CommandSpec { name: "pexpireat", arity: -3, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, handler: pexpireat },
-    CommandSpec { name: "ttl", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: ttl },
-    CommandSpec { name: "pttl", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: pttl },
-    CommandSpec { name: "persist", arity: 2, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, handler: persist },
-    CommandSpec { name: "type", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: key_type },
-    CommandSpec { name: "scan", arity: -2, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, handler: scan },
-    CommandSpec { name: "keys", arity: 2, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, handler: keys },
-    CommandSpec { name: "dbsize", arity: 1, flags: &["readonly", "fast"], first_key: 0, last_key: 0, step: 0, handler: dbsize },
-    CommandSpec { name: "flushdb", arity: -1, flags: &["write"], first_key: 0, last_key: 0, step: 0, handler: flushdb },
-    CommandSpec { name: "flushall", arity: -1, flags: &["write"], first_key: 0, last_key: 0, step: 0, handler: flushdb },
+    CommandSpec { name: "del", arity: -2, flags: &["write"], first_key: 1, last_key: -1, step: 1, scope: Scope::Keys, handler: del },
+    CommandSpec { name: "unlink", arity: -2, flags: &["write", "fast"], first_key: 1, last_key: -1, step: 1, scope: Scope::Keys, handler: del },
+    CommandSpec { name: "exists", arity: -2, flags: &["readonly", "fast"], first_key: 1, last_key: -1, step: 1, scope: Scope::Keys, handler: exists },
+    CommandSpec { name: "expire", arity: -3, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: expire },
+    CommandSpec { name: "pexpire", arity: -3, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: pexpire },
+    CommandSpec { name: "expireat", arity: -3, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: expireat },
+    CommandSpec { name: "pexpireat", arity: -3, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: pexpireat },
+    CommandSpec { name: "ttl", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: ttl },
+    CommandSpec { name: "pttl", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: pttl },
+    CommandSpec { name: "persist", arity: 2, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: persist },
+    CommandSpec { name: "type", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: key_type },
+    CommandSpec { name: "scan", arity: -2, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, scope: Scope::NodeWide, handler: scan },
+    CommandSpec { name: "keys", arity: 2, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, scope: Scope::NodeWide, handler: keys },
+    CommandSpec { name: "dbsize", arity: 1, flags: &["readonly", "fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::NodeWide, handler: dbsize },
+    CommandSpec { name: "flushdb", arity: -1, flags: &["write"], first_key: 0, last_key: 0, step: 0, scope: Scope::Flush, handler: flushdb },
+    CommandSpec { name: "flushall", arity: -1, flags: &["write"], first_key: 0, last_key: 0, step: 0, scope: Scope::Flush, handler: flushdb },
 ];
 
 fn del(context: &mut Context, request: &Request) -> CommandResult {
@@ -186,7 +186,7 @@ struct ScanFilter<'a> {
 
 impl ScanFilter<'_> {
     fn accepts(&self, key: &[u8], raw: bytes::Bytes, now_ms: u64) -> bool {
-        if zset::is_reserved(key) {
+        if reserved::is_reserved(key) {
             return false;
         }
         let Ok(stored) = Stored::decode(raw) else { return false };
@@ -318,7 +318,7 @@ fn walk_keys(context: &Context, filter: &ScanFilter, mut found: impl FnMut(bytes
 
 fn dbsize(context: &mut Context, _request: &Request) -> CommandResult {
     let mut total = 0;
-    if context.store.cluster().is_some() {
+    if context.cluster.is_some() {
         // Replicated groups keep tombstones and no count of sorted-set
         // entries: count their live keys by walking them.
         walk_keys(context, &ScanFilter { pattern: None, kind: None }, |_| total += 1)?;

@@ -16,14 +16,14 @@ use std::sync::OnceLock;
 use bytes::Bytes;
 use hashbrown::HashMap;
 use parking_lot::MutexGuard;
-use tessera_engine::Engine;
+use tessera_engine::{reserved, Engine};
 use tessera_wire::{ReplyWriter, Request};
 
 use crate::error::{CommandError, CommandResult};
+use crate::membership::Membership;
 use crate::store::{Store, WorkerStats};
 use crate::tables::{Table, TableSet};
 use crate::typed::parse_i64;
-use crate::zset;
 
 /// Per-connection state the commands read and change.
 #[derive(Debug, Default)]
@@ -53,6 +53,8 @@ pub struct Context<'a> {
     pub session: &'a mut Session,
     pub out: &'a mut ReplyWriter,
     pub stats: &'a WorkerStats,
+    /// The node's place in a cluster, if it is a member of one.
+    pub cluster: Option<&'a Membership>,
     /// Wall-clock milliseconds, read once per batch of commands.
     pub now_ms: u64,
     /// In a cluster: the view of the shard the command runs on, which takes
@@ -73,6 +75,7 @@ impl<'a> Context<'a> {
             session: &mut *self.session,
             out: &mut *self.out,
             stats: self.stats,
+            cluster: self.cluster,
             now_ms: self.now_ms,
             engine_override: Some(view),
             locks_held,
@@ -117,6 +120,25 @@ impl<'a> Context<'a> {
 
 pub type Handler = fn(&mut Context, &Request) -> CommandResult;
 
+/// How a cluster node serves a command (a single node runs every command on
+/// its own tables).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    /// Where its keys live (a command without keys: on this node).
+    Keys,
+    /// Over the groups this node heads, so that across the nodes every key
+    /// counts once (SCAN, KEYS, DBSIZE).
+    NodeWide,
+    /// Deletes the keys of the groups this node heads, through replication.
+    Flush,
+    /// The cluster's tables, changed through the coordinator.
+    Tables,
+    /// Walks a range-partitioned table's groups in key order.
+    TableRange,
+    /// A read at a named consistency, placed as the read it wraps.
+    WrappedRead,
+}
+
 /// One command: how it is called and where its keys are (for COMMAND, which
 /// cluster clients read to route requests).
 pub struct CommandSpec {
@@ -128,6 +150,7 @@ pub struct CommandSpec {
     pub first_key: i32,
     pub last_key: i32,
     pub step: i32,
+    pub scope: Scope,
     pub handler: Handler,
 }
 
@@ -212,8 +235,10 @@ fn run(context: &mut Context, request: &Request) -> CommandResult {
     if !spec.arity_ok(request.len()) {
         return Err(CommandError::WrongArity(spec.name.into()));
     }
-    if let Some(key) =
-        spec.key_positions(request.len()).map(|index| request.arg(index)).find(|key| zset::is_reserved(key))
+    if let Some(key) = spec
+        .key_positions(request.len())
+        .map(|index| request.arg(index))
+        .find(|key| reserved::is_reserved(key))
     {
         return Err(CommandError::ReservedKey(
             String::from_utf8_lossy(&key[..key.len().min(64)]).into_owned(),

@@ -5,17 +5,17 @@ use std::sync::atomic::Ordering;
 
 use tessera_wire::{ReplyWriter, Request};
 
-use super::{all_commands, is, lookup, CommandSpec, Context};
+use super::{all_commands, is, lookup, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 use crate::tables::escape_prefix;
 use crate::REDIS_COMPATIBLE_VERSION;
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
-    CommandSpec { name: "info", arity: -1, flags: &["loading", "stale"], first_key: 0, last_key: 0, step: 0, handler: info },
-    CommandSpec { name: "command", arity: -1, flags: &["loading", "stale"], first_key: 0, last_key: 0, step: 0, handler: command },
-    CommandSpec { name: "config", arity: -2, flags: &["admin", "loading", "stale"], first_key: 0, last_key: 0, step: 0, handler: config },
-    CommandSpec { name: "time", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, handler: time },
+    CommandSpec { name: "info", arity: -1, flags: &["loading", "stale"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: info },
+    CommandSpec { name: "command", arity: -1, flags: &["loading", "stale"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: command },
+    CommandSpec { name: "config", arity: -2, flags: &["admin", "loading", "stale"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: config },
+    CommandSpec { name: "time", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: time },
 ];
 
 /// INFO [section ...]: the sections Redis tools read, in Redis's format, plus

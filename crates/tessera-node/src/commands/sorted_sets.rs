@@ -5,24 +5,24 @@
 use bytes::Bytes;
 use tessera_wire::Request;
 
-use super::{integer_arg, is, CommandSpec, Context};
+use super::{integer_arg, is, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 use crate::zset::{parse_score, ScoreBound, SortedSet};
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
-    CommandSpec { name: "zadd", arity: -4, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: zadd },
-    CommandSpec { name: "zincrby", arity: 4, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: zincrby },
-    CommandSpec { name: "zrem", arity: -3, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, handler: zrem },
-    CommandSpec { name: "zscore", arity: 3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: zscore },
-    CommandSpec { name: "zmscore", arity: -3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: zmscore },
-    CommandSpec { name: "zcard", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: zcard },
-    CommandSpec { name: "zcount", arity: 4, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: zcount },
-    CommandSpec { name: "zrank", arity: -3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: zrank },
-    CommandSpec { name: "zrevrank", arity: -3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: zrevrank },
-    CommandSpec { name: "zrange", arity: -4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, handler: zrange },
-    CommandSpec { name: "zrangebyscore", arity: -4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, handler: zrangebyscore },
-    CommandSpec { name: "zrevrangebyscore", arity: -4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, handler: zrevrangebyscore },
+    CommandSpec { name: "zadd", arity: -4, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zadd },
+    CommandSpec { name: "zincrby", arity: 4, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zincrby },
+    CommandSpec { name: "zrem", arity: -3, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrem },
+    CommandSpec { name: "zscore", arity: 3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zscore },
+    CommandSpec { name: "zmscore", arity: -3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zmscore },
+    CommandSpec { name: "zcard", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zcard },
+    CommandSpec { name: "zcount", arity: 4, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zcount },
+    CommandSpec { name: "zrank", arity: -3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrank },
+    CommandSpec { name: "zrevrank", arity: -3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrevrank },
+    CommandSpec { name: "zrange", arity: -4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrange },
+    CommandSpec { name: "zrangebyscore", arity: -4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrangebyscore },
+    CommandSpec { name: "zrevrangebyscore", arity: -4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrevrangebyscore },
 ];
 
 /// Runs `body` on the set at `key` (`None` if there is none) under the key's lock.

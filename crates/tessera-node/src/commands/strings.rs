@@ -3,28 +3,28 @@
 use bytes::Bytes;
 use tessera_wire::Request;
 
-use super::{integer_arg, is, wrong_arity, CommandSpec, Context};
+use super::{integer_arg, is, wrong_arity, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
-use crate::store::{read_kind, read_live, write};
 use crate::typed::{decode_header, parse_i64, Kind};
+use crate::typed::{read_kind, read_live, write};
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
-    CommandSpec { name: "get", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: get },
-    CommandSpec { name: "set", arity: -3, flags: &["write", "denyoom"], first_key: 1, last_key: 1, step: 1, handler: set },
-    CommandSpec { name: "setnx", arity: 3, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: setnx },
-    CommandSpec { name: "setex", arity: 4, flags: &["write", "denyoom"], first_key: 1, last_key: 1, step: 1, handler: setex },
-    CommandSpec { name: "psetex", arity: 4, flags: &["write", "denyoom"], first_key: 1, last_key: 1, step: 1, handler: psetex },
-    CommandSpec { name: "getset", arity: 3, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: getset },
-    CommandSpec { name: "getdel", arity: 2, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, handler: getdel },
-    CommandSpec { name: "mget", arity: -2, flags: &["readonly", "fast"], first_key: 1, last_key: -1, step: 1, handler: mget },
-    CommandSpec { name: "mset", arity: -3, flags: &["write", "denyoom"], first_key: 1, last_key: -1, step: 2, handler: mset },
-    CommandSpec { name: "incr", arity: 2, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: incr },
-    CommandSpec { name: "decr", arity: 2, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: decr },
-    CommandSpec { name: "incrby", arity: 3, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: incrby },
-    CommandSpec { name: "decrby", arity: 3, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: decrby },
-    CommandSpec { name: "append", arity: 3, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, handler: append },
-    CommandSpec { name: "strlen", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, handler: strlen },
+    CommandSpec { name: "get", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: get },
+    CommandSpec { name: "set", arity: -3, flags: &["write", "denyoom"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: set },
+    CommandSpec { name: "setnx", arity: 3, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: setnx },
+    CommandSpec { name: "setex", arity: 4, flags: &["write", "denyoom"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: setex },
+    CommandSpec { name: "psetex", arity: 4, flags: &["write", "denyoom"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: psetex },
+    CommandSpec { name: "getset", arity: 3, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: getset },
+    CommandSpec { name: "getdel", arity: 2, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: getdel },
+    CommandSpec { name: "mget", arity: -2, flags: &["readonly", "fast"], first_key: 1, last_key: -1, step: 1, scope: Scope::Keys, handler: mget },
+    CommandSpec { name: "mset", arity: -3, flags: &["write", "denyoom"], first_key: 1, last_key: -1, step: 2, scope: Scope::Keys, handler: mset },
+    CommandSpec { name: "incr", arity: 2, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: incr },
+    CommandSpec { name: "decr", arity: 2, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: decr },
+    CommandSpec { name: "incrby", arity: 3, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: incrby },
+    CommandSpec { name: "decrby", arity: 3, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: decrby },
+    CommandSpec { name: "append", arity: 3, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: append },
+    CommandSpec { name: "strlen", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: strlen },
 ];
 
 /// Turns a relative or absolute expiry argument into a deadline in unix ms.

@@ -5,23 +5,22 @@
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
-use tessera_engine::{Engine, KeyRange, ScanCursor};
+use tessera_engine::{reserved, Engine, KeyRange, ScanCursor};
 use tessera_wire::Request;
 
-use super::{integer_arg, is, CommandSpec, Context};
+use super::{integer_arg, is, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 use crate::tables::{escape_prefix, TableDef};
 use crate::typed::Stored;
-use crate::zset;
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
-    CommandSpec { name: "table.create", arity: -6, flags: &["write", "admin"], first_key: 0, last_key: 0, step: 0, handler: create },
-    CommandSpec { name: "table.drop", arity: 2, flags: &["write", "admin"], first_key: 0, last_key: 0, step: 0, handler: drop_table },
-    CommandSpec { name: "table.list", arity: 1, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, handler: list },
-    CommandSpec { name: "table.alter", arity: -4, flags: &["write", "admin"], first_key: 0, last_key: 0, step: 0, handler: alter },
-    CommandSpec { name: "table.info", arity: 2, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, handler: info },
-    CommandSpec { name: "table.range", arity: -4, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, handler: range },
+    CommandSpec { name: "table.create", arity: -6, flags: &["write", "admin"], first_key: 0, last_key: 0, step: 0, scope: Scope::Tables, handler: create },
+    CommandSpec { name: "table.drop", arity: 2, flags: &["write", "admin"], first_key: 0, last_key: 0, step: 0, scope: Scope::Tables, handler: drop_table },
+    CommandSpec { name: "table.list", arity: 1, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, scope: Scope::Tables, handler: list },
+    CommandSpec { name: "table.alter", arity: -4, flags: &["write", "admin"], first_key: 0, last_key: 0, step: 0, scope: Scope::Tables, handler: alter },
+    CommandSpec { name: "table.info", arity: 2, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, scope: Scope::Tables, handler: info },
+    CommandSpec { name: "table.range", arity: -4, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, scope: Scope::TableRange, handler: range },
 ];
 
 pub fn text(arg: &[u8]) -> CommandResult<String> {
@@ -170,7 +169,7 @@ pub fn ordered_keys(
         let page = engine.scan(range, &cursor, (limit - keys.len()).min(1024))?;
         for (key, raw) in page.entries {
             let live = Stored::decode(raw).is_ok_and(|stored| !stored.is_expired(now_ms));
-            if live && !zset::is_reserved(&key) && keys.len() < limit {
+            if live && !reserved::is_reserved(&key) && keys.len() < limit {
                 keys.push(key);
             }
         }

@@ -1,0 +1,162 @@
+//! A node as a member of a cluster (docs/ARCHITECTURE.md, "Clusters"): the
+//! agent that runs its shards, where each request goes, and the writes still
+//! on their way through replication.
+//!
+//! A request's keys name one hash slot, the slot one shard. The shard's head
+//! runs writes and strong reads; a READONLY connection reads from any member.
+//! Anywhere else a cluster client is told `MOVED`, and a plain client's request
+//! is forwarded to the head and the answer relayed.
+
+mod admin;
+mod forward;
+mod placement;
+mod serve;
+
+pub use forward::Forwarder;
+pub use placement::Placement;
+pub use serve::{serve, Held};
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+use tessera_cluster::agent::{Agent, AgentConfig, Completion};
+use tessera_engine::{EngineKind, EngineSpec};
+
+use crate::config::Config;
+use crate::membership::Membership;
+
+/// Where a node keeps the incarnation of its persistent state.
+const INCARNATION_FILE: &str = "cluster-incarnation";
+
+pub struct ClusterNode {
+    pub membership: Membership,
+    /// Writes not yet known to be committed, by the client key they changed:
+    /// a strong read of the key waits for them before it answers.
+    in_flight: Mutex<HashMap<Bytes, Completion>>,
+    /// The engine of the default table's groups.
+    engine: EngineSpec,
+    /// Runs the agent's loops; dropped with the node.
+    _runtime: tokio::runtime::Runtime,
+}
+
+/// How long a request waits for its group to finish switching modes.
+const TRANSITION_WAIT: Duration = Duration::from_secs(10);
+
+impl std::ops::Deref for ClusterNode {
+    type Target = Membership;
+
+    fn deref(&self) -> &Membership {
+        &self.membership
+    }
+}
+
+impl ClusterNode {
+    /// Joins the cluster and starts the agent on a runtime of its own.
+    pub fn start(config: &Config, client_address: SocketAddr) -> Result<Self, String> {
+        let settings = config.cluster.as_ref().ok_or("no [cluster] section")?;
+        let kind: EngineKind = config.engine.parse().map_err(|error| format!("{error}"))?;
+        if kind == EngineKind::Redis {
+            return Err(
+                "the redis engine cannot back a cluster's shards: they would share one database".into()
+            );
+        }
+        let engine =
+            EngineSpec::new(kind, config.engine_options.clone()).map_err(|error| error.to_string())?;
+        let incarnation = incarnation(&config.dir, kind.capabilities().persistent)?;
+        let peer_listen = SocketAddr::new(client_address.ip(), client_address.port() + 10_000);
+        let agent_config = AgentConfig {
+            cluster_id: settings.id.clone(),
+            node: settings.node,
+            incarnation,
+            coordinator: settings.coordinator.clone(),
+            peer_listen,
+            data_dir: config.dir.clone(),
+            engine: engine.clone(),
+            heartbeat_ms: settings.heartbeat_ms,
+            tick_ms: settings.tick_ms,
+            max_uncommitted_writes: settings.max_uncommitted_writes,
+        };
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("tessera-cluster")
+            .enable_all()
+            .build()
+            .map_err(|error| format!("cannot start the cluster runtime: {error}"))?;
+        let agent = runtime.block_on(Agent::start(agent_config))?;
+        let address = format!("{}:{}", config.bind, client_address.port());
+        tracing::info!(node = settings.node, incarnation, %address, "joined cluster {}", settings.id);
+        Ok(Self {
+            membership: Membership { agent, address },
+            in_flight: Mutex::new(HashMap::new()),
+            engine,
+            _runtime: runtime,
+        })
+    }
+
+    /// The uncommitted writes a strong request on `key` must wait for.
+    pub fn in_flight(&self, key: &[u8]) -> Option<Completion> {
+        let mut in_flight = self.in_flight.lock();
+        let completion = in_flight.get(key)?;
+        if completion.succeeded() {
+            in_flight.remove(key);
+            return None;
+        }
+        Some(completion.clone())
+    }
+
+    /// Records a command's writes as the newest on each of its keys.
+    pub fn mark_in_flight<'k>(&self, keys: impl Iterator<Item = &'k [u8]>, completion: &Completion) {
+        let mut in_flight = self.in_flight.lock();
+        for key in keys {
+            in_flight.insert(Bytes::copy_from_slice(key), completion.clone());
+        }
+    }
+
+    /// Forgets writes that have finished (called periodically).
+    pub fn purge_finished(&self) {
+        self.in_flight.lock().retain(|_, completion| !completion.is_done());
+    }
+}
+
+/// The incarnation names this node's state: a memory engine starts empty every
+/// time, so it takes a new one at every start; a persistent engine keeps one in
+/// its data directory for as long as the data lives.
+fn incarnation(dir: &Path, persistent: bool) -> Result<u64, String> {
+    let fresh = SystemTime::now().duration_since(UNIX_EPOCH).map_or(1, |now| now.as_micros() as u64);
+    if !persistent {
+        return Ok(fresh);
+    }
+    let path = dir.join(INCARNATION_FILE);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => text.trim().parse().map_err(|_| format!("{}: not an incarnation number", path.display())),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::create_dir_all(dir).map_err(|error| format!("{}: {error}", dir.display()))?;
+            let temporary = path.with_extension("tmp");
+            std::fs::write(&temporary, fresh.to_string())
+                .and_then(|()| std::fs::rename(&temporary, &path))
+                .map_err(|error| format!("{}: {error}", path.display()))?;
+            Ok(fresh)
+        }
+        Err(error) => Err(format!("{}: {error}", path.display())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn incarnations_are_kept_only_for_persistent_state() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = incarnation(dir.path(), true).unwrap();
+        assert_eq!(incarnation(dir.path(), true).unwrap(), first, "kept with the data");
+        std::thread::sleep(Duration::from_millis(2));
+        assert_ne!(incarnation(dir.path(), false).unwrap(), first, "memory state is new every start");
+        std::fs::write(dir.path().join(INCARNATION_FILE), "garbage").unwrap();
+        assert!(incarnation(dir.path(), true).unwrap_err().contains("not an incarnation"));
+    }
+}

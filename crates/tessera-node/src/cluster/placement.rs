@@ -1,0 +1,126 @@
+//! Where a request on a cluster node is served: here, through a quorum, at
+//! another node, or refused.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tessera_cluster::agent::Completion;
+use tessera_cluster::DEFAULT_TABLE;
+use tessera_engine::Engine;
+use tessera_protocol::Refusal;
+use tessera_wire::slot::key_slot;
+
+use super::{ClusterNode, TRANSITION_WAIT};
+use crate::membership::NO_MAP_YET;
+
+/// Where a request is served.
+pub enum Placement {
+    /// Not about keys (PING, INFO, CLUSTER ...): this node answers.
+    Local,
+    /// This node serves it from shard `shard`, whose engine is `engine`; a
+    /// strong read's answer first waits for `barrier` (the head's first
+    /// write in its view) to commit.
+    Shard { shard: u32, engine: Arc<dyn Engine>, barrier: Option<Completion> },
+    /// A strong request on a quorum group (AA+SC) this node is a member of:
+    /// it runs through the protocol, not on this node's copy.
+    Quorum { shard: u32 },
+    /// Another node is the owner; `forward_only` when a cluster client must
+    /// not be told MOVED either (see [`ClusterNode::place`]).
+    Elsewhere { slot: u16, address: String, forward_only: bool },
+    /// The shard is switching modes here: ask again once it has
+    /// ([`Agent::wait_while_draining`](tessera_cluster::agent::Agent::wait_while_draining)).
+    Draining { shard: u32 },
+    /// An error for the client (keys in several slots, no map yet, ...).
+    Refused(String),
+}
+
+impl ClusterNode {
+    /// [`Self::place`], waiting while the keys' group switches modes (up to
+    /// [`TRANSITION_WAIT`]): writes and strong reads are then placed by the
+    /// new mode.
+    pub async fn place_when_settled<'k, I: Iterator<Item = &'k [u8]>>(
+        &self,
+        keys: impl Fn() -> I,
+        write: bool,
+        strong: bool,
+    ) -> Placement {
+        let waiting_since = Instant::now();
+        loop {
+            match self.place(keys(), write, strong) {
+                Placement::Draining { shard } if waiting_since.elapsed() < TRANSITION_WAIT => {
+                    self.agent.wait_while_draining(shard, TRANSITION_WAIT - waiting_since.elapsed()).await
+                }
+                placement => return placement,
+            }
+        }
+    }
+
+    /// Decides where a request with these keys is served: a write, a strong
+    /// read, or (`strong` false: a READONLY connection's read) an eventual one.
+    pub fn place<'k>(
+        &self,
+        mut keys: impl Iterator<Item = &'k [u8]>,
+        write: bool,
+        strong: bool,
+    ) -> Placement {
+        let Some(first) = keys.next() else { return Placement::Local };
+        let Some(routing) = self.agent.routing() else {
+            return Placement::Refused(NO_MAP_YET.into());
+        };
+        let slot = key_slot(first) as u16;
+        let table = routing.table_of(first);
+        let Some(shard) = routing.shard_of(table, first, slot) else {
+            return Placement::Refused(format!("CLUSTERDOWN Hash slot {slot} not served"));
+        };
+        // A range-partitioned table's keys go together when they are in one
+        // range, whatever their slots.
+        let range_partitioned = routing.ranges(table).is_some();
+        if keys.any(|key| {
+            routing.table_of(key) != table
+                || if range_partitioned {
+                    routing.shard_of(table, key, slot) != Some(shard)
+                } else {
+                    key_slot(key) as u16 != slot
+                }
+        }) {
+            return Placement::Refused(if range_partitioned {
+                format!("CROSSSLOT Keys in request span several key ranges of table {table}")
+            } else {
+                "CROSSSLOT Keys in request don't hash to the same slot (or belong to different tables)".into()
+            });
+        }
+        let group = self.agent.snapshot(shard);
+        let checked = match &group {
+            None => Err(Refusal::NotOwner),
+            Some(group) if write => group.write.map(|()| None),
+            Some(group) if strong => group.strong_read.clone(),
+            Some(group) => group.eventual_read.map(|()| None),
+        };
+        match (checked, group) {
+            (Ok(_), Some(group)) if strong && group.mode.quorum => Placement::Quorum { shard },
+            (Ok(barrier), Some(group)) => Placement::Shard { shard, engine: group.engine, barrier },
+            (Ok(_), None) => unreachable!("a group that is not here refuses"),
+            (Err(Refusal::Draining), _) => Placement::Draining { shard },
+            (Err(Refusal::LeaseExpired), _) => {
+                Placement::Refused("TRYAGAIN the shard's lease is being renewed".into())
+            }
+            (Err(Refusal::Unsettled), _) => {
+                Placement::Refused("TRYAGAIN the shard's new head has not settled yet".into())
+            }
+            (Err(Refusal::NotOwner), _) => match routing.head_address(shard) {
+                Some(address) if address != self.address => {
+                    // Cluster clients route by slot to the default table's
+                    // head; if that is this node, another table's group has a
+                    // different head here: forward rather than MOVE the slot.
+                    // A key range is not a slot at all: always forwarded.
+                    let slot_head =
+                        routing.shard_of(DEFAULT_TABLE, first, slot).and_then(|id| routing.head_address(id));
+                    let forward_only = range_partitioned
+                        || (table != DEFAULT_TABLE && slot_head == Some(self.address.as_str()));
+                    Placement::Elsewhere { slot, address: address.to_string(), forward_only }
+                }
+                _ => Placement::Refused(format!("TRYAGAIN slot {slot} is changing hands")),
+            },
+        }
+    }
+}

@@ -1,0 +1,357 @@
+//! Serving a request on a cluster node, by its command's [`Scope`]: where
+//! its keys live (here, through a quorum, or at another node), over the
+//! groups this node heads, or through the coordinator.
+
+use std::collections::HashMap;
+
+use bytes::Bytes;
+use tessera_cluster::agent::{outcome, Completion};
+use tessera_cluster::capture::CapturingView;
+use tessera_protocol::quorum::CHANGED;
+use tessera_protocol::{ClientReply, Operation, Record, Write};
+use tessera_wire::{ReplyWriter, Request};
+
+use super::forward::Forwarder;
+use super::placement::Placement;
+use super::ClusterNode;
+use crate::commands::consistency::{level_got, parse_level, wrapped_read};
+use crate::commands::{dispatch, is, lookup, CommandSpec, Context, Scope};
+
+/// A reply (the bytes `start..end` of the connection's output) that may be
+/// sent only once every one of `waits` has committed; if one fails, the
+/// reply becomes its error.
+pub struct Held {
+    pub start: usize,
+    pub end: usize,
+    pub waits: Vec<Completion>,
+}
+
+/// Runs one request on a cluster node, by its command's scope: a keyed
+/// command here if this node serves its keys' group, else `MOVED` for a
+/// cluster client or forwarded for a plain one. Returns the reply's hold if
+/// it depends on writes not yet committed.
+pub async fn serve(
+    cluster: &ClusterNode,
+    context: &mut Context<'_>,
+    request: &Request<'_>,
+    raw: &[u8],
+    forwarder: &mut Forwarder,
+) -> Option<Held> {
+    let spec = match lookup(request.arg(0)) {
+        Some(spec) if context.session.authenticated && spec.arity_ok(request.len()) => spec,
+        // Unknown, unauthenticated, wrong arity: the usual error, here.
+        _ => {
+            dispatch(context, request);
+            return None;
+        }
+    };
+    match spec.scope {
+        Scope::TableRange => serve_table_range(cluster, context, request, forwarder).await,
+        Scope::Tables => serve_tables(cluster, context, request).await,
+        Scope::NodeWide => serve_node_wide(cluster, context, request),
+        Scope::Flush => return serve_flush(cluster, context, request),
+        Scope::Keys | Scope::WrappedRead => {
+            return serve_keyed(cluster, context, spec, request, raw, forwarder).await
+        }
+    }
+    None
+}
+
+async fn serve_table_range(
+    cluster: &ClusterNode,
+    context: &mut Context<'_>,
+    request: &Request<'_>,
+    forwarder: &mut Forwarder,
+) {
+    match cluster.table_range(request, context.session.relay, context.now_ms, forwarder).await {
+        Ok(keys) => {
+            context.out.array(keys.len());
+            for key in keys {
+                context.out.bulk(&key);
+            }
+        }
+        Err(error) => context.out.error(&error.to_string()),
+    }
+}
+
+async fn serve_tables(cluster: &ClusterNode, context: &mut Context<'_>, request: &Request<'_>) {
+    let mark = context.out.len();
+    if let Err(error) = cluster.table_command(request, context.out).await {
+        context.out.truncate(mark);
+        context.out.error(&error.to_string());
+    }
+}
+
+/// SCAN, KEYS, DBSIZE over the groups this node heads.
+fn serve_node_wide(cluster: &ClusterNode, context: &mut Context<'_>, request: &Request<'_>) {
+    match cluster.headed_tables() {
+        Ok(headed) => {
+            let mut on_headed = Context {
+                tables: &headed,
+                session: &mut *context.session,
+                out: &mut *context.out,
+                ..*context
+            };
+            dispatch(&mut on_headed, request);
+        }
+        Err(error) => context.out.error(&error.to_string()),
+    }
+}
+
+/// FLUSHDB / FLUSHALL: deletes what this node heads, through replication.
+fn serve_flush(cluster: &ClusterNode, context: &mut Context<'_>, request: &Request<'_>) -> Option<Held> {
+    let mode = (request.len() == 2).then(|| request.arg(1));
+    if request.len() > 2 || mode.is_some_and(|mode| !is(mode, "sync") && !is(mode, "async")) {
+        context.out.error("ERR syntax error");
+        return None;
+    }
+    let start = context.out.len();
+    match cluster.flush_headed(context.store) {
+        Ok(completion) => {
+            context.out.ok();
+            (!completion.succeeded()).then(|| Held { start, end: context.out.len(), waits: vec![completion] })
+        }
+        Err(error) => {
+            context.out.error(&error.to_string());
+            None
+        }
+    }
+}
+
+/// A command served where its keys live. CONSISTENCY.READ level read is
+/// placed and run as the read it wraps, its reply preceded by the level it
+/// got.
+async fn serve_keyed(
+    cluster: &ClusterNode,
+    context: &mut Context<'_>,
+    spec: &'static CommandSpec,
+    request: &Request<'_>,
+    raw: &[u8],
+    forwarder: &mut Forwarder,
+) -> Option<Held> {
+    let wrapped = if spec.scope == Scope::WrappedRead {
+        match parse_level(request.arg(1)).and_then(|strong| Ok((strong, wrapped_read(request)?))) {
+            Ok((strong, (inner_spec, inner))) => Some((strong, inner_spec, inner)),
+            Err(error) => {
+                context.out.error(&error.to_string());
+                return None;
+            }
+        }
+    } else {
+        None
+    };
+    let (spec, request, write, strong) = match &wrapped {
+        Some((strong, inner_spec, inner)) => (*inner_spec, inner, false, *strong),
+        None => {
+            let write = spec.flags.contains(&"write");
+            (spec, request, write, write || !context.session.readonly)
+        }
+    };
+    let level_header = |out: &mut ReplyWriter| {
+        if wrapped.is_some() {
+            out.array(2);
+            out.bulk(level_got(Some(&cluster.membership), strong).as_bytes());
+        }
+    };
+    let keys = || spec.key_positions(request.len()).map(|index| request.arg(index));
+    match cluster.place_when_settled(keys, write, strong).await {
+        Placement::Local => {
+            level_header(context.out);
+            dispatch(context, request);
+            None
+        }
+        Placement::Refused(message) => {
+            context.out.error(&message);
+            None
+        }
+        Placement::Draining { .. } => {
+            context.out.error("TRYAGAIN the keys' group is still switching modes");
+            None
+        }
+        Placement::Elsewhere { slot, address, forward_only }
+            if context.session.relay || (context.session.cluster_client && !forward_only) =>
+        {
+            context.out.error(&format!("MOVED {slot} {address}"));
+            None
+        }
+        Placement::Elsewhere { address, .. } => {
+            match forwarder.forward(address, raw).await {
+                Ok(reply) => context.out.raw(&reply),
+                Err(message) => context.out.error(&message),
+            }
+            None
+        }
+        Placement::Quorum { shard } => {
+            level_header(context.out);
+            let keys: Vec<Bytes> = keys().map(Bytes::copy_from_slice).collect();
+            run_on_quorum(cluster, context, request, &keys, shard, write).await;
+            None
+        }
+        Placement::Shard { shard, engine, barrier } => {
+            if write {
+                cluster.agent.wait_for_room().await;
+            }
+            let start = context.out.len();
+            level_header(context.out);
+            let mut waits: Vec<Completion> = barrier.into_iter().collect();
+            let view = CapturingView::new(engine);
+            {
+                // A strong request sees the keys' newest writes, so it must
+                // wait for those still in flight; its own writes are handed to
+                // replication before the locks go, so they are ordered as run.
+                let _locks = strong.then(|| context.store.lock_keys(keys()));
+                if strong {
+                    waits.extend(keys().filter_map(|key| cluster.in_flight(key)));
+                }
+                dispatch(&mut context.over(&view, strong), request);
+                let writes = view.take();
+                if write && !writes.is_empty() {
+                    let operations = writes
+                        .into_iter()
+                        .map(|(key, write)| match write {
+                            Write::Put(value) => Operation::Put { key, value },
+                            Write::Delete => Operation::Delete { key },
+                        })
+                        .collect();
+                    let completion = Completion::of(cluster.agent.begin_all(shard, operations));
+                    if !completion.is_done() {
+                        cluster.mark_in_flight(keys(), &completion);
+                    }
+                    waits.push(completion);
+                } else if !writes.is_empty() {
+                    tracing::error!(
+                        command = spec.name,
+                        "a read-only command wrote; its writes were dropped"
+                    );
+                }
+            }
+            waits.retain(|wait| !wait.succeeded());
+            (!waits.is_empty()).then(|| Held { start, end: context.out.len(), waits })
+        }
+    }
+}
+
+/// How many times a command on a quorum group runs before its keys are
+/// declared too busy.
+const QUORUM_ATTEMPTS: usize = 8;
+
+/// A command on a quorum group (AA+SC): it runs on its keys' records, and
+/// what it wrote is written only if each key's newest record is still the one
+/// it ran on; if one changed, the command runs again on records fetched
+/// through the quorum. A write first tries this member's own records (its
+/// proposals keep them current, so a key written through one member commits
+/// in a prepare and an accept); a read always fetches. Each key is
+/// linearizable; a command's writes to several keys are not atomic together.
+async fn run_on_quorum(
+    cluster: &ClusterNode,
+    context: &mut Context<'_>,
+    request: &Request<'_>,
+    keys: &[Bytes],
+    shard: u32,
+    write: bool,
+) {
+    let start = context.out.len();
+    for attempt in 0..QUORUM_ATTEMPTS {
+        context.out.truncate(start);
+        let records = if write && attempt == 0 {
+            local_records(cluster, shard, keys)
+        } else {
+            fetch_records(cluster, shard, keys).await
+        };
+        let fetched = match records {
+            Ok(fetched) => fetched,
+            Err(message) => return context.out.error(&message),
+        };
+        let Some(engine) = cluster.agent.engine(shard) else {
+            return context.out.error("TRYAGAIN the shard is being opened");
+        };
+        let pins = fetched
+            .iter()
+            .map(|(key, record)| (key.clone(), record.as_ref().and_then(|record| record.visible().cloned())))
+            .collect();
+        let view = CapturingView::pinned(engine, pins);
+        dispatch(&mut context.over(&view, false), request);
+        // The last write to each key is the one that counts.
+        let mut writes: Vec<(Bytes, Write)> = Vec::new();
+        for (key, write) in view.take() {
+            writes.retain(|(written, _)| *written != key);
+            writes.push((key, write));
+        }
+        if writes.is_empty() {
+            return;
+        }
+        if let Some((key, _)) = writes.iter().find(|(key, _)| !fetched.contains_key(key)) {
+            context.out.truncate(start);
+            return context.out.error(&format!(
+                "ERR this command writes {:?}, which it does not name; active–active strong tables take commands that write only their own keys",
+                String::from_utf8_lossy(key)
+            ));
+        }
+        let operations = writes
+            .into_iter()
+            .map(|(key, write)| {
+                let expected = fetched[&key].as_ref().map(|record| (record.version, record.origin));
+                Operation::WriteIf { key, expected, write }
+            })
+            .collect();
+        let mut changed = false;
+        for pending in cluster.agent.begin_all(shard, operations) {
+            match pending.answer().await {
+                ClientReply::Written | ClientReply::Value(_) => {}
+                ClientReply::Retry(reason) if reason == CHANGED => changed = true,
+                other => {
+                    context.out.truncate(start);
+                    return context.out.error(&failure(&other));
+                }
+            }
+        }
+        if !changed {
+            return;
+        }
+    }
+    context.out.truncate(start);
+    context.out.error("TRYAGAIN the keys kept changing under concurrent writes");
+}
+
+/// Each key's record as this member holds it: a guess a conditional write
+/// checks.
+fn local_records(
+    cluster: &ClusterNode,
+    shard: u32,
+    keys: &[Bytes],
+) -> Result<HashMap<Bytes, Option<Record>>, String> {
+    let engine = cluster.agent.engine(shard).ok_or("TRYAGAIN the shard is being opened")?;
+    let mut records = HashMap::new();
+    for key in keys {
+        let raw = engine.get(key).map_err(|error| format!("ERR {error}"))?;
+        let record = raw.map(Record::decode).transpose().map_err(|error| format!("ERR {error}"))?;
+        records.insert(key.clone(), record);
+    }
+    Ok(records)
+}
+
+/// Each key's newest record, read through the quorum.
+async fn fetch_records(
+    cluster: &ClusterNode,
+    shard: u32,
+    keys: &[Bytes],
+) -> Result<HashMap<Bytes, Option<Record>>, String> {
+    let operations = keys.iter().map(|key| Operation::Fetch { key: key.clone() }).collect();
+    let mut fetched = HashMap::new();
+    for (key, pending) in keys.iter().zip(cluster.agent.begin_all(shard, operations)) {
+        let record = match pending.answer().await {
+            ClientReply::Value(None) => None,
+            ClientReply::Value(Some(raw)) => {
+                Some(Record::decode(raw).map_err(|error| format!("ERR a replica sent {error}"))?)
+            }
+            other => return Err(failure(&other)),
+        };
+        fetched.insert(key.clone(), record);
+    }
+    Ok(fetched)
+}
+
+/// The error for an answer that is not the success expected.
+fn failure(reply: &ClientReply) -> String {
+    outcome(reply).err().unwrap_or_else(|| "ERR unexpected answer from the group".into())
+}

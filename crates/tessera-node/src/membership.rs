@@ -1,0 +1,39 @@
+//! A node's place in a cluster as commands see it: the agent, whose map the
+//! node routes by, and the node's own address. CLUSTER SLOTS, CONSISTENCY and
+//! DBSIZE need no more; the cluster wing ([`crate::cluster`]), which places
+//! and serves requests, builds on it.
+
+use std::sync::Arc;
+
+use tessera_cluster::agent::Agent;
+use tessera_cluster::ClusterMap;
+
+use crate::error::{CommandError, CommandResult};
+
+/// What a node answers before the coordinator has given it a map.
+pub const NO_MAP_YET: &str = "CLUSTERDOWN this node has not received the cluster map yet";
+
+pub struct Membership {
+    pub agent: Arc<Agent>,
+    /// This node's client address, as the map names it.
+    pub address: String,
+}
+
+impl Membership {
+    /// The map this node routes by.
+    pub fn map(&self) -> CommandResult<Arc<ClusterMap>> {
+        self.agent.routing().map(|routing| routing.map).ok_or_else(|| CommandError::Coded(NO_MAP_YET.into()))
+    }
+
+    /// Whether a read asking for strong consistency gets it: unless some
+    /// group runs a mode without strong reads (active–active eventual).
+    pub fn strong_reads(&self) -> bool {
+        self.agent.routing().is_some_and(|routing| {
+            let map = &routing.map;
+            map.shards.iter().all(|shard| {
+                let mode = map.mode_of(shard);
+                mode.strong || !mode.active_active
+            })
+        })
+    }
+}
