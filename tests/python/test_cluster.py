@@ -60,6 +60,10 @@ class LocalCluster:
         # Room for a standby.
         self.base_port = free_base_port(NODES + 2)
 
+    def log(self, name):
+        """What process `name` (coordinator, node-0, ...) has logged."""
+        return (self.dir / "logs" / f"{name}.log").read_text(errors="replace")
+
     def cli(self, *args, check=True):
         result = subprocess.run(
             [str(BINARY), "cluster", *args, "--dir", str(self.dir)], capture_output=True, text=True, timeout=120
@@ -895,7 +899,10 @@ def test_tables_switch_modes_while_clients_keep_working(cluster_factory):
     assert all(recorder.failures == 0 for recorder in recorders), [recorder.errors[:3] for recorder in recorders]
     client = cluster.client()
     missing = [key for key, value in acknowledged.items() if client.get(key) != value]
-    assert not missing, f"{len(missing)} of {len(acknowledged)} acknowledged writes lost, e.g. {missing[:3]}"
+    # A member removed during an eventual mode may take unshipped writes with
+    # it (the documented window): the coordinator's view changes tell.
+    removals = [line for line in cluster.log("coordinator").splitlines() if "view change" in line and "removed" in line]
+    assert not missing, f"{len(missing)} of {len(acknowledged)} acknowledged writes lost, e.g. {missing[:3]}; removals: {removals}"
     assert increments == list(range(1, len(increments) + 1)), "INCRs lost or repeated"
     assert int(client.get("switch:counter")) == len(increments)
     assert_replicas_converge(cluster, keys + list(acknowledged)[-50:])

@@ -203,7 +203,21 @@ impl ClusterCoordinator {
     fn sync(&mut self, learnt: &[u32]) {
         let mut changed = false;
         for (id, coordinator) in &mut self.shards {
-            if coordinator.take_changes().is_empty() && !learnt.contains(id) {
+            let changes = coordinator.take_changes();
+            for change in &changes {
+                let members: Vec<u32> = change.view.replicas.iter().map(|node| node.0).collect();
+                let learners: Vec<u32> = change.view.learners.iter().map(|node| node.0).collect();
+                tracing::info!(
+                    shard = id,
+                    view = change.view.number,
+                    ?members,
+                    ?learners,
+                    draining = change.view.draining,
+                    reason = change.reason,
+                    "view change"
+                );
+            }
+            if changes.is_empty() && !learnt.contains(id) {
                 continue;
             }
             let shard = self.map.shards.iter_mut().find(|shard| shard.id == *id).expect("shard in map");
