@@ -9,10 +9,13 @@
 #            member) and forwards the rest to a node that may
 #
 #   scripts/bench-modes.sh [records=20000] [seconds=8] [connections=16] [repeats=3]
+#   BASELINE=/path/to/an/older/tessera scripts/bench-modes.sh ...
 #
 # Prints one line per run, then the medians and the ratios bespokv.txt reports
-# (MS+SC / AA+SC on both workloads; AA+EC / MS+EC on A). Leaves the reports in
-# the work directory it names.
+# (MS+SC / AA+SC on both workloads; AA+EC / MS+EC on A). With BASELINE, every
+# repeat also runs that binary, interleaved with this build (the machine's
+# noise falls on both alike), and the ratios of this build to it are printed.
+# Leaves the reports in the work directory it names.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RECORDS=${1:-20000}
@@ -35,12 +38,20 @@ FIRST_NODE="127.0.0.1:$((BASE_PORT + 1))"
 RESULTS="$WORK/results.txt"
 : >"$RESULTS"
 
+BUILDS=("current:$TESSERA")
+if [ -n "${BASELINE:-}" ]; then
+    BUILDS+=("baseline:$BASELINE")
+fi
+
 for mode in "ms strong ms+sc" "ms eventual ms+ec" "aa strong aa+sc" "aa eventual aa+ec"; do
     read -r topology consistency name <<<"$mode"
     for repeat in $(seq "$REPEATS"); do
+      for build in "${BUILDS[@]}"; do
+        label=${build%%:*}
+        binary=${build#*:}
         cleanup
         rm -rf "$WORK/cluster"
-        "$TESSERA" cluster up --dir "$WORK/cluster" --nodes 6 --replicas 3 --topology "$topology" \
+        "$binary" cluster up --dir "$WORK/cluster" --nodes 6 --replicas 3 --topology "$topology" \
             --consistency "$consistency" --base-port "$BASE_PORT" --no-demo >/dev/null
         "$TESSERA" bench --target "$FIRST_NODE" --cluster --phase load --records "$RECORDS" \
             --connections "$CONNECTIONS" --threads 1 --quiet >/dev/null
@@ -51,19 +62,20 @@ for mode in "ms strong ms+sc" "ms eventual ms+ec" "aa strong aa+sc" "aa eventual
                 else
                     route=(--target "$ALL_NODES")
                 fi
-                report="$WORK/$name-$workload-$routing-$repeat.json"
+                report="$WORK/$label-$name-$workload-$routing-$repeat.json"
                 "$TESSERA" bench "${route[@]}" --phase run --workload "$workload" --distribution zipfian \
                     --records "$RECORDS" --duration "$SECONDS_PER_RUN" --connections "$CONNECTIONS" \
                     --threads 1 --quiet --json "$report" >/dev/null
-                python3 - "$report" "$name" "$workload" "$routing" >>"$RESULTS" <<'EOF'
+                python3 - "$report" "$label" "$name" "$workload" "$routing" >>"$RESULTS" <<'EOF'
 import json, sys
 report = json.load(open(sys.argv[1]))
 errors = sum(report["errors"].values())
-print(f"{sys.argv[2]} {sys.argv[3]} {sys.argv[4]} {report['throughput_ops_per_s']:.0f} {errors}")
+print(f"{sys.argv[2]} {sys.argv[3]} {sys.argv[4]} {sys.argv[5]} {report['throughput_ops_per_s']:.0f} {errors}")
 EOF
                 tail -1 "$RESULTS"
             done
         done
+      done
     done
 done
 
@@ -71,23 +83,36 @@ python3 - "$RESULTS" <<'EOF'
 import statistics, sys
 runs = {}
 for line in open(sys.argv[1]):
-    mode, workload, routing, ops, errors = line.split()
-    runs.setdefault((mode, workload, routing), []).append((float(ops), int(errors)))
+    build, mode, workload, routing, ops, errors = line.split()
+    runs.setdefault((build, mode, workload, routing), []).append((float(ops), int(errors)))
 median = {key: statistics.median(ops for ops, _ in values) for key, values in runs.items()}
-print("\nmedians (ops/s; errors summed over repeats)")
-print(f"{'mode':<7} {'workload':<9} {'cluster':>9} {'spread':>9}")
-for mode in ["ms+sc", "ms+ec", "aa+sc", "aa+ec"]:
-    for workload in ["A", "B"]:
-        cells = []
-        for routing in ["cluster", "spread"]:
-            errors = sum(e for _, e in runs[(mode, workload, routing)])
-            cells.append(f"{median[(mode, workload, routing)]:>9.0f}" + (f" ({errors} errors)" if errors else ""))
-        print(f"{mode:<7} {workload:<9} " + " ".join(cells))
-print("\nratios (as bespokv.txt reports them)")
-for routing in ["cluster", "spread"]:
-    for workload in ["A", "B"]:
-        ratio = median[("ms+sc", workload, routing)] / median[("aa+sc", workload, routing)]
-        print(f"MS+SC / AA+SC, workload {workload}, {routing}: {ratio:.2f}x")
-    ratio = median[("aa+ec", "A", routing)] / median[("ms+ec", "A", routing)]
-    print(f"AA+EC / MS+EC, workload A, {routing}: {ratio:.2f}x")
+builds = sorted({key[0] for key in runs}, key=lambda build: build != "current")
+modes = ["ms+sc", "ms+ec", "aa+sc", "aa+ec"]
+for build in builds:
+    print(f"\n{build}: medians (ops/s; errors summed over repeats)")
+    print(f"{'mode':<7} {'workload':<9} {'cluster':>9} {'spread':>9}")
+    for mode in modes:
+        for workload in ["A", "B"]:
+            cells = []
+            for routing in ["cluster", "spread"]:
+                errors = sum(e for _, e in runs[(build, mode, workload, routing)])
+                cells.append(f"{median[(build, mode, workload, routing)]:>9.0f}" + (f" ({errors} errors)" if errors else ""))
+            print(f"{mode:<7} {workload:<9} " + " ".join(cells))
+    print(f"\n{build}: ratios (as bespokv.txt reports them)")
+    for routing in ["cluster", "spread"]:
+        for workload in ["A", "B"]:
+            ratio = median[(build, "ms+sc", workload, routing)] / median[(build, "aa+sc", workload, routing)]
+            print(f"MS+SC / AA+SC, workload {workload}, {routing}: {ratio:.2f}x")
+        ratio = median[(build, "aa+ec", "A", routing)] / median[(build, "ms+ec", "A", routing)]
+        print(f"AA+EC / MS+EC, workload A, {routing}: {ratio:.2f}x")
+if "baseline" in builds:
+    print("\ncurrent / baseline (medians)")
+    print(f"{'mode':<7} {'workload':<9} {'cluster':>9} {'spread':>9}")
+    for mode in modes:
+        for workload in ["A", "B"]:
+            cells = [
+                f"{median[('current', mode, workload, routing)] / median[('baseline', mode, workload, routing)]:>8.2f}x"
+                for routing in ["cluster", "spread"]
+            ]
+            print(f"{mode:<7} {workload:<9} " + " ".join(cells))
 EOF

@@ -81,17 +81,32 @@ impl Pending {
     }
 }
 
+/// Why a group did not do what it was asked, or may not have: each variant
+/// is one RESP error a client is told.
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
+pub enum GroupError {
+    /// No effect; the client may simply try again (Redis clients do, on
+    /// TRYAGAIN).
+    #[error("TRYAGAIN {0}")]
+    Retry(&'static str),
+    /// No effect.
+    #[error("ERR replication failed: {0}")]
+    Failed(String),
+    /// Not TRYAGAIN: clients retry that by themselves, and this may have
+    /// taken effect.
+    #[error("ERR the write may or may not have taken effect: {0}")]
+    Unknown(&'static str),
+}
+
 /// What a protocol's answer means for the client that asked: success, or the
 /// error to tell it.
-pub fn outcome(reply: &ClientReply) -> Result<(), String> {
+pub fn outcome(reply: &ClientReply) -> Result<(), GroupError> {
     match reply {
         ClientReply::Value(_) | ClientReply::Written => Ok(()),
-        ClientReply::Retry(reason) => Err(format!("TRYAGAIN {reason}")),
-        ClientReply::Failed(error) => Err(format!("ERR replication failed: {error}")),
-        // Not TRYAGAIN: clients retry that by themselves.
-        ClientReply::Unknown(reason) => {
-            Err(format!("ERR the write may or may not have taken effect: {reason}"))
-        }
+        ClientReply::Retry(reason) | ClientReply::Elsewhere(reason) => Err(GroupError::Retry(reason)),
+        ClientReply::Changed => Err(GroupError::Retry("the key changed while the command ran")),
+        ClientReply::Failed(error) => Err(GroupError::Failed(error.clone())),
+        ClientReply::Unknown(reason) => Err(GroupError::Unknown(reason)),
     }
 }
 
@@ -99,7 +114,7 @@ pub fn outcome(reply: &ClientReply) -> Result<(), String> {
 /// for: the command that made them, and reads that saw them before they
 /// committed.
 #[derive(Clone, Debug)]
-pub struct Completion(watch::Receiver<Option<Result<(), String>>>);
+pub struct Completion(watch::Receiver<Option<Result<(), GroupError>>>);
 
 impl Completion {
     /// Resolves when every one of `pendings` is answered: Ok if all took
@@ -124,7 +139,7 @@ impl Completion {
         Self(receiver)
     }
 
-    pub fn resolved(result: Result<(), String>) -> Self {
+    pub fn resolved(result: Result<(), GroupError>) -> Self {
         Self(watch::channel(Some(result)).1)
     }
 
@@ -137,10 +152,10 @@ impl Completion {
         self.0.borrow().is_some()
     }
 
-    pub async fn wait(mut self) -> Result<(), String> {
+    pub async fn wait(mut self) -> Result<(), GroupError> {
         match self.0.wait_for(Option::is_some).await {
             Ok(result) => result.clone().expect("waited for an outcome"),
-            Err(_) => Err("TRYAGAIN the shard was closed".into()),
+            Err(_) => Err(GroupError::Retry("the shard was closed")),
         }
     }
 }
@@ -407,14 +422,14 @@ impl Agent {
         let Some(group) = self.group(shard) else {
             return operations
                 .iter()
-                .map(|_| Pending::Ready(ClientReply::Retry("this node does not serve the shard")))
+                .map(|_| Pending::Ready(ClientReply::Elsewhere("this node does not serve the shard")))
                 .collect();
         };
         let mut state = group.state.lock();
         if state.left {
             return operations
                 .iter()
-                .map(|_| Pending::Ready(ClientReply::Retry("this node left the shard")))
+                .map(|_| Pending::Ready(ClientReply::Elsewhere("this node left the shard")))
                 .collect();
         }
         let mut fx = Effects::new(self.now());
@@ -578,7 +593,7 @@ impl Agent {
             state.left = true;
             let unanswered = state.waiting.len();
             for (_, waiter) in state.waiting.drain() {
-                let _ = waiter.send(ClientReply::Retry("this node left the shard"));
+                let _ = waiter.send(ClientReply::Elsewhere("this node left the shard"));
             }
             self.uncommitted.fetch_sub(unanswered, Ordering::Relaxed);
             self.room.notify_waiters();

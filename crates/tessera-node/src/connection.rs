@@ -202,7 +202,7 @@ impl Connection {
         let mut copied = 0;
         for (start, end, message) in failures {
             self.out.raw(&replies[copied..start]);
-            self.out.error(&message);
+            self.out.error(&message.to_string());
             copied = end;
         }
         self.out.raw(&replies[copied..]);

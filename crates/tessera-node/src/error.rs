@@ -1,6 +1,7 @@
 //! Errors a command can answer with. Each maps to the Redis error line a client
 //! expects (its first word is the error code).
 
+use tessera_cluster::agent::GroupError;
 use tessera_engine::EngineError;
 
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +45,9 @@ pub enum CommandError {
     Coded(String),
     #[error("ERR engine error: {0}")]
     Engine(#[from] EngineError),
+    /// A replica group's answer (a cluster node).
+    #[error(transparent)]
+    Group(#[from] GroupError),
 }
 
 pub type CommandResult<T = ()> = Result<T, CommandError>;

@@ -507,14 +507,14 @@ impl ChainReplication {
                 fx.send(tail, PeerMessage::new(&message));
                 return;
             }
-            Consistency::Strong => ClientReply::Retry("strong reads go to the tail"),
+            Consistency::Strong => ClientReply::Elsewhere("strong reads go to the tail"),
         };
         fx.reply(request, reply);
     }
 
     fn on_write(&mut self, request: RequestId, operation: Operation, fx: &mut Effects) {
         if self.predecessor().is_some() {
-            return fx.reply(request, ClientReply::Retry("writes go to the head"));
+            return fx.reply(request, ClientReply::Elsewhere("writes go to the head"));
         }
         let alone = self.successor().is_none();
         // A head that is also the tail commits alone, so it needs the lease.
@@ -608,7 +608,7 @@ impl ChainReplication {
 impl Protocol for ChainReplication {
     fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
         if self.position().is_none() {
-            return fx.reply(request.id, ClientReply::Retry("not a replica of this shard"));
+            return fx.reply(request.id, ClientReply::Elsewhere("not a replica of this shard"));
         }
         if refused_without_quorum(&request, fx) {
             return;
@@ -888,7 +888,7 @@ mod tests {
             fx.take(),
             vec![Effect::Reply {
                 request: RequestId(1),
-                reply: ClientReply::Retry("strong reads go to the tail")
+                reply: ClientReply::Elsewhere("strong reads go to the tail")
             }]
         );
         let mut tail = replica(3);

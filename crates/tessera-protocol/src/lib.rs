@@ -83,7 +83,7 @@ pub enum Operation {
     },
     /// Writes `write` if the key's newest record is still the one fetched
     /// (`expected`: its version and origin; `None`: there was none); answers
-    /// `Retry`, without effect, if it changed. Quorum protocols only.
+    /// `Changed`, without effect, if it changed. Quorum protocols only.
     WriteIf {
         key: Bytes,
         expected: Option<(Version, NodeId)>,
@@ -125,10 +125,16 @@ pub enum ClientReply {
     Value(Option<Bytes>),
     /// A put or delete took effect.
     Written,
-    /// This replica cannot serve the request now (not the head, lease expired,
-    /// view changing); the client should ask the coordinator and try again. The
-    /// operation did not take effect.
+    /// Another member serves this request (writes go to the head, strong
+    /// reads to the tail, and this replica may not be a member at all): the
+    /// client should learn the group's view again. No effect.
+    Elsewhere(&'static str),
+    /// This replica serves the request but cannot now (its lease expired, a
+    /// tail hands over, no majority answered): try again shortly. No effect.
     Retry(&'static str),
+    /// A conditional write found the key's newest record changed since it
+    /// was fetched: no effect; fetch again and recompute.
+    Changed,
     /// The operation failed and did not take effect (an increment of a value
     /// that is not an integer, an engine error).
     Failed(String),

@@ -540,7 +540,7 @@ impl MultiMaster {
 impl Protocol for MultiMaster {
     fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
         if !self.is_member() {
-            return fx.reply(request.id, ClientReply::Retry("not a replica of this shard"));
+            return fx.reply(request.id, ClientReply::Elsewhere("not a replica of this shard"));
         }
         if refused_without_quorum(&request, fx) {
             return;

@@ -238,7 +238,7 @@ impl PrimaryBackup {
 
     fn on_write(&mut self, request: ClientRequest, fx: &mut Effects) {
         if !self.is_primary() {
-            return fx.reply(request.id, ClientReply::Retry("writes go to the primary"));
+            return fx.reply(request.id, ClientReply::Elsewhere("writes go to the primary"));
         }
         // A primary acknowledges alone, so it needs the lease.
         if !self.lease_valid(fx.now()) {
@@ -367,7 +367,7 @@ impl PrimaryBackup {
 impl Protocol for PrimaryBackup {
     fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
         if self.view.as_ref().and_then(|view| view.position(self.me)).is_none() {
-            return fx.reply(request.id, ClientReply::Retry("not a replica of this shard"));
+            return fx.reply(request.id, ClientReply::Elsewhere("not a replica of this shard"));
         }
         if refused_without_quorum(&request, fx) {
             return;
@@ -376,7 +376,7 @@ impl Protocol for PrimaryBackup {
             Operation::Get { key, consistency } => {
                 let reply = match consistency {
                     Consistency::Strong if !self.is_primary() => {
-                        ClientReply::Retry("strong reads go to the primary")
+                        ClientReply::Elsewhere("strong reads go to the primary")
                     }
                     Consistency::Strong if !self.lease_valid(fx.now()) => ClientReply::Retry("lease expired"),
                     _ => match self.read_local(key) {

@@ -76,9 +76,6 @@ impl Default for QuorumOptions {
 /// proposer's clock ran this far ahead of its own.
 const RESTART_PROMISE_MARGIN_MS: u64 = 10_000;
 
-/// The reason a conditional write answers `Retry` when its key changed.
-pub const CHANGED: &str = "the key changed since it was read";
-
 /// A ballot: the version a proposer stamps and the proposer. Ordered like the
 /// records it becomes.
 pub type Ballot = (Version, NodeId);
@@ -644,7 +641,7 @@ impl QuorumRegister {
                         Some(record) => (record.visible().cloned(), ClientReply::Value(current)),
                     },
                     Operation::WriteIf { expected, .. } if newest.as_ref().map(ballot_of) != *expected => {
-                        return self.finish(op, ClientReply::Retry(CHANGED), fx);
+                        return self.finish(op, ClientReply::Changed, fx);
                     }
                     Operation::WriteIf { write: Write::Put(value), .. } | Operation::Put { value, .. } => {
                         (Some(value.clone()), ClientReply::Written)
@@ -732,7 +729,7 @@ impl QuorumRegister {
 impl Protocol for QuorumRegister {
     fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
         if !self.is_member() {
-            return fx.reply(request.id, ClientReply::Retry("not a replica of this shard"));
+            return fx.reply(request.id, ClientReply::Elsewhere("not a replica of this shard"));
         }
         if let Operation::Get { key, consistency: Consistency::Eventual } = &request.operation {
             let reply = match self.accepted(key) {

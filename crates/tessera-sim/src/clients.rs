@@ -156,7 +156,10 @@ impl Simulation {
         let outcome = match reply {
             ClientReply::Value(value) => Outcome::Value(value),
             ClientReply::Written => Outcome::Written,
-            ClientReply::Retry(_) | ClientReply::Failed(_) => {
+            ClientReply::Elsewhere(_)
+            | ClientReply::Retry(_)
+            | ClientReply::Changed
+            | ClientReply::Failed(_) => {
                 // No effect: try something again shortly.
                 self.report.retried += 1;
                 let retry_at = self.now + 5 + self.clients[client].rng.below(10);

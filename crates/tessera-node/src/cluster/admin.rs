@@ -192,7 +192,7 @@ impl ClusterNode {
             Err(Refusal::Draining) => Err(retry("the group is still switching modes".into())),
             Ok((barrier, engine)) => {
                 if let Some(barrier) = barrier {
-                    barrier.wait().await.map_err(retry)?;
+                    barrier.wait().await?;
                 }
                 let keys = ordered_keys(&CapturingView::new(engine), part, limit, now_ms)?;
                 let in_flight: Vec<Completion> = self
@@ -203,7 +203,7 @@ impl ClusterNode {
                     .map(|(_, completion)| completion.clone())
                     .collect();
                 for completion in in_flight {
-                    completion.wait().await.map_err(retry)?;
+                    completion.wait().await?;
                 }
                 Ok(keys)
             }

@@ -7,7 +7,6 @@ use std::collections::HashMap;
 use bytes::Bytes;
 use tessera_cluster::agent::{outcome, Completion};
 use tessera_cluster::capture::CapturingView;
-use tessera_protocol::quorum::CHANGED;
 use tessera_protocol::{ClientReply, Operation, Record, Write};
 use tessera_wire::{ReplyWriter, Request};
 
@@ -298,7 +297,7 @@ async fn run_on_quorum(
         for pending in cluster.agent.begin_all(shard, operations) {
             match pending.answer().await {
                 ClientReply::Written | ClientReply::Value(_) => {}
-                ClientReply::Retry(reason) if reason == CHANGED => changed = true,
+                ClientReply::Changed => changed = true,
                 other => {
                     context.out.truncate(start);
                     return context.out.error(&failure(&other));
@@ -353,5 +352,7 @@ async fn fetch_records(
 
 /// The error for an answer that is not the success expected.
 fn failure(reply: &ClientReply) -> String {
-    outcome(reply).err().unwrap_or_else(|| "ERR unexpected answer from the group".into())
+    outcome(reply)
+        .err()
+        .map_or_else(|| "ERR unexpected answer from the group".into(), |error| error.to_string())
 }
