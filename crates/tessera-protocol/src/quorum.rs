@@ -1051,7 +1051,7 @@ mod tests {
         // Another member writes meanwhile: the write based on the old fetch is refused.
         client(&mut replicas, 2, put(4, "k", "other"), None);
         let stale = write_if(5, Some(ballot_of(&fetched)), "second");
-        assert!(matches!(client(&mut replicas, 1, stale, None).0[..], [ClientReply::Retry(_)]));
+        assert!(matches!(client(&mut replicas, 1, stale, None).0[..], [ClientReply::Changed]));
         assert_eq!(replicas[0].accepted(b"k").unwrap().unwrap().value, Bytes::from_static(b"other"));
         let (replies, _) = client(&mut replicas, 1, fetch(6), None);
         let [ClientReply::Value(Some(raw))] = &replies[..] else { panic!("a record") };
@@ -1098,7 +1098,7 @@ mod tests {
         outsider.on_view(&view(1, &[1, 2, 3]), &mut Effects::new(0));
         let mut fx = Effects::new(10);
         outsider.on_client(put(1, "k", "v"), &mut fx);
-        assert!(matches!(fx.take()[..], [Effect::Reply { reply: ClientReply::Retry(_), .. }]));
+        assert!(matches!(fx.take()[..], [Effect::Reply { reply: ClientReply::Elsewhere(_), .. }]));
     }
 }
 
