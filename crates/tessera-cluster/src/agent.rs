@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
 use tessera_engine::{Engine, EngineSpec};
 use tessera_protocol::{
@@ -63,14 +64,6 @@ pub enum Pending {
 }
 
 impl Pending {
-    /// The answer if it has already arrived.
-    fn now(&mut self) -> Option<ClientReply> {
-        match self {
-            Pending::Ready(reply) => Some(reply.clone()),
-            Pending::Waiting(receiver) => receiver.try_recv().ok(),
-        }
-    }
-
     pub async fn answer(self) -> ClientReply {
         match self {
             Pending::Ready(reply) => reply,
@@ -117,28 +110,6 @@ pub fn outcome(reply: &ClientReply) -> Result<(), GroupError> {
 pub struct Completion(watch::Receiver<Option<Result<(), GroupError>>>);
 
 impl Completion {
-    /// Resolves when every one of `pendings` is answered: Ok if all took
-    /// effect, the first failure otherwise. Waiting happens on a task of the
-    /// current runtime unless every answer is already in.
-    pub fn of(mut pendings: Vec<Pending>) -> Self {
-        let answered: Option<Vec<ClientReply>> = pendings.iter_mut().map(Pending::now).collect();
-        if let Some(replies) = answered {
-            return Self::resolved(replies.iter().try_for_each(outcome));
-        }
-        let (sender, receiver) = watch::channel(None);
-        tokio::spawn(async move {
-            let mut result = Ok(());
-            for pending in pendings {
-                let reply = pending.answer().await;
-                if result.is_ok() {
-                    result = outcome(&reply);
-                }
-            }
-            let _ = sender.send(Some(result));
-        });
-        Self(receiver)
-    }
-
     pub fn resolved(result: Result<(), GroupError>) -> Self {
         Self(watch::channel(Some(result)).1)
     }
@@ -169,12 +140,77 @@ pub struct Group {
 struct GroupState {
     replica: Replica,
     /// Requests handed to the driver, until answered.
-    waiting: HashMap<RequestId, oneshot::Sender<ClientReply>>,
+    waiting: HashMap<RequestId, Waiter>,
+    /// Commands whose writes are not all answered yet.
+    batches: HashMap<u64, Batch>,
+    next_batch: u64,
+    /// The newest write not yet known to have committed on each client key,
+    /// by batch: a strong request on the key waits for it.
+    in_flight: HashMap<Bytes, (u64, Completion)>,
     /// The outcome of the barrier a new head ordered, which strong reads
     /// wait for.
     barrier: Option<(RequestId, Completion)>,
     /// The node left the group: nothing more is submitted to it.
     left: bool,
+}
+
+impl GroupState {
+    fn answer_batch(&mut self, batch: u64, reply: &ClientReply) {
+        let Some(open) = self.batches.get_mut(&batch) else { return };
+        if open.result.is_ok() {
+            open.result = outcome(reply);
+        }
+        open.remaining -= 1;
+        if open.remaining > 0 {
+            return;
+        }
+        let open = self.batches.remove(&batch).expect("found above");
+        if open.result.is_ok() {
+            // Committed: strong requests on these keys need not wait. A
+            // failure stays until the next tick, so that reads which saw the
+            // write fail with it.
+            for key in &open.keys {
+                if self.in_flight.get(key).is_some_and(|(newest, _)| *newest == batch) {
+                    self.in_flight.remove(key);
+                }
+            }
+        }
+        let _ = open.done.send(Some(open.result));
+    }
+
+    /// Fails every request still waiting (the node left the group); returns
+    /// how many there were.
+    fn abandon(&mut self) -> usize {
+        let unanswered = self.waiting.len();
+        let reply = ClientReply::Elsewhere("this node left the shard");
+        for (_, waiter) in std::mem::take(&mut self.waiting) {
+            match waiter {
+                Waiter::Caller(sender) => {
+                    let _ = sender.send(reply.clone());
+                }
+                Waiter::Batch(batch) => self.answer_batch(batch, &reply),
+            }
+        }
+        unanswered
+    }
+}
+
+/// Who waits for a request's answer.
+enum Waiter {
+    /// A caller who wants the answer itself (a quorum fetch).
+    Caller(oneshot::Sender<ClientReply>),
+    /// One write of a command, whose batch resolves once all have answered.
+    Batch(u64),
+}
+
+/// A command's writes, resolved once every one has answered: Ok if all took
+/// effect, the first failure otherwise.
+struct Batch {
+    remaining: usize,
+    result: Result<(), GroupError>,
+    done: watch::Sender<Option<Result<(), GroupError>>>,
+    /// The client keys it marked in flight.
+    keys: Vec<Bytes>,
 }
 
 /// What a request needs to know of its group, read under one lock.
@@ -414,37 +450,103 @@ impl Agent {
         })
     }
 
-    /// Hands a command's operations to a group's driver in one step, so that
-    /// no view change falls between them: all in one view, or none. Writes
-    /// are ordered (and applied at the head) before this returns; the
-    /// answers follow.
+    /// Hands operations to a group's driver in one step, so that no view
+    /// change falls between them: all in one view, or none. The answers
+    /// follow, each to its caller (a quorum's fetches and conditional writes,
+    /// whose values matter).
     pub fn begin_all(&self, shard: u32, operations: Vec<Operation>) -> Vec<Pending> {
+        let refused = |reply: ClientReply| operations.iter().map(|_| Pending::Ready(reply.clone())).collect();
         let Some(group) = self.group(shard) else {
-            return operations
-                .iter()
-                .map(|_| Pending::Ready(ClientReply::Elsewhere("this node does not serve the shard")))
-                .collect();
+            return refused(ClientReply::Elsewhere("this node does not serve the shard"));
         };
         let mut state = group.state.lock();
         if state.left {
-            return operations
-                .iter()
-                .map(|_| Pending::Ready(ClientReply::Elsewhere("this node left the shard")))
-                .collect();
+            return refused(ClientReply::Elsewhere("this node left the shard"));
         }
         let mut fx = Effects::new(self.now());
         let ids = state.replica.submit(operations, &mut fx);
-        let pendings = ids.into_iter().map(|id| Pending::Waiting(self.register(&mut state, id))).collect();
+        let pendings = ids
+            .into_iter()
+            .map(|id| {
+                let (sender, receiver) = oneshot::channel();
+                self.register(&mut state, id, Waiter::Caller(sender));
+                Pending::Waiting(receiver)
+            })
+            .collect();
         self.run_effects(shard, &mut state, fx);
         pendings
     }
 
-    /// Where the answer to request `id` will arrive.
-    fn register(&self, state: &mut GroupState, id: RequestId) -> oneshot::Receiver<ClientReply> {
-        let (sender, receiver) = oneshot::channel();
-        state.waiting.insert(id, sender);
+    /// Hands a command's writes to a group's driver in one step (all in one
+    /// view, or none; ordered, and applied at the head, before this returns)
+    /// and marks `keys`, the command's own, as in flight until they commit.
+    /// The completion resolves once every write has answered.
+    pub fn begin_batch<'k>(
+        &self,
+        shard: u32,
+        keys: impl Iterator<Item = &'k [u8]>,
+        operations: Vec<Operation>,
+    ) -> Completion {
+        let refused = |why| Completion::resolved(Err(GroupError::Retry(why)));
+        let Some(group) = self.group(shard) else { return refused("this node does not serve the shard") };
+        let mut state = group.state.lock();
+        if state.left {
+            return refused("this node left the shard");
+        }
+        let mut fx = Effects::new(self.now());
+        let ids = state.replica.submit(operations, &mut fx);
+        let completion = self.open_batch(&mut state, ids);
+        let batch = state.next_batch - 1;
+        if let Some(open) = state.batches.get_mut(&batch) {
+            open.keys = keys.map(Bytes::copy_from_slice).collect();
+            let keys = open.keys.clone();
+            for key in keys {
+                state.in_flight.insert(key, (batch, completion.clone()));
+            }
+        }
+        self.run_effects(shard, &mut state, fx);
+        completion
+    }
+
+    /// The writes still in flight on `keys` of a group: a strong request on
+    /// them answers only once these commit.
+    pub fn in_flight<'k>(&self, shard: u32, keys: impl Iterator<Item = &'k [u8]>) -> Vec<Completion> {
+        let Some(group) = self.group(shard) else { return Vec::new() };
+        let state = group.state.lock();
+        keys.filter_map(|key| state.in_flight.get(key)).map(|(_, completion)| completion.clone()).collect()
+    }
+
+    /// The writes still in flight on a group's keys within `range`.
+    pub fn in_flight_within(&self, shard: u32, range: &tessera_engine::KeyRange) -> Vec<Completion> {
+        let Some(group) = self.group(shard) else { return Vec::new() };
+        let state = group.state.lock();
+        state
+            .in_flight
+            .iter()
+            .filter(|(key, _)| range.contains(key))
+            .map(|(_, (_, completion))| completion.clone())
+            .collect()
+    }
+
+    /// A batch for requests `ids`, answered or not.
+    fn open_batch(&self, state: &mut GroupState, ids: Vec<RequestId>) -> Completion {
+        let (done, receiver) = watch::channel(None);
+        let batch = state.next_batch;
+        state.next_batch += 1;
+        if ids.is_empty() {
+            let _ = done.send(Some(Ok(())));
+            return Completion(receiver);
+        }
+        state.batches.insert(batch, Batch { remaining: ids.len(), result: Ok(()), done, keys: Vec::new() });
+        for id in ids {
+            self.register(state, id, Waiter::Batch(batch));
+        }
+        Completion(receiver)
+    }
+
+    fn register(&self, state: &mut GroupState, id: RequestId, waiter: Waiter) {
+        state.waiting.insert(id, waiter);
         self.uncommitted.fetch_add(1, Ordering::Relaxed);
-        receiver
     }
 
     /// Returns once fewer than `max_uncommitted_writes` requests wait for
@@ -528,9 +630,13 @@ impl Agent {
             match effect {
                 Effect::Send { to, message } => self.links.send(to, shard, &message),
                 Effect::Reply { request, reply } => {
-                    if let Some(waiter) = state.waiting.remove(&request) {
-                        let _ = waiter.send(reply);
-                        answered += 1;
+                    let Some(waiter) = state.waiting.remove(&request) else { continue };
+                    answered += 1;
+                    match waiter {
+                        Waiter::Caller(sender) => {
+                            let _ = sender.send(reply);
+                        }
+                        Waiter::Batch(batch) => state.answer_batch(batch, &reply),
                     }
                 }
             }
@@ -554,6 +660,9 @@ impl Agent {
         let state = GroupState {
             replica: Replica::new(config, engine, mode),
             waiting: HashMap::new(),
+            batches: HashMap::new(),
+            next_batch: 1,
+            in_flight: HashMap::new(),
             barrier: None,
             left: false,
         };
@@ -591,10 +700,7 @@ impl Agent {
             tracing::info!(shard = group.id, "no longer granted this shard; leaving it");
             let mut state = group.state.lock();
             state.left = true;
-            let unanswered = state.waiting.len();
-            for (_, waiter) in state.waiting.drain() {
-                let _ = waiter.send(ClientReply::Elsewhere("this node left the shard"));
-            }
+            let unanswered = state.abandon();
             self.uncommitted.fetch_sub(unanswered, Ordering::Relaxed);
             self.room.notify_waiters();
         }
@@ -612,8 +718,8 @@ impl Agent {
             }
             if let Some(request) = state.replica.barrier_pending() {
                 if state.barrier.as_ref().is_none_or(|(barrier, _)| *barrier != request) {
-                    let answer = self.register(&mut state, request);
-                    state.barrier = Some((request, Completion::of(vec![Pending::Waiting(answer)])));
+                    let completion = self.open_batch(&mut state, vec![request]);
+                    state.barrier = Some((request, completion));
                 }
             }
             self.run_effects(shard, &mut state, fx);
@@ -808,6 +914,7 @@ async fn tick_loop(agent: std::sync::Weak<Agent>) {
             let mut fx = Effects::new(agent.now());
             state.replica.on_tick(&mut fx);
             agent.run_effects(group.id, &mut state, fx);
+            state.in_flight.retain(|_, (_, completion)| !completion.is_done());
         }
         drop(agent);
         tokio::time::sleep(interval).await;

@@ -106,10 +106,10 @@ impl Server {
         }
         let sweeper_stop = Arc::new(AtomicBool::new(false));
         let sweeper = {
-            let (store, cluster, stop) = (store.clone(), cluster.clone(), sweeper_stop.clone());
+            let (store, stop) = (store.clone(), sweeper_stop.clone());
             thread::Builder::new()
                 .name("tessera-expiry".into())
-                .spawn(move || sweep_expired(store, cluster, stop))
+                .spawn(move || sweep_expired(store, stop))
                 .map_err(ServerError::Thread)?
         };
         Ok(Self { store, local_addr, stop, workers, sweeper_stop, sweeper: Some(sweeper) })
@@ -228,13 +228,10 @@ async fn reject(mut stream: TcpStream) {
     let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
 }
 
-fn sweep_expired(store: Arc<Store>, cluster: Option<Arc<ClusterNode>>, stop: Arc<AtomicBool>) {
+fn sweep_expired(store: Arc<Store>, stop: Arc<AtomicBool>) {
     let interval = Duration::from_millis(store.config.expiry_sweep_interval_ms);
     while !stop.load(Ordering::Relaxed) {
         thread::sleep(interval);
         store.sweep_expired(store.config.expiry_sweep_entries);
-        if let Some(cluster) = &cluster {
-            cluster.purge_finished();
-        }
     }
 }

@@ -195,14 +195,7 @@ impl ClusterNode {
                     barrier.wait().await?;
                 }
                 let keys = ordered_keys(&CapturingView::new(engine), part, limit, now_ms)?;
-                let in_flight: Vec<Completion> = self
-                    .in_flight
-                    .lock()
-                    .iter()
-                    .filter(|(key, completion)| part.contains(key) && !completion.succeeded())
-                    .map(|(_, completion)| completion.clone())
-                    .collect();
-                for completion in in_flight {
+                for completion in self.agent.in_flight_within(shard, part) {
                     completion.wait().await?;
                 }
                 Ok(keys)
@@ -340,10 +333,9 @@ impl ClusterNode {
     /// emptied, as a cluster client's FLUSHALL to every primary expects).
     /// Every key's lock is held while the deletes are ordered, and reads of the
     /// deleted keys wait for them to commit, as for any write.
-    pub fn flush_headed(&self, store: &Store) -> CommandResult<Completion> {
+    pub fn flush_headed(&self, store: &Store) -> CommandResult<Vec<Completion>> {
         let _all = store.lock_all();
-        let mut pendings = Vec::new();
-        let mut deleted = Vec::new();
+        let mut completions = Vec::new();
         for group in self.agent.shards().into_keys() {
             let (true, Some(engine)) = (self.heads(group), self.agent.engine(group)) else {
                 continue;
@@ -360,13 +352,10 @@ impl ClusterNode {
                 }
             }
             let deletes = keys.iter().map(|key| Operation::Delete { key: key.clone() }).collect();
-            pendings.extend(self.agent.begin_all(group, deletes));
-            deleted.extend(keys);
+            let client_keys = keys.iter().map(|key| key.as_ref()).filter(|key| !reserved::is_reserved(key));
+            completions.push(self.agent.begin_batch(group, client_keys, deletes));
         }
-        let completion = Completion::of(pendings);
-        let client_keys = deleted.iter().map(|key| key.as_ref()).filter(|key| !reserved::is_reserved(key));
-        self.mark_in_flight(client_keys, &completion);
-        Ok(completion)
+        Ok(completions)
     }
 
     /// Whether this node is a group's first member: where node-wide commands

@@ -16,14 +16,11 @@ pub use forward::Forwarder;
 pub use placement::Placement;
 pub use serve::{serve, Held};
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use bytes::Bytes;
-use parking_lot::Mutex;
-use tessera_cluster::agent::{Agent, AgentConfig, Completion};
+use tessera_cluster::agent::{Agent, AgentConfig};
 use tessera_engine::{EngineKind, EngineSpec};
 
 use crate::config::Config;
@@ -34,9 +31,6 @@ const INCARNATION_FILE: &str = "cluster-incarnation";
 
 pub struct ClusterNode {
     pub membership: Membership,
-    /// Writes not yet known to be committed, by the client key they changed:
-    /// a strong read of the key waits for them before it answers.
-    in_flight: Mutex<HashMap<Bytes, Completion>>,
     /// The engine of the default table's groups.
     engine: EngineSpec,
     /// Runs the agent's loops; dropped with the node.
@@ -89,36 +83,7 @@ impl ClusterNode {
         let agent = runtime.block_on(Agent::start(agent_config))?;
         let address = format!("{}:{}", config.bind, client_address.port());
         tracing::info!(node = settings.node, incarnation, %address, "joined cluster {}", settings.id);
-        Ok(Self {
-            membership: Membership { agent, address },
-            in_flight: Mutex::new(HashMap::new()),
-            engine,
-            _runtime: runtime,
-        })
-    }
-
-    /// The uncommitted writes a strong request on `key` must wait for.
-    pub fn in_flight(&self, key: &[u8]) -> Option<Completion> {
-        let mut in_flight = self.in_flight.lock();
-        let completion = in_flight.get(key)?;
-        if completion.succeeded() {
-            in_flight.remove(key);
-            return None;
-        }
-        Some(completion.clone())
-    }
-
-    /// Records a command's writes as the newest on each of its keys.
-    pub fn mark_in_flight<'k>(&self, keys: impl Iterator<Item = &'k [u8]>, completion: &Completion) {
-        let mut in_flight = self.in_flight.lock();
-        for key in keys {
-            in_flight.insert(Bytes::copy_from_slice(key), completion.clone());
-        }
-    }
-
-    /// Forgets writes that have finished (called periodically).
-    pub fn purge_finished(&self) {
-        self.in_flight.lock().retain(|_, completion| !completion.is_done());
+        Ok(Self { membership: Membership { agent, address }, engine, _runtime: runtime })
     }
 }
 

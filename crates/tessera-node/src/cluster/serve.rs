@@ -106,9 +106,10 @@ fn serve_flush(cluster: &ClusterNode, context: &mut Context<'_>, request: &Reque
     }
     let start = context.out.len();
     match cluster.flush_headed(context.store) {
-        Ok(completion) => {
+        Ok(mut completions) => {
             context.out.ok();
-            (!completion.succeeded()).then(|| Held { start, end: context.out.len(), waits: vec![completion] })
+            completions.retain(|completion| !completion.succeeded());
+            (!completions.is_empty()).then(|| Held { start, end: context.out.len(), waits: completions })
         }
         Err(error) => {
             context.out.error(&error.to_string());
@@ -200,7 +201,7 @@ async fn serve_keyed(
                 // replication before the locks go, so they are ordered as run.
                 let _locks = strong.then(|| context.store.lock_keys(keys()));
                 if strong {
-                    waits.extend(keys().filter_map(|key| cluster.in_flight(key)));
+                    waits.extend(cluster.agent.in_flight(shard, keys()));
                 }
                 dispatch(&mut context.over(&view, strong), request);
                 let writes = view.take();
@@ -212,11 +213,7 @@ async fn serve_keyed(
                             Write::Delete => Operation::Delete { key },
                         })
                         .collect();
-                    let completion = Completion::of(cluster.agent.begin_all(shard, operations));
-                    if !completion.is_done() {
-                        cluster.mark_in_flight(keys(), &completion);
-                    }
-                    waits.push(completion);
+                    waits.push(cluster.agent.begin_batch(shard, keys(), operations));
                 } else if !writes.is_empty() {
                     tracing::error!(
                         command = spec.name,
