@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs what the tests need (redis-server, redis-cli, etcd, redis-py, pytest,
-# go-ycsb) and
+# Installs what the tests need (redis-server, redis-cli, etcd, go-ycsb; redis-py
+# and pytest in a virtual environment under target/) and
 # runs every check: formatting, lints, unit and property tests, the engine
 # conformance suite, and integration tests with real clients against the real
 # binary. CI runs exactly this (.ci/run).
@@ -19,8 +19,16 @@ if [ ${#missing[@]} -gt 0 ]; then
     as_root apt-get update -qq
     DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
-echo "== installing Python test clients"
-python3 -m pip install -q --disable-pip-version-check -r tests/python/requirements.txt
+echo "== installing Python test clients (in a virtual environment)"
+VENV="$PWD/target/test-venv"
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV" || {
+        as_root apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq python3-venv >/dev/null
+        python3 -m venv "$VENV"
+    }
+fi
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -r tests/python/requirements.txt
 
 echo "== building go-ycsb from the Go module proxy"
 scripts/build-go-ycsb.sh
@@ -36,4 +44,4 @@ cargo clippy --all-targets --release -- -D warnings
 echo "== cargo test"
 cargo test --release --workspace
 echo "== redis-py integration tests"
-TESSERA_BIN="$PWD/target/release/tessera" python3 -m pytest -q tests/python
+TESSERA_BIN="$PWD/target/release/tessera" "$VENV/bin/python" -m pytest -q tests/python

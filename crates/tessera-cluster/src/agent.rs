@@ -827,6 +827,9 @@ fn parse_grants(reply: Value) -> Option<(u64, Vec<Grant>)> {
             Value::Bulk(name) => Mode::named(std::str::from_utf8(name).ok()?)?,
             _ => return None,
         };
+        if !view.is_well_formed() {
+            return None; // the coordinator never makes one: a confused or forged answer
+        }
         grants.push((fields.first()?.as_integer()? as u32, view, mode));
     }
     Some((epoch, grants))
@@ -941,6 +944,28 @@ async fn peer_loop(agent: std::sync::Weak<Agent>, mut incoming: mpsc::UnboundedR
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grants_naming_a_node_twice_or_no_member_are_refused() {
+        let grant = |members: &[i64], learners: &[i64]| {
+            let nodes = |ids: &[i64]| Value::Array(ids.iter().map(|id| Value::Integer(*id)).collect());
+            Value::Array(vec![
+                Value::Integer(3),
+                Value::Array(vec![Value::Array(vec![
+                    Value::Integer(0),
+                    Value::Integer(2),
+                    nodes(members),
+                    nodes(learners),
+                    Value::Integer(0),
+                    Value::Bulk(Bytes::from_static(b"chain")),
+                ])]),
+            ])
+        };
+        assert_eq!(parse_grants(grant(&[1, 2], &[3])).map(|(_, grants)| grants.len()), Some(1));
+        assert!(parse_grants(grant(&[1, 2], &[2])).is_none());
+        assert!(parse_grants(grant(&[1, 1], &[])).is_none());
+        assert!(parse_grants(grant(&[], &[3])).is_none());
+    }
 
     #[test]
     fn peers_listen_ten_thousand_ports_up() {

@@ -174,6 +174,17 @@ impl ShardView {
     pub fn position(&self, node: NodeId) -> Option<usize> {
         self.replicas.iter().position(|replica| *replica == node)
     }
+
+    /// At least one member, and no node named twice among members and
+    /// learners: what every view a coordinator makes satisfies. A driver
+    /// checks it of what arrives from the network before handing it on.
+    pub fn is_well_formed(&self) -> bool {
+        let mut nodes: Vec<NodeId> = self.replicas.iter().chain(&self.learners).copied().collect();
+        nodes.sort_unstable();
+        let count = nodes.len();
+        nodes.dedup();
+        !self.replicas.is_empty() && nodes.len() == count
+    }
 }
 
 /// Opens a message for protocol `M`: `None`, silently, for another

@@ -218,7 +218,7 @@ impl PrimaryBackup {
     }
 
     fn apply(&mut self, entry: LogEntry) -> Result<(), String> {
-        debug_assert_eq!(entry.seq, self.applied + 1);
+        assert_eq!(entry.seq, self.applied + 1, "entries are applied in number order");
         let result = match &entry.write {
             Write::Put(value) => {
                 let record = Record::value(Version(entry.seq), entry.origin, value.clone());

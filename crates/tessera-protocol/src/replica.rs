@@ -264,6 +264,7 @@ impl Replica {
     /// never takes the group back.
     pub fn on_grant(&mut self, asked_at: Time, view: ShardView, mode: Mode, fx: &mut Effects) {
         assert!(asked_at <= fx.now(), "a lease asked for at {asked_at} granted at {}", fx.now());
+        assert!(view.is_well_formed(), "a malformed view reached the driver: {view:?}");
         self.lease_until = self.lease_until.max(asked_at + self.config.lease_ms);
         let view = ShardView { lease_until: self.lease_until, ..view };
         let newer = view.number > self.view.number;
@@ -295,7 +296,7 @@ impl Replica {
             self.protocol.on_client(ClientRequest { id, operation: barrier }, fx);
         }
         self.note_replies(mark, fx);
-        debug_assert!(self.lease_until <= fx.now() + self.config.lease_ms, "a lease past what was granted");
+        assert!(self.lease_until <= fx.now() + self.config.lease_ms, "a lease past what was granted");
     }
 
     pub fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) -> Heard {
