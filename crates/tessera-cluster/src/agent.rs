@@ -495,15 +495,7 @@ impl Agent {
         }
         let mut fx = Effects::new(self.now());
         let ids = state.replica.submit(operations, &mut fx);
-        let completion = self.open_batch(&mut state, ids);
-        let batch = state.next_batch - 1;
-        if let Some(open) = state.batches.get_mut(&batch) {
-            open.keys = keys.map(Bytes::copy_from_slice).collect();
-            let keys = open.keys.clone();
-            for key in keys {
-                state.in_flight.insert(key, (batch, completion.clone()));
-            }
-        }
+        let completion = self.open_batch(&mut state, ids, keys.map(Bytes::copy_from_slice).collect());
         self.run_effects(shard, &mut state, fx);
         completion
     }
@@ -528,20 +520,25 @@ impl Agent {
             .collect()
     }
 
-    /// A batch for requests `ids`, answered or not.
-    fn open_batch(&self, state: &mut GroupState, ids: Vec<RequestId>) -> Completion {
+    /// A batch for requests `ids`, which marks client keys `keys` in flight
+    /// until it resolves.
+    fn open_batch(&self, state: &mut GroupState, ids: Vec<RequestId>, keys: Vec<Bytes>) -> Completion {
         let (done, receiver) = watch::channel(None);
-        let batch = state.next_batch;
-        state.next_batch += 1;
+        let completion = Completion(receiver);
         if ids.is_empty() {
             let _ = done.send(Some(Ok(())));
-            return Completion(receiver);
+            return completion;
         }
-        state.batches.insert(batch, Batch { remaining: ids.len(), result: Ok(()), done, keys: Vec::new() });
+        let batch = state.next_batch;
+        state.next_batch += 1;
+        for key in &keys {
+            state.in_flight.insert(key.clone(), (batch, completion.clone()));
+        }
+        state.batches.insert(batch, Batch { remaining: ids.len(), result: Ok(()), done, keys });
         for id in ids {
             self.register(state, id, Waiter::Batch(batch));
         }
-        Completion(receiver)
+        completion
     }
 
     fn register(&self, state: &mut GroupState, id: RequestId, waiter: Waiter) {
@@ -718,7 +715,7 @@ impl Agent {
             }
             if let Some(request) = state.replica.barrier_pending() {
                 if state.barrier.as_ref().is_none_or(|(barrier, _)| *barrier != request) {
-                    let completion = self.open_batch(&mut state, vec![request]);
+                    let completion = self.open_batch(&mut state, vec![request], Vec::new());
                     state.barrier = Some((request, completion));
                 }
             }
