@@ -109,9 +109,8 @@ pub struct Replica {
     engine: Arc<dyn Engine>,
     mode: Mode,
     protocol: Switchable,
-    /// The newest view granted, its lease folded in.
+    /// The newest view granted, its lease (the latest any grant gave) folded in.
     view: ShardView,
-    lease_until: Time,
     /// None until this replica heads a view of a master–slave group.
     barrier: Option<BarrierState>,
     next_request: u64,
@@ -134,7 +133,7 @@ impl Replica {
             lease_until: 0,
             draining: false,
         };
-        Self { config, engine, mode, protocol, view, lease_until: 0, barrier: None, next_request: 1 }
+        Self { config, engine, mode, protocol, view, barrier: None, next_request: 1 }
     }
 
     pub fn mode(&self) -> Mode {
@@ -150,7 +149,7 @@ impl Replica {
     }
 
     pub fn lease_until(&self) -> Time {
-        self.lease_until
+        self.view.lease_until
     }
 
     pub fn progress(&self) -> Progress {
@@ -221,7 +220,7 @@ impl Replica {
         if position != 0 {
             return Err(Refusal::NotOwner);
         }
-        if self.lease_until <= now {
+        if self.view.lease_until <= now {
             return Err(Refusal::LeaseExpired);
         }
         match self.barrier {
@@ -265,8 +264,8 @@ impl Replica {
     pub fn on_grant(&mut self, asked_at: Time, view: ShardView, mode: Mode, fx: &mut Effects) {
         assert!(asked_at <= fx.now(), "a lease asked for at {asked_at} granted at {}", fx.now());
         assert!(view.is_well_formed(), "a malformed view reached the driver: {view:?}");
-        self.lease_until = self.lease_until.max(asked_at + self.config.lease_ms);
-        let view = ShardView { lease_until: self.lease_until, ..view };
+        let lease_until = self.view.lease_until.max(asked_at + self.config.lease_ms);
+        let view = ShardView { lease_until, ..view };
         let newer = view.number > self.view.number;
         if newer && mode != self.mode && !view.draining {
             // The view that ends a transition: the new mode's protocol takes
@@ -280,11 +279,12 @@ impl Replica {
         let mark = fx.as_slice().len();
         let heads_anew = newer && view.position(self.config.me) == Some(0) && !self.mode.active_active;
         self.protocol.on_view(&view, fx);
+        // A late grant of an older view renews the lease, never the view:
+        // view numbers only grow.
         if newer {
-            assert!(view.number > self.view.number, "view numbers only grow");
             self.view = view;
         } else {
-            self.view.lease_until = self.lease_until;
+            self.view.lease_until = lease_until;
         }
         if heads_anew {
             // A head that has just taken over may hold writes its predecessor
@@ -296,7 +296,7 @@ impl Replica {
             self.protocol.on_client(ClientRequest { id, operation: barrier }, fx);
         }
         self.note_replies(mark, fx);
-        assert!(self.lease_until <= fx.now() + self.config.lease_ms, "a lease past what was granted");
+        assert!(self.view.lease_until <= fx.now() + self.config.lease_ms, "a lease past what was granted");
     }
 
     pub fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) -> Heard {
