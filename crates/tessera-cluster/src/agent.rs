@@ -132,8 +132,8 @@ impl Completion {
 }
 
 /// One replica group on this node.
-pub struct Group {
-    pub id: u32,
+struct Group {
+    id: u32,
     state: Mutex<GroupState>,
 }
 
@@ -217,7 +217,6 @@ struct Batch {
 pub struct GroupSnapshot {
     pub mode: Mode,
     pub engine: Arc<dyn Engine>,
-    pub role: Option<Role>,
     pub write: Result<(), Refusal>,
     /// A strong read from this node's copy, and what its answer waits for.
     pub strong_read: Result<Option<Completion>, Refusal>,
@@ -418,7 +417,7 @@ impl Agent {
         self.groups.read().clone()
     }
 
-    pub fn group(&self, shard: u32) -> Option<Arc<Group>> {
+    fn group(&self, shard: u32) -> Option<Arc<Group>> {
         self.groups.read().get(&shard).cloned()
     }
 
@@ -432,7 +431,8 @@ impl Agent {
         let group = self.group(shard)?;
         let state = group.state.lock();
         let replica = &state.replica;
-        let strong_read = replica.check_read(true, self.now()).map(|gate| match gate {
+        let now = self.now();
+        let strong_read = replica.check_read(true, now).map(|gate| match gate {
             ReadGate::Open => None,
             ReadGate::AfterBarrier(request) => state
                 .barrier
@@ -443,10 +443,9 @@ impl Agent {
         Some(GroupSnapshot {
             mode: replica.mode(),
             engine: replica.engine().clone(),
-            role: replica.role(),
             write: replica.check_write(),
             strong_read,
-            eventual_read: replica.check_read(false, self.now()).map(drop),
+            eventual_read: replica.check_read(false, now).map(drop),
         })
     }
 
@@ -455,26 +454,17 @@ impl Agent {
     /// follow, each to its caller (a quorum's fetches and conditional writes,
     /// whose values matter).
     pub fn begin_all(&self, shard: u32, operations: Vec<Operation>) -> Vec<Pending> {
-        let refused = |reply: ClientReply| operations.iter().map(|_| Pending::Ready(reply.clone())).collect();
-        let Some(group) = self.group(shard) else {
-            return refused(ClientReply::Elsewhere("this node does not serve the shard"));
-        };
-        let mut state = group.state.lock();
-        if state.left {
-            return refused(ClientReply::Elsewhere("this node left the shard"));
-        }
-        let mut fx = Effects::new(self.now());
-        let ids = state.replica.submit(operations, &mut fx);
-        let pendings = ids
-            .into_iter()
-            .map(|id| {
-                let (sender, receiver) = oneshot::channel();
-                self.register(&mut state, id, Waiter::Caller(sender));
-                Pending::Waiting(receiver)
-            })
-            .collect();
-        self.run_effects(shard, &mut state, fx);
-        pendings
+        let count = operations.len();
+        let begun = self.begin(shard, operations, |agent, state, ids| {
+            ids.into_iter()
+                .map(|id| {
+                    let (sender, receiver) = oneshot::channel();
+                    agent.register(state, id, Waiter::Caller(sender));
+                    Pending::Waiting(receiver)
+                })
+                .collect()
+        });
+        begun.unwrap_or_else(|why| (0..count).map(|_| Pending::Ready(ClientReply::Elsewhere(why))).collect())
     }
 
     /// Hands a command's writes to a group's driver in one step (all in one
@@ -487,17 +477,32 @@ impl Agent {
         keys: impl Iterator<Item = &'k [u8]>,
         operations: Vec<Operation>,
     ) -> Completion {
-        let refused = |why| Completion::resolved(Err(GroupError::Retry(why)));
-        let Some(group) = self.group(shard) else { return refused("this node does not serve the shard") };
+        let begun = self.begin(shard, operations, |agent, state, ids| {
+            agent.open_batch(state, ids, keys.map(Bytes::copy_from_slice).collect())
+        });
+        begun.unwrap_or_else(|why| Completion::resolved(Err(GroupError::Retry(why))))
+    }
+
+    /// Submits operations to a group under its lock, lets `wait` say who
+    /// waits for their answers, then carries out the effects (answers that
+    /// are already in reach their waiters). Refused, with the reason, where
+    /// this node does not run the group.
+    fn begin<T>(
+        &self,
+        shard: u32,
+        operations: Vec<Operation>,
+        wait: impl FnOnce(&Self, &mut GroupState, Vec<RequestId>) -> T,
+    ) -> Result<T, &'static str> {
+        let group = self.group(shard).ok_or("this node does not serve the shard")?;
         let mut state = group.state.lock();
         if state.left {
-            return refused("this node left the shard");
+            return Err("this node left the shard");
         }
         let mut fx = Effects::new(self.now());
         let ids = state.replica.submit(operations, &mut fx);
-        let completion = self.open_batch(&mut state, ids, keys.map(Bytes::copy_from_slice).collect());
+        let waiting = wait(self, &mut state, ids);
         self.run_effects(shard, &mut state, fx);
-        completion
+        Ok(waiting)
     }
 
     /// The writes still in flight on `keys` of a group: a strong request on
