@@ -70,15 +70,6 @@ impl PeerMessage {
         Some(M::decode(&mut reader).and_then(|message| reader.finish().map(|()| message)))
     }
 
-    /// The body's size in bytes.
-    pub fn len(&self) -> usize {
-        self.body.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.body.is_empty()
-    }
-
     /// Appends the family byte and the body: what the links send.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.put_u8(self.family.0);

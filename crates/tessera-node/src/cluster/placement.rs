@@ -23,7 +23,7 @@ pub enum Placement {
     Shard { shard: u32, engine: Arc<dyn Engine>, barrier: Option<Completion> },
     /// A strong request on a quorum group (AA+SC) this node is a member of:
     /// it runs through the protocol, not on this node's copy.
-    Quorum { shard: u32 },
+    Quorum { shard: u32, engine: Arc<dyn Engine> },
     /// Another node is the owner; `forward_only` when a cluster client must
     /// not be told MOVED either (see [`ClusterNode::place`]).
     Elsewhere { slot: u16, address: String, forward_only: bool },
@@ -97,7 +97,9 @@ impl ClusterNode {
             Some(group) => group.eventual_read.map(|()| None),
         };
         match (checked, group) {
-            (Ok(_), Some(group)) if strong && group.mode.quorum => Placement::Quorum { shard },
+            (Ok(_), Some(group)) if strong && group.mode.quorum => {
+                Placement::Quorum { shard, engine: group.engine }
+            }
             (Ok(barrier), Some(group)) => Placement::Shard { shard, engine: group.engine, barrier },
             (Ok(_), None) => unreachable!("a group that is not here refuses"),
             (Err(Refusal::Draining), _) => Placement::Draining { shard },

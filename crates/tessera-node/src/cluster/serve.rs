@@ -3,10 +3,12 @@
 //! groups this node heads, or through the coordinator.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use tessera_cluster::agent::{outcome, Completion};
 use tessera_cluster::capture::CapturingView;
+use tessera_engine::Engine;
 use tessera_protocol::{ClientReply, Operation, Record, Write};
 use tessera_wire::{ReplyWriter, Request};
 
@@ -181,10 +183,10 @@ async fn serve_keyed(
             }
             None
         }
-        Placement::Quorum { shard } => {
+        Placement::Quorum { shard, engine } => {
             level_header(context.out);
             let keys: Vec<Bytes> = keys().map(Bytes::copy_from_slice).collect();
-            run_on_quorum(cluster, context, request, &keys, shard, write).await;
+            run_on_quorum(cluster, context, request, &keys, shard, &engine, write).await;
             None
         }
         Placement::Shard { shard, engine, barrier } => {
@@ -244,13 +246,14 @@ async fn run_on_quorum(
     request: &Request<'_>,
     keys: &[Bytes],
     shard: u32,
+    engine: &Arc<dyn Engine>,
     write: bool,
 ) {
     let start = context.out.len();
     for attempt in 0..QUORUM_ATTEMPTS {
         context.out.truncate(start);
         let records = if write && attempt == 0 {
-            local_records(cluster, shard, keys)
+            local_records(engine.as_ref(), keys)
         } else {
             fetch_records(cluster, shard, keys).await
         };
@@ -258,14 +261,11 @@ async fn run_on_quorum(
             Ok(fetched) => fetched,
             Err(message) => return context.out.error(&message),
         };
-        let Some(engine) = cluster.agent.engine(shard) else {
-            return context.out.error("TRYAGAIN the shard is being opened");
-        };
         let pins = fetched
             .iter()
             .map(|(key, record)| (key.clone(), record.as_ref().and_then(|record| record.visible().cloned())))
             .collect();
-        let view = CapturingView::pinned(engine, pins);
+        let view = CapturingView::pinned(engine.clone(), pins);
         dispatch(&mut context.over(&view, false), request);
         // The last write to each key is the one that counts.
         let mut writes: Vec<(Bytes, Write)> = Vec::new();
@@ -311,12 +311,7 @@ async fn run_on_quorum(
 
 /// Each key's record as this member holds it: a guess a conditional write
 /// checks.
-fn local_records(
-    cluster: &ClusterNode,
-    shard: u32,
-    keys: &[Bytes],
-) -> Result<HashMap<Bytes, Option<Record>>, String> {
-    let engine = cluster.agent.engine(shard).ok_or("TRYAGAIN the shard is being opened")?;
+fn local_records(engine: &dyn Engine, keys: &[Bytes]) -> Result<HashMap<Bytes, Option<Record>>, String> {
     let mut records = HashMap::new();
     for key in keys {
         let raw = engine.get(key).map_err(|error| format!("ERR {error}"))?;
