@@ -33,7 +33,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 
-use crate::links::{serve_incoming, Incoming, LinkConfig, Links};
+use crate::links::{serve_incoming, Incoming, LinkConfig, Links, INCOMING_BATCHES_MAX};
 use crate::map::{range_index, ClusterMap, DEFAULT_TABLE};
 
 #[derive(Clone, Debug)]
@@ -386,7 +386,7 @@ impl Agent {
             connect_timeout: Duration::from_secs(1),
             backoff_max: Duration::from_millis(500),
         });
-        let (incoming_sender, incoming) = mpsc::unbounded_channel();
+        let (incoming_sender, incoming) = mpsc::channel(INCOMING_BATCHES_MAX);
         let peers = tokio::spawn(serve_incoming(listener, config.cluster_id.clone(), incoming_sender));
         let agent = Arc::new(Self {
             config,
@@ -926,20 +926,30 @@ async fn tick_loop(agent: std::sync::Weak<Agent>) {
     }
 }
 
-async fn peer_loop(agent: std::sync::Weak<Agent>, mut incoming: mpsc::UnboundedReceiver<Incoming>) {
-    while let Some(Incoming { from, shard, message }) = incoming.recv().await {
+/// Peer messages, a batch per read from a link: consecutive messages for one
+/// group are handled under one hold of its lock.
+async fn peer_loop(agent: std::sync::Weak<Agent>, mut incoming: mpsc::Receiver<Vec<Incoming>>) {
+    while let Some(batch) = incoming.recv().await {
         let Some(agent) = agent.upgrade() else { return };
-        let Some(group) = agent.group(shard) else { continue };
-        let mut state = group.state.lock();
-        let mut fx = Effects::new(agent.now());
-        let heard = state.replica.on_peer(from, message, &mut fx);
-        if heard.drained {
-            tracing::info!(shard, "group drained; waiting for the view that ends the transition");
+        let mut batch = batch.into_iter().peekable();
+        while let Some(first) = batch.next() {
+            let shard = first.shard;
+            let Some(group) = agent.group(shard) else { continue };
+            let mut state = group.state.lock();
+            let mut fx = Effects::new(agent.now());
+            let mut next = Some(first);
+            while let Some(Incoming { from, message, .. }) = next {
+                let heard = state.replica.on_peer(from, message, &mut fx);
+                if heard.drained {
+                    tracing::info!(shard, "group drained; waiting for the view that ends the transition");
+                }
+                if heard.drained || heard.newer_view {
+                    agent.hurry.notify_one();
+                }
+                next = batch.next_if(|incoming| incoming.shard == shard);
+            }
+            agent.run_effects(shard, &mut state, fx);
         }
-        if heard.drained || heard.newer_view {
-            agent.hurry.notify_one();
-        }
-        agent.run_effects(shard, &mut state, fx);
     }
 }
 

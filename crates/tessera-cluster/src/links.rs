@@ -1,6 +1,6 @@
 //! Links between nodes: one outgoing TCP connection per peer carrying
 //! length-prefixed frames `(shard, message)`, written in batches; incoming
-//! connections read into one channel.
+//! connections read into one channel, a batch of frames per read.
 //!
 //! ```text
 //! hello:  len u32 | cluster_id_len u32 | cluster id | node u32
@@ -11,12 +11,16 @@
 //! retransmit, and tolerate loss, duplication and reordering. A link that
 //! cannot connect retries with backoff; while it is down or slow its queue
 //! keeps at most `queue_max` frames, dropping the oldest.
+//!
+//! A reader's buffer grows only as bytes arrive, never to the size a frame
+//! announces, so a peer that announces large frames and sends nothing costs
+//! nothing; the hello is limited to a few hundred bytes.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use parking_lot::Mutex;
 use tessera_protocol::{NodeId, PeerMessage};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -25,6 +29,13 @@ use tokio::sync::{mpsc, Notify};
 
 /// The largest frame accepted (a snapshot chunk with its values).
 const FRAME_BYTES_MAX: usize = 64 << 20;
+/// The largest hello accepted (a cluster id and a node id).
+const HELLO_BYTES_MAX: usize = 512;
+/// How much a reader asks the socket for at a time.
+const READ_CHUNK: usize = 64 << 10;
+/// Batches of incoming frames waiting for the node; a full channel stops the
+/// readers, and TCP's flow control the peers.
+pub const INCOMING_BATCHES_MAX: usize = 1024;
 
 #[derive(Clone, Debug)]
 pub struct LinkConfig {
@@ -36,6 +47,25 @@ pub struct LinkConfig {
     pub backoff_max: Duration,
 }
 
+/// Why an incoming link was closed.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("frame of {length} bytes is over the limit of {limit}")]
+    Oversized { length: usize, limit: usize },
+    #[error("the stream ended inside a frame")]
+    Truncated,
+    #[error("malformed hello")]
+    MalformedHello,
+    #[error("a peer of cluster '{theirs}' is not one of ours ('{ours}')")]
+    ForeignCluster { theirs: String, ours: String },
+    #[error("frame without a shard")]
+    NoShard,
+    #[error("undecodable peer message: {0}")]
+    Undecodable(String),
+}
+
 /// A message from a peer, for one shard.
 #[derive(Debug)]
 pub struct Incoming {
@@ -44,9 +74,12 @@ pub struct Incoming {
     pub message: PeerMessage,
 }
 
+/// Frames waiting for a peer: their bytes back to back, and each one's
+/// length so the oldest can be dropped whole.
 #[derive(Default)]
 struct Queue {
-    frames: VecDeque<Vec<u8>>,
+    bytes: BytesMut,
+    lengths: VecDeque<usize>,
     dropped: u64,
 }
 
@@ -55,17 +88,22 @@ struct Peer {
     wake: Notify,
 }
 
-/// The sending side: a queue and a writer task per peer.
+/// The sending side: a queue and a writer task per peer, the tasks on the
+/// runtime that made the links whichever thread sends.
 pub struct Links {
     config: Arc<LinkConfig>,
+    runtime: tokio::runtime::Handle,
     peers: Mutex<HashMap<NodeId, Arc<Peer>>>,
     addresses: Arc<Mutex<HashMap<NodeId, String>>>,
 }
 
 impl Links {
+    /// Links whose writers run on the current runtime.
     pub fn new(config: LinkConfig) -> Arc<Self> {
+        assert!(config.queue_max > 0, "a link must be able to hold a frame");
         Arc::new(Self {
             config: Arc::new(config),
+            runtime: tokio::runtime::Handle::current(),
             peers: Mutex::new(HashMap::new()),
             addresses: Arc::new(Mutex::new(HashMap::new())),
         })
@@ -79,20 +117,21 @@ impl Links {
 
     /// Queues a message for a peer; never blocks.
     pub fn send(&self, to: NodeId, shard: u32, message: &PeerMessage) {
-        let mut frame = Vec::with_capacity(64);
-        frame.extend_from_slice(&[0; 4]);
-        frame.extend_from_slice(&shard.to_le_bytes());
-        message.encode(&mut frame);
-        let length = (frame.len() - 4) as u32;
-        frame[..4].copy_from_slice(&length.to_le_bytes());
         let peer = self.peer(to);
         {
             let mut queue = peer.queue.lock();
-            if queue.frames.len() >= self.config.queue_max {
-                queue.frames.pop_front();
+            if queue.lengths.len() >= self.config.queue_max {
+                let oldest = queue.lengths.pop_front().expect("a full queue holds a frame");
+                queue.bytes.advance(oldest);
                 queue.dropped += 1;
             }
-            queue.frames.push_back(frame);
+            let start = queue.bytes.len();
+            queue.bytes.put_u32_le(0);
+            queue.bytes.put_u32_le(shard);
+            message.encode(&mut queue.bytes);
+            let length = queue.bytes.len() - start;
+            queue.bytes[start..start + 4].copy_from_slice(&((length - 4) as u32).to_le_bytes());
+            queue.lengths.push_back(length);
         }
         peer.wake.notify_one();
     }
@@ -108,7 +147,8 @@ impl Links {
             .entry(node)
             .or_insert_with(|| {
                 let peer = Arc::new(Peer { queue: Mutex::new(Queue::default()), wake: Notify::new() });
-                tokio::spawn(write_loop(node, peer.clone(), self.config.clone(), self.addresses.clone()));
+                let writer = write_loop(node, peer.clone(), self.config.clone(), self.addresses.clone());
+                self.runtime.spawn(writer);
                 peer
             })
             .clone()
@@ -154,14 +194,12 @@ async fn write_loop(
         }
         backoff = Duration::from_millis(10);
         // Write whatever is queued, in one batch, until the connection fails.
-        let mut batch = Vec::new();
         loop {
-            {
+            let batch = {
                 let mut queue = peer.queue.lock();
-                for frame in queue.frames.drain(..) {
-                    batch.extend_from_slice(&frame);
-                }
-            }
+                queue.lengths.clear();
+                queue.bytes.split()
+            };
             if batch.is_empty() {
                 peer.wake.notified().await;
                 continue;
@@ -170,17 +208,17 @@ async fn write_loop(
                 tracing::debug!(peer = %node, "peer link lost; reconnecting");
                 break;
             }
-            batch.clear();
         }
     }
 }
 
-/// Accepts peer connections and delivers their frames to `incoming`. A peer of
-/// another cluster, or one sending a malformed frame, is disconnected.
+/// Accepts peer connections and delivers their frames to `incoming`, a batch
+/// per read. A peer of another cluster, or one sending a malformed frame, is
+/// disconnected.
 pub async fn serve_incoming(
     listener: TcpListener,
     cluster_id: String,
-    incoming: mpsc::UnboundedSender<Incoming>,
+    incoming: mpsc::Sender<Vec<Incoming>>,
 ) {
     loop {
         let Ok((stream, remote)) = listener.accept().await else { continue };
@@ -194,27 +232,51 @@ pub async fn serve_incoming(
     }
 }
 
-async fn read_frame(stream: &mut TcpStream, buffer: &mut BytesMut) -> Result<Option<Bytes>, String> {
-    let length = match stream.read_u32_le().await {
-        Ok(length) => length as usize,
-        Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(error) => return Err(error.to_string()),
-    };
-    if length > FRAME_BYTES_MAX {
-        return Err(format!("frame of {length} bytes is over the limit"));
+/// Length-prefixed frames from a stream, read a chunk at a time.
+struct FrameReader {
+    stream: TcpStream,
+    buffer: BytesMut,
+}
+
+impl FrameReader {
+    /// Appends up to `most` frames complete in what has arrived, reading
+    /// until there is at least one; none when the stream ended between frames.
+    async fn frames(&mut self, limit: usize, most: usize, frames: &mut Vec<Bytes>) -> Result<(), LinkError> {
+        let before = frames.len();
+        loop {
+            while self.buffer.len() >= 4 && frames.len() - before < most {
+                let length = u32::from_le_bytes(self.buffer[..4].try_into().expect("4 bytes")) as usize;
+                if length > limit {
+                    return Err(LinkError::Oversized { length, limit });
+                }
+                if self.buffer.len() < 4 + length {
+                    break;
+                }
+                self.buffer.advance(4);
+                frames.push(self.buffer.split_to(length).freeze());
+            }
+            if frames.len() > before {
+                return Ok(());
+            }
+            // The buffer grows with the bytes that arrive, a chunk at a time,
+            // never to the length a frame claims.
+            self.buffer.reserve(READ_CHUNK);
+            if self.stream.read_buf(&mut self.buffer).await? == 0 {
+                return if self.buffer.is_empty() { Ok(()) } else { Err(LinkError::Truncated) };
+            }
+        }
     }
-    buffer.resize(length, 0);
-    stream.read_exact(buffer).await.map_err(|error| error.to_string())?;
-    Ok(Some(buffer.split().freeze()))
 }
 
 async fn read_peer(
-    mut stream: TcpStream,
+    stream: TcpStream,
     cluster_id: &str,
-    incoming: &mpsc::UnboundedSender<Incoming>,
-) -> Result<(), String> {
-    let mut buffer = BytesMut::new();
-    let Some(hello) = read_frame(&mut stream, &mut buffer).await? else { return Ok(()) };
+    incoming: &mpsc::Sender<Vec<Incoming>>,
+) -> Result<(), LinkError> {
+    let mut reader = FrameReader { stream, buffer: BytesMut::new() };
+    let mut frames = Vec::new();
+    reader.frames(HELLO_BYTES_MAX, 1, &mut frames).await?;
+    let Some(hello) = frames.pop() else { return Ok(()) };
     let id_length =
         hello.get(..4).map(|bytes| u32::from_le_bytes(bytes.try_into().expect("4 bytes")) as usize);
     let (their_cluster, from) = match id_length {
@@ -222,22 +284,30 @@ async fn read_peer(
             let node = u32::from_le_bytes(hello[4 + length..].try_into().expect("4 bytes"));
             (String::from_utf8_lossy(&hello[4..4 + length]).into_owned(), NodeId(node))
         }
-        _ => return Err("malformed hello".into()),
+        _ => return Err(LinkError::MalformedHello),
     };
     if their_cluster != cluster_id {
-        return Err(format!("a peer of cluster '{their_cluster}' is not one of ours ('{cluster_id}')"));
+        return Err(LinkError::ForeignCluster { theirs: their_cluster, ours: cluster_id.to_string() });
     }
-    while let Some(frame) = read_frame(&mut stream, &mut buffer).await? {
-        if frame.len() < 4 {
-            return Err("frame without a shard".into());
+    loop {
+        reader.frames(FRAME_BYTES_MAX, usize::MAX, &mut frames).await?;
+        if frames.is_empty() {
+            return Ok(()); // the peer closed the link
         }
-        let shard = u32::from_le_bytes(frame[..4].try_into().expect("4 bytes"));
-        let message = PeerMessage::decode(frame.slice(4..)).map_err(|error| error.to_string())?;
-        if incoming.send(Incoming { from, shard, message }).is_err() {
+        let mut batch = Vec::with_capacity(frames.len());
+        for frame in frames.drain(..) {
+            if frame.len() < 4 {
+                return Err(LinkError::NoShard);
+            }
+            let shard = u32::from_le_bytes(frame[..4].try_into().expect("4 bytes"));
+            let message = PeerMessage::decode(frame.slice(4..))
+                .map_err(|error| LinkError::Undecodable(error.to_string()))?;
+            batch.push(Incoming { from, shard, message });
+        }
+        if incoming.send(batch).await.is_err() {
             return Ok(()); // the node is shutting down
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -259,14 +329,36 @@ mod tests {
         PeerMessage::new(&ChainMessage::Ack { view: 1, seq })
     }
 
-    async fn listen(
-        cluster: &str,
-    ) -> (String, mpsc::UnboundedReceiver<Incoming>, tokio::task::JoinHandle<()>) {
+    /// The receiving end, one message at a time.
+    struct Received {
+        batches: mpsc::Receiver<Vec<Incoming>>,
+        pending: VecDeque<Incoming>,
+    }
+
+    impl Received {
+        async fn next(&mut self) -> Option<Incoming> {
+            while self.pending.is_empty() {
+                self.pending.extend(self.batches.recv().await?);
+            }
+            self.pending.pop_front()
+        }
+
+        async fn within(&mut self, wait: Duration) -> Option<Incoming> {
+            tokio::time::timeout(wait, self.next()).await.ok().flatten()
+        }
+    }
+
+    async fn serve(listener: TcpListener, cluster: &str) -> (Received, tokio::task::JoinHandle<()>) {
+        let (sender, batches) = mpsc::channel(INCOMING_BATCHES_MAX);
+        let task = tokio::spawn(serve_incoming(listener, cluster.into(), sender));
+        (Received { batches, pending: VecDeque::new() }, task)
+    }
+
+    async fn listen(cluster: &str) -> (String, Received, tokio::task::JoinHandle<()>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
-        let (sender, receiver) = mpsc::unbounded_channel();
-        let task = tokio::spawn(serve_incoming(listener, cluster.into(), sender));
-        (address, receiver, task)
+        let (received, task) = serve(listener, cluster).await;
+        (address, received, task)
     }
 
     #[tokio::test]
@@ -278,7 +370,7 @@ mod tests {
             links.send(NodeId(1), 3, &ack(seq));
         }
         for seq in 0..500 {
-            let incoming = received.recv().await.unwrap();
+            let incoming = received.next().await.unwrap();
             assert_eq!((incoming.from, incoming.shard), (NodeId(7), 3));
             assert_eq!(incoming.message, ack(seq));
         }
@@ -292,16 +384,14 @@ mod tests {
                 Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
             }
         };
-        let (sender, mut received) = mpsc::unbounded_channel();
-        tokio::spawn(serve_incoming(listener, "c1".into(), sender));
+        let (mut received, _server) = serve(listener, "c1").await;
         // Frames sent into the dead connection may be lost; later ones arrive.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         let mut seq = 1000;
         loop {
             links.send(NodeId(1), 3, &ack(seq));
             seq += 1;
-            if let Ok(Some(incoming)) = tokio::time::timeout(Duration::from_millis(50), received.recv()).await
-            {
+            if let Some(incoming) = received.within(Duration::from_millis(50)).await {
                 assert_eq!(incoming.from, NodeId(7));
                 break;
             }
@@ -319,13 +409,64 @@ mod tests {
         assert_eq!(links.dropped(NodeId(2)), 15);
         let (address, mut received, _server) = listen("c1").await;
         links.set_addresses(HashMap::from([(NodeId(2), address)]));
-        let first = tokio::time::timeout(Duration::from_secs(5), received.recv()).await.unwrap().unwrap();
-        assert_eq!(first.message, ack(15), "the oldest were dropped");
+        for seq in 15..25 {
+            let incoming = received.within(Duration::from_secs(5)).await.unwrap();
+            assert_eq!(incoming.message, ack(seq), "the oldest were dropped, the rest arrive whole");
+        }
 
         let (stranger_address, mut stranger_received, _stranger) = listen("c2").await;
         links.set_addresses(HashMap::from([(NodeId(3), stranger_address)]));
         links.send(NodeId(3), 0, &ack(1));
-        let nothing = tokio::time::timeout(Duration::from_millis(300), stranger_received.recv()).await;
-        assert!(nothing.is_err(), "a node of another cluster delivers nothing");
+        let nothing = stranger_received.within(Duration::from_millis(300)).await;
+        assert!(nothing.is_none(), "a node of another cluster delivers nothing");
+    }
+
+    /// A reader over the far end of a connection whose near end the test writes.
+    async fn reader_and_writer() -> (FrameReader, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let writer = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+        let (stream, _) = listener.accept().await.unwrap();
+        (FrameReader { stream, buffer: BytesMut::new() }, writer)
+    }
+
+    #[tokio::test]
+    async fn a_claimed_length_costs_nothing_until_its_bytes_arrive() {
+        let (mut reader, mut writer) = reader_and_writer().await;
+        let mut bytes = ((FRAME_BYTES_MAX - 1) as u32).to_le_bytes().to_vec();
+        bytes.push(7);
+        writer.write_all(&bytes).await.unwrap();
+        let mut frames = Vec::new();
+        let read = tokio::time::timeout(
+            Duration::from_millis(200),
+            reader.frames(FRAME_BYTES_MAX, usize::MAX, &mut frames),
+        )
+        .await;
+        assert!(read.is_err(), "still waiting for the frame's bytes");
+        assert!(reader.buffer.capacity() <= 2 * READ_CHUNK, "capacity {}", reader.buffer.capacity());
+
+        let (mut reader, mut writer) = reader_and_writer().await;
+        writer.write_all(&((FRAME_BYTES_MAX + 1) as u32).to_le_bytes()).await.unwrap();
+        let refused = reader.frames(FRAME_BYTES_MAX, usize::MAX, &mut frames).await;
+        assert!(matches!(refused, Err(LinkError::Oversized { .. })), "{refused:?}");
+
+        let (mut reader, mut writer) = reader_and_writer().await;
+        writer.write_all(&[3, 0, 0, 0, 1, 2, 3, 2, 0, 0, 0, 9]).await.unwrap();
+        drop(writer);
+        reader.frames(FRAME_BYTES_MAX, usize::MAX, &mut frames).await.unwrap();
+        assert_eq!(frames, vec![Bytes::from_static(&[1, 2, 3])], "one whole frame");
+        frames.clear();
+        let cut = reader.frames(FRAME_BYTES_MAX, usize::MAX, &mut frames).await;
+        assert!(matches!(cut, Err(LinkError::Truncated)), "{cut:?}");
+    }
+
+    #[tokio::test]
+    async fn a_hello_longer_than_a_hello_is_refused() {
+        let (address, mut received, _server) = listen("c1").await;
+        let mut stream = TcpStream::connect(&address).await.unwrap();
+        stream.write_all(&(HELLO_BYTES_MAX as u32 + 1).to_le_bytes()).await.unwrap();
+        let mut rest = [0u8; 1];
+        let closed = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut rest)).await.unwrap();
+        assert!(matches!(closed, Ok(0) | Err(_)), "the link was closed");
+        assert!(received.within(Duration::from_millis(50)).await.is_none());
     }
 }

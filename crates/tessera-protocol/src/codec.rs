@@ -71,7 +71,7 @@ impl PeerMessage {
     }
 
     /// Appends the family byte and the body: what the links send.
-    pub fn encode(&self, out: &mut Vec<u8>) {
+    pub fn encode(&self, out: &mut impl BufMut) {
         out.put_u8(self.family.0);
         out.put_slice(&self.body);
     }
