@@ -3,8 +3,10 @@
 //! Each worker thread runs its own single-threaded tokio runtime and its own
 //! listening socket on the same port (`SO_REUSEPORT`: the kernel spreads new
 //! connections over them). A connection lives and dies on one thread, so a
-//! request never hops threads and no runtime wakes another (shadowfax-slides.txt:
-//! partitioned dispatch over shared data). An engine call that blocks holds up
+//! request never hops threads (Shadowfax: partitioned dispatch over shared
+//! data). In a cluster the first worker also runs the agent's loops (peer
+//! links, ticks, heartbeats): with one worker, a replicated write goes from
+//! its client to its peers and back without waking another thread. An engine call that blocks holds up
 //! only its own worker's connections; `threads` above the core count leaves
 //! others to serve meanwhile.
 //!
@@ -39,6 +41,8 @@ pub enum ServerError {
     Bind(String, std::io::Error),
     #[error("cannot start a worker thread: {0}")]
     Thread(std::io::Error),
+    #[error("cannot start a worker's runtime: {0}")]
+    Runtime(std::io::Error),
     #[error("cannot join the cluster: {0}")]
     Cluster(String),
 }
@@ -88,19 +92,23 @@ impl Server {
         for _ in 1..threads {
             listeners.push(listen(local_addr).map_err(bind_error)?);
         }
+        let runtimes = (0..threads)
+            .map(|_| tokio::runtime::Builder::new_current_thread().enable_all().build())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(ServerError::Runtime)?;
         let cluster = match store.config.cluster {
-            Some(_) => {
-                Some(Arc::new(ClusterNode::start(&store.config, local_addr).map_err(ServerError::Cluster)?))
-            }
+            Some(_) => Some(Arc::new(
+                ClusterNode::start(&store.config, local_addr, &runtimes[0]).map_err(ServerError::Cluster)?,
+            )),
             None => None,
         };
         let (stop, stopping) = watch::channel(false);
         let mut workers = Vec::with_capacity(threads);
-        for (index, listener) in listeners.into_iter().enumerate() {
+        for (index, (listener, runtime)) in listeners.into_iter().zip(runtimes).enumerate() {
             let (store, cluster, stopping) = (store.clone(), cluster.clone(), stopping.clone());
             let worker = thread::Builder::new()
                 .name(format!("tessera-worker-{index}"))
-                .spawn(move || run_worker(store, cluster, listener, stopping))
+                .spawn(move || run_worker(runtime, store, cluster, listener, stopping))
                 .map_err(ServerError::Thread)?;
             workers.push(worker);
         }
@@ -142,18 +150,12 @@ impl Server {
 }
 
 fn run_worker(
+    runtime: tokio::runtime::Runtime,
     store: Arc<Store>,
     cluster: Option<Arc<ClusterNode>>,
     listener: std::net::TcpListener,
     stopping: watch::Receiver<bool>,
 ) {
-    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-        Ok(runtime) => runtime,
-        Err(error) => {
-            tracing::error!(%error, "cannot start a worker runtime");
-            return;
-        }
-    };
     runtime.block_on(async move {
         let listener = match TcpListener::from_std(listener) {
             Ok(listener) => listener,

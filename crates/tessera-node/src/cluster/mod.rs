@@ -33,8 +33,6 @@ pub struct ClusterNode {
     pub membership: Membership,
     /// The engine of the default table's groups.
     engine: EngineSpec,
-    /// Runs the agent's loops; dropped with the node.
-    _runtime: tokio::runtime::Runtime,
 }
 
 /// How long a request waits for its group to finish switching modes.
@@ -49,8 +47,14 @@ impl std::ops::Deref for ClusterNode {
 }
 
 impl ClusterNode {
-    /// Joins the cluster and starts the agent on a runtime of its own.
-    pub fn start(config: &Config, client_address: SocketAddr) -> Result<Self, String> {
+    /// Joins the cluster and starts the agent's loops on `runtime`: the first
+    /// worker's, so that a write's way from a client to its peers and back
+    /// stays on one thread when there is one worker.
+    pub fn start(
+        config: &Config,
+        client_address: SocketAddr,
+        runtime: &tokio::runtime::Runtime,
+    ) -> Result<Self, String> {
         let settings = config.cluster.as_ref().ok_or("no [cluster] section")?;
         let kind: EngineKind = config.engine.parse().map_err(|error| format!("{error}"))?;
         if kind == EngineKind::Redis {
@@ -74,16 +78,10 @@ impl ClusterNode {
             tick_ms: settings.tick_ms,
             max_uncommitted_writes: settings.max_uncommitted_writes,
         };
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("tessera-cluster")
-            .enable_all()
-            .build()
-            .map_err(|error| format!("cannot start the cluster runtime: {error}"))?;
         let agent = runtime.block_on(Agent::start(agent_config))?;
         let address = format!("{}:{}", config.bind, client_address.port());
         tracing::info!(node = settings.node, incarnation, %address, "joined cluster {}", settings.id);
-        Ok(Self { membership: Membership { agent, address }, engine, _runtime: runtime })
+        Ok(Self { membership: Membership { agent, address }, engine })
     }
 }
 
