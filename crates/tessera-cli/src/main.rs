@@ -442,8 +442,9 @@ fn coordinator(args: CoordinatorArgs) -> Result<(), String> {
         ));
     }
     runtime.block_on(async {
-        let server =
-            CoordinatorServer::start(listen, Box::new(FileStore::new(&args.dir)), initial, timing).await?;
+        let server = CoordinatorServer::start(listen, Box::new(FileStore::new(&args.dir)), initial, timing)
+            .await
+            .map_err(|error| error.to_string())?;
         let map = server.map();
         tracing::info!(
             address = %server.local_addr(),
@@ -504,7 +505,7 @@ async fn coordinate_with_etcd(
         Ok(server) => server,
         Err(error) => {
             lease.revoke();
-            return Err(error);
+            return Err(error.to_string());
         }
     };
     tracing::info!(address = %server.local_addr(), cluster = %cluster_id, epoch = server.map().epoch, "coordinator ready");

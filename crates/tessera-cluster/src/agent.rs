@@ -22,8 +22,8 @@ use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
 use tessera_engine::{Engine, EngineSpec};
 use tessera_protocol::{
-    ClientReply, Effect, Effects, Mode, NodeId, Operation, Progress, ReadGate, Refusal, Replica,
-    ReplicaConfig, RequestId, Role, ShardView, Tuning,
+    ClientReply, Effect, Effects, Mode, NodeId, Operation, OperationError, Progress, ReadGate, Refusal,
+    Replica, ReplicaConfig, RequestId, Role, ShardView, Tuning,
 };
 use tessera_wire::prefix::unescape_prefix;
 use tessera_wire::slot::SLOTS;
@@ -74,6 +74,27 @@ impl Pending {
     }
 }
 
+/// Why the agent could not reach or join the cluster, or open a group.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("no coordinator answered: {}", .0.join("; "))]
+    Unreachable(Vec<String>),
+    #[error("the connection to the coordinator failed: {0}")]
+    Connection(#[from] std::io::Error),
+    #[error("the coordinator closed the connection")]
+    Closed,
+    #[error("the coordinator's answer is not RESP: {0}")]
+    Malformed(String),
+    #[error("the coordinator refused this node: {0}")]
+    Refused(String),
+    #[error("unexpected answer to {command}: {answer}")]
+    UnexpectedAnswer { command: &'static str, answer: String },
+    #[error("cannot listen for peers on {0}: {1}")]
+    PeerListen(SocketAddr, std::io::Error),
+    #[error("shard {shard}: {source}")]
+    OpenGroup { shard: u32, source: tessera_engine::EngineError },
+}
+
 /// Why a group did not do what it was asked, or may not have: each variant
 /// is one RESP error a client is told.
 #[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
@@ -82,9 +103,9 @@ pub enum GroupError {
     /// TRYAGAIN).
     #[error("TRYAGAIN {0}")]
     Retry(&'static str),
-    /// No effect.
-    #[error("ERR replication failed: {0}")]
-    Failed(String),
+    /// No effect; the message is Redis's where Redis fails the same way.
+    #[error("ERR {0}")]
+    Failed(OperationError),
     /// Not TRYAGAIN: clients retry that by themselves, and this may have
     /// taken effect.
     #[error("ERR the write may or may not have taken effect: {0}")]
@@ -354,7 +375,7 @@ impl Drop for Agent {
 impl Agent {
     /// Joins the cluster (refused for a wrong cluster id or unknown node id)
     /// and starts heartbeating, ticking and serving peers.
-    pub async fn start(config: AgentConfig) -> Result<Arc<Self>, String> {
+    pub async fn start(config: AgentConfig) -> Result<Arc<Self>, AgentError> {
         // The coordinator may be starting or restarting: keep trying to reach
         // it (a refusal, below, is final).
         let mut backoff = Duration::from_millis(50);
@@ -373,12 +394,17 @@ impl Agent {
             coordinator.call(&[b"COORD.JOIN", config.cluster_id.as_bytes(), node.as_bytes()]).await?;
         let lease_ms = match joined {
             Value::Integer(lease_ms) if lease_ms > 0 => lease_ms as u64,
-            Value::Error(message) => return Err(format!("the coordinator refused this node: {message}")),
-            other => return Err(format!("unexpected answer to COORD.JOIN: {other:?}")),
+            Value::Error(message) => return Err(AgentError::Refused(message)),
+            other => {
+                return Err(AgentError::UnexpectedAnswer {
+                    command: "COORD.JOIN",
+                    answer: format!("{other:?}"),
+                })
+            }
         };
         let listener = TcpListener::bind(config.peer_listen)
             .await
-            .map_err(|error| format!("cannot listen for peers on {}: {error}", config.peer_listen))?;
+            .map_err(|error| AgentError::PeerListen(config.peer_listen, error))?;
         let links = Links::new(LinkConfig {
             cluster_id: config.cluster_id.clone(),
             me: NodeId(config.node),
@@ -593,7 +619,7 @@ impl Agent {
 
     /// Sends one command to the leading coordinator (administrative changes:
     /// tables) and returns its answer.
-    pub async fn ask_coordinator(&self, args: &[&[u8]]) -> Result<Value, String> {
+    pub async fn ask_coordinator(&self, args: &[&[u8]]) -> Result<Value, AgentError> {
         let mut coordinator = Coordinator::connect_any(&self.config.coordinator).await?;
         coordinator.call(args).await
     }
@@ -650,14 +676,15 @@ impl Agent {
     }
 
     /// A group's driver on the engine of its table.
-    fn new_group(&self, shard: u32, map: &ClusterMap, mode: Mode) -> Result<Group, String> {
+    fn new_group(&self, shard: u32, map: &ClusterMap, mode: Mode) -> Result<Group, AgentError> {
         let dir = self.config.data_dir.join("shards").join(shard.to_string());
         let table = map.shard(shard).map(|group| group.table.as_str()).unwrap_or(DEFAULT_TABLE);
-        let spec = match map.table(table) {
-            None => self.config.engine.clone(),
-            Some(table) => table.engine_spec().map_err(|error| format!("table {}: {error}", table.name))?,
-        };
-        let engine = spec.open(&dir).map_err(|error| format!("shard {shard}: {error}"))?;
+        let opened = match map.table(table) {
+            None => Ok(self.config.engine.clone()),
+            Some(table) => table.engine_spec(),
+        }
+        .and_then(|spec| spec.open(&dir));
+        let engine = opened.map_err(|source| AgentError::OpenGroup { shard, source })?;
         let config = ReplicaConfig::new(NodeId(self.config.node), self.lease_ms, Tuning::default());
         let state = GroupState {
             replica: Replica::new(config, engine, mode),
@@ -770,37 +797,35 @@ struct Coordinator {
 impl Coordinator {
     /// Connects to the first of several coordinators (comma-separated) that
     /// answers: only the leader listens.
-    async fn connect_any(addresses: &str) -> Result<Self, String> {
-        let mut errors = Vec::new();
+    async fn connect_any(addresses: &str) -> Result<Self, AgentError> {
+        let mut failures = Vec::new();
         for address in addresses.split(',').map(str::trim).filter(|address| !address.is_empty()) {
-            match Self::connect(address).await {
-                Ok(coordinator) => return Ok(coordinator),
-                Err(error) => errors.push(error),
+            let connected = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(address)).await;
+            match connected {
+                Ok(Ok(stream)) => {
+                    let _ = stream.set_nodelay(true);
+                    return Ok(Self { stream, buffer: Vec::new() });
+                }
+                Ok(Err(error)) => failures.push(format!("{address}: {error}")),
+                Err(_) => failures.push(format!("{address}: timed out")),
             }
         }
-        Err(errors.join("; "))
+        Err(AgentError::Unreachable(failures))
     }
 
-    async fn connect(address: &str) -> Result<Self, String> {
-        let stream = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(address))
-            .await
-            .map_err(|_| format!("cannot reach the coordinator at {address}: timed out"))?
-            .map_err(|error| format!("cannot reach the coordinator at {address}: {error}"))?;
-        let _ = stream.set_nodelay(true);
-        Ok(Self { stream, buffer: Vec::new() })
-    }
-
-    async fn call(&mut self, args: &[&[u8]]) -> Result<Value, String> {
+    async fn call(&mut self, args: &[&[u8]]) -> Result<Value, AgentError> {
         let mut request = Vec::new();
         encode_command(args, &mut request);
-        self.stream.write_all(&request).await.map_err(|error| error.to_string())?;
+        self.stream.write_all(&request).await?;
         loop {
-            if let Some((value, used)) = parse_value(&self.buffer).map_err(|error| error.to_string())? {
+            let parsed =
+                parse_value(&self.buffer).map_err(|error| AgentError::Malformed(error.to_string()))?;
+            if let Some((value, used)) = parsed {
                 self.buffer.drain(..used);
                 return Ok(value);
             }
-            if self.stream.read_buf(&mut self.buffer).await.map_err(|error| error.to_string())? == 0 {
-                return Err("the coordinator closed the connection".into());
+            if self.stream.read_buf(&mut self.buffer).await? == 0 {
+                return Err(AgentError::Closed);
             }
         }
     }

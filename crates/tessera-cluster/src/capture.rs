@@ -9,7 +9,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use tessera_engine::{Capabilities, Engine, EngineError, KeyRange, Result, ScanCursor, ScanPage};
-use tessera_protocol::{read_visible, Record, Write};
+use tessera_protocol::{Record, Write};
 
 pub struct CapturingView {
     engine: Arc<dyn Engine>,
@@ -54,7 +54,13 @@ impl Engine for CapturingView {
         );
         match own.or_else(|| self.pins.get(key).cloned()) {
             Some(value) => Ok(value),
-            None => read_visible(self.engine.as_ref(), key).map_err(EngineError::Corrupt),
+            None => match self.engine.get(key)? {
+                None => Ok(None),
+                Some(raw) => Ok(Record::decode(raw)
+                    .map_err(|error| EngineError::Corrupt(error.to_string()))?
+                    .visible()
+                    .cloned()),
+            },
         }
     }
 

@@ -14,5 +14,5 @@ pub mod store;
 pub use coordinator::{ClusterCoordinator, Grants, JoinError, Timing};
 pub use etcd::{Etcd, EtcdStore};
 pub use map::{ClusterMap, ClusterTable, MapError, NodeInfo, NodeRole, Shard, DEFAULT_TABLE};
-pub use server::CoordinatorServer;
+pub use server::{CoordinatorServer, StartError};
 pub use store::{FileStore, MetadataStore, StoreError, Versioned};

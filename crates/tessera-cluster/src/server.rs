@@ -26,12 +26,51 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
-use crate::coordinator::{ClusterCoordinator, Timing};
+use crate::coordinator::{ClusterCoordinator, JoinError, Timing};
 use crate::map::{ClusterMap, ClusterTable, MapError};
-use crate::store::MetadataStore;
+use crate::store::{MetadataStore, StoreError};
 
 /// The longest a `COORD.MAP` watch may wait.
 const WAIT_MS_MAX: u64 = 60_000;
+
+/// Why the coordinator did not do what a command asked: each is one `ERR`
+/// reply, written in [`answer`].
+#[derive(Debug, thiserror::Error)]
+enum Refused {
+    #[error("unknown command '{0}' for a coordinator")]
+    UnknownCommand(String),
+    #[error("wrong number of arguments for '{0}'")]
+    WrongArity(String),
+    #[error("{0} is not a number")]
+    NotANumber(&'static str),
+    #[error("unknown partitioning '{0}'; choose hash or range")]
+    UnknownPartitioning(String),
+    #[error("unknown mode {0:?}; choose ms+sc, ms+ec, aa+sc or aa+ec")]
+    UnknownMode(String),
+    #[error(transparent)]
+    Join(#[from] JoinError),
+    #[error(transparent)]
+    Map(#[from] MapError),
+    #[error("this coordinator stopped deciding: {0}")]
+    Fenced(String),
+    #[error("table {table} is still switching to {mode}; TABLE.INFO shows when it is done")]
+    StillSwitching { table: String, mode: &'static str },
+    #[error("the change is made, but node {0} has not seen it yet; retry to wait again")]
+    NotSeenBy(u32),
+}
+
+/// Why a coordinator could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("the store holds cluster '{stored}', not '{given}'; use another directory")]
+    OtherCluster { stored: String, given: String },
+    #[error("no cluster map stored, and none given to start one")]
+    NoMap,
+    #[error("cannot listen on {0}: {1}")]
+    Listen(SocketAddr, std::io::Error),
+}
 
 struct State {
     coordinator: ClusterCoordinator,
@@ -53,19 +92,25 @@ impl State {
         self.started.elapsed().as_millis() as u64
     }
 
+    /// Refuses once storing the map failed (another coordinator may decide).
+    fn check_deciding(&self) -> Result<(), Refused> {
+        match &self.fenced {
+            Some(reason) => Err(Refused::Fenced(reason.clone())),
+            None => Ok(()),
+        }
+    }
+
     /// Stores the map if it changed; a conflict means another writer took
     /// over the store, after which this coordinator must not decide anything.
-    fn persist(&mut self) -> Result<(), String> {
-        if let Some(reason) = &self.fenced {
-            return Err(format!("this coordinator stopped deciding: {reason}"));
-        }
+    fn persist(&mut self) -> Result<(), Refused> {
+        self.check_deciding()?;
         if let Some(map) = self.coordinator.take_changed_map() {
             match self.store.store(self.version, &map) {
                 Ok(version) => self.version = Some(version),
                 Err(error) => {
                     tracing::error!(%error, "cannot store the cluster map; this coordinator stops deciding");
                     self.fenced = Some(error.to_string());
-                    return Err(error.to_string());
+                    return Err(Refused::Fenced(error.to_string()));
                 }
             }
             self.epochs.send_replace(map.epoch);
@@ -100,21 +145,21 @@ impl CoordinatorServer {
         store: Box<dyn MetadataStore>,
         initial: Option<ClusterMap>,
         timing: Timing,
-    ) -> Result<Self, String> {
-        let stored = store.load().map_err(|error| error.to_string())?;
+    ) -> Result<Self, StartError> {
+        let stored = store.load()?;
         let (map, version) = match (stored, initial) {
             (Some(stored), Some(initial)) if stored.map.cluster_id != initial.cluster_id => {
-                return Err(format!(
-                    "the store holds cluster '{}', not '{}'; use another directory",
-                    stored.map.cluster_id, initial.cluster_id
-                ))
+                return Err(StartError::OtherCluster {
+                    stored: stored.map.cluster_id,
+                    given: initial.cluster_id,
+                })
             }
             (Some(stored), _) => (stored.map, Some(stored.version)),
             (None, Some(initial)) => {
-                let version = store.store(None, &initial).map_err(|error| error.to_string())?;
+                let version = store.store(None, &initial)?;
                 (initial, Some(version))
             }
-            (None, None) => return Err("no cluster map stored, and none given to start one".into()),
+            (None, None) => return Err(StartError::NoMap),
         };
         let (epochs, _) = watch::channel(map.epoch);
         let started = Instant::now();
@@ -130,9 +175,8 @@ impl CoordinatorServer {
             fenced: None,
         };
         let state = Arc::new(Mutex::new(state));
-        let listener =
-            TcpListener::bind(listen).await.map_err(|error| format!("cannot listen on {listen}: {error}"))?;
-        let address = listener.local_addr().map_err(|error| error.to_string())?;
+        let listener = TcpListener::bind(listen).await.map_err(|error| StartError::Listen(listen, error))?;
+        let address = listener.local_addr().map_err(|error| StartError::Listen(listen, error))?;
         let tasks =
             vec![tokio::spawn(accept(listener, state.clone())), tokio::spawn(tick(state.clone(), timing))];
         Ok(Self { state, address, tasks })
@@ -217,11 +261,8 @@ fn text(arg: &[u8]) -> String {
     String::from_utf8_lossy(arg).into_owned()
 }
 
-fn number<T: std::str::FromStr>(arg: &[u8], what: &str) -> Result<T, String> {
-    std::str::from_utf8(arg)
-        .ok()
-        .and_then(|text| text.parse().ok())
-        .ok_or_else(|| format!("{what} is not a number"))
+fn number<T: std::str::FromStr>(arg: &[u8], what: &'static str) -> Result<T, Refused> {
+    std::str::from_utf8(arg).ok().and_then(|text| text.parse().ok()).ok_or(Refused::NotANumber(what))
 }
 
 async fn answer(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) {
@@ -258,25 +299,23 @@ async fn answer(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWrit
         | b"COORD.ADD-NODE"
         | b"COORD.TABLE-CREATE"
         | b"COORD.TABLE-DROP"
-        | b"COORD.TABLE-ALTER" => {
-            Err(format!("wrong number of arguments for '{}'", text(&args[0]).to_ascii_lowercase()))
-        }
-        _ => Err(format!("unknown command '{}' for a coordinator", text(&args[0]))),
+        | b"COORD.TABLE-ALTER" => Err(Refused::WrongArity(text(&args[0]).to_ascii_lowercase())),
+        _ => Err(Refused::UnknownCommand(text(&args[0]))),
     };
-    if let Err(message) = result {
-        out.error(&format!("ERR {message}"));
+    if let Err(refused) = result {
+        out.error(&format!("ERR {refused}"));
     }
 }
 
-fn join(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) -> Result<(), String> {
+fn join(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) -> Result<(), Refused> {
     let node: u32 = number(&args[2], "node id")?;
     let state = state.lock();
-    state.coordinator.check_join(&text(&args[1]), node).map_err(|error| error.to_string())?;
+    state.coordinator.check_join(&text(&args[1]), node)?;
     out.integer(state.lease_ms as i64);
     Ok(())
 }
 
-fn heartbeat(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) -> Result<(), String> {
+fn heartbeat(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) -> Result<(), Refused> {
     let node: u32 = number(&args[2], "node id")?;
     let incarnation: u64 = number(&args[3], "incarnation")?;
     let known_epoch: u64 = number(&args[4], "known epoch")?;
@@ -297,13 +336,10 @@ fn heartbeat(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter)
         );
     }
     let mut state = state.lock();
-    state.coordinator.check_join(&text(&args[1]), node).map_err(|error| error.to_string())?;
-    if let Some(reason) = &state.fenced {
-        return Err(format!("this coordinator stopped deciding: {reason}"));
-    }
+    state.coordinator.check_join(&text(&args[1]), node)?;
+    state.check_deciding()?;
     let now = state.now_ms();
-    let grants =
-        state.coordinator.heartbeat(now, node, incarnation, &progress).map_err(|error| error.to_string())?;
+    let grants = state.coordinator.heartbeat(now, node, incarnation, &progress)?;
     state.known_epochs.insert(node, (known_epoch, now));
     // A lease is granted only on a map that is stored.
     state.persist()?;
@@ -329,18 +365,16 @@ fn heartbeat(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter)
     Ok(())
 }
 
-fn add_node(state: &Arc<Mutex<State>>, address: &str, out: &mut ReplyWriter) -> Result<(), String> {
+fn add_node(state: &Arc<Mutex<State>>, address: &str, out: &mut ReplyWriter) -> Result<(), Refused> {
     let mut state = state.lock();
-    if let Some(reason) = &state.fenced {
-        return Err(format!("this coordinator stopped deciding: {reason}"));
-    }
-    let id = state.coordinator.add_standby(address).map_err(|error| error.to_string())?;
+    state.check_deciding()?;
+    let id = state.coordinator.add_standby(address)?;
     state.persist()?;
     out.integer(i64::from(id));
     Ok(())
 }
 
-fn create_table(state: &Arc<Mutex<State>>, args: &[Vec<u8>]) -> Result<u64, String> {
+fn create_table(state: &Arc<Mutex<State>>, args: &[Vec<u8>]) -> Result<u64, Refused> {
     let mut options = BTreeMap::new();
     let mut split_keys = None;
     for pair in args[4..].chunks(2) {
@@ -350,7 +384,7 @@ fn create_table(state: &Arc<Mutex<State>>, args: &[Vec<u8>]) -> Result<u64, Stri
                 split_keys.get_or_insert_with(Vec::new);
             }
             "partition" if value.eq_ignore_ascii_case("hash") => {}
-            "partition" => return Err(format!("unknown partitioning '{value}'; choose hash or range")),
+            "partition" => return Err(Refused::UnknownPartitioning(value)),
             "split" => split_keys.get_or_insert_with(Vec::new).push(value),
             _ => {
                 options.insert(option, value);
@@ -377,10 +411,10 @@ async fn alter_table(
     table: &str,
     mode: &str,
     out: &mut ReplyWriter,
-) -> Result<(), String> {
+) -> Result<(), Refused> {
     let mode = Mode::named(mode)
         .filter(|mode| mode.offered)
-        .ok_or_else(|| format!("unknown mode {mode:?}; choose ms+sc, ms+ec, aa+sc or aa+ec"))?;
+        .ok_or_else(|| Refused::UnknownMode(mode.to_string()))?;
     change_map(state, |coordinator, now| coordinator.alter_table(table, mode, now).map(drop))?;
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
@@ -393,10 +427,7 @@ async fn alter_table(
             return seen_everywhere(state, epoch, out).await;
         }
         if Instant::now() >= deadline {
-            return Err(format!(
-                "table {table} is still switching to {}; TABLE.INFO shows when it is done",
-                mode.label()
-            ));
+            return Err(Refused::StillSwitching { table: table.to_string(), mode: mode.label() });
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -405,13 +436,11 @@ async fn alter_table(
 fn change_map(
     state: &Arc<Mutex<State>>,
     change: impl FnOnce(&mut ClusterCoordinator, u64) -> Result<(), MapError>,
-) -> Result<u64, String> {
+) -> Result<u64, Refused> {
     let mut state = state.lock();
-    if let Some(reason) = &state.fenced {
-        return Err(format!("this coordinator stopped deciding: {reason}"));
-    }
+    state.check_deciding()?;
     let now = state.now_ms();
-    change(&mut state.coordinator, now).map_err(|error| error.to_string())?;
+    change(&mut state.coordinator, now)?;
     state.persist()?;
     Ok(state.coordinator.map().epoch)
 }
@@ -419,7 +448,11 @@ fn change_map(
 /// Answers once every node that serves a shard routes by a map of at least
 /// `epoch` (it said so in a heartbeat), or has been silent long enough that
 /// its lease has run out: then no node can place a request by the older map.
-async fn seen_everywhere(state: &Arc<Mutex<State>>, epoch: u64, out: &mut ReplyWriter) -> Result<(), String> {
+async fn seen_everywhere(
+    state: &Arc<Mutex<State>>,
+    epoch: u64,
+    out: &mut ReplyWriter,
+) -> Result<(), Refused> {
     let deadline =
         Instant::now() + Duration::from_millis(state.lock().failure_timeout_ms) + Duration::from_secs(3);
     loop {
@@ -442,17 +475,17 @@ async fn seen_everywhere(state: &Arc<Mutex<State>>, epoch: u64, out: &mut ReplyW
                 out.ok();
                 return Ok(());
             }
-            Some(node) if Instant::now() >= deadline => {
-                return Err(format!(
-                    "the change is made, but node {node} has not seen it yet; retry to wait again"
-                ))
-            }
+            Some(node) if Instant::now() >= deadline => return Err(Refused::NotSeenBy(node)),
             Some(_) => tokio::time::sleep(Duration::from_millis(10)).await,
         }
     }
 }
 
-async fn watch_map(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) -> Result<(), String> {
+async fn watch_map(
+    state: &Arc<Mutex<State>>,
+    args: &[Vec<u8>],
+    out: &mut ReplyWriter,
+) -> Result<(), Refused> {
     if args.len() == 3 {
         let known: u64 = number(&args[1], "epoch")?;
         let wait = Duration::from_millis(number::<u64>(&args[2], "wait")?.min(WAIT_MS_MAX));

@@ -55,7 +55,7 @@ fn a_malformed_map_in_etcd_is_a_clear_error_and_is_not_overwritten() {
         Some(map("broken")),
         Timing::default(),
     ));
-    let error = started.err().expect("a coordinator does not start on a malformed map");
+    let error = started.err().expect("a coordinator does not start on a malformed map").to_string();
     assert!(error.contains("invalid cluster map"), "{error}");
     assert!(store.load().is_err(), "the malformed map was left for an operator to look at");
 }

@@ -12,6 +12,7 @@ use tokio::sync::watch;
 
 use crate::cluster::{serve, ClusterNode, Forwarder, Held};
 use crate::commands::{dispatch, Context, Session};
+use crate::error::CommandError;
 use crate::store::{now_ms, Store, WorkerStats};
 use crate::tables::TableSet;
 
@@ -152,7 +153,7 @@ impl Connection {
                 Ok(Parsed::Incomplete) => break,
                 Err(error) => {
                     // The next frame boundary is unknown: answer and close.
-                    self.out.error(&format!("ERR {error}"));
+                    CommandError::from(error).write(&mut self.out);
                     keep_open = false;
                     break;
                 }
@@ -161,7 +162,7 @@ impl Connection {
         self.input.drain(..start);
         self.parser.discard_front(start);
         if self.input.len() > self.store.config.query_buffer_bytes_max {
-            self.out.error("ERR query buffer limit exceeded, closing the connection");
+            CommandError::QueryBufferFull.write(&mut self.out);
             keep_open = false;
         }
         if self.input.capacity() > BUFFER_KEEP_BYTES && self.input.len() < READ_CHUNK_BYTES {
@@ -202,7 +203,7 @@ impl Connection {
         let mut copied = 0;
         for (start, end, message) in failures {
             self.out.raw(&replies[copied..start]);
-            self.out.error(&message.to_string());
+            CommandError::from(message).write(&mut self.out);
             copied = end;
         }
         self.out.raw(&replies[copied..]);

@@ -1,8 +1,9 @@
 //! Errors a command can answer with. Each maps to the Redis error line a client
 //! expects (its first word is the error code).
 
-use tessera_cluster::agent::GroupError;
+use tessera_cluster::agent::{AgentError, GroupError};
 use tessera_engine::EngineError;
+use tessera_wire::{ProtocolError, ReplyWriter};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CommandError {
@@ -40,9 +41,30 @@ pub enum CommandError {
     ReservedKey(String),
     #[error("ERR {0}")]
     Other(String),
-    /// An error whose code is not ERR (`CLUSTERDOWN ...`, `TRYAGAIN ...`).
+    /// The connection's input is not RESP: answered, then the connection closes.
+    #[error("ERR {0}")]
+    Protocol(#[from] ProtocolError),
+    #[error("ERR query buffer limit exceeded, closing the connection")]
+    QueryBufferFull,
+    /// The cluster cannot serve the keys at all now (no map yet, a slot
+    /// nobody serves).
+    #[error("CLUSTERDOWN {0}")]
+    ClusterDown(String),
+    /// No effect; the client may simply try again (Redis clients do).
+    #[error("TRYAGAIN {0}")]
+    TryAgain(String),
+    /// A cluster client is told where the keys' slot is served.
+    #[error("MOVED {slot} {address}")]
+    Moved { slot: u16, address: String },
+    #[error("CROSSSLOT {0}")]
+    CrossSlot(String),
+    /// The coordinator could not be asked.
+    #[error("TRYAGAIN {0}")]
+    Coordinator(#[from] AgentError),
+    /// An error line another process answered (the coordinator, the node a
+    /// request was forwarded to), passed on as it came.
     #[error("{0}")]
-    Coded(String),
+    Relayed(String),
     #[error("ERR engine error: {0}")]
     Engine(#[from] EngineError),
     /// A replica group's answer (a cluster node).
@@ -51,3 +73,15 @@ pub enum CommandError {
 }
 
 pub type CommandResult<T = ()> = Result<T, CommandError>;
+
+impl CommandError {
+    /// What the node has not got before the coordinator gives it a map.
+    pub fn no_map_yet() -> Self {
+        CommandError::ClusterDown("this node has not received the cluster map yet".into())
+    }
+
+    /// The error as the one RESP error line a client is told.
+    pub fn write(&self, out: &mut ReplyWriter) {
+        out.error(&self.to_string());
+    }
+}

@@ -10,9 +10,6 @@ use tessera_cluster::ClusterMap;
 
 use crate::error::{CommandError, CommandResult};
 
-/// What a node answers before the coordinator has given it a map.
-pub const NO_MAP_YET: &str = "CLUSTERDOWN this node has not received the cluster map yet";
-
 pub struct Membership {
     pub agent: Arc<Agent>,
     /// This node's client address, as the map names it.
@@ -22,7 +19,7 @@ pub struct Membership {
 impl Membership {
     /// The map this node routes by.
     pub fn map(&self) -> CommandResult<Arc<ClusterMap>> {
-        self.agent.routing().map(|routing| routing.map).ok_or_else(|| CommandError::Coded(NO_MAP_YET.into()))
+        self.agent.routing().map(|routing| routing.map).ok_or_else(CommandError::no_map_yet)
     }
 
     /// Whether a read asking for strong consistency gets it: unless some

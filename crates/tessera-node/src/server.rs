@@ -25,7 +25,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use crate::cluster::ClusterNode;
+use crate::cluster::{ClusterNode, JoinError};
 use crate::config::{Config, ConfigError};
 use crate::connection::Connection;
 use crate::store::Store;
@@ -44,7 +44,7 @@ pub enum ServerError {
     #[error("cannot start a worker's runtime: {0}")]
     Runtime(std::io::Error),
     #[error("cannot join the cluster: {0}")]
-    Cluster(String),
+    Cluster(#[from] JoinError),
 }
 
 /// A running node. Dropping it without [`shutdown`](Self::shutdown) leaves the
@@ -97,9 +97,7 @@ impl Server {
             .collect::<Result<Vec<_>, _>>()
             .map_err(ServerError::Runtime)?;
         let cluster = match store.config.cluster {
-            Some(_) => Some(Arc::new(
-                ClusterNode::start(&store.config, local_addr, &runtimes[0]).map_err(ServerError::Cluster)?,
-            )),
+            Some(_) => Some(Arc::new(ClusterNode::start(&store.config, local_addr, &runtimes[0])?)),
             None => None,
         };
         let (stop, stopping) = watch::channel(false);

@@ -33,7 +33,7 @@ use crate::record::{Record, Version};
 use crate::{
     engine_entries, increment_value, read_visible, refused_without_quorum, snapshot_chunks,
     snapshot_resend_after, Chunk, ClientReply, ClientRequest, Consistency, Effects, NodeId, Operation,
-    PeerMessage, Progress, Protocol, RequestId, ShardView, SnapshotAssembly, Time, Write,
+    OperationError, PeerMessage, Progress, Protocol, RequestId, ShardView, SnapshotAssembly, Time, Write,
 };
 
 #[derive(Clone, Debug)]
@@ -48,6 +48,10 @@ pub struct ChainOptions {
     /// tail has the write.
     #[cfg(feature = "broken")]
     pub broken_early_ack: bool,
+    /// Deliberately wrong, for proving the invariant assertions: the head
+    /// files a waiting client under the write after its own (an off-by-one).
+    #[cfg(feature = "broken")]
+    pub broken_waits_past_applied: bool,
 }
 
 impl Default for ChainOptions {
@@ -58,6 +62,8 @@ impl Default for ChainOptions {
             resend_batch_max: 512,
             #[cfg(feature = "broken")]
             broken_early_ack: false,
+            #[cfg(feature = "broken")]
+            broken_waits_past_applied: false,
         }
     }
 }
@@ -293,12 +299,36 @@ impl ChainReplication {
         self.view.as_ref().is_some_and(|view| now < view.lease_until)
     }
 
-    fn read_local(&self, key: &[u8]) -> Result<Option<Bytes>, String> {
+    /// What every handler may rely on; cheap enough for every event.
+    fn check_invariants(&self) {
+        assert!(
+            self.acked <= self.applied,
+            "{}: acknowledged {} beyond applied {}",
+            self.me,
+            self.acked,
+            self.applied
+        );
+        let last_sent = self.sent.last_key_value().map_or(0, |(key, _)| *key);
+        assert!(last_sent <= self.applied, "{}: sent {last_sent} beyond applied {}", self.me, self.applied);
+        if let (Some((first, _)), Some((last, _))) =
+            (self.waiting.first_key_value(), self.waiting.last_key_value())
+        {
+            assert!(
+                self.acked < *first && *last <= self.applied,
+                "{}: clients wait on writes {first}..={last} outside ({}, {}]",
+                self.me,
+                self.acked,
+                self.applied
+            );
+        }
+    }
+
+    fn read_local(&self, key: &[u8]) -> Result<Option<Bytes>, OperationError> {
         read_visible(self.engine.as_ref(), key)
     }
 
     /// Applies write `seq` to the engine; the caller checked it is the next one.
-    fn apply(&mut self, seq: u64, origin: NodeId, key: &Bytes, write: &Write) -> Result<(), String> {
+    fn apply(&mut self, seq: u64, origin: NodeId, key: &Bytes, write: &Write) -> Result<(), OperationError> {
         assert_eq!(seq, self.applied + 1, "writes are applied in number order");
         let result = match write {
             Write::Put(value) => {
@@ -306,7 +336,7 @@ impl ChainReplication {
             }
             Write::Delete => self.engine.delete(key).map(drop),
         };
-        result.map_err(|error| error.to_string())?;
+        result?;
         self.applied = seq;
         Ok(())
     }
@@ -554,7 +584,11 @@ impl ChainReplication {
             self.remember_and_forward(seq, SentEntry { origin: self.me, key, write }, fx);
             return;
         }
-        self.waiting.insert(seq, (request, answer));
+        #[cfg(feature = "broken")]
+        let waited_on = seq + u64::from(self.options.broken_waits_past_applied);
+        #[cfg(not(feature = "broken"))]
+        let waited_on = seq;
+        self.waiting.insert(waited_on, (request, answer));
         self.remember_and_forward(seq, SentEntry { origin: self.me, key, write }, fx);
         if alone {
             self.applied_at_tail(seq, fx);
@@ -607,6 +641,7 @@ impl ChainReplication {
 
 impl Protocol for ChainReplication {
     fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
+        self.check_invariants();
         if self.position().is_none() {
             return fx.reply(request.id, ClientReply::Elsewhere("not a replica of this shard"));
         }
@@ -620,6 +655,7 @@ impl Protocol for ChainReplication {
     }
 
     fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
+        self.check_invariants();
         let Some(message) = crate::open::<ChainMessage>(self.me, from, &message) else { return };
         if (self.position().is_none() && !self.is_learner()) || message.view() != self.view_number() {
             return; // another view's message: fenced off
@@ -662,6 +698,7 @@ impl Protocol for ChainReplication {
     }
 
     fn on_tick(&mut self, fx: &mut Effects) {
+        self.check_invariants();
         let now = fx.now();
         let retransmit_after = self.options.retransmit_after_ms;
         let stalled = now.saturating_sub(self.last_progress_at) >= retransmit_after;
@@ -683,6 +720,7 @@ impl Protocol for ChainReplication {
     }
 
     fn on_view(&mut self, view: &ShardView, fx: &mut Effects) {
+        self.check_invariants();
         if let Some(current) = &mut self.view {
             if view.number < current.number {
                 return;

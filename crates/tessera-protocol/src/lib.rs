@@ -27,7 +27,7 @@ pub use codec::{Message, PeerMessage};
 pub use multi_master::{MultiMaster, MultiMasterOptions};
 pub use primary_backup::{PrimaryBackup, PrimaryBackupOptions};
 pub use quorum::{QuorumOptions, QuorumRegister};
-pub use record::{Hlc, Record, Version};
+pub use record::{Hlc, Record, RecordError, Version};
 pub use registry::{Mode, ProtocolSpec, Start, Tuning};
 pub use replica::{ReadGate, Refusal, Replica, ReplicaConfig, Role};
 pub use transition::{Switchable, TransitionMessage};
@@ -137,11 +137,35 @@ pub enum ClientReply {
     Changed,
     /// The operation failed and did not take effect (an increment of a value
     /// that is not an integer, an engine error).
-    Failed(String),
+    Failed(OperationError),
     /// The operation may or may not have taken effect, now or later (a quorum
     /// write interrupted after some replicas accepted it): not to be retried
     /// blindly unless it is idempotent.
     Unknown(&'static str),
+}
+
+/// Why an operation failed without taking effect. The messages are Redis's
+/// where Redis has the same failure, so a node can answer `ERR <message>`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum OperationError {
+    /// The engine failed (its error rendered: engine errors carry I/O errors,
+    /// which cannot be compared or cloned).
+    #[error("engine error: {0}")]
+    Engine(String),
+    #[error(transparent)]
+    Record(#[from] RecordError),
+    #[error("value is not an integer or out of range")]
+    NotInteger,
+    #[error("increment or decrement would overflow")]
+    Overflow,
+    #[error("conditional writes need a quorum group")]
+    NeedsQuorum,
+}
+
+impl From<tessera_engine::EngineError> for OperationError {
+    fn from(error: tessera_engine::EngineError) -> Self {
+        OperationError::Engine(error.to_string())
+    }
 }
 
 /// A write as replicas ship it to each other.
@@ -280,26 +304,26 @@ pub trait Protocol: Send {
 pub(crate) fn refused_without_quorum(request: &ClientRequest, fx: &mut Effects) -> bool {
     let refused = request.operation.needs_quorum();
     if refused {
-        fx.reply(request.id, ClientReply::Failed("conditional writes need a quorum group".into()));
+        fx.reply(request.id, ClientReply::Failed(OperationError::NeedsQuorum));
     }
     refused
 }
 
 /// The value a reader sees for `key`: the record's value, or none for a
 /// missing key or a tombstone.
-pub fn read_visible(engine: &dyn Engine, key: &[u8]) -> Result<Option<Bytes>, String> {
-    match engine.get(key).map_err(|error| error.to_string())? {
+pub fn read_visible(engine: &dyn Engine, key: &[u8]) -> Result<Option<Bytes>, OperationError> {
+    match engine.get(key)? {
         None => Ok(None),
-        Some(raw) => Ok(Record::decode(raw).map_err(|error| error.to_string())?.visible().cloned()),
+        Some(raw) => Ok(Record::decode(raw)?.visible().cloned()),
     }
 }
 
 /// Every entry of an engine, raw: a snapshot for state transfer.
-pub fn engine_entries(engine: &dyn Engine) -> Result<Vec<(Bytes, Bytes)>, String> {
+pub fn engine_entries(engine: &dyn Engine) -> Result<Vec<(Bytes, Bytes)>, OperationError> {
     let mut entries = Vec::new();
     let mut cursor = ScanCursor::start();
     loop {
-        let page = engine.scan(&KeyRange::all(), &cursor, 1024).map_err(|error| error.to_string())?;
+        let page = engine.scan(&KeyRange::all(), &cursor, 1024)?;
         entries.extend(page.entries);
         match page.next {
             Some(next) => cursor = next,
@@ -393,16 +417,15 @@ pub fn snapshot_resend_after(retransmit_after_ms: u64, chunks: usize) -> u64 {
 }
 
 /// Applies an increment to a stored value, as INCRBY would.
-pub fn increment_value(current: Option<&[u8]>, delta: i64) -> Result<Bytes, String> {
+pub fn increment_value(current: Option<&[u8]>, delta: i64) -> Result<Bytes, OperationError> {
     let current = match current {
         None => 0,
         Some(text) => std::str::from_utf8(text)
             .ok()
             .and_then(|text| text.parse::<i64>().ok())
-            .ok_or_else(|| "value is not an integer or out of range".to_string())?,
+            .ok_or(OperationError::NotInteger)?,
     };
-    let updated =
-        current.checked_add(delta).ok_or_else(|| "increment or decrement would overflow".to_string())?;
+    let updated = current.checked_add(delta).ok_or(OperationError::Overflow)?;
     Ok(Bytes::from(updated.to_string()))
 }
 

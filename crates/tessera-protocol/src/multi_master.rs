@@ -26,7 +26,7 @@ use crate::codec::{put_entries, put_u64s, CodecError, Family, Message, Reader};
 use crate::record::{Hlc, Record, Version};
 use crate::{
     engine_entries, increment_value, refused_without_quorum, ClientReply, ClientRequest, Effects, NodeId,
-    Operation, PeerMessage, Progress, Protocol, ShardView, Time, SNAPSHOT_CHUNK_BYTES,
+    Operation, OperationError, PeerMessage, Progress, Protocol, ShardView, Time, SNAPSHOT_CHUNK_BYTES,
 };
 
 /// Leaves of the hash tree; a key's leaf is a fixed hash of it.
@@ -275,6 +275,23 @@ pub struct MultiMaster {
 }
 
 impl MultiMaster {
+    /// What every handler may rely on; cheap enough for every event (a
+    /// look at each peer's outbox).
+    fn check_invariants(&self) {
+        for (peer, outbox) in &self.outboxes {
+            assert!(*peer != self.me, "{}: an outbox to itself", self.me);
+            assert!(
+                outbox.in_flight.len() <= self.options.window_batches,
+                "{}: {} batches in flight to {peer}, window {}",
+                self.me,
+                outbox.in_flight.len(),
+                self.options.window_batches
+            );
+            let newest = outbox.in_flight.last_key_value().map_or(0, |(key, _)| *key);
+            assert!(newest < self.next_batch, "{}: batch {newest} in flight, not yet numbered", self.me);
+        }
+    }
+
     /// Opens a replica over an engine that may already hold records (a restart
     /// on a persistent engine): the tree, the tombstones and the clock are
     /// rebuilt from them.
@@ -344,16 +361,16 @@ impl MultiMaster {
         }
     }
 
-    fn stored(&self, key: &[u8]) -> Result<Option<Record>, String> {
-        match self.engine.get(key).map_err(|error| error.to_string())? {
+    fn stored(&self, key: &[u8]) -> Result<Option<Record>, OperationError> {
+        match self.engine.get(key)? {
             None => Ok(None),
-            Some(raw) => Record::decode(raw).map(Some).map_err(|error| error.to_string()),
+            Some(raw) => Ok(Some(Record::decode(raw)?)),
         }
     }
 
     /// Stores `record` if it outranks what is held; returns whether it did.
     /// `raw` is `record` encoded, as it arrived or as it will travel.
-    fn merge(&mut self, key: &Bytes, record: Record, raw: Bytes, now: Time) -> Result<bool, String> {
+    fn merge(&mut self, key: &Bytes, record: Record, raw: Bytes, now: Time) -> Result<bool, OperationError> {
         let current = self.stored(key)?;
         if current
             .as_ref()
@@ -366,7 +383,7 @@ impl MultiMaster {
             return Ok(false);
         }
         self.hlc.observe(record.version, now);
-        self.engine.put(key, raw).map_err(|error| error.to_string())?;
+        self.engine.put(key, raw)?;
         if let Some(current) = &current {
             self.index(key, current, false);
         }
@@ -539,6 +556,7 @@ impl MultiMaster {
 
 impl Protocol for MultiMaster {
     fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
+        self.check_invariants();
         if !self.is_member() {
             return fx.reply(request.id, ClientReply::Elsewhere("not a replica of this shard"));
         }
@@ -558,6 +576,7 @@ impl Protocol for MultiMaster {
     }
 
     fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
+        self.check_invariants();
         let Some(message) = crate::open::<MultiMessage>(self.me, from, &message) else { return };
         if message.view() != self.view_number() || !self.is_peer(from) {
             return;
@@ -610,6 +629,7 @@ impl Protocol for MultiMaster {
     }
 
     fn on_tick(&mut self, fx: &mut Effects) {
+        self.check_invariants();
         if !self.is_member() {
             return;
         }
@@ -619,6 +639,7 @@ impl Protocol for MultiMaster {
     }
 
     fn on_view(&mut self, view: &ShardView, _fx: &mut Effects) {
+        self.check_invariants();
         if self.view.as_ref().is_some_and(|current| view.number <= current.number) {
             if let Some(current) = &mut self.view {
                 if view.number == current.number {

@@ -30,7 +30,7 @@ use crate::record::{Record, Version};
 use crate::{
     engine_entries, increment_value, read_visible, refused_without_quorum, snapshot_chunks,
     snapshot_resend_after, Chunk, ClientReply, ClientRequest, Consistency, Effects, NodeId, Operation,
-    PeerMessage, Progress, Protocol, ShardView, SnapshotAssembly, Time, Write,
+    OperationError, PeerMessage, Progress, Protocol, ShardView, SnapshotAssembly, Time, Write,
 };
 
 #[derive(Clone, Debug)]
@@ -201,6 +201,13 @@ impl PrimaryBackup {
         self.view.as_ref().map_or(0, |view| view.number)
     }
 
+    /// What every handler may rely on; cheap enough for every event.
+    fn check_invariants(&self) {
+        let last = self.log.last_key_value().map_or(0, |(key, _)| *key);
+        assert!(last <= self.applied, "{}: log entry {last} beyond applied {}", self.me, self.applied);
+        assert!(self.log.len() <= self.options.log_entries_max, "{}: log over its bound", self.me);
+    }
+
     fn primary(&self) -> Option<NodeId> {
         self.view.as_ref()?.replicas.first().copied()
     }
@@ -213,11 +220,11 @@ impl PrimaryBackup {
         self.view.as_ref().is_some_and(|view| now < view.lease_until)
     }
 
-    fn read_local(&self, key: &[u8]) -> Result<Option<Bytes>, String> {
+    fn read_local(&self, key: &[u8]) -> Result<Option<Bytes>, OperationError> {
         read_visible(self.engine.as_ref(), key)
     }
 
-    fn apply(&mut self, entry: LogEntry) -> Result<(), String> {
+    fn apply(&mut self, entry: LogEntry) -> Result<(), OperationError> {
         assert_eq!(entry.seq, self.applied + 1, "entries are applied in number order");
         let result = match &entry.write {
             Write::Put(value) => {
@@ -226,7 +233,7 @@ impl PrimaryBackup {
             }
             Write::Delete => self.engine.delete(&entry.key).map(drop),
         };
-        result.map_err(|error| error.to_string())?;
+        result?;
         self.applied = entry.seq;
         self.applied_epoch = entry.epoch;
         self.log.insert(entry.seq, entry);
@@ -304,10 +311,15 @@ impl PrimaryBackup {
         }
     }
 
-    fn on_snapshot(&mut self, applied: u64, epoch: u64, entries: Vec<(Bytes, Bytes)>) -> Result<(), String> {
-        self.engine.clear().map_err(|error| error.to_string())?;
+    fn on_snapshot(
+        &mut self,
+        applied: u64,
+        epoch: u64,
+        entries: Vec<(Bytes, Bytes)>,
+    ) -> Result<(), OperationError> {
+        self.engine.clear()?;
         for (key, value) in entries {
-            self.engine.put(&key, value).map_err(|error| error.to_string())?;
+            self.engine.put(&key, value)?;
         }
         self.applied = applied;
         self.applied_epoch = epoch;
@@ -366,6 +378,7 @@ impl PrimaryBackup {
 
 impl Protocol for PrimaryBackup {
     fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
+        self.check_invariants();
         if self.view.as_ref().and_then(|view| view.position(self.me)).is_none() {
             return fx.reply(request.id, ClientReply::Elsewhere("not a replica of this shard"));
         }
@@ -391,6 +404,7 @@ impl Protocol for PrimaryBackup {
     }
 
     fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
+        self.check_invariants();
         let Some(message) = crate::open::<BackupMessage>(self.me, from, &message) else { return };
         if message.view() != self.view_number()
             || self.view.as_ref().and_then(|view| view.position(self.me)).is_none()
@@ -417,6 +431,7 @@ impl Protocol for PrimaryBackup {
     }
 
     fn on_tick(&mut self, fx: &mut Effects) {
+        self.check_invariants();
         if self.is_primary() {
             self.propagate(fx);
         } else if let Some(primary) = self.primary() {
@@ -432,6 +447,7 @@ impl Protocol for PrimaryBackup {
     }
 
     fn on_view(&mut self, view: &ShardView, _fx: &mut Effects) {
+        self.check_invariants();
         if let Some(current) = &mut self.view {
             if view.number < current.number {
                 return;

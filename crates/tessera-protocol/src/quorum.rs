@@ -36,8 +36,8 @@ use crate::codec::{put_bytes, put_chunk, put_entries, put_optional, CodecError, 
 use crate::record::{Hlc, Record, Version};
 use crate::{
     engine_entries, increment_value, snapshot_chunks, Chunk, ClientReply, ClientRequest, Consistency,
-    Effects, NodeId, Operation, PeerMessage, Progress, Protocol, RequestId, ShardView, SnapshotAssembly,
-    Time, Write,
+    Effects, NodeId, Operation, OperationError, PeerMessage, Progress, Protocol, RequestId, ShardView,
+    SnapshotAssembly, Time, Write,
 };
 
 #[derive(Clone, Debug)]
@@ -338,6 +338,19 @@ pub struct QuorumRegister {
 }
 
 impl QuorumRegister {
+    /// What every handler may rely on; cheap enough for every event.
+    fn check_invariants(&self) {
+        let newest = self.proposals.last_key_value().map_or(0, |(key, _)| *key);
+        assert!(newest < self.next_op, "{}: proposal {newest} not yet numbered", self.me);
+        assert!(
+            self.busy.len() <= self.proposals.len(),
+            "{}: {} keys busy with {} proposals",
+            self.me,
+            self.busy.len(),
+            self.proposals.len()
+        );
+    }
+
     pub fn new(me: NodeId, engine: Arc<dyn Engine>, options: QuorumOptions) -> Self {
         let restarted_with_state = engine.is_empty().map_or(true, |empty| !empty);
         Self {
@@ -404,10 +417,10 @@ impl QuorumRegister {
         self.view.as_ref().map_or(0, |view| view.replicas.len()) / 2 + 1
     }
 
-    fn accepted(&self, key: &[u8]) -> Result<Option<Record>, String> {
-        match self.engine.get(key).map_err(|error| error.to_string())? {
+    fn accepted(&self, key: &[u8]) -> Result<Option<Record>, OperationError> {
+        match self.engine.get(key)? {
             None => Ok(None),
-            Some(raw) => Record::decode(raw).map(Some).map_err(|error| error.to_string()),
+            Some(raw) => Ok(Some(Record::decode(raw)?)),
         }
     }
 
@@ -713,13 +726,13 @@ impl QuorumRegister {
     }
 
     /// Keeps, per key, the record of the highest ballot.
-    fn merge_snapshot(&mut self, entries: Vec<(Bytes, Bytes)>, now: Time) -> Result<(), String> {
+    fn merge_snapshot(&mut self, entries: Vec<(Bytes, Bytes)>, now: Time) -> Result<(), OperationError> {
         for (key, raw) in entries {
             let Ok(record) = Record::decode(raw.clone()) else { continue };
             let current = self.accepted(&key)?;
             if current.as_ref().is_none_or(|current| ballot_of(current) < ballot_of(&record)) {
                 self.hlc.observe(record.version, now);
-                self.engine.put(&key, raw).map_err(|error| error.to_string())?;
+                self.engine.put(&key, raw)?;
             }
         }
         Ok(())
@@ -728,6 +741,7 @@ impl QuorumRegister {
 
 impl Protocol for QuorumRegister {
     fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
+        self.check_invariants();
         if !self.is_member() {
             return fx.reply(request.id, ClientReply::Elsewhere("not a replica of this shard"));
         }
@@ -762,6 +776,7 @@ impl Protocol for QuorumRegister {
     }
 
     fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
+        self.check_invariants();
         let Some(message) = crate::open::<QuorumMessage>(self.me, from, &message) else { return };
         if message.view() != self.view_number() {
             return;
@@ -835,6 +850,7 @@ impl Protocol for QuorumRegister {
     }
 
     fn on_tick(&mut self, fx: &mut Effects) {
+        self.check_invariants();
         let now = fx.now();
         if self.is_learner() && self.ready_in != Some(self.view_number()) {
             self.ask_for_snapshots(fx);
@@ -879,6 +895,7 @@ impl Protocol for QuorumRegister {
     }
 
     fn on_view(&mut self, view: &ShardView, fx: &mut Effects) {
+        self.check_invariants();
         if self.view.as_ref().is_some_and(|current| view.number <= current.number) {
             return;
         }

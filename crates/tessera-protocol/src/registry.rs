@@ -359,6 +359,18 @@ static BROKEN: &[ProtocolSpec] = &[
         },
         ..CHAIN
     },
+    // The head files a waiting client under the wrong write number.
+    ProtocolSpec {
+        name: "broken-chain-waits-past-applied",
+        build: |me, engine, _, _| {
+            Box::new(ChainReplication::new(
+                me,
+                engine,
+                ChainOptions { broken_waits_past_applied: true, ..ChainOptions::default() },
+            ))
+        },
+        ..CHAIN
+    },
     // Multi-master without anti-entropy: what propagation misses is never repaired.
     ProtocolSpec {
         name: "broken-multi-master-no-repair",

@@ -31,7 +31,8 @@ use crate::codec::{put_chunk, put_entries, put_u64s, CodecError, Family, Message
 use crate::multi_master::{hash, leaf_of};
 use crate::{
     engine_entries, read_visible, snapshot_chunks, Chunk, ClientReply, ClientRequest, Consistency, Effects,
-    NodeId, Operation, PeerMessage, Progress, Protocol, Record, ShardView, SnapshotAssembly, Time,
+    NodeId, Operation, OperationError, PeerMessage, Progress, Protocol, Record, ShardView, SnapshotAssembly,
+    Time,
 };
 
 /// How often a draining replica repeats its announcements and requests (the
@@ -205,6 +206,20 @@ impl Switchable {
         self.drain.is_some()
     }
 
+    /// What every handler may rely on; cheap enough for every event.
+    fn check_invariants(&self) {
+        assert!(self.drain.is_some() || self.held.is_empty(), "{}: requests held with no drain", self.me);
+        if let Some(drain) = &self.drain {
+            assert!(
+                drain.view <= self.view_number,
+                "{}: draining view {} ahead of view {}",
+                self.me,
+                drain.view,
+                self.view_number
+            );
+        }
+    }
+
     fn peers(&self) -> impl Iterator<Item = NodeId> + '_ {
         self.members.iter().copied().filter(|member| *member != self.me)
     }
@@ -223,7 +238,7 @@ impl Switchable {
 
     /// An order-independent summary of each bucket's records, computed once
     /// per drain and again after a merge (a scan of the whole shard).
-    fn digests(&mut self) -> Result<Vec<u64>, String> {
+    fn digests(&mut self) -> Result<Vec<u64>, OperationError> {
         if let Some(digests) = self.drain.as_ref().and_then(|drain| drain.digests.clone()) {
             return Ok(digests);
         }
@@ -366,6 +381,7 @@ impl Switchable {
 
 impl Protocol for Switchable {
     fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
+        self.check_invariants();
         if self.drain.is_none() {
             return self.protocol.on_client(request, fx);
         }
@@ -382,6 +398,7 @@ impl Protocol for Switchable {
     }
 
     fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
+        self.check_invariants();
         match message.open::<TransitionMessage>() {
             Some(Ok(message)) => self.on_transition(from, message, fx),
             Some(Err(error)) => tracing::warn!(replica = %self.me, %from, %error, "dropped a peer message"),
@@ -399,6 +416,7 @@ impl Protocol for Switchable {
     }
 
     fn on_tick(&mut self, fx: &mut Effects) {
+        self.check_invariants();
         // Once every member is quiet the old protocol has nothing left to
         // do, and its timers (resends, collection) would change records the
         // digests sum up: it sleeps until the switch.
@@ -409,6 +427,7 @@ impl Protocol for Switchable {
     }
 
     fn on_view(&mut self, view: &ShardView, fx: &mut Effects) {
+        self.check_invariants();
         self.protocol.on_view(view, fx);
         if view.number < self.view_number {
             return; // a late grant of an older view

@@ -69,6 +69,22 @@ fn the_checkers_catch_a_head_that_answers_before_the_tail_has_the_write() {
 }
 
 #[test]
+fn a_broken_invariant_fails_the_run_loudly_with_its_seed() {
+    let failed = failures(mode("broken-chain-waits-past-applied"), 0..20);
+    assert!(!failed.is_empty(), "20 seeds of a head with off-by-one bookkeeping passed");
+    for report in &failed {
+        let seed = report.seed;
+        assert!(
+            report.violations.iter().any(|violation| violation.starts_with("assertion:")
+                && violation.contains("clients wait on writes")
+                && violation.ends_with(&format!("(seed {seed})"))),
+            "seed {seed}: {:?}",
+            report.violations
+        );
+    }
+}
+
+#[test]
 fn the_checkers_catch_replicas_that_never_repair_what_propagation_missed() {
     let failed = failures(mode("broken-multi-master-no-repair"), 0..100);
     assert!(

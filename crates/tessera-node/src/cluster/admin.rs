@@ -20,7 +20,6 @@ use super::forward::Forwarder;
 use super::{ClusterNode, TRANSITION_WAIT};
 use crate::commands::tables::{ordered_keys, parse_alter, parse_create, parse_range, text};
 use crate::error::{CommandError, CommandResult};
-use crate::membership::NO_MAP_YET;
 use crate::store::Store;
 use crate::tables::{Table, TableDef, TableSet};
 
@@ -59,13 +58,8 @@ impl ClusterNode {
             _ => return self.table_info(&text(request.arg(1))?, out),
         };
         let args: Vec<&[u8]> = change.iter().map(Vec::as_slice).collect();
-        let answer = self
-            .agent
-            .ask_coordinator(&args)
-            .await
-            .map_err(|error| CommandError::Coded(format!("TRYAGAIN {error}")))?;
-        if let Value::Error(message) = answer {
-            return Err(CommandError::Coded(message));
+        if let Value::Error(message) = self.agent.ask_coordinator(&args).await? {
+            return Err(CommandError::Relayed(message));
         }
         let table = text(request.arg(1))?;
         let creating = name == b"table.create";
@@ -74,8 +68,8 @@ impl ClusterNode {
             .wait_for_map(|map| map.table(&table).is_some() == creating, Duration::from_secs(5))
             .await;
         if !arrived {
-            return Err(CommandError::Coded(
-                "TRYAGAIN the coordinator changed the map; this node has not seen it yet".into(),
+            return Err(CommandError::TryAgain(
+                "the coordinator changed the map; this node has not seen it yet".into(),
             ));
         }
         out.ok();
@@ -102,14 +96,13 @@ impl ClusterNode {
         let answer = self
             .agent
             .ask_coordinator(&[b"COORD.TABLE-ALTER", table.as_bytes(), mode.name.as_bytes()])
-            .await
-            .map_err(|error| CommandError::Coded(format!("TRYAGAIN {error}")))?;
+            .await?;
         if let Value::Error(message) = answer {
-            return Err(CommandError::Coded(message));
+            return Err(CommandError::Relayed(message));
         }
         if !self.agent.wait_for_map(|map| map.table_runs(&table, mode), Duration::from_secs(5)).await {
-            return Err(CommandError::Coded(
-                "TRYAGAIN the coordinator switched the table; this node has not seen it yet".into(),
+            return Err(CommandError::TryAgain(
+                "the coordinator switched the table; this node has not seen it yet".into(),
             ));
         }
         out.ok();
@@ -128,7 +121,7 @@ impl ClusterNode {
         forwarder: &mut Forwarder,
     ) -> CommandResult<Vec<Bytes>> {
         let query = parse_range(request)?;
-        let routing = self.agent.routing().ok_or_else(|| CommandError::Coded(NO_MAP_YET.into()))?;
+        let routing = self.agent.routing().ok_or_else(CommandError::no_map_yet)?;
         let Some(ranges) = routing.ranges(&query.table) else {
             let known = query.table == DEFAULT_TABLE || routing.map.table(&query.table).is_some();
             return Err(CommandError::Other(if known {
@@ -178,7 +171,7 @@ impl ClusterNode {
         now_ms: u64,
         forwarder: &mut Forwarder,
     ) -> CommandResult<Vec<Bytes>> {
-        let retry = |why: String| CommandError::Coded(format!("TRYAGAIN {why}"));
+        let retry = CommandError::TryAgain;
         let strong_read = || {
             let group = self.agent.snapshot(shard).ok_or(Refusal::NotOwner)?;
             group.strong_read.map(|barrier| (barrier, group.engine))
@@ -208,7 +201,7 @@ impl ClusterNode {
                     .filter(|address| *address != self.address)
                     .ok_or_else(|| retry(format!("group {shard} is changing hands")))?;
                 if relay {
-                    return Err(CommandError::Coded(format!("MOVED 0 {address}")));
+                    return Err(CommandError::Moved { slot: 0, address: address.to_string() });
                 }
                 let start =
                     part.start.as_ref().map_or(b"-".to_vec(), |start| [b"[", start.as_ref()].concat());
@@ -219,14 +212,13 @@ impl ClusterNode {
                     &[b"TABLE.RANGE", table.as_bytes(), &start, &end, b"COUNT", count.as_bytes()],
                     &mut forwarded,
                 );
-                let reply =
-                    forwarder.forward(address.to_string(), &forwarded).await.map_err(CommandError::Coded)?;
+                let reply = forwarder.forward(address.to_string(), &forwarded).await?;
                 match parse_value(&reply) {
                     Ok(Some((Value::Array(items), _))) => Ok(items
                         .into_iter()
                         .filter_map(|item| item.as_bytes().map(Bytes::copy_from_slice))
                         .collect()),
-                    Ok(Some((Value::Error(message), _))) => Err(CommandError::Coded(message)),
+                    Ok(Some((Value::Error(message), _))) => Err(CommandError::Relayed(message)),
                     _ => Err(retry(format!("{address} answered TABLE.RANGE with something else"))),
                 }
             }

@@ -7,6 +7,8 @@ use tessera_wire::{encode_command, skip_value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use crate::error::{CommandError, CommandResult};
+
 /// A forwarded request follows at most this many `MOVED` answers.
 const FORWARD_HOPS_MAX: usize = 3;
 
@@ -25,7 +27,7 @@ impl Forwarder {
 
     /// Sends one encoded request to `address` and returns its encoded answer,
     /// following `MOVED` if the owner changed meanwhile.
-    pub async fn forward(&mut self, mut address: String, request: &[u8]) -> Result<Vec<u8>, String> {
+    pub async fn forward(&mut self, mut address: String, request: &[u8]) -> CommandResult<Vec<u8>> {
         for _ in 0..FORWARD_HOPS_MAX {
             let reply = self.exchange(&address, request).await.inspect_err(|_| {
                 self.links.remove(&address);
@@ -35,12 +37,13 @@ impl Forwarder {
                 None => return Ok(reply),
             }
         }
-        Err(format!("TRYAGAIN the owner kept moving (last asked {address})"))
+        Err(CommandError::TryAgain(format!("the owner kept moving (last asked {address})")))
     }
 
-    async fn exchange(&mut self, address: &str, request: &[u8]) -> Result<Vec<u8>, String> {
-        let unreachable =
-            |error: std::io::Error| format!("TRYAGAIN cannot reach the owner {address}: {error}");
+    async fn exchange(&mut self, address: &str, request: &[u8]) -> CommandResult<Vec<u8>> {
+        let unreachable = |error: std::io::Error| {
+            CommandError::TryAgain(format!("cannot reach the owner {address}: {error}"))
+        };
         if !self.links.contains_key(address) {
             let stream = tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(address))
                 .await
@@ -60,7 +63,9 @@ impl Forwarder {
                 let reply = read_reply(&mut link).await.map_err(unreachable)?;
                 if reply.first() == Some(&b'-') {
                     let message = String::from_utf8_lossy(&reply[1..]).trim_end().to_string();
-                    return Err(format!("ERR the owner {address} refused this node: {message}"));
+                    return Err(CommandError::Other(format!(
+                        "the owner {address} refused this node: {message}"
+                    )));
                 }
             }
             self.links.insert(address.to_string(), link);

@@ -20,14 +20,29 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use tessera_cluster::agent::{Agent, AgentConfig};
-use tessera_engine::{EngineKind, EngineSpec};
+use tessera_cluster::agent::{Agent, AgentConfig, AgentError};
+use tessera_engine::{EngineError, EngineKind, EngineSpec};
 
 use crate::config::Config;
 use crate::membership::Membership;
 
 /// Where a node keeps the incarnation of its persistent state.
 const INCARNATION_FILE: &str = "cluster-incarnation";
+
+/// Why a node could not join its cluster.
+#[derive(Debug, thiserror::Error)]
+pub enum JoinError {
+    #[error("no [cluster] section")]
+    NotConfigured,
+    #[error("the redis engine cannot back a cluster's shards: they would share one database")]
+    RedisEngine,
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("{path}: {reason}")]
+    Incarnation { path: String, reason: String },
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+}
 
 pub struct ClusterNode {
     pub membership: Membership,
@@ -54,16 +69,13 @@ impl ClusterNode {
         config: &Config,
         client_address: SocketAddr,
         runtime: &tokio::runtime::Runtime,
-    ) -> Result<Self, String> {
-        let settings = config.cluster.as_ref().ok_or("no [cluster] section")?;
-        let kind: EngineKind = config.engine.parse().map_err(|error| format!("{error}"))?;
+    ) -> Result<Self, JoinError> {
+        let settings = config.cluster.as_ref().ok_or(JoinError::NotConfigured)?;
+        let kind: EngineKind = config.engine.parse()?;
         if kind == EngineKind::Redis {
-            return Err(
-                "the redis engine cannot back a cluster's shards: they would share one database".into()
-            );
+            return Err(JoinError::RedisEngine);
         }
-        let engine =
-            EngineSpec::new(kind, config.engine_options.clone()).map_err(|error| error.to_string())?;
+        let engine = EngineSpec::new(kind, config.engine_options.clone())?;
         let incarnation = incarnation(&config.dir, kind.capabilities().persistent)?;
         let peer_listen = SocketAddr::new(client_address.ip(), client_address.port() + 10_000);
         let agent_config = AgentConfig {
@@ -88,23 +100,24 @@ impl ClusterNode {
 /// The incarnation names this node's state: a memory engine starts empty every
 /// time, so it takes a new one at every start; a persistent engine keeps one in
 /// its data directory for as long as the data lives.
-fn incarnation(dir: &Path, persistent: bool) -> Result<u64, String> {
+fn incarnation(dir: &Path, persistent: bool) -> Result<u64, JoinError> {
     let fresh = SystemTime::now().duration_since(UNIX_EPOCH).map_or(1, |now| now.as_micros() as u64);
     if !persistent {
         return Ok(fresh);
     }
     let path = dir.join(INCARNATION_FILE);
+    let failed = |reason: String| JoinError::Incarnation { path: path.display().to_string(), reason };
     match std::fs::read_to_string(&path) {
-        Ok(text) => text.trim().parse().map_err(|_| format!("{}: not an incarnation number", path.display())),
+        Ok(text) => text.trim().parse().map_err(|_| failed("not an incarnation number".into())),
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
-            std::fs::create_dir_all(dir).map_err(|error| format!("{}: {error}", dir.display()))?;
             let temporary = path.with_extension("tmp");
-            std::fs::write(&temporary, fresh.to_string())
+            std::fs::create_dir_all(dir)
+                .and_then(|()| std::fs::write(&temporary, fresh.to_string()))
                 .and_then(|()| std::fs::rename(&temporary, &path))
-                .map_err(|error| format!("{}: {error}", path.display()))?;
+                .map_err(|error| failed(error.to_string()))?;
             Ok(fresh)
         }
-        Err(error) => Err(format!("{}: {error}", path.display())),
+        Err(error) => Err(failed(error.to_string())),
     }
 }
 
@@ -120,6 +133,6 @@ mod tests {
         std::thread::sleep(Duration::from_millis(2));
         assert_ne!(incarnation(dir.path(), false).unwrap(), first, "memory state is new every start");
         std::fs::write(dir.path().join(INCARNATION_FILE), "garbage").unwrap();
-        assert!(incarnation(dir.path(), true).unwrap_err().contains("not an incarnation"));
+        assert!(incarnation(dir.path(), true).unwrap_err().to_string().contains("not an incarnation"));
     }
 }

@@ -11,7 +11,7 @@ use tessera_protocol::Refusal;
 use tessera_wire::slot::key_slot;
 
 use super::{ClusterNode, TRANSITION_WAIT};
-use crate::membership::NO_MAP_YET;
+use crate::error::CommandError;
 
 /// Where a request is served.
 pub enum Placement {
@@ -31,7 +31,7 @@ pub enum Placement {
     /// ([`Agent::wait_while_draining`](tessera_cluster::agent::Agent::wait_while_draining)).
     Draining { shard: u32 },
     /// An error for the client (keys in several slots, no map yet, ...).
-    Refused(String),
+    Refused(CommandError),
 }
 
 impl ClusterNode {
@@ -65,12 +65,12 @@ impl ClusterNode {
     ) -> Placement {
         let Some(first) = keys.next() else { return Placement::Local };
         let Some(routing) = self.agent.routing() else {
-            return Placement::Refused(NO_MAP_YET.into());
+            return Placement::Refused(CommandError::no_map_yet());
         };
         let slot = key_slot(first) as u16;
         let table = routing.table_of(first);
         let Some(shard) = routing.shard_of(table, first, slot) else {
-            return Placement::Refused(format!("CLUSTERDOWN Hash slot {slot} not served"));
+            return Placement::Refused(CommandError::ClusterDown(format!("Hash slot {slot} not served")));
         };
         // A range-partitioned table's keys go together when they are in one
         // range, whatever their slots.
@@ -83,11 +83,11 @@ impl ClusterNode {
                     key_slot(key) as u16 != slot
                 }
         }) {
-            return Placement::Refused(if range_partitioned {
-                format!("CROSSSLOT Keys in request span several key ranges of table {table}")
+            return Placement::Refused(CommandError::CrossSlot(if range_partitioned {
+                format!("Keys in request span several key ranges of table {table}")
             } else {
-                "CROSSSLOT Keys in request don't hash to the same slot (or belong to different tables)".into()
-            });
+                "Keys in request don't hash to the same slot (or belong to different tables)".into()
+            }));
         }
         let group = self.agent.snapshot(shard);
         let checked = match &group {
@@ -104,10 +104,10 @@ impl ClusterNode {
             (Ok(_), None) => unreachable!("a group that is not here refuses"),
             (Err(Refusal::Draining), _) => Placement::Draining { shard },
             (Err(Refusal::LeaseExpired), _) => {
-                Placement::Refused("TRYAGAIN the shard's lease is being renewed".into())
+                Placement::Refused(CommandError::TryAgain("the shard's lease is being renewed".into()))
             }
             (Err(Refusal::Unsettled), _) => {
-                Placement::Refused("TRYAGAIN the shard's new head has not settled yet".into())
+                Placement::Refused(CommandError::TryAgain("the shard's new head has not settled yet".into()))
             }
             (Err(Refusal::NotOwner), _) => match routing.head_address(shard) {
                 Some(address) if address != self.address => {
@@ -121,7 +121,7 @@ impl ClusterNode {
                         || (table != DEFAULT_TABLE && slot_head == Some(self.address.as_str()));
                     Placement::Elsewhere { slot, address: address.to_string(), forward_only }
                 }
-                _ => Placement::Refused(format!("TRYAGAIN slot {slot} is changing hands")),
+                _ => Placement::Refused(CommandError::TryAgain(format!("slot {slot} is changing hands"))),
             },
         }
     }

@@ -17,6 +17,7 @@ use super::placement::Placement;
 use super::ClusterNode;
 use crate::commands::consistency::{level_got, parse_level, wrapped_read};
 use crate::commands::{dispatch, is, lookup, CommandSpec, Context, Scope};
+use crate::error::{CommandError, CommandResult};
 
 /// A reply (the bytes `start..end` of the connection's output) that may be
 /// sent only once every one of `waits` has committed; if one fails, the
@@ -71,7 +72,7 @@ async fn serve_table_range(
                 context.out.bulk(&key);
             }
         }
-        Err(error) => context.out.error(&error.to_string()),
+        Err(error) => error.write(context.out),
     }
 }
 
@@ -79,7 +80,7 @@ async fn serve_tables(cluster: &ClusterNode, context: &mut Context<'_>, request:
     let mark = context.out.len();
     if let Err(error) = cluster.table_command(request, context.out).await {
         context.out.truncate(mark);
-        context.out.error(&error.to_string());
+        error.write(context.out);
     }
 }
 
@@ -95,7 +96,7 @@ fn serve_node_wide(cluster: &ClusterNode, context: &mut Context<'_>, request: &R
             };
             dispatch(&mut on_headed, request);
         }
-        Err(error) => context.out.error(&error.to_string()),
+        Err(error) => error.write(context.out),
     }
 }
 
@@ -103,7 +104,7 @@ fn serve_node_wide(cluster: &ClusterNode, context: &mut Context<'_>, request: &R
 fn serve_flush(cluster: &ClusterNode, context: &mut Context<'_>, request: &Request<'_>) -> Option<Held> {
     let mode = (request.len() == 2).then(|| request.arg(1));
     if request.len() > 2 || mode.is_some_and(|mode| !is(mode, "sync") && !is(mode, "async")) {
-        context.out.error("ERR syntax error");
+        CommandError::Syntax.write(context.out);
         return None;
     }
     let start = context.out.len();
@@ -114,7 +115,7 @@ fn serve_flush(cluster: &ClusterNode, context: &mut Context<'_>, request: &Reque
             (!completions.is_empty()).then(|| Held { start, end: context.out.len(), waits: completions })
         }
         Err(error) => {
-            context.out.error(&error.to_string());
+            error.write(context.out);
             None
         }
     }
@@ -135,7 +136,7 @@ async fn serve_keyed(
         match parse_level(request.arg(1)).and_then(|strong| Ok((strong, wrapped_read(request)?))) {
             Ok((strong, (inner_spec, inner))) => Some((strong, inner_spec, inner)),
             Err(error) => {
-                context.out.error(&error.to_string());
+                error.write(context.out);
                 return None;
             }
         }
@@ -162,24 +163,24 @@ async fn serve_keyed(
             dispatch(context, request);
             None
         }
-        Placement::Refused(message) => {
-            context.out.error(&message);
+        Placement::Refused(error) => {
+            error.write(context.out);
             None
         }
         Placement::Draining { .. } => {
-            context.out.error("TRYAGAIN the keys' group is still switching modes");
+            CommandError::TryAgain("the keys' group is still switching modes".into()).write(context.out);
             None
         }
         Placement::Elsewhere { slot, address, forward_only }
             if context.session.relay || (context.session.cluster_client && !forward_only) =>
         {
-            context.out.error(&format!("MOVED {slot} {address}"));
+            CommandError::Moved { slot, address }.write(context.out);
             None
         }
         Placement::Elsewhere { address, .. } => {
             match forwarder.forward(address, raw).await {
                 Ok(reply) => context.out.raw(&reply),
-                Err(message) => context.out.error(&message),
+                Err(error) => error.write(context.out),
             }
             None
         }
@@ -259,7 +260,7 @@ async fn run_on_quorum(
         };
         let fetched = match records {
             Ok(fetched) => fetched,
-            Err(message) => return context.out.error(&message),
+            Err(error) => return error.write(context.out),
         };
         let pins = fetched
             .iter()
@@ -278,10 +279,11 @@ async fn run_on_quorum(
         }
         if let Some((key, _)) = writes.iter().find(|(key, _)| !fetched.contains_key(key)) {
             context.out.truncate(start);
-            return context.out.error(&format!(
-                "ERR this command writes {:?}, which it does not name; active–active strong tables take commands that write only their own keys",
+            return CommandError::Other(format!(
+                "this command writes {:?}, which it does not name; active–active strong tables take commands that write only their own keys",
                 String::from_utf8_lossy(key)
-            ));
+            ))
+            .write(context.out);
         }
         let operations = writes
             .into_iter()
@@ -297,7 +299,7 @@ async fn run_on_quorum(
                 ClientReply::Changed => changed = true,
                 other => {
                     context.out.truncate(start);
-                    return context.out.error(&failure(&other));
+                    return failure(&other).write(context.out);
                 }
             }
         }
@@ -306,16 +308,17 @@ async fn run_on_quorum(
         }
     }
     context.out.truncate(start);
-    context.out.error("TRYAGAIN the keys kept changing under concurrent writes");
+    CommandError::TryAgain("the keys kept changing under concurrent writes".into()).write(context.out);
 }
 
 /// Each key's record as this member holds it: a guess a conditional write
 /// checks.
-fn local_records(engine: &dyn Engine, keys: &[Bytes]) -> Result<HashMap<Bytes, Option<Record>>, String> {
+fn local_records(engine: &dyn Engine, keys: &[Bytes]) -> CommandResult<HashMap<Bytes, Option<Record>>> {
     let mut records = HashMap::new();
     for key in keys {
-        let raw = engine.get(key).map_err(|error| format!("ERR {error}"))?;
-        let record = raw.map(Record::decode).transpose().map_err(|error| format!("ERR {error}"))?;
+        let raw = engine.get(key)?;
+        let record =
+            raw.map(Record::decode).transpose().map_err(|error| CommandError::Other(error.to_string()))?;
         records.insert(key.clone(), record);
     }
     Ok(records)
@@ -326,15 +329,16 @@ async fn fetch_records(
     cluster: &ClusterNode,
     shard: u32,
     keys: &[Bytes],
-) -> Result<HashMap<Bytes, Option<Record>>, String> {
+) -> CommandResult<HashMap<Bytes, Option<Record>>> {
     let operations = keys.iter().map(|key| Operation::Fetch { key: key.clone() }).collect();
     let mut fetched = HashMap::new();
     for (key, pending) in keys.iter().zip(cluster.agent.begin_all(shard, operations)) {
         let record = match pending.answer().await {
             ClientReply::Value(None) => None,
-            ClientReply::Value(Some(raw)) => {
-                Some(Record::decode(raw).map_err(|error| format!("ERR a replica sent {error}"))?)
-            }
+            ClientReply::Value(Some(raw)) => Some(
+                Record::decode(raw)
+                    .map_err(|error| CommandError::Other(format!("a replica sent {error}")))?,
+            ),
             other => return Err(failure(&other)),
         };
         fetched.insert(key.clone(), record);
@@ -343,8 +347,8 @@ async fn fetch_records(
 }
 
 /// The error for an answer that is not the success expected.
-fn failure(reply: &ClientReply) -> String {
+fn failure(reply: &ClientReply) -> CommandError {
     outcome(reply)
         .err()
-        .map_or_else(|| "ERR unexpected answer from the group".into(), |error| error.to_string())
+        .map_or_else(|| CommandError::Other("unexpected answer from the group".into()), CommandError::Group)
 }

@@ -215,7 +215,7 @@ pub fn dispatch(context: &mut Context, request: &Request) {
     if let Err(error) = run(context, request) {
         // A handler that failed half-way may have written part of a reply.
         context.out.truncate(mark);
-        context.out.error(&error.to_string());
+        error.write(context.out);
     }
 }
 
