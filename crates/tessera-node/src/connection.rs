@@ -13,7 +13,7 @@ use tokio::sync::watch;
 use crate::cluster::{serve, ClusterNode, Forwarder, Held};
 use crate::commands::{dispatch, Context, Session};
 use crate::error::CommandError;
-use crate::store::{now_ms, Store, WorkerStats};
+use crate::node_state::{now_ms, NodeState, WorkerStats};
 use crate::tables::TableSet;
 
 /// Read at least this much at a time.
@@ -24,7 +24,7 @@ const OUTPUT_FLUSH_BYTES: usize = 1 << 20;
 const BUFFER_KEEP_BYTES: usize = 1 << 20;
 
 pub struct Connection {
-    store: Arc<Store>,
+    node: Arc<NodeState>,
     stream: TcpStream,
     input: Vec<u8>,
     parser: RequestParser,
@@ -43,7 +43,7 @@ pub struct Connection {
 
 impl Connection {
     pub fn new(
-        store: Arc<Store>,
+        node: Arc<NodeState>,
         cluster: Option<Arc<ClusterNode>>,
         stats: Arc<WorkerStats>,
         stream: TcpStream,
@@ -54,17 +54,17 @@ impl Connection {
             "connections rely on a single-threaded runtime (see forget_readiness)"
         );
         let session = Session {
-            id: store.next_client_id.fetch_add(1, Ordering::Relaxed),
-            authenticated: store.config.password.is_none(),
+            id: node.next_client_id.fetch_add(1, Ordering::Relaxed),
+            authenticated: node.config.password.is_none(),
             ..Session::default()
         };
-        let tables_generation = store.tables_generation();
-        let forwarder = Forwarder::new(store.config.password.clone());
+        let tables_generation = node.tables_generation();
+        let forwarder = Forwarder::new(node.config.password.clone());
         Self {
-            parser: RequestParser::new(store.config.limits()),
-            tables: store.tables(),
+            parser: RequestParser::new(node.config.limits()),
+            tables: node.tables(),
             tables_generation,
-            store,
+            node,
             stream,
             input: Vec::with_capacity(READ_CHUNK_BYTES),
             out: ReplyWriter::new(Protocol::Resp2),
@@ -109,9 +109,9 @@ impl Connection {
     /// Runs every whole command in the input. Returns false when the
     /// connection must close (QUIT, a protocol error, an oversized buffer).
     async fn run_batch(&mut self) -> bool {
-        if self.store.tables_generation() != self.tables_generation {
-            self.tables_generation = self.store.tables_generation();
-            self.tables = self.store.tables();
+        if self.node.tables_generation() != self.tables_generation {
+            self.tables_generation = self.node.tables_generation();
+            self.tables = self.node.tables();
         }
         let now_ms = now_ms();
         let mut start = 0;
@@ -121,7 +121,7 @@ impl Connection {
                 Ok(Parsed::Complete { end }) => {
                     let request = Request::new(&self.input, self.parser.args());
                     let mut context = Context {
-                        store: &self.store,
+                        node: &self.node,
                         tables: &self.tables,
                         session: &mut self.session,
                         out: &mut self.out,
@@ -161,7 +161,7 @@ impl Connection {
         }
         self.input.drain(..start);
         self.parser.discard_front(start);
-        if self.input.len() > self.store.config.query_buffer_bytes_max {
+        if self.input.len() > self.node.config.query_buffer_bytes_max {
             CommandError::QueryBufferFull.write(&mut self.out);
             keep_open = false;
         }

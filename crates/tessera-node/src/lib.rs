@@ -2,7 +2,7 @@
 //!
 //! Layers, top to bottom: [`server`] accepts connections and drives
 //! [`connection`]s, which parse requests and run [`commands`] against the
-//! [`store`]: tables routed by key prefix, typed values ([`typed`]) kept inside
+//! [`node_state`]: tables routed by key prefix, typed values ([`typed`]) kept inside
 //! the engines' opaque values, sorted sets spread over entries of their own
 //! ([`zset`]).
 
@@ -13,8 +13,8 @@ pub mod connection;
 pub mod error;
 pub mod glob;
 pub mod membership;
+pub mod node_state;
 pub mod server;
-pub mod store;
 pub mod tables;
 pub mod typed;
 pub mod zset;

@@ -1,4 +1,5 @@
-//! The node's threads: shared-nothing workers over a shared store.
+//! The node's threads: shared-nothing workers over shared node state
+//! ([`NodeState`](crate::node_state::NodeState)).
 //!
 //! Each worker thread runs its own single-threaded tokio runtime and its own
 //! listening socket on the same port (`SO_REUSEPORT`: the kernel spreads new
@@ -28,7 +29,7 @@ use tokio::task::JoinSet;
 use crate::cluster::{ClusterNode, JoinError};
 use crate::config::{Config, ConfigError};
 use crate::connection::Connection;
-use crate::store::Store;
+use crate::node_state::NodeState;
 use crate::tables::TableError;
 
 #[derive(Debug, thiserror::Error)]
@@ -50,7 +51,7 @@ pub enum ServerError {
 /// A running node. Dropping it without [`shutdown`](Self::shutdown) leaves the
 /// threads running until the process exits.
 pub struct Server {
-    store: Arc<Store>,
+    node: Arc<NodeState>,
     local_addr: SocketAddr,
     stop: watch::Sender<bool>,
     workers: Vec<JoinHandle<()>>,
@@ -84,7 +85,7 @@ impl Server {
             0 => thread::available_parallelism().map_or(1, |cores| cores.get()),
             threads => threads,
         };
-        let store = Arc::new(Store::open(config)?);
+        let node = Arc::new(NodeState::open(config)?);
         // The first socket picks the port when port 0 asks for any free one.
         let first = listen(address).map_err(bind_error)?;
         let local_addr = first.local_addr().map_err(bind_error)?;
@@ -96,37 +97,37 @@ impl Server {
             .map(|_| tokio::runtime::Builder::new_current_thread().enable_all().build())
             .collect::<Result<Vec<_>, _>>()
             .map_err(ServerError::Runtime)?;
-        let cluster = match store.config.cluster {
-            Some(_) => Some(Arc::new(ClusterNode::start(&store.config, local_addr, &runtimes[0])?)),
+        let cluster = match node.config.cluster {
+            Some(_) => Some(Arc::new(ClusterNode::start(&node.config, local_addr, &runtimes[0])?)),
             None => None,
         };
         let (stop, stopping) = watch::channel(false);
         let mut workers = Vec::with_capacity(threads);
         for (index, (listener, runtime)) in listeners.into_iter().zip(runtimes).enumerate() {
-            let (store, cluster, stopping) = (store.clone(), cluster.clone(), stopping.clone());
+            let (node, cluster, stopping) = (node.clone(), cluster.clone(), stopping.clone());
             let worker = thread::Builder::new()
                 .name(format!("tessera-worker-{index}"))
-                .spawn(move || run_worker(runtime, store, cluster, listener, stopping))
+                .spawn(move || run_worker(runtime, node, cluster, listener, stopping))
                 .map_err(ServerError::Thread)?;
             workers.push(worker);
         }
         let sweeper_stop = Arc::new(AtomicBool::new(false));
         let sweeper = {
-            let (store, stop) = (store.clone(), sweeper_stop.clone());
+            let (node, stop) = (node.clone(), sweeper_stop.clone());
             thread::Builder::new()
                 .name("tessera-expiry".into())
-                .spawn(move || sweep_expired(store, stop))
+                .spawn(move || sweep_expired(node, stop))
                 .map_err(ServerError::Thread)?
         };
-        Ok(Self { store, local_addr, stop, workers, sweeper_stop, sweeper: Some(sweeper) })
+        Ok(Self { node, local_addr, stop, workers, sweeper_stop, sweeper: Some(sweeper) })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
     }
 
-    pub fn store(&self) -> &Arc<Store> {
-        &self.store
+    pub fn node(&self) -> &Arc<NodeState> {
+        &self.node
     }
 
     /// Stops gracefully and returns once every engine is flushed.
@@ -142,14 +143,14 @@ impl Server {
         if let Some(sweeper) = self.sweeper.take() {
             let _ = sweeper.join();
         }
-        self.store.flush_all();
+        self.node.flush_all();
         tracing::info!("shutdown complete");
     }
 }
 
 fn run_worker(
     runtime: tokio::runtime::Runtime,
-    store: Arc<Store>,
+    node: Arc<NodeState>,
     cluster: Option<Arc<ClusterNode>>,
     listener: std::net::TcpListener,
     stopping: watch::Receiver<bool>,
@@ -162,17 +163,17 @@ fn run_worker(
                 return;
             }
         };
-        serve(store, cluster, listener, stopping).await;
+        serve(node, cluster, listener, stopping).await;
     });
 }
 
 async fn serve(
-    store: Arc<Store>,
+    node: Arc<NodeState>,
     cluster: Option<Arc<ClusterNode>>,
     listener: TcpListener,
     mut stopping: watch::Receiver<bool>,
 ) {
-    let worker_stats = store.new_worker_stats();
+    let worker_stats = node.new_worker_stats();
     let mut connections = JoinSet::new();
     loop {
         let accepted = tokio::select! {
@@ -190,24 +191,24 @@ async fn serve(
                 continue;
             }
         };
-        let stats = &store.stats;
+        let stats = &node.stats;
         stats.connections_received.fetch_add(1, Ordering::Relaxed);
         // Count first, then check, so that workers racing cannot overshoot.
-        if stats.connected_clients.fetch_add(1, Ordering::AcqRel) >= store.config.max_clients {
+        if stats.connected_clients.fetch_add(1, Ordering::AcqRel) >= node.config.max_clients {
             stats.connected_clients.fetch_sub(1, Ordering::AcqRel);
             stats.connections_rejected.fetch_add(1, Ordering::Relaxed);
             tokio::spawn(reject(stream));
             continue;
         }
-        let connection = Connection::new(store.clone(), cluster.clone(), worker_stats.clone(), stream);
-        let (store, stopping) = (store.clone(), stopping.clone());
+        let connection = Connection::new(node.clone(), cluster.clone(), worker_stats.clone(), stream);
+        let (node, stopping) = (node.clone(), stopping.clone());
         connections.spawn(async move {
             connection.run(stopping).await;
-            store.stats.connected_clients.fetch_sub(1, Ordering::AcqRel);
+            node.stats.connected_clients.fetch_sub(1, Ordering::AcqRel);
         });
     }
     drop(listener);
-    let timeout = Duration::from_millis(store.config.shutdown_timeout_ms);
+    let timeout = Duration::from_millis(node.config.shutdown_timeout_ms);
     if tokio::time::timeout(timeout, async { while connections.join_next().await.is_some() {} })
         .await
         .is_err()
@@ -228,10 +229,10 @@ async fn reject(mut stream: TcpStream) {
     let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
 }
 
-fn sweep_expired(store: Arc<Store>, stop: Arc<AtomicBool>) {
-    let interval = Duration::from_millis(store.config.expiry_sweep_interval_ms);
+fn sweep_expired(node: Arc<NodeState>, stop: Arc<AtomicBool>) {
+    let interval = Duration::from_millis(node.config.expiry_sweep_interval_ms);
     while !stop.load(Ordering::Relaxed) {
         thread::sleep(interval);
-        store.sweep_expired(store.config.expiry_sweep_entries);
+        node.sweep_expired(node.config.expiry_sweep_entries);
     }
 }

@@ -1,4 +1,4 @@
-//! Random commands with random arguments, run against a real store: no input
+//! Random commands with random arguments, run against a real node state: no input
 //! may panic the node, and every command must produce exactly one whole reply.
 
 use std::sync::Arc;
@@ -7,7 +7,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, TestRunner};
 use tessera_node::commands::{all_commands, dispatch, Context, Session};
 use tessera_node::config::Config;
-use tessera_node::store::{now_ms, Store, WorkerStats};
+use tessera_node::node_state::{now_ms, NodeState, WorkerStats};
 use tessera_wire::{parse_value, Protocol, ReplyWriter, Request, Value};
 
 fn argument() -> impl Strategy<Value = Vec<u8>> {
@@ -67,7 +67,7 @@ fn command() -> impl Strategy<Value = Vec<Vec<u8>>> {
 
 /// Runs one command the way a connection does and returns its raw reply.
 fn run(
-    store: &Store,
+    node: &NodeState,
     stats: &WorkerStats,
     session: &mut Session,
     protocol: Protocol,
@@ -79,10 +79,10 @@ fn run(
         ranges.push(buffer.len()..buffer.len() + arg.len());
         buffer.extend_from_slice(arg);
     }
-    let tables = store.tables();
+    let tables = node.tables();
     let mut out = ReplyWriter::new(protocol);
     let mut context = Context {
-        store,
+        node,
         tables: &tables,
         session,
         out: &mut out,
@@ -100,8 +100,8 @@ fn run(
 fn random_commands_never_panic_and_always_reply_once() {
     let dir = tempfile::tempdir().unwrap();
     let config = Config { dir: dir.path().to_path_buf(), ..Config::default() };
-    let store = Arc::new(Store::open(config).unwrap());
-    let stats = store.new_worker_stats();
+    let node = Arc::new(NodeState::open(config).unwrap());
+    let stats = node.new_worker_stats();
     let mut runner =
         TestRunner::new(RunnerConfig { cases: 2000, failure_persistence: None, ..RunnerConfig::default() });
     runner
@@ -109,7 +109,7 @@ fn random_commands_never_panic_and_always_reply_once() {
             let protocol = if resp3 { Protocol::Resp3 } else { Protocol::Resp2 };
             let mut session = Session { authenticated: true, ..Session::default() };
             for args in &commands {
-                let reply = run(&store, &stats, &mut session, protocol, args);
+                let reply = run(&node, &stats, &mut session, protocol, args);
                 let parsed = parse_value(&reply).map_err(|error| TestCaseError::fail(error.to_string()))?;
                 let (value, used) =
                     parsed.ok_or_else(|| TestCaseError::fail(format!("incomplete reply to {args:?}")))?;

@@ -1,6 +1,6 @@
 //! The node's modules form layers: no module reaches, through `crate::`
 //! paths, a module that reaches it back. (The cluster wing sits above the
-//! commands, the commands above the store; a circle would let changes in one
+//! commands, the commands above the node state; a circle would let changes in one
 //! ripple without end through the others.)
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -68,7 +68,7 @@ fn cycle_from(graph: &BTreeMap<String, BTreeSet<String>>, path: &mut Vec<String>
 fn the_nodes_modules_have_no_circles() {
     let graph = dependencies();
     assert!(
-        graph.contains_key("cluster") && graph.contains_key("store"),
+        graph.contains_key("cluster") && graph.contains_key("node_state"),
         "the sources were found: {graph:?}"
     );
     for module in graph.keys() {

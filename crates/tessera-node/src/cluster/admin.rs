@@ -20,7 +20,7 @@ use super::forward::Forwarder;
 use super::{ClusterNode, TRANSITION_WAIT};
 use crate::commands::tables::{ordered_keys, parse_alter, parse_create, parse_range, text};
 use crate::error::{CommandError, CommandResult};
-use crate::store::Store;
+use crate::node_state::NodeState;
 use crate::tables::{Table, TableDef, TableSet};
 
 impl ClusterNode {
@@ -325,8 +325,8 @@ impl ClusterNode {
     /// emptied, as a cluster client's FLUSHALL to every primary expects).
     /// Every key's lock is held while the deletes are ordered, and reads of the
     /// deleted keys wait for them to commit, as for any write.
-    pub fn flush_headed(&self, store: &Store) -> CommandResult<Vec<Completion>> {
-        let _all = store.lock_all();
+    pub fn flush_headed(&self, node: &NodeState) -> CommandResult<Vec<Completion>> {
+        let _all = node.lock_all();
         let mut completions = Vec::new();
         for group in self.agent.shards().into_keys() {
             let (true, Some(engine)) = (self.heads(group), self.agent.engine(group)) else {

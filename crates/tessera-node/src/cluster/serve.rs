@@ -108,7 +108,7 @@ fn serve_flush(cluster: &ClusterNode, context: &mut Context<'_>, request: &Reque
         return None;
     }
     let start = context.out.len();
-    match cluster.flush_headed(context.store) {
+    match cluster.flush_headed(context.node) {
         Ok(mut completions) => {
             context.out.ok();
             completions.retain(|completion| !completion.succeeded());
@@ -202,7 +202,7 @@ async fn serve_keyed(
                 // A strong request sees the keys' newest writes, so it must
                 // wait for those still in flight; its own writes are handed to
                 // replication before the locks go, so they are ordered as run.
-                let _locks = strong.then(|| context.store.lock_keys(keys()));
+                let _locks = strong.then(|| context.node.lock_keys(keys()));
                 if strong {
                     waits.extend(cluster.agent.in_flight(shard, keys()));
                 }

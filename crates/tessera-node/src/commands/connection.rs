@@ -33,7 +33,7 @@ fn echo(context: &mut Context, request: &Request) -> CommandResult {
 }
 
 fn check_password(context: &mut Context, user: &[u8], password: &[u8]) -> CommandResult {
-    let Some(expected) = &context.store.config.password else {
+    let Some(expected) = &context.node.config.password else {
         return Err(CommandError::Other(
             "AUTH <password> called without any password configured for the default user. \
              Are you sure your configuration is correct?"

@@ -10,7 +10,7 @@ use super::strings::deadline;
 use super::{integer_arg, is, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 use crate::glob::glob_match;
-use crate::store::ScanPosition;
+use crate::node_state::ScanPosition;
 use crate::typed::read_live;
 use crate::typed::{encode, Kind, Stored};
 
@@ -244,7 +244,7 @@ fn scan(context: &mut Context, request: &Request) -> CommandResult {
     let mut position = if cursor_id == 0 {
         ScanPosition { table: first.def.name.clone(), cursor: ScanCursor::start() }
     } else {
-        context.store.scan_position(cursor_id).ok_or(CommandError::InvalidCursor)?
+        context.node.scan_position(cursor_id).ok_or(CommandError::InvalidCursor)?
     };
     let mut keys = Vec::new();
     let next = loop {
@@ -275,7 +275,7 @@ fn scan(context: &mut Context, request: &Request) -> CommandResult {
             break Some(position);
         }
     };
-    let next_id = next.map_or(0, |position| context.store.save_scan_position(position));
+    let next_id = next.map_or(0, |position| context.node.save_scan_position(position));
     context.out.array(2);
     context.out.bulk(next_id.to_string().as_bytes());
     context.out.array(keys.len());
@@ -337,7 +337,7 @@ fn flushdb(context: &mut Context, request: &Request) -> CommandResult {
     {
         return Err(CommandError::Syntax);
     }
-    let _locks = context.store.lock_all();
+    let _locks = context.node.lock_all();
     for table in context.tables.by_name() {
         table.engine.clear()?;
         table.reserved_entries.store(0, Ordering::Relaxed);

@@ -21,7 +21,7 @@ use tessera_wire::{ReplyWriter, Request};
 
 use crate::error::{CommandError, CommandResult};
 use crate::membership::Membership;
-use crate::store::{Store, WorkerStats};
+use crate::node_state::{NodeState, WorkerStats};
 use crate::tables::{Table, TableSet};
 use crate::typed::parse_i64;
 
@@ -48,7 +48,7 @@ pub struct Session {
 
 /// What a command handler works with.
 pub struct Context<'a> {
-    pub store: &'a Store,
+    pub node: &'a NodeState,
     pub tables: &'a TableSet,
     pub session: &'a mut Session,
     pub out: &'a mut ReplyWriter,
@@ -70,7 +70,7 @@ impl<'a> Context<'a> {
     /// view in a cluster); `locks_held` when the caller holds the keys' locks.
     pub fn over<'b>(&'b mut self, view: &'b dyn Engine, locks_held: bool) -> Context<'b> {
         Context {
-            store: self.store,
+            node: self.node,
             tables: self.tables,
             session: &mut *self.session,
             out: &mut *self.out,
@@ -97,7 +97,7 @@ impl<'a> Context<'a> {
 
     /// Holds the write lock of one key, unless the caller already does.
     pub fn lock_key(&self, key: &[u8]) -> Option<MutexGuard<'a, ()>> {
-        (!self.locks_held).then(|| self.store.lock_key(key))
+        (!self.locks_held).then(|| self.node.lock_key(key))
     }
 
     /// Holds the write locks of several keys, unless the caller already does.
@@ -105,11 +105,11 @@ impl<'a> Context<'a> {
         if self.locks_held {
             return Vec::new();
         }
-        self.store.lock_keys(keys)
+        self.node.lock_keys(keys)
     }
 
     pub fn bulk_bytes_max(&self) -> usize {
-        self.store.config.bulk_bytes_max
+        self.node.config.bulk_bytes_max
     }
 
     pub fn count_lookup(&self, hit: bool) {

@@ -29,11 +29,11 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
                 .iter()
                 .any(|name| name == section || name == "all" || name == "everything" || name == "default")
     };
-    let store = context.store;
-    let stats = &store.stats;
+    let node = context.node;
+    let stats = &node.stats;
     let mut text = String::new();
     if include("server") {
-        let uptime = store.started.elapsed().as_secs();
+        let uptime = node.started.elapsed().as_secs();
         let _ = write!(
             text,
             "# Server\r\nredis_version:{REDIS_COMPATIBLE_VERSION}\r\ntessera_version:{}\r\nredis_mode:standalone\r\n\
@@ -42,7 +42,7 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
             env!("CARGO_PKG_VERSION"),
             std::env::consts::OS,
             std::process::id(),
-            store.config.port,
+            node.config.port,
             uptime / 86400,
         );
     }
@@ -51,7 +51,7 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
             text,
             "# Clients\r\nconnected_clients:{}\r\nmaxclients:{}\r\n\r\n",
             stats.connected_clients.load(Ordering::Relaxed),
-            store.config.max_clients
+            node.config.max_clients
         );
     }
     if include("stats") {
@@ -61,13 +61,13 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
              total_net_input_bytes:{}\r\ntotal_net_output_bytes:{}\r\nrejected_connections:{}\r\n\
              expired_keys:{}\r\nkeyspace_hits:{}\r\nkeyspace_misses:{}\r\n\r\n",
             stats.connections_received.load(Ordering::Relaxed),
-            store.worker_total(|worker| &worker.commands),
-            store.worker_total(|worker| &worker.net_input_bytes),
-            store.worker_total(|worker| &worker.net_output_bytes),
+            node.worker_total(|worker| &worker.commands),
+            node.worker_total(|worker| &worker.net_input_bytes),
+            node.worker_total(|worker| &worker.net_output_bytes),
             stats.connections_rejected.load(Ordering::Relaxed),
             stats.expired_keys.load(Ordering::Relaxed),
-            store.worker_total(|worker| &worker.keyspace_hits),
-            store.worker_total(|worker| &worker.keyspace_misses),
+            node.worker_total(|worker| &worker.keyspace_hits),
+            node.worker_total(|worker| &worker.keyspace_misses),
         );
     }
     let tables = context.tables.by_name();
@@ -182,7 +182,7 @@ fn config(context: &mut Context, request: &Request) -> CommandResult {
         if request.len() < 3 {
             return Err(CommandError::WrongArity("config|get".into()));
         }
-        let config = &context.store.config;
+        let config = &context.node.config;
         let parameters = [
             ("bind", config.bind.clone()),
             ("port", config.port.to_string()),

@@ -37,7 +37,7 @@ fn create(context: &mut Context, request: &Request) -> CommandResult {
                 .into(),
         ));
     }
-    context.store.create_table(def).map_err(|error| CommandError::Other(error.to_string()))?;
+    context.node.create_table(def).map_err(|error| CommandError::Other(error.to_string()))?;
     context.out.ok();
     Ok(())
 }
@@ -197,7 +197,7 @@ fn range(context: &mut Context, request: &Request) -> CommandResult {
 
 fn drop_table(context: &mut Context, request: &Request) -> CommandResult {
     let name = text(request.arg(1))?;
-    context.store.drop_table(&name).map_err(|error| CommandError::Other(error.to_string()))?;
+    context.node.drop_table(&name).map_err(|error| CommandError::Other(error.to_string()))?;
     context.out.ok();
     Ok(())
 }

@@ -66,7 +66,7 @@ struct ScanCursors {
     order: VecDeque<u64>,
 }
 
-pub struct Store {
+pub struct NodeState {
     pub config: Config,
     catalogue: Catalogue,
     tables: RwLock<Arc<TableSet>>,
@@ -88,7 +88,7 @@ pub fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |elapsed| elapsed.as_millis() as u64)
 }
 
-impl Store {
+impl NodeState {
     pub fn open(config: Config) -> Result<Self, TableError> {
         let catalogue = Catalogue::new(&config.dir);
         let tables = catalogue.load(&config.engine, &config.engine_options)?;
