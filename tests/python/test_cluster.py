@@ -622,7 +622,7 @@ def test_a_returning_node_gets_shards_larger_than_a_snapshot_chunk(cluster_facto
         time.sleep(0.5)
 
 
-def test_tables_live_in_their_own_replica_groups_and_survive_failover(cluster_factory):
+def test_tables_live_in_their_own_shards_and_survive_failover(cluster_factory):
     cluster = cluster_factory("strong", nodes=3)
     admin = redis.Redis(port=cluster.port(1), socket_timeout=10, protocol=2)
     assert admin.execute_command("TABLE.CREATE", "events", "PREFIX", "ev:", "ENGINE", "lsm", "fsync", "always")
@@ -642,8 +642,8 @@ def test_tables_live_in_their_own_replica_groups_and_survive_failover(cluster_fa
         client.set(f"plain:{index}", index)
     info = admin.execute_command("TABLE.INFO", "events")
     info = dict(zip(info[::2], info[1::2]))
-    assert info[b"engine"] == b"lsm" and info[b"options"] == b"fsync=always" and len(info[b"groups"]) == 3
-    # The table's groups are on its own engine, in their own directories.
+    assert info[b"engine"] == b"lsm" and info[b"options"] == b"fsync=always" and len(info[b"shards"]) == 3
+    # The table's shards are on its own engine, in their own directories.
     node_dir = cluster.dir / "nodes" / "2" / "shards"
     assert len([path for path in node_dir.iterdir() if any(path.iterdir())]) >= 3
 
@@ -695,7 +695,7 @@ def test_scan_keys_and_dbsize_see_every_key_once_across_the_nodes(cluster_factor
     assert client.get(b"k:1") == b"after"
 
 
-def test_range_partitioned_tables_keep_keys_in_order_across_groups(cluster_factory):
+def test_range_partitioned_tables_keep_keys_in_order_across_shards(cluster_factory):
     cluster = cluster_factory("strong", nodes=3)
     plain = [redis.Redis(port=cluster.port(node), socket_timeout=10, protocol=2) for node in range(3)]
     assert plain[1].execute_command(
@@ -705,11 +705,11 @@ def test_range_partitioned_tables_keep_keys_in_order_across_groups(cluster_facto
     info = plain[0].execute_command("TABLE.INFO", "index")
     info = dict(zip(info[::2], info[1::2]))
     assert info[b"partition"] == b"range"
-    assert [group.split(b" ")[1:4] for group in info[b"groups"]] == [
+    assert [shard.split(b" ")[1:4] for shard in info[b"shards"]] == [
         [b"keys", b"-", b"(ix:3"], [b"keys", b"[ix:3", b"(ix:6"], [b"keys", b"[ix:6", b"(ix:9"], [b"keys", b"[ix:9", b"+"],
     ]
-    groups = [shard for shard in cluster.map()["shards"] if shard["table"] == "index"]
-    assert len({group["members"][0] for group in groups}) == 3, "the ranges' heads are spread over the nodes"
+    shards = [shard for shard in cluster.map()["shards"] if shard["table"] == "index"]
+    assert len({shard["members"][0] for shard in shards}) == 3, "the ranges' heads are spread over the nodes"
 
     # Cluster clients route by slot, which says nothing about a range: their
     # requests are forwarded to the range's head, never answered MOVED.
@@ -727,7 +727,7 @@ def test_range_partitioned_tables_keep_keys_in_order_across_groups(cluster_facto
     expected = [key.encode() for key in keys]
     for node in plain:
         assert node.execute_command("TABLE.RANGE", "index", "-", "+") == expected
-    # A page that crosses from one group's range into the next.
+    # A page that crosses from one shard's range into the next.
     after = [key for key in expected if key > b"ix:2977"][:3]
     assert after[0] < b"ix:3" <= after[-1]
     assert plain[0].execute_command("TABLE.RANGE", "index", "(ix:2977", "+", "COUNT", "3") == after
@@ -738,8 +738,8 @@ def test_range_partitioned_tables_keep_keys_in_order_across_groups(cluster_facto
         plain[0].execute_command("TABLE.RANGE", "default", "-", "+")
 
     # Per-request consistency in MS+SC: a strong read is served by the
-    # group's head (forwarded there), an eventual one by whichever member has it.
-    follower = next(node for node in range(3) if node != groups[1]["members"][0])
+    # shard's head (forwarded there), an eventual one by whichever member has it.
+    follower = next(node for node in range(3) if node != shards[1]["members"][0])
     assert plain[follower].execute_command("CONSISTENCY.READ", "strong", "GET", "ix:3016") == [b"strong", b"ix:3016"]
     assert plain[follower].execute_command("CONSISTENCY.READ", "eventual", "GET", "ix:3016") == [
         b"eventual", b"ix:3016",
@@ -750,8 +750,8 @@ def test_range_partitioned_tables_keep_keys_in_order_across_groups(cluster_facto
     assert eventual.get("ix:3016") == b"ix:3016"
     assert set(client.scan_iter(match="ix:*")) == set(expected), "SCAN sees each key once"
 
-    # The head of the middle ranges dies: the range's group fails over.
-    head = groups[1]["members"][0]
+    # The head of the middle ranges dies: the range's shard fails over.
+    head = shards[1]["members"][0]
     cluster.cli("kill", str(head))
     time.sleep(2 * FAILURE_TIMEOUT_MS / 1000)
     survivor = plain[(head + 1) % 3]
@@ -786,7 +786,7 @@ def test_active_active_eventual_members_all_accept_writes_and_converge(cluster_f
     for thread in threads:
         thread.join()
     assert not errors, errors
-    # An active–active eventual group has no strong reads, and says so.
+    # An active–active eventual shard has no strong reads, and says so.
     assert members[2].execute_command("CONSISTENCY.READ", "strong", "GET", keys[0])[0] == b"eventual"
     assert members[2].execute_command("CONSISTENCY") == [b"strong", b"eventual"]
     assert members[1].incr("aa:counter") == 1 and members[2].incr("aa:counter") in (1, 2)
@@ -808,7 +808,7 @@ def test_active_active_eventual_members_all_accept_writes_and_converge(cluster_f
     rejoined.execute_command("READONLY")
     assert [rejoined.get(key) for key in written] == list(written.values())
     # Every member may serve a key, but node-wide commands count it once, at
-    # its group's first member.
+    # its shard's first member.
     nodes = [redis.Redis(port=cluster.port(node), socket_timeout=5, protocol=2) for node in range(3)]
     scanned = set(cluster.client().scan_iter(count=100))
     assert sum(node.dbsize() for node in nodes) == len(scanned) >= 400

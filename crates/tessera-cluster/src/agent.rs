@@ -1,11 +1,11 @@
 //! A node's part in a cluster: it heartbeats the coordinator, runs a
-//! [`Replica`] driver for each replica group it is granted, drives their
+//! [`Replica`] driver for each shard it is granted, drives their
 //! ticks, carries their messages over peer links, and answers requests
-//! submitted to them. Everything a group decides is in the driver, which the
+//! submitted to them. Everything a shard decides is in the driver, which the
 //! simulator runs too; this file is the I/O around it.
 //!
-//! Each group has its own lock, so requests to different groups never wait
-//! for each other; the list of groups and the routing table are snapshots
+//! Each shard has its own lock, so requests to different shards never wait
+//! for each other; the list of shards and the routing table are snapshots
 //! that a request takes without blocking anyone (partitioned dispatch over
 //! shared data, as Shadowfax has it).
 //!
@@ -74,7 +74,7 @@ impl Pending {
     }
 }
 
-/// Why the agent could not reach or join the cluster, or open a group.
+/// Why the agent could not reach or join the cluster, or open a shard.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
     #[error("no coordinator answered: {}", .0.join("; "))]
@@ -92,13 +92,13 @@ pub enum AgentError {
     #[error("cannot listen for peers on {0}: {1}")]
     PeerListen(SocketAddr, std::io::Error),
     #[error("shard {shard}: {source}")]
-    OpenGroup { shard: u32, source: tessera_engine::EngineError },
+    OpenShard { shard: u32, source: tessera_engine::EngineError },
 }
 
-/// Why a group did not do what it was asked, or may not have: each variant
+/// Why a shard did not do what it was asked, or may not have: each variant
 /// is one RESP error a client is told.
 #[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
-pub enum GroupError {
+pub enum ShardError {
     /// No effect; the client may simply try again (Redis clients do, on
     /// TRYAGAIN).
     #[error("TRYAGAIN {0}")]
@@ -114,24 +114,24 @@ pub enum GroupError {
 
 /// What a protocol's answer means for the client that asked: success, or the
 /// error to tell it.
-pub fn outcome(reply: &ClientReply) -> Result<(), GroupError> {
+pub fn outcome(reply: &ClientReply) -> Result<(), ShardError> {
     match reply {
         ClientReply::Value(_) | ClientReply::Written => Ok(()),
-        ClientReply::Retry(reason) | ClientReply::Elsewhere(reason) => Err(GroupError::Retry(reason)),
-        ClientReply::Changed => Err(GroupError::Retry("the key changed while the command ran")),
-        ClientReply::Failed(error) => Err(GroupError::Failed(error.clone())),
-        ClientReply::Unknown(reason) => Err(GroupError::Unknown(reason)),
+        ClientReply::Retry(reason) | ClientReply::Elsewhere(reason) => Err(ShardError::Retry(reason)),
+        ClientReply::Changed => Err(ShardError::Retry("the key changed while the command ran")),
+        ClientReply::Failed(error) => Err(ShardError::Failed(error.clone())),
+        ClientReply::Unknown(reason) => Err(ShardError::Unknown(reason)),
     }
 }
 
-/// The outcome of a group of writes, which any number of requests may wait
+/// The outcome of a set of writes, which any number of requests may wait
 /// for: the command that made them, and reads that saw them before they
 /// committed.
 #[derive(Clone, Debug)]
-pub struct Completion(watch::Receiver<Option<Result<(), GroupError>>>);
+pub struct Completion(watch::Receiver<Option<Result<(), ShardError>>>);
 
 impl Completion {
-    pub fn resolved(result: Result<(), GroupError>) -> Self {
+    pub fn resolved(result: Result<(), ShardError>) -> Self {
         Self(watch::channel(Some(result)).1)
     }
 
@@ -144,21 +144,21 @@ impl Completion {
         self.0.borrow().is_some()
     }
 
-    pub async fn wait(mut self) -> Result<(), GroupError> {
+    pub async fn wait(mut self) -> Result<(), ShardError> {
         match self.0.wait_for(Option::is_some).await {
             Ok(result) => result.clone().expect("waited for an outcome"),
-            Err(_) => Err(GroupError::Retry("the shard was closed")),
+            Err(_) => Err(ShardError::Retry("the shard was closed")),
         }
     }
 }
 
-/// One replica group on this node.
-struct Group {
+/// One shard on this node.
+struct LocalShard {
     id: u32,
-    state: Mutex<GroupState>,
+    state: Mutex<ShardState>,
 }
 
-struct GroupState {
+struct ShardState {
     replica: Replica,
     /// Requests handed to the driver, until answered.
     waiting: HashMap<RequestId, Waiter>,
@@ -171,11 +171,11 @@ struct GroupState {
     /// The outcome of the barrier a new head ordered, which strong reads
     /// wait for.
     barrier: Option<(RequestId, Completion)>,
-    /// The node left the group: nothing more is submitted to it.
+    /// The node left the shard: nothing more is submitted to it.
     left: bool,
 }
 
-impl GroupState {
+impl ShardState {
     fn answer_batch(&mut self, batch: u64, reply: &ClientReply) {
         let Some(open) = self.batches.get_mut(&batch) else { return };
         if open.result.is_ok() {
@@ -199,7 +199,7 @@ impl GroupState {
         let _ = open.done.send(Some(open.result));
     }
 
-    /// Fails every request still waiting (the node left the group); returns
+    /// Fails every request still waiting (the node left the shard); returns
     /// how many there were.
     fn abandon(&mut self) -> usize {
         let unanswered = self.waiting.len();
@@ -228,14 +228,14 @@ enum Waiter {
 /// effect, the first failure otherwise.
 struct Batch {
     remaining: usize,
-    result: Result<(), GroupError>,
-    done: watch::Sender<Option<Result<(), GroupError>>>,
+    result: Result<(), ShardError>,
+    done: watch::Sender<Option<Result<(), ShardError>>>,
     /// The client keys it marked in flight.
     keys: Vec<Bytes>,
 }
 
-/// What a request needs to know of its group, read under one lock.
-pub struct GroupSnapshot {
+/// What a request needs to know of its shard, read under one lock.
+pub struct ShardSnapshot {
     pub mode: Mode,
     pub engine: Arc<dyn Engine>,
     pub write: Result<(), Refusal>,
@@ -248,9 +248,9 @@ pub struct GroupSnapshot {
 #[derive(Clone, Debug)]
 pub struct Routing {
     pub map: Arc<ClusterMap>,
-    /// Per hash-partitioned table, the replica group of every slot.
+    /// Per hash-partitioned table, the shard of every slot.
     slot_shards: Arc<HashMap<String, Vec<u32>>>,
-    /// Per range-partitioned table, its split keys and the group of each range.
+    /// Per range-partitioned table, its split keys and the shard of each range.
     range_shards: Arc<HashMap<String, TableRanges>>,
     /// The tables' key prefixes, longest first.
     prefixes: Arc<Vec<(Vec<u8>, String)>>,
@@ -304,7 +304,7 @@ impl Routing {
             .map_or(DEFAULT_TABLE, |(_, name)| name.as_str())
     }
 
-    /// The replica group that holds `key` of `table` (whose slot is `slot`).
+    /// The shard that holds `key` of `table` (whose slot is `slot`).
     pub fn shard_of(&self, table: &str, key: &[u8], slot: u16) -> Option<u32> {
         let shard = match self.range_shards.get(table) {
             Some(ranges) => ranges.shards[range_index(&ranges.splits, key)],
@@ -325,12 +325,12 @@ impl Routing {
     }
 }
 
-/// How a range-partitioned table's keys are divided among its groups.
+/// How a range-partitioned table's keys are divided among its shards.
 #[derive(Clone, Debug)]
 pub struct TableRanges {
     /// Ascending; range `i` ends before split `i`.
     pub splits: Vec<Vec<u8>>,
-    /// The group of each range (`u32::MAX`: none, in a map being repaired).
+    /// The shard of each range (`u32::MAX`: none, in a map being repaired).
     pub shards: Vec<u32>,
 }
 
@@ -344,10 +344,10 @@ impl TableRanges {
 
 pub struct Agent {
     config: AgentConfig,
-    /// Replaced whole when groups come or go; each group locks alone.
-    groups: RwLock<Arc<BTreeMap<u32, Arc<Group>>>>,
+    /// Replaced whole when shards come or go; each shard locks alone.
+    local_shards: RwLock<Arc<BTreeMap<u32, Arc<LocalShard>>>>,
     routing: RwLock<Option<Routing>>,
-    /// Requests waiting for an answer on every group: the back-pressure count.
+    /// Requests waiting for an answer on every shard: the back-pressure count.
     uncommitted: AtomicUsize,
     links: Arc<Links>,
     started: Instant,
@@ -357,10 +357,10 @@ pub struct Agent {
     tasks: Mutex<Vec<JoinHandle<()>>>,
     /// Told whenever writes stop waiting: see [`Agent::wait_for_room`].
     room: Notify,
-    /// Told whenever a group ends a transition here: see [`Agent::wait_while_draining`].
+    /// Told whenever a shard ends a transition here: see [`Agent::wait_while_draining`].
     switched: Notify,
     /// Wakes the heartbeat loop early: a peer is in a view this node has not
-    /// been granted yet (a transition started), or a group just drained.
+    /// been granted yet (a transition started), or a shard just drained.
     hurry: Arc<Notify>,
 }
 
@@ -416,7 +416,7 @@ impl Agent {
         let peers = tokio::spawn(serve_incoming(listener, config.cluster_id.clone(), incoming_sender));
         let agent = Arc::new(Self {
             config,
-            groups: RwLock::new(Arc::new(BTreeMap::new())),
+            local_shards: RwLock::new(Arc::new(BTreeMap::new())),
             routing: RwLock::new(None),
             uncommitted: AtomicUsize::new(0),
             links,
@@ -439,23 +439,23 @@ impl Agent {
         self.started.elapsed().as_millis() as u64
     }
 
-    fn groups(&self) -> Arc<BTreeMap<u32, Arc<Group>>> {
-        self.groups.read().clone()
+    fn local_shards(&self) -> Arc<BTreeMap<u32, Arc<LocalShard>>> {
+        self.local_shards.read().clone()
     }
 
-    fn group(&self, shard: u32) -> Option<Arc<Group>> {
-        self.groups.read().get(&shard).cloned()
+    fn local_shard(&self, shard: u32) -> Option<Arc<LocalShard>> {
+        self.local_shards.read().get(&shard).cloned()
     }
 
-    /// The groups this node runs, with their progress.
+    /// The shards this node runs, with their progress.
     pub fn shards(&self) -> BTreeMap<u32, Progress> {
-        self.groups().iter().map(|(id, group)| (*id, group.state.lock().replica.progress())).collect()
+        self.local_shards().iter().map(|(id, local)| (*id, local.state.lock().replica.progress())).collect()
     }
 
-    /// What a request needs of group `shard`, in one look.
-    pub fn snapshot(&self, shard: u32) -> Option<GroupSnapshot> {
-        let group = self.group(shard)?;
-        let state = group.state.lock();
+    /// What a request needs of a shard, in one look.
+    pub fn snapshot(&self, shard: u32) -> Option<ShardSnapshot> {
+        let local = self.local_shard(shard)?;
+        let state = local.state.lock();
         let replica = &state.replica;
         let now = self.now();
         let strong_read = replica.check_read(true, now).map(|gate| match gate {
@@ -466,7 +466,7 @@ impl Agent {
                 .filter(|(barrier, _)| *barrier == request)
                 .map(|(_, completion)| completion.clone()),
         });
-        Some(GroupSnapshot {
+        Some(ShardSnapshot {
             mode: replica.mode(),
             engine: replica.engine().clone(),
             write: replica.check_write(),
@@ -475,7 +475,7 @@ impl Agent {
         })
     }
 
-    /// Hands operations to a group's driver in one step, so that no view
+    /// Hands operations to a shard's driver in one step, so that no view
     /// change falls between them: all in one view, or none. The answers
     /// follow, each to its caller (a quorum's fetches and conditional writes,
     /// whose values matter).
@@ -493,7 +493,7 @@ impl Agent {
         begun.unwrap_or_else(|why| (0..count).map(|_| Pending::Ready(ClientReply::Elsewhere(why))).collect())
     }
 
-    /// Hands a command's writes to a group's driver in one step (all in one
+    /// Hands a command's writes to a shard's driver in one step (all in one
     /// view, or none; ordered, and applied at the head, before this returns)
     /// and marks `keys`, the command's own, as in flight until they commit.
     /// The completion resolves once every write has answered.
@@ -506,21 +506,21 @@ impl Agent {
         let begun = self.begin(shard, operations, |agent, state, ids| {
             agent.open_batch(state, ids, keys.map(Bytes::copy_from_slice).collect())
         });
-        begun.unwrap_or_else(|why| Completion::resolved(Err(GroupError::Retry(why))))
+        begun.unwrap_or_else(|why| Completion::resolved(Err(ShardError::Retry(why))))
     }
 
-    /// Submits operations to a group under its lock, lets `wait` say who
+    /// Submits operations to a shard under its lock, lets `wait` say who
     /// waits for their answers, then carries out the effects (answers that
     /// are already in reach their waiters). Refused, with the reason, where
-    /// this node does not run the group.
+    /// this node does not run the shard.
     fn begin<T>(
         &self,
         shard: u32,
         operations: Vec<Operation>,
-        wait: impl FnOnce(&Self, &mut GroupState, Vec<RequestId>) -> T,
+        wait: impl FnOnce(&Self, &mut ShardState, Vec<RequestId>) -> T,
     ) -> Result<T, &'static str> {
-        let group = self.group(shard).ok_or("this node does not serve the shard")?;
-        let mut state = group.state.lock();
+        let local = self.local_shard(shard).ok_or("this node does not serve the shard")?;
+        let mut state = local.state.lock();
         if state.left {
             return Err("this node left the shard");
         }
@@ -531,18 +531,18 @@ impl Agent {
         Ok(waiting)
     }
 
-    /// The writes still in flight on `keys` of a group: a strong request on
+    /// The writes still in flight on `keys` of a shard: a strong request on
     /// them answers only once these commit.
     pub fn in_flight<'k>(&self, shard: u32, keys: impl Iterator<Item = &'k [u8]>) -> Vec<Completion> {
-        let Some(group) = self.group(shard) else { return Vec::new() };
-        let state = group.state.lock();
+        let Some(local) = self.local_shard(shard) else { return Vec::new() };
+        let state = local.state.lock();
         keys.filter_map(|key| state.in_flight.get(key)).map(|(_, completion)| completion.clone()).collect()
     }
 
-    /// The writes still in flight on a group's keys within `range`.
+    /// The writes still in flight on a shard's keys within `range`.
     pub fn in_flight_within(&self, shard: u32, range: &tessera_engine::KeyRange) -> Vec<Completion> {
-        let Some(group) = self.group(shard) else { return Vec::new() };
-        let state = group.state.lock();
+        let Some(local) = self.local_shard(shard) else { return Vec::new() };
+        let state = local.state.lock();
         state
             .in_flight
             .iter()
@@ -553,7 +553,7 @@ impl Agent {
 
     /// A batch for requests `ids`, which marks client keys `keys` in flight
     /// until it resolves.
-    fn open_batch(&self, state: &mut GroupState, ids: Vec<RequestId>, keys: Vec<Bytes>) -> Completion {
+    fn open_batch(&self, state: &mut ShardState, ids: Vec<RequestId>, keys: Vec<Bytes>) -> Completion {
         let (done, receiver) = watch::channel(None);
         let completion = Completion(receiver);
         if ids.is_empty() {
@@ -572,14 +572,14 @@ impl Agent {
         completion
     }
 
-    fn register(&self, state: &mut GroupState, id: RequestId, waiter: Waiter) {
+    fn register(&self, state: &mut ShardState, id: RequestId, waiter: Waiter) {
         state.waiting.insert(id, waiter);
         self.uncommitted.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Returns once fewer than `max_uncommitted_writes` requests wait for
     /// their answer on this node: a connection calls it before it runs a
-    /// write, so a group that cannot keep up slows its writers instead of
+    /// write, so a shard that cannot keep up slows its writers instead of
     /// queueing without bound.
     pub async fn wait_for_room(&self) {
         loop {
@@ -593,15 +593,15 @@ impl Agent {
         }
     }
 
-    /// Waits until a group is no longer draining here (a transition ended, or
-    /// the node left the group), for at most `timeout`.
+    /// Waits until a shard is no longer draining here (a transition ended, or
+    /// the node left the shard), for at most `timeout`.
     pub async fn wait_while_draining(&self, shard: u32, timeout: Duration) {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let switched = self.switched.notified();
             tokio::pin!(switched);
             switched.as_mut().enable();
-            let draining = self.group(shard).is_some_and(|group| group.state.lock().replica.draining());
+            let draining = self.local_shard(shard).is_some_and(|local| local.state.lock().replica.draining());
             if !draining || tokio::time::timeout_at(deadline, switched).await.is_err() {
                 return;
             }
@@ -639,20 +639,20 @@ impl Agent {
         }
     }
 
-    /// Hands an operation to a group's driver and waits for its answer.
+    /// Hands an operation to a shard's driver and waits for its answer.
     pub async fn submit(&self, shard: u32, operation: Operation) -> ClientReply {
         let pending = self.begin_all(shard, vec![operation]).pop();
         pending.expect("one operation, one answer").answer().await
     }
 
-    /// This node's place in a group's current view, if it has one.
+    /// This node's place in a shard's current view, if it has one.
     pub fn role(&self, shard: u32) -> Option<Role> {
-        self.group(shard)?.state.lock().replica.role()
+        self.local_shard(shard)?.state.lock().replica.role()
     }
 
     /// Carries out a driver's effects: messages to the links, answers to
     /// whoever waits for them.
-    fn run_effects(&self, shard: u32, state: &mut GroupState, mut fx: Effects) {
+    fn run_effects(&self, shard: u32, state: &mut ShardState, mut fx: Effects) {
         let mut answered = 0;
         for effect in fx.take() {
             match effect {
@@ -675,18 +675,18 @@ impl Agent {
         }
     }
 
-    /// A group's driver on the engine of its table.
-    fn new_group(&self, shard: u32, map: &ClusterMap, mode: Mode) -> Result<Group, AgentError> {
+    /// A shard's driver on the engine of its table.
+    fn open_shard(&self, shard: u32, map: &ClusterMap, mode: Mode) -> Result<LocalShard, AgentError> {
         let dir = self.config.data_dir.join("shards").join(shard.to_string());
-        let table = map.shard(shard).map(|group| group.table.as_str()).unwrap_or(DEFAULT_TABLE);
+        let table = map.shard(shard).map(|entry| entry.table.as_str()).unwrap_or(DEFAULT_TABLE);
         let opened = match map.table(table) {
             None => Ok(self.config.engine.clone()),
             Some(table) => table.engine_spec(),
         }
         .and_then(|spec| spec.open(&dir));
-        let engine = opened.map_err(|source| AgentError::OpenGroup { shard, source })?;
+        let engine = opened.map_err(|source| AgentError::OpenShard { shard, source })?;
         let config = ReplicaConfig::new(NodeId(self.config.node), self.lease_ms, Tuning::default());
-        let state = GroupState {
+        let state = ShardState {
             replica: Replica::new(config, engine, mode),
             waiting: HashMap::new(),
             batches: HashMap::new(),
@@ -695,39 +695,39 @@ impl Agent {
             barrier: None,
             left: false,
         };
-        Ok(Group { id: shard, state: Mutex::new(state) })
+        Ok(LocalShard { id: shard, state: Mutex::new(state) })
     }
 
     /// Applies the coordinator's grants, answering the heartbeat sent at
-    /// `asked_at`: new groups get a driver, every granted group its view;
-    /// groups no longer granted are left, their unanswered requests told to
+    /// `asked_at`: new shards get a driver, every granted shard its view;
+    /// shards no longer granted are left, their unanswered requests told to
     /// retry elsewhere.
     fn apply_grants(&self, asked_at: u64, grants: Vec<Grant>) {
         let Some(map) = self.routing().map(|routing| routing.map) else { return };
-        let mut groups = (*self.groups()).clone();
-        let left: Vec<u32> = groups
+        let mut locals = (*self.local_shards()).clone();
+        let left: Vec<u32> = locals
             .keys()
             .filter(|shard| !grants.iter().any(|(granted, _, _)| granted == *shard))
             .copied()
             .collect();
-        let left: Vec<Arc<Group>> = left.iter().filter_map(|shard| groups.remove(shard)).collect();
+        let left: Vec<Arc<LocalShard>> = left.iter().filter_map(|shard| locals.remove(shard)).collect();
         for (shard, _, mode) in &grants {
-            if groups.contains_key(shard) {
+            if locals.contains_key(shard) {
                 continue;
             }
-            match self.new_group(*shard, &map, *mode) {
-                Ok(group) => {
-                    groups.insert(*shard, Arc::new(group));
+            match self.open_shard(*shard, &map, *mode) {
+                Ok(local) => {
+                    locals.insert(*shard, Arc::new(local));
                 }
                 Err(error) => tracing::error!(%error, "cannot open a shard's engine"),
             }
         }
-        // Published before the left groups are closed, so that no request
-        // reaches a closed group through the new list.
-        *self.groups.write() = Arc::new(groups.clone());
-        for group in left {
-            tracing::info!(shard = group.id, "no longer granted this shard; leaving it");
-            let mut state = group.state.lock();
+        // Published before the left shards are closed, so that no request
+        // reaches a closed shard through the new list.
+        *self.local_shards.write() = Arc::new(locals.clone());
+        for local in left {
+            tracing::info!(shard = local.id, "no longer granted this shard; leaving it");
+            let mut state = local.state.lock();
             state.left = true;
             let unanswered = state.abandon();
             self.uncommitted.fetch_sub(unanswered, Ordering::Relaxed);
@@ -735,15 +735,15 @@ impl Agent {
         }
         let mut switched = false;
         for (shard, view, mode) in grants {
-            let Some(group) = groups.get(&shard) else { continue };
-            let mut state = group.state.lock();
+            let Some(local) = locals.get(&shard) else { continue };
+            let mut state = local.state.lock();
             let was_draining = state.replica.draining();
             let mut fx = Effects::new(self.now());
             state.replica.on_grant(asked_at, view, mode, &mut fx);
             let draining = state.replica.draining();
             switched |= was_draining && !draining;
             if !was_draining && draining {
-                tracing::info!(shard, view = state.replica.view().number, "group draining to switch modes");
+                tracing::info!(shard, view = state.replica.view().number, "shard draining to switch modes");
             }
             if let Some(request) = state.replica.barrier_pending() {
                 if state.barrier.as_ref().is_none_or(|(barrier, _)| *barrier != request) {
@@ -774,9 +774,9 @@ impl Agent {
         *self.routing.write() = Some(Routing::new(map));
     }
 
-    /// The engine behind a group on this node (for inspection and tests).
+    /// The engine behind a shard on this node (for inspection and tests).
     pub fn engine(&self, shard: u32) -> Option<Arc<dyn Engine>> {
-        Some(self.group(shard)?.state.lock().replica.engine().clone())
+        Some(self.local_shard(shard)?.state.lock().replica.engine().clone())
     }
 }
 
@@ -831,7 +831,7 @@ impl Coordinator {
     }
 }
 
-/// A group's view, granted with a lease, and the mode it runs in that view.
+/// A shard's view, granted with a lease, and the mode it runs in that view.
 type Grant = (u32, ShardView, Mode);
 
 fn parse_grants(reply: Value) -> Option<(u64, Vec<Grant>)> {
@@ -918,9 +918,10 @@ async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: Coordina
                 }
             }
         }
-        // A group that has drained waits for the view that ends its
+        // A shard that has drained waits for the view that ends its
         // transition, and its writes wait with it: ask again soon.
-        let drained = agent_ref.groups().values().any(|group| group.state.lock().replica.drained().is_some());
+        let drained =
+            agent_ref.local_shards().values().any(|local| local.state.lock().replica.drained().is_some());
         let interval = if drained { interval.min(TRANSITION_HEARTBEAT) } else { interval };
         let hurry = agent_ref.hurry.clone();
         drop(agent_ref);
@@ -931,7 +932,7 @@ async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: Coordina
     }
 }
 
-/// The heartbeat interval while a drained group waits for the end of its
+/// The heartbeat interval while a drained shard waits for the end of its
 /// transition.
 const TRANSITION_HEARTBEAT: Duration = Duration::from_millis(20);
 
@@ -939,11 +940,11 @@ async fn tick_loop(agent: std::sync::Weak<Agent>) {
     loop {
         let Some(agent) = agent.upgrade() else { return };
         let interval = Duration::from_millis(agent.config.tick_ms);
-        for group in agent.groups().values() {
-            let mut state = group.state.lock();
+        for local in agent.local_shards().values() {
+            let mut state = local.state.lock();
             let mut fx = Effects::new(agent.now());
             state.replica.on_tick(&mut fx);
-            agent.run_effects(group.id, &mut state, fx);
+            agent.run_effects(local.id, &mut state, fx);
             state.in_flight.retain(|_, (_, completion)| !completion.is_done());
         }
         drop(agent);
@@ -952,21 +953,21 @@ async fn tick_loop(agent: std::sync::Weak<Agent>) {
 }
 
 /// Peer messages, a batch per read from a link: consecutive messages for one
-/// group are handled under one hold of its lock.
+/// shard are handled under one hold of its lock.
 async fn peer_loop(agent: std::sync::Weak<Agent>, mut incoming: mpsc::Receiver<Vec<Incoming>>) {
     while let Some(batch) = incoming.recv().await {
         let Some(agent) = agent.upgrade() else { return };
         let mut batch = batch.into_iter().peekable();
         while let Some(first) = batch.next() {
             let shard = first.shard;
-            let Some(group) = agent.group(shard) else { continue };
-            let mut state = group.state.lock();
+            let Some(local) = agent.local_shard(shard) else { continue };
+            let mut state = local.state.lock();
             let mut fx = Effects::new(agent.now());
             let mut next = Some(first);
             while let Some(Incoming { from, message, .. }) = next {
                 let heard = state.replica.on_peer(from, message, &mut fx);
                 if heard.drained {
-                    tracing::info!(shard, "group drained; waiting for the view that ends the transition");
+                    tracing::info!(shard, "shard drained; waiting for the view that ends the transition");
                 }
                 if heard.drained || heard.newer_view {
                     agent.hurry.notify_one();

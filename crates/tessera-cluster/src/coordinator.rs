@@ -38,11 +38,11 @@ impl Default for Timing {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Grants {
     pub epoch: u64,
-    /// Each group's view and the mode it runs in that view.
+    /// Each shard's view and the mode it runs in that view.
     pub shards: Vec<(u32, ShardView, Mode)>,
 }
 
-/// How a group in `mode` is coordinated: the timing, and how nodes join it.
+/// How a shard in `mode` is coordinated: the timing, and how nodes join it.
 fn shard_config(timing: Timing, mode: Mode, replicas: usize) -> CoordinatorConfig {
     CoordinatorConfig {
         lease_ms: timing.lease_ms,
@@ -99,27 +99,27 @@ impl ClusterCoordinator {
         self.map.node(node).map(|_| ()).ok_or(JoinError::UnknownNode(node))
     }
 
-    /// Switches every group of a table to `mode` while it serves: each group's
-    /// view drains, and the group runs the new mode once every member holds
-    /// the same records. Refused while a group of the table is still
-    /// switching. Returns how many groups switch (none already in `mode`).
+    /// Switches every shard of a table to `mode` while it serves: each shard's
+    /// view drains, and the shard runs the new mode once every member holds
+    /// the same records. Refused while a shard of the table is still
+    /// switching. Returns how many shards switch (none already in `mode`).
     pub fn alter_table(&mut self, name: &str, mode: Mode, now: u64) -> Result<usize, MapError> {
         if name != DEFAULT_TABLE && self.map.table(name).is_none() {
             return Err(MapError::Invalid(format!("no such table '{name}'")));
         }
-        let groups: Vec<(u32, Mode)> = self
+        let current: Vec<(u32, Mode)> = self
             .map
             .shards
             .iter()
             .filter(|shard| shard.table == name)
             .map(|shard| (shard.id, self.map.mode_of(shard)))
             .collect();
-        if groups.iter().any(|(id, _)| self.shards[id].transitioning()) {
+        if current.iter().any(|(id, _)| self.shards[id].transitioning()) {
             return Err(MapError::Invalid(format!("table {name} is already switching modes; wait for it")));
         }
         let admission = shard_config(self.timing, mode, self.map.replicas).admission;
         let switching: Vec<u32> =
-            groups.into_iter().filter(|(_, current)| *current != mode).map(|(id, _)| id).collect();
+            current.into_iter().filter(|(_, current)| *current != mode).map(|(id, _)| id).collect();
         for shard in self.map.shards.iter_mut().filter(|shard| switching.contains(&shard.id)) {
             shard.next_mode = Some(mode);
             self.shards.get_mut(&shard.id).expect("a coordinator per shard").begin_transition(now, admission);
@@ -162,7 +162,7 @@ impl ClusterCoordinator {
         let shards = grants
             .into_iter()
             .map(|(shard, view)| {
-                let mode = self.map.shard(shard).map_or(self.map.mode, |group| self.map.mode_of(group));
+                let mode = self.map.shard(shard).map_or(self.map.mode, |entry| self.map.mode_of(entry));
                 (shard, view, mode)
             })
             .collect();
@@ -273,18 +273,18 @@ impl ClusterCoordinator {
     }
 
     /// Adds a table: for each of the default table's shards, a new replica
-    /// group for the table's keys in the same slots, on the same nodes in the
+    /// shard for the table's keys in the same slots, on the same nodes in the
     /// same order (so a slot's head is usually the same node for every table).
     pub fn create_table(&mut self, table: ClusterTable, now: u64) -> Result<(), MapError> {
         let invalid = |message: String| MapError::Invalid(format!("table {}: {message}", table.name));
         let spec = table.engine_spec().map_err(|error| invalid(error.to_string()))?;
         if spec.kind == EngineKind::Redis {
-            return Err(invalid("the redis engine cannot back a cluster's replica groups".into()));
+            return Err(invalid("the redis engine cannot back a cluster's shards".into()));
         }
         let mut map = self.map.clone();
         let first_id = map.shards.iter().map(|shard| shard.id + 1).max().unwrap_or(0);
-        // A hash-partitioned table gets a group per default shard, on the same
-        // slots; a range-partitioned one a group per key range, placed like the
+        // A hash-partitioned table gets a shard per default shard, on the same
+        // slots; a range-partitioned one a shard per key range, placed like the
         // default shards in turn so that the ranges' heads are spread out.
         let default_shards: Vec<&Shard> = map.slot_shards().collect();
         let placements: Vec<(Option<usize>, &Shard)> = match &table.split_keys {
@@ -293,7 +293,7 @@ impl ClusterCoordinator {
                 .map(|range| (Some(range), default_shards[range % default_shards.len()]))
                 .collect(),
         };
-        let groups: Vec<Shard> = placements
+        let added: Vec<Shard> = placements
             .into_iter()
             .zip(first_id..)
             .map(|((range, shard), id)| Shard {
@@ -315,21 +315,21 @@ impl ClusterCoordinator {
             })
             .collect();
         map.tables.push(table);
-        map.shards.extend(groups.iter().cloned());
+        map.shards.extend(added.iter().cloned());
         map.epoch += 1;
         map.validate()?;
-        for group in &groups {
+        for shard in &added {
             let incarnations =
-                group.incarnations.iter().map(|(node, incarnation)| (NodeId(*node), *incarnation)).collect();
+                shard.incarnations.iter().map(|(node, incarnation)| (NodeId(*node), *incarnation)).collect();
             let config = shard_config(self.timing, self.map.mode, self.map.replicas);
-            self.shards.insert(group.id, ShardCoordinator::new(config, group.view(), incarnations, now));
+            self.shards.insert(shard.id, ShardCoordinator::new(config, shard.view(), incarnations, now));
         }
         self.map = map;
         self.changed = true;
         Ok(())
     }
 
-    /// Removes a table and its replica groups; nodes drop them on their next
+    /// Removes a table and its shards; nodes drop them on their next
     /// heartbeat.
     pub fn drop_table(&mut self, name: &str) -> Result<(), MapError> {
         if name == DEFAULT_TABLE {
@@ -447,13 +447,13 @@ mod tests {
         };
         coordinator.create_table(table("events", "ev:", "lsm"), 0).unwrap();
         let map = coordinator.take_changed_map().expect("stored");
-        let groups: Vec<&Shard> = map.shards.iter().filter(|shard| shard.table == "events").collect();
-        assert_eq!(groups.len(), 3);
-        for (group, shard) in groups.iter().zip(map.slot_shards()) {
-            assert_eq!((&group.slots, &group.members), (&shard.slots, &shard.members));
-            assert_ne!(group.id, shard.id);
+        let events: Vec<&Shard> = map.shards.iter().filter(|shard| shard.table == "events").collect();
+        assert_eq!(events.len(), 3);
+        for (event_shard, slot_shard) in events.iter().zip(map.slot_shards()) {
+            assert_eq!((&event_shard.slots, &event_shard.members), (&slot_shard.slots, &slot_shard.members));
+            assert_ne!(event_shard.id, slot_shard.id);
         }
-        // Heartbeats now grant the table's groups too.
+        // Heartbeats now grant the table's shards too.
         assert_eq!(beat(&mut coordinator, 10, 0).shards.len(), 6);
         for (bad, why) in [
             (table("events", "other:", "lsm"), "twice"),
@@ -486,14 +486,14 @@ mod tests {
         };
         coordinator.create_table(table.clone(), 0).unwrap();
         let map = coordinator.map().clone();
-        let groups: Vec<&Shard> = map.shards.iter().filter(|shard| shard.table == "index").collect();
+        let ranges: Vec<&Shard> = map.shards.iter().filter(|shard| shard.table == "index").collect();
         assert_eq!(
-            groups.iter().map(|group| group.range).collect::<Vec<_>>(),
+            ranges.iter().map(|shard| shard.range).collect::<Vec<_>>(),
             (0..5).map(Some).collect::<Vec<_>>()
         );
-        let heads: std::collections::BTreeSet<u32> = groups.iter().map(|group| group.members[0]).collect();
+        let heads: std::collections::BTreeSet<u32> = ranges.iter().map(|shard| shard.members[0]).collect();
         assert_eq!(heads.len(), 3, "every serving node heads some range");
-        assert!(groups.iter().all(|group| group.slots.is_empty() && group.members.len() == 3));
+        assert!(ranges.iter().all(|shard| shard.slots.is_empty() && shard.members.len() == 3));
         let unordered = ClusterTable {
             name: "bad".into(),
             prefix: "b:".into(),
@@ -539,7 +539,7 @@ mod tests {
             beat(&mut coordinator, 5, node);
         }
         assert_eq!(coordinator.alter_table("events", labelled("aa+sc"), 10), Ok(3));
-        let groups: Vec<u32> = coordinator
+        let switching: Vec<u32> = coordinator
             .map()
             .shards
             .iter()
@@ -552,13 +552,13 @@ mod tests {
         // Draining views, still in the old mode; the default table untouched.
         let grants = beat(&mut coordinator, 20, 0);
         for (shard, view, mode) in &grants.shards {
-            assert_eq!(view.draining, groups.contains(shard), "shard {shard}");
+            assert_eq!(view.draining, switching.contains(shard), "shard {shard}");
             assert_eq!(*mode, labelled("ms+sc"));
         }
-        // Reports of drained views: the group ends its transition only once
+        // Reports of drained views: the shard ends its transition only once
         // all three members have drained in its current view.
         let drained = |coordinator: &ClusterCoordinator| -> BTreeMap<u32, Progress> {
-            groups
+            switching
                 .iter()
                 .map(|id| {
                     let view = coordinator.map().shard(*id).unwrap().view_number;
@@ -579,7 +579,7 @@ mod tests {
         let grants = coordinator.heartbeat(30, 2, 1, &report).unwrap();
         for (shard, view, mode) in &grants.shards {
             assert!(!view.draining);
-            let expected = if groups.contains(shard) { labelled("aa+sc") } else { labelled("ms+sc") };
+            let expected = if switching.contains(shard) { labelled("aa+sc") } else { labelled("ms+sc") };
             assert_eq!(*mode, expected, "shard {shard}");
         }
         let map = coordinator.take_changed_map().expect("stored");
@@ -587,12 +587,12 @@ mod tests {
             assert_eq!(shard.next_mode, None);
             assert_eq!(
                 map.mode_of(shard),
-                if groups.contains(&shard.id) { labelled("aa+sc") } else { labelled("ms+sc") }
+                if switching.contains(&shard.id) { labelled("aa+sc") } else { labelled("ms+sc") }
             );
         }
         // A coordinator restarted from the stored map keeps the mode.
         let restarted = ClusterCoordinator::new(map, Timing { lease_ms: 200, failure_timeout_ms: 150 }, 40);
-        assert_eq!(restarted.map().mode_of(restarted.map().shard(groups[0]).unwrap()), labelled("aa+sc"));
+        assert_eq!(restarted.map().mode_of(restarted.map().shard(switching[0]).unwrap()), labelled("aa+sc"));
     }
 
     #[test]

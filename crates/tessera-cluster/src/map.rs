@@ -43,7 +43,7 @@ fn default_table() -> String {
 }
 
 /// A table of the cluster: keys that start with its prefix (the longest
-/// matching prefix wins) live in replica groups of their own, on the table's
+/// matching prefix wins) live in shards of their own, on the table's
 /// engine. The default table (empty prefix, the nodes' own engine) is implicit.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClusterTable {
@@ -53,7 +53,7 @@ pub struct ClusterTable {
     pub engine: String,
     #[serde(default)]
     pub options: BTreeMap<String, String>,
-    /// A range-partitioned table's split keys (escaped, ascending): group `i`
+    /// A range-partitioned table's split keys (escaped, ascending): shard `i`
     /// holds the keys from split `i-1` (inclusive) to split `i` (exclusive).
     /// `None`: the table is hash-partitioned, by slot, like the default table.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -61,7 +61,7 @@ pub struct ClusterTable {
 }
 
 impl ClusterTable {
-    /// The engine its groups run on, with its options checked.
+    /// The engine its shards run on, with its options checked.
     pub fn engine_spec(&self) -> Result<EngineSpec, EngineError> {
         EngineSpec::new(self.engine.parse()?, self.options.clone())
     }
@@ -79,16 +79,16 @@ pub fn range_index(splits: &[Vec<u8>], key: &[u8]) -> usize {
     splits.partition_point(|split| split.as_slice() <= key)
 }
 
-/// A replica group: one table's keys in some slot ranges, on some nodes.
+/// A shard: one table's keys in some slot ranges, on some nodes.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Shard {
     pub id: u32,
     /// The table whose keys it holds.
     #[serde(default = "default_table")]
     pub table: String,
-    /// Inclusive slot ranges (none for a range-partitioned table's group).
+    /// Inclusive slot ranges (none for a range-partitioned table's shard).
     pub slots: Vec<(u16, u16)>,
-    /// A range-partitioned table's group: which key range it holds (see
+    /// A range-partitioned table's shard: which key range it holds (see
     /// [`ClusterTable::split_keys`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub range: Option<usize>,
@@ -100,10 +100,10 @@ pub struct Shard {
     /// comes back with another has lost its state and is not that member.
     #[serde(default)]
     pub incarnations: BTreeMap<u32, u64>,
-    /// The group's mode when it is not the map's (its table was altered).
+    /// The shard's mode when it is not the map's (its table was altered).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<Mode>,
-    /// During a transition: the mode the group is switching to (its view is
+    /// During a transition: the mode the shard is switching to (its view is
     /// draining until every member has the same records).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub next_mode: Option<Mode>,
@@ -137,7 +137,7 @@ pub struct ClusterMap {
     /// Nodes started for another cluster are refused.
     pub cluster_id: String,
     pub epoch: u64,
-    /// Every group's mode unless its own says otherwise (a registry row).
+    /// Every shard's mode unless its own says otherwise (a registry row).
     pub mode: Mode,
     pub replicas: usize,
     pub nodes: Vec<NodeInfo>,
@@ -210,12 +210,12 @@ impl ClusterMap {
         self.shards.iter().find(|shard| shard.id == id)
     }
 
-    /// The mode a group runs now (the old one while it drains).
+    /// The mode a shard runs now (the old one while it drains).
     pub fn mode_of(&self, shard: &Shard) -> Mode {
         shard.mode.unwrap_or(self.mode)
     }
 
-    /// A group's mode as operators read it: `ms+sc`, or `ms+sc (switching to
+    /// A shard's mode as operators read it: `ms+sc`, or `ms+sc (switching to
     /// aa+sc)`.
     pub fn mode_label(&self, shard: &Shard) -> String {
         match shard.next_mode {
@@ -224,7 +224,7 @@ impl ClusterMap {
         }
     }
 
-    /// Whether every group of `table` runs `mode`, none still switching.
+    /// Whether every shard of `table` runs `mode`, none still switching.
     pub fn table_runs(&self, table: &str, mode: Mode) -> bool {
         self.shards
             .iter()
@@ -238,7 +238,7 @@ impl ClusterMap {
     }
 
     /// The default table's shards: what Redis Cluster clients see as the
-    /// cluster's shards (every other table's groups start on the same nodes).
+    /// cluster's shards (every other table's shards start on the same nodes).
     pub fn slot_shards(&self) -> impl Iterator<Item = &Shard> {
         self.shards.iter().filter(|shard| shard.table == DEFAULT_TABLE)
     }
@@ -470,11 +470,11 @@ mod tests {
             split_keys: None,
         });
         assert!(map.validate().unwrap_err().to_string().contains("slot 0 of table events has no shard"));
-        let mut group = map.shards[0].clone();
-        group.id = 10;
-        group.table = "events".into();
-        group.slots = vec![(0, 16383)];
-        map.shards.push(group.clone());
+        let mut events = map.shards[0].clone();
+        events.id = 10;
+        events.table = "events".into();
+        events.slots = vec![(0, 16383)];
+        map.shards.push(events.clone());
         map.validate().unwrap();
         assert_eq!(map.slot_shards().count(), 3, "clients see the default table's shards");
         assert_eq!(ClusterMap::from_json(&map.to_json()).unwrap(), map);
@@ -496,14 +496,14 @@ mod tests {
             options: BTreeMap::new(),
             split_keys: Some(vec!["ev:g".into(), "ev:p".into()]),
         });
-        let group = |id: u32, range: usize| Shard {
+        let ranged = |id: u32, range: usize| Shard {
             id,
             table: "events".into(),
             slots: Vec::new(),
             range: Some(range),
             ..map.shards[0].clone()
         };
-        let (first, second, third) = (group(10, 0), group(11, 1), group(12, 2));
+        let (first, second, third) = (ranged(10, 0), ranged(11, 1), ranged(12, 2));
         map.shards.extend([first.clone(), second.clone()]);
         assert!(map.validate().unwrap_err().to_string().contains("range 2 of table events has no shard"));
         map.shards.push(third);

@@ -403,7 +403,7 @@ fn create_table(state: &Arc<Mutex<State>>, args: &[Vec<u8>]) -> Result<u64, Refu
 
 /// Applies an administrative change to the map and stores it; returns the
 /// map's new epoch.
-/// Switches a table's groups to another mode and answers once every group
+/// Switches a table's shards to another mode and answers once every shard
 /// runs it and every node routes by a map that says so: from then on the new
 /// mode's guarantees hold.
 async fn alter_table(

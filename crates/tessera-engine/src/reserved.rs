@@ -17,7 +17,7 @@ pub const PREFIX: &[u8] = b"\xff\xff#";
 /// Named internal keys begin with this byte after the prefix.
 const NAMED: u8 = 0xfe;
 
-/// Written (deleted) by a group's new head to commit everything its
+/// Written (deleted) by a shard's new head to commit everything its
 /// predecessor left in flight before it serves strong reads.
 pub const BARRIER: &[u8] = b"\xff\xff#\xfebarrier";
 

@@ -1,7 +1,7 @@
 //! Errors a command can answer with. Each maps to the Redis error line a client
 //! expects (its first word is the error code).
 
-use tessera_cluster::agent::{AgentError, GroupError};
+use tessera_cluster::agent::{AgentError, ShardError};
 use tessera_engine::EngineError;
 use tessera_wire::{ProtocolError, ReplyWriter};
 
@@ -67,9 +67,9 @@ pub enum CommandError {
     Relayed(String),
     #[error("ERR engine error: {0}")]
     Engine(#[from] EngineError),
-    /// A replica group's answer (a cluster node).
+    /// A shard's answer (a cluster node).
     #[error(transparent)]
-    Group(#[from] GroupError),
+    Group(#[from] ShardError),
 }
 
 pub type CommandResult<T = ()> = Result<T, CommandError>;

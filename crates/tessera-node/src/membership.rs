@@ -23,7 +23,7 @@ impl Membership {
     }
 
     /// Whether a read asking for strong consistency gets it: unless some
-    /// group runs a mode without strong reads (active–active eventual).
+    /// shard runs a mode without strong reads (active–active eventual).
     pub fn strong_reads(&self) -> bool {
         self.agent.routing().is_some_and(|routing| {
             let map = &routing.map;

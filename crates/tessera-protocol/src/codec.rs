@@ -34,7 +34,7 @@ pub trait Message: Sized {
     fn decode(reader: &mut Reader) -> Result<Self, CodecError>;
 }
 
-/// A message between replicas of a group, opaque to all but the protocol that
+/// A message between replicas of a shard, opaque to all but the protocol that
 /// sent it.
 #[derive(Clone, PartialEq, Eq)]
 pub struct PeerMessage {
@@ -60,7 +60,7 @@ impl PeerMessage {
     }
 
     /// The message as `M`: `None` when it belongs to another protocol's
-    /// family (a late message of a protocol this group switched away from),
+    /// family (a late message of a protocol this shard switched away from),
     /// an error when its body is malformed.
     pub fn open<M: Message>(&self) -> Option<Result<M, CodecError>> {
         if self.family != M::FAMILY {

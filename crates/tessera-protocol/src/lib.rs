@@ -127,7 +127,7 @@ pub enum ClientReply {
     Written,
     /// Another member serves this request (writes go to the head, strong
     /// reads to the tail, and this replica may not be a member at all): the
-    /// client should learn the group's view again. No effect.
+    /// client should learn the shard's view again. No effect.
     Elsewhere(&'static str),
     /// This replica serves the request but cannot now (its lease expired, a
     /// tail hands over, no majority answered): try again shortly. No effect.
@@ -158,7 +158,7 @@ pub enum OperationError {
     NotInteger,
     #[error("increment or decrement would overflow")]
     Overflow,
-    #[error("conditional writes need a quorum group")]
+    #[error("conditional writes need a shard running a quorum protocol")]
     NeedsQuorum,
 }
 
@@ -189,7 +189,7 @@ pub struct ShardView {
     /// Until when (local clock) this replica may answer strong reads alone. The
     /// driver computes it from the coordinator's lease grants.
     pub lease_until: Time,
-    /// The group is switching protocols: the old one finishes what it has in
+    /// The shard is switching protocols: the old one finishes what it has in
     /// flight and starts nothing new (see [`transition`]).
     pub draining: bool,
 }
@@ -212,7 +212,7 @@ impl ShardView {
 }
 
 /// Opens a message for protocol `M`: `None`, silently, for another
-/// protocol's (a late message of the protocol a group switched from), and
+/// protocol's (a late message of the protocol a shard switched from), and
 /// `None`, with a warning, for a malformed one.
 pub(crate) fn open<M: Message>(me: NodeId, from: NodeId, message: &PeerMessage) -> Option<M> {
     match message.open::<M>()? {

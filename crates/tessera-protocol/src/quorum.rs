@@ -372,8 +372,8 @@ impl QuorumRegister {
         }
     }
 
-    /// A replica that takes over a group's records from another protocol at
-    /// the end of a transition: no quorum instance of this group has promised
+    /// A replica that takes over a shard's records from another protocol at
+    /// the end of a transition: no quorum instance of this shard has promised
     /// anything since the records last changed (the drain finished every
     /// proposal), so there is no promise floor; the clock starts above every
     /// stored version, so that its first ballots win.

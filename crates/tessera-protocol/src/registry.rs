@@ -1,6 +1,6 @@
 //! Every replication protocol, one row each. The coordinator, the nodes and
 //! the simulator know a protocol only through its row: its name, what it
-//! guarantees, where clients send it requests, how a node joins a group that
+//! guarantees, where clients send it requests, how a node joins a shard that
 //! runs it, how to make an instance, and the family of its messages (which
 //! its own file encodes). Adding a protocol is its file and a row here
 //! (docs/PROTOCOLS.md, "Adding a protocol").
@@ -19,7 +19,7 @@ use crate::{
 /// How an instance begins.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Start {
-    /// On the group's records as this replica left them (empty, or after a
+    /// On the shard's records as this replica left them (empty, or after a
     /// restart).
     Open,
     /// Taking over the records another protocol left at the end of a
@@ -78,17 +78,17 @@ pub struct ProtocolSpec {
     build: Constructor,
 }
 
-/// Makes an instance for replica `me` over its group's engine.
+/// Makes an instance for replica `me` over its shard's engine.
 type Constructor =
     fn(me: NodeId, engine: Arc<dyn Engine>, start: Start, tuning: &Tuning) -> Box<dyn Protocol>;
 
 impl ProtocolSpec {
-    /// How a node outside the view joins a group of `replicas` replicas.
+    /// How a node outside the view joins a shard of `replicas` replicas.
     pub fn admission(&self, replicas: usize) -> Admission {
         (self.admission)(replicas)
     }
 
-    /// Members that must stay healthy for a group of `replicas` to keep every
+    /// Members that must stay healthy for a shard of `replicas` to keep every
     /// acknowledged write: one copy, or a majority for a quorum.
     pub fn copies_needed(&self, replicas: usize) -> usize {
         match self.admission(replicas) {
@@ -97,7 +97,7 @@ impl ProtocolSpec {
         }
     }
 
-    /// An instance for replica `me` over its group's engine.
+    /// An instance for replica `me` over its shard's engine.
     pub fn instance(
         &self,
         me: NodeId,

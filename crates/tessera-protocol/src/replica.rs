@@ -1,6 +1,6 @@
-//! One replica of a replica group on one node, as the node's agent and the
-//! simulator both drive it: the group's protocol (in a [`Switchable`], so the
-//! group can change modes), the mode it runs, the view and lease the
+//! One replica of a shard on one node, as the node's agent and the
+//! simulator both drive it: the shard's protocol (in a [`Switchable`], so the
+//! shard can change modes), the mode it runs, the view and lease the
 //! coordinator granted, and the barrier a new head orders. The drivers only
 //! deliver events and carry out the effects; the rules in between — how a
 //! grant becomes a lease, when a transition's end swaps the protocol, when a
@@ -49,7 +49,7 @@ impl ReplicaConfig {
     }
 }
 
-/// This replica's place in its group's view.
+/// This replica's place in its shard's view.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
     /// The only member: head and tail at once.
@@ -57,7 +57,7 @@ pub enum Role {
     Head,
     Middle,
     Tail,
-    /// Receiving the group's state; serves nothing yet.
+    /// Receiving the shard's state; serves nothing yet.
     Learner,
 }
 
@@ -68,7 +68,7 @@ pub enum Refusal {
     NotOwner,
     /// It is the head but its lease has run out (a new view may be coming).
     LeaseExpired,
-    /// The group is switching modes: writes and strong reads wait until it
+    /// The shard is switching modes: writes and strong reads wait until it
     /// has.
     Draining,
     /// This head's barrier failed: it is about to lose the head's role.
@@ -99,7 +99,7 @@ pub struct Heard {
     /// A peer is in a view this replica has not been granted: ask the
     /// coordinator now rather than at the next heartbeat.
     pub newer_view: bool,
-    /// The group has just drained here: its transition's end is one
+    /// The shard has just drained here: its transition's end is one
     /// heartbeat away.
     pub drained: bool,
 }
@@ -111,13 +111,13 @@ pub struct Replica {
     protocol: Switchable,
     /// The newest view granted, its lease (the latest any grant gave) folded in.
     view: ShardView,
-    /// None until this replica heads a view of a master–slave group.
+    /// None until this replica heads a view of a master–slave shard.
     barrier: Option<BarrierState>,
     next_request: u64,
 }
 
 impl Replica {
-    /// A replica of a group in `mode` over its engine, as it opens (empty, or
+    /// A replica of a shard in `mode` over its engine, as it opens (empty, or
     /// with records it kept across a restart). It serves nothing until a
     /// grant names its view.
     pub fn new(config: ReplicaConfig, engine: Arc<dyn Engine>, mode: Mode) -> Self {
@@ -156,7 +156,7 @@ impl Replica {
         self.protocol.progress()
     }
 
-    /// Whether the group is switching modes here.
+    /// Whether the shard is switching modes here.
     pub fn draining(&self) -> bool {
         self.protocol.draining()
     }
@@ -189,7 +189,7 @@ impl Replica {
     }
 
     /// Whether this replica may order writes now: the first member, or in
-    /// an active–active mode any member; not while the group drains.
+    /// an active–active mode any member; not while the shard drains.
     pub fn check_write(&self) -> Result<(), Refusal> {
         let position = self.view.position(self.config.me).ok_or(Refusal::NotOwner)?;
         if self.draining() {
@@ -205,7 +205,7 @@ impl Replica {
     /// Whether this replica may answer a read from its own copy at `now`. An
     /// eventual read needs only membership; a strong one the head's role,
     /// its lease and its barrier — or, in an active–active mode, only
-    /// membership (a quorum group runs it through the protocol).
+    /// membership (a shard running a quorum protocol runs it through the protocol).
     pub fn check_read(&self, strong: bool, now: Time) -> Result<ReadGate, Refusal> {
         let position = self.view.position(self.config.me).ok_or(Refusal::NotOwner)?;
         if !strong {
@@ -257,10 +257,10 @@ impl Replica {
         id
     }
 
-    /// A grant of `view`, in which the group runs `mode`, for the heartbeat
+    /// A grant of `view`, in which the shard runs `mode`, for the heartbeat
     /// this replica sent at `asked_at` (its own clock). A grant of an older
     /// view than one already granted (a late answer) renews the lease but
-    /// never takes the group back.
+    /// never takes the shard back.
     pub fn on_grant(&mut self, asked_at: Time, view: ShardView, mode: Mode, fx: &mut Effects) {
         assert!(asked_at <= fx.now(), "a lease asked for at {asked_at} granted at {}", fx.now());
         assert!(view.is_well_formed(), "a malformed view reached the driver: {view:?}");
@@ -270,7 +270,7 @@ impl Replica {
         if newer && mode != self.mode && !view.draining {
             // The view that ends a transition: the new mode's protocol takes
             // over the records, and the held requests run on it.
-            tracing::info!(replica = %self.config.me, from = %self.mode, to = %mode, view = view.number, "group switched modes");
+            tracing::info!(replica = %self.config.me, from = %self.mode, to = %mode, view = view.number, "shard switched modes");
             let instance =
                 mode.instance(self.config.me, self.engine.clone(), Start::SwitchedIn, &self.config.tuning);
             self.protocol.replace(&view, || instance);
@@ -419,7 +419,7 @@ mod tests {
         assert_eq!(member.check_write(), Err(Refusal::Draining));
         member.on_grant(10, view(4, &[1, 2, 3]), quorum, &mut fx);
         assert_eq!((member.mode(), member.draining()), (quorum, false));
-        assert_eq!(member.check_write(), Ok(()), "any member of an active–active group");
+        assert_eq!(member.check_write(), Ok(()), "any member of an active–active shard");
         // A late grant of the draining view, in the old mode, changes nothing.
         member.on_grant(10, ShardView { draining: true, ..view(3, &[1, 2, 3]) }, chain, &mut fx);
         assert_eq!((member.mode(), member.view().number), (quorum, 4));

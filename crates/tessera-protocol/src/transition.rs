@@ -1,5 +1,5 @@
 //! Online transitions between protocols (docs/PROTOCOLS.md, "Online
-//! transitions"): a group switches from one protocol to another over the same
+//! transitions"): a shard switches from one protocol to another over the same
 //! engine while it serves.
 //!
 //! The coordinator marks a view *draining*. In it, a replica starts no new
@@ -146,7 +146,7 @@ struct Drain {
     digests: Option<Vec<u64>>,
 }
 
-/// A group's protocol on one replica, replaceable by another while it serves.
+/// A shard's protocol on one replica, replaceable by another while it serves.
 pub struct Switchable {
     me: NodeId,
     engine: Arc<dyn Engine>,
@@ -189,7 +189,7 @@ impl Switchable {
     /// called with the view that ends a transition (or any later one), before
     /// that view is handed to [`Protocol::on_view`]. A replica outside the
     /// view's members did not take part in the drain: what it holds may be
-    /// writes the group lost under the old protocol's guarantees (an eventual
+    /// writes the shard lost under the old protocol's guarantees (an eventual
     /// primary's unshipped writes), which no version order across protocols
     /// can tell apart, so it starts empty and joins as a newcomer.
     pub fn replace(&mut self, view: &ShardView, make: impl FnOnce() -> Box<dyn Protocol>) {

@@ -1,5 +1,5 @@
 //! Clients: each runs one operation at a time, chosen by the workload, sent
-//! where a client that read the group's map would send it, and recorded in
+//! where a client that read the shard's map would send it, and recorded in
 //! the history with its outcome.
 
 use bytes::Bytes;

@@ -110,7 +110,7 @@ pub struct SimConfig {
     pub client_timeout_ms: u64,
     /// The share of reads that ask for eventual consistency.
     pub eventual_read_fraction: f64,
-    /// Switch the group to this protocol at a random time of the safety phase.
+    /// Switch the shard to this protocol at a random time of the safety phase.
     pub transition_to: Option<Mode>,
     /// Protocol timers at the pace of a five-second run: tombstones outlive
     /// any partition the run draws, as the grace must.

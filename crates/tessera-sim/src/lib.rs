@@ -1,6 +1,6 @@
 //! Deterministic simulation of Tessera's replication protocols.
 //!
-//! [`sim`] runs a group's replicas — each the driver the nodes run — a
+//! [`sim`] runs a shard's replicas — each the driver the nodes run — a
 //! coordinator and clients in one thread in virtual time, injecting the
 //! faults a seed draws; [`checks`] judge the recorded history. A failing
 //! seed replays exactly.

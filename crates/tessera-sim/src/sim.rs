@@ -1,4 +1,4 @@
-//! One simulated cluster run: a group's replicas running the same driver the
+//! One simulated cluster run: a shard's replicas running the same driver the
 //! nodes run ([`Replica`]: protocol, mode, views, leases, barrier) over real
 //! engines, the coordinator's real decisions, clients, and a network that
 //! delays, reorders, drops and partitions — all in one thread, in virtual
@@ -346,7 +346,7 @@ impl Simulation {
         self.mode_of_view(u64::MAX)
     }
 
-    /// The mode a group runs in view `number`, as the coordinator's grants
+    /// The mode a shard runs in view `number`, as the coordinator's grants
     /// say: the target from the view that completed the transition on.
     fn mode_of_view(&self, number: u64) -> Mode {
         match (self.switched_in_view, self.config.transition_to) {

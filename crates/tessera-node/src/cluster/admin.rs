@@ -1,5 +1,5 @@
 //! Table administration and node-wide commands on a cluster node: TABLE.*, the
-//! groups a node heads for SCAN / KEYS / DBSIZE, FLUSHALL through replication.
+//! shards a node heads for SCAN / KEYS / DBSIZE, FLUSHALL through replication.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::AtomicU64;
@@ -76,15 +76,15 @@ impl ClusterNode {
         Ok(())
     }
 
-    /// TABLE.ALTER: switches every group of the table to the mode asked for
+    /// TABLE.ALTER: switches every shard of the table to the mode asked for
     /// while it serves, and answers once the coordinator reports them all
     /// switched (from then on the new mode's guarantees hold) and this node
     /// routes by a map that says so.
     async fn alter_table(&self, request: &Request<'_>, out: &mut ReplyWriter) -> CommandResult {
         let (table, topology, consistency) = parse_alter(request)?;
         let map = self.map()?;
-        let groups: Vec<&Shard> = map.shards.iter().filter(|shard| shard.table == table).collect();
-        let Some(current) = groups.first().map(|group| map.mode_of(group)) else {
+        let shards: Vec<&Shard> = map.shards.iter().filter(|shard| shard.table == table).collect();
+        let Some(current) = shards.first().map(|shard| map.mode_of(shard)) else {
             return Err(CommandError::Other(format!("no such table '{table}'")));
         };
         let (current_topology, current_consistency) = current.parts();
@@ -110,9 +110,9 @@ impl ClusterNode {
     }
 
     /// TABLE.RANGE on a cluster node: the key ranges the query spans, in
-    /// order, each read at its group's head (this node, or forwarded there)
+    /// order, each read at its shard's head (this node, or forwarded there)
     /// until `count` keys are found. Only range-partitioned tables are ordered
-    /// across their groups.
+    /// across their shards.
     pub async fn table_range(
         &self,
         request: &Request<'_>,
@@ -146,7 +146,7 @@ impl ClusterNode {
             }
             let limit = query.count - keys.len();
             keys.extend(
-                self.group_range(&routing, *shard, &query.table, &part, limit, relay, now_ms, forwarder)
+                self.shard_range(&routing, *shard, &query.table, &part, limit, relay, now_ms, forwarder)
                     .await?,
             );
             if keys.len() >= query.count {
@@ -156,11 +156,11 @@ impl ClusterNode {
         Ok(keys)
     }
 
-    /// One group's part of a TABLE.RANGE. At the head, the keys read are
+    /// One shard's part of a TABLE.RANGE. At the head, the keys read are
     /// answered once the writes in flight within the part have committed, as a
     /// strong read of each key would be.
     #[allow(clippy::too_many_arguments)]
-    async fn group_range(
+    async fn shard_range(
         &self,
         routing: &Routing,
         shard: u32,
@@ -173,8 +173,8 @@ impl ClusterNode {
     ) -> CommandResult<Vec<Bytes>> {
         let retry = CommandError::TryAgain;
         let strong_read = || {
-            let group = self.agent.snapshot(shard).ok_or(Refusal::NotOwner)?;
-            group.strong_read.map(|barrier| (barrier, group.engine))
+            let snapshot = self.agent.snapshot(shard).ok_or(Refusal::NotOwner)?;
+            snapshot.strong_read.map(|barrier| (barrier, snapshot.engine))
         };
         let mut checked = strong_read();
         if matches!(checked, Err(Refusal::Draining)) {
@@ -182,7 +182,7 @@ impl ClusterNode {
             checked = strong_read();
         }
         match checked {
-            Err(Refusal::Draining) => Err(retry("the group is still switching modes".into())),
+            Err(Refusal::Draining) => Err(retry("the shard is still switching modes".into())),
             Ok((barrier, engine)) => {
                 if let Some(barrier) = barrier {
                     barrier.wait().await?;
@@ -193,13 +193,13 @@ impl ClusterNode {
                 }
                 Ok(keys)
             }
-            Err(Refusal::LeaseExpired) => Err(retry("the group's lease is being renewed".into())),
-            Err(Refusal::Unsettled) => Err(retry("the group's new head has not settled yet".into())),
+            Err(Refusal::LeaseExpired) => Err(retry("the shard's lease is being renewed".into())),
+            Err(Refusal::Unsettled) => Err(retry("the shard's new head has not settled yet".into())),
             Err(Refusal::NotOwner) => {
                 let address = routing
                     .head_address(shard)
                     .filter(|address| *address != self.address)
-                    .ok_or_else(|| retry(format!("group {shard} is changing hands")))?;
+                    .ok_or_else(|| retry(format!("shard {shard} is changing hands")))?;
                 if relay {
                     return Err(CommandError::Moved { slot: 0, address: address.to_string() });
                 }
@@ -232,14 +232,14 @@ impl ClusterNode {
             None if name == DEFAULT_TABLE => (String::new(), "the nodes' own".into(), Default::default()),
             None => return Err(CommandError::Other(format!("no such table '{name}'"))),
         };
-        let groups: Vec<_> = map.shards.iter().filter(|shard| shard.table == name).collect();
+        let shards: Vec<_> = map.shards.iter().filter(|shard| shard.table == name).collect();
         let splits = map.table(name).and_then(|table| table.splits());
         let options: Vec<String> = options
             .iter()
             .filter(|(option, _)| option.as_str() != "password")
             .map(|(option, value)| format!("{option}={value}"))
             .collect();
-        let modes: BTreeSet<String> = groups.iter().map(|group| map.mode_label(group)).collect();
+        let modes: BTreeSet<String> = shards.iter().map(|shard| map.mode_label(shard)).collect();
         out.map(7);
         out.bulk(b"name");
         out.bulk(name.as_bytes());
@@ -253,12 +253,12 @@ impl ClusterNode {
         out.bulk(options.join(" ").as_bytes());
         out.bulk(b"partition");
         out.bulk(if splits.is_some() { b"range" } else { b"hash" });
-        out.bulk(b"groups");
-        out.array(groups.len());
-        for group in groups {
-            let members: Vec<String> = group.members.iter().map(|node| format!("n{node}")).collect();
-            // A range group's keys in TABLE.RANGE's notation.
-            let holds = match (group.range, &splits) {
+        out.bulk(b"shards");
+        out.array(shards.len());
+        for shard in shards {
+            let members: Vec<String> = shard.members.iter().map(|node| format!("n{node}")).collect();
+            // A range shard's keys in TABLE.RANGE's notation.
+            let holds = match (shard.range, &splits) {
                 (Some(range), Some(splits)) => {
                     let from = range
                         .checked_sub(1)
@@ -267,32 +267,32 @@ impl ClusterNode {
                         splits.get(range).map_or("+".into(), |split| format!("({}", escape_prefix(split)));
                     format!("keys {from} {to}")
                 }
-                _ => format!("slots {:?}", group.slots),
+                _ => format!("slots {:?}", shard.slots),
             };
             out.bulk(
-                format!("{} {holds} view {} {}", group.id, group.view_number, members.join(">")).as_bytes(),
+                format!("{} {holds} view {} {}", shard.id, shard.view_number, members.join(">")).as_bytes(),
             );
         }
         Ok(())
     }
 
-    /// The groups this node heads, as tables over their replicated values:
+    /// The shards this node heads, as tables over their replicated values:
     /// what SCAN, KEYS and DBSIZE walk on a cluster node, so that across the
     /// nodes every key is seen once, at its head.
     pub fn headed_tables(&self) -> CommandResult<TableSet> {
         let map = self.map()?;
         let mut tables = Vec::new();
-        for group in self.agent.shards().into_keys() {
-            let (true, Some(engine), Some(shard)) =
-                (self.heads(group), self.agent.engine(group), map.shard(group))
+        for shard in self.agent.shards().into_keys() {
+            let (true, Some(engine), Some(entry)) =
+                (self.heads(shard), self.agent.engine(shard), map.shard(shard))
             else {
                 continue;
             };
-            let (def, spec) = match map.table(&shard.table) {
+            let (def, spec) = match map.table(&entry.table) {
                 Some(table) => {
                     let spec = table.engine_spec().map_err(CommandError::Engine)?;
                     let def = TableDef {
-                        name: format!("{}@{group}", table.name),
+                        name: format!("{}@{shard}", table.name),
                         prefix: table.prefix.clone(),
                         engine: table.engine.clone(),
                         options: table.options.clone(),
@@ -301,7 +301,7 @@ impl ClusterNode {
                 }
                 None => {
                     let def = TableDef {
-                        name: format!("{DEFAULT_TABLE}@{group}"),
+                        name: format!("{DEFAULT_TABLE}@{shard}"),
                         prefix: String::new(),
                         engine: self.engine.kind.name().to_string(),
                         options: self.engine.options.clone(),
@@ -320,7 +320,7 @@ impl ClusterNode {
         Ok(TableSet::new(tables))
     }
 
-    /// FLUSHDB / FLUSHALL on a cluster node: deletes every key of the groups
+    /// FLUSHDB / FLUSHALL on a cluster node: deletes every key of the shards
     /// it heads, through replication (across the nodes, the whole cluster is
     /// emptied, as a cluster client's FLUSHALL to every primary expects).
     /// Every key's lock is held while the deletes are ordered, and reads of the
@@ -328,8 +328,8 @@ impl ClusterNode {
     pub fn flush_headed(&self, node: &NodeState) -> CommandResult<Vec<Completion>> {
         let _all = node.lock_all();
         let mut completions = Vec::new();
-        for group in self.agent.shards().into_keys() {
-            let (true, Some(engine)) = (self.heads(group), self.agent.engine(group)) else {
+        for shard in self.agent.shards().into_keys() {
+            let (true, Some(engine)) = (self.heads(shard), self.agent.engine(shard)) else {
                 continue;
             };
             let view = CapturingView::new(engine);
@@ -345,15 +345,15 @@ impl ClusterNode {
             }
             let deletes = keys.iter().map(|key| Operation::Delete { key: key.clone() }).collect();
             let client_keys = keys.iter().map(|key| key.as_ref()).filter(|key| !reserved::is_reserved(key));
-            completions.push(self.agent.begin_batch(group, client_keys, deletes));
+            completions.push(self.agent.begin_batch(shard, client_keys, deletes));
         }
         Ok(completions)
     }
 
-    /// Whether this node is a group's first member: where node-wide commands
-    /// (SCAN, DBSIZE, FLUSHALL) take the group's keys, so that across the nodes
+    /// Whether this node is a shard's first member: where node-wide commands
+    /// (SCAN, DBSIZE, FLUSHALL) take the shard's keys, so that across the nodes
     /// each key counts once, whatever the mode lets other members do.
-    fn heads(&self, group: u32) -> bool {
-        matches!(self.agent.role(group), Some(Role::Head | Role::Alone))
+    fn heads(&self, shard: u32) -> bool {
+        matches!(self.agent.role(shard), Some(Role::Head | Role::Alone))
     }
 }

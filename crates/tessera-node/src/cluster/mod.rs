@@ -46,11 +46,11 @@ pub enum JoinError {
 
 pub struct ClusterNode {
     pub membership: Membership,
-    /// The engine of the default table's groups.
+    /// The engine of the default table's shards.
     engine: EngineSpec,
 }
 
-/// How long a request waits for its group to finish switching modes.
+/// How long a request waits for its shard to finish switching modes.
 const TRANSITION_WAIT: Duration = Duration::from_secs(10);
 
 impl std::ops::Deref for ClusterNode {

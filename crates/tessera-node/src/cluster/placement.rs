@@ -21,7 +21,7 @@ pub enum Placement {
     /// strong read's answer first waits for `barrier` (the head's first
     /// write in its view) to commit.
     Shard { shard: u32, engine: Arc<dyn Engine>, barrier: Option<Completion> },
-    /// A strong request on a quorum group (AA+SC) this node is a member of:
+    /// A strong request on a shard running a quorum protocol (AA+SC) this node is a member of:
     /// it runs through the protocol, not on this node's copy.
     Quorum { shard: u32, engine: Arc<dyn Engine> },
     /// Another node is the owner; `forward_only` when a cluster client must
@@ -35,7 +35,7 @@ pub enum Placement {
 }
 
 impl ClusterNode {
-    /// [`Self::place`], waiting while the keys' group switches modes (up to
+    /// [`Self::place`], waiting while the keys' shard switches modes (up to
     /// [`TRANSITION_WAIT`]): writes and strong reads are then placed by the
     /// new mode.
     pub async fn place_when_settled<'k, I: Iterator<Item = &'k [u8]>>(
@@ -89,19 +89,19 @@ impl ClusterNode {
                 "Keys in request don't hash to the same slot (or belong to different tables)".into()
             }));
         }
-        let group = self.agent.snapshot(shard);
-        let checked = match &group {
+        let snapshot = self.agent.snapshot(shard);
+        let checked = match &snapshot {
             None => Err(Refusal::NotOwner),
-            Some(group) if write => group.write.map(|()| None),
-            Some(group) if strong => group.strong_read.clone(),
-            Some(group) => group.eventual_read.map(|()| None),
+            Some(snapshot) if write => snapshot.write.map(|()| None),
+            Some(snapshot) if strong => snapshot.strong_read.clone(),
+            Some(snapshot) => snapshot.eventual_read.map(|()| None),
         };
-        match (checked, group) {
-            (Ok(_), Some(group)) if strong && group.mode.quorum => {
-                Placement::Quorum { shard, engine: group.engine }
+        match (checked, snapshot) {
+            (Ok(_), Some(snapshot)) if strong && snapshot.mode.quorum => {
+                Placement::Quorum { shard, engine: snapshot.engine }
             }
-            (Ok(barrier), Some(group)) => Placement::Shard { shard, engine: group.engine, barrier },
-            (Ok(_), None) => unreachable!("a group that is not here refuses"),
+            (Ok(barrier), Some(snapshot)) => Placement::Shard { shard, engine: snapshot.engine, barrier },
+            (Ok(_), None) => unreachable!("a shard that is not here refuses"),
             (Err(Refusal::Draining), _) => Placement::Draining { shard },
             (Err(Refusal::LeaseExpired), _) => {
                 Placement::Refused(CommandError::TryAgain("the shard's lease is being renewed".into()))
@@ -112,7 +112,7 @@ impl ClusterNode {
             (Err(Refusal::NotOwner), _) => match routing.head_address(shard) {
                 Some(address) if address != self.address => {
                     // Cluster clients route by slot to the default table's
-                    // head; if that is this node, another table's group has a
+                    // head; if that is this node, another table's shard has a
                     // different head here: forward rather than MOVE the slot.
                     // A key range is not a slot at all: always forwarded.
                     let slot_head =

@@ -1,6 +1,6 @@
 //! Serving a request on a cluster node, by its command's [`Scope`]: where
 //! its keys live (here, through a quorum, or at another node), over the
-//! groups this node heads, or through the coordinator.
+//! shards this node heads, or through the coordinator.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -29,7 +29,7 @@ pub struct Held {
 }
 
 /// Runs one request on a cluster node, by its command's scope: a keyed
-/// command here if this node serves its keys' group, else `MOVED` for a
+/// command here if this node serves its keys' shard, else `MOVED` for a
 /// cluster client or forwarded for a plain one. Returns the reply's hold if
 /// it depends on writes not yet committed.
 pub async fn serve(
@@ -84,7 +84,7 @@ async fn serve_tables(cluster: &ClusterNode, context: &mut Context<'_>, request:
     }
 }
 
-/// SCAN, KEYS, DBSIZE over the groups this node heads.
+/// SCAN, KEYS, DBSIZE over the shards this node heads.
 fn serve_node_wide(cluster: &ClusterNode, context: &mut Context<'_>, request: &Request<'_>) {
     match cluster.headed_tables() {
         Ok(headed) => {
@@ -168,7 +168,7 @@ async fn serve_keyed(
             None
         }
         Placement::Draining { .. } => {
-            CommandError::TryAgain("the keys' group is still switching modes".into()).write(context.out);
+            CommandError::TryAgain("the keys' shard is still switching modes".into()).write(context.out);
             None
         }
         Placement::Elsewhere { slot, address, forward_only }
@@ -230,11 +230,11 @@ async fn serve_keyed(
     }
 }
 
-/// How many times a command on a quorum group runs before its keys are
+/// How many times a command on a shard running a quorum protocol runs before its keys are
 /// declared too busy.
 const QUORUM_ATTEMPTS: usize = 8;
 
-/// A command on a quorum group (AA+SC): it runs on its keys' records, and
+/// A command on a shard running a quorum protocol (AA+SC): it runs on its keys' records, and
 /// what it wrote is written only if each key's newest record is still the one
 /// it ran on; if one changed, the command runs again on records fetched
 /// through the quorum. A write first tries this member's own records (its
@@ -350,5 +350,5 @@ async fn fetch_records(
 fn failure(reply: &ClientReply) -> CommandError {
     outcome(reply)
         .err()
-        .map_or_else(|| CommandError::Other("unexpected answer from the group".into()), CommandError::Group)
+        .map_or_else(|| CommandError::Other("unexpected answer from the shard".into()), CommandError::Group)
 }

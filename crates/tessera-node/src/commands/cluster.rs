@@ -6,7 +6,7 @@
 //! Cluster's one-master-or-one-replica model cannot say: SLOTS and SHARDS list
 //! every shard's members exactly; NODES shows a node as the master of the
 //! shards it heads. The shards shown are the default table's: every other
-//! table's replica groups start on the same nodes, slot for slot.
+//! table's shards start on the same nodes, slot for slot.
 
 use tessera_cluster::ClusterMap;
 use tessera_wire::slot::key_slot;
@@ -204,7 +204,7 @@ fn info(map: &ClusterMap, me: u32) -> String {
         format!("cluster_size:{}", map.slot_shards().count()),
         format!("cluster_current_epoch:{}", map.epoch),
         format!("cluster_my_epoch:{}", my_epoch.max().unwrap_or(0)),
-        // The default table's, whose groups cluster clients see.
+        // The default table's, whose shards cluster clients see.
         format!(
             "tessera_mode:{}",
             map.slot_shards().next().map_or(map.mode, |shard| map.mode_of(shard)).label()

@@ -4,7 +4,7 @@
 //! keeps working.
 //!
 //! What a read gets: on a single node, always strong (there is one copy); in a
-//! cluster, what it asked for, except that an active–active eventual group has
+//! cluster, what it asked for, except that an active–active eventual shard has
 //! no strong reads to give and says eventual.
 
 use tessera_wire::Request;

@@ -235,7 +235,7 @@ fn scan(context: &mut Context, request: &Request) -> CommandResult {
     }
     let tables = context.tables.by_name();
     let Some(first) = tables.first() else {
-        // A cluster node that heads no group holds no keys of its own.
+        // A cluster node that heads no shard holds no keys of its own.
         context.out.array(2);
         context.out.bulk(b"0");
         context.out.array(0);
@@ -319,7 +319,7 @@ fn walk_keys(context: &Context, filter: &ScanFilter, mut found: impl FnMut(bytes
 fn dbsize(context: &mut Context, _request: &Request) -> CommandResult {
     let mut total = 0;
     if context.cluster.is_some() {
-        // Replicated groups keep tombstones and no count of sorted-set
+        // Replicated shards keep tombstones and no count of sorted-set
         // entries: count their live keys by walking them.
         walk_keys(context, &ScanFilter { pattern: None, kind: None }, |_| total += 1)?;
     } else {

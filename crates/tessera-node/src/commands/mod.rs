@@ -1,4 +1,4 @@
-//! The command table. Each group of commands lives in its own file and lists
+//! The command table. Each shard of commands lives in its own file and lists
 //! its commands in a `COMMANDS` table; adding a command is a handler and a row.
 
 mod cluster;
@@ -126,14 +126,14 @@ pub type Handler = fn(&mut Context, &Request) -> CommandResult;
 pub enum Scope {
     /// Where its keys live (a command without keys: on this node).
     Keys,
-    /// Over the groups this node heads, so that across the nodes every key
+    /// Over the shards this node heads, so that across the nodes every key
     /// counts once (SCAN, KEYS, DBSIZE).
     NodeWide,
-    /// Deletes the keys of the groups this node heads, through replication.
+    /// Deletes the keys of the shards this node heads, through replication.
     Flush,
     /// The cluster's tables, changed through the coordinator.
     Tables,
-    /// Walks a range-partitioned table's groups in key order.
+    /// Walks a range-partitioned table's shards in key order.
     TableRange,
     /// A read at a named consistency, placed as the read it wraps.
     WrappedRead,
@@ -247,7 +247,7 @@ fn run(context: &mut Context, request: &Request) -> CommandResult {
     (spec.handler)(context, request)
 }
 
-// ---- helpers shared by the command groups ----
+// ---- helpers shared by the command shards ----
 
 /// The argument at `index` as an integer.
 pub fn integer_arg(request: &Request, index: usize) -> CommandResult<i64> {

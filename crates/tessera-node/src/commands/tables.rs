@@ -33,8 +33,7 @@ fn create(context: &mut Context, request: &Request) -> CommandResult {
     let (def, split_keys) = parse_create(request)?;
     if split_keys.is_some() {
         return Err(CommandError::Other(
-            "PARTITION RANGE divides a table among a cluster's replica groups; a single node holds all of it"
-                .into(),
+            "PARTITION RANGE divides a table among a cluster's shards; a single node holds all of it".into(),
         ));
     }
     context.node.create_table(def).map_err(|error| CommandError::Other(error.to_string()))?;
@@ -46,7 +45,7 @@ fn create(context: &mut Context, request: &Request) -> CommandResult {
 fn alter(_context: &mut Context, request: &Request) -> CommandResult {
     parse_alter(request)?;
     Err(CommandError::Other(
-        "TABLE.ALTER changes how a cluster's replica groups replicate; a single node keeps one copy".into(),
+        "TABLE.ALTER changes how a cluster's shards replicate; a single node keeps one copy".into(),
     ))
 }
 
