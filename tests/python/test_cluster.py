@@ -369,7 +369,8 @@ def test_bad_input_gets_clear_errors(cluster_factory, tmp_path):
     # A node started for another cluster is refused, and says why.
     stranger = subprocess.run(
         [str(BINARY), "serve", "--port", str(cluster.base_port + NODES + 1), "--dir", str(tmp_path / "stranger"),
-         "--cluster-id", "someone-else", "--node-id", "0", "--coordinator", f"127.0.0.1:{cluster.base_port}"],
+         "--cluster-id", "someone-else", "--node-id", "0", "--coordinator", f"127.0.0.1:{cluster.base_port}",
+         "--cluster-secret-file", str(cluster.dir / "cluster.secret")],
         capture_output=True, text=True, timeout=30,
     )
     assert stranger.returncode != 0
@@ -449,6 +450,9 @@ def test_service_continues_when_the_leading_coordinator_dies_with_etcd(tmp_path)
     nodes = [base + 2 + index for index in range(3)]
     logs = tmp_path / "logs"
     logs.mkdir()
+    secret = tmp_path / "cluster.secret"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
 
     def spawn(name, *args):
         log = open(logs / f"{name}.log", "ab")
@@ -462,6 +466,7 @@ def test_service_continues_when_the_leading_coordinator_dies_with_etcd(tmp_path)
             "--nodes", ",".join(f"127.0.0.1:{port}" for port in nodes), "--replicas", "3",
             "--port", str(coordinators[index]), "--name", f"coordinator-{index}",
             "--lease-ms", str(LEASE_MS), "--failure-timeout-ms", str(FAILURE_TIMEOUT_MS),
+            "--cluster-secret-file", str(secret),
         )
 
     def node(index):
@@ -469,6 +474,7 @@ def test_service_continues_when_the_leading_coordinator_dies_with_etcd(tmp_path)
             f"node-{index}", "serve", "--port", str(nodes[index]), "--dir", str(tmp_path / f"node-{index}"),
             "--threads", "1", "--cluster-id", "etcd-test", "--node-id", str(index),
             "--coordinator", ",".join(f"127.0.0.1:{port}" for port in coordinators),
+            "--cluster-secret-file", str(secret),
         )
 
     try:

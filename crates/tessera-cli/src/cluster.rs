@@ -19,9 +19,13 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand};
 use serde::{Deserialize, Serialize};
+use tessera_cluster::auth::{ClusterSecret, CoordinatorLogin, ADMIN};
 use tessera_cluster::ClusterMap;
 use tessera_wire::slot::key_slot;
 use tessera_wire::{Client, Value};
+
+/// The cluster's secret, in the cluster directory (mode 0600).
+const SECRET_FILE: &str = "cluster.secret";
 
 #[derive(Subcommand)]
 pub enum ClusterCommand {
@@ -229,6 +233,10 @@ fn up(args: UpArgs) -> Result<(), String> {
             layout
         }
     };
+    // A cluster made before clusters had secrets gets one as it resumes.
+    if !dir.join(SECRET_FILE).exists() {
+        ClusterSecret::generate().save(&dir.join(SECRET_FILE)).map_err(|error| error.to_string())?;
+    }
     let started = Instant::now();
     for name in
         std::iter::once("coordinator".to_string()).chain(layout.nodes.iter().map(|(id, _)| node_name(*id)))
@@ -465,12 +473,26 @@ fn commands_per_node(layout: &Layout) -> Vec<Option<u64>> {
         .collect()
 }
 
+/// A session with the coordinator as the operator (`admin`), proved with the
+/// cluster's secret.
+fn admin_session(dir: &Path, layout: &Layout) -> Result<Client, String> {
+    let secret = ClusterSecret::load(&dir.join(SECRET_FILE)).map_err(|error| error.to_string())?;
+    let mut client = Client::connect(layout.coordinator_address(), Duration::from_secs(2))
+        .map_err(|error| format!("coordinator: {error}"))?;
+    let login = CoordinatorLogin::new(&layout.cluster_id, ADMIN);
+    let challenge = client.command(&login.hello()).map_err(|error| error.to_string())?;
+    let auth = login.auth(&secret, challenge).map_err(|error| error.to_string())?;
+    match client.command(&auth).map_err(|error| error.to_string())? {
+        Value::Simple(_) => Ok(client),
+        other => Err(format!("the coordinator refused the login: {other:?}")),
+    }
+}
+
 fn add_standby(dir: &Path) -> Result<(), String> {
     let mut layout = Layout::load(dir)?;
     let port = layout.nodes.iter().map(|(_, port)| *port).max().unwrap_or(layout.coordinator_port) + 1;
     let address = layout.node_address(port);
-    let mut client = Client::connect(layout.coordinator_address(), Duration::from_secs(2))
-        .map_err(|error| format!("coordinator: {error}"))?;
+    let mut client = admin_session(dir, &layout)?;
     let id = match client.command(&["COORD.ADD-NODE", address.as_str()]).map_err(|error| error.to_string())? {
         Value::Integer(id) => id as u32,
         other => return Err(format!("the coordinator refused the node: {other:?}")),
@@ -574,6 +596,7 @@ fn start(dir: &Path, layout: &Layout, name: &str) -> Result<(), String> {
             layout.coordinator_port.to_string(),
         ]);
         args.extend(["--lease-ms".into(), layout.lease_ms.to_string()]);
+        args.extend(["--cluster-secret-file".into(), dir.join(SECRET_FILE).display().to_string()]);
         args.extend(["--failure-timeout-ms".into(), layout.failure_timeout_ms.to_string()]);
         if !state.join("cluster.json").exists() {
             let addresses: Vec<String> =
@@ -607,6 +630,7 @@ fn start(dir: &Path, layout: &Layout, name: &str) -> Result<(), String> {
         ]);
         args.extend(["--cluster-id".into(), layout.cluster_id.clone(), "--node-id".into(), id.to_string()]);
         args.extend(["--coordinator".into(), layout.coordinator_address()]);
+        args.extend(["--cluster-secret-file".into(), dir.join(SECRET_FILE).display().to_string()]);
     }
     let log_path = dir.join("logs").join(format!("{name}.log"));
     let log = fs::OpenOptions::new()

@@ -167,6 +167,10 @@ struct CoordinatorArgs {
     /// To start a new cluster: its id (nodes started for another are refused).
     #[arg(long)]
     cluster_id: Option<String>,
+    /// The cluster's secret, shared by its nodes and coordinators (mode
+    /// 0600; `cluster up` writes one): only who proves it may change the map.
+    #[arg(long)]
+    cluster_secret_file: PathBuf,
     /// To start a new cluster: every node's host:port, in node-id order.
     #[arg(long, value_delimiter = ',')]
     nodes: Vec<String>,
@@ -345,6 +349,10 @@ struct ServeArgs {
     /// The cluster coordinator's host:port.
     #[arg(long)]
     coordinator: Option<String>,
+    /// The cluster's secret, shared by its nodes and coordinators (mode 0600;
+    /// `cluster up` writes one).
+    #[arg(long)]
+    cluster_secret_file: Option<PathBuf>,
     /// Log filter, e.g. info or tessera_node=debug [default: info].
     #[arg(long, env = "TESSERA_LOG", default_value = "info")]
     log: String,
@@ -394,6 +402,9 @@ impl ServeArgs {
                 .take()
                 .unwrap_or_else(|| tessera_node::config::ClusterConfig::new(id, node, coordinator));
             (cluster.id, cluster.node, cluster.coordinator) = (id.clone(), node, coordinator.clone());
+            if let Some(path) = &self.cluster_secret_file {
+                cluster.secret_file = Some(path.clone());
+            }
             config.cluster = Some(cluster);
         }
         config.validate().map_err(|error| error.to_string())?;
@@ -422,11 +433,17 @@ fn coordinator(args: CoordinatorArgs) -> Result<(), String> {
     let listen: std::net::SocketAddr =
         format!("{}:{}", args.bind, args.port).parse().map_err(|error| format!("--bind/--port: {error}"))?;
     let timing = Timing { lease_ms: args.lease_ms, failure_timeout_ms: args.failure_timeout_ms };
+    let secret = tessera_cluster::auth::ClusterSecret::load(&args.cluster_secret_file)
+        .map_err(|error| error.to_string())?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .map_err(|error| error.to_string())?;
+    // Whichever store keeps the map, the server starts the same way.
+    let start = move |store: Box<dyn tessera_cluster::MetadataStore>| {
+        CoordinatorServer::start(listen, store, initial, timing, secret)
+    };
     if let Some(endpoints) = &args.etcd {
         let cluster_id =
             args.cluster_id.clone().ok_or("--etcd needs --cluster-id (the key prefix in etcd)")?;
@@ -435,16 +452,12 @@ fn coordinator(args: CoordinatorArgs) -> Result<(), String> {
             endpoints,
             &cluster_id,
             &name,
-            listen,
-            initial,
-            timing,
             args.leader_ttl_secs,
+            start,
         ));
     }
     runtime.block_on(async {
-        let server = CoordinatorServer::start(listen, Box::new(FileStore::new(&args.dir)), initial, timing)
-            .await
-            .map_err(|error| error.to_string())?;
+        let server = start(Box::new(FileStore::new(&args.dir))).await.map_err(|error| error.to_string())?;
         let map = server.map();
         tracing::info!(
             address = %server.local_addr(),
@@ -463,16 +476,18 @@ fn coordinator(args: CoordinatorArgs) -> Result<(), String> {
 /// the lease cannot be renewed or a signal arrives. A coordinator that loses
 /// the lease exits: its map writes would be refused anyway, and its
 /// supervisor (or `tessera cluster`) starts it again to stand by.
-async fn coordinate_with_etcd(
+async fn coordinate_with_etcd<Started>(
     endpoints: &str,
     cluster_id: &str,
     name: &str,
-    listen: std::net::SocketAddr,
-    initial: Option<tessera_cluster::ClusterMap>,
-    timing: tessera_cluster::Timing,
     ttl_secs: u64,
-) -> Result<(), String> {
-    use tessera_cluster::{CoordinatorServer, Etcd, EtcdStore};
+    start: impl FnOnce(Box<dyn tessera_cluster::MetadataStore>) -> Started,
+) -> Result<(), String>
+where
+    Started:
+        std::future::Future<Output = Result<tessera_cluster::CoordinatorServer, tessera_cluster::StartError>>,
+{
+    use tessera_cluster::{Etcd, EtcdStore};
     let etcd = Etcd::new(endpoints)?;
     let store = || EtcdStore::new(etcd.clone(), cluster_id).fenced_by(name);
     let shutdown = shutdown_signal();
@@ -501,7 +516,7 @@ async fn coordinate_with_etcd(
     };
     let lease = std::sync::Arc::new(lease);
     tracing::info!(%name, "leading the cluster");
-    let server = match CoordinatorServer::start(listen, Box::new(store()), initial, timing).await {
+    let server = match start(Box::new(store())).await {
         Ok(server) => server,
         Err(error) => {
             lease.revoke();

@@ -188,12 +188,26 @@ fn bad_flags_are_rejected_before_listening() {
         .unwrap();
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("unknown engine"));
+
+    let output = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["serve", "--port", &free_port().to_string(), "--cluster-id", "c", "--node-id", "0"])
+        .args(["--coordinator", "127.0.0.1:1"])
+        .arg("--dir")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("needs its cluster's secret"), "a cluster node without the secret: {stderr}");
 }
 
 #[test]
 fn a_coordinator_refuses_an_incomplete_or_impossible_cluster() {
+    use std::os::unix::fs::PermissionsExt;
     let dir = tempfile::tempdir().unwrap();
-    let coordinator = |args: &[&str]| {
+    let secret = dir.path().join("cluster.secret");
+    tessera_cluster::auth::ClusterSecret::generate().save(&secret).unwrap();
+    let run = |args: &[&str]| {
         let output = Command::new(env!("CARGO_BIN_EXE_tessera"))
             .args(["coordinator", "--port", &free_port().to_string()])
             .arg("--dir")
@@ -204,6 +218,15 @@ fn a_coordinator_refuses_an_incomplete_or_impossible_cluster() {
         assert!(!output.status.success());
         String::from_utf8_lossy(&output.stderr).into_owned()
     };
+    let coordinator = |args: &[&str]| {
+        let mut with_secret = vec!["--cluster-secret-file", secret.to_str().unwrap()];
+        with_secret.extend_from_slice(args);
+        run(&with_secret)
+    };
+    assert!(run(&[]).contains("--cluster-secret-file"), "a coordinator needs the cluster's secret");
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o644)).unwrap();
+    assert!(coordinator(&[]).contains("chmod 600"), "a secret others may read is refused");
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
     assert!(coordinator(&[]).contains("no cluster map stored"));
     assert!(coordinator(&["--nodes", "127.0.0.1:1"]).contains("--cluster-id"));
     assert!(coordinator(&["--cluster-id", "c", "--nodes", "127.0.0.1:1,127.0.0.1:2"])

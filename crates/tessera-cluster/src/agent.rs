@@ -33,6 +33,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 
+use crate::auth::{ClusterSecret, CoordinatorLogin, LoginError};
 use crate::links::{serve_incoming, Incoming, LinkConfig, Links, INCOMING_BATCHES_MAX};
 use crate::map::{range_index, ClusterMap, DEFAULT_TABLE};
 
@@ -40,6 +41,8 @@ use crate::map::{range_index, ClusterMap, DEFAULT_TABLE};
 pub struct AgentConfig {
     pub cluster_id: String,
     pub node: u32,
+    /// Proves this node a member to its peers and the coordinator, and them to it.
+    pub secret: ClusterSecret,
     /// Names this node's state: a new one whenever the state starts empty.
     pub incarnation: u64,
     /// The coordinators' addresses, comma-separated: the leader is the one
@@ -87,6 +90,8 @@ pub enum AgentError {
     Malformed(String),
     #[error("the coordinator refused this node: {0}")]
     Refused(String),
+    #[error("cannot log in to the coordinator as node {node} of cluster '{cluster}': {source}")]
+    Login { cluster: String, node: u32, source: LoginError },
     #[error("unexpected answer to {command}: {answer}")]
     UnexpectedAnswer { command: &'static str, answer: String },
     #[error("cannot listen for peers on {0}: {1}")]
@@ -380,8 +385,9 @@ impl Agent {
         // it (a refusal, below, is final).
         let mut backoff = Duration::from_millis(50);
         let mut coordinator = loop {
-            match Coordinator::connect_any(&config.coordinator).await {
+            match Coordinator::connect_any(&config).await {
                 Ok(coordinator) => break coordinator,
+                Err(error @ AgentError::Login { .. }) => return Err(error),
                 Err(error) => {
                     tracing::warn!(%error, "waiting for the coordinator");
                     tokio::time::sleep(backoff).await;
@@ -408,12 +414,14 @@ impl Agent {
         let links = Links::new(LinkConfig {
             cluster_id: config.cluster_id.clone(),
             me: NodeId(config.node),
+            secret: config.secret.clone(),
             queue_max: 100_000,
             connect_timeout: Duration::from_secs(1),
+            handshake_timeout: Duration::from_secs(5),
             backoff_max: Duration::from_millis(500),
         });
         let (incoming_sender, incoming) = mpsc::channel(INCOMING_BATCHES_MAX);
-        let peers = tokio::spawn(serve_incoming(listener, config.cluster_id.clone(), incoming_sender));
+        let peers = tokio::spawn(serve_incoming(listener, links.config(), incoming_sender));
         let agent = Arc::new(Self {
             config,
             local_shards: RwLock::new(Arc::new(BTreeMap::new())),
@@ -620,7 +628,7 @@ impl Agent {
     /// Sends one command to the leading coordinator (administrative changes:
     /// tables) and returns its answer.
     pub async fn ask_coordinator(&self, args: &[&[u8]]) -> Result<Value, AgentError> {
-        let mut coordinator = Coordinator::connect_any(&self.config.coordinator).await?;
+        let mut coordinator = Coordinator::connect_any(&self.config).await?;
         coordinator.call(args).await
     }
 
@@ -797,20 +805,45 @@ struct Coordinator {
 impl Coordinator {
     /// Connects to the first of several coordinators (comma-separated) that
     /// answers: only the leader listens.
-    async fn connect_any(addresses: &str) -> Result<Self, AgentError> {
+    /// Connects to the first of the coordinators (comma-separated) that
+    /// answers, and logs in as this node.
+    async fn connect_any(config: &AgentConfig) -> Result<Self, AgentError> {
         let mut failures = Vec::new();
-        for address in addresses.split(',').map(str::trim).filter(|address| !address.is_empty()) {
+        for address in config.coordinator.split(',').map(str::trim).filter(|address| !address.is_empty()) {
             let connected = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(address)).await;
             match connected {
                 Ok(Ok(stream)) => {
                     let _ = stream.set_nodelay(true);
-                    return Ok(Self { stream, buffer: Vec::new() });
+                    let mut coordinator = Self { stream, buffer: Vec::new() };
+                    let login = CoordinatorLogin::new(&config.cluster_id, &config.node.to_string());
+                    let failed = |source| AgentError::Login {
+                        cluster: config.cluster_id.clone(),
+                        node: config.node,
+                        source,
+                    };
+                    let challenge = coordinator.call_owned(&login.hello()).await?;
+                    let auth = login.auth(&config.secret, challenge).map_err(failed)?;
+                    match coordinator.call_owned(&auth).await? {
+                        Value::Simple(_) => return Ok(coordinator),
+                        Value::Error(message) => return Err(failed(LoginError::Refused(message))),
+                        other => {
+                            return Err(AgentError::UnexpectedAnswer {
+                                command: "COORD.AUTH",
+                                answer: format!("{other:?}"),
+                            })
+                        }
+                    }
                 }
                 Ok(Err(error)) => failures.push(format!("{address}: {error}")),
                 Err(_) => failures.push(format!("{address}: timed out")),
             }
         }
         Err(AgentError::Unreachable(failures))
+    }
+
+    async fn call_owned(&mut self, args: &[Vec<u8>]) -> Result<Value, AgentError> {
+        let args: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+        self.call(&args).await
     }
 
     async fn call(&mut self, args: &[&[u8]]) -> Result<Value, AgentError> {
@@ -912,7 +945,7 @@ async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: Coordina
             },
             Err(error) => {
                 tracing::warn!(%error, "heartbeat failed; reconnecting to the coordinator");
-                match Coordinator::connect_any(&agent_ref.config.coordinator).await {
+                match Coordinator::connect_any(&agent_ref.config).await {
                     Ok(fresh) => coordinator = fresh,
                     Err(error) => tracing::warn!(%error, "coordinator unreachable"),
                 }

@@ -3,6 +3,7 @@
 //! and the coordinator's logic ([`coordinator`]).
 
 pub mod agent;
+pub mod auth;
 pub mod capture;
 pub mod coordinator;
 pub mod etcd;

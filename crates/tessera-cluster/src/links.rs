@@ -1,10 +1,14 @@
 //! Links between nodes: one outgoing TCP connection per peer carrying
 //! length-prefixed frames `(shard, message)`, written in batches; incoming
-//! connections read into one channel, a batch of frames per read.
+//! connections read into one channel, a batch of frames per read. Every link
+//! opens with the cluster plane's handshake ([`crate::auth`]); the frames of
+//! an incoming link are the authenticated node's.
 //!
 //! ```text
-//! hello:  len u32 | cluster_id_len u32 | cluster id | node u32
-//! frame:  len u32 | shard u32 | peer message (codec)
+//! hello:      len u32 | cluster_id_len u32 | cluster id | node u32 | nonce [32]   (connecting)
+//! challenge:  len u32 | node u32 | nonce [32] | proof [32]                        (accepting)
+//! proof:      len u32 | proof [32]                                                (connecting)
+//! frame:      len u32 | shard u32 | peer message (codec)
 //! ```
 //!
 //! Delivery is best effort, which the protocols are built for: they
@@ -23,14 +27,18 @@ use std::time::Duration;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use parking_lot::Mutex;
 use tessera_protocol::{NodeId, PeerMessage};
+
+use crate::auth::{nonce, ClusterSecret, Transcript, NONCE_BYTES, PROOF_BYTES};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::{mpsc, Notify, Semaphore};
 
 /// The largest frame accepted (a snapshot chunk with its values).
 const FRAME_BYTES_MAX: usize = 64 << 20;
-/// The largest hello accepted (a cluster id and a node id).
+/// The largest handshake frame accepted (a cluster id, a node id, a nonce).
 const HELLO_BYTES_MAX: usize = 512;
+/// Incoming peer links held at once; more wait to be accepted.
+const INCOMING_LINKS_MAX: usize = 256;
 /// How much a reader asks the socket for at a time.
 const READ_CHUNK: usize = 64 << 10;
 /// Batches of incoming frames waiting for the node; a full channel stops the
@@ -41,9 +49,12 @@ pub const INCOMING_BATCHES_MAX: usize = 1024;
 pub struct LinkConfig {
     pub cluster_id: String,
     pub me: NodeId,
+    pub secret: ClusterSecret,
     /// Frames kept per peer while its link is down or slow.
     pub queue_max: usize,
     pub connect_timeout: Duration,
+    /// How long the other side of a link has for its part of the handshake.
+    pub handshake_timeout: Duration,
     pub backoff_max: Duration,
 }
 
@@ -56,10 +67,16 @@ pub enum LinkError {
     Oversized { length: usize, limit: usize },
     #[error("the stream ended inside a frame")]
     Truncated,
-    #[error("malformed hello")]
-    MalformedHello,
-    #[error("a peer of cluster '{theirs}' is not one of ours ('{ours}')")]
-    ForeignCluster { theirs: String, ours: String },
+    #[error("malformed handshake")]
+    MalformedHandshake,
+    #[error("a peer of another cluster")]
+    ForeignCluster,
+    #[error("the handshake took longer than {0:?}")]
+    HandshakeTimeout(Duration),
+    #[error("node {claimed} could not prove it knows the cluster secret")]
+    Unproven { claimed: NodeId },
+    #[error("the accepting side is node {found}, not node {expected}")]
+    WrongPeer { expected: NodeId, found: NodeId },
     #[error("frame without a shard")]
     NoShard,
     #[error("undecodable peer message: {0}")]
@@ -136,6 +153,11 @@ impl Links {
         peer.wake.notify_one();
     }
 
+    /// What the links were made with (the incoming side checks the same).
+    pub fn config(&self) -> Arc<LinkConfig> {
+        self.config.clone()
+    }
+
     /// Frames dropped for a peer because its queue was full.
     pub fn dropped(&self, peer: NodeId) -> u64 {
         self.peers.lock().get(&peer).map_or(0, |peer| peer.queue.lock().dropped)
@@ -155,14 +177,92 @@ impl Links {
     }
 }
 
-fn hello(config: &LinkConfig) -> Vec<u8> {
-    let mut body = Vec::new();
-    body.extend_from_slice(&(config.cluster_id.len() as u32).to_le_bytes());
-    body.extend_from_slice(config.cluster_id.as_bytes());
-    body.extend_from_slice(&config.me.0.to_le_bytes());
+fn frame(body: &[u8]) -> Vec<u8> {
     let mut frame = (body.len() as u32).to_le_bytes().to_vec();
-    frame.extend_from_slice(&body);
+    frame.extend_from_slice(body);
     frame
+}
+
+/// The connecting side of the handshake: names this node, checks that the
+/// accepting side is `peer` and knows the secret, and proves it knows it too.
+async fn connect_handshake(
+    stream: TcpStream,
+    peer: NodeId,
+    config: &LinkConfig,
+) -> Result<TcpStream, LinkError> {
+    let mut reader = FrameReader { stream, buffer: BytesMut::new() };
+    let connecting_nonce = nonce();
+    let mut hello = Vec::new();
+    hello.extend_from_slice(&(config.cluster_id.len() as u32).to_le_bytes());
+    hello.extend_from_slice(config.cluster_id.as_bytes());
+    hello.extend_from_slice(&config.me.0.to_le_bytes());
+    hello.extend_from_slice(&connecting_nonce);
+    reader.stream.write_all(&frame(&hello)).await?;
+    let mut frames = Vec::new();
+    within(config.handshake_timeout, reader.frames(HELLO_BYTES_MAX, 1, &mut frames)).await??;
+    let challenge = frames.pop().ok_or(LinkError::MalformedHandshake)?;
+    if challenge.len() != 4 + NONCE_BYTES + PROOF_BYTES {
+        return Err(LinkError::MalformedHandshake);
+    }
+    let found = NodeId(u32::from_le_bytes(challenge[..4].try_into().expect("4 bytes")));
+    if found != peer {
+        return Err(LinkError::WrongPeer { expected: peer, found });
+    }
+    let transcript = Transcript {
+        cluster: config.cluster_id.clone(),
+        connecting: config.me.0.to_string(),
+        accepting: peer.0.to_string(),
+        connecting_nonce,
+        accepting_nonce: challenge[4..4 + NONCE_BYTES].try_into().expect("nonce bytes"),
+    };
+    if !config.secret.verify_accepting(&transcript, &challenge[4 + NONCE_BYTES..]) {
+        return Err(LinkError::Unproven { claimed: peer });
+    }
+    reader.stream.write_all(&frame(&config.secret.connecting_proof(&transcript))).await?;
+    Ok(reader.stream)
+}
+
+/// The accepting side of the handshake: the node the link is from, once it
+/// has proved it knows the secret. Nothing about this cluster is told to a
+/// side that names another.
+async fn accept_handshake(reader: &mut FrameReader, config: &LinkConfig) -> Result<NodeId, LinkError> {
+    let mut frames = Vec::new();
+    reader.frames(HELLO_BYTES_MAX, 1, &mut frames).await?;
+    let Some(hello) = frames.pop() else { return Err(LinkError::MalformedHandshake) };
+    let id_length =
+        hello.get(..4).map(|bytes| u32::from_le_bytes(bytes.try_into().expect("4 bytes")) as usize);
+    let (cluster, from, connecting_nonce) = match id_length {
+        Some(length) if hello.len() == 8 + length + NONCE_BYTES => {
+            let node = u32::from_le_bytes(hello[4 + length..8 + length].try_into().expect("4 bytes"));
+            let nonce: [u8; NONCE_BYTES] = hello[8 + length..].try_into().expect("nonce bytes");
+            (&hello[4..4 + length], NodeId(node), nonce)
+        }
+        _ => return Err(LinkError::MalformedHandshake),
+    };
+    if cluster != config.cluster_id.as_bytes() {
+        return Err(LinkError::ForeignCluster);
+    }
+    let transcript = Transcript {
+        cluster: config.cluster_id.clone(),
+        connecting: from.0.to_string(),
+        accepting: config.me.0.to_string(),
+        connecting_nonce,
+        accepting_nonce: nonce(),
+    };
+    let mut challenge = config.me.0.to_le_bytes().to_vec();
+    challenge.extend_from_slice(&transcript.accepting_nonce);
+    challenge.extend_from_slice(&config.secret.accepting_proof(&transcript));
+    reader.stream.write_all(&frame(&challenge)).await?;
+    reader.frames(HELLO_BYTES_MAX, 1, &mut frames).await?;
+    match frames.pop() {
+        Some(proof) if config.secret.verify_connecting(&transcript, &proof) => Ok(from),
+        Some(_) => Err(LinkError::Unproven { claimed: from }),
+        None => Err(LinkError::MalformedHandshake),
+    }
+}
+
+async fn within<T>(limit: Duration, work: impl std::future::Future<Output = T>) -> Result<T, LinkError> {
+    tokio::time::timeout(limit, work).await.map_err(|_| LinkError::HandshakeTimeout(limit))
 }
 
 async fn write_loop(
@@ -180,18 +280,24 @@ async fn write_loop(
             }
             None => None, // not in the map (yet)
         };
-        let mut stream = match connected {
-            Some(Ok(stream)) => stream,
-            _ => {
+        let opened = match connected {
+            Some(Ok(stream)) => {
+                let _ = stream.set_nodelay(true);
+                connect_handshake(stream, node, &config).await
+            }
+            _ => Err(LinkError::Io(std::io::ErrorKind::NotConnected.into())),
+        };
+        let mut stream = match opened {
+            Ok(stream) => stream,
+            Err(error) => {
+                if !matches!(error, LinkError::Io(_)) {
+                    tracing::warn!(peer = %node, %error, "peer link refused");
+                }
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(config.backoff_max);
                 continue;
             }
         };
-        let _ = stream.set_nodelay(true);
-        if stream.write_all(&hello(&config)).await.is_err() {
-            continue;
-        }
         backoff = Duration::from_millis(10);
         // Write whatever is queued, in one batch, until the connection fails.
         loop {
@@ -212,22 +318,25 @@ async fn write_loop(
     }
 }
 
-/// Accepts peer connections and delivers their frames to `incoming`, a batch
-/// per read. A peer of another cluster, or one sending a malformed frame, is
+/// Accepts peer links, at most [`INCOMING_LINKS_MAX`] at once, and delivers
+/// their frames to `incoming`, a batch per read. A side that does not
+/// complete the handshake in time, or sends a malformed frame, is
 /// disconnected.
 pub async fn serve_incoming(
     listener: TcpListener,
-    cluster_id: String,
+    config: Arc<LinkConfig>,
     incoming: mpsc::Sender<Vec<Incoming>>,
 ) {
+    let room = Arc::new(Semaphore::new(INCOMING_LINKS_MAX));
     loop {
+        let Ok(permit) = room.clone().acquire_owned().await else { return };
         let Ok((stream, remote)) = listener.accept().await else { continue };
-        let cluster_id = cluster_id.clone();
-        let incoming = incoming.clone();
+        let (config, incoming) = (config.clone(), incoming.clone());
         tokio::spawn(async move {
-            if let Err(error) = read_peer(stream, &cluster_id, &incoming).await {
+            if let Err(error) = read_peer(stream, &config, &incoming).await {
                 tracing::warn!(%remote, %error, "peer link closed");
             }
+            drop(permit);
         });
     }
 }
@@ -270,25 +379,12 @@ impl FrameReader {
 
 async fn read_peer(
     stream: TcpStream,
-    cluster_id: &str,
+    config: &LinkConfig,
     incoming: &mpsc::Sender<Vec<Incoming>>,
 ) -> Result<(), LinkError> {
     let mut reader = FrameReader { stream, buffer: BytesMut::new() };
+    let from = within(config.handshake_timeout, accept_handshake(&mut reader, config)).await??;
     let mut frames = Vec::new();
-    reader.frames(HELLO_BYTES_MAX, 1, &mut frames).await?;
-    let Some(hello) = frames.pop() else { return Ok(()) };
-    let id_length =
-        hello.get(..4).map(|bytes| u32::from_le_bytes(bytes.try_into().expect("4 bytes")) as usize);
-    let (their_cluster, from) = match id_length {
-        Some(length) if hello.len() == 8 + length => {
-            let node = u32::from_le_bytes(hello[4 + length..].try_into().expect("4 bytes"));
-            (String::from_utf8_lossy(&hello[4..4 + length]).into_owned(), NodeId(node))
-        }
-        _ => return Err(LinkError::MalformedHello),
-    };
-    if their_cluster != cluster_id {
-        return Err(LinkError::ForeignCluster { theirs: their_cluster, ours: cluster_id.to_string() });
-    }
     loop {
         reader.frames(FRAME_BYTES_MAX, usize::MAX, &mut frames).await?;
         if frames.is_empty() {
@@ -315,12 +411,20 @@ mod tests {
     use super::*;
     use tessera_protocol::chain::ChainMessage;
 
+    /// One secret for the tests' cluster; a stranger makes its own.
+    fn secret() -> ClusterSecret {
+        static SECRET: std::sync::OnceLock<ClusterSecret> = std::sync::OnceLock::new();
+        SECRET.get_or_init(ClusterSecret::generate).clone()
+    }
+
     fn config(me: u32, cluster: &str) -> LinkConfig {
         LinkConfig {
             cluster_id: cluster.into(),
             me: NodeId(me),
+            secret: secret(),
             queue_max: 1000,
             connect_timeout: Duration::from_secs(1),
+            handshake_timeout: Duration::from_millis(300),
             backoff_max: Duration::from_millis(100),
         }
     }
@@ -348,17 +452,22 @@ mod tests {
         }
     }
 
-    async fn serve(listener: TcpListener, cluster: &str) -> (Received, tokio::task::JoinHandle<()>) {
+    /// Node 1's incoming side, as `config` has it.
+    async fn serve(listener: TcpListener, config: LinkConfig) -> (Received, tokio::task::JoinHandle<()>) {
         let (sender, batches) = mpsc::channel(INCOMING_BATCHES_MAX);
-        let task = tokio::spawn(serve_incoming(listener, cluster.into(), sender));
+        let task = tokio::spawn(serve_incoming(listener, Arc::new(config), sender));
         (Received { batches, pending: VecDeque::new() }, task)
     }
 
-    async fn listen(cluster: &str) -> (String, Received, tokio::task::JoinHandle<()>) {
+    async fn listen_as(config: LinkConfig) -> (String, Received, tokio::task::JoinHandle<()>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
-        let (received, task) = serve(listener, cluster).await;
+        let (received, task) = serve(listener, config).await;
         (address, received, task)
+    }
+
+    async fn listen(cluster: &str) -> (String, Received, tokio::task::JoinHandle<()>) {
+        listen_as(config(1, cluster)).await
     }
 
     #[tokio::test]
@@ -384,7 +493,7 @@ mod tests {
                 Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
             }
         };
-        let (mut received, _server) = serve(listener, "c1").await;
+        let (mut received, _server) = serve(listener, config(1, "c1")).await;
         // Frames sent into the dead connection may be lost; later ones arrive.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         let mut seq = 1000;
@@ -407,14 +516,14 @@ mod tests {
             links.send(NodeId(2), 0, &ack(seq));
         }
         assert_eq!(links.dropped(NodeId(2)), 15);
-        let (address, mut received, _server) = listen("c1").await;
+        let (address, mut received, _server) = listen_as(config(2, "c1")).await;
         links.set_addresses(HashMap::from([(NodeId(2), address)]));
         for seq in 15..25 {
             let incoming = received.within(Duration::from_secs(5)).await.unwrap();
             assert_eq!(incoming.message, ack(seq), "the oldest were dropped, the rest arrive whole");
         }
 
-        let (stranger_address, mut stranger_received, _stranger) = listen("c2").await;
+        let (stranger_address, mut stranger_received, _stranger) = listen_as(config(3, "c2")).await;
         links.set_addresses(HashMap::from([(NodeId(3), stranger_address)]));
         links.send(NodeId(3), 0, &ack(1));
         let nothing = stranger_received.within(Duration::from_millis(300)).await;
@@ -468,5 +577,62 @@ mod tests {
         let closed = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut rest)).await.unwrap();
         assert!(matches!(closed, Ok(0) | Err(_)), "the link was closed");
         assert!(received.within(Duration::from_millis(50)).await.is_none());
+    }
+
+    #[tokio::test]
+    async fn only_who_proves_the_secret_is_heard_and_only_as_itself() {
+        let (address, mut received, _server) = listen("c1").await;
+        // A process that knows the cluster id but not the secret.
+        let stranger = Links::new(LinkConfig { secret: ClusterSecret::generate(), ..config(7, "c1") });
+        stranger.set_addresses(HashMap::from([(NodeId(1), address.clone())]));
+        stranger.send(NodeId(1), 0, &ack(1));
+        assert!(
+            received.within(Duration::from_millis(300)).await.is_none(),
+            "a forged link delivers nothing"
+        );
+
+        // A member that connects to an address where another node listens
+        // finds out before it sends anything there.
+        let member = Links::new(config(7, "c1"));
+        member.set_addresses(HashMap::from([(NodeId(4), address.clone())]));
+        member.send(NodeId(4), 0, &ack(2));
+        assert!(
+            received.within(Duration::from_millis(300)).await.is_none(),
+            "sent to node 4, heard by node 1"
+        );
+
+        // The accepting side checks the proof over what it was told: a
+        // hello followed by someone else's proof is refused.
+        let mut stream = TcpStream::connect(&address).await.unwrap();
+        let mut hello = 2u32.to_le_bytes().to_vec();
+        hello.extend_from_slice(b"c1");
+        hello.extend_from_slice(&9u32.to_le_bytes());
+        hello.extend_from_slice(&nonce());
+        stream.write_all(&frame(&hello)).await.unwrap();
+        let mut reader = FrameReader { stream, buffer: BytesMut::new() };
+        let mut frames = Vec::new();
+        reader.frames(HELLO_BYTES_MAX, 1, &mut frames).await.unwrap();
+        assert_eq!(frames[0].len(), 4 + NONCE_BYTES + PROOF_BYTES, "a challenge");
+        reader.stream.write_all(&frame(&[0; PROOF_BYTES])).await.unwrap();
+        let mut rest = [0u8; 1];
+        let closed =
+            tokio::time::timeout(Duration::from_secs(5), reader.stream.read(&mut rest)).await.unwrap();
+        assert!(matches!(closed, Ok(0) | Err(_)), "closed after a wrong proof");
+
+        // A member is heard, as itself.
+        member.set_addresses(HashMap::from([(NodeId(1), address)]));
+        member.send(NodeId(1), 5, &ack(3));
+        let incoming = received.within(Duration::from_secs(5)).await.expect("a member's frame");
+        assert_eq!((incoming.from, incoming.shard, incoming.message), (NodeId(7), 5, ack(3)));
+    }
+
+    #[tokio::test]
+    async fn a_side_that_stalls_in_the_handshake_is_let_go() {
+        let (address, _received, _server) = listen("c1").await;
+        let mut stream = TcpStream::connect(&address).await.unwrap();
+        stream.write_all(&[10, 0, 0]).await.unwrap(); // part of a length, then nothing
+        let mut rest = [0u8; 1];
+        let closed = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut rest)).await.unwrap();
+        assert!(matches!(closed, Ok(0) | Err(_)), "closed once the handshake time ran out");
     }
 }

@@ -1,7 +1,11 @@
 //! The coordinator as a process: [`ClusterCoordinator`] behind a RESP port,
-//! its map kept in a [`MetadataStore`] after every change.
+//! its map kept in a [`MetadataStore`] after every change. A connection opens
+//! a session with the cluster plane's handshake ([`crate::auth`]) before it
+//! may change anything; a node's session may heartbeat only as that node.
 //!
 //! ```text
+//! COORD.HELLO cluster-id identity nonce            [nonce, proof]  (identity: a node id, or admin)
+//! COORD.AUTH proof                                 +OK: the session is the identity's
 //! COORD.JOIN cluster-id node                        the lease in ms, or an error naming the mismatch
 //! COORD.HEARTBEAT cluster-id node incarnation known-epoch [shard applied ready-learner ready-view]...
 //!     -> [epoch, [shard, view-number, [members...], [learners...]]...]   (ready-learner -1: none)
@@ -26,6 +30,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
+use crate::auth::{
+    from_hex, to_hex, ClusterSecret, Transcript, ADMIN, COORDINATOR, NONCE_BYTES, PROOF_BYTES,
+};
 use crate::coordinator::{ClusterCoordinator, JoinError, Timing};
 use crate::map::{ClusterMap, ClusterTable, MapError};
 use crate::store::{MetadataStore, StoreError};
@@ -37,6 +44,12 @@ const WAIT_MS_MAX: u64 = 60_000;
 /// reply, written in [`answer`].
 #[derive(Debug, thiserror::Error)]
 enum Refused {
+    #[error("authentication failed (a wrong cluster id or secret)")]
+    Unauthenticated,
+    #[error("authenticate with COORD.HELLO and COORD.AUTH first")]
+    NoSession,
+    #[error("this session is {0}'s, not node {1}'s")]
+    NotYours(Identity, u32),
     #[error("unknown command '{0}' for a coordinator")]
     UnknownCommand(String),
     #[error("wrong number of arguments for '{0}'")]
@@ -72,8 +85,46 @@ pub enum StartError {
     Listen(SocketAddr, std::io::Error),
 }
 
+/// Who a session authenticated as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Identity {
+    Node(u32),
+    Admin,
+}
+
+impl std::fmt::Display for Identity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Identity::Node(node) => write!(f, "node {node}"),
+            Identity::Admin => f.write_str(ADMIN),
+        }
+    }
+}
+
+/// A connection's standing: a handshake under way, then an identity.
+#[derive(Default)]
+struct Session {
+    challenged: Option<(Identity, Transcript)>,
+    identity: Option<Identity>,
+}
+
+impl Session {
+    fn identity(&self) -> Result<Identity, Refused> {
+        self.identity.ok_or(Refused::NoSession)
+    }
+
+    /// The node this session is, if `node` is it.
+    fn check_node(&self, node: u32) -> Result<(), Refused> {
+        match self.identity()? {
+            Identity::Node(own) if own == node => Ok(()),
+            other => Err(Refused::NotYours(other, node)),
+        }
+    }
+}
+
 struct State {
     coordinator: ClusterCoordinator,
+    secret: ClusterSecret,
     store: Box<dyn MetadataStore>,
     version: Option<u64>,
     epochs: watch::Sender<u64>,
@@ -145,6 +196,7 @@ impl CoordinatorServer {
         store: Box<dyn MetadataStore>,
         initial: Option<ClusterMap>,
         timing: Timing,
+        secret: ClusterSecret,
     ) -> Result<Self, StartError> {
         let stored = store.load()?;
         let (map, version) = match (stored, initial) {
@@ -165,6 +217,7 @@ impl CoordinatorServer {
         let started = Instant::now();
         let state = State {
             coordinator: ClusterCoordinator::new(map, timing, 0),
+            secret,
             lease_ms: timing.lease_ms,
             failure_timeout_ms: timing.failure_timeout_ms,
             known_epochs: HashMap::new(),
@@ -224,6 +277,7 @@ async fn serve(mut stream: TcpStream, state: Arc<Mutex<State>>) {
     let mut parser = RequestParser::new(Limits::default());
     let mut input = Vec::with_capacity(4096);
     let mut out = ReplyWriter::new(Resp::Resp2);
+    let mut session = Session::default();
     loop {
         match stream.read_buf(&mut input).await {
             Ok(0) | Err(_) => return,
@@ -237,7 +291,7 @@ async fn serve(mut stream: TcpStream, state: Arc<Mutex<State>>) {
                     let args: Vec<Vec<u8>> =
                         Request::new(&input, parser.args()).args().map(<[u8]>::to_vec).collect();
                     start = end;
-                    answer(&state, &args, &mut out).await;
+                    answer(&state, &mut session, &args, &mut out).await;
                 }
                 Ok(Parsed::Empty { end }) => start = end,
                 Ok(Parsed::Incomplete) => break,
@@ -265,12 +319,21 @@ fn number<T: std::str::FromStr>(arg: &[u8], what: &'static str) -> Result<T, Ref
     std::str::from_utf8(arg).ok().and_then(|text| text.parse().ok()).ok_or(Refused::NotANumber(what))
 }
 
-async fn answer(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) {
+async fn answer(state: &Arc<Mutex<State>>, session: &mut Session, args: &[Vec<u8>], out: &mut ReplyWriter) {
     let name = args[0].to_ascii_uppercase();
+    // What a connection may do before it has a session: log in, ping, and
+    // read the map (which any client of a node sees in CLUSTER SHARDS).
+    let open = matches!(name.as_slice(), b"COORD.HELLO" | b"COORD.AUTH" | b"COORD.MAP" | b"PING");
+    if !open && session.identity.is_none() {
+        out.error(&format!("NOAUTH {}", Refused::NoSession));
+        return;
+    }
     let result = match name.as_slice() {
-        b"COORD.JOIN" if args.len() == 3 => join(state, args, out),
+        b"COORD.HELLO" if args.len() == 4 => hello(state, session, args, out),
+        b"COORD.AUTH" if args.len() == 2 => authenticate(state, session, &args[1], out),
+        b"COORD.JOIN" if args.len() == 3 => join(state, session, args, out),
         b"COORD.HEARTBEAT" if args.len() >= 5 && (args.len() - 5).is_multiple_of(5) => {
-            heartbeat(state, args, out)
+            heartbeat(state, session, args, out)
         }
         b"COORD.MAP" if args.len() == 1 || args.len() == 3 => watch_map(state, args, out).await,
         b"COORD.ADD-NODE" if args.len() == 2 => add_node(state, &text(&args[1]), out),
@@ -293,7 +356,9 @@ async fn answer(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWrit
             out.simple("PONG");
             Ok(())
         }
-        b"COORD.JOIN"
+        b"COORD.HELLO"
+        | b"COORD.AUTH"
+        | b"COORD.JOIN"
         | b"COORD.HEARTBEAT"
         | b"COORD.MAP"
         | b"COORD.ADD-NODE"
@@ -307,16 +372,80 @@ async fn answer(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWrit
     }
 }
 
-fn join(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) -> Result<(), Refused> {
+/// `COORD.HELLO cluster identity nonce`: the coordinator's half of the
+/// handshake. A connection naming another cluster learns nothing of this one.
+fn hello(
+    state: &Arc<Mutex<State>>,
+    session: &mut Session,
+    args: &[Vec<u8>],
+    out: &mut ReplyWriter,
+) -> Result<(), Refused> {
+    session.challenged = None;
+    let identity = match args[2].as_slice() {
+        name if name == ADMIN.as_bytes() => Identity::Admin,
+        node => Identity::Node(number(node, "node id")?),
+    };
+    let connecting_nonce = from_hex::<NONCE_BYTES>(&args[3]).ok_or(Refused::Unauthenticated)?;
+    let state = state.lock();
+    let cluster = state.coordinator.map().cluster_id.clone();
+    if args[1] != cluster.as_bytes() {
+        return Err(Refused::Unauthenticated);
+    }
+    let transcript = Transcript {
+        cluster,
+        connecting: text(&args[2]),
+        accepting: COORDINATOR.to_string(),
+        connecting_nonce,
+        accepting_nonce: crate::auth::nonce(),
+    };
+    out.array(2);
+    out.bulk(to_hex(&transcript.accepting_nonce).as_bytes());
+    out.bulk(to_hex(&state.secret.accepting_proof(&transcript)).as_bytes());
+    session.challenged = Some((identity, transcript));
+    Ok(())
+}
+
+/// `COORD.AUTH proof`: the session becomes the identity's if the proof is
+/// the one its handshake calls for. One proof per challenge.
+fn authenticate(
+    state: &Arc<Mutex<State>>,
+    session: &mut Session,
+    proof: &[u8],
+    out: &mut ReplyWriter,
+) -> Result<(), Refused> {
+    let (identity, transcript) = session.challenged.take().ok_or(Refused::Unauthenticated)?;
+    let proof = from_hex::<PROOF_BYTES>(proof).ok_or(Refused::Unauthenticated)?;
+    if !state.lock().secret.verify_connecting(&transcript, &proof) {
+        tracing::warn!(%identity, "a coordinator session failed to authenticate");
+        return Err(Refused::Unauthenticated);
+    }
+    session.identity = Some(identity);
+    out.ok();
+    Ok(())
+}
+
+fn join(
+    state: &Arc<Mutex<State>>,
+    session: &Session,
+    args: &[Vec<u8>],
+    out: &mut ReplyWriter,
+) -> Result<(), Refused> {
     let node: u32 = number(&args[2], "node id")?;
+    session.check_node(node)?;
     let state = state.lock();
     state.coordinator.check_join(&text(&args[1]), node)?;
     out.integer(state.lease_ms as i64);
     Ok(())
 }
 
-fn heartbeat(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) -> Result<(), Refused> {
+fn heartbeat(
+    state: &Arc<Mutex<State>>,
+    session: &Session,
+    args: &[Vec<u8>],
+    out: &mut ReplyWriter,
+) -> Result<(), Refused> {
     let node: u32 = number(&args[2], "node id")?;
+    session.check_node(node)?;
     let incarnation: u64 = number(&args[3], "incarnation")?;
     let known_epoch: u64 = number(&args[4], "known epoch")?;
     let mut progress = BTreeMap::new();

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tessera_cluster::agent::{Agent, AgentConfig, AgentError};
+use tessera_cluster::auth::{ClusterSecret, LoginError};
 use tessera_cluster::{ClusterMap, CoordinatorServer, FileStore, Timing};
 use tessera_engine::{EngineKind, EngineSpec};
 use tessera_protocol::Role;
@@ -41,11 +42,13 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
     let addresses: Vec<String> = peers.iter().map(|port| format!("127.0.0.1:{}", port - 10_000)).collect();
     let map =
         ClusterMap::place("c1", tessera_protocol::Mode::named("chain").unwrap(), 3, &addresses, 3).unwrap();
+    let secret = ClusterSecret::generate();
     let coordinator = CoordinatorServer::start(
         "127.0.0.1:0".parse().unwrap(),
         Box::new(FileStore::new(&dir.path().join("coordinator"))),
         Some(map),
         TIMING,
+        secret.clone(),
     )
     .await
     .unwrap();
@@ -54,6 +57,7 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
         let config = AgentConfig {
             cluster_id: "c1".into(),
             node: node as u32,
+            secret: secret.clone(),
             incarnation: 1,
             coordinator: coordinator.local_addr().to_string(),
             peer_listen: format!("127.0.0.1:{port}").parse().unwrap(),
@@ -68,6 +72,7 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
     let wrong = AgentConfig {
         cluster_id: "other".into(),
         node: 0,
+        secret: secret.clone(),
         incarnation: 1,
         coordinator: coordinator.local_addr().to_string(),
         peer_listen: "127.0.0.1:0".parse().unwrap(),
@@ -77,7 +82,11 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
         tick_ms: 10,
         max_uncommitted_writes: 8,
     };
-    assert!(matches!(Agent::start(wrong).await.err(), Some(AgentError::Refused(_))));
+    let refused = Agent::start(wrong.clone()).await.err();
+    assert!(matches!(refused, Some(AgentError::Login { source: LoginError::Refused(_), .. })), "{refused:?}");
+    let stranger = AgentConfig { cluster_id: "c1".into(), secret: ClusterSecret::generate(), ..wrong };
+    let refused = Agent::start(stranger).await.err();
+    assert!(matches!(refused, Some(AgentError::Login { source: LoginError::Unproven, .. })), "{refused:?}");
 
     let deadline = Instant::now() + Duration::from_secs(10);
     while !agents.iter().flatten().all(|agent| agent.shards().len() == 3) {

@@ -2,6 +2,7 @@
 
 use std::time::{Duration, Instant};
 
+use tessera_cluster::auth::{ClusterSecret, CoordinatorLogin, LoginError, ADMIN};
 use tessera_cluster::{ClusterMap, CoordinatorServer, FileStore, StartError, Timing};
 use tessera_wire::{Client, Value};
 
@@ -9,6 +10,44 @@ const TIMING: Timing = Timing { lease_ms: 300, failure_timeout_ms: 400 };
 
 fn addresses(count: usize) -> Vec<String> {
     (0..count).map(|index| format!("127.0.0.1:{}", 17000 + index)).collect()
+}
+
+fn secret() -> ClusterSecret {
+    static SECRET: std::sync::OnceLock<ClusterSecret> = std::sync::OnceLock::new();
+    SECRET.get_or_init(ClusterSecret::generate).clone()
+}
+
+/// A connection that has logged in as `identity` (a node id, or admin) with
+/// `secret`, or the coordinator's refusal.
+fn login_with(
+    address: std::net::SocketAddr,
+    cluster: &str,
+    identity: &str,
+    secret: &ClusterSecret,
+) -> Result<Client, LoginError> {
+    let mut client = Client::connect(address, Duration::from_secs(5)).unwrap();
+    let login = CoordinatorLogin::new(cluster, identity);
+    let auth = login.auth(secret, client.command(&login.hello()).unwrap())?;
+    match client.command(&auth).unwrap() {
+        Value::Simple(_) => Ok(client),
+        Value::Error(message) => Err(LoginError::Refused(message)),
+        other => panic!("COORD.AUTH answered {other:?}"),
+    }
+}
+
+fn session(address: std::net::SocketAddr, identity: &str) -> Client {
+    login_with(address, "c1", identity, &secret()).expect("a member's login")
+}
+
+async fn start(dir: &std::path::Path, initial: Option<ClusterMap>) -> Result<CoordinatorServer, StartError> {
+    CoordinatorServer::start(
+        "127.0.0.1:0".parse().unwrap(),
+        Box::new(FileStore::new(dir)),
+        initial,
+        TIMING,
+        secret(),
+    )
+    .await
 }
 
 fn items(value: Value) -> Vec<Value> {
@@ -31,16 +70,10 @@ async fn serves_joins_heartbeats_and_a_watchable_map_and_resumes_after_a_restart
     let dir = tempfile::tempdir().unwrap();
     let map = ClusterMap::place("c1", tessera_protocol::Mode::named("chain").unwrap(), 3, &addresses(4), 3)
         .unwrap();
-    let server = CoordinatorServer::start(
-        "127.0.0.1:0".parse().unwrap(),
-        Box::new(FileStore::new(dir.path())),
-        Some(map.clone()),
-        TIMING,
-    )
-    .await
-    .unwrap();
+    let server = start(dir.path(), Some(map.clone())).await.unwrap();
     let address = server.local_addr();
-    let mut client = Client::connect(address, Duration::from_secs(5)).unwrap();
+    let mut client = session(address, "0");
+    let mut second = session(address, "1");
 
     assert_eq!(
         client.command(&["COORD.JOIN", "c1", "0"]).unwrap(),
@@ -69,7 +102,7 @@ async fn serves_joins_heartbeats_and_a_watchable_map_and_resumes_after_a_restart
     let deadline = Instant::now() + Duration::from_secs(10);
     let changed = loop {
         heartbeat(&mut client, 0);
-        heartbeat(&mut client, 1);
+        heartbeat(&mut second, 1);
         let current = map_of(&mut client);
         if current.shards.iter().all(|shard| !shard.members.contains(&2)) {
             break current;
@@ -80,31 +113,77 @@ async fn serves_joins_heartbeats_and_a_watchable_map_and_resumes_after_a_restart
     let watched = watcher.join().unwrap();
     assert!(watched.epoch > map.epoch, "the watch answered with a newer map");
     // The standby is brought into one shard as its learner.
-    heartbeat(&mut client, 3);
+    heartbeat(&mut session(address, "3"), 3);
     let with_learner = map_of(&mut client);
     assert_eq!(with_learner.shards.iter().filter(|shard| shard.learners == vec![3]).count(), 1);
 
     // A new coordinator on the same directory resumes from the stored map and
     // refuses a map for another cluster.
     drop(server);
-    let resumed = CoordinatorServer::start(
-        "127.0.0.1:0".parse().unwrap(),
-        Box::new(FileStore::new(dir.path())),
-        None,
-        TIMING,
-    )
-    .await
-    .unwrap();
+    let resumed = start(dir.path(), None).await.unwrap();
     assert!(resumed.map().epoch >= changed.epoch);
     assert_eq!(resumed.map().shards, with_learner.shards);
     let other = ClusterMap::place("c2", tessera_protocol::Mode::named("chain").unwrap(), 3, &addresses(3), 3)
         .unwrap();
-    let refused = CoordinatorServer::start(
-        "127.0.0.1:0".parse().unwrap(),
-        Box::new(FileStore::new(dir.path())),
-        Some(other),
-        TIMING,
-    )
-    .await;
+    let refused = start(dir.path(), Some(other)).await;
     assert!(matches!(refused.err(), Some(StartError::OtherCluster { stored, .. }) if stored == "c1"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_coordinator_obeys_only_sessions_that_prove_the_secret_and_a_node_only_as_itself() {
+    let dir = tempfile::tempdir().unwrap();
+    let map = ClusterMap::place("c1", tessera_protocol::Mode::named("chain").unwrap(), 3, &addresses(4), 3)
+        .unwrap();
+    let server = start(dir.path(), Some(map.clone())).await.unwrap();
+    let address = server.local_addr();
+    let refused =
+        |reply: Value, code: &str| matches!(&reply, Value::Error(message) if message.starts_with(code));
+
+    // Without a session: the map may be read, nothing may be changed.
+    let mut anyone = Client::connect(address, Duration::from_secs(5)).unwrap();
+    assert_eq!(anyone.command(&["PING"]).unwrap(), Value::Simple("PONG".into()));
+    assert!(matches!(anyone.command(&["COORD.MAP"]).unwrap(), Value::Bulk(_)));
+    for forged in [
+        vec!["COORD.JOIN", "c1", "0"],
+        vec!["COORD.HEARTBEAT", "c1", "0", "1", "0"],
+        vec!["COORD.ADD-NODE", "127.0.0.1:6666"],
+        vec!["COORD.TABLE-CREATE", "t", "t:", "memory"],
+        vec!["COORD.TABLE-DROP", "t"],
+        vec!["COORD.TABLE-ALTER", "default", "aa+ec"],
+    ] {
+        let reply = anyone.command(&forged).unwrap();
+        assert!(refused(reply.clone(), "NOAUTH"), "{forged:?}: {reply:?}");
+    }
+    // Neither a wrong secret, nor a wrong cluster id (which learns nothing
+    // of the real one), nor a made-up proof, nor a replayed one opens a session.
+    let stranger = login_with(address, "c1", "0", &ClusterSecret::generate());
+    assert!(matches!(stranger, Err(LoginError::Unproven)), "the coordinator's proof is checked first");
+    let wrong_cluster = login_with(address, "c9", "0", &secret()).err().expect("refused");
+    assert!(
+        matches!(&wrong_cluster, LoginError::Refused(message) if !message.contains("c1")),
+        "{wrong_cluster}"
+    );
+    let login = CoordinatorLogin::new("c1", "0");
+    anyone.command(&login.hello()).unwrap();
+    let made_up = anyone.command(&["COORD.AUTH", &"00".repeat(32)]).unwrap();
+    assert!(refused(made_up, "ERR authentication failed"));
+    let auth = login.auth(&secret(), anyone.command(&login.hello()).unwrap()).unwrap();
+    let mut replayed = Client::connect(address, Duration::from_secs(5)).unwrap();
+    replayed.command(&login.hello()).unwrap();
+    assert!(refused(replayed.command(&auth).unwrap(), "ERR"), "a proof is good for its own challenge only");
+    assert!(refused(replayed.command(&["COORD.HEARTBEAT", "c1", "0", "1", "0"]).unwrap(), "NOAUTH"));
+
+    // A node's session speaks for that node only.
+    let mut node0 = session(address, "0");
+    assert!(matches!(node0.command(&["COORD.HEARTBEAT", "c1", "0", "1", "0"]).unwrap(), Value::Array(_)));
+    let as_other = node0.command(&["COORD.HEARTBEAT", "c1", "1", "1", "0"]).unwrap();
+    assert!(refused(as_other, "ERR this session is node 0's"));
+    assert!(refused(node0.command(&["COORD.JOIN", "c1", "2"]).unwrap(), "ERR this session is node 0's"));
+    let mut admin = session(address, ADMIN);
+    assert!(refused(
+        admin.command(&["COORD.HEARTBEAT", "c1", "0", "1", "0"]).unwrap(),
+        "ERR this session is admin's"
+    ));
+    assert!(matches!(admin.command(&["COORD.ADD-NODE", "127.0.0.1:17010"]).unwrap(), Value::Integer(4)));
+    assert_eq!(server.map().nodes.len(), 5, "only the admin's node was added");
 }

@@ -54,6 +54,7 @@ fn a_malformed_map_in_etcd_is_a_clear_error_and_is_not_overwritten() {
         Box::new(self::store(&etcd, "broken")),
         Some(map("broken")),
         Timing::default(),
+        tessera_cluster::auth::ClusterSecret::generate(),
     ));
     let error = started.err().expect("a coordinator does not start on a malformed map").to_string();
     assert!(error.contains("invalid cluster map"), "{error}");

@@ -52,6 +52,9 @@ pub struct ClusterConfig {
     pub node: u32,
     /// The coordinator's `host:port`.
     pub coordinator: String,
+    /// The cluster secret every node and coordinator of the cluster shares
+    /// (`cluster up` writes one; mode 0600).
+    pub secret_file: Option<PathBuf>,
     #[serde(default = "ClusterConfig::default_heartbeat_ms")]
     pub heartbeat_ms: u64,
     #[serde(default = "ClusterConfig::default_tick_ms")]
@@ -67,6 +70,7 @@ impl ClusterConfig {
             id: id.to_string(),
             node,
             coordinator: coordinator.to_string(),
+            secret_file: None,
             heartbeat_ms: Self::default_heartbeat_ms(),
             tick_ms: Self::default_tick_ms(),
             max_uncommitted_writes: Self::default_max_uncommitted_writes(),

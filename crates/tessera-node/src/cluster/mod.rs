@@ -21,6 +21,7 @@ use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tessera_cluster::agent::{Agent, AgentConfig, AgentError};
+use tessera_cluster::auth::{ClusterSecret, SecretError};
 use tessera_engine::{EngineError, EngineKind, EngineSpec};
 
 use crate::config::Config;
@@ -42,6 +43,10 @@ pub enum JoinError {
     Incarnation { path: String, reason: String },
     #[error(transparent)]
     Agent(#[from] AgentError),
+    #[error("a cluster node needs its cluster's secret (--cluster-secret-file; `cluster up` writes one)")]
+    NoSecret,
+    #[error(transparent)]
+    Secret(#[from] SecretError),
 }
 
 pub struct ClusterNode {
@@ -76,11 +81,13 @@ impl ClusterNode {
             return Err(JoinError::RedisEngine);
         }
         let engine = EngineSpec::new(kind, config.engine_options.clone())?;
+        let secret = ClusterSecret::load(settings.secret_file.as_deref().ok_or(JoinError::NoSecret)?)?;
         let incarnation = incarnation(&config.dir, kind.capabilities().persistent)?;
         let peer_listen = SocketAddr::new(client_address.ip(), client_address.port() + 10_000);
         let agent_config = AgentConfig {
             cluster_id: settings.id.clone(),
             node: settings.node,
+            secret,
             incarnation,
             coordinator: settings.coordinator.clone(),
             peer_listen,

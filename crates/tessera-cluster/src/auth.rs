@@ -1,0 +1,298 @@
+//! Who may speak on the cluster plane (docs/ARCHITECTURE.md, "Who may speak on
+//! the cluster plane"): a secret every node and coordinator of a cluster
+//! shares, and the mutual challenge–response that opens every peer link and
+//! coordinator session.
+//!
+//! ```text
+//! connecting side                          accepting side
+//!   hello: cluster, who, nonce_c   ──►
+//!                                  ◄──   challenge: who, nonce_a, proof_a
+//!   proof_c                        ──►
+//! proof_a = HMAC(secret, "accept" | cluster | who_c | who_a | nonce_c | nonce_a)
+//! proof_c = HMAC(secret, "connect" | ...the same transcript...)
+//! ```
+//!
+//! Each side's proof is over both nonces, so neither can be replayed on
+//! another connection, and under its own label, so neither side's proof
+//! serves as the other's. Comparisons take constant time.
+
+use std::io::Write as _;
+use std::path::Path;
+
+use hmac::{Hmac, Mac};
+use rand::RngCore;
+use sha2::Sha256;
+use tessera_wire::Value;
+
+/// Bytes of a nonce and of a proof.
+pub const NONCE_BYTES: usize = 32;
+pub const PROOF_BYTES: usize = 32;
+const SECRET_BYTES: usize = 32;
+
+/// The secret a cluster's processes share.
+#[derive(Clone)]
+pub struct ClusterSecret([u8; SECRET_BYTES]);
+
+impl std::fmt::Debug for ClusterSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClusterSecret(..)")
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    #[error("{path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error("{path}: not a cluster secret (64 hexadecimal digits)")]
+    Malformed { path: String },
+    #[error("{path}: readable by others (mode {mode:o}); chmod 600 it")]
+    Exposed { path: String, mode: u32 },
+}
+
+impl ClusterSecret {
+    pub fn generate() -> Self {
+        let mut bytes = [0; SECRET_BYTES];
+        rand::rngs::OsRng.fill_bytes(&mut bytes);
+        Self(bytes)
+    }
+
+    /// Reads a secret written by [`Self::save`]; a file others may read is
+    /// refused, as ssh refuses such a key.
+    pub fn load(path: &Path) -> Result<Self, SecretError> {
+        use std::os::unix::fs::PermissionsExt;
+        let shown = path.display().to_string();
+        let io = |source| SecretError::Io { path: shown.clone(), source };
+        let mode = std::fs::metadata(path).map_err(io)?.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            return Err(SecretError::Exposed { path: shown, mode });
+        }
+        let text = std::fs::read_to_string(path).map_err(io)?;
+        let digits = text.trim();
+        let malformed = || SecretError::Malformed { path: shown.clone() };
+        if digits.len() != 2 * SECRET_BYTES {
+            return Err(malformed());
+        }
+        let mut bytes = [0; SECRET_BYTES];
+        for (byte, pair) in bytes.iter_mut().zip(digits.as_bytes().chunks(2)) {
+            let pair = std::str::from_utf8(pair).map_err(|_| malformed())?;
+            *byte = u8::from_str_radix(pair, 16).map_err(|_| malformed())?;
+        }
+        Ok(Self(bytes))
+    }
+
+    /// Writes the secret to a new file only its owner may read.
+    pub fn save(&self, path: &Path) -> Result<(), SecretError> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let io = |source| SecretError::Io { path: path.display().to_string(), source };
+        let mut file =
+            std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path).map_err(io)?;
+        let digits: String = self.0.iter().map(|byte| format!("{byte:02x}")).collect();
+        writeln!(file, "{digits}").and_then(|()| file.sync_all()).map_err(io)
+    }
+
+    fn proof(&self, label: &[u8], transcript: &Transcript) -> Hmac<Sha256> {
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes a key of any length");
+        mac.update(label);
+        for part in
+            [transcript.cluster.as_bytes(), transcript.connecting.as_bytes(), transcript.accepting.as_bytes()]
+        {
+            mac.update(&(part.len() as u32).to_le_bytes());
+            mac.update(part);
+        }
+        mac.update(&transcript.connecting_nonce);
+        mac.update(&transcript.accepting_nonce);
+        mac
+    }
+
+    /// The accepting side's proof.
+    pub fn accepting_proof(&self, transcript: &Transcript) -> [u8; PROOF_BYTES] {
+        self.proof(ACCEPTING, transcript).finalize().into_bytes().into()
+    }
+
+    /// The connecting side's proof.
+    pub fn connecting_proof(&self, transcript: &Transcript) -> [u8; PROOF_BYTES] {
+        self.proof(CONNECTING, transcript).finalize().into_bytes().into()
+    }
+
+    /// Whether `proof` is the accepting side's, in constant time.
+    pub fn verify_accepting(&self, transcript: &Transcript, proof: &[u8]) -> bool {
+        self.proof(ACCEPTING, transcript).verify_slice(proof).is_ok()
+    }
+
+    /// Whether `proof` is the connecting side's, in constant time.
+    pub fn verify_connecting(&self, transcript: &Transcript, proof: &[u8]) -> bool {
+        self.proof(CONNECTING, transcript).verify_slice(proof).is_ok()
+    }
+}
+
+const ACCEPTING: &[u8] = b"tessera cluster plane: accepting side";
+const CONNECTING: &[u8] = b"tessera cluster plane: connecting side";
+
+/// What both proofs of one handshake are over. Identities are names a side
+/// goes by: a node id in decimal, or `admin`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transcript {
+    pub cluster: String,
+    pub connecting: String,
+    pub accepting: String,
+    pub connecting_nonce: [u8; NONCE_BYTES],
+    pub accepting_nonce: [u8; NONCE_BYTES],
+}
+
+/// The name the coordinator goes by in a handshake.
+pub const COORDINATOR: &str = "coordinator";
+/// The name an operator's tool goes by with the coordinator.
+pub const ADMIN: &str = "admin";
+
+/// The connecting side of a coordinator session, in RESP: `COORD.HELLO`,
+/// then, once the coordinator has proved it knows the secret, `COORD.AUTH`.
+pub struct CoordinatorLogin {
+    cluster: String,
+    identity: String,
+    nonce: [u8; NONCE_BYTES],
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoginError {
+    #[error("the coordinator refused: {0}")]
+    Refused(String),
+    #[error("the coordinator answered COORD.HELLO with something else")]
+    Malformed,
+    #[error("the coordinator could not prove it knows the cluster secret")]
+    Unproven,
+}
+
+impl CoordinatorLogin {
+    /// `identity`: a node id, or [`ADMIN`].
+    pub fn new(cluster: &str, identity: &str) -> Self {
+        Self { cluster: cluster.to_string(), identity: identity.to_string(), nonce: nonce() }
+    }
+
+    pub fn hello(&self) -> Vec<Vec<u8>> {
+        vec![
+            b"COORD.HELLO".to_vec(),
+            self.cluster.as_bytes().to_vec(),
+            self.identity.as_bytes().to_vec(),
+            to_hex(&self.nonce).into_bytes(),
+        ]
+    }
+
+    /// The `COORD.AUTH` command answering the coordinator's challenge, if
+    /// the challenge proves the coordinator knows `secret`.
+    pub fn auth(&self, secret: &ClusterSecret, challenge: Value) -> Result<Vec<Vec<u8>>, LoginError> {
+        let items = match challenge {
+            Value::Error(message) => return Err(LoginError::Refused(message)),
+            other => other.into_items().ok_or(LoginError::Malformed)?,
+        };
+        let [nonce, proof] = items.as_slice() else { return Err(LoginError::Malformed) };
+        let accepting_nonce =
+            nonce.as_bytes().and_then(from_hex::<NONCE_BYTES>).ok_or(LoginError::Malformed)?;
+        let proof = proof.as_bytes().and_then(from_hex::<PROOF_BYTES>).ok_or(LoginError::Malformed)?;
+        let transcript = Transcript {
+            cluster: self.cluster.clone(),
+            connecting: self.identity.clone(),
+            accepting: COORDINATOR.to_string(),
+            connecting_nonce: self.nonce,
+            accepting_nonce,
+        };
+        if !secret.verify_accepting(&transcript, &proof) {
+            return Err(LoginError::Unproven);
+        }
+        Ok(vec![b"COORD.AUTH".to_vec(), to_hex(&secret.connecting_proof(&transcript)).into_bytes()])
+    }
+}
+
+/// A fresh nonce from the operating system.
+pub fn nonce() -> [u8; NONCE_BYTES] {
+    let mut bytes = [0; NONCE_BYTES];
+    rand::rngs::OsRng.fill_bytes(&mut bytes);
+    bytes
+}
+
+/// Lowercase hex, for nonces and proofs in RESP.
+pub fn to_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+/// The bytes of `N` written as hex, if that is what `text` is.
+pub fn from_hex<const N: usize>(text: &[u8]) -> Option<[u8; N]> {
+    if text.len() != 2 * N {
+        return None;
+    }
+    let mut bytes = [0; N];
+    for (byte, pair) in bytes.iter_mut().zip(text.chunks(2)) {
+        *byte = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
+    }
+    Some(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn transcript() -> Transcript {
+        Transcript {
+            cluster: "c1".into(),
+            connecting: "3".into(),
+            accepting: "coordinator".into(),
+            connecting_nonce: nonce(),
+            accepting_nonce: nonce(),
+        }
+    }
+
+    #[test]
+    fn each_side_proves_only_its_own_part_of_one_handshake() {
+        let secret = ClusterSecret::generate();
+        let transcript = transcript();
+        let accepting = secret.accepting_proof(&transcript);
+        let connecting = secret.connecting_proof(&transcript);
+        assert!(secret.verify_accepting(&transcript, &accepting));
+        assert!(secret.verify_connecting(&transcript, &connecting));
+        assert!(!secret.verify_connecting(&transcript, &accepting), "one side's proof is not the other's");
+        assert!(!secret.verify_accepting(&transcript, &connecting));
+        let other = ClusterSecret::generate();
+        assert!(!other.verify_accepting(&transcript, &accepting), "another secret");
+        for changed in [
+            Transcript { cluster: "c2".into(), ..transcript.clone() },
+            Transcript { connecting: "4".into(), ..transcript.clone() },
+            Transcript { accepting_nonce: nonce(), ..transcript.clone() },
+            // Parts are length-prefixed: moving a byte between them changes the proof.
+            Transcript { cluster: "c13".into(), connecting: "".into(), ..transcript.clone() },
+        ] {
+            assert!(!secret.verify_accepting(&changed, &accepting), "{changed:?}");
+        }
+        assert!(!secret.verify_accepting(&transcript, &accepting[..31]), "a truncated proof");
+    }
+
+    #[test]
+    fn secrets_are_kept_private_and_read_back() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cluster.secret");
+        let secret = ClusterSecret::generate();
+        secret.save(&path).unwrap();
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+        let transcript = transcript();
+        let loaded = ClusterSecret::load(&path).unwrap();
+        assert!(loaded.verify_accepting(&transcript, &secret.accepting_proof(&transcript)));
+        assert!(secret.save(&path).is_err(), "an existing secret is never overwritten");
+
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(matches!(ClusterSecret::load(&path), Err(SecretError::Exposed { mode: 0o644, .. })));
+        let short = dir.path().join("short");
+        std::fs::write(&short, "abcd\n").unwrap();
+        std::fs::set_permissions(&short, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(matches!(ClusterSecret::load(&short), Err(SecretError::Malformed { .. })));
+        assert!(matches!(ClusterSecret::load(&dir.path().join("none")), Err(SecretError::Io { .. })));
+        assert_eq!(format!("{secret:?}"), "ClusterSecret(..)", "never printed");
+    }
+
+    #[test]
+    fn hex_round_trips_and_refuses_what_is_not_hex() {
+        let bytes = nonce();
+        assert_eq!(from_hex::<NONCE_BYTES>(to_hex(&bytes).as_bytes()), Some(bytes));
+        assert_eq!(from_hex::<2>(b"0g00"), None);
+        assert_eq!(from_hex::<2>(b"000"), None);
+        assert_eq!(from_hex::<2>("é00".as_bytes()), None);
+    }
+}
