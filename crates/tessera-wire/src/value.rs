@@ -86,8 +86,20 @@ impl Value {
     }
 }
 
-/// Nesting deeper than this is refused rather than followed.
+/// Nesting deeper than this is refused rather than followed; an attribute
+/// counts as a level of the reply it precedes.
 const DEPTH_MAX: usize = 64;
+/// The longest bulk string accepted in a reply (Redis's `proto-max-bulk-len`).
+pub const REPLY_BULK_BYTES_MAX: usize = 512 << 20;
+
+/// Where a bulk string of `length` bytes whose data starts at `next` ends,
+/// its CRLF included; a length past the limit is refused, not waited for.
+fn bulk_end(next: usize, length: i64) -> Result<usize, MalformedReply> {
+    match usize::try_from(length) {
+        Ok(length) if length <= REPLY_BULK_BYTES_MAX => Ok(next + length + 2),
+        _ => Err(malformed(format!("a bulk string of {length} bytes"))),
+    }
+}
 
 /// Why a reply could not be parsed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -148,7 +160,7 @@ fn parse_at(buf: &[u8], at: usize, depth: usize) -> Result<Option<(Value, usize)
             if length < 0 {
                 return Ok(Some((Value::Null, next)));
             }
-            let end = next + length as usize;
+            let end = bulk_end(next, length)? - 2;
             if buf.len() < end + 2 {
                 return Ok(None);
             }
@@ -181,7 +193,7 @@ fn parse_at(buf: &[u8], at: usize, depth: usize) -> Result<Option<(Value, usize)
                 b'*' => Value::Array(items),
                 b'~' => Value::Set(items),
                 b'>' => Value::Push(items),
-                b'|' => return parse_at(buf, position, depth), // attributes precede the real reply
+                b'|' => return parse_at(buf, position, depth + 1), // attributes precede the real reply
                 _ => {
                     let mut pairs = Vec::with_capacity(items.len() / 2);
                     let mut items = items.into_iter();
@@ -215,7 +227,7 @@ pub fn skip_value(buf: &[u8]) -> Result<Option<(usize, Option<String>)>, Malform
                 if length < 0 {
                     return Ok(Some(next));
                 }
-                let end = next + length as usize + 2;
+                let end = bulk_end(next, length)?;
                 Ok((buf.len() >= end).then_some(end))
             }
             b'*' | b'~' | b'>' | b'%' | b'|' => {
@@ -233,7 +245,7 @@ pub fn skip_value(buf: &[u8]) -> Result<Option<(usize, Option<String>)>, Malform
                     }
                 }
                 if marker == b'|' {
-                    return skip(buf, position, depth); // attributes precede the real reply
+                    return skip(buf, position, depth + 1); // attributes precede the real reply
                 }
                 Ok(Some(position))
             }
@@ -292,6 +304,32 @@ mod tests {
         assert_eq!(parse_value(b"\r\n"), Ok(None));
         assert!(parse_value(b"\r\n:1\r\n").is_err());
         assert!(skip_value(b"\r\n:1\r\n").is_err());
+    }
+
+    #[test]
+    fn a_run_of_attributes_is_refused_not_a_stack_overflow() {
+        let mut buf = b"|0\r\n".repeat(200_000);
+        buf.extend_from_slice(b"+OK\r\n");
+        assert!(parse_value(&buf).is_err());
+        assert!(skip_value(&buf).is_err());
+        // A few attributes before a reply are fine.
+        let buf = b"|1\r\n+ttl\r\n:3\r\n|0\r\n+OK\r\n";
+        assert_eq!(parse_value(buf).unwrap(), Some((Value::Simple("OK".into()), buf.len())));
+        assert_eq!(skip_value(buf).unwrap(), Some((buf.len(), None)));
+    }
+
+    #[test]
+    fn a_bulk_length_past_the_limit_is_refused_not_waited_for() {
+        for header in [
+            format!("${}\r\nab", REPLY_BULK_BYTES_MAX + 1),
+            format!("${}\r\nab", i64::MAX),
+            format!("*1\r\n!{}\r\n", u64::MAX - 3),
+        ] {
+            assert!(parse_value(header.as_bytes()).is_err(), "{header}");
+            assert!(skip_value(header.as_bytes()).is_err(), "{header}");
+        }
+        let at_the_limit = format!("${REPLY_BULK_BYTES_MAX}\r\nab");
+        assert_eq!(parse_value(at_the_limit.as_bytes()), Ok(None), "waits for the bytes");
     }
 
     #[test]
