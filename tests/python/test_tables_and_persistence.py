@@ -153,6 +153,22 @@ def test_redis_server_as_the_engine(data_dir, redis_server):
     r = node.client()
     assert r.get("k") == b"v" and r.hgetall("h") == {b"f": b"1"} and r.get("c:1") == b"cached"
     assert sorted(r.scan_iter()) == [b"c:1", b"h", b"k", b"n"]
+
+    # A client cannot point the node at a server the operator did not allow.
+    with pytest.raises(redis.ResponseError, match="redis-engine-allow"):
+        r.execute_command("TABLE.CREATE", "elsewhere", "PREFIX", "e:", "ENGINE", "redis", "addr", "127.0.0.1:1")
+    # Dropping a table leaves a database it does not own alone; one it owns is emptied.
+    r.execute_command("TABLE.DROP", "cache")
+    assert redis.Redis(port=redis_server, db=1).dbsize() == 1, "db 1 is not the table's to empty"
+    with pytest.raises(redis.ResponseError, match="not this table's to empty"):
+        r.flushall()
+    r.execute_command(
+        "TABLE.CREATE", "owned", "PREFIX", "o:", "ENGINE", "redis", "addr", address, "db", "2", "owns-database", "yes"
+    )
+    r.set("o:1", "mine")
+    assert redis.Redis(port=redis_server, db=2).dbsize() == 1
+    r.execute_command("TABLE.DROP", "owned")
+    assert redis.Redis(port=redis_server, db=2).dbsize() == 0, "an owned database is emptied with its table"
     node.stop()
 
 

@@ -353,6 +353,10 @@ struct ServeArgs {
     /// `cluster up` writes one).
     #[arg(long)]
     cluster_secret_file: Option<PathBuf>,
+    /// host:port of Redis servers a table on the redis engine may be created
+    /// over (the default table's own server is always allowed).
+    #[arg(long, value_delimiter = ',')]
+    redis_engine_allow: Vec<String>,
     /// Log filter, e.g. info or tessera_node=debug [default: info].
     #[arg(long, env = "TESSERA_LOG", default_value = "info")]
     log: String,
@@ -394,6 +398,7 @@ impl ServeArgs {
         if self.password.is_some() {
             config.password = self.password.clone();
         }
+        config.redis_engine_allow.extend(self.redis_engine_allow.iter().cloned());
         config.engine_options.extend(parse_pairs(&self.engine_options)?);
         if let (Some(id), Some(node), Some(coordinator)) = (&self.cluster_id, self.node_id, &self.coordinator)
         {

@@ -19,6 +19,10 @@ pub enum EngineError {
     TooLarge(usize, usize),
     #[error("{0}")]
     Unsupported(&'static str),
+    /// Emptying data the engine only borrows (a remote database the table
+    /// was not created to own).
+    #[error("{0} is not this table's to empty (a table created with owns-database yes may)")]
+    NotOwned(String),
 }
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;

@@ -3,7 +3,9 @@
 //!
 //! Calls go over a pool of blocking connections; batches (`get_many`,
 //! `put_many`, scans) go out as one pipelined round trip. The remote database
-//! should belong to one Tessera table: `clear` empties it with FLUSHDB.
+//! should belong to one Tessera table; `clear` empties it with FLUSHDB only
+//! if the table was created to own it (`owns-database yes`): a dropped or
+//! flushed table otherwise leaves the remote data alone.
 //! Durability is whatever the remote server is configured for.
 
 use std::time::Duration;
@@ -24,6 +26,8 @@ pub struct RedisOptions {
     /// Idle connections kept for reuse.
     pub pool_size: usize,
     pub timeout: Duration,
+    /// Tessera may empty the database (FLUSHDB on FLUSHALL or TABLE.DROP).
+    pub owns_database: bool,
 }
 
 impl Default for RedisOptions {
@@ -34,6 +38,7 @@ impl Default for RedisOptions {
             password: None,
             pool_size: 16,
             timeout: Duration::from_secs(5),
+            owns_database: false,
         }
     }
 }
@@ -177,6 +182,12 @@ impl Engine for RedisEngine {
     }
 
     fn clear(&self) -> Result<()> {
+        if !self.options.owns_database {
+            return Err(EngineError::NotOwned(format!(
+                "redis database {} db {}",
+                self.options.address, self.options.database
+            )));
+        }
         check(self.with_client(|client| client.command(&["FLUSHDB"]))?).map(drop)
     }
 

@@ -52,7 +52,7 @@ impl EngineKind {
             Self::Memory | Self::Ordered => &[],
             Self::Log => &["fsync", "segment-bytes"],
             Self::Lsm => &["fsync"],
-            Self::Redis => &["addr", "db", "password", "pool", "timeout-ms"],
+            Self::Redis => &["addr", "db", "password", "pool", "timeout-ms", "owns-database"],
         }
     }
 }
@@ -128,6 +128,16 @@ impl EngineSpec {
             timeout: parse_option(&self.options, "timeout-ms")?
                 .map(Duration::from_millis)
                 .unwrap_or(defaults.timeout),
+            owns_database: match self.options.get("owns-database").map(|text| text.to_ascii_lowercase()) {
+                None => defaults.owns_database,
+                Some(text) if text == "yes" => true,
+                Some(text) if text == "no" => false,
+                Some(text) => {
+                    return Err(EngineError::InvalidOption(format!(
+                        "option owns-database: yes or no, not {text:?}"
+                    )))
+                }
+            },
         })
     }
 

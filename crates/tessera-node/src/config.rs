@@ -21,6 +21,10 @@ pub struct Config {
     pub engine_options: BTreeMap<String, String>,
     /// Clients must AUTH with this password; none = open.
     pub password: Option<String>,
+    /// The `host:port`s a table on the `redis` engine may be created over
+    /// (besides the default table's own server): none by default, so that a
+    /// client cannot point the node at any server it likes.
+    pub redis_engine_allow: Vec<String>,
     /// Worker threads; 0 = one per core.
     pub threads: usize,
     pub max_clients: usize,
@@ -100,6 +104,7 @@ impl Default for Config {
             engine: "memory".into(),
             engine_options: BTreeMap::new(),
             password: None,
+            redis_engine_allow: Vec::new(),
             threads: 0,
             max_clients: 10_000,
             bulk_bytes_max: limits.bulk_bytes_max,

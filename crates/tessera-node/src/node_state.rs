@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::{Mutex, MutexGuard, RwLock};
-use tessera_engine::{reserved, Engine, ScanCursor};
+use tessera_engine::{reserved, Engine, EngineSpec, ScanCursor};
 
 use crate::config::Config;
 use crate::error::CommandResult;
@@ -90,7 +90,11 @@ pub fn now_ms() -> u64 {
 
 impl NodeState {
     pub fn open(config: Config) -> Result<Self, TableError> {
-        let catalogue = Catalogue::new(&config.dir);
+        // The operator's own choice of server for the default table is trusted too.
+        let mut remote_allowed = config.redis_engine_allow.clone();
+        let default_spec = EngineSpec::new(config.engine.parse()?, config.engine_options.clone())?;
+        remote_allowed.extend(default_spec.remote_database().map(|(address, _)| address));
+        let catalogue = Catalogue::new(&config.dir, remote_allowed);
         let tables = catalogue.load(&config.engine, &config.engine_options)?;
         Ok(Self {
             config,

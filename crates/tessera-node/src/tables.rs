@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use tessera_engine::{Engine, EngineKind, EngineSpec};
+use tessera_engine::{Engine, EngineError, EngineKind, EngineSpec};
 pub use tessera_wire::prefix::{escape_prefix, unescape_prefix, valid_table_name};
 
 pub const DEFAULT_TABLE: &str = "default";
@@ -52,6 +52,8 @@ pub enum TableError {
     KeysInTheWay(String, String),
     #[error("redis database {0} db {1} already backs table '{2}'; give each table its own database")]
     RemoteShared(String, u32, String),
+    #[error("the redis engine may connect only to the addresses in redis-engine-allow, and {0} is not one")]
+    RemoteNotAllowed(String),
     #[error("{0}")]
     Engine(#[from] tessera_engine::EngineError),
     #[error("table catalog {0}: {1}")]
@@ -103,11 +105,13 @@ impl TableSet {
 /// Opens tables and keeps the catalog on disk.
 pub struct Catalogue {
     dir: PathBuf,
+    /// Where a table on the `redis` engine may connect (`host:port`).
+    remote_allowed: Vec<String>,
 }
 
 impl Catalogue {
-    pub fn new(dir: &Path) -> Self {
-        Self { dir: dir.to_path_buf() }
+    pub fn new(dir: &Path, remote_allowed: Vec<String>) -> Self {
+        Self { dir: dir.to_path_buf(), remote_allowed }
     }
 
     fn catalog_path(&self) -> PathBuf {
@@ -214,6 +218,10 @@ impl Catalogue {
         }
         let spec = EngineSpec::new(def.engine.parse()?, def.options.clone())?;
         if let Some((address, database)) = spec.remote_database() {
+            // A client must not point the node at any server it likes.
+            if !self.remote_allowed.contains(&address) {
+                return Err(TableError::RemoteNotAllowed(address));
+            }
             if let Some(other) = current
                 .tables
                 .iter()
@@ -241,7 +249,13 @@ impl Catalogue {
         let table = current.get(name).ok_or_else(|| TableError::Unknown(name.into()))?.clone();
         let tables: Vec<_> = current.tables.iter().filter(|other| other.def.name != name).cloned().collect();
         self.save(&tables.iter().map(|table| table.def.clone()).collect::<Vec<_>>())?;
-        table.engine.clear()?;
+        match table.engine.clear() {
+            Ok(()) => {}
+            Err(EngineError::NotOwned(what)) => {
+                tracing::info!(table = name, "dropped; {what} keeps its data")
+            }
+            Err(error) => return Err(error.into()),
+        }
         let dir = self.table_dir(name);
         if dir.exists() {
             if let Err(error) = fs::remove_dir_all(&dir) {
