@@ -3,7 +3,7 @@
 mod cluster;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -66,6 +66,13 @@ enum Command {
     /// Check a history recorded from real clients (JSON lines, see
     /// docs/OPERATIONS.md) for linearizability, with the simulator's checker.
     CheckHistory { file: PathBuf },
+    /// Salvage the `log` engine's data under a stopped node's directory that
+    /// refused to open over damage: every record that passes its checksum is
+    /// kept, only the damaged bytes are dropped.
+    Repair {
+        #[arg(long)]
+        dir: PathBuf,
+    },
     /// Manage tables.
     Table {
         #[command(subcommand)]
@@ -637,6 +644,7 @@ fn client_command(connection: &ConnectionArgs, command: Command) -> Result<(), S
         | Command::Bench(_)
         | Command::Coordinator(_)
         | Command::Cluster(_)
+        | Command::Repair { .. }
         | Command::CheckHistory { .. } => {
             unreachable!("handled by main")
         }
@@ -920,6 +928,50 @@ fn simulate(args: SimArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// Repairs every log under `dir` (a node keeps one per table and per shard).
+fn repair(dir: &Path) -> Result<(), String> {
+    fn logs_under(dir: &Path, found: &mut Vec<PathBuf>) -> Result<(), String> {
+        let entries = std::fs::read_dir(dir).map_err(|error| format!("{}: {error}", dir.display()))?;
+        let mut holds_segments = false;
+        for entry in entries {
+            let path = entry.map_err(|error| error.to_string())?.path();
+            if path.is_dir() {
+                logs_under(&path, found)?;
+            } else if path.extension().is_some_and(|extension| extension == "seg") {
+                holds_segments = true;
+            }
+        }
+        if holds_segments {
+            found.push(dir.to_path_buf());
+        }
+        Ok(())
+    }
+    let mut logs = Vec::new();
+    logs_under(dir, &mut logs)?;
+    if logs.is_empty() {
+        return Err(format!("no log engine data under {}", dir.display()));
+    }
+    for log in logs {
+        let repairs =
+            tessera_engine::repair_log(&log).map_err(|error| format!("{}: {error}", log.display()))?;
+        if repairs.is_empty() {
+            println!("{}: no damage", log.display());
+        }
+        for repair in repairs {
+            let dropped: u64 = repair.damaged.iter().map(|(_, bytes)| bytes).sum();
+            let stretches: Vec<String> =
+                repair.damaged.iter().map(|(at, bytes)| format!("{bytes} bytes at offset {at}")).collect();
+            println!(
+                "{}: kept {} records, dropped {dropped} damaged bytes ({})",
+                repair.file.display(),
+                repair.records_kept,
+                stretches.join(", ")
+            );
+        }
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -928,6 +980,7 @@ fn main() -> ExitCode {
         Command::Coordinator(args) => coordinator(args),
         Command::Cluster(command) => cluster::run(command),
         Command::CheckHistory { file } => check_history(&file),
+        Command::Repair { dir } => repair(&dir),
         Command::Bench(args) => bench(*args, cli.connection.password.clone()),
         command => client_command(&cli.connection, command),
     };

@@ -19,7 +19,7 @@ mod spec;
 use bytes::Bytes;
 
 pub use error::{EngineError, Result};
-pub use log::{FsyncPolicy, LogEngine, LogOptions};
+pub use log::{repair as repair_log, FsyncPolicy, LogEngine, LogOptions, SegmentRepair};
 pub use lsm::LsmEngine;
 pub use memory::MemoryEngine;
 pub use ordered::OrderedEngine;

@@ -9,8 +9,11 @@
 //!
 //! What it assumes of the disk: an append either reaches the file whole or leaves
 //! a torn tail, and `fsync` makes what was written before it durable. Recovery
-//! truncates a torn or corrupt tail of the newest segment (a crash mid-append);
-//! damage anywhere else is reported as corruption rather than silently dropped.
+//! truncates a torn tail of the newest segment (a crash mid-append: no record
+//! that passes its checksum follows the bad bytes). Damage with good records
+//! after it, or in a sealed segment, is not a crash's doing: the log refuses to
+//! open, naming the file and offset, and [`repair`] (`tessera repair`) keeps
+//! every record that passes its checksum.
 //!
 //! Writers append under one lock and update the index while still holding it, so
 //! the index always points at the newest record of a key. Readers take no engine
@@ -248,6 +251,72 @@ impl SegmentReader {
     }
 }
 
+/// The length of the record at `at` of a segment's bytes, if a whole record
+/// that passes its checksum starts there.
+fn record_at(bytes: &[u8], at: usize) -> Option<usize> {
+    let header = bytes.get(at..at.checked_add(HEADER_BYTES as usize)?)?;
+    let crc = u32::from_le_bytes(header[0..4].try_into().expect("4 bytes"));
+    let key_len = u32::from_le_bytes(header[4..8].try_into().expect("4 bytes")) as usize;
+    let value_len = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
+    let stored_value_len = if value_len == TOMBSTONE { 0 } else { value_len as usize };
+    let end = (at + HEADER_BYTES as usize).checked_add(key_len)?.checked_add(stored_value_len)?;
+    let checked = bytes.get(at + 4..end)?;
+    (crc32fast::hash(checked) == crc).then_some(end - at)
+}
+
+/// Where the first record that passes its checksum starts in `bytes`, at
+/// `from` or after.
+fn next_good_record(bytes: &[u8], from: usize) -> Option<usize> {
+    (from..bytes.len()).find(|&at| record_at(bytes, at).is_some())
+}
+
+/// What [`repair`] did to one segment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentRepair {
+    pub file: PathBuf,
+    pub records_kept: u64,
+    /// Where each damaged stretch began, and how many bytes it ran.
+    pub damaged: Vec<(u64, u64)>,
+}
+
+/// Rewrites every segment of the log in `dir` with every record that passes
+/// its checksum, dropping only the damaged bytes between them; for an
+/// operator, on a log that refused to open. Segments without damage are left
+/// as they are.
+pub fn repair(dir: &Path) -> Result<Vec<SegmentRepair>> {
+    let mut repairs = Vec::new();
+    for id in list_segments(dir)? {
+        let path = segment_path(dir, id, SEGMENT_SUFFIX);
+        let bytes = fs::read(&path)?;
+        let (mut kept, mut damaged, mut records_kept, mut at) = (Vec::new(), Vec::new(), 0, 0);
+        while at < bytes.len() {
+            match record_at(&bytes, at) {
+                Some(length) => {
+                    kept.extend_from_slice(&bytes[at..at + length]);
+                    records_kept += 1;
+                    at += length;
+                }
+                None => {
+                    let next = next_good_record(&bytes, at + 1).unwrap_or(bytes.len());
+                    damaged.push((at as u64, (next - at) as u64));
+                    at = next;
+                }
+            }
+        }
+        if damaged.is_empty() {
+            continue;
+        }
+        let temporary = segment_path(dir, id, "repairing");
+        let mut file = File::create(&temporary)?;
+        file.write_all(&kept)?;
+        file.sync_all()?;
+        fs::rename(&temporary, &path)?;
+        sync_dir(dir)?;
+        repairs.push(SegmentRepair { file: path, records_kept, damaged });
+    }
+    Ok(repairs)
+}
+
 fn list_segments(dir: &Path) -> Result<Vec<u64>> {
     let mut ids = Vec::new();
     for entry in fs::read_dir(dir)? {
@@ -310,12 +379,20 @@ impl LogEngine {
             }
             if reader.valid_bytes < reader.file_bytes {
                 let is_newest = position + 1 == ids.len();
-                if !is_newest {
+                let mut rest = vec![0; (reader.file_bytes - reader.valid_bytes) as usize];
+                File::open(&path)?.read_exact_at(&mut rest, reader.valid_bytes)?;
+                let good_after = next_good_record(&rest, 1).map(|at| reader.valid_bytes + at as u64);
+                if !is_newest || good_after.is_some() {
+                    let after = match good_after {
+                        Some(at) => format!(", with good records after it (the first at offset {at})"),
+                        None => " of a sealed segment".into(),
+                    };
                     return Err(EngineError::Corrupt(format!(
-                        "{}: bad record at offset {} of {} bytes in a sealed segment",
+                        "{}: bad record at offset {} of {} bytes{after}; the log is left as it is: \
+                         `tessera repair --dir <the node's directory>` keeps every good record",
                         path.display(),
                         reader.valid_bytes,
-                        reader.file_bytes
+                        reader.file_bytes,
                     )));
                 }
                 tracing::warn!(

@@ -374,6 +374,45 @@ fn log_recovery_never_returns_garbage_from_a_corrupt_tail() {
 }
 
 #[test]
+fn log_keeps_acknowledged_records_after_damage_in_the_middle_of_the_newest_segment() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let options = LogOptions { fsync: FsyncPolicy::Always, ..log_options() };
+        let engine = LogEngine::open(dir.path(), options).unwrap();
+        for i in 0..100u32 {
+            engine.put(format!("k{i}").as_bytes(), Bytes::from(format!("value {i}"))).unwrap();
+        }
+    }
+    let path = segment_files(dir.path()).pop().unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x40; // one flipped bit: one record is bad, fifty good ones follow
+    std::fs::write(&path, &bytes).unwrap();
+
+    let error =
+        LogEngine::open(dir.path(), log_options()).err().expect("damage before good records is refused");
+    let message = error.to_string();
+    assert!(
+        message.contains(&path.display().to_string()) && message.contains("good records after it"),
+        "{message}"
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), bytes, "a refused log is left as it was");
+
+    let repairs = tessera_engine::repair_log(dir.path()).unwrap();
+    assert_eq!(repairs.len(), 1, "{repairs:?}");
+    assert_eq!(repairs[0].records_kept, 99);
+    assert_eq!(repairs[0].damaged.len(), 1);
+    let engine = LogEngine::open(dir.path(), log_options()).unwrap();
+    let missing: Vec<u32> =
+        (0..100).filter(|i| engine.get(format!("k{i}").as_bytes()).unwrap().is_none()).collect();
+    assert_eq!(missing.len(), 1, "only the damaged record is lost: {missing:?}");
+    for i in (0..100u32).filter(|i| !missing.contains(i)) {
+        assert_eq!(engine.get(format!("k{i}").as_bytes()).unwrap(), Some(Bytes::from(format!("value {i}"))));
+    }
+    assert!(tessera_engine::repair_log(dir.path()).unwrap().is_empty(), "nothing left to repair");
+}
+
+#[test]
 fn log_refuses_to_open_over_a_corrupt_sealed_segment() {
     let dir = tempfile::tempdir().unwrap();
     {
@@ -389,6 +428,11 @@ fn log_refuses_to_open_over_a_corrupt_sealed_segment() {
     std::fs::write(&first, &bytes).unwrap();
     let error = LogEngine::open(dir.path(), log_options()).err().expect("corruption must be reported");
     assert!(error.to_string().contains("corrupt"), "{error}");
+    let repairs = tessera_engine::repair_log(dir.path()).unwrap();
+    assert_eq!(repairs.len(), 1, "only the damaged segment is rewritten: {repairs:?}");
+    let engine = LogEngine::open(dir.path(), log_options()).unwrap();
+    let kept = (0..10u8).filter(|i| engine.get(&[*i]).unwrap() == Some(Bytes::from(vec![*i; 40]))).count();
+    assert_eq!(kept, 9, "every record but the damaged one");
 }
 
 #[test]
