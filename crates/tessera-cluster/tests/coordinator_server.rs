@@ -143,6 +143,10 @@ async fn the_coordinator_obeys_only_sessions_that_prove_the_secret_and_a_node_on
     let mut anyone = Client::connect(address, Duration::from_secs(5)).unwrap();
     assert_eq!(anyone.command(&["PING"]).unwrap(), Value::Simple("PONG".into()));
     assert!(matches!(anyone.command(&["COORD.MAP"]).unwrap(), Value::Bulk(_)));
+    // What a client library sends on connecting is not refused as unauthenticated
+    // (redis-py takes NOAUTH there for a failed login).
+    let setinfo = anyone.command(&["CLIENT", "SETINFO", "LIB-NAME", "redis-py"]).unwrap();
+    assert!(refused(setinfo, "ERR unknown command"));
     for forged in [
         vec!["COORD.JOIN", "c1", "0"],
         vec!["COORD.HEARTBEAT", "c1", "0", "1", "0"],
