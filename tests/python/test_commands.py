@@ -277,6 +277,28 @@ def test_auth(data_dir):
         r = node.client(password="s3cret")
         assert r.set("k", "v") and r.get("k") == b"v"
         assert node.client(password="s3cret", username="default", protocol=3).get("k") == b"v"
+
+        # Guessing costs time: four wrong passwords pipelined on one connection
+        # take 100 + 200 + 400 + 800 ms, and the other connections are served meanwhile.
+        guesser = socket.create_connection(("127.0.0.1", node.port), timeout=10)
+        replies = []
+
+        def guess():
+            guesser.sendall(b"".join(b"AUTH guess-%d\r\n" % attempt for attempt in range(4)))
+            received = b""
+            while received.count(b"\r\n") < 4:
+                received += guesser.recv(4096)
+            replies.extend(received.split(b"\r\n")[:4])
+
+        thread = threading.Thread(target=guess)
+        started = time.monotonic()
+        thread.start()
+        time.sleep(0.2)
+        assert r.get("k") == b"v", "another connection is served while one is paused"
+        thread.join(timeout=30)
+        assert time.monotonic() - started >= 1.4, "four failures paused the guesser 1.5 s"
+        assert len(replies) == 4 and all(reply.startswith(b"-WRONGPASS") for reply in replies), replies
+        guesser.close()
     finally:
         node.stop()
 

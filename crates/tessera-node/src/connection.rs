@@ -4,6 +4,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tessera_wire::{Parsed, Protocol, ReplyWriter, Request, RequestParser};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
@@ -39,6 +40,13 @@ pub struct Connection {
     /// In a cluster: replies written but held back until writes commit.
     held: Vec<Held>,
     forwarder: Forwarder,
+}
+
+/// How long a connection pauses after its `failures`-th failed AUTH before it
+/// runs another command: 100 ms, doubling up to 5 s, so that guessing a
+/// password costs time (the worker serves other connections meanwhile).
+fn failed_auth_pause(failures: u32) -> Duration {
+    Duration::from_millis(100u64 << failures.saturating_sub(1).min(6)).min(Duration::from_secs(5))
 }
 
 impl Connection {
@@ -131,6 +139,7 @@ impl Connection {
                         engine_override: None,
                         locks_held: false,
                     };
+                    let failed_auths = context.session.failed_auths;
                     match self.cluster.as_deref() {
                         None => dispatch(&mut context, &request),
                         Some(cluster) => {
@@ -140,6 +149,9 @@ impl Connection {
                         }
                     }
                     start = end;
+                    if self.session.failed_auths > failed_auths {
+                        tokio::time::sleep(failed_auth_pause(self.session.failed_auths)).await;
+                    }
                     if self.session.closing {
                         keep_open = false;
                         break;
@@ -219,5 +231,17 @@ impl Connection {
         self.out.clear();
         self.out.shrink_to(BUFFER_KEEP_BYTES);
         result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_logins_pause_longer_each_time_up_to_a_limit() {
+        let pauses: Vec<u64> =
+            (1..=9).map(|failures| failed_auth_pause(failures).as_millis() as u64).collect();
+        assert_eq!(pauses, [100, 200, 400, 800, 1600, 3200, 5000, 5000, 5000]);
     }
 }

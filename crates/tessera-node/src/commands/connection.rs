@@ -1,6 +1,7 @@
 //! Connection commands: PING, ECHO, HELLO, AUTH, SELECT, QUIT, CLIENT.
 
 use bytes::Bytes;
+use subtle::ConstantTimeEq;
 use tessera_wire::{Protocol, Request};
 
 use super::{integer_arg, is, CommandSpec, Context, Scope};
@@ -40,7 +41,11 @@ fn check_password(context: &mut Context, user: &[u8], password: &[u8]) -> Comman
                 .into(),
         ));
     };
-    if user != b"default" || password != expected.as_bytes() {
+    // Equal lengths and bytes, compared in time that does not depend on
+    // where they first differ.
+    let matches = bool::from(password.ct_eq(expected.as_bytes()));
+    if user != b"default" || !matches {
+        context.session.failed_auths += 1;
         return Err(CommandError::WrongPass);
     }
     context.session.authenticated = true;

@@ -31,6 +31,9 @@ pub struct Session {
     pub id: u64,
     pub name: Option<Bytes>,
     pub authenticated: bool,
+    /// AUTH attempts that failed on this connection: each costs a growing
+    /// pause before the connection's next command.
+    pub failed_auths: u32,
     /// Set by QUIT: close after the reply is written.
     pub closing: bool,
     pub library_name: Option<Bytes>,
