@@ -144,6 +144,11 @@ pub enum ClientReply {
     Unknown(&'static str),
 }
 
+/// Keys and values one peer message of several records carries, beyond its
+/// first record: large values travel in batches of their own instead of
+/// swelling one frame past what the links accept.
+pub const BATCH_BYTES_MAX: usize = 4 << 20;
+
 /// Why an operation failed without taking effect. The messages are Redis's
 /// where Redis has the same failure, so a node can answer `ERR <message>`.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -26,7 +26,8 @@ use crate::codec::{put_entries, put_u64s, CodecError, Family, Message, Reader};
 use crate::record::{Hlc, Record, Version};
 use crate::{
     engine_entries, increment_value, refused_without_quorum, ClientReply, ClientRequest, Effects, NodeId,
-    Operation, OperationError, PeerMessage, Progress, Protocol, ShardView, Time, SNAPSHOT_CHUNK_BYTES,
+    Operation, OperationError, PeerMessage, Progress, Protocol, ShardView, Time, BATCH_BYTES_MAX,
+    SNAPSHOT_CHUNK_BYTES,
 };
 
 /// Leaves of the hash tree; a key's leaf is a fixed hash of it.
@@ -449,9 +450,12 @@ impl MultiMaster {
                 }
             }
             while !outbox.unsent.is_empty() && outbox.in_flight.len() < self.options.window_batches {
-                let mut entries = Vec::new();
-                while entries.len() < self.options.batch_max {
+                let (mut entries, mut bytes) = (Vec::new(), 0);
+                while entries.len() < self.options.batch_max
+                    && (entries.is_empty() || bytes < BATCH_BYTES_MAX)
+                {
                     let Some(entry) = outbox.unsent.pop_first() else { break };
+                    bytes += entry.0.len() + entry.1.len();
                     entries.push(entry);
                 }
                 let batch = self.next_batch;
@@ -731,6 +735,38 @@ mod tests {
         }
         let roots: Vec<Vec<u64>> = replicas.iter().map(|replica| replica.tree.roots()).collect();
         assert!(roots.windows(2).all(|pair| pair[0] == pair[1]), "identical trees");
+    }
+
+    #[test]
+    fn large_values_travel_in_batches_bounded_by_bytes() {
+        let mut replicas: Vec<MultiMaster> = (1..=2).map(replica).collect();
+        let mut fx = Effects::new(100);
+        for replica in &mut replicas {
+            replica.on_view(&view(1, &[1, 2]), &mut fx);
+        }
+        let large = "x".repeat(1 << 20);
+        for index in 0..10 {
+            replicas[0].on_client(put(index, &format!("k{index}"), &large), &mut fx);
+        }
+        fx.take();
+        replicas[0].on_tick(&mut fx);
+        let batches: Vec<usize> = fx
+            .take()
+            .into_iter()
+            .filter_map(|effect| match effect {
+                Effect::Send { message, .. } => match message.open::<MultiMessage>() {
+                    Some(Ok(MultiMessage::Records { records, .. })) => {
+                        Some(records.iter().map(|(key, raw)| key.len() + raw.len()).sum())
+                    }
+                    _ => None,
+                },
+                _ => None,
+            })
+            .collect();
+        assert!(batches.len() >= 3, "ten 1 MiB records in one batch: {batches:?}");
+        assert!(batches.iter().all(|bytes| *bytes <= BATCH_BYTES_MAX + (1 << 20) + 64), "{batches:?}");
+        settle(&mut replicas, Effects::new(110));
+        assert_eq!(value(&replicas[1], "k9").map(|value| value.len()), Some(1 << 20));
     }
 
     #[test]

@@ -31,6 +31,7 @@ use crate::{
     engine_entries, increment_value, read_visible, refused_without_quorum, snapshot_chunks,
     snapshot_resend_after, Chunk, ClientReply, ClientRequest, Consistency, Effects, NodeId, Operation,
     OperationError, PeerMessage, Progress, Protocol, ShardView, SnapshotAssembly, Time, Write,
+    BATCH_BYTES_MAX,
 };
 
 #[derive(Clone, Debug)]
@@ -58,6 +59,13 @@ pub struct LogEntry {
     pub origin: NodeId,
     pub key: Bytes,
     pub write: Write,
+}
+
+impl LogEntry {
+    /// The key's and the value's bytes, what a batch of entries is bounded by.
+    fn bytes(&self) -> usize {
+        self.key.len() + if let Write::Put(value) = &self.write { value.len() } else { 0 }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -363,10 +371,16 @@ impl PrimaryBackup {
                 state.confirmed = None;
                 continue;
             }
+            let mut bytes = 0;
             let entries: Vec<LogEntry> = self
                 .log
                 .range(from + 1..)
                 .take(self.options.batch_max)
+                .take_while(|(_, entry)| {
+                    let first = bytes == 0;
+                    bytes += entry.bytes();
+                    first || bytes <= BATCH_BYTES_MAX
+                })
                 .map(|(_, entry)| entry.clone())
                 .collect();
             state.sent_upto = entries.last().map_or(from, |entry| entry.seq);
