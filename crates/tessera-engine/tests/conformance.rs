@@ -76,7 +76,9 @@ fn subjects() -> Vec<Subject> {
             name: "redis",
             dir: None,
             open: Box::new(move |_| {
-                spec(EngineKind::Redis, &[("addr", &address)]).open(&PathBuf::new()).unwrap()
+                spec(EngineKind::Redis, &[("addr", &address), ("owns-database", "yes")])
+                    .open(&PathBuf::new())
+                    .unwrap()
             }),
             _server: Some(server),
         });
