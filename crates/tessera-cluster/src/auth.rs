@@ -66,18 +66,8 @@ impl ClusterSecret {
         if mode & 0o077 != 0 {
             return Err(SecretError::Exposed { path: shown, mode });
         }
-        let text = std::fs::read_to_string(path).map_err(io)?;
-        let digits = text.trim();
-        let malformed = || SecretError::Malformed { path: shown.clone() };
-        if digits.len() != 2 * SECRET_BYTES {
-            return Err(malformed());
-        }
-        let mut bytes = [0; SECRET_BYTES];
-        for (byte, pair) in bytes.iter_mut().zip(digits.as_bytes().chunks(2)) {
-            let pair = std::str::from_utf8(pair).map_err(|_| malformed())?;
-            *byte = u8::from_str_radix(pair, 16).map_err(|_| malformed())?;
-        }
-        Ok(Self(bytes))
+        let text = std::fs::read(path).map_err(io)?;
+        from_hex::<SECRET_BYTES>(text.trim_ascii()).map(Self).ok_or(SecretError::Malformed { path: shown })
     }
 
     /// Writes the secret to a new file only its owner may read.
@@ -86,8 +76,7 @@ impl ClusterSecret {
         let io = |source| SecretError::Io { path: path.display().to_string(), source };
         let mut file =
             std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path).map_err(io)?;
-        let digits: String = self.0.iter().map(|byte| format!("{byte:02x}")).collect();
-        writeln!(file, "{digits}").and_then(|()| file.sync_all()).map_err(io)
+        writeln!(file, "{}", to_hex(&self.0)).and_then(|()| file.sync_all()).map_err(io)
     }
 
     fn proof(&self, label: &[u8], transcript: &Transcript) -> Hmac<Sha256> {
