@@ -303,6 +303,39 @@ def test_auth(data_dir):
         node.stop()
 
 
+def test_output_buffer_limit_and_idle_timeout_disconnect_clients(data_dir):
+    from conftest import Node
+
+    node = Node(data_dir, "--client-output-buffer-limit", str(1 << 20), "--timeout", "1").start()
+
+    def rss_bytes():
+        status = open(f"/proc/{node.process.pid}/status").read()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))) * 1024
+
+    try:
+        r = node.client()
+        r.set("k", "x" * 1024)
+        assert len(r.mget(["k"] * 100)) == 100, "a reply under the limit is served"
+        before = rss_bytes()
+        greedy = socket.create_connection(("127.0.0.1", node.port), timeout=10)
+        keys = 100_000  # a 100 MB reply
+        greedy.sendall(b"*%d\r\n$4\r\nMGET\r\n" % (keys + 1) + b"$1\r\nk\r\n" * keys)
+        received = b""
+        while chunk := greedy.recv(1 << 16):
+            received += chunk
+        assert len(received) < 1 << 20, "closed, its reply dropped"
+        assert rss_bytes() - before < 32 << 20, "the reply was never built past the limit"
+        assert r.get("k") == b"x" * 1024, "other clients are served"
+
+        idle = socket.create_connection(("127.0.0.1", node.port), timeout=10)
+        idle.sendall(b"PING\r\n")
+        assert idle.recv(64) == b"+PONG\r\n"
+        time.sleep(2.5)
+        assert idle.recv(64) == b"", "an idle client is closed after the timeout"
+    finally:
+        node.stop()
+
+
 def test_max_clients(data_dir):
     from conftest import Node
 

@@ -337,6 +337,13 @@ struct ServeArgs {
     /// Unparsed input a connection may hold before it is closed, in bytes [default: 1073741824].
     #[arg(long)]
     query_buffer_bytes_max: Option<usize>,
+    /// Replies a client may leave unread before it is disconnected, in bytes
+    /// (Redis's client-output-buffer-limit hard limit for normal clients) [default: 0, none].
+    #[arg(long)]
+    client_output_buffer_limit: Option<usize>,
+    /// Close a client idle for this many seconds (Redis's timeout) [default: 0, never].
+    #[arg(long)]
+    timeout: Option<u64>,
     /// How long shutdown waits for in-flight requests, in ms [default: 5000].
     #[arg(long)]
     shutdown_timeout_ms: Option<u64>,
@@ -400,6 +407,8 @@ impl ServeArgs {
             args_max,
             inline_bytes_max,
             query_buffer_bytes_max,
+            client_output_buffer_limit,
+            timeout,
             shutdown_timeout_ms
         );
         if self.password.is_some() {

@@ -36,6 +36,12 @@ pub struct Config {
     pub inline_bytes_max: usize,
     /// Unparsed input a connection may hold before it is closed.
     pub query_buffer_bytes_max: usize,
+    /// Replies a client may have pending before it is disconnected (Redis's
+    /// client-output-buffer-limit hard limit for normal clients); 0: none.
+    pub client_output_buffer_limit: usize,
+    /// Seconds a client may stay idle before it is closed (Redis's
+    /// timeout); 0: never.
+    pub timeout: u64,
     /// How long shutdown waits for connections to finish their requests.
     pub shutdown_timeout_ms: u64,
     /// How often expired keys are swept, and how many entries per table each sweep reads.
@@ -111,6 +117,8 @@ impl Default for Config {
             args_max: limits.args_max,
             inline_bytes_max: limits.inline_bytes_max,
             query_buffer_bytes_max: 1 << 30,
+            client_output_buffer_limit: 0,
+            timeout: 0,
             shutdown_timeout_ms: 5_000,
             expiry_sweep_interval_ms: 100,
             expiry_sweep_entries: 256,

@@ -67,6 +67,8 @@ impl Connection {
             ..Session::default()
         };
         let tables_generation = node.tables_generation();
+        let mut out = ReplyWriter::new(Protocol::Resp2);
+        out.limit_to(node.config.client_output_buffer_limit);
         let forwarder = Forwarder::new(node.config.password.clone());
         Self {
             parser: RequestParser::new(node.config.limits()),
@@ -75,7 +77,7 @@ impl Connection {
             node,
             stream,
             input: Vec::with_capacity(READ_CHUNK_BYTES),
-            out: ReplyWriter::new(Protocol::Resp2),
+            out,
             session,
             stats,
             cluster,
@@ -93,9 +95,17 @@ impl Connection {
                 self.input.reserve(READ_CHUNK_BYTES);
             }
             let room = self.input.capacity() - self.input.len();
+            let idle_limit = match self.node.config.timeout {
+                0 => Duration::MAX,
+                seconds => Duration::from_secs(seconds),
+            };
             let read = tokio::select! {
-                read = self.stream.read_buf(&mut self.input) => read,
+                read = tokio::time::timeout(idle_limit, self.stream.read_buf(&mut self.input)) => read,
                 _ = shutdown.changed() => break,
+            };
+            let Ok(read) = read else {
+                tracing::debug!(client = self.session.id, "closing an idle client");
+                break;
             };
             match read {
                 Ok(0) | Err(_) => break,
@@ -149,6 +159,17 @@ impl Connection {
                         }
                     }
                     start = end;
+                    if self.out.overflowed() {
+                        // Redis closes a client past its hard limit at once,
+                        // its unread replies dropped.
+                        tracing::warn!(
+                            client = self.session.id,
+                            "closing a client over client-output-buffer-limit"
+                        );
+                        self.out.clear();
+                        keep_open = false;
+                        break;
+                    }
                     if self.session.failed_auths > failed_auths {
                         tokio::time::sleep(failed_auth_pause(self.session.failed_auths)).await;
                     }

@@ -10,16 +10,44 @@ pub enum Protocol {
     Resp3,
 }
 
-/// An output buffer of replies.
-#[derive(Debug, Default)]
+/// An output buffer of replies, optionally bounded: past its limit, values
+/// are no longer appended and the writer says it overflowed (its owner then
+/// drops it, as Redis closes a client over its output-buffer limit).
+#[derive(Debug)]
 pub struct ReplyWriter {
     buf: Vec<u8>,
     protocol: Protocol,
+    limit: usize,
+    overflowed: bool,
+}
+
+impl Default for ReplyWriter {
+    fn default() -> Self {
+        Self::new(Protocol::default())
+    }
 }
 
 impl ReplyWriter {
     pub fn new(protocol: Protocol) -> Self {
-        Self { buf: Vec::with_capacity(16 << 10), protocol }
+        Self { buf: Vec::with_capacity(16 << 10), protocol, limit: usize::MAX, overflowed: false }
+    }
+
+    /// Bounds the buffer to about `bytes` (0: no bound).
+    pub fn limit_to(&mut self, bytes: usize) {
+        self.limit = if bytes == 0 { usize::MAX } else { bytes };
+    }
+
+    /// Whether a value was left out for want of room.
+    pub fn overflowed(&self) -> bool {
+        self.overflowed
+    }
+
+    /// Whether `bytes` more fit; if not, the writer has overflowed.
+    fn room_for(&mut self, bytes: usize) -> bool {
+        if self.buf.len().saturating_add(bytes) > self.limit {
+            self.overflowed = true;
+        }
+        !self.overflowed
     }
 
     pub fn protocol(&self) -> Protocol {
@@ -44,6 +72,7 @@ impl ReplyWriter {
 
     pub fn clear(&mut self) {
         self.buf.clear();
+        self.overflowed = false;
     }
 
     /// Gives memory back after an unusually large reply.
@@ -61,7 +90,9 @@ impl ReplyWriter {
     /// Appends replies already encoded (relayed from another server, or kept
     /// aside while a rewrite replaces the ones between).
     pub fn raw(&mut self, encoded: &[u8]) {
-        self.buf.extend_from_slice(encoded);
+        if self.room_for(encoded.len()) {
+            self.buf.extend_from_slice(encoded);
+        }
     }
 
     fn line(&mut self, prefix: u8, body: &[u8]) {
@@ -100,6 +131,9 @@ impl ReplyWriter {
     }
 
     pub fn bulk(&mut self, value: &[u8]) {
+        if !self.room_for(value.len()) {
+            return;
+        }
         self.number_line(b'$', value.len() as i64);
         self.buf.extend_from_slice(value);
         self.buf.extend_from_slice(b"\r\n");
@@ -195,6 +229,22 @@ pub fn format_double(value: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bounded_writer_stops_at_its_limit_and_says_so() {
+        let mut out = ReplyWriter::new(Protocol::Resp2);
+        out.limit_to(100);
+        out.bulk(&[b'x'; 60]);
+        assert!(!out.overflowed());
+        out.bulk(&[b'y'; 60]);
+        assert!(out.overflowed(), "past the limit");
+        assert!(out.len() <= 100, "the value that did not fit was left out: {}", out.len());
+        out.clear();
+        assert!(!out.overflowed(), "a cleared writer starts over");
+        out.limit_to(0);
+        out.bulk(&[b'z'; 1000]);
+        assert!(!out.overflowed(), "0 is no limit");
+    }
 
     #[test]
     fn resp2_and_resp3_spell_types_differently() {
