@@ -353,9 +353,9 @@ struct ServeArgs {
     /// Entries each sweep reads per table [default: 256].
     #[arg(long)]
     expiry_sweep_entries: Option<usize>,
-    /// Join this cluster (with --node-id and --coordinator); peers reach the
-    /// node on its port + 10000.
-    #[arg(long, requires_all = ["node_id", "coordinator"])]
+    /// Join this cluster (with --node-id, --coordinator and
+    /// --cluster-secret-file); peers reach the node on its port + 10000.
+    #[arg(long, requires_all = ["node_id", "coordinator", "cluster_secret_file"])]
     cluster_id: Option<String>,
     /// This node's id in the cluster map.
     #[arg(long)]
@@ -416,16 +416,15 @@ impl ServeArgs {
         }
         config.redis_engine_allow.extend(self.redis_engine_allow.iter().cloned());
         config.engine_options.extend(parse_pairs(&self.engine_options)?);
-        if let (Some(id), Some(node), Some(coordinator)) = (&self.cluster_id, self.node_id, &self.coordinator)
+        if let (Some(id), Some(node), Some(coordinator), Some(secret)) =
+            (&self.cluster_id, self.node_id, &self.coordinator, &self.cluster_secret_file)
         {
             let mut cluster = config
                 .cluster
                 .take()
-                .unwrap_or_else(|| tessera_node::config::ClusterConfig::new(id, node, coordinator));
-            (cluster.id, cluster.node, cluster.coordinator) = (id.clone(), node, coordinator.clone());
-            if let Some(path) = &self.cluster_secret_file {
-                cluster.secret_file = Some(path.clone());
-            }
+                .unwrap_or_else(|| tessera_node::config::ClusterConfig::new(id, node, coordinator, secret));
+            (cluster.id, cluster.node, cluster.coordinator, cluster.secret_file) =
+                (id.clone(), node, coordinator.clone(), secret.clone());
             config.cluster = Some(cluster);
         }
         config.validate().map_err(|error| error.to_string())?;

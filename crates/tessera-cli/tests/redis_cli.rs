@@ -198,7 +198,7 @@ fn bad_flags_are_rejected_before_listening() {
         .unwrap();
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("needs its cluster's secret"), "a cluster node without the secret: {stderr}");
+    assert!(stderr.contains("--cluster-secret-file"), "a cluster node without the secret: {stderr}");
 }
 
 #[test]

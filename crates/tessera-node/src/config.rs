@@ -64,7 +64,7 @@ pub struct ClusterConfig {
     pub coordinator: String,
     /// The cluster secret every node and coordinator of the cluster shares
     /// (`cluster up` writes one; mode 0600).
-    pub secret_file: Option<PathBuf>,
+    pub secret_file: PathBuf,
     #[serde(default = "ClusterConfig::default_heartbeat_ms")]
     pub heartbeat_ms: u64,
     #[serde(default = "ClusterConfig::default_tick_ms")]
@@ -75,12 +75,12 @@ pub struct ClusterConfig {
 }
 
 impl ClusterConfig {
-    pub fn new(id: &str, node: u32, coordinator: &str) -> Self {
+    pub fn new(id: &str, node: u32, coordinator: &str, secret_file: &Path) -> Self {
         Self {
             id: id.to_string(),
             node,
             coordinator: coordinator.to_string(),
-            secret_file: None,
+            secret_file: secret_file.to_path_buf(),
             heartbeat_ms: Self::default_heartbeat_ms(),
             tick_ms: Self::default_tick_ms(),
             max_uncommitted_writes: Self::default_max_uncommitted_writes(),

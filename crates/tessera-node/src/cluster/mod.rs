@@ -43,8 +43,6 @@ pub enum JoinError {
     Incarnation { path: String, reason: String },
     #[error(transparent)]
     Agent(#[from] AgentError),
-    #[error("a cluster node needs its cluster's secret (--cluster-secret-file; `cluster up` writes one)")]
-    NoSecret,
     #[error(transparent)]
     Secret(#[from] SecretError),
 }
@@ -81,7 +79,7 @@ impl ClusterNode {
             return Err(JoinError::RedisEngine);
         }
         let engine = EngineSpec::new(kind, config.engine_options.clone())?;
-        let secret = ClusterSecret::load(settings.secret_file.as_deref().ok_or(JoinError::NoSecret)?)?;
+        let secret = ClusterSecret::load(&settings.secret_file)?;
         let incarnation = incarnation(&config.dir, kind.capabilities().persistent)?;
         let peer_listen = SocketAddr::new(client_address.ip(), client_address.port() + 10_000);
         let agent_config = AgentConfig {
