@@ -635,4 +635,45 @@ mod tests {
         let closed = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut rest)).await.unwrap();
         assert!(matches!(closed, Ok(0) | Err(_)), "closed once the handshake time ran out");
     }
+
+    /// Whatever a connection sends a peer port, nothing is delivered without
+    /// the secret, nothing panics, and members' links go on working.
+    /// `PROPTEST_CASES` raises the count (scripts/fuzz.sh).
+    #[test]
+    fn a_peer_port_survives_whatever_a_connection_sends() {
+        use proptest::prelude::*;
+        use std::io::{Read, Write};
+
+        let runtime =
+            tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let (address, mut received, _server) = runtime.block_on(listen("c1"));
+        let hello_like =
+            (any::<u32>(), proptest::collection::vec(any::<u8>(), 0..80)).prop_map(|(node, tail)| {
+                let mut body = 2u32.to_le_bytes().to_vec();
+                body.extend_from_slice(b"c1");
+                body.extend_from_slice(&node.to_le_bytes());
+                body.extend_from_slice(&tail);
+                let mut bytes = frame(&body);
+                bytes.extend_from_slice(&frame(&tail));
+                bytes
+            });
+        let input = prop_oneof![hello_like, proptest::collection::vec(any::<u8>(), 0..600)];
+        let cases = std::env::var("PROPTEST_CASES").ok().and_then(|cases| cases.parse().ok()).unwrap_or(64);
+        proptest!(ProptestConfig { cases, ..ProptestConfig::default() }, |(bytes in input)| {
+            let mut stream = std::net::TcpStream::connect(&address).unwrap();
+            stream.set_read_timeout(Some(Duration::from_millis(400))).unwrap();
+            let _ = stream.write_all(&bytes);
+            let _ = stream.shutdown(std::net::Shutdown::Write);
+            let mut sink = [0u8; 256];
+            while matches!(stream.read(&mut sink), Ok(read) if read > 0) {}
+        });
+        runtime.block_on(async {
+            assert!(received.within(Duration::from_millis(100)).await.is_none(), "junk delivered nothing");
+            let member = Links::new(config(7, "c1"));
+            member.set_addresses(HashMap::from([(NodeId(1), address)]));
+            member.send(NodeId(1), 2, &ack(9));
+            let incoming = received.within(Duration::from_secs(5)).await.expect("a member is still heard");
+            assert_eq!((incoming.from, incoming.message), (NodeId(7), ack(9)));
+        });
+    }
 }
