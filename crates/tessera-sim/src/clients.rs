@@ -1,10 +1,14 @@
 //! Clients: each runs one operation at a time, chosen by the workload, sent
 //! where a client that read the shard's map would send it, and recorded in
-//! the history with its outcome.
+//! the history with its outcome. On a quorum protocol half the writes go the
+//! way a node runs a command there: fetch the key's record, then write only
+//! if it is still the one fetched.
 
 use bytes::Bytes;
 use tessera_protocol::registry::StrongReads;
-use tessera_protocol::{ClientReply, ClientRequest, Consistency, Operation as ProtocolOperation, RequestId};
+use tessera_protocol::{
+    ClientReply, ClientRequest, Consistency, Operation as ProtocolOperation, Record, RequestId, Write,
+};
 
 use crate::config::Workload;
 use crate::history::{Call, Operation, Outcome};
@@ -19,6 +23,9 @@ pub(crate) struct Pending {
     pub strong: bool,
     pub invoked_at: u64,
     pub deadline: u64,
+    /// The request in flight fetches the key's record for a conditional
+    /// write of `call`, which follows.
+    pub fetching: bool,
 }
 
 pub(crate) struct Client {
@@ -63,6 +70,9 @@ impl Simulation {
     /// or an answer saying so): it may take effect at any moment after it was
     /// invoked.
     fn record_unknown(&mut self, client: usize, pending: Pending) {
+        if pending.fetching {
+            return; // only the fetch was sent: the write never was
+        }
         self.report.unknown += 1;
         if pending.strong || pending.call != Call::Get {
             self.report.history.operations.push(Operation {
@@ -77,6 +87,7 @@ impl Simulation {
     }
 
     fn issue(&mut self, client: usize) {
+        let quorum = self.mode().quorum;
         let config = &self.config;
         let state = &mut self.clients[client];
         let (key, call, strong) = if let Some(key) = state.final_reads.last().cloned() {
@@ -106,7 +117,14 @@ impl Simulation {
         };
         let request = RequestId(((client as u64) << 32) | state.next_request);
         state.next_request += 1;
+        // Only on quorum protocols, and only there does it take a draw from
+        // the client's generator, so every other protocol's seeds run as before.
+        let conditional = config.workload == Workload::Registers
+            && matches!(call, Call::Put(_) | Call::Delete)
+            && quorum
+            && state.rng.chance(0.5);
         let operation = match &call {
+            _ if conditional => ProtocolOperation::Fetch { key: key.clone() },
             Call::Get => ProtocolOperation::Get {
                 key: key.clone(),
                 consistency: if strong { Consistency::Strong } else { Consistency::Eventual },
@@ -117,8 +135,15 @@ impl Simulation {
         };
         let target = self.route(client, &call, strong);
         let deadline = self.now + self.config.client_timeout_ms;
-        self.clients[client].pending =
-            Some(Pending { request, key, call, strong, invoked_at: self.now, deadline });
+        self.clients[client].pending = Some(Pending {
+            request,
+            key,
+            call,
+            strong,
+            invoked_at: self.now,
+            deadline,
+            fetching: conditional,
+        });
         self.send(
             Address::Client(client),
             Address::Replica(target),
@@ -147,12 +172,52 @@ impl Simulation {
         target.0
     }
 
+    /// The first half of a conditional write answered: the write follows,
+    /// conditioned on the record fetched; anything else leaves the write
+    /// without effect, to be tried again.
+    fn on_fetched(&mut self, client: usize, pending: Pending, reply: ClientReply) {
+        let fetched = match reply {
+            ClientReply::Value(None) => Some(None),
+            ClientReply::Value(Some(raw)) => {
+                Record::decode(raw).ok().map(|record| Some((record.version, record.origin)))
+            }
+            _ => None,
+        };
+        let Some(expected) = fetched else {
+            self.report.retried += 1;
+            let retry_at = self.now + 5 + self.clients[client].rng.below(10);
+            self.schedule(retry_at, Event::ClientWake(client));
+            return;
+        };
+        let write = match &pending.call {
+            Call::Put(value) => Write::Put(value.clone()),
+            Call::Delete => Write::Delete,
+            other => unreachable!("only puts and deletes are conditional: {other:?}"),
+        };
+        let state = &mut self.clients[client];
+        let request = RequestId(((client as u64) << 32) | state.next_request);
+        state.next_request += 1;
+        let operation = ProtocolOperation::WriteIf { key: pending.key.clone(), expected, write };
+        let target = self.route(client, &pending.call, true);
+        let deadline = self.now + self.config.client_timeout_ms;
+        self.clients[client].pending = Some(Pending { request, deadline, fetching: false, ..pending });
+        self.send(
+            Address::Client(client),
+            Address::Replica(target),
+            Message::Request(ClientRequest { id: request, operation }),
+        );
+        self.schedule(deadline, Event::ClientWake(client));
+    }
+
     pub(crate) fn on_response(&mut self, client: usize, request: RequestId, reply: ClientReply) {
         let Some(pending) = &self.clients[client].pending else { return };
         if pending.request != request {
             return; // an answer to a request the client gave up on
         }
         let pending = self.clients[client].pending.take().expect("checked above");
+        if pending.fetching {
+            return self.on_fetched(client, pending, reply);
+        }
         let outcome = match reply {
             ClientReply::Value(value) => Outcome::Value(value),
             ClientReply::Written => Outcome::Written,
