@@ -684,6 +684,16 @@ mod tests {
         MultiMaster::new(NodeId(id), Arc::new(MemoryEngine::new()), MultiMasterOptions::default())
     }
 
+    /// Replicas 1..=`count`, all in view 1 of them.
+    fn members(count: u32, fx: &mut Effects) -> Vec<MultiMaster> {
+        let ids: Vec<u32> = (1..=count).collect();
+        let mut replicas: Vec<MultiMaster> = ids.iter().copied().map(replica).collect();
+        for replica in &mut replicas {
+            replica.on_view(&view(1, &ids), fx);
+        }
+        replicas
+    }
+
     /// Delivers every message among the replicas until none is left; returns
     /// how many records travelled.
     fn settle(replicas: &mut [MultiMaster], mut fx: Effects) -> usize {
@@ -718,11 +728,8 @@ mod tests {
 
     #[test]
     fn every_replica_accepts_writes_and_the_newest_wins_everywhere() {
-        let mut replicas: Vec<MultiMaster> = (1..=3).map(replica).collect();
         let mut fx = Effects::new(100);
-        for replica in &mut replicas {
-            replica.on_view(&view(1, &[1, 2, 3]), &mut fx);
-        }
+        let mut replicas = members(3, &mut fx);
         replicas[0].on_client(put(1, "k", "first"), &mut fx);
         let mut later = Effects::new(105);
         replicas[2].on_client(put(2, "k", "second"), &mut later);
@@ -739,11 +746,8 @@ mod tests {
 
     #[test]
     fn large_values_travel_in_batches_bounded_by_bytes() {
-        let mut replicas: Vec<MultiMaster> = (1..=2).map(replica).collect();
         let mut fx = Effects::new(100);
-        for replica in &mut replicas {
-            replica.on_view(&view(1, &[1, 2]), &mut fx);
-        }
+        let mut replicas = members(2, &mut fx);
         let large = "x".repeat(1 << 20);
         for index in 0..10 {
             replicas[0].on_client(put(index, &format!("k{index}"), &large), &mut fx);
@@ -771,11 +775,8 @@ mod tests {
 
     #[test]
     fn anti_entropy_repairs_a_partition_by_shipping_only_what_differs() {
-        let mut replicas: Vec<MultiMaster> = (1..=2).map(replica).collect();
         let mut fx = Effects::new(10);
-        for replica in &mut replicas {
-            replica.on_view(&view(1, &[1, 2]), &mut fx);
-        }
+        let mut replicas = members(2, &mut fx);
         for index in 0..2000 {
             replicas[0].on_client(put(index, &format!("k{index}"), "v"), &mut fx);
         }
@@ -801,11 +802,8 @@ mod tests {
 
     #[test]
     fn tombstones_win_and_are_collected_after_the_grace_once_acknowledged() {
-        let mut replicas: Vec<MultiMaster> = (1..=2).map(replica).collect();
         let mut fx = Effects::new(10);
-        for replica in &mut replicas {
-            replica.on_view(&view(1, &[1, 2]), &mut fx);
-        }
+        let mut replicas = members(2, &mut fx);
         replicas[0].on_client(put(1, "k", "v"), &mut fx);
         settle(&mut replicas, Effects::new(20));
         let delete = ClientRequest {
