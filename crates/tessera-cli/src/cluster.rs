@@ -482,10 +482,9 @@ fn admin_session(dir: &Path, layout: &Layout) -> Result<Client, String> {
     let login = CoordinatorLogin::new(&layout.cluster_id, ADMIN);
     let challenge = client.command(&login.hello()).map_err(|error| error.to_string())?;
     let auth = login.auth(&secret, challenge).map_err(|error| error.to_string())?;
-    match client.command(&auth).map_err(|error| error.to_string())? {
-        Value::Simple(_) => Ok(client),
-        other => Err(format!("the coordinator refused the login: {other:?}")),
-    }
+    let answer = client.command(&auth).map_err(|error| error.to_string())?;
+    CoordinatorLogin::accepted(answer).map_err(|error| error.to_string())?;
+    Ok(client)
 }
 
 fn add_standby(dir: &Path) -> Result<(), String> {

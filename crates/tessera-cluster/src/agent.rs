@@ -821,18 +821,10 @@ impl Coordinator {
                         node: config.node,
                         source,
                     };
-                    let challenge = coordinator.call_owned(&login.hello()).await?;
+                    let challenge = coordinator.call(&login.hello()).await?;
                     let auth = login.auth(&config.secret, challenge).map_err(failed)?;
-                    match coordinator.call_owned(&auth).await? {
-                        Value::Simple(_) => return Ok(coordinator),
-                        Value::Error(message) => return Err(failed(LoginError::Refused(message))),
-                        other => {
-                            return Err(AgentError::UnexpectedAnswer {
-                                command: "COORD.AUTH",
-                                answer: format!("{other:?}"),
-                            })
-                        }
-                    }
+                    CoordinatorLogin::accepted(coordinator.call(&auth).await?).map_err(failed)?;
+                    return Ok(coordinator);
                 }
                 Ok(Err(error)) => failures.push(format!("{address}: {error}")),
                 Err(_) => failures.push(format!("{address}: timed out")),
@@ -841,12 +833,7 @@ impl Coordinator {
         Err(AgentError::Unreachable(failures))
     }
 
-    async fn call_owned(&mut self, args: &[Vec<u8>]) -> Result<Value, AgentError> {
-        let args: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
-        self.call(&args).await
-    }
-
-    async fn call(&mut self, args: &[&[u8]]) -> Result<Value, AgentError> {
+    async fn call<A: AsRef<[u8]>>(&mut self, args: &[A]) -> Result<Value, AgentError> {
         let mut request = Vec::new();
         encode_command(args, &mut request);
         self.stream.write_all(&request).await?;

@@ -145,7 +145,7 @@ pub struct CoordinatorLogin {
 pub enum LoginError {
     #[error("the coordinator refused: {0}")]
     Refused(String),
-    #[error("the coordinator answered COORD.HELLO with something else")]
+    #[error("the coordinator answered the login with something else")]
     Malformed,
     #[error("the coordinator could not prove it knows the cluster secret")]
     Unproven,
@@ -188,6 +188,15 @@ impl CoordinatorLogin {
             return Err(LoginError::Unproven);
         }
         Ok(vec![b"COORD.AUTH".to_vec(), to_hex(&secret.connecting_proof(&transcript)).into_bytes()])
+    }
+
+    /// Whether the coordinator's answer to `COORD.AUTH` opened the session.
+    pub fn accepted(answer: Value) -> Result<(), LoginError> {
+        match answer {
+            Value::Simple(_) => Ok(()),
+            Value::Error(message) => Err(LoginError::Refused(message)),
+            _ => Err(LoginError::Malformed),
+        }
     }
 }
 

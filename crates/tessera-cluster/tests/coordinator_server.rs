@@ -28,11 +28,8 @@ fn login_with(
     let mut client = Client::connect(address, Duration::from_secs(5)).unwrap();
     let login = CoordinatorLogin::new(cluster, identity);
     let auth = login.auth(secret, client.command(&login.hello()).unwrap())?;
-    match client.command(&auth).unwrap() {
-        Value::Simple(_) => Ok(client),
-        Value::Error(message) => Err(LoginError::Refused(message)),
-        other => panic!("COORD.AUTH answered {other:?}"),
-    }
+    CoordinatorLogin::accepted(client.command(&auth).unwrap())?;
+    Ok(client)
 }
 
 fn session(address: std::net::SocketAddr, identity: &str) -> Client {
