@@ -40,7 +40,7 @@ use crate::store::{MetadataStore, StoreError};
 /// The longest a `COORD.MAP` watch may wait.
 const WAIT_MS_MAX: u64 = 60_000;
 
-/// Why the coordinator did not do what a command asked: each is one `ERR`
+/// Why the coordinator did not do what a command asked: each is one error
 /// reply, written in [`answer`].
 #[derive(Debug, thiserror::Error)]
 enum Refused {
@@ -70,6 +70,16 @@ enum Refused {
     StillSwitching { table: String, mode: &'static str },
     #[error("the change is made, but node {0} has not seen it yet; retry to wait again")]
     NotSeenBy(u32),
+}
+
+impl Refused {
+    /// The RESP error code it is told with.
+    fn code(&self) -> &'static str {
+        match self {
+            Refused::NoSession => "NOAUTH",
+            _ => "ERR",
+        }
+    }
 }
 
 /// Why a coordinator could not start.
@@ -324,11 +334,8 @@ async fn answer(state: &Arc<Mutex<State>>, session: &mut Session, args: &[Vec<u8
     // What a connection may do before it has a session: log in, ping, and
     // read the map (which any client of a node sees in CLUSTER SHARDS).
     let open = matches!(name.as_slice(), b"COORD.HELLO" | b"COORD.AUTH" | b"COORD.MAP");
-    if name.starts_with(b"COORD.") && !open && session.identity.is_none() {
-        out.error(&format!("NOAUTH {}", Refused::NoSession));
-        return;
-    }
     let result = match name.as_slice() {
+        _ if name.starts_with(b"COORD.") && !open && session.identity.is_none() => Err(Refused::NoSession),
         b"COORD.HELLO" if args.len() == 4 => hello(state, session, args, out),
         b"COORD.AUTH" if args.len() == 2 => authenticate(state, session, &args[1], out),
         b"COORD.JOIN" if args.len() == 3 => join(state, session, args, out),
@@ -368,7 +375,7 @@ async fn answer(state: &Arc<Mutex<State>>, session: &mut Session, args: &[Vec<u8
         _ => Err(Refused::UnknownCommand(text(&args[0]))),
     };
     if let Err(refused) = result {
-        out.error(&format!("ERR {refused}"));
+        out.error(&format!("{} {refused}", refused.code()));
     }
 }
 
