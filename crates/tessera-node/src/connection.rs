@@ -90,22 +90,27 @@ impl Connection {
     /// Shutdown is noticed between batches, so a batch that was read is answered.
     pub async fn run(mut self, mut shutdown: watch::Receiver<bool>) {
         let _ = self.stream.set_nodelay(true);
+        let idle_limit =
+            (self.node.config.timeout > 0).then(|| Duration::from_secs(self.node.config.timeout));
         loop {
             if self.input.capacity() - self.input.len() < READ_CHUNK_BYTES / 4 {
                 self.input.reserve(READ_CHUNK_BYTES);
             }
             let room = self.input.capacity() - self.input.len();
-            let idle_limit = match self.node.config.timeout {
-                0 => Duration::MAX,
-                seconds => Duration::from_secs(seconds),
+            // A timer only when idle clients are closed: most reads need none.
+            let idle = async {
+                match idle_limit {
+                    Some(limit) => tokio::time::sleep(limit).await,
+                    None => std::future::pending().await,
+                }
             };
             let read = tokio::select! {
-                read = tokio::time::timeout(idle_limit, self.stream.read_buf(&mut self.input)) => read,
+                read = self.stream.read_buf(&mut self.input) => read,
+                () = idle => {
+                    tracing::debug!(client = self.session.id, "closing an idle client");
+                    break;
+                }
                 _ = shutdown.changed() => break,
-            };
-            let Ok(read) = read else {
-                tracing::debug!(client = self.session.id, "closing an idle client");
-                break;
             };
             match read {
                 Ok(0) | Err(_) => break,
