@@ -278,25 +278,27 @@ async fn write_loop(
             Some(address) => {
                 tokio::time::timeout(config.connect_timeout, TcpStream::connect(&address)).await.ok()
             }
-            None => None, // not in the map (yet)
+            None => None,
         };
         let opened = match connected {
             Some(Ok(stream)) => {
                 let _ = stream.set_nodelay(true);
-                connect_handshake(stream, node, &config).await
-            }
-            _ => Err(LinkError::Io(std::io::ErrorKind::NotConnected.into())),
-        };
-        let mut stream = match opened {
-            Ok(stream) => stream,
-            Err(error) => {
-                if !matches!(error, LinkError::Io(_)) {
-                    tracing::warn!(peer = %node, %error, "peer link refused");
+                match connect_handshake(stream, node, &config).await {
+                    Ok(stream) => Some(stream),
+                    // A peer gone mid-handshake is like one not there; a refusal is news.
+                    Err(LinkError::Io(_)) => None,
+                    Err(error) => {
+                        tracing::warn!(peer = %node, %error, "peer link refused");
+                        None
+                    }
                 }
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(config.backoff_max);
-                continue;
             }
+            _ => None, // not reachable, or not in the map (yet)
+        };
+        let Some(mut stream) = opened else {
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(config.backoff_max);
+            continue;
         };
         backoff = Duration::from_millis(10);
         // Write whatever is queued, in one batch, until the connection fails.

@@ -69,7 +69,7 @@ pub enum CommandError {
     Engine(#[from] EngineError),
     /// A shard's answer (a cluster node).
     #[error(transparent)]
-    Group(#[from] ShardError),
+    Shard(#[from] ShardError),
 }
 
 pub type CommandResult<T = ()> = Result<T, CommandError>;

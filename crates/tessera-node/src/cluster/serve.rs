@@ -350,5 +350,5 @@ async fn fetch_records(
 fn failure(reply: &ClientReply) -> CommandError {
     outcome(reply)
         .err()
-        .map_or_else(|| CommandError::Other("unexpected answer from the shard".into()), CommandError::Group)
+        .map_or_else(|| CommandError::Other("unexpected answer from the shard".into()), CommandError::Shard)
 }
