@@ -35,6 +35,12 @@ impl CapturingView {
     }
 }
 
+/// The value a reader sees in a stored record: none for a tombstone.
+fn visible(raw: Bytes) -> Result<Option<Bytes>> {
+    let record = Record::decode(raw).map_err(|error| EngineError::Corrupt(error.to_string()))?;
+    Ok(record.visible().cloned())
+}
+
 impl Engine for CapturingView {
     fn name(&self) -> &'static str {
         self.engine.name()
@@ -54,13 +60,7 @@ impl Engine for CapturingView {
         );
         match own.or_else(|| self.pins.get(key).cloned()) {
             Some(value) => Ok(value),
-            None => match self.engine.get(key)? {
-                None => Ok(None),
-                Some(raw) => Ok(Record::decode(raw)
-                    .map_err(|error| EngineError::Corrupt(error.to_string()))?
-                    .visible()
-                    .cloned()),
-            },
+            None => Ok(self.engine.get(key)?.map(visible).transpose()?.flatten()),
         }
     }
 
@@ -79,15 +79,13 @@ impl Engine for CapturingView {
     /// same command are not part of a scan.
     fn scan(&self, range: &KeyRange, cursor: &ScanCursor, limit: usize) -> Result<ScanPage> {
         let mut page = self.engine.scan(range, cursor, limit)?;
-        let mut visible = Vec::with_capacity(page.entries.len());
+        let mut shown = Vec::with_capacity(page.entries.len());
         for (key, raw) in page.entries {
-            let record =
-                Record::decode(raw).map_err(|_| EngineError::Corrupt("not a replication record".into()))?;
-            if let Some(value) = record.visible() {
-                visible.push((key, value.clone()));
+            if let Some(value) = visible(raw)? {
+                shown.push((key, value));
             }
         }
-        page.entries = visible;
+        page.entries = shown;
         Ok(page)
     }
 
