@@ -200,6 +200,30 @@ impl Record {
     }
 }
 
+/// A record's header: its checksum and the lengths of what follows.
+struct Header {
+    crc: u32,
+    key_len: u64,
+    /// [`TOMBSTONE`] for a deletion, which stores no value.
+    value_len: u32,
+}
+
+impl Header {
+    fn parse(bytes: &[u8; HEADER_BYTES as usize]) -> Self {
+        let field = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));
+        Self { crc: field(0), key_len: field(4) as u64, value_len: field(8) }
+    }
+
+    fn tombstone(&self) -> bool {
+        self.value_len == TOMBSTONE
+    }
+
+    /// The key's and the value's bytes after the header.
+    fn body_bytes(&self) -> u64 {
+        self.key_len + if self.tombstone() { 0 } else { self.value_len as u64 }
+    }
+}
+
 /// Reads a segment front to back. Stops at the end of the file or at the first
 /// record that is incomplete or fails its checksum; `valid_bytes` then says where
 /// the good part ends.
@@ -221,32 +245,30 @@ impl SegmentReader {
         if remaining < HEADER_BYTES {
             return Ok(None);
         }
-        let mut header = [0u8; HEADER_BYTES as usize];
-        self.reader.read_exact(&mut header)?;
-        let crc = u32::from_le_bytes(header[0..4].try_into().expect("4 bytes"));
-        let key_len = u32::from_le_bytes(header[4..8].try_into().expect("4 bytes")) as u64;
-        let value_len = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
-        let stored_value_len = if value_len == TOMBSTONE { 0 } else { value_len as u64 };
+        let mut bytes = [0u8; HEADER_BYTES as usize];
+        self.reader.read_exact(&mut bytes)?;
+        let header = Header::parse(&bytes);
         // A length that runs past the end of the file is a torn write, not a
         // reason to allocate gigabytes.
-        if key_len + stored_value_len > remaining - HEADER_BYTES {
+        if header.body_bytes() > remaining - HEADER_BYTES {
             return Ok(None);
         }
-        let mut body = vec![0u8; (key_len + stored_value_len) as usize];
+        let mut body = vec![0u8; header.body_bytes() as usize];
         self.reader.read_exact(&mut body)?;
         let mut hasher = crc32fast::Hasher::new();
-        hasher.update(&header[4..]);
+        hasher.update(&bytes[4..]);
         hasher.update(&body);
-        if hasher.finalize() != crc {
+        if hasher.finalize() != header.crc {
             return Ok(None);
         }
         let body = Bytes::from(body);
+        let key_len = header.key_len as usize;
         let record = Record {
             offset: self.valid_bytes,
-            key: body.slice(..key_len as usize),
-            value: (value_len != TOMBSTONE).then(|| body.slice(key_len as usize..)),
+            key: body.slice(..key_len),
+            value: (!header.tombstone()).then(|| body.slice(key_len..)),
         };
-        self.valid_bytes += HEADER_BYTES + key_len + stored_value_len;
+        self.valid_bytes += HEADER_BYTES + header.body_bytes();
         Ok(Some(record))
     }
 }
@@ -254,14 +276,10 @@ impl SegmentReader {
 /// The length of the record at `at` of a segment's bytes, if a whole record
 /// that passes its checksum starts there.
 fn record_at(bytes: &[u8], at: usize) -> Option<usize> {
-    let header = bytes.get(at..at.checked_add(HEADER_BYTES as usize)?)?;
-    let crc = u32::from_le_bytes(header[0..4].try_into().expect("4 bytes"));
-    let key_len = u32::from_le_bytes(header[4..8].try_into().expect("4 bytes")) as usize;
-    let value_len = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
-    let stored_value_len = if value_len == TOMBSTONE { 0 } else { value_len as usize };
-    let end = (at + HEADER_BYTES as usize).checked_add(key_len)?.checked_add(stored_value_len)?;
+    let header = Header::parse(bytes.get(at..at.checked_add(HEADER_BYTES as usize)?)?.try_into().ok()?);
+    let end = (at + HEADER_BYTES as usize).checked_add(usize::try_from(header.body_bytes()).ok()?)?;
     let checked = bytes.get(at + 4..end)?;
-    (crc32fast::hash(checked) == crc).then_some(end - at)
+    (crc32fast::hash(checked) == header.crc).then_some(end - at)
 }
 
 /// Where the first record that passes its checksum starts in `bytes`, at
