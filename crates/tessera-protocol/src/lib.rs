@@ -149,6 +149,25 @@ pub enum ClientReply {
 /// swelling one frame past what the links accept.
 pub const BATCH_BYTES_MAX: usize = 4 << 20;
 
+/// How much of [`BATCH_BYTES_MAX`] a batch being filled has taken: it admits
+/// its first record whatever its size, then records while they fit.
+#[derive(Default)]
+pub(crate) struct BatchBytes {
+    taken: usize,
+    records: usize,
+}
+
+impl BatchBytes {
+    pub(crate) fn admits(&mut self, bytes: usize) -> bool {
+        let admitted = self.records == 0 || self.taken + bytes <= BATCH_BYTES_MAX;
+        if admitted {
+            self.taken += bytes;
+            self.records += 1;
+        }
+        admitted
+    }
+}
+
 /// Why an operation failed without taking effect. The messages are Redis's
 /// where Redis has the same failure, so a node can answer `ERR <message>`.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -25,8 +25,8 @@ use tessera_engine::Engine;
 use crate::codec::{put_entries, put_u64s, CodecError, Family, Message, Reader};
 use crate::record::{Hlc, Record, Version};
 use crate::{
-    engine_entries, increment_value, refused_without_quorum, ClientReply, ClientRequest, Effects, NodeId,
-    Operation, OperationError, PeerMessage, Progress, Protocol, ShardView, Time, BATCH_BYTES_MAX,
+    engine_entries, increment_value, refused_without_quorum, BatchBytes, ClientReply, ClientRequest, Effects,
+    NodeId, Operation, OperationError, PeerMessage, Progress, Protocol, ShardView, Time,
     SNAPSHOT_CHUNK_BYTES,
 };
 
@@ -450,13 +450,13 @@ impl MultiMaster {
                 }
             }
             while !outbox.unsent.is_empty() && outbox.in_flight.len() < self.options.window_batches {
-                let (mut entries, mut bytes) = (Vec::new(), 0);
-                while entries.len() < self.options.batch_max
-                    && (entries.is_empty() || bytes < BATCH_BYTES_MAX)
-                {
-                    let Some(entry) = outbox.unsent.pop_first() else { break };
-                    bytes += entry.0.len() + entry.1.len();
-                    entries.push(entry);
+                let (mut entries, mut room) = (Vec::new(), BatchBytes::default());
+                while entries.len() < self.options.batch_max {
+                    let Some((key, raw)) = outbox.unsent.first_key_value() else { break };
+                    if !room.admits(key.len() + raw.len()) {
+                        break;
+                    }
+                    entries.extend(outbox.unsent.pop_first());
                 }
                 let batch = self.next_batch;
                 self.next_batch += 1;
@@ -768,7 +768,7 @@ mod tests {
             })
             .collect();
         assert!(batches.len() >= 3, "ten 1 MiB records in one batch: {batches:?}");
-        assert!(batches.iter().all(|bytes| *bytes <= BATCH_BYTES_MAX + (1 << 20) + 64), "{batches:?}");
+        assert!(batches.iter().all(|bytes| *bytes <= crate::BATCH_BYTES_MAX + 64), "{batches:?}");
         settle(&mut replicas, Effects::new(110));
         assert_eq!(value(&replicas[1], "k9").map(|value| value.len()), Some(1 << 20));
     }

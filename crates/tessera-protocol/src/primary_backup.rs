@@ -29,9 +29,8 @@ use crate::codec::{put_bytes, put_chunk, put_entries, put_write, CodecError, Fam
 use crate::record::{Record, Version};
 use crate::{
     engine_entries, increment_value, read_visible, refused_without_quorum, snapshot_chunks,
-    snapshot_resend_after, Chunk, ClientReply, ClientRequest, Consistency, Effects, NodeId, Operation,
-    OperationError, PeerMessage, Progress, Protocol, ShardView, SnapshotAssembly, Time, Write,
-    BATCH_BYTES_MAX,
+    snapshot_resend_after, BatchBytes, Chunk, ClientReply, ClientRequest, Consistency, Effects, NodeId,
+    Operation, OperationError, PeerMessage, Progress, Protocol, ShardView, SnapshotAssembly, Time, Write,
 };
 
 #[derive(Clone, Debug)]
@@ -371,16 +370,12 @@ impl PrimaryBackup {
                 state.confirmed = None;
                 continue;
             }
-            let mut bytes = 0;
+            let mut room = BatchBytes::default();
             let entries: Vec<LogEntry> = self
                 .log
                 .range(from + 1..)
                 .take(self.options.batch_max)
-                .take_while(|(_, entry)| {
-                    let first = bytes == 0;
-                    bytes += entry.bytes();
-                    first || bytes <= BATCH_BYTES_MAX
-                })
+                .take_while(|(_, entry)| room.admits(entry.bytes()))
                 .map(|(_, entry)| entry.clone())
                 .collect();
             state.sent_upto = entries.last().map_or(from, |entry| entry.seq);
