@@ -31,8 +31,8 @@ use tessera_engine::Engine;
 use crate::codec::{put_bytes, put_chunk, put_entries, put_write, CodecError, Family, Message, Reader};
 use crate::record::{Record, Version};
 use crate::{
-    engine_entries, increment_value, read_visible, refused_without_quorum, snapshot_chunks,
-    snapshot_resend_after, Chunk, ClientReply, ClientRequest, Consistency, Effects, NodeId, Operation,
+    engine_entries, entries_bytes, increment_value, read_visible, refused_without_quorum, snapshot_chunks,
+    transfer_allowance, Chunk, ClientReply, ClientRequest, Consistency, Effects, NodeId, Operation,
     OperationError, PeerMessage, Progress, Protocol, RequestId, ShardView, SnapshotAssembly, Time, Write,
 };
 
@@ -449,9 +449,8 @@ impl ChainReplication {
                 return;
             }
         };
-        let chunks = snapshot_chunks(entries);
-        let resend_after = snapshot_resend_after(self.options.retransmit_after_ms, chunks.len());
-        for (chunk, entries) in chunks {
+        let resend_after = transfer_allowance(self.options.retransmit_after_ms, entries_bytes(&entries));
+        for (chunk, entries) in snapshot_chunks(entries) {
             let message =
                 ChainMessage::Snapshot { view: self.view_number(), applied: self.applied, chunk, entries };
             fx.send(to, PeerMessage::new(&message));
@@ -499,6 +498,12 @@ impl ChainReplication {
         self.learner = None;
         self.snapshot_source = None;
         self.snapshot_assembly.clear();
+    }
+
+    /// The keys and values a resend of the sent list carries.
+    fn resend_bytes(&self) -> usize {
+        let entries = self.sent.values().take(self.options.resend_batch_max);
+        entries.map(|entry| entry.key.len() + entry.write.value_bytes()).sum()
     }
 
     fn resend_sent(&mut self, to: NodeId, fx: &mut Effects) {
@@ -701,7 +706,10 @@ impl Protocol for ChainReplication {
         self.check_invariants();
         let now = fx.now();
         let retransmit_after = self.options.retransmit_after_ms;
-        let stalled = now.saturating_sub(self.last_progress_at) >= retransmit_after;
+        // The cheap test first: most ticks come before any resend is due.
+        let waited = now.saturating_sub(self.last_progress_at);
+        let stalled =
+            waited >= retransmit_after && waited >= transfer_allowance(retransmit_after, self.resend_bytes());
         if let Some(learner) = &self.learner {
             // A learner that acknowledged nothing since the snapshot lost it.
             if !learner.snapshot_acked
@@ -863,6 +871,28 @@ mod tests {
         // Then the tail fails: the head is alone and everything it applied commits.
         head.on_view(&view(3, &[1]), &mut fx);
         assert_eq!(fx.take(), vec![Effect::Reply { request: RequestId(7), reply: ClientReply::Written }]);
+    }
+
+    #[test]
+    fn a_large_value_is_sent_again_only_once_it_had_time_to_arrive() {
+        let mut head = replica(1);
+        let mut fx = Effects::new(10);
+        head.on_view(&view(1, &[1, 2]), &mut fx);
+        let large = "x".repeat(32 << 20);
+        head.on_client(put(7, "k", &large), &mut fx);
+        assert_eq!(fx.take().len(), 1, "forwarded once");
+        let retransmit_after = head.options.retransmit_after_ms;
+        let allowance = transfer_allowance(retransmit_after, 1 + large.len());
+        assert!(allowance > 2_000, "32 MiB are given seconds on the slowest link, not 50 ms");
+        let mut tick = |at: Time| {
+            let mut fx = Effects::new(at);
+            head.on_tick(&mut fx);
+            fx.take()
+        };
+        assert_eq!(tick(10 + retransmit_after), vec![], "still on its way");
+        assert_eq!(tick(10 + allowance - 1), vec![], "still on its way");
+        let resent = vec![Effect::Send { to: NodeId(2), message: forward(1, 1, "k", &large) }];
+        assert_eq!(tick(10 + allowance), resent);
     }
 
     #[test]

@@ -199,6 +199,16 @@ pub enum Write {
     Delete,
 }
 
+impl Write {
+    /// The bytes of value it carries.
+    pub fn value_bytes(&self) -> usize {
+        match self {
+            Write::Put(value) => value.len(),
+            Write::Delete => 0,
+        }
+    }
+}
+
 /// The coordinator's view of one shard.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ShardView {
@@ -429,15 +439,21 @@ impl SnapshotAssembly {
     }
 }
 
-/// How long a sender waits for a snapshot of `chunks` chunks to be confirmed
-/// before sending it again: the usual retransmit time for one chunk, more for a
-/// long transfer.
-pub fn snapshot_resend_after(retransmit_after_ms: u64, chunks: usize) -> u64 {
-    if chunks <= 1 {
-        retransmit_after_ms
-    } else {
-        retransmit_after_ms.max(250) * chunks as u64
-    }
+/// The slowest link a transfer is given time for, in bytes per millisecond
+/// (16 MiB/s).
+pub const LINK_BYTES_PER_MS_FLOOR: u64 = 16 << 10;
+
+/// How long to wait for the answer to a message that carries `bytes` of keys
+/// and values before sending it again: the usual `retransmit_after_ms`, plus
+/// the time the bytes take on the slowest link expected. Without it a large
+/// value would be sent again and again while its first copy is still on the way.
+pub fn transfer_allowance(retransmit_after_ms: u64, bytes: usize) -> u64 {
+    retransmit_after_ms + bytes as u64 / LINK_BYTES_PER_MS_FLOOR
+}
+
+/// The bytes of keys and values in a snapshot's entries.
+pub fn entries_bytes(entries: &[(Bytes, Bytes)]) -> usize {
+    entries.iter().map(|(key, value)| key.len() + value.len()).sum()
 }
 
 /// Applies an increment to a stored value, as INCRBY would.
@@ -495,7 +511,5 @@ mod snapshot_chunk_tests {
         assert_eq!(snapshot_chunks(Vec::new()), vec![(Chunk { index: 0, last: true }, Vec::new())]);
         let chunks = snapshot_chunks(vec![entry(1, 10), entry(2, SNAPSHOT_CHUNK_BYTES * 2), entry(3, 10)]);
         assert_eq!(chunks.iter().map(|(_, part)| part.len()).collect::<Vec<_>>(), vec![1, 1, 1]);
-        assert_eq!(snapshot_resend_after(50, 1), 50);
-        assert_eq!(snapshot_resend_after(50, 4), 1000);
     }
 }

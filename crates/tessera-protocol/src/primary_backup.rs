@@ -20,6 +20,7 @@
 //! no progress. Messages from another view are ignored.
 
 use std::collections::{BTreeMap, HashMap};
+use std::ops::Bound;
 use std::sync::Arc;
 
 use bytes::{BufMut, Bytes};
@@ -28,8 +29,8 @@ use tessera_engine::Engine;
 use crate::codec::{put_bytes, put_chunk, put_entries, put_write, CodecError, Family, Message, Reader};
 use crate::record::{Record, Version};
 use crate::{
-    engine_entries, increment_value, read_visible, refused_without_quorum, snapshot_chunks,
-    snapshot_resend_after, BatchBytes, Chunk, ClientReply, ClientRequest, Consistency, Effects, NodeId,
+    engine_entries, entries_bytes, increment_value, read_visible, refused_without_quorum, snapshot_chunks,
+    transfer_allowance, BatchBytes, Chunk, ClientReply, ClientRequest, Consistency, Effects, NodeId,
     Operation, OperationError, PeerMessage, Progress, Protocol, ShardView, SnapshotAssembly, Time, Write,
 };
 
@@ -63,7 +64,7 @@ pub struct LogEntry {
 impl LogEntry {
     /// The key's and the value's bytes, what a batch of entries is bounded by.
     fn bytes(&self) -> usize {
-        self.key.len() + if let Write::Put(value) = &self.write { value.len() } else { 0 }
+        self.key.len() + self.write.value_bytes()
     }
 }
 
@@ -306,10 +307,9 @@ impl PrimaryBackup {
         state.snapshot_sent_at = Some(now);
         match engine_entries(self.engine.as_ref()) {
             Ok(entries) => {
-                let chunks = snapshot_chunks(entries);
-                state.snapshot_resend_after = snapshot_resend_after(retransmit_after, chunks.len());
+                state.snapshot_resend_after = transfer_allowance(retransmit_after, entries_bytes(&entries));
                 let (view, applied, epoch) = (self.view_number(), self.applied, self.applied_epoch);
-                for (chunk, entries) in chunks {
+                for (chunk, entries) in snapshot_chunks(entries) {
                     let message = BackupMessage::Snapshot { view, applied, epoch, chunk, entries };
                     fx.send(from, PeerMessage::new(&message));
                 }
@@ -357,7 +357,15 @@ impl PrimaryBackup {
         for backup in replicas.into_iter().filter(|replica| *replica != self.me) {
             let state = self.backups.entry(backup).or_default();
             let Some(confirmed) = state.confirmed else { continue };
-            let from = if now.saturating_sub(state.last_sent_at) >= self.options.retransmit_after_ms {
+            // Unconfirmed entries are sent again once they had time to arrive
+            // (the cheap test first: most calls come before that).
+            let waited = now.saturating_sub(state.last_sent_at);
+            let retransmit_after = self.options.retransmit_after_ms;
+            let unconfirmed = (Bound::Excluded(confirmed), Bound::Included(state.sent_upto));
+            let unconfirmed = || self.log.range(unconfirmed).map(|(_, entry)| entry.bytes());
+            let from = if waited >= retransmit_after
+                && waited >= transfer_allowance(retransmit_after, unconfirmed().sum())
+            {
                 confirmed
             } else {
                 state.sent_upto

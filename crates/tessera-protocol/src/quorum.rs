@@ -35,9 +35,9 @@ use tessera_engine::Engine;
 use crate::codec::{put_bytes, put_chunk, put_entries, put_optional, CodecError, Family, Message, Reader};
 use crate::record::{Hlc, Record, Version};
 use crate::{
-    engine_entries, increment_value, snapshot_chunks, Chunk, ClientReply, ClientRequest, Consistency,
-    Effects, NodeId, Operation, OperationError, PeerMessage, Progress, Protocol, RequestId, ShardView,
-    SnapshotAssembly, Time, Write,
+    engine_entries, entries_bytes, increment_value, snapshot_chunks, transfer_allowance, Chunk, ClientReply,
+    ClientRequest, Consistency, Effects, NodeId, Operation, OperationError, PeerMessage, Progress, Protocol,
+    RequestId, ShardView, SnapshotAssembly, Time, Write,
 };
 
 #[derive(Clone, Debug)]
@@ -335,6 +335,9 @@ pub struct QuorumRegister {
     /// The view in which every member's snapshot was merged.
     ready_in: Option<u64>,
     snapshot_asked_at: Option<Time>,
+    /// As a member: per learner, when a snapshot sent to it has had time to
+    /// arrive; a learner asking again before then is not sent another copy.
+    snapshot_sent_until: HashMap<NodeId, Time>,
 }
 
 impl QuorumRegister {
@@ -369,6 +372,7 @@ impl QuorumRegister {
             merged_from: BTreeSet::new(),
             ready_in: None,
             snapshot_asked_at: None,
+            snapshot_sent_until: HashMap::new(),
         }
     }
 
@@ -514,7 +518,6 @@ impl QuorumRegister {
         let op = self.next_op;
         self.next_op += 1;
         proposal.answers.clear();
-        proposal.deadline = now + self.options.phase_timeout_ms;
         let key = proposal.key().clone();
         let message = match &proposal.phase {
             Phase::Peek => QuorumMessage::Peek { view, op, key: key.clone() },
@@ -529,13 +532,22 @@ impl QuorumRegister {
                 return;
             }
         };
+        let local_answer = members.contains(&self.me).then(|| self.answer_locally(&message, now));
+        // A large value takes time to travel: an accept carries it, and the
+        // answers to a peek or a prepare bring back the members' copies, about
+        // the size of this replica's.
+        let carried = match (&message, &local_answer) {
+            (QuorumMessage::Accept { record, .. }, _) => record.len(),
+            (_, Some(Answer::Peeked(Some(record)) | Answer::Promised(Some(record)))) => record.value.len(),
+            _ => 0,
+        };
+        proposal.deadline = now + transfer_allowance(self.options.phase_timeout_ms, carried);
         self.proposals.insert(op, proposal);
         let sent = PeerMessage::new(&message);
         for member in members.iter().filter(|member| **member != self.me) {
             fx.send(*member, sent.clone());
         }
-        if members.contains(&self.me) {
-            let answer = self.answer_locally(&message, now);
+        if let Some(answer) = local_answer {
             self.on_answer(self.me, op, answer, fx);
         }
     }
@@ -820,8 +832,14 @@ impl Protocol for QuorumRegister {
                 self.on_answer(from, op, answer, fx);
             }
             QuorumMessage::SnapshotRequest { view } if self.is_member() => {
+                if self.snapshot_sent_until.get(&from).is_some_and(|until| now < *until) {
+                    return; // the last copy is still on its way
+                }
                 match engine_entries(self.engine.as_ref()) {
                     Ok(entries) => {
+                        let allowance =
+                            transfer_allowance(self.options.snapshot_retry_ms, entries_bytes(&entries));
+                        self.snapshot_sent_until.insert(from, now + allowance);
                         for (chunk, entries) in snapshot_chunks(entries) {
                             let message = QuorumMessage::Snapshot { view, chunk, entries };
                             fx.send(from, PeerMessage::new(&message));
@@ -917,6 +935,7 @@ impl Protocol for QuorumRegister {
         self.merged_from.retain(|member| view.replicas.contains(member));
         self.assemblies.clear();
         self.snapshot_asked_at = None;
+        self.snapshot_sent_until.clear();
         if view.learners.contains(&self.me)
             && view.replicas.iter().all(|member| self.merged_from.contains(member))
         {
