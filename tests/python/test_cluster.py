@@ -53,10 +53,11 @@ def now_us():
 
 
 class LocalCluster:
-    def __init__(self, directory, consistency, topology="ms"):
+    def __init__(self, directory, consistency, topology="ms", failure_timeout_ms=FAILURE_TIMEOUT_MS):
         self.dir = Path(directory) / "cluster"
         self.consistency = consistency
         self.topology = topology
+        self.failure_timeout_ms = failure_timeout_ms
         # Room for a standby.
         self.base_port = free_base_port(NODES + 2)
 
@@ -78,7 +79,7 @@ class LocalCluster:
             "up", "--nodes", str(nodes), "--replicas", "3", "--consistency", self.consistency,
             "--topology", self.topology,
             "--base-port", str(self.base_port), "--lease-ms", str(LEASE_MS),
-            "--failure-timeout-ms", str(FAILURE_TIMEOUT_MS), "--no-demo",
+            "--failure-timeout-ms", str(self.failure_timeout_ms), "--no-demo",
         )
         return self
 
@@ -103,11 +104,11 @@ class LocalCluster:
     def shard(self, shard_id):
         return next(shard for shard in self.map()["shards"] if shard["id"] == shard_id)
 
-    def client(self):
+    def client(self, socket_timeout=2):
         return RedisCluster(
             startup_nodes=[ClusterNode("127.0.0.1", self.port(node)) for node in range(self.nodes)],
             retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 40),
-            socket_timeout=2,
+            socket_timeout=socket_timeout,
         )
 
     def wait_for_full_shards(self, timeout=30):
@@ -125,8 +126,8 @@ class LocalCluster:
 def cluster_factory(tmp_path):
     clusters = []
 
-    def make(consistency, nodes=NODES, topology="ms"):
-        cluster = LocalCluster(tmp_path, consistency, topology)
+    def make(consistency, nodes=NODES, topology="ms", failure_timeout_ms=FAILURE_TIMEOUT_MS):
+        cluster = LocalCluster(tmp_path, consistency, topology, failure_timeout_ms)
         clusters.append(cluster)
         return cluster.up(nodes)
 
@@ -917,3 +918,64 @@ def test_tables_switch_modes_while_clients_keep_working(cluster_factory):
         admin.execute_command("TABLE.ALTER", "nosuch", "TOPOLOGY", "aa")
     with pytest.raises(redis.ResponseError, match="usage"):
         admin.execute_command("TABLE.ALTER", "default", "TOPOLOGY", "ring")
+
+
+@pytest.mark.parametrize(
+    "consistency,topology", [("strong", "ms"), ("eventual", "aa"), ("eventual", "ms"), ("strong", "aa")]
+)
+def test_a_200_mib_value_replicates_while_small_writes_to_its_shard_go_on(cluster_factory, consistency, topology):
+    """Peer messages travel in parts with small ones between them, and a
+    resend waits as long as the bytes take: a value near the client limit
+    reaches every replica intact, in every mode. Copying 200 MiB keeps a node
+    of this 2-core machine busy for a moment, so failures are detected at
+    the default's order of time here, not at the other tests' 700 ms."""
+    cluster = cluster_factory(consistency, nodes=3, topology=topology, failure_timeout_ms=3000)
+    client = cluster.client(socket_timeout=60)
+    value = os.urandom(200 << 20)
+    transfer = threading.Event()
+    latencies, stop, errors = [], threading.Event(), []
+
+    def small_writes(writer):
+        connection = cluster.client()
+        index = 0
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                connection.set(f"{{large}}small:{writer}:{index}", index)
+            except redis.RedisError as error:
+                errors.append(error)
+            if transfer.is_set():
+                latencies.append(time.monotonic() - started)
+            index += 1
+
+    writers = [threading.Thread(target=small_writes, args=(writer,)) for writer in range(4)]
+    for writer in writers:
+        writer.start()
+    time.sleep(0.3)
+    transfer.set()
+    started = time.monotonic()
+    client.set("{large}value", value)
+    took = time.monotonic() - started
+    transfer.clear()
+    stop.set()
+    for writer in writers:
+        writer.join()
+    assert not errors, errors[:3]
+    latencies.sort()
+    print(
+        f"{topology}+{consistency}: 200 MiB SET in {took:.2f} s; {len(latencies)} small writes to its shard "
+        f"meanwhile, p50 {latencies[len(latencies) // 2] * 1e3:.1f} ms, "
+        f"p99 {latencies[int(len(latencies) * 0.99)] * 1e3:.1f} ms, max {latencies[-1] * 1e3:.1f} ms"
+    )
+    assert len(latencies) > 100, "small writes went on during the transfer"
+    shard = next(
+        shard for shard in cluster.map()["shards"]
+        if any(first <= key_slot(b"{large}value") <= last for first, last in shard["slots"])
+    )
+    deadline = time.time() + 60
+    for member in shard["members"]:
+        replica = redis.Redis(port=cluster.port(member), socket_timeout=60)
+        replica.execute_command("READONLY")
+        while (found := replica.get("{large}value")) != value:
+            assert time.time() < deadline, f"node {member} has {len(found or b'')} bytes, not the value"
+            time.sleep(0.5)

@@ -37,6 +37,11 @@ use crate::auth::{ClusterSecret, CoordinatorLogin, LoginError};
 use crate::links::{serve_incoming, Incoming, LinkConfig, Links, INCOMING_BATCHES_MAX};
 use crate::map::{range_index, ClusterMap, DEFAULT_TABLE};
 
+/// What a link to one peer holds while the peer is down or slow: the
+/// protocols resend what is lost, so a bound keeps a dead peer from costing
+/// memory without losing anything they promise.
+const LINK_QUEUE_BYTES_MAX: usize = 64 << 20;
+
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
     pub cluster_id: String,
@@ -415,7 +420,7 @@ impl Agent {
             cluster_id: config.cluster_id.clone(),
             me: NodeId(config.node),
             secret: config.secret.clone(),
-            queue_max: 100_000,
+            queue_bytes_max: LINK_QUEUE_BYTES_MAX,
             connect_timeout: Duration::from_secs(1),
             handshake_timeout: Duration::from_secs(5),
             backoff_max: Duration::from_millis(500),

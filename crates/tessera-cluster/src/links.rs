@@ -8,13 +8,22 @@
 //! hello:      len u32 | cluster_id_len u32 | cluster id | node u32 | nonce [32]   (connecting)
 //! challenge:  len u32 | node u32 | nonce [32] | proof [32]                        (accepting)
 //! proof:      len u32 | proof [32]                                                (connecting)
-//! frame:      len u32 | shard u32 | peer message (codec)
+//! whole:      len u32 | 0 u8 | shard u32 | family u8 | body
+//! part:       len u32 | 1 u8 | shard u32 | family u8 | body length u64 | offset u64 | bytes
 //! ```
+//!
+//! A message whose body is larger than [`PART_BYTES`] travels in parts, one
+//! message's parts in order, and between any two parts the link sends every
+//! whole frame queued meanwhile: a 200 MiB value delays the small messages
+//! behind it by one part, not by the whole transfer. The receiver gathers the
+//! parts (up to [`MESSAGE_BYTES_MAX`]) as they arrive.
 //!
 //! Delivery is best effort, which the protocols are built for: they
 //! retransmit, and tolerate loss, duplication and reordering. A link that
-//! cannot connect retries with backoff; while it is down or slow its queue
-//! keeps at most `queue_max` frames, dropping the oldest.
+//! cannot connect retries with backoff; while it is down or slow it keeps at
+//! most `queue_bytes_max` bytes of whole frames and as many of messages
+//! waiting to go in parts, dropping the oldest (a message larger than that is
+//! kept alone).
 //!
 //! A reader's buffer grows only as bytes arrive, never to the size a frame
 //! announces, so a peer that announces large frames and sends nothing costs
@@ -26,6 +35,7 @@ use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use parking_lot::Mutex;
+use tessera_protocol::codec::Family;
 use tessera_protocol::{NodeId, PeerMessage};
 
 use crate::auth::{nonce, ClusterSecret, Transcript, NONCE_BYTES, PROOF_BYTES};
@@ -33,8 +43,19 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify, Semaphore};
 
-/// The largest frame accepted (a snapshot chunk with its values).
-const FRAME_BYTES_MAX: usize = 64 << 20;
+/// The largest body sent in one frame; larger ones go in parts of this size.
+pub const PART_BYTES: usize = 256 << 10;
+/// The largest frame accepted: a part with its header.
+const FRAME_BYTES_MAX: usize = PART_BYTES + 64;
+/// The largest message accepted in parts: a value at the client limit
+/// (512 MiB) in a batch or a snapshot chunk, with room to spare.
+pub const MESSAGE_BYTES_MAX: usize = 1 << 30;
+const WHOLE: u8 = 0;
+const PART: u8 = 1;
+/// kind, shard, family
+const WHOLE_HEADER: usize = 1 + 4 + 1;
+/// kind, shard, family, body length, offset
+const PART_HEADER: usize = 1 + 4 + 1 + 8 + 8;
 /// The largest handshake frame accepted (a cluster id, a node id, a nonce).
 const HELLO_BYTES_MAX: usize = 512;
 /// Incoming peer links held at once; more wait to be accepted.
@@ -50,8 +71,9 @@ pub struct LinkConfig {
     pub cluster_id: String,
     pub me: NodeId,
     pub secret: ClusterSecret,
-    /// Frames kept per peer while its link is down or slow.
-    pub queue_max: usize,
+    /// Bytes of whole frames kept per peer while its link is down or slow,
+    /// and as many of messages waiting to go in parts.
+    pub queue_bytes_max: usize,
     pub connect_timeout: Duration,
     /// How long the other side of a link has for its part of the handshake.
     pub handshake_timeout: Duration,
@@ -77,8 +99,14 @@ pub enum LinkError {
     Unproven { claimed: NodeId },
     #[error("the accepting side is node {found}, not node {expected}")]
     WrongPeer { expected: NodeId, found: NodeId },
-    #[error("frame without a shard")]
-    NoShard,
+    #[error("frame too short for its kind")]
+    ShortFrame,
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u8),
+    #[error("message of {length} bytes in parts is over the limit of {limit}")]
+    OversizedMessage { length: u64, limit: usize },
+    #[error("a part that does not continue the message under way")]
+    StrayPart,
     #[error("undecodable peer message: {0}")]
     Undecodable(String),
 }
@@ -91,13 +119,39 @@ pub struct Incoming {
     pub message: PeerMessage,
 }
 
-/// Frames waiting for a peer: their bytes back to back, and each one's
-/// length so the oldest can be dropped whole.
+/// What waits for a peer: whole frames back to back with each one's length
+/// (so the oldest can be dropped whole), and larger messages to go in parts.
 #[derive(Default)]
 struct Queue {
-    bytes: BytesMut,
+    whole: BytesMut,
     lengths: VecDeque<usize>,
+    in_parts: VecDeque<Parted>,
+    in_parts_bytes: usize,
     dropped: u64,
+}
+
+/// A message too large for one frame, and how much of it has been sent.
+struct Parted {
+    shard: u32,
+    message: PeerMessage,
+    sent: usize,
+}
+
+impl Parted {
+    /// Appends the next part's frame to `out`; true once the last one is.
+    fn put_next_part(&mut self, out: &mut BytesMut) -> bool {
+        let body = self.message.body();
+        let part = &body[self.sent..body.len().min(self.sent + PART_BYTES)];
+        out.put_u32_le((PART_HEADER + part.len()) as u32);
+        out.put_u8(PART);
+        out.put_u32_le(self.shard);
+        out.put_u8(self.message.family().0);
+        out.put_u64_le(body.len() as u64);
+        out.put_u64_le(self.sent as u64);
+        out.put_slice(part);
+        self.sent += part.len();
+        self.sent == body.len()
+    }
 }
 
 struct Peer {
@@ -117,7 +171,7 @@ pub struct Links {
 impl Links {
     /// Links whose writers run on the current runtime.
     pub fn new(config: LinkConfig) -> Arc<Self> {
-        assert!(config.queue_max > 0, "a link must be able to hold a frame");
+        assert!(config.queue_bytes_max > 0, "a link must be able to hold a frame");
         Arc::new(Self {
             config: Arc::new(config),
             runtime: tokio::runtime::Handle::current(),
@@ -134,21 +188,37 @@ impl Links {
 
     /// Queues a message for a peer; never blocks.
     pub fn send(&self, to: NodeId, shard: u32, message: &PeerMessage) {
+        let body_bytes = message.body().len();
+        if body_bytes > MESSAGE_BYTES_MAX {
+            // No peer would accept it; the protocol's resend meets the same fate.
+            tracing::error!(peer = %to, bytes = body_bytes, "a peer message over the limit is not sent");
+            return;
+        }
         let peer = self.peer(to);
         {
             let mut queue = peer.queue.lock();
-            if queue.lengths.len() >= self.config.queue_max {
-                let oldest = queue.lengths.pop_front().expect("a full queue holds a frame");
-                queue.bytes.advance(oldest);
-                queue.dropped += 1;
+            let limit = self.config.queue_bytes_max;
+            if body_bytes > PART_BYTES {
+                while !queue.in_parts.is_empty() && queue.in_parts_bytes + body_bytes > limit {
+                    let oldest = queue.in_parts.pop_front().expect("not empty");
+                    queue.in_parts_bytes -= oldest.message.body().len();
+                    queue.dropped += 1;
+                }
+                queue.in_parts_bytes += body_bytes;
+                queue.in_parts.push_back(Parted { shard, message: message.clone(), sent: 0 });
+            } else {
+                let length = 4 + WHOLE_HEADER + body_bytes;
+                while !queue.lengths.is_empty() && queue.whole.len() + length > limit {
+                    let oldest = queue.lengths.pop_front().expect("not empty");
+                    queue.whole.advance(oldest);
+                    queue.dropped += 1;
+                }
+                queue.whole.put_u32_le((WHOLE_HEADER + body_bytes) as u32);
+                queue.whole.put_u8(WHOLE);
+                queue.whole.put_u32_le(shard);
+                message.encode(&mut queue.whole);
+                queue.lengths.push_back(length);
             }
-            let start = queue.bytes.len();
-            queue.bytes.put_u32_le(0);
-            queue.bytes.put_u32_le(shard);
-            message.encode(&mut queue.bytes);
-            let length = queue.bytes.len() - start;
-            queue.bytes[start..start + 4].copy_from_slice(&((length - 4) as u32).to_le_bytes());
-            queue.lengths.push_back(length);
         }
         peer.wake.notify_one();
     }
@@ -158,7 +228,7 @@ impl Links {
         self.config.clone()
     }
 
-    /// Frames dropped for a peer because its queue was full.
+    /// Messages dropped for a peer because its queue was full.
     pub fn dropped(&self, peer: NodeId) -> u64 {
         self.peers.lock().get(&peer).map_or(0, |peer| peer.queue.lock().dropped)
     }
@@ -301,13 +371,25 @@ async fn write_loop(
             continue;
         };
         backoff = Duration::from_millis(10);
-        // Write whatever is queued, in one batch, until the connection fails.
+        // Write whatever whole frames are queued and the next part of a large
+        // message, in one batch, until the connection fails; a message cut
+        // off by a failure is not resumed (the receiver forgets its parts).
+        let mut in_parts: Option<Parted> = None;
         loop {
-            let batch = {
+            let mut batch = {
                 let mut queue = peer.queue.lock();
                 queue.lengths.clear();
-                queue.bytes.split()
+                if in_parts.is_none() {
+                    in_parts = queue.in_parts.pop_front();
+                    queue.in_parts_bytes -= in_parts.as_ref().map_or(0, |parted| parted.message.body().len());
+                }
+                queue.whole.split()
             };
+            if let Some(parted) = &mut in_parts {
+                if parted.put_next_part(&mut batch) {
+                    in_parts = None;
+                }
+            }
             if batch.is_empty() {
                 peer.wake.notified().await;
                 continue;
@@ -387,6 +469,7 @@ async fn read_peer(
     let mut reader = FrameReader { stream, buffer: BytesMut::new() };
     let from = within(config.handshake_timeout, accept_handshake(&mut reader, config)).await??;
     let mut frames = Vec::new();
+    let mut gathering = Gathering::default();
     loop {
         reader.frames(FRAME_BYTES_MAX, usize::MAX, &mut frames).await?;
         if frames.is_empty() {
@@ -394,16 +477,65 @@ async fn read_peer(
         }
         let mut batch = Vec::with_capacity(frames.len());
         for frame in frames.drain(..) {
-            if frame.len() < 4 {
-                return Err(LinkError::NoShard);
+            if let Some((shard, message)) = gathering.take(frame)? {
+                batch.push(Incoming { from, shard, message });
             }
-            let shard = u32::from_le_bytes(frame[..4].try_into().expect("4 bytes"));
-            let message = PeerMessage::decode(frame.slice(4..))
-                .map_err(|error| LinkError::Undecodable(error.to_string()))?;
-            batch.push(Incoming { from, shard, message });
         }
-        if incoming.send(batch).await.is_err() {
+        if !batch.is_empty() && incoming.send(batch).await.is_err() {
             return Ok(()); // the node is shutting down
+        }
+    }
+}
+
+/// The message under way in parts on one link.
+#[derive(Default)]
+struct Gathering {
+    under_way: Option<(u32, Family, usize, BytesMut)>,
+}
+
+impl Gathering {
+    /// The message a frame completes, if any.
+    fn take(&mut self, mut frame: Bytes) -> Result<Option<(u32, PeerMessage)>, LinkError> {
+        let kind = *frame.first().ok_or(LinkError::ShortFrame)?;
+        match kind {
+            WHOLE => {
+                if frame.len() < WHOLE_HEADER {
+                    return Err(LinkError::ShortFrame);
+                }
+                let shard = u32::from_le_bytes(frame[1..5].try_into().expect("4 bytes"));
+                let message = PeerMessage::decode(frame.slice(5..))
+                    .map_err(|error| LinkError::Undecodable(error.to_string()))?;
+                Ok(Some((shard, message)))
+            }
+            PART => {
+                if frame.len() < PART_HEADER {
+                    return Err(LinkError::ShortFrame);
+                }
+                frame.advance(1);
+                let (shard, family) = (frame.get_u32_le(), Family(frame.get_u8()));
+                let (length, offset) = (frame.get_u64_le(), frame.get_u64_le());
+                if length > MESSAGE_BYTES_MAX as u64 {
+                    return Err(LinkError::OversizedMessage { length, limit: MESSAGE_BYTES_MAX });
+                }
+                let length = length as usize;
+                let under_way =
+                    self.under_way.get_or_insert_with(|| (shard, family, length, BytesMut::new()));
+                let (expected_shard, expected_family, expected_length, body) = under_way;
+                if (shard, family, length) != (*expected_shard, *expected_family, *expected_length)
+                    || offset != body.len() as u64
+                    || body.len() + frame.len() > length
+                {
+                    return Err(LinkError::StrayPart);
+                }
+                // Grows with the parts that arrive, never to the announced length at once.
+                body.extend_from_slice(&frame);
+                if body.len() < length {
+                    return Ok(None);
+                }
+                let (shard, family, _, body) = self.under_way.take().expect("under way");
+                Ok(Some((shard, PeerMessage::from_parts(family, body.freeze()))))
+            }
+            kind => Err(LinkError::UnknownKind(kind)),
         }
     }
 }
@@ -424,7 +556,7 @@ mod tests {
             cluster_id: cluster.into(),
             me: NodeId(me),
             secret: secret(),
-            queue_max: 1000,
+            queue_bytes_max: 1 << 20,
             connect_timeout: Duration::from_secs(1),
             handshake_timeout: Duration::from_millis(300),
             backoff_max: Duration::from_millis(100),
@@ -433,6 +565,24 @@ mod tests {
 
     fn ack(seq: u64) -> PeerMessage {
         PeerMessage::new(&ChainMessage::Ack { view: 1, seq })
+    }
+
+    /// What one queued acknowledgement takes.
+    fn ack_frame_bytes() -> usize {
+        4 + WHOLE_HEADER + ack(0).body().len()
+    }
+
+    /// A message of about `bytes`, distinct per `seq`.
+    fn large(seq: u64, bytes: usize) -> PeerMessage {
+        let mut value = vec![(seq % 251) as u8; bytes];
+        value[bytes / 2] = 7;
+        PeerMessage::new(&ChainMessage::Forward {
+            view: 1,
+            seq,
+            origin: NodeId(7),
+            key: Bytes::from_static(b"k"),
+            write: tessera_protocol::Write::Put(Bytes::from(value)),
+        })
     }
 
     /// The receiving end, one message at a time.
@@ -512,7 +662,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_full_queue_drops_the_oldest_and_another_cluster_is_refused() {
-        let links = Links::new(LinkConfig { queue_max: 10, ..config(1, "c1") });
+        let links = Links::new(LinkConfig { queue_bytes_max: 10 * ack_frame_bytes(), ..config(1, "c1") });
         // No address known yet: everything queues.
         for seq in 0..25 {
             links.send(NodeId(2), 0, &ack(seq));
@@ -530,6 +680,77 @@ mod tests {
         links.send(NodeId(3), 0, &ack(1));
         let nothing = stranger_received.within(Duration::from_millis(300)).await;
         assert!(nothing.is_none(), "a node of another cluster delivers nothing");
+    }
+
+    #[tokio::test]
+    async fn a_large_message_arrives_whole_and_small_ones_pass_it_on_the_way() {
+        let (address, mut received, _server) = listen("c1").await;
+        let links = Links::new(config(7, "c1"));
+        let big = large(1, 40 * PART_BYTES + 123);
+        links.send(NodeId(1), 4, &big);
+        links.send(NodeId(1), 4, &ack(1));
+        links.set_addresses(HashMap::from([(NodeId(1), address)]));
+        let first = received.within(Duration::from_secs(5)).await.unwrap();
+        assert_eq!(first.message, ack(1), "the small message does not wait for 40 parts");
+        let second = received.within(Duration::from_secs(5)).await.unwrap();
+        assert_eq!((second.from, second.shard), (NodeId(7), 4));
+        assert!(second.message == big, "the large message arrives byte for byte");
+        // Messages waiting for parts are bounded by bytes too, the oldest going first.
+        let small_queue = Links::new(LinkConfig { queue_bytes_max: 3 * PART_BYTES, ..config(7, "c1") });
+        for seq in 0..4 {
+            small_queue.send(NodeId(2), 0, &large(seq, 2 * PART_BYTES));
+        }
+        assert_eq!(small_queue.dropped(NodeId(2)), 3, "one message of two parts fits");
+        small_queue.send(NodeId(2), 0, &large(9, 5 * PART_BYTES));
+        assert_eq!(small_queue.dropped(NodeId(2)), 4, "a message over the bound is kept alone");
+    }
+
+    /// An authenticated link to node 1 at `address`, as node 7, for writing raw frames.
+    async fn authenticated_stream(address: &str) -> TcpStream {
+        let stream = TcpStream::connect(address).await.unwrap();
+        connect_handshake(stream, NodeId(1), &config(7, "c1")).await.unwrap()
+    }
+
+    fn part_frame(shard: u32, length: u64, offset: u64, bytes: &[u8]) -> Vec<u8> {
+        let mut body = vec![PART];
+        body.extend_from_slice(&shard.to_le_bytes());
+        body.push(ack(0).family().0);
+        body.extend_from_slice(&length.to_le_bytes());
+        body.extend_from_slice(&offset.to_le_bytes());
+        body.extend_from_slice(bytes);
+        frame(&body)
+    }
+
+    #[tokio::test]
+    async fn parts_out_of_order_or_over_the_limit_close_the_link() {
+        let (address, mut received, _server) = listen("c1").await;
+        let cases = [
+            ("a second part first", part_frame(0, 100, 50, &[0; 50])),
+            ("a message over the limit", part_frame(0, MESSAGE_BYTES_MAX as u64 + 1, 0, &[0; 10])),
+            ("more bytes than announced", part_frame(0, 10, 0, &[0; 20])),
+            ("another message's part before the first ends", {
+                let mut bytes = part_frame(0, 100, 0, &[0; 50]);
+                bytes.extend_from_slice(&part_frame(1, 100, 50, &[0; 50]));
+                bytes
+            }),
+            ("an unknown kind", frame(&[9, 0, 0, 0, 0, 0])),
+        ];
+        for (case, bytes) in cases {
+            let mut stream = authenticated_stream(&address).await;
+            stream.write_all(&bytes).await.unwrap();
+            let mut rest = [0u8; 1];
+            let closed = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut rest)).await;
+            assert!(matches!(closed, Ok(Ok(0) | Err(_))), "{case}: the link was closed");
+        }
+        assert!(received.within(Duration::from_millis(50)).await.is_none(), "nothing was delivered");
+        // The parts of one message, in order, are delivered as one message.
+        let mut stream = authenticated_stream(&address).await;
+        let body = ack(5).body().clone();
+        let (head, tail) = body.split_at(body.len() / 2);
+        stream.write_all(&part_frame(3, body.len() as u64, 0, head)).await.unwrap();
+        stream.write_all(&part_frame(3, body.len() as u64, head.len() as u64, tail)).await.unwrap();
+        let incoming = received.within(Duration::from_secs(5)).await.expect("the gathered message");
+        assert_eq!((incoming.shard, incoming.message), (3, ack(5)));
     }
 
     /// A reader over the far end of a connection whose near end the test writes.
@@ -636,6 +857,47 @@ mod tests {
         let mut rest = [0u8; 1];
         let closed = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut rest)).await.unwrap();
         assert!(matches!(closed, Ok(0) | Err(_)), "closed once the handshake time ran out");
+    }
+
+    /// Whatever frames a member sends, whole or in parts, the link either
+    /// delivers messages or closes; the port goes on serving.
+    #[test]
+    fn a_peer_port_survives_whatever_frames_a_member_sends() {
+        use proptest::prelude::*;
+
+        let runtime =
+            tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let (address, mut received, _server) = runtime.block_on(listen("c1"));
+        let whole =
+            (any::<u32>(), proptest::collection::vec(any::<u8>(), 0..64)).prop_map(|(shard, body)| {
+                let mut frame_body = vec![WHOLE];
+                frame_body.extend_from_slice(&shard.to_le_bytes());
+                frame_body.extend_from_slice(&body);
+                frame(&frame_body)
+            });
+        let part = (0u32..3, 0u64..300, 0u64..300, proptest::collection::vec(any::<u8>(), 0..200))
+            .prop_map(|(shard, length, offset, bytes)| part_frame(shard, length, offset, &bytes));
+        let raw = proptest::collection::vec(any::<u8>(), 0..100).prop_map(|bytes| frame(&bytes));
+        let frames = proptest::collection::vec(prop_oneof![whole, part, raw], 1..12);
+        let cases = std::env::var("PROPTEST_CASES").ok().and_then(|cases| cases.parse().ok()).unwrap_or(64);
+        proptest!(ProptestConfig { cases, ..ProptestConfig::default() }, |(frames in frames)| {
+            runtime.block_on(async {
+                let mut stream = authenticated_stream(&address).await;
+                let _ = stream.write_all(&frames.concat()).await;
+                let _ = stream.shutdown().await;
+                let mut sink = [0u8; 256];
+                let drained = async { while matches!(stream.read(&mut sink).await, Ok(read) if read > 0) {} };
+                let _ = tokio::time::timeout(Duration::from_millis(400), drained).await;
+            });
+        });
+        runtime.block_on(async {
+            while received.within(Duration::from_millis(50)).await.is_some() {}
+            let member = Links::new(config(7, "c1"));
+            member.set_addresses(HashMap::from([(NodeId(1), address)]));
+            member.send(NodeId(1), 2, &ack(9));
+            let incoming = received.within(Duration::from_secs(5)).await.expect("a member is still heard");
+            assert_eq!((incoming.from, incoming.message), (NodeId(7), ack(9)));
+        });
     }
 
     /// Whatever a connection sends a peer port, nothing is delivered without

@@ -55,8 +55,19 @@ impl PeerMessage {
         Self { family: M::FAMILY, body: Bytes::from(body) }
     }
 
+    /// A message from its family and its encoded body, as [`PeerMessage::body`]
+    /// gave them.
+    pub fn from_parts(family: Family, body: Bytes) -> Self {
+        Self { family, body }
+    }
+
     pub fn family(&self) -> Family {
         self.family
+    }
+
+    /// The encoded body, without the family byte.
+    pub fn body(&self) -> &Bytes {
+        &self.body
     }
 
     /// The message as `M`: `None` when it belongs to another protocol's
