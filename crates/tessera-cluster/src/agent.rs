@@ -37,6 +37,27 @@ use crate::auth::{ClusterSecret, CoordinatorLogin, LoginError};
 use crate::links::{serve_incoming, Incoming, LinkConfig, Links, INCOMING_BATCHES_MAX};
 use crate::map::{range_index, ClusterMap, DEFAULT_TABLE};
 
+/// Milliseconds since the Unix epoch as read once at start, advanced by a
+/// monotonic clock: timers never jump with the wall clock, and versions
+/// stamped from it are comparable across nodes (to within their clocks'
+/// skew at start), which bounds how far ahead a peer's version may be.
+struct Clock {
+    started: Instant,
+    origin_ms: u64,
+}
+
+impl Clock {
+    fn start() -> Self {
+        let since_epoch =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        Self { started: Instant::now(), origin_ms: since_epoch.as_millis() as u64 }
+    }
+
+    fn now(&self) -> u64 {
+        self.origin_ms + self.started.elapsed().as_millis() as u64
+    }
+}
+
 /// What a link to one peer holds while the peer is down or slow: the
 /// protocols resend what is lost, so a bound keeps a dead peer from costing
 /// memory without losing anything they promise.
@@ -360,7 +381,7 @@ pub struct Agent {
     /// Requests waiting for an answer on every shard: the back-pressure count.
     uncommitted: AtomicUsize,
     links: Arc<Links>,
-    started: Instant,
+    clock: Clock,
     /// How long a granted view lasts, as the coordinator counts it.
     lease_ms: u64,
     /// The agent's loops; they hold it weakly and are stopped when it drops.
@@ -433,7 +454,7 @@ impl Agent {
             routing: RwLock::new(None),
             uncommitted: AtomicUsize::new(0),
             links,
-            started: Instant::now(),
+            clock: Clock::start(),
             lease_ms,
             tasks: Mutex::new(vec![peers]),
             room: Notify::new(),
@@ -448,8 +469,9 @@ impl Agent {
         Ok(agent)
     }
 
+    /// The time the protocols run by, in milliseconds.
     pub fn now(&self) -> u64 {
-        self.started.elapsed().as_millis() as u64
+        self.clock.now()
     }
 
     fn local_shards(&self) -> Arc<BTreeMap<u32, Arc<LocalShard>>> {

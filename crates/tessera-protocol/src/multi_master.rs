@@ -372,6 +372,10 @@ impl MultiMaster {
     /// Stores `record` if it outranks what is held; returns whether it did.
     /// `raw` is `record` encoded, as it arrived or as it will travel.
     fn merge(&mut self, key: &Bytes, record: Record, raw: Bytes, now: Time) -> Result<bool, OperationError> {
+        if let Err(error) = self.hlc.observe_remote(record.version, now) {
+            tracing::warn!(replica = %self.me, origin = %record.origin, %error, "record refused");
+            return Ok(false);
+        }
         let current = self.stored(key)?;
         if current
             .as_ref()
@@ -383,7 +387,6 @@ impl MultiMaster {
             // Collected everywhere by now: storing it would only bring it back.
             return Ok(false);
         }
-        self.hlc.observe(record.version, now);
         self.engine.put(key, raw)?;
         if let Some(current) = &current {
             self.index(key, current, false);
@@ -679,6 +682,7 @@ impl Protocol for MultiMaster {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::record::VERSION_AHEAD_MAX_MS;
     use crate::test_support::{put, view};
     use crate::{read_visible, Effect, RequestId};
     use tessera_engine::MemoryEngine;
@@ -774,6 +778,31 @@ mod tests {
         assert!(batches.iter().all(|bytes| *bytes <= crate::BATCH_BYTES_MAX + 64), "{batches:?}");
         settle(&mut replicas, Effects::new(110));
         assert_eq!(value(&replicas[1], "k9").map(|value| value.len()), Some(1 << 20));
+    }
+
+    #[test]
+    fn a_version_from_beyond_clock_drift_cannot_pin_a_key() {
+        let mut fx = Effects::new(1_000);
+        let mut replicas = members(2, &mut fx);
+        let now = 1_000;
+        let pinned = Record::value(Version(u64::MAX), NodeId(2), Bytes::from_static(b"forged"));
+        let records = vec![(Bytes::from_static(b"k"), pinned.encode())];
+        let batch = PeerMessage::new(&MultiMessage::Records { view: 1, batch: 1, records });
+        let mut fx = Effects::new(now);
+        replicas[0].on_peer(NodeId(2), batch, &mut fx);
+        assert_eq!(value(&replicas[0], "k"), None, "refused");
+        let near =
+            Record::value(Version::new(now + VERSION_AHEAD_MAX_MS, 0), NodeId(2), Bytes::from_static(b"v"));
+        let records = vec![(Bytes::from_static(b"k"), near.encode())];
+        replicas[0].on_peer(
+            NodeId(2),
+            PeerMessage::new(&MultiMessage::Records { view: 1, batch: 2, records }),
+            &mut fx,
+        );
+        assert_eq!(value(&replicas[0], "k"), Some(Bytes::from_static(b"v")), "within drift: taken");
+        // A later write here still wins: the clock moved past the version it took.
+        replicas[0].on_client(put(1, "k", "later"), &mut fx);
+        assert_eq!(value(&replicas[0], "k"), Some(Bytes::from_static(b"later")));
     }
 
     #[test]

@@ -33,7 +33,7 @@ use bytes::{BufMut, Bytes};
 use tessera_engine::Engine;
 
 use crate::codec::{put_bytes, put_chunk, put_entries, put_optional, CodecError, Family, Message, Reader};
-use crate::record::{Hlc, Record, Version};
+use crate::record::{Hlc, Record, Version, VERSION_AHEAD_MAX_MS};
 use crate::{
     engine_entries, entries_bytes, increment_value, snapshot_chunks, transfer_allowance, Chunk, ClientReply,
     ClientRequest, Consistency, Effects, NodeId, Operation, OperationError, PeerMessage, Progress, Protocol,
@@ -72,9 +72,9 @@ impl Default for QuorumOptions {
 
 /// A replica that restarts on a persistent engine has forgotten the promises
 /// it made: it refuses every ballot below its clock at restart plus this
-/// margin, which stands above any ballot it can have promised unless a
-/// proposer's clock ran this far ahead of its own.
-const RESTART_PROMISE_MARGIN_MS: u64 = 10_000;
+/// margin, which stands above any ballot it can have promised, since it
+/// refuses ballots further ahead of its clock than that.
+const RESTART_PROMISE_MARGIN_MS: u64 = VERSION_AHEAD_MAX_MS;
 
 /// A ballot: the version a proposer stamps and the proposer. Ordered like the
 /// records it becomes.
@@ -446,9 +446,12 @@ impl QuorumRegister {
                 return Answer::Refused(Version(0));
             }
         };
+        if let Err(error) = self.hlc.observe_remote(ballot.0, now) {
+            tracing::warn!(replica = %self.me, proposer = %ballot.1, %error, "prepare refused");
+            return Answer::Refused(Version(0));
+        }
         let promised = self.promises.get(key).copied().max(self.floor(now));
         let floor = accepted.as_ref().map(ballot_of).max(promised);
-        self.hlc.observe(ballot.0, now);
         if floor.is_some_and(|floor| ballot <= floor) {
             return Answer::Refused(floor.map_or(Version(0), |(version, _)| version));
         }
@@ -465,8 +468,11 @@ impl QuorumRegister {
                 return Answer::Refused(Version(0));
             }
         };
+        if let Err(error) = self.hlc.observe_remote(ballot.0, now) {
+            tracing::warn!(replica = %self.me, proposer = %ballot.1, %error, "accept refused");
+            return Answer::Refused(Version(0));
+        }
         let promised = self.promises.get(key).copied().max(self.floor(now));
-        self.hlc.observe(ballot.0, now);
         if accepted == Some(ballot) {
             // The same accept again (a resend): one ballot is one record.
             return Answer::Accepted;
@@ -578,7 +584,9 @@ impl QuorumRegister {
     /// After a refusal or a timeout: prepare again after a backoff, or give up.
     fn retry(&mut self, op: u64, outbid: Version, fx: &mut Effects) {
         let now = fx.now();
-        self.hlc.observe(outbid, now);
+        if let Err(error) = self.hlc.observe_remote(outbid, now) {
+            tracing::warn!(replica = %self.me, %error, "a refusal's version ignored");
+        }
         let Some(proposal) = self.proposals.get_mut(&op) else { return };
         let accepting = matches!(proposal.phase, Phase::Accept { .. });
         proposal.attempt += 1;
@@ -741,9 +749,12 @@ impl QuorumRegister {
     fn merge_snapshot(&mut self, entries: Vec<(Bytes, Bytes)>, now: Time) -> Result<(), OperationError> {
         for (key, raw) in entries {
             let Ok(record) = Record::decode(raw.clone()) else { continue };
+            if let Err(error) = self.hlc.observe_remote(record.version, now) {
+                tracing::warn!(replica = %self.me, origin = %record.origin, %error, "snapshot record refused");
+                continue;
+            }
             let current = self.accepted(&key)?;
             if current.as_ref().is_none_or(|current| ballot_of(current) < ballot_of(&record)) {
-                self.hlc.observe(record.version, now);
                 self.engine.put(&key, raw)?;
             }
         }
@@ -1112,7 +1123,11 @@ mod tests {
             "a ballot from before the restart"
         );
         let fresh = (Version::new(1_000 + RESTART_PROMISE_MARGIN_MS + 1, 0), NodeId(3));
-        assert!(matches!(restarted.on_prepare(&key, fresh, 1_000), Answer::Promised(Some(_))));
+        assert!(
+            matches!(restarted.on_prepare(&key, fresh, 1_000), Answer::Refused(_)),
+            "further ahead of the clock than clocks drift"
+        );
+        assert!(matches!(restarted.on_prepare(&key, fresh, 2_000), Answer::Promised(Some(_))));
         let mut empty =
             QuorumRegister::new(NodeId(4), Arc::new(MemoryEngine::new()), QuorumOptions::default());
         assert!(matches!(

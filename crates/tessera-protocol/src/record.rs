@@ -33,6 +33,17 @@ impl Version {
     }
 }
 
+/// How far ahead of the local clock a peer's version may be. Clocks drift
+/// by far less; a version beyond this comes from a broken clock, and taking
+/// it would put its key out of reach of every later write, so it is refused.
+pub const VERSION_AHEAD_MAX_MS: u64 = 10_000;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("a peer's version is {ahead_ms} ms ahead of this clock, more than the {VERSION_AHEAD_MAX_MS} ms clocks may drift")]
+pub struct VersionAhead {
+    pub ahead_ms: u64,
+}
+
 /// Issues hybrid logical clock versions: never backwards, always above any
 /// version seen, and close to physical time.
 #[derive(Clone, Debug, Default)]
@@ -47,10 +58,21 @@ impl Hlc {
         self.last
     }
 
-    /// Moves the clock past a version received from another replica.
-    pub fn observe(&mut self, remote: Version, now: Time) -> Version {
-        self.last = Self::after(self.last.max(remote), now);
+    /// Moves the clock past a version this replica stored earlier.
+    pub fn observe(&mut self, stored: Version, now: Time) -> Version {
+        self.last = Self::after(self.last.max(stored), now);
         self.last
+    }
+
+    /// Moves the clock past a version received from a peer, unless it is
+    /// further ahead of `now` than clocks drift.
+    pub fn observe_remote(&mut self, remote: Version, now: Time) -> Result<(), VersionAhead> {
+        let ahead_ms = remote.physical_ms().saturating_sub(now);
+        if ahead_ms > VERSION_AHEAD_MAX_MS {
+            return Err(VersionAhead { ahead_ms });
+        }
+        self.observe(remote, now);
+        Ok(())
     }
 
     /// The smallest version above `floor` at physical time `now`.
