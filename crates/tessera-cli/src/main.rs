@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use tessera_node::memory::{parse_size, CountingAllocator, EvictionPolicy};
 use tessera_node::{Config, Server};
 use tessera_wire::{Client, Value};
 
@@ -344,6 +345,17 @@ struct ServeArgs {
     /// Close a client idle for this many seconds (Redis's timeout) [default: 0, never].
     #[arg(long)]
     timeout: Option<u64>,
+    /// Memory the node may use, in bytes or with a unit (100mb, 2gb), as
+    /// Redis's maxmemory; past it, writes evict keys or are refused [default: 0, none].
+    #[arg(long, value_parser = parse_maxmemory)]
+    maxmemory: Option<u64>,
+    /// What a write does past maxmemory: noeviction (refused with -OOM),
+    /// allkeys-lru, allkeys-random, volatile-lru, volatile-random or volatile-ttl [default: noeviction].
+    #[arg(long, value_parser = parse_eviction_policy)]
+    maxmemory_policy: Option<EvictionPolicy>,
+    /// Keys sampled per eviction [default: 5].
+    #[arg(long)]
+    maxmemory_samples: Option<usize>,
     /// How long shutdown waits for in-flight requests, in ms [default: 5000].
     #[arg(long)]
     shutdown_timeout_ms: Option<u64>,
@@ -409,6 +421,9 @@ impl ServeArgs {
             query_buffer_bytes_max,
             client_output_buffer_limit,
             timeout,
+            maxmemory,
+            maxmemory_policy,
+            maxmemory_samples,
             shutdown_timeout_ms
         );
         if self.password.is_some() {
@@ -978,6 +993,21 @@ fn repair(dir: &Path) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Counts what the node allocates: `used_memory`, which `maxmemory` bounds.
+#[global_allocator]
+static ALLOCATOR: CountingAllocator = CountingAllocator;
+
+fn parse_maxmemory(text: &str) -> Result<u64, String> {
+    parse_size(text).ok_or_else(|| format!("not a size: {text} (bytes, or a number with kb, mb, gb)"))
+}
+
+fn parse_eviction_policy(text: &str) -> Result<EvictionPolicy, String> {
+    EvictionPolicy::parse(text).ok_or_else(|| {
+        let names: Vec<&str> = EvictionPolicy::ALL.iter().map(|policy| policy.name()).collect();
+        format!("unknown policy {text}; one of {}", names.join(", "))
+    })
 }
 
 fn main() -> ExitCode {

@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use tessera_wire::Limits;
 
+use crate::memory::EvictionPolicy;
+
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
@@ -42,6 +44,12 @@ pub struct Config {
     /// Seconds a client may stay idle before it is closed (Redis's
     /// timeout); 0: never.
     pub timeout: u64,
+    /// Bytes of memory the node may use (Redis's maxmemory); past it, writes
+    /// that may grow memory evict keys or are refused. 0: no limit.
+    pub maxmemory: u64,
+    pub maxmemory_policy: EvictionPolicy,
+    /// Keys sampled per eviction (Redis's maxmemory-samples).
+    pub maxmemory_samples: usize,
     /// How long shutdown waits for connections to finish their requests.
     pub shutdown_timeout_ms: u64,
     /// How often expired keys are swept, and how many entries per table each sweep reads.
@@ -119,6 +127,9 @@ impl Default for Config {
             query_buffer_bytes_max: 1 << 30,
             client_output_buffer_limit: 0,
             timeout: 0,
+            maxmemory: 0,
+            maxmemory_policy: EvictionPolicy::Noeviction,
+            maxmemory_samples: 5,
             shutdown_timeout_ms: 5_000,
             expiry_sweep_interval_ms: 100,
             expiry_sweep_entries: 256,

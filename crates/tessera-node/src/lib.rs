@@ -13,6 +13,7 @@ pub mod connection;
 pub mod error;
 pub mod glob;
 pub mod membership;
+pub mod memory;
 pub mod node_state;
 pub mod server;
 pub mod tables;

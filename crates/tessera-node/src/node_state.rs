@@ -12,17 +12,20 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::{Mutex, MutexGuard, RwLock};
-use tessera_engine::{reserved, Engine, EngineSpec, ScanCursor};
+use tessera_engine::{reserved, Engine, EngineSpec, ScanCursor, ScanPage};
 
 use crate::config::Config;
-use crate::error::CommandResult;
+use crate::error::{CommandError, CommandResult};
+use crate::memory::{used_memory, AccessClock, EvictionPolicy};
 use crate::tables::{Catalogue, Table, TableDef, TableError, TableSet};
-use crate::typed::Stored;
+use crate::typed::{decode_header, Stored};
 use crate::zset;
 
 const LOCK_STRIPES: usize = 1024;
 /// SCAN cursors kept before the oldest are forgotten.
 const SCAN_CURSORS_MAX: usize = 100_000;
+/// Samples in a row that may find nothing to evict before a write is refused.
+const EVICTION_SAMPLES_FRUITLESS_MAX: usize = 16;
 
 /// Node-wide counters of rare events, reported by INFO.
 #[derive(Default)]
@@ -31,6 +34,7 @@ pub struct Stats {
     pub connections_rejected: AtomicU64,
     pub connected_clients: AtomicUsize,
     pub expired_keys: AtomicU64,
+    pub evicted_keys: AtomicU64,
 }
 
 /// Counters of one worker thread, written only by that thread (so the atomic
@@ -78,6 +82,9 @@ pub struct NodeState {
     scan_cursors: Mutex<ScanCursors>,
     /// Where the expiry sweeper stopped in each table.
     sweep_positions: Mutex<HashMap<String, ScanCursor>>,
+    /// Where eviction's last sample stopped: the table, then the cursor in it.
+    eviction_position: Mutex<(usize, ScanCursor)>,
+    pub access: AccessClock,
     pub stats: Stats,
     worker_stats: Mutex<Vec<Arc<WorkerStats>>>,
     pub started: Instant,
@@ -105,6 +112,8 @@ impl NodeState {
             stripes: (0..LOCK_STRIPES).map(|_| Mutex::new(())).collect(),
             scan_cursors: Mutex::new(ScanCursors::default()),
             sweep_positions: Mutex::new(HashMap::new()),
+            eviction_position: Mutex::new((0, ScanCursor::default())),
+            access: AccessClock::default(),
             stats: Stats::default(),
             worker_stats: Mutex::new(Vec::new()),
             started: Instant::now(),
@@ -228,6 +237,98 @@ impl NodeState {
             }
             if let Some(next) = page.next {
                 self.sweep_positions.lock().insert(table.def.name.clone(), next);
+            }
+        }
+    }
+
+    /// Before a write that may grow memory: under `maxmemory` (or with none),
+    /// nothing to do; over it, keys are evicted by the policy until it is
+    /// under again, and the write is refused with `-OOM` if they cannot be.
+    /// A cluster node does not evict (an eviction would have to replicate
+    /// as a delete): it refuses.
+    pub fn make_room(&self, in_cluster: bool) -> CommandResult<()> {
+        let limit = self.config.maxmemory as usize;
+        if limit == 0 || used_memory() <= limit {
+            return Ok(());
+        }
+        let policy = self.config.maxmemory_policy;
+        if policy == EvictionPolicy::Noeviction || in_cluster {
+            return Err(CommandError::OutOfMemory);
+        }
+        // A bounded effort per write: samples that keep finding nothing to
+        // evict (only keys without expiry under a volatile policy, say) give up.
+        let mut fruitless = 0;
+        while used_memory() > limit {
+            if self.evict_one(policy) {
+                fruitless = 0;
+            } else {
+                fruitless += 1;
+                if fruitless > EVICTION_SAMPLES_FRUITLESS_MAX + self.tables().by_name().len() {
+                    return Err(CommandError::OutOfMemory);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Samples the next `maxmemory_samples` entries of one table and evicts
+    /// the policy's best candidate among them, if there is one.
+    fn evict_one(&self, policy: EvictionPolicy) -> bool {
+        let tables = self.tables();
+        let tables = tables.by_name();
+        if tables.is_empty() {
+            return false;
+        }
+        let (table, cursor) = {
+            let mut position = self.eviction_position.lock();
+            if position.0 >= tables.len() {
+                *position = (0, ScanCursor::default());
+            }
+            (tables[position.0], position.1.clone())
+        };
+        let samples = self.config.maxmemory_samples.max(1);
+        let page = match table.engine.scan(&tessera_engine::KeyRange::all(), &cursor, samples) {
+            Ok(page) => page,
+            Err(error) => {
+                tracing::warn!(table = %table.def.name, %error, "eviction cannot sample the table");
+                ScanPage::default()
+            }
+        };
+        {
+            let mut position = self.eviction_position.lock();
+            *position = match page.next {
+                Some(next) => (position.0, next),
+                None => (position.0 + 1, ScanCursor::default()),
+            };
+        }
+        // The best candidate: the smallest rank.
+        let victim = page
+            .entries
+            .into_iter()
+            .filter(|(key, _)| !reserved::is_reserved(key))
+            .filter_map(|(key, raw)| {
+                let expires_at = decode_header(&raw).ok()?.1;
+                if policy.volatile_only() && expires_at.is_none() {
+                    return None;
+                }
+                let rank = match policy {
+                    EvictionPolicy::VolatileTtl => expires_at.unwrap_or(u64::MAX),
+                    policy if policy.uses_access_times() => u64::from(self.access.last_access(&key)),
+                    _ => 0, // random: the sample's first
+                };
+                Some((rank, key))
+            })
+            .min_by_key(|(rank, _)| *rank);
+        let Some((_, key)) = victim else { return false };
+        let _lock = self.lock_key(&key);
+        match table.engine.delete(&key) {
+            Ok(deleted) => {
+                self.stats.evicted_keys.fetch_add(u64::from(deleted), Ordering::Relaxed);
+                deleted
+            }
+            Err(error) => {
+                tracing::warn!(table = %table.def.name, %error, "eviction cannot delete a key");
+                false
             }
         }
     }

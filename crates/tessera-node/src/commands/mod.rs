@@ -247,6 +247,14 @@ fn run(context: &mut Context, request: &Request) -> CommandResult {
             String::from_utf8_lossy(&key[..key.len().min(64)]).into_owned(),
         ));
     }
+    if spec.flags.contains(&"denyoom") {
+        context.node.make_room(context.cluster.is_some())?;
+    }
+    if context.node.config.maxmemory_policy.uses_access_times() {
+        for index in spec.key_positions(request.len()) {
+            context.node.access.touch(request.arg(index), context.now_ms);
+        }
+    }
     (spec.handler)(context, request)
 }
 

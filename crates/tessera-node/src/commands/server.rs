@@ -7,6 +7,7 @@ use tessera_wire::{ReplyWriter, Request};
 
 use super::{all_commands, is, lookup, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
+use crate::memory::{human_bytes, resident_memory, used_memory};
 use crate::tables::escape_prefix;
 use crate::REDIS_COMPATIBLE_VERSION;
 
@@ -54,18 +55,31 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
             node.config.max_clients
         );
     }
+    if include("memory") {
+        let (used, resident, limit) = (used_memory(), resident_memory(), node.config.maxmemory);
+        let _ = write!(
+            text,
+            "# Memory\r\nused_memory:{used}\r\nused_memory_human:{}\r\nused_memory_rss:{resident}\r\n\
+             used_memory_rss_human:{}\r\nmaxmemory:{limit}\r\nmaxmemory_human:{}\r\nmaxmemory_policy:{}\r\n\r\n",
+            human_bytes(used as u64),
+            human_bytes(resident),
+            human_bytes(limit),
+            node.config.maxmemory_policy.name(),
+        );
+    }
     if include("stats") {
         let _ = write!(
             text,
             "# Stats\r\ntotal_connections_received:{}\r\ntotal_commands_processed:{}\r\n\
              total_net_input_bytes:{}\r\ntotal_net_output_bytes:{}\r\nrejected_connections:{}\r\n\
-             expired_keys:{}\r\nkeyspace_hits:{}\r\nkeyspace_misses:{}\r\n\r\n",
+             expired_keys:{}\r\nevicted_keys:{}\r\nkeyspace_hits:{}\r\nkeyspace_misses:{}\r\n\r\n",
             stats.connections_received.load(Ordering::Relaxed),
             node.worker_total(|worker| &worker.commands),
             node.worker_total(|worker| &worker.net_input_bytes),
             node.worker_total(|worker| &worker.net_output_bytes),
             stats.connections_rejected.load(Ordering::Relaxed),
             stats.expired_keys.load(Ordering::Relaxed),
+            stats.evicted_keys.load(Ordering::Relaxed),
             node.worker_total(|worker| &worker.keyspace_hits),
             node.worker_total(|worker| &worker.keyspace_misses),
         );
@@ -189,6 +203,9 @@ fn config(context: &mut Context, request: &Request) -> CommandResult {
             ("dir", config.dir.display().to_string()),
             ("maxclients", config.max_clients.to_string()),
             ("proto-max-bulk-len", config.bulk_bytes_max.to_string()),
+            ("maxmemory", config.maxmemory.to_string()),
+            ("maxmemory-policy", config.maxmemory_policy.name().to_string()),
+            ("maxmemory-samples", config.maxmemory_samples.to_string()),
             ("databases", "1".into()),
             ("save", String::new()),
             ("appendonly", "no".into()),

@@ -1,0 +1,245 @@
+//! The node's memory as Redis's `used_memory` counts it — bytes allocated
+//! and not yet freed, counted by the allocator itself — and what keeps it
+//! under `maxmemory`: refusing writes (`noeviction`) or evicting keys by a
+//! policy, as Redis does.
+//!
+//! Eviction samples keys as Redis does: it reads `maxmemory-samples` entries
+//! of one table from where the last sample stopped and evicts the best
+//! candidate among them. Least recently used is judged by [`AccessClock`], a
+//! fixed table of last-access times indexed by the key's hash, so tracking
+//! costs no memory per key (keys that share a slot look as recent as the most
+//! recent of them, which only spares them).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+
+use serde::Deserialize;
+
+/// Bytes allocated through [`CountingAllocator`] and not yet freed.
+static ALLOCATED: AtomicUsize = AtomicUsize::new(0);
+
+/// The system allocator, counting what it hands out. The binary installs it
+/// (`#[global_allocator]`); where it is not installed, the count stays 0 and
+/// `maxmemory` never binds.
+pub struct CountingAllocator;
+
+// SAFETY: every call is forwarded unchanged to the system allocator; the
+// counter is only arithmetic on the sizes the caller passed.
+unsafe impl GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let pointer = unsafe { System.alloc(layout) };
+        if !pointer.is_null() {
+            ALLOCATED.fetch_add(layout.size(), Ordering::Relaxed);
+        }
+        pointer
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let pointer = unsafe { System.alloc_zeroed(layout) };
+        if !pointer.is_null() {
+            ALLOCATED.fetch_add(layout.size(), Ordering::Relaxed);
+        }
+        pointer
+    }
+
+    unsafe fn dealloc(&self, pointer: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(pointer, layout) };
+        ALLOCATED.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+
+    unsafe fn realloc(&self, pointer: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let moved = unsafe { System.realloc(pointer, layout, new_size) };
+        if !moved.is_null() {
+            ALLOCATED.fetch_add(new_size, Ordering::Relaxed);
+            ALLOCATED.fetch_sub(layout.size(), Ordering::Relaxed);
+        }
+        moved
+    }
+}
+
+/// Bytes the node has allocated and not freed (0 where the counting
+/// allocator is not installed).
+pub fn used_memory() -> usize {
+    ALLOCATED.load(Ordering::Relaxed)
+}
+
+/// The process's resident set, in bytes (Redis's `used_memory_rss`); 0 where
+/// the system does not say.
+pub fn resident_memory() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kilobytes = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok());
+    kilobytes.unwrap_or(0) * 1024
+}
+
+/// A size as Redis's INFO writes it (`1.50M`).
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "K", "M", "G", "T"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes}B")
+    } else {
+        format!("{value:.2}{}", UNITS[unit])
+    }
+}
+
+/// What a node over `maxmemory` does before a write that may grow it.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum EvictionPolicy {
+    /// Refuse the write with `-OOM`.
+    #[default]
+    Noeviction,
+    /// Evict the least recently used keys.
+    AllkeysLru,
+    /// Evict random keys.
+    AllkeysRandom,
+    /// Evict the least recently used keys among those with an expiry.
+    VolatileLru,
+    /// Evict random keys among those with an expiry.
+    VolatileRandom,
+    /// Evict the keys with an expiry nearest to it.
+    VolatileTtl,
+}
+
+impl EvictionPolicy {
+    pub const ALL: [EvictionPolicy; 6] = [
+        EvictionPolicy::Noeviction,
+        EvictionPolicy::AllkeysLru,
+        EvictionPolicy::AllkeysRandom,
+        EvictionPolicy::VolatileLru,
+        EvictionPolicy::VolatileRandom,
+        EvictionPolicy::VolatileTtl,
+    ];
+
+    /// Redis's name for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            EvictionPolicy::Noeviction => "noeviction",
+            EvictionPolicy::AllkeysLru => "allkeys-lru",
+            EvictionPolicy::AllkeysRandom => "allkeys-random",
+            EvictionPolicy::VolatileLru => "volatile-lru",
+            EvictionPolicy::VolatileRandom => "volatile-random",
+            EvictionPolicy::VolatileTtl => "volatile-ttl",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|policy| policy.name().eq_ignore_ascii_case(name))
+    }
+
+    /// Only keys with an expiry may be evicted.
+    pub fn volatile_only(self) -> bool {
+        matches!(
+            self,
+            EvictionPolicy::VolatileLru | EvictionPolicy::VolatileRandom | EvictionPolicy::VolatileTtl
+        )
+    }
+
+    pub fn uses_access_times(self) -> bool {
+        matches!(self, EvictionPolicy::AllkeysLru | EvictionPolicy::VolatileLru)
+    }
+}
+
+/// Slots of [`AccessClock`]: 1 MiB of last-access times.
+const ACCESS_SLOTS: usize = 1 << 18;
+
+/// Last-access times (in tenths of a second) by the key's hash.
+pub struct AccessClock {
+    slots: Box<[AtomicU32]>,
+}
+
+impl Default for AccessClock {
+    fn default() -> Self {
+        Self { slots: (0..ACCESS_SLOTS).map(|_| AtomicU32::new(0)).collect() }
+    }
+}
+
+impl AccessClock {
+    pub fn touch(&self, key: &[u8], now_ms: u64) {
+        self.slots[slot(key)].store(tenths(now_ms), Ordering::Relaxed);
+    }
+
+    /// When the key (or one sharing its slot) was last used; 0: not since start.
+    pub fn last_access(&self, key: &[u8]) -> u32 {
+        self.slots[slot(key)].load(Ordering::Relaxed)
+    }
+}
+
+fn tenths(now_ms: u64) -> u32 {
+    (now_ms / 100) as u32
+}
+
+/// FNV-1a, folded onto the slots.
+fn slot(key: &[u8]) -> usize {
+    let hash = key.iter().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+        (hash ^ u64::from(*byte)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    (hash ^ (hash >> 32)) as usize % ACCESS_SLOTS
+}
+
+/// Parses a size as Redis's config does: bytes, or with a unit (`kb`, `mb`,
+/// `gb` are 1024-based; `k`, `m`, `g` 1000-based), any case.
+pub fn parse_size(text: &str) -> Option<u64> {
+    let lower = text.trim().to_ascii_lowercase();
+    let digits_end = lower.find(|c: char| !c.is_ascii_digit()).unwrap_or(lower.len());
+    let (number, unit) = lower.split_at(digits_end);
+    let multiplier: u64 = match unit {
+        "" | "b" => 1,
+        "k" => 1_000,
+        "kb" => 1 << 10,
+        "m" => 1_000_000,
+        "mb" => 1 << 20,
+        "g" => 1_000_000_000,
+        "gb" => 1 << 30,
+        _ => return None,
+    };
+    number.parse::<u64>().ok()?.checked_mul(multiplier)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_read_as_redis_reads_them() {
+        assert_eq!(parse_size("100"), Some(100));
+        assert_eq!(parse_size("100mb"), Some(100 << 20));
+        assert_eq!(parse_size("1GB"), Some(1 << 30));
+        assert_eq!(parse_size("2k"), Some(2000));
+        assert_eq!(parse_size("mb"), None);
+        assert_eq!(parse_size("1tb"), None);
+        assert_eq!(parse_size("99999999999999999999gb"), None);
+    }
+
+    #[test]
+    fn human_sizes_as_info_writes_them() {
+        assert_eq!(human_bytes(512), "512B");
+        assert_eq!(human_bytes(1536), "1.50K");
+        assert_eq!(human_bytes(100 << 20), "100.00M");
+    }
+
+    #[test]
+    fn policies_by_redis_names() {
+        for policy in EvictionPolicy::ALL {
+            assert_eq!(EvictionPolicy::parse(policy.name()), Some(policy));
+        }
+        assert_eq!(EvictionPolicy::parse("ALLKEYS-LRU"), Some(EvictionPolicy::AllkeysLru));
+        assert_eq!(EvictionPolicy::parse("allkeys-lfu"), None);
+    }
+
+    #[test]
+    fn the_access_clock_remembers_the_latest_use() {
+        let clock = AccessClock::default();
+        assert_eq!(clock.last_access(b"k"), 0);
+        clock.touch(b"k", 12_345);
+        assert_eq!(clock.last_access(b"k"), 123);
+    }
+}
