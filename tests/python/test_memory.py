@@ -104,3 +104,61 @@ def test_volatile_ttl_evicts_the_nearest_expiry_and_never_a_persistent_key(pair)
         stored, error = fill_until_refused(client, "more")
         assert error == "command not allowed when used memory > 'maxmemory'.", error
     assert tessera.info()["evicted_keys"] > 0
+
+
+def test_clients_holding_partial_requests_share_one_query_buffer_budget(data_dir):
+    """Twenty clients each start a 60 MiB SET and stop half-way: past the
+    node's 64 MiB budget for unparsed input, those growing their buffers are
+    closed with an error, the node stays small, and other clients are served."""
+    import socket
+    import time
+
+    node = Node(data_dir, "--bulk-bytes-max", str(64 << 20), "--query-buffer-bytes-max", str(64 << 20),
+                "--query-buffer-budget", str(64 << 20)).start()
+    try:
+        client = node.client()
+        header = b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$" + str(60 << 20).encode() + b"\r\n"
+        chunk = b"x" * (1 << 20)
+        sockets = []
+        for _ in range(20):
+            sock = socket.create_connection(("127.0.0.1", node.port))
+            sock.settimeout(10)
+            sock.sendall(header)
+            sockets.append(sock)
+        closed = []
+        for sock in sockets:
+            try:
+                for _ in range(30):
+                    sock.sendall(chunk)
+            except OSError:
+                pass
+        time.sleep(0.5)
+        for sock in sockets:
+            sock.settimeout(0.2)
+            try:
+                answer = sock.recv(200)
+            except socket.timeout:
+                continue
+            except OSError:
+                answer = b""
+            closed.append(answer)
+        assert closed, "some clients were closed"
+        assert any(b"query_buffer_budget" in answer for answer in closed), closed[:3]
+        assert len(closed) < 20, "the first clients, within the budget, are kept"
+        memory = client.info("memory")
+        assert memory["used_memory_rss"] < (64 << 20) + (96 << 20), memory["used_memory_rss_human"]
+        assert client.set("small", "ok") and client.get("small") == b"ok"
+        for sock in sockets:
+            sock.close()
+        # With the buffers given back, one large value fits again.
+        deadline = time.time() + 5
+        while True:
+            try:
+                assert client.set("large", b"y" * (50 << 20))
+                break
+            except redis.ConnectionError:
+                assert time.time() < deadline
+                time.sleep(0.2)
+        assert client.strlen("large") == 50 << 20
+    finally:
+        node.stop()

@@ -338,6 +338,10 @@ struct ServeArgs {
     /// Unparsed input a connection may hold before it is closed, in bytes [default: 1073741824].
     #[arg(long)]
     query_buffer_bytes_max: Option<usize>,
+    /// Unparsed input all clients together may hold; past it, a client whose
+    /// buffer grows beyond 1 MiB is closed, in bytes [default: 2147483648; 0: none].
+    #[arg(long)]
+    query_buffer_budget: Option<usize>,
     /// Replies a client may leave unread before it is disconnected, in bytes
     /// (Redis's client-output-buffer-limit hard limit for normal clients) [default: 0, none].
     #[arg(long)]
@@ -419,6 +423,7 @@ impl ServeArgs {
             args_max,
             inline_bytes_max,
             query_buffer_bytes_max,
+            query_buffer_budget,
             client_output_buffer_limit,
             timeout,
             maxmemory,

@@ -38,6 +38,9 @@ pub struct Config {
     pub inline_bytes_max: usize,
     /// Unparsed input a connection may hold before it is closed.
     pub query_buffer_bytes_max: usize,
+    /// Unparsed input all connections together may hold: past it, a
+    /// connection whose buffer grows beyond 1 MiB is closed. 0: no budget.
+    pub query_buffer_budget: usize,
     /// Replies a client may have pending before it is disconnected (Redis's
     /// client-output-buffer-limit hard limit for normal clients); 0: none.
     pub client_output_buffer_limit: usize,
@@ -125,6 +128,7 @@ impl Default for Config {
             args_max: limits.args_max,
             inline_bytes_max: limits.inline_bytes_max,
             query_buffer_bytes_max: 1 << 30,
+            query_buffer_budget: 2 << 30,
             client_output_buffer_limit: 0,
             timeout: 0,
             maxmemory: 0,
@@ -166,6 +170,12 @@ impl Config {
         }
         if self.args_max == 0 || self.inline_bytes_max == 0 {
             return invalid("args_max and inline_bytes_max must be at least 1");
+        }
+        if self.query_buffer_budget != 0 && self.query_buffer_budget < self.bulk_bytes_max {
+            return invalid("query_buffer_budget must be 0 (none) or at least bulk_bytes_max");
+        }
+        if self.maxmemory_samples == 0 {
+            return invalid("maxmemory_samples must be at least 1");
         }
         if self.query_buffer_bytes_max < self.bulk_bytes_max {
             return invalid("query_buffer_bytes_max must be at least bulk_bytes_max");

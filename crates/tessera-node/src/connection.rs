@@ -40,6 +40,36 @@ pub struct Connection {
     /// In a cluster: replies written but held back until writes commit.
     held: Vec<Held>,
     forwarder: Forwarder,
+    /// What the input buffer holds beyond its first chunk, in the node's total.
+    query_buffer: QueryBufferShare,
+}
+
+/// One connection's part of the node's query-buffer total, given back when
+/// the connection ends.
+struct QueryBufferShare {
+    node: Arc<NodeState>,
+    counted: usize,
+}
+
+impl QueryBufferShare {
+    /// Counts `bytes` for this connection instead of what it had; the node's
+    /// new total.
+    fn set(&mut self, bytes: usize) -> usize {
+        let total = &self.node.stats.query_buffer_bytes;
+        let total = if bytes >= self.counted {
+            total.fetch_add(bytes - self.counted, Ordering::Relaxed) + (bytes - self.counted)
+        } else {
+            total.fetch_sub(self.counted - bytes, Ordering::Relaxed) - (self.counted - bytes)
+        };
+        self.counted = bytes;
+        total
+    }
+}
+
+impl Drop for QueryBufferShare {
+    fn drop(&mut self) {
+        self.set(0);
+    }
 }
 
 /// How long a connection pauses after its `failures`-th failed AUTH before it
@@ -70,6 +100,7 @@ impl Connection {
         let mut out = ReplyWriter::new(Protocol::Resp2);
         out.limit_to(node.config.client_output_buffer_limit);
         let forwarder = Forwarder::new(node.config.password.clone());
+        let node_for_share = node.clone();
         Self {
             parser: RequestParser::new(node.config.limits()),
             tables: node.tables(),
@@ -83,6 +114,7 @@ impl Connection {
             cluster,
             held: Vec::new(),
             forwarder,
+            query_buffer: QueryBufferShare { node: node_for_share, counted: 0 },
         }
     }
 
@@ -121,12 +153,27 @@ impl Connection {
                     }
                 }
             }
+            if !self.within_query_budget() {
+                CommandError::QueryBudgetFull.write(&mut self.out);
+                let _ = self.flush_output().await;
+                break;
+            }
             let keep_open = self.run_batch().await;
             if self.flush_output().await.is_err() || !keep_open {
                 break;
             }
         }
         let _ = self.stream.shutdown().await;
+    }
+
+    /// Whether the node's query buffers, this one's grown part included, are
+    /// within `query_buffer_budget`; a connection holding little is never
+    /// blamed for the others.
+    fn within_query_budget(&mut self) -> bool {
+        let grown = self.input.capacity().saturating_sub(READ_CHUNK_BYTES);
+        let total = self.query_buffer.set(grown);
+        let budget = self.node.config.query_buffer_budget;
+        budget == 0 || total <= budget || grown < BUFFER_KEEP_BYTES
     }
 
     /// Runs every whole command in the input. Returns false when the
@@ -205,6 +252,7 @@ impl Connection {
         }
         if self.input.capacity() > BUFFER_KEEP_BYTES && self.input.len() < READ_CHUNK_BYTES {
             self.input.shrink_to(READ_CHUNK_BYTES);
+            self.query_buffer.set(self.input.capacity().saturating_sub(READ_CHUNK_BYTES));
         }
         keep_open
     }

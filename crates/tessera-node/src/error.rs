@@ -48,6 +48,8 @@ pub enum CommandError {
     Protocol(#[from] ProtocolError),
     #[error("ERR query buffer limit exceeded, closing the connection")]
     QueryBufferFull,
+    #[error("ERR the node's query buffers are over query_buffer_budget, closing the connection")]
+    QueryBudgetFull,
     /// The cluster cannot serve the keys at all now (no map yet, a slot
     /// nobody serves).
     #[error("CLUSTERDOWN {0}")]

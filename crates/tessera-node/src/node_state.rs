@@ -35,6 +35,8 @@ pub struct Stats {
     pub connected_clients: AtomicUsize,
     pub expired_keys: AtomicU64,
     pub evicted_keys: AtomicU64,
+    /// Bytes the connections' input buffers hold beyond their first chunk.
+    pub query_buffer_bytes: AtomicUsize,
 }
 
 /// Counters of one worker thread, written only by that thread (so the atomic
