@@ -3,13 +3,16 @@
 # Redis's own redis-benchmark:  -t set,get -n N -r 1000000 -c 50, at -P 1 and -P 16.
 # Rounds alternate the order of the servers; the report gives medians and the
 # Tessera/Redis ratio. Usage: scripts/bench-vs-redis.sh [ROUNDS] [REQUESTS]
+# TLS=1 runs every server on a TLS port only (certificates from `tessera
+# tls-certs`, client certificates required) and redis-benchmark with --tls.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-5}
 requests=${2:-1000000}
 out=${BENCH_OUT:-bench-results}
 mkdir -p "$out"
-results="$out/vs-redis.csv"
+tls=${TLS:-0}
+results="$out/vs-redis$([ "$tls" = 1 ] && echo -tls).csv"
 
 command -v redis-server >/dev/null && command -v redis-benchmark >/dev/null || {
     echo "needs redis-server and redis-benchmark (apt-get install redis-server redis-tools)" >&2
@@ -21,19 +24,36 @@ pids=()
 cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
 
-redis_port=7601
-redis-server --port $redis_port --bind 127.0.0.1 --save "" --appendonly no --logfile "" >/dev/null &
+data=$(mktemp -d)
+# Clients speak to each server's `port`; with TLS that is its TLS port.
+client_tls=()
+redis_tls=()
+tessera_tls=()
+if [ "$tls" = 1 ]; then
+    target/release/tessera tls-certs --dir "$data/certs"
+    client_tls=(--tls --cacert "$data/certs/ca.crt" --cert "$data/certs/client.crt" --key "$data/certs/client.key")
+    files=(--tls-cert-file "$data/certs/server.crt" --tls-key-file "$data/certs/server.key"
+        --tls-ca-cert-file "$data/certs/ca.crt")
+    redis_tls=(--port 0 --tls-port 7611 "${files[@]}")
+    tessera_tls=("${files[@]}")
+fi
+plain_or_tls() { if [ "$tls" = 1 ]; then echo "$2"; else echo "$1"; fi; }
+
+redis_port=$(plain_or_tls 7601 7611)
+redis-server --port 7601 "${redis_tls[@]}" --bind 127.0.0.1 --save "" --appendonly no --logfile "" >/dev/null &
 pids+=($!)
 # Two Tessera configurations: one worker per core (the default), and one worker,
 # which leaves the second core to redis-benchmark as Redis's single thread does.
-declare -A ports=([redis]=$redis_port [tessera]=7602 [tessera-1thread]=7603)
-data=$(mktemp -d)
-target/release/tessera serve --port 7602 --dir "$data/a" --log warn &
+declare -A ports=([redis]=$redis_port [tessera]=$(plain_or_tls 7602 7612) [tessera-1thread]=$(plain_or_tls 7603 7613))
+tls_port() { if [ "$tls" = 1 ]; then echo --tls-port "$1" "${tessera_tls[@]}"; fi; }
+# shellcheck disable=SC2046
+target/release/tessera serve --port 7602 $(tls_port 7612) --dir "$data/a" --log warn &
 pids+=($!)
-target/release/tessera serve --port 7603 --dir "$data/b" --log warn --threads 1 &
+# shellcheck disable=SC2046
+target/release/tessera serve --port 7603 $(tls_port 7613) --dir "$data/b" --log warn --threads 1 &
 pids+=($!)
 for port in "${ports[@]}"; do
-    for _ in $(seq 100); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
+    for _ in $(seq 100); do redis-cli -p "$port" "${client_tls[@]}" ping >/dev/null 2>&1 && break; sleep 0.1; done
 done
 
 echo "round,pipeline,server,test,rps" >"$results"
@@ -43,8 +63,8 @@ for round in $(seq "$rounds"); do
     order=("${servers[@]:$((round % 3))}" "${servers[@]:0:$((round % 3))}")
     for pipeline in 1 16; do
         for server in "${order[@]}"; do
-            redis-cli -p "${ports[$server]}" flushall >/dev/null
-            redis-benchmark -p "${ports[$server]}" -t set,get -n "$requests" -r 1000000 -c 50 -P "$pipeline" --csv -q 2>/dev/null |
+            redis-cli -p "${ports[$server]}" "${client_tls[@]}" flushall >/dev/null
+            redis-benchmark -p "${ports[$server]}" "${client_tls[@]}" -t set,get -n "$requests" -r 1000000 -c 50 -P "$pipeline" --csv -q 2>/dev/null |
                 grep -v '^"test"' | tr -d '"' |
                 awk -F, -v r="$round" -v p="$pipeline" -v s="$server" '{print r "," p "," s "," $1 "," $2}' >>"$results"
         done

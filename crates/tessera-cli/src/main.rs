@@ -1,5 +1,6 @@
 //! `tessera`: run a node, or talk to one.
 
+mod certs;
 mod cluster;
 
 use std::collections::BTreeMap;
@@ -9,6 +10,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use tessera_node::memory::{parse_size, CountingAllocator, EvictionPolicy};
+use tessera_node::tls::AuthClients;
 use tessera_node::{Config, Server};
 use tessera_wire::{Client, Value};
 
@@ -73,6 +75,15 @@ enum Command {
     Repair {
         #[arg(long)]
         dir: PathBuf,
+    },
+    /// Write a private CA, a node certificate for the given hosts and a
+    /// client certificate (PEM), for TLS in tests and local deployments.
+    TlsCerts {
+        #[arg(long)]
+        dir: PathBuf,
+        /// Names and IP addresses the node certificate is valid for.
+        #[arg(long = "host", default_values_t = ["localhost".to_string(), "127.0.0.1".to_string()])]
+        hosts: Vec<String>,
     },
     /// Manage tables.
     Table {
@@ -349,6 +360,21 @@ struct ServeArgs {
     /// Close a client idle for this many seconds (Redis's timeout) [default: 0, never].
     #[arg(long)]
     timeout: Option<u64>,
+    /// A second client port speaking TLS (Redis's tls-port) [default: 0, none].
+    #[arg(long)]
+    tls_port: Option<u16>,
+    /// The node's certificate chain, PEM.
+    #[arg(long)]
+    tls_cert_file: Option<PathBuf>,
+    /// The node's private key, PEM.
+    #[arg(long)]
+    tls_key_file: Option<PathBuf>,
+    /// The CA whose client certificates the TLS port accepts, PEM.
+    #[arg(long)]
+    tls_ca_cert_file: Option<PathBuf>,
+    /// Whether TLS clients must present a certificate: yes, optional or no [default: yes].
+    #[arg(long, value_parser = parse_auth_clients)]
+    tls_auth_clients: Option<AuthClients>,
     /// Memory the node may use, in bytes or with a unit (100mb, 2gb), as
     /// Redis's maxmemory; past it, writes evict keys or are refused [default: 0, none].
     #[arg(long, value_parser = parse_maxmemory)]
@@ -426,6 +452,8 @@ impl ServeArgs {
             query_buffer_budget,
             client_output_buffer_limit,
             timeout,
+            tls_port,
+            tls_auth_clients,
             maxmemory,
             maxmemory_policy,
             maxmemory_samples,
@@ -433,6 +461,15 @@ impl ServeArgs {
         );
         if self.password.is_some() {
             config.password = self.password.clone();
+        }
+        for (file, setting) in [
+            (&self.tls_cert_file, &mut config.tls_cert_file),
+            (&self.tls_key_file, &mut config.tls_key_file),
+            (&self.tls_ca_cert_file, &mut config.tls_ca_cert_file),
+        ] {
+            if file.is_some() {
+                setting.clone_from(file);
+            }
         }
         config.redis_engine_allow.extend(self.redis_engine_allow.iter().cloned());
         config.engine_options.extend(parse_pairs(&self.engine_options)?);
@@ -673,6 +710,7 @@ fn client_command(connection: &ConnectionArgs, command: Command) -> Result<(), S
         | Command::Coordinator(_)
         | Command::Cluster(_)
         | Command::Repair { .. }
+        | Command::TlsCerts { .. }
         | Command::CheckHistory { .. } => {
             unreachable!("handled by main")
         }
@@ -1008,6 +1046,10 @@ fn parse_maxmemory(text: &str) -> Result<u64, String> {
     parse_size(text).ok_or_else(|| format!("not a size: {text} (bytes, or a number with kb, mb, gb)"))
 }
 
+fn parse_auth_clients(text: &str) -> Result<AuthClients, String> {
+    AuthClients::parse(text).ok_or_else(|| format!("{text}: one of yes, optional, no"))
+}
+
 fn parse_eviction_policy(text: &str) -> Result<EvictionPolicy, String> {
     EvictionPolicy::parse(text).ok_or_else(|| {
         let names: Vec<&str> = EvictionPolicy::ALL.iter().map(|policy| policy.name()).collect();
@@ -1024,6 +1066,7 @@ fn main() -> ExitCode {
         Command::Cluster(command) => cluster::run(command),
         Command::CheckHistory { file } => check_history(&file),
         Command::Repair { dir } => repair(&dir),
+        Command::TlsCerts { dir, hosts } => certs::generate(&dir, &hosts),
         Command::Bench(args) => bench(*args, cli.connection.password.clone()),
         command => client_command(&cli.connection, command),
     };

@@ -8,6 +8,7 @@ use serde::Deserialize;
 use tessera_wire::Limits;
 
 use crate::memory::EvictionPolicy;
+use crate::tls::AuthClients;
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -58,6 +59,15 @@ pub struct Config {
     /// How often expired keys are swept, and how many entries per table each sweep reads.
     pub expiry_sweep_interval_ms: u64,
     pub expiry_sweep_entries: usize,
+    /// A second client port speaking TLS (Redis's tls-port); 0: none.
+    pub tls_port: u16,
+    /// The node's certificate chain and private key, PEM.
+    pub tls_cert_file: Option<PathBuf>,
+    pub tls_key_file: Option<PathBuf>,
+    /// The CA whose client certificates the TLS port accepts, PEM.
+    pub tls_ca_cert_file: Option<PathBuf>,
+    /// Whether TLS clients must present a certificate: yes, optional or no.
+    pub tls_auth_clients: AuthClients,
     /// Set to run as a member of a cluster (docs/OPERATIONS.md, "Clusters").
     pub cluster: Option<ClusterConfig>,
 }
@@ -137,6 +147,11 @@ impl Default for Config {
             shutdown_timeout_ms: 5_000,
             expiry_sweep_interval_ms: 100,
             expiry_sweep_entries: 256,
+            tls_port: 0,
+            tls_cert_file: None,
+            tls_key_file: None,
+            tls_ca_cert_file: None,
+            tls_auth_clients: AuthClients::Yes,
             cluster: None,
         }
     }

@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use tessera_wire::{Parsed, Protocol, ReplyWriter, Request, RequestParser};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
-use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use crate::cluster::{serve, ClusterNode, Forwarder, Held};
@@ -16,6 +15,7 @@ use crate::commands::{dispatch, Context, Session};
 use crate::error::CommandError;
 use crate::node_state::{now_ms, NodeState, WorkerStats};
 use crate::tables::TableSet;
+use crate::tls::ClientStream;
 
 /// Read at least this much at a time.
 const READ_CHUNK_BYTES: usize = 16 << 10;
@@ -26,7 +26,7 @@ const BUFFER_KEEP_BYTES: usize = 1 << 20;
 
 pub struct Connection {
     node: Arc<NodeState>,
-    stream: TcpStream,
+    stream: ClientStream,
     input: Vec<u8>,
     parser: RequestParser,
     out: ReplyWriter,
@@ -84,7 +84,7 @@ impl Connection {
         node: Arc<NodeState>,
         cluster: Option<Arc<ClusterNode>>,
         stats: Arc<WorkerStats>,
-        stream: TcpStream,
+        stream: ClientStream,
     ) -> Self {
         assert_eq!(
             tokio::runtime::Handle::current().runtime_flavor(),
@@ -121,7 +121,7 @@ impl Connection {
     /// Serves until the client leaves, breaks the protocol, or shutdown begins.
     /// Shutdown is noticed between batches, so a batch that was read is answered.
     pub async fn run(mut self, mut shutdown: watch::Receiver<bool>) {
-        let _ = self.stream.set_nodelay(true);
+        let _ = self.stream.tcp().set_nodelay(true);
         let idle_limit =
             (self.node.config.timeout > 0).then(|| Duration::from_secs(self.node.config.timeout));
         loop {
@@ -264,9 +264,11 @@ impl Connection {
     /// single-threaded: its reactor cannot have taken in a new readiness event
     /// since the read (this runs in the same poll), and data arriving after the
     /// read raises a new edge that the reactor delivers later.
+    /// (A TLS stream's reads go through rustls, which keeps its own state.)
     fn forget_readiness(&self) {
-        let _ =
-            self.stream.try_io(Interest::READABLE, || Err::<(), _>(std::io::ErrorKind::WouldBlock.into()));
+        if let ClientStream::Plain(stream) = &self.stream {
+            let _ = stream.try_io(Interest::READABLE, || Err::<(), _>(std::io::ErrorKind::WouldBlock.into()));
+        }
     }
 
     /// Waits for the writes that held-back replies depend on, and replaces

@@ -17,6 +17,7 @@ pub mod memory;
 pub mod node_state;
 pub mod server;
 pub mod tables;
+pub mod tls;
 pub mod typed;
 pub mod zset;
 

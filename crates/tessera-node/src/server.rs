@@ -31,6 +31,8 @@ use crate::config::{Config, ConfigError};
 use crate::connection::Connection;
 use crate::node_state::NodeState;
 use crate::tables::TableError;
+use crate::tls::{acceptor, ClientStream, TlsError};
+use tokio_rustls::TlsAcceptor;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -46,7 +48,12 @@ pub enum ServerError {
     Runtime(std::io::Error),
     #[error("cannot join the cluster: {0}")]
     Cluster(#[from] JoinError),
+    #[error(transparent)]
+    Tls(#[from] TlsError),
 }
+
+/// How long a client on the TLS port has for its handshake.
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A running node. Dropping it without [`shutdown`](Self::shutdown) leaves the
 /// threads running until the process exits.
@@ -85,6 +92,7 @@ impl Server {
             0 => thread::available_parallelism().map_or(1, |cores| cores.get()),
             threads => threads,
         };
+        let tls = acceptor(&config)?;
         let node = Arc::new(NodeState::open(config)?);
         // The first socket picks the port when port 0 asks for any free one.
         let first = listen(address).map_err(bind_error)?;
@@ -92,6 +100,17 @@ impl Server {
         let mut listeners = vec![first];
         for _ in 1..threads {
             listeners.push(listen(local_addr).map_err(bind_error)?);
+        }
+        let mut tls_listeners: Vec<Option<(std::net::TcpListener, TlsAcceptor)>> = Vec::new();
+        for _ in 0..threads {
+            tls_listeners.push(match &tls {
+                Some(acceptor) => {
+                    let tls_address = SocketAddr::new(address.ip(), node.config.tls_port);
+                    let tls_bind_error = |error| ServerError::Bind(tls_address.to_string(), error);
+                    Some((listen(tls_address).map_err(tls_bind_error)?, acceptor.clone()))
+                }
+                None => None,
+            });
         }
         let runtimes = (0..threads)
             .map(|_| tokio::runtime::Builder::new_current_thread().enable_all().build())
@@ -103,11 +122,12 @@ impl Server {
         };
         let (stop, stopping) = watch::channel(false);
         let mut workers = Vec::with_capacity(threads);
-        for (index, (listener, runtime)) in listeners.into_iter().zip(runtimes).enumerate() {
+        let sockets = listeners.into_iter().zip(tls_listeners);
+        for (index, ((listener, tls_listener), runtime)) in sockets.zip(runtimes).enumerate() {
             let (node, cluster, stopping) = (node.clone(), cluster.clone(), stopping.clone());
             let worker = thread::Builder::new()
                 .name(format!("tessera-worker-{index}"))
-                .spawn(move || run_worker(runtime, node, cluster, listener, stopping))
+                .spawn(move || run_worker(runtime, node, cluster, listener, tls_listener, stopping))
                 .map_err(ServerError::Thread)?;
             workers.push(worker);
         }
@@ -153,31 +173,46 @@ fn run_worker(
     node: Arc<NodeState>,
     cluster: Option<Arc<ClusterNode>>,
     listener: std::net::TcpListener,
+    tls_listener: Option<(std::net::TcpListener, TlsAcceptor)>,
     stopping: watch::Receiver<bool>,
 ) {
     runtime.block_on(async move {
-        let listener = match TcpListener::from_std(listener) {
-            Ok(listener) => listener,
-            Err(error) => {
-                tracing::error!(%error, "cannot register the listening socket");
-                return;
-            }
-        };
-        serve(node, cluster, listener, stopping).await;
+        let registered = TcpListener::from_std(listener).and_then(|listener| {
+            let tls = tls_listener
+                .map(|(listener, acceptor)| {
+                    TcpListener::from_std(listener).map(|listener| (listener, acceptor))
+                })
+                .transpose()?;
+            Ok((listener, tls))
+        });
+        match registered {
+            Ok((listener, tls)) => serve(node, cluster, listener, tls, stopping).await,
+            Err(error) => tracing::error!(%error, "cannot register the listening socket"),
+        }
     });
+}
+
+/// Accepts on the TLS listener, if there is one.
+async fn accept_tls(tls: &Option<(TcpListener, TlsAcceptor)>) -> std::io::Result<(TcpStream, SocketAddr)> {
+    match tls {
+        Some((listener, _)) => listener.accept().await,
+        None => std::future::pending().await,
+    }
 }
 
 async fn serve(
     node: Arc<NodeState>,
     cluster: Option<Arc<ClusterNode>>,
     listener: TcpListener,
+    tls: Option<(TcpListener, TlsAcceptor)>,
     mut stopping: watch::Receiver<bool>,
 ) {
     let worker_stats = node.new_worker_stats();
     let mut connections = JoinSet::new();
     loop {
-        let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
+        let (accepted, secure) = tokio::select! {
+            accepted = listener.accept() => (accepted, false),
+            accepted = accept_tls(&tls) => (accepted, true),
             _ = stopping.changed() => break,
             // Reap finished connections so the set does not grow.
             Some(_) = connections.join_next(), if !connections.is_empty() => continue,
@@ -200,10 +235,26 @@ async fn serve(
             tokio::spawn(reject(stream));
             continue;
         }
-        let connection = Connection::new(node.clone(), cluster.clone(), worker_stats.clone(), stream);
-        let (node, stopping) = (node.clone(), stopping.clone());
+        let (node, cluster, stats, stopping) =
+            (node.clone(), cluster.clone(), worker_stats.clone(), stopping.clone());
+        let acceptor = tls.as_ref().filter(|_| secure).map(|(_, acceptor)| acceptor.clone());
         connections.spawn(async move {
-            connection.run(stopping).await;
+            let stream = match acceptor {
+                None => Some(ClientStream::Plain(stream)),
+                Some(acceptor) => {
+                    match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                        Ok(Ok(stream)) => Some(ClientStream::Tls(Box::new(stream))),
+                        Ok(Err(error)) => {
+                            tracing::debug!(%error, "TLS handshake failed");
+                            None
+                        }
+                        Err(_) => None,
+                    }
+                }
+            };
+            if let Some(stream) = stream {
+                Connection::new(node.clone(), cluster, stats, stream).run(stopping).await;
+            }
             node.stats.connected_clients.fetch_sub(1, Ordering::AcqRel);
         });
     }
