@@ -9,8 +9,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use tessera_node::config::AuthClients;
 use tessera_node::memory::{parse_size, CountingAllocator, EvictionPolicy};
-use tessera_node::tls::AuthClients;
 use tessera_node::{Config, Server};
 use tessera_wire::{Client, Value};
 

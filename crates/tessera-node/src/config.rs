@@ -8,7 +8,6 @@ use serde::Deserialize;
 use tessera_wire::Limits;
 
 use crate::memory::EvictionPolicy;
-use crate::tls::AuthClients;
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -234,5 +233,34 @@ mod tests {
         assert_eq!(config.port, 9000);
         assert_eq!(config.engine_options["fsync"], "always");
         config.validate().unwrap();
+    }
+}
+
+/// Whether clients on the TLS port must present a certificate.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum AuthClients {
+    #[default]
+    Yes,
+    Optional,
+    No,
+}
+
+impl AuthClients {
+    pub fn parse(text: &str) -> Option<Self> {
+        match text.to_ascii_lowercase().as_str() {
+            "yes" => Some(AuthClients::Yes),
+            "optional" => Some(AuthClients::Optional),
+            "no" => Some(AuthClients::No),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            AuthClients::Yes => "yes",
+            AuthClients::Optional => "optional",
+            AuthClients::No => "no",
+        }
     }
 }

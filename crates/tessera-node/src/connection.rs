@@ -10,6 +10,7 @@ use tessera_wire::{Parsed, Protocol, ReplyWriter, Request, RequestParser};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::sync::watch;
 
+use crate::acl::DEFAULT_USER;
 use crate::cluster::{serve, ClusterNode, Forwarder, Held};
 use crate::commands::{dispatch, Context, Session};
 use crate::error::CommandError;
@@ -93,7 +94,8 @@ impl Connection {
         );
         let session = Session {
             id: node.next_client_id.fetch_add(1, Ordering::Relaxed),
-            authenticated: node.config.password.is_none(),
+            authenticated: node.acl.user(DEFAULT_USER).is_some_and(|user| user.is_open()),
+            user: DEFAULT_USER.to_string(),
             ..Session::default()
         };
         let tables_generation = node.tables_generation();

@@ -39,6 +39,8 @@ pub enum CommandError {
         "ERR key '{0}' is in the reserved key space (keys starting with bytes FF FF 23 belong to Tessera)"
     )]
     ReservedKey(String),
+    #[error("NOPERM {0}")]
+    NoPermission(String),
     #[error("OOM command not allowed when used memory > 'maxmemory'.")]
     OutOfMemory,
     #[error("ERR {0}")]

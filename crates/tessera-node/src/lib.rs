@@ -6,6 +6,7 @@
 //! the engines' opaque values, sorted sets spread over entries of their own
 //! ([`zset`]).
 
+pub mod acl;
 pub mod cluster;
 pub mod commands;
 pub mod config;

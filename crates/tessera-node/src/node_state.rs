@@ -14,6 +14,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use tessera_engine::{reserved, Engine, EngineSpec, ScanCursor, ScanPage};
 
+use crate::acl::{Acl, CommandCatalog};
 use crate::config::Config;
 use crate::error::{CommandError, CommandResult};
 use crate::memory::{used_memory, AccessClock, EvictionPolicy};
@@ -87,6 +88,7 @@ pub struct NodeState {
     /// Where eviction's last sample stopped: the table, then the cursor in it.
     eviction_position: Mutex<(usize, ScanCursor)>,
     pub access: AccessClock,
+    pub acl: Acl,
     pub stats: Stats,
     worker_stats: Mutex<Vec<Arc<WorkerStats>>>,
     pub started: Instant,
@@ -98,14 +100,18 @@ pub fn now_ms() -> u64 {
 }
 
 impl NodeState {
-    pub fn open(config: Config) -> Result<Self, TableError> {
+    /// The node's state over `config`'s directory; its users are checked
+    /// against `commands` (the command table's names and categories).
+    pub fn open(config: Config, commands: CommandCatalog) -> Result<Self, TableError> {
         // The operator's own choice of server for the default table is trusted too.
         let mut remote_allowed = config.redis_engine_allow.clone();
         let default_spec = EngineSpec::new(config.engine.parse()?, config.engine_options.clone())?;
         remote_allowed.extend(default_spec.remote_database().map(|(address, _)| address));
         let catalogue = Catalogue::new(&config.dir, remote_allowed);
         let tables = catalogue.load(&config.engine, &config.engine_options)?;
+        let acl = Acl::open(&config.dir, config.password.as_deref(), commands)?;
         Ok(Self {
+            acl,
             config,
             catalogue,
             tables: RwLock::new(Arc::new(tables)),

@@ -93,7 +93,7 @@ impl Server {
             threads => threads,
         };
         let tls = acceptor(&config)?;
-        let node = Arc::new(NodeState::open(config)?);
+        let node = Arc::new(NodeState::open(config, crate::commands::acl::catalog())?);
         // The first socket picks the port when port 0 asks for any free one.
         let first = listen(address).map_err(bind_error)?;
         let local_addr = first.local_addr().map_err(bind_error)?;

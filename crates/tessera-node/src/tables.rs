@@ -58,6 +58,9 @@ pub enum TableError {
     Engine(#[from] tessera_engine::EngineError),
     #[error("table catalog {0}: {1}")]
     Catalog(PathBuf, String),
+    /// The users, kept beside the tables.
+    #[error("users: {0}")]
+    Users(#[from] crate::acl::AclError),
 }
 
 /// An open table.

@@ -14,42 +14,12 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
-use serde::Deserialize;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 
-use crate::config::Config;
-
-/// Whether clients on the TLS port must present a certificate.
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum AuthClients {
-    #[default]
-    Yes,
-    Optional,
-    No,
-}
-
-impl AuthClients {
-    pub fn parse(text: &str) -> Option<Self> {
-        match text.to_ascii_lowercase().as_str() {
-            "yes" => Some(AuthClients::Yes),
-            "optional" => Some(AuthClients::Optional),
-            "no" => Some(AuthClients::No),
-            _ => None,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            AuthClients::Yes => "yes",
-            AuthClients::Optional => "optional",
-            AuthClients::No => "no",
-        }
-    }
-}
+use crate::config::{AuthClients, Config};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {

@@ -100,7 +100,7 @@ fn run(
 fn random_commands_never_panic_and_always_reply_once() {
     let dir = tempfile::tempdir().unwrap();
     let config = Config { dir: dir.path().to_path_buf(), ..Config::default() };
-    let node = Arc::new(NodeState::open(config).unwrap());
+    let node = Arc::new(NodeState::open(config, tessera_node::commands::acl::catalog()).unwrap());
     let stats = node.new_worker_stats();
     let mut runner =
         TestRunner::new(RunnerConfig { cases: 2000, failure_persistence: None, ..RunnerConfig::default() });

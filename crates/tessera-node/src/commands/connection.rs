@@ -1,10 +1,10 @@
 //! Connection commands: PING, ECHO, HELLO, AUTH, SELECT, QUIT, CLIENT.
 
 use bytes::Bytes;
-use subtle::ConstantTimeEq;
 use tessera_wire::{Protocol, Request};
 
 use super::{integer_arg, is, CommandSpec, Context, Scope};
+use crate::acl::DEFAULT_USER;
 use crate::error::{CommandError, CommandResult};
 use crate::REDIS_COMPATIBLE_VERSION;
 
@@ -34,27 +34,34 @@ fn echo(context: &mut Context, request: &Request) -> CommandResult {
 }
 
 fn check_password(context: &mut Context, user: &[u8], password: &[u8]) -> CommandResult {
-    let Some(expected) = &context.node.config.password else {
-        return Err(CommandError::Other(
-            "AUTH <password> called without any password configured for the default user. \
-             Are you sure your configuration is correct?"
-                .into(),
-        ));
-    };
-    // Equal lengths and bytes, compared in time that does not depend on
-    // where they first differ.
-    let matches = bool::from(password.ct_eq(expected.as_bytes()));
-    if user != b"default" || !matches {
-        context.session.failed_auths += 1;
-        return Err(CommandError::WrongPass);
+    let name = String::from_utf8_lossy(user);
+    let user = context.node.acl.user(&name);
+    // Hashing the offered password whether or not the user exists keeps the
+    // time of a failure the same for both.
+    match user.filter(|user| user.opens_with(password)) {
+        Some(user) => {
+            context.session.authenticated = true;
+            context.session.user = user.name.clone();
+            context.session.permissions = None;
+            Ok(())
+        }
+        None => {
+            context.session.failed_auths += 1;
+            Err(CommandError::WrongPass)
+        }
     }
-    context.session.authenticated = true;
-    Ok(())
 }
 
 fn auth(context: &mut Context, request: &Request) -> CommandResult {
     match request.len() {
-        2 => check_password(context, b"default", request.arg(1))?,
+        2 if context.node.acl.user(DEFAULT_USER).is_some_and(|user| user.is_open()) => {
+            return Err(CommandError::Other(
+                "AUTH <password> called without any password configured for the default user. \
+                 Are you sure your configuration is correct?"
+                    .into(),
+            ))
+        }
+        2 => check_password(context, DEFAULT_USER.as_bytes(), request.arg(1))?,
         3 => check_password(context, request.arg(1), request.arg(2))?,
         _ => return Err(CommandError::Syntax),
     }

@@ -1,6 +1,7 @@
 //! The command table. Each shard of commands lives in its own file and lists
 //! its commands in a `COMMANDS` table; adding a command is a handler and a row.
 
+pub mod acl;
 mod cluster;
 mod connection;
 pub mod consistency;
@@ -11,7 +12,7 @@ mod sorted_sets;
 mod strings;
 pub mod tables;
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
 use hashbrown::HashMap;
@@ -19,6 +20,7 @@ use parking_lot::MutexGuard;
 use tessera_engine::{reserved, Engine};
 use tessera_wire::{ReplyWriter, Request};
 
+use crate::acl::User;
 use crate::error::{CommandError, CommandResult};
 use crate::membership::Membership;
 use crate::node_state::{NodeState, WorkerStats};
@@ -31,6 +33,11 @@ pub struct Session {
     pub id: u64,
     pub name: Option<Bytes>,
     pub authenticated: bool,
+    /// The user the connection acts as (`default` until AUTH names another).
+    pub user: String,
+    /// That user's permissions as last looked up, and the ACL generation
+    /// they are from.
+    pub permissions: Option<Permissions>,
     /// AUTH attempts that failed on this connection: each costs a growing
     /// pause before the connection's next command.
     pub failed_auths: u32,
@@ -47,6 +54,15 @@ pub struct Session {
     /// Another node's forwarding link (CLUSTER RELAY): what this node does not
     /// serve is answered MOVED, never forwarded again.
     pub relay: bool,
+}
+
+/// A user's permissions as a connection checks them.
+#[derive(Clone, Debug)]
+pub struct Permissions {
+    generation: u64,
+    user: Arc<User>,
+    /// Every command and every key: nothing to check.
+    unrestricted: bool,
 }
 
 /// What a command handler works with.
@@ -185,20 +201,35 @@ fn table() -> &'static HashMap<&'static [u8], &'static CommandSpec> {
     TABLE.get_or_init(|| all_commands().map(|spec| (spec.name.as_bytes(), spec)).collect())
 }
 
+/// The commands, by family: the family is a command's ACL category beside
+/// those its flags give (`@string`, `@hash`, … as Redis names them).
+const FAMILIES: [(&str, &[CommandSpec]); 10] = [
+    ("connection", connection::COMMANDS),
+    ("tessera", consistency::COMMANDS),
+    ("cluster", cluster::COMMANDS),
+    ("string", strings::COMMANDS),
+    ("keyspace", keys::COMMANDS),
+    ("hash", hashes::COMMANDS),
+    ("sortedset", sorted_sets::COMMANDS),
+    ("server", server::COMMANDS),
+    ("tessera", tables::COMMANDS),
+    ("admin", acl::COMMANDS),
+];
+
 pub fn all_commands() -> impl Iterator<Item = &'static CommandSpec> {
-    [
-        connection::COMMANDS,
-        consistency::COMMANDS,
-        cluster::COMMANDS,
-        strings::COMMANDS,
-        keys::COMMANDS,
-        hashes::COMMANDS,
-        sorted_sets::COMMANDS,
-        server::COMMANDS,
-        tables::COMMANDS,
-    ]
-    .into_iter()
-    .flatten()
+    FAMILIES.into_iter().flat_map(|(_, commands)| commands)
+}
+
+/// The family a command is defined in.
+pub fn family(spec: &CommandSpec) -> &'static str {
+    static FAMILY: OnceLock<HashMap<&'static str, &'static str>> = OnceLock::new();
+    let families = FAMILY.get_or_init(|| {
+        FAMILIES
+            .into_iter()
+            .flat_map(|(family, commands)| commands.iter().map(move |spec| (spec.name, family)))
+            .collect()
+    });
+    families.get(spec.name).copied().unwrap_or("server")
 }
 
 /// Finds a command by name, in any letter case.
@@ -232,8 +263,11 @@ fn run(context: &mut Context, request: &Request) -> CommandResult {
             arguments.join(" "),
         ));
     };
-    if !context.session.authenticated && !spec.allowed_unauthenticated() {
-        return Err(CommandError::NoAuth);
+    if !spec.allowed_unauthenticated() {
+        if !context.session.authenticated {
+            return Err(CommandError::NoAuth);
+        }
+        check_permissions(context, spec, request)?;
     }
     if !spec.arity_ok(request.len()) {
         return Err(CommandError::WrongArity(spec.name.into()));
@@ -256,6 +290,43 @@ fn run(context: &mut Context, request: &Request) -> CommandResult {
         }
     }
     (spec.handler)(context, request)
+}
+
+/// Whether the connection's user may run the command on its keys. The
+/// user is looked up again after any ACL change. As in Redis, a user switched
+/// off keeps the connections it has; a deleted user's are closed.
+fn check_permissions(context: &mut Context, spec: &CommandSpec, request: &Request) -> CommandResult {
+    let acl = &context.node.acl;
+    let generation = acl.generation();
+    let session = &mut *context.session;
+    if session.permissions.as_ref().is_none_or(|permissions| permissions.generation != generation) {
+        let Some(user) = acl.user(&session.user) else {
+            session.authenticated = false;
+            session.permissions = None;
+            session.closing = true;
+            return Err(CommandError::NoAuth);
+        };
+        let unrestricted = user.unrestricted(acl.catalog());
+        session.permissions = Some(Permissions { generation, user, unrestricted });
+    }
+    let permissions = session.permissions.as_ref().expect("looked up above");
+    if permissions.unrestricted {
+        return Ok(());
+    }
+    if !permissions.user.may_run(spec.name) {
+        return Err(CommandError::NoPermission(format!(
+            "this user has no permissions to run the '{}' command",
+            spec.name
+        )));
+    }
+    let write = spec.flags.contains(&"write");
+    if spec.key_positions(request.len()).any(|index| !permissions.user.may_access(request.arg(index), write))
+    {
+        return Err(CommandError::NoPermission(
+            "this user has no permissions to access one of the keys used as arguments".into(),
+        ));
+    }
+    Ok(())
 }
 
 // ---- helpers shared by the command shards ----
