@@ -65,6 +65,8 @@ def test_acl_users_match_redis(servers):
             lambda: alice.hget("cache:1", "f"),
             lambda: alice.mget("cache:1", "shared:y"),
             lambda: alice.mget("cache:1", "elsewhere"),
+            lambda: alice.execute_command("GET"),
+            lambda: alice.execute_command("MGET"),
             lambda: alice.execute_command("AUTH", "alice", "wrong"),
             lambda: alice.execute_command("AUTH", "nobody", "pw"),
             lambda: alice.execute_command("AUTH", "alice", "pw"),

@@ -101,31 +101,39 @@ fn random_commands_never_panic_and_always_reply_once() {
     let dir = tempfile::tempdir().unwrap();
     let config = Config { dir: dir.path().to_path_buf(), ..Config::default() };
     let node = Arc::new(NodeState::open(config, tessera_node::commands::acl::catalog()).unwrap());
+    // Half the cases run as a user with some commands and keys only, so the
+    // permission checks see every command too.
+    node.acl.set_user("restricted", &["on", "nopass", "~k*", "%R~a*", "+@read", "+@string", "-get"]).unwrap();
     let stats = node.new_worker_stats();
     let mut runner =
         TestRunner::new(RunnerConfig { cases: 2000, failure_persistence: None, ..RunnerConfig::default() });
     runner
-        .run(&(proptest::collection::vec(command(), 1..20), any::<bool>()), |(commands, resp3)| {
-            let protocol = if resp3 { Protocol::Resp3 } else { Protocol::Resp2 };
-            let mut session = Session { authenticated: true, ..Session::default() };
-            for args in &commands {
-                let reply = run(&node, &stats, &mut session, protocol, args);
-                let parsed = parse_value(&reply).map_err(|error| TestCaseError::fail(error.to_string()))?;
-                let (value, used) =
-                    parsed.ok_or_else(|| TestCaseError::fail(format!("incomplete reply to {args:?}")))?;
-                prop_assert_eq!(used, reply.len(), "more than one reply to {:?}", args);
-                if let Value::Error(message) = &value {
-                    prop_assert!(
-                        message
-                            .split(' ')
-                            .next()
-                            .is_some_and(|code| code.chars().all(|c| c.is_ascii_uppercase())),
-                        "error without a code: {}",
-                        message
-                    );
+        .run(
+            &(proptest::collection::vec(command(), 1..20), any::<bool>(), any::<bool>()),
+            |(commands, resp3, restricted)| {
+                let protocol = if resp3 { Protocol::Resp3 } else { Protocol::Resp2 };
+                let user = if restricted { "restricted" } else { "default" };
+                let mut session = Session { authenticated: true, user: user.into(), ..Session::default() };
+                for args in &commands {
+                    let reply = run(&node, &stats, &mut session, protocol, args);
+                    let parsed =
+                        parse_value(&reply).map_err(|error| TestCaseError::fail(error.to_string()))?;
+                    let (value, used) =
+                        parsed.ok_or_else(|| TestCaseError::fail(format!("incomplete reply to {args:?}")))?;
+                    prop_assert_eq!(used, reply.len(), "more than one reply to {:?}", args);
+                    if let Value::Error(message) = &value {
+                        prop_assert!(
+                            message
+                                .split(' ')
+                                .next()
+                                .is_some_and(|code| code.chars().all(|c| c.is_ascii_uppercase())),
+                            "error without a code: {}",
+                            message
+                        );
+                    }
                 }
-            }
-            Ok(())
-        })
+                Ok(())
+            },
+        )
         .unwrap();
 }

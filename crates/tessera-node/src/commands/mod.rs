@@ -263,14 +263,15 @@ fn run(context: &mut Context, request: &Request) -> CommandResult {
             arguments.join(" "),
         ));
     };
-    if !spec.allowed_unauthenticated() {
-        if !context.session.authenticated {
-            return Err(CommandError::NoAuth);
-        }
-        check_permissions(context, spec, request)?;
+    if !context.session.authenticated && !spec.allowed_unauthenticated() {
+        return Err(CommandError::NoAuth);
     }
     if !spec.arity_ok(request.len()) {
         return Err(CommandError::WrongArity(spec.name.into()));
+    }
+    // After the arity check, which the key positions rely on.
+    if !spec.allowed_unauthenticated() {
+        check_permissions(context, spec, request)?;
     }
     if let Some(key) = spec
         .key_positions(request.len())
