@@ -375,6 +375,10 @@ struct ServeArgs {
     /// Whether TLS clients must present a certificate: yes, optional or no [default: yes].
     #[arg(long, value_parser = parse_auth_clients)]
     tls_auth_clients: Option<AuthClients>,
+    /// Run the peer links in mutual TLS with the same certificate, key and CA
+    /// (Redis's tls-cluster); every node of the cluster must.
+    #[arg(long)]
+    tls_cluster: bool,
     /// Memory the node may use, in bytes or with a unit (100mb, 2gb), as
     /// Redis's maxmemory; past it, writes evict keys or are refused [default: 0, none].
     #[arg(long, value_parser = parse_maxmemory)]
@@ -462,6 +466,7 @@ impl ServeArgs {
         if self.password.is_some() {
             config.password = self.password.clone();
         }
+        config.tls_cluster |= self.tls_cluster;
         for (file, setting) in [
             (&self.tls_cert_file, &mut config.tls_cert_file),
             (&self.tls_key_file, &mut config.tls_key_file),

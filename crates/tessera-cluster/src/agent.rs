@@ -36,6 +36,7 @@ use tokio::task::JoinHandle;
 use crate::auth::{ClusterSecret, CoordinatorLogin, LoginError};
 use crate::links::{serve_incoming, Incoming, LinkConfig, Links, INCOMING_BATCHES_MAX};
 use crate::map::{range_index, ClusterMap, DEFAULT_TABLE};
+use crate::tls::PeerTls;
 
 /// Milliseconds since the Unix epoch as read once at start, advanced by a
 /// monotonic clock: timers never jump with the wall clock, and versions
@@ -84,6 +85,8 @@ pub struct AgentConfig {
     /// Back-pressure: once this many writes wait to commit on this node, new
     /// ones wait for room (their connections stop reading meanwhile).
     pub max_uncommitted_writes: usize,
+    /// Mutual TLS on the peer links (`tls_cluster`).
+    pub tls: Option<PeerTls>,
 }
 
 /// An answer on its way from a shard's protocol.
@@ -445,6 +448,7 @@ impl Agent {
             connect_timeout: Duration::from_secs(1),
             handshake_timeout: Duration::from_secs(5),
             backoff_max: Duration::from_millis(500),
+            tls: config.tls.clone(),
         });
         let (incoming_sender, incoming) = mpsc::channel(INCOMING_BATCHES_MAX);
         let peers = tokio::spawn(serve_incoming(listener, links.config(), incoming_sender));

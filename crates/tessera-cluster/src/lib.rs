@@ -11,6 +11,7 @@ pub mod links;
 pub mod map;
 pub mod server;
 pub mod store;
+pub mod tls;
 
 pub use coordinator::{ClusterCoordinator, Grants, JoinError, Timing};
 pub use etcd::{Etcd, EtcdStore};

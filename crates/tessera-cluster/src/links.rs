@@ -39,6 +39,7 @@ use tessera_protocol::codec::Family;
 use tessera_protocol::{NodeId, PeerMessage};
 
 use crate::auth::{nonce, ClusterSecret, Transcript, NONCE_BYTES, PROOF_BYTES};
+use crate::tls::{server_name, MaybeTls, PeerTls};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify, Semaphore};
@@ -78,6 +79,9 @@ pub struct LinkConfig {
     /// How long the other side of a link has for its part of the handshake.
     pub handshake_timeout: Duration,
     pub backoff_max: Duration,
+    /// Mutual TLS around every link (Redis's `tls-cluster`), inside which the
+    /// handshake above runs.
+    pub tls: Option<PeerTls>,
 }
 
 /// Why an incoming link was closed.
@@ -109,6 +113,8 @@ pub enum LinkError {
     StrayPart,
     #[error("undecodable peer message: {0}")]
     Undecodable(String),
+    #[error("TLS: {0}")]
+    Tls(String),
 }
 
 /// A message from a peer, for one shard.
@@ -256,10 +262,10 @@ fn frame(body: &[u8]) -> Vec<u8> {
 /// The connecting side of the handshake: names this node, checks that the
 /// accepting side is `peer` and knows the secret, and proves it knows it too.
 async fn connect_handshake(
-    stream: TcpStream,
+    stream: MaybeTls,
     peer: NodeId,
     config: &LinkConfig,
-) -> Result<TcpStream, LinkError> {
+) -> Result<MaybeTls, LinkError> {
     let mut reader = FrameReader { stream, buffer: BytesMut::new() };
     let connecting_nonce = nonce();
     let mut hello = Vec::new();
@@ -331,6 +337,26 @@ async fn accept_handshake(reader: &mut FrameReader, config: &LinkConfig) -> Resu
     }
 }
 
+/// The connecting side's TLS, when the cluster runs it.
+async fn secure_connecting(
+    stream: TcpStream,
+    address: &str,
+    config: &LinkConfig,
+) -> Result<MaybeTls, LinkError> {
+    let Some(tls) = &config.tls else { return Ok(MaybeTls::Plain(stream)) };
+    let name = server_name(address).ok_or_else(|| LinkError::Tls(format!("no server name in {address}")))?;
+    let stream =
+        tls.connector.connect(name, stream).await.map_err(|error| LinkError::Tls(error.to_string()))?;
+    Ok(MaybeTls::Tls(Box::new(stream.into())))
+}
+
+/// The accepting side's TLS, when the cluster runs it.
+async fn secure_accepted(stream: TcpStream, config: &LinkConfig) -> Result<MaybeTls, LinkError> {
+    let Some(tls) = &config.tls else { return Ok(MaybeTls::Plain(stream)) };
+    let stream = tls.acceptor.accept(stream).await.map_err(|error| LinkError::Tls(error.to_string()))?;
+    Ok(MaybeTls::Tls(Box::new(stream.into())))
+}
+
 async fn within<T>(limit: Duration, work: impl std::future::Future<Output = T>) -> Result<T, LinkError> {
     tokio::time::timeout(limit, work).await.map_err(|_| LinkError::HandshakeTimeout(limit))
 }
@@ -344,16 +370,21 @@ async fn write_loop(
     let mut backoff = Duration::from_millis(10);
     loop {
         let address = addresses.lock().get(&node).cloned();
-        let connected = match address {
+        let connected = match &address {
             Some(address) => {
                 tokio::time::timeout(config.connect_timeout, TcpStream::connect(&address)).await.ok()
             }
             None => None,
         };
-        let opened = match connected {
-            Some(Ok(stream)) => {
+        let opened = match (connected, address) {
+            (Some(Ok(stream)), Some(address)) => {
                 let _ = stream.set_nodelay(true);
-                match connect_handshake(stream, node, &config).await {
+                let secured = within(config.handshake_timeout, secure_connecting(stream, &address, &config));
+                let handshake = async {
+                    let stream = secured.await??;
+                    connect_handshake(stream, node, &config).await
+                };
+                match handshake.await {
                     Ok(stream) => Some(stream),
                     // A peer gone mid-handshake is like one not there; a refusal is news.
                     Err(LinkError::Io(_)) => None,
@@ -427,7 +458,7 @@ pub async fn serve_incoming(
 
 /// Length-prefixed frames from a stream, read a chunk at a time.
 struct FrameReader {
-    stream: TcpStream,
+    stream: MaybeTls,
     buffer: BytesMut,
 }
 
@@ -466,8 +497,13 @@ async fn read_peer(
     config: &LinkConfig,
     incoming: &mpsc::Sender<Vec<Incoming>>,
 ) -> Result<(), LinkError> {
-    let mut reader = FrameReader { stream, buffer: BytesMut::new() };
-    let from = within(config.handshake_timeout, accept_handshake(&mut reader, config)).await??;
+    let accepted = async {
+        let stream = secure_accepted(stream, config).await?;
+        let mut reader = FrameReader { stream, buffer: BytesMut::new() };
+        let from = accept_handshake(&mut reader, config).await?;
+        Ok::<_, LinkError>((reader, from))
+    };
+    let (mut reader, from) = within(config.handshake_timeout, accepted).await??;
     let mut frames = Vec::new();
     let mut gathering = Gathering::default();
     loop {
@@ -560,6 +596,7 @@ mod tests {
             connect_timeout: Duration::from_secs(1),
             handshake_timeout: Duration::from_millis(300),
             backoff_max: Duration::from_millis(100),
+            tls: None,
         }
     }
 
@@ -706,9 +743,9 @@ mod tests {
     }
 
     /// An authenticated link to node 1 at `address`, as node 7, for writing raw frames.
-    async fn authenticated_stream(address: &str) -> TcpStream {
+    async fn authenticated_stream(address: &str) -> MaybeTls {
         let stream = TcpStream::connect(address).await.unwrap();
-        connect_handshake(stream, NodeId(1), &config(7, "c1")).await.unwrap()
+        connect_handshake(MaybeTls::Plain(stream), NodeId(1), &config(7, "c1")).await.unwrap()
     }
 
     fn part_frame(shard: u32, length: u64, offset: u64, bytes: &[u8]) -> Vec<u8> {
@@ -753,12 +790,42 @@ mod tests {
         assert_eq!((incoming.shard, incoming.message), (3, ack(5)));
     }
 
+    fn peer_tls(dir: &std::path::Path) -> PeerTls {
+        PeerTls::from_files(&dir.join("node.crt"), &dir.join("node.key"), &dir.join("ca.crt")).unwrap()
+    }
+
+    #[tokio::test]
+    async fn links_under_tls_carry_messages_and_a_peer_without_it_is_refused() {
+        let (ours, theirs) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        tessera_testkit::write_test_certificates(ours.path());
+        tessera_testkit::write_test_certificates(theirs.path());
+        let secured = |me| LinkConfig { tls: Some(peer_tls(ours.path())), ..config(me, "c1") };
+        let (address, mut received, _server) = listen_as(secured(1)).await;
+        let member = Links::new(secured(7));
+        member.set_addresses(HashMap::from([(NodeId(1), address.clone())]));
+        member.send(NodeId(1), 2, &ack(1));
+        member.send(NodeId(1), 2, &large(2, 3 * PART_BYTES));
+        let first = received.within(Duration::from_secs(5)).await.expect("a message under TLS");
+        assert_eq!((first.from, first.message), (NodeId(7), ack(1)));
+        let second = received.within(Duration::from_secs(5)).await.expect("a large one too");
+        assert!(second.message == large(2, 3 * PART_BYTES));
+        // Knowing the secret is not enough without TLS, nor TLS from another CA.
+        for stranger in
+            [config(8, "c1"), LinkConfig { tls: Some(peer_tls(theirs.path())), ..config(9, "c1") }]
+        {
+            let links = Links::new(stranger);
+            links.set_addresses(HashMap::from([(NodeId(1), address.clone())]));
+            links.send(NodeId(1), 2, &ack(3));
+            assert!(received.within(Duration::from_millis(500)).await.is_none(), "refused");
+        }
+    }
+
     /// A reader over the far end of a connection whose near end the test writes.
     async fn reader_and_writer() -> (FrameReader, TcpStream) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let writer = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
         let (stream, _) = listener.accept().await.unwrap();
-        (FrameReader { stream, buffer: BytesMut::new() }, writer)
+        (FrameReader { stream: MaybeTls::Plain(stream), buffer: BytesMut::new() }, writer)
     }
 
     #[tokio::test]
@@ -832,7 +899,7 @@ mod tests {
         hello.extend_from_slice(&9u32.to_le_bytes());
         hello.extend_from_slice(&nonce());
         stream.write_all(&frame(&hello)).await.unwrap();
-        let mut reader = FrameReader { stream, buffer: BytesMut::new() };
+        let mut reader = FrameReader { stream: MaybeTls::Plain(stream), buffer: BytesMut::new() };
         let mut frames = Vec::new();
         reader.frames(HELLO_BYTES_MAX, 1, &mut frames).await.unwrap();
         assert_eq!(frames[0].len(), 4 + NONCE_BYTES + PROOF_BYTES, "a challenge");

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tessera_cluster::agent::{Agent, AgentConfig, AgentError};
 use tessera_cluster::auth::{ClusterSecret, LoginError};
+use tessera_cluster::tls::PeerTls;
 use tessera_cluster::{ClusterMap, CoordinatorServer, FileStore, Timing};
 use tessera_engine::{EngineKind, EngineSpec};
 use tessera_protocol::Role;
@@ -52,6 +53,17 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
     )
     .await
     .unwrap();
+    // The peer links run in mutual TLS (tls_cluster), inside which the
+    // cluster-secret handshake runs as on plain links.
+    let certificates = dir.path().join("tls");
+    std::fs::create_dir_all(&certificates).unwrap();
+    tessera_testkit::write_test_certificates(&certificates);
+    let tls = PeerTls::from_files(
+        &certificates.join("node.crt"),
+        &certificates.join("node.key"),
+        &certificates.join("ca.crt"),
+    )
+    .unwrap();
     let mut agents: Vec<Option<Arc<Agent>>> = Vec::new();
     for (node, port) in peers.iter().enumerate() {
         let config = AgentConfig {
@@ -66,6 +78,7 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
             heartbeat_ms: 100,
             tick_ms: 10,
             max_uncommitted_writes: 8,
+            tls: Some(tls.clone()),
         };
         agents.push(Some(Agent::start(config).await.unwrap()));
     }
@@ -81,6 +94,7 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
         heartbeat_ms: 100,
         tick_ms: 10,
         max_uncommitted_writes: 8,
+        tls: None,
     };
     let refused = Agent::start(wrong.clone()).await.err();
     assert!(matches!(refused, Some(AgentError::Login { source: LoginError::Refused(_), .. })), "{refused:?}");

@@ -67,6 +67,9 @@ pub struct Config {
     pub tls_ca_cert_file: Option<PathBuf>,
     /// Whether TLS clients must present a certificate: yes, optional or no.
     pub tls_auth_clients: AuthClients,
+    /// Peer links in mutual TLS (Redis's tls-cluster), with the same
+    /// certificate, key and CA.
+    pub tls_cluster: bool,
     /// Set to run as a member of a cluster (docs/OPERATIONS.md, "Clusters").
     pub cluster: Option<ClusterConfig>,
 }
@@ -151,6 +154,7 @@ impl Default for Config {
             tls_key_file: None,
             tls_ca_cert_file: None,
             tls_auth_clients: AuthClients::Yes,
+            tls_cluster: false,
             cluster: None,
         }
     }

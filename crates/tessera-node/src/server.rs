@@ -243,7 +243,7 @@ async fn serve(
                 None => Some(ClientStream::Plain(stream)),
                 Some(acceptor) => {
                     match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                        Ok(Ok(stream)) => Some(ClientStream::Tls(Box::new(stream))),
+                        Ok(Ok(stream)) => Some(ClientStream::Tls(Box::new(stream.into()))),
                         Ok(Err(error)) => {
                             tracing::debug!(%error, "TLS handshake failed");
                             None

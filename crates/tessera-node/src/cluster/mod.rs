@@ -22,6 +22,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tessera_cluster::agent::{Agent, AgentConfig, AgentError};
 use tessera_cluster::auth::{ClusterSecret, SecretError};
+use tessera_cluster::tls::{PeerTls, TlsError};
 use tessera_engine::{EngineError, EngineKind, EngineSpec};
 
 use crate::config::Config;
@@ -45,6 +46,8 @@ pub enum JoinError {
     Agent(#[from] AgentError),
     #[error(transparent)]
     Secret(#[from] SecretError),
+    #[error("tls_cluster: {0}")]
+    Tls(#[from] TlsError),
 }
 
 pub struct ClusterNode {
@@ -82,6 +85,15 @@ impl ClusterNode {
         let secret = ClusterSecret::load(&settings.secret_file)?;
         let incarnation = incarnation(&config.dir, kind.capabilities().persistent)?;
         let peer_listen = SocketAddr::new(client_address.ip(), client_address.port() + 10_000);
+        let tls = if config.tls_cluster {
+            let file = |file: &Option<std::path::PathBuf>, name| file.clone().ok_or(TlsError::Missing(name));
+            let (cert, key) =
+                (file(&config.tls_cert_file, "tls_cert_file")?, file(&config.tls_key_file, "tls_key_file")?);
+            let ca = file(&config.tls_ca_cert_file, "tls_ca_cert_file")?;
+            Some(PeerTls::from_files(&cert, &key, &ca)?)
+        } else {
+            None
+        };
         let agent_config = AgentConfig {
             cluster_id: settings.id.clone(),
             node: settings.node,
@@ -94,6 +106,7 @@ impl ClusterNode {
             heartbeat_ms: settings.heartbeat_ms,
             tick_ms: settings.tick_ms,
             max_uncommitted_writes: settings.max_uncommitted_writes,
+            tls,
         };
         let agent = runtime.block_on(Agent::start(agent_config))?;
         let address = format!("{}:{}", config.bind, client_address.port());
