@@ -1,6 +1,5 @@
 //! `tessera`: run a node, or talk to one.
 
-mod certs;
 mod cluster;
 
 use std::collections::BTreeMap;
@@ -1071,7 +1070,7 @@ fn main() -> ExitCode {
         Command::Cluster(command) => cluster::run(command),
         Command::CheckHistory { file } => check_history(&file),
         Command::Repair { dir } => repair(&dir),
-        Command::TlsCerts { dir, hosts } => certs::generate(&dir, &hosts),
+        Command::TlsCerts { dir, hosts } => tessera_cluster::tls::write_certificates(&dir, &hosts),
         Command::Bench(args) => bench(*args, cli.connection.password.clone()),
         command => client_command(&cli.connection, command),
     };

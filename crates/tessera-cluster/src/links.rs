@@ -791,14 +791,15 @@ mod tests {
     }
 
     fn peer_tls(dir: &std::path::Path) -> PeerTls {
-        PeerTls::from_files(&dir.join("node.crt"), &dir.join("node.key"), &dir.join("ca.crt")).unwrap()
+        PeerTls::from_files(&dir.join("server.crt"), &dir.join("server.key"), &dir.join("ca.crt")).unwrap()
     }
 
     #[tokio::test]
     async fn links_under_tls_carry_messages_and_a_peer_without_it_is_refused() {
         let (ours, theirs) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        tessera_testkit::write_test_certificates(ours.path());
-        tessera_testkit::write_test_certificates(theirs.path());
+        for dir in [&ours, &theirs] {
+            crate::tls::write_certificates(dir.path(), &["127.0.0.1".to_string()]).unwrap();
+        }
         let secured = |me| LinkConfig { tls: Some(peer_tls(ours.path())), ..config(me, "c1") };
         let (address, mut received, _server) = listen_as(secured(1)).await;
         let member = Links::new(secured(7));

@@ -1,13 +1,18 @@
 //! TLS for the cluster plane (Redis's `tls-cluster`): peer links run inside
 //! mutual TLS, both sides presenting a certificate from the cluster's CA,
 //! before the cluster-secret handshake. Also the PEM loading the node's
-//! client port shares. rustls with the `ring` provider.
+//! client port shares, and certificates for tests and local use. rustls
+//! with the `ring` provider.
 
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll};
 
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
+    KeyUsagePurpose,
+};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::server::WebPkiClientVerifier;
@@ -110,6 +115,57 @@ pub fn server_name(address: &str) -> Option<ServerName<'static>> {
     let host = address.rsplit_once(':').map_or(address, |(host, _)| host);
     let host = host.trim_start_matches('[').trim_end_matches(']');
     ServerName::try_from(host.to_string()).ok()
+}
+
+fn certificate_params(names: Vec<String>, common_name: &str) -> Result<CertificateParams, rcgen::Error> {
+    let mut params = CertificateParams::new(names)?;
+    let mut subject = DistinguishedName::new();
+    subject.push(DnType::CommonName, common_name);
+    params.distinguished_name = subject;
+    Ok(params)
+}
+
+/// Writes a private CA and certificates it signed, PEM, for tests and local
+/// deployments (`tessera tls-certs`): `ca.crt`/`ca.key`; `server.crt`/
+/// `server.key` for `hosts` (names and IP addresses), good for a node's
+/// client port and for both ends of a peer link (`tls_cluster`); and
+/// `client.crt`/`client.key` for a client to present. Keys are mode 0600.
+pub fn write_certificates(dir: &Path, hosts: &[String]) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir).map_err(|error| format!("{}: {error}", dir.display()))?;
+    let failed = |error: rcgen::Error| error.to_string();
+    let ca_key = KeyPair::generate().map_err(failed)?;
+    let mut ca_params = certificate_params(Vec::new(), "Tessera CA").map_err(failed)?;
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let ca = ca_params.self_signed(&ca_key).map_err(failed)?;
+    let signed = |names: Vec<String>, common_name: &str, usages: Vec<ExtendedKeyUsagePurpose>| {
+        let key = KeyPair::generate()?;
+        let mut params = certificate_params(names, common_name)?;
+        params.extended_key_usages = usages;
+        Ok::<_, rcgen::Error>((params.signed_by(&key, &ca, &ca_key)?, key))
+    };
+    // A node accepts clients and peers, and connects to peers.
+    let both = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+    let (server, server_key) = signed(hosts.to_vec(), "Tessera node", both).map_err(failed)?;
+    let (client, client_key) =
+        signed(Vec::new(), "Tessera client", vec![ExtendedKeyUsagePurpose::ClientAuth]).map_err(failed)?;
+    for (name, text, private) in [
+        ("ca.crt", ca.pem(), false),
+        ("ca.key", ca_key.serialize_pem(), true),
+        ("server.crt", server.pem(), false),
+        ("server.key", server_key.serialize_pem(), true),
+        ("client.crt", client.pem(), false),
+        ("client.key", client_key.serialize_pem(), true),
+    ] {
+        let path = dir.join(name);
+        let written = std::fs::write(&path, text).and_then(|()| {
+            let mode = if private { 0o600 } else { 0o644 };
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))
+        });
+        written.map_err(|error| format!("{}: {error}", path.display()))?;
+    }
+    Ok(())
 }
 
 /// A connection, plain or under TLS (either side's).

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tessera_cluster::agent::{Agent, AgentConfig, AgentError};
 use tessera_cluster::auth::{ClusterSecret, LoginError};
-use tessera_cluster::tls::PeerTls;
+use tessera_cluster::tls::{write_certificates, PeerTls};
 use tessera_cluster::{ClusterMap, CoordinatorServer, FileStore, Timing};
 use tessera_engine::{EngineKind, EngineSpec};
 use tessera_protocol::Role;
@@ -53,14 +53,13 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
     )
     .await
     .unwrap();
-    // The peer links run in mutual TLS (tls_cluster), inside which the
-    // cluster-secret handshake runs as on plain links.
+    // The peer links run in mutual TLS (tls_cluster) with the certificates
+    // `tessera tls-certs` writes, the cluster-secret handshake inside.
     let certificates = dir.path().join("tls");
-    std::fs::create_dir_all(&certificates).unwrap();
-    tessera_testkit::write_test_certificates(&certificates);
+    write_certificates(&certificates, &["127.0.0.1".to_string()]).unwrap();
     let tls = PeerTls::from_files(
-        &certificates.join("node.crt"),
-        &certificates.join("node.key"),
+        &certificates.join("server.crt"),
+        &certificates.join("server.key"),
         &certificates.join("ca.crt"),
     )
     .unwrap();

@@ -18,23 +18,6 @@ pub fn free_port() -> u16 {
 }
 
 /// Waits until something accepts connections on `port`.
-/// A CA and, signed by it, one certificate for `127.0.0.1` that serves as
-/// both client and server, written under `dir` as `ca.crt`, `node.crt` and
-/// `node.key` (PEM): enough for every node of a test cluster.
-pub fn write_test_certificates(dir: &std::path::Path) {
-    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
-    let ca_key = KeyPair::generate().expect("a key");
-    let mut ca_params = CertificateParams::new(Vec::new()).expect("parameters");
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca = ca_params.self_signed(&ca_key).expect("a CA");
-    let node_key = KeyPair::generate().expect("a key");
-    let node = CertificateParams::new(vec!["127.0.0.1".to_string()]).expect("parameters");
-    let node = node.signed_by(&node_key, &ca, &ca_key).expect("a certificate");
-    std::fs::write(dir.join("ca.crt"), ca.pem()).expect("ca.crt written");
-    std::fs::write(dir.join("node.crt"), node.pem()).expect("node.crt written");
-    std::fs::write(dir.join("node.key"), node_key.serialize_pem()).expect("node.key written");
-}
-
 pub fn wait_for_port(port: u16, timeout: Duration) -> bool {
     let deadline = Instant::now() + timeout;
     while Instant::now() < deadline {
