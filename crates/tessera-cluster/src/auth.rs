@@ -212,14 +212,20 @@ pub fn to_hex(bytes: &[u8]) -> String {
     bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
 
-/// The bytes of `N` written as hex, if that is what `text` is.
+/// The bytes of `N` written as lowercase hex (as [`to_hex`] writes them), if
+/// that is exactly what `text` is.
 pub fn from_hex<const N: usize>(text: &[u8]) -> Option<[u8; N]> {
+    let digit = |byte: u8| match byte {
+        b'0'..=b'9' => Some(byte - b'0'),
+        b'a'..=b'f' => Some(byte - b'a' + 10),
+        _ => None,
+    };
     if text.len() != 2 * N {
         return None;
     }
     let mut bytes = [0; N];
     for (byte, pair) in bytes.iter_mut().zip(text.chunks(2)) {
-        *byte = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
+        *byte = digit(pair[0])? << 4 | digit(pair[1])?;
     }
     Some(bytes)
 }
@@ -290,6 +296,8 @@ mod tests {
         let bytes = nonce();
         assert_eq!(from_hex::<NONCE_BYTES>(to_hex(&bytes).as_bytes()), Some(bytes));
         assert_eq!(from_hex::<2>(b"0g00"), None);
+        assert_eq!(from_hex::<2>(b"+f00"), None, "a sign is not a digit");
+        assert_eq!(from_hex::<2>(b"AB00"), None, "lowercase only");
         assert_eq!(from_hex::<2>(b"000"), None);
         assert_eq!(from_hex::<2>("é00".as_bytes()), None);
     }

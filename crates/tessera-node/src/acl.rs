@@ -18,10 +18,15 @@ use parking_lot::RwLock;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
+use tessera_cluster::auth::{from_hex, to_hex};
+
 use crate::glob::glob_match;
 
 pub const DEFAULT_USER: &str = "default";
 const FILE_NAME: &str = "users.acl";
+/// Redis's words for a `#` or `!` rule that is not a SHA-256 in hex.
+const HASH_FORMAT: &str =
+    "The password hash must be exactly 64 characters and contain only lowercase hexadecimal characters";
 
 /// What the ACL knows of the commands: their names and their categories
 /// (the commands module builds it, so that users can be checked without
@@ -60,21 +65,6 @@ impl CommandCatalog {
 
 fn hash(password: &[u8]) -> [u8; 32] {
     Sha256::digest(password).into()
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
-}
-
-fn from_hex(text: &str) -> Option<[u8; 32]> {
-    if text.len() != 64 || !text.is_ascii() {
-        return None;
-    }
-    let mut bytes = [0u8; 32];
-    for (index, byte) in bytes.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(&text[2 * index..2 * index + 2], 16).ok()?;
-    }
-    Some(bytes)
 }
 
 /// A key pattern and what it grants.
@@ -166,10 +156,10 @@ impl User {
                         return Err(error("no such password"));
                     }
                 } else if let Some(digest) = rule.strip_prefix('#') {
-                    self.passwords.insert(from_hex(digest).ok_or_else(|| error("The password hash must be exactly 64 characters and contain only lowercase hexadecimal characters"))?);
+                    self.passwords.insert(from_hex(digest.as_bytes()).ok_or_else(|| error(HASH_FORMAT))?);
                     self.nopass = false;
                 } else if let Some(digest) = rule.strip_prefix('!') {
-                    let digest = from_hex(digest).ok_or_else(|| error("The password hash must be exactly 64 characters and contain only lowercase hexadecimal characters"))?;
+                    let digest = from_hex(digest.as_bytes()).ok_or_else(|| error(HASH_FORMAT))?;
                     if !self.passwords.remove(&digest) {
                         return Err(error("no such password"));
                     }
@@ -273,7 +263,7 @@ impl User {
     }
 
     pub fn password_hashes(&self) -> Vec<String> {
-        self.passwords.iter().map(|digest| hex(digest)).collect()
+        self.passwords.iter().map(|digest| to_hex(digest)).collect()
     }
 
     pub fn commands_rule(&self) -> String {
@@ -472,7 +462,7 @@ mod tests {
             ("+@nosuch", "Unknown command or category name in ACL"),
             ("bogus", "Syntax error"),
             ("%X~k", "Syntax error"),
-            ("#abc", "The password hash must be exactly 64 characters and contain only lowercase hexadecimal characters"),
+            ("#abc", HASH_FORMAT),
         ] {
             assert_eq!(alice.apply(rule, &catalog()), Err(RuleError { rule: rule.into(), reason }));
         }

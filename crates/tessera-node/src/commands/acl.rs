@@ -2,6 +2,7 @@
 //! (the users themselves: [`crate::acl`]).
 
 use rand::RngCore;
+use tessera_cluster::auth::to_hex;
 use tessera_wire::Request;
 
 use super::{all_commands, family, is, CommandSpec, Context, Scope};
@@ -129,8 +130,7 @@ fn acl(context: &mut Context, request: &Request) -> CommandResult {
         };
         let mut bytes = vec![0u8; bits.div_ceil(8)];
         rand::thread_rng().fill_bytes(&mut bytes);
-        let hex: String = bytes.iter().map(|byte| format!("{byte:02x}")).collect();
-        out.bulk(&hex.as_bytes()[..bits.div_ceil(4)]);
+        out.bulk(&to_hex(&bytes).as_bytes()[..bits.div_ceil(4)]);
     } else {
         return Err(wrong_arity());
     }
