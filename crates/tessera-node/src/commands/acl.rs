@@ -5,7 +5,7 @@ use rand::RngCore;
 use tessera_cluster::auth::to_hex;
 use tessera_wire::Request;
 
-use super::{all_commands, family, is, CommandSpec, Context, Scope};
+use super::{commands_by_family, is, CommandSpec, Context, Scope};
 use crate::acl::{AclError, CommandCatalog};
 use crate::error::{CommandError, CommandResult};
 
@@ -16,8 +16,8 @@ pub const COMMANDS: &[CommandSpec] = &[
 
 /// The categories a command belongs to: its family, and what its flags say,
 /// with Redis's names where Redis has the category.
-fn categories(spec: &CommandSpec) -> Vec<&'static str> {
-    let mut categories = vec!["all", family(spec)];
+fn categories(family: &'static str, spec: &CommandSpec) -> Vec<&'static str> {
+    let mut categories = vec!["all", family];
     for (flag, category) in [("readonly", "read"), ("write", "write"), ("admin", "admin")] {
         if spec.flags.contains(&flag) {
             categories.push(category);
@@ -33,7 +33,7 @@ fn categories(spec: &CommandSpec) -> Vec<&'static str> {
 
 /// Every command with its categories, for the node's users to be checked against.
 pub fn catalog() -> CommandCatalog {
-    CommandCatalog::new(all_commands().map(|spec| (spec.name, categories(spec))))
+    CommandCatalog::new(commands_by_family().map(|(family, spec)| (spec.name, categories(family, spec))))
 }
 
 fn text(arg: &[u8]) -> CommandResult<&str> {

@@ -217,19 +217,12 @@ const FAMILIES: [(&str, &[CommandSpec]); 10] = [
 ];
 
 pub fn all_commands() -> impl Iterator<Item = &'static CommandSpec> {
-    FAMILIES.into_iter().flat_map(|(_, commands)| commands)
+    commands_by_family().map(|(_, spec)| spec)
 }
 
-/// The family a command is defined in.
-pub fn family(spec: &CommandSpec) -> &'static str {
-    static FAMILY: OnceLock<HashMap<&'static str, &'static str>> = OnceLock::new();
-    let families = FAMILY.get_or_init(|| {
-        FAMILIES
-            .into_iter()
-            .flat_map(|(family, commands)| commands.iter().map(move |spec| (spec.name, family)))
-            .collect()
-    });
-    families.get(spec.name).copied().unwrap_or("server")
+/// Every command with its family.
+pub fn commands_by_family() -> impl Iterator<Item = (&'static str, &'static CommandSpec)> {
+    FAMILIES.into_iter().flat_map(|(family, commands)| commands.iter().map(move |spec| (family, spec)))
 }
 
 /// Finds a command by name, in any letter case.
