@@ -53,17 +53,16 @@ struct QueryBufferShare {
 }
 
 impl QueryBufferShare {
-    /// Counts `bytes` for this connection instead of what it had; the node's
-    /// new total.
-    fn set(&mut self, bytes: usize) -> usize {
+    /// Counts `bytes` for this connection instead of what it had. Most reads
+    /// leave it unchanged (at 0), and touch nothing shared.
+    fn set(&mut self, bytes: usize) {
         let total = &self.node.stats.query_buffer_bytes;
-        let total = if bytes >= self.counted {
-            total.fetch_add(bytes - self.counted, Ordering::Relaxed) + (bytes - self.counted)
-        } else {
-            total.fetch_sub(self.counted - bytes, Ordering::Relaxed) - (self.counted - bytes)
-        };
+        if bytes > self.counted {
+            total.fetch_add(bytes - self.counted, Ordering::Relaxed);
+        } else if bytes < self.counted {
+            total.fetch_sub(self.counted - bytes, Ordering::Relaxed);
+        }
         self.counted = bytes;
-        total
     }
 }
 
@@ -173,9 +172,11 @@ impl Connection {
     /// blamed for the others.
     fn within_query_budget(&mut self) -> bool {
         let grown = self.input.capacity().saturating_sub(READ_CHUNK_BYTES);
-        let total = self.query_buffer.set(grown);
+        self.query_buffer.set(grown);
         let budget = self.node.config.query_buffer_budget;
-        budget == 0 || total <= budget || grown < BUFFER_KEEP_BYTES
+        budget == 0
+            || grown < BUFFER_KEEP_BYTES
+            || self.node.stats.query_buffer_bytes.load(Ordering::Relaxed) <= budget
     }
 
     /// Runs every whole command in the input. Returns false when the
