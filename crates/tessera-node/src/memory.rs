@@ -11,6 +11,7 @@
 //! recent of them, which only spares them).
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
 use serde::Deserialize;
@@ -154,35 +155,31 @@ const ACCESS_SLOTS: usize = 1 << 18;
 /// Last-access times (in tenths of a second) by the key's hash.
 pub struct AccessClock {
     slots: Box<[AtomicU32]>,
+    hasher: hashbrown::DefaultHashBuilder,
 }
 
 impl Default for AccessClock {
     fn default() -> Self {
-        Self { slots: (0..ACCESS_SLOTS).map(|_| AtomicU32::new(0)).collect() }
+        Self {
+            slots: (0..ACCESS_SLOTS).map(|_| AtomicU32::new(0)).collect(),
+            hasher: hashbrown::DefaultHashBuilder::default(),
+        }
     }
 }
 
 impl AccessClock {
     pub fn touch(&self, key: &[u8], now_ms: u64) {
-        self.slots[slot(key)].store(tenths(now_ms), Ordering::Relaxed);
+        self.slots[self.slot(key)].store((now_ms / 100) as u32, Ordering::Relaxed);
     }
 
     /// When the key (or one sharing its slot) was last used; 0: not since start.
     pub fn last_access(&self, key: &[u8]) -> u32 {
-        self.slots[slot(key)].load(Ordering::Relaxed)
+        self.slots[self.slot(key)].load(Ordering::Relaxed)
     }
-}
 
-fn tenths(now_ms: u64) -> u32 {
-    (now_ms / 100) as u32
-}
-
-/// FNV-1a, folded onto the slots.
-fn slot(key: &[u8]) -> usize {
-    let hash = key.iter().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
-        (hash ^ u64::from(*byte)).wrapping_mul(0x0000_0100_0000_01b3)
-    });
-    (hash ^ (hash >> 32)) as usize % ACCESS_SLOTS
+    fn slot(&self, key: &[u8]) -> usize {
+        self.hasher.hash_one(key) as usize % ACCESS_SLOTS
+    }
 }
 
 /// Parses a size as Redis's config does: bytes, or with a unit (`kb`, `mb`,

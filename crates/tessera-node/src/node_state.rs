@@ -263,15 +263,17 @@ impl NodeState {
         if policy == EvictionPolicy::Noeviction || in_cluster {
             return Err(CommandError::OutOfMemory);
         }
+        let tables = self.tables();
+        let tables = tables.by_name();
         // A bounded effort per write: samples that keep finding nothing to
         // evict (only keys without expiry under a volatile policy, say) give up.
         let mut fruitless = 0;
         while used_memory() > limit {
-            if self.evict_one(policy) {
+            if self.evict_one(policy, &tables) {
                 fruitless = 0;
             } else {
                 fruitless += 1;
-                if fruitless > EVICTION_SAMPLES_FRUITLESS_MAX + self.tables().by_name().len() {
+                if fruitless > EVICTION_SAMPLES_FRUITLESS_MAX + tables.len() {
                     return Err(CommandError::OutOfMemory);
                 }
             }
@@ -279,11 +281,9 @@ impl NodeState {
         Ok(())
     }
 
-    /// Samples the next `maxmemory_samples` entries of one table and evicts
-    /// the policy's best candidate among them, if there is one.
-    fn evict_one(&self, policy: EvictionPolicy) -> bool {
-        let tables = self.tables();
-        let tables = tables.by_name();
+    /// Samples the next `maxmemory_samples` entries of one of `tables` and
+    /// evicts the policy's best candidate among them, if there is one.
+    fn evict_one(&self, policy: EvictionPolicy, tables: &[&Arc<Table>]) -> bool {
         if tables.is_empty() {
             return false;
         }
@@ -322,7 +322,7 @@ impl NodeState {
                 let rank = match policy {
                     EvictionPolicy::VolatileTtl => expires_at.unwrap_or(u64::MAX),
                     policy if policy.uses_access_times() => u64::from(self.access.last_access(&key)),
-                    _ => 0, // random: the sample's first
+                    _ => rand::random(), // a random one of the sample
                 };
                 Some((rank, key))
             })
