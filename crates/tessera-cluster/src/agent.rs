@@ -834,10 +834,8 @@ struct Coordinator {
 }
 
 impl Coordinator {
-    /// Connects to the first of several coordinators (comma-separated) that
-    /// answers: only the leader listens.
     /// Connects to the first of the coordinators (comma-separated) that
-    /// answers, and logs in as this node.
+    /// answers (only the leader listens), and logs in as this node.
     async fn connect_any(config: &AgentConfig) -> Result<Self, AgentError> {
         let mut failures = Vec::new();
         for address in config.coordinator.split(',').map(str::trim).filter(|address| !address.is_empty()) {

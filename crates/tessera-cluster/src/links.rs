@@ -132,8 +132,14 @@ struct Queue {
     whole: BytesMut,
     lengths: VecDeque<usize>,
     in_parts: VecDeque<Parted>,
-    in_parts_bytes: usize,
     dropped: u64,
+}
+
+impl Queue {
+    /// Bytes of the messages waiting to go in parts (a few at most).
+    fn in_parts_bytes(&self) -> usize {
+        self.in_parts.iter().map(|parted| parted.message.body().len()).sum()
+    }
 }
 
 /// A message too large for one frame, and how much of it has been sent.
@@ -205,12 +211,10 @@ impl Links {
             let mut queue = peer.queue.lock();
             let limit = self.config.queue_bytes_max;
             if body_bytes > PART_BYTES {
-                while !queue.in_parts.is_empty() && queue.in_parts_bytes + body_bytes > limit {
-                    let oldest = queue.in_parts.pop_front().expect("not empty");
-                    queue.in_parts_bytes -= oldest.message.body().len();
+                while !queue.in_parts.is_empty() && queue.in_parts_bytes() + body_bytes > limit {
+                    queue.in_parts.pop_front();
                     queue.dropped += 1;
                 }
-                queue.in_parts_bytes += body_bytes;
                 queue.in_parts.push_back(Parted { shard, message: message.clone(), sent: 0 });
             } else {
                 let length = 4 + WHOLE_HEADER + body_bytes;
@@ -275,7 +279,7 @@ async fn connect_handshake(
     hello.extend_from_slice(&connecting_nonce);
     reader.stream.write_all(&frame(&hello)).await?;
     let mut frames = Vec::new();
-    within(config.handshake_timeout, reader.frames(HELLO_BYTES_MAX, 1, &mut frames)).await??;
+    reader.frames(HELLO_BYTES_MAX, 1, &mut frames).await?;
     let challenge = frames.pop().ok_or(LinkError::MalformedHandshake)?;
     if challenge.len() != 4 + NONCE_BYTES + PROOF_BYTES {
         return Err(LinkError::MalformedHandshake);
@@ -379,12 +383,12 @@ async fn write_loop(
         let opened = match (connected, address) {
             (Some(Ok(stream)), Some(address)) => {
                 let _ = stream.set_nodelay(true);
-                let secured = within(config.handshake_timeout, secure_connecting(stream, &address, &config));
+                // The accepting side gets as long for TLS and the handshake as it gives.
                 let handshake = async {
-                    let stream = secured.await??;
+                    let stream = secure_connecting(stream, &address, &config).await?;
                     connect_handshake(stream, node, &config).await
                 };
-                match handshake.await {
+                match within(config.handshake_timeout, handshake).await.and_then(|done| done) {
                     Ok(stream) => Some(stream),
                     // A peer gone mid-handshake is like one not there; a refusal is news.
                     Err(LinkError::Io(_)) => None,
@@ -412,7 +416,6 @@ async fn write_loop(
                 queue.lengths.clear();
                 if in_parts.is_none() {
                     in_parts = queue.in_parts.pop_front();
-                    queue.in_parts_bytes -= in_parts.as_ref().map_or(0, |parted| parted.message.body().len());
                 }
                 queue.whole.split()
             };
