@@ -950,7 +950,8 @@ mod tests {
             .prop_map(|(shard, length, offset, bytes)| part_frame(shard, length, offset, &bytes));
         let raw = proptest::collection::vec(any::<u8>(), 0..100).prop_map(|bytes| frame(&bytes));
         let frames = proptest::collection::vec(prop_oneof![whole, part, raw], 1..12);
-        let cases = std::env::var("PROPTEST_CASES").ok().and_then(|cases| cases.parse().ok()).unwrap_or(64);
+        let panics = tessera_testkit::panics_so_far();
+        let cases = tessera_testkit::fuzz_cases(64);
         proptest!(ProptestConfig { cases, ..ProptestConfig::default() }, |(frames in frames)| {
             runtime.block_on(async {
                 let mut stream = authenticated_stream(&address).await;
@@ -969,6 +970,7 @@ mod tests {
             let incoming = received.within(Duration::from_secs(5)).await.expect("a member is still heard");
             assert_eq!((incoming.from, incoming.message), (NodeId(7), ack(9)));
         });
+        assert_eq!(tessera_testkit::panics_so_far(), panics, "a link's task panicked");
     }
 
     /// Whatever a connection sends a peer port, nothing is delivered without
@@ -993,7 +995,8 @@ mod tests {
                 bytes
             });
         let input = prop_oneof![hello_like, proptest::collection::vec(any::<u8>(), 0..600)];
-        let cases = std::env::var("PROPTEST_CASES").ok().and_then(|cases| cases.parse().ok()).unwrap_or(64);
+        let panics = tessera_testkit::panics_so_far();
+        let cases = tessera_testkit::fuzz_cases(64);
         proptest!(ProptestConfig { cases, ..ProptestConfig::default() }, |(bytes in input)| {
             let mut stream = std::net::TcpStream::connect(&address).unwrap();
             stream.set_read_timeout(Some(Duration::from_millis(400))).unwrap();
@@ -1010,5 +1013,6 @@ mod tests {
             let incoming = received.within(Duration::from_secs(5)).await.expect("a member is still heard");
             assert_eq!((incoming.from, incoming.message), (NodeId(7), ack(9)));
         });
+        assert_eq!(tessera_testkit::panics_so_far(), panics, "a link's task panicked");
     }
 }

@@ -228,7 +228,8 @@ fn the_coordinator_survives_whatever_a_connection_sends() {
         }),
         proptest::collection::vec(any::<u8>(), 0..512),
     ];
-    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|cases| cases.parse().ok()).unwrap_or(64);
+    let panics = tessera_testkit::panics_so_far();
+    let cases = tessera_testkit::fuzz_cases(64);
     proptest!(ProptestConfig { cases, ..ProptestConfig::default() }, |(bytes in input)| {
         let mut stream = std::net::TcpStream::connect(address).unwrap();
         stream.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
@@ -243,4 +244,5 @@ fn the_coordinator_survives_whatever_a_connection_sends() {
     // change by themselves: no node heartbeats here).
     let after = server.map();
     assert_eq!((after.nodes, after.tables), (before.nodes, before.tables));
+    assert_eq!(tessera_testkit::panics_so_far(), panics, "a connection's task panicked");
 }

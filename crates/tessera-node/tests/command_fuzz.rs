@@ -105,8 +105,7 @@ fn random_commands_never_panic_and_always_reply_once() {
     // permission checks see every command too.
     node.acl.set_user("restricted", &["on", "nopass", "~k*", "%R~a*", "+@read", "+@string", "-get"]).unwrap();
     let stats = node.new_worker_stats();
-    // `PROPTEST_CASES` raises the count (scripts/fuzz.sh).
-    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|cases| cases.parse().ok()).unwrap_or(2000);
+    let cases = tessera_testkit::fuzz_cases(2000);
     let mut runner =
         TestRunner::new(RunnerConfig { cases, failure_persistence: None, ..RunnerConfig::default() });
     runner

@@ -1,12 +1,37 @@
 //! Test support shared by the crates' test suites: a real `redis-server` started
-//! on a free loopback port, and helpers to wait for servers.
+//! on a free loopback port, helpers to wait for servers, and what fuzz tests
+//! need.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Once;
 use std::thread;
 use std::time::{Duration, Instant};
+
+/// How many cases a fuzz test runs: `PROPTEST_CASES` when set (scripts/fuzz.sh
+/// raises it), else `default`.
+pub fn fuzz_cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES").ok().and_then(|cases| cases.parse().ok()).unwrap_or(default)
+}
+
+/// Panics in this process since the first call, wherever they happened: a
+/// server's connection task that panics is caught by its runtime, and a test
+/// that only checks the server still answers would not see it.
+pub fn panics_so_far() -> usize {
+    static PANICS: AtomicUsize = AtomicUsize::new(0);
+    static COUNTING: Once = Once::new();
+    COUNTING.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            PANICS.fetch_add(1, Ordering::SeqCst);
+            previous(info);
+        }));
+    });
+    PANICS.load(Ordering::SeqCst)
+}
 
 /// A port that was free a moment ago.
 pub fn free_port() -> u16 {
