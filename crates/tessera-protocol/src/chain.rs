@@ -31,9 +31,10 @@ use tessera_engine::Engine;
 use crate::codec::{put_bytes, put_chunk, put_entries, put_write, CodecError, Family, Message, Reader};
 use crate::record::{Record, Version};
 use crate::{
-    engine_entries, entries_bytes, increment_value, read_visible, refused_without_quorum, snapshot_chunks,
-    transfer_allowance, Chunk, ClientReply, ClientRequest, Consistency, Effects, NodeId, Operation,
-    OperationError, PeerMessage, Progress, Protocol, RequestId, ShardView, SnapshotAssembly, Time, Write,
+    engine_entries, entries_bytes, increment_value, read_visible, refused_without_quorum, resend_due,
+    snapshot_chunks, transfer_allowance, Chunk, ClientReply, ClientRequest, Consistency, Effects, NodeId,
+    Operation, OperationError, PeerMessage, Progress, Protocol, RequestId, ShardView, SnapshotAssembly, Time,
+    Write,
 };
 
 #[derive(Clone, Debug)]
@@ -705,11 +706,8 @@ impl Protocol for ChainReplication {
     fn on_tick(&mut self, fx: &mut Effects) {
         self.check_invariants();
         let now = fx.now();
-        let retransmit_after = self.options.retransmit_after_ms;
-        // The cheap test first: most ticks come before any resend is due.
         let waited = now.saturating_sub(self.last_progress_at);
-        let stalled =
-            waited >= retransmit_after && waited >= transfer_allowance(retransmit_after, self.resend_bytes());
+        let stalled = resend_due(waited, self.options.retransmit_after_ms, || self.resend_bytes());
         if let Some(learner) = &self.learner {
             // A learner that acknowledged nothing since the snapshot lost it.
             if !learner.snapshot_acked

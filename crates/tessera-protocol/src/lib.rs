@@ -451,6 +451,13 @@ pub fn transfer_allowance(retransmit_after_ms: u64, bytes: usize) -> u64 {
     retransmit_after_ms + bytes as u64 / LINK_BYTES_PER_MS_FLOOR
 }
 
+/// Whether what was sent `waited_ms` ago, `bytes()` of it, is due to be sent
+/// again. The bytes are counted only once the usual retransmit time has
+/// passed: most calls come before it.
+pub(crate) fn resend_due(waited_ms: u64, retransmit_after_ms: u64, bytes: impl FnOnce() -> usize) -> bool {
+    waited_ms >= retransmit_after_ms && waited_ms >= transfer_allowance(retransmit_after_ms, bytes())
+}
+
 /// The bytes of keys and values in a snapshot's entries.
 pub fn entries_bytes(entries: &[(Bytes, Bytes)]) -> usize {
     entries.iter().map(|(key, value)| key.len() + value.len()).sum()

@@ -25,7 +25,7 @@ use tessera_engine::Engine;
 use crate::codec::{put_entries, put_u64s, CodecError, Family, Message, Reader};
 use crate::record::{Hlc, Record, Version};
 use crate::{
-    engine_entries, increment_value, refused_without_quorum, transfer_allowance, BatchBytes, ClientReply,
+    engine_entries, increment_value, refused_without_quorum, resend_due, BatchBytes, ClientReply,
     ClientRequest, Effects, NodeId, Operation, OperationError, PeerMessage, Progress, Protocol, ShardView,
     Time, SNAPSHOT_CHUNK_BYTES,
 };
@@ -446,10 +446,8 @@ impl MultiMaster {
                 outbox = Outbox::default();
             }
             for (batch, (sent_at, entries)) in &mut outbox.in_flight {
-                let (waited, retransmit_after) =
-                    (now.saturating_sub(*sent_at), self.options.retransmit_after_ms);
                 let bytes = || entries.iter().map(|(key, raw)| key.len() + raw.len()).sum();
-                if waited >= retransmit_after && waited >= transfer_allowance(retransmit_after, bytes()) {
+                if resend_due(now.saturating_sub(*sent_at), self.options.retransmit_after_ms, bytes) {
                     *sent_at = now;
                     let records = entries.clone();
                     fx.send(peer, PeerMessage::new(&MultiMessage::Records { view, batch: *batch, records }));

@@ -29,9 +29,10 @@ use tessera_engine::Engine;
 use crate::codec::{put_bytes, put_chunk, put_entries, put_write, CodecError, Family, Message, Reader};
 use crate::record::{Record, Version};
 use crate::{
-    engine_entries, entries_bytes, increment_value, read_visible, refused_without_quorum, snapshot_chunks,
-    transfer_allowance, BatchBytes, Chunk, ClientReply, ClientRequest, Consistency, Effects, NodeId,
-    Operation, OperationError, PeerMessage, Progress, Protocol, ShardView, SnapshotAssembly, Time, Write,
+    engine_entries, entries_bytes, increment_value, read_visible, refused_without_quorum, resend_due,
+    snapshot_chunks, transfer_allowance, BatchBytes, Chunk, ClientReply, ClientRequest, Consistency, Effects,
+    NodeId, Operation, OperationError, PeerMessage, Progress, Protocol, ShardView, SnapshotAssembly, Time,
+    Write,
 };
 
 #[derive(Clone, Debug)]
@@ -357,15 +358,11 @@ impl PrimaryBackup {
         for backup in replicas.into_iter().filter(|replica| *replica != self.me) {
             let state = self.backups.entry(backup).or_default();
             let Some(confirmed) = state.confirmed else { continue };
-            // Unconfirmed entries are sent again once they had time to arrive
-            // (the cheap test first: most calls come before that).
-            let waited = now.saturating_sub(state.last_sent_at);
-            let retransmit_after = self.options.retransmit_after_ms;
+            // Unconfirmed entries are sent again once they had time to arrive.
             let unconfirmed = (Bound::Excluded(confirmed), Bound::Included(state.sent_upto));
-            let unconfirmed = || self.log.range(unconfirmed).map(|(_, entry)| entry.bytes());
-            let from = if waited >= retransmit_after
-                && waited >= transfer_allowance(retransmit_after, unconfirmed().sum())
-            {
+            let unconfirmed_bytes = || self.log.range(unconfirmed).map(|(_, entry)| entry.bytes()).sum();
+            let waited = now.saturating_sub(state.last_sent_at);
+            let from = if resend_due(waited, self.options.retransmit_after_ms, unconfirmed_bytes) {
                 confirmed
             } else {
                 state.sent_upto
