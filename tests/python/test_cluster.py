@@ -53,8 +53,9 @@ def now_us():
 
 
 class LocalCluster:
-    def __init__(self, directory, consistency, topology="ms", failure_timeout_ms=FAILURE_TIMEOUT_MS):
+    def __init__(self, directory, consistency, topology="ms", failure_timeout_ms=FAILURE_TIMEOUT_MS, tls=False):
         self.dir = Path(directory) / "cluster"
+        self.tls = tls
         self.consistency = consistency
         self.topology = topology
         self.failure_timeout_ms = failure_timeout_ms
@@ -79,7 +80,7 @@ class LocalCluster:
             "up", "--nodes", str(nodes), "--replicas", "3", "--consistency", self.consistency,
             "--topology", self.topology,
             "--base-port", str(self.base_port), "--lease-ms", str(LEASE_MS),
-            "--failure-timeout-ms", str(self.failure_timeout_ms), "--no-demo",
+            "--failure-timeout-ms", str(self.failure_timeout_ms), "--no-demo", *(["--tls"] if self.tls else []),
         )
         return self
 
@@ -97,9 +98,18 @@ class LocalCluster:
     def port(self, node):
         return self.base_port + 1 + node
 
+    def coordinator(self, **options):
+        """A connection to the coordinator, in TLS with the cluster's
+        certificate when the cluster runs it."""
+        if self.tls:
+            certificates = self.dir / "tls"
+            options = dict(ssl=True, ssl_ca_certs=str(certificates / "ca.crt"),
+                           ssl_certfile=str(certificates / "server.crt"),
+                           ssl_keyfile=str(certificates / "server.key")) | options
+        return redis.Redis(host="127.0.0.1", port=self.base_port, socket_timeout=5, protocol=2, **options)
+
     def map(self):
-        coordinator = redis.Redis(port=self.base_port, socket_timeout=5, protocol=2)
-        return json.loads(coordinator.execute_command("COORD.MAP"))
+        return json.loads(self.coordinator().execute_command("COORD.MAP"))
 
     def shard(self, shard_id):
         return next(shard for shard in self.map()["shards"] if shard["id"] == shard_id)
@@ -126,8 +136,8 @@ class LocalCluster:
 def cluster_factory(tmp_path):
     clusters = []
 
-    def make(consistency, nodes=NODES, topology="ms", failure_timeout_ms=FAILURE_TIMEOUT_MS):
-        cluster = LocalCluster(tmp_path, consistency, topology, failure_timeout_ms)
+    def make(consistency, nodes=NODES, topology="ms", failure_timeout_ms=FAILURE_TIMEOUT_MS, tls=False):
+        cluster = LocalCluster(tmp_path, consistency, topology, failure_timeout_ms, tls)
         clusters.append(cluster)
         return cluster.up(nodes)
 
@@ -292,6 +302,31 @@ def test_strong_cluster_stays_linearizable_through_kills_stops_and_coordinator_r
     cluster.wait_for_full_shards()
     # Replicas of each shard hold the same values (eventual reads from each member).
     assert_replicas_converge(cluster, keys)
+
+
+def test_a_cluster_whose_plane_runs_in_tls_fails_over_and_stays_linearizable(cluster_factory, tmp_path):
+    """`cluster up --tls`: peer links and coordinator sessions in mutual TLS
+    (certificates in <dir>/tls), through a kill -9, a pause past the failure
+    timeout and a new standby."""
+    cluster = cluster_factory("strong", nodes=4, tls=True)
+    # The coordinator speaks TLS, to holders of the cluster's certificate only.
+    assert cluster.coordinator().ping()
+    for refused in [dict(ssl=False), dict(ssl_certfile=None, ssl_keyfile=None)]:
+        with pytest.raises(redis.ConnectionError):
+            cluster.coordinator(**refused).ping()
+    # A peer port answers plaintext with a TLS alert, never with the handshake.
+    with socket.create_connection(("127.0.0.1", cluster.port(0) + 10000), timeout=5) as peer:
+        peer.sendall(b"\x00" * 64)
+        answer = peer.recv(64)
+        assert answer[:1] in (b"", b"\x15"), answer  # 0x15: a TLS alert record
+
+    head_of_0 = cluster.shard(0)["members"][0]
+    faults = [kill_node(cluster, head_of_0), stop_node(cluster, 2)]
+    recorders, keys, marks = run_with_faults(cluster, faults)
+    assert_served_and_linearizable(cluster, tmp_path, recorders, keys, marks)
+    cluster.cli("add-standby")
+    cluster.wait_for_full_shards()
+    assert "tls" in cluster.cli("status").stdout
 
 
 def assert_replicas_converge(cluster, keys, timeout=10):

@@ -3,6 +3,9 @@
 //!
 //! ```text
 //! <dir>/layout.json         what `up` was asked for: ports, engine, mode, nodes
+//! <dir>/cluster.secret      the cluster's secret (mode 0600)
+//! <dir>/tls/                with `up --tls`: the CA and the certificate every
+//!                           process presents on the cluster plane
 //! <dir>/coordinator/        the coordinator's stored map
 //! <dir>/nodes/<id>/         each node's data (its shards' engines)
 //! <dir>/logs/<name>.log     each process's log
@@ -19,13 +22,18 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand};
 use serde::{Deserialize, Serialize};
-use tessera_cluster::auth::{ClusterSecret, CoordinatorLogin, ADMIN};
+use tessera_cluster::auth::{ClusterSecret, ADMIN};
+use tessera_cluster::session::{CoordinatorSession, Credentials};
+use tessera_cluster::tls::PeerTls;
 use tessera_cluster::ClusterMap;
 use tessera_wire::slot::key_slot;
 use tessera_wire::{Client, Value};
 
 /// The cluster's secret, in the cluster directory (mode 0600).
 const SECRET_FILE: &str = "cluster.secret";
+/// The certificates of a cluster made with `up --tls`, as
+/// [`tessera_cluster::tls::write_certificates`] writes them.
+const TLS_DIR: &str = "tls";
 
 #[derive(Subcommand)]
 pub enum ClusterCommand {
@@ -90,6 +98,10 @@ pub struct UpArgs {
     lease_ms: u64,
     #[arg(long, default_value_t = 1500)]
     failure_timeout_ms: u64,
+    /// Run the cluster plane (peer links and coordinator sessions) in
+    /// mutual TLS, with a CA and certificates made in <dir>/tls.
+    #[arg(long)]
+    tls: bool,
     /// Skip the demo of writes and reads.
     #[arg(long)]
     no_demo: bool,
@@ -110,6 +122,9 @@ struct Layout {
     threads: usize,
     lease_ms: u64,
     failure_timeout_ms: u64,
+    /// The cluster plane runs in mutual TLS (`up --tls`).
+    #[serde(default)]
+    tls: bool,
 }
 
 fn master_slave() -> String {
@@ -227,6 +242,7 @@ fn up(args: UpArgs) -> Result<(), String> {
                 threads: args.threads,
                 lease_ms: args.lease_ms,
                 failure_timeout_ms: args.failure_timeout_ms,
+                tls: args.tls,
             };
             fs::create_dir_all(dir).map_err(|error| format!("{}: {error}", dir.display()))?;
             layout.save(dir)?;
@@ -236,6 +252,9 @@ fn up(args: UpArgs) -> Result<(), String> {
     // A cluster made before clusters had secrets gets one as it resumes.
     if !dir.join(SECRET_FILE).exists() {
         ClusterSecret::generate().save(&dir.join(SECRET_FILE)).map_err(|error| error.to_string())?;
+    }
+    if layout.tls && !dir.join(TLS_DIR).join("ca.crt").exists() {
+        tessera_cluster::tls::write_certificates(&dir.join(TLS_DIR), std::slice::from_ref(&layout.host))?;
     }
     let started = Instant::now();
     for name in
@@ -256,6 +275,12 @@ fn up(args: UpArgs) -> Result<(), String> {
         layout.engine,
         started.elapsed().as_secs_f64()
     );
+    if layout.tls {
+        println!(
+            "peer links and coordinator sessions run in mutual TLS (certificates in {})",
+            dir.join(TLS_DIR).display()
+        );
+    }
     if !args.no_demo {
         demo(&layout, &map)?;
     }
@@ -332,7 +357,7 @@ fn wait_until_served(layout: &Layout, dir: &Path, timeout: Duration) -> Result<C
             let last = text.lines().last().unwrap_or("no log");
             return Err(format!("node {id} exited: {last} (log: {})", log.display()));
         }
-        match probe(layout) {
+        match probe(dir, layout) {
             Ok(map) => return Ok(map),
             Err(problem) => last_problem = problem,
         }
@@ -345,8 +370,8 @@ fn wait_until_served(layout: &Layout, dir: &Path, timeout: Duration) -> Result<C
     ))
 }
 
-fn probe(layout: &Layout) -> Result<ClusterMap, String> {
-    let map = fetch_map(layout)?;
+fn probe(dir: &Path, layout: &Layout) -> Result<ClusterMap, String> {
+    let map = fetch_map(dir, layout)?;
     for shard in map.slot_shards() {
         let head = shard.members.first().ok_or(format!("shard {} has no members", shard.id))?;
         let address = &map.node(*head).ok_or("a head that is not in the map")?.address;
@@ -367,11 +392,8 @@ fn probe(layout: &Layout) -> Result<ClusterMap, String> {
     Ok(map)
 }
 
-fn fetch_map(layout: &Layout) -> Result<ClusterMap, String> {
-    let address = layout.coordinator_address();
-    let mut client = Client::connect(address.as_str(), Duration::from_secs(1))
-        .map_err(|error| format!("coordinator {address}: {error}"))?;
-    match client.command(&["COORD.MAP"]).map_err(|error| error.to_string())? {
+fn fetch_map(dir: &Path, layout: &Layout) -> Result<ClusterMap, String> {
+    match AdminSession::open(dir, layout)?.command(&["COORD.MAP"])? {
         Value::Bulk(json) => {
             ClusterMap::from_json(&String::from_utf8_lossy(&json)).map_err(|error| error.to_string())
         }
@@ -386,7 +408,10 @@ fn status(dir: &Path) -> Result<(), String> {
         None => "NOT RUNNING".into(),
     };
     println!("cluster {} in {}; coordinator {coordinator}", layout.cluster_id, dir.display());
-    let map = fetch_map(&layout).ok();
+    if layout.tls {
+        println!("cluster plane in mutual tls; certificates in {}", dir.join(TLS_DIR).display());
+    }
+    let map = fetch_map(dir, &layout).ok();
     let before = commands_per_node(&layout);
     let sampled = Instant::now();
     std::thread::sleep(Duration::from_millis(500));
@@ -474,25 +499,49 @@ fn commands_per_node(layout: &Layout) -> Vec<Option<u64>> {
 }
 
 /// A session with the coordinator as the operator (`admin`), proved with the
-/// cluster's secret.
-fn admin_session(dir: &Path, layout: &Layout) -> Result<Client, String> {
-    let secret = ClusterSecret::load(&dir.join(SECRET_FILE)).map_err(|error| error.to_string())?;
-    let mut client = Client::connect(layout.coordinator_address(), Duration::from_secs(2))
-        .map_err(|error| format!("coordinator: {error}"))?;
-    let login = CoordinatorLogin::new(&layout.cluster_id, ADMIN);
-    let challenge = client.command(&login.hello()).map_err(|error| error.to_string())?;
-    let auth = login.auth(&secret, challenge).map_err(|error| error.to_string())?;
-    let answer = client.command(&auth).map_err(|error| error.to_string())?;
-    CoordinatorLogin::accepted(answer).map_err(|error| error.to_string())?;
-    Ok(client)
+/// cluster's secret, in TLS when the cluster runs it.
+struct AdminSession {
+    runtime: tokio::runtime::Runtime,
+    session: CoordinatorSession,
+}
+
+impl AdminSession {
+    fn open(dir: &Path, layout: &Layout) -> Result<Self, String> {
+        let secret = ClusterSecret::load(&dir.join(SECRET_FILE)).map_err(|error| error.to_string())?;
+        let tls = match layout.tls {
+            true => {
+                let certificates = dir.join(TLS_DIR);
+                let file = |name: &str| certificates.join(name);
+                Some(
+                    PeerTls::from_files(&file("server.crt"), &file("server.key"), &file("ca.crt"))
+                        .map_err(|error| error.to_string())?,
+                )
+            }
+            false => None,
+        };
+        let credentials =
+            Credentials { cluster: &layout.cluster_id, identity: ADMIN, secret: &secret, tls: tls.as_ref() };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|error| error.to_string())?;
+        let session = runtime
+            .block_on(CoordinatorSession::open(&layout.coordinator_address(), credentials))
+            .map_err(|error| format!("coordinator: {error}"))?;
+        Ok(Self { runtime, session })
+    }
+
+    fn command(&mut self, args: &[&str]) -> Result<Value, String> {
+        self.runtime.block_on(self.session.call(args)).map_err(|error| error.to_string())
+    }
 }
 
 fn add_standby(dir: &Path) -> Result<(), String> {
     let mut layout = Layout::load(dir)?;
     let port = layout.nodes.iter().map(|(_, port)| *port).max().unwrap_or(layout.coordinator_port) + 1;
     let address = layout.node_address(port);
-    let mut client = admin_session(dir, &layout)?;
-    let id = match client.command(&["COORD.ADD-NODE", address.as_str()]).map_err(|error| error.to_string())? {
+    let mut session = AdminSession::open(dir, &layout)?;
+    let id = match session.command(&["COORD.ADD-NODE", address.as_str()])? {
         Value::Integer(id) => id as u32,
         other => return Err(format!("the coordinator refused the node: {other:?}")),
     };
@@ -576,6 +625,23 @@ fn stop(dir: &Path, name: &str, grace: Duration) -> Result<(), String> {
     Ok(())
 }
 
+/// The certificate, key and CA a process of a `--tls` cluster presents and
+/// trusts on the cluster plane.
+fn tls_flags(dir: &Path, layout: &Layout) -> Vec<String> {
+    if !layout.tls {
+        return Vec::new();
+    }
+    let file = |name: &str| dir.join(TLS_DIR).join(name).display().to_string();
+    vec![
+        "--tls-cert-file".into(),
+        file("server.crt"),
+        "--tls-key-file".into(),
+        file("server.key"),
+        "--tls-ca-cert-file".into(),
+        file("ca.crt"),
+    ]
+}
+
 /// Starts a process of the cluster, detached, logging to `<dir>/logs`.
 fn start(dir: &Path, layout: &Layout, name: &str) -> Result<(), String> {
     use std::os::unix::process::CommandExt;
@@ -597,6 +663,7 @@ fn start(dir: &Path, layout: &Layout, name: &str) -> Result<(), String> {
         args.extend(["--lease-ms".into(), layout.lease_ms.to_string()]);
         args.extend(["--cluster-secret-file".into(), dir.join(SECRET_FILE).display().to_string()]);
         args.extend(["--failure-timeout-ms".into(), layout.failure_timeout_ms.to_string()]);
+        args.extend(tls_flags(&dir, layout));
         if !state.join("cluster.json").exists() {
             let addresses: Vec<String> =
                 layout.nodes.iter().map(|(_, port)| layout.node_address(*port)).collect();
@@ -630,6 +697,10 @@ fn start(dir: &Path, layout: &Layout, name: &str) -> Result<(), String> {
         args.extend(["--cluster-id".into(), layout.cluster_id.clone(), "--node-id".into(), id.to_string()]);
         args.extend(["--coordinator".into(), layout.coordinator_address()]);
         args.extend(["--cluster-secret-file".into(), dir.join(SECRET_FILE).display().to_string()]);
+        if layout.tls {
+            args.push("--tls-cluster".into());
+            args.extend(tls_flags(&dir, layout));
+        }
     }
     let log_path = dir.join("logs").join(format!("{name}.log"));
     let log = fs::OpenOptions::new()

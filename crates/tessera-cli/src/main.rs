@@ -55,7 +55,7 @@ enum Command {
         count: u32,
     },
     /// Run a cluster's coordinator: the shard map, liveness and failover.
-    Coordinator(CoordinatorArgs),
+    Coordinator(Box<CoordinatorArgs>),
     /// A local cluster of processes: up, status, kill, restart, add-standby, down.
     #[command(subcommand)]
     Cluster(cluster::ClusterCommand),
@@ -216,9 +216,28 @@ struct CoordinatorArgs {
     /// wait and take over when its etcd lease lapses.
     #[arg(long)]
     etcd: Option<String>,
+    /// The CA that signed etcd's certificate, for https:// endpoints
+    /// [default: the public roots].
+    #[arg(long)]
+    etcd_ca_file: Option<PathBuf>,
+    /// A client certificate and key to present to etcd (--client-cert-auth).
+    #[arg(long, requires_all = ["etcd_key_file", "etcd_ca_file"])]
+    etcd_cert_file: Option<PathBuf>,
+    #[arg(long, requires = "etcd_cert_file")]
+    etcd_key_file: Option<PathBuf>,
     /// This coordinator's name in the election [default: its bind:port].
     #[arg(long)]
     name: Option<String>,
+    /// Speak only mutual TLS (the nodes' `tls_cluster`): this coordinator's
+    /// certificate, which must name the host nodes reach it by ...
+    #[arg(long, requires_all = ["tls_key_file", "tls_ca_cert_file"])]
+    tls_cert_file: Option<PathBuf>,
+    /// ... its key ...
+    #[arg(long, requires = "tls_cert_file")]
+    tls_key_file: Option<PathBuf>,
+    /// ... and the CA that signs the cluster's certificates.
+    #[arg(long, requires = "tls_cert_file")]
+    tls_ca_cert_file: Option<PathBuf>,
     /// Seconds a leader's etcd lease lasts without renewal.
     #[arg(long, default_value_t = 2)]
     leader_ttl_secs: u64,
@@ -374,8 +393,9 @@ struct ServeArgs {
     /// Whether TLS clients must present a certificate: yes, optional or no [default: yes].
     #[arg(long, value_parser = parse_auth_clients)]
     tls_auth_clients: Option<AuthClients>,
-    /// Run the peer links in mutual TLS with the same certificate, key and CA
-    /// (Redis's tls-cluster); every node of the cluster must.
+    /// Run the peer links and the coordinator session in mutual TLS with the
+    /// same certificate, key and CA (Redis's tls-cluster); every node of the
+    /// cluster, and its coordinator, must.
     #[arg(long)]
     tls_cluster: bool,
     /// Memory the node may use, in bytes or with a unit (100mb, 2gb), as
@@ -516,6 +536,12 @@ fn coordinator(args: CoordinatorArgs) -> Result<(), String> {
     let timing = Timing { lease_ms: args.lease_ms, failure_timeout_ms: args.failure_timeout_ms };
     let secret = tessera_cluster::auth::ClusterSecret::load(&args.cluster_secret_file)
         .map_err(|error| error.to_string())?;
+    let tls = match (&args.tls_cert_file, &args.tls_key_file, &args.tls_ca_cert_file) {
+        (Some(cert), Some(key), Some(ca)) => Some(
+            tessera_cluster::tls::PeerTls::from_files(cert, key, ca).map_err(|error| error.to_string())?,
+        ),
+        _ => None,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -523,19 +549,18 @@ fn coordinator(args: CoordinatorArgs) -> Result<(), String> {
         .map_err(|error| error.to_string())?;
     // Whichever store keeps the map, the server starts the same way.
     let start = move |store: Box<dyn tessera_cluster::MetadataStore>| {
-        CoordinatorServer::start(listen, store, initial, timing, secret)
+        CoordinatorServer::start(listen, store, initial, timing, secret, tls)
     };
     if let Some(endpoints) = &args.etcd {
         let cluster_id =
             args.cluster_id.clone().ok_or("--etcd needs --cluster-id (the key prefix in etcd)")?;
         let name = args.name.clone().unwrap_or_else(|| listen.to_string());
-        return runtime.block_on(coordinate_with_etcd(
-            endpoints,
-            &cluster_id,
-            &name,
-            args.leader_ttl_secs,
-            start,
-        ));
+        let mut etcd = tessera_cluster::Etcd::new(endpoints)?;
+        if let Some(ca_file) = &args.etcd_ca_file {
+            let identity = args.etcd_cert_file.as_deref().zip(args.etcd_key_file.as_deref());
+            etcd = etcd.with_tls(ca_file, identity).map_err(|error| error.to_string())?;
+        }
+        return runtime.block_on(coordinate_with_etcd(etcd, &cluster_id, &name, args.leader_ttl_secs, start));
     }
     runtime.block_on(async {
         let server = start(Box::new(FileStore::new(&args.dir))).await.map_err(|error| error.to_string())?;
@@ -558,7 +583,7 @@ fn coordinator(args: CoordinatorArgs) -> Result<(), String> {
 /// the lease exits: its map writes would be refused anyway, and its
 /// supervisor (or `tessera cluster`) starts it again to stand by.
 async fn coordinate_with_etcd<Started>(
-    endpoints: &str,
+    etcd: tessera_cluster::Etcd,
     cluster_id: &str,
     name: &str,
     ttl_secs: u64,
@@ -568,8 +593,7 @@ where
     Started:
         std::future::Future<Output = Result<tessera_cluster::CoordinatorServer, tessera_cluster::StartError>>,
 {
-    use tessera_cluster::{Etcd, EtcdStore};
-    let etcd = Etcd::new(endpoints)?;
+    use tessera_cluster::EtcdStore;
     let store = || EtcdStore::new(etcd.clone(), cluster_id).fenced_by(name);
     let shutdown = shutdown_signal();
     tokio::pin!(shutdown);
@@ -1066,7 +1090,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => serve(*args),
         Command::Sim(args) => simulate(args),
-        Command::Coordinator(args) => coordinator(args),
+        Command::Coordinator(args) => coordinator(*args),
         Command::Cluster(command) => cluster::run(command),
         Command::CheckHistory { file } => check_history(&file),
         Command::Repair { dir } => repair(&dir),

@@ -27,15 +27,15 @@ use tessera_protocol::{
 };
 use tessera_wire::prefix::unescape_prefix;
 use tessera_wire::slot::SLOTS;
-use tessera_wire::{encode_command, parse_value, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tessera_wire::Value;
+use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 
-use crate::auth::{ClusterSecret, CoordinatorLogin, LoginError};
+use crate::auth::ClusterSecret;
 use crate::links::{serve_incoming, Incoming, LinkConfig, Links, INCOMING_BATCHES_MAX};
 use crate::map::{range_index, ClusterMap, DEFAULT_TABLE};
+use crate::session::{CoordinatorSession, Credentials, SessionError};
 use crate::tls::PeerTls;
 
 /// Milliseconds since the Unix epoch as read once at start, advanced by a
@@ -85,8 +85,22 @@ pub struct AgentConfig {
     /// Back-pressure: once this many writes wait to commit on this node, new
     /// ones wait for room (their connections stop reading meanwhile).
     pub max_uncommitted_writes: usize,
-    /// Mutual TLS on the peer links (`tls_cluster`).
+    /// Mutual TLS on the peer links and the coordinator session (`tls_cluster`).
     pub tls: Option<PeerTls>,
+}
+
+impl AgentConfig {
+    /// A session with the leading coordinator, as this node.
+    async fn coordinator_session(&self) -> Result<CoordinatorSession, SessionError> {
+        let identity = self.node.to_string();
+        let credentials = Credentials {
+            cluster: &self.cluster_id,
+            identity: &identity,
+            secret: &self.secret,
+            tls: self.tls.as_ref(),
+        };
+        CoordinatorSession::open(&self.coordinator, credentials).await
+    }
 }
 
 /// An answer on its way from a shard's protocol.
@@ -109,18 +123,10 @@ impl Pending {
 /// Why the agent could not reach or join the cluster, or open a shard.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
-    #[error("no coordinator answered: {}", .0.join("; "))]
-    Unreachable(Vec<String>),
-    #[error("the connection to the coordinator failed: {0}")]
-    Connection(#[from] std::io::Error),
-    #[error("the coordinator closed the connection")]
-    Closed,
-    #[error("the coordinator's answer is not RESP: {0}")]
-    Malformed(String),
+    #[error(transparent)]
+    Coordinator(#[from] SessionError),
     #[error("the coordinator refused this node: {0}")]
     Refused(String),
-    #[error("cannot log in to the coordinator as node {node} of cluster '{cluster}': {source}")]
-    Login { cluster: String, node: u32, source: LoginError },
     #[error("unexpected answer to {command}: {answer}")]
     UnexpectedAnswer { command: &'static str, answer: String },
     #[error("cannot listen for peers on {0}: {1}")]
@@ -414,9 +420,9 @@ impl Agent {
         // it (a refusal, below, is final).
         let mut backoff = Duration::from_millis(50);
         let mut coordinator = loop {
-            match Coordinator::connect_any(&config).await {
+            match config.coordinator_session().await {
                 Ok(coordinator) => break coordinator,
-                Err(error @ AgentError::Login { .. }) => return Err(error),
+                Err(error @ SessionError::Login { .. }) => return Err(error.into()),
                 Err(error) => {
                     tracing::warn!(%error, "waiting for the coordinator");
                     tokio::time::sleep(backoff).await;
@@ -659,8 +665,8 @@ impl Agent {
     /// Sends one command to the leading coordinator (administrative changes:
     /// tables) and returns its answer.
     pub async fn ask_coordinator(&self, args: &[&[u8]]) -> Result<Value, AgentError> {
-        let mut coordinator = Coordinator::connect_any(&self.config).await?;
-        coordinator.call(args).await
+        let mut coordinator = self.config.coordinator_session().await?;
+        Ok(coordinator.call(args).await?)
     }
 
     /// Waits until the map this node routes by satisfies `ready` (a change the
@@ -827,59 +833,6 @@ pub fn peer_address(client_address: &str) -> Option<String> {
     Some(format!("{host}:{peer_port}"))
 }
 
-/// A RESP connection to the coordinator.
-struct Coordinator {
-    stream: TcpStream,
-    buffer: Vec<u8>,
-}
-
-impl Coordinator {
-    /// Connects to the first of the coordinators (comma-separated) that
-    /// answers (only the leader listens), and logs in as this node.
-    async fn connect_any(config: &AgentConfig) -> Result<Self, AgentError> {
-        let mut failures = Vec::new();
-        for address in config.coordinator.split(',').map(str::trim).filter(|address| !address.is_empty()) {
-            let connected = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(address)).await;
-            match connected {
-                Ok(Ok(stream)) => {
-                    let _ = stream.set_nodelay(true);
-                    let mut coordinator = Self { stream, buffer: Vec::new() };
-                    let login = CoordinatorLogin::new(&config.cluster_id, &config.node.to_string());
-                    let failed = |source| AgentError::Login {
-                        cluster: config.cluster_id.clone(),
-                        node: config.node,
-                        source,
-                    };
-                    let challenge = coordinator.call(&login.hello()).await?;
-                    let auth = login.auth(&config.secret, challenge).map_err(failed)?;
-                    CoordinatorLogin::accepted(coordinator.call(&auth).await?).map_err(failed)?;
-                    return Ok(coordinator);
-                }
-                Ok(Err(error)) => failures.push(format!("{address}: {error}")),
-                Err(_) => failures.push(format!("{address}: timed out")),
-            }
-        }
-        Err(AgentError::Unreachable(failures))
-    }
-
-    async fn call<A: AsRef<[u8]>>(&mut self, args: &[A]) -> Result<Value, AgentError> {
-        let mut request = Vec::new();
-        encode_command(args, &mut request);
-        self.stream.write_all(&request).await?;
-        loop {
-            let parsed =
-                parse_value(&self.buffer).map_err(|error| AgentError::Malformed(error.to_string()))?;
-            if let Some((value, used)) = parsed {
-                self.buffer.drain(..used);
-                return Ok(value);
-            }
-            if self.stream.read_buf(&mut self.buffer).await? == 0 {
-                return Err(AgentError::Closed);
-            }
-        }
-    }
-}
-
 /// A shard's view, granted with a lease, and the mode it runs in that view.
 type Grant = (u32, ShardView, Mode);
 
@@ -911,7 +864,7 @@ fn parse_grants(reply: Value) -> Option<(u64, Vec<Grant>)> {
     Some((epoch, grants))
 }
 
-async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: Coordinator) {
+async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: CoordinatorSession) {
     let mut known_epoch = 0;
     loop {
         let Some(agent_ref) = agent.upgrade() else { return };
@@ -961,7 +914,7 @@ async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: Coordina
             },
             Err(error) => {
                 tracing::warn!(%error, "heartbeat failed; reconnecting to the coordinator");
-                match Coordinator::connect_any(&agent_ref.config).await {
+                match agent_ref.config.coordinator_session().await {
                     Ok(fresh) => coordinator = fresh,
                     Err(error) => tracing::warn!(%error, "coordinator unreachable"),
                 }

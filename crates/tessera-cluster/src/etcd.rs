@@ -1,7 +1,8 @@
 //! The cluster map in etcd, for several coordinators with one leader.
 //!
 //! Spoken over etcd's JSON gateway (`/v3/kv/range`, `/v3/kv/txn`,
-//! `/v3/lease/*`), plain HTTP: keys and values travel base64-encoded, 64-bit
+//! `/v3/lease/*`), over HTTP or HTTPS (the CA and a client certificate given
+//! with [`Etcd::with_tls`], for etcd's `--client-cert-auth`): keys and values travel base64-encoded, 64-bit
 //! numbers as strings. Under the prefix `/tessera/<cluster-id>/`:
 //!
 //! - `map`: the map as JSON; its version is the key's `mod_revision`.
@@ -13,6 +14,8 @@
 //! own name, so a coordinator whose lease ran out (paused, partitioned) can no
 //! longer write: its store call fails and it stops deciding.
 
+use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use base64::engine::general_purpose::STANDARD as BASE64;
@@ -21,6 +24,7 @@ use serde_json::{json, Value as Json};
 
 use crate::map::{ClusterMap, MapError};
 use crate::store::{MetadataStore, StoreError, Versioned};
+use crate::tls::{self, TlsError};
 
 /// An etcd cluster's client endpoints, tried in turn.
 #[derive(Clone, Debug)]
@@ -30,7 +34,8 @@ pub struct Etcd {
 }
 
 impl Etcd {
-    /// `endpoints`: `host:port` or `http://host:port`, comma-separated.
+    /// `endpoints`: `host:port`, `http://host:port` or `https://host:port`,
+    /// comma-separated.
     pub fn new(endpoints: &str) -> Result<Self, String> {
         let endpoints: Vec<String> = endpoints
             .split(',')
@@ -47,14 +52,30 @@ impl Etcd {
         if endpoints.is_empty() {
             return Err("no etcd endpoint given".into());
         }
-        if let Some(endpoint) = endpoints.iter().find(|endpoint| endpoint.starts_with("https://")) {
-            return Err(format!("{endpoint}: only plain http etcd endpoints are supported"));
-        }
-        let agent = ureq::AgentBuilder::new()
-            .timeout_connect(Duration::from_millis(500))
-            .timeout(Duration::from_secs(3))
-            .build();
-        Ok(Self { endpoints, agent })
+        Ok(Self { endpoints, agent: Self::agent().build() })
+    }
+
+    fn agent() -> ureq::AgentBuilder {
+        ureq::AgentBuilder::new().timeout_connect(Duration::from_millis(500)).timeout(Duration::from_secs(3))
+    }
+
+    /// For `https://` endpoints signed by a private CA: trusts the CAs in
+    /// `ca_file` (rather than the public roots) and presents `identity`
+    /// (certificate, key) if etcd asks for a client certificate.
+    pub fn with_tls(mut self, ca_file: &Path, identity: Option<(&Path, &Path)>) -> Result<Self, TlsError> {
+        let roots = tls::roots(ca_file)?;
+        let builder = rustls::ClientConfig::builder_with_provider(tls::provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|error| TlsError::Rustls(error.to_string()))?
+            .with_root_certificates(roots);
+        let config = match identity {
+            Some((certificate, key)) => builder
+                .with_client_auth_cert(tls::certificates(certificate)?, tls::private_key(key)?)
+                .map_err(|error| TlsError::Rustls(error.to_string()))?,
+            None => builder.with_no_client_auth(),
+        };
+        self.agent = Self::agent().tls_config(Arc::new(config)).build();
+        Ok(self)
     }
 
     /// Calls one gateway method on the first endpoint that answers.
@@ -244,10 +265,12 @@ mod tests {
 
     #[test]
     fn endpoints_are_normalised_and_checked() {
-        let etcd = Etcd::new("127.0.0.1:2379, http://10.0.0.2:2379/").unwrap();
-        assert_eq!(etcd.endpoints, vec!["http://127.0.0.1:2379", "http://10.0.0.2:2379"]);
+        let etcd = Etcd::new("127.0.0.1:2379, http://10.0.0.2:2379/, https://secure:2379").unwrap();
+        assert_eq!(
+            etcd.endpoints,
+            vec!["http://127.0.0.1:2379", "http://10.0.0.2:2379", "https://secure:2379"]
+        );
         assert!(Etcd::new(" , ").is_err());
-        assert!(Etcd::new("https://secure:2379").unwrap_err().contains("plain http"));
     }
 
     #[test]

@@ -10,6 +10,7 @@ pub mod etcd;
 pub mod links;
 pub mod map;
 pub mod server;
+pub mod session;
 pub mod store;
 pub mod tls;
 

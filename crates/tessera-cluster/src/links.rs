@@ -39,7 +39,7 @@ use tessera_protocol::codec::Family;
 use tessera_protocol::{NodeId, PeerMessage};
 
 use crate::auth::{nonce, ClusterSecret, Transcript, NONCE_BYTES, PROOF_BYTES};
-use crate::tls::{server_name, MaybeTls, PeerTls};
+use crate::tls::{self, MaybeTls, PeerTls, TlsError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify, Semaphore};
@@ -113,8 +113,8 @@ pub enum LinkError {
     StrayPart,
     #[error("undecodable peer message: {0}")]
     Undecodable(String),
-    #[error("TLS: {0}")]
-    Tls(String),
+    #[error(transparent)]
+    Tls(#[from] TlsError),
 }
 
 /// A message from a peer, for one shard.
@@ -341,26 +341,6 @@ async fn accept_handshake(reader: &mut FrameReader, config: &LinkConfig) -> Resu
     }
 }
 
-/// The connecting side's TLS, when the cluster runs it.
-async fn secure_connecting(
-    stream: TcpStream,
-    address: &str,
-    config: &LinkConfig,
-) -> Result<MaybeTls, LinkError> {
-    let Some(tls) = &config.tls else { return Ok(MaybeTls::Plain(stream)) };
-    let name = server_name(address).ok_or_else(|| LinkError::Tls(format!("no server name in {address}")))?;
-    let stream =
-        tls.connector.connect(name, stream).await.map_err(|error| LinkError::Tls(error.to_string()))?;
-    Ok(MaybeTls::Tls(Box::new(stream.into())))
-}
-
-/// The accepting side's TLS, when the cluster runs it.
-async fn secure_accepted(stream: TcpStream, config: &LinkConfig) -> Result<MaybeTls, LinkError> {
-    let Some(tls) = &config.tls else { return Ok(MaybeTls::Plain(stream)) };
-    let stream = tls.acceptor.accept(stream).await.map_err(|error| LinkError::Tls(error.to_string()))?;
-    Ok(MaybeTls::Tls(Box::new(stream.into())))
-}
-
 async fn within<T>(limit: Duration, work: impl std::future::Future<Output = T>) -> Result<T, LinkError> {
     tokio::time::timeout(limit, work).await.map_err(|_| LinkError::HandshakeTimeout(limit))
 }
@@ -385,7 +365,7 @@ async fn write_loop(
                 let _ = stream.set_nodelay(true);
                 // The accepting side gets as long for TLS and the handshake as it gives.
                 let handshake = async {
-                    let stream = secure_connecting(stream, &address, &config).await?;
+                    let stream = tls::connecting(config.tls.as_ref(), stream, &address).await?;
                     connect_handshake(stream, node, &config).await
                 };
                 match within(config.handshake_timeout, handshake).await.and_then(|done| done) {
@@ -501,7 +481,7 @@ async fn read_peer(
     incoming: &mpsc::Sender<Vec<Incoming>>,
 ) -> Result<(), LinkError> {
     let accepted = async {
-        let stream = secure_accepted(stream, config).await?;
+        let stream = tls::accepting(config.tls.as_ref(), stream).await?;
         let mut reader = FrameReader { stream, buffer: BytesMut::new() };
         let from = accept_handshake(&mut reader, config).await?;
         Ok::<_, LinkError>((reader, from))

@@ -1,5 +1,6 @@
 //! The coordinator as a process: [`ClusterCoordinator`] behind a RESP port,
-//! its map kept in a [`MetadataStore`] after every change. A connection opens
+//! its map kept in a [`MetadataStore`] after every change. With the cluster's
+//! certificates (`tls_cluster`) it speaks only mutual TLS. A connection opens
 //! a session with the cluster plane's handshake ([`crate::auth`]) before it
 //! may change anything; a node's session may heartbeat only as that node.
 //!
@@ -27,8 +28,8 @@ use parking_lot::Mutex;
 use tessera_protocol::{Mode, NodeId, Progress};
 use tessera_wire::{Limits, Parsed, Protocol as Resp, ReplyWriter, Request, RequestParser};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
 
 use crate::auth::{
     from_hex, to_hex, ClusterSecret, Transcript, ADMIN, COORDINATOR, NONCE_BYTES, PROOF_BYTES,
@@ -36,9 +37,21 @@ use crate::auth::{
 use crate::coordinator::{ClusterCoordinator, JoinError, Timing};
 use crate::map::{ClusterMap, ClusterTable, MapError};
 use crate::store::{MetadataStore, StoreError};
+use crate::tls::{self, MaybeTls, PeerTls};
 
 /// The longest a `COORD.MAP` watch may wait.
 const WAIT_MS_MAX: u64 = 60_000;
+
+/// Connections open at once; past it new ones are closed at once.
+const CONNECTIONS_MAX: usize = 1024;
+
+/// The longest a connection may take over its TLS handshake.
+const TLS_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What a coordinator command may hold: names, addresses, table options,
+/// and a heartbeat's five numbers per shard.
+const LIMITS: Limits = Limits { bulk_bytes_max: 64 << 10, args_max: 1 << 20, inline_bytes_max: 64 << 10 };
+const REQUEST_BYTES_MAX: usize = 16 << 20;
 
 /// Why the coordinator did not do what a command asked: each is one error
 /// reply, written in [`answer`].
@@ -207,6 +220,7 @@ impl CoordinatorServer {
         initial: Option<ClusterMap>,
         timing: Timing,
         secret: ClusterSecret,
+        tls: Option<PeerTls>,
     ) -> Result<Self, StartError> {
         let stored = store.load()?;
         let (map, version) = match (stored, initial) {
@@ -240,8 +254,10 @@ impl CoordinatorServer {
         let state = Arc::new(Mutex::new(state));
         let listener = TcpListener::bind(listen).await.map_err(|error| StartError::Listen(listen, error))?;
         let address = listener.local_addr().map_err(|error| StartError::Listen(listen, error))?;
-        let tasks =
-            vec![tokio::spawn(accept(listener, state.clone())), tokio::spawn(tick(state.clone(), timing))];
+        let tasks = vec![
+            tokio::spawn(accept(listener, state.clone(), tls)),
+            tokio::spawn(tick(state.clone(), timing)),
+        ];
         Ok(Self { state, address, tasks })
     }
 
@@ -268,12 +284,29 @@ async fn tick(state: Arc<Mutex<State>>, timing: Timing) {
     }
 }
 
-async fn accept(listener: TcpListener, state: Arc<Mutex<State>>) {
+async fn accept(listener: TcpListener, state: Arc<Mutex<State>>, tls: Option<PeerTls>) {
+    let connections = Arc::new(Semaphore::new(CONNECTIONS_MAX));
     loop {
         match listener.accept().await {
-            Ok((stream, _)) => {
+            Ok((stream, peer)) => {
+                let Ok(permit) = connections.clone().try_acquire_owned() else {
+                    tracing::warn!(%peer, "too many coordinator connections; refusing one");
+                    continue; // dropping the stream closes it
+                };
                 let _ = stream.set_nodelay(true);
-                tokio::spawn(serve(stream, state.clone()));
+                let (state, tls) = (state.clone(), tls.clone());
+                tokio::spawn(async move {
+                    let secured =
+                        tokio::time::timeout(TLS_TIMEOUT, tls::accepting(tls.as_ref(), stream)).await;
+                    match secured {
+                        Ok(Ok(stream)) => serve(stream, state).await,
+                        Ok(Err(error)) => {
+                            tracing::warn!(%peer, %error, "a coordinator connection failed TLS")
+                        }
+                        Err(_) => tracing::warn!(%peer, "a coordinator connection's TLS timed out"),
+                    }
+                    drop(permit);
+                });
             }
             Err(error) => {
                 tracing::warn!(%error, "accept failed");
@@ -283,8 +316,8 @@ async fn accept(listener: TcpListener, state: Arc<Mutex<State>>) {
     }
 }
 
-async fn serve(mut stream: TcpStream, state: Arc<Mutex<State>>) {
-    let mut parser = RequestParser::new(Limits::default());
+async fn serve(mut stream: MaybeTls, state: Arc<Mutex<State>>) {
+    let mut parser = RequestParser::new(LIMITS);
     let mut input = Vec::with_capacity(4096);
     let mut out = ReplyWriter::new(Resp::Resp2);
     let mut session = Session::default();
@@ -304,6 +337,11 @@ async fn serve(mut stream: TcpStream, state: Arc<Mutex<State>>) {
                     answer(&state, &mut session, &args, &mut out).await;
                 }
                 Ok(Parsed::Empty { end }) => start = end,
+                Ok(Parsed::Incomplete) if input.len() - start > REQUEST_BYTES_MAX => {
+                    out.error(&format!("ERR a request to the coordinator is over {REQUEST_BYTES_MAX} bytes"));
+                    close = true;
+                    break;
+                }
                 Ok(Parsed::Incomplete) => break,
                 Err(error) => {
                     out.error(&format!("ERR {error}"));

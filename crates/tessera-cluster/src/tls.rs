@@ -31,6 +31,10 @@ pub enum TlsError {
     NoCertificate(String),
     #[error("TLS settings refused: {0}")]
     Rustls(String),
+    #[error("no TLS server name in {0}")]
+    NoServerName(String),
+    #[error("TLS handshake failed: {0}")]
+    Handshake(std::io::Error),
 }
 
 fn rustls_error(error: impl std::fmt::Display) -> TlsError {
@@ -107,6 +111,43 @@ impl PeerTls {
             acceptor: TlsAcceptor::from(Arc::new(server)),
             connector: TlsConnector::from(Arc::new(client)),
         })
+    }
+}
+
+impl PeerTls {
+    /// TLS as the connecting side: the other side's certificate must name
+    /// the host of `address`.
+    pub async fn connect(&self, stream: TcpStream, address: &str) -> Result<MaybeTls, TlsError> {
+        let name = server_name(address).ok_or_else(|| TlsError::NoServerName(address.to_string()))?;
+        let stream = self.connector.connect(name, stream).await.map_err(TlsError::Handshake)?;
+        Ok(MaybeTls::Tls(Box::new(stream.into())))
+    }
+
+    /// TLS as the accepting side: the other side must present a certificate
+    /// from the cluster's CA.
+    pub async fn accept(&self, stream: TcpStream) -> Result<MaybeTls, TlsError> {
+        let stream = self.acceptor.accept(stream).await.map_err(TlsError::Handshake)?;
+        Ok(MaybeTls::Tls(Box::new(stream.into())))
+    }
+}
+
+/// `stream` under `tls` as the connecting side, or as it is without.
+pub async fn connecting(
+    tls: Option<&PeerTls>,
+    stream: TcpStream,
+    address: &str,
+) -> Result<MaybeTls, TlsError> {
+    match tls {
+        Some(tls) => tls.connect(stream, address).await,
+        None => Ok(MaybeTls::Plain(stream)),
+    }
+}
+
+/// `stream` under `tls` as the accepting side, or as it is without.
+pub async fn accepting(tls: Option<&PeerTls>, stream: TcpStream) -> Result<MaybeTls, TlsError> {
+    match tls {
+        Some(tls) => tls.accept(stream).await,
+        None => Ok(MaybeTls::Plain(stream)),
     }
 }
 

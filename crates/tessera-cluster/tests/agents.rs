@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tessera_cluster::agent::{Agent, AgentConfig, AgentError};
 use tessera_cluster::auth::{ClusterSecret, LoginError};
+use tessera_cluster::session::{CoordinatorSession, Credentials, SessionError};
 use tessera_cluster::tls::{write_certificates, PeerTls};
 use tessera_cluster::{ClusterMap, CoordinatorServer, FileStore, Timing};
 use tessera_engine::{EngineKind, EngineSpec};
@@ -43,18 +44,9 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
     let addresses: Vec<String> = peers.iter().map(|port| format!("127.0.0.1:{}", port - 10_000)).collect();
     let map =
         ClusterMap::place("c1", tessera_protocol::Mode::named("chain").unwrap(), 3, &addresses, 3).unwrap();
-    let secret = ClusterSecret::generate();
-    let coordinator = CoordinatorServer::start(
-        "127.0.0.1:0".parse().unwrap(),
-        Box::new(FileStore::new(&dir.path().join("coordinator"))),
-        Some(map),
-        TIMING,
-        secret.clone(),
-    )
-    .await
-    .unwrap();
-    // The peer links run in mutual TLS (tls_cluster) with the certificates
-    // `tessera tls-certs` writes, the cluster-secret handshake inside.
+    // The peer links and coordinator sessions run in mutual TLS
+    // (tls_cluster) with the certificates `tessera tls-certs` writes, the
+    // cluster-secret handshake inside.
     let certificates = dir.path().join("tls");
     write_certificates(&certificates, &["127.0.0.1".to_string()]).unwrap();
     let tls = PeerTls::from_files(
@@ -62,6 +54,17 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
         &certificates.join("server.key"),
         &certificates.join("ca.crt"),
     )
+    .unwrap();
+    let secret = ClusterSecret::generate();
+    let coordinator = CoordinatorServer::start(
+        "127.0.0.1:0".parse().unwrap(),
+        Box::new(FileStore::new(&dir.path().join("coordinator"))),
+        Some(map),
+        TIMING,
+        secret.clone(),
+        Some(tls.clone()),
+    )
+    .await
     .unwrap();
     let mut agents: Vec<Option<Arc<Agent>>> = Vec::new();
     for (node, port) in peers.iter().enumerate() {
@@ -93,13 +96,22 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
         heartbeat_ms: 100,
         tick_ms: 10,
         max_uncommitted_writes: 8,
-        tls: None,
+        tls: Some(tls.clone()),
     };
     let refused = Agent::start(wrong.clone()).await.err();
-    assert!(matches!(refused, Some(AgentError::Login { source: LoginError::Refused(_), .. })), "{refused:?}");
+    let login_refused = |error: &Option<AgentError>, expected: fn(&LoginError) -> bool| match error {
+        Some(AgentError::Coordinator(SessionError::Login { source, .. })) => expected(source),
+        _ => false,
+    };
+    assert!(login_refused(&refused, |source| matches!(source, LoginError::Refused(_))), "{refused:?}");
     let stranger = AgentConfig { cluster_id: "c1".into(), secret: ClusterSecret::generate(), ..wrong };
     let refused = Agent::start(stranger).await.err();
-    assert!(matches!(refused, Some(AgentError::Login { source: LoginError::Unproven, .. })), "{refused:?}");
+    assert!(login_refused(&refused, |source| matches!(source, LoginError::Unproven)), "{refused:?}");
+    // Without the cluster's certificate there is no session at all, even
+    // with the secret.
+    let credentials = Credentials { cluster: "c1", identity: "0", secret: &secret, tls: None };
+    let plain = CoordinatorSession::open(&coordinator.local_addr().to_string(), credentials).await;
+    assert!(matches!(plain, Err(SessionError::Unreachable(_))), "{:?}", plain.err());
 
     let deadline = Instant::now() + Duration::from_secs(10);
     while !agents.iter().flatten().all(|agent| agent.shards().len() == 3) {

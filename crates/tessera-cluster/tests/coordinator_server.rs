@@ -43,6 +43,7 @@ async fn start(dir: &std::path::Path, initial: Option<ClusterMap>) -> Result<Coo
         initial,
         TIMING,
         secret(),
+        None,
     )
     .await
 }
@@ -144,6 +145,22 @@ async fn the_coordinator_obeys_only_sessions_that_prove_the_secret_and_a_node_on
     // (redis-py takes NOAUTH there for a failed login).
     let setinfo = anyone.command(&["CLIENT", "SETINFO", "LIB-NAME", "redis-py"]).unwrap();
     assert!(refused(setinfo, "ERR unknown command"));
+    // Nothing a coordinator is told is large: a big argument closes the
+    // connection before its bytes arrive, and so does a request that keeps
+    // growing in small ones.
+    let mut big = Client::connect(address, Duration::from_secs(5)).unwrap();
+    let reply = big.command(&[b"COORD.MAP".to_vec(), vec![b'x'; 100 << 10]]).unwrap();
+    assert!(refused(reply, "ERR Protocol error"), "an argument over 64 KiB");
+    assert!(big.command(&["PING"]).is_err(), "closed after the error");
+    let mut endless = Client::connect(address, Duration::from_secs(5)).unwrap();
+    let many: Vec<Vec<u8>> = (0..400).map(|_| vec![b'y'; 60 << 10]).collect();
+    // The coordinator closes while this side still writes: the error reply
+    // may be lost to the reset.
+    match endless.command(&many) {
+        Ok(reply) => assert!(refused(reply, "ERR a request to the coordinator is over")),
+        Err(error) => assert!(error.to_string().contains("reset"), "{error}"),
+    }
+    assert!(endless.command(&["PING"]).is_err(), "closed after the error");
     for forged in [
         vec!["COORD.JOIN", "c1", "0"],
         vec!["COORD.HEARTBEAT", "c1", "0", "1", "0"],

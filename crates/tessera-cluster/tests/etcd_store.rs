@@ -55,6 +55,7 @@ fn a_malformed_map_in_etcd_is_a_clear_error_and_is_not_overwritten() {
         Some(map("broken")),
         Timing::default(),
         tessera_cluster::auth::ClusterSecret::generate(),
+        None,
     ));
     let error = started.err().expect("a coordinator does not start on a malformed map").to_string();
     assert!(error.contains("invalid cluster map"), "{error}");
@@ -89,4 +90,28 @@ fn one_leader_at_a_time_and_a_deposed_leader_cannot_write() {
     assert!(newer > version);
     taken_over.revoke();
     assert_eq!(second.leader().unwrap(), None, "a revoked lease gives the leadership up at once");
+}
+
+#[test]
+fn the_map_is_kept_in_an_etcd_that_speaks_only_https_with_client_certificates() {
+    let certificates = tempfile::tempdir().unwrap();
+    tessera_cluster::tls::write_certificates(certificates.path(), &["127.0.0.1".to_string()]).unwrap();
+    let Some(etcd) = EtcdServer::start_tls(certificates.path()) else { return };
+    let file = |name: &str| certificates.path().join(name);
+    let client = Etcd::new(&etcd.endpoint())
+        .unwrap()
+        .with_tls(&file("ca.crt"), Some((&file("client.crt"), &file("client.key"))))
+        .unwrap();
+    let store = EtcdStore::new(client, "c1");
+    let version = store.store(None, &map("c1")).unwrap();
+    assert_eq!(store.load().unwrap().unwrap().version, version);
+
+    // Without a client certificate etcd refuses; without the CA this side
+    // refuses etcd; over plain HTTP nothing is understood.
+    let anonymous = Etcd::new(&etcd.endpoint()).unwrap().with_tls(&file("ca.crt"), None).unwrap();
+    assert!(EtcdStore::new(anonymous, "c1").load().is_err());
+    let untrusting = Etcd::new(&etcd.endpoint()).unwrap();
+    assert!(EtcdStore::new(untrusting, "c1").load().is_err());
+    let plain = Etcd::new(&format!("127.0.0.1:{}", etcd.port)).unwrap();
+    assert!(EtcdStore::new(plain, "c1").load().is_err());
 }

@@ -67,8 +67,8 @@ pub struct Config {
     pub tls_ca_cert_file: Option<PathBuf>,
     /// Whether TLS clients must present a certificate: yes, optional or no.
     pub tls_auth_clients: AuthClients,
-    /// Peer links in mutual TLS (Redis's tls-cluster), with the same
-    /// certificate, key and CA.
+    /// Peer links and the coordinator session in mutual TLS (Redis's
+    /// tls-cluster), with the same certificate, key and CA.
     pub tls_cluster: bool,
     /// Set to run as a member of a cluster (docs/OPERATIONS.md, "Clusters").
     pub cluster: Option<ClusterConfig>,

@@ -240,6 +240,7 @@ fn cluster_ok(port: u16, nodes: usize, replicas: usize) -> bool {
 /// A real single-member etcd on loopback, killed when dropped.
 pub struct EtcdServer {
     pub port: u16,
+    tls: bool,
     child: Child,
     _dir: tempfile::TempDir,
 }
@@ -247,31 +248,62 @@ pub struct EtcdServer {
 impl EtcdServer {
     /// Starts one, or returns `None` when etcd is not installed.
     pub fn start() -> Option<Self> {
+        Self::start_with(None)
+    }
+
+    /// Starts one that serves clients over HTTPS only and asks them for a
+    /// certificate, with the files `tessera tls-certs` writes into
+    /// `certificates` (its `server.crt` must name 127.0.0.1).
+    pub fn start_tls(certificates: &std::path::Path) -> Option<Self> {
+        Self::start_with(Some(certificates))
+    }
+
+    fn start_with(certificates: Option<&std::path::Path>) -> Option<Self> {
         if !external_program_available("etcd") {
             return None;
         }
         let dir = tempfile::tempdir().expect("temporary directory");
-        let (port, child) = start_on_a_free_port("etcd", Duration::from_secs(20), etcd_healthy, |port| {
-            let client_url = format!("http://127.0.0.1:{port}");
+        // Health is asked on the metrics port, plain HTTP whatever the client port speaks.
+        let metrics_port = std::cell::Cell::new(0);
+        let scheme = if certificates.is_some() { "https" } else { "http" };
+        let spawn = |port: u16| {
+            metrics_port.set(free_port());
+            let client_url = format!("{scheme}://127.0.0.1:{port}");
             let peer_url = format!("http://127.0.0.1:{}", free_port());
-            Command::new("etcd")
+            let mut command = Command::new("etcd");
+            command
                 .args(["--name", "test", "--listen-client-urls", &client_url, "--advertise-client-urls"])
                 .arg(&client_url)
                 .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
                 .arg("--initial-cluster")
                 .arg(format!("test={peer_url}"))
+                .arg("--listen-metrics-urls")
+                .arg(format!("http://127.0.0.1:{}", metrics_port.get()))
                 .arg("--data-dir")
-                .arg(dir.path().join(port.to_string()))
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("start etcd")
-        });
-        Some(Self { port, child, _dir: dir })
+                .arg(dir.path().join(port.to_string()));
+            if let Some(certificates) = certificates {
+                command
+                    .arg("--cert-file")
+                    .arg(certificates.join("server.crt"))
+                    .arg("--key-file")
+                    .arg(certificates.join("server.key"))
+                    .arg("--trusted-ca-file")
+                    .arg(certificates.join("ca.crt"))
+                    .arg("--client-cert-auth");
+            }
+            command.stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("start etcd")
+        };
+        let ready = |_: u16| etcd_healthy(metrics_port.get());
+        let (port, child) = start_on_a_free_port("etcd", Duration::from_secs(20), ready, spawn);
+        Some(Self { port, tls: certificates.is_some(), child, _dir: dir })
     }
 
+    /// How a client names it: `host:port`, or an `https://` URL.
     pub fn endpoint(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
+        match self.tls {
+            true => format!("https://127.0.0.1:{}", self.port),
+            false => format!("127.0.0.1:{}", self.port),
+        }
     }
 }
 
