@@ -1014,3 +1014,66 @@ def test_a_200_mib_value_replicates_while_small_writes_to_its_shard_go_on(cluste
         while (found := replica.get("{large}value")) != value:
             assert time.time() < deadline, f"node {member} has {len(found or b'')} bytes, not the value"
             time.sleep(0.5)
+
+
+def test_users_are_the_clusters_and_every_node_checks_them_before_sending_a_request_anywhere(cluster_factory):
+    """ACL SETUSER / DELUSER on any node change the users in the coordinator's
+    map; each answers once every node serves the change. A restricted user is
+    checked where it connects, whatever the request's way: forwarded to the
+    key's owner, through the coordinator, or over the shards a node heads."""
+    cluster = cluster_factory("strong", nodes=3)
+    nodes = [redis.Redis(host="127.0.0.1", port=cluster.port(node), socket_timeout=10) for node in range(3)]
+    assert nodes[0].execute_command("ACL", "SETUSER", "alice", "on", ">pw", "~cache:*", "+@read", "+set") == b"OK"
+    lists = [node.execute_command("ACL", "LIST") for node in nodes]
+    assert lists[0] == lists[1] == lists[2] and any(b"user alice on #" in line for line in lists[0]), lists
+
+    alices = [redis.Redis(host="127.0.0.1", port=cluster.port(node), username="alice", password="pw",
+                          socket_timeout=10) for node in range(3)]
+    for index in range(30):  # keys of every shard, so some are forwarded
+        assert alices[index % 3].set(f"cache:{index}", index)
+        assert alices[(index + 1) % 3].get(f"cache:{index}") == str(index).encode()
+    for refused in [("SET", "other:1", "x"), ("DEL", "cache:1"), ("FLUSHALL",),
+                    ("TABLE.CREATE", "t", "PREFIX", "t:", "ENGINE", "memory"), ("ACL", "SETUSER", "mallory", "on")]:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            alices[2].execute_command(*refused)
+    assert nodes[0].get("cache:1") == b"1", "FLUSHALL was refused, not run"
+
+    # The map as anyone reads it has no users; a session's has their hashes only.
+    assert "users" not in cluster.map()
+    assert b"pw" not in cluster.coordinator().execute_command("COORD.MAP")
+
+    # Two nodes change one user at once: neither change is lost.
+    def grant(node, command):
+        nodes[node].execute_command("ACL", "SETUSER", "alice", f"+{command}")
+
+    threads = [threading.Thread(target=grant, args=(node, command)) for node, command in [(1, "del"), (2, "incrby")]]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert alices[0].delete("cache:1") == 1 and alices[1].incr("cache:counter") == 1
+
+    # A restarted node serves the cluster's users from the map.
+    cluster.cli("kill", "2")
+    cluster.cli("restart", "2")
+    deadline = time.time() + 20
+    while True:
+        try:
+            again = redis.Redis(host="127.0.0.1", port=cluster.port(2), username="alice", password="pw",
+                                socket_timeout=10)
+            assert again.get("cache:2") == b"2"
+            break
+        except (redis.ConnectionError, redis.exceptions.AuthenticationError, redis.ResponseError):
+            if time.time() > deadline:
+                raise
+            time.sleep(0.2)
+
+    # Deleted on one node, gone from all: its connections close, logins fail.
+    assert nodes[1].execute_command("ACL", "DELUSER", "alice", "nobody") == 1
+    for node in range(3):
+        with pytest.raises((redis.exceptions.AuthenticationError, redis.ConnectionError)):
+            redis.Redis(host="127.0.0.1", port=cluster.port(node), username="alice", password="pw").ping()
+    with pytest.raises(redis.ConnectionError):
+        alices[0].get("cache:2")
+    with pytest.raises(redis.ResponseError, match="default"):
+        nodes[0].execute_command("ACL", "DELUSER", "default")

@@ -402,7 +402,12 @@ pub struct Agent {
     /// Wakes the heartbeat loop early: a peer is in a view this node has not
     /// been granted yet (a transition started), or a shard just drained.
     hurry: Arc<Notify>,
+    /// Told every new map before this node reports routing by it.
+    map_watchers: Mutex<Vec<MapWatcher>>,
 }
+
+/// What the node keeps from each map besides routing (its users).
+pub type MapWatcher = Box<dyn Fn(&ClusterMap) + Send + Sync>;
 
 impl Drop for Agent {
     fn drop(&mut self) {
@@ -470,6 +475,7 @@ impl Agent {
             room: Notify::new(),
             switched: Notify::new(),
             hurry: Arc::new(Notify::new()),
+            map_watchers: Mutex::new(Vec::new()),
         });
         agent.tasks.lock().extend([
             tokio::spawn(heartbeat_loop(Arc::downgrade(&agent), coordinator)),
@@ -816,7 +822,24 @@ impl Agent {
             })
             .collect::<HashMap<_, _>>();
         self.links.set_addresses(addresses);
+        // Held while the routing changes, so a watcher joining meanwhile
+        // sees either this map now or it in its first call.
+        let watchers = self.map_watchers.lock();
+        for watcher in watchers.iter() {
+            watcher(&map);
+        }
         *self.routing.write() = Some(Routing::new(map));
+    }
+
+    /// Calls `watcher` with the map now, if there is one, and with every new
+    /// map before the coordinator hears that this node routes by it (so a
+    /// change the coordinator says is seen everywhere is applied everywhere).
+    pub fn watch_maps(&self, watcher: MapWatcher) {
+        let mut watchers = self.map_watchers.lock();
+        if let Some(routing) = self.routing() {
+            watcher(&routing.map);
+        }
+        watchers.push(watcher);
     }
 
     /// The engine behind a shard on this node (for inspection and tests).

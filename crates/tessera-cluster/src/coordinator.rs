@@ -350,6 +350,34 @@ impl ClusterCoordinator {
         Ok(())
     }
 
+    /// Creates or changes a user, if it is still as the caller saw it
+    /// (`expected`: its rules then, `None` for no user): a node computes a
+    /// user's new rules from its copy of the map, and two nodes changing the
+    /// same user at once must not lose one change to the other.
+    pub fn set_user(&mut self, name: &str, expected: Option<&str>, rules: &str) -> Result<(), MapError> {
+        let current = self.map.users.get(name).map(String::as_str);
+        if current != expected {
+            return Err(MapError::UserChanged(name.to_string()));
+        }
+        let mut map = self.map.clone();
+        map.users.insert(name.to_string(), rules.to_string());
+        map.epoch += 1;
+        map.validate()?;
+        self.map = map;
+        self.changed = true;
+        Ok(())
+    }
+
+    /// Deletes users; how many there were.
+    pub fn delete_users(&mut self, names: &[String]) -> usize {
+        let deleted = names.iter().filter(|name| self.map.users.remove(name.as_str()).is_some()).count();
+        if deleted > 0 {
+            self.map.epoch += 1;
+            self.changed = true;
+        }
+        deleted
+    }
+
     /// The map, if it changed since the last call: the caller stores it.
     pub fn take_changed_map(&mut self) -> Option<ClusterMap> {
         std::mem::take(&mut self.changed).then(|| self.map.clone())
@@ -619,5 +647,24 @@ mod tests {
             .shards
             .iter()
             .all(|shard| shard.next_mode.is_none() && map.mode_of(shard) == labelled("ms+ec")));
+    }
+
+    #[test]
+    fn a_user_changes_only_from_the_rules_the_changer_saw() {
+        let mut coordinator = cluster(3, 3);
+        coordinator.set_user("alice", None, "on #aa ~* +get").unwrap();
+        let epoch = coordinator.map().epoch;
+        // Two nodes computed changes from the same rules: the second is refused.
+        coordinator.set_user("alice", Some("on #aa ~* +get"), "on #aa ~* +get +set").unwrap();
+        let late = coordinator.set_user("alice", Some("on #aa ~* +get"), "on #aa ~* +get +del");
+        assert!(matches!(late, Err(MapError::UserChanged(_))), "{late:?}");
+        assert!(matches!(coordinator.set_user("alice", None, "off"), Err(MapError::UserChanged(_))));
+        assert_eq!(coordinator.map().users["alice"], "on #aa ~* +get +set");
+        assert_eq!(coordinator.map().epoch, epoch + 1);
+        assert!(coordinator.set_user("bad name", None, "on").is_err(), "names have no spaces");
+        assert_eq!(coordinator.delete_users(&["alice".into(), "nobody".into()]), 1);
+        assert!(coordinator.map().users.is_empty() && coordinator.take_changed_map().is_some());
+        assert_eq!(coordinator.delete_users(&["alice".into()]), 0);
+        assert!(coordinator.take_changed_map().is_none(), "nothing deleted, nothing to store");
     }
 }

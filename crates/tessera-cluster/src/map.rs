@@ -16,6 +16,8 @@ pub enum MapError {
     Invalid(String),
     #[error("a cluster of {nodes} nodes cannot keep {replicas} replicas of each shard")]
     TooFewNodes { nodes: usize, replicas: usize },
+    #[error("user {0} changed meanwhile")]
+    UserChanged(String),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -145,7 +147,16 @@ pub struct ClusterMap {
     /// Tables besides the default one.
     #[serde(default)]
     pub tables: Vec<ClusterTable>,
+    /// The cluster's ACL users: name → rules as ACL LIST writes them after
+    /// the name (passwords only as hashes). Every node serves these users
+    /// (plus its own `default` user unless this names one).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub users: BTreeMap<String, String>,
 }
+
+/// The most users a cluster keeps, and the longest rules of one.
+pub const USERS_MAX: usize = 10_000;
+pub const USER_RULES_BYTES_MAX: usize = 64 << 10;
 
 impl ClusterMap {
     /// A new cluster: the first `members` nodes serve, the rest stand by. With
@@ -197,6 +208,7 @@ impl ClusterMap {
             nodes,
             shards,
             tables: Vec::new(),
+            users: BTreeMap::new(),
         };
         map.validate()?;
         Ok(map)
@@ -360,6 +372,19 @@ impl ClusterMap {
                 }
             }
         }
+        if self.users.len() > USERS_MAX {
+            return invalid(format!("{} users; at most {USERS_MAX}", self.users.len()));
+        }
+        for (name, rules) in &self.users {
+            if name.is_empty() || name.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                return invalid(format!("user name {name:?}: empty, or with spaces or control characters"));
+            }
+            if rules.len() > USER_RULES_BYTES_MAX || rules.chars().any(|c| c.is_control()) {
+                return invalid(format!(
+                    "user {name}: rules over {USER_RULES_BYTES_MAX} bytes, or with control characters"
+                ));
+            }
+        }
         for (table, owner) in owners {
             let range_partitioned = self.table(table).is_some_and(|table| table.split_keys.is_some());
             if let Some(index) = owner.iter().position(Option::is_none) {
@@ -375,6 +400,13 @@ impl ClusterMap {
 
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("a map serializes")
+    }
+
+    /// The map as anyone may read it: without the users' password hashes.
+    pub fn to_public_json(&self) -> String {
+        let mut public = self.clone();
+        public.users.clear();
+        public.to_json()
     }
 
     /// Parses and validates a map.

@@ -15,8 +15,13 @@
 //!     (option PARTITION RANGE|HASH; SPLIT key, repeated, for a range-partitioned table)
 //! COORD.TABLE-DROP name                             +OK
 //!     (table changes answer once every live node routes by the changed map)
+//! COORD.ACL-SETUSER name expected rules             +OK once every node serves the user with
+//!                                                   `rules`; TRYAGAIN unless its rules were
+//!                                                   `expected` ("" for no such user)
+//! COORD.ACL-DELUSER name...                         how many there were, once no node has them
 //! COORD.MAP [known-epoch wait-ms]                   the map as JSON; with an epoch, answers
 //!                                                   once the map is newer or the wait is over
+//!                                                   (the users only to a session)
 //! ```
 
 use std::collections::{BTreeMap, HashMap};
@@ -90,6 +95,7 @@ impl Refused {
     fn code(&self) -> &'static str {
         match self {
             Refused::NoSession => "NOAUTH",
+            Refused::Map(MapError::UserChanged(_)) => "TRYAGAIN",
             _ => "ERR",
         }
     }
@@ -380,17 +386,38 @@ async fn answer(state: &Arc<Mutex<State>>, session: &mut Session, args: &[Vec<u8
         b"COORD.HEARTBEAT" if args.len() >= 5 && (args.len() - 5).is_multiple_of(5) => {
             heartbeat(state, session, args, out)
         }
-        b"COORD.MAP" if args.len() == 1 || args.len() == 3 => watch_map(state, args, out).await,
+        b"COORD.MAP" if args.len() == 1 || args.len() == 3 => watch_map(state, session, args, out).await,
+        b"COORD.ACL-SETUSER" if args.len() == 4 => {
+            let expected = (!args[2].is_empty()).then(|| text(&args[2]));
+            let changed = change_map(state, |coordinator, _| {
+                coordinator.set_user(&text(&args[1]), expected.as_deref(), &text(&args[3]))
+            });
+            match changed {
+                Ok(epoch) => seen_everywhere(state, epoch).await.map(|()| out.ok()),
+                Err(error) => Err(error),
+            }
+        }
+        b"COORD.ACL-DELUSER" if args.len() >= 2 => {
+            let names: Vec<String> = args[1..].iter().map(|name| text(name)).collect();
+            let mut deleted = 0;
+            match change_map(state, |coordinator, _| {
+                deleted = coordinator.delete_users(&names);
+                Ok(())
+            }) {
+                Ok(epoch) => seen_everywhere(state, epoch).await.map(|()| out.integer(deleted as i64)),
+                Err(error) => Err(error),
+            }
+        }
         b"COORD.ADD-NODE" if args.len() == 2 => add_node(state, &text(&args[1]), out),
         b"COORD.TABLE-CREATE" if args.len() >= 4 && args.len().is_multiple_of(2) => {
             match create_table(state, args) {
-                Ok(epoch) => seen_everywhere(state, epoch, out).await,
+                Ok(epoch) => seen_everywhere(state, epoch).await.map(|()| out.ok()),
                 Err(error) => Err(error),
             }
         }
         b"COORD.TABLE-DROP" if args.len() == 2 => {
             match change_map(state, |coordinator, _| coordinator.drop_table(&text(&args[1]))) {
-                Ok(epoch) => seen_everywhere(state, epoch, out).await,
+                Ok(epoch) => seen_everywhere(state, epoch).await.map(|()| out.ok()),
                 Err(error) => Err(error),
             }
         }
@@ -409,7 +436,9 @@ async fn answer(state: &Arc<Mutex<State>>, session: &mut Session, args: &[Vec<u8
         | b"COORD.ADD-NODE"
         | b"COORD.TABLE-CREATE"
         | b"COORD.TABLE-DROP"
-        | b"COORD.TABLE-ALTER" => Err(Refused::WrongArity(text(&args[0]).to_ascii_lowercase())),
+        | b"COORD.TABLE-ALTER"
+        | b"COORD.ACL-SETUSER"
+        | b"COORD.ACL-DELUSER" => Err(Refused::WrongArity(text(&args[0]).to_ascii_lowercase())),
         _ => Err(Refused::UnknownCommand(text(&args[0]))),
     };
     if let Err(refused) = result {
@@ -598,7 +627,7 @@ async fn alter_table(
             map.table_runs(table, mode).then_some(map.epoch)
         };
         if let Some(epoch) = switched {
-            return seen_everywhere(state, epoch, out).await;
+            return seen_everywhere(state, epoch).await.map(|()| out.ok());
         }
         if Instant::now() >= deadline {
             return Err(Refused::StillSwitching { table: table.to_string(), mode: mode.label() });
@@ -619,14 +648,11 @@ fn change_map(
     Ok(state.coordinator.map().epoch)
 }
 
-/// Answers once every node that serves a shard routes by a map of at least
-/// `epoch` (it said so in a heartbeat), or has been silent long enough that
-/// its lease has run out: then no node can place a request by the older map.
-async fn seen_everywhere(
-    state: &Arc<Mutex<State>>,
-    epoch: u64,
-    out: &mut ReplyWriter,
-) -> Result<(), Refused> {
+/// Returns once every node of the map (standbys too: they answer clients
+/// and check their users) routes by a map of at least `epoch` (it said so in
+/// a heartbeat), or has been silent long enough that its lease has run out:
+/// then no node can place a request by the older map.
+async fn seen_everywhere(state: &Arc<Mutex<State>>, epoch: u64) -> Result<(), Refused> {
     let deadline =
         Instant::now() + Duration::from_millis(state.lock().failure_timeout_ms) + Duration::from_secs(3);
     loop {
@@ -636,7 +662,6 @@ async fn seen_everywhere(
             let map = state.coordinator.map();
             map.nodes
                 .iter()
-                .filter(|node| map.shards_of(node.id).next().is_some())
                 .find(|node| match state.known_epochs.get(&node.id) {
                     Some((known, _)) if *known >= epoch => false,
                     Some((_, heard_at)) => now.saturating_sub(*heard_at) <= state.failure_timeout_ms,
@@ -645,10 +670,7 @@ async fn seen_everywhere(
                 .map(|node| node.id)
         };
         match behind {
-            None => {
-                out.ok();
-                return Ok(());
-            }
+            None => return Ok(()),
             Some(node) if Instant::now() >= deadline => return Err(Refused::NotSeenBy(node)),
             Some(_) => tokio::time::sleep(Duration::from_millis(10)).await,
         }
@@ -657,6 +679,7 @@ async fn seen_everywhere(
 
 async fn watch_map(
     state: &Arc<Mutex<State>>,
+    session: &Session,
     args: &[Vec<u8>],
     out: &mut ReplyWriter,
 ) -> Result<(), Refused> {
@@ -666,7 +689,10 @@ async fn watch_map(
         let mut epochs = state.lock().epochs.subscribe();
         let _ = tokio::time::timeout(wait, epochs.wait_for(|epoch| *epoch > known)).await;
     }
-    let json = state.lock().coordinator.map().to_json();
+    let json = match session.identity {
+        Some(_) => state.lock().coordinator.map().to_json(),
+        None => state.lock().coordinator.map().to_public_json(),
+    };
     out.bulk(json.as_bytes());
     Ok(())
 }

@@ -8,13 +8,18 @@
 //! ACL LIST prints, rewritten whole (through a temporary file) on every change.
 //! The `default` user is open (`nopass`, every command and key) unless the
 //! node has a `password`, which becomes its password.
+//!
+//! A cluster node serves the cluster's users instead, as the coordinator's
+//! map holds them ([`Acl::adopt`]): ACL SETUSER and DELUSER there change the
+//! map, and every node takes the new users before it reports the map seen.
+//! Its own `default` user stays unless the map has one.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
@@ -280,7 +285,12 @@ impl User {
 
     /// The user as one ACL LIST line, which ACL SETUSER reads back.
     pub fn describe(&self) -> String {
-        let mut parts = vec![format!("user {}", self.name)];
+        format!("user {} {}", self.name, self.rules())
+    }
+
+    /// The rules that make this user from nothing, as ACL LIST writes them.
+    pub fn rules(&self) -> String {
+        let mut parts = Vec::new();
         parts.extend(self.flags().into_iter().map(String::from));
         parts.extend(self.password_hashes().into_iter().map(|digest| format!("#{digest}")));
         for rule in [self.keys_rule(), self.channels_rule(), self.commands_rule()] {
@@ -308,6 +318,10 @@ pub enum AclError {
 pub struct Acl {
     catalog: CommandCatalog,
     users: RwLock<BTreeMap<String, Arc<User>>>,
+    /// The `default` user as the configuration makes it (`password`).
+    configured_default: Arc<User>,
+    /// The cluster's users last adopted from the map (a cluster node only).
+    adopted: Mutex<Option<BTreeMap<String, String>>>,
     /// Bumped on every change, so connections know to look their user up again.
     generation: AtomicU64,
     path: PathBuf,
@@ -327,7 +341,8 @@ impl Acl {
             Some(password) => default.apply(&format!(">{password}"), &catalog)?,
             None => default.apply("nopass", &catalog)?,
         }
-        users.insert(DEFAULT_USER.to_string(), Arc::new(default));
+        let configured_default = Arc::new(default);
+        users.insert(DEFAULT_USER.to_string(), configured_default.clone());
         if let Ok(text) = std::fs::read_to_string(&path) {
             for (index, line) in text.lines().enumerate() {
                 let failed = |message: String| AclError::File {
@@ -349,7 +364,14 @@ impl Acl {
                 }
             }
         }
-        Ok(Self { catalog, users: RwLock::new(users), generation: AtomicU64::new(0), path })
+        Ok(Self {
+            catalog,
+            users: RwLock::new(users),
+            configured_default,
+            adopted: Mutex::new(None),
+            generation: AtomicU64::new(0),
+            path,
+        })
     }
 
     pub fn catalog(&self) -> &CommandCatalog {
@@ -377,6 +399,46 @@ impl Acl {
         }
         users.insert(name.to_string(), Arc::new(user));
         self.changed(&users)
+    }
+
+    /// The rules user `name` would have after `rules`, applied to it as it
+    /// is here (or to a new user): what a cluster node asks the coordinator
+    /// to store. Refused as ACL SETUSER refuses.
+    pub fn proposed(&self, name: &str, rules: &[&str]) -> Result<String, AclError> {
+        let mut user = self.user(name).map_or_else(|| User::new(name), |user| (*user).clone());
+        for rule in rules {
+            user.apply(rule, &self.catalog)?;
+        }
+        Ok(user.rules())
+    }
+
+    /// Serves exactly the cluster's users (name → rules), and this node's
+    /// configured `default` user unless they include one. A user whose rules
+    /// this node cannot apply (a command it does not know) is left out, with
+    /// an error logged: it cannot log in here rather than get more rights.
+    /// Nothing is written to `users.acl`.
+    pub fn adopt(&self, cluster_users: &BTreeMap<String, String>) {
+        let mut adopted = self.adopted.lock();
+        if adopted.as_ref() == Some(cluster_users) {
+            return;
+        }
+        let mut users = BTreeMap::new();
+        users.insert(DEFAULT_USER.to_string(), self.configured_default.clone());
+        for (name, rules) in cluster_users {
+            let mut user = User::new(name);
+            match rules.split_whitespace().try_for_each(|rule| user.apply(rule, &self.catalog)) {
+                Ok(()) => {
+                    users.insert(name.clone(), Arc::new(user));
+                }
+                Err(error) => {
+                    users.remove(name);
+                    tracing::error!(user = %name, %error, "a user of the cluster cannot be served here");
+                }
+            }
+        }
+        *self.users.write() = users;
+        self.generation.fetch_add(1, Ordering::Release);
+        *adopted = Some(cluster_users.clone());
     }
 
     /// Deletes users; how many there were. `default` cannot be deleted.
@@ -482,5 +544,34 @@ mod tests {
         assert!(reopened.user(DEFAULT_USER).unwrap().opens_with(b"admin-secret"), "saved, it wins");
         assert!(matches!(reopened.delete_users(&["alice", "default"]), Err(AclError::DefaultUser)));
         assert_eq!(reopened.delete_users(&["alice", "nobody"]).unwrap(), 1);
+    }
+
+    #[test]
+    fn a_cluster_node_serves_exactly_the_clusters_users_and_its_own_default() {
+        let dir = tempfile::tempdir().unwrap();
+        let acl = Acl::open(dir.path(), Some("node-password"), catalog()).unwrap();
+        acl.set_user("local", &["on", "nopass"]).unwrap();
+        let alice = acl.proposed("alice", &["on", ">pw", "+get"]).unwrap();
+        assert!(acl.user("alice").is_none(), "a proposal changes nothing here");
+        let mut cluster_users =
+            BTreeMap::from([("alice".to_string(), alice), ("bob".to_string(), "+nosuch".into())]);
+        let before = acl.generation();
+        acl.adopt(&cluster_users);
+        assert!(acl.user("alice").unwrap().opens_with(b"pw"));
+        assert!(acl.user("local").is_none(), "the node's own users give way to the cluster's");
+        assert!(acl.user("bob").is_none(), "rules this node cannot apply leave the user out");
+        assert!(acl.user(DEFAULT_USER).unwrap().opens_with(b"node-password"));
+        assert!(acl.generation() > before);
+        let adopted = acl.generation();
+        acl.adopt(&cluster_users);
+        assert_eq!(acl.generation(), adopted, "the same users again change nothing");
+        cluster_users.insert(
+            DEFAULT_USER.into(),
+            acl.proposed(DEFAULT_USER, &["resetpass", ">cluster-wide"]).unwrap(),
+        );
+        acl.adopt(&cluster_users);
+        let default = acl.user(DEFAULT_USER).unwrap();
+        assert!(default.opens_with(b"cluster-wide") && !default.opens_with(b"node-password"));
+        assert!(!std::fs::read_to_string(dir.path().join(FILE_NAME)).unwrap().contains("alice"), "not saved");
     }
 }

@@ -120,6 +120,15 @@ impl Server {
             Some(_) => Some(Arc::new(ClusterNode::start(&node.config, local_addr, &runtimes[0])?)),
             None => None,
         };
+        if let Some(cluster) = &cluster {
+            // A cluster node serves the cluster's users.
+            let node = Arc::downgrade(&node);
+            cluster.agent.watch_maps(Box::new(move |map| {
+                if let Some(node) = node.upgrade() {
+                    node.acl.adopt(&map.users);
+                }
+            }));
+        }
         let (stop, stopping) = watch::channel(false);
         let mut workers = Vec::with_capacity(threads);
         let sockets = listeners.into_iter().zip(tls_listeners);

@@ -9,7 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tessera_cluster::agent::{Completion, Routing};
 use tessera_cluster::capture::CapturingView;
-use tessera_cluster::map::{range_index, Shard};
+use tessera_cluster::map::{range_index, ClusterMap, Shard};
 use tessera_cluster::DEFAULT_TABLE;
 use tessera_engine::{reserved, Engine, KeyRange, ScanCursor};
 use tessera_protocol::{Mode, Operation, Refusal, Role};
@@ -18,10 +18,16 @@ use tessera_wire::{encode_command, parse_value, ReplyWriter, Request, Value};
 
 use super::forward::Forwarder;
 use super::{ClusterNode, TRANSITION_WAIT};
+use crate::acl::{AclError, DEFAULT_USER};
+use crate::commands::acl::{acl_error, text as acl_text};
+use crate::commands::is;
 use crate::commands::tables::{ordered_keys, parse_alter, parse_create, parse_range, text};
 use crate::error::{CommandError, CommandResult};
 use crate::node_state::NodeState;
 use crate::tables::{Table, TableDef, TableSet};
+
+/// How many times ACL SETUSER tries while other nodes change the same user.
+const USER_CHANGE_ATTEMPTS: usize = 5;
 
 impl ClusterNode {
     /// TABLE.CREATE / DROP / LIST / INFO on a cluster node: tables are part of
@@ -74,6 +80,53 @@ impl ClusterNode {
         }
         out.ok();
         Ok(())
+    }
+
+    /// ACL SETUSER / DELUSER on a cluster node: the users are the map's. A
+    /// new user's rules are computed here from this node's copy and stored
+    /// only if the map still holds what this node saw (else it tries again
+    /// on the newer map); the coordinator answers once every node serves them.
+    pub async fn change_users(
+        &self,
+        node: &NodeState,
+        request: &Request<'_>,
+        out: &mut ReplyWriter,
+    ) -> CommandResult {
+        let args = request.args().skip(2).map(acl_text).collect::<CommandResult<Vec<&str>>>()?;
+        if is(request.arg(1), "deluser") {
+            if args.contains(&DEFAULT_USER) {
+                return Err(acl_error(AclError::DefaultUser));
+            }
+            let mut change = vec![b"COORD.ACL-DELUSER".as_slice()];
+            change.extend(args.iter().map(|name| name.as_bytes()));
+            return match self.agent.ask_coordinator(&change).await? {
+                Value::Integer(deleted) => {
+                    out.integer(deleted);
+                    Ok(())
+                }
+                Value::Error(message) => Err(CommandError::Relayed(message)),
+                other => Err(CommandError::Other(format!("the coordinator answered {other:?}"))),
+            };
+        }
+        let (name, rules) = (args[0], &args[1..]);
+        for _ in 0..USER_CHANGE_ATTEMPTS {
+            let expected = self.map()?.users.get(name).cloned().unwrap_or_default();
+            let proposed = node.acl.proposed(name, rules).map_err(acl_error)?;
+            let change =
+                [b"COORD.ACL-SETUSER".as_slice(), name.as_bytes(), expected.as_bytes(), proposed.as_bytes()];
+            match self.agent.ask_coordinator(&change).await? {
+                Value::Error(message) if message.starts_with("TRYAGAIN") => {
+                    let newer = |map: &ClusterMap| map.users.get(name).map_or("", String::as_str) != expected;
+                    self.agent.wait_for_map(newer, Duration::from_secs(1)).await;
+                }
+                Value::Error(message) => return Err(CommandError::Relayed(message)),
+                _ => {
+                    out.ok();
+                    return Ok(());
+                }
+            }
+        }
+        Err(CommandError::TryAgain(format!("user {name} kept changing on other nodes")))
     }
 
     /// TABLE.ALTER: switches every shard of the table to the mode asked for

@@ -16,7 +16,7 @@ use super::forward::Forwarder;
 use super::placement::Placement;
 use super::ClusterNode;
 use crate::commands::consistency::{level_got, parse_level, wrapped_read};
-use crate::commands::{dispatch, is, lookup, CommandSpec, Context, Scope};
+use crate::commands::{admit, dispatch, is, lookup, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 
 /// A reply (the bytes `start..end` of the connection's output) that may be
@@ -47,9 +47,16 @@ pub async fn serve(
             return None;
         }
     };
+    // Checked here, before the request goes anywhere: the coordinator, the
+    // shards this node heads, or another node (which runs what a relay sends).
+    if let Err(error) = admit(context, spec, request) {
+        error.write(context.out);
+        return None;
+    }
     match spec.scope {
         Scope::TableRange => serve_table_range(cluster, context, request, forwarder).await,
         Scope::Tables => serve_tables(cluster, context, request).await,
+        Scope::Users => serve_users(cluster, context, request).await,
         Scope::NodeWide => serve_node_wide(cluster, context, request),
         Scope::Flush => return serve_flush(cluster, context, request),
         Scope::Keys | Scope::WrappedRead => {
@@ -79,6 +86,20 @@ async fn serve_table_range(
 async fn serve_tables(cluster: &ClusterNode, context: &mut Context<'_>, request: &Request<'_>) {
     let mark = context.out.len();
     if let Err(error) = cluster.table_command(request, context.out).await {
+        context.out.truncate(mark);
+        error.write(context.out);
+    }
+}
+
+/// ACL SETUSER and DELUSER through the coordinator; the rest of ACL here.
+async fn serve_users(cluster: &ClusterNode, context: &mut Context<'_>, request: &Request<'_>) {
+    let subcommand = request.arg(1);
+    if request.len() < 3 || !(is(subcommand, "setuser") || is(subcommand, "deluser")) {
+        dispatch(context, request);
+        return;
+    }
+    let mark = context.out.len();
+    if let Err(error) = cluster.change_users(context.node, request, context.out).await {
         context.out.truncate(mark);
         error.write(context.out);
     }
@@ -144,7 +165,13 @@ async fn serve_keyed(
         None
     };
     let (spec, request, write, strong) = match &wrapped {
-        Some((strong, inner_spec, inner)) => (*inner_spec, inner, false, *strong),
+        Some((strong, inner_spec, inner)) => {
+            if let Err(error) = admit(context, inner_spec, inner) {
+                error.write(context.out);
+                return None;
+            }
+            (*inner_spec, inner, false, *strong)
+        }
         None => {
             let write = spec.flags.contains(&"write");
             (spec, request, write, write || !context.session.readonly)

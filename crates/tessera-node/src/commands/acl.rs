@@ -11,7 +11,7 @@ use crate::error::{CommandError, CommandResult};
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
-    CommandSpec { name: "acl", arity: -2, flags: &["admin", "noscript", "loading", "stale"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: acl },
+    CommandSpec { name: "acl", arity: -2, flags: &["admin", "noscript", "loading", "stale"], first_key: 0, last_key: 0, step: 0, scope: Scope::Users, handler: acl },
 ];
 
 /// The categories a command belongs to: its family, and what its flags say,
@@ -36,11 +36,11 @@ pub fn catalog() -> CommandCatalog {
     CommandCatalog::new(commands_by_family().map(|(family, spec)| (spec.name, categories(family, spec))))
 }
 
-fn text(arg: &[u8]) -> CommandResult<&str> {
+pub fn text(arg: &[u8]) -> CommandResult<&str> {
     std::str::from_utf8(arg).map_err(|_| CommandError::Other("ACL arguments must be UTF-8".into()))
 }
 
-fn acl_error(error: AclError) -> CommandError {
+pub fn acl_error(error: AclError) -> CommandError {
     CommandError::Other(error.to_string())
 }
 

@@ -156,6 +156,9 @@ pub enum Scope {
     TableRange,
     /// A read at a named consistency, placed as the read it wraps.
     WrappedRead,
+    /// ACL: the cluster's users, changed through the coordinator and read
+    /// from this node's copy.
+    Users,
 }
 
 /// One command: how it is called and where its keys are (for COMMAND, which
@@ -262,19 +265,7 @@ fn run(context: &mut Context, request: &Request) -> CommandResult {
     if !spec.arity_ok(request.len()) {
         return Err(CommandError::WrongArity(spec.name.into()));
     }
-    // After the arity check, which the key positions rely on.
-    if !spec.allowed_unauthenticated() {
-        check_permissions(context, spec, request)?;
-    }
-    if let Some(key) = spec
-        .key_positions(request.len())
-        .map(|index| request.arg(index))
-        .find(|key| reserved::is_reserved(key))
-    {
-        return Err(CommandError::ReservedKey(
-            String::from_utf8_lossy(&key[..key.len().min(64)]).into_owned(),
-        ));
-    }
+    admit(context, spec, request)?;
     if spec.flags.contains(&"denyoom") {
         context.node.make_room(context.cluster.is_some())?;
     }
@@ -284,6 +275,25 @@ fn run(context: &mut Context, request: &Request) -> CommandResult {
         }
     }
     (spec.handler)(context, request)
+}
+
+/// Whether the connection may run a command of the right arity (which the
+/// key positions rely on): its user's permissions, and no reserved keys. A
+/// cluster node asks before it sends a request anywhere.
+pub fn admit(context: &mut Context, spec: &CommandSpec, request: &Request) -> CommandResult {
+    if !spec.allowed_unauthenticated() {
+        check_permissions(context, spec, request)?;
+    }
+    match spec
+        .key_positions(request.len())
+        .map(|index| request.arg(index))
+        .find(|key| reserved::is_reserved(key))
+    {
+        Some(key) => {
+            Err(CommandError::ReservedKey(String::from_utf8_lossy(&key[..key.len().min(64)]).into_owned()))
+        }
+        None => Ok(()),
+    }
 }
 
 /// Whether the connection's user may run the command on its keys. The
