@@ -1077,3 +1077,27 @@ def test_users_are_the_clusters_and_every_node_checks_them_before_sending_a_requ
         alices[0].get("cache:2")
     with pytest.raises(redis.ResponseError, match="default"):
         nodes[0].execute_command("ACL", "DELUSER", "default")
+
+    # The default user itself changes cluster-wide; forwarding, which logs in
+    # to the owner with the cluster secret, not as a user, keeps working.
+    assert nodes[0].execute_command("ACL", "SETUSER", "default", "resetpass", ">cluster-pw") == b"OK"
+    for node in range(3):
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=cluster.port(node)).get("cache:2")
+    secured = redis.Redis(host="127.0.0.1", port=cluster.port(1), password="cluster-pw", socket_timeout=10)
+    for index in range(30):
+        assert secured.set(f"anywhere:{index}", index) and secured.get(f"anywhere:{index}") == str(index).encode()
+    # Only a holder of the cluster secret logs in as a relay.
+    cluster_id = json.loads((cluster.dir / "layout.json").read_text())["cluster_id"]
+    with socket.create_connection(("127.0.0.1", cluster.port(0)), timeout=10) as forger:
+        def ask(*args):
+            forger.sendall(b"".join([f"*{len(args)}\r\n".encode()]
+                                    + [f"${len(arg)}\r\n{arg}\r\n".encode() for arg in args]))
+            time.sleep(0.2)
+            return forger.recv(4096)
+
+        assert ask("RELAY.HELLO", "another-cluster", "0", "ab" * 32).startswith(b"-ERR authentication failed")
+        challenge = ask("RELAY.HELLO", cluster_id, "0", "ab" * 32)
+        assert challenge.startswith(b"*2\r\n$64\r\n"), challenge
+        assert ask("RELAY.AUTH", "00" * 32).startswith(b"-ERR authentication failed")
+        assert ask("GET", "cache:2").startswith(b"-NOAUTH")

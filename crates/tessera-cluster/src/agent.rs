@@ -668,6 +668,11 @@ impl Agent {
         self.config.node
     }
 
+    /// The cluster, node and secret this agent runs with.
+    pub fn config(&self) -> &AgentConfig {
+        &self.config
+    }
+
     /// Sends one command to the leading coordinator (administrative changes:
     /// tables) and returns its answer.
     pub async fn ask_coordinator(&self, args: &[&[u8]]) -> Result<Value, AgentError> {

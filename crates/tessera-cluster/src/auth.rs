@@ -1,7 +1,7 @@
 //! Who may speak on the cluster plane (docs/ARCHITECTURE.md, "Who may speak on
 //! the cluster plane"): a secret every node and coordinator of a cluster
-//! shares, and the mutual challenge–response that opens every peer link and
-//! coordinator session.
+//! shares, and the mutual challenge–response that opens every peer link,
+//! coordinator session and forwarding link between nodes.
 //!
 //! ```text
 //! connecting side                          accepting side
@@ -128,14 +128,64 @@ pub struct Transcript {
     pub accepting_nonce: [u8; NONCE_BYTES],
 }
 
+impl Transcript {
+    /// The accepting side's half of a handshake, on a hello from
+    /// `connecting` with `connecting_nonce`: a fresh nonce of its own.
+    pub fn answering(
+        cluster: &str,
+        connecting: &str,
+        accepting: &str,
+        connecting_nonce: [u8; NONCE_BYTES],
+    ) -> Self {
+        Self {
+            cluster: cluster.to_string(),
+            connecting: connecting.to_string(),
+            accepting: accepting.to_string(),
+            connecting_nonce,
+            accepting_nonce: nonce(),
+        }
+    }
+}
+
 /// The name the coordinator goes by in a handshake.
 pub const COORDINATOR: &str = "coordinator";
 /// The name an operator's tool goes by with the coordinator.
 pub const ADMIN: &str = "admin";
+/// The name a node goes by when another node's forwarding link logs in to it.
+pub const RELAY_TARGET: &str = "relay-target";
 
-/// The connecting side of a coordinator session, in RESP: `COORD.HELLO`,
-/// then, once the coordinator has proved it knows the secret, `COORD.AUTH`.
-pub struct CoordinatorLogin {
+/// Where a RESP login goes: the coordinator (`COORD.HELLO`, `COORD.AUTH`),
+/// or a node that runs what another node forwards (`RELAY.HELLO`,
+/// `RELAY.AUTH`: a relay acts for the cluster, its clients checked where
+/// they connected).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoginTo {
+    Coordinator,
+    Relay,
+}
+
+impl LoginTo {
+    /// The hello and the auth command.
+    fn commands(self) -> (&'static [u8], &'static [u8]) {
+        match self {
+            LoginTo::Coordinator => (b"COORD.HELLO", b"COORD.AUTH"),
+            LoginTo::Relay => (b"RELAY.HELLO", b"RELAY.AUTH"),
+        }
+    }
+
+    /// The name the accepting side goes by.
+    pub fn accepting(self) -> &'static str {
+        match self {
+            LoginTo::Coordinator => COORDINATOR,
+            LoginTo::Relay => RELAY_TARGET,
+        }
+    }
+}
+
+/// The connecting side of a RESP login: the hello, then, once the other
+/// side has proved it knows the secret, the auth.
+pub struct Login {
+    to: LoginTo,
     cluster: String,
     identity: String,
     nonce: [u8; NONCE_BYTES],
@@ -143,31 +193,31 @@ pub struct CoordinatorLogin {
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoginError {
-    #[error("the coordinator refused: {0}")]
+    #[error("refused: {0}")]
     Refused(String),
-    #[error("the coordinator answered the login with something else")]
+    #[error("answered the login with something else")]
     Malformed,
-    #[error("the coordinator could not prove it knows the cluster secret")]
+    #[error("could not prove it knows the cluster secret")]
     Unproven,
 }
 
-impl CoordinatorLogin {
-    /// `identity`: a node id, or [`ADMIN`].
-    pub fn new(cluster: &str, identity: &str) -> Self {
-        Self { cluster: cluster.to_string(), identity: identity.to_string(), nonce: nonce() }
+impl Login {
+    /// `identity`: a node id, or [`ADMIN`] with the coordinator.
+    pub fn new(to: LoginTo, cluster: &str, identity: &str) -> Self {
+        Self { to, cluster: cluster.to_string(), identity: identity.to_string(), nonce: nonce() }
     }
 
     pub fn hello(&self) -> Vec<Vec<u8>> {
         vec![
-            b"COORD.HELLO".to_vec(),
+            self.to.commands().0.to_vec(),
             self.cluster.as_bytes().to_vec(),
             self.identity.as_bytes().to_vec(),
             to_hex(&self.nonce).into_bytes(),
         ]
     }
 
-    /// The `COORD.AUTH` command answering the coordinator's challenge, if
-    /// the challenge proves the coordinator knows `secret`.
+    /// The auth command answering the challenge, if the challenge proves the
+    /// other side knows `secret`.
     pub fn auth(&self, secret: &ClusterSecret, challenge: Value) -> Result<Vec<Vec<u8>>, LoginError> {
         let items = match challenge {
             Value::Error(message) => return Err(LoginError::Refused(message)),
@@ -180,17 +230,17 @@ impl CoordinatorLogin {
         let transcript = Transcript {
             cluster: self.cluster.clone(),
             connecting: self.identity.clone(),
-            accepting: COORDINATOR.to_string(),
+            accepting: self.to.accepting().to_string(),
             connecting_nonce: self.nonce,
             accepting_nonce,
         };
         if !secret.verify_accepting(&transcript, &proof) {
             return Err(LoginError::Unproven);
         }
-        Ok(vec![b"COORD.AUTH".to_vec(), to_hex(&secret.connecting_proof(&transcript)).into_bytes()])
+        Ok(vec![self.to.commands().1.to_vec(), to_hex(&secret.connecting_proof(&transcript)).into_bytes()])
     }
 
-    /// Whether the coordinator's answer to `COORD.AUTH` opened the session.
+    /// Whether the answer to the auth opened the session.
     pub fn accepted(answer: Value) -> Result<(), LoginError> {
         match answer {
             Value::Simple(_) => Ok(()),

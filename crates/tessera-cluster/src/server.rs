@@ -465,13 +465,7 @@ fn hello(
     if args[1] != cluster.as_bytes() {
         return Err(Refused::Unauthenticated);
     }
-    let transcript = Transcript {
-        cluster,
-        connecting: text(&args[2]),
-        accepting: COORDINATOR.to_string(),
-        connecting_nonce,
-        accepting_nonce: crate::auth::nonce(),
-    };
+    let transcript = Transcript::answering(&cluster, &text(&args[2]), COORDINATOR, connecting_nonce);
     out.array(2);
     out.bulk(to_hex(&transcript.accepting_nonce).as_bytes());
     out.bulk(to_hex(&state.secret.accepting_proof(&transcript)).as_bytes());

@@ -1,7 +1,7 @@
 //! A session with the coordinator, as a node or as the operator: reach the
 //! leader among the coordinators listed (only the leader listens), run TLS
 //! when the cluster does (`tls_cluster`, the same certificates as the peer
-//! links), log in with the cluster secret ([`CoordinatorLogin`]), then send
+//! links), log in with the cluster secret ([`Login`]), then send
 //! RESP commands one at a time.
 
 use std::time::Duration;
@@ -10,7 +10,7 @@ use tessera_wire::{encode_command, parse_value, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::auth::{ClusterSecret, CoordinatorLogin, LoginError};
+use crate::auth::{ClusterSecret, Login, LoginError, LoginTo};
 use crate::tls::{self, MaybeTls, PeerTls, TlsError};
 
 /// The longest a coordinator may take to accept a connection, run TLS and
@@ -77,7 +77,7 @@ impl CoordinatorSession {
         let _ = stream.set_nodelay(true);
         let stream = tls::connecting(credentials.tls, stream, address).await?;
         let mut session = Self { stream, buffer: Vec::new() };
-        let login = CoordinatorLogin::new(credentials.cluster, credentials.identity);
+        let login = Login::new(LoginTo::Coordinator, credentials.cluster, credentials.identity);
         let failed = |source| SessionError::Login {
             cluster: credentials.cluster.to_string(),
             identity: credentials.identity.to_string(),
@@ -85,7 +85,7 @@ impl CoordinatorSession {
         };
         let challenge = session.call(&login.hello()).await?;
         let auth = login.auth(credentials.secret, challenge).map_err(failed)?;
-        CoordinatorLogin::accepted(session.call(&auth).await?).map_err(failed)?;
+        Login::accepted(session.call(&auth).await?).map_err(failed)?;
         Ok(session)
     }
 

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use tessera_cluster::auth::{ClusterSecret, CoordinatorLogin, LoginError, ADMIN};
+use tessera_cluster::auth::{ClusterSecret, Login, LoginError, LoginTo, ADMIN};
 use tessera_cluster::{ClusterMap, CoordinatorServer, FileStore, StartError, Timing};
 use tessera_wire::{Client, Value};
 
@@ -26,9 +26,9 @@ fn login_with(
     secret: &ClusterSecret,
 ) -> Result<Client, LoginError> {
     let mut client = Client::connect(address, Duration::from_secs(5)).unwrap();
-    let login = CoordinatorLogin::new(cluster, identity);
+    let login = Login::new(LoginTo::Coordinator, cluster, identity);
     let auth = login.auth(secret, client.command(&login.hello()).unwrap())?;
-    CoordinatorLogin::accepted(client.command(&auth).unwrap())?;
+    Login::accepted(client.command(&auth).unwrap())?;
     Ok(client)
 }
 
@@ -181,7 +181,7 @@ async fn the_coordinator_obeys_only_sessions_that_prove_the_secret_and_a_node_on
         matches!(&wrong_cluster, LoginError::Refused(message) if !message.contains("c1")),
         "{wrong_cluster}"
     );
-    let login = CoordinatorLogin::new("c1", "0");
+    let login = Login::new(LoginTo::Coordinator, "c1", "0");
     anyone.command(&login.hello()).unwrap();
     let made_up = anyone.command(&["COORD.AUTH", &"00".repeat(32)]).unwrap();
     assert!(refused(made_up, "ERR authentication failed"));

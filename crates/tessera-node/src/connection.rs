@@ -100,7 +100,7 @@ impl Connection {
         let tables_generation = node.tables_generation();
         let mut out = ReplyWriter::new(Protocol::Resp2);
         out.limit_to(node.config.client_output_buffer_limit);
-        let forwarder = Forwarder::new(node.config.password.clone());
+        let forwarder = Forwarder::default();
         let node_for_share = node.clone();
         Self {
             parser: RequestParser::new(node.config.limits()),

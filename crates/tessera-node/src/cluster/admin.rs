@@ -265,7 +265,7 @@ impl ClusterNode {
                     &[b"TABLE.RANGE", table.as_bytes(), &start, &end, b"COUNT", count.as_bytes()],
                     &mut forwarded,
                 );
-                let reply = forwarder.forward(address.to_string(), &forwarded).await?;
+                let reply = forwarder.forward(&self.agent, address.to_string(), &forwarded).await?;
                 match parse_value(&reply) {
                     Ok(Some((Value::Array(items), _))) => Ok(items
                         .into_iter()

@@ -3,7 +3,9 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use tessera_wire::{encode_command, skip_value};
+use tessera_cluster::agent::Agent;
+use tessera_cluster::auth::{Login, LoginError, LoginTo};
+use tessera_wire::{encode_command, parse_value, skip_value, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -13,23 +15,25 @@ use crate::error::{CommandError, CommandResult};
 const FORWARD_HOPS_MAX: usize = 3;
 
 /// A plain client's requests relayed to the nodes that own them: one
-/// connection per owner, opened on first use.
+/// connection per owner, opened on first use and logged in as a relay with
+/// the cluster secret (the client was checked here; the owner runs what a
+/// relay sends for the cluster, whatever its users are).
+#[derive(Default)]
 pub struct Forwarder {
     links: HashMap<String, (TcpStream, Vec<u8>)>,
-    /// The cluster's password, if its nodes require one (they share it).
-    password: Option<String>,
 }
 
 impl Forwarder {
-    pub fn new(password: Option<String>) -> Self {
-        Self { links: HashMap::new(), password }
-    }
-
     /// Sends one encoded request to `address` and returns its encoded answer,
     /// following `MOVED` if the owner changed meanwhile.
-    pub async fn forward(&mut self, mut address: String, request: &[u8]) -> CommandResult<Vec<u8>> {
+    pub async fn forward(
+        &mut self,
+        agent: &Agent,
+        mut address: String,
+        request: &[u8],
+    ) -> CommandResult<Vec<u8>> {
         for _ in 0..FORWARD_HOPS_MAX {
-            let reply = self.exchange(&address, request).await.inspect_err(|_| {
+            let reply = self.exchange(agent, &address, request).await.inspect_err(|_| {
                 self.links.remove(&address);
             })?;
             match moved_to(&reply) {
@@ -40,7 +44,7 @@ impl Forwarder {
         Err(CommandError::TryAgain(format!("the owner kept moving (last asked {address})")))
     }
 
-    async fn exchange(&mut self, address: &str, request: &[u8]) -> CommandResult<Vec<u8>> {
+    async fn exchange(&mut self, agent: &Agent, address: &str, request: &[u8]) -> CommandResult<Vec<u8>> {
         let unreachable = |error: std::io::Error| {
             CommandError::TryAgain(format!("cannot reach the owner {address}: {error}"))
         };
@@ -51,28 +55,31 @@ impl Forwarder {
                 .map_err(unreachable)?;
             let _ = stream.set_nodelay(true);
             let mut link = (stream, Vec::new());
-            // A forwarded request must not be forwarded again: as a relay,
-            // this link is told MOVED instead.
-            let mut hello = Vec::new();
-            if let Some(password) = &self.password {
-                encode_command(&[b"AUTH".as_slice(), password.as_bytes()], &mut hello);
-            }
-            encode_command(&[b"CLUSTER".as_slice(), b"RELAY"], &mut hello);
-            link.0.write_all(&hello).await.map_err(unreachable)?;
-            for _ in 0..1 + usize::from(self.password.is_some()) {
-                let reply = read_reply(&mut link).await.map_err(unreachable)?;
-                if reply.first() == Some(&b'-') {
-                    let message = String::from_utf8_lossy(&reply[1..]).trim_end().to_string();
-                    return Err(CommandError::Other(format!(
-                        "the owner {address} refused this node: {message}"
-                    )));
-                }
-            }
+            let config = agent.config();
+            let login = Login::new(LoginTo::Relay, &config.cluster_id, &config.node.to_string());
+            let refused = |error: LoginError| {
+                CommandError::Other(format!("the owner {address} refused this node: {error}"))
+            };
+            let challenge = call(&mut link, &login.hello()).await.map_err(unreachable)?;
+            let auth = login.auth(&config.secret, challenge).map_err(refused)?;
+            Login::accepted(call(&mut link, &auth).await.map_err(unreachable)?).map_err(refused)?;
             self.links.insert(address.to_string(), link);
         }
         let link = self.links.get_mut(address).expect("inserted above");
         link.0.write_all(request).await.map_err(unreachable)?;
         read_reply(link).await.map_err(unreachable)
+    }
+}
+
+/// One command of the login, and its answer.
+async fn call(link: &mut (TcpStream, Vec<u8>), args: &[Vec<u8>]) -> std::io::Result<Value> {
+    let mut request = Vec::new();
+    encode_command(args, &mut request);
+    link.0.write_all(&request).await?;
+    let reply = read_reply(link).await?;
+    match parse_value(&reply) {
+        Ok(Some((value, _))) => Ok(value),
+        _ => Err(std::io::Error::other("a malformed answer to the login")),
     }
 }
 

@@ -205,7 +205,7 @@ async fn serve_keyed(
             None
         }
         Placement::Elsewhere { address, .. } => {
-            match forwarder.forward(address, raw).await {
+            match forwarder.forward(&cluster.agent, address, raw).await {
                 Ok(reply) => context.out.raw(&reply),
                 Err(error) => error.write(context.out),
             }

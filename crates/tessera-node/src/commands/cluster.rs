@@ -1,6 +1,8 @@
 //! Redis Cluster's commands, answered from the cluster map: CLUSTER SLOTS,
 //! SHARDS, NODES, INFO, KEYSLOT, MYID, and READONLY / READWRITE / ASKING; and
-//! Tessera's CLUSTER RELAY, which marks another node's forwarding link.
+//! Tessera's RELAY.HELLO / RELAY.AUTH, with which another node's forwarding
+//! link proves it holds the cluster secret (docs/ARCHITECTURE.md, "Who may
+//! speak on the cluster plane").
 //!
 //! A Tessera node may head one shard and follow in others, which Redis
 //! Cluster's one-master-or-one-replica model cannot say: SLOTS and SHARDS list
@@ -8,6 +10,7 @@
 //! shards it heads. The shards shown are the default table's: every other
 //! table's shards start on the same nodes, slot for slot.
 
+use tessera_cluster::auth::{from_hex, to_hex, LoginTo, Transcript, NONCE_BYTES, PROOF_BYTES};
 use tessera_cluster::ClusterMap;
 use tessera_wire::slot::key_slot;
 use tessera_wire::Request;
@@ -22,6 +25,8 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "readonly", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: connection_mode },
     CommandSpec { name: "readwrite", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: connection_mode },
     CommandSpec { name: "asking", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: connection_mode },
+    CommandSpec { name: "relay.hello", arity: 4, flags: &["noscript", "loading", "stale", "fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: relay_hello },
+    CommandSpec { name: "relay.auth", arity: 2, flags: &["noscript", "loading", "stale", "fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: relay_auth },
 ];
 
 fn member_of_cluster<'a>(context: &Context<'a>) -> CommandResult<&'a Membership> {
@@ -52,11 +57,6 @@ fn cluster(context: &mut Context, request: &Request) -> CommandResult {
         context.out.integer(key_slot(request.arg(2)) as i64);
         return Ok(());
     }
-    if is(subcommand, "relay") && request.len() == 2 {
-        context.session.relay = true;
-        context.out.ok();
-        return Ok(());
-    }
     let map = node.map()?;
     let me = node.agent.node_id();
     match () {
@@ -67,11 +67,51 @@ fn cluster(context: &mut Context, request: &Request) -> CommandResult {
         _ if is(subcommand, "myid") && request.len() == 2 => context.out.bulk(node_name(&map, me).as_bytes()),
         _ => {
             return Err(CommandError::Other(format!(
-                "unknown subcommand or wrong number of arguments for '{}'; try SLOTS, SHARDS, NODES, INFO, KEYSLOT, MYID or RELAY",
+                "unknown subcommand or wrong number of arguments for '{}'; try SLOTS, SHARDS, NODES, INFO, KEYSLOT or MYID",
                 String::from_utf8_lossy(subcommand)
             )))
         }
     }
+    Ok(())
+}
+
+fn relay_refused() -> CommandError {
+    CommandError::Other("authentication failed (a wrong cluster id or secret)".into())
+}
+
+/// `RELAY.HELLO cluster node nonce`: this node's half of a forwarding link's
+/// login, as the coordinator answers COORD.HELLO. Another cluster's link
+/// learns nothing of this one.
+fn relay_hello(context: &mut Context, request: &Request) -> CommandResult {
+    let config = member_of_cluster(context)?.agent.config();
+    context.session.relay_challenge = None;
+    let connecting_nonce = from_hex::<NONCE_BYTES>(request.arg(3)).ok_or_else(relay_refused)?;
+    let node = std::str::from_utf8(request.arg(2)).map_err(|_| relay_refused())?;
+    if request.arg(1) != config.cluster_id.as_bytes() {
+        return Err(relay_refused());
+    }
+    let transcript =
+        Transcript::answering(&config.cluster_id, node, LoginTo::Relay.accepting(), connecting_nonce);
+    context.out.array(2);
+    context.out.bulk(to_hex(&transcript.accepting_nonce).as_bytes());
+    context.out.bulk(to_hex(&config.secret.accepting_proof(&transcript)).as_bytes());
+    context.session.relay_challenge = Some(transcript);
+    Ok(())
+}
+
+/// `RELAY.AUTH proof`: the connection becomes a relay if the proof is the
+/// one its hello calls for. One proof per challenge.
+fn relay_auth(context: &mut Context, request: &Request) -> CommandResult {
+    let config = member_of_cluster(context)?.agent.config();
+    let transcript = context.session.relay_challenge.take().ok_or_else(relay_refused)?;
+    let proof = from_hex::<PROOF_BYTES>(request.arg(1)).ok_or_else(relay_refused)?;
+    if !config.secret.verify_connecting(&transcript, &proof) {
+        tracing::warn!(node = %transcript.connecting, "a forwarding link failed to authenticate");
+        return Err(relay_refused());
+    }
+    context.session.authenticated = true;
+    context.session.relay = true;
+    context.out.ok();
     Ok(())
 }
 

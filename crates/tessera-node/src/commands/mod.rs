@@ -51,9 +51,12 @@ pub struct Session {
     /// READONLY or CONSISTENCY EVENTUAL: reads are served by any replica,
     /// eventually consistent.
     pub readonly: bool,
-    /// Another node's forwarding link (CLUSTER RELAY): what this node does not
-    /// serve is answered MOVED, never forwarded again.
+    /// Another node's forwarding link, logged in with the cluster secret
+    /// (RELAY.HELLO, RELAY.AUTH): it acts for the cluster, unrestricted;
+    /// what this node does not serve is answered MOVED, never forwarded again.
     pub relay: bool,
+    /// A relay login under way.
+    pub relay_challenge: Option<tessera_cluster::auth::Transcript>,
 }
 
 /// A user's permissions as a connection checks them.
@@ -195,7 +198,7 @@ impl CommandSpec {
 
     /// Whether the command may run before AUTH.
     fn allowed_unauthenticated(&self) -> bool {
-        matches!(self.name, "auth" | "hello" | "quit")
+        matches!(self.name, "auth" | "hello" | "quit" | "relay.hello" | "relay.auth")
     }
 }
 
@@ -300,6 +303,9 @@ pub fn admit(context: &mut Context, spec: &CommandSpec, request: &Request) -> Co
 /// user is looked up again after any ACL change. As in Redis, a user switched
 /// off keeps the connections it has; a deleted user's are closed.
 fn check_permissions(context: &mut Context, spec: &CommandSpec, request: &Request) -> CommandResult {
+    if context.session.relay {
+        return Ok(()); // its client was checked where it connected
+    }
     let acl = &context.node.acl;
     let generation = acl.generation();
     let session = &mut *context.session;
