@@ -16,7 +16,7 @@ use super::forward::Forwarder;
 use super::placement::Placement;
 use super::ClusterNode;
 use crate::commands::consistency::{level_got, parse_level, wrapped_read};
-use crate::commands::{admit, dispatch, is, lookup, CommandSpec, Context, Scope};
+use crate::commands::{admit, dispatch, dispatch_admitted, is, lookup, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 
 /// A reply (the bytes `start..end` of the connection's output) that may be
@@ -56,8 +56,8 @@ pub async fn serve(
     match spec.scope {
         Scope::TableRange => serve_table_range(cluster, context, request, forwarder).await,
         Scope::Tables => serve_tables(cluster, context, request).await,
-        Scope::Users => serve_users(cluster, context, request).await,
-        Scope::NodeWide => serve_node_wide(cluster, context, request),
+        Scope::Users => serve_users(cluster, context, spec, request).await,
+        Scope::NodeWide => serve_node_wide(cluster, context, spec, request),
         Scope::Flush => return serve_flush(cluster, context, request),
         Scope::Keys | Scope::WrappedRead => {
             return serve_keyed(cluster, context, spec, request, raw, forwarder).await
@@ -92,10 +92,15 @@ async fn serve_tables(cluster: &ClusterNode, context: &mut Context<'_>, request:
 }
 
 /// ACL SETUSER and DELUSER through the coordinator; the rest of ACL here.
-async fn serve_users(cluster: &ClusterNode, context: &mut Context<'_>, request: &Request<'_>) {
+async fn serve_users(
+    cluster: &ClusterNode,
+    context: &mut Context<'_>,
+    spec: &CommandSpec,
+    request: &Request<'_>,
+) {
     let subcommand = request.arg(1);
     if request.len() < 3 || !(is(subcommand, "setuser") || is(subcommand, "deluser")) {
-        dispatch(context, request);
+        dispatch_admitted(context, spec, request);
         return;
     }
     let mark = context.out.len();
@@ -106,7 +111,12 @@ async fn serve_users(cluster: &ClusterNode, context: &mut Context<'_>, request: 
 }
 
 /// SCAN, KEYS, DBSIZE over the shards this node heads.
-fn serve_node_wide(cluster: &ClusterNode, context: &mut Context<'_>, request: &Request<'_>) {
+fn serve_node_wide(
+    cluster: &ClusterNode,
+    context: &mut Context<'_>,
+    spec: &CommandSpec,
+    request: &Request<'_>,
+) {
     match cluster.headed_tables() {
         Ok(headed) => {
             let mut on_headed = Context {
@@ -115,7 +125,7 @@ fn serve_node_wide(cluster: &ClusterNode, context: &mut Context<'_>, request: &R
                 out: &mut *context.out,
                 ..*context
             };
-            dispatch(&mut on_headed, request);
+            dispatch_admitted(&mut on_headed, spec, request);
         }
         Err(error) => error.write(context.out),
     }
@@ -187,7 +197,7 @@ async fn serve_keyed(
     match cluster.place_when_settled(keys, write, strong).await {
         Placement::Local => {
             level_header(context.out);
-            dispatch(context, request);
+            dispatch_admitted(context, spec, request);
             None
         }
         Placement::Refused(error) => {
@@ -214,7 +224,7 @@ async fn serve_keyed(
         Placement::Quorum { shard, engine } => {
             level_header(context.out);
             let keys: Vec<Bytes> = keys().map(Bytes::copy_from_slice).collect();
-            run_on_quorum(cluster, context, request, &keys, shard, &engine, write).await;
+            run_on_quorum(cluster, context, spec, request, &keys, shard, &engine).await;
             None
         }
         Placement::Shard { shard, engine, barrier } => {
@@ -233,7 +243,7 @@ async fn serve_keyed(
                 if strong {
                     waits.extend(cluster.agent.in_flight(shard, keys()));
                 }
-                dispatch(&mut context.over(&view, strong), request);
+                dispatch_admitted(&mut context.over(&view, strong), spec, request);
                 let writes = view.take();
                 if write && !writes.is_empty() {
                     let operations = writes
@@ -271,12 +281,13 @@ const QUORUM_ATTEMPTS: usize = 8;
 async fn run_on_quorum(
     cluster: &ClusterNode,
     context: &mut Context<'_>,
+    spec: &CommandSpec,
     request: &Request<'_>,
     keys: &[Bytes],
     shard: u32,
     engine: &Arc<dyn Engine>,
-    write: bool,
 ) {
+    let write = spec.flags.contains(&"write");
     let start = context.out.len();
     for attempt in 0..QUORUM_ATTEMPTS {
         context.out.truncate(start);
@@ -294,7 +305,7 @@ async fn run_on_quorum(
             .map(|(key, record)| (key.clone(), record.as_ref().and_then(|record| record.visible().cloned())))
             .collect();
         let view = CapturingView::pinned(engine.clone(), pins);
-        dispatch(&mut context.over(&view, false), request);
+        dispatch_admitted(&mut context.over(&view, false), spec, request);
         // The last write to each key is the one that counts.
         let mut writes: Vec<(Bytes, Write)> = Vec::new();
         for (key, write) in view.take() {

@@ -243,9 +243,19 @@ pub fn lookup(name: &[u8]) -> Option<&'static CommandSpec> {
 
 /// Runs one request and writes its reply (or error) to `context.out`.
 pub fn dispatch(context: &mut Context, request: &Request) {
+    answer(context, |context| run(context, request));
+}
+
+/// Runs a request of `spec` that [`admit`] let through (a cluster node looks
+/// it up and checks it before it places it) and writes its reply.
+pub fn dispatch_admitted(context: &mut Context, spec: &CommandSpec, request: &Request) {
+    answer(context, |context| execute(context, spec, request));
+}
+
+fn answer(context: &mut Context, run: impl FnOnce(&mut Context) -> CommandResult) {
     WorkerStats::add(&context.stats.commands, 1);
     let mark = context.out.len();
-    if let Err(error) = run(context, request) {
+    if let Err(error) = run(context) {
         // A handler that failed half-way may have written part of a reply.
         context.out.truncate(mark);
         error.write(context.out);
@@ -269,6 +279,11 @@ fn run(context: &mut Context, request: &Request) -> CommandResult {
         return Err(CommandError::WrongArity(spec.name.into()));
     }
     admit(context, spec, request)?;
+    execute(context, spec, request)
+}
+
+/// Runs an admitted request: room for what it may write, then its handler.
+fn execute(context: &mut Context, spec: &CommandSpec, request: &Request) -> CommandResult {
     if spec.flags.contains(&"denyoom") {
         context.node.make_room(context.cluster.is_some())?;
     }
