@@ -11,6 +11,10 @@ pub enum CommandError {
     UnknownCommand(String, String),
     #[error("ERR unknown subcommand '{0}'. Try {1} HELP.")]
     UnknownSubcommand(String, String),
+    /// Redis's answer when a subcommand is unknown or has the wrong number
+    /// of arguments: the subcommand, then the command.
+    #[error("ERR unknown subcommand or wrong number of arguments for '{0}'. Try {1} HELP.")]
+    SubcommandSyntax(String, &'static str),
     #[error("ERR wrong number of arguments for '{0}' command")]
     WrongArity(String),
     #[error("WRONGTYPE Operation against a key holding the wrong kind of value")]

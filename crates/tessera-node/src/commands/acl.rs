@@ -46,12 +46,8 @@ pub fn acl_error(error: AclError) -> CommandError {
 
 fn acl(context: &mut Context, request: &Request) -> CommandResult {
     let subcommand = request.arg(1);
-    let wrong_arity = || {
-        CommandError::Other(format!(
-            "unknown subcommand or wrong number of arguments for '{}'. Try ACL HELP.",
-            String::from_utf8_lossy(subcommand)
-        ))
-    };
+    let wrong_arity =
+        || CommandError::SubcommandSyntax(String::from_utf8_lossy(subcommand).into_owned(), "ACL");
     let acl = &context.node.acl;
     let out = &mut *context.out;
     if is(subcommand, "setuser") && request.len() >= 3 {

@@ -148,12 +148,8 @@ fn valid_client_name(name: &[u8]) -> CommandResult<Bytes> {
 
 fn client(context: &mut Context, request: &Request) -> CommandResult {
     let subcommand = request.arg(1);
-    let arity_error = || {
-        CommandError::Other(format!(
-            "unknown subcommand or wrong number of arguments for '{}'. Try CLIENT HELP.",
-            String::from_utf8_lossy(subcommand)
-        ))
-    };
+    let arity_error =
+        || CommandError::SubcommandSyntax(String::from_utf8_lossy(subcommand).into_owned(), "CLIENT");
     if is(subcommand, "setname") {
         if request.len() != 3 {
             return Err(arity_error());
