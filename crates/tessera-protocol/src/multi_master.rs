@@ -25,9 +25,9 @@ use tessera_engine::Engine;
 use crate::codec::{put_entries, put_u64s, CodecError, Family, Message, Reader};
 use crate::record::{Hlc, Record, Version};
 use crate::{
-    engine_entries, increment_value, refused_without_quorum, resend_due, BatchBytes, ClientReply,
-    ClientRequest, Effects, NodeId, Operation, OperationError, PeerMessage, Progress, Protocol, ShardView,
-    Time, SNAPSHOT_CHUNK_BYTES,
+    engine_entries, entries_bytes, increment_value, refused_without_quorum, resend_due, BatchBytes,
+    ClientReply, ClientRequest, Effects, NodeId, Operation, OperationError, PeerMessage, Progress, Protocol,
+    ShardView, Time, SNAPSHOT_CHUNK_BYTES,
 };
 
 /// Leaves of the hash tree; a key's leaf is a fixed hash of it.
@@ -446,7 +446,7 @@ impl MultiMaster {
                 outbox = Outbox::default();
             }
             for (batch, (sent_at, entries)) in &mut outbox.in_flight {
-                let bytes = || entries.iter().map(|(key, raw)| key.len() + raw.len()).sum();
+                let bytes = || entries_bytes(entries);
                 if resend_due(now.saturating_sub(*sent_at), self.options.retransmit_after_ms, bytes) {
                     *sent_at = now;
                     let records = entries.clone();
@@ -764,9 +764,7 @@ mod tests {
             .into_iter()
             .filter_map(|effect| match effect {
                 Effect::Send { message, .. } => match message.open::<MultiMessage>() {
-                    Some(Ok(MultiMessage::Records { records, .. })) => {
-                        Some(records.iter().map(|(key, raw)| key.len() + raw.len()).sum())
-                    }
+                    Some(Ok(MultiMessage::Records { records, .. })) => Some(entries_bytes(&records)),
                     _ => None,
                 },
                 _ => None,
