@@ -5,12 +5,13 @@
 //! must present one, `optional`: they may, `no`: they are not asked).
 //! rustls with the `ring` provider; TLS 1.2 and 1.3.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use rustls::server::WebPkiClientVerifier;
 use rustls::ServerConfig;
 pub use tessera_cluster::tls::TlsError;
-use tessera_cluster::tls::{certificates, private_key, provider, roots};
+use tessera_cluster::tls::{certificates, private_key, provider, roots, PeerTls};
 use tokio_rustls::TlsAcceptor;
 
 use crate::config::{AuthClients, Config};
@@ -22,8 +23,7 @@ pub fn acceptor(config: &Config) -> Result<Option<TlsAcceptor>, TlsError> {
         return Ok(None);
     }
     let rustls_error = |error: rustls::Error| TlsError::Rustls(error.to_string());
-    let cert_file = config.tls_cert_file.as_deref().ok_or(TlsError::Missing("tls_cert_file"))?;
-    let key_file = config.tls_key_file.as_deref().ok_or(TlsError::Missing("tls_key_file"))?;
+    let (cert_file, key_file) = identity_files(config)?;
     let (chain, key) = (certificates(cert_file)?, private_key(key_file)?);
     let builder = ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
@@ -41,6 +41,24 @@ pub fn acceptor(config: &Config) -> Result<Option<TlsAcceptor>, TlsError> {
     let server =
         builder.with_client_cert_verifier(verifier).with_single_cert(chain, key).map_err(rustls_error)?;
     Ok(Some(TlsAcceptor::from(Arc::new(server))))
+}
+
+/// Mutual TLS for the cluster plane from the same files, with
+/// `tls_cluster`; `None` without.
+pub fn peer_tls(config: &Config) -> Result<Option<PeerTls>, TlsError> {
+    if !config.tls_cluster {
+        return Ok(None);
+    }
+    let (cert_file, key_file) = identity_files(config)?;
+    let ca_file = config.tls_ca_cert_file.as_deref().ok_or(TlsError::Missing("tls_ca_cert_file"))?;
+    Ok(Some(PeerTls::from_files(cert_file, key_file, ca_file)?))
+}
+
+/// The node's certificate chain and key files.
+fn identity_files(config: &Config) -> Result<(&Path, &Path), TlsError> {
+    let cert_file = config.tls_cert_file.as_deref().ok_or(TlsError::Missing("tls_cert_file"))?;
+    let key_file = config.tls_key_file.as_deref().ok_or(TlsError::Missing("tls_key_file"))?;
+    Ok((cert_file, key_file))
 }
 
 /// A client's connection, plain or under TLS.

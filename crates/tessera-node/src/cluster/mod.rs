@@ -22,7 +22,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tessera_cluster::agent::{Agent, AgentConfig, AgentError};
 use tessera_cluster::auth::{ClusterSecret, SecretError};
-use tessera_cluster::tls::{PeerTls, TlsError};
+use tessera_cluster::tls::TlsError;
 use tessera_engine::{EngineError, EngineKind, EngineSpec};
 
 use crate::config::Config;
@@ -85,15 +85,7 @@ impl ClusterNode {
         let secret = ClusterSecret::load(&settings.secret_file)?;
         let incarnation = incarnation(&config.dir, kind.capabilities().persistent)?;
         let peer_listen = SocketAddr::new(client_address.ip(), client_address.port() + 10_000);
-        let tls = if config.tls_cluster {
-            let file = |file: &Option<std::path::PathBuf>, name| file.clone().ok_or(TlsError::Missing(name));
-            let (cert, key) =
-                (file(&config.tls_cert_file, "tls_cert_file")?, file(&config.tls_key_file, "tls_key_file")?);
-            let ca = file(&config.tls_ca_cert_file, "tls_ca_cert_file")?;
-            Some(PeerTls::from_files(&cert, &key, &ca)?)
-        } else {
-            None
-        };
+        let tls = crate::tls::peer_tls(config)?;
         let agent_config = AgentConfig {
             cluster_id: settings.id.clone(),
             node: settings.node,
