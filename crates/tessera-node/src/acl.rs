@@ -127,6 +127,20 @@ impl User {
         }
     }
 
+    /// `base` (or a new user named `name`) after `rules`, in order.
+    fn after<'a>(
+        base: Option<&User>,
+        name: &str,
+        rules: impl IntoIterator<Item = &'a str>,
+        catalog: &CommandCatalog,
+    ) -> Result<Self, RuleError> {
+        let mut user = base.cloned().unwrap_or_else(|| User::new(name));
+        for rule in rules {
+            user.apply(rule, catalog)?;
+        }
+        Ok(user)
+    }
+
     fn apply(&mut self, rule: &str, catalog: &CommandCatalog) -> Result<(), RuleError> {
         let error = |reason| RuleError { rule: rule.to_string(), reason };
         let lower = rule.to_ascii_lowercase();
@@ -333,15 +347,9 @@ impl Acl {
     pub fn open(dir: &Path, password: Option<&str>, catalog: CommandCatalog) -> Result<Self, AclError> {
         let path = dir.join(FILE_NAME);
         let mut users = BTreeMap::new();
-        let mut default = User::new(DEFAULT_USER);
-        for rule in ["on", "~*", "&*", "+@all"] {
-            default.apply(rule, &catalog)?;
-        }
-        match password {
-            Some(password) => default.apply(&format!(">{password}"), &catalog)?,
-            None => default.apply("nopass", &catalog)?,
-        }
-        let configured_default = Arc::new(default);
+        let password = password.map_or_else(|| "nopass".to_string(), |password| format!(">{password}"));
+        let rules = ["on", "~*", "&*", "+@all", password.as_str()];
+        let configured_default = Arc::new(User::after(None, DEFAULT_USER, rules, &catalog)?);
         users.insert(DEFAULT_USER.to_string(), configured_default.clone());
         if let Ok(text) = std::fs::read_to_string(&path) {
             for (index, line) in text.lines().enumerate() {
@@ -354,10 +362,8 @@ impl Acl {
                 match (words.next(), words.next()) {
                     (None, _) => continue,
                     (Some("user"), Some(name)) => {
-                        let mut user = User::new(name);
-                        for rule in words {
-                            user.apply(rule, &catalog).map_err(|error| failed(error.to_string()))?;
-                        }
+                        let user = User::after(None, name, words, &catalog)
+                            .map_err(|error| failed(error.to_string()))?;
                         users.insert(name.to_string(), Arc::new(user));
                     }
                     _ => return Err(failed("expected `user <name> <rules>`".into())),
@@ -393,10 +399,8 @@ impl Acl {
     /// Creates or changes a user; nothing changes if a rule is refused.
     pub fn set_user(&self, name: &str, rules: &[&str]) -> Result<(), AclError> {
         let mut users = self.users.write();
-        let mut user = users.get(name).map_or_else(|| User::new(name), |user| (**user).clone());
-        for rule in rules {
-            user.apply(rule, &self.catalog)?;
-        }
+        let user =
+            User::after(users.get(name).map(|user| &**user), name, rules.iter().copied(), &self.catalog)?;
         users.insert(name.to_string(), Arc::new(user));
         self.changed(&users)
     }
@@ -405,10 +409,7 @@ impl Acl {
     /// is here (or to a new user): what a cluster node asks the coordinator
     /// to store. Refused as ACL SETUSER refuses.
     pub fn proposed(&self, name: &str, rules: &[&str]) -> Result<String, AclError> {
-        let mut user = self.user(name).map_or_else(|| User::new(name), |user| (*user).clone());
-        for rule in rules {
-            user.apply(rule, &self.catalog)?;
-        }
+        let user = User::after(self.user(name).as_deref(), name, rules.iter().copied(), &self.catalog)?;
         Ok(user.rules())
     }
 
@@ -425,13 +426,12 @@ impl Acl {
         let mut users = BTreeMap::new();
         users.insert(DEFAULT_USER.to_string(), self.configured_default.clone());
         for (name, rules) in cluster_users {
-            let mut user = User::new(name);
-            match rules.split_whitespace().try_for_each(|rule| user.apply(rule, &self.catalog)) {
-                Ok(()) => {
+            match User::after(None, name, rules.split_whitespace(), &self.catalog) {
+                Ok(user) => {
                     users.insert(name.clone(), Arc::new(user));
                 }
                 Err(error) => {
-                    users.remove(name);
+                    users.remove(name); // the node's own default too, if it is that one
                     tracing::error!(user = %name, %error, "a user of the cluster cannot be served here");
                 }
             }
@@ -483,11 +483,7 @@ mod tests {
     }
 
     fn user(rules: &[&str]) -> User {
-        let mut user = User::new("alice");
-        for rule in rules {
-            user.apply(rule, &catalog()).unwrap();
-        }
-        user
+        User::after(None, "alice", rules.iter().copied(), &catalog()).unwrap()
     }
 
     #[test]
