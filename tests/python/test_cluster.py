@@ -10,6 +10,7 @@ import os
 import random
 import signal
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -314,11 +315,28 @@ def test_a_cluster_whose_plane_runs_in_tls_fails_over_and_stays_linearizable(clu
     for refused in [dict(ssl=False), dict(ssl_certfile=None, ssl_keyfile=None)]:
         with pytest.raises(redis.ConnectionError):
             cluster.coordinator(**refused).ping()
-    # A peer port answers plaintext with a TLS alert, never with the handshake.
-    with socket.create_connection(("127.0.0.1", cluster.port(0) + 10000), timeout=5) as peer:
-        peer.sendall(b"\x00" * 64)
-        answer = peer.recv(64)
-        assert answer[:1] in (b"", b"\x15"), answer  # 0x15: a TLS alert record
+    # A peer port completes TLS with a holder of the cluster's certificate (and
+    # then waits for the cluster handshake), and refuses anyone else.
+    certificates = cluster.dir / "tls"
+
+    def peer_port_answer(present_certificate):
+        context = ssl.create_default_context(cafile=str(certificates / "ca.crt"))
+        if present_certificate:
+            context.load_cert_chain(certificates / "server.crt", certificates / "server.key")
+        with socket.create_connection(("127.0.0.1", cluster.port(0) + 10000), timeout=5) as raw:
+            with context.wrap_socket(raw, server_hostname="127.0.0.1") as peer:
+                peer.settimeout(1)
+                try:
+                    return peer.recv(1)
+                except TimeoutError:
+                    return "waiting for the handshake"
+
+    assert peer_port_answer(True) == "waiting for the handshake"
+    try:
+        refused = peer_port_answer(False)
+    except (ssl.SSLError, ConnectionError) as error:
+        refused = error
+    assert refused == b"" or isinstance(refused, (ssl.SSLError, ConnectionError)), refused
 
     head_of_0 = cluster.shard(0)["members"][0]
     faults = [kill_node(cluster, head_of_0), stop_node(cluster, 2)]
