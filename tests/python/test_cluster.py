@@ -647,21 +647,23 @@ def test_unmodified_cluster_clients_and_tools(cluster_factory, tmp_path):
 
 
 @pytest.mark.parametrize("consistency", ["strong", "eventual"])
-def test_a_returning_node_gets_shards_larger_than_a_snapshot_chunk(cluster_factory, consistency):
-    """Snapshots travel in 4 MiB chunks: a restarted memory node (a new
-    incarnation, so a learner or a fresh backup) receives ~12 MiB per shard."""
-    cluster = cluster_factory(consistency, nodes=3)
-    client = cluster.client()
-    value = os.urandom(64 * 1024)
-    keys = [f"big:{index}" for index in range(600)]  # ~38 MiB over 3 shards
-    pipe = client.pipeline()
-    for key in keys:
-        pipe.set(key, value)
-    pipe.execute()
+def test_a_returning_node_gets_shards_larger_than_its_links_hold(cluster_factory, consistency):
+    """Snapshots stream in chunks, a few unacknowledged at a time: a restarted
+    memory node (a new incarnation, so a learner or a fresh backup) receives
+    ~100 MiB per shard, more than a peer link queues (64 MiB)."""
+    cluster = cluster_factory(consistency, nodes=3, failure_timeout_ms=3000)
+    client = cluster.client(socket_timeout=30)
+    value = os.urandom(256 << 10)
+    keys = [f"big:{index}" for index in range(1200)]  # 300 MiB over 3 shards
+    for first in range(0, len(keys), 100):
+        pipe = client.pipeline()
+        for key in keys[first:first + 100]:
+            pipe.set(key, value)
+        pipe.execute()
     cluster.cli("kill", "1")
-    time.sleep(2 * FAILURE_TIMEOUT_MS / 1000)
+    time.sleep(2 * 3000 / 1000)
     cluster.cli("restart", "1")
-    cluster.wait_for_full_shards(timeout=60)
+    cluster.wait_for_full_shards(timeout=120)
     # What each shard's head holds now: everything in MS+SC; in MS+EC the
     # killed primary's last unshipped writes may be gone (its loss window).
     expected = {key: client.get(key) for key in keys}

@@ -31,10 +31,9 @@ use tessera_engine::Engine;
 use crate::codec::{put_bytes, put_chunk, put_entries, put_write, CodecError, Family, Message, Reader};
 use crate::record::{Record, Version};
 use crate::{
-    engine_entries, entries_bytes, increment_value, read_visible, refused_without_quorum, resend_due,
-    snapshot_chunks, transfer_allowance, Chunk, ClientReply, ClientRequest, Consistency, Effects, NodeId,
-    Operation, OperationError, PeerMessage, Progress, Protocol, RequestId, ShardView, SnapshotAssembly, Time,
-    Write,
+    increment_value, read_visible, refused_without_quorum, resend_due, Arrival, Chunk, ClientReply,
+    ClientRequest, Consistency, Effects, NodeId, Operation, OperationError, PeerMessage, Progress, Protocol,
+    RequestId, ShardView, SnapshotPace, SnapshotReceiver, SnapshotStream, Time, Write,
 };
 
 #[derive(Clone, Debug)]
@@ -45,6 +44,8 @@ pub struct ChainOptions {
     pub retransmit_after_ms: u64,
     /// The most entries resent at once.
     pub resend_batch_max: usize,
+    /// How snapshots are streamed.
+    pub snapshot: SnapshotPace,
     /// Deliberately wrong, for proving the checkers: the head answers before the
     /// tail has the write.
     #[cfg(feature = "broken")]
@@ -61,6 +62,7 @@ impl Default for ChainOptions {
             craq_reads: false,
             retransmit_after_ms: 50,
             resend_batch_max: 512,
+            snapshot: SnapshotPace::default(),
             #[cfg(feature = "broken")]
             broken_early_ack: false,
             #[cfg(feature = "broken")]
@@ -79,9 +81,13 @@ pub enum ChainMessage {
     ReadForward { view: u64, request: RequestId, key: Bytes },
     /// The tail's answer; `None` when it could not serve (no lease).
     ReadReply { view: u64, request: RequestId, value: Option<Option<Bytes>> },
-    /// A chunk of the tail's whole state (raw engine values) as of write
-    /// `applied`, for a learner. Later writes follow as forwards.
+    /// A chunk of the tail's state (raw engine values) for a learner, read
+    /// as the stream goes; the stream began at write `applied`, and every
+    /// later write follows as a forward.
     Snapshot { view: u64, applied: u64, chunk: Chunk, entries: Vec<(Bytes, Bytes)> },
+    /// The learner applied every chunk of `stream` through `index` (the last
+    /// chunk is acknowledged with an `Ack` of the stream's write number).
+    SnapshotAck { view: u64, stream: u64, index: u32 },
 }
 
 impl ChainMessage {
@@ -91,7 +97,8 @@ impl ChainMessage {
             | ChainMessage::Ack { view, .. }
             | ChainMessage::ReadForward { view, .. }
             | ChainMessage::ReadReply { view, .. }
-            | ChainMessage::Snapshot { view, .. } => *view,
+            | ChainMessage::Snapshot { view, .. }
+            | ChainMessage::SnapshotAck { view, .. } => *view,
         }
     }
 }
@@ -101,6 +108,7 @@ const ACK: u8 = 2;
 const READ_FORWARD: u8 = 3;
 const READ_REPLY: u8 = 4;
 const SNAPSHOT: u8 = 5;
+const SNAPSHOT_ACK: u8 = 6;
 
 impl Message for ChainMessage {
     const FAMILY: Family = Family(1);
@@ -146,6 +154,12 @@ impl Message for ChainMessage {
                 put_chunk(out, *chunk);
                 put_entries(out, entries);
             }
+            ChainMessage::SnapshotAck { view, stream, index } => {
+                out.put_u8(SNAPSHOT_ACK);
+                out.put_u64_le(*view);
+                out.put_u64_le(*stream);
+                out.put_u32_le(*index);
+            }
         }
     }
 
@@ -180,6 +194,9 @@ impl Message for ChainMessage {
                 chunk: reader.chunk()?,
                 entries: reader.entries()?,
             },
+            SNAPSHOT_ACK => {
+                ChainMessage::SnapshotAck { view: reader.u64()?, stream: reader.u64()?, index: reader.u32()? }
+            }
             _ => return Err(CodecError("unknown chain message")),
         })
     }
@@ -202,13 +219,10 @@ struct Learner {
     node: NodeId,
     /// The highest write the learner acknowledged.
     acked: u64,
-    /// The write number the snapshot covers, and when it was sent.
+    /// The write number the snapshot stream began at.
     snapshot_at: u64,
-    snapshot_sent_at: Time,
-    /// How long to wait for the snapshot's acknowledgement before resending it.
-    snapshot_resend_after: u64,
-    /// The learner acknowledged something since the snapshot: it has it.
-    snapshot_acked: bool,
+    /// The snapshot on its way, until the learner has it.
+    snapshot: Option<SnapshotStream>,
     /// The learner has caught up: the tail no longer commits on its own but
     /// only what the learner acknowledged, so that the learner can take over.
     handover: bool,
@@ -235,8 +249,10 @@ pub struct ChainReplication {
     learner: Option<Learner>,
     /// As a learner: the tail whose snapshot is installed, if any.
     snapshot_source: Option<NodeId>,
-    /// As a learner: the snapshot's chunks received so far.
-    snapshot_assembly: SnapshotAssembly,
+    /// As a learner: where it is in the tail's snapshot stream.
+    snapshot_receiver: SnapshotReceiver,
+    /// The number of the last snapshot stream this replica started.
+    last_stream: u64,
 }
 
 impl ChainReplication {
@@ -254,7 +270,8 @@ impl ChainReplication {
             last_progress_at: 0,
             learner: None,
             snapshot_source: None,
-            snapshot_assembly: SnapshotAssembly::default(),
+            snapshot_receiver: SnapshotReceiver::default(),
+            last_stream: 0,
         }
     }
 
@@ -431,7 +448,9 @@ impl ChainReplication {
         let applied = self.applied;
         let Some(learner) = self.learner.as_mut() else { return };
         learner.acked = learner.acked.max(seq);
-        learner.snapshot_acked |= seq >= learner.snapshot_at;
+        if seq >= learner.snapshot_at {
+            learner.snapshot = None; // installed
+        }
         let handover = learner.handover;
         if learner.acked >= applied {
             learner.handover = true;
@@ -442,25 +461,31 @@ impl ChainReplication {
         }
     }
 
-    fn send_snapshot(&mut self, to: NodeId, fx: &mut Effects) {
-        let entries = match engine_entries(self.engine.as_ref()) {
-            Ok(entries) => entries,
-            Err(error) => {
-                tracing::error!(replica = %self.me, %error, "cannot read a snapshot for a learner");
-                return;
+    /// Starts streaming this replica's state to its new learner.
+    fn start_snapshot(&mut self, fx: &mut Effects) {
+        let (applied, last_stream, rate) = (self.applied, self.last_stream, self.options.snapshot);
+        let Some(learner) = self.learner.as_mut() else { return };
+        learner.snapshot_at = applied;
+        learner.snapshot = Some(SnapshotStream::new(last_stream, fx.now(), rate));
+        self.send_snapshot_chunks(fx);
+    }
+
+    /// Sends the learner what its snapshot stream has due.
+    fn send_snapshot_chunks(&mut self, fx: &mut Effects) {
+        let view = self.view_number();
+        let Some(learner) = self.learner.as_mut() else { return };
+        let Some(stream) = learner.snapshot.as_mut() else { return };
+        match stream.poll(self.engine.as_ref(), fx.now(), self.options.retransmit_after_ms) {
+            Ok(chunks) => {
+                for (chunk, entries) in chunks {
+                    let message =
+                        ChainMessage::Snapshot { view, applied: learner.snapshot_at, chunk, entries };
+                    fx.send(learner.node, PeerMessage::new(&message));
+                }
             }
-        };
-        let resend_after = transfer_allowance(self.options.retransmit_after_ms, entries_bytes(&entries));
-        for (chunk, entries) in snapshot_chunks(entries) {
-            let message =
-                ChainMessage::Snapshot { view: self.view_number(), applied: self.applied, chunk, entries };
-            fx.send(to, PeerMessage::new(&message));
+            Err(error) => tracing::error!(replica = %self.me, %error, "cannot read a snapshot for a learner"),
         }
-        if let Some(learner) = self.learner.as_mut() {
-            learner.snapshot_at = self.applied;
-            learner.snapshot_sent_at = fx.now();
-            learner.snapshot_resend_after = resend_after;
-        }
+        self.last_stream = self.last_stream.max(stream.id());
     }
 
     fn on_snapshot(
@@ -471,22 +496,36 @@ impl ChainReplication {
         entries: Vec<(Bytes, Bytes)>,
         fx: &mut Effects,
     ) {
-        if !self.is_learner() || Some(from) != self.predecessor() || self.snapshot_source.is_some() {
+        if !self.is_learner() || Some(from) != self.predecessor() {
             return;
         }
-        let Some(entries) = self.snapshot_assembly.add(from, chunk, entries) else { return };
-        let installed = self
-            .engine
-            .clear()
-            .and_then(|()| entries.into_iter().try_for_each(|(key, value)| self.engine.put(&key, value)));
-        if let Err(error) = installed {
-            tracing::error!(replica = %self.me, %error, "cannot install a snapshot; waiting for a resend");
-            return;
+        let view = self.view_number();
+        if self.snapshot_source.is_some() {
+            // Installed: the tail missed the acknowledgement of the last chunk.
+            return fx.send(from, PeerMessage::new(&ChainMessage::Ack { view, seq: self.applied }));
         }
-        self.applied = applied;
-        self.acked = applied;
-        self.snapshot_source = Some(from);
-        fx.send(from, PeerMessage::new(&ChainMessage::Ack { view: self.view_number(), seq: applied }));
+        match self.snapshot_receiver.arrive(from, chunk) {
+            Arrival::Drop => return,
+            Arrival::Again => {}
+            Arrival::Apply { first } => {
+                let engine = self.engine.as_ref();
+                let applied_chunk = (if first { engine.clear() } else { Ok(()) })
+                    .and_then(|()| entries.into_iter().try_for_each(|(key, value)| engine.put(&key, value)));
+                if let Err(error) = applied_chunk {
+                    tracing::error!(replica = %self.me, %error, "cannot apply a snapshot chunk; waiting for a resend");
+                    return;
+                }
+                if self.snapshot_receiver.applied(chunk) {
+                    self.applied = applied;
+                    self.acked = applied;
+                    self.snapshot_source = Some(from);
+                    return fx.send(from, PeerMessage::new(&ChainMessage::Ack { view, seq: applied }));
+                }
+            }
+        }
+        if let Some((stream, index)) = self.snapshot_receiver.ack() {
+            fx.send(from, PeerMessage::new(&ChainMessage::SnapshotAck { view, stream, index }));
+        }
     }
 
     /// Forgets all replication state (the engine is replaced by a snapshot).
@@ -498,7 +537,7 @@ impl ChainReplication {
         self.dirty.clear();
         self.learner = None;
         self.snapshot_source = None;
-        self.snapshot_assembly.clear();
+        self.snapshot_receiver.clear();
     }
 
     /// The keys and values a resend of the sent list carries.
@@ -685,6 +724,16 @@ impl Protocol for ChainReplication {
             ChainMessage::Snapshot { applied, chunk, entries, .. } => {
                 self.on_snapshot(from, applied, chunk, entries, fx)
             }
+            ChainMessage::SnapshotAck { stream, index, .. } => {
+                let now = fx.now();
+                let Some(learner) = self.learner.as_mut().filter(|learner| learner.node == from) else {
+                    return;
+                };
+                if let Some(snapshot) = learner.snapshot.as_mut() {
+                    snapshot.on_ack(stream, index, now);
+                    self.send_snapshot_chunks(fx);
+                }
+            }
             ChainMessage::ReadForward { view, request, key } => {
                 let value = if self.successor().is_none() && self.lease_valid(fx.now()) {
                     self.read_local(&key).ok()
@@ -705,19 +754,12 @@ impl Protocol for ChainReplication {
 
     fn on_tick(&mut self, fx: &mut Effects) {
         self.check_invariants();
-        let now = fx.now();
-        let waited = now.saturating_sub(self.last_progress_at);
-        let stalled = resend_due(waited, self.options.retransmit_after_ms, || self.resend_bytes());
-        if let Some(learner) = &self.learner {
-            // A learner that acknowledged nothing since the snapshot lost it.
-            if !learner.snapshot_acked
-                && now.saturating_sub(learner.snapshot_sent_at) >= learner.snapshot_resend_after
-            {
-                let node = learner.node;
-                self.send_snapshot(node, fx);
-                return;
-            }
+        if self.learner.as_ref().is_some_and(|learner| learner.snapshot.is_some()) {
+            // Nothing else reaches a learner before its snapshot.
+            return self.send_snapshot_chunks(fx);
         }
+        let waited = fx.now().saturating_sub(self.last_progress_at);
+        let stalled = resend_due(waited, self.options.retransmit_after_ms, || self.resend_bytes());
         if let Some(next) = self.downstream() {
             if stalled && !self.sent.is_empty() {
                 self.resend_sent(next, fx);
@@ -763,16 +805,9 @@ impl Protocol for ChainReplication {
                 self.release_sent(applied, fx.now());
             }
             if let Some(node) = learner {
-                self.learner = Some(Learner {
-                    node,
-                    acked: 0,
-                    snapshot_at: 0,
-                    snapshot_sent_at: 0,
-                    snapshot_resend_after: 0,
-                    snapshot_acked: false,
-                    handover: false,
-                });
-                self.send_snapshot(node, fx);
+                self.learner =
+                    Some(Learner { node, acked: 0, snapshot_at: 0, snapshot: None, handover: false });
+                self.start_snapshot(fx);
             }
         }
         match self.successor() {
@@ -805,7 +840,7 @@ impl Protocol for ChainReplication {
 mod tests {
     use super::*;
     use crate::test_support::{put, view};
-    use crate::Effect;
+    use crate::{transfer_allowance, Effect};
     use tessera_engine::MemoryEngine;
 
     fn replica(id: u32) -> ChainReplication {
@@ -999,6 +1034,8 @@ mod codec_tests {
             (any::<u64>(), any::<u64>(), chunk(), entries()).prop_map(|(view, applied, chunk, entries)| {
                 ChainMessage::Snapshot { view, applied, chunk, entries }
             }),
+            (any::<u64>(), any::<u64>(), any::<u32>())
+                .prop_map(|(view, stream, index)| ChainMessage::SnapshotAck { view, stream, index }),
         ]
     }
 

@@ -122,6 +122,7 @@ pub fn put_write(out: &mut Vec<u8>, write: &Write) {
 }
 
 pub fn put_chunk(out: &mut Vec<u8>, chunk: Chunk) {
+    out.put_u64_le(chunk.stream);
     out.put_u32_le(chunk.index);
     out.put_u8(u8::from(chunk.last));
 }
@@ -224,7 +225,7 @@ impl Reader {
     }
 
     pub fn chunk(&mut self) -> Result<Chunk, CodecError> {
-        Ok(Chunk { index: self.u32()?, last: self.flag()? })
+        Ok(Chunk { stream: self.u64()?, index: self.u32()?, last: self.flag()? })
     }
 
     pub fn entries(&mut self) -> Result<Vec<(Bytes, Bytes)>, CodecError> {
@@ -276,7 +277,11 @@ pub(crate) mod strategies {
     }
 
     pub fn chunk() -> impl Strategy<Value = Chunk> {
-        (any::<u32>(), any::<bool>()).prop_map(|(index, last)| Chunk { index, last })
+        (any::<u64>(), any::<u32>(), any::<bool>()).prop_map(|(stream, index, last)| Chunk {
+            stream,
+            index,
+            last,
+        })
     }
 }
 

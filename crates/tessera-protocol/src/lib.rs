@@ -15,12 +15,13 @@ pub mod quorum;
 pub mod record;
 pub mod registry;
 pub mod replica;
+pub mod snapshot;
 #[cfg(test)]
 mod test_support;
 pub mod transition;
 
 use bytes::Bytes;
-use tessera_engine::{Engine, KeyRange, ScanCursor};
+use tessera_engine::Engine;
 
 pub use chain::{ChainOptions, ChainReplication};
 pub use codec::{Message, PeerMessage};
@@ -30,6 +31,9 @@ pub use quorum::{QuorumOptions, QuorumRegister};
 pub use record::{Hlc, Record, RecordError, Version};
 pub use registry::{Mode, ProtocolSpec, Start, Tuning};
 pub use replica::{ReadGate, Refusal, Replica, ReplicaConfig, Role};
+pub use snapshot::{
+    entries_bytes, for_each_entry, Arrival, Chunk, SnapshotPace, SnapshotReceiver, SnapshotStream,
+};
 pub use transition::{Switchable, TransitionMessage};
 
 /// A replica's identity.
@@ -352,93 +356,6 @@ pub fn read_visible(engine: &dyn Engine, key: &[u8]) -> Result<Option<Bytes>, Op
     }
 }
 
-/// Every entry of an engine, raw: a snapshot for state transfer.
-pub fn engine_entries(engine: &dyn Engine) -> Result<Vec<(Bytes, Bytes)>, OperationError> {
-    let mut entries = Vec::new();
-    let mut cursor = ScanCursor::start();
-    loop {
-        let page = engine.scan(&KeyRange::all(), &cursor, 1024)?;
-        entries.extend(page.entries);
-        match page.next {
-            Some(next) => cursor = next,
-            None => return Ok(entries),
-        }
-    }
-}
-
-/// Snapshots travel in chunks of about this many bytes, so that no peer frame
-/// grows with the shard (the codec refuses frames over 64 MiB).
-pub const SNAPSHOT_CHUNK_BYTES: usize = 4 << 20;
-
-/// Which piece of a snapshot a message carries.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Chunk {
-    pub index: u32,
-    pub last: bool,
-}
-
-/// Splits a snapshot into chunks of at most [`SNAPSHOT_CHUNK_BYTES`] (an entry
-/// larger than that travels alone); an empty snapshot is one empty chunk.
-pub fn snapshot_chunks(entries: Vec<(Bytes, Bytes)>) -> Vec<(Chunk, Vec<(Bytes, Bytes)>)> {
-    let mut chunks: Vec<Vec<(Bytes, Bytes)>> = vec![Vec::new()];
-    let mut size = 0;
-    for entry in entries {
-        let entry_size = entry.0.len() + entry.1.len();
-        if size + entry_size > SNAPSHOT_CHUNK_BYTES && !chunks.last().is_some_and(Vec::is_empty) {
-            chunks.push(Vec::new());
-            size = 0;
-        }
-        size += entry_size;
-        chunks.last_mut().expect("never empty").push(entry);
-    }
-    let count = chunks.len();
-    chunks
-        .into_iter()
-        .enumerate()
-        .map(|(index, entries)| (Chunk { index: index as u32, last: index + 1 == count }, entries))
-        .collect()
-}
-
-/// A snapshot arriving in chunks from one sender. It is installed only once
-/// whole, so a replica never serves or extends half a snapshot; a chunk out of
-/// order (a lost frame) drops what was gathered, and the sender's resend starts
-/// over.
-#[derive(Debug, Default)]
-pub struct SnapshotAssembly {
-    from: Option<NodeId>,
-    next: u32,
-    entries: Vec<(Bytes, Bytes)>,
-}
-
-impl SnapshotAssembly {
-    /// Adds a chunk; returns the whole snapshot when this was its last chunk.
-    pub fn add(
-        &mut self,
-        from: NodeId,
-        chunk: Chunk,
-        entries: Vec<(Bytes, Bytes)>,
-    ) -> Option<Vec<(Bytes, Bytes)>> {
-        if chunk.index == 0 {
-            *self = Self { from: Some(from), next: 0, entries: Vec::new() };
-        }
-        if self.from != Some(from) || chunk.index != self.next {
-            *self = Self::default();
-            return None;
-        }
-        self.entries.extend(entries);
-        self.next += 1;
-        if chunk.last {
-            return Some(std::mem::take(self).entries);
-        }
-        None
-    }
-
-    /// Forgets a partly received snapshot (a view change).
-    pub fn clear(&mut self) {
-        *self = Self::default();
-    }
-}
-
 /// The slowest link a transfer is given time for, in bytes per millisecond
 /// (16 MiB/s).
 pub const LINK_BYTES_PER_MS_FLOOR: u64 = 16 << 10;
@@ -458,11 +375,6 @@ pub(crate) fn resend_due(waited_ms: u64, retransmit_after_ms: u64, bytes: impl F
     waited_ms >= retransmit_after_ms && waited_ms >= transfer_allowance(retransmit_after_ms, bytes())
 }
 
-/// The bytes of keys and values in a snapshot's entries.
-pub fn entries_bytes(entries: &[(Bytes, Bytes)]) -> usize {
-    entries.iter().map(|(key, value)| key.len() + value.len()).sum()
-}
-
 /// Applies an increment to a stored value, as INCRBY would.
 pub fn increment_value(current: Option<&[u8]>, delta: i64) -> Result<Bytes, OperationError> {
     let current = match current {
@@ -474,49 +386,4 @@ pub fn increment_value(current: Option<&[u8]>, delta: i64) -> Result<Bytes, Oper
     };
     let updated = current.checked_add(delta).ok_or(OperationError::Overflow)?;
     Ok(Bytes::from(updated.to_string()))
-}
-
-#[cfg(test)]
-mod snapshot_chunk_tests {
-    use super::*;
-
-    fn entry(key: u32, bytes: usize) -> (Bytes, Bytes) {
-        (Bytes::from(key.to_be_bytes().to_vec()), Bytes::from(vec![7u8; bytes]))
-    }
-
-    #[test]
-    fn snapshots_split_by_size_and_reassemble_only_when_whole() {
-        let entries: Vec<_> = (0..10).map(|key| entry(key, SNAPSHOT_CHUNK_BYTES / 3)).collect();
-        let chunks = snapshot_chunks(entries.clone());
-        assert_eq!(chunks.len(), 5, "two entries of a third of a chunk fit, a third does not");
-        assert!(chunks.iter().rev().skip(1).all(|(chunk, _)| !chunk.last) && chunks.last().unwrap().0.last);
-        let mut assembly = SnapshotAssembly::default();
-        let mut whole = None;
-        for (chunk, part) in chunks.clone() {
-            assert!(whole.is_none(), "nothing before the last chunk");
-            whole = assembly.add(NodeId(1), chunk, part);
-        }
-        assert_eq!(whole.unwrap(), entries);
-
-        // A lost chunk drops the partial snapshot; a resend starts over.
-        let mut assembly = SnapshotAssembly::default();
-        assert!(assembly.add(NodeId(1), chunks[0].0, chunks[0].1.clone()).is_none());
-        assert!(assembly.add(NodeId(1), chunks[2].0, chunks[2].1.clone()).is_none());
-        for (chunk, part) in chunks[3..].iter().cloned() {
-            assert!(assembly.add(NodeId(1), chunk, part).is_none(), "nothing after a gap");
-        }
-        let resent: Option<Vec<_>> =
-            chunks.iter().cloned().map(|(chunk, part)| assembly.add(NodeId(1), chunk, part)).last().unwrap();
-        assert_eq!(resent.unwrap(), entries);
-        // Chunks from two senders do not mix.
-        assert!(assembly.add(NodeId(1), chunks[0].0, chunks[0].1.clone()).is_none());
-        assert!(assembly.add(NodeId(2), chunks[1].0, chunks[1].1.clone()).is_none());
-    }
-
-    #[test]
-    fn an_empty_snapshot_is_one_last_chunk_and_a_huge_entry_travels_alone() {
-        assert_eq!(snapshot_chunks(Vec::new()), vec![(Chunk { index: 0, last: true }, Vec::new())]);
-        let chunks = snapshot_chunks(vec![entry(1, 10), entry(2, SNAPSHOT_CHUNK_BYTES * 2), entry(3, 10)]);
-        assert_eq!(chunks.iter().map(|(_, part)| part.len()).collect::<Vec<_>>(), vec![1, 1, 1]);
-    }
 }

@@ -20,15 +20,19 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use bytes::{BufMut, Bytes};
-use tessera_engine::Engine;
+use tessera_engine::{Engine, KeyRange, ScanCursor};
 
 use crate::codec::{put_entries, put_u64s, CodecError, Family, Message, Reader};
 use crate::record::{Hlc, Record, Version};
+use crate::snapshot::SNAPSHOT_CHUNK_BYTES;
 use crate::{
-    engine_entries, entries_bytes, increment_value, refused_without_quorum, resend_due, BatchBytes,
+    entries_bytes, for_each_entry, increment_value, refused_without_quorum, resend_due, BatchBytes,
     ClientReply, ClientRequest, Effects, NodeId, Operation, OperationError, PeerMessage, Progress, Protocol,
-    ShardView, Time, SNAPSHOT_CHUNK_BYTES,
+    ShardView, Time,
 };
+
+/// The most bytes of records one anti-entropy exchange sends a peer.
+pub const REPAIR_BYTES_PER_ROUND: usize = 16 << 20;
 
 /// Leaves of the hash tree; a key's leaf is a fixed hash of it.
 pub const TREE_LEAVES: usize = 4096;
@@ -312,15 +316,16 @@ impl MultiMaster {
             round_with_everyone: false,
             accepted: 0,
         };
-        match engine_entries(replica.engine.as_ref()) {
-            Ok(entries) => {
-                for (key, raw) in entries {
-                    let Ok(record) = Record::decode(raw) else { continue };
-                    replica.hlc.observe(record.version, 0);
-                    replica.index(&key, &record, true);
-                }
+        let engine = replica.engine.clone();
+        let read = for_each_entry(engine.as_ref(), |key, raw| {
+            if let Ok(record) = Record::decode(raw) {
+                replica.hlc.observe(record.version, 0);
+                replica.index(&key, &record, true);
             }
-            Err(error) => tracing::error!(replica = %me, %error, "cannot read the shard to rebuild its tree"),
+            Ok(())
+        });
+        if let Err(error) = read {
+            tracing::error!(replica = %me, %error, "cannot read the shard to rebuild its tree");
         }
         replica
     }
@@ -496,29 +501,40 @@ impl MultiMaster {
         }
     }
 
-    /// Every record held in the given leaves, in messages of bounded size.
+    /// Records held in the given leaves, in messages of a chunk's size, up to
+    /// [`REPAIR_BYTES_PER_ROUND`]: the next round sends what still differs,
+    /// so a newcomer is filled a round at a time rather than by a burst no
+    /// link can queue.
     fn send_leaves(&self, to: NodeId, leaves: &BTreeSet<u32>, want: Vec<u32>, fx: &mut Effects) {
-        let entries = match engine_entries(self.engine.as_ref()) {
-            Ok(entries) => entries,
-            Err(error) => {
-                return tracing::error!(replica = %self.me, %error, "cannot read the shard for anti-entropy")
-            }
-        };
         let view = self.view_number();
         let mut want = Some(want);
-        let mut records = Vec::new();
-        let mut size = 0;
-        for (key, raw) in entries {
-            if !leaves.contains(&(leaf_of(&key) as u32)) {
-                continue;
+        let (mut records, mut size, mut sent) = (Vec::new(), 0, 0);
+        let mut cursor = ScanCursor::start();
+        'scan: loop {
+            let page = match self.engine.scan(&KeyRange::all(), &cursor, 256) {
+                Ok(page) => page,
+                Err(error) => {
+                    return tracing::error!(replica = %self.me, %error, "cannot read the shard for anti-entropy")
+                }
+            };
+            for (key, raw) in page.entries {
+                if !leaves.contains(&(leaf_of(&key) as u32)) {
+                    continue;
+                }
+                size += key.len() + raw.len();
+                records.push((key, raw));
+                if size >= SNAPSHOT_CHUNK_BYTES {
+                    let want = want.take().unwrap_or_default();
+                    fx.send(to, PeerMessage::new(&MultiMessage::Repair { view, records, want }));
+                    (records, sent, size) = (Vec::new(), sent + size, 0);
+                    if sent >= REPAIR_BYTES_PER_ROUND {
+                        break 'scan;
+                    }
+                }
             }
-            size += key.len() + raw.len();
-            records.push((key, raw));
-            if size >= SNAPSHOT_CHUNK_BYTES {
-                let want = want.take().unwrap_or_default();
-                fx.send(to, PeerMessage::new(&MultiMessage::Repair { view, records, want }));
-                records = Vec::new();
-                size = 0;
+            match page.next {
+                Some(next) => cursor = next,
+                None => break,
             }
         }
         if !records.is_empty() || want.as_ref().is_some_and(|want| !want.is_empty()) {

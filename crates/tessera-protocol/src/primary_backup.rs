@@ -29,10 +29,9 @@ use tessera_engine::Engine;
 use crate::codec::{put_bytes, put_chunk, put_entries, put_write, CodecError, Family, Message, Reader};
 use crate::record::{Record, Version};
 use crate::{
-    engine_entries, entries_bytes, increment_value, read_visible, refused_without_quorum, resend_due,
-    snapshot_chunks, transfer_allowance, BatchBytes, Chunk, ClientReply, ClientRequest, Consistency, Effects,
-    NodeId, Operation, OperationError, PeerMessage, Progress, Protocol, ShardView, SnapshotAssembly, Time,
-    Write,
+    increment_value, read_visible, refused_without_quorum, resend_due, Arrival, BatchBytes, Chunk,
+    ClientReply, ClientRequest, Consistency, Effects, NodeId, Operation, OperationError, PeerMessage,
+    Progress, Protocol, ShardView, SnapshotPace, SnapshotReceiver, SnapshotStream, Time, Write,
 };
 
 #[derive(Clone, Debug)]
@@ -44,11 +43,18 @@ pub struct PrimaryBackupOptions {
     pub log_entries_max: usize,
     /// Resend what a backup has not confirmed after this long.
     pub retransmit_after_ms: u64,
+    /// How snapshots are streamed.
+    pub snapshot: SnapshotPace,
 }
 
 impl Default for PrimaryBackupOptions {
     fn default() -> Self {
-        Self { batch_max: 256, log_entries_max: 100_000, retransmit_after_ms: 50 }
+        Self {
+            batch_max: 256,
+            log_entries_max: 100_000,
+            retransmit_after_ms: 50,
+            snapshot: SnapshotPace::default(),
+        }
     }
 }
 
@@ -73,9 +79,12 @@ impl LogEntry {
 pub enum BackupMessage {
     /// Consecutive entries, in order.
     Updates { view: u64, entries: Vec<LogEntry> },
-    /// The primary's whole state (raw engine values) as of (`epoch`, `applied`).
-    /// A chunk of the primary's whole state as of write `applied` of `epoch`.
+    /// A chunk of the primary's state (raw engine values), read as the
+    /// stream goes; the stream began at write `applied` of `epoch`, and the
+    /// backup is shipped every later write once it reports that position.
     Snapshot { view: u64, applied: u64, epoch: u64, chunk: Chunk, entries: Vec<(Bytes, Bytes)> },
+    /// The backup applied every chunk of `stream` through `index`.
+    SnapshotAck { view: u64, stream: u64, index: u32 },
     /// A backup's position: the last entry it applied.
     Position { view: u64, applied: u64, epoch: u64 },
 }
@@ -85,6 +94,7 @@ impl BackupMessage {
         match self {
             BackupMessage::Updates { view, .. }
             | BackupMessage::Snapshot { view, .. }
+            | BackupMessage::SnapshotAck { view, .. }
             | BackupMessage::Position { view, .. } => *view,
         }
     }
@@ -93,6 +103,7 @@ impl BackupMessage {
 const UPDATES: u8 = 1;
 const SNAPSHOT: u8 = 2;
 const POSITION: u8 = 3;
+const SNAPSHOT_ACK: u8 = 4;
 
 impl Message for BackupMessage {
     const FAMILY: Family = Family(2);
@@ -124,6 +135,12 @@ impl Message for BackupMessage {
                 out.put_u64_le(*view);
                 out.put_u64_le(*applied);
                 out.put_u64_le(*epoch);
+            }
+            BackupMessage::SnapshotAck { view, stream, index } => {
+                out.put_u8(SNAPSHOT_ACK);
+                out.put_u64_le(*view);
+                out.put_u64_le(*stream);
+                out.put_u32_le(*index);
             }
         }
     }
@@ -157,13 +174,18 @@ impl Message for BackupMessage {
             POSITION => {
                 BackupMessage::Position { view: reader.u64()?, applied: reader.u64()?, epoch: reader.u64()? }
             }
+            SNAPSHOT_ACK => BackupMessage::SnapshotAck {
+                view: reader.u64()?,
+                stream: reader.u64()?,
+                index: reader.u32()?,
+            },
             _ => return Err(CodecError("unknown primary-backup message")),
         })
     }
 }
 
 /// What the primary knows of one backup.
-#[derive(Clone, Debug, Default)]
+#[derive(Default)]
 struct BackupState {
     /// The last entry the backup confirmed to hold, once its history is known
     /// to be a prefix of the primary's.
@@ -171,8 +193,12 @@ struct BackupState {
     /// The highest entry sent, and when.
     sent_upto: u64,
     last_sent_at: Time,
-    snapshot_sent_at: Option<Time>,
-    snapshot_resend_after: u64,
+    /// The snapshot streaming to the backup, if any, and the position
+    /// (`applied`, `epoch`) it began at.
+    snapshot: Option<(SnapshotStream, u64, u64)>,
+    /// When the last snapshot's last chunk was acknowledged: the backup's
+    /// position reports sent before it still show the old position.
+    snapshot_done_at: Option<Time>,
 }
 
 pub struct PrimaryBackup {
@@ -187,8 +213,12 @@ pub struct PrimaryBackup {
     /// them: any may become primary).
     log: BTreeMap<u64, LogEntry>,
     backups: HashMap<NodeId, BackupState>,
-    /// As a backup: the snapshot's chunks received so far.
-    snapshot_assembly: SnapshotAssembly,
+    /// As a backup: where it is in the primary's snapshot stream. Partway,
+    /// it holds part of a snapshot and no history: it reports no position,
+    /// serves no reads and takes no updates until the last chunk is in.
+    snapshot_receiver: SnapshotReceiver,
+    /// The number of the last snapshot stream this replica started.
+    last_stream: u64,
 }
 
 impl PrimaryBackup {
@@ -202,7 +232,8 @@ impl PrimaryBackup {
             applied_epoch: 0,
             log: BTreeMap::new(),
             backups: HashMap::new(),
-            snapshot_assembly: SnapshotAssembly::default(),
+            snapshot_receiver: SnapshotReceiver::default(),
+            last_stream: 0,
         }
     }
 
@@ -292,47 +323,91 @@ impl PrimaryBackup {
         let now = fx.now();
         let retransmit_after = self.options.retransmit_after_ms;
         let state = self.backups.entry(from).or_default();
+        if state.snapshot.is_some() {
+            return; // a report from before the stream: the stream decides
+        }
         if matches {
             if state.confirmed.is_none_or(|confirmed| applied > confirmed) {
                 state.last_sent_at = now; // progress: no need to resend yet
             }
             state.confirmed = Some(applied);
             state.sent_upto = state.sent_upto.max(applied);
-            state.snapshot_sent_at = None;
             return;
         }
         state.confirmed = None;
-        if state.snapshot_sent_at.is_some_and(|at| now.saturating_sub(at) < state.snapshot_resend_after) {
+        if state.snapshot_done_at.is_some_and(|at| now < at + 2 * retransmit_after) {
             return;
         }
-        state.snapshot_sent_at = Some(now);
-        match engine_entries(self.engine.as_ref()) {
-            Ok(entries) => {
-                state.snapshot_resend_after = transfer_allowance(retransmit_after, entries_bytes(&entries));
-                let (view, applied, epoch) = (self.view_number(), self.applied, self.applied_epoch);
-                for (chunk, entries) in snapshot_chunks(entries) {
-                    let message = BackupMessage::Snapshot { view, applied, epoch, chunk, entries };
-                    fx.send(from, PeerMessage::new(&message));
+        let stream = SnapshotStream::new(self.last_stream, now, self.options.snapshot);
+        self.last_stream = stream.id();
+        state.snapshot = Some((stream, self.applied, self.applied_epoch));
+        self.send_snapshot_chunks(from, fx);
+    }
+
+    /// Sends a backup what its snapshot stream has due.
+    fn send_snapshot_chunks(&mut self, to: NodeId, fx: &mut Effects) {
+        let view = self.view_number();
+        let Some(state) = self.backups.get_mut(&to) else { return };
+        let Some((stream, applied, epoch)) = state.snapshot.as_mut() else { return };
+        match stream.poll(self.engine.as_ref(), fx.now(), self.options.retransmit_after_ms) {
+            Ok(chunks) => {
+                for (chunk, entries) in chunks {
+                    let message =
+                        BackupMessage::Snapshot { view, applied: *applied, epoch: *epoch, chunk, entries };
+                    fx.send(to, PeerMessage::new(&message));
                 }
             }
             Err(error) => tracing::error!(replica = %self.me, %error, "cannot read a snapshot for a backup"),
         }
+        self.last_stream = self.last_stream.max(stream.id());
     }
 
+    fn on_snapshot_ack(&mut self, from: NodeId, stream: u64, index: u32, fx: &mut Effects) {
+        let now = fx.now();
+        let Some(state) = self.backups.get_mut(&from) else { return };
+        let Some((snapshot, ..)) = state.snapshot.as_mut() else { return };
+        snapshot.on_ack(stream, index, now);
+        if snapshot.finished() {
+            state.snapshot = None;
+            state.snapshot_done_at = Some(now);
+        } else {
+            self.send_snapshot_chunks(from, fx);
+        }
+    }
+
+    /// Applies a chunk of the primary's snapshot; the stream's first chunk
+    /// replaces everything this backup held, history included.
     fn on_snapshot(
         &mut self,
+        from: NodeId,
         applied: u64,
         epoch: u64,
+        chunk: Chunk,
         entries: Vec<(Bytes, Bytes)>,
-    ) -> Result<(), OperationError> {
-        self.engine.clear()?;
-        for (key, value) in entries {
-            self.engine.put(&key, value)?;
+        fx: &mut Effects,
+    ) {
+        if let Arrival::Apply { first } = self.snapshot_receiver.arrive(from, chunk) {
+            if first {
+                if let Err(error) = self.engine.clear() {
+                    return tracing::error!(replica = %self.me, %error, "cannot clear for a snapshot");
+                }
+                self.applied = 0;
+                self.applied_epoch = 0;
+                self.log.clear();
+            }
+            let engine = self.engine.as_ref();
+            if let Err(error) = entries.into_iter().try_for_each(|(key, value)| engine.put(&key, value)) {
+                return tracing::error!(replica = %self.me, %error, "cannot apply a snapshot chunk");
+            }
+            if self.snapshot_receiver.applied(chunk) {
+                self.applied = applied;
+                self.applied_epoch = epoch;
+            }
         }
-        self.applied = applied;
-        self.applied_epoch = epoch;
-        self.log.clear();
-        Ok(())
+        if let Some((stream, index)) = self.snapshot_receiver.ack() {
+            let message = BackupMessage::SnapshotAck { view: self.view_number(), stream, index };
+            fx.send(from, PeerMessage::new(&message));
+        }
     }
 
     fn on_updates(&mut self, entries: Vec<LogEntry>) {
@@ -406,6 +481,7 @@ impl Protocol for PrimaryBackup {
                         ClientReply::Elsewhere("strong reads go to the primary")
                     }
                     Consistency::Strong if !self.lease_valid(fx.now()) => ClientReply::Retry("lease expired"),
+                    _ if self.snapshot_receiver.partway() => ClientReply::Retry("installing a snapshot"),
                     _ => match self.read_local(key) {
                         Ok(value) => ClientReply::Value(value),
                         Err(error) => ClientReply::Failed(error),
@@ -429,16 +505,18 @@ impl Protocol for PrimaryBackup {
             BackupMessage::Position { applied, epoch, .. } if self.is_primary() => {
                 self.on_position(from, applied, epoch, fx)
             }
-            BackupMessage::Updates { entries, .. } if Some(from) == self.primary() => {
+            BackupMessage::Updates { entries, .. }
+                if Some(from) == self.primary() && !self.snapshot_receiver.partway() =>
+            {
                 self.on_updates(entries)
             }
             BackupMessage::Snapshot { applied, epoch, chunk, entries, .. }
                 if Some(from) == self.primary() =>
             {
-                let Some(entries) = self.snapshot_assembly.add(from, chunk, entries) else { return };
-                if let Err(error) = self.on_snapshot(applied, epoch, entries) {
-                    tracing::error!(replica = %self.me, %error, "cannot install a snapshot");
-                }
+                self.on_snapshot(from, applied, epoch, chunk, entries, fx)
+            }
+            BackupMessage::SnapshotAck { stream, index, .. } if self.is_primary() => {
+                self.on_snapshot_ack(from, stream, index, fx)
             }
             _ => {}
         }
@@ -447,8 +525,17 @@ impl Protocol for PrimaryBackup {
     fn on_tick(&mut self, fx: &mut Effects) {
         self.check_invariants();
         if self.is_primary() {
+            let streaming: Vec<NodeId> = self
+                .backups
+                .iter()
+                .filter(|(_, state)| state.snapshot.is_some())
+                .map(|(node, _)| *node)
+                .collect();
+            for backup in streaming {
+                self.send_snapshot_chunks(backup, fx);
+            }
             self.propagate(fx);
-        } else if let Some(primary) = self.primary() {
+        } else if let Some(primary) = self.primary().filter(|_| !self.snapshot_receiver.partway()) {
             if self.view.as_ref().and_then(|view| view.position(self.me)).is_some() {
                 let message = BackupMessage::Position {
                     view: self.view_number(),
@@ -472,8 +559,15 @@ impl Protocol for PrimaryBackup {
             }
         }
         self.view = Some(view.clone());
-        // A new view means new backups, or a new primary: positions are relearnt.
+        // A new view means new backups, or a new primary: positions are
+        // relearnt, and a snapshot under way starts over.
         self.backups.clear();
+        if self.snapshot_receiver.partway() {
+            self.snapshot_receiver.clear();
+            if let Err(error) = self.engine.clear() {
+                tracing::error!(replica = %self.me, %error, "cannot drop a partial snapshot");
+            }
+        }
     }
 
     fn progress(&self) -> Progress {
@@ -552,6 +646,73 @@ mod tests {
             message.open::<BackupMessage>(),
             Some(Ok(BackupMessage::Snapshot { applied: 1, epoch: 2, .. }))
         ));
+
+        // The backup drops the deposed primary's records with the first chunk
+        // and reports its position only once the stream is in.
+        let mut backup = replica(3);
+        backup.engine.put(b"deposed", Bytes::from_static(b"x")).unwrap();
+        backup.applied = 2;
+        backup.applied_epoch = 1;
+        backup.on_view(&view(2, &[2, 3]), &mut fx);
+        backup.on_peer(NodeId(2), message.clone(), &mut fx);
+        assert_eq!(backup.engine.get(b"deposed").unwrap(), None);
+        assert_eq!(backup.read_local(b"k").unwrap(), Some(Bytes::from_static(b"new")));
+        assert_eq!((backup.applied, backup.applied_epoch), (1, 2));
+        let acked = fx.take();
+        let Effect::Send { to: NodeId(2), message: ack } = &acked[0] else { panic!("{acked:?}") };
+        new_primary.on_peer(NodeId(3), ack.clone(), &mut fx);
+        backup.on_tick(&mut fx);
+        let Effect::Send { message: position, .. } = &fx.take()[0] else { panic!("a position") };
+        fx = Effects::new(500);
+        new_primary.on_peer(NodeId(3), position.clone(), &mut fx);
+        new_primary.on_client(put(2, "k2", "later"), &mut fx);
+        new_primary.on_tick(&mut fx);
+        for effect in fx.take() {
+            if let Effect::Send { to: NodeId(3), message } = effect {
+                backup.on_peer(NodeId(2), message, &mut fx);
+            }
+        }
+        assert_eq!(
+            backup.read_local(b"k2").unwrap(),
+            Some(Bytes::from_static(b"later")),
+            "shipped after the stream"
+        );
+    }
+
+    #[test]
+    fn a_backup_partway_through_a_snapshot_is_silent_and_serves_no_reads() {
+        let mut primary = replica(1);
+        let mut fx = Effects::new(10);
+        primary.on_view(&view(1, &[1, 2]), &mut fx);
+        for index in 0..40 {
+            let value = "v".repeat(crate::snapshot::SNAPSHOT_CHUNK_BYTES / 10);
+            primary.on_client(put(index, &format!("k{index}"), &value), &mut fx);
+        }
+        fx.take();
+        let mut backup = replica(2);
+        backup.on_view(&view(1, &[1, 2]), &mut fx);
+        backup.on_tick(&mut fx);
+        let Effect::Send { message: position, .. } = &fx.take()[0] else { panic!("a position") };
+        // An empty backup behind a log that starts at 1 is shipped the log;
+        // one whose log was trimmed gets a snapshot.
+        primary.log.pop_first();
+        primary.on_peer(NodeId(2), position.clone(), &mut fx);
+        let chunks = fx.take();
+        assert!(chunks.len() > 1, "several chunks, {} sent", chunks.len());
+        let Effect::Send { message: first, .. } = &chunks[0] else { panic!("{chunks:?}") };
+        backup.on_peer(NodeId(1), first.clone(), &mut fx);
+        fx.take();
+        assert_eq!(backup.progress().applied, 0, "no position to be promoted on");
+        backup.on_tick(&mut fx);
+        assert!(fx.take().is_empty(), "no position report partway");
+        backup.on_client(
+            ClientRequest {
+                id: RequestId(99),
+                operation: Operation::Get { key: "k1".into(), consistency: Consistency::Eventual },
+            },
+            &mut fx,
+        );
+        assert!(matches!(&fx.take()[..], [Effect::Reply { reply: ClientReply::Retry(_), .. }]));
     }
 }
 
@@ -581,6 +742,8 @@ mod codec_tests {
             ),
             (any::<u64>(), any::<u64>(), any::<u64>())
                 .prop_map(|(view, applied, epoch)| BackupMessage::Position { view, applied, epoch }),
+            (any::<u64>(), any::<u64>(), any::<u32>())
+                .prop_map(|(view, stream, index)| BackupMessage::SnapshotAck { view, stream, index }),
         ]
     }
 

@@ -35,9 +35,9 @@ use tessera_engine::Engine;
 use crate::codec::{put_bytes, put_chunk, put_entries, put_optional, CodecError, Family, Message, Reader};
 use crate::record::{Hlc, Record, Version, VERSION_AHEAD_MAX_MS};
 use crate::{
-    engine_entries, entries_bytes, increment_value, snapshot_chunks, transfer_allowance, Chunk, ClientReply,
-    ClientRequest, Consistency, Effects, NodeId, Operation, OperationError, PeerMessage, Progress, Protocol,
-    RequestId, ShardView, SnapshotAssembly, Time, Write,
+    for_each_entry, increment_value, transfer_allowance, Arrival, Chunk, ClientReply, ClientRequest,
+    Consistency, Effects, NodeId, Operation, OperationError, PeerMessage, Progress, Protocol, RequestId,
+    ShardView, SnapshotPace, SnapshotReceiver, SnapshotStream, Time, Write,
 };
 
 #[derive(Clone, Debug)]
@@ -51,6 +51,8 @@ pub struct QuorumOptions {
     pub attempts_max: u32,
     /// A learner asks the members for their snapshots again after this long.
     pub snapshot_retry_ms: u64,
+    /// How snapshots are streamed.
+    pub snapshot: SnapshotPace,
     /// For tests of the checkers: a proposer counts its own answer as a
     /// majority.
     #[cfg(feature = "broken")]
@@ -64,6 +66,7 @@ impl Default for QuorumOptions {
             backoff_ms: 10,
             attempts_max: 8,
             snapshot_retry_ms: 500,
+            snapshot: SnapshotPace::default(),
             #[cfg(feature = "broken")]
             broken_quorum_of_one: false,
         }
@@ -129,10 +132,17 @@ pub enum QuorumMessage {
     SnapshotRequest {
         view: u64,
     },
+    /// A chunk of a member's records, read as the stream goes.
     Snapshot {
         view: u64,
         chunk: Chunk,
         entries: Vec<(Bytes, Bytes)>,
+    },
+    /// The learner merged every chunk of `stream` through `index`.
+    SnapshotAck {
+        view: u64,
+        stream: u64,
+        index: u32,
     },
 }
 
@@ -146,7 +156,8 @@ impl QuorumMessage {
             | QuorumMessage::Accept { view, .. }
             | QuorumMessage::Accepted { view, .. }
             | QuorumMessage::SnapshotRequest { view }
-            | QuorumMessage::Snapshot { view, .. } => *view,
+            | QuorumMessage::Snapshot { view, .. }
+            | QuorumMessage::SnapshotAck { view, .. } => *view,
         }
     }
 }
@@ -159,6 +170,7 @@ const ACCEPT: u8 = 5;
 const ACCEPTED: u8 = 6;
 const SNAPSHOT_REQUEST: u8 = 7;
 const SNAPSHOT: u8 = 8;
+const SNAPSHOT_ACK: u8 = 9;
 
 impl Message for QuorumMessage {
     const FAMILY: Family = Family(4);
@@ -217,6 +229,12 @@ impl Message for QuorumMessage {
                 put_chunk(out, *chunk);
                 put_entries(out, entries);
             }
+            QuorumMessage::SnapshotAck { view, stream, index } => {
+                out.put_u8(SNAPSHOT_ACK);
+                out.put_u64_le(*view);
+                out.put_u64_le(*stream);
+                out.put_u32_le(*index);
+            }
         }
     }
 
@@ -256,6 +274,11 @@ impl Message for QuorumMessage {
                 view: reader.u64()?,
                 chunk: reader.chunk()?,
                 entries: reader.entries()?,
+            },
+            SNAPSHOT_ACK => QuorumMessage::SnapshotAck {
+                view: reader.u64()?,
+                stream: reader.u64()?,
+                index: reader.u32()?,
             },
             _ => return Err(CodecError("unknown quorum message")),
         })
@@ -329,15 +352,17 @@ pub struct QuorumRegister {
     /// Keys with a proposal under way here, and the proposals parked behind it.
     busy: HashMap<Bytes, VecDeque<u64>>,
     next_op: u64,
-    /// As a learner: snapshots gathered per member, and who has delivered.
-    assemblies: HashMap<NodeId, SnapshotAssembly>,
+    /// As a learner: where it is in each member's snapshot stream, and
+    /// whose it has merged whole.
+    receivers: HashMap<NodeId, SnapshotReceiver>,
     merged_from: BTreeSet<NodeId>,
     /// The view in which every member's snapshot was merged.
     ready_in: Option<u64>,
     snapshot_asked_at: Option<Time>,
-    /// As a member: per learner, when a snapshot sent to it has had time to
-    /// arrive; a learner asking again before then is not sent another copy.
-    snapshot_sent_until: HashMap<NodeId, Time>,
+    /// As a member: the snapshot streaming to each learner that asked.
+    streams: HashMap<NodeId, SnapshotStream>,
+    /// The number of the last snapshot stream this replica started.
+    last_stream: u64,
 }
 
 impl QuorumRegister {
@@ -368,11 +393,12 @@ impl QuorumRegister {
             proposals: BTreeMap::new(),
             busy: HashMap::new(),
             next_op: 1,
-            assemblies: HashMap::new(),
+            receivers: HashMap::new(),
             merged_from: BTreeSet::new(),
             ready_in: None,
             snapshot_asked_at: None,
-            snapshot_sent_until: HashMap::new(),
+            streams: HashMap::new(),
+            last_stream: 0,
         }
     }
 
@@ -384,15 +410,15 @@ impl QuorumRegister {
     pub fn switched_in(me: NodeId, engine: Arc<dyn Engine>, options: QuorumOptions) -> Self {
         let mut replica = Self::new(me, engine, options);
         replica.restarted_with_state = false;
-        match engine_entries(replica.engine.as_ref()) {
-            Ok(entries) => {
-                for (_, raw) in entries {
-                    if let Ok(record) = Record::decode(raw) {
-                        replica.hlc.observe(record.version, 0);
-                    }
-                }
+        let hlc = &mut replica.hlc;
+        let read = for_each_entry(replica.engine.as_ref(), |_, raw| {
+            if let Ok(record) = Record::decode(raw) {
+                hlc.observe(record.version, 0);
             }
-            Err(error) => tracing::error!(replica = %me, %error, "cannot read the shard to set the clock"),
+            Ok(())
+        });
+        if let Err(error) = read {
+            tracing::error!(replica = %me, %error, "cannot read the shard to set the clock");
         }
         replica
     }
@@ -745,6 +771,21 @@ impl QuorumRegister {
         }
     }
 
+    /// Sends a learner what its snapshot stream has due.
+    fn send_snapshot_chunks(&mut self, to: NodeId, fx: &mut Effects) {
+        let view = self.view_number();
+        let Some(stream) = self.streams.get_mut(&to) else { return };
+        match stream.poll(self.engine.as_ref(), fx.now(), self.options.phase_timeout_ms) {
+            Ok(chunks) => {
+                for (chunk, entries) in chunks {
+                    fx.send(to, PeerMessage::new(&QuorumMessage::Snapshot { view, chunk, entries }));
+                }
+            }
+            Err(error) => tracing::error!(replica = %self.me, %error, "cannot read a snapshot for a learner"),
+        }
+        self.last_stream = self.last_stream.max(stream.id());
+    }
+
     /// Keeps, per key, the record of the highest ballot.
     fn merge_snapshot(&mut self, entries: Vec<(Bytes, Bytes)>, now: Time) -> Result<(), OperationError> {
         for (key, raw) in entries {
@@ -842,36 +883,40 @@ impl Protocol for QuorumRegister {
                 let answer = if ok { Answer::Accepted } else { Answer::Refused(highest) };
                 self.on_answer(from, op, answer, fx);
             }
-            QuorumMessage::SnapshotRequest { view } if self.is_member() => {
-                if self.snapshot_sent_until.get(&from).is_some_and(|until| now < *until) {
-                    return; // the last copy is still on its way
+            QuorumMessage::SnapshotRequest { .. } if self.is_member() => {
+                if self.streams.contains_key(&from) {
+                    return; // under way
                 }
-                match engine_entries(self.engine.as_ref()) {
-                    Ok(entries) => {
-                        let allowance =
-                            transfer_allowance(self.options.snapshot_retry_ms, entries_bytes(&entries));
-                        self.snapshot_sent_until.insert(from, now + allowance);
-                        for (chunk, entries) in snapshot_chunks(entries) {
-                            let message = QuorumMessage::Snapshot { view, chunk, entries };
-                            fx.send(from, PeerMessage::new(&message));
-                        }
-                    }
-                    Err(error) => {
-                        tracing::error!(replica = %self.me, %error, "cannot read a snapshot for a learner")
-                    }
+                let stream = SnapshotStream::new(self.last_stream, now, self.options.snapshot);
+                self.last_stream = stream.id();
+                self.streams.insert(from, stream);
+                self.send_snapshot_chunks(from, fx);
+            }
+            QuorumMessage::SnapshotAck { stream, index, .. } if self.is_member() => {
+                let Some(snapshot) = self.streams.get_mut(&from) else { return };
+                snapshot.on_ack(stream, index, now);
+                if snapshot.finished() {
+                    self.streams.remove(&from);
+                } else {
+                    self.send_snapshot_chunks(from, fx);
                 }
             }
-            QuorumMessage::Snapshot { chunk, entries, .. } if self.is_learner() => {
-                let assembly = self.assemblies.entry(from).or_default();
-                let Some(entries) = assembly.add(from, chunk, entries) else { return };
-                match self.merge_snapshot(entries, now) {
-                    Ok(()) => {
+            QuorumMessage::Snapshot { view, chunk, entries } if self.is_learner() => {
+                let receiver = self.receivers.entry(from).or_default();
+                if let Arrival::Apply { .. } = receiver.arrive(from, chunk) {
+                    if let Err(error) = self.merge_snapshot(entries, now) {
+                        return tracing::error!(replica = %self.me, %error, "cannot merge a snapshot chunk");
+                    }
+                    let receiver = self.receivers.get_mut(&from).expect("inserted above");
+                    if receiver.applied(chunk) {
                         self.merged_from.insert(from);
                         if self.members().iter().all(|member| self.merged_from.contains(member)) {
                             self.ready_in = Some(self.view_number());
                         }
                     }
-                    Err(error) => tracing::error!(replica = %self.me, %error, "cannot merge a snapshot"),
+                }
+                if let Some((stream, index)) = self.receivers.get(&from).and_then(SnapshotReceiver::ack) {
+                    fx.send(from, PeerMessage::new(&QuorumMessage::SnapshotAck { view, stream, index }));
                 }
             }
             _ => {}
@@ -883,6 +928,10 @@ impl Protocol for QuorumRegister {
         let now = fx.now();
         if self.is_learner() && self.ready_in != Some(self.view_number()) {
             self.ask_for_snapshots(fx);
+        }
+        let learners: Vec<NodeId> = self.streams.keys().copied().collect();
+        for learner in learners {
+            self.send_snapshot_chunks(learner, fx);
         }
         let due: Vec<(u64, bool)> = self
             .proposals
@@ -944,9 +993,9 @@ impl Protocol for QuorumRegister {
         // A new view: promises stay (they are about ballots, not views); a
         // learner gathers from the new members again.
         self.merged_from.retain(|member| view.replicas.contains(member));
-        self.assemblies.clear();
+        self.receivers.clear();
         self.snapshot_asked_at = None;
-        self.snapshot_sent_until.clear();
+        self.streams.clear();
         if view.learners.contains(&self.me)
             && view.replicas.iter().all(|member| self.merged_from.contains(member))
         {
@@ -1193,6 +1242,8 @@ mod codec_tests {
                 chunk,
                 entries
             }),
+            (any::<u64>(), any::<u64>(), any::<u32>())
+                .prop_map(|(view, stream, index)| QuorumMessage::SnapshotAck { view, stream, index }),
         ]
     }
 

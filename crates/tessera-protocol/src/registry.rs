@@ -14,6 +14,7 @@ use crate::coordinator::Admission;
 use crate::{
     chain, multi_master, primary_backup, quorum, ChainOptions, ChainReplication, MultiMaster,
     MultiMasterOptions, NodeId, PrimaryBackup, PrimaryBackupOptions, Protocol, QuorumOptions, QuorumRegister,
+    SnapshotPace,
 };
 
 /// How an instance begins.
@@ -36,12 +37,24 @@ pub struct Tuning {
     pub anti_entropy_ms: Option<u64>,
     /// How long an active–active tombstone outlives its acknowledgement.
     pub tombstone_grace_ms: u64,
+    /// How replicas stream snapshots to each other.
+    pub snapshot: SnapshotPace,
 }
+
+/// What a snapshot stream may send per second unless configured otherwise.
+pub const SNAPSHOT_BYTES_PER_SEC_DEFAULT: u64 = 128 << 20;
 
 impl Default for Tuning {
     fn default() -> Self {
         let defaults = MultiMasterOptions::default();
-        Self { anti_entropy_ms: defaults.anti_entropy_ms, tombstone_grace_ms: defaults.tombstone_grace_ms }
+        Self {
+            anti_entropy_ms: defaults.anti_entropy_ms,
+            tombstone_grace_ms: defaults.tombstone_grace_ms,
+            snapshot: SnapshotPace {
+                bytes_per_sec: Some(SNAPSHOT_BYTES_PER_SEC_DEFAULT),
+                ..SnapshotPace::default()
+            },
+        }
     }
 }
 
@@ -247,6 +260,18 @@ fn majority(replicas: usize) -> Admission {
     Admission::Quorum { min_members: replicas / 2 + 1 }
 }
 
+fn chain_options(tuning: &Tuning) -> ChainOptions {
+    ChainOptions { snapshot: tuning.snapshot, ..ChainOptions::default() }
+}
+
+fn primary_backup_options(tuning: &Tuning) -> PrimaryBackupOptions {
+    PrimaryBackupOptions { snapshot: tuning.snapshot, ..PrimaryBackupOptions::default() }
+}
+
+fn quorum_options(tuning: &Tuning) -> QuorumOptions {
+    QuorumOptions { snapshot: tuning.snapshot, ..QuorumOptions::default() }
+}
+
 fn multi_master_options(tuning: &Tuning) -> MultiMasterOptions {
     MultiMasterOptions {
         anti_entropy_ms: tuning.anti_entropy_ms,
@@ -281,7 +306,7 @@ const CHAIN: ProtocolSpec = ProtocolSpec {
     strong_reads: StrongReads::Last,
     family: chain::ChainMessage::FAMILY,
     admission: learner,
-    build: |me, engine, _, _| Box::new(ChainReplication::new(me, engine, ChainOptions::default())),
+    build: |me, engine, _, tuning| Box::new(ChainReplication::new(me, engine, chain_options(tuning))),
 };
 
 /// Chain replication whose replicas answer strong reads of clean keys (CRAQ,
@@ -295,11 +320,11 @@ const CHAIN_CRAQ: ProtocolSpec = ProtocolSpec {
     strong_reads: StrongReads::Any,
     family: chain::ChainMessage::FAMILY,
     admission: learner,
-    build: |me, engine, _, _| {
+    build: |me, engine, _, tuning| {
         Box::new(ChainReplication::new(
             me,
             engine,
-            ChainOptions { craq_reads: true, ..ChainOptions::default() },
+            ChainOptions { craq_reads: true, ..chain_options(tuning) },
         ))
     },
 };
@@ -314,7 +339,7 @@ const PRIMARY_BACKUP: ProtocolSpec = ProtocolSpec {
     strong_reads: StrongReads::First,
     family: primary_backup::BackupMessage::FAMILY,
     admission: backup,
-    build: |me, engine, _, _| Box::new(PrimaryBackup::new(me, engine, PrimaryBackupOptions::default())),
+    build: |me, engine, _, tuning| Box::new(PrimaryBackup::new(me, engine, primary_backup_options(tuning))),
 };
 
 /// AA+EC: every member accepts writes, last writer wins, anti-entropy.
@@ -340,7 +365,7 @@ const QUORUM: ProtocolSpec = ProtocolSpec {
     strong_reads: StrongReads::Any,
     family: quorum::QuorumMessage::FAMILY,
     admission: majority,
-    build: |me, engine, start, _| quorum_register(me, engine, start, QuorumOptions::default()),
+    build: |me, engine, start, tuning| quorum_register(me, engine, start, quorum_options(tuning)),
 };
 
 /// Variants that break a protocol's guarantee on purpose, to show that the
@@ -350,11 +375,11 @@ static BROKEN: &[ProtocolSpec] = &[
     // The head answers before the tail has the write.
     ProtocolSpec {
         name: "broken-chain-early-ack",
-        build: |me, engine, _, _| {
+        build: |me, engine, _, tuning| {
             Box::new(ChainReplication::new(
                 me,
                 engine,
-                ChainOptions { broken_early_ack: true, ..ChainOptions::default() },
+                ChainOptions { broken_early_ack: true, ..chain_options(tuning) },
             ))
         },
         ..CHAIN
@@ -362,11 +387,11 @@ static BROKEN: &[ProtocolSpec] = &[
     // The head files a waiting client under the wrong write number.
     ProtocolSpec {
         name: "broken-chain-waits-past-applied",
-        build: |me, engine, _, _| {
+        build: |me, engine, _, tuning| {
             Box::new(ChainReplication::new(
                 me,
                 engine,
-                ChainOptions { broken_waits_past_applied: true, ..ChainOptions::default() },
+                ChainOptions { broken_waits_past_applied: true, ..chain_options(tuning) },
             ))
         },
         ..CHAIN
@@ -387,12 +412,12 @@ static BROKEN: &[ProtocolSpec] = &[
     // Proposers that count their own answer as a majority.
     ProtocolSpec {
         name: "broken-quorum-of-one",
-        build: |me, engine, start, _| {
+        build: |me, engine, start, tuning| {
             quorum_register(
                 me,
                 engine,
                 start,
-                QuorumOptions { broken_quorum_of_one: true, ..QuorumOptions::default() },
+                QuorumOptions { broken_quorum_of_one: true, ..quorum_options(tuning) },
             )
         },
         offered: false,

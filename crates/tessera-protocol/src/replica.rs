@@ -122,7 +122,7 @@ impl Replica {
     /// grant names its view.
     pub fn new(config: ReplicaConfig, engine: Arc<dyn Engine>, mode: Mode) -> Self {
         let instance = mode.instance(config.me, engine.clone(), Start::Open, &config.tuning);
-        let protocol = Switchable::new(config.me, engine.clone(), instance);
+        let protocol = Switchable::new(config.me, engine.clone(), instance, config.tuning.snapshot);
         #[cfg(feature = "broken")]
         let protocol =
             if config.broken_transition_without_merge { protocol.broken_without_merge() } else { protocol };

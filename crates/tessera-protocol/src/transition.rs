@@ -30,9 +30,9 @@ use tessera_engine::Engine;
 use crate::codec::{put_chunk, put_entries, put_u64s, CodecError, Family, Message, Reader};
 use crate::multi_master::{hash, leaf_of};
 use crate::{
-    engine_entries, read_visible, snapshot_chunks, Chunk, ClientReply, ClientRequest, Consistency, Effects,
-    NodeId, Operation, OperationError, PeerMessage, Progress, Protocol, Record, ShardView, SnapshotAssembly,
-    Time,
+    for_each_entry, read_visible, Arrival, Chunk, ClientReply, ClientRequest, Consistency, Effects, NodeId,
+    Operation, OperationError, PeerMessage, Progress, Protocol, Record, ShardView, SnapshotPace,
+    SnapshotReceiver, SnapshotStream, Time,
 };
 
 /// How often a draining replica repeats its announcements and requests (the
@@ -50,25 +50,18 @@ fn bucket_of(key: &[u8]) -> usize {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TransitionMessage {
     /// The sender has nothing of the old protocol in flight and starts nothing.
-    Quiet {
-        view: u64,
-    },
+    Quiet { view: u64 },
     /// Asks for the receiver's records; `digests` summarise the sender's,
     /// one per bucket of keys ([`DIGEST_BUCKETS`]), so that only buckets that
     /// differ travel.
-    RecordsRequest {
-        view: u64,
-        digests: Vec<u64>,
-    },
+    RecordsRequest { view: u64, digests: Vec<u64> },
     /// The receiver's records equal the requester's.
-    InSync {
-        view: u64,
-    },
-    Records {
-        view: u64,
-        chunk: Chunk,
-        entries: Vec<(Bytes, Bytes)>,
-    },
+    InSync { view: u64 },
+    /// A chunk of the receiver's records in the buckets that differ, read as
+    /// the stream goes.
+    Records { view: u64, chunk: Chunk, entries: Vec<(Bytes, Bytes)> },
+    /// The requester merged every chunk of `stream` through `index`.
+    RecordsAck { view: u64, stream: u64, index: u32 },
 }
 
 impl TransitionMessage {
@@ -77,7 +70,8 @@ impl TransitionMessage {
             TransitionMessage::Quiet { view }
             | TransitionMessage::RecordsRequest { view, .. }
             | TransitionMessage::InSync { view }
-            | TransitionMessage::Records { view, .. } => *view,
+            | TransitionMessage::Records { view, .. }
+            | TransitionMessage::RecordsAck { view, .. } => *view,
         }
     }
 }
@@ -86,6 +80,7 @@ const QUIET: u8 = 1;
 const RECORDS_REQUEST: u8 = 2;
 const IN_SYNC: u8 = 3;
 const RECORDS: u8 = 4;
+const RECORDS_ACK: u8 = 5;
 
 /// The framework's own family: transitions run between any two protocols.
 impl Message for TransitionMessage {
@@ -112,6 +107,12 @@ impl Message for TransitionMessage {
                 put_chunk(out, *chunk);
                 put_entries(out, entries);
             }
+            TransitionMessage::RecordsAck { view, stream, index } => {
+                out.put_u8(RECORDS_ACK);
+                out.put_u64_le(*view);
+                out.put_u64_le(*stream);
+                out.put_u32_le(*index);
+            }
         }
     }
 
@@ -127,19 +128,27 @@ impl Message for TransitionMessage {
                 chunk: reader.chunk()?,
                 entries: reader.entries()?,
             },
+            RECORDS_ACK => TransitionMessage::RecordsAck {
+                view: reader.u64()?,
+                stream: reader.u64()?,
+                index: reader.u32()?,
+            },
             _ => return Err(CodecError("unknown transition message")),
         })
     }
 }
 
 /// A draining view's progress on this replica.
-#[derive(Debug)]
 struct Drain {
     view: u64,
     quiet: bool,
     quiet_peers: BTreeSet<NodeId>,
     merged_from: BTreeSet<NodeId>,
-    assemblies: HashMap<NodeId, SnapshotAssembly>,
+    /// Where this replica is in each peer's stream of records.
+    receivers: HashMap<NodeId, SnapshotReceiver>,
+    /// The records streaming to each peer that asked (kept once finished:
+    /// one exchange per peer and drain).
+    streams: HashMap<NodeId, SnapshotStream>,
     next_resend_at: Time,
     /// The buckets' digests, once the records changed only by merging
     /// (cleared by a merge).
@@ -157,6 +166,10 @@ pub struct Switchable {
     drain: Option<Drain>,
     /// Requests that arrived while draining, for the next protocol.
     held: Vec<ClientRequest>,
+    /// How records stream to a peer in a drain.
+    pace: SnapshotPace,
+    /// The number of the last stream of records this replica started.
+    last_stream: u64,
     /// For tests of the checkers: every member answers *in sync*, so that
     /// nothing is merged.
     #[cfg(feature = "broken")]
@@ -164,7 +177,7 @@ pub struct Switchable {
 }
 
 impl Switchable {
-    pub fn new(me: NodeId, engine: Arc<dyn Engine>, protocol: Box<dyn Protocol>) -> Self {
+    pub fn new(me: NodeId, engine: Arc<dyn Engine>, protocol: Box<dyn Protocol>, pace: SnapshotPace) -> Self {
         Self {
             me,
             engine,
@@ -173,6 +186,8 @@ impl Switchable {
             members: Vec::new(),
             drain: None,
             held: Vec::new(),
+            pace,
+            last_stream: 0,
             #[cfg(feature = "broken")]
             broken_without_merge: false,
         }
@@ -243,10 +258,11 @@ impl Switchable {
             return Ok(digests);
         }
         let mut digests = vec![0u64; DIGEST_BUCKETS];
-        for (key, raw) in engine_entries(self.engine.as_ref())? {
+        for_each_entry(self.engine.as_ref(), |key, raw| {
             let digest = &mut digests[bucket_of(&key)];
             *digest = digest.wrapping_add(hash(&[&key, &raw]));
-        }
+            Ok(())
+        })?;
         if let Some(drain) = self.drain.as_mut() {
             drain.digests = Some(digests.clone());
         }
@@ -283,10 +299,11 @@ impl Switchable {
         let drain = self.drain.as_mut().expect("checked above");
         match message {
             TransitionMessage::Quiet { .. } => {
-                drain.quiet_peers.insert(from);
+                let news = drain.quiet_peers.insert(from);
                 let drain = self.drain.as_ref().expect("checked above");
-                if self.heard_everyone_quiet(drain) && drain.merged_from.is_empty() {
-                    // Perhaps the last one heard: ask for records now.
+                if news && self.heard_everyone_quiet(drain) && drain.merged_from.is_empty() {
+                    // Perhaps the last one heard: ask for records now (only
+                    // on news: each Quiet answered with Quiets multiplies).
                     self.drain.as_mut().expect("checked above").next_resend_at = 0;
                     self.drain_step(fx);
                 }
@@ -295,59 +312,82 @@ impl Switchable {
                 drain.merged_from.insert(from);
             }
             TransitionMessage::Records { chunk, entries, .. } => {
-                if drain.merged_from.contains(&from) {
-                    return;
-                }
-                let whole = drain.assemblies.entry(from).or_default().add(from, chunk, entries);
-                if let Some(entries) = whole {
+                let receiver = drain.receivers.entry(from).or_default();
+                if let Arrival::Apply { .. } = receiver.arrive(from, chunk) {
                     self.merge(entries);
                     let drain = self.drain.as_mut().expect("checked above");
-                    drain.merged_from.insert(from);
                     drain.digests = None;
+                    if drain.receivers.get_mut(&from).expect("inserted above").applied(chunk) {
+                        drain.merged_from.insert(from);
+                    }
+                }
+                let drain = self.drain.as_ref().expect("checked above");
+                if let Some((stream, index)) = drain.receivers.get(&from).and_then(SnapshotReceiver::ack) {
+                    fx.send(from, PeerMessage::new(&TransitionMessage::RecordsAck { view, stream, index }));
+                }
+            }
+            TransitionMessage::RecordsAck { stream, index, .. } => {
+                let now = fx.now();
+                if let Some(records) = drain.streams.get_mut(&from) {
+                    records.on_ack(stream, index, now);
+                    self.send_records(from, fx);
                 }
             }
             TransitionMessage::RecordsRequest { digests, .. } => {
                 // Answered only once this replica's records can no longer
                 // change but by merging; the requester asks again until then.
-                if !self.heard_everyone_quiet(self.drain.as_ref().expect("checked above")) {
+                let under_way = drain.streams.contains_key(&from);
+                if under_way || !self.heard_everyone_quiet(self.drain.as_ref().expect("checked above")) {
                     return;
                 }
                 #[cfg(feature = "broken")]
                 if self.broken_without_merge {
                     return fx.send(from, PeerMessage::new(&TransitionMessage::InSync { view }));
                 }
-                let read = self.digests().and_then(|mine| {
-                    let differing: Vec<bool> = (0..DIGEST_BUCKETS)
-                        .map(|bucket| digests.get(bucket) != Some(&mine[bucket]))
-                        .collect();
-                    if !differing.contains(&true) {
-                        return Ok(None);
-                    }
-                    let entries = engine_entries(self.engine.as_ref())?;
-                    Ok(Some(
-                        entries.into_iter().filter(|(key, _)| differing[bucket_of(key)]).collect::<Vec<_>>(),
-                    ))
-                });
-                let entries = match read {
-                    Ok(Some(entries)) => entries,
-                    Ok(None) => {
-                        fx.send(from, PeerMessage::new(&TransitionMessage::InSync { view }));
-                        return;
-                    }
+                let mine = match self.digests() {
+                    Ok(mine) => mine,
                     Err(error) => {
-                        tracing::error!(replica = %self.me, %error, "cannot read the shard for a peer");
-                        return;
+                        return tracing::error!(replica = %self.me, %error, "cannot read the shard for a peer")
                     }
                 };
-                for (chunk, entries) in snapshot_chunks(entries) {
-                    fx.send(from, PeerMessage::new(&TransitionMessage::Records { view, chunk, entries }));
+                let differing: Vec<bool> =
+                    (0..DIGEST_BUCKETS).map(|bucket| digests.get(bucket) != Some(&mine[bucket])).collect();
+                if !differing.contains(&true) {
+                    return fx.send(from, PeerMessage::new(&TransitionMessage::InSync { view }));
                 }
+                let records = SnapshotStream::new(self.last_stream, fx.now(), self.pace)
+                    .only(move |key| differing[bucket_of(key)]);
+                self.last_stream = records.id();
+                self.drain.as_mut().expect("checked above").streams.insert(from, records);
+                self.send_records(from, fx);
             }
         }
     }
 
+    /// Sends a peer what its stream of records has due.
+    fn send_records(&mut self, to: NodeId, fx: &mut Effects) {
+        let Some(drain) = self.drain.as_mut() else { return };
+        let view = drain.view;
+        let Some(records) = drain.streams.get_mut(&to) else { return };
+        match records.poll(self.engine.as_ref(), fx.now(), RESEND_MS) {
+            Ok(chunks) => {
+                for (chunk, entries) in chunks {
+                    fx.send(to, PeerMessage::new(&TransitionMessage::Records { view, chunk, entries }));
+                }
+            }
+            Err(error) => tracing::error!(replica = %self.me, %error, "cannot read the shard for a peer"),
+        }
+        self.last_stream = self.last_stream.max(records.id());
+    }
+
     fn drain_step(&mut self, fx: &mut Effects) {
         let now = fx.now();
+        let streaming: Vec<NodeId> = self.drain.as_ref().map_or_else(Vec::new, |drain| {
+            drain.streams.iter().filter(|(_, records)| !records.finished()).map(|(peer, _)| *peer).collect()
+        });
+        for peer in streaming {
+            self.send_records(peer, fx);
+        }
         let quiescent = self.protocol.quiescent();
         let Some(drain) = self.drain.as_mut() else { return };
         drain.quiet |= quiescent;
@@ -442,7 +482,8 @@ impl Protocol for Switchable {
                     quiet: false,
                     quiet_peers: BTreeSet::new(),
                     merged_from: BTreeSet::new(),
-                    assemblies: HashMap::new(),
+                    receivers: HashMap::new(),
+                    streams: HashMap::new(),
                     next_resend_at: 0,
                     digests: None,
                 });
@@ -480,6 +521,8 @@ mod codec_tests {
             any::<u64>().prop_map(|view| TransitionMessage::InSync { view }),
             (any::<u64>(), chunk(), entries())
                 .prop_map(|(view, chunk, entries)| TransitionMessage::Records { view, chunk, entries }),
+            (any::<u64>(), any::<u64>(), any::<u32>())
+                .prop_map(|(view, stream, index)| TransitionMessage::RecordsAck { view, stream, index }),
         ]
     }
 

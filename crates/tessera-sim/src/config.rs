@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use tessera_engine::MemoryEngine;
-use tessera_protocol::{Mode, NodeId, Replica, ReplicaConfig, Tuning};
+use tessera_protocol::{Mode, NodeId, Replica, ReplicaConfig, SnapshotPace, Tuning};
 
 use crate::rng::Rng;
 
@@ -138,7 +138,13 @@ impl SimConfig {
             client_timeout_ms: 400,
             eventual_read_fraction: 0.2,
             transition_to: None,
-            tuning: Tuning { anti_entropy_ms: Some(200), tombstone_grace_ms: 1_500 },
+            tuning: Tuning {
+                anti_entropy_ms: Some(200),
+                tombstone_grace_ms: 1_500,
+                // A few records per chunk, so that the simulated shards'
+                // snapshots stream in several chunks.
+                snapshot: SnapshotPace { bytes_per_sec: None, chunk_bytes: 128 },
+            },
             #[cfg(any(test, feature = "broken"))]
             broken_transition_without_merge: false,
         }

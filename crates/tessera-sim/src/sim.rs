@@ -15,7 +15,7 @@ use bytes::Bytes;
 use tessera_engine::Engine;
 use tessera_protocol::coordinator::{CoordinatorConfig, ShardCoordinator};
 use tessera_protocol::{
-    engine_entries, Consistency, Effect, Effects, Mode, NodeId, Operation as ProtocolOperation, Progress,
+    for_each_entry, Consistency, Effect, Effects, Mode, NodeId, Operation as ProtocolOperation, Progress,
     Record, Replica as Driver, RequestId, ShardView,
 };
 
@@ -527,12 +527,14 @@ impl Simulation {
     /// A replica's live records, by key (tombstones are bookkeeping: when
     /// each replica collects one is its own business).
     fn engine_contents(engine: &dyn Engine) -> Contents {
-        let mut entries: Vec<(Bytes, Record)> = engine_entries(engine)
-            .expect("memory engines do not fail")
-            .into_iter()
-            .filter_map(|(key, raw)| Some((key, Record::decode(raw).ok()?)))
-            .filter(|(_, record)| !record.tombstone)
-            .collect();
+        let mut entries: Vec<(Bytes, Record)> = Vec::new();
+        for_each_entry(engine, |key, raw| {
+            if let Some(record) = Record::decode(raw).ok().filter(|record| !record.tombstone) {
+                entries.push((key, record));
+            }
+            Ok(())
+        })
+        .expect("memory engines do not fail");
         entries.sort_by(|a, b| a.0.cmp(&b.0));
         entries
     }

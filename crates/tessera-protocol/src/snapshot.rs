@@ -1,0 +1,450 @@
+//! State transfer as a stream of chunks (docs/PROTOCOLS.md, "Snapshots").
+//!
+//! The sender reads the engine a chunk at a time as the stream goes (a fuzzy
+//! snapshot: the protocols also deliver every write made after the stream
+//! began, and writes set whole records), keeps at most [`SNAPSHOT_WINDOW`]
+//! chunks unacknowledged and paces new chunks to a rate. The receiver applies
+//! chunks in order as they arrive and acknowledges them cumulatively. Neither
+//! side holds more than a window of the shard, and no link queue overflows.
+
+use std::collections::VecDeque;
+
+use bytes::Bytes;
+use tessera_engine::{Engine, KeyRange, ScanCursor};
+
+use crate::{transfer_allowance, NodeId, OperationError, Time};
+
+/// A chunk carries about this many bytes of keys and values (an entry larger
+/// than that travels alone), unless a [`SnapshotPace`] says otherwise.
+pub const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
+
+/// How a replica sends snapshot streams.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SnapshotPace {
+    /// The most bytes per second one stream sends (`None`: as fast as the
+    /// receiver acknowledges).
+    pub bytes_per_sec: Option<u64>,
+    /// About how many bytes of keys and values a chunk carries (the
+    /// simulator makes them small, so that its small shards stream in many).
+    pub chunk_bytes: usize,
+}
+
+impl Default for SnapshotPace {
+    fn default() -> Self {
+        Self { bytes_per_sec: None, chunk_bytes: SNAPSHOT_CHUNK_BYTES }
+    }
+}
+
+/// Chunks a sender may have unacknowledged.
+pub const SNAPSHOT_WINDOW: usize = 8;
+
+/// Resends of the unacknowledged chunks, with no acknowledgement between them,
+/// after which a stream starts over under a new number (the receiver may have
+/// lost its place, or taken a stale first chunk for a new stream).
+const RESENDS_BEFORE_RESTART: u32 = 4;
+
+/// The most entries asked of the engine per scan call while a chunk is read;
+/// fewer when the entries seen so far say that fewer fill the chunk.
+const SCAN_PAGE_MAX: usize = 256;
+
+/// A chunk read under a filter stops after scanning this many chunks' bytes,
+/// kept or not, so that one handler never scans the whole shard.
+const SCANNED_CHUNKS_PER_CHUNK_MAX: usize = 4;
+
+/// Which piece of which stream a message carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    /// Grows with every stream one sender starts (see [`SnapshotStream::new`]).
+    pub stream: u64,
+    pub index: u32,
+    pub last: bool,
+}
+
+/// Calls `visit` with every entry of the engine, a page at a time: a whole
+/// shard is never in memory at once.
+pub fn for_each_entry(
+    engine: &dyn Engine,
+    mut visit: impl FnMut(Bytes, Bytes) -> Result<(), OperationError>,
+) -> Result<(), OperationError> {
+    let mut cursor = ScanCursor::start();
+    loop {
+        let page = engine.scan(&KeyRange::all(), &cursor, 1024)?;
+        for (key, value) in page.entries {
+            visit(key, value)?;
+        }
+        match page.next {
+            Some(next) => cursor = next,
+            None => return Ok(()),
+        }
+    }
+}
+
+/// The bytes of keys and values in a snapshot's entries.
+pub fn entries_bytes(entries: &[(Bytes, Bytes)]) -> usize {
+    entries.iter().map(|(key, value)| key.len() + value.len()).sum()
+}
+
+type KeyFilter = Box<dyn Fn(&[u8]) -> bool + Send>;
+
+/// A chunk and the entries it carries.
+pub type ChunkEntries = (Chunk, Vec<(Bytes, Bytes)>);
+
+/// The sending side of one snapshot to one receiver.
+pub struct SnapshotStream {
+    id: u64,
+    /// Where the next chunk starts reading; `None` once the last was read.
+    cursor: Option<ScanCursor>,
+    next_index: u32,
+    /// Sent and not yet acknowledged, oldest first, kept to be sent again.
+    unacked: VecDeque<ChunkEntries>,
+    /// When an acknowledgement last arrived (or the unacknowledged chunks were
+    /// last sent again).
+    last_progress_at: Time,
+    resends_without_progress: u32,
+    /// When the rate allows the next new chunk.
+    next_send_at: Time,
+    pace: SnapshotPace,
+    keep: Option<KeyFilter>,
+    /// Entries and their bytes scanned so far, for the size of scan pages.
+    scanned: (usize, usize),
+}
+
+impl SnapshotStream {
+    /// A stream numbered above `previous` (the number of this sender's last
+    /// stream to anyone, 0 for none) and at least `now`, so that numbers grow
+    /// across restarts of the sender too.
+    pub fn new(previous: u64, now: Time, pace: SnapshotPace) -> Self {
+        assert!(pace.chunk_bytes > 0, "a chunk must be able to carry an entry");
+        Self {
+            id: (previous + 1).max(now),
+            cursor: Some(ScanCursor::start()),
+            next_index: 0,
+            unacked: VecDeque::new(),
+            last_progress_at: now,
+            resends_without_progress: 0,
+            next_send_at: now,
+            pace: SnapshotPace { bytes_per_sec: pace.bytes_per_sec.filter(|rate| *rate > 0), ..pace },
+            keep: None,
+            scanned: (0, 0),
+        }
+    }
+
+    /// Sends only the entries whose key `keep` accepts.
+    pub fn only(mut self, keep: impl Fn(&[u8]) -> bool + Send + 'static) -> Self {
+        self.keep = Some(Box::new(keep));
+        self
+    }
+
+    /// This stream's number (it changes when the stream starts over).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Every chunk was read and acknowledged.
+    pub fn finished(&self) -> bool {
+        self.cursor.is_none() && self.unacked.is_empty()
+    }
+
+    /// The receiver applied every chunk of stream `stream` through `index`.
+    pub fn on_ack(&mut self, stream: u64, index: u32, now: Time) {
+        if stream != self.id {
+            return;
+        }
+        let before = self.unacked.len();
+        while self.unacked.front().is_some_and(|(chunk, _)| chunk.index <= index) {
+            self.unacked.pop_front();
+        }
+        if self.unacked.len() < before {
+            self.last_progress_at = now;
+            self.resends_without_progress = 0;
+        }
+    }
+
+    /// What to send now: the unacknowledged chunks again once they had time to
+    /// arrive, then new chunks as far as the window and the rate allow.
+    pub fn poll(
+        &mut self,
+        engine: &dyn Engine,
+        now: Time,
+        retransmit_after_ms: u64,
+    ) -> Result<Vec<ChunkEntries>, OperationError> {
+        let mut out = Vec::new();
+        if !self.unacked.is_empty() {
+            let bytes = self.unacked.iter().map(|(_, entries)| entries_bytes(entries)).sum();
+            if now.saturating_sub(self.last_progress_at) >= transfer_allowance(retransmit_after_ms, bytes) {
+                if self.resends_without_progress >= RESENDS_BEFORE_RESTART {
+                    self.start_over(now);
+                } else {
+                    self.resends_without_progress += 1;
+                    self.last_progress_at = now;
+                    out.extend(self.unacked.iter().cloned());
+                }
+            }
+        }
+        while self.unacked.len() < SNAPSHOT_WINDOW && now >= self.next_send_at {
+            let Some((chunk, entries)) = self.read_chunk(engine)? else { break };
+            let bytes = entries_bytes(&entries) as u64;
+            if let Some(rate) = self.pace.bytes_per_sec {
+                self.next_send_at = self.next_send_at.max(now) + bytes * 1000 / rate;
+            }
+            if self.unacked.is_empty() {
+                self.last_progress_at = now;
+            }
+            self.unacked.push_back((chunk, entries.clone()));
+            out.push((chunk, entries));
+        }
+        Ok(out)
+    }
+
+    fn start_over(&mut self, now: Time) {
+        self.id = (self.id + 1).max(now);
+        self.cursor = Some(ScanCursor::start());
+        self.next_index = 0;
+        self.unacked.clear();
+        self.resends_without_progress = 0;
+        self.last_progress_at = now;
+    }
+
+    /// The next chunk from the cursor, or `None` once the last was read.
+    fn read_chunk(&mut self, engine: &dyn Engine) -> Result<Option<ChunkEntries>, OperationError> {
+        let Some(mut cursor) = self.cursor.take() else { return Ok(None) };
+        let chunk_bytes = self.pace.chunk_bytes;
+        let mut entries = Vec::new();
+        let (mut kept, mut scanned) = (0, 0);
+        let last = loop {
+            let (seen, seen_bytes) = self.scanned;
+            let entry_bytes = seen_bytes.checked_div(seen).unwrap_or(chunk_bytes).max(1);
+            let limit = ((chunk_bytes.saturating_sub(kept)) / entry_bytes).clamp(1, SCAN_PAGE_MAX);
+            let page = match engine.scan(&KeyRange::all(), &cursor, limit) {
+                Ok(page) => page,
+                Err(error) => {
+                    self.cursor = Some(cursor); // read again at the next poll
+                    return Err(error.into());
+                }
+            };
+            for (key, value) in page.entries {
+                let bytes = key.len() + value.len();
+                scanned += bytes;
+                self.scanned = (self.scanned.0 + 1, self.scanned.1 + bytes);
+                if self.keep.as_ref().is_none_or(|keep| keep(&key)) {
+                    kept += bytes;
+                    entries.push((key, value));
+                }
+            }
+            match page.next {
+                None => break true,
+                Some(next) => cursor = next,
+            }
+            if kept >= chunk_bytes || scanned >= SCANNED_CHUNKS_PER_CHUNK_MAX * chunk_bytes {
+                self.cursor = Some(cursor);
+                break false;
+            }
+        };
+        let chunk = Chunk { stream: self.id, index: self.next_index, last };
+        self.next_index += 1;
+        Ok(Some((chunk, entries)))
+    }
+}
+
+/// What a receiver does with an arriving chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arrival {
+    /// The next chunk: apply it (a stream's first chunk replaces what the
+    /// replica held, for the protocols that replace), then call
+    /// [`SnapshotReceiver::applied`] and acknowledge.
+    Apply { first: bool },
+    /// Already applied: acknowledge again (the acknowledgement was lost).
+    Again,
+    /// Out of order, or from an older stream: dropped; the sender resends.
+    Drop,
+}
+
+/// The receiving side: where this replica is in the stream it follows.
+#[derive(Debug, Default)]
+pub struct SnapshotReceiver {
+    from: Option<NodeId>,
+    stream: u64,
+    /// The index of the next chunk to apply.
+    next: u32,
+    complete: bool,
+}
+
+impl SnapshotReceiver {
+    pub fn arrive(&mut self, from: NodeId, chunk: Chunk) -> Arrival {
+        let newer = self.from != Some(from) || chunk.stream > self.stream;
+        if newer {
+            if chunk.index != 0 {
+                return Arrival::Drop;
+            }
+            *self = Self { from: Some(from), stream: chunk.stream, next: 0, complete: false };
+            return Arrival::Apply { first: true };
+        }
+        if chunk.stream < self.stream
+            || chunk.index > self.next
+            || (chunk.index == self.next && self.complete)
+        {
+            return Arrival::Drop;
+        }
+        if chunk.index < self.next {
+            return Arrival::Again;
+        }
+        Arrival::Apply { first: chunk.index == 0 }
+    }
+
+    /// The chunk [`arrive`](Self::arrive) said to apply is applied; returns
+    /// whether the stream is now complete.
+    pub fn applied(&mut self, chunk: Chunk) -> bool {
+        assert_eq!((chunk.stream, chunk.index), (self.stream, self.next), "chunks are applied in order");
+        self.next += 1;
+        self.complete = chunk.last;
+        self.complete
+    }
+
+    /// The acknowledgement to send: the stream, and the index through which
+    /// every chunk is applied.
+    pub fn ack(&self) -> Option<(u64, u32)> {
+        self.next.checked_sub(1).map(|index| (self.stream, index))
+    }
+
+    /// Some chunks of the current stream are applied and not all of them.
+    pub fn partway(&self) -> bool {
+        self.next > 0 && !self.complete
+    }
+
+    /// Forgets the stream followed (a view change); a later stream from the
+    /// same sender must still be newer.
+    pub fn clear(&mut self) {
+        self.next = 0;
+        self.complete = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_engine::MemoryEngine;
+
+    fn engine_with(keys: u32, value_bytes: usize) -> MemoryEngine {
+        let engine = MemoryEngine::new();
+        for key in 0..keys {
+            engine.put(&key.to_be_bytes(), Bytes::from(vec![key as u8; value_bytes])).unwrap();
+        }
+        engine
+    }
+
+    /// Delivers a stream's chunks to a receiver, applying them into `into`,
+    /// and the receiver's acknowledgements back, until the stream finishes.
+    fn transfer(stream: &mut SnapshotStream, from: &dyn Engine, into: &dyn Engine, mut now: Time) -> Time {
+        let mut receiver = SnapshotReceiver::default();
+        while !stream.finished() {
+            for (chunk, entries) in stream.poll(from, now, 50).unwrap() {
+                if let Arrival::Apply { first } = receiver.arrive(NodeId(1), chunk) {
+                    if first {
+                        into.clear().unwrap();
+                    }
+                    for (key, value) in entries {
+                        into.put(&key, value).unwrap();
+                    }
+                    receiver.applied(chunk);
+                }
+                let (stream_id, index) = receiver.ack().unwrap();
+                stream.on_ack(stream_id, index, now);
+            }
+            now += 10;
+        }
+        now
+    }
+
+    fn contents(engine: &dyn Engine) -> Vec<(Bytes, Bytes)> {
+        let mut entries = Vec::new();
+        for_each_entry(engine, |key, value| {
+            entries.push((key, value));
+            Ok(())
+        })
+        .unwrap();
+        entries.sort();
+        entries
+    }
+
+    #[test]
+    fn a_stream_copies_the_engine_a_window_at_a_time() {
+        let source = engine_with(300, SNAPSHOT_CHUNK_BYTES / 10);
+        let mut stream = SnapshotStream::new(0, 0, SnapshotPace::default());
+        let first = stream.poll(&source, 0, 50).unwrap();
+        assert_eq!(first.len(), SNAPSHOT_WINDOW, "no more than the window before acknowledgements");
+        assert!(first
+            .iter()
+            .all(|(chunk, entries)| !chunk.last && entries_bytes(entries) <= 2 * SNAPSHOT_CHUNK_BYTES));
+        assert!(stream.poll(&source, 1, 50).unwrap().is_empty(), "nothing new while the window is full");
+
+        let target = engine_with(3, 7); // stale records the stream replaces
+        let mut stream = SnapshotStream::new(0, 0, SnapshotPace::default());
+        transfer(&mut stream, &source, &target, 0);
+        assert_eq!(contents(&target), contents(&source));
+    }
+
+    #[test]
+    fn the_rate_spaces_chunks_by_their_bytes() {
+        let source = engine_with(40, SNAPSHOT_CHUNK_BYTES / 4); // about 10 MiB
+        let rate = 10 * SNAPSHOT_CHUNK_BYTES as u64; // 10 MiB/s
+        let pace = SnapshotPace { bytes_per_sec: Some(rate), ..SnapshotPace::default() };
+        let mut stream = SnapshotStream::new(0, 0, pace);
+        let finished_at = transfer(&mut stream, &source, &MemoryEngine::new(), 0);
+        assert!(
+            (800..=1300).contains(&finished_at),
+            "about a second for 10 MiB at 10 MiB/s, took {finished_at} ms"
+        );
+    }
+
+    #[test]
+    fn lost_chunks_are_sent_again_and_a_stuck_stream_starts_over() {
+        let source = engine_with(30, SNAPSHOT_CHUNK_BYTES / 4);
+        let mut stream = SnapshotStream::new(5, 0, SnapshotPace::default());
+        assert_eq!(stream.id(), 6);
+        let sent = stream.poll(&source, 0, 50).unwrap();
+        assert!(stream.poll(&source, 10, 50).unwrap().is_empty(), "not yet due");
+        let resent = stream.poll(&source, 10_000, 50).unwrap();
+        assert_eq!(resent, sent, "the same chunks again");
+        for resend in 2..=RESENDS_BEFORE_RESTART {
+            assert_eq!(stream.poll(&source, 10_000 * u64::from(resend), 50).unwrap(), sent);
+        }
+        let restarted = stream.poll(&source, 100_000, 50).unwrap();
+        assert!(stream.id() >= 100_000, "a new, higher number");
+        assert_eq!(restarted[0].0, Chunk { stream: stream.id(), index: 0, last: false });
+    }
+
+    #[test]
+    fn a_receiver_applies_in_order_and_only_newer_streams() {
+        let chunk = |stream, index, last| Chunk { stream, index, last };
+        let mut receiver = SnapshotReceiver::default();
+        assert_eq!(
+            receiver.arrive(NodeId(1), chunk(5, 1, false)),
+            Arrival::Drop,
+            "no stream without its start"
+        );
+        assert_eq!(receiver.arrive(NodeId(1), chunk(5, 0, false)), Arrival::Apply { first: true });
+        assert_eq!(
+            receiver.arrive(NodeId(1), chunk(5, 0, false)),
+            Arrival::Apply { first: true },
+            "not applied yet"
+        );
+        assert!(!receiver.applied(chunk(5, 0, false)));
+        assert_eq!(receiver.arrive(NodeId(1), chunk(5, 2, false)), Arrival::Drop, "a gap");
+        assert_eq!(receiver.arrive(NodeId(1), chunk(5, 0, false)), Arrival::Again);
+        assert_eq!(receiver.arrive(NodeId(1), chunk(5, 1, true)), Arrival::Apply { first: false });
+        assert!(receiver.partway());
+        assert!(receiver.applied(chunk(5, 1, true)));
+        assert!(!receiver.partway());
+        assert_eq!(receiver.ack(), Some((5, 1)));
+        assert_eq!(receiver.arrive(NodeId(1), chunk(4, 0, false)), Arrival::Drop, "an older stream");
+        assert_eq!(receiver.arrive(NodeId(1), chunk(6, 0, true)), Arrival::Apply { first: true });
+        assert_eq!(
+            receiver.arrive(NodeId(2), chunk(1, 0, true)),
+            Arrival::Apply { first: true },
+            "another sender"
+        );
+        receiver.clear();
+        assert_eq!(receiver.ack(), None);
+        assert_eq!(receiver.arrive(NodeId(2), chunk(0, 0, true)), Arrival::Drop, "still older than stream 1");
+    }
+}
