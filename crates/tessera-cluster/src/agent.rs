@@ -85,6 +85,8 @@ pub struct AgentConfig {
     /// Back-pressure: once this many writes wait to commit on this node, new
     /// ones wait for room (their connections stop reading meanwhile).
     pub max_uncommitted_writes: usize,
+    /// The most bytes per second one snapshot stream sends (`None`: no limit).
+    pub snapshot_bytes_per_sec: Option<u64>,
     /// Mutual TLS on the peer links and the coordinator session (`tls_cluster`).
     pub tls: Option<PeerTls>,
 }
@@ -741,7 +743,9 @@ impl Agent {
         }
         .and_then(|spec| spec.open(&dir));
         let engine = opened.map_err(|source| AgentError::OpenShard { shard, source })?;
-        let config = ReplicaConfig::new(NodeId(self.config.node), self.lease_ms, Tuning::default());
+        let mut tuning = Tuning::default();
+        tuning.snapshot.bytes_per_sec = self.config.snapshot_bytes_per_sec;
+        let config = ReplicaConfig::new(NodeId(self.config.node), self.lease_ms, tuning);
         let state = ShardState {
             replica: Replica::new(config, engine, mode),
             waiting: HashMap::new(),

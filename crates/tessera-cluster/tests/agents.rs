@@ -80,6 +80,7 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
             heartbeat_ms: 100,
             tick_ms: 10,
             max_uncommitted_writes: 8,
+            snapshot_bytes_per_sec: None,
             tls: Some(tls.clone()),
         };
         agents.push(Some(Agent::start(config).await.unwrap()));
@@ -96,6 +97,7 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
         heartbeat_ms: 100,
         tick_ms: 10,
         max_uncommitted_writes: 8,
+        snapshot_bytes_per_sec: None,
         tls: Some(tls.clone()),
     };
     let refused = Agent::start(wrong.clone()).await.err();

@@ -95,6 +95,10 @@ pub struct ClusterConfig {
     /// Writes waiting to commit on this node beyond which new writes wait.
     #[serde(default = "ClusterConfig::default_max_uncommitted_writes")]
     pub max_uncommitted_writes: usize,
+    /// The most bytes per second this node sends one snapshot stream to a
+    /// joining replica; 0: as fast as the receiver takes them.
+    #[serde(default = "ClusterConfig::default_snapshot_bytes_per_sec")]
+    pub snapshot_bytes_per_sec: u64,
 }
 
 impl ClusterConfig {
@@ -107,6 +111,7 @@ impl ClusterConfig {
             heartbeat_ms: Self::default_heartbeat_ms(),
             tick_ms: Self::default_tick_ms(),
             max_uncommitted_writes: Self::default_max_uncommitted_writes(),
+            snapshot_bytes_per_sec: Self::default_snapshot_bytes_per_sec(),
         }
     }
 
@@ -120,6 +125,10 @@ impl ClusterConfig {
 
     fn default_max_uncommitted_writes() -> usize {
         16_384
+    }
+
+    fn default_snapshot_bytes_per_sec() -> u64 {
+        tessera_protocol::registry::SNAPSHOT_BYTES_PER_SEC_DEFAULT
     }
 }
 

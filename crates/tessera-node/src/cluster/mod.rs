@@ -98,6 +98,7 @@ impl ClusterNode {
             heartbeat_ms: settings.heartbeat_ms,
             tick_ms: settings.tick_ms,
             max_uncommitted_writes: settings.max_uncommitted_writes,
+            snapshot_bytes_per_sec: Some(settings.snapshot_bytes_per_sec).filter(|rate| *rate > 0),
             tls,
         };
         let agent = runtime.block_on(Agent::start(agent_config))?;
