@@ -33,7 +33,7 @@ use crate::record::{Record, Version};
 use crate::{
     increment_value, read_visible, refused_without_quorum, resend_due, Arrival, Chunk, ClientReply,
     ClientRequest, Consistency, Effects, NodeId, Operation, OperationError, PeerMessage, Progress, Protocol,
-    RequestId, ShardView, SnapshotPace, SnapshotReceiver, SnapshotStream, Time, Write,
+    RequestId, ShardView, SnapshotPace, SnapshotReceiver, SnapshotStream, StreamNumbers, Time, Write,
 };
 
 #[derive(Clone, Debug)]
@@ -251,8 +251,8 @@ pub struct ChainReplication {
     snapshot_source: Option<NodeId>,
     /// As a learner: where it is in the tail's snapshot stream.
     snapshot_receiver: SnapshotReceiver,
-    /// The number of the last snapshot stream this replica started.
-    last_stream: u64,
+    /// Numbers the snapshot streams this replica starts.
+    stream_numbers: StreamNumbers,
 }
 
 impl ChainReplication {
@@ -271,7 +271,7 @@ impl ChainReplication {
             learner: None,
             snapshot_source: None,
             snapshot_receiver: SnapshotReceiver::default(),
-            last_stream: 0,
+            stream_numbers: StreamNumbers::default(),
         }
     }
 
@@ -463,10 +463,9 @@ impl ChainReplication {
 
     /// Starts streaming this replica's state to its new learner.
     fn start_snapshot(&mut self, fx: &mut Effects) {
-        let (applied, last_stream, rate) = (self.applied, self.last_stream, self.options.snapshot);
         let Some(learner) = self.learner.as_mut() else { return };
-        learner.snapshot_at = applied;
-        learner.snapshot = Some(SnapshotStream::new(last_stream, fx.now(), rate));
+        learner.snapshot_at = self.applied;
+        learner.snapshot = Some(self.stream_numbers.start(fx.now(), self.options.snapshot));
         self.send_snapshot_chunks(fx);
     }
 
@@ -475,7 +474,8 @@ impl ChainReplication {
         let view = self.view_number();
         let Some(learner) = self.learner.as_mut() else { return };
         let Some(stream) = learner.snapshot.as_mut() else { return };
-        match stream.poll(self.engine.as_ref(), fx.now(), self.options.retransmit_after_ms) {
+        let retransmit_after_ms = self.options.retransmit_after_ms;
+        match stream.poll(self.engine.as_ref(), fx.now(), retransmit_after_ms, &mut self.stream_numbers) {
             Ok(chunks) => {
                 for (chunk, entries) in chunks {
                     let message =
@@ -485,7 +485,6 @@ impl ChainReplication {
             }
             Err(error) => tracing::error!(replica = %self.me, %error, "cannot read a snapshot for a learner"),
         }
-        self.last_stream = self.last_stream.max(stream.id());
     }
 
     fn on_snapshot(

@@ -33,6 +33,7 @@ pub use registry::{Mode, ProtocolSpec, Start, Tuning};
 pub use replica::{ReadGate, Refusal, Replica, ReplicaConfig, Role};
 pub use snapshot::{
     entries_bytes, for_each_entry, Arrival, Chunk, SnapshotPace, SnapshotReceiver, SnapshotStream,
+    StreamNumbers,
 };
 pub use transition::{Switchable, TransitionMessage};
 

@@ -31,7 +31,8 @@ use crate::record::{Record, Version};
 use crate::{
     increment_value, read_visible, refused_without_quorum, resend_due, Arrival, BatchBytes, Chunk,
     ClientReply, ClientRequest, Consistency, Effects, NodeId, Operation, OperationError, PeerMessage,
-    Progress, Protocol, ShardView, SnapshotPace, SnapshotReceiver, SnapshotStream, Time, Write,
+    Progress, Protocol, ShardView, SnapshotPace, SnapshotReceiver, SnapshotStream, StreamNumbers, Time,
+    Write,
 };
 
 #[derive(Clone, Debug)]
@@ -217,8 +218,8 @@ pub struct PrimaryBackup {
     /// it holds part of a snapshot and no history: it reports no position,
     /// serves no reads and takes no updates until the last chunk is in.
     snapshot_receiver: SnapshotReceiver,
-    /// The number of the last snapshot stream this replica started.
-    last_stream: u64,
+    /// Numbers the snapshot streams this replica starts.
+    stream_numbers: StreamNumbers,
 }
 
 impl PrimaryBackup {
@@ -233,7 +234,7 @@ impl PrimaryBackup {
             log: BTreeMap::new(),
             backups: HashMap::new(),
             snapshot_receiver: SnapshotReceiver::default(),
-            last_stream: 0,
+            stream_numbers: StreamNumbers::default(),
         }
     }
 
@@ -338,8 +339,7 @@ impl PrimaryBackup {
         if state.snapshot_done_at.is_some_and(|at| now < at + 2 * retransmit_after) {
             return;
         }
-        let stream = SnapshotStream::new(self.last_stream, now, self.options.snapshot);
-        self.last_stream = stream.id();
+        let stream = self.stream_numbers.start(now, self.options.snapshot);
         state.snapshot = Some((stream, self.applied, self.applied_epoch));
         self.send_snapshot_chunks(from, fx);
     }
@@ -349,7 +349,8 @@ impl PrimaryBackup {
         let view = self.view_number();
         let Some(state) = self.backups.get_mut(&to) else { return };
         let Some((stream, applied, epoch)) = state.snapshot.as_mut() else { return };
-        match stream.poll(self.engine.as_ref(), fx.now(), self.options.retransmit_after_ms) {
+        let retransmit_after_ms = self.options.retransmit_after_ms;
+        match stream.poll(self.engine.as_ref(), fx.now(), retransmit_after_ms, &mut self.stream_numbers) {
             Ok(chunks) => {
                 for (chunk, entries) in chunks {
                     let message =
@@ -359,7 +360,6 @@ impl PrimaryBackup {
             }
             Err(error) => tracing::error!(replica = %self.me, %error, "cannot read a snapshot for a backup"),
         }
-        self.last_stream = self.last_stream.max(stream.id());
     }
 
     fn on_snapshot_ack(&mut self, from: NodeId, stream: u64, index: u32, fx: &mut Effects) {

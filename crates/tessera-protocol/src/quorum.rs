@@ -37,7 +37,7 @@ use crate::record::{Hlc, Record, Version, VERSION_AHEAD_MAX_MS};
 use crate::{
     for_each_entry, increment_value, transfer_allowance, Arrival, Chunk, ClientReply, ClientRequest,
     Consistency, Effects, NodeId, Operation, OperationError, PeerMessage, Progress, Protocol, RequestId,
-    ShardView, SnapshotPace, SnapshotReceiver, SnapshotStream, Time, Write,
+    ShardView, SnapshotPace, SnapshotReceiver, SnapshotStream, StreamNumbers, Time, Write,
 };
 
 #[derive(Clone, Debug)]
@@ -361,8 +361,8 @@ pub struct QuorumRegister {
     snapshot_asked_at: Option<Time>,
     /// As a member: the snapshot streaming to each learner that asked.
     streams: HashMap<NodeId, SnapshotStream>,
-    /// The number of the last snapshot stream this replica started.
-    last_stream: u64,
+    /// Numbers the snapshot streams this replica starts.
+    stream_numbers: StreamNumbers,
 }
 
 impl QuorumRegister {
@@ -398,7 +398,7 @@ impl QuorumRegister {
             ready_in: None,
             snapshot_asked_at: None,
             streams: HashMap::new(),
-            last_stream: 0,
+            stream_numbers: StreamNumbers::default(),
         }
     }
 
@@ -775,7 +775,8 @@ impl QuorumRegister {
     fn send_snapshot_chunks(&mut self, to: NodeId, fx: &mut Effects) {
         let view = self.view_number();
         let Some(stream) = self.streams.get_mut(&to) else { return };
-        match stream.poll(self.engine.as_ref(), fx.now(), self.options.phase_timeout_ms) {
+        let retransmit_after_ms = self.options.phase_timeout_ms;
+        match stream.poll(self.engine.as_ref(), fx.now(), retransmit_after_ms, &mut self.stream_numbers) {
             Ok(chunks) => {
                 for (chunk, entries) in chunks {
                     fx.send(to, PeerMessage::new(&QuorumMessage::Snapshot { view, chunk, entries }));
@@ -783,7 +784,6 @@ impl QuorumRegister {
             }
             Err(error) => tracing::error!(replica = %self.me, %error, "cannot read a snapshot for a learner"),
         }
-        self.last_stream = self.last_stream.max(stream.id());
     }
 
     /// Keeps, per key, the record of the highest ballot.
@@ -887,8 +887,7 @@ impl Protocol for QuorumRegister {
                 if self.streams.contains_key(&from) {
                     return; // under way
                 }
-                let stream = SnapshotStream::new(self.last_stream, now, self.options.snapshot);
-                self.last_stream = stream.id();
+                let stream = self.stream_numbers.start(now, self.options.snapshot);
                 self.streams.insert(from, stream);
                 self.send_snapshot_chunks(from, fx);
             }

@@ -51,10 +51,30 @@ const SCAN_PAGE_MAX: usize = 256;
 /// kept or not, so that one handler never scans the whole shard.
 const SCANNED_CHUNKS_PER_CHUNK_MAX: usize = 4;
 
+/// Numbers a replica's snapshot streams: each above the last it used and at
+/// least its clock, so that numbers grow across restarts of the sender too
+/// and a receiver tells a new stream from a stale chunk of an old one.
+#[derive(Debug, Default)]
+pub struct StreamNumbers {
+    last: u64,
+}
+
+impl StreamNumbers {
+    /// A new stream, numbered after every earlier one.
+    pub fn start(&mut self, now: Time, pace: SnapshotPace) -> SnapshotStream {
+        SnapshotStream::new(self.next(now), now, pace)
+    }
+
+    fn next(&mut self, now: Time) -> u64 {
+        self.last = (self.last + 1).max(now);
+        self.last
+    }
+}
+
 /// Which piece of which stream a message carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Chunk {
-    /// Grows with every stream one sender starts (see [`SnapshotStream::new`]).
+    /// Grows with every stream one sender starts ([`StreamNumbers`]).
     pub stream: u64,
     pub index: u32,
     pub last: bool,
@@ -105,27 +125,22 @@ pub struct SnapshotStream {
     next_send_at: Time,
     pace: SnapshotPace,
     keep: Option<KeyFilter>,
-    /// Entries and their bytes scanned so far, for the size of scan pages.
-    scanned: (usize, usize),
 }
 
 impl SnapshotStream {
-    /// A stream numbered above `previous` (the number of this sender's last
-    /// stream to anyone, 0 for none) and at least `now`, so that numbers grow
-    /// across restarts of the sender too.
-    pub fn new(previous: u64, now: Time, pace: SnapshotPace) -> Self {
+    fn new(id: u64, now: Time, pace: SnapshotPace) -> Self {
         assert!(pace.chunk_bytes > 0, "a chunk must be able to carry an entry");
+        assert_ne!(pace.bytes_per_sec, Some(0), "no limit is None");
         Self {
-            id: (previous + 1).max(now),
+            id,
             cursor: Some(ScanCursor::start()),
             next_index: 0,
             unacked: VecDeque::new(),
             last_progress_at: now,
             resends_without_progress: 0,
             next_send_at: now,
-            pace: SnapshotPace { bytes_per_sec: pace.bytes_per_sec.filter(|rate| *rate > 0), ..pace },
+            pace,
             keep: None,
-            scanned: (0, 0),
         }
     }
 
@@ -161,19 +176,21 @@ impl SnapshotStream {
     }
 
     /// What to send now: the unacknowledged chunks again once they had time to
-    /// arrive, then new chunks as far as the window and the rate allow.
+    /// arrive, then new chunks as far as the window and the rate allow. A
+    /// stream that starts over takes its new number from `numbers`.
     pub fn poll(
         &mut self,
         engine: &dyn Engine,
         now: Time,
         retransmit_after_ms: u64,
+        numbers: &mut StreamNumbers,
     ) -> Result<Vec<ChunkEntries>, OperationError> {
         let mut out = Vec::new();
         if !self.unacked.is_empty() {
             let bytes = self.unacked.iter().map(|(_, entries)| entries_bytes(entries)).sum();
             if now.saturating_sub(self.last_progress_at) >= transfer_allowance(retransmit_after_ms, bytes) {
                 if self.resends_without_progress >= RESENDS_BEFORE_RESTART {
-                    self.start_over(now);
+                    self.start_over(numbers.next(now), now);
                 } else {
                     self.resends_without_progress += 1;
                     self.last_progress_at = now;
@@ -196,8 +213,8 @@ impl SnapshotStream {
         Ok(out)
     }
 
-    fn start_over(&mut self, now: Time) {
-        self.id = (self.id + 1).max(now);
+    fn start_over(&mut self, id: u64, now: Time) {
+        self.id = id;
         self.cursor = Some(ScanCursor::start());
         self.next_index = 0;
         self.unacked.clear();
@@ -210,11 +227,12 @@ impl SnapshotStream {
         let Some(mut cursor) = self.cursor.take() else { return Ok(None) };
         let chunk_bytes = self.pace.chunk_bytes;
         let mut entries = Vec::new();
-        let (mut kept, mut scanned) = (0, 0);
+        // Bytes kept and scanned, and entries scanned: the first page is one
+        // entry, later ones as many as the entries seen so far say fill the rest.
+        let (mut kept, mut scanned, mut seen) = (0, 0usize, 0usize);
         let last = loop {
-            let (seen, seen_bytes) = self.scanned;
-            let entry_bytes = seen_bytes.checked_div(seen).unwrap_or(chunk_bytes).max(1);
-            let limit = ((chunk_bytes.saturating_sub(kept)) / entry_bytes).clamp(1, SCAN_PAGE_MAX);
+            let entry_bytes = scanned.checked_div(seen).unwrap_or(chunk_bytes).max(1);
+            let limit = (chunk_bytes.saturating_sub(kept) / entry_bytes).clamp(1, SCAN_PAGE_MAX);
             let page = match engine.scan(&KeyRange::all(), &cursor, limit) {
                 Ok(page) => page,
                 Err(error) => {
@@ -225,7 +243,7 @@ impl SnapshotStream {
             for (key, value) in page.entries {
                 let bytes = key.len() + value.len();
                 scanned += bytes;
-                self.scanned = (self.scanned.0 + 1, self.scanned.1 + bytes);
+                seen += 1;
                 if self.keep.as_ref().is_none_or(|keep| keep(&key)) {
                     kept += bytes;
                     entries.push((key, value));
@@ -336,8 +354,9 @@ mod tests {
     /// and the receiver's acknowledgements back, until the stream finishes.
     fn transfer(stream: &mut SnapshotStream, from: &dyn Engine, into: &dyn Engine, mut now: Time) -> Time {
         let mut receiver = SnapshotReceiver::default();
+        let mut numbers = StreamNumbers::default();
         while !stream.finished() {
-            for (chunk, entries) in stream.poll(from, now, 50).unwrap() {
+            for (chunk, entries) in stream.poll(from, now, 50, &mut numbers).unwrap() {
                 if let Arrival::Apply { first } = receiver.arrive(NodeId(1), chunk) {
                     if first {
                         into.clear().unwrap();
@@ -369,16 +388,20 @@ mod tests {
     #[test]
     fn a_stream_copies_the_engine_a_window_at_a_time() {
         let source = engine_with(300, SNAPSHOT_CHUNK_BYTES / 10);
-        let mut stream = SnapshotStream::new(0, 0, SnapshotPace::default());
-        let first = stream.poll(&source, 0, 50).unwrap();
+        let mut numbers = StreamNumbers::default();
+        let mut stream = numbers.start(0, SnapshotPace::default());
+        let first = stream.poll(&source, 0, 50, &mut numbers).unwrap();
         assert_eq!(first.len(), SNAPSHOT_WINDOW, "no more than the window before acknowledgements");
         assert!(first
             .iter()
             .all(|(chunk, entries)| !chunk.last && entries_bytes(entries) <= 2 * SNAPSHOT_CHUNK_BYTES));
-        assert!(stream.poll(&source, 1, 50).unwrap().is_empty(), "nothing new while the window is full");
+        assert!(
+            stream.poll(&source, 1, 50, &mut numbers).unwrap().is_empty(),
+            "nothing new while the window is full"
+        );
 
         let target = engine_with(3, 7); // stale records the stream replaces
-        let mut stream = SnapshotStream::new(0, 0, SnapshotPace::default());
+        let mut stream = numbers.start(0, SnapshotPace::default());
         transfer(&mut stream, &source, &target, 0);
         assert_eq!(contents(&target), contents(&source));
     }
@@ -388,7 +411,7 @@ mod tests {
         let source = engine_with(40, SNAPSHOT_CHUNK_BYTES / 4); // about 10 MiB
         let rate = 10 * SNAPSHOT_CHUNK_BYTES as u64; // 10 MiB/s
         let pace = SnapshotPace { bytes_per_sec: Some(rate), ..SnapshotPace::default() };
-        let mut stream = SnapshotStream::new(0, 0, pace);
+        let mut stream = StreamNumbers::default().start(0, pace);
         let finished_at = transfer(&mut stream, &source, &MemoryEngine::new(), 0);
         assert!(
             (800..=1300).contains(&finished_at),
@@ -399,16 +422,18 @@ mod tests {
     #[test]
     fn lost_chunks_are_sent_again_and_a_stuck_stream_starts_over() {
         let source = engine_with(30, SNAPSHOT_CHUNK_BYTES / 4);
-        let mut stream = SnapshotStream::new(5, 0, SnapshotPace::default());
-        assert_eq!(stream.id(), 6);
-        let sent = stream.poll(&source, 0, 50).unwrap();
-        assert!(stream.poll(&source, 10, 50).unwrap().is_empty(), "not yet due");
-        let resent = stream.poll(&source, 10_000, 50).unwrap();
+        let mut numbers = StreamNumbers::default();
+        assert_eq!(numbers.start(0, SnapshotPace::default()).id(), 1);
+        let mut stream = numbers.start(0, SnapshotPace::default());
+        assert_eq!(stream.id(), 2, "above the last number, in the same millisecond too");
+        let sent = stream.poll(&source, 0, 50, &mut numbers).unwrap();
+        assert!(stream.poll(&source, 10, 50, &mut numbers).unwrap().is_empty(), "not yet due");
+        let resent = stream.poll(&source, 10_000, 50, &mut numbers).unwrap();
         assert_eq!(resent, sent, "the same chunks again");
         for resend in 2..=RESENDS_BEFORE_RESTART {
-            assert_eq!(stream.poll(&source, 10_000 * u64::from(resend), 50).unwrap(), sent);
+            assert_eq!(stream.poll(&source, 10_000 * u64::from(resend), 50, &mut numbers).unwrap(), sent);
         }
-        let restarted = stream.poll(&source, 100_000, 50).unwrap();
+        let restarted = stream.poll(&source, 100_000, 50, &mut numbers).unwrap();
         assert!(stream.id() >= 100_000, "a new, higher number");
         assert_eq!(restarted[0].0, Chunk { stream: stream.id(), index: 0, last: false });
     }

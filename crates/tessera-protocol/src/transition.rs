@@ -32,7 +32,7 @@ use crate::multi_master::{hash, leaf_of};
 use crate::{
     for_each_entry, read_visible, Arrival, Chunk, ClientReply, ClientRequest, Consistency, Effects, NodeId,
     Operation, OperationError, PeerMessage, Progress, Protocol, Record, ShardView, SnapshotPace,
-    SnapshotReceiver, SnapshotStream, Time,
+    SnapshotReceiver, SnapshotStream, StreamNumbers, Time,
 };
 
 /// How often a draining replica repeats its announcements and requests (the
@@ -168,8 +168,8 @@ pub struct Switchable {
     held: Vec<ClientRequest>,
     /// How records stream to a peer in a drain.
     pace: SnapshotPace,
-    /// The number of the last stream of records this replica started.
-    last_stream: u64,
+    /// Numbers the streams of records this replica starts.
+    stream_numbers: StreamNumbers,
     /// For tests of the checkers: every member answers *in sync*, so that
     /// nothing is merged.
     #[cfg(feature = "broken")]
@@ -187,7 +187,7 @@ impl Switchable {
             drain: None,
             held: Vec::new(),
             pace,
-            last_stream: 0,
+            stream_numbers: StreamNumbers::default(),
             #[cfg(feature = "broken")]
             broken_without_merge: false,
         }
@@ -355,9 +355,8 @@ impl Switchable {
                 if !differing.contains(&true) {
                     return fx.send(from, PeerMessage::new(&TransitionMessage::InSync { view }));
                 }
-                let records = SnapshotStream::new(self.last_stream, fx.now(), self.pace)
-                    .only(move |key| differing[bucket_of(key)]);
-                self.last_stream = records.id();
+                let records =
+                    self.stream_numbers.start(fx.now(), self.pace).only(move |key| differing[bucket_of(key)]);
                 self.drain.as_mut().expect("checked above").streams.insert(from, records);
                 self.send_records(from, fx);
             }
@@ -369,7 +368,7 @@ impl Switchable {
         let Some(drain) = self.drain.as_mut() else { return };
         let view = drain.view;
         let Some(records) = drain.streams.get_mut(&to) else { return };
-        match records.poll(self.engine.as_ref(), fx.now(), RESEND_MS) {
+        match records.poll(self.engine.as_ref(), fx.now(), RESEND_MS, &mut self.stream_numbers) {
             Ok(chunks) => {
                 for (chunk, entries) in chunks {
                     fx.send(to, PeerMessage::new(&TransitionMessage::Records { view, chunk, entries }));
@@ -377,7 +376,6 @@ impl Switchable {
             }
             Err(error) => tracing::error!(replica = %self.me, %error, "cannot read the shard for a peer"),
         }
-        self.last_stream = self.last_stream.max(records.id());
     }
 
     fn drain_step(&mut self, fx: &mut Effects) {
