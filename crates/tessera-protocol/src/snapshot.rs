@@ -190,7 +190,13 @@ impl SnapshotStream {
             let bytes = self.unacked.iter().map(|(_, entries)| entries_bytes(entries)).sum();
             if now.saturating_sub(self.last_progress_at) >= transfer_allowance(retransmit_after_ms, bytes) {
                 if self.resends_without_progress >= RESENDS_BEFORE_RESTART {
+                    let stuck = self.id;
                     self.start_over(numbers.next(now), now);
+                    tracing::warn!(
+                        stuck,
+                        stream = self.id,
+                        "a snapshot stream made no progress; starting it over"
+                    );
                 } else {
                     self.resends_without_progress += 1;
                     self.last_progress_at = now;
