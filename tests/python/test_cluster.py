@@ -54,9 +54,11 @@ def now_us():
 
 
 class LocalCluster:
-    def __init__(self, directory, consistency, topology="ms", failure_timeout_ms=FAILURE_TIMEOUT_MS, tls=False):
+    def __init__(self, directory, consistency, topology="ms", failure_timeout_ms=FAILURE_TIMEOUT_MS, tls=False,
+                 options=()):
         self.dir = Path(directory) / "cluster"
         self.tls = tls
+        self.options = list(options)
         self.consistency = consistency
         self.topology = topology
         self.failure_timeout_ms = failure_timeout_ms
@@ -82,6 +84,7 @@ class LocalCluster:
             "--topology", self.topology,
             "--base-port", str(self.base_port), "--lease-ms", str(LEASE_MS),
             "--failure-timeout-ms", str(self.failure_timeout_ms), "--no-demo", *(["--tls"] if self.tls else []),
+            *self.options,
         )
         return self
 
@@ -137,8 +140,9 @@ class LocalCluster:
 def cluster_factory(tmp_path):
     clusters = []
 
-    def make(consistency, nodes=NODES, topology="ms", failure_timeout_ms=FAILURE_TIMEOUT_MS, tls=False):
-        cluster = LocalCluster(tmp_path, consistency, topology, failure_timeout_ms, tls)
+    def make(consistency, nodes=NODES, topology="ms", failure_timeout_ms=FAILURE_TIMEOUT_MS, tls=False, options=()):
+        """A cluster up; `options`: more flags for `tessera cluster up`."""
+        cluster = LocalCluster(tmp_path, consistency, topology, failure_timeout_ms, tls, options)
         clusters.append(cluster)
         return cluster.up(nodes)
 
@@ -1129,3 +1133,97 @@ def test_users_are_the_clusters_and_every_node_checks_them_before_sending_a_requ
         assert challenge.startswith(b"*2\r\n$64\r\n"), challenge
         assert ask("RELAY.AUTH", "00" * 32).startswith(b"-ERR authentication failed")
         assert ask("GET", "cache:2").startswith(b"-NOAUTH")
+
+
+def node_stats(cluster, nodes):
+    """INFO of each node, by node id."""
+    return {node: redis.Redis(port=cluster.port(node), socket_timeout=10).info() for node in range(nodes)}
+
+
+def write_values(client, keys, value, hot=(), **options):
+    """SETs of `value` to every key in pipelines, reading the `hot` keys
+    throughout so that they stay recently used."""
+    pipe = client.pipeline(transaction=False)
+    for index, key in enumerate(keys):
+        pipe.set(key, value, **options)
+        if hot and index % 100 == 0:
+            start = (index // 100) * 50 % len(hot)
+            for hot_key in hot[start:start + 50]:
+                pipe.get(hot_key)
+        if len(pipe) >= 500:
+            pipe.execute()
+    pipe.execute()
+
+
+@pytest.mark.parametrize("topology,consistency", [("ms", "strong"), ("aa", "eventual")])
+def test_a_cluster_over_maxmemory_evicts_through_replication(cluster_factory, topology, consistency):
+    """allkeys-lru at 40 MB per node, with three times that written: every
+    write is taken, each node stays near its limit, an evicted key is gone
+    from every replica of its shard (the head deletes it through
+    replication), and the keys read throughout are the ones kept."""
+    limit = 40 << 20
+    cluster = cluster_factory(consistency, nodes=3, topology=topology,
+                              options=("--maxmemory", "40mb", "--maxmemory-policy", "allkeys-lru"))
+    client = cluster.client(socket_timeout=10)
+    value = b"v" * 1000
+    hot = [f"hot:{index}" for index in range(1500)]
+    write_values(client, hot, value)
+    cold = [f"cold:{index}" for index in range(120_000)]
+    write_values(client, cold, value, hot=hot)
+
+    stats = node_stats(cluster, 3)
+    evicted = sum(info["evicted_keys"] for info in stats.values())
+    used = {node: info["used_memory"] for node, info in stats.items()}
+    kept = sum(client.exists(key) for key in hot)
+    print(f"\n{topology}+{consistency[:1]}c at 40 MB per node: {evicted} keys evicted, used_memory "
+          f"{', '.join(f'{bytes >> 20} MB' for bytes in used.values())}, hot keys kept {kept} of {len(hot)}")
+    assert evicted > 60_000
+    assert all(bytes <= limit * 1.1 for bytes in used.values()), used
+    assert kept >= 0.9 * len(hot), kept
+    sample = random.Random(7).sample(cold, 300) + hot[:100]
+    present = sum(client.exists(key) for key in sample[:300])
+    assert 0 < present < 300, "some cold keys were evicted, some kept"
+    assert_replicas_converge(cluster, sample)
+
+
+def test_a_cluster_under_noeviction_refuses_writes_as_redis_does(cluster_factory):
+    cluster = cluster_factory("strong", nodes=3, options=("--maxmemory", "30mb"))
+    client = cluster.client(socket_timeout=10)
+    value = b"v" * 1000
+    refused = None
+    for index in range(200_000):
+        try:
+            client.set(f"k{index}", value)
+        except redis.ResponseError as error:
+            refused = (index, str(error))
+            break
+    assert refused and refused[1] == "command not allowed when used memory > 'maxmemory'.", refused
+    assert refused[0] > 5_000, "the limit holds a node's share of values first"
+    assert client.get("k1") == value, "reads are served past the limit"
+    assert client.delete("k1") == 1, "deletes are served past the limit"
+    assert sum(info["evicted_keys"] for info in node_stats(cluster, 3).values()) == 0
+
+
+def test_expired_keys_leave_every_replica_of_a_cluster(cluster_factory):
+    """Keys written with a short time to live are deleted by their shards'
+    heads, once each, and the memory they held comes back on every node."""
+    cluster = cluster_factory("strong", nodes=3)
+    client = cluster.client(socket_timeout=10)
+    before = {node: info["used_memory"] for node, info in node_stats(cluster, 3).items()}
+    keys = [f"session:{index}" for index in range(30_000)]
+    write_values(client, keys, b"s" * 1000, px=1500)
+    client.set("persistent", "stays")
+    full = {node: info["used_memory"] for node, info in node_stats(cluster, 3).items()}
+    deadline = time.time() + 30
+    while (expired := sum(info["expired_keys"] for info in node_stats(cluster, 3).values())) < len(keys):
+        assert time.time() < deadline, f"{expired} of {len(keys)} keys expired"
+        time.sleep(0.5)
+    after = {node: info["used_memory"] for node, info in node_stats(cluster, 3).items()}
+    print(f"\nused_memory before, with 30 MB of expiring keys, after they expired: "
+          + "; ".join(f"node {node}: {before[node] >> 20}, {full[node] >> 20}, {after[node] >> 20} MB"
+                      for node in range(3)))
+    assert expired == len(keys), "each key is deleted once, by its head"
+    assert all(full[node] - before[node] > 20 << 20 for node in range(3)), "every node held every key"
+    assert all(after[node] - before[node] < 10 << 20 for node in range(3)), (before, after)
+    assert client.get("persistent") == b"stays"
+    assert_replicas_converge(cluster, random.Random(3).sample(keys, 100) + ["persistent"])

@@ -26,6 +26,7 @@ use tessera_cluster::auth::{ClusterSecret, ADMIN};
 use tessera_cluster::session::{CoordinatorSession, Credentials};
 use tessera_cluster::tls::PeerTls;
 use tessera_cluster::ClusterMap;
+use tessera_node::memory::EvictionPolicy;
 use tessera_wire::slot::key_slot;
 use tessera_wire::{Client, Value};
 
@@ -102,6 +103,13 @@ pub struct UpArgs {
     /// mutual TLS, with a CA and certificates made in <dir>/tls.
     #[arg(long)]
     tls: bool,
+    /// Each node's maxmemory (bytes, or a number with kb, mb, gb); past it,
+    /// writes evict keys or are refused [default: none].
+    #[arg(long, value_parser = crate::parse_maxmemory)]
+    maxmemory: Option<u64>,
+    /// What a write past maxmemory does (as `serve --maxmemory-policy`).
+    #[arg(long, value_parser = crate::parse_eviction_policy)]
+    maxmemory_policy: Option<EvictionPolicy>,
     /// Skip the demo of writes and reads.
     #[arg(long)]
     no_demo: bool,
@@ -125,6 +133,11 @@ struct Layout {
     /// The cluster plane runs in mutual TLS (`up --tls`).
     #[serde(default)]
     tls: bool,
+    /// Each node's maxmemory in bytes, and its policy's name.
+    #[serde(default)]
+    maxmemory: Option<u64>,
+    #[serde(default)]
+    maxmemory_policy: Option<String>,
 }
 
 fn master_slave() -> String {
@@ -243,6 +256,8 @@ fn up(args: UpArgs) -> Result<(), String> {
                 lease_ms: args.lease_ms,
                 failure_timeout_ms: args.failure_timeout_ms,
                 tls: args.tls,
+                maxmemory: args.maxmemory,
+                maxmemory_policy: args.maxmemory_policy.map(|policy| policy.name().to_string()),
             };
             fs::create_dir_all(dir).map_err(|error| format!("{}: {error}", dir.display()))?;
             layout.save(dir)?;
@@ -700,6 +715,12 @@ fn start(dir: &Path, layout: &Layout, name: &str) -> Result<(), String> {
         if layout.tls {
             args.push("--tls-cluster".into());
             args.extend(tls_flags(&dir, layout));
+        }
+        if let Some(bytes) = layout.maxmemory {
+            args.extend(["--maxmemory".into(), bytes.to_string()]);
+        }
+        if let Some(policy) = &layout.maxmemory_policy {
+            args.extend(["--maxmemory-policy".into(), policy.clone()]);
         }
     }
     let log_path = dir.join("logs").join(format!("{name}.log"));

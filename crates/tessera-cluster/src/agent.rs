@@ -505,6 +505,16 @@ impl Agent {
         self.local_shards().iter().map(|(id, local)| (*id, local.state.lock().replica.progress())).collect()
     }
 
+    /// The live keys (tombstones left out) of each shard this node runs.
+    pub fn live_keys(&self) -> BTreeMap<u32, u64> {
+        self.local_shards().iter().map(|(id, local)| (*id, local.state.lock().replica.live_keys())).collect()
+    }
+
+    /// Memory held by messages waiting to go to peers.
+    pub fn replication_buffer_bytes(&self) -> usize {
+        self.links.queued_bytes()
+    }
+
     /// What a request needs of a shard, in one look.
     pub fn snapshot(&self, shard: u32) -> Option<ShardSnapshot> {
         let local = self.local_shard(shard)?;

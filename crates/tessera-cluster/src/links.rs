@@ -238,6 +238,18 @@ impl Links {
         self.config.clone()
     }
 
+    /// Memory the queues to every peer hold.
+    pub fn queued_bytes(&self) -> usize {
+        let peers: Vec<Arc<Peer>> = self.peers.lock().values().cloned().collect();
+        peers
+            .iter()
+            .map(|peer| {
+                let queue = peer.queue.lock();
+                queue.whole.capacity() + queue.in_parts_bytes()
+            })
+            .sum()
+    }
+
     /// Messages dropped for a peer because its queue was full.
     pub fn dropped(&self, peer: NodeId) -> u64 {
         self.peers.lock().get(&peer).map_or(0, |peer| peer.queue.lock().dropped)

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::{Mutex, MutexGuard, RwLock};
-use tessera_engine::{reserved, Engine, EngineSpec, ScanCursor, ScanPage};
+use tessera_engine::{reserved, Engine, EngineSpec, KeyRange, ScanCursor};
 
 use crate::acl::{Acl, CommandCatalog};
 use crate::config::Config;
@@ -27,6 +27,11 @@ const LOCK_STRIPES: usize = 1024;
 const SCAN_CURSORS_MAX: usize = 100_000;
 /// Samples in a row that may find nothing to evict before a write is refused.
 const EVICTION_SAMPLES_FRUITLESS_MAX: usize = 16;
+/// How many times the excess over `maxmemory` one write may evict, in the
+/// victims' sizes ([`NodeState::make_room`]).
+const EVICTION_EXCESS_MULTIPLE: usize = 4;
+/// Pages a sample for eviction may read to find its keys.
+const EVICTION_PAGES_PER_SAMPLE: usize = 8;
 
 /// Node-wide counters of rare events, reported by INFO.
 #[derive(Default)]
@@ -93,6 +98,62 @@ pub struct NodeState {
     worker_stats: Mutex<Vec<Arc<WorkerStats>>>,
     pub started: Instant,
     pub next_client_id: AtomicU64,
+}
+
+/// Keys that expiry and eviction work on: a table of a node by itself, or a
+/// shard on a cluster node, whose deletes replicate.
+pub trait Keyspace {
+    /// Names it in logs and keeps its place in the expiry sweep.
+    fn name(&self) -> &str;
+    /// Its values, as commands see them.
+    fn values(&self) -> &dyn Engine;
+    /// Deletes `key`, whose lock the caller holds.
+    fn remove(&self, key: &[u8]) -> CommandResult<()>;
+}
+
+impl Keyspace for Table {
+    fn name(&self) -> &str {
+        &self.def.name
+    }
+
+    fn values(&self) -> &dyn Engine {
+        self.engine.as_ref()
+    }
+
+    fn remove(&self, key: &[u8]) -> CommandResult<()> {
+        if self.engine.delete(key)? && reserved::is_reserved(key) {
+            self.reserved_entries.fetch_sub(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+}
+
+impl<K: Keyspace + ?Sized> Keyspace for &K {
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+
+    fn values(&self) -> &dyn Engine {
+        (**self).values()
+    }
+
+    fn remove(&self, key: &[u8]) -> CommandResult<()> {
+        (**self).remove(key)
+    }
+}
+
+impl<K: Keyspace + ?Sized> Keyspace for Arc<K> {
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+
+    fn values(&self) -> &dyn Engine {
+        (**self).values()
+    }
+
+    fn remove(&self, key: &[u8]) -> CommandResult<()> {
+        (**self).remove(key)
+    }
 }
 
 pub fn now_ms() -> u64 {
@@ -222,98 +283,149 @@ impl NodeState {
 
     /// Deletes expired keys from a slice of every table; called periodically.
     /// Reads remove nothing: they only treat an expired key as absent.
-    pub fn sweep_expired(&self, entries_per_table: usize) {
+    pub fn sweep_expired(&self, entries_per_keyspace: usize) {
+        let tables = self.tables();
+        self.sweep_expired_in(&tables.by_name(), entries_per_keyspace);
+    }
+
+    /// Deletes expired keys (and sorted-set entries whose set is gone) from
+    /// the next `entries_per_keyspace` entries of each keyspace.
+    pub fn sweep_expired_in<K: Keyspace>(&self, keyspaces: &[K], entries_per_keyspace: usize) {
         let now = now_ms();
-        for table in self.tables().by_name() {
-            let cursor = self.sweep_positions.lock().remove(&table.def.name).unwrap_or_default();
-            let page = match table.engine.scan(&tessera_engine::KeyRange::all(), &cursor, entries_per_table) {
+        for keyspace in keyspaces {
+            let name = keyspace.name();
+            let cursor = self.sweep_positions.lock().remove(name).unwrap_or_default();
+            let page = match keyspace.values().scan(&KeyRange::all(), &cursor, entries_per_keyspace) {
                 Ok(page) => page,
                 Err(error) => {
-                    tracing::warn!(table = %table.def.name, %error, "expiry sweep failed");
+                    tracing::warn!(keyspace = %name, %error, "expiry sweep failed");
                     continue;
                 }
             };
             for (key, raw) in page.entries {
-                if reserved::is_reserved(&key) {
-                    self.remove_if_orphan(table, &key, now);
+                let removed = if reserved::is_reserved(&key) {
+                    self.remove_if_orphan(keyspace, &key, now)
                 } else if Stored::decode(raw).is_ok_and(|stored| stored.is_expired(now)) {
                     let _lock = self.lock_key(&key);
-                    if let Ok(true) = self.remove_if_expired(table.engine.as_ref(), &key, now) {
+                    let removed = self.remove_if_expired(keyspace, &key, now);
+                    if let Ok(true) = removed {
                         self.stats.expired_keys.fetch_add(1, Ordering::Relaxed);
                     }
+                    removed
+                } else {
+                    Ok(false)
+                };
+                if let Err(error) = removed {
+                    tracing::warn!(keyspace = %name, %error, "expiry sweep cannot delete a key");
                 }
             }
             if let Some(next) = page.next {
-                self.sweep_positions.lock().insert(table.def.name.clone(), next);
+                self.sweep_positions.lock().insert(name.to_string(), next);
             }
         }
     }
 
-    /// Before a write that may grow memory: under `maxmemory` (or with none),
-    /// nothing to do; over it, keys are evicted by the policy until it is
-    /// under again, and the write is refused with `-OOM` if they cannot be.
-    /// A cluster node does not evict (an eviction would have to replicate
-    /// as a delete): it refuses.
-    pub fn make_room(&self, in_cluster: bool) -> CommandResult<()> {
+    /// Whether the node's memory, less `uncounted_bytes`, is over `maxmemory`.
+    pub fn over_maxmemory(&self, uncounted_bytes: usize) -> bool {
         let limit = self.config.maxmemory as usize;
-        if limit == 0 || used_memory() <= limit {
+        limit != 0 && used_memory().saturating_sub(uncounted_bytes) > limit
+    }
+
+    /// Before a write that may grow memory: under `maxmemory` (or with none),
+    /// nothing to do; over it, keys are evicted from `keyspaces` by the policy
+    /// and the write is refused with `-OOM` if none can be. `uncounted_bytes`
+    /// is memory that eviction could not give back (a cluster node's
+    /// replication queues), left out as Redis leaves out its replicas'
+    /// output buffers.
+    ///
+    /// Eviction goes on until the node is under the limit, or until the
+    /// victims' sizes come to [`EVICTION_EXCESS_MULTIPLE`] times the excess,
+    /// when the write goes ahead (as Redis lets it when eviction runs out of
+    /// time): a replicated delete may give its memory back only when it
+    /// commits (a quorum's), or leave a tombstone in its place for a while
+    /// (active–active), and evicting until memory showed it would empty the
+    /// shard.
+    pub fn make_room<K: Keyspace>(
+        &self,
+        keyspaces: impl FnOnce() -> Vec<K>,
+        uncounted_bytes: usize,
+    ) -> CommandResult<()> {
+        if !self.over_maxmemory(uncounted_bytes) {
             return Ok(());
         }
+        let limit = self.config.maxmemory as usize;
+        let counted = || used_memory().saturating_sub(uncounted_bytes);
         let policy = self.config.maxmemory_policy;
-        if policy == EvictionPolicy::Noeviction || in_cluster {
+        if policy == EvictionPolicy::Noeviction {
             return Err(CommandError::OutOfMemory);
         }
-        let tables = self.tables();
-        let tables = tables.by_name();
+        let keyspaces = keyspaces();
+        let excess = counted().saturating_sub(limit);
         // A bounded effort per write: samples that keep finding nothing to
         // evict (only keys without expiry under a volatile policy, say) give up.
-        let mut fruitless = 0;
-        while used_memory() > limit {
-            if self.evict_one(policy, &tables) {
-                fruitless = 0;
-            } else {
-                fruitless += 1;
-                if fruitless > EVICTION_SAMPLES_FRUITLESS_MAX + tables.len() {
-                    return Err(CommandError::OutOfMemory);
+        let (mut fruitless, mut freed) = (0, 0);
+        while counted() > limit && freed < EVICTION_EXCESS_MULTIPLE * excess {
+            match self.evict_one(policy, &keyspaces) {
+                Some(bytes) => {
+                    fruitless = 0;
+                    freed += bytes;
+                }
+                None => {
+                    fruitless += 1;
+                    if fruitless > EVICTION_SAMPLES_FRUITLESS_MAX + keyspaces.len() {
+                        return Err(CommandError::OutOfMemory);
+                    }
                 }
             }
         }
         Ok(())
     }
 
-    /// Samples the next `maxmemory_samples` entries of one of `tables` and
-    /// evicts the policy's best candidate among them, if there is one.
-    fn evict_one(&self, policy: EvictionPolicy, tables: &[&Arc<Table>]) -> bool {
-        if tables.is_empty() {
-            return false;
+    /// Samples the next `maxmemory_samples` entries of one of `keyspaces` and
+    /// evicts the policy's best candidate among them, if there is one: the
+    /// bytes it held.
+    fn evict_one<K: Keyspace>(&self, policy: EvictionPolicy, keyspaces: &[K]) -> Option<usize> {
+        if keyspaces.is_empty() {
+            return None;
         }
-        let (table, cursor) = {
+        let (keyspace, cursor) = {
             let mut position = self.eviction_position.lock();
-            if position.0 >= tables.len() {
+            if position.0 >= keyspaces.len() {
                 *position = (0, ScanCursor::default());
             }
-            (tables[position.0], position.1.clone())
+            (&keyspaces[position.0], position.1.clone())
         };
+        // The sample: the next live entries. A replicated shard's deleted
+        // keys stay a while as tombstones, which its view skips, so a page
+        // may hold fewer than asked; a few pages make up for them.
         let samples = self.config.maxmemory_samples.max(1);
-        let page = match table.engine.scan(&tessera_engine::KeyRange::all(), &cursor, samples) {
-            Ok(page) => page,
-            Err(error) => {
-                tracing::warn!(table = %table.def.name, %error, "eviction cannot sample the table");
-                ScanPage::default()
+        let mut sample = Vec::with_capacity(samples);
+        let mut cursor = Some(cursor);
+        for _ in 0..EVICTION_PAGES_PER_SAMPLE {
+            let Some(from) = cursor.take() else { break };
+            match keyspace.values().scan(&KeyRange::all(), &from, samples - sample.len()) {
+                Ok(page) => {
+                    sample.extend(page.entries.into_iter().filter(|(key, _)| !reserved::is_reserved(key)));
+                    cursor = page.next;
+                }
+                Err(error) => {
+                    tracing::warn!(keyspace = %keyspace.name(), %error, "eviction cannot sample the keyspace");
+                }
             }
-        };
+            if sample.len() >= samples {
+                break;
+            }
+        }
         {
             let mut position = self.eviction_position.lock();
-            *position = match page.next {
+            *position = match cursor {
                 Some(next) => (position.0, next),
                 None => (position.0 + 1, ScanCursor::default()),
             };
         }
         // The best candidate: the smallest rank.
-        let victim = page
-            .entries
+        let (_, key, bytes) = sample
             .into_iter()
-            .filter(|(key, _)| !reserved::is_reserved(key))
             .filter_map(|(key, raw)| {
                 let expires_at = decode_header(&raw).ok()?.1;
                 if policy.volatile_only() && expires_at.is_none() {
@@ -324,42 +436,40 @@ impl NodeState {
                     policy if policy.uses_access_times() => u64::from(self.access.last_access(&key)),
                     _ => rand::random(), // a random one of the sample
                 };
-                Some((rank, key))
+                let bytes = key.len() + raw.len();
+                Some((rank, key, bytes))
             })
-            .min_by_key(|(rank, _)| *rank);
-        let Some((_, key)) = victim else { return false };
+            .min_by_key(|(rank, _, _)| *rank)?;
         let _lock = self.lock_key(&key);
-        match table.engine.delete(&key) {
-            Ok(deleted) => {
-                self.stats.evicted_keys.fetch_add(u64::from(deleted), Ordering::Relaxed);
-                deleted
+        match keyspace.remove(&key) {
+            Ok(()) => {
+                self.stats.evicted_keys.fetch_add(1, Ordering::Relaxed);
+                Some(bytes)
             }
             Err(error) => {
-                tracing::warn!(table = %table.def.name, %error, "eviction cannot delete a key");
-                false
+                tracing::warn!(keyspace = %keyspace.name(), %error, "eviction cannot delete a key");
+                None
             }
         }
     }
 
     /// Deletes a sorted set's entry whose set is gone (see [`zset::is_orphan`]).
-    fn remove_if_orphan(&self, table: &Table, entry: &[u8], now: u64) {
-        let Some(owner) = zset::owner_key(entry) else { return };
+    fn remove_if_orphan<K: Keyspace>(&self, keyspace: &K, entry: &[u8], now: u64) -> CommandResult<bool> {
+        let Some(owner) = zset::owner_key(entry) else { return Ok(false) };
         let _lock = self.lock_key(owner);
-        let engine = table.engine.as_ref();
-        match zset::is_orphan(engine, entry, now).and_then(|orphan| Ok(orphan && engine.delete(entry)?)) {
-            Ok(true) => {
-                table.reserved_entries.fetch_sub(1, Ordering::Relaxed);
-            }
-            Ok(false) => {}
-            Err(error) => tracing::warn!(table = %table.def.name, %error, "sorted-set clean-up failed"),
+        if !zset::is_orphan(keyspace.values(), entry, now)? {
+            return Ok(false);
         }
+        keyspace.remove(entry)?;
+        Ok(true)
     }
 
     /// With the key's lock held: deletes it if it is (still) expired.
-    fn remove_if_expired(&self, engine: &dyn Engine, key: &[u8], now: u64) -> CommandResult<bool> {
-        match engine.get(key)? {
+    fn remove_if_expired<K: Keyspace>(&self, keyspace: &K, key: &[u8], now: u64) -> CommandResult<bool> {
+        match keyspace.values().get(key)? {
             Some(raw) if Stored::decode(raw.clone()).is_ok_and(|stored| stored.is_expired(now)) => {
-                Ok(engine.delete(key)?)
+                keyspace.remove(key)?;
+                Ok(true)
             }
             _ => Ok(false),
         }

@@ -142,10 +142,10 @@ impl Server {
         }
         let sweeper_stop = Arc::new(AtomicBool::new(false));
         let sweeper = {
-            let (node, stop) = (node.clone(), sweeper_stop.clone());
+            let (node, cluster, stop) = (node.clone(), cluster.clone(), sweeper_stop.clone());
             thread::Builder::new()
                 .name("tessera-expiry".into())
-                .spawn(move || sweep_expired(node, stop))
+                .spawn(move || sweep_expired(node, cluster, stop))
                 .map_err(ServerError::Thread)?
         };
         Ok(Self { node, local_addr, stop, workers, sweeper_stop, sweeper: Some(sweeper) })
@@ -289,10 +289,15 @@ async fn reject(mut stream: TcpStream) {
     let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
 }
 
-fn sweep_expired(node: Arc<NodeState>, stop: Arc<AtomicBool>) {
+/// Deletes expired keys now and then: a node's own tables, or, on a cluster
+/// node, the shards it heads.
+fn sweep_expired(node: Arc<NodeState>, cluster: Option<Arc<ClusterNode>>, stop: Arc<AtomicBool>) {
     let interval = Duration::from_millis(node.config.expiry_sweep_interval_ms);
     while !stop.load(Ordering::Relaxed) {
         thread::sleep(interval);
-        node.sweep_expired(node.config.expiry_sweep_entries);
+        match &cluster {
+            Some(cluster) => cluster.sweep_expired(&node),
+            None => node.sweep_expired(node.config.expiry_sweep_entries),
+        }
     }
 }

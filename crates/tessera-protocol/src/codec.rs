@@ -189,9 +189,15 @@ impl Reader {
         Ok(NodeId(self.u32()?))
     }
 
+    /// A length-prefixed field. One that is less than half its message is
+    /// copied out: a replica keeps a record for as long as the key lives, and
+    /// a slice would pin the whole batch it came in (a batch of 256 records
+    /// whose other keys were deleted). Most of a message (a large value) keeps
+    /// sharing its buffer, which wastes less than it would cost to copy.
     pub fn bytes(&mut self) -> Result<Bytes, CodecError> {
         let length = self.u32()? as usize;
-        self.take(length)
+        let field = self.take(length)?;
+        Ok(if field.len() * 2 < self.bytes.len() { Bytes::copy_from_slice(&field) } else { field })
     }
 
     pub fn write(&mut self) -> Result<Write, CodecError> {
@@ -307,6 +313,20 @@ mod tests {
         body.extend_from_slice(&u32::MAX.to_le_bytes());
         let mut reader = Reader::new(Bytes::from(body));
         assert_eq!(reader.entries(), Err(CodecError("count larger than the message")));
+    }
+
+    #[test]
+    fn a_small_field_is_copied_out_of_its_message_and_most_of_one_is_not() {
+        let mut body = Vec::new();
+        put_bytes(&mut body, b"key");
+        put_bytes(&mut body, &[7; 4096]);
+        let message = Bytes::from(body);
+        let within = |field: &Bytes| message.as_ptr_range().contains(&field.as_ptr());
+        let mut reader = Reader::new(message.clone());
+        let (key, value) = (reader.bytes().unwrap(), reader.bytes().unwrap());
+        assert_eq!(key, Bytes::from_static(b"key"));
+        assert!(!within(&key), "a stored key must not keep the whole message alive");
+        assert!(within(&value), "a field that is most of the message is not copied");
     }
 
     #[test]

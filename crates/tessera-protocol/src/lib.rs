@@ -335,6 +335,12 @@ pub trait Protocol: Send {
     /// operation waits for peers. A transition waits for it (new operations
     /// are held meanwhile).
     fn quiescent(&self) -> bool;
+    /// Deleted keys whose tombstones the engine holds (those this replica
+    /// has seen written), so that the engine's `len()` less these counts the
+    /// live keys. A protocol that deletes outright holds none.
+    fn tombstones(&self) -> u64 {
+        0
+    }
 }
 
 /// Answers an operation only quorum protocols run (a conditional write's

@@ -684,6 +684,10 @@ impl Protocol for MultiMaster {
         Progress { applied: self.accepted, learner_ready: None, drained: None }
     }
 
+    fn tombstones(&self) -> u64 {
+        self.tombstones.len() as u64
+    }
+
     /// Every write accepted here was acknowledged by every peer of the view.
     fn quiescent(&self) -> bool {
         self.outboxes

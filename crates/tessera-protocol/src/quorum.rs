@@ -363,6 +363,8 @@ pub struct QuorumRegister {
     streams: HashMap<NodeId, SnapshotStream>,
     /// Numbers the snapshot streams this replica starts.
     stream_numbers: StreamNumbers,
+    /// Records held that are tombstones: deletes are never collected here.
+    tombstones: u64,
 }
 
 impl QuorumRegister {
@@ -381,6 +383,16 @@ impl QuorumRegister {
 
     pub fn new(me: NodeId, engine: Arc<dyn Engine>, options: QuorumOptions) -> Self {
         let restarted_with_state = engine.is_empty().map_or(true, |empty| !empty);
+        let mut tombstones = 0;
+        if restarted_with_state {
+            let read = for_each_entry(engine.as_ref(), |_, raw| {
+                tombstones += u64::from(Record::decode(raw).is_ok_and(|record| record.tombstone));
+                Ok(())
+            });
+            if let Err(error) = read {
+                tracing::error!(replica = %me, %error, "cannot read the shard to count its tombstones");
+            }
+        }
         Self {
             me,
             engine,
@@ -399,7 +411,27 @@ impl QuorumRegister {
             snapshot_asked_at: None,
             streams: HashMap::new(),
             stream_numbers: StreamNumbers::default(),
+            tombstones,
         }
+    }
+
+    /// Stores a record over `current` (the key's record, if any), keeping the
+    /// count of tombstones.
+    fn store(
+        &mut self,
+        key: &[u8],
+        current: Option<&Record>,
+        record: &Record,
+        raw: Bytes,
+    ) -> Result<(), OperationError> {
+        self.engine.put(key, raw)?;
+        let was_tombstone = current.is_some_and(|current| current.tombstone);
+        match (was_tombstone, record.tombstone) {
+            (false, true) => self.tombstones += 1,
+            (true, false) => self.tombstones = self.tombstones.saturating_sub(1),
+            _ => {}
+        }
+        Ok(())
     }
 
     /// A replica that takes over a shard's records from another protocol at
@@ -487,8 +519,8 @@ impl QuorumRegister {
 
     fn on_accept(&mut self, key: &Bytes, record: Record, now: Time) -> Answer {
         let ballot = ballot_of(&record);
-        let accepted = match self.accepted(key) {
-            Ok(accepted) => accepted.as_ref().map(ballot_of),
+        let current = match self.accepted(key) {
+            Ok(current) => current,
             Err(error) => {
                 tracing::error!(replica = %self.me, %error, "cannot read a record to accept");
                 return Answer::Refused(Version(0));
@@ -498,6 +530,7 @@ impl QuorumRegister {
             tracing::warn!(replica = %self.me, proposer = %ballot.1, %error, "accept refused");
             return Answer::Refused(Version(0));
         }
+        let accepted = current.as_ref().map(ballot_of);
         let promised = self.promises.get(key).copied().max(self.floor(now));
         if accepted == Some(ballot) {
             // The same accept again (a resend): one ballot is one record.
@@ -509,7 +542,7 @@ impl QuorumRegister {
             let highest = promised.max(accepted).map_or(Version(0), |(version, _)| version);
             return Answer::Refused(highest);
         }
-        if let Err(error) = self.engine.put(key, record.encode()) {
+        if let Err(error) = self.store(key, current.as_ref(), &record, record.encode()) {
             tracing::error!(replica = %self.me, %error, "cannot store an accepted record");
             return Answer::Refused(Version(0));
         }
@@ -796,7 +829,7 @@ impl QuorumRegister {
             }
             let current = self.accepted(&key)?;
             if current.as_ref().is_none_or(|current| ballot_of(current) < ballot_of(&record)) {
-                self.engine.put(&key, raw)?;
+                self.store(&key, current.as_ref(), &record, raw)?;
             }
         }
         Ok(())
@@ -1017,6 +1050,10 @@ impl Protocol for QuorumRegister {
         }
     }
 
+    fn tombstones(&self) -> u64 {
+        self.tombstones
+    }
+
     fn quiescent(&self) -> bool {
         self.proposals.is_empty()
     }
@@ -1103,6 +1140,27 @@ mod tests {
             client(&mut replicas, 1, increment, None).0,
             vec![ClientReply::Value(Some(Bytes::from_static(b"5")))]
         );
+    }
+
+    #[test]
+    fn members_count_the_tombstones_they_hold_and_a_restart_counts_them_again() {
+        let mut replicas = replicas(3);
+        client(&mut replicas, 0, put(1, "a", "1"), None);
+        client(&mut replicas, 0, put(2, "b", "2"), None);
+        let delete = |id, key: &'static str| ClientRequest {
+            id: RequestId(id),
+            operation: Operation::Delete { key: Bytes::from_static(key.as_bytes()) },
+        };
+        assert_eq!(client(&mut replicas, 1, delete(3, "a"), None).0, vec![ClientReply::Written]);
+        for replica in &replicas {
+            assert_eq!(replica.tombstones(), 1, "{}", replica.me);
+            assert_eq!(replica.engine.len().unwrap() - replica.tombstones(), 1, "one live key");
+        }
+        client(&mut replicas, 2, put(4, "a", "again"), None);
+        assert!(replicas.iter().all(|replica| replica.tombstones() == 0));
+        client(&mut replicas, 2, delete(5, "b"), None);
+        let restarted = QuorumRegister::new(NodeId(1), replicas[0].engine.clone(), QuorumOptions::default());
+        assert_eq!(restarted.tombstones(), 1);
     }
 
     #[test]

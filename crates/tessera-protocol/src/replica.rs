@@ -156,6 +156,11 @@ impl Replica {
         self.protocol.progress()
     }
 
+    /// The keys the engine holds that are live: its count less tombstones.
+    pub fn live_keys(&self) -> u64 {
+        self.engine().len().unwrap_or(0).saturating_sub(self.protocol.tombstones())
+    }
+
     /// Whether the shard is switching modes here.
     pub fn draining(&self) -> bool {
         self.protocol.draining()

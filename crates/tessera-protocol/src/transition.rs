@@ -498,6 +498,10 @@ impl Protocol for Switchable {
         Progress { drained: self.drained(), ..self.protocol.progress() }
     }
 
+    fn tombstones(&self) -> u64 {
+        self.protocol.tombstones()
+    }
+
     fn quiescent(&self) -> bool {
         self.drain.is_none() && self.protocol.quiescent()
     }

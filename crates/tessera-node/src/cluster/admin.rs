@@ -406,7 +406,7 @@ impl ClusterNode {
     /// Whether this node is a shard's first member: where node-wide commands
     /// (SCAN, DBSIZE, FLUSHALL) take the shard's keys, so that across the nodes
     /// each key counts once, whatever the mode lets other members do.
-    fn heads(&self, shard: u32) -> bool {
+    pub(super) fn heads(&self, shard: u32) -> bool {
         matches!(self.agent.role(shard), Some(Role::Head | Role::Alone))
     }
 }

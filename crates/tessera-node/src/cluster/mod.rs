@@ -11,6 +11,7 @@ mod admin;
 mod forward;
 mod placement;
 mod serve;
+mod upkeep;
 
 pub use forward::Forwarder;
 pub use placement::Placement;

@@ -194,7 +194,16 @@ async fn serve_keyed(
         }
     };
     let keys = || spec.key_positions(request.len()).map(|index| request.arg(index));
-    match cluster.place_when_settled(keys, write, strong).await {
+    let placement = cluster.place_when_settled(keys, write, strong).await;
+    if matches!(placement, Placement::Shard { .. } | Placement::Quorum { .. })
+        && spec.flags.contains(&"denyoom")
+    {
+        if let Err(error) = cluster.make_room(context.node) {
+            error.write(context.out);
+            return None;
+        }
+    }
+    match placement {
         Placement::Local => {
             level_header(context.out);
             dispatch_admitted(context, spec, request);

@@ -284,8 +284,11 @@ fn run(context: &mut Context, request: &Request) -> CommandResult {
 
 /// Runs an admitted request: room for what it may write, then its handler.
 fn execute(context: &mut Context, spec: &CommandSpec, request: &Request) -> CommandResult {
-    if spec.flags.contains(&"denyoom") {
-        context.node.make_room(context.cluster.is_some())?;
+    // A cluster node makes room where it places the command, in the shards
+    // it may write ([`crate::cluster`]).
+    if spec.flags.contains(&"denyoom") && context.cluster.is_none() {
+        let tables = context.tables;
+        context.node.make_room(|| tables.by_name(), 0)?;
     }
     if context.node.config.maxmemory_policy.uses_access_times() {
         for index in spec.key_positions(request.len()) {

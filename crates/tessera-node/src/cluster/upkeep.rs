@@ -1,0 +1,125 @@
+//! Expiry and eviction on a cluster node. Both delete through replication,
+//! as Redis's primaries send their replicas a DEL for each key they expire or
+//! evict: a key leaves every replica of its shard, never one alone.
+//!
+//! Both happen at each shard's head (the first member in active–active, as
+//! for SCAN), so one node deletes each key: expired keys are swept there, and
+//! a write over `maxmemory` evicts from the shards its node heads. Cluster
+//! clients send a slot's reads to its head, so that is where a key's last
+//! access is known. A replica never evicts or refuses on its own (Redis's
+//! `replica-ignore-maxmemory`): its copy follows the head's, and every node
+//! heads its share of the shards.
+
+use tessera_cluster::agent::Agent;
+use tessera_cluster::capture::CapturingView;
+use tessera_cluster::DEFAULT_TABLE;
+use tessera_engine::{reserved, Engine};
+use tessera_protocol::Operation;
+
+use super::ClusterNode;
+use crate::error::{CommandError, CommandResult};
+use crate::memory::EvictionPolicy;
+use crate::node_state::{Keyspace, NodeState};
+
+/// How far past `maxmemory`, as a fraction (1/this), a head whose shards are
+/// small lets writes go before it evicts its own ([`ClusterNode::make_room`]).
+const SHARE_ALLOWANCE_DIVISOR: usize = 16;
+
+/// A shard as expiry and eviction see it: its values, and deletes handed to
+/// its replication.
+struct ShardKeyspace<'a> {
+    name: String,
+    shard: u32,
+    values: CapturingView,
+    agent: &'a Agent,
+}
+
+impl Keyspace for ShardKeyspace<'_> {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn values(&self) -> &dyn Engine {
+        &self.values
+    }
+
+    /// Ordered behind the key's earlier writes while the caller holds its
+    /// lock, so a later write of the key is never undone. The delete commits
+    /// on its own; nobody waits for it.
+    fn remove(&self, key: &[u8]) -> CommandResult<()> {
+        let client_key = (!reserved::is_reserved(key)).then_some(key);
+        let delete = Operation::Delete { key: bytes::Bytes::copy_from_slice(key) };
+        let completion = self.agent.begin_batch(self.shard, client_key.into_iter(), vec![delete]);
+        if completion.is_done() && !completion.succeeded() {
+            return Err(CommandError::Other(format!("{}: the shard refused the delete", self.name)));
+        }
+        Ok(())
+    }
+}
+
+impl ClusterNode {
+    /// Before a write that may grow memory, as [`NodeState::make_room`]:
+    /// evicts from the shards this node heads.
+    ///
+    /// A node's memory also holds replicas of shards headed elsewhere, whose
+    /// heads evict as they write. If this node's headed shards hold less than
+    /// their share of its keys, the excess is theirs: the write may take the
+    /// node up to [`SHARE_ALLOWANCE_DIVISOR`]ths over `maxmemory` before this
+    /// head evicts its own. Without that, the head that happened to take the
+    /// writes while every node was over would empty its shard to make room
+    /// for the others'.
+    pub fn make_room(&self, node: &NodeState) -> CommandResult<()> {
+        let mut uncounted = self.agent.replication_buffer_bytes();
+        if !node.over_maxmemory(uncounted) {
+            return Ok(());
+        }
+        if node.config.maxmemory_policy != EvictionPolicy::Noeviction && !self.headed_hold_their_share() {
+            uncounted += node.config.maxmemory as usize / SHARE_ALLOWANCE_DIVISOR;
+        }
+        node.make_room(|| self.headed_keyspaces(), uncounted)
+    }
+
+    /// Whether the shards this node heads hold at least their share (by
+    /// count) of the keys of all the shards it holds.
+    fn headed_hold_their_share(&self) -> bool {
+        let (mut shards, mut keys, mut headed_shards, mut headed_keys) = (0u128, 0u128, 0u128, 0u128);
+        for (shard, count) in self.agent.live_keys() {
+            let count = u128::from(count);
+            shards += 1;
+            keys += count;
+            if self.heads(shard) {
+                headed_shards += 1;
+                headed_keys += count;
+            }
+        }
+        keys == 0 || headed_keys * shards >= keys * headed_shards
+    }
+
+    /// Deletes expired keys from a slice of each shard this node heads.
+    pub fn sweep_expired(&self, node: &NodeState) {
+        node.sweep_expired_in(&self.headed_keyspaces(), node.config.expiry_sweep_entries);
+    }
+
+    /// The shards this node heads, each named by its table and number.
+    fn headed_keyspaces(&self) -> Vec<ShardKeyspace<'_>> {
+        let map = self.agent.routing().map(|routing| routing.map);
+        self.agent
+            .shards()
+            .into_keys()
+            .filter(|shard| self.heads(*shard))
+            .filter_map(|shard| {
+                let engine = self.agent.engine(shard)?;
+                let table = map
+                    .as_ref()
+                    .and_then(|map| map.shard(shard))
+                    .map_or(DEFAULT_TABLE, |entry| entry.table.as_str());
+                Some(ShardKeyspace {
+                    name: format!("{table}@{shard}"),
+                    shard,
+                    values: CapturingView::new(engine),
+                    agent: &self.agent,
+                })
+            })
+            .collect()
+    }
+}
