@@ -351,6 +351,47 @@ def test_a_cluster_whose_plane_runs_in_tls_fails_over_and_stays_linearizable(clu
     assert "tls" in cluster.cli("status").stdout
 
 
+def test_tls_clients_of_a_cluster_are_sent_to_tls_ports(cluster_factory):
+    """In a `--tls` cluster every node also has a TLS client port (its port +
+    20000): a client that came in over TLS is told those in CLUSTER SLOTS,
+    SHARDS, NODES and MOVED, a plain client the plain ones, and redis-py's
+    cluster client in TLS reaches every slot."""
+    cluster = cluster_factory("strong", nodes=3, tls=True)
+    certificates = cluster.dir / "tls"
+    tls_options = dict(ssl=True, ssl_ca_certs=str(certificates / "ca.crt"),
+                       ssl_certfile=str(certificates / "server.crt"), ssl_keyfile=str(certificates / "server.key"))
+    tls_ports = {cluster.port(node) + 20000 for node in range(3)}
+    plain_ports = {cluster.port(node) for node in range(3)}
+
+    def announced_ports(connection):
+        slots = connection.execute_command("CLUSTER", "SLOTS")
+        from_slots = {node[1] for entry in slots for node in entry[2:]}
+        from_nodes = {int(line.split()[1].split("@")[0].rsplit(":", 1)[1])
+                      for line in connection.execute_command("CLUSTER", "NODES").decode().splitlines()}
+        return from_slots, from_nodes
+
+    tls_node = redis.Redis(host="127.0.0.1", port=cluster.port(0) + 20000, socket_timeout=10, **tls_options)
+    plain_node = redis.Redis(host="127.0.0.1", port=cluster.port(0), socket_timeout=10)
+    assert announced_ports(tls_node) == (tls_ports, tls_ports)
+    assert announced_ports(plain_node) == (plain_ports, plain_ports)
+    shards = tls_node.execute_command("CLUSTER", "SHARDS")
+    assert {node[b"port"] for shard in shards for node in shard[b"nodes"]} == tls_ports, shards
+
+    # A key another node heads: MOVED names that node's TLS port to a TLS client.
+    elsewhere = next(f"k{index}" for index in range(1000)
+                     if cluster.shard(0)["slots"][0][1] < key_slot(f"k{index}".encode()))
+    tls_node.execute_command("READWRITE")  # a cluster client's request: redirected, not forwarded
+    with pytest.raises(redis.exceptions.MovedError, match=r"\d+ 127\.0\.0\.1:\d+") as moved:
+        tls_node.set(elsewhere, "v")
+    assert int(str(moved.value).rsplit(":", 1)[1]) in tls_ports - {cluster.port(0) + 20000}
+
+    client = RedisCluster(host="127.0.0.1", port=cluster.port(1) + 20000, socket_timeout=10, **tls_options)
+    for index in range(300):
+        assert client.set(f"tls:{index}", index)
+    assert all(client.get(f"tls:{index}") == str(index).encode() for index in range(300))
+    assert {node.port for node in client.get_nodes()} == tls_ports
+
+
 def assert_replicas_converge(cluster, keys, timeout=10):
     deadline = time.time() + timeout
     while True:

@@ -35,6 +35,8 @@ const SECRET_FILE: &str = "cluster.secret";
 /// The certificates of a cluster made with `up --tls`, as
 /// [`tessera_cluster::tls::write_certificates`] writes them.
 const TLS_DIR: &str = "tls";
+/// In a `--tls` cluster, node i's TLS client port is its client port plus this.
+const TLS_PORT_OFFSET: u16 = 20_000;
 
 #[derive(Subcommand)]
 pub enum ClusterCommand {
@@ -100,7 +102,8 @@ pub struct UpArgs {
     #[arg(long, default_value_t = 1500)]
     failure_timeout_ms: u64,
     /// Run the cluster plane (peer links and coordinator sessions) in
-    /// mutual TLS, with a CA and certificates made in <dir>/tls.
+    /// mutual TLS, with a CA and certificates made in <dir>/tls, and give
+    /// each node a TLS client port (its port + 20000) beside its plain one.
     #[arg(long)]
     tls: bool,
     /// Each node's maxmemory (bytes, or a number with kb, mb, gb); past it,
@@ -243,6 +246,11 @@ fn up(args: UpArgs) -> Result<(), String> {
             if last_port > u32::from(u16::MAX) {
                 return Err("--base-port too high: nodes need port + 10000 for their peers".into());
             }
+            if args.tls && last_port - 10_000 + u32::from(TLS_PORT_OFFSET) > u32::from(u16::MAX) {
+                return Err(
+                    "--base-port too high: with --tls, nodes need port + 20000 for TLS clients".into()
+                );
+            }
             let layout = Layout {
                 cluster_id: format!("tessera-{}", std::process::id()),
                 host: "127.0.0.1".into(),
@@ -291,9 +299,18 @@ fn up(args: UpArgs) -> Result<(), String> {
         started.elapsed().as_secs_f64()
     );
     if layout.tls {
+        let certificates = dir.join(TLS_DIR);
         println!(
             "peer links and coordinator sessions run in mutual TLS (certificates in {})",
-            dir.join(TLS_DIR).display()
+            certificates.display()
+        );
+        let first = layout.nodes.first().map(|(_, port)| *port + TLS_PORT_OFFSET).unwrap_or_default();
+        let file = |name: &str| certificates.join(name).display().to_string();
+        println!(
+            "tls:      redis-cli -c --tls --cacert {} --cert {} --key {} -p {first}",
+            file("ca.crt"),
+            file("server.crt"),
+            file("server.key")
         );
     }
     if !args.no_demo {
@@ -715,6 +732,7 @@ fn start(dir: &Path, layout: &Layout, name: &str) -> Result<(), String> {
         if layout.tls {
             args.push("--tls-cluster".into());
             args.extend(tls_flags(&dir, layout));
+            args.extend(["--tls-port".into(), (port + TLS_PORT_OFFSET).to_string()]);
         }
         if let Some(bytes) = layout.maxmemory {
             args.extend(["--maxmemory".into(), bytes.to_string()]);

@@ -34,7 +34,7 @@ use tokio::task::JoinHandle;
 
 use crate::auth::ClusterSecret;
 use crate::links::{serve_incoming, Incoming, LinkConfig, Links, INCOMING_BATCHES_MAX};
-use crate::map::{range_index, ClusterMap, DEFAULT_TABLE};
+use crate::map::{range_index, ClusterMap, NodeInfo, DEFAULT_TABLE};
 use crate::session::{CoordinatorSession, Credentials, SessionError};
 use crate::tls::PeerTls;
 
@@ -89,6 +89,8 @@ pub struct AgentConfig {
     pub snapshot_bytes_per_sec: Option<u64>,
     /// Mutual TLS on the peer links and the coordinator session (`tls_cluster`).
     pub tls: Option<PeerTls>,
+    /// The node's TLS client port, announced in the map for TLS clients (0: none).
+    pub tls_client_port: u16,
 }
 
 impl AgentConfig {
@@ -360,10 +362,14 @@ impl Routing {
         self.range_shards.get(table)
     }
 
+    /// A shard's head.
+    pub fn head(&self, shard: u32) -> Option<&NodeInfo> {
+        self.map.node(*self.map.shard(shard)?.members.first()?)
+    }
+
     /// The client address of a shard's head.
     pub fn head_address(&self, shard: u32) -> Option<&str> {
-        let head = *self.map.shard(shard)?.members.first()?;
-        Some(self.map.node(head)?.address.as_str())
+        Some(self.head(shard)?.address.as_str())
     }
 }
 
@@ -437,9 +443,10 @@ impl Agent {
                 }
             }
         };
-        let node = config.node.to_string();
-        let joined =
-            coordinator.call(&[b"COORD.JOIN", config.cluster_id.as_bytes(), node.as_bytes()]).await?;
+        let (node, tls_port) = (config.node.to_string(), config.tls_client_port.to_string());
+        let joined = coordinator
+            .call(&[b"COORD.JOIN", config.cluster_id.as_bytes(), node.as_bytes(), tls_port.as_bytes()])
+            .await?;
         let lease_ms = match joined {
             Value::Integer(lease_ms) if lease_ms > 0 => lease_ms as u64,
             Value::Error(message) => return Err(AgentError::Refused(message)),

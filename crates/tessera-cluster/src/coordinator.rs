@@ -99,6 +99,26 @@ impl ClusterCoordinator {
         self.map.node(node).map(|_| ()).ok_or(JoinError::UnknownNode(node))
     }
 
+    /// The TLS client address a joining node announces (its TLS port, on the
+    /// host of its address; 0: none), if it is not the one the map holds.
+    pub fn tls_address_change(&self, node: u32, tls_port: u16) -> Option<Option<String>> {
+        let info = self.map.node(node)?;
+        let announced = (tls_port != 0).then(|| {
+            let host = info.address.rsplit_once(':').map_or(info.address.as_str(), |(host, _)| host);
+            format!("{host}:{tls_port}")
+        });
+        (announced != info.tls_address).then_some(announced)
+    }
+
+    /// Records a node's TLS client address (see [`Self::tls_address_change`]).
+    pub fn set_tls_address(&mut self, node: u32, tls_address: Option<String>) {
+        if let Some(info) = self.map.nodes.iter_mut().find(|info| info.id == node) {
+            info.tls_address = tls_address;
+            self.map.epoch += 1;
+            self.changed = true;
+        }
+    }
+
     /// Switches every shard of a table to `mode` while it serves: each shard's
     /// view drains, and the shard runs the new mode once every member holds
     /// the same records. Refused while a shard of the table is still
@@ -264,7 +284,12 @@ impl ClusterCoordinator {
         }
         let id = self.map.nodes.iter().map(|node| node.id + 1).max().unwrap_or(0);
         let mut map = self.map.clone();
-        map.nodes.push(NodeInfo { id, address: address.to_string(), role: NodeRole::Standby });
+        map.nodes.push(NodeInfo {
+            id,
+            address: address.to_string(),
+            tls_address: None,
+            role: NodeRole::Standby,
+        });
         map.epoch += 1;
         map.validate()?;
         self.map = map;

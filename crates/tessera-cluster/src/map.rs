@@ -34,7 +34,22 @@ pub struct NodeInfo {
     pub id: u32,
     /// Where clients and peers reach it, `host:port`.
     pub address: String,
+    /// Where clients reach it in TLS, if it has a TLS port (which it
+    /// announces when it joins).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_address: Option<String>,
     pub role: NodeRole,
+}
+
+impl NodeInfo {
+    /// The address to give a client: its TLS address to one that came in
+    /// TLS, where the node has one.
+    pub fn client_address(&self, tls: bool) -> &str {
+        match (&self.tls_address, tls) {
+            (Some(address), true) => address,
+            _ => &self.address,
+        }
+    }
 }
 
 /// The table every key belongs to unless a table's prefix claims it.
@@ -179,6 +194,7 @@ impl ClusterMap {
             .map(|(index, address)| NodeInfo {
                 id: index as u32,
                 address: address.clone(),
+                tls_address: None,
                 role: if index < members { NodeRole::Member } else { NodeRole::Standby },
             })
             .collect();

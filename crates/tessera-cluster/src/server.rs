@@ -7,7 +7,7 @@
 //! ```text
 //! COORD.HELLO cluster-id identity nonce            [nonce, proof]  (identity: a node id, or admin)
 //! COORD.AUTH proof                                 +OK: the session is the identity's
-//! COORD.JOIN cluster-id node                        the lease in ms, or an error naming the mismatch
+//! COORD.JOIN cluster-id node [tls-port]             the lease in ms, or an error naming the mismatch
 //! COORD.HEARTBEAT cluster-id node incarnation known-epoch [shard applied ready-learner ready-view]...
 //!     -> [epoch, [shard, view-number, [members...], [learners...]]...]   (ready-learner -1: none)
 //! COORD.ADD-NODE address                           the new standby node's id
@@ -382,7 +382,7 @@ async fn answer(state: &Arc<Mutex<State>>, session: &mut Session, args: &[Vec<u8
         _ if name.starts_with(b"COORD.") && !open && session.identity.is_none() => Err(Refused::NoSession),
         b"COORD.HELLO" if args.len() == 4 => hello(state, session, args, out),
         b"COORD.AUTH" if args.len() == 2 => authenticate(state, session, &args[1], out),
-        b"COORD.JOIN" if args.len() == 3 => join(state, session, args, out),
+        b"COORD.JOIN" if args.len() == 3 || args.len() == 4 => join(state, session, args, out),
         b"COORD.HEARTBEAT" if args.len() >= 5 && (args.len() - 5).is_multiple_of(5) => {
             heartbeat(state, session, args, out)
         }
@@ -500,8 +500,17 @@ fn join(
 ) -> Result<(), Refused> {
     let node: u32 = number(&args[2], "node id")?;
     session.check_node(node)?;
-    let state = state.lock();
+    let tls_port: u16 = match args.get(3) {
+        Some(port) => number(port, "TLS port")?,
+        None => 0,
+    };
+    let mut state = state.lock();
     state.coordinator.check_join(&text(&args[1]), node)?;
+    if let Some(tls_address) = state.coordinator.tls_address_change(node, tls_port) {
+        state.check_deciding()?;
+        state.coordinator.set_tls_address(node, tls_address);
+        state.persist()?;
+    }
     out.integer(state.lease_ms as i64);
     Ok(())
 }

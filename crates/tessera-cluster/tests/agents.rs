@@ -82,6 +82,7 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
             max_uncommitted_writes: 8,
             snapshot_bytes_per_sec: None,
             tls: Some(tls.clone()),
+            tls_client_port: 0,
         };
         agents.push(Some(Agent::start(config).await.unwrap()));
     }
@@ -99,6 +100,7 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
         max_uncommitted_writes: 8,
         snapshot_bytes_per_sec: None,
         tls: Some(tls.clone()),
+        tls_client_port: 0,
     };
     let refused = Agent::start(wrong.clone()).await.err();
     let login_refused = |error: &Option<AgentError>, expected: fn(&LoginError) -> bool| match error {

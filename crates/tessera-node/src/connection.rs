@@ -95,6 +95,7 @@ impl Connection {
             id: node.next_client_id.fetch_add(1, Ordering::Relaxed),
             authenticated: node.acl.user(DEFAULT_USER).is_some_and(|user| user.is_open()),
             user: DEFAULT_USER.to_string(),
+            tls: matches!(stream, ClientStream::Tls(_)),
             ..Session::default()
         };
         let tables_generation = node.tables_generation();

@@ -101,6 +101,7 @@ impl ClusterNode {
             max_uncommitted_writes: settings.max_uncommitted_writes,
             snapshot_bytes_per_sec: Some(settings.snapshot_bytes_per_sec).filter(|rate| *rate > 0),
             tls,
+            tls_client_port: config.tls_port,
         };
         let agent = runtime.block_on(Agent::start(agent_config))?;
         let address = format!("{}:{}", config.bind, client_address.port());

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tessera_cluster::agent::Completion;
-use tessera_cluster::DEFAULT_TABLE;
+use tessera_cluster::{NodeInfo, DEFAULT_TABLE};
 use tessera_engine::Engine;
 use tessera_protocol::Refusal;
 use tessera_wire::slot::key_slot;
@@ -24,9 +24,9 @@ pub enum Placement {
     /// A strong request on a shard running a quorum protocol (AA+SC) this node is a member of:
     /// it runs through the protocol, not on this node's copy.
     Quorum { shard: u32, engine: Arc<dyn Engine> },
-    /// Another node is the owner; `forward_only` when a cluster client must
-    /// not be told MOVED either (see [`ClusterNode::place`]).
-    Elsewhere { slot: u16, address: String, forward_only: bool },
+    /// Another node, `head`, is the owner; `forward_only` when a cluster
+    /// client must not be told MOVED either (see [`ClusterNode::place`]).
+    Elsewhere { slot: u16, head: NodeInfo, forward_only: bool },
     /// The shard is switching modes here: ask again once it has
     /// ([`Agent::wait_while_draining`](tessera_cluster::agent::Agent::wait_while_draining)).
     Draining { shard: u32 },
@@ -109,8 +109,8 @@ impl ClusterNode {
             (Err(Refusal::Unsettled), _) => {
                 Placement::Refused(CommandError::TryAgain("the shard's new head has not settled yet".into()))
             }
-            (Err(Refusal::NotOwner), _) => match routing.head_address(shard) {
-                Some(address) if address != self.address => {
+            (Err(Refusal::NotOwner), _) => match routing.head(shard) {
+                Some(head) if head.address != self.address => {
                     // Cluster clients route by slot to the default table's
                     // head; if that is this node, another table's shard has a
                     // different head here: forward rather than MOVE the slot.
@@ -119,7 +119,7 @@ impl ClusterNode {
                         routing.shard_of(DEFAULT_TABLE, first, slot).and_then(|id| routing.head_address(id));
                     let forward_only = range_partitioned
                         || (table != DEFAULT_TABLE && slot_head == Some(self.address.as_str()));
-                    Placement::Elsewhere { slot, address: address.to_string(), forward_only }
+                    Placement::Elsewhere { slot, head: head.clone(), forward_only }
                 }
                 _ => Placement::Refused(CommandError::TryAgain(format!("slot {slot} is changing hands"))),
             },

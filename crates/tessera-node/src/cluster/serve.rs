@@ -217,14 +217,15 @@ async fn serve_keyed(
             CommandError::TryAgain("the keys' shard is still switching modes".into()).write(context.out);
             None
         }
-        Placement::Elsewhere { slot, address, forward_only }
+        Placement::Elsewhere { slot, head, forward_only }
             if context.session.relay || (context.session.cluster_client && !forward_only) =>
         {
+            let address = head.client_address(context.session.tls).to_string();
             CommandError::Moved { slot, address }.write(context.out);
             None
         }
-        Placement::Elsewhere { address, .. } => {
-            match forwarder.forward(&cluster.agent, address, raw).await {
+        Placement::Elsewhere { head, .. } => {
+            match forwarder.forward(&cluster.agent, head.address, raw).await {
                 Ok(reply) => context.out.raw(&reply),
                 Err(error) => error.write(context.out),
             }

@@ -62,7 +62,9 @@ fn cluster(context: &mut Context, request: &Request) -> CommandResult {
     match () {
         _ if is(subcommand, "slots") && request.len() == 2 => slots(context, &map),
         _ if is(subcommand, "shards") && request.len() == 2 => shards(context, &map),
-        _ if is(subcommand, "nodes") && request.len() == 2 => context.out.bulk(nodes(&map, me).as_bytes()),
+        _ if is(subcommand, "nodes") && request.len() == 2 => {
+            context.out.bulk(nodes(&map, me, context.session.tls).as_bytes())
+        }
         _ if is(subcommand, "info") && request.len() == 2 => context.out.bulk(info(&map, me).as_bytes()),
         _ if is(subcommand, "myid") && request.len() == 2 => context.out.bulk(node_name(&map, me).as_bytes()),
         _ => {
@@ -115,9 +117,15 @@ fn relay_auth(context: &mut Context, request: &Request) -> CommandResult {
     Ok(())
 }
 
-fn write_node(context: &mut Context, map: &ClusterMap, node: u32) {
-    let address = map.node(node).map_or("", |info| info.address.as_str());
+/// A node's client address as the connection should use it.
+fn client_address(context: &Context, map: &ClusterMap, node: u32) -> (String, i64) {
+    let address = map.node(node).map_or("", |info| info.client_address(context.session.tls));
     let (host, port) = host_port(address);
+    (host.to_string(), port)
+}
+
+fn write_node(context: &mut Context, map: &ClusterMap, node: u32) {
+    let (host, port) = client_address(context, map, node);
     context.out.array(3);
     context.out.bulk(host.as_bytes());
     context.out.integer(port);
@@ -170,8 +178,7 @@ fn shards(context: &mut Context, map: &ClusterMap) {
         context.out.bulk(b"nodes");
         context.out.array(shard.members.len());
         for (position, member) in shard.members.iter().enumerate() {
-            let address = map.node(*member).map_or("", |info| info.address.as_str());
-            let (host, port) = host_port(address);
+            let (host, port) = client_address(context, map, *member);
             context.out.map(6);
             for (field, value) in [
                 ("id", node_name(map, *member)),
@@ -191,7 +198,7 @@ fn shards(context: &mut Context, map: &ClusterMap) {
 
 /// CLUSTER NODES: one line per node; a node is the master of the shards it
 /// heads and otherwise a replica of the first shard it follows.
-fn nodes(map: &ClusterMap, me: u32) -> String {
+fn nodes(map: &ClusterMap, me: u32, tls: bool) -> String {
     let mut text = String::new();
     for node in &map.nodes {
         let headed: Vec<_> =
@@ -202,11 +209,12 @@ fn nodes(map: &ClusterMap, me: u32) -> String {
             (true, Some(head)) => ("slave", node_name(map, *head)),
             _ => ("master", "-".to_string()),
         };
-        let (host, port) = host_port(&node.address);
+        let (host, port) = host_port(node.client_address(tls));
+        // The peer port is the plain client port's, TLS or not.
+        let bus_port = host_port(&node.address).1 + 10_000;
         text.push_str(&format!(
-            "{} {host}:{port}@{} {myself}{role} {master} 0 0 {} connected",
+            "{} {host}:{port}@{bus_port} {myself}{role} {master} 0 0 {} connected",
             node_name(map, node.id),
-            port + 10_000,
             map.epoch
         ));
         for shard in headed {
@@ -282,7 +290,7 @@ mod tests {
     #[test]
     fn nodes_lists_heads_as_masters_with_their_slots() {
         let map = map();
-        let text = nodes(&map, 1);
+        let text = nodes(&map, 1, false);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 4);
         assert!(lines[0].contains("127.0.0.1:7000@17000 master - 0 0 1 connected 0-5460"), "{}", lines[0]);

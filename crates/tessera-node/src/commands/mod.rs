@@ -57,6 +57,9 @@ pub struct Session {
     pub relay: bool,
     /// A relay login under way.
     pub relay_challenge: Option<tessera_cluster::auth::Transcript>,
+    /// Came in over TLS: cluster replies and redirections name the nodes'
+    /// TLS ports.
+    pub tls: bool,
 }
 
 /// A user's permissions as a connection checks them.
