@@ -10,11 +10,14 @@
 //! `replica-ignore-maxmemory`): its copy follows the head's, and every node
 //! heads its share of the shards.
 
+use std::sync::Arc;
+
+use bytes::Bytes;
 use tessera_cluster::agent::Agent;
 use tessera_cluster::capture::CapturingView;
 use tessera_cluster::DEFAULT_TABLE;
 use tessera_engine::{reserved, Engine};
-use tessera_protocol::Operation;
+use tessera_protocol::{Operation, Record, Write};
 
 use super::ClusterNode;
 use crate::error::{CommandError, CommandResult};
@@ -30,7 +33,12 @@ const SHARE_ALLOWANCE_DIVISOR: usize = 16;
 struct ShardKeyspace<'a> {
     name: String,
     shard: u32,
+    /// The shard's records, and the values in them as commands see them.
+    records: Arc<dyn Engine>,
     values: CapturingView,
+    /// The shard runs a quorum protocol: any member writes, so the head's
+    /// copy may be behind the newest record.
+    quorum: bool,
     agent: &'a Agent,
 }
 
@@ -44,11 +52,23 @@ impl Keyspace for ShardKeyspace<'_> {
     }
 
     /// Ordered behind the key's earlier writes while the caller holds its
-    /// lock, so a later write of the key is never undone. The delete commits
-    /// on its own; nobody waits for it.
+    /// lock, so a later write of the key is never undone: the head is the
+    /// only writer. Under a quorum protocol other members write too, so the
+    /// delete is conditional on the record the head saw still being the
+    /// newest. The delete commits on its own; nobody waits for it.
     fn remove(&self, key: &[u8]) -> CommandResult<()> {
-        let client_key = (!reserved::is_reserved(key)).then_some(key);
-        let delete = Operation::Delete { key: bytes::Bytes::copy_from_slice(key) };
+        let key = Bytes::copy_from_slice(key);
+        if self.quorum {
+            let Some(raw) = self.records.get(&key)? else { return Ok(()) };
+            let seen = Record::decode(raw).map_err(|error| CommandError::Other(error.to_string()))?;
+            let delete =
+                Operation::WriteIf { key, expected: Some((seen.version, seen.origin)), write: Write::Delete };
+            // A key changed meanwhile answers that it changed: nothing to do.
+            drop(self.agent.begin_all(self.shard, vec![delete]));
+            return Ok(());
+        }
+        let client_key = (!reserved::is_reserved(&key)).then_some(key.as_ref());
+        let delete = Operation::Delete { key: key.clone() };
         let completion = self.agent.begin_batch(self.shard, client_key.into_iter(), vec![delete]);
         if completion.is_done() && !completion.succeeded() {
             return Err(CommandError::Other(format!("{}: the shard refused the delete", self.name)));
@@ -108,7 +128,7 @@ impl ClusterNode {
             .into_keys()
             .filter(|shard| self.heads(*shard))
             .filter_map(|shard| {
-                let engine = self.agent.engine(shard)?;
+                let snapshot = self.agent.snapshot(shard)?;
                 let table = map
                     .as_ref()
                     .and_then(|map| map.shard(shard))
@@ -116,7 +136,9 @@ impl ClusterNode {
                 Some(ShardKeyspace {
                     name: format!("{table}@{shard}"),
                     shard,
-                    values: CapturingView::new(engine),
+                    records: snapshot.engine.clone(),
+                    values: CapturingView::new(snapshot.engine),
+                    quorum: snapshot.mode.quorum,
                     agent: &self.agent,
                 })
             })
