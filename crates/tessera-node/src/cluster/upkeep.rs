@@ -84,7 +84,7 @@ impl ClusterNode {
     /// A node's memory also holds replicas of shards headed elsewhere, whose
     /// heads evict as they write. If this node's headed shards hold less than
     /// their share of its keys, the excess is theirs: the write may take the
-    /// node up to [`SHARE_ALLOWANCE_DIVISOR`]ths over `maxmemory` before this
+    /// node up to 1/[`SHARE_ALLOWANCE_DIVISOR`] over `maxmemory` before this
     /// head evicts its own. Without that, the head that happened to take the
     /// writes while every node was over would empty its shard to make room
     /// for the others'.
