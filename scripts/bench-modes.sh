@@ -11,7 +11,7 @@
 #   scripts/bench-modes.sh [records=20000] [seconds=8] [connections=16] [repeats=3]
 #   BASELINE=/path/to/an/older/tessera scripts/bench-modes.sh ...
 #
-# Prints one line per run, then the medians and the ratios bespokv.txt reports
+# Prints one line per run, then the medians and the ratios BespoKV (Anwar et al., SC 2018) reports
 # (MS+SC / AA+SC on both workloads; AA+EC / MS+EC on A). With BASELINE, every
 # repeat also runs that binary, interleaved with this build (the machine's
 # noise falls on both alike), and the ratios of this build to it are printed.
@@ -98,7 +98,7 @@ for build in builds:
                 errors = sum(e for _, e in runs[(build, mode, workload, routing)])
                 cells.append(f"{median[(build, mode, workload, routing)]:>9.0f}" + (f" ({errors} errors)" if errors else ""))
             print(f"{mode:<7} {workload:<9} " + " ".join(cells))
-    print(f"\n{build}: ratios (as bespokv.txt reports them)")
+    print(f"\n{build}: ratios (as BespoKV reports them)")
     for routing in ["cluster", "spread"]:
         for workload in ["A", "B"]:
             ratio = median[(build, "ms+sc", workload, routing)] / median[(build, "aa+sc", workload, routing)]

@@ -1,5 +1,5 @@
-//! `redis`: an existing Redis server as the engine (bespokv.txt's tRedis: a
-//! store Tessera uses but did not write).
+//! `redis`: an existing Redis server as the engine (the tRedis of BespoKV,
+//! Anwar et al., SC 2018: a store Tessera uses but did not write).
 //!
 //! Calls go over a pool of blocking connections; batches (`get_many`,
 //! `put_many`, scans) go out as one pipelined round trip. The remote database

@@ -1,5 +1,5 @@
-//! MS+SC: chain replication (bespokv.txt section IV-A; van Renesse and
-//! Schneider, OSDI 2004), with CRAQ-style reads as an option (Terrace and
+//! MS+SC: chain replication (BespoKV, Anwar et al., SC 2018, section IV-A;
+//! van Renesse and Schneider, OSDI 2004), with CRAQ-style reads as an option (Terrace and
 //! Freedman, USENIX ATC 2009).
 //!
 //! Guarantees: gets, puts, deletes and increments are linearizable; a write

@@ -1,5 +1,5 @@
-//! Replication protocols as sans-IO state machines (dkvf.txt: protocols as event
-//! handlers close to their pseudocode).
+//! Replication protocols as sans-IO state machines (after DKVF, Roohitavaf and
+//! Kulkarni, ASE 2018: protocols as event handlers close to their pseudocode).
 //!
 //! A protocol instance serves one shard on one replica. It reacts to four events
 //! ([`Protocol`]) and asks for everything outside itself through [`Effects`]: no

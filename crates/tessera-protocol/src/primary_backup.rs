@@ -1,5 +1,5 @@
 //! MS+EC: primary–backup with asynchronous, batched propagation
-//! (bespokv.txt section IV, MS+EC).
+//! (BespoKV, Anwar et al., SC 2018, section IV, MS+EC).
 //!
 //! Guarantees: the primary applies and acknowledges a write at once, then ships
 //! it; every replica applies the primary's writes in the primary's order, so
