@@ -309,6 +309,25 @@ def test_strong_cluster_stays_linearizable_through_kills_stops_and_coordinator_r
     assert_replicas_converge(cluster, keys)
 
 
+def test_a_cluster_with_more_groups_than_nodes_fails_over_every_group_a_node_held(cluster_factory, tmp_path):
+    """`cluster up --groups 12` on 4 nodes: each node heads 3 groups, their
+    followers differ, and killing a node fails over every group it headed
+    while the history stays linearizable."""
+    cluster = cluster_factory("strong", nodes=4, options=("--groups", "12"))
+    shards = cluster.map()["shards"]
+    assert len(shards) == 12
+    heads = [shard["members"][0] for shard in shards]
+    assert sorted(heads.count(node) for node in range(4)) == [3, 3, 3, 3]
+    assert len({tuple(shard["members"]) for shard in shards}) > 4, "followers vary"
+    slots = cluster.client().execute_command("CLUSTER", "SLOTS", target_nodes=RedisCluster.RANDOM)
+    assert sum(last - first + 1 for first, last, *_ in slots) == 16384
+
+    recorders, keys, marks = run_with_faults(cluster, [kill_node(cluster, 1), stop_node(cluster, 2)])
+    assert_served_and_linearizable(cluster, tmp_path, recorders, keys, marks)
+    cluster.wait_for_full_shards()
+    assert_replicas_converge(cluster, keys)
+
+
 def test_a_cluster_whose_plane_runs_in_tls_fails_over_and_stays_linearizable(cluster_factory, tmp_path):
     """`cluster up --tls`: peer links and coordinator sessions in mutual TLS
     (certificates in <dir>/tls), through a kill -9, a pause past the failure

@@ -75,9 +75,13 @@ pub struct TargetArgs {
 pub struct UpArgs {
     #[arg(long, default_value = "tessera-cluster")]
     dir: PathBuf,
-    /// Nodes that serve from the start (each heads one shard).
+    /// Nodes that serve from the start.
     #[arg(long, default_value_t = 6)]
     nodes: u32,
+    /// Replica groups (shards) splitting the slots, spread over the nodes
+    /// (each node heads about groups / nodes) [default: one per node].
+    #[arg(long)]
+    groups: Option<usize>,
     /// Copies of each shard.
     #[arg(long, default_value_t = 3)]
     replicas: usize,
@@ -126,6 +130,9 @@ struct Layout {
     /// Node id → client port, in id order.
     nodes: Vec<(u32, u16)>,
     replicas: usize,
+    /// Replica groups; `None`: one per node.
+    #[serde(default)]
+    groups: Option<usize>,
     #[serde(default = "master_slave")]
     topology: String,
     consistency: String,
@@ -242,6 +249,9 @@ fn up(args: UpArgs) -> Result<(), String> {
                     args.nodes, args.replicas
                 ));
             }
+            if args.groups.is_some_and(|groups| groups == 0 || groups > tessera_wire::slot::SLOTS) {
+                return Err(format!("--groups: between 1 and {}", tessera_wire::slot::SLOTS));
+            }
             let last_port = u32::from(args.base_port) + args.nodes + 10_000;
             if last_port > u32::from(u16::MAX) {
                 return Err("--base-port too high: nodes need port + 10000 for their peers".into());
@@ -257,6 +267,7 @@ fn up(args: UpArgs) -> Result<(), String> {
                 coordinator_port: args.base_port,
                 nodes: (0..args.nodes).map(|id| (id, args.base_port + 1 + id as u16)).collect(),
                 replicas: args.replicas,
+                groups: args.groups,
                 topology: args.topology.clone(),
                 consistency: args.consistency.clone(),
                 engine: args.engine.clone(),
@@ -706,6 +717,9 @@ fn start(dir: &Path, layout: &Layout, name: &str) -> Result<(), String> {
                 addresses.join(","),
             ]);
             args.extend(["--replicas".into(), layout.replicas.to_string()]);
+            if let Some(groups) = layout.groups {
+                args.extend(["--groups".into(), groups.to_string()]);
+            }
             args.extend(["--topology".into(), layout.topology.clone()]);
             args.extend(["--consistency".into(), layout.consistency.clone()]);
         }

@@ -195,6 +195,10 @@ struct CoordinatorArgs {
     /// How many of --nodes serve from the start; the rest stand by. Default: all.
     #[arg(long)]
     members: Option<usize>,
+    /// Replica groups (shards) splitting the slots; a node hosts several.
+    /// Default: one per serving node.
+    #[arg(long)]
+    groups: Option<usize>,
     #[arg(long, default_value_t = 3)]
     replicas: usize,
     /// ms (master–slave) or aa (active–active).
@@ -523,8 +527,9 @@ fn coordinator(args: CoordinatorArgs) -> Result<(), String> {
         (Some(id), false) => {
             let mode = tessera_protocol::Mode::for_table(&args.topology, &args.consistency)?;
             let members = args.members.unwrap_or(args.nodes.len());
+            let groups = args.groups.unwrap_or(members);
             Some(
-                ClusterMap::place(id, mode, args.replicas, &args.nodes, members)
+                ClusterMap::place_groups(id, mode, args.replicas, &args.nodes, members, groups)
                     .map_err(|error| error.to_string())?,
             )
         }

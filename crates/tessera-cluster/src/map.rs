@@ -174,10 +174,7 @@ pub const USERS_MAX: usize = 10_000;
 pub const USER_RULES_BYTES_MAX: usize = 64 << 10;
 
 impl ClusterMap {
-    /// A new cluster: the first `members` nodes serve, the rest stand by. With
-    /// `n` serving nodes there are `n` shards, shard `i` on nodes `i, i+1, …,
-    /// i+replicas-1` (mod `n`), so every node heads one shard and the slots are
-    /// split evenly.
+    /// A new cluster of one group per serving node ([`Self::place_groups`]).
     pub fn place(
         cluster_id: &str,
         mode: Mode,
@@ -185,8 +182,30 @@ impl ClusterMap {
         addresses: &[String],
         members: usize,
     ) -> Result<Self, MapError> {
+        Self::place_groups(cluster_id, mode, replicas, addresses, members, members)
+    }
+
+    /// A new cluster: the first `members` nodes serve, the rest stand by, and
+    /// `groups` shards split the slots evenly. With `n` serving nodes, shard
+    /// `g` is headed by node `g mod n` and followed by the next `replicas − 1`
+    /// nodes after a skip of `(g div n) mod (n − replicas + 1)`: every node
+    /// heads as many shards as any other, give or take one, a shard's
+    /// replicas are on distinct nodes, and a node's shards are followed by
+    /// different nodes, so that a failure spreads its load. One shard per
+    /// node puts shard `i` on nodes `i, i+1, …, i+replicas−1`.
+    pub fn place_groups(
+        cluster_id: &str,
+        mode: Mode,
+        replicas: usize,
+        addresses: &[String],
+        members: usize,
+        groups: usize,
+    ) -> Result<Self, MapError> {
         if replicas == 0 || members < replicas || members > addresses.len() {
             return Err(MapError::TooFewNodes { nodes: members.min(addresses.len()), replicas });
+        }
+        if groups == 0 || groups > SLOTS {
+            return Err(MapError::Invalid(format!("{groups} groups: between 1 and {SLOTS}")));
         }
         let nodes = addresses
             .iter()
@@ -198,17 +217,21 @@ impl ClusterMap {
                 role: if index < members { NodeRole::Member } else { NodeRole::Standby },
             })
             .collect();
-        let shards = (0..members)
+        let shards = (0..groups)
             .map(|index| {
-                let first = SLOTS * index / members;
-                let last = SLOTS * (index + 1) / members - 1;
+                let first = SLOTS * index / groups;
+                let last = SLOTS * (index + 1) / groups - 1;
+                let (head, skip) = (index % members, (index / members) % (members - replicas + 1));
                 Shard {
                     id: index as u32,
                     table: default_table(),
                     slots: vec![(first as u16, last as u16)],
                     range: None,
                     view_number: 1,
-                    members: (0..replicas).map(|offset| ((index + offset) % members) as u32).collect(),
+                    members: std::iter::once(head)
+                        .chain((1..replicas).map(|offset| (head + skip + offset) % members))
+                        .map(|node| node as u32)
+                        .collect(),
                     learners: Vec::new(),
                     incarnations: BTreeMap::new(),
                     mode: None,
@@ -477,6 +500,35 @@ mod tests {
         assert!(sizes.iter().all(|size| (2730..=2731).contains(size)), "{sizes:?}");
         let slot = key_slot(b"user1000") as u16;
         assert!(map.shard_for_slot(slot).unwrap().owns(slot));
+    }
+
+    #[test]
+    fn more_groups_than_nodes_spread_heads_and_followers_and_cover_every_slot() {
+        for (nodes, replicas, groups) in [(3, 3, 12), (5, 3, 20), (6, 2, 9), (4, 1, 7)] {
+            let map =
+                ClusterMap::place_groups("c1", chain(), replicas, &addresses(nodes), nodes, groups).unwrap();
+            assert_eq!(map.shards.len(), groups);
+            let mut heads = vec![0; nodes];
+            let mut follower_sets = BTreeSet::new();
+            for shard in &map.shards {
+                let distinct: BTreeSet<u32> = shard.members.iter().copied().collect();
+                assert_eq!(distinct.len(), replicas, "replicas on distinct nodes: {:?}", shard.members);
+                heads[shard.members[0] as usize] += 1;
+                follower_sets.insert((shard.members[0], shard.members[1..].to_vec()));
+            }
+            let (fewest, most) = (heads.iter().min().unwrap(), heads.iter().max().unwrap());
+            assert!(most - fewest <= 1, "heads per node: {heads:?}");
+            if replicas > 1 && nodes > replicas {
+                assert!(follower_sets.len() > nodes, "a node's groups have different followers");
+            }
+            let mut next = 0;
+            for shard in &map.shards {
+                assert_eq!(shard.slots, vec![(next, shard.slots[0].1)]);
+                next = shard.slots[0].1 + 1;
+            }
+            assert_eq!(next as usize, SLOTS, "the slots are covered once, in order");
+        }
+        assert!(ClusterMap::place_groups("c", chain(), 1, &addresses(1), 1, 0).is_err());
     }
 
     #[test]
