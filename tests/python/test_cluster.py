@@ -39,12 +39,16 @@ def port_free(port):
             return False
 
 
-def free_base_port(count):
-    """A base port with `count` free ports above it, and their peer ports (+10000)."""
+def free_base_port(count, tls=False):
+    """A base port with `count` free ports above it, their peer ports (+10000)
+    and, for a TLS cluster, their TLS client ports (+20000), all below the
+    ephemeral range (from 32768) so an outgoing connection cannot take one."""
+    offsets = (0, 10000, 20000) if tls else (0, 10000)
+    highest = 32768 - max(offsets) - count - 1
     for _ in range(200):
-        base = random.randrange(10000, 22000)  # peers (+10000) below the ephemeral range
+        base = random.randrange(10000, highest)
         ports = range(base, base + count + 1)
-        if all(port_free(port) and port_free(port + 10000) for port in ports):
+        if all(port_free(port + offset) for port in ports for offset in offsets):
             return base
     raise RuntimeError("no free port range")
 
@@ -63,7 +67,7 @@ class LocalCluster:
         self.topology = topology
         self.failure_timeout_ms = failure_timeout_ms
         # Room for a standby.
-        self.base_port = free_base_port(NODES + 2)
+        self.base_port = free_base_port(NODES + 2, tls)
 
     def log(self, name):
         """What process `name` (coordinator, node-0, ...) has logged."""
