@@ -6,8 +6,14 @@
 //! chunks unacknowledged and paces new chunks to a rate. The receiver applies
 //! chunks in order as they arrive and acknowledges them cumulatively. Neither
 //! side holds more than a window of the shard, and no link queue overflows.
+//!
+//! A *following* stream (a slot migration's, docs/PROTOCOLS.md, "Slot
+//! migration") also carries the changes its sender applies while it runs, in
+//! the same numbered sequence: queued changes go before the next snapshot
+//! chunk is read, so no chunk is older than a change before it, and a change
+//! made after a chunk comes after it.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use bytes::Bytes;
 use tessera_engine::{Engine, KeyRange, ScanCursor};
@@ -125,6 +131,47 @@ pub struct SnapshotStream {
     next_send_at: Time,
     pace: SnapshotPace,
     keep: Option<KeyFilter>,
+    /// A following stream's changes not yet sent (`None`: not following).
+    changes: Option<Changes>,
+}
+
+/// Changes waiting to be sent, one per key (the newest), in the order of
+/// their latest change: a key changed again goes to the back, behind any
+/// chunk read since its earlier change. At most one record per key of the
+/// stream's keys, however often they change.
+#[derive(Default)]
+struct Changes {
+    order: BTreeMap<u64, Bytes>,
+    records: HashMap<Bytes, (u64, Bytes)>,
+    next: u64,
+}
+
+impl Changes {
+    fn push(&mut self, key: Bytes, record: Bytes) {
+        let position = self.next;
+        self.next += 1;
+        if let Some((earlier, _)) = self.records.insert(key.clone(), (position, record)) {
+            self.order.remove(&earlier);
+        }
+        self.order.insert(position, key);
+    }
+
+    /// The oldest changes, about `bytes` of them (at least one).
+    fn take(&mut self, bytes: usize) -> Vec<(Bytes, Bytes)> {
+        let mut taken = Vec::new();
+        let mut size = 0;
+        while size < bytes.max(1) {
+            let Some((_, key)) = self.order.pop_first() else { break };
+            let (_, record) = self.records.remove(&key).expect("ordered keys have records");
+            size += key.len() + record.len();
+            taken.push((key, record));
+        }
+        taken
+    }
+
+    fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
 }
 
 impl SnapshotStream {
@@ -141,6 +188,24 @@ impl SnapshotStream {
             next_send_at: now,
             pace,
             keep: None,
+            changes: None,
+        }
+    }
+
+    /// Makes this a following stream: it also carries the changes given to
+    /// [`Self::record_change`], and never ends (no chunk is `last`).
+    pub fn following(mut self) -> Self {
+        self.changes = Some(Changes::default());
+        self
+    }
+
+    /// A following stream's sender applied `record` (encoded, a tombstone for
+    /// a delete) to `key`: it goes after everything sent so far. Keys the
+    /// filter leaves out are ignored.
+    pub fn record_change(&mut self, key: Bytes, record: Bytes) {
+        let changes = self.changes.as_mut().expect("only a following stream carries changes");
+        if self.keep.as_ref().is_none_or(|keep| keep(&key)) {
+            changes.push(key, record);
         }
     }
 
@@ -155,9 +220,12 @@ impl SnapshotStream {
         self.id
     }
 
-    /// Every chunk was read and acknowledged.
+    /// Every chunk was read and acknowledged (and, following, every change
+    /// recorded so far).
     pub fn finished(&self) -> bool {
-        self.cursor.is_none() && self.unacked.is_empty()
+        self.cursor.is_none()
+            && self.unacked.is_empty()
+            && self.changes.as_ref().is_none_or(Changes::is_empty)
     }
 
     /// The receiver applied every chunk of stream `stream` through `index`.
@@ -205,7 +273,14 @@ impl SnapshotStream {
             }
         }
         while self.unacked.len() < SNAPSHOT_WINDOW && now >= self.next_send_at {
-            let Some((chunk, entries)) = self.read_chunk(engine)? else { break };
+            let next = match self.changes.as_mut().filter(|changes| !changes.is_empty()) {
+                Some(changes) => {
+                    let entries = changes.take(self.pace.chunk_bytes);
+                    Some((self.next_chunk(false), entries))
+                }
+                None => self.read_chunk(engine)?,
+            };
+            let Some((chunk, entries)) = next else { break };
             let bytes = entries_bytes(&entries) as u64;
             if let Some(rate) = self.pace.bytes_per_sec {
                 self.next_send_at = self.next_send_at.max(now) + bytes * 1000 / rate;
@@ -219,6 +294,8 @@ impl SnapshotStream {
         Ok(out)
     }
 
+    /// Starts again from the first chunk under number `id`. The snapshot is
+    /// read anew, so it holds every change recorded so far.
     fn start_over(&mut self, id: u64, now: Time) {
         self.id = id;
         self.cursor = Some(ScanCursor::start());
@@ -226,6 +303,16 @@ impl SnapshotStream {
         self.unacked.clear();
         self.resends_without_progress = 0;
         self.last_progress_at = now;
+        if let Some(changes) = &mut self.changes {
+            *changes = Changes::default();
+        }
+    }
+
+    /// Numbers the next chunk; `last` only for a stream that ends.
+    fn next_chunk(&mut self, last: bool) -> Chunk {
+        let chunk = Chunk { stream: self.id, index: self.next_index, last: last && self.changes.is_none() };
+        self.next_index += 1;
+        chunk
     }
 
     /// The next chunk from the cursor, or `None` once the last was read.
@@ -264,9 +351,7 @@ impl SnapshotStream {
                 break false;
             }
         };
-        let chunk = Chunk { stream: self.id, index: self.next_index, last };
-        self.next_index += 1;
-        Ok(Some((chunk, entries)))
+        Ok(Some((self.next_chunk(last), entries)))
     }
 }
 
@@ -477,5 +562,116 @@ mod tests {
         receiver.clear();
         assert_eq!(receiver.ack(), None);
         assert_eq!(receiver.arrive(NodeId(2), chunk(0, 0, true)), Arrival::Drop, "still older than stream 1");
+    }
+
+    /// Applies a following stream's entries: an empty value is a tombstone.
+    fn apply_following(into: &dyn Engine, entries: Vec<(Bytes, Bytes)>) {
+        for (key, value) in entries {
+            if value.is_empty() {
+                into.delete(&key).unwrap();
+            } else {
+                into.put(&key, value).unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn a_following_stream_carries_the_changes_made_while_it_runs() {
+        let source = engine_with(400, 64);
+        let target = MemoryEngine::new();
+        let even = |key: &[u8]| key.last().is_some_and(|byte| byte % 2 == 0);
+        let pace = SnapshotPace { chunk_bytes: 512, ..SnapshotPace::default() };
+        let mut numbers = StreamNumbers::default();
+        let mut stream = numbers.start(0, pace).only(even).following();
+        let mut receiver = SnapshotReceiver::default();
+        let mut changes = 0u32;
+        for now in 0..200u64 {
+            // Every round changes keys both behind and ahead of the cursor:
+            // rewrites, deletes, and keys the snapshot never held.
+            for step in 0..3u32 {
+                let key = Bytes::from(((now as u32 * 7 + step * 131) % 500).to_be_bytes().to_vec());
+                let record = if step == 1 {
+                    source.delete(&key).unwrap();
+                    Bytes::new()
+                } else {
+                    let value = Bytes::from(format!("v{changes}"));
+                    source.put(&key, value.clone()).unwrap();
+                    value
+                };
+                stream.record_change(key, record);
+                changes += 1;
+            }
+            for (chunk, entries) in stream.poll(&source, now, 50, &mut numbers).unwrap() {
+                assert!(!chunk.last, "a following stream never ends");
+                if let Arrival::Apply { first } = receiver.arrive(NodeId(1), chunk) {
+                    if first {
+                        target.clear().unwrap();
+                    }
+                    apply_following(&target, entries);
+                    receiver.applied(chunk);
+                }
+                let (id, index) = receiver.ack().unwrap();
+                stream.on_ack(id, index, now);
+            }
+        }
+        source.put(b"\0\0\0\x02", Bytes::from_static(b"last")).unwrap();
+        stream.record_change(Bytes::from_static(b"\0\0\0\x02"), Bytes::from_static(b"last"));
+        assert!(!stream.finished(), "a change is on its way");
+        let mut now = 200;
+        while !stream.finished() {
+            for (chunk, entries) in stream.poll(&source, now, 50, &mut numbers).unwrap() {
+                if let Arrival::Apply { .. } = receiver.arrive(NodeId(1), chunk) {
+                    apply_following(&target, entries);
+                    receiver.applied(chunk);
+                }
+                let (id, index) = receiver.ack().unwrap();
+                stream.on_ack(id, index, now);
+            }
+            now += 1;
+        }
+        let expected: Vec<_> = contents(&source).into_iter().filter(|(key, _)| even(key)).collect();
+        assert_eq!(
+            contents(&target),
+            expected,
+            "the target holds the source's keys of the stream, as they are now"
+        );
+        assert!(receiver.partway(), "and still follows");
+    }
+
+    #[test]
+    fn a_key_changed_again_is_sent_once_behind_what_was_read_since() {
+        let source = MemoryEngine::new();
+        let mut numbers = StreamNumbers::default();
+        let mut stream = numbers.start(0, SnapshotPace::default()).following();
+        let key = |name: &str| Bytes::from(name.to_owned());
+        stream.record_change(key("a"), key("1"));
+        stream.record_change(key("b"), key("1"));
+        stream.record_change(key("a"), key("2"));
+        let sent = stream.poll(&source, 0, 50, &mut numbers).unwrap();
+        assert_eq!(sent.len(), 2, "the queued changes, then the (empty) snapshot");
+        assert_eq!(
+            sent[0].1,
+            vec![(key("b"), key("1")), (key("a"), key("2"))],
+            "one record per key, newest last"
+        );
+        assert!(sent[1].1.is_empty() && !sent[1].0.last);
+    }
+
+    #[test]
+    fn a_following_stream_that_starts_over_drops_its_queued_changes() {
+        let source = engine_with(30, SNAPSHOT_CHUNK_BYTES / 4);
+        let mut numbers = StreamNumbers::default();
+        let mut stream = numbers.start(0, SnapshotPace::default()).following();
+        let sent = stream.poll(&source, 0, 50, &mut numbers).unwrap();
+        assert_eq!(sent.len(), SNAPSHOT_WINDOW);
+        source.put(b"late", Bytes::from_static(b"value")).unwrap();
+        stream.record_change(Bytes::from_static(b"late"), Bytes::from_static(b"value"));
+        for resend in 1..=RESENDS_BEFORE_RESTART {
+            stream.poll(&source, 10_000 * u64::from(resend), 50, &mut numbers).unwrap();
+        }
+        let restarted = stream.poll(&source, 100_000, 50, &mut numbers).unwrap();
+        assert_eq!(restarted[0].0.index, 0, "a new stream, from the start");
+        let late = (Bytes::from_static(b"late"), Bytes::from_static(b"value"));
+        assert_ne!(restarted[0].1, vec![late], "no queued change first: the new snapshot holds it");
     }
 }
