@@ -732,6 +732,7 @@ impl Agent {
         for effect in fx.take() {
             match effect {
                 Effect::Send { to, message } => self.links.send(to, shard, &message),
+                Effect::SendToShard { shard, to, message } => self.links.send(to, shard, &message),
                 Effect::Reply { request, reply } => {
                     let Some(waiter) = state.waiting.remove(&request) else { continue };
                     answered += 1;

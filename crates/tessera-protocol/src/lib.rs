@@ -9,6 +9,7 @@
 pub mod chain;
 pub mod codec;
 pub mod coordinator;
+pub mod migration;
 pub mod multi_master;
 pub mod primary_backup;
 pub mod quorum;
@@ -268,6 +269,9 @@ pub(crate) fn open<M: Message>(me: NodeId, from: NodeId, message: &PeerMessage) 
 pub enum Effect {
     /// Deliver `message` to `to`. Protocols say what they assume of the channel.
     Send { to: NodeId, message: PeerMessage },
+    /// Deliver `message` to `to` as a replica of another shard (a slot
+    /// migration's stream and its acknowledgements).
+    SendToShard { shard: u32, to: NodeId, message: PeerMessage },
     /// Answer the client. Emitted only once the promised durability holds.
     Reply { request: RequestId, reply: ClientReply },
 }
@@ -291,6 +295,10 @@ impl Effects {
 
     pub fn send(&mut self, to: NodeId, message: PeerMessage) {
         self.effects.push(Effect::Send { to, message });
+    }
+
+    pub fn send_to_shard(&mut self, shard: u32, to: NodeId, message: PeerMessage) {
+        self.effects.push(Effect::SendToShard { shard, to, message });
     }
 
     pub fn reply(&mut self, request: RequestId, reply: ClientReply) {

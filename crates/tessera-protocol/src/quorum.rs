@@ -1098,7 +1098,7 @@ mod tests {
                     target.on_peer(from, message, &mut fx);
                     pending.extend(fx.take().into_iter().map(|effect| (to, effect)));
                 }
-                Effect::Send { .. } => {}
+                Effect::Send { .. } | Effect::SendToShard { .. } => {}
             }
         }
         (replies, messages)

@@ -18,7 +18,12 @@ use std::sync::Arc;
 
 use tessera_engine::{reserved, Engine};
 
+use crate::migration::{
+    Change, Incoming, MigrationMessage, MigrationReport, MigrationSource, MigrationTarget, ObservedEngine,
+    Outgoing,
+};
 use crate::registry::{Mode, Start, Tuning};
+use crate::snapshot::StreamNumbers;
 use crate::transition::TransitionMessage;
 use crate::{
     ClientRequest, Effect, Effects, NodeId, Operation, PeerMessage, Progress, Protocol, RequestId, ShardView,
@@ -106,6 +111,9 @@ pub struct Heard {
 
 pub struct Replica {
     config: ReplicaConfig,
+    /// The engine the protocol writes through: it logs changes while a
+    /// migration reads them.
+    observed: Arc<ObservedEngine>,
     engine: Arc<dyn Engine>,
     mode: Mode,
     protocol: Switchable,
@@ -114,6 +122,12 @@ pub struct Replica {
     /// None until this replica heads a view of a master–slave shard.
     barrier: Option<BarrierState>,
     next_request: u64,
+    /// While this replica is its shard's first member: the migrations of
+    /// its keys out, and of another shard's keys in (docs/PROTOCOLS.md,
+    /// "Slot migration").
+    migration_out: Option<MigrationSource>,
+    migration_in: Option<MigrationTarget>,
+    migration_streams: StreamNumbers,
 }
 
 impl Replica {
@@ -121,6 +135,8 @@ impl Replica {
     /// with records it kept across a restart). It serves nothing until a
     /// grant names its view.
     pub fn new(config: ReplicaConfig, engine: Arc<dyn Engine>, mode: Mode) -> Self {
+        let observed = Arc::new(ObservedEngine::new(engine));
+        let engine: Arc<dyn Engine> = observed.clone();
         let instance = mode.instance(config.me, engine.clone(), Start::Open, &config.tuning);
         let protocol = Switchable::new(config.me, engine.clone(), instance, config.tuning.snapshot);
         #[cfg(feature = "broken")]
@@ -133,7 +149,19 @@ impl Replica {
             lease_until: 0,
             draining: false,
         };
-        Self { config, engine, mode, protocol, view, barrier: None, next_request: 1 }
+        Self {
+            config,
+            observed,
+            engine,
+            mode,
+            protocol,
+            view,
+            barrier: None,
+            next_request: 1,
+            migration_out: None,
+            migration_in: None,
+            migration_streams: StreamNumbers::default(),
+        }
     }
 
     pub fn mode(&self) -> Mode {
@@ -252,7 +280,7 @@ impl Replica {
                 id
             })
             .collect();
-        self.note_replies(mark, fx);
+        self.after_event(mark, fx);
         ids
     }
 
@@ -300,7 +328,10 @@ impl Replica {
             let barrier = Operation::Delete { key: bytes::Bytes::from_static(reserved::BARRIER) };
             self.protocol.on_client(ClientRequest { id, operation: barrier }, fx);
         }
-        self.note_replies(mark, fx);
+        if self.view.position(self.config.me) != Some(0) {
+            self.set_migrations(None, None, fx.now());
+        }
+        self.after_event(mark, fx);
         assert!(self.view.lease_until <= fx.now() + self.config.lease_ms, "a lease past what was granted");
     }
 
@@ -315,8 +346,18 @@ impl Replica {
             .flatten();
         let was_drained = transition_view.is_some() && self.drained().is_some();
         let mark = fx.as_slice().len();
+        if message.family() == <MigrationMessage as crate::Message>::FAMILY {
+            match message.open::<MigrationMessage>() {
+                Some(Ok(message)) => self.on_migration_message(from, message, fx),
+                _ => {
+                    tracing::warn!(replica = %self.config.me, %from, "dropped a malformed migration message")
+                }
+            }
+            self.after_event(mark, fx);
+            return Heard::default();
+        }
         self.protocol.on_peer(from, message, fx);
-        self.note_replies(mark, fx);
+        self.after_event(mark, fx);
         match transition_view {
             None => Heard::default(),
             Some(view) => Heard {
@@ -329,7 +370,126 @@ impl Replica {
     pub fn on_tick(&mut self, fx: &mut Effects) {
         let mark = fx.as_slice().len();
         self.protocol.on_tick(fx);
+        if let Some(source) = &mut self.migration_out {
+            source.poll(self.engine.as_ref(), &mut self.migration_streams, fx);
+        }
+        self.after_event(mark, fx);
+    }
+
+    /// The migrations the map names for this shard, given to every replica
+    /// of it; only the first member runs them. A migration whose other end
+    /// moved to another node starts over (a new stream).
+    pub fn set_migrations(&mut self, outgoing: Option<Outgoing>, incoming: Option<Incoming>, now: Time) {
+        let first = self.view.position(self.config.me) == Some(0);
+        let outgoing = outgoing.filter(|_| first);
+        let incoming = incoming.filter(|_| first);
+        let same_out = |source: &MigrationSource, new: &Outgoing| {
+            (source.outgoing().id, source.outgoing().to) == (new.id, new.to)
+        };
+        match (&self.migration_out, outgoing) {
+            (Some(source), Some(new)) if same_out(source, &new) => {}
+            (_, Some(new)) => {
+                tracing::info!(replica = %self.config.me, migration = new.id, to_shard = new.to_shard, to = %new.to, "streaming migrating keys");
+                self.observed.watch(true);
+                let pace = self.config.tuning.snapshot;
+                self.migration_out = Some(MigrationSource::new(new, &mut self.migration_streams, now, pace));
+            }
+            (_, None) => {
+                self.observed.watch(false);
+                self.migration_out = None;
+            }
+        }
+        let same_in = |target: &MigrationTarget, new: &Incoming| {
+            (target.incoming().id, target.incoming().from) == (new.id, new.from)
+        };
+        match (&self.migration_in, incoming) {
+            (Some(target), Some(new)) if same_in(target, &new) => {}
+            (_, new) => self.migration_in = new.map(MigrationTarget::new),
+        }
+    }
+
+    /// What this replica's migrations tell the coordinator: the one out,
+    /// then the one in.
+    pub fn migration_reports(&self) -> (Option<MigrationReport>, Option<MigrationReport>) {
+        (
+            self.migration_out.as_ref().map(|source| source.report(self.drained())),
+            self.migration_in.as_ref().map(MigrationTarget::report),
+        )
+    }
+
+    fn on_migration_message(&mut self, from: NodeId, message: MigrationMessage, fx: &mut Effects) {
+        match message {
+            MigrationMessage::Items { migration, chunk, entries } => {
+                let Some(target) = self.migration_in.as_mut() else { return };
+                let incoming = target.incoming();
+                if (incoming.id, incoming.from) != (migration, from) {
+                    return;
+                }
+                if target.on_items(chunk, entries) {
+                    Self::send_migration_ack(target, fx);
+                }
+            }
+            MigrationMessage::Ack { migration, stream, index } => {
+                let Some(source) = self.migration_out.as_mut() else { return };
+                if (source.outgoing().id, source.outgoing().to) == (migration, from) {
+                    source.on_ack(stream, index, fx.now());
+                    source.poll(self.engine.as_ref(), &mut self.migration_streams, fx);
+                }
+            }
+        }
+    }
+
+    fn send_migration_ack(target: &MigrationTarget, fx: &mut Effects) {
+        if let Some((stream, index)) = target.ack() {
+            let incoming = target.incoming();
+            let ack = MigrationMessage::Ack { migration: incoming.id, stream, index };
+            fx.send_to_shard(incoming.from_shard, incoming.from, PeerMessage::new(&ack));
+        }
+    }
+
+    /// After every event: the replies since `mark` reach the barrier and the
+    /// migration target, the target submits what it has next, and the
+    /// engine's changes reach the migration source.
+    fn after_event(&mut self, mark: usize, fx: &mut Effects) {
         self.note_replies(mark, fx);
+        let mut mark = mark;
+        while let Some(target) = self.migration_in.as_mut() {
+            let now = fx.now();
+            let mut finished = false;
+            for effect in &fx.as_slice()[mark..] {
+                if let Effect::Reply { request, reply } = effect {
+                    finished |= target.on_reply(*request, reply, now);
+                }
+            }
+            if finished {
+                Self::send_migration_ack(target, fx);
+            }
+            mark = fx.as_slice().len();
+            let Some(operations) = target.next_batch(self.engine.as_ref(), now) else { break };
+            let ids: Vec<RequestId> = operations
+                .into_iter()
+                .map(|operation| {
+                    let id = self.next_id();
+                    self.protocol.on_client(ClientRequest { id, operation }, fx);
+                    id
+                })
+                .collect();
+            self.migration_in.as_mut().expect("still here").submitted(ids);
+        }
+        for change in self.observed.take_changes() {
+            let Some(source) = self.migration_out.as_mut() else { break };
+            match change {
+                Change::Put(key, stored) => source.record_change(&key, Some(stored)),
+                Change::Delete(key) => source.record_change(&key, None),
+                Change::Cleared => {
+                    // Whatever was sent is stale: a new stream reads anew.
+                    let outgoing = source.outgoing().clone();
+                    let pace = self.config.tuning.snapshot;
+                    self.migration_out =
+                        Some(MigrationSource::new(outgoing, &mut self.migration_streams, fx.now(), pace));
+                }
+            }
+        }
     }
 
     /// Watches the answers emitted since `mark` for this replica's barrier.

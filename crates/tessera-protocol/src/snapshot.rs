@@ -133,6 +133,8 @@ pub struct SnapshotStream {
     keep: Option<KeyFilter>,
     /// A following stream's changes not yet sent (`None`: not following).
     changes: Option<Changes>,
+    /// Entries and bytes of keys and values in the chunks sent once so far.
+    sent: (u64, u64),
 }
 
 /// Changes waiting to be sent, one per key (the newest), in the order of
@@ -189,6 +191,7 @@ impl SnapshotStream {
             pace,
             keep: None,
             changes: None,
+            sent: (0, 0),
         }
     }
 
@@ -218,6 +221,12 @@ impl SnapshotStream {
     /// This stream's number (it changes when the stream starts over).
     pub fn id(&self) -> u64 {
         self.id
+    }
+
+    /// Entries, and bytes of their keys and values, sent in new chunks since
+    /// the stream (last) started.
+    pub fn sent(&self) -> (u64, u64) {
+        self.sent
     }
 
     /// Every chunk was read and acknowledged (and, following, every change
@@ -282,6 +291,7 @@ impl SnapshotStream {
             };
             let Some((chunk, entries)) = next else { break };
             let bytes = entries_bytes(&entries) as u64;
+            self.sent = (self.sent.0 + entries.len() as u64, self.sent.1 + bytes);
             if let Some(rate) = self.pace.bytes_per_sec {
                 self.next_send_at = self.next_send_at.max(now) + bytes * 1000 / rate;
             }
@@ -303,6 +313,7 @@ impl SnapshotStream {
         self.unacked.clear();
         self.resends_without_progress = 0;
         self.last_progress_at = now;
+        self.sent = (0, 0);
         if let Some(changes) = &mut self.changes {
             *changes = Changes::default();
         }

@@ -391,9 +391,14 @@ impl Simulation {
                 Effect::Send { to, message } => {
                     self.send(Address::Replica(id), Address::Replica(to.0), Message::Peer(message))
                 }
+                Effect::SendToShard { .. } => {
+                    unreachable!(
+                        "a simulated shard is given no migrations, so it sends nothing to other shards"
+                    )
+                }
                 Effect::Reply { request, reply } => {
                     // Answers to requests of the driver's own (a new head's
-                    // barrier) go to no client.
+                    // barrier, a migration's writes) go to no client.
                     let Some(request) = self.replicas[id as usize].requests.remove(&request) else {
                         continue;
                     };
