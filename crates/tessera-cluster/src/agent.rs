@@ -931,13 +931,21 @@ async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: Coordina
         for (shard, progress) in agent_ref.shards() {
             let (learner, view) =
                 progress.learner_ready.map_or((-1, 0), |(node, view)| (i64::from(node.0), view));
-            for field in [
+            let migration = progress.migration.unwrap_or_default();
+            let fields = [
                 shard.to_string(),
                 progress.applied.to_string(),
                 learner.to_string(),
                 view.to_string(),
                 progress.drained.unwrap_or(0).to_string(),
-            ] {
+                migration.id.to_string(),
+                migration.entries.to_string(),
+                migration.bytes.to_string(),
+                u8::from(migration.caught_up).to_string(),
+                migration.forwarded_in.unwrap_or(0).to_string(),
+            ];
+            debug_assert_eq!(fields.len(), crate::server::HEARTBEAT_SHARD_FIELDS);
+            for field in fields {
                 args.push(field.into_bytes());
             }
         }

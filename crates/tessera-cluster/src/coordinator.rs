@@ -10,7 +10,19 @@ use tessera_engine::EngineKind;
 use tessera_protocol::coordinator::{CoordinatorConfig, ShardCoordinator};
 use tessera_protocol::{Mode, NodeId, Progress, ShardView};
 
-use crate::map::{ClusterMap, ClusterTable, MapError, NodeInfo, NodeRole, Shard, DEFAULT_TABLE};
+use tessera_protocol::migration::MigrationReport;
+use tessera_wire::slot::SLOTS;
+
+use crate::map::{
+    ClusterMap, ClusterTable, MapError, Migration, MigrationPhase, NodeInfo, NodeRole, Shard, DEFAULT_TABLE,
+};
+
+/// How long a migration's cut may hold its source's writes before it is
+/// given up (the copy goes on, and the cut is tried again later).
+pub const CUT_TIMEOUT_MS: u64 = 3_000;
+
+/// How long after a cut was given up the next one may start.
+const CUT_RETRY_AFTER_MS: u64 = 1_000;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum JoinError {
@@ -57,6 +69,13 @@ pub struct ClusterCoordinator {
     shards: BTreeMap<u32, ShardCoordinator>,
     /// The map changed since [`ClusterCoordinator::take_changed_map`].
     changed: bool,
+    /// Per migration: what its source last reported, and when.
+    migration_reports: BTreeMap<u64, (MigrationReport, u64)>,
+    /// Per migration in its cut: when the cut began and the two shards'
+    /// first members then (a cut is given up when either changes).
+    cuts: BTreeMap<u64, (u64, Option<NodeId>, Option<NodeId>)>,
+    /// Per migration whose cut was given up: when the next may begin.
+    cut_not_before: BTreeMap<u64, u64>,
 }
 
 impl ClusterCoordinator {
@@ -74,14 +93,28 @@ impl ClusterCoordinator {
                     .collect();
                 let config = shard_config(timing, map.mode_of(shard), map.replicas);
                 let mut coordinator = ShardCoordinator::new(config, shard.view(), incarnations, now);
-                if let Some(next) = shard.next_mode {
+                let cutting = map.migrations.iter().any(|migration| {
+                    migration.from == shard.id && migration.phase == MigrationPhase::Cutting
+                });
+                if cutting {
+                    // A migration's cut that a previous coordinator began.
+                    coordinator.resume_cut();
+                } else if let Some(next) = shard.next_mode {
                     // A transition that a previous coordinator started.
                     coordinator.resume_transition(shard_config(timing, next, map.replicas).admission);
                 }
                 (shard.id, coordinator)
             })
             .collect();
-        Self { map, timing, shards, changed: false }
+        Self {
+            map,
+            timing,
+            shards,
+            changed: false,
+            migration_reports: BTreeMap::new(),
+            cuts: BTreeMap::new(),
+            cut_not_before: BTreeMap::new(),
+        }
     }
 
     pub fn map(&self) -> &ClusterMap {
@@ -134,6 +167,11 @@ impl ClusterCoordinator {
             .filter(|shard| shard.table == name)
             .map(|shard| (shard.id, self.map.mode_of(shard)))
             .collect();
+        if current.iter().any(|(id, _)| self.map.migration_of(*id).is_some()) {
+            return Err(MapError::Invalid(format!(
+                "table {name} has slots migrating; switch modes once they have moved (or cancel the migration)"
+            )));
+        }
         if current.iter().any(|(id, _)| self.shards[id].transitioning()) {
             return Err(MapError::Invalid(format!("table {name} is already switching modes; wait for it")));
         }
@@ -176,6 +214,7 @@ impl ClusterCoordinator {
                 learnt.push(shard);
             }
         }
+        self.note_migrations(now, node, progress);
         self.sync(&learnt);
         // The mode as of the views granted (a view that ended a transition
         // reached the map in sync above).
@@ -214,7 +253,185 @@ impl ClusterCoordinator {
         for coordinator in self.shards.values_mut() {
             coordinator.on_tick(now);
         }
+        self.advance_migrations(now);
         self.sync(&[]);
+    }
+
+    /// Starts moving `slots` (inclusive ranges) from shard `from` to shard
+    /// `to` of the same table; returns the migration's id. Refused while
+    /// either shard switches modes or takes part in another migration.
+    pub fn start_migration(&mut self, from: u32, to: u32, slots: Vec<(u16, u16)>) -> Result<u64, MapError> {
+        for shard in [from, to] {
+            if self.shards.get(&shard).is_some_and(ShardCoordinator::transitioning) {
+                return Err(MapError::Invalid(format!(
+                    "shard {shard} is switching modes; move slots once it has"
+                )));
+            }
+            if let Some(other) = self.map.migration_of(shard) {
+                return Err(MapError::Invalid(format!(
+                    "shard {shard} already takes part in migration {}",
+                    other.id
+                )));
+            }
+        }
+        let mut map = self.map.clone();
+        let id = map.next_migration;
+        map.next_migration += 1;
+        map.migrations.push(Migration {
+            id,
+            from,
+            to,
+            slots: normalize(&slots),
+            phase: MigrationPhase::Copying,
+        });
+        map.epoch += 1;
+        map.validate()?;
+        self.map = map;
+        self.changed = true;
+        Ok(id)
+    }
+
+    /// Cancels a migration that has not moved its slots: its source serves
+    /// on (its cut, if one is under way, ends), and the target drops what
+    /// it received once the map no longer names the migration.
+    pub fn cancel_migration(&mut self, id: u64, now: u64) -> Result<(), MapError> {
+        let migration = self.map.migrations.iter().find(|migration| migration.id == id).cloned();
+        let migration = migration.ok_or_else(|| MapError::Invalid(format!("no migration {id} under way")))?;
+        self.end_cut(&migration, now, "migration cancelled");
+        self.map.migrations.retain(|other| other.id != id);
+        self.forget_migration(id);
+        self.map.epoch += 1;
+        self.changed = true;
+        self.sync(&[]);
+        Ok(())
+    }
+
+    /// What the source of each migration under way last reported, and when.
+    pub fn migration_reports(&self) -> &BTreeMap<u64, (MigrationReport, u64)> {
+        &self.migration_reports
+    }
+
+    /// Keeps what a source's first member reports of its migration.
+    fn note_migrations(&mut self, now: u64, node: u32, progress: &BTreeMap<u32, Progress>) {
+        for migration in &self.map.migrations {
+            let first = self.shards[&migration.from].view().replicas.first().copied();
+            if first != Some(NodeId(node)) {
+                continue;
+            }
+            let report = progress.get(&migration.from).and_then(|progress| progress.migration);
+            if let Some(report) = report.filter(|report| report.id == migration.id) {
+                self.migration_reports.insert(migration.id, (report, now));
+            }
+        }
+        self.advance_migrations(now);
+    }
+
+    /// Begins the cut of a migration whose copy caught up; completes a cut
+    /// whose source drained and forwarded everything; gives up a cut that
+    /// lost a first member or took too long.
+    fn advance_migrations(&mut self, now: u64) {
+        for migration in self.map.migrations.clone() {
+            let report = self.migration_reports.get(&migration.id).map(|(report, _)| *report);
+            let source = &self.shards[&migration.from];
+            let firsts = (
+                source.view().replicas.first().copied(),
+                self.shards[&migration.to].view().replicas.first().copied(),
+            );
+            match migration.phase {
+                MigrationPhase::Copying => {
+                    let due = self.cut_not_before.get(&migration.id).is_none_or(|at| now >= *at);
+                    if due && report.is_some_and(|report| report.caught_up) && !source.transitioning() {
+                        self.begin_cut(&migration, now, firsts);
+                    }
+                }
+                MigrationPhase::Cutting => {
+                    let (began, first_from, first_to) =
+                        *self.cuts.entry(migration.id).or_insert((now, firsts.0, firsts.1));
+                    let forwarded = report.and_then(|report| report.forwarded_in);
+                    if (first_from, first_to) != firsts || now.saturating_sub(began) > CUT_TIMEOUT_MS {
+                        tracing::warn!(
+                            migration = migration.id,
+                            "a migration's cut is given up; the copy goes on"
+                        );
+                        self.end_cut(&migration, now, "migration cut given up");
+                        self.set_phase(migration.id, MigrationPhase::Copying);
+                        self.cut_not_before.insert(migration.id, now + CUT_RETRY_AFTER_MS);
+                    } else if source.cut_drained() && forwarded == Some(source.view().number) {
+                        self.complete_migration(&migration, now);
+                    }
+                }
+            }
+        }
+    }
+
+    fn begin_cut(&mut self, migration: &Migration, now: u64, firsts: (Option<NodeId>, Option<NodeId>)) {
+        let coordinator = self.shards.get_mut(&migration.from).expect("a coordinator per shard");
+        if !coordinator.begin_cut(now) {
+            return;
+        }
+        tracing::info!(
+            migration = migration.id,
+            from = migration.from,
+            to = migration.to,
+            "migration caught up; cutting over"
+        );
+        let mode = self.map.shard(migration.from).map(|shard| self.map.mode_of(shard));
+        if let Some(shard) = self.map.shards.iter_mut().find(|shard| shard.id == migration.from) {
+            shard.next_mode = mode; // draining, to the mode it runs
+        }
+        self.set_phase(migration.id, MigrationPhase::Cutting);
+        self.cuts.insert(migration.id, (now, firsts.0, firsts.1));
+        self.migration_reports.remove(&migration.id); // a forwarded view is reported anew
+    }
+
+    fn end_cut(&mut self, migration: &Migration, now: u64, reason: &'static str) {
+        if let Some(coordinator) = self.shards.get_mut(&migration.from) {
+            coordinator.end_cut(now, reason);
+        }
+        self.cuts.remove(&migration.id);
+    }
+
+    /// The slots become the target's, in the same map as the view that ends
+    /// the source's cut.
+    fn complete_migration(&mut self, migration: &Migration, now: u64) {
+        tracing::info!(
+            migration = migration.id,
+            from = migration.from,
+            to = migration.to,
+            slots = migration.slot_count(),
+            "migration complete: the slots moved"
+        );
+        self.end_cut(migration, now, "migration complete");
+        for shard in &mut self.map.shards {
+            let mut owned = vec![false; SLOTS];
+            for (first, last) in &shard.slots {
+                owned[*first as usize..=*last as usize].fill(true);
+            }
+            if shard.id == migration.from || shard.id == migration.to {
+                for (first, last) in &migration.slots {
+                    owned[*first as usize..=*last as usize].fill(shard.id == migration.to);
+                }
+                shard.slots = ranges_of(&owned);
+            }
+        }
+        self.map.migrations.retain(|other| other.id != migration.id);
+        self.forget_migration(migration.id);
+        self.map.epoch += 1;
+        self.changed = true;
+    }
+
+    fn set_phase(&mut self, id: u64, phase: MigrationPhase) {
+        if let Some(migration) = self.map.migrations.iter_mut().find(|migration| migration.id == id) {
+            migration.phase = phase;
+            self.map.epoch += 1;
+            self.changed = true;
+        }
+    }
+
+    fn forget_migration(&mut self, id: u64) {
+        self.migration_reports.remove(&id);
+        self.cuts.remove(&id);
+        self.cut_not_before.remove(&id);
     }
 
     /// Copies view changes, and the incarnations of a new cluster's members as
@@ -363,6 +580,16 @@ impl ClusterCoordinator {
         if self.map.table(name).is_none() {
             return Err(MapError::Invalid(format!("no such table '{name}'")));
         }
+        let migrating = self
+            .map
+            .shards
+            .iter()
+            .any(|shard| shard.table == name && self.map.migration_of(shard.id).is_some());
+        if migrating {
+            return Err(MapError::Invalid(format!(
+                "table {name} has slots migrating; cancel the migration first"
+            )));
+        }
         self.map.tables.retain(|table| table.name != name);
         let dropped: Vec<u32> =
             self.map.shards.iter().filter(|shard| shard.table == name).map(|shard| shard.id).collect();
@@ -407,6 +634,32 @@ impl ClusterCoordinator {
     pub fn take_changed_map(&mut self) -> Option<ClusterMap> {
         std::mem::take(&mut self.changed).then(|| self.map.clone())
     }
+}
+
+/// Inclusive slot ranges, sorted and merged.
+fn normalize(ranges: &[(u16, u16)]) -> Vec<(u16, u16)> {
+    let mut slots = vec![false; SLOTS];
+    for (first, last) in ranges {
+        if first <= last && (*last as usize) < SLOTS {
+            slots[*first as usize..=*last as usize].fill(true);
+        } else {
+            return ranges.to_vec(); // left for validation to refuse
+        }
+    }
+    ranges_of(&slots)
+}
+
+/// The inclusive ranges of the slots marked.
+fn ranges_of(slots: &[bool]) -> Vec<(u16, u16)> {
+    let mut ranges: Vec<(u16, u16)> = Vec::new();
+    for (slot, _) in slots.iter().enumerate().filter(|(_, owned)| **owned) {
+        let slot = slot as u16;
+        match ranges.last_mut() {
+            Some((_, last)) if *last + 1 == slot => *last = slot,
+            _ => ranges.push((slot, slot)),
+        }
+    }
+    ranges
 }
 
 #[cfg(test)]
@@ -467,7 +720,7 @@ mod tests {
         let number = joining[0].view_number;
         let ready = BTreeMap::from([(
             shard,
-            Progress { applied: 5, learner_ready: Some((NodeId(3), number)), drained: None },
+            Progress { applied: 5, learner_ready: Some((NodeId(3), number)), drained: None, migration: None },
         )]);
         coordinator.heartbeat(450, tail, 1, &ready).unwrap();
         let map = coordinator.take_changed_map().unwrap();
@@ -691,5 +944,120 @@ mod tests {
         assert!(coordinator.map().users.is_empty() && coordinator.take_changed_map().is_some());
         assert_eq!(coordinator.delete_users(&["alice".into()]), 0);
         assert!(coordinator.take_changed_map().is_none(), "nothing deleted, nothing to store");
+    }
+}
+
+#[cfg(test)]
+mod migration_tests {
+    use super::*;
+
+    fn cluster() -> ClusterCoordinator {
+        let addresses: Vec<String> = (0..3).map(|index| format!("127.0.0.1:{}", 7000 + index)).collect();
+        let map = ClusterMap::place_groups("c1", Mode::named("ms+sc").unwrap(), 3, &addresses, 3, 6).unwrap();
+        let mut coordinator =
+            ClusterCoordinator::new(map, Timing { lease_ms: 200, failure_timeout_ms: 150 }, 0);
+        for node in 0..3 {
+            coordinator.heartbeat(1, node, 1, &BTreeMap::new()).unwrap();
+        }
+        coordinator
+    }
+
+    fn first_member(coordinator: &ClusterCoordinator, shard: u32) -> u32 {
+        coordinator.map().shard(shard).unwrap().members[0]
+    }
+
+    /// Every node's heartbeat: drained in the shard's view if `drained`, and
+    /// the source's first member reporting `report` for the migration.
+    fn beat_all(
+        coordinator: &mut ClusterCoordinator,
+        now: u64,
+        shard: u32,
+        drained: bool,
+        report: MigrationReport,
+    ) {
+        for node in 0..3 {
+            let view = coordinator.map().shard(shard).unwrap().view_number;
+            let migration = (first_member(coordinator, shard) == node).then_some(report);
+            let progress = Progress { drained: drained.then_some(view), migration, ..Progress::default() };
+            coordinator.heartbeat(now, node, 1, &BTreeMap::from([(shard, progress)])).unwrap();
+        }
+    }
+
+    #[test]
+    fn slots_move_once_the_source_has_drained_and_forwarded_everything() {
+        let mut coordinator = cluster();
+        let (from, to) = (0, 3);
+        let err = coordinator.start_migration(from, to, vec![(5000, 5001)]).unwrap_err();
+        assert!(err.to_string().contains("does not own"), "{err}");
+        let id = coordinator.start_migration(from, to, vec![(10, 19), (0, 9)]).unwrap();
+        assert_eq!(coordinator.map().migrations[0].slots, vec![(0, 19)], "ranges merged");
+        let err = coordinator.start_migration(1, to, vec![(3000, 3000)]).unwrap_err();
+        assert!(err.to_string().contains("already takes part"), "{err}");
+        let err = coordinator.alter_table(DEFAULT_TABLE, Mode::named("aa+ec").unwrap(), 2).unwrap_err();
+        assert!(err.to_string().contains("migrating"), "{err}");
+
+        let copying = MigrationReport { id, entries: 10, bytes: 100, ..MigrationReport::default() };
+        beat_all(&mut coordinator, 10, from, false, copying);
+        assert_eq!(coordinator.map().migrations[0].phase, MigrationPhase::Copying);
+        let caught_up = MigrationReport { caught_up: true, ..copying };
+        beat_all(&mut coordinator, 20, from, false, caught_up);
+        assert_eq!(coordinator.map().migrations[0].phase, MigrationPhase::Cutting);
+        let cut_view = coordinator.map().shard(from).unwrap().view();
+        assert!(cut_view.draining, "the source drains");
+
+        // Drained everywhere, but the forwarded view is not reported yet:
+        // the slots stay.
+        beat_all(&mut coordinator, 30, from, true, caught_up);
+        assert!(coordinator.map().shard(from).unwrap().owns(0));
+        assert!(coordinator.map().shard(from).unwrap().view().draining, "a cut does not end on its own");
+        let forwarded = MigrationReport { forwarded_in: Some(cut_view.number), ..caught_up };
+        let epoch = coordinator.map().epoch;
+        beat_all(&mut coordinator, 40, from, true, forwarded);
+        let map = coordinator.map();
+        assert!(map.epoch > epoch);
+        assert!(map.migrations.is_empty());
+        assert!(!map.shard(from).unwrap().owns(0) && !map.shard(from).unwrap().owns(19));
+        assert!(map.shard(from).unwrap().owns(20));
+        assert!(map.shard(to).unwrap().owns(0) && map.shard(to).unwrap().owns(19));
+        assert!(!map.shard(from).unwrap().view().draining, "the source serves its other slots again");
+        assert_eq!(map.shard(to).unwrap().slots.len(), 2, "the target's own range and the moved one");
+        map.validate().unwrap();
+    }
+
+    #[test]
+    fn a_cut_that_takes_too_long_is_given_up_and_tried_again() {
+        let mut coordinator = cluster();
+        let id = coordinator.start_migration(0, 3, vec![(0, 9)]).unwrap();
+        let caught_up = MigrationReport { id, caught_up: true, ..MigrationReport::default() };
+        beat_all(&mut coordinator, 10, 0, false, caught_up);
+        assert_eq!(coordinator.map().migrations[0].phase, MigrationPhase::Cutting);
+        coordinator.tick(10 + CUT_TIMEOUT_MS + 1);
+        assert_eq!(coordinator.map().migrations[0].phase, MigrationPhase::Copying);
+        assert!(!coordinator.map().shard(0).unwrap().view().draining, "writes flow again");
+        assert!(coordinator.map().shard(0).unwrap().owns(0), "nothing moved");
+        let later = 10 + CUT_TIMEOUT_MS + 1 + CUT_RETRY_AFTER_MS;
+        beat_all(&mut coordinator, later - 100, 0, false, caught_up);
+        assert_eq!(coordinator.map().migrations[0].phase, MigrationPhase::Copying, "not yet");
+        beat_all(&mut coordinator, later, 0, false, caught_up);
+        assert_eq!(coordinator.map().migrations[0].phase, MigrationPhase::Cutting);
+    }
+
+    #[test]
+    fn a_restarted_coordinator_carries_on_a_cut_and_cancelling_ends_it() {
+        let mut coordinator = cluster();
+        let id = coordinator.start_migration(0, 3, vec![(0, 9)]).unwrap();
+        let caught_up = MigrationReport { id, caught_up: true, ..MigrationReport::default() };
+        beat_all(&mut coordinator, 10, 0, false, caught_up);
+        let map = coordinator.take_changed_map().unwrap();
+        let mut restarted =
+            ClusterCoordinator::new(map, Timing { lease_ms: 200, failure_timeout_ms: 150 }, 20);
+        beat_all(&mut restarted, 30, 0, true, caught_up);
+        assert!(restarted.map().shard(0).unwrap().view().draining, "still cutting: drained is not enough");
+        restarted.cancel_migration(id, 40).unwrap();
+        let map = restarted.map();
+        assert!(map.migrations.is_empty() && !map.shard(0).unwrap().view().draining);
+        assert!(map.shard(0).unwrap().owns(0));
+        assert!(restarted.cancel_migration(id, 50).is_err(), "no such migration any more");
+        assert_eq!(restarted.start_migration(0, 3, vec![(0, 9)]).unwrap(), id + 1, "ids are never reused");
     }
 }

@@ -149,6 +149,38 @@ impl Shard {
     }
 }
 
+/// Where a slot migration is (docs/PROTOCOLS.md, "Slot migration").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MigrationPhase {
+    /// The source serves the slots and streams them to the target.
+    Copying,
+    /// The source's view drains; once its first member has forwarded
+    /// everything, the slots become the target's.
+    Cutting,
+}
+
+/// Slots on their way from one shard to another of the same table.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Migration {
+    pub id: u64,
+    pub from: u32,
+    pub to: u32,
+    /// Inclusive ranges, all owned by `from` until the cut.
+    pub slots: Vec<(u16, u16)>,
+    pub phase: MigrationPhase,
+}
+
+impl Migration {
+    pub fn moves(&self, slot: u16) -> bool {
+        self.slots.iter().any(|(first, last)| (*first..=*last).contains(&slot))
+    }
+
+    pub fn slot_count(&self) -> usize {
+        self.slots.iter().map(|(first, last)| usize::from(last - first) + 1).sum()
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClusterMap {
     /// Nodes started for another cluster are refused.
@@ -167,6 +199,16 @@ pub struct ClusterMap {
     /// (plus its own `default` user unless this names one).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub users: BTreeMap<String, String>,
+    /// Slot migrations under way; a shard takes part in at most one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub migrations: Vec<Migration>,
+    /// The id the next migration gets.
+    #[serde(default = "first_migration_id")]
+    pub next_migration: u64,
+}
+
+fn first_migration_id() -> u64 {
+    1
 }
 
 /// The most users a cluster keeps, and the longest rules of one.
@@ -248,6 +290,8 @@ impl ClusterMap {
             shards,
             tables: Vec::new(),
             users: BTreeMap::new(),
+            migrations: Vec::new(),
+            next_migration: first_migration_id(),
         };
         map.validate()?;
         Ok(map)
@@ -292,6 +336,11 @@ impl ClusterMap {
     /// cluster's shards (every other table's shards start on the same nodes).
     pub fn slot_shards(&self) -> impl Iterator<Item = &Shard> {
         self.shards.iter().filter(|shard| shard.table == DEFAULT_TABLE)
+    }
+
+    /// The migration a shard takes part in, as source or target.
+    pub fn migration_of(&self, shard: u32) -> Option<&Migration> {
+        self.migrations.iter().find(|migration| migration.from == shard || migration.to == shard)
     }
 
     pub fn table(&self, name: &str) -> Option<&ClusterTable> {
@@ -409,6 +458,33 @@ impl ClusterMap {
                         return invalid(format!("slot {slot} is owned by shards {other} and {}", shard.id));
                     }
                 }
+            }
+        }
+        let mut migrating = BTreeSet::new();
+        for migration in &self.migrations {
+            let (Some(from), Some(to)) = (self.shard(migration.from), self.shard(migration.to)) else {
+                return invalid(format!("migration {} names an unknown shard", migration.id));
+            };
+            if from.table != to.table || from.range.is_some() || migration.from == migration.to {
+                return invalid(format!(
+                    "migration {} must move slots between two shards of one hash-partitioned table",
+                    migration.id
+                ));
+            }
+            if !migrating.insert(migration.from) || !migrating.insert(migration.to) {
+                return invalid(format!(
+                    "migration {}: a shard takes part in one migration at a time",
+                    migration.id
+                ));
+            }
+            if migration.id >= self.next_migration {
+                return invalid(format!("migration {} is not below the next id", migration.id));
+            }
+            let moved = migration.slots.iter().all(|(first, last)| {
+                first <= last && (*last as usize) < SLOTS && (*first..=*last).all(|slot| from.owns(slot))
+            });
+            if migration.slots.is_empty() || !moved {
+                return invalid(format!("migration {} moves slots its source does not own", migration.id));
             }
         }
         if self.users.len() > USERS_MAX {

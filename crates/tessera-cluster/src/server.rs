@@ -30,7 +30,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use tessera_protocol::migration::MigrationReport;
 use tessera_protocol::{Mode, NodeId, Progress};
+
+/// What a heartbeat says of each shard: its id, applied position, ready
+/// learner and its view, drained view, then the migration it streams (id,
+/// entries, bytes, caught up, forwarded view; zeros for none).
+pub const HEARTBEAT_SHARD_FIELDS: usize = 10;
 use tessera_wire::{Limits, Parsed, Protocol as Resp, ReplyWriter, Request, RequestParser};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -383,7 +389,7 @@ async fn answer(state: &Arc<Mutex<State>>, session: &mut Session, args: &[Vec<u8
         b"COORD.HELLO" if args.len() == 4 => hello(state, session, args, out),
         b"COORD.AUTH" if args.len() == 2 => authenticate(state, session, &args[1], out),
         b"COORD.JOIN" if args.len() == 3 || args.len() == 4 => join(state, session, args, out),
-        b"COORD.HEARTBEAT" if args.len() >= 5 && (args.len() - 5).is_multiple_of(5) => {
+        b"COORD.HEARTBEAT" if args.len() >= 5 && (args.len() - 5).is_multiple_of(HEARTBEAT_SHARD_FIELDS) => {
             heartbeat(state, session, args, out)
         }
         b"COORD.MAP" if args.len() == 1 || args.len() == 3 => watch_map(state, session, args, out).await,
@@ -526,18 +532,32 @@ fn heartbeat(
     let incarnation: u64 = number(&args[3], "incarnation")?;
     let known_epoch: u64 = number(&args[4], "known epoch")?;
     let mut progress = BTreeMap::new();
-    for report in args[5..].chunks(5) {
+    for report in args[5..].chunks(HEARTBEAT_SHARD_FIELDS) {
         let learner: i64 = number(&report[2], "ready learner")?;
         let learner_ready = u32::try_from(learner)
             .ok()
             .map(|learner| number(&report[3], "ready view").map(|view| (NodeId(learner), view)));
         let drained: u64 = number(&report[4], "drained view")?;
+        let migration: u64 = number(&report[5], "migration")?;
+        let forwarded_in: u64 = number(&report[9], "forwarded view")?;
+        let migration = (migration > 0)
+            .then(|| -> Result<MigrationReport, Refused> {
+                Ok(MigrationReport {
+                    id: migration,
+                    entries: number(&report[6], "migrated entries")?,
+                    bytes: number(&report[7], "migrated bytes")?,
+                    caught_up: number::<u8>(&report[8], "caught up")? != 0,
+                    forwarded_in: (forwarded_in > 0).then_some(forwarded_in),
+                })
+            })
+            .transpose()?;
         progress.insert(
             number(&report[0], "shard")?,
             Progress {
                 applied: number(&report[1], "applied")?,
                 learner_ready: learner_ready.transpose()?,
                 drained: (drained > 0).then_some(drained),
+                migration,
             },
         );
     }

@@ -827,7 +827,7 @@ impl Protocol for ChainReplication {
             .as_ref()
             .filter(|learner| learner.handover && learner.acked >= self.applied)
             .map(|learner| (learner.node, self.view_number()));
-        Progress { applied: self.applied, learner_ready, drained: None }
+        Progress { applied: self.applied, learner_ready, drained: None, migration: None }
     }
 
     fn quiescent(&self) -> bool {

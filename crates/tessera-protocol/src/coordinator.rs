@@ -69,6 +69,9 @@ pub struct ShardCoordinator {
     /// During a transition: the admission rule after it, and the members that
     /// reported themselves drained in the current view.
     transition: Option<(Admission, BTreeSet<NodeId>)>,
+    /// The drain under way is a slot migration's cut: it ends by
+    /// [`Self::end_cut`], not when the members have drained.
+    cut: bool,
 }
 
 impl ShardCoordinator {
@@ -92,6 +95,7 @@ impl ShardCoordinator {
             suspected: BTreeSet::new(),
             changes: Vec::new(),
             transition: None,
+            cut: false,
         }
     }
 
@@ -111,6 +115,46 @@ impl ShardCoordinator {
             "transition started",
         );
         true
+    }
+
+    /// Starts a slot migration's cut: the view drains as for a transition
+    /// to the same protocol, and stays draining once every member has, until
+    /// [`Self::end_cut`]. Refused while a transition or cut is under way.
+    pub fn begin_cut(&mut self, now: u64) -> bool {
+        if !self.begin_transition(now, self.config.admission) {
+            return false;
+        }
+        self.cut = true;
+        true
+    }
+
+    /// Carries on a cut whose draining view this coordinator took over.
+    pub fn resume_cut(&mut self) {
+        self.resume_transition(self.config.admission);
+        self.cut = self.transition.is_some();
+    }
+
+    /// Every member has reported itself drained in the cut's current view.
+    pub fn cut_drained(&self) -> bool {
+        self.cut
+            && self
+                .transition
+                .as_ref()
+                .is_some_and(|(_, drained)| self.view.replicas.iter().all(|member| drained.contains(member)))
+    }
+
+    /// Ends a cut (done, or given up): the next view serves again.
+    pub fn end_cut(&mut self, now: u64, reason: &'static str) {
+        if self.cut {
+            self.cut = false;
+            self.transition = None;
+            self.change_view(now, |view| view.draining = false, reason);
+        }
+    }
+
+    /// Whether a slot migration's cut is under way.
+    pub fn cutting(&self) -> bool {
+        self.cut
     }
 
     /// Carries on a transition whose draining view this coordinator took
@@ -306,7 +350,7 @@ impl ShardCoordinator {
     fn note_drained(&mut self, now: u64, node: NodeId) {
         let Some((_, drained)) = self.transition.as_mut() else { return };
         drained.insert(node);
-        if !self.view.replicas.iter().all(|member| drained.contains(member)) {
+        if self.cut || !self.view.replicas.iter().all(|member| drained.contains(member)) {
             return;
         }
         let (admission, _) = self.transition.take().expect("checked above");
@@ -370,7 +414,8 @@ mod tests {
         assert!(beat(&mut chain, 400, 1).is_none());
         assert_eq!(chain.view().learners, vec![NodeId(1)]);
         let number = chain.view().number;
-        let ready = Progress { applied: 9, learner_ready: Some((NodeId(1), number)), drained: None };
+        let ready =
+            Progress { applied: 9, learner_ready: Some((NodeId(1), number)), drained: None, migration: None };
         chain.on_heartbeat(420, NodeId(2), 0, &ready);
         assert_eq!(chain.view().replicas, vec![NodeId(0), NodeId(2), NodeId(1)]);
     }

@@ -327,6 +327,8 @@ pub struct Progress {
     /// During a transition: the draining view in which this replica's records
     /// became the same as every other member's.
     pub drained: Option<u64>,
+    /// The migration of this shard's keys that this replica streams.
+    pub migration: Option<migration::MigrationReport>,
 }
 
 /// A replication protocol as event handlers.

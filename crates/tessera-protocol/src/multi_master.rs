@@ -681,7 +681,7 @@ impl Protocol for MultiMaster {
     }
 
     fn progress(&self) -> Progress {
-        Progress { applied: self.accepted, learner_ready: None, drained: None }
+        Progress { applied: self.accepted, learner_ready: None, drained: None, migration: None }
     }
 
     fn tombstones(&self) -> u64 {

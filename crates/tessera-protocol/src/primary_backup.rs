@@ -571,7 +571,7 @@ impl Protocol for PrimaryBackup {
     }
 
     fn progress(&self) -> Progress {
-        Progress { applied: self.applied, learner_ready: None, drained: None }
+        Progress { applied: self.applied, learner_ready: None, drained: None, migration: None }
     }
 
     /// The primary's: every backup of the view confirmed every write. A

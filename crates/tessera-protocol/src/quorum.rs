@@ -1047,6 +1047,7 @@ impl Protocol for QuorumRegister {
                 .filter(|view| *view == self.view_number() && self.is_learner())
                 .map(|view| (self.me, view)),
             drained: None,
+            migration: None,
         }
     }
 

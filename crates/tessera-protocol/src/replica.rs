@@ -181,7 +181,8 @@ impl Replica {
     }
 
     pub fn progress(&self) -> Progress {
-        self.protocol.progress()
+        let migration = self.migration_out.as_ref().map(|source| source.report(self.drained()));
+        Progress { migration, ..self.protocol.progress() }
     }
 
     /// The keys the engine holds that are live: its count less tombstones.
@@ -411,10 +412,7 @@ impl Replica {
     /// What this replica's migrations tell the coordinator: the one out,
     /// then the one in.
     pub fn migration_reports(&self) -> (Option<MigrationReport>, Option<MigrationReport>) {
-        (
-            self.migration_out.as_ref().map(|source| source.report(self.drained())),
-            self.migration_in.as_ref().map(MigrationTarget::report),
-        )
+        (self.progress().migration, self.migration_in.as_ref().map(MigrationTarget::report))
     }
 
     fn on_migration_message(&mut self, from: NodeId, message: MigrationMessage, fx: &mut Effects) {
