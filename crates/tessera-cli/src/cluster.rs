@@ -52,6 +52,11 @@ pub enum ClusterCommand {
     Restart(TargetArgs),
     /// Add a standby node; it joins the first shard short of replicas.
     AddStandby(DirArgs),
+    /// Move slots from one group (shard) to another while both serve, and
+    /// show the copy's progress until the slots have moved. Interrupting
+    /// leaves the move running; run again with the same arguments to follow
+    /// it, or with --cancel to stop it.
+    MoveSlots(MoveSlotsArgs),
     /// Stop every process (data stays in the directory).
     Down(DirArgs),
 }
@@ -59,6 +64,22 @@ pub enum ClusterCommand {
 #[derive(Args)]
 pub struct DirArgs {
     /// The cluster's directory.
+    #[arg(long, default_value = "tessera-cluster")]
+    dir: PathBuf,
+}
+
+#[derive(Args)]
+pub struct MoveSlotsArgs {
+    /// The group the slots leave (a shard id, as `cluster status` shows).
+    from: u32,
+    /// The group they join (a shard of the same table).
+    to: u32,
+    /// Slots as FIRST-LAST ranges or single slots.
+    #[arg(required = true)]
+    slots: Vec<String>,
+    /// Cancel the move under way between the two groups instead.
+    #[arg(long)]
+    cancel: bool,
     #[arg(long, default_value = "tessera-cluster")]
     dir: PathBuf,
 }
@@ -224,6 +245,7 @@ pub fn run(command: ClusterCommand) -> Result<(), String> {
             Ok(())
         }
         ClusterCommand::AddStandby(args) => add_standby(&args.dir),
+        ClusterCommand::MoveSlots(args) => move_slots(&args),
         ClusterCommand::Down(args) => down(&args.dir),
     }
 }
@@ -593,6 +615,98 @@ fn add_standby(dir: &Path) -> Result<(), String> {
     start(dir, &layout, &node_name(id))?;
     println!("added standby n{id} on {address}; it joins a shard short of replicas, if one is");
     Ok(())
+}
+
+/// One migration as `COORD.MIGRATIONS` lists it.
+struct MigrationStatus {
+    id: u64,
+    from: u32,
+    to: u32,
+    phase: String,
+    entries: u64,
+    bytes: u64,
+    caught_up: bool,
+}
+
+fn migrations(session: &mut AdminSession) -> Result<Vec<MigrationStatus>, String> {
+    let Value::Array(items) = session.command(&["COORD.MIGRATIONS"])? else {
+        return Err("the coordinator answered COORD.MIGRATIONS with something else".into());
+    };
+    items
+        .into_iter()
+        .map(|item| {
+            let fields = item.into_items().filter(|fields| fields.len() == 8);
+            let fields = fields.ok_or("a migration the coordinator described oddly")?;
+            let number = |index: usize| fields[index].as_integer().unwrap_or(0);
+            let text = |index: usize| match &fields[index] {
+                Value::Bulk(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+                _ => String::new(),
+            };
+            Ok(MigrationStatus {
+                id: number(0) as u64,
+                from: number(1) as u32,
+                to: number(2) as u32,
+                phase: text(4),
+                entries: number(5) as u64,
+                bytes: number(6) as u64,
+                caught_up: number(7) != 0,
+            })
+        })
+        .collect()
+}
+
+fn move_slots(args: &MoveSlotsArgs) -> Result<(), String> {
+    let layout = Layout::load(&args.dir)?;
+    let mut session = AdminSession::open(&args.dir, &layout)?;
+    let between = |migration: &MigrationStatus| (migration.from, migration.to) == (args.from, args.to);
+    let under_way = migrations(&mut session)?.into_iter().find(between);
+    if args.cancel {
+        let migration = under_way.ok_or("no move under way between these groups")?;
+        let id = migration.id.to_string();
+        match session.command(&["COORD.MIGRATE-CANCEL", id.as_str()])? {
+            Value::Error(message) => return Err(message),
+            _ => println!("cancelled migration {id}: group {} keeps its slots", args.from),
+        }
+        return Ok(());
+    }
+    let id = match under_way {
+        Some(migration) => {
+            println!("following migration {} under way from group {} to group {}", migration.id, args.from, args.to);
+            migration.id
+        }
+        None => {
+            let (from, to) = (args.from.to_string(), args.to.to_string());
+            let mut command = vec!["COORD.MIGRATE", from.as_str(), to.as_str()];
+            command.extend(args.slots.iter().map(String::as_str));
+            match session.command(&command)? {
+                Value::Integer(id) => id as u64,
+                Value::Error(message) => return Err(message),
+                other => return Err(format!("unexpected answer to COORD.MIGRATE: {other:?}")),
+            }
+        }
+    };
+    let started = Instant::now();
+    let mut last_line = String::new();
+    loop {
+        let Some(migration) = migrations(&mut session)?.into_iter().find(|migration| migration.id == id) else {
+            println!("migration {id} done: the slots are group {}'s ({:.1} s)", args.to, started.elapsed().as_secs_f64());
+            return Ok(());
+        };
+        let seconds = started.elapsed().as_secs_f64().max(0.001);
+        let line = format!(
+            "migration {id}: {}{}, {} keys, {:.1} MiB sent, {:.1} MiB/s",
+            migration.phase,
+            if migration.caught_up { " (caught up)" } else { "" },
+            migration.entries,
+            migration.bytes as f64 / (1 << 20) as f64,
+            migration.bytes as f64 / (1 << 20) as f64 / seconds,
+        );
+        if line != last_line {
+            println!("{line}");
+            last_line = line;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 fn down(dir: &Path) -> Result<(), String> {

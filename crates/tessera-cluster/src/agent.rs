@@ -20,13 +20,14 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
-use tessera_engine::{Engine, EngineSpec};
+use tessera_engine::{reserved, Engine, EngineSpec};
+use tessera_protocol::migration::{self, KeyFilter};
 use tessera_protocol::{
     ClientReply, Effect, Effects, Mode, NodeId, Operation, OperationError, Progress, ReadGate, Refusal,
     Replica, ReplicaConfig, RequestId, Role, ShardView, Tuning,
 };
 use tessera_wire::prefix::unescape_prefix;
-use tessera_wire::slot::SLOTS;
+use tessera_wire::slot::{key_slot, SLOTS};
 use tessera_wire::Value;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch, Notify};
@@ -818,6 +819,8 @@ impl Agent {
             let was_draining = state.replica.draining();
             let mut fx = Effects::new(self.now());
             state.replica.on_grant(asked_at, view, mode, &mut fx);
+            let (outgoing, incoming) = migrations_of(&map, shard);
+            state.replica.set_migrations(outgoing, incoming, fx.now());
             let draining = state.replica.draining();
             switched |= was_draining && !draining;
             if !was_draining && draining {
@@ -873,6 +876,37 @@ impl Agent {
     pub fn engine(&self, shard: u32) -> Option<Arc<dyn Engine>> {
         Some(self.local_shard(shard)?.state.lock().replica.engine().clone())
     }
+}
+
+/// The migrations the map names for a shard, as its driver takes them.
+fn migrations_of(map: &ClusterMap, shard: u32) -> (Option<migration::Outgoing>, Option<migration::Incoming>) {
+    let Some(migration) = map.migration_of(shard) else { return (None, None) };
+    let first = |shard| map.shard(shard)?.members.first().map(|node| NodeId(*node));
+    let keys = slot_keys(&migration.slots);
+    let id = migration.id;
+    if migration.from == shard {
+        (first(migration.to).map(|to| migration::Outgoing { id, to_shard: migration.to, to, keys }), None)
+    } else {
+        let from = first(migration.from);
+        (None, from.map(|from| migration::Incoming { id, from_shard: migration.from, from, keys }))
+    }
+}
+
+/// The keys of some slots: client keys by their slot, internal keys by
+/// the slot of the client key that owns them, and no named internal key.
+fn slot_keys(slots: &[(u16, u16)]) -> KeyFilter {
+    let mut moving = vec![false; SLOTS];
+    for (first, last) in slots {
+        moving[*first as usize..=*last as usize].fill(true);
+    }
+    Arc::new(move |key: &[u8]| {
+        let client_key = match reserved::owner(key) {
+            Some((owner, _)) => owner,
+            None if reserved::is_reserved(key) => return false,
+            None => key,
+        };
+        moving[key_slot(client_key)]
+    })
 }
 
 /// Peers listen on the client port + 10000, as Redis Cluster's bus does;

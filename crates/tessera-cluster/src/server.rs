@@ -46,7 +46,7 @@ use crate::auth::{
     from_hex, to_hex, ClusterSecret, Transcript, ADMIN, COORDINATOR, NONCE_BYTES, PROOF_BYTES,
 };
 use crate::coordinator::{ClusterCoordinator, JoinError, Timing};
-use crate::map::{ClusterMap, ClusterTable, MapError};
+use crate::map::{ClusterMap, ClusterTable, MapError, MigrationPhase};
 use crate::store::{MetadataStore, StoreError};
 use crate::tls::{self, MaybeTls, PeerTls};
 
@@ -94,6 +94,8 @@ enum Refused {
     StillSwitching { table: String, mode: &'static str },
     #[error("the change is made, but node {0} has not seen it yet; retry to wait again")]
     NotSeenBy(u32),
+    #[error("invalid slot range {0:?}; write FIRST-LAST or SLOT, each below 16384")]
+    SlotRange(String),
 }
 
 impl Refused {
@@ -430,6 +432,14 @@ async fn answer(state: &Arc<Mutex<State>>, session: &mut Session, args: &[Vec<u8
         b"COORD.TABLE-ALTER" if args.len() == 3 => {
             alter_table(state, &text(&args[1]), &text(&args[2]), out).await
         }
+        b"COORD.MIGRATE" if args.len() >= 4 => start_migration(state, args, out),
+        b"COORD.MIGRATE-CANCEL" if args.len() == 2 => number(&args[1], "migration id").and_then(|id| {
+            change_map(state, |coordinator, now| coordinator.cancel_migration(id, now)).map(|_| out.ok())
+        }),
+        b"COORD.MIGRATIONS" if args.len() == 1 => {
+            list_migrations(state, out);
+            Ok(())
+        }
         b"PING" => {
             out.simple("PONG");
             Ok(())
@@ -443,6 +453,9 @@ async fn answer(state: &Arc<Mutex<State>>, session: &mut Session, args: &[Vec<u8
         | b"COORD.TABLE-CREATE"
         | b"COORD.TABLE-DROP"
         | b"COORD.TABLE-ALTER"
+        | b"COORD.MIGRATE"
+        | b"COORD.MIGRATE-CANCEL"
+        | b"COORD.MIGRATIONS"
         | b"COORD.ACL-SETUSER"
         | b"COORD.ACL-DELUSER" => Err(Refused::WrongArity(text(&args[0]).to_ascii_lowercase())),
         _ => Err(Refused::UnknownCommand(text(&args[0]))),
@@ -656,6 +669,60 @@ async fn alter_table(
             return Err(Refused::StillSwitching { table: table.to_string(), mode: mode.label() });
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// `COORD.MIGRATE from to ranges...`: starts moving slots; answers the
+/// migration's id.
+fn start_migration(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) -> Result<(), Refused> {
+    let from: u32 = number(&args[1], "source shard")?;
+    let to: u32 = number(&args[2], "target shard")?;
+    let slots = args[3..].iter().map(|range| parse_slot_range(&text(range))).collect::<Result<Vec<_>, _>>()?;
+    let mut id = 0;
+    change_map(state, |coordinator, _| {
+        id = coordinator.start_migration(from, to, slots)?;
+        Ok(())
+    })?;
+    out.integer(id as i64);
+    Ok(())
+}
+
+/// `FIRST-LAST` or one slot.
+fn parse_slot_range(range: &str) -> Result<(u16, u16), Refused> {
+    let bad = || Refused::SlotRange(range.to_string());
+    let (first, last) = range.split_once('-').unwrap_or((range, range));
+    let first: u16 = first.trim().parse().map_err(|_| bad())?;
+    let last: u16 = last.trim().parse().map_err(|_| bad())?;
+    if first > last || usize::from(last) >= tessera_wire::slot::SLOTS {
+        return Err(bad());
+    }
+    Ok((first, last))
+}
+
+/// `COORD.MIGRATIONS`: per migration under way, its id, source and target
+/// shards, slots (`a-b,c-d`), phase, and what its source last reported:
+/// entries and bytes sent, and whether its copy caught up (1) or not (0).
+fn list_migrations(state: &Arc<Mutex<State>>, out: &mut ReplyWriter) {
+    let state = state.lock();
+    let map = state.coordinator.map();
+    out.array(map.migrations.len());
+    for migration in &map.migrations {
+        let report = state.coordinator.migration_reports().get(&migration.id);
+        let (entries, bytes, caught_up) =
+            report.map_or((0, 0, false), |(report, _)| (report.entries, report.bytes, report.caught_up));
+        let slots: Vec<String> = migration.slots.iter().map(|(first, last)| format!("{first}-{last}")).collect();
+        out.array(8);
+        out.integer(migration.id as i64);
+        out.integer(i64::from(migration.from));
+        out.integer(i64::from(migration.to));
+        out.bulk(slots.join(",").as_bytes());
+        out.bulk(match migration.phase {
+            MigrationPhase::Copying => b"copying",
+            MigrationPhase::Cutting => b"cutting",
+        });
+        out.integer(entries as i64);
+        out.integer(bytes as i64);
+        out.integer(i64::from(caught_up));
     }
 }
 
