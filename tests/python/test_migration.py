@@ -1,0 +1,98 @@
+"""Slots moving between groups while clients run (docs/PROTOCOLS.md, "Slot
+migration"): `tessera cluster move-slots` against real node processes."""
+
+import threading
+import time
+
+import redis
+from redis.crc import key_slot
+
+from test_cluster import (
+    assert_replicas_converge,
+    assert_served_and_linearizable,
+    cluster_factory,  # noqa: F401  (a fixture)
+    run_with_faults,
+)
+
+
+def owner(cluster_map, slot):
+    return next(shard["id"] for shard in cluster_map["shards"]
+                if any(first <= slot <= last for first, last in shard["slots"]))
+
+
+def move_slots(cluster, source, target, slots):
+    def fault():
+        result = cluster.cli("move-slots", str(source), str(target), slots)
+        assert "done" in result.stdout, result.stdout + result.stderr
+
+    fault.__name__ = f"move slots {slots} from group {source} to group {target}"
+    return fault
+
+
+def test_slots_move_between_groups_under_load_and_stay_linearizable(cluster_factory, tmp_path):
+    """Two moves while cluster clients and plain clients read and write: no
+    request fails for good, the history stays linearizable, every group's
+    replicas agree, and the map and CLUSTER SLOTS name the new owners."""
+    cluster = cluster_factory("strong", nodes=3, options=("--groups", "6"))
+    before = cluster.map()
+    first, second = before["shards"][0]["slots"][0], before["shards"][1]["slots"][0]
+    moved_ranges = [(first[0], first[1]), (second[0], (second[0] + second[1]) // 2)]
+    faults = [
+        move_slots(cluster, 0, 1, f"{first[0]}-{first[1]}"),
+        move_slots(cluster, 1, 2, f"{moved_ranges[1][0]}-{moved_ranges[1][1]}"),
+    ]
+    recorders, keys, marks = run_with_faults(cluster, faults, clients=3, plain_clients=2)
+    moved_keys = [key for key in keys if any(a <= key_slot(key.encode()) <= b for a, b in moved_ranges)]
+    assert moved_keys, "a real test: some keys live in the slots that move"
+    assert_served_and_linearizable(cluster, tmp_path, recorders, keys, marks)
+
+    after = cluster.map()
+    assert not after.get("migrations")
+    assert owner(after, first[0]) == 1 and owner(after, first[1]) == 1
+    assert owner(after, moved_ranges[1][0]) == 2 and owner(after, second[1]) == 1
+    slots = redis.Redis(port=cluster.port(0)).execute_command("CLUSTER", "SLOTS")
+    assert sum(last - first + 1 for first, last, *_ in slots) == 16384
+    assert_replicas_converge(cluster, keys)
+
+
+def test_an_eventual_active_active_cluster_keeps_every_acknowledged_write_through_a_move(cluster_factory):
+    """AA+EC: any member takes writes, which reach the source's first member
+    only by propagation; the cut drains them all before the slots move."""
+    cluster = cluster_factory("eventual", nodes=3, topology="aa", options=("--groups", "3"))
+    source_slots = cluster.map()["shards"][0]["slots"][0]
+    stop = threading.Event()
+    acknowledged = {}
+
+    def writer(node):
+        connection = redis.Redis(port=cluster.port(node), socket_timeout=5)
+        sequence = 0
+        while not stop.is_set():
+            sequence += 1
+            key = f"w{node}:{sequence}"
+            try:
+                connection.set(key, key)
+                acknowledged[key] = True
+            except redis.RedisError:
+                pass
+
+    writers = [threading.Thread(target=writer, args=(node,), daemon=True) for node in range(3)]
+    for thread in writers:
+        thread.start()
+    time.sleep(1.0)
+    move_slots(cluster, 0, 1, f"{source_slots[0]}-{source_slots[1]}")()
+    time.sleep(0.5)
+    stop.set()
+    for thread in writers:
+        thread.join(timeout=30)
+    cluster_map = cluster.map()
+    assert owner(cluster_map, source_slots[0]) == 1
+    moved = [key for key in acknowledged if source_slots[0] <= key_slot(key.encode()) <= source_slots[1]]
+    assert len(moved) > 100, f"a real test: {len(moved)} acknowledged writes in the moved slots"
+    reader = cluster.client()
+    deadline = time.time() + 10
+    while True:
+        lost = [key for key in acknowledged if reader.get(key) != key.encode()]
+        if not lost or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert not lost, f"{len(lost)} of {len(acknowledged)} acknowledged writes lost, e.g. {lost[:5]}"
