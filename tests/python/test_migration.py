@@ -20,6 +20,10 @@ def owner(cluster_map, slot):
                 if any(first <= slot <= last for first, last in shard["slots"]))
 
 
+def keys_held(cluster):
+    return sum(redis.Redis(port=cluster.port(node)).dbsize() for node in range(cluster.nodes))
+
+
 def move_slots(cluster, source, target, slots):
     def fault():
         result = cluster.cli("move-slots", str(source), str(target), slots)
@@ -60,8 +64,10 @@ def test_an_eventual_active_active_cluster_keeps_every_acknowledged_write_throug
     only by propagation; the cut drains them all before the slots move."""
     cluster = cluster_factory("eventual", nodes=3, topology="aa", options=("--groups", "3"))
     source_slots = cluster.map()["shards"][0]["slots"][0]
+    before = keys_held(cluster)  # what `cluster up` wrote to check the slots
     stop = threading.Event()
     acknowledged = {}
+    attempted = [0, 0, 0]
 
     def writer(node):
         connection = redis.Redis(port=cluster.port(node), socket_timeout=5)
@@ -69,6 +75,7 @@ def test_an_eventual_active_active_cluster_keeps_every_acknowledged_write_throug
         while not stop.is_set():
             sequence += 1
             key = f"w{node}:{sequence}"
+            attempted[node] += 1
             try:
                 connection.set(key, key)
                 acknowledged[key] = True
@@ -96,3 +103,9 @@ def test_an_eventual_active_active_cluster_keeps_every_acknowledged_write_throug
             break
         time.sleep(0.5)
     assert not lost, f"{len(lost)} of {len(acknowledged)} acknowledged writes lost, e.g. {lost[:5]}"
+    # The source deletes its copy of the moved keys: each node counts the
+    # keys of the groups it heads, and no key twice.
+    deadline = time.time() + 10
+    while (held := keys_held(cluster)) > before + sum(attempted):
+        assert time.time() < deadline, f"{held} keys held for {before} + {sum(attempted)} written"
+        time.sleep(0.2)

@@ -671,7 +671,10 @@ fn move_slots(args: &MoveSlotsArgs) -> Result<(), String> {
     }
     let id = match under_way {
         Some(migration) => {
-            println!("following migration {} under way from group {} to group {}", migration.id, args.from, args.to);
+            println!(
+                "following migration {} under way from group {} to group {}",
+                migration.id, args.from, args.to
+            );
             migration.id
         }
         None => {
@@ -688,8 +691,13 @@ fn move_slots(args: &MoveSlotsArgs) -> Result<(), String> {
     let started = Instant::now();
     let mut last_line = String::new();
     loop {
-        let Some(migration) = migrations(&mut session)?.into_iter().find(|migration| migration.id == id) else {
-            println!("migration {id} done: the slots are group {}'s ({:.1} s)", args.to, started.elapsed().as_secs_f64());
+        let Some(migration) = migrations(&mut session)?.into_iter().find(|migration| migration.id == id)
+        else {
+            println!(
+                "migration {id} done: the slots are group {}'s ({:.1} s)",
+                args.to,
+                started.elapsed().as_secs_f64()
+            );
             return Ok(());
         };
         let seconds = started.elapsed().as_secs_f64().max(0.001);

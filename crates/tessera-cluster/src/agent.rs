@@ -218,6 +218,9 @@ struct ShardState {
     barrier: Option<(RequestId, Completion)>,
     /// The node left the shard: nothing more is submitted to it.
     left: bool,
+    /// The slots this node last swept the shard for (as its first member):
+    /// it sweeps again when they change.
+    swept_for: Option<Vec<(u16, u16)>>,
 }
 
 impl ShardState {
@@ -773,6 +776,7 @@ impl Agent {
             in_flight: HashMap::new(),
             barrier: None,
             left: false,
+            swept_for: None,
         };
         Ok(LocalShard { id: shard, state: Mutex::new(state) })
     }
@@ -821,6 +825,15 @@ impl Agent {
             state.replica.on_grant(asked_at, view, mode, &mut fx);
             let (outgoing, incoming) = migrations_of(&map, shard);
             state.replica.set_migrations(outgoing, incoming, fx.now());
+            let first = state.replica.view().position(NodeId(self.config.node)) == Some(0);
+            let kept = first.then(|| kept_slots(&map, shard)).flatten();
+            if kept.is_some() && kept != state.swept_for {
+                // Keys of slots that moved away, or that a cancelled
+                // migration brought, are deleted through replication.
+                let kept_slots = kept.clone().unwrap_or_default();
+                state.replica.sweep(slot_keys(&kept_slots, false));
+            }
+            state.swept_for = kept;
             let draining = state.replica.draining();
             switched |= was_draining && !draining;
             if !was_draining && draining {
@@ -882,7 +895,7 @@ impl Agent {
 fn migrations_of(map: &ClusterMap, shard: u32) -> (Option<migration::Outgoing>, Option<migration::Incoming>) {
     let Some(migration) = map.migration_of(shard) else { return (None, None) };
     let first = |shard| map.shard(shard)?.members.first().map(|node| NodeId(*node));
-    let keys = slot_keys(&migration.slots);
+    let keys = slot_keys(&migration.slots, true);
     let id = migration.id;
     if migration.from == shard {
         (first(migration.to).map(|to| migration::Outgoing { id, to_shard: migration.to, to, keys }), None)
@@ -892,12 +905,31 @@ fn migrations_of(map: &ClusterMap, shard: u32) -> (Option<migration::Outgoing>, 
     }
 }
 
-/// The keys of some slots: client keys by their slot, internal keys by
-/// the slot of the client key that owns them, and no named internal key.
-fn slot_keys(slots: &[(u16, u16)]) -> KeyFilter {
-    let mut moving = vec![false; SLOTS];
+/// The slots a shard keeps: its own and those migrating into it (`None`
+/// for a range-partitioned table's shard, which holds no slots).
+fn kept_slots(map: &ClusterMap, shard: u32) -> Option<Vec<(u16, u16)>> {
+    let entry = map.shard(shard)?;
+    if entry.range.is_some() {
+        return None;
+    }
+    let incoming = map.migration_of(shard).filter(|migration| migration.to == shard);
+    Some(
+        entry
+            .slots
+            .iter()
+            .chain(incoming.into_iter().flat_map(|migration| &migration.slots))
+            .copied()
+            .collect(),
+    )
+}
+
+/// The keys in some slots (`inside`) or outside them: client keys by their
+/// slot, internal keys by the slot of the client key that owns them, and
+/// never a named internal key.
+fn slot_keys(slots: &[(u16, u16)], inside: bool) -> KeyFilter {
+    let mut listed = vec![false; SLOTS];
     for (first, last) in slots {
-        moving[*first as usize..=*last as usize].fill(true);
+        listed[*first as usize..=*last as usize].fill(true);
     }
     Arc::new(move |key: &[u8]| {
         let client_key = match reserved::owner(key) {
@@ -905,7 +937,7 @@ fn slot_keys(slots: &[(u16, u16)]) -> KeyFilter {
             None if reserved::is_reserved(key) => return false,
             None => key,
         };
-        moving[key_slot(client_key)]
+        listed[key_slot(client_key)] == inside
     })
 }
 

@@ -674,10 +674,15 @@ async fn alter_table(
 
 /// `COORD.MIGRATE from to ranges...`: starts moving slots; answers the
 /// migration's id.
-fn start_migration(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) -> Result<(), Refused> {
+fn start_migration(
+    state: &Arc<Mutex<State>>,
+    args: &[Vec<u8>],
+    out: &mut ReplyWriter,
+) -> Result<(), Refused> {
     let from: u32 = number(&args[1], "source shard")?;
     let to: u32 = number(&args[2], "target shard")?;
-    let slots = args[3..].iter().map(|range| parse_slot_range(&text(range))).collect::<Result<Vec<_>, _>>()?;
+    let slots =
+        args[3..].iter().map(|range| parse_slot_range(&text(range))).collect::<Result<Vec<_>, _>>()?;
     let mut id = 0;
     change_map(state, |coordinator, _| {
         id = coordinator.start_migration(from, to, slots)?;
@@ -710,7 +715,8 @@ fn list_migrations(state: &Arc<Mutex<State>>, out: &mut ReplyWriter) {
         let report = state.coordinator.migration_reports().get(&migration.id);
         let (entries, bytes, caught_up) =
             report.map_or((0, 0, false), |(report, _)| (report.entries, report.bytes, report.caught_up));
-        let slots: Vec<String> = migration.slots.iter().map(|(first, last)| format!("{first}-{last}")).collect();
+        let slots: Vec<String> =
+            migration.slots.iter().map(|(first, last)| format!("{first}-{last}")).collect();
         out.array(8);
         out.integer(migration.id as i64);
         out.integer(i64::from(migration.from));

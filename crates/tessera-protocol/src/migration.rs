@@ -277,14 +277,36 @@ impl MigrationTarget {
         self.next.checked_sub(1).map(|index| (self.stream, index))
     }
 
-    /// The next batch of writes to submit, if none is in flight.
-    pub fn next_batch(&mut self, engine: &dyn Engine, now: Time) -> Option<Vec<Operation>> {
+    pub fn report(&self) -> MigrationReport {
+        let (entries, bytes) = self.applied;
+        MigrationReport { id: self.incoming.id, entries, bytes, ..MigrationReport::default() }
+    }
+
+    fn start(&mut self, work: Work) {
+        self.batch = Some(Batch { stream: self.stream, work, pending: HashSet::new(), failed: false });
+    }
+
+    fn finish(&mut self, work: Work) {
+        match work {
+            Work::Clear { resume } => self.clearing = resume,
+            Work::Chunk { index, entries, bytes } => {
+                debug_assert_eq!(index, self.next);
+                self.ahead.remove(&index);
+                self.next += 1;
+                self.applied = (self.applied.0 + entries, self.applied.1 + bytes);
+            }
+        }
+    }
+}
+
+impl Batches for MigrationTarget {
+    fn next_batch(&mut self, engine: &dyn Engine, now: Time) -> Option<Vec<Operation>> {
         if self.batch.is_some() || now < self.retry_at {
             return None;
         }
         loop {
             if let Some(cursor) = self.clearing.clone() {
-                let (deletes, resume) = match self.keys_held(engine, cursor) {
+                let (deletes, resume) = match live_keys(engine, &self.incoming.keys, cursor) {
                     Ok(found) => found,
                     Err(error) => {
                         tracing::error!(%error, migration = self.incoming.id, "cannot scan the keys to clear");
@@ -293,8 +315,11 @@ impl MigrationTarget {
                     }
                 };
                 if deletes.is_empty() {
-                    self.clearing = resume; // scan on, or (cleared) on to the chunks
-                    continue;
+                    self.clearing = resume;
+                    if self.clearing.is_some() {
+                        return None; // scanning goes on at the next event, a bounded part at a time
+                    }
+                    continue; // cleared: on to the chunks
                 }
                 self.start(Work::Clear { resume });
                 return Some(deletes.into_iter().map(|key| Operation::Delete { key }).collect());
@@ -316,15 +341,12 @@ impl MigrationTarget {
         }
     }
 
-    /// The ids the batch's writes were submitted under.
-    pub fn submitted(&mut self, ids: Vec<RequestId>) {
+    fn submitted(&mut self, ids: Vec<RequestId>) {
         let batch = self.batch.as_mut().expect("a batch was started");
         batch.pending.extend(ids);
     }
 
-    /// A reply to one of the driver's requests; answers whether it was one of
-    /// this target's and finished its batch.
-    pub fn on_reply(&mut self, request: RequestId, reply: &ClientReply, now: Time) -> bool {
+    fn on_reply(&mut self, request: RequestId, reply: &ClientReply, now: Time) -> bool {
         let Some(batch) = self.batch.as_mut() else { return false };
         if !batch.pending.remove(&request) {
             return false;
@@ -342,55 +364,127 @@ impl MigrationTarget {
         }
         true
     }
+}
 
-    pub fn report(&self) -> MigrationReport {
-        let (entries, bytes) = self.applied;
-        MigrationReport { id: self.incoming.id, entries, bytes, ..MigrationReport::default() }
+/// Live keys `keys` picks from `cursor` on: up to a batch of them, and
+/// where to go on (`None`: the end of the engine).
+fn live_keys(
+    engine: &dyn Engine,
+    keys: &KeyFilter,
+    mut cursor: ScanCursor,
+) -> Result<(Vec<Bytes>, Option<ScanCursor>), tessera_engine::EngineError> {
+    let mut found = Vec::new();
+    let mut scanned = 0;
+    while found.len() < CLEAR_BATCH_KEYS && scanned < CLEAR_SCAN_PER_BATCH {
+        let page = engine.scan(&KeyRange::all(), &cursor, CLEAR_BATCH_KEYS)?;
+        scanned += page.entries.len();
+        found.extend(
+            page.entries
+                .into_iter()
+                .filter(|(key, stored)| {
+                    keys(key) && matches!(as_write(key, stored), Some(Operation::Put { .. }))
+                })
+                .map(|(key, _)| key),
+        );
+        match page.next {
+            Some(next) => cursor = next,
+            None => return Ok((found, None)),
+        }
+    }
+    Ok((found, Some(cursor)))
+}
+
+/// Writes a driver submits for itself, one batch in flight at a time.
+pub trait Batches {
+    /// The next batch to submit now, if none is in flight.
+    fn next_batch(&mut self, engine: &dyn Engine, now: Time) -> Option<Vec<Operation>>;
+    /// The ids the batch's writes were submitted under.
+    fn submitted(&mut self, ids: Vec<RequestId>);
+    /// A reply to one of the driver's requests; answers whether it was one
+    /// of this job's and finished its batch.
+    fn on_reply(&mut self, request: RequestId, reply: &ClientReply, now: Time) -> bool;
+}
+
+/// Deletes, through the shard's own protocol, the live keys it holds but
+/// does not own: slots that moved away, or the copy a cancelled migration
+/// left. Run by the shard's first member, a batch at a time.
+pub struct Sweep {
+    strays: KeyFilter,
+    cursor: Option<ScanCursor>,
+    pending: HashSet<RequestId>,
+    failed: bool,
+    /// Where the batch in flight started, to scan again if it fails.
+    batch_from: Option<ScanCursor>,
+    retry_at: Time,
+    deleted: u64,
+}
+
+impl Sweep {
+    pub fn new(strays: KeyFilter) -> Self {
+        Self {
+            strays,
+            cursor: Some(ScanCursor::start()),
+            pending: HashSet::new(),
+            failed: false,
+            batch_from: None,
+            retry_at: 0,
+            deleted: 0,
+        }
     }
 
-    fn start(&mut self, work: Work) {
-        self.batch = Some(Batch { stream: self.stream, work, pending: HashSet::new(), failed: false });
+    /// Every stray it found is deleted.
+    pub fn done(&self) -> bool {
+        self.cursor.is_none() && self.pending.is_empty()
     }
 
-    fn finish(&mut self, work: Work) {
-        match work {
-            Work::Clear { resume } => self.clearing = resume,
-            Work::Chunk { index, entries, bytes } => {
-                debug_assert_eq!(index, self.next);
-                self.ahead.remove(&index);
-                self.next += 1;
-                self.applied = (self.applied.0 + entries, self.applied.1 + bytes);
+    pub fn deleted(&self) -> u64 {
+        self.deleted
+    }
+}
+
+impl Batches for Sweep {
+    fn next_batch(&mut self, engine: &dyn Engine, now: Time) -> Option<Vec<Operation>> {
+        if !self.pending.is_empty() || now < self.retry_at {
+            return None;
+        }
+        let cursor = self.cursor.clone()?;
+        match live_keys(engine, &self.strays, cursor.clone()) {
+            // An empty part: scanning goes on at the next event, a bounded
+            // part at a time.
+            Ok((keys, resume)) => {
+                self.cursor = resume;
+                if keys.is_empty() {
+                    return None;
+                }
+                self.batch_from = Some(cursor);
+                self.deleted += keys.len() as u64;
+                Some(keys.into_iter().map(|key| Operation::Delete { key }).collect())
+            }
+            Err(error) => {
+                tracing::error!(%error, "cannot scan for keys of slots a shard no longer owns");
+                self.retry_at = now + RETRY_AFTER_MS;
+                None
             }
         }
     }
 
-    /// Live keys of the migration the target holds, from `cursor`: up to a
-    /// batch of them, and where to go on.
-    fn keys_held(
-        &self,
-        engine: &dyn Engine,
-        mut cursor: ScanCursor,
-    ) -> Result<(Vec<Bytes>, Option<ScanCursor>), tessera_engine::EngineError> {
-        let mut keys = Vec::new();
-        let mut scanned = 0;
-        while keys.len() < CLEAR_BATCH_KEYS && scanned < CLEAR_SCAN_PER_BATCH {
-            let page = engine.scan(&KeyRange::all(), &cursor, CLEAR_BATCH_KEYS)?;
-            scanned += page.entries.len();
-            keys.extend(
-                page.entries
-                    .into_iter()
-                    .filter(|(key, stored)| {
-                        (self.incoming.keys)(key)
-                            && matches!(as_write(key, stored), Some(Operation::Put { .. }))
-                    })
-                    .map(|(key, _)| key),
-            );
-            match page.next {
-                Some(next) => cursor = next,
-                None => return Ok((keys, None)),
-            }
+    fn submitted(&mut self, ids: Vec<RequestId>) {
+        self.pending.extend(ids);
+    }
+
+    fn on_reply(&mut self, request: RequestId, reply: &ClientReply, now: Time) -> bool {
+        if !self.pending.remove(&request) {
+            return false;
         }
-        Ok((keys, Some(cursor)))
+        self.failed |= !matches!(reply, ClientReply::Written);
+        if !self.pending.is_empty() {
+            return false;
+        }
+        if std::mem::take(&mut self.failed) {
+            self.cursor = self.batch_from.take(); // scan that part again
+            self.retry_at = now + RETRY_AFTER_MS;
+        }
+        true
     }
 }
 
@@ -705,6 +799,29 @@ mod tests {
         assert!(pair.caught_up(), "the source started over and caught up again");
         let source = moving_values(pair.source.engine().as_ref());
         assert_eq!(moving_values(pair.target.engine().as_ref()), source);
+    }
+
+    #[test]
+    fn a_sweep_deletes_the_keys_a_shard_no_longer_owns_through_its_protocol() {
+        for mode in ["chain", "multi-master", "quorum"] {
+            let mut pair = Pair::new(mode, mode);
+            for key in 0..300 {
+                pair.write(&format!("key{key}"), Some("v"));
+            }
+            pair.source.sweep(moving());
+            for _ in 0..50 {
+                pair.round();
+            }
+            assert!(moving_values(pair.source.engine().as_ref()).is_empty(), "{mode}: the strays are gone");
+            assert!(pair.source.engine().len().unwrap() >= 150);
+            let kept = pair.source.engine().scan(&KeyRange::all(), &ScanCursor::start(), 1000).unwrap();
+            let live = kept
+                .entries
+                .iter()
+                .filter(|(key, stored)| matches!(as_write(key, stored), Some(Operation::Put { .. })))
+                .count();
+            assert_eq!(live, 150, "{mode}: the keys it owns stay");
+        }
     }
 
     #[test]

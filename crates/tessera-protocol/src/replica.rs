@@ -19,8 +19,8 @@ use std::sync::Arc;
 use tessera_engine::{reserved, Engine};
 
 use crate::migration::{
-    Change, Incoming, MigrationMessage, MigrationReport, MigrationSource, MigrationTarget, ObservedEngine,
-    Outgoing,
+    Batches, Change, Incoming, KeyFilter, MigrationMessage, MigrationReport, MigrationSource,
+    MigrationTarget, ObservedEngine, Outgoing, Sweep,
 };
 use crate::registry::{Mode, Start, Tuning};
 use crate::snapshot::StreamNumbers;
@@ -128,6 +128,7 @@ pub struct Replica {
     migration_out: Option<MigrationSource>,
     migration_in: Option<MigrationTarget>,
     migration_streams: StreamNumbers,
+    sweep: Option<Sweep>,
 }
 
 impl Replica {
@@ -161,6 +162,7 @@ impl Replica {
             migration_out: None,
             migration_in: None,
             migration_streams: StreamNumbers::default(),
+            sweep: None,
         }
     }
 
@@ -286,9 +288,16 @@ impl Replica {
     }
 
     fn next_id(&mut self) -> RequestId {
-        let id = RequestId(self.next_request);
-        self.next_request += 1;
-        id
+        next_id(&mut self.next_request)
+    }
+
+    /// Deletes, through the protocol, the live keys `strays` picks (keys of
+    /// slots the shard no longer owns); only the first member sweeps. A
+    /// sweep under way starts over with the new filter.
+    pub fn sweep(&mut self, strays: KeyFilter) {
+        if self.view.position(self.config.me) == Some(0) {
+            self.sweep = Some(Sweep::new(strays));
+        }
     }
 
     /// A grant of `view`, in which the shard runs `mode`, for the heartbeat
@@ -446,33 +455,22 @@ impl Replica {
     }
 
     /// After every event: the replies since `mark` reach the barrier and the
-    /// migration target, the target submits what it has next, and the
-    /// engine's changes reach the migration source.
+    /// driver's own jobs (a migration target, a sweep), which submit what
+    /// they have next, and the engine's changes reach the migration source.
     fn after_event(&mut self, mark: usize, fx: &mut Effects) {
         self.note_replies(mark, fx);
-        let mut mark = mark;
-        while let Some(target) = self.migration_in.as_mut() {
-            let now = fx.now();
-            let mut finished = false;
-            for effect in &fx.as_slice()[mark..] {
-                if let Effect::Reply { request, reply } = effect {
-                    finished |= target.on_reply(*request, reply, now);
-                }
-            }
-            if finished {
+        if let Some(target) = self.migration_in.as_mut() {
+            if run_batches(target, &mut self.protocol, &mut self.next_request, self.engine.as_ref(), mark, fx)
+            {
                 Self::send_migration_ack(target, fx);
             }
-            mark = fx.as_slice().len();
-            let Some(operations) = target.next_batch(self.engine.as_ref(), now) else { break };
-            let ids: Vec<RequestId> = operations
-                .into_iter()
-                .map(|operation| {
-                    let id = self.next_id();
-                    self.protocol.on_client(ClientRequest { id, operation }, fx);
-                    id
-                })
-                .collect();
-            self.migration_in.as_mut().expect("still here").submitted(ids);
+        }
+        if let Some(sweep) = self.sweep.as_mut() {
+            run_batches(sweep, &mut self.protocol, &mut self.next_request, self.engine.as_ref(), mark, fx);
+            if sweep.done() {
+                tracing::info!(replica = %self.config.me, deleted = sweep.deleted(), "deleted the keys of slots this shard no longer owns");
+                self.sweep = None;
+            }
         }
         for change in self.observed.take_changes() {
             let Some(source) = self.migration_out.as_mut() else { break };
@@ -502,6 +500,45 @@ impl Replica {
                 }
             }
         }
+    }
+}
+
+fn next_id(next_request: &mut u64) -> RequestId {
+    let id = RequestId(*next_request);
+    *next_request += 1;
+    id
+}
+
+/// Hands a job the replies emitted since `mark`, and submits its batches
+/// while it has one ready (a batch may commit at once, on a replica alone);
+/// answers whether a batch finished.
+fn run_batches(
+    job: &mut dyn Batches,
+    protocol: &mut Switchable,
+    next_request: &mut u64,
+    engine: &dyn Engine,
+    mut mark: usize,
+    fx: &mut Effects,
+) -> bool {
+    let mut finished = false;
+    loop {
+        let now = fx.now();
+        for effect in &fx.as_slice()[mark..] {
+            if let Effect::Reply { request, reply } = effect {
+                finished |= job.on_reply(*request, reply, now);
+            }
+        }
+        mark = fx.as_slice().len();
+        let Some(operations) = job.next_batch(engine, now) else { return finished };
+        let ids = operations
+            .into_iter()
+            .map(|operation| {
+                let id = next_id(next_request);
+                protocol.on_client(ClientRequest { id, operation }, fx);
+                id
+            })
+            .collect();
+        job.submitted(ids);
     }
 }
 
