@@ -14,7 +14,8 @@ use tessera_protocol::migration::MigrationReport;
 use tessera_wire::slot::SLOTS;
 
 use crate::map::{
-    ClusterMap, ClusterTable, MapError, Migration, MigrationPhase, NodeInfo, NodeRole, Shard, DEFAULT_TABLE,
+    ClusterMap, ClusterTable, MapError, Migration, MigrationPhase, NodeInfo, NodeRole, ReplicaMove, Shard,
+    DEFAULT_TABLE,
 };
 
 /// How long a migration's cut may hold its source's writes before it is
@@ -196,6 +197,15 @@ impl ClusterCoordinator {
     ) -> Result<Grants, JoinError> {
         self.map.node(node).ok_or(JoinError::UnknownNode(node))?;
         let mut shards: Vec<u32> = self.map.shards_of(node).map(|shard| shard.id).collect();
+        // A node a replica moves to is offered to that shard.
+        let arriving: Vec<u32> = self
+            .map
+            .replica_moves
+            .iter()
+            .filter(|replica_move| replica_move.to == node && !shards.contains(&replica_move.shard))
+            .map(|replica_move| replica_move.shard)
+            .collect();
+        shards.extend(arriving);
         if shards.len() < self.fair_share() {
             // A node with room (a standby, or one that came back after losing
             // its place) is offered to one shard short of replicas.
@@ -215,6 +225,7 @@ impl ClusterCoordinator {
             }
         }
         self.note_migrations(now, node, progress);
+        self.advance_replica_moves();
         self.sync(&learnt);
         // The mode as of the views granted (a view that ended a transition
         // reached the map in sync above).
@@ -254,7 +265,80 @@ impl ClusterCoordinator {
             coordinator.on_tick(now);
         }
         self.advance_migrations(now);
+        self.advance_replica_moves();
         self.sync(&[]);
+    }
+
+    /// Starts moving shard `shard`'s replica on node `from` to node `to`:
+    /// `to` joins as the shard's protocol admits a node (a learner that
+    /// catches up, or a backup), then `from` leaves once its lease has run
+    /// out, as a suspected member does, without waiting for a failure.
+    pub fn start_replica_move(&mut self, shard: u32, from: u32, to: u32) -> Result<(), MapError> {
+        let entry = self.map.shard(shard).ok_or_else(|| MapError::Invalid(format!("no shard {shard}")))?;
+        if !entry.members.contains(&from) {
+            return Err(MapError::Invalid(format!("node {from} holds no replica of shard {shard}")));
+        }
+        if entry.members.contains(&to) || entry.learners.contains(&to) {
+            return Err(MapError::Invalid(format!("node {to} already holds a replica of shard {shard}")));
+        }
+        if self.shards[&shard].transitioning() {
+            return Err(MapError::Invalid(format!(
+                "shard {shard} is draining; move its replicas once it is done"
+            )));
+        }
+        let mut map = self.map.clone();
+        map.replica_moves.push(ReplicaMove { shard, from, to });
+        map.epoch += 1;
+        map.validate()?;
+        self.map = map;
+        self.changed = true;
+        Ok(())
+    }
+
+    /// Retires the old replica of each move whose new one is a member, and
+    /// forgets the moves that are done.
+    fn advance_replica_moves(&mut self) {
+        let before = self.map.replica_moves.len();
+        let shards = &mut self.shards;
+        self.map.replica_moves.retain(|replica_move| {
+            let Some(coordinator) = shards.get_mut(&replica_move.shard) else { return false };
+            let view = coordinator.view();
+            let (arrived, left) = (
+                view.position(NodeId(replica_move.to)).is_some(),
+                view.position(NodeId(replica_move.from)).is_none(),
+            );
+            if arrived && !left && coordinator.suspect(NodeId(replica_move.from)) {
+                tracing::info!(
+                    shard = replica_move.shard,
+                    from = replica_move.from,
+                    to = replica_move.to,
+                    "replica arrived; retiring the one it replaces"
+                );
+            }
+            !(arrived && left)
+        });
+        if self.map.replica_moves.len() != before {
+            self.map.epoch += 1;
+            self.changed = true;
+        }
+    }
+
+    /// Takes a node that serves nothing out of the map.
+    pub fn remove_node(&mut self, node: u32) -> Result<(), MapError> {
+        self.map.node(node).ok_or_else(|| MapError::Invalid(format!("no node {node}")))?;
+        if let Some(shard) = self.map.shards_of(node).next() {
+            return Err(MapError::Invalid(format!(
+                "node {node} still holds a replica of shard {}; move it first",
+                shard.id
+            )));
+        }
+        if self.map.replica_moves.iter().any(|replica_move| replica_move.to == node) {
+            return Err(MapError::Invalid(format!("a replica is moving to node {node}")));
+        }
+        self.map.nodes.retain(|info| info.id != node);
+        self.map.epoch += 1;
+        self.changed = true;
+        Ok(())
     }
 
     /// Starts moving `slots` (inclusive ranges) from shard `from` to shard
@@ -1059,5 +1143,50 @@ mod migration_tests {
         assert!(map.shard(0).unwrap().owns(0));
         assert!(restarted.cancel_migration(id, 50).is_err(), "no such migration any more");
         assert_eq!(restarted.start_migration(0, 3, vec![(0, 9)]).unwrap(), id + 1, "ids are never reused");
+    }
+}
+
+#[cfg(test)]
+mod replica_move_tests {
+    use super::*;
+
+    #[test]
+    fn a_replica_moves_to_a_new_node_and_the_old_one_leaves_after_its_lease() {
+        let addresses: Vec<String> = (0..4).map(|index| format!("127.0.0.1:{}", 7000 + index)).collect();
+        let map = ClusterMap::place("c1", Mode::named("ms+sc").unwrap(), 3, &addresses, 3).unwrap();
+        let mut coordinator =
+            ClusterCoordinator::new(map, Timing { lease_ms: 200, failure_timeout_ms: 150 }, 0);
+        let beat = |coordinator: &mut ClusterCoordinator, now, node, progress: BTreeMap<u32, Progress>| {
+            coordinator.heartbeat(now, node, 1, &progress).unwrap()
+        };
+        for node in 0..4 {
+            beat(&mut coordinator, 1, node, BTreeMap::new());
+        }
+        assert!(coordinator.start_replica_move(0, 3, 0).is_err(), "node 3 holds no replica of shard 0");
+        assert!(coordinator.start_replica_move(0, 1, 2).is_err(), "node 2 already holds one");
+        coordinator.start_replica_move(0, 1, 3).unwrap();
+        assert!(coordinator.remove_node(3).is_err(), "a replica moves to it");
+        // The new node joins shard 0 as a learner behind the tail.
+        beat(&mut coordinator, 10, 3, BTreeMap::new());
+        assert_eq!(coordinator.map().shard(0).unwrap().learners, vec![3]);
+        // The tail reports it caught up: promoted, and the old replica is
+        // retired once its lease has run out.
+        let view = coordinator.map().shard(0).unwrap().view_number;
+        let ready = Progress { learner_ready: Some((NodeId(3), view)), ..Progress::default() };
+        beat(&mut coordinator, 20, 2, BTreeMap::from([(0, ready)]));
+        assert_eq!(coordinator.map().shard(0).unwrap().members, vec![0, 1, 2, 3]);
+        let grants = beat(&mut coordinator, 30, 1, BTreeMap::new());
+        assert!(grants.shards.iter().all(|(shard, _, _)| *shard != 0), "no lease for the leaving replica");
+        for node in [0, 2, 3] {
+            beat(&mut coordinator, 150, node, BTreeMap::new());
+        }
+        // Its last lease on shard 0 was granted at 1, until 201.
+        coordinator.tick(200);
+        assert_eq!(coordinator.map().shard(0).unwrap().members, vec![0, 1, 2, 3], "its lease runs to 201");
+        coordinator.tick(201);
+        assert_eq!(coordinator.map().shard(0).unwrap().members, vec![0, 2, 3]);
+        assert!(coordinator.map().replica_moves.is_empty(), "the move is done");
+        // A node that serves nothing can be taken out of the map.
+        assert!(coordinator.remove_node(1).is_err(), "node 1 still serves shards 1 and 2");
     }
 }

@@ -181,6 +181,15 @@ impl Migration {
     }
 }
 
+/// A replica of a shard on its way from one node to another: the new one
+/// joins as the shard's protocol admits a node, then the old one leaves.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaMove {
+    pub shard: u32,
+    pub from: u32,
+    pub to: u32,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClusterMap {
     /// Nodes started for another cluster are refused.
@@ -205,6 +214,9 @@ pub struct ClusterMap {
     /// The id the next migration gets.
     #[serde(default = "first_migration_id")]
     pub next_migration: u64,
+    /// Replicas moving between nodes; a shard moves one at a time.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replica_moves: Vec<ReplicaMove>,
 }
 
 fn first_migration_id() -> u64 {
@@ -292,6 +304,7 @@ impl ClusterMap {
             users: BTreeMap::new(),
             migrations: Vec::new(),
             next_migration: first_migration_id(),
+            replica_moves: Vec::new(),
         };
         map.validate()?;
         Ok(map)
@@ -485,6 +498,20 @@ impl ClusterMap {
             });
             if migration.slots.is_empty() || !moved {
                 return invalid(format!("migration {} moves slots its source does not own", migration.id));
+            }
+        }
+        let mut moving = BTreeSet::new();
+        for replica_move in &self.replica_moves {
+            let ReplicaMove { shard, from, to } = *replica_move;
+            if self.shard(shard).is_none()
+                || !node_ids.contains(&from)
+                || !node_ids.contains(&to)
+                || from == to
+            {
+                return invalid(format!("a replica move of shard {shard} from node {from} to node {to}"));
+            }
+            if !moving.insert(shard) {
+                return invalid(format!("shard {shard} moves two replicas at once"));
             }
         }
         if self.users.len() > USERS_MAX {
