@@ -421,7 +421,7 @@ def assert_replicas_converge(cluster, keys, timeout=10):
         differing = []
         cluster_map = cluster.map()
         for key in keys:
-            slot = redis.Redis(port=cluster.port(0)).execute_command("CLUSTER", "KEYSLOT", key)
+            slot = key_slot(key.encode())
             shard = next(
                 shard for shard in cluster_map["shards"]
                 if any(first <= slot <= last for first, last in shard["slots"])

@@ -109,3 +109,35 @@ def test_an_eventual_active_active_cluster_keeps_every_acknowledged_write_throug
     while (held := keys_held(cluster)) > before + sum(attempted):
         assert time.time() < deadline, f"{held} keys held for {before} + {sum(attempted)} written"
         time.sleep(0.2)
+
+
+def test_a_cluster_grows_by_a_node_rebalances_and_shrinks_while_serving(cluster_factory, tmp_path):
+    """add-node starts a node; rebalance moves group replicas onto it (a
+    learner catches up, then the replica it replaces leaves); remove-node
+    moves every replica off a node and retires it. Clients see a
+    linearizable history throughout."""
+    cluster = cluster_factory("strong", nodes=3, options=("--groups", "6"))
+
+    def grow():
+        cluster.cli("add-node", "--count", "1")
+        result = cluster.cli("rebalance")
+        assert "balanced" in result.stdout, result.stdout + result.stderr
+        time.sleep(1.0)  # service is checked in the half second before the next change
+
+    def shrink():
+        result = cluster.cli("remove-node", "0")
+        assert "removed n0" in result.stdout, result.stdout + result.stderr
+        time.sleep(1.0)
+
+    recorders, keys, marks = run_with_faults(cluster, [grow, shrink], clients=3, plain_clients=0)
+    assert_served_and_linearizable(cluster, tmp_path, recorders, keys, marks)
+    cluster_map = cluster.map()
+    assert [node["id"] for node in cluster_map["nodes"]] == [1, 2, 3]
+    counts = {node: 0 for node in (1, 2, 3)}
+    for shard in cluster_map["shards"]:
+        assert len(shard["members"]) == 3 and 0 not in shard["members"]
+        for member in shard["members"]:
+            counts[member] += 1
+    assert sorted(counts.values()) == [6, 6, 6], counts
+    cluster.nodes = 4  # the new node is n3
+    assert_replicas_converge(cluster, keys)

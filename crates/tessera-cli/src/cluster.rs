@@ -15,6 +15,7 @@
 //! The processes outlive the command that started them; every subcommand
 //! works from the directory alone.
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -23,6 +24,7 @@ use std::time::{Duration, Instant};
 use clap::{Args, Subcommand};
 use serde::{Deserialize, Serialize};
 use tessera_cluster::auth::{ClusterSecret, ADMIN};
+use tessera_cluster::map::ReplicaMove;
 use tessera_cluster::session::{CoordinatorSession, Credentials};
 use tessera_cluster::tls::PeerTls;
 use tessera_cluster::ClusterMap;
@@ -52,6 +54,16 @@ pub enum ClusterCommand {
     Restart(TargetArgs),
     /// Add a standby node; it joins the first shard short of replicas.
     AddStandby(DirArgs),
+    /// Start new nodes and add them to the cluster (then `rebalance` gives
+    /// them replicas).
+    AddNode(AddNodeArgs),
+    /// Move group replicas from the nodes that hold the most to those that
+    /// hold the fewest, one at a time, until every node holds as many as any
+    /// other, give or take one. Safe to interrupt and run again.
+    Rebalance(DirArgs),
+    /// Move every replica off a node, then take it out of the cluster and
+    /// stop it: no failure, no failover wait.
+    RemoveNode(TargetArgs),
     /// Move slots from one group (shard) to another while both serve, and
     /// show the copy's progress until the slots have moved. Interrupting
     /// leaves the move running; run again with the same arguments to follow
@@ -64,6 +76,15 @@ pub enum ClusterCommand {
 #[derive(Args)]
 pub struct DirArgs {
     /// The cluster's directory.
+    #[arg(long, default_value = "tessera-cluster")]
+    dir: PathBuf,
+}
+
+#[derive(Args)]
+pub struct AddNodeArgs {
+    /// How many nodes to add.
+    #[arg(long, default_value_t = 1)]
+    count: u32,
     #[arg(long, default_value = "tessera-cluster")]
     dir: PathBuf,
 }
@@ -245,6 +266,15 @@ pub fn run(command: ClusterCommand) -> Result<(), String> {
             Ok(())
         }
         ClusterCommand::AddStandby(args) => add_standby(&args.dir),
+        ClusterCommand::AddNode(args) => {
+            for _ in 0..args.count {
+                add_standby(&args.dir)?;
+            }
+            println!("run `tessera cluster rebalance --dir {}` to give them replicas", args.dir.display());
+            Ok(())
+        }
+        ClusterCommand::Rebalance(args) => rebalance(&args.dir),
+        ClusterCommand::RemoveNode(args) => remove_node(&args.dir, &args.target),
         ClusterCommand::MoveSlots(args) => move_slots(&args),
         ClusterCommand::Down(args) => down(&args.dir),
     }
@@ -617,6 +647,136 @@ fn add_standby(dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// How many replicas (members and learners) each node of the map holds.
+fn replica_counts(map: &ClusterMap) -> BTreeMap<u32, usize> {
+    let mut counts: BTreeMap<u32, usize> = map.nodes.iter().map(|node| (node.id, 0)).collect();
+    for shard in &map.shards {
+        for node in shard.members.iter().chain(&shard.learners) {
+            *counts.entry(*node).or_default() += 1;
+        }
+    }
+    counts
+}
+
+/// Replica moves `(shard, from, to)` that even out the replicas per node
+/// (within one): each from a node holding the most to one holding the
+/// fewest that the shard does not use yet, a replica that is not the head
+/// first (moving a head hands its role on).
+fn plan_rebalance(map: &ClusterMap) -> Vec<(u32, u32, u32)> {
+    let mut map = map.clone();
+    let mut moves = Vec::new();
+    loop {
+        let counts = replica_counts(&map);
+        let Some((&most, &high)) =
+            counts.iter().max_by_key(|(node, count)| (**count, std::cmp::Reverse(**node)))
+        else {
+            return moves;
+        };
+        let Some((&fewest, &low)) = counts.iter().min_by_key(|(node, count)| (**count, **node)) else {
+            return moves;
+        };
+        if high <= low + 1 {
+            return moves;
+        }
+        let candidate = map
+            .shards
+            .iter_mut()
+            .filter(|shard| shard.members.contains(&most) && !shard.members.contains(&fewest))
+            .filter(|shard| !shard.learners.contains(&fewest))
+            .min_by_key(|shard| (shard.members.first() == Some(&most), shard.id));
+        let Some(shard) = candidate else { return moves };
+        shard.members.retain(|node| *node != most);
+        shard.members.push(fewest);
+        moves.push((shard.id, most, fewest));
+    }
+}
+
+/// Moves one replica and waits until the move is done.
+fn move_replica(dir: &Path, layout: &Layout, (shard, from, to): (u32, u32, u32)) -> Result<(), String> {
+    let mut session = AdminSession::open(dir, layout)?;
+    let (shard_arg, from_arg, to_arg) = (shard.to_string(), from.to_string(), to.to_string());
+    if let Value::Error(message) = session.command(&["COORD.MOVE-REPLICA", &shard_arg, &from_arg, &to_arg])? {
+        return Err(message);
+    }
+    wait_for_replica_moves(dir, layout, |replica_move| replica_move.shard == shard)
+}
+
+/// Waits until no replica move that `pending` picks is left in the map.
+fn wait_for_replica_moves(
+    dir: &Path,
+    layout: &Layout,
+    pending: impl Fn(&ReplicaMove) -> bool,
+) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while fetch_map(dir, layout)?.replica_moves.iter().any(&pending) {
+        if Instant::now() >= deadline {
+            return Err(
+                "a replica move has not finished in 5 minutes; `cluster status` shows where it is".into()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}
+
+fn rebalance(dir: &Path) -> Result<(), String> {
+    let layout = Layout::load(dir)?;
+    // A move an interrupted run left finishes first.
+    wait_for_replica_moves(dir, &layout, |_| true)?;
+    let plan = plan_rebalance(&fetch_map(dir, &layout)?);
+    if plan.is_empty() {
+        println!("balanced: {:?} replicas per node", replica_counts(&fetch_map(dir, &layout)?));
+        return Ok(());
+    }
+    let started = Instant::now();
+    for (index, step) in plan.iter().enumerate() {
+        let (shard, from, to) = *step;
+        move_replica(dir, &layout, *step)?;
+        println!(
+            "[{}/{}] moved shard {shard}'s replica from n{from} to n{to} ({:.1} s)",
+            index + 1,
+            plan.len(),
+            started.elapsed().as_secs_f64()
+        );
+    }
+    println!("balanced: {:?} replicas per node", replica_counts(&fetch_map(dir, &layout)?));
+    Ok(())
+}
+
+fn remove_node(dir: &Path, target: &str) -> Result<(), String> {
+    let mut layout = Layout::load(dir)?;
+    let name = process_name(&layout, target)?;
+    let node: u32 =
+        target.trim_start_matches('n').parse().map_err(|_| format!("{target:?} is not a node id"))?;
+    wait_for_replica_moves(dir, &layout, |_| true)?;
+    loop {
+        let map = fetch_map(dir, &layout)?;
+        let Some(shard) = map.shards_of(node).next() else { break };
+        let counts = replica_counts(&map);
+        let to = counts
+            .iter()
+            .filter(|(other, _)| {
+                **other != node && !shard.members.contains(other) && !shard.learners.contains(other)
+            })
+            .min_by_key(|(other, count)| (**count, **other))
+            .map(|(other, _)| *other)
+            .ok_or_else(|| format!("no other node can take shard {}'s replica", shard.id))?;
+        let shard = shard.id;
+        move_replica(dir, &layout, (shard, node, to))?;
+        println!("moved shard {shard}'s replica from n{node} to n{to}");
+    }
+    let mut session = AdminSession::open(dir, &layout)?;
+    let node_arg = node.to_string();
+    if let Value::Error(message) = session.command(&["COORD.REMOVE-NODE", &node_arg])? {
+        return Err(message);
+    }
+    stop(dir, &name, Duration::from_secs(10))?;
+    layout.nodes.retain(|(id, _)| *id != node);
+    layout.save(dir)?;
+    println!("removed n{node}: it held no replica any more, and it is stopped");
+    Ok(())
+}
+
 /// One migration as `COORD.MIGRATIONS` lists it.
 struct MigrationStatus {
     id: u64,
@@ -894,4 +1054,31 @@ fn start(dir: &Path, layout: &Layout, name: &str) -> Result<(), String> {
         .map_err(|error| format!("cannot start {name}: {error}"))?;
     fs::write(pid_path(&dir, name), child.id().to_string()).map_err(|error| error.to_string())?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_protocol::Mode;
+
+    use super::*;
+
+    #[test]
+    fn a_rebalance_plan_evens_out_replicas_without_putting_two_of_a_shard_on_one_node() {
+        let addresses: Vec<String> = (0..7).map(|index| format!("127.0.0.1:{}", 7000 + index)).collect();
+        // Four nodes serve twelve groups of three; three new ones hold nothing.
+        let mut map =
+            ClusterMap::place_groups("c1", Mode::named("ms+sc").unwrap(), 3, &addresses, 4, 12).unwrap();
+        let plan = plan_rebalance(&map);
+        assert!(!plan.is_empty());
+        for (shard, from, to) in plan {
+            let shard = map.shards.iter_mut().find(|entry| entry.id == shard).unwrap();
+            assert!(shard.members.contains(&from) && !shard.members.contains(&to));
+            shard.members.retain(|node| *node != from);
+            shard.members.push(to);
+        }
+        map.validate().unwrap();
+        let counts = replica_counts(&map);
+        assert!(counts.values().all(|count| (5..=6).contains(count)), "36 replicas over 7 nodes: {counts:?}");
+        assert!(plan_rebalance(&map).is_empty(), "balanced: nothing more to move");
+    }
 }

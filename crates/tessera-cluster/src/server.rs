@@ -436,6 +436,10 @@ async fn answer(state: &Arc<Mutex<State>>, session: &mut Session, args: &[Vec<u8
         b"COORD.MIGRATE-CANCEL" if args.len() == 2 => number(&args[1], "migration id").and_then(|id| {
             change_map(state, |coordinator, now| coordinator.cancel_migration(id, now)).map(|_| out.ok())
         }),
+        b"COORD.MOVE-REPLICA" if args.len() == 4 => move_replica(state, args, out),
+        b"COORD.REMOVE-NODE" if args.len() == 2 => number(&args[1], "node").and_then(|node| {
+            change_map(state, |coordinator, _| coordinator.remove_node(node)).map(|_| out.ok())
+        }),
         b"COORD.MIGRATIONS" if args.len() == 1 => {
             list_migrations(state, out);
             Ok(())
@@ -456,6 +460,8 @@ async fn answer(state: &Arc<Mutex<State>>, session: &mut Session, args: &[Vec<u8
         | b"COORD.MIGRATE"
         | b"COORD.MIGRATE-CANCEL"
         | b"COORD.MIGRATIONS"
+        | b"COORD.MOVE-REPLICA"
+        | b"COORD.REMOVE-NODE"
         | b"COORD.ACL-SETUSER"
         | b"COORD.ACL-DELUSER" => Err(Refused::WrongArity(text(&args[0]).to_ascii_lowercase())),
         _ => Err(Refused::UnknownCommand(text(&args[0]))),
@@ -689,6 +695,16 @@ fn start_migration(
         Ok(())
     })?;
     out.integer(id as i64);
+    Ok(())
+}
+
+/// `COORD.MOVE-REPLICA shard from-node to-node`.
+fn move_replica(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) -> Result<(), Refused> {
+    let shard: u32 = number(&args[1], "shard")?;
+    let from: u32 = number(&args[2], "node")?;
+    let to: u32 = number(&args[3], "node")?;
+    change_map(state, |coordinator, _| coordinator.start_replica_move(shard, from, to))?;
+    out.ok();
     Ok(())
 }
 

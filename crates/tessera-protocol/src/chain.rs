@@ -439,7 +439,13 @@ impl ChainReplication {
         match &self.learner {
             None => self.commit_through(seq, fx),
             Some(learner) if learner.handover => {}
-            Some(_) => self.acknowledge(seq, fx),
+            Some(_) => {
+                // Committing on its own is no progress of the learner's: a
+                // learner that missed writes still gets them sent again.
+                let learner_progress_at = self.last_progress_at;
+                self.acknowledge(seq, fx);
+                self.last_progress_at = learner_progress_at;
+            }
         }
     }
 
@@ -972,6 +978,53 @@ mod tests {
         assert_eq!(learner.read_local(b"a").unwrap(), Some(Bytes::from_static(b"1")));
         assert_eq!(learner.read_local(b"b").unwrap(), Some(Bytes::from_static(b"2")));
         assert_eq!(tail.progress().learner_ready, Some((NodeId(3), 2)), "caught up: ready to be the tail");
+    }
+
+    #[test]
+    fn a_learner_that_missed_writes_during_its_snapshot_catches_up_while_writes_keep_coming() {
+        let mut tail = replica(2);
+        let mut learner = replica(3);
+        let mut fx = Effects::new(10);
+        let joining = ShardView { learners: vec![NodeId(3)], ..view(2, &[1, 2]) };
+        tail.on_view(&joining, &mut fx);
+        learner.on_view(&joining, &mut fx);
+        fx.take(); // the snapshot's first chunks are lost: the tail sends them again
+        let mut seq = 0;
+        // Every 10 ms a write reaches the tail, which commits it on its own
+        // while the learner lags; the first ones reach the learner before
+        // its snapshot and are dropped there.
+        let mut to_learner: Vec<PeerMessage> = Vec::new();
+        for now in (10..3_000).step_by(10) {
+            let mut fx = Effects::new(now);
+            seq += 1;
+            tail.on_peer(NodeId(1), forward(2, seq, "k", &seq.to_string()), &mut fx);
+            tail.on_tick(&mut fx);
+            for effect in fx.take() {
+                if let Effect::Send { to: NodeId(3), message } = effect {
+                    to_learner.push(message);
+                }
+            }
+            if now > 50 {
+                // The snapshot and everything after it arrive in order,
+                // except the writes sent before the learner had it.
+                for message in std::mem::take(&mut to_learner) {
+                    learner.on_peer(NodeId(2), message, &mut fx);
+                }
+                for effect in fx.take() {
+                    let Effect::Send { message, .. } = effect else { continue };
+                    tail.on_peer(NodeId(3), message, &mut fx);
+                }
+                fx.take();
+            } else {
+                to_learner.retain(|message| {
+                    !matches!(message.open::<ChainMessage>(), Some(Ok(ChainMessage::Forward { .. })))
+                });
+            }
+            if tail.progress().learner_ready.is_some() {
+                return;
+            }
+        }
+        panic!("the learner never caught up: it applied {}, the tail {}", learner.applied, tail.applied);
     }
 
     #[test]
