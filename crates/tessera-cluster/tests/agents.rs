@@ -11,10 +11,11 @@ use tessera_cluster::agent::{Agent, AgentConfig, AgentError};
 use tessera_cluster::auth::{ClusterSecret, LoginError};
 use tessera_cluster::session::{CoordinatorSession, Credentials, SessionError};
 use tessera_cluster::tls::{write_certificates, PeerTls};
-use tessera_cluster::{ClusterMap, CoordinatorServer, FileStore, Timing};
+use tessera_cluster::{ClusterMap, CoordinatorServer, FileStore, Shard, Timing};
 use tessera_engine::{EngineKind, EngineSpec};
 use tessera_protocol::Role;
 use tessera_protocol::{read_visible, ClientReply, Consistency, Operation};
+use tessera_wire::slot::key_slot;
 
 const TIMING: Timing = Timing { lease_ms: 400, failure_timeout_ms: 600 };
 
@@ -26,6 +27,15 @@ fn peer_port() -> u16 {
             return port;
         }
     }
+}
+
+/// `name` with a hash tag that puts it in one of `shard`'s slots: a shard's
+/// first member deletes the keys of slots the shard does not own.
+fn key_of(shard: &Shard, name: &str) -> String {
+    (0..)
+        .map(|tag| format!("{name}{{{tag}}}"))
+        .find(|key| shard.owns(key_slot(key.as_bytes()) as u16))
+        .expect("some tag lands in the shard")
 }
 
 async fn put(agent: &Agent, shard: u32, key: &str, value: &str) -> ClientReply {
@@ -129,21 +139,22 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
     let (head_agent, middle_agent, tail_agent) = (agent(head), agent(middle), agent(tail));
 
     // A write at the head commits once the tail has it; every replica holds it.
+    let k1 = key_of(&shard, "k1");
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        match put(&head_agent, shard.id, "k1", "v1").await {
+        match put(&head_agent, shard.id, &k1, "v1").await {
             ClientReply::Written => break,
             other => assert!(Instant::now() < deadline, "no write committed: {other:?}"),
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let read = tail_agent
-        .submit(shard.id, Operation::Get { key: Bytes::from_static(b"k1"), consistency: Consistency::Strong })
+        .submit(shard.id, Operation::Get { key: Bytes::from(k1.clone()), consistency: Consistency::Strong })
         .await;
     assert_eq!(read, ClientReply::Value(Some(Bytes::from_static(b"v1"))));
     for agent in [&head_agent, &middle_agent, &tail_agent] {
         let engine = agent.engine(shard.id).unwrap();
-        assert_eq!(read_visible(engine.as_ref(), b"k1").unwrap(), Some(Bytes::from_static(b"v1")));
+        assert_eq!(read_visible(engine.as_ref(), k1.as_bytes()).unwrap(), Some(Bytes::from_static(b"v1")));
     }
 
     // The middle replica dies: writes resume once the coordinator drops it.
@@ -153,7 +164,7 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
     // Meanwhile nothing commits: past 8 waiting writes, writers must wait.
     let stuck: Vec<_> = (0..8)
         .map(|index| {
-            let key = Bytes::from(format!("stuck{index}"));
+            let key = Bytes::from(key_of(&shard, &format!("stuck{index}")));
             head_agent.begin_all(shard.id, vec![Operation::Put { key, value: Bytes::from_static(b"v") }])
         })
         .collect();
@@ -167,7 +178,7 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
     drop(stuck);
     let mut written = 0;
     let recovered = loop {
-        let key = format!("after{written}");
+        let key = key_of(&shard, &format!("after{written}"));
         if put(&head_agent, shard.id, &key, "v").await == ClientReply::Written {
             written += 1;
             if written == 1 {
@@ -186,5 +197,6 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let engine = tail_agent.engine(shard.id).unwrap();
-    assert_eq!(read_visible(engine.as_ref(), b"after0").unwrap(), Some(Bytes::from_static(b"v")));
+    let after0 = key_of(&shard, "after0");
+    assert_eq!(read_visible(engine.as_ref(), after0.as_bytes()).unwrap(), Some(Bytes::from_static(b"v")));
 }

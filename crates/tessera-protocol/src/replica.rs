@@ -339,7 +339,9 @@ impl Replica {
             self.protocol.on_client(ClientRequest { id, operation: barrier }, fx);
         }
         if self.view.position(self.config.me) != Some(0) {
+            // Migrations and sweeps are the first member's work.
             self.set_migrations(None, None, fx.now());
+            self.sweep = None;
         }
         self.after_event(mark, fx);
         assert!(self.view.lease_until <= fx.now() + self.config.lease_ms, "a lease past what was granted");
