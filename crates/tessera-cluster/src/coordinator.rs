@@ -286,13 +286,7 @@ impl ClusterCoordinator {
                 "shard {shard} is draining; move its replicas once it is done"
             )));
         }
-        let mut map = self.map.clone();
-        map.replica_moves.push(ReplicaMove { shard, from, to });
-        map.epoch += 1;
-        map.validate()?;
-        self.map = map;
-        self.changed = true;
-        Ok(())
+        self.change_validated(|map| map.replica_moves.push(ReplicaMove { shard, from, to }))
     }
 
     /// Retires the old replica of each move whose new one is a member, and
@@ -358,20 +352,12 @@ impl ClusterCoordinator {
                 )));
             }
         }
-        let mut map = self.map.clone();
-        let id = map.next_migration;
-        map.next_migration += 1;
-        map.migrations.push(Migration {
-            id,
-            from,
-            to,
-            slots: normalize(&slots),
-            phase: MigrationPhase::Copying,
-        });
-        map.epoch += 1;
-        map.validate()?;
-        self.map = map;
-        self.changed = true;
+        let id = self.map.next_migration;
+        self.change_validated(|map| {
+            map.next_migration += 1;
+            let slots = normalize(&slots);
+            map.migrations.push(Migration { id, from, to, slots, phase: MigrationPhase::Copying });
+        })?;
         Ok(id)
     }
 
@@ -584,17 +570,10 @@ impl ClusterCoordinator {
             return Err(MapError::Invalid(format!("a node at {address} is already in the map")));
         }
         let id = self.map.nodes.iter().map(|node| node.id + 1).max().unwrap_or(0);
-        let mut map = self.map.clone();
-        map.nodes.push(NodeInfo {
-            id,
-            address: address.to_string(),
-            tls_address: None,
-            role: NodeRole::Standby,
-        });
-        map.epoch += 1;
-        map.validate()?;
-        self.map = map;
-        self.changed = true;
+        self.change_validated(|map| {
+            let address = address.to_string();
+            map.nodes.push(NodeInfo { id, address, tls_address: None, role: NodeRole::Standby });
+        })?;
         Ok(id)
     }
 
@@ -695,13 +674,9 @@ impl ClusterCoordinator {
         if current != expected {
             return Err(MapError::UserChanged(name.to_string()));
         }
-        let mut map = self.map.clone();
-        map.users.insert(name.to_string(), rules.to_string());
-        map.epoch += 1;
-        map.validate()?;
-        self.map = map;
-        self.changed = true;
-        Ok(())
+        self.change_validated(|map| {
+            map.users.insert(name.to_string(), rules.to_string());
+        })
     }
 
     /// Deletes users; how many there were.
@@ -712,6 +687,18 @@ impl ClusterCoordinator {
             self.changed = true;
         }
         deleted
+    }
+
+    /// Changes a copy of the map, raises its epoch and takes it only if it
+    /// is still valid.
+    fn change_validated(&mut self, change: impl FnOnce(&mut ClusterMap)) -> Result<(), MapError> {
+        let mut map = self.map.clone();
+        change(&mut map);
+        map.epoch += 1;
+        map.validate()?;
+        self.map = map;
+        self.changed = true;
+        Ok(())
     }
 
     /// The map, if it changed since the last call: the caller stores it.
