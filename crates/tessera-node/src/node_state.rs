@@ -142,20 +142,6 @@ impl<K: Keyspace + ?Sized> Keyspace for &K {
     }
 }
 
-impl<K: Keyspace + ?Sized> Keyspace for Arc<K> {
-    fn name(&self) -> &str {
-        (**self).name()
-    }
-
-    fn values(&self) -> &dyn Engine {
-        (**self).values()
-    }
-
-    fn remove(&self, key: &[u8]) -> CommandResult<()> {
-        (**self).remove(key)
-    }
-}
-
 pub fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |elapsed| elapsed.as_millis() as u64)
 }

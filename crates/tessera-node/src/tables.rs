@@ -98,8 +98,8 @@ impl TableSet {
     }
 
     /// Tables in name order (the order SCAN walks them).
-    pub fn by_name(&self) -> Vec<&Arc<Table>> {
-        let mut tables: Vec<_> = self.tables.iter().collect();
+    pub fn by_name(&self) -> Vec<&Table> {
+        let mut tables: Vec<&Table> = self.tables.iter().map(Arc::as_ref).collect();
         tables.sort_by(|a, b| a.def.name.cmp(&b.def.name));
         tables
     }
