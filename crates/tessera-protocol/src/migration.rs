@@ -24,9 +24,7 @@ use tessera_engine::{Capabilities, Engine, KeyRange, ScanCursor, ScanPage};
 
 use crate::codec::{put_chunk, put_entries, CodecError, Family, Reader};
 use crate::snapshot::{SnapshotPace, SnapshotStream, StreamNumbers, SNAPSHOT_WINDOW};
-use crate::{
-    entries_bytes, ClientReply, Effects, Message, NodeId, Operation, PeerMessage, Record, RequestId, Time,
-};
+use crate::{ClientReply, Effects, Message, NodeId, Operation, PeerMessage, Record, RequestId, Time};
 
 /// Which keys a migration moves: the client keys of the slots it names and
 /// the internal keys they own, never a group's own named keys (a head's
@@ -37,14 +35,14 @@ pub type KeyFilter = Arc<dyn Fn(&[u8]) -> bool + Send + Sync>;
 /// unacknowledged chunks again (plus the time their bytes take).
 const RETRANSMIT_AFTER_MS: u64 = 100;
 
-/// How long a target waits before trying a batch again whose writes did not
-/// all commit (its group changed views, or its lease ran out).
+/// How long a target or a sweep waits before trying a batch again whose
+/// writes did not all commit (its group changed views, or its lease ran out).
 const RETRY_AFTER_MS: u64 = 50;
 
-/// The most keys a target deletes per batch while it clears the keys of a
-/// new stream, and the most engine entries it scans for them per batch.
-const CLEAR_BATCH_KEYS: usize = 256;
-const CLEAR_SCAN_PER_BATCH: usize = 16 * CLEAR_BATCH_KEYS;
+/// The most keys a sweep deletes per batch, and the most engine entries it
+/// scans for them per event.
+const SWEEP_BATCH_KEYS: usize = 256;
+const SWEEP_SCAN_PER_BATCH: usize = 16 * SWEEP_BATCH_KEYS;
 
 /// A migration of some of this shard's keys to another shard, as the map
 /// names it.
@@ -67,12 +65,11 @@ pub struct Incoming {
     pub keys: KeyFilter,
 }
 
-/// What a migrating replica tells the coordinator.
+/// What a migration's source tells the coordinator.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MigrationReport {
     pub id: u64,
-    /// Entries and bytes sent (at the source) or applied (at the target) in
-    /// the current stream.
+    /// Entries and bytes sent in the current stream.
     pub entries: u64,
     pub bytes: u64,
     /// The source's copy has caught up: everything read and every change
@@ -194,21 +191,12 @@ impl MigrationSource {
     }
 }
 
-/// Writes the target has in flight.
+/// A chunk's writes in flight at the target.
 struct Batch {
     stream: u64,
-    work: Work,
+    index: u32,
     pending: HashSet<RequestId>,
     failed: bool,
-}
-
-#[derive(Clone)]
-enum Work {
-    /// Deletes of keys the target held, up to the cursor after them
-    /// (`None`: the end of the engine).
-    Clear { resume: Option<ScanCursor> },
-    /// Chunk `index` of the stream.
-    Chunk { index: u32, entries: u64, bytes: u64 },
 }
 
 /// The target's side.
@@ -219,11 +207,10 @@ pub struct MigrationTarget {
     next: u32,
     /// Chunks that arrived ahead of the next, at most a window of them.
     ahead: BTreeMap<u32, Vec<(Bytes, Bytes)>>,
-    /// Before a stream's first chunk: where clearing the keys goes on.
-    clearing: Option<ScanCursor>,
+    /// Before a stream's first chunk: deleting what the target held of the keys.
+    clearing: Option<Sweep>,
     batch: Option<Batch>,
     retry_at: Time,
-    applied: (u64, u64),
 }
 
 impl MigrationTarget {
@@ -236,7 +223,6 @@ impl MigrationTarget {
             clearing: None,
             batch: None,
             retry_at: 0,
-            applied: (0, 0),
         }
     }
 
@@ -260,8 +246,10 @@ impl MigrationTarget {
             self.stream = chunk.stream;
             self.next = 0;
             self.ahead.clear();
-            self.clearing = Some(ScanCursor::start());
-            self.applied = (0, 0);
+            match &mut self.clearing {
+                Some(sweep) => sweep.restart(),
+                None => self.clearing = Some(Sweep::new(self.incoming.keys.clone())),
+            }
         }
         if chunk.index < self.next {
             return true;
@@ -277,25 +265,10 @@ impl MigrationTarget {
         self.next.checked_sub(1).map(|index| (self.stream, index))
     }
 
-    pub fn report(&self) -> MigrationReport {
-        let (entries, bytes) = self.applied;
-        MigrationReport { id: self.incoming.id, entries, bytes, ..MigrationReport::default() }
-    }
-
-    fn start(&mut self, work: Work) {
-        self.batch = Some(Batch { stream: self.stream, work, pending: HashSet::new(), failed: false });
-    }
-
-    fn finish(&mut self, work: Work) {
-        match work {
-            Work::Clear { resume } => self.clearing = resume,
-            Work::Chunk { index, entries, bytes } => {
-                debug_assert_eq!(index, self.next);
-                self.ahead.remove(&index);
-                self.next += 1;
-                self.applied = (self.applied.0 + entries, self.applied.1 + bytes);
-            }
-        }
+    /// Chunk `self.next` is committed.
+    fn applied_chunk(&mut self) {
+        self.ahead.remove(&self.next);
+        self.next += 1;
     }
 }
 
@@ -304,49 +277,39 @@ impl Batches for MigrationTarget {
         if self.batch.is_some() || now < self.retry_at {
             return None;
         }
-        loop {
-            if let Some(cursor) = self.clearing.clone() {
-                let (deletes, resume) = match live_keys(engine, &self.incoming.keys, cursor) {
-                    Ok(found) => found,
-                    Err(error) => {
-                        tracing::error!(%error, migration = self.incoming.id, "cannot scan the keys to clear");
-                        self.retry_at = now + RETRY_AFTER_MS;
-                        return None;
-                    }
-                };
-                if deletes.is_empty() {
-                    self.clearing = resume;
-                    if self.clearing.is_some() {
-                        return None; // scanning goes on at the next event, a bounded part at a time
-                    }
-                    continue; // cleared: on to the chunks
-                }
-                self.start(Work::Clear { resume });
-                return Some(deletes.into_iter().map(|key| Operation::Delete { key }).collect());
+        if let Some(sweep) = &mut self.clearing {
+            let deletes = sweep.next_batch(engine, now);
+            if deletes.is_some() || !sweep.done() {
+                return deletes;
             }
+            self.clearing = None; // cleared: on to the chunks
+        }
+        loop {
             let entries = self.ahead.get(&self.next)?;
-            let work = Work::Chunk {
-                index: self.next,
-                entries: entries.len() as u64,
-                bytes: entries_bytes(entries) as u64,
-            };
             let operations: Vec<Operation> =
                 entries.iter().filter_map(|(key, stored)| as_write(key, stored)).collect();
             if operations.is_empty() {
-                self.finish(work);
+                self.applied_chunk();
                 continue;
             }
-            self.start(work);
+            let (stream, index) = (self.stream, self.next);
+            self.batch = Some(Batch { stream, index, pending: HashSet::new(), failed: false });
             return Some(operations);
         }
     }
 
     fn submitted(&mut self, ids: Vec<RequestId>) {
-        let batch = self.batch.as_mut().expect("a batch was started");
-        batch.pending.extend(ids);
+        match (&mut self.batch, &mut self.clearing) {
+            (Some(batch), _) => batch.pending.extend(ids),
+            (None, Some(sweep)) => sweep.submitted(ids),
+            (None, None) => unreachable!("a batch was started"),
+        }
     }
 
     fn on_reply(&mut self, request: RequestId, reply: &ClientReply, now: Time) -> bool {
+        if self.clearing.as_mut().is_some_and(|sweep| sweep.on_reply(request, reply, now)) {
+            return true;
+        }
         let Some(batch) = self.batch.as_mut() else { return false };
         if !batch.pending.remove(&request) {
             return false;
@@ -359,8 +322,8 @@ impl Batches for MigrationTarget {
         if batch.failed {
             tracing::debug!(migration = self.incoming.id, "a migration batch did not commit; trying again");
             self.retry_at = now + RETRY_AFTER_MS;
-        } else if batch.stream == self.stream {
-            self.finish(batch.work);
+        } else if (batch.stream, batch.index) == (self.stream, self.next) {
+            self.applied_chunk();
         }
         true
     }
@@ -375,8 +338,8 @@ fn live_keys(
 ) -> Result<(Vec<Bytes>, Option<ScanCursor>), tessera_engine::EngineError> {
     let mut found = Vec::new();
     let mut scanned = 0;
-    while found.len() < CLEAR_BATCH_KEYS && scanned < CLEAR_SCAN_PER_BATCH {
-        let page = engine.scan(&KeyRange::all(), &cursor, CLEAR_BATCH_KEYS)?;
+    while found.len() < SWEEP_BATCH_KEYS && scanned < SWEEP_SCAN_PER_BATCH {
+        let page = engine.scan(&KeyRange::all(), &cursor, SWEEP_BATCH_KEYS)?;
         scanned += page.entries.len();
         found.extend(
             page.entries
@@ -432,6 +395,12 @@ impl Sweep {
         }
     }
 
+    /// Scans again from the start; writes in flight still finish first.
+    pub fn restart(&mut self) {
+        self.cursor = Some(ScanCursor::start());
+        self.batch_from = None;
+    }
+
     /// Every stray it found is deleted.
     pub fn done(&self) -> bool {
         self.cursor.is_none() && self.pending.is_empty()
@@ -480,8 +449,12 @@ impl Batches for Sweep {
         if !self.pending.is_empty() {
             return false;
         }
+        let batch_from = self.batch_from.take();
         if std::mem::take(&mut self.failed) {
-            self.cursor = self.batch_from.take(); // scan that part again
+            // Scan that part again (after a restart, the scan is from the start).
+            if batch_from.is_some() {
+                self.cursor = batch_from;
+            }
             self.retry_at = now + RETRY_AFTER_MS;
         }
         true
@@ -708,7 +681,7 @@ mod tests {
         }
 
         fn caught_up(&self) -> bool {
-            self.source.migration_reports().0.is_some_and(|report| report.caught_up)
+            self.source.progress().migration.is_some_and(|report| report.caught_up)
         }
     }
 
@@ -828,10 +801,10 @@ mod tests {
     fn the_first_member_alone_runs_a_migration() {
         let mut pair = Pair::new("chain", "chain");
         pair.start();
-        assert!(pair.source.migration_reports().0.is_some());
+        assert!(pair.source.progress().migration.is_some());
         let mut fx = Effects::new(pair.now);
         pair.source.on_grant(pair.now, view(2, &[3, 1]), Mode::named("chain").unwrap(), &mut fx);
-        assert_eq!(pair.source.migration_reports(), (None, None), "no longer first: no stream");
+        assert_eq!(pair.source.progress().migration, None, "no longer first: no stream");
     }
 }
 

@@ -19,8 +19,8 @@ use std::sync::Arc;
 use tessera_engine::{reserved, Engine};
 
 use crate::migration::{
-    Batches, Change, Incoming, KeyFilter, MigrationMessage, MigrationReport, MigrationSource,
-    MigrationTarget, ObservedEngine, Outgoing, Sweep,
+    Batches, Change, Incoming, KeyFilter, MigrationMessage, MigrationSource, MigrationTarget, ObservedEngine,
+    Outgoing, Sweep,
 };
 use crate::registry::{Mode, Start, Tuning};
 use crate::snapshot::StreamNumbers;
@@ -418,12 +418,6 @@ impl Replica {
             (Some(target), Some(new)) if same_in(target, &new) => {}
             (_, new) => self.migration_in = new.map(MigrationTarget::new),
         }
-    }
-
-    /// What this replica's migrations tell the coordinator: the one out,
-    /// then the one in.
-    pub fn migration_reports(&self) -> (Option<MigrationReport>, Option<MigrationReport>) {
-        (self.progress().migration, self.migration_in.as_ref().map(MigrationTarget::report))
     }
 
     fn on_migration_message(&mut self, from: NodeId, message: MigrationMessage, fx: &mut Effects) {
