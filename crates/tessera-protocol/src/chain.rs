@@ -214,9 +214,12 @@ enum Answer {
     Value(Bytes),
 }
 
-/// The tail's view of a learner (its would-be successor).
+/// The tail's view of a learner (its would-be successor) in one view: both
+/// start over in every new view, since the tail cannot tell whether the
+/// learner restarted, or left and came back, in a view it did not see.
 struct Learner {
     node: NodeId,
+    view: u64,
     /// The highest write the learner acknowledged.
     acked: u64,
     /// The write number the snapshot stream began at.
@@ -226,6 +229,9 @@ struct Learner {
     /// The learner has caught up: the tail no longer commits on its own but
     /// only what the learner acknowledged, so that the learner can take over.
     handover: bool,
+    /// When its acknowledgements last made progress (or the writes it lacks
+    /// were last sent again): the tail's own commits are not its progress.
+    progress_at: Time,
 }
 
 pub struct ChainReplication {
@@ -439,13 +445,7 @@ impl ChainReplication {
         match &self.learner {
             None => self.commit_through(seq, fx),
             Some(learner) if learner.handover => {}
-            Some(_) => {
-                // Committing on its own is no progress of the learner's: a
-                // learner that missed writes still gets them sent again.
-                let learner_progress_at = self.last_progress_at;
-                self.acknowledge(seq, fx);
-                self.last_progress_at = learner_progress_at;
-            }
+            Some(_) => self.acknowledge(seq, fx),
         }
     }
 
@@ -453,6 +453,9 @@ impl ChainReplication {
     fn on_learner_ack(&mut self, seq: u64, fx: &mut Effects) {
         let applied = self.applied;
         let Some(learner) = self.learner.as_mut() else { return };
+        if seq > learner.acked {
+            learner.progress_at = fx.now();
+        }
         learner.acked = learner.acked.max(seq);
         if seq >= learner.snapshot_at {
             learner.snapshot = None; // installed
@@ -562,6 +565,9 @@ impl ChainReplication {
             fx.send(to, message);
         }
         self.last_progress_at = fx.now();
+        if let Some(learner) = self.learner.as_mut().filter(|learner| learner.node == to) {
+            learner.progress_at = fx.now();
+        }
     }
 
     fn on_read(&mut self, request: RequestId, key: Bytes, consistency: Consistency, fx: &mut Effects) {
@@ -763,7 +769,12 @@ impl Protocol for ChainReplication {
             // Nothing else reaches a learner before its snapshot.
             return self.send_snapshot_chunks(fx);
         }
-        let waited = fx.now().saturating_sub(self.last_progress_at);
+        // Progress downstream: the successor's, or (at the tail) the learner's.
+        let progress_at = match (&self.learner, self.successor()) {
+            (Some(learner), None) => learner.progress_at,
+            _ => self.last_progress_at,
+        };
+        let waited = fx.now().saturating_sub(progress_at);
         let stalled = resend_due(waited, self.options.retransmit_after_ms, || self.resend_bytes());
         if let Some(next) = self.downstream() {
             if stalled && !self.sent.is_empty() {
@@ -784,17 +795,12 @@ impl Protocol for ChainReplication {
             }
         }
         let old_successor = self.successor();
-        let was_member = self.position().is_some();
         self.view = Some(view.clone());
         if self.is_learner() {
-            // A replica that was a member holds stale state, and a snapshot
-            // from another tail does not match this tail's numbering: both
-            // start over from this tail's snapshot.
-            let source_changed =
-                self.snapshot_source.is_some() && self.snapshot_source != view.replicas.last().copied();
-            if was_member || source_changed {
-                self.reset();
-            }
+            // The tail starts a learner over in every new view (see
+            // `Learner`), so the learner does too: what it holds may be a
+            // member's stale state, or another tail's numbering.
+            self.reset();
             return;
         }
         if self.position().is_none() {
@@ -802,7 +808,9 @@ impl Protocol for ChainReplication {
         }
         self.snapshot_source = None;
         let learner = view.learners.first().copied().filter(|_| self.successor().is_none());
-        if self.learner.as_ref().map(|learner| learner.node) != learner {
+        if self.learner.as_ref().map(|learner| (learner.node, learner.view))
+            != learner.map(|node| (node, view.number))
+        {
             self.learner = None;
             // Entries kept for a departed learner need no resend.
             if self.successor().is_none() {
@@ -810,8 +818,15 @@ impl Protocol for ChainReplication {
                 self.release_sent(applied, fx.now());
             }
             if let Some(node) = learner {
-                self.learner =
-                    Some(Learner { node, acked: 0, snapshot_at: 0, snapshot: None, handover: false });
+                self.learner = Some(Learner {
+                    node,
+                    view: view.number,
+                    acked: 0,
+                    snapshot_at: 0,
+                    snapshot: None,
+                    handover: false,
+                    progress_at: fx.now(),
+                });
                 self.start_snapshot(fx);
             }
         }
@@ -1025,6 +1040,42 @@ mod tests {
             }
         }
         panic!("the learner never caught up: it applied {}, the tail {}", learner.applied, tail.applied);
+    }
+
+    #[test]
+    fn a_learner_is_brought_up_again_in_each_new_view_and_is_ready_there() {
+        let mut tail = replica(2);
+        let mut learner = replica(3);
+        // Delivers what the two send each other until nothing is left.
+        let exchange = |tail: &mut ChainReplication, learner: &mut ChainReplication, fx: &mut Effects| {
+            let mut pending = fx.take();
+            while !pending.is_empty() {
+                for effect in std::mem::take(&mut pending) {
+                    match effect {
+                        Effect::Send { to: NodeId(3), message } => learner.on_peer(NodeId(2), message, fx),
+                        Effect::Send { to: NodeId(2), message } => tail.on_peer(NodeId(3), message, fx),
+                        _ => {}
+                    }
+                }
+                pending = fx.take();
+            }
+        };
+        let mut fx = Effects::new(10);
+        let joining = |number| ShardView { learners: vec![NodeId(3)], ..view(number, &[1, 2]) };
+        tail.on_view(&joining(2), &mut fx);
+        learner.on_view(&joining(2), &mut fx);
+        tail.on_peer(NodeId(1), forward(2, 1, "a", "1"), &mut fx);
+        exchange(&mut tail, &mut learner, &mut fx);
+        assert_eq!(tail.progress().learner_ready, Some((NodeId(3), 2)));
+        // A write the learner has not seen yet, then a new view (another
+        // member changed, say) before the promotion.
+        tail.on_peer(NodeId(1), forward(2, 2, "b", "2"), &mut fx);
+        fx.take();
+        tail.on_view(&joining(3), &mut fx);
+        learner.on_view(&joining(3), &mut fx);
+        exchange(&mut tail, &mut learner, &mut fx);
+        assert_eq!(tail.progress().learner_ready, Some((NodeId(3), 3)), "ready again, in the new view");
+        assert_eq!(learner.read_local(b"b").unwrap(), Some(Bytes::from_static(b"2")));
     }
 
     #[test]

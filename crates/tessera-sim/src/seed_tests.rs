@@ -55,6 +55,11 @@ fn regression_seeds_stay_fixed() {
     let cases: &[(Mode, u64, &str)] = &[
         (mode("chain"), 11, "a learner reset its snapshot when only the view number changed"),
         (mode("chain-craq"), 5885, "a stale readiness report promoted an empty learner to tail"),
+        (
+            mode("chain"),
+            218,
+            "a tail kept a learner's acknowledgement from before it crashed and was added again",
+        ),
     ];
     for (protocol, seed, what) in cases {
         let report = run(*seed, &SimConfig::new(*protocol));
