@@ -403,8 +403,7 @@ impl Replica {
             (_, Some(new)) => {
                 tracing::info!(replica = %self.config.me, migration = new.id, to_shard = new.to_shard, to = %new.to, "streaming migrating keys");
                 self.observed.watch(true);
-                let pace = self.config.tuning.snapshot;
-                self.migration_out = Some(MigrationSource::new(new, &mut self.migration_streams, now, pace));
+                self.start_source(new, now);
             }
             (_, None) => {
                 self.observed.watch(false);
@@ -418,6 +417,12 @@ impl Replica {
             (Some(target), Some(new)) if same_in(target, &new) => {}
             (_, new) => self.migration_in = new.map(MigrationTarget::new),
         }
+    }
+
+    /// Streams `outgoing`'s keys under a new stream number.
+    fn start_source(&mut self, outgoing: Outgoing, now: Time) {
+        let pace = self.config.tuning.snapshot;
+        self.migration_out = Some(MigrationSource::new(outgoing, &mut self.migration_streams, now, pace));
     }
 
     fn on_migration_message(&mut self, from: NodeId, message: MigrationMessage, fx: &mut Effects) {
@@ -476,9 +481,7 @@ impl Replica {
                 Change::Cleared => {
                     // Whatever was sent is stale: a new stream reads anew.
                     let outgoing = source.outgoing().clone();
-                    let pace = self.config.tuning.snapshot;
-                    self.migration_out =
-                        Some(MigrationSource::new(outgoing, &mut self.migration_streams, fx.now(), pace));
+                    self.start_source(outgoing, fx.now());
                 }
             }
         }
