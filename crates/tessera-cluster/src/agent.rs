@@ -20,20 +20,20 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
-use tessera_engine::{reserved, Engine, EngineSpec};
-use tessera_protocol::migration::{self, KeyFilter};
+use tessera_engine::{Engine, EngineSpec};
 use tessera_protocol::{
     ClientReply, Effect, Effects, Mode, NodeId, Operation, OperationError, Progress, ReadGate, Refusal,
     Replica, ReplicaConfig, RequestId, Role, ShardView, Tuning,
 };
 use tessera_wire::prefix::unescape_prefix;
-use tessera_wire::slot::{key_slot, SLOTS};
+use tessera_wire::slot::SLOTS;
 use tessera_wire::Value;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 
 use crate::auth::ClusterSecret;
+use crate::grant::GrantedReplica;
 use crate::links::{serve_incoming, Incoming, LinkConfig, Links, INCOMING_BATCHES_MAX};
 use crate::map::{range_index, ClusterMap, NodeInfo, DEFAULT_TABLE};
 use crate::session::{CoordinatorSession, Credentials, SessionError};
@@ -204,7 +204,8 @@ struct LocalShard {
 }
 
 struct ShardState {
-    replica: Replica,
+    /// The driver, and what the node keeps about it between grants.
+    granted: GrantedReplica,
     /// Requests handed to the driver, until answered.
     waiting: HashMap<RequestId, Waiter>,
     /// Commands whose writes are not all answered yet.
@@ -218,9 +219,6 @@ struct ShardState {
     barrier: Option<(RequestId, Completion)>,
     /// The node left the shard: nothing more is submitted to it.
     left: bool,
-    /// The slots this node last swept the shard for (as its first member):
-    /// it sweeps again when they change.
-    swept_for: Option<Vec<(u16, u16)>>,
 }
 
 impl ShardState {
@@ -305,7 +303,7 @@ pub struct Routing {
 }
 
 impl Routing {
-    fn new(map: ClusterMap) -> Self {
+    pub fn new(map: ClusterMap) -> Self {
         let mut slot_shards: HashMap<String, Vec<u32>> = HashMap::new();
         let mut range_shards: HashMap<String, TableRanges> = map
             .tables
@@ -513,12 +511,12 @@ impl Agent {
 
     /// The shards this node runs, with their progress.
     pub fn shards(&self) -> BTreeMap<u32, Progress> {
-        self.local_shards().iter().map(|(id, local)| (*id, local.state.lock().replica.progress())).collect()
+        self.local_shards().iter().map(|(id, local)| (*id, local.state.lock().granted.replica.progress())).collect()
     }
 
     /// The live keys (tombstones left out) of each shard this node runs.
     pub fn live_keys(&self) -> BTreeMap<u32, u64> {
-        self.local_shards().iter().map(|(id, local)| (*id, local.state.lock().replica.live_keys())).collect()
+        self.local_shards().iter().map(|(id, local)| (*id, local.state.lock().granted.replica.live_keys())).collect()
     }
 
     /// Memory held by messages waiting to go to peers.
@@ -530,7 +528,7 @@ impl Agent {
     pub fn snapshot(&self, shard: u32) -> Option<ShardSnapshot> {
         let local = self.local_shard(shard)?;
         let state = local.state.lock();
-        let replica = &state.replica;
+        let replica = &state.granted.replica;
         let now = self.now();
         let strong_read = replica.check_read(true, now).map(|gate| match gate {
             ReadGate::Open => None,
@@ -599,7 +597,7 @@ impl Agent {
             return Err("this node left the shard");
         }
         let mut fx = Effects::new(self.now());
-        let ids = state.replica.submit(operations, &mut fx);
+        let ids = state.granted.replica.submit(operations, &mut fx);
         let waiting = wait(self, &mut state, ids);
         self.run_effects(shard, &mut state, fx);
         Ok(waiting)
@@ -675,7 +673,7 @@ impl Agent {
             let switched = self.switched.notified();
             tokio::pin!(switched);
             switched.as_mut().enable();
-            let draining = self.local_shard(shard).is_some_and(|local| local.state.lock().replica.draining());
+            let draining = self.local_shard(shard).is_some_and(|local| local.state.lock().granted.replica.draining());
             if !draining || tokio::time::timeout_at(deadline, switched).await.is_err() {
                 return;
             }
@@ -726,7 +724,7 @@ impl Agent {
 
     /// This node's place in a shard's current view, if it has one.
     pub fn role(&self, shard: u32) -> Option<Role> {
-        self.local_shard(shard)?.state.lock().replica.role()
+        self.local_shard(shard)?.state.lock().granted.replica.role()
     }
 
     /// Carries out a driver's effects: messages to the links, answers to
@@ -769,14 +767,13 @@ impl Agent {
         tuning.snapshot.bytes_per_sec = self.config.snapshot_bytes_per_sec;
         let config = ReplicaConfig::new(NodeId(self.config.node), self.lease_ms, tuning);
         let state = ShardState {
-            replica: Replica::new(config, engine, mode),
+            granted: GrantedReplica::new(Replica::new(config, engine, mode)),
             waiting: HashMap::new(),
             batches: HashMap::new(),
             next_batch: 1,
             in_flight: HashMap::new(),
             barrier: None,
             left: false,
-            swept_for: None,
         };
         Ok(LocalShard { id: shard, state: Mutex::new(state) })
     }
@@ -820,26 +817,15 @@ impl Agent {
         for (shard, view, mode) in grants {
             let Some(local) = locals.get(&shard) else { continue };
             let mut state = local.state.lock();
-            let was_draining = state.replica.draining();
+            let was_draining = state.granted.replica.draining();
             let mut fx = Effects::new(self.now());
-            state.replica.on_grant(asked_at, view, mode, &mut fx);
-            let (outgoing, incoming) = migrations_of(&map, shard);
-            state.replica.set_migrations(outgoing, incoming, fx.now());
-            let first = state.replica.view().position(NodeId(self.config.node)) == Some(0);
-            let kept = first.then(|| kept_slots(&map, shard)).flatten();
-            if kept.is_some() && kept != state.swept_for {
-                // Keys of slots that moved away, or that a cancelled
-                // migration brought, are deleted through replication.
-                let kept_slots = kept.clone().unwrap_or_default();
-                state.replica.sweep(slot_keys(&kept_slots, false));
-            }
-            state.swept_for = kept;
-            let draining = state.replica.draining();
+            state.granted.apply_grant(&map, shard, asked_at, view, mode, &mut fx);
+            let draining = state.granted.replica.draining();
             switched |= was_draining && !draining;
             if !was_draining && draining {
-                tracing::info!(shard, view = state.replica.view().number, "shard draining to switch modes");
+                tracing::info!(shard, view = state.granted.replica.view().number, "shard draining to switch modes");
             }
-            if let Some(request) = state.replica.barrier_pending() {
+            if let Some(request) = state.granted.replica.barrier_pending() {
                 if state.barrier.as_ref().is_none_or(|(barrier, _)| *barrier != request) {
                     let completion = self.open_batch(&mut state, vec![request], Vec::new());
                     state.barrier = Some((request, completion));
@@ -887,58 +873,8 @@ impl Agent {
 
     /// The engine behind a shard on this node (for inspection and tests).
     pub fn engine(&self, shard: u32) -> Option<Arc<dyn Engine>> {
-        Some(self.local_shard(shard)?.state.lock().replica.engine().clone())
+        Some(self.local_shard(shard)?.state.lock().granted.replica.engine().clone())
     }
-}
-
-/// The migrations the map names for a shard, as its driver takes them.
-fn migrations_of(map: &ClusterMap, shard: u32) -> (Option<migration::Outgoing>, Option<migration::Incoming>) {
-    let Some(migration) = map.migration_of(shard) else { return (None, None) };
-    let first = |shard| map.shard(shard)?.members.first().map(|node| NodeId(*node));
-    let keys = slot_keys(&migration.slots, true);
-    let id = migration.id;
-    if migration.from == shard {
-        (first(migration.to).map(|to| migration::Outgoing { id, to_shard: migration.to, to, keys }), None)
-    } else {
-        let from = first(migration.from);
-        (None, from.map(|from| migration::Incoming { id, from_shard: migration.from, from, keys }))
-    }
-}
-
-/// The slots a shard keeps: its own and those migrating into it (`None`
-/// for a range-partitioned table's shard, which holds no slots).
-fn kept_slots(map: &ClusterMap, shard: u32) -> Option<Vec<(u16, u16)>> {
-    let entry = map.shard(shard)?;
-    if entry.range.is_some() {
-        return None;
-    }
-    let incoming = map.migration_of(shard).filter(|migration| migration.to == shard);
-    Some(
-        entry
-            .slots
-            .iter()
-            .chain(incoming.into_iter().flat_map(|migration| &migration.slots))
-            .copied()
-            .collect(),
-    )
-}
-
-/// The keys in some slots (`inside`) or outside them: client keys by their
-/// slot, internal keys by the slot of the client key that owns them, and
-/// never a named internal key.
-fn slot_keys(slots: &[(u16, u16)], inside: bool) -> KeyFilter {
-    let mut listed = vec![false; SLOTS];
-    for (first, last) in slots {
-        listed[*first as usize..=*last as usize].fill(true);
-    }
-    Arc::new(move |key: &[u8]| {
-        let client_key = match reserved::owner(key) {
-            Some((owner, _)) => owner,
-            None if reserved::is_reserved(key) => return false,
-            None => key,
-        };
-        listed[key_slot(client_key)] == inside
-    })
 }
 
 /// Peers listen on the client port + 10000, as Redis Cluster's bus does;
@@ -1047,7 +983,7 @@ async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: Coordina
         // A shard that has drained waits for the view that ends its
         // transition, and its writes wait with it: ask again soon.
         let drained =
-            agent_ref.local_shards().values().any(|local| local.state.lock().replica.drained().is_some());
+            agent_ref.local_shards().values().any(|local| local.state.lock().granted.replica.drained().is_some());
         let interval = if drained { interval.min(TRANSITION_HEARTBEAT) } else { interval };
         let hurry = agent_ref.hurry.clone();
         drop(agent_ref);
@@ -1069,7 +1005,7 @@ async fn tick_loop(agent: std::sync::Weak<Agent>) {
         for local in agent.local_shards().values() {
             let mut state = local.state.lock();
             let mut fx = Effects::new(agent.now());
-            state.replica.on_tick(&mut fx);
+            state.granted.replica.on_tick(&mut fx);
             agent.run_effects(local.id, &mut state, fx);
             state.in_flight.retain(|_, (_, completion)| !completion.is_done());
         }
@@ -1091,7 +1027,7 @@ async fn peer_loop(agent: std::sync::Weak<Agent>, mut incoming: mpsc::Receiver<V
             let mut fx = Effects::new(agent.now());
             let mut next = Some(first);
             while let Some(Incoming { from, message, .. }) = next {
-                let heard = state.replica.on_peer(from, message, &mut fx);
+                let heard = state.granted.replica.on_peer(from, message, &mut fx);
                 if heard.drained {
                     tracing::info!(shard, "shard drained; waiting for the view that ends the transition");
                 }

@@ -77,6 +77,10 @@ pub struct ClusterCoordinator {
     cuts: BTreeMap<u64, (u64, Option<NodeId>, Option<NodeId>)>,
     /// Per migration whose cut was given up: when the next may begin.
     cut_not_before: BTreeMap<u64, u64>,
+    /// For tests of the checkers: slots move as soon as the copy caught up,
+    /// with no cut, so writes still reaching the source are lost.
+    #[cfg(feature = "broken")]
+    broken_without_cut: bool,
 }
 
 impl ClusterCoordinator {
@@ -115,7 +119,15 @@ impl ClusterCoordinator {
             migration_reports: BTreeMap::new(),
             cuts: BTreeMap::new(),
             cut_not_before: BTreeMap::new(),
+            #[cfg(feature = "broken")]
+            broken_without_cut: false,
         }
+    }
+
+    /// See `broken_without_cut`.
+    #[cfg(feature = "broken")]
+    pub fn break_cuts(&mut self) {
+        self.broken_without_cut = true;
     }
 
     pub fn map(&self) -> &ClusterMap {
@@ -409,6 +421,11 @@ impl ClusterCoordinator {
             );
             match migration.phase {
                 MigrationPhase::Copying => {
+                    #[cfg(feature = "broken")]
+                    if self.broken_without_cut && report.is_some_and(|report| report.caught_up) {
+                        self.complete_migration(&migration, now);
+                        continue;
+                    }
                     let due = self.cut_not_before.get(&migration.id).is_none_or(|at| now >= *at);
                     if due && report.is_some_and(|report| report.caught_up) && !source.transitioning() {
                         self.begin_cut(&migration, now, firsts);

@@ -7,6 +7,7 @@ pub mod auth;
 pub mod capture;
 pub mod coordinator;
 pub mod etcd;
+pub mod grant;
 pub mod links;
 pub mod map;
 pub mod server;

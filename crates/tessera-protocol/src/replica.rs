@@ -166,6 +166,11 @@ impl Replica {
         }
     }
 
+    /// The node this replica runs on.
+    pub fn me(&self) -> NodeId {
+        self.config.me
+    }
+
     pub fn mode(&self) -> Mode {
         self.mode
     }

@@ -1,0 +1,104 @@
+//! What a node does with a shard's grant, wherever it runs: the agent over
+//! sockets and the simulator in virtual time both call [`apply_grant`], so the
+//! simulator checks the decisions the nodes make, not a copy of them.
+
+use std::sync::Arc;
+
+use tessera_engine::reserved;
+use tessera_protocol::migration::{self, KeyFilter};
+use tessera_protocol::{Effects, Mode, NodeId, Replica, ShardView};
+use tessera_wire::slot::{key_slot, SLOTS};
+
+use crate::map::ClusterMap;
+
+/// A node's replica of a shard and what the node remembers about it between
+/// grants.
+pub struct GrantedReplica {
+    pub replica: Replica,
+    /// The slots this node last swept the shard for (as its first member):
+    /// it sweeps again when they change.
+    pub swept_for: Option<Vec<(u16, u16)>>,
+}
+
+impl GrantedReplica {
+    pub fn new(replica: Replica) -> Self {
+        Self { replica, swept_for: None }
+    }
+
+    /// A grant of `view` (in which the shard runs `mode`) for the heartbeat
+    /// sent at `asked_at`, under `map` (the node's newest, at least as new
+    /// as the grant): the view, then the migrations the map names, then, as
+    /// first member, a sweep of keys the shard no longer keeps.
+    pub fn apply_grant(
+        &mut self,
+        map: &ClusterMap,
+        shard: u32,
+        asked_at: u64,
+        view: ShardView,
+        mode: Mode,
+        fx: &mut Effects,
+    ) {
+        let replica = &mut self.replica;
+        replica.on_grant(asked_at, view, mode, fx);
+        let (outgoing, incoming) = migrations_of(map, shard);
+        replica.set_migrations(outgoing, incoming, fx.now());
+        let first = replica.view().position(replica.me()) == Some(0);
+        let kept = first.then(|| kept_slots(map, shard)).flatten();
+        if kept.is_some() && kept != self.swept_for {
+            // Keys of slots that moved away, or that a cancelled migration
+            // brought, are deleted through replication.
+            replica.sweep(slot_keys(kept.as_deref().unwrap_or_default(), false));
+        }
+        self.swept_for = kept;
+    }
+}
+
+/// The migrations the map names for a shard, as its driver takes them.
+fn migrations_of(map: &ClusterMap, shard: u32) -> (Option<migration::Outgoing>, Option<migration::Incoming>) {
+    let Some(migration) = map.migration_of(shard) else { return (None, None) };
+    let first = |shard| map.shard(shard)?.members.first().map(|node| NodeId(*node));
+    let keys = slot_keys(&migration.slots, true);
+    let id = migration.id;
+    if migration.from == shard {
+        (first(migration.to).map(|to| migration::Outgoing { id, to_shard: migration.to, to, keys }), None)
+    } else {
+        let from = first(migration.from);
+        (None, from.map(|from| migration::Incoming { id, from_shard: migration.from, from, keys }))
+    }
+}
+
+/// The slots a shard keeps: its own and those migrating into it (`None`
+/// for a range-partitioned table's shard, which holds no slots).
+fn kept_slots(map: &ClusterMap, shard: u32) -> Option<Vec<(u16, u16)>> {
+    let entry = map.shard(shard)?;
+    if entry.range.is_some() {
+        return None;
+    }
+    let incoming = map.migration_of(shard).filter(|migration| migration.to == shard);
+    Some(
+        entry
+            .slots
+            .iter()
+            .chain(incoming.into_iter().flat_map(|migration| &migration.slots))
+            .copied()
+            .collect(),
+    )
+}
+
+/// The keys in some slots (`inside`) or outside them: client keys by their
+/// slot, internal keys by the slot of the client key that owns them, and
+/// never a named internal key.
+fn slot_keys(slots: &[(u16, u16)], inside: bool) -> KeyFilter {
+    let mut listed = vec![false; SLOTS];
+    for (first, last) in slots {
+        listed[*first as usize..=*last as usize].fill(true);
+    }
+    Arc::new(move |key: &[u8]| {
+        let client_key = match reserved::owner(key) {
+            Some((owner, _)) => owner,
+            None if reserved::is_reserved(key) => return false,
+            None => key,
+        };
+        listed[key_slot(client_key)] == inside
+    })
+}
