@@ -511,12 +511,18 @@ impl Agent {
 
     /// The shards this node runs, with their progress.
     pub fn shards(&self) -> BTreeMap<u32, Progress> {
-        self.local_shards().iter().map(|(id, local)| (*id, local.state.lock().granted.replica.progress())).collect()
+        self.local_shards()
+            .iter()
+            .map(|(id, local)| (*id, local.state.lock().granted.replica.progress()))
+            .collect()
     }
 
     /// The live keys (tombstones left out) of each shard this node runs.
     pub fn live_keys(&self) -> BTreeMap<u32, u64> {
-        self.local_shards().iter().map(|(id, local)| (*id, local.state.lock().granted.replica.live_keys())).collect()
+        self.local_shards()
+            .iter()
+            .map(|(id, local)| (*id, local.state.lock().granted.replica.live_keys()))
+            .collect()
     }
 
     /// Memory held by messages waiting to go to peers.
@@ -673,7 +679,8 @@ impl Agent {
             let switched = self.switched.notified();
             tokio::pin!(switched);
             switched.as_mut().enable();
-            let draining = self.local_shard(shard).is_some_and(|local| local.state.lock().granted.replica.draining());
+            let draining =
+                self.local_shard(shard).is_some_and(|local| local.state.lock().granted.replica.draining());
             if !draining || tokio::time::timeout_at(deadline, switched).await.is_err() {
                 return;
             }
@@ -823,7 +830,11 @@ impl Agent {
             let draining = state.granted.replica.draining();
             switched |= was_draining && !draining;
             if !was_draining && draining {
-                tracing::info!(shard, view = state.granted.replica.view().number, "shard draining to switch modes");
+                tracing::info!(
+                    shard,
+                    view = state.granted.replica.view().number,
+                    "shard draining to switch modes"
+                );
             }
             if let Some(request) = state.granted.replica.barrier_pending() {
                 if state.barrier.as_ref().is_none_or(|(barrier, _)| *barrier != request) {
@@ -982,8 +993,10 @@ async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: Coordina
         }
         // A shard that has drained waits for the view that ends its
         // transition, and its writes wait with it: ask again soon.
-        let drained =
-            agent_ref.local_shards().values().any(|local| local.state.lock().granted.replica.drained().is_some());
+        let drained = agent_ref
+            .local_shards()
+            .values()
+            .any(|local| local.state.lock().granted.replica.drained().is_some());
         let interval = if drained { interval.min(TRANSITION_HEARTBEAT) } else { interval };
         let hurry = agent_ref.hurry.clone();
         drop(agent_ref);

@@ -354,13 +354,13 @@ pub struct QuorumRegister {
     next_op: u64,
     /// As a learner: where it is in each member's snapshot stream, and
     /// whose it has merged whole.
-    receivers: HashMap<NodeId, SnapshotReceiver>,
+    receivers: BTreeMap<NodeId, SnapshotReceiver>,
     merged_from: BTreeSet<NodeId>,
     /// The view in which every member's snapshot was merged.
     ready_in: Option<u64>,
     snapshot_asked_at: Option<Time>,
     /// As a member: the snapshot streaming to each learner that asked.
-    streams: HashMap<NodeId, SnapshotStream>,
+    streams: BTreeMap<NodeId, SnapshotStream>,
     /// Numbers the snapshot streams this replica starts.
     stream_numbers: StreamNumbers,
     /// Records held that are tombstones: deletes are never collected here.
@@ -405,11 +405,11 @@ impl QuorumRegister {
             proposals: BTreeMap::new(),
             busy: HashMap::new(),
             next_op: 1,
-            receivers: HashMap::new(),
+            receivers: BTreeMap::new(),
             merged_from: BTreeSet::new(),
             ready_in: None,
             snapshot_asked_at: None,
-            streams: HashMap::new(),
+            streams: BTreeMap::new(),
             stream_numbers: StreamNumbers::default(),
             tombstones,
         }

@@ -21,7 +21,7 @@
 //! A member that fails during the drain is removed by the coordinator as
 //! usual; the new (still draining) view starts the exchange over.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use bytes::{BufMut, Bytes};
@@ -145,10 +145,10 @@ struct Drain {
     quiet_peers: BTreeSet<NodeId>,
     merged_from: BTreeSet<NodeId>,
     /// Where this replica is in each peer's stream of records.
-    receivers: HashMap<NodeId, SnapshotReceiver>,
+    receivers: BTreeMap<NodeId, SnapshotReceiver>,
     /// The records streaming to each peer that asked (kept once finished:
     /// one exchange per peer and drain).
-    streams: HashMap<NodeId, SnapshotStream>,
+    streams: BTreeMap<NodeId, SnapshotStream>,
     next_resend_at: Time,
     /// The buckets' digests, once the records changed only by merging
     /// (cleared by a merge).
@@ -480,8 +480,8 @@ impl Protocol for Switchable {
                     quiet: false,
                     quiet_peers: BTreeSet::new(),
                     merged_from: BTreeSet::new(),
-                    receivers: HashMap::new(),
-                    streams: HashMap::new(),
+                    receivers: BTreeMap::new(),
+                    streams: BTreeMap::new(),
                     next_resend_at: 0,
                     digests: None,
                 });

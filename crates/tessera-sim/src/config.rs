@@ -4,7 +4,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use tessera_engine::MemoryEngine;
+use tessera_engine::OrderedEngine;
 use tessera_protocol::{Mode, NodeId, Replica, ReplicaConfig, SnapshotPace, Tuning};
 
 use crate::rng::Rng;
@@ -150,7 +150,9 @@ impl SimConfig {
         }
     }
 
-    /// A replica's driver, running `mode` over an empty engine.
+    /// A replica's driver, running `mode` over an empty engine: an ordered
+    /// one, whose scans (snapshots, migrations) go in the same order in
+    /// every process, so that a seed replays exactly.
     pub(crate) fn replica(&self, id: u32, mode: Mode) -> Replica {
         #[allow(unused_mut)]
         let mut config = ReplicaConfig::new(NodeId(id), self.lease_ms, self.tuning);
@@ -158,7 +160,7 @@ impl SimConfig {
         {
             config.broken_transition_without_merge = self.broken_transition_without_merge;
         }
-        Replica::new(config, Arc::new(MemoryEngine::new()), mode)
+        Replica::new(config, Arc::new(OrderedEngine::new()), mode)
     }
 }
 

@@ -55,6 +55,8 @@ pub struct Report {
     /// A transition's start and completion (virtual ms).
     pub transition_started_at: Option<u64>,
     pub transition_completed_at: Option<u64>,
+    /// Slot migrations that ended (the groups simulation).
+    pub migrations_completed: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -646,9 +648,12 @@ impl Simulation {
 /// Runs one seed. A broken assertion in a protocol or the driver fails the
 /// run loudly as a violation that names the seed, like any checker's.
 pub fn run(seed: u64, config: &SimConfig) -> Report {
-    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        Simulation::new(seed, config.clone()).run()
-    }));
+    catching_panics(seed, || Simulation::new(seed, config.clone()).run())
+}
+
+/// A run's report, or a violation naming the seed if the run panicked.
+pub(crate) fn catching_panics(seed: u64, run: impl FnOnce() -> Report) -> Report {
+    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run));
     run.unwrap_or_else(|panic| {
         let message = panic
             .downcast_ref::<String>()

@@ -1,0 +1,872 @@
+//! Slots moving between groups, in the simulator (docs/PROTOCOLS.md, "Slot
+//! migration"): several groups on a few nodes, the cluster coordinator the
+//! nodes use (its views, migrations and cuts), each node's replicas driven as
+//! the nodes drive them (grants through [`GrantedReplica::apply_grant`],
+//! requests through the drivers' gates, by the node's own map), and clients
+//! that route by slot from a map they cache and learn again when told to.
+//! Migrations move the slots of the clients' keys back and forth while
+//! nodes crash and restart empty, messages are delayed, dropped and
+//! partitioned. Under a strong protocol the whole history, with every key
+//! read back after healing, must be linearizable; and in the end no group
+//! holds a key of a slot it does not keep.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tessera_cluster::agent::Routing;
+use tessera_cluster::grant::GrantedReplica;
+use tessera_cluster::{ClusterCoordinator, ClusterMap, Timing, DEFAULT_TABLE};
+use tessera_engine::OrderedEngine;
+use tessera_protocol::{
+    for_each_entry, ClientReply, Consistency, Effect, Effects, Mode, NodeId, Operation as ProtocolOperation,
+    PeerMessage, Progress, ReadGate, Record, Replica, ReplicaConfig, RequestId, ShardView, Tuning,
+};
+use tessera_wire::slot::key_slot;
+
+use crate::checks::linearizability::{self, Verdict};
+use crate::config::{FaultKind, FaultMix};
+use crate::history::{Call, Operation, Outcome};
+use crate::network::Address;
+use crate::rng::Rng;
+use crate::sim::{catching_panics, key_name, Report};
+
+#[derive(Clone, Debug)]
+pub struct GroupsConfig {
+    /// A strong protocol: the history is checked for linearizability.
+    pub protocol: Mode,
+    pub nodes: u32,
+    pub groups: usize,
+    pub replicas: usize,
+    pub clients: usize,
+    pub keys: usize,
+    pub faults: BTreeSet<FaultKind>,
+    pub safety_ms: u64,
+    pub liveness_ms: u64,
+    pub tick_ms: u64,
+    pub lease_ms: u64,
+    pub failure_timeout_ms: u64,
+    pub client_timeout_ms: u64,
+    pub tuning: Tuning,
+    /// A coordinator that moves slots without a cut.
+    #[cfg(any(test, feature = "broken"))]
+    pub broken_without_cut: bool,
+}
+
+impl GroupsConfig {
+    pub fn new(protocol: Mode) -> Self {
+        Self {
+            protocol,
+            nodes: 4,
+            groups: 2,
+            replicas: 3,
+            clients: 4,
+            keys: 8,
+            faults: [
+                FaultKind::Delay,
+                FaultKind::Reorder,
+                FaultKind::Drop,
+                FaultKind::Partition,
+                FaultKind::Crash,
+            ]
+            .into_iter()
+            .collect(),
+            safety_ms: 4_000,
+            liveness_ms: 3_000,
+            tick_ms: 10,
+            lease_ms: 200,
+            failure_timeout_ms: 150,
+            client_timeout_ms: 400,
+            tuning: crate::SimConfig::new(protocol).tuning,
+            #[cfg(any(test, feature = "broken"))]
+            broken_without_cut: false,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Message {
+    Peer {
+        shard: u32,
+        message: PeerMessage,
+    },
+    Heartbeat {
+        seq: u64,
+        incarnation: u64,
+        progress: BTreeMap<u32, Progress>,
+    },
+    /// The coordinator's answer: the leases, and its map (which a node with
+    /// an older one fetches right after, as the agent does).
+    Grants {
+        seq: u64,
+        shards: Vec<(u32, ShardView, Mode)>,
+        map: Box<ClusterMap>,
+    },
+    Request {
+        id: RequestId,
+        operation: ProtocolOperation,
+    },
+    Response {
+        id: RequestId,
+        reply: ClientReply,
+    },
+}
+
+#[derive(Clone, Debug)]
+enum Event {
+    Deliver { from: Address, to: Address, message: Message },
+    NodeTick(u32),
+    CoordinatorTick,
+    ClientWake(usize),
+    Migrate,
+    Crash(u32),
+    Restart(u32),
+    Partition(Vec<(Address, Address)>),
+    Heal,
+}
+
+struct Node {
+    alive: bool,
+    incarnation: u64,
+    routing: Option<Routing>,
+    shards: BTreeMap<u32, GrantedReplica>,
+    /// Per shard, the driver's id of each client request, the client's,
+    /// and the key a write changes.
+    requests: HashMap<(u32, RequestId), (RequestId, Option<Bytes>)>,
+    /// Per shard and key, client writes not yet answered.
+    in_flight: HashMap<(u32, Bytes), u32>,
+    next_heartbeat: u64,
+    /// Send time of each unanswered heartbeat.
+    heartbeats: BTreeMap<u64, u64>,
+}
+
+struct Pending {
+    id: RequestId,
+    key: Bytes,
+    call: Call,
+    invoked_at: u64,
+    deadline: u64,
+}
+
+struct Client {
+    rng: Rng,
+    next_request: u64,
+    routing: Routing,
+    pending: Option<Pending>,
+    final_reads: Vec<Bytes>,
+}
+
+pub struct GroupsSimulation {
+    config: GroupsConfig,
+    rng: Rng,
+    now: u64,
+    queue: BinaryHeap<Reverse<(u64, u64)>>,
+    events: HashMap<u64, Event>,
+    next_event: u64,
+    nodes: Vec<Node>,
+    coordinator: ClusterCoordinator,
+    clients: Vec<Client>,
+    blocked: BTreeSet<(Address, Address)>,
+    channel_clock: HashMap<(Address, Address), u64>,
+    healed: bool,
+    /// When the coordinator last heard from each node.
+    heard_at: Vec<u64>,
+    /// Migrations the map named at the last look, to log their ends.
+    migrations_seen: BTreeSet<u64>,
+    report: Report,
+}
+
+impl GroupsSimulation {
+    pub fn new(seed: u64, config: GroupsConfig) -> Self {
+        assert!(config.protocol.strong, "the groups simulation checks strong protocols");
+        let mut rng = Rng::new(seed);
+        let faults = FaultMix::draw(&mut rng, &config.faults);
+        let addresses: Vec<String> = (0..config.nodes).map(|node| format!("node-{node}:1")).collect();
+        let map = ClusterMap::place_groups(
+            "sim",
+            config.protocol,
+            config.replicas,
+            &addresses,
+            addresses.len(),
+            config.groups,
+        )
+        .expect("a valid placement");
+        let timing = Timing { lease_ms: config.lease_ms, failure_timeout_ms: config.failure_timeout_ms };
+        #[allow(unused_mut)]
+        let mut coordinator = ClusterCoordinator::new(map.clone(), timing, 0);
+        #[cfg(any(test, feature = "broken"))]
+        if config.broken_without_cut {
+            coordinator.break_cuts();
+        }
+        let nodes = (0..config.nodes)
+            .map(|_| Node {
+                alive: true,
+                incarnation: 0,
+                routing: None,
+                shards: BTreeMap::new(),
+                requests: HashMap::new(),
+                in_flight: HashMap::new(),
+                next_heartbeat: 1,
+                heartbeats: BTreeMap::new(),
+            })
+            .collect();
+        let clients = (0..config.clients)
+            .map(|_| Client {
+                rng: rng.fork(),
+                next_request: 1,
+                routing: Routing::new(map.clone()),
+                pending: None,
+                final_reads: Vec::new(),
+            })
+            .collect();
+        let mut simulation = Self {
+            rng,
+            now: 0,
+            queue: BinaryHeap::new(),
+            events: HashMap::new(),
+            next_event: 0,
+            nodes,
+            coordinator,
+            clients,
+            blocked: BTreeSet::new(),
+            channel_clock: HashMap::new(),
+            healed: false,
+            heard_at: vec![0; config.nodes as usize],
+            migrations_seen: BTreeSet::new(),
+            report: Report { seed, faults, ..Report::default() },
+            config,
+        };
+        simulation.schedule_start();
+        simulation
+    }
+
+    fn schedule(&mut self, at: u64, event: Event) {
+        let id = self.next_event;
+        self.next_event += 1;
+        self.events.insert(id, event);
+        self.queue.push(Reverse((at, id)));
+    }
+
+    fn schedule_start(&mut self) {
+        for node in 0..self.config.nodes {
+            let first = self.rng.below(self.config.tick_ms);
+            self.schedule(first, Event::NodeTick(node));
+        }
+        self.schedule(0, Event::CoordinatorTick);
+        for client in 0..self.config.clients {
+            let start = 100 + self.rng.below(20);
+            self.schedule(start, Event::ClientWake(client));
+        }
+        let mut at = 150;
+        while at < self.config.safety_ms {
+            self.schedule(at, Event::Migrate);
+            at += self.rng.between(100, 400);
+        }
+        let enabled = self.report.faults.enabled.clone();
+        let mut at = 200;
+        while at < self.config.safety_ms {
+            let fault = *self.rng.pick(&[FaultKind::Partition, FaultKind::Crash]);
+            if enabled.contains(&fault) {
+                match fault {
+                    FaultKind::Partition => {
+                        let cut = self.draw_partition();
+                        let heal_at = at + self.rng.between(50, 600);
+                        self.schedule(at, Event::Partition(cut));
+                        self.schedule(heal_at.min(self.config.safety_ms), Event::Heal);
+                    }
+                    _ => {
+                        let node = self.rng.below(u64::from(self.config.nodes)) as u32;
+                        self.schedule(at, Event::Crash(node));
+                        let restart_at = at + self.rng.between(100, 800);
+                        self.schedule(restart_at, Event::Restart(node));
+                    }
+                }
+            }
+            at += self.rng.between(150, 700);
+        }
+    }
+
+    fn draw_partition(&mut self) -> Vec<(Address, Address)> {
+        let mut servers: Vec<Address> = (0..self.config.nodes).map(Address::Replica).collect();
+        servers.push(Address::Coordinator);
+        let side: Vec<bool> = servers.iter().map(|_| self.rng.chance(0.5)).collect();
+        let one_way = self.rng.chance(0.3);
+        let mut cut = Vec::new();
+        for (a, a_side) in servers.iter().zip(&side) {
+            for (b, b_side) in servers.iter().zip(&side) {
+                if a_side != b_side && (!one_way || *a_side) {
+                    cut.push((*a, *b));
+                }
+            }
+        }
+        cut
+    }
+
+    fn send(&mut self, from: Address, to: Address, message: Message) {
+        self.report.messages += 1;
+        let faults_on = !self.healed;
+        if faults_on && self.blocked.contains(&(from, to)) {
+            return;
+        }
+        if faults_on && self.rng.chance(self.report.faults.drop_probability) {
+            return;
+        }
+        let delay = 1 + self.rng.below(self.report.faults.delay_max_ms.max(1));
+        let mut at = self.now + delay;
+        if !self.report.faults.enabled.contains(&FaultKind::Reorder) || !faults_on {
+            let clock = self.channel_clock.entry((from, to)).or_insert(0);
+            at = at.max(*clock);
+            *clock = at;
+        }
+        self.schedule(at, Event::Deliver { from, to, message });
+    }
+
+    pub fn run(mut self) -> Report {
+        let end = self.config.safety_ms + self.config.liveness_ms;
+        while let Some(Reverse((at, id))) = self.queue.pop() {
+            if at > end {
+                break;
+            }
+            self.now = at;
+            if !self.healed && self.now >= self.config.safety_ms {
+                self.heal_for_liveness();
+            }
+            let event = self.events.remove(&id).expect("every queued event is stored");
+            self.handle(event);
+        }
+        self.finish()
+    }
+
+    fn heal_for_liveness(&mut self) {
+        self.report.log.push(format!("{}ms healed for liveness", self.now));
+        self.healed = true;
+        self.blocked.clear();
+        let keys: Vec<Bytes> = (0..self.config.keys).map(|index| key_name("k", index)).collect();
+        for client in &mut self.clients {
+            client.final_reads = keys.clone();
+        }
+    }
+
+    fn handle(&mut self, event: Event) {
+        match event {
+            Event::Deliver { from, to, message } => self.deliver(from, to, message),
+            Event::NodeTick(node) => {
+                if self.nodes[node as usize].alive {
+                    self.node_tick(node);
+                }
+                self.schedule(self.now + self.config.tick_ms, Event::NodeTick(node));
+            }
+            Event::CoordinatorTick => {
+                self.coordinator.tick(self.now);
+                self.log_migrations();
+                self.schedule(self.now + self.config.tick_ms, Event::CoordinatorTick);
+            }
+            Event::ClientWake(client) => self.client_wake(client),
+            Event::Migrate => self.start_migration(),
+            Event::Crash(node) => {
+                if !self.healed && self.may_crash(node) {
+                    self.nodes[node as usize].alive = false;
+                    self.report.log.push(format!("{}ms crash n{node}", self.now));
+                }
+            }
+            Event::Restart(node) => {
+                let state = &mut self.nodes[node as usize];
+                if !state.alive {
+                    // A crash loses everything in memory, engines included.
+                    state.alive = true;
+                    state.incarnation += 1;
+                    state.routing = None;
+                    state.shards.clear();
+                    state.requests.clear();
+                    state.in_flight.clear();
+                    state.heartbeats.clear();
+                    self.report.log.push(format!("{}ms restart n{node} (empty)", self.now));
+                }
+            }
+            Event::Partition(cut) => {
+                if !self.healed {
+                    self.report.log.push(format!("{}ms partition {cut:?}", self.now));
+                    self.blocked.extend(cut);
+                }
+            }
+            Event::Heal => {
+                self.report.log.push(format!("{}ms heal", self.now));
+                self.blocked.clear();
+            }
+        }
+    }
+
+    /// At most one copy of any group is lost at a time: a node crashes only
+    /// while every other node is up and every group it serves has all its
+    /// members, each admitted as the incarnation it still is and heard from
+    /// by the coordinator lately (not about to be removed).
+    fn may_crash(&self, node: u32) -> bool {
+        if self.nodes.iter().any(|other| !other.alive) {
+            return false;
+        }
+        let recently = self.now.saturating_sub(self.config.failure_timeout_ms / 2);
+        let map = self.coordinator.map();
+        map.shards.iter().filter(|shard| shard.members.contains(&node)).all(|shard| {
+            shard.members.len() == self.config.replicas
+                && shard.learners.is_empty()
+                && shard.members.iter().all(|member| {
+                    shard.incarnations.get(member) == Some(&self.nodes[*member as usize].incarnation)
+                        && self.heard_at[*member as usize] >= recently
+                })
+        })
+    }
+
+    /// Moves the slots of one to three of the clients' keys, all held by one
+    /// group, to another.
+    fn start_migration(&mut self) {
+        if self.healed {
+            return;
+        }
+        let routing = Routing::new(self.coordinator.map().clone());
+        let owner = |key: &Bytes| {
+            let slot = key_slot(key) as u16;
+            (slot, routing.shard_of(DEFAULT_TABLE, key, slot).expect("every slot is served"))
+        };
+        let first = key_name("k", self.rng.below(self.config.keys as u64) as usize);
+        let (_, from) = owner(&first);
+        let mut slots: Vec<(u16, u16)> = Vec::new();
+        for _ in 0..self.rng.between(1, 3) {
+            let key = key_name("k", self.rng.below(self.config.keys as u64) as usize);
+            let (slot, shard) = owner(&key);
+            if shard == from {
+                slots.push((slot, slot));
+            }
+        }
+        let others: Vec<u32> =
+            self.coordinator.map().shards.iter().map(|shard| shard.id).filter(|id| *id != from).collect();
+        let to = *self.rng.pick(&others);
+        if let Ok(id) = self.coordinator.start_migration(from, to, slots.clone()) {
+            self.report
+                .log
+                .push(format!("{}ms migration {id}: slots {slots:?} from g{from} to g{to}", self.now));
+            self.migrations_seen.insert(id);
+        }
+    }
+
+    fn log_migrations(&mut self) {
+        let under_way: BTreeSet<u64> =
+            self.coordinator.map().migrations.iter().map(|migration| migration.id).collect();
+        for ended in self.migrations_seen.difference(&under_way) {
+            self.report.migrations_completed += 1;
+            self.report.log.push(format!("{}ms migration {ended} done", self.now));
+        }
+        self.migrations_seen = under_way;
+    }
+
+    fn node_tick(&mut self, node: u32) {
+        let now = self.now;
+        let state = &mut self.nodes[node as usize];
+        let mut effects = Vec::new();
+        for (shard, granted) in &mut state.shards {
+            let mut fx = Effects::new(now);
+            granted.replica.on_tick(&mut fx);
+            effects.push((*shard, fx.take()));
+        }
+        let seq = state.next_heartbeat;
+        state.next_heartbeat += 1;
+        state.heartbeats.insert(seq, now);
+        let progress =
+            state.shards.iter().map(|(shard, granted)| (*shard, granted.replica.progress())).collect();
+        let incarnation = state.incarnation;
+        for (shard, effects) in effects {
+            self.run_effects(node, shard, effects);
+        }
+        self.send(
+            Address::Replica(node),
+            Address::Coordinator,
+            Message::Heartbeat { seq, incarnation, progress },
+        );
+    }
+
+    fn run_effects(&mut self, node: u32, shard: u32, effects: Vec<Effect>) {
+        for effect in effects {
+            match effect {
+                Effect::Send { to, message } => self.send(
+                    Address::Replica(node),
+                    Address::Replica(to.0),
+                    Message::Peer { shard, message },
+                ),
+                Effect::SendToShard { shard: other, to, message } => self.send(
+                    Address::Replica(node),
+                    Address::Replica(to.0),
+                    Message::Peer { shard: other, message },
+                ),
+                Effect::Reply { request, reply } => {
+                    // Answers to the driver's own requests (a barrier, a
+                    // migration's writes, a sweep) go to no client.
+                    let state = &mut self.nodes[node as usize];
+                    let Some((id, written)) = state.requests.remove(&(shard, request)) else { continue };
+                    if let Some(key) = written {
+                        let count = state.in_flight.get_mut(&(shard, key)).expect("counted when submitted");
+                        *count -= 1;
+                    }
+                    let client = (id.0 >> 32) as usize;
+                    self.send(
+                        Address::Replica(node),
+                        Address::Client(client),
+                        Message::Response { id, reply },
+                    );
+                }
+            }
+        }
+    }
+
+    fn deliver(&mut self, from: Address, to: Address, message: Message) {
+        match (to, message) {
+            (Address::Coordinator, Message::Heartbeat { seq, incarnation, progress }) => {
+                let Address::Replica(node) = from else { return };
+                self.heard_at[node as usize] = self.now;
+                let Ok(grants) = self.coordinator.heartbeat(self.now, node, incarnation, &progress) else {
+                    return;
+                };
+                self.log_migrations();
+                let map = Box::new(self.coordinator.map().clone());
+                let reply = Message::Grants { seq, shards: grants.shards, map };
+                self.send(Address::Coordinator, Address::Replica(node), reply);
+            }
+            (Address::Replica(node), message) if self.nodes[node as usize].alive => match message {
+                Message::Grants { seq, shards, map } => self.on_grants(node, seq, shards, *map),
+                Message::Peer { shard, message } => {
+                    let Address::Replica(sender) = from else { return };
+                    let mut fx = Effects::new(self.now);
+                    let Some(granted) = self.nodes[node as usize].shards.get_mut(&shard) else { return };
+                    granted.replica.on_peer(NodeId(sender), message, &mut fx);
+                    self.run_effects(node, shard, fx.take());
+                }
+                Message::Request { id, operation } => self.on_request(node, from, id, operation),
+                _ => {}
+            },
+            (Address::Client(client), Message::Response { id, reply }) => self.on_response(client, id, reply),
+            _ => {}
+        }
+    }
+
+    /// As the agent: the newer map first, then the shards granted (new ones
+    /// on empty engines, those no longer granted left), each through the
+    /// grant the nodes apply.
+    fn on_grants(&mut self, node: u32, seq: u64, grants: Vec<(u32, ShardView, Mode)>, map: ClusterMap) {
+        let now = self.now;
+        let lease_ms = self.config.lease_ms;
+        let tuning = self.config.tuning;
+        let state = &mut self.nodes[node as usize];
+        let Some(&asked_at) = state.heartbeats.get(&seq) else { return };
+        state.heartbeats = state.heartbeats.split_off(&seq);
+        if state.routing.as_ref().is_none_or(|routing| routing.map.epoch < map.epoch) {
+            state.routing = Some(Routing::new(map));
+        }
+        let map = state.routing.as_ref().expect("set above").map.clone();
+        state.shards.retain(|shard, _| grants.iter().any(|(granted, _, _)| granted == shard));
+        state.requests.retain(|(shard, _), _| grants.iter().any(|(granted, _, _)| granted == shard));
+        state.in_flight.retain(|(shard, _), _| grants.iter().any(|(granted, _, _)| granted == shard));
+        let mut effects = Vec::new();
+        for (shard, view, mode) in grants {
+            let granted = state.shards.entry(shard).or_insert_with(|| {
+                let config = ReplicaConfig::new(NodeId(node), lease_ms, tuning);
+                GrantedReplica::new(Replica::new(config, Arc::new(OrderedEngine::new()), mode))
+            });
+            let mut fx = Effects::new(now);
+            granted.apply_grant(&map, shard, asked_at, view, mode, &mut fx);
+            effects.push((shard, fx.take()));
+        }
+        for (shard, effects) in effects {
+            self.run_effects(node, shard, effects);
+        }
+    }
+
+    /// As a node places a request: by its own map to a shard it serves,
+    /// through that replica's gates; otherwise the client is told to look
+    /// again (nothing happened).
+    fn on_request(&mut self, node: u32, from: Address, id: RequestId, operation: ProtocolOperation) {
+        let now = self.now;
+        let state = &mut self.nodes[node as usize];
+        let key = operation.key().clone();
+        let slot = key_slot(&key) as u16;
+        let shard = state.routing.as_ref().and_then(|routing| routing.shard_of(DEFAULT_TABLE, &key, slot));
+        let refusal = match shard
+            .and_then(|shard| state.shards.get_mut(&shard).map(|granted| (shard, granted)))
+        {
+            None => Some("not served here"),
+            Some((shard, granted)) => match &operation {
+                // A strong read outside a quorum protocol is the head's, from
+                // its own copy, once no write on the key is in flight here
+                // (the node waits for them and for a new head's barrier; this
+                // node tells the client to come back).
+                ProtocolOperation::Get { .. } if !granted.replica.mode().quorum => {
+                    let in_flight =
+                        state.in_flight.get(&(shard, key.clone())).is_some_and(|count| *count > 0);
+                    match granted.replica.check_read(true, now) {
+                        Ok(ReadGate::Open) if !in_flight => {
+                            let raw = granted.replica.engine().get(&key).expect("memory engines do not fail");
+                            let value = raw.and_then(|raw| Record::decode(raw).ok()?.visible().cloned());
+                            let reply = ClientReply::Value(value);
+                            self.send(Address::Replica(node), from, Message::Response { id, reply });
+                            None
+                        }
+                        Ok(_) => Some("writes on the key in flight"),
+                        Err(_) => Some("refused by the shard's gate"),
+                    }
+                }
+                _ => {
+                    let gate = match &operation {
+                        ProtocolOperation::Get { .. } => granted.replica.check_read(true, now).map(drop),
+                        _ => granted.replica.check_write(),
+                    };
+                    match gate {
+                        Err(_) => Some("refused by the shard's gate"),
+                        Ok(()) => {
+                            let write = !matches!(operation, ProtocolOperation::Get { .. });
+                            let mut fx = Effects::new(now);
+                            let submitted = granted.replica.submit([operation], &mut fx);
+                            state.requests.insert((shard, submitted[0]), (id, write.then(|| key.clone())));
+                            if write {
+                                *state.in_flight.entry((shard, key)).or_default() += 1;
+                            }
+                            self.run_effects(node, shard, fx.take());
+                            None
+                        }
+                    }
+                }
+            },
+        };
+        if let Some(reason) = refusal {
+            self.send(
+                Address::Replica(node),
+                from,
+                Message::Response { id, reply: ClientReply::Elsewhere(reason) },
+            );
+        }
+    }
+
+    fn client_wake(&mut self, client: usize) {
+        if let Some(pending) = &self.clients[client].pending {
+            if self.now < pending.deadline {
+                return; // a stale wake-up; the deadline's is queued
+            }
+            let pending = self.clients[client].pending.take().expect("checked above");
+            self.record_unknown(client, pending);
+        }
+        let end = self.config.safety_ms + self.config.liveness_ms;
+        if self.now + self.config.client_timeout_ms + 200 > end && self.clients[client].final_reads.is_empty()
+        {
+            return;
+        }
+        self.issue(client);
+    }
+
+    fn record_unknown(&mut self, client: usize, pending: Pending) {
+        self.report.unknown += 1;
+        if pending.call != Call::Get {
+            self.report.history.operations.push(Operation {
+                client,
+                key: pending.key,
+                call: pending.call,
+                outcome: Outcome::Unknown,
+                invoked_at: pending.invoked_at,
+                completed_at: None,
+            });
+        }
+    }
+
+    fn issue(&mut self, client: usize) {
+        let keys = self.config.keys as u64;
+        let state = &mut self.clients[client];
+        let (key, call) = match state.final_reads.last() {
+            Some(key) => (key.clone(), Call::Get),
+            None => {
+                let key = key_name("k", state.rng.below(keys) as usize);
+                let roll = state.rng.below(100);
+                let call = if roll < 45 {
+                    Call::Get
+                } else if roll < 90 {
+                    Call::Put(Bytes::from(format!("c{client}-{}", state.next_request)))
+                } else {
+                    Call::Delete
+                };
+                (key, call)
+            }
+        };
+        let operation = match &call {
+            Call::Get => ProtocolOperation::Get { key: key.clone(), consistency: Consistency::Strong },
+            Call::Put(value) => ProtocolOperation::Put { key: key.clone(), value: value.clone() },
+            _ => ProtocolOperation::Delete { key: key.clone() },
+        };
+        let id = RequestId(((client as u64) << 32) | state.next_request);
+        state.next_request += 1;
+        // A cluster client sends a key to its group's first member; in an
+        // active–active mode any member serves it.
+        let slot = key_slot(&key) as u16;
+        let shard = state.routing.shard_of(DEFAULT_TABLE, &key, slot).expect("every slot is served");
+        let members = &state.routing.map.shard(shard).expect("a routed shard is in the map").members;
+        let target = if self.config.protocol.active_active { *state.rng.pick(members) } else { members[0] };
+        let deadline = self.now + self.config.client_timeout_ms;
+        state.pending = Some(Pending { id, key, call, invoked_at: self.now, deadline });
+        self.send(Address::Client(client), Address::Replica(target), Message::Request { id, operation });
+        self.schedule(deadline, Event::ClientWake(client));
+    }
+
+    fn on_response(&mut self, client: usize, id: RequestId, reply: ClientReply) {
+        if self.clients[client].pending.as_ref().is_none_or(|pending| pending.id != id) {
+            return; // an answer to a request the client gave up on
+        }
+        let pending = self.clients[client].pending.take().expect("checked above");
+        let outcome = match reply {
+            ClientReply::Value(value) => Outcome::Value(value),
+            ClientReply::Written => Outcome::Written,
+            ClientReply::Unknown(_) => {
+                self.record_unknown(client, pending);
+                self.schedule(self.now + 1, Event::ClientWake(client));
+                return;
+            }
+            ClientReply::Elsewhere(_)
+            | ClientReply::Retry(_)
+            | ClientReply::Changed
+            | ClientReply::Failed(_) => {
+                // No effect: learn the map again and try something shortly.
+                self.report.retried += 1;
+                self.clients[client].routing = Routing::new(self.coordinator.map().clone());
+                let retry_at = self.now + 5 + self.clients[client].rng.below(10);
+                self.schedule(retry_at, Event::ClientWake(client));
+                return;
+            }
+        };
+        self.report.completed += 1;
+        if pending.call != Call::Get {
+            self.report.acknowledged_writes += 1;
+        }
+        let state = &mut self.clients[client];
+        if self.healed && state.final_reads.last() == Some(&pending.key) {
+            state.final_reads.pop();
+        }
+        self.report.history.operations.push(Operation {
+            client,
+            key: pending.key,
+            call: pending.call,
+            outcome,
+            invoked_at: pending.invoked_at,
+            completed_at: Some(self.now),
+        });
+        let think = self.clients[client].rng.below(5);
+        self.schedule(self.now + think, Event::ClientWake(client));
+    }
+
+    fn finish(mut self) -> Report {
+        for (index, client) in self.clients.iter().enumerate() {
+            if !client.final_reads.is_empty() {
+                self.report.violations.push(format!(
+                    "liveness: client {index} could not read back {} keys within {} ms of healing",
+                    client.final_reads.len(),
+                    self.config.liveness_ms
+                ));
+            }
+        }
+        // No group holds a key of a slot it neither owns nor is receiving
+        // (the sweep deleted what moved away): no live member, or under a
+        // quorum protocol no majority (a minority may keep a record its
+        // proposals never reached, as after any write there).
+        let map = self.coordinator.map().clone();
+        let routing = Routing::new(map.clone());
+        let mut holders: BTreeMap<(u32, Bytes), Vec<usize>> = BTreeMap::new();
+        for (node, state) in self.nodes.iter().enumerate().filter(|(_, state)| state.alive) {
+            for (shard, granted) in &state.shards {
+                if !map.shard(*shard).is_some_and(|entry| entry.members.contains(&(node as u32))) {
+                    continue;
+                }
+                let incoming = map.migration_of(*shard).filter(|migration| migration.to == *shard);
+                for_each_entry(granted.replica.engine().as_ref(), |key, raw| {
+                    let live = Record::decode(raw).is_ok_and(|record| !record.tombstone);
+                    let slot = key_slot(&key) as u16;
+                    let kept = routing.shard_of(DEFAULT_TABLE, &key, slot) == Some(*shard)
+                        || incoming.is_some_and(|migration| migration.moves(slot));
+                    if live && !kept {
+                        holders.entry((*shard, key)).or_default().push(node);
+                    }
+                    Ok(())
+                })
+                .expect("in-memory engines do not fail");
+            }
+        }
+        for ((shard, key), nodes) in holders {
+            let members = map.shard(shard).map_or(0, |entry| entry.members.len());
+            let too_many = if self.config.protocol.quorum { members / 2 + 1 } else { 1 };
+            if nodes.len() >= too_many {
+                self.report.violations.push(format!(
+                    "ownership: g{shard} still holds {:?} at nodes {nodes:?}, of a slot it does not keep",
+                    String::from_utf8_lossy(&key)
+                ));
+            }
+        }
+        match linearizability::check(&self.report.history) {
+            Verdict::Linearizable => {}
+            Verdict::Violation { key, detail } => self
+                .report
+                .violations
+                .push(format!("linearizability: key {:?}: {detail}", String::from_utf8_lossy(&key))),
+            Verdict::Inconclusive { .. } => self.report.inconclusive = true,
+        }
+        self.report
+    }
+}
+
+/// Runs one seed; a broken assertion fails the run as a violation naming
+/// the seed.
+pub fn run(seed: u64, config: &GroupsConfig) -> Report {
+    catching_panics(seed, || GroupsSimulation::new(seed, config.clone()).run())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failures(config: &GroupsConfig, seeds: std::ops::Range<u64>) -> (Vec<Report>, u64) {
+        let mut migrations = 0;
+        let failed = seeds
+            .map(|seed| run(seed, config))
+            .inspect(|report| migrations += report.migrations_completed)
+            .filter(|report| !report.violations.is_empty())
+            .collect();
+        (failed, migrations)
+    }
+
+    #[test]
+    fn slots_move_back_and_forth_under_faults_and_every_history_stays_linearizable() {
+        for protocol in ["chain", "quorum"] {
+            let config = GroupsConfig::new(Mode::named(protocol).expect("a registered protocol"));
+            let (failed, migrations) = failures(&config, 0..40);
+            let found: Vec<_> = failed.iter().map(|report| (report.seed, &report.violations)).collect();
+            assert!(found.is_empty(), "{protocol}: {found:?}");
+            assert!(migrations > 100, "{protocol}: only {migrations} migrations completed in 40 seeds");
+        }
+    }
+
+    #[test]
+    fn a_coordinator_that_moves_slots_without_a_cut_fails_the_checks() {
+        for protocol in ["chain", "quorum"] {
+            let config = GroupsConfig {
+                broken_without_cut: true,
+                ..GroupsConfig::new(Mode::named(protocol).expect("a registered protocol"))
+            };
+            let (failed, _) = failures(&config, 0..40);
+            let caught = failed
+                .iter()
+                .filter(|report| {
+                    report.violations.iter().any(|violation| violation.starts_with("linearizability"))
+                })
+                .count();
+            assert!(caught >= 2, "{protocol}: only {caught} of 40 seeds caught moving slots without a cut");
+        }
+    }
+
+    #[test]
+    fn a_seed_replays_exactly() {
+        let config = GroupsConfig::new(Mode::named("quorum").expect("a registered protocol"));
+        let (first, second) = (run(7, &config), run(7, &config));
+        assert_eq!(first.log, second.log);
+        assert_eq!(first.history.operations, second.history.operations);
+    }
+}
