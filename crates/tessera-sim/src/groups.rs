@@ -28,7 +28,7 @@ use tessera_wire::slot::key_slot;
 use crate::checks::linearizability::{self, Verdict};
 use crate::config::{FaultKind, FaultMix};
 use crate::history::{Call, Operation, Outcome};
-use crate::network::Address;
+use crate::network::{draw_partition, Address};
 use crate::rng::Rng;
 use crate::sim::{catching_panics, key_name, Report};
 
@@ -270,7 +270,7 @@ impl GroupsSimulation {
             if enabled.contains(&fault) {
                 match fault {
                     FaultKind::Partition => {
-                        let cut = self.draw_partition();
+                        let cut = draw_partition(&mut self.rng, self.config.nodes);
                         let heal_at = at + self.rng.between(50, 600);
                         self.schedule(at, Event::Partition(cut));
                         self.schedule(heal_at.min(self.config.safety_ms), Event::Heal);
@@ -285,22 +285,6 @@ impl GroupsSimulation {
             }
             at += self.rng.between(150, 700);
         }
-    }
-
-    fn draw_partition(&mut self) -> Vec<(Address, Address)> {
-        let mut servers: Vec<Address> = (0..self.config.nodes).map(Address::Replica).collect();
-        servers.push(Address::Coordinator);
-        let side: Vec<bool> = servers.iter().map(|_| self.rng.chance(0.5)).collect();
-        let one_way = self.rng.chance(0.3);
-        let mut cut = Vec::new();
-        for (a, a_side) in servers.iter().zip(&side) {
-            for (b, b_side) in servers.iter().zip(&side) {
-                if a_side != b_side && (!one_way || *a_side) {
-                    cut.push((*a, *b));
-                }
-            }
-        }
-        cut
     }
 
     fn send(&mut self, from: Address, to: Address, message: Message) {
@@ -602,13 +586,14 @@ impl GroupsSimulation {
                         state.in_flight.get(&(shard, key.clone())).is_some_and(|count| *count > 0);
                     match granted.replica.check_read(true, now) {
                         Ok(ReadGate::Open) if !in_flight => {
-                            let raw = granted.replica.engine().get(&key).expect("memory engines do not fail");
+                            let raw =
+                                granted.replica.engine().get(&key).expect("the ordered engine does not fail");
                             let value = raw.and_then(|raw| Record::decode(raw).ok()?.visible().cloned());
                             let reply = ClientReply::Value(value);
                             self.send(Address::Replica(node), from, Message::Response { id, reply });
                             None
                         }
-                        Ok(_) => Some("writes on the key in flight"),
+                        Ok(_) => Some("writes on the key or a new head's barrier in flight"),
                         Err(_) => Some("refused by the shard's gate"),
                     }
                 }
@@ -788,7 +773,7 @@ impl GroupsSimulation {
                     }
                     Ok(())
                 })
-                .expect("in-memory engines do not fail");
+                .expect("the ordered engine does not fail");
             }
         }
         for ((shard, key), nodes) in holders {

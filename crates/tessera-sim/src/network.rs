@@ -4,6 +4,7 @@
 use tessera_protocol::{ClientReply, ClientRequest, PeerMessage, Progress, RequestId, ShardView};
 
 use crate::config::FaultKind;
+use crate::rng::Rng;
 use crate::sim::{Event, Simulation};
 
 /// Where a message goes.
@@ -59,22 +60,22 @@ impl Simulation {
         }
         self.schedule(at, Event::Deliver { from, to, message });
     }
+}
 
-    /// A random cut among replicas and the coordinator: some links blocked one
-    /// way or both.
-    pub(crate) fn draw_partition(&mut self) -> Vec<(Address, Address)> {
-        let mut servers: Vec<Address> = (0..self.config.replicas).map(Address::Replica).collect();
-        servers.push(Address::Coordinator);
-        let side: Vec<bool> = servers.iter().map(|_| self.rng.chance(0.5)).collect();
-        let one_way = self.rng.chance(0.3);
-        let mut cut = Vec::new();
-        for (a, a_side) in servers.iter().zip(&side) {
-            for (b, b_side) in servers.iter().zip(&side) {
-                if a_side != b_side && (!one_way || *a_side) {
-                    cut.push((*a, *b));
-                }
+/// A random cut among `servers` replicas and the coordinator: some links
+/// blocked one way or both.
+pub(crate) fn draw_partition(rng: &mut Rng, servers: u32) -> Vec<(Address, Address)> {
+    let mut servers: Vec<Address> = (0..servers).map(Address::Replica).collect();
+    servers.push(Address::Coordinator);
+    let side: Vec<bool> = servers.iter().map(|_| rng.chance(0.5)).collect();
+    let one_way = rng.chance(0.3);
+    let mut cut = Vec::new();
+    for (a, a_side) in servers.iter().zip(&side) {
+        for (b, b_side) in servers.iter().zip(&side) {
+            if a_side != b_side && (!one_way || *a_side) {
+                cut.push((*a, *b));
             }
         }
-        cut
     }
+    cut
 }

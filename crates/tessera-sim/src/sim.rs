@@ -25,7 +25,7 @@ use crate::checks::linearizability::{self, Verdict};
 use crate::clients::Client;
 use crate::config::{FaultKind, FaultMix, SimConfig, Workload};
 use crate::history::History;
-use crate::network::{Address, Message};
+use crate::network::{draw_partition, Address, Message};
 use crate::rng::Rng;
 
 /// What a run found.
@@ -202,7 +202,7 @@ impl Simulation {
                 let replica = self.rng.below(self.config.replicas as u64) as u32;
                 match fault {
                     FaultKind::Partition => {
-                        let cut = self.draw_partition();
+                        let cut = draw_partition(&mut self.rng, self.config.replicas);
                         let heal_at = at + self.rng.between(50, 600);
                         self.schedule(at, Event::Partition(cut));
                         self.schedule(heal_at.min(self.config.safety_ms), Event::Heal);
