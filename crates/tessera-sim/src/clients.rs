@@ -149,7 +149,7 @@ impl Simulation {
             Address::Replica(target),
             Message::Request(ClientRequest { id: request, operation }),
         );
-        self.schedule(deadline, Event::ClientWake(client));
+        self.timeline.schedule(deadline, Event::ClientWake(client));
     }
 
     /// Where a client sends a request, from the coordinator's current view (what
@@ -186,7 +186,7 @@ impl Simulation {
         let Some(expected) = fetched else {
             self.report.retried += 1;
             let retry_at = self.now + 5 + self.clients[client].rng.below(10);
-            self.schedule(retry_at, Event::ClientWake(client));
+            self.timeline.schedule(retry_at, Event::ClientWake(client));
             return;
         };
         let write = match &pending.call {
@@ -206,7 +206,7 @@ impl Simulation {
             Address::Replica(target),
             Message::Request(ClientRequest { id: request, operation }),
         );
-        self.schedule(deadline, Event::ClientWake(client));
+        self.timeline.schedule(deadline, Event::ClientWake(client));
     }
 
     pub(crate) fn on_response(&mut self, client: usize, request: RequestId, reply: ClientReply) {
@@ -228,13 +228,13 @@ impl Simulation {
                 // No effect: try something again shortly.
                 self.report.retried += 1;
                 let retry_at = self.now + 5 + self.clients[client].rng.below(10);
-                self.schedule(retry_at, Event::ClientWake(client));
+                self.timeline.schedule(retry_at, Event::ClientWake(client));
                 return;
             }
             ClientReply::Unknown(_) => {
                 // As after a timeout: it may take effect at any time from now.
                 self.record_unknown(client, pending);
-                self.schedule(self.now + 1, Event::ClientWake(client));
+                self.timeline.schedule(self.now + 1, Event::ClientWake(client));
                 return;
             }
         };
@@ -258,6 +258,6 @@ impl Simulation {
             self.clients[client].final_reads.pop();
         }
         let think = self.clients[client].rng.below(5);
-        self.schedule(self.now + think, Event::ClientWake(client));
+        self.timeline.schedule(self.now + think, Event::ClientWake(client));
     }
 }

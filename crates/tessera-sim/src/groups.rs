@@ -10,8 +10,7 @@
 //! read back after healing, must be linearizable; and in the end no group
 //! holds a key of a slot it does not keep.
 
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -28,7 +27,7 @@ use tessera_wire::slot::key_slot;
 use crate::checks::linearizability::{self, Verdict};
 use crate::config::{FaultKind, FaultMix};
 use crate::history::{Call, Operation, Outcome};
-use crate::network::{draw_partition, Address};
+use crate::network::{draw_partition, Address, Links, Timeline};
 use crate::rng::Rng;
 use crate::sim::{catching_panics, key_name, Report};
 
@@ -91,17 +90,19 @@ enum Message {
         shard: u32,
         message: PeerMessage,
     },
+    /// With the epoch of the map the node routes by.
     Heartbeat {
         seq: u64,
         incarnation: u64,
+        known_epoch: u64,
         progress: BTreeMap<u32, Progress>,
     },
-    /// The coordinator's answer: the leases, and its map (which a node with
-    /// an older one fetches right after, as the agent does).
+    /// The coordinator's answer: the leases, and its map if the node's is
+    /// older (which the agent fetches right after).
     Grants {
         seq: u64,
         shards: Vec<(u32, ShardView, Mode)>,
-        map: Box<ClusterMap>,
+        map: Option<Box<ClusterMap>>,
     },
     Request {
         id: RequestId,
@@ -161,14 +162,11 @@ pub struct GroupsSimulation {
     config: GroupsConfig,
     rng: Rng,
     now: u64,
-    queue: BinaryHeap<Reverse<(u64, u64)>>,
-    events: HashMap<u64, Event>,
-    next_event: u64,
+    timeline: Timeline<Event>,
     nodes: Vec<Node>,
     coordinator: ClusterCoordinator,
     clients: Vec<Client>,
-    blocked: BTreeSet<(Address, Address)>,
-    channel_clock: HashMap<(Address, Address), u64>,
+    links: Links,
     healed: bool,
     /// When the coordinator last heard from each node.
     heard_at: Vec<u64>,
@@ -223,14 +221,11 @@ impl GroupsSimulation {
         let mut simulation = Self {
             rng,
             now: 0,
-            queue: BinaryHeap::new(),
-            events: HashMap::new(),
-            next_event: 0,
+            timeline: Timeline::new(),
             nodes,
             coordinator,
             clients,
-            blocked: BTreeSet::new(),
-            channel_clock: HashMap::new(),
+            links: Links::default(),
             healed: false,
             heard_at: vec![0; config.nodes as usize],
             migrations_seen: BTreeSet::new(),
@@ -241,26 +236,19 @@ impl GroupsSimulation {
         simulation
     }
 
-    fn schedule(&mut self, at: u64, event: Event) {
-        let id = self.next_event;
-        self.next_event += 1;
-        self.events.insert(id, event);
-        self.queue.push(Reverse((at, id)));
-    }
-
     fn schedule_start(&mut self) {
         for node in 0..self.config.nodes {
             let first = self.rng.below(self.config.tick_ms);
-            self.schedule(first, Event::NodeTick(node));
+            self.timeline.schedule(first, Event::NodeTick(node));
         }
-        self.schedule(0, Event::CoordinatorTick);
+        self.timeline.schedule(0, Event::CoordinatorTick);
         for client in 0..self.config.clients {
             let start = 100 + self.rng.below(20);
-            self.schedule(start, Event::ClientWake(client));
+            self.timeline.schedule(start, Event::ClientWake(client));
         }
         let mut at = 150;
         while at < self.config.safety_ms {
-            self.schedule(at, Event::Migrate);
+            self.timeline.schedule(at, Event::Migrate);
             at += self.rng.between(100, 400);
         }
         let enabled = self.report.faults.enabled.clone();
@@ -272,14 +260,14 @@ impl GroupsSimulation {
                     FaultKind::Partition => {
                         let cut = draw_partition(&mut self.rng, self.config.nodes);
                         let heal_at = at + self.rng.between(50, 600);
-                        self.schedule(at, Event::Partition(cut));
-                        self.schedule(heal_at.min(self.config.safety_ms), Event::Heal);
+                        self.timeline.schedule(at, Event::Partition(cut));
+                        self.timeline.schedule(heal_at.min(self.config.safety_ms), Event::Heal);
                     }
                     _ => {
                         let node = self.rng.below(u64::from(self.config.nodes)) as u32;
-                        self.schedule(at, Event::Crash(node));
+                        self.timeline.schedule(at, Event::Crash(node));
                         let restart_at = at + self.rng.between(100, 800);
-                        self.schedule(restart_at, Event::Restart(node));
+                        self.timeline.schedule(restart_at, Event::Restart(node));
                     }
                 }
             }
@@ -289,34 +277,19 @@ impl GroupsSimulation {
 
     fn send(&mut self, from: Address, to: Address, message: Message) {
         self.report.messages += 1;
-        let faults_on = !self.healed;
-        if faults_on && self.blocked.contains(&(from, to)) {
-            return;
+        let faulty = !self.healed;
+        if let Some(at) = self.links.arrival(&mut self.rng, &self.report.faults, faulty, self.now, from, to) {
+            self.timeline.schedule(at, Event::Deliver { from, to, message });
         }
-        if faults_on && self.rng.chance(self.report.faults.drop_probability) {
-            return;
-        }
-        let delay = 1 + self.rng.below(self.report.faults.delay_max_ms.max(1));
-        let mut at = self.now + delay;
-        if !self.report.faults.enabled.contains(&FaultKind::Reorder) || !faults_on {
-            let clock = self.channel_clock.entry((from, to)).or_insert(0);
-            at = at.max(*clock);
-            *clock = at;
-        }
-        self.schedule(at, Event::Deliver { from, to, message });
     }
 
     pub fn run(mut self) -> Report {
         let end = self.config.safety_ms + self.config.liveness_ms;
-        while let Some(Reverse((at, id))) = self.queue.pop() {
-            if at > end {
-                break;
-            }
+        while let Some((at, event)) = self.timeline.next_until(end) {
             self.now = at;
             if !self.healed && self.now >= self.config.safety_ms {
                 self.heal_for_liveness();
             }
-            let event = self.events.remove(&id).expect("every queued event is stored");
             self.handle(event);
         }
         self.finish()
@@ -325,7 +298,7 @@ impl GroupsSimulation {
     fn heal_for_liveness(&mut self) {
         self.report.log.push(format!("{}ms healed for liveness", self.now));
         self.healed = true;
-        self.blocked.clear();
+        self.links.blocked.clear();
         let keys: Vec<Bytes> = (0..self.config.keys).map(|index| key_name("k", index)).collect();
         for client in &mut self.clients {
             client.final_reads = keys.clone();
@@ -339,12 +312,12 @@ impl GroupsSimulation {
                 if self.nodes[node as usize].alive {
                     self.node_tick(node);
                 }
-                self.schedule(self.now + self.config.tick_ms, Event::NodeTick(node));
+                self.timeline.schedule(self.now + self.config.tick_ms, Event::NodeTick(node));
             }
             Event::CoordinatorTick => {
                 self.coordinator.tick(self.now);
                 self.log_migrations();
-                self.schedule(self.now + self.config.tick_ms, Event::CoordinatorTick);
+                self.timeline.schedule(self.now + self.config.tick_ms, Event::CoordinatorTick);
             }
             Event::ClientWake(client) => self.client_wake(client),
             Event::Migrate => self.start_migration(),
@@ -371,12 +344,12 @@ impl GroupsSimulation {
             Event::Partition(cut) => {
                 if !self.healed {
                     self.report.log.push(format!("{}ms partition {cut:?}", self.now));
-                    self.blocked.extend(cut);
+                    self.links.blocked.extend(cut);
                 }
             }
             Event::Heal => {
                 self.report.log.push(format!("{}ms heal", self.now));
-                self.blocked.clear();
+                self.links.blocked.clear();
             }
         }
     }
@@ -458,13 +431,14 @@ impl GroupsSimulation {
         let progress =
             state.shards.iter().map(|(shard, granted)| (*shard, granted.replica.progress())).collect();
         let incarnation = state.incarnation;
+        let known_epoch = state.routing.as_ref().map_or(0, |routing| routing.map.epoch);
         for (shard, effects) in effects {
             self.run_effects(node, shard, effects);
         }
         self.send(
             Address::Replica(node),
             Address::Coordinator,
-            Message::Heartbeat { seq, incarnation, progress },
+            Message::Heartbeat { seq, incarnation, known_epoch, progress },
         );
     }
 
@@ -503,19 +477,21 @@ impl GroupsSimulation {
 
     fn deliver(&mut self, from: Address, to: Address, message: Message) {
         match (to, message) {
-            (Address::Coordinator, Message::Heartbeat { seq, incarnation, progress }) => {
+            (Address::Coordinator, Message::Heartbeat { seq, incarnation, known_epoch, progress }) => {
                 let Address::Replica(node) = from else { return };
                 self.heard_at[node as usize] = self.now;
                 let Ok(grants) = self.coordinator.heartbeat(self.now, node, incarnation, &progress) else {
                     return;
                 };
                 self.log_migrations();
-                let map = Box::new(self.coordinator.map().clone());
+                let map = (grants.epoch > known_epoch).then(|| Box::new(self.coordinator.map().clone()));
                 let reply = Message::Grants { seq, shards: grants.shards, map };
                 self.send(Address::Coordinator, Address::Replica(node), reply);
             }
             (Address::Replica(node), message) if self.nodes[node as usize].alive => match message {
-                Message::Grants { seq, shards, map } => self.on_grants(node, seq, shards, *map),
+                Message::Grants { seq, shards, map } => {
+                    self.on_grants(node, seq, shards, map.map(|map| *map))
+                }
                 Message::Peer { shard, message } => {
                     let Address::Replica(sender) = from else { return };
                     let mut fx = Effects::new(self.now);
@@ -534,17 +510,26 @@ impl GroupsSimulation {
     /// As the agent: the newer map first, then the shards granted (new ones
     /// on empty engines, those no longer granted left), each through the
     /// grant the nodes apply.
-    fn on_grants(&mut self, node: u32, seq: u64, grants: Vec<(u32, ShardView, Mode)>, map: ClusterMap) {
+    fn on_grants(
+        &mut self,
+        node: u32,
+        seq: u64,
+        grants: Vec<(u32, ShardView, Mode)>,
+        map: Option<ClusterMap>,
+    ) {
         let now = self.now;
         let lease_ms = self.config.lease_ms;
         let tuning = self.config.tuning;
         let state = &mut self.nodes[node as usize];
         let Some(&asked_at) = state.heartbeats.get(&seq) else { return };
         state.heartbeats = state.heartbeats.split_off(&seq);
-        if state.routing.as_ref().is_none_or(|routing| routing.map.epoch < map.epoch) {
+        let newer =
+            map.filter(|map| state.routing.as_ref().is_none_or(|routing| routing.map.epoch < map.epoch));
+        if let Some(map) = newer {
             state.routing = Some(Routing::new(map));
         }
-        let map = state.routing.as_ref().expect("set above").map.clone();
+        // Grants wait for a map, as the agent's do.
+        let Some(map) = state.routing.as_ref().map(|routing| routing.map.clone()) else { return };
         state.shards.retain(|shard, _| grants.iter().any(|(granted, _, _)| granted == shard));
         state.requests.retain(|(shard, _), _| grants.iter().any(|(granted, _, _)| granted == shard));
         state.in_flight.retain(|(shard, _), _| grants.iter().any(|(granted, _, _)| granted == shard));
@@ -692,7 +677,7 @@ impl GroupsSimulation {
         let deadline = self.now + self.config.client_timeout_ms;
         state.pending = Some(Pending { id, key, call, invoked_at: self.now, deadline });
         self.send(Address::Client(client), Address::Replica(target), Message::Request { id, operation });
-        self.schedule(deadline, Event::ClientWake(client));
+        self.timeline.schedule(deadline, Event::ClientWake(client));
     }
 
     fn on_response(&mut self, client: usize, id: RequestId, reply: ClientReply) {
@@ -705,7 +690,7 @@ impl GroupsSimulation {
             ClientReply::Written => Outcome::Written,
             ClientReply::Unknown(_) => {
                 self.record_unknown(client, pending);
-                self.schedule(self.now + 1, Event::ClientWake(client));
+                self.timeline.schedule(self.now + 1, Event::ClientWake(client));
                 return;
             }
             ClientReply::Elsewhere(_)
@@ -716,7 +701,7 @@ impl GroupsSimulation {
                 self.report.retried += 1;
                 self.clients[client].routing = Routing::new(self.coordinator.map().clone());
                 let retry_at = self.now + 5 + self.clients[client].rng.below(10);
-                self.schedule(retry_at, Event::ClientWake(client));
+                self.timeline.schedule(retry_at, Event::ClientWake(client));
                 return;
             }
         };
@@ -737,7 +722,7 @@ impl GroupsSimulation {
             completed_at: Some(self.now),
         });
         let think = self.clients[client].rng.below(5);
-        self.schedule(self.now + think, Event::ClientWake(client));
+        self.timeline.schedule(self.now + think, Event::ClientWake(client));
     }
 
     fn finish(mut self) -> Report {

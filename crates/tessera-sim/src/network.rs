@@ -1,9 +1,12 @@
 //! The simulated network: what travels between replicas, the coordinator and
 //! clients, and the faults it suffers (delay, reordering, drops, partitions).
 
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap, HashMap};
+
 use tessera_protocol::{ClientReply, ClientRequest, PeerMessage, Progress, RequestId, ShardView};
 
-use crate::config::FaultKind;
+use crate::config::{FaultKind, FaultMix};
 use crate::rng::Rng;
 use crate::sim::{Event, Simulation};
 
@@ -39,26 +42,75 @@ pub(crate) enum Message {
 }
 
 impl Simulation {
-    /// Sends a message through the faults of the safety phase: blocked by a
-    /// partition, dropped, delayed, and reordered unless channels are FIFO.
+    /// Sends a message through the links' faults.
     pub(crate) fn send(&mut self, from: Address, to: Address, message: Message) {
         self.report.messages += 1;
-        let faults_on = !self.healed;
-        if faults_on && self.blocked.contains(&(from, to)) {
-            return;
+        let faulty = !self.healed;
+        if let Some(at) = self.links.arrival(&mut self.rng, &self.report.faults, faulty, self.now, from, to) {
+            self.timeline.schedule(at, Event::Deliver { from, to, message });
         }
-        if faults_on && self.rng.chance(self.report.faults.drop_probability) {
-            return;
+    }
+}
+
+/// Events in virtual time; those due at the same time run in the order they
+/// were scheduled.
+pub(crate) struct Timeline<E> {
+    due: BinaryHeap<Reverse<(u64, u64)>>,
+    events: HashMap<u64, E>,
+    next_id: u64,
+}
+
+impl<E> Timeline<E> {
+    pub fn new() -> Self {
+        Self { due: BinaryHeap::new(), events: HashMap::new(), next_id: 0 }
+    }
+
+    pub fn schedule(&mut self, at: u64, event: E) {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.events.insert(id, event);
+        self.due.push(Reverse((at, id)));
+    }
+
+    /// The next event and its time, unless none is due by `end`.
+    pub fn next_until(&mut self, end: u64) -> Option<(u64, E)> {
+        let Reverse((at, id)) = self.due.pop().filter(|Reverse((at, _))| *at <= end)?;
+        Some((at, self.events.remove(&id).expect("every queued event is stored")))
+    }
+}
+
+/// The links between a run's servers and clients.
+#[derive(Default)]
+pub(crate) struct Links {
+    /// Links a partition cuts, one way each.
+    pub blocked: BTreeSet<(Address, Address)>,
+    /// Per channel, the last scheduled delivery time (for FIFO channels).
+    channel_clock: HashMap<(Address, Address), u64>,
+}
+
+impl Links {
+    /// When a message sent at `now` arrives, or `None` if it is lost: while
+    /// `faulty`, blocked by a partition, dropped, delayed, and reordered
+    /// unless the seed keeps channels FIFO; otherwise only delayed.
+    pub fn arrival(
+        &mut self,
+        rng: &mut Rng,
+        faults: &FaultMix,
+        faulty: bool,
+        now: u64,
+        from: Address,
+        to: Address,
+    ) -> Option<u64> {
+        if faulty && (self.blocked.contains(&(from, to)) || rng.chance(faults.drop_probability)) {
+            return None;
         }
-        let delay = 1 + self.rng.below(self.report.faults.delay_max_ms.max(1));
-        let mut at = self.now + delay;
-        let fifo = !self.report.faults.enabled.contains(&FaultKind::Reorder) || !faults_on;
-        if fifo {
+        let mut at = now + 1 + rng.below(faults.delay_max_ms.max(1));
+        if !faults.enabled.contains(&FaultKind::Reorder) || !faulty {
             let clock = self.channel_clock.entry((from, to)).or_insert(0);
             at = at.max(*clock);
             *clock = at;
         }
-        self.schedule(at, Event::Deliver { from, to, message });
+        Some(at)
     }
 }
 

@@ -8,8 +8,7 @@
 //! healed, traffic goes on, then every key is read back). The report carries
 //! the history and what the checkers found.
 
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
+use std::collections::{BTreeMap, HashMap};
 
 use bytes::Bytes;
 use tessera_engine::Engine;
@@ -25,7 +24,7 @@ use crate::checks::linearizability::{self, Verdict};
 use crate::clients::Client;
 use crate::config::{FaultKind, FaultMix, SimConfig, Workload};
 use crate::history::History;
-use crate::network::{draw_partition, Address, Message};
+use crate::network::{draw_partition, Address, Links, Message, Timeline};
 use crate::rng::Rng;
 
 /// What a run found.
@@ -92,15 +91,11 @@ pub struct Simulation {
     pub(crate) config: SimConfig,
     pub(crate) rng: Rng,
     pub(crate) now: u64,
-    queue: BinaryHeap<Reverse<(u64, u64)>>,
-    events: HashMap<u64, Event>,
-    next_event: u64,
+    pub(crate) timeline: Timeline<Event>,
     replicas: Vec<SimReplica>,
     pub(crate) coordinator: ShardCoordinator,
     pub(crate) clients: Vec<Client>,
-    pub(crate) blocked: BTreeSet<(Address, Address)>,
-    /// Per channel, the last scheduled delivery time (for FIFO channels).
-    pub(crate) channel_clock: HashMap<(Address, Address), u64>,
+    pub(crate) links: Links,
     pub(crate) healed: bool,
     pub(crate) report: Report,
     pub(crate) eventual_reads: u64,
@@ -153,14 +148,11 @@ impl Simulation {
         let mut simulation = Self {
             rng,
             now: 0,
-            queue: BinaryHeap::new(),
-            events: HashMap::new(),
-            next_event: 0,
+            timeline: Timeline::new(),
             replicas,
             coordinator,
             clients,
-            blocked: BTreeSet::new(),
-            channel_clock: HashMap::new(),
+            links: Links::default(),
             healed: false,
             report: Report { seed, faults, ..Report::default() },
             eventual_reads: 0,
@@ -172,27 +164,20 @@ impl Simulation {
         simulation
     }
 
-    pub(crate) fn schedule(&mut self, at: u64, event: Event) {
-        let id = self.next_event;
-        self.next_event += 1;
-        self.events.insert(id, event);
-        self.queue.push(Reverse((at, id)));
-    }
-
     fn schedule_start(&mut self) {
         for id in 0..self.config.replicas {
             let first = self.rng.below(self.config.tick_ms);
-            self.schedule(first, Event::ReplicaTick(id));
+            self.timeline.schedule(first, Event::ReplicaTick(id));
         }
-        self.schedule(0, Event::CoordinatorTick);
+        self.timeline.schedule(0, Event::CoordinatorTick);
         for client in 0..self.config.clients {
             // Clients start once replicas have had a first lease.
             let start = 50 + self.rng.below(20);
-            self.schedule(start, Event::ClientWake(client));
+            self.timeline.schedule(start, Event::ClientWake(client));
         }
         if self.config.transition_to.is_some() {
             let at = self.rng.between(300, self.config.safety_ms * 2 / 3);
-            self.schedule(at, Event::BeginTransition);
+            self.timeline.schedule(at, Event::BeginTransition);
         }
         let enabled = self.report.faults.enabled.clone();
         let mut at = 200;
@@ -204,15 +189,15 @@ impl Simulation {
                     FaultKind::Partition => {
                         let cut = draw_partition(&mut self.rng, self.config.replicas);
                         let heal_at = at + self.rng.between(50, 600);
-                        self.schedule(at, Event::Partition(cut));
-                        self.schedule(heal_at.min(self.config.safety_ms), Event::Heal);
+                        self.timeline.schedule(at, Event::Partition(cut));
+                        self.timeline.schedule(heal_at.min(self.config.safety_ms), Event::Heal);
                     }
                     FaultKind::Crash => {
-                        self.schedule(at, Event::Crash(replica));
+                        self.timeline.schedule(at, Event::Crash(replica));
                         let restart_at = at + self.rng.between(100, 800);
-                        self.schedule(restart_at, Event::Restart(replica));
+                        self.timeline.schedule(restart_at, Event::Restart(replica));
                     }
-                    _ => self.schedule(at, Event::Suspect(replica)),
+                    _ => self.timeline.schedule(at, Event::Suspect(replica)),
                 }
             }
             at += self.rng.between(150, 700);
@@ -226,15 +211,11 @@ impl Simulation {
     /// Runs the whole scenario and checks it.
     pub fn run(mut self) -> Report {
         let end = self.config.safety_ms + self.config.liveness_ms;
-        while let Some(Reverse((at, id))) = self.queue.pop() {
-            if at > end {
-                break;
-            }
+        while let Some((at, event)) = self.timeline.next_until(end) {
             self.now = at;
             if !self.healed && self.now >= self.config.safety_ms {
                 self.heal_for_liveness();
             }
-            let event = self.events.remove(&id).expect("every queued event is stored");
             self.handle(event);
         }
         self.finish()
@@ -243,7 +224,7 @@ impl Simulation {
     fn heal_for_liveness(&mut self) {
         self.report.log.push(format!("{}ms healed for liveness", self.now));
         self.healed = true;
-        self.blocked.clear();
+        self.links.blocked.clear();
         if self.config.workload == Workload::Appends {
             return; // liveness shows in writes completing; nothing to read back
         }
@@ -262,11 +243,11 @@ impl Simulation {
                 if self.replicas[id as usize].alive {
                     self.replica_tick(id);
                 }
-                self.schedule(self.now + self.config.tick_ms, Event::ReplicaTick(id));
+                self.timeline.schedule(self.now + self.config.tick_ms, Event::ReplicaTick(id));
             }
             Event::CoordinatorTick => {
                 self.coordinator_tick();
-                self.schedule(self.now + self.config.tick_ms, Event::CoordinatorTick);
+                self.timeline.schedule(self.now + self.config.tick_ms, Event::CoordinatorTick);
             }
             Event::BeginTransition => {
                 let target = self.config.transition_to.expect("scheduled only with a target");
@@ -306,12 +287,12 @@ impl Simulation {
             Event::Partition(cut) => {
                 if !self.healed {
                     self.report.log.push(format!("{}ms partition {cut:?}", self.now));
-                    self.blocked.extend(cut);
+                    self.links.blocked.extend(cut);
                 }
             }
             Event::Heal => {
                 self.report.log.push(format!("{}ms heal", self.now));
-                self.blocked.clear();
+                self.links.blocked.clear();
             }
             Event::Suspect(id) => {
                 if self.healthy_members_except(id) >= self.copies_needed()
