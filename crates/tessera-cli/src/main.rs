@@ -934,8 +934,11 @@ fn simulate(args: SimArgs) -> Result<(), String> {
         workload: args.workload.parse()?,
         replicas: args.replicas,
         clients: args.clients,
-        safety_ms: args.safety_ms,
-        liveness_ms: args.liveness_ms,
+        timing: tessera_sim::RunTiming {
+            safety_ms: args.safety_ms,
+            liveness_ms: args.liveness_ms,
+            ..Default::default()
+        },
         transition_to: args.transition_to.as_deref().map(sim_protocol).transpose()?,
         ..tessera_sim::SimConfig::new(protocol)
     };

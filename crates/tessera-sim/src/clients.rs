@@ -57,10 +57,12 @@ impl Simulation {
             let pending = self.clients[client].pending.take().expect("checked above");
             self.record_unknown(client, pending);
         }
-        let end = self.config.safety_ms + self.config.liveness_ms;
+        let end = self.config.timing.safety_ms + self.config.timing.liveness_ms;
         // The last stretch is quiet, so that propagation can finish before the
         // convergence check.
-        if now + self.config.client_timeout_ms + 200 > end && self.clients[client].final_reads.is_empty() {
+        if now + self.config.timing.client_timeout_ms + 200 > end
+            && self.clients[client].final_reads.is_empty()
+        {
             return;
         }
         self.issue(client);
@@ -134,7 +136,7 @@ impl Simulation {
             Call::Increment(delta) => ProtocolOperation::Increment { key: key.clone(), delta: *delta },
         };
         let target = self.route(client, &call, strong);
-        let deadline = self.now + self.config.client_timeout_ms;
+        let deadline = self.now + self.config.timing.client_timeout_ms;
         self.clients[client].pending = Some(Pending {
             request,
             key,
@@ -199,7 +201,7 @@ impl Simulation {
         state.next_request += 1;
         let operation = ProtocolOperation::WriteIf { key: pending.key.clone(), expected, write };
         let target = self.route(client, &pending.call, true);
-        let deadline = self.now + self.config.client_timeout_ms;
+        let deadline = self.now + self.config.timing.client_timeout_ms;
         self.clients[client].pending = Some(Pending { request, deadline, fetching: false, ..pending });
         self.send(
             Address::Client(client),

@@ -91,6 +91,41 @@ impl std::str::FromStr for Workload {
     }
 }
 
+/// How long a run's phases last, and the pace of its timers.
+#[derive(Clone, Copy, Debug)]
+pub struct RunTiming {
+    /// Traffic with faults, then traffic healed (virtual milliseconds).
+    pub safety_ms: u64,
+    pub liveness_ms: u64,
+    pub tick_ms: u64,
+    pub lease_ms: u64,
+    pub failure_timeout_ms: u64,
+    pub client_timeout_ms: u64,
+    /// Protocol timers at the pace of a five-second run: tombstones outlive
+    /// any partition the run draws, as the grace must.
+    pub tuning: Tuning,
+}
+
+impl Default for RunTiming {
+    fn default() -> Self {
+        Self {
+            safety_ms: 3_000,
+            liveness_ms: 2_000,
+            tick_ms: 10,
+            lease_ms: 200,
+            failure_timeout_ms: 150,
+            client_timeout_ms: 400,
+            tuning: Tuning {
+                anti_entropy_ms: Some(200),
+                tombstone_grace_ms: 1_500,
+                // A few records per chunk, so that the simulated shards'
+                // snapshots stream in several chunks.
+                snapshot: SnapshotPace { bytes_per_sec: None, chunk_bytes: 128 },
+            },
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct SimConfig {
     pub protocol: Mode,
@@ -102,19 +137,11 @@ pub struct SimConfig {
     pub counters: usize,
     /// Faults a run may draw; each seed enables a random subset (swarm testing).
     pub faults: BTreeSet<FaultKind>,
-    pub safety_ms: u64,
-    pub liveness_ms: u64,
-    pub tick_ms: u64,
-    pub lease_ms: u64,
-    pub failure_timeout_ms: u64,
-    pub client_timeout_ms: u64,
+    pub timing: RunTiming,
     /// The share of reads that ask for eventual consistency.
     pub eventual_read_fraction: f64,
     /// Switch the shard to this protocol at a random time of the safety phase.
     pub transition_to: Option<Mode>,
-    /// Protocol timers at the pace of a five-second run: tombstones outlive
-    /// any partition the run draws, as the grace must.
-    pub tuning: Tuning,
     /// Transitions that skip the merge of the members' records.
     #[cfg(any(test, feature = "broken"))]
     pub broken_transition_without_merge: bool,
@@ -130,21 +157,9 @@ impl SimConfig {
             keys: 4,
             counters: 2,
             faults: FaultKind::ALL.iter().copied().collect(),
-            safety_ms: 3_000,
-            liveness_ms: 2_000,
-            tick_ms: 10,
-            lease_ms: 200,
-            failure_timeout_ms: 150,
-            client_timeout_ms: 400,
+            timing: RunTiming::default(),
             eventual_read_fraction: 0.2,
             transition_to: None,
-            tuning: Tuning {
-                anti_entropy_ms: Some(200),
-                tombstone_grace_ms: 1_500,
-                // A few records per chunk, so that the simulated shards'
-                // snapshots stream in several chunks.
-                snapshot: SnapshotPace { bytes_per_sec: None, chunk_bytes: 128 },
-            },
             #[cfg(any(test, feature = "broken"))]
             broken_transition_without_merge: false,
         }
@@ -155,7 +170,7 @@ impl SimConfig {
     /// every process, so that a seed replays exactly.
     pub(crate) fn replica(&self, id: u32, mode: Mode) -> Replica {
         #[allow(unused_mut)]
-        let mut config = ReplicaConfig::new(NodeId(id), self.lease_ms, self.tuning);
+        let mut config = ReplicaConfig::new(NodeId(id), self.timing.lease_ms, self.timing.tuning);
         #[cfg(any(test, feature = "broken"))]
         {
             config.broken_transition_without_merge = self.broken_transition_without_merge;

@@ -20,12 +20,12 @@ use tessera_cluster::{ClusterCoordinator, ClusterMap, Timing, DEFAULT_TABLE};
 use tessera_engine::OrderedEngine;
 use tessera_protocol::{
     for_each_entry, ClientReply, Consistency, Effect, Effects, Mode, NodeId, Operation as ProtocolOperation,
-    PeerMessage, Progress, ReadGate, Record, Replica, ReplicaConfig, RequestId, ShardView, Tuning,
+    PeerMessage, Progress, ReadGate, Record, Replica, ReplicaConfig, RequestId, ShardView,
 };
 use tessera_wire::slot::key_slot;
 
 use crate::checks::linearizability::{self, Verdict};
-use crate::config::{FaultKind, FaultMix};
+use crate::config::{FaultKind, FaultMix, RunTiming};
 use crate::history::{Call, Operation, Outcome};
 use crate::network::{draw_partition, Address, Links, Timeline};
 use crate::rng::Rng;
@@ -41,13 +41,7 @@ pub struct GroupsConfig {
     pub clients: usize,
     pub keys: usize,
     pub faults: BTreeSet<FaultKind>,
-    pub safety_ms: u64,
-    pub liveness_ms: u64,
-    pub tick_ms: u64,
-    pub lease_ms: u64,
-    pub failure_timeout_ms: u64,
-    pub client_timeout_ms: u64,
-    pub tuning: Tuning,
+    pub timing: RunTiming,
     /// A coordinator that moves slots without a cut.
     #[cfg(any(test, feature = "broken"))]
     pub broken_without_cut: bool,
@@ -71,13 +65,7 @@ impl GroupsConfig {
             ]
             .into_iter()
             .collect(),
-            safety_ms: 4_000,
-            liveness_ms: 3_000,
-            tick_ms: 10,
-            lease_ms: 200,
-            failure_timeout_ms: 150,
-            client_timeout_ms: 400,
-            tuning: crate::SimConfig::new(protocol).tuning,
+            timing: RunTiming { safety_ms: 4_000, liveness_ms: 3_000, ..RunTiming::default() },
             #[cfg(any(test, feature = "broken"))]
             broken_without_cut: false,
         }
@@ -190,7 +178,8 @@ impl GroupsSimulation {
             config.groups,
         )
         .expect("a valid placement");
-        let timing = Timing { lease_ms: config.lease_ms, failure_timeout_ms: config.failure_timeout_ms };
+        let timing =
+            Timing { lease_ms: config.timing.lease_ms, failure_timeout_ms: config.timing.failure_timeout_ms };
         #[allow(unused_mut)]
         let mut coordinator = ClusterCoordinator::new(map.clone(), timing, 0);
         #[cfg(any(test, feature = "broken"))]
@@ -238,7 +227,7 @@ impl GroupsSimulation {
 
     fn schedule_start(&mut self) {
         for node in 0..self.config.nodes {
-            let first = self.rng.below(self.config.tick_ms);
+            let first = self.rng.below(self.config.timing.tick_ms);
             self.timeline.schedule(first, Event::NodeTick(node));
         }
         self.timeline.schedule(0, Event::CoordinatorTick);
@@ -247,13 +236,13 @@ impl GroupsSimulation {
             self.timeline.schedule(start, Event::ClientWake(client));
         }
         let mut at = 150;
-        while at < self.config.safety_ms {
+        while at < self.config.timing.safety_ms {
             self.timeline.schedule(at, Event::Migrate);
             at += self.rng.between(100, 400);
         }
         let enabled = self.report.faults.enabled.clone();
         let mut at = 200;
-        while at < self.config.safety_ms {
+        while at < self.config.timing.safety_ms {
             let fault = *self.rng.pick(&[FaultKind::Partition, FaultKind::Crash]);
             if enabled.contains(&fault) {
                 match fault {
@@ -261,7 +250,7 @@ impl GroupsSimulation {
                         let cut = draw_partition(&mut self.rng, self.config.nodes);
                         let heal_at = at + self.rng.between(50, 600);
                         self.timeline.schedule(at, Event::Partition(cut));
-                        self.timeline.schedule(heal_at.min(self.config.safety_ms), Event::Heal);
+                        self.timeline.schedule(heal_at.min(self.config.timing.safety_ms), Event::Heal);
                     }
                     _ => {
                         let node = self.rng.below(u64::from(self.config.nodes)) as u32;
@@ -284,10 +273,10 @@ impl GroupsSimulation {
     }
 
     pub fn run(mut self) -> Report {
-        let end = self.config.safety_ms + self.config.liveness_ms;
+        let end = self.config.timing.safety_ms + self.config.timing.liveness_ms;
         while let Some((at, event)) = self.timeline.next_until(end) {
             self.now = at;
-            if !self.healed && self.now >= self.config.safety_ms {
+            if !self.healed && self.now >= self.config.timing.safety_ms {
                 self.heal_for_liveness();
             }
             self.handle(event);
@@ -312,12 +301,12 @@ impl GroupsSimulation {
                 if self.nodes[node as usize].alive {
                     self.node_tick(node);
                 }
-                self.timeline.schedule(self.now + self.config.tick_ms, Event::NodeTick(node));
+                self.timeline.schedule(self.now + self.config.timing.tick_ms, Event::NodeTick(node));
             }
             Event::CoordinatorTick => {
                 self.coordinator.tick(self.now);
                 self.log_migrations();
-                self.timeline.schedule(self.now + self.config.tick_ms, Event::CoordinatorTick);
+                self.timeline.schedule(self.now + self.config.timing.tick_ms, Event::CoordinatorTick);
             }
             Event::ClientWake(client) => self.client_wake(client),
             Event::Migrate => self.start_migration(),
@@ -362,7 +351,7 @@ impl GroupsSimulation {
         if self.nodes.iter().any(|other| !other.alive) {
             return false;
         }
-        let recently = self.now.saturating_sub(self.config.failure_timeout_ms / 2);
+        let recently = self.now.saturating_sub(self.config.timing.failure_timeout_ms / 2);
         let map = self.coordinator.map();
         map.shards.iter().filter(|shard| shard.members.contains(&node)).all(|shard| {
             shard.members.len() == self.config.replicas
@@ -518,8 +507,8 @@ impl GroupsSimulation {
         map: Option<ClusterMap>,
     ) {
         let now = self.now;
-        let lease_ms = self.config.lease_ms;
-        let tuning = self.config.tuning;
+        let lease_ms = self.config.timing.lease_ms;
+        let tuning = self.config.timing.tuning;
         let state = &mut self.nodes[node as usize];
         let Some(&asked_at) = state.heartbeats.get(&seq) else { return };
         state.heartbeats = state.heartbeats.split_off(&seq);
@@ -621,8 +610,9 @@ impl GroupsSimulation {
             let pending = self.clients[client].pending.take().expect("checked above");
             self.record_unknown(client, pending);
         }
-        let end = self.config.safety_ms + self.config.liveness_ms;
-        if self.now + self.config.client_timeout_ms + 200 > end && self.clients[client].final_reads.is_empty()
+        let end = self.config.timing.safety_ms + self.config.timing.liveness_ms;
+        if self.now + self.config.timing.client_timeout_ms + 200 > end
+            && self.clients[client].final_reads.is_empty()
         {
             return;
         }
@@ -674,7 +664,7 @@ impl GroupsSimulation {
         let shard = state.routing.shard_of(DEFAULT_TABLE, &key, slot).expect("every slot is served");
         let members = &state.routing.map.shard(shard).expect("a routed shard is in the map").members;
         let target = if self.config.protocol.active_active { *state.rng.pick(members) } else { members[0] };
-        let deadline = self.now + self.config.client_timeout_ms;
+        let deadline = self.now + self.config.timing.client_timeout_ms;
         state.pending = Some(Pending { id, key, call, invoked_at: self.now, deadline });
         self.send(Address::Client(client), Address::Replica(target), Message::Request { id, operation });
         self.timeline.schedule(deadline, Event::ClientWake(client));
@@ -731,7 +721,7 @@ impl GroupsSimulation {
                 self.report.violations.push(format!(
                     "liveness: client {index} could not read back {} keys within {} ms of healing",
                     client.final_reads.len(),
-                    self.config.liveness_ms
+                    self.config.timing.liveness_ms
                 ));
             }
         }

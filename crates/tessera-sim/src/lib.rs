@@ -18,5 +18,5 @@ pub mod sim;
 mod seed_tests;
 
 pub use checks::linearizability;
-pub use config::{FaultKind, SimConfig, Workload};
+pub use config::{FaultKind, RunTiming, SimConfig, Workload};
 pub use sim::{run, Report};

@@ -131,8 +131,8 @@ impl Simulation {
         let clients = (0..config.clients).map(|_| Client::new(rng.fork())).collect();
         let coordinator = ShardCoordinator::new(
             CoordinatorConfig {
-                lease_ms: config.lease_ms,
-                failure_timeout_ms: config.failure_timeout_ms,
+                lease_ms: config.timing.lease_ms,
+                failure_timeout_ms: config.timing.failure_timeout_ms,
                 admission: config.protocol.admission(config.replicas as usize),
             },
             ShardView {
@@ -166,7 +166,7 @@ impl Simulation {
 
     fn schedule_start(&mut self) {
         for id in 0..self.config.replicas {
-            let first = self.rng.below(self.config.tick_ms);
+            let first = self.rng.below(self.config.timing.tick_ms);
             self.timeline.schedule(first, Event::ReplicaTick(id));
         }
         self.timeline.schedule(0, Event::CoordinatorTick);
@@ -176,12 +176,12 @@ impl Simulation {
             self.timeline.schedule(start, Event::ClientWake(client));
         }
         if self.config.transition_to.is_some() {
-            let at = self.rng.between(300, self.config.safety_ms * 2 / 3);
+            let at = self.rng.between(300, self.config.timing.safety_ms * 2 / 3);
             self.timeline.schedule(at, Event::BeginTransition);
         }
         let enabled = self.report.faults.enabled.clone();
         let mut at = 200;
-        while at < self.config.safety_ms {
+        while at < self.config.timing.safety_ms {
             let fault = *self.rng.pick(&[FaultKind::Partition, FaultKind::Crash, FaultKind::FalseSuspicion]);
             if enabled.contains(&fault) {
                 let replica = self.rng.below(self.config.replicas as u64) as u32;
@@ -190,7 +190,7 @@ impl Simulation {
                         let cut = draw_partition(&mut self.rng, self.config.replicas);
                         let heal_at = at + self.rng.between(50, 600);
                         self.timeline.schedule(at, Event::Partition(cut));
-                        self.timeline.schedule(heal_at.min(self.config.safety_ms), Event::Heal);
+                        self.timeline.schedule(heal_at.min(self.config.timing.safety_ms), Event::Heal);
                     }
                     FaultKind::Crash => {
                         self.timeline.schedule(at, Event::Crash(replica));
@@ -210,10 +210,10 @@ impl Simulation {
 
     /// Runs the whole scenario and checks it.
     pub fn run(mut self) -> Report {
-        let end = self.config.safety_ms + self.config.liveness_ms;
+        let end = self.config.timing.safety_ms + self.config.timing.liveness_ms;
         while let Some((at, event)) = self.timeline.next_until(end) {
             self.now = at;
-            if !self.healed && self.now >= self.config.safety_ms {
+            if !self.healed && self.now >= self.config.timing.safety_ms {
                 self.heal_for_liveness();
             }
             self.handle(event);
@@ -243,11 +243,11 @@ impl Simulation {
                 if self.replicas[id as usize].alive {
                     self.replica_tick(id);
                 }
-                self.timeline.schedule(self.now + self.config.tick_ms, Event::ReplicaTick(id));
+                self.timeline.schedule(self.now + self.config.timing.tick_ms, Event::ReplicaTick(id));
             }
             Event::CoordinatorTick => {
                 self.coordinator_tick();
-                self.timeline.schedule(self.now + self.config.tick_ms, Event::CoordinatorTick);
+                self.timeline.schedule(self.now + self.config.timing.tick_ms, Event::CoordinatorTick);
             }
             Event::BeginTransition => {
                 let target = self.config.transition_to.expect("scheduled only with a target");
@@ -362,7 +362,7 @@ impl Simulation {
                         **node,
                         replica.incarnation,
                         self.now,
-                        self.config.failure_timeout_ms / 2,
+                        self.config.timing.failure_timeout_ms / 2,
                     )
             })
             .count()
@@ -534,7 +534,7 @@ impl Simulation {
                 self.report.violations.push(format!(
                     "liveness: client {index} could not read back {} keys within {} ms of healing",
                     client.final_reads.len(),
-                    self.config.liveness_ms
+                    self.config.timing.liveness_ms
                 ));
             }
         }
@@ -559,17 +559,16 @@ impl Simulation {
             self.report.violations.extend(violations);
             Some(state)
         } else {
-            let quiet_ms = self.config.client_timeout_ms + 200;
+            let quiet_ms = self.config.timing.client_timeout_ms + 200;
             self.report.violations.extend(convergence::identical(&contents, quiet_ms));
             contents.first().map(|(_, contents)| contents.clone())
         };
         let final_state = final_state.as_deref();
         self.report.lost_acknowledged_writes = self.count_lost(final_state, 0);
         if self.config.workload == Workload::Appends {
-            let writes_after_healing =
-                self.report.history.operations.iter().any(|operation| {
-                    operation.completed_at.is_some_and(|done| done >= self.config.safety_ms)
-                });
+            let writes_after_healing = self.report.history.operations.iter().any(|operation| {
+                operation.completed_at.is_some_and(|done| done >= self.config.timing.safety_ms)
+            });
             if !writes_after_healing {
                 self.report.violations.push("liveness: no write completed after healing".into());
             }
