@@ -279,7 +279,7 @@ struct SimArgs {
     #[arg(long)]
     seed: Option<u64>,
     /// Faults seeds may draw from: all, none, or a list of delay, reorder, drop,
-    /// partition, crash, skew, suspicion.
+    /// partition, crash, skew, suspicion (with --groups: the first five).
     #[arg(long, default_value = "all")]
     faults: String,
     /// registers (contended keys, checked for linearizability) or appends
@@ -290,11 +290,18 @@ struct SimArgs {
     replicas: u32,
     #[arg(long, default_value_t = 4)]
     clients: usize,
-    /// Virtual milliseconds of traffic with faults, then after healing.
-    #[arg(long, default_value_t = 3000)]
-    safety_ms: u64,
-    #[arg(long, default_value_t = 2000)]
-    liveness_ms: u64,
+    /// Virtual milliseconds of traffic with faults, then after healing
+    /// [default: 3000 and 2000; with --groups, 4000 and 3000].
+    #[arg(long)]
+    safety_ms: Option<u64>,
+    #[arg(long)]
+    liveness_ms: Option<u64>,
+    /// Run this many groups on --nodes nodes, the clients' keys' slots moving
+    /// between them while faults strike (chain or quorum; registers).
+    #[arg(long, default_value_t = 1)]
+    groups: usize,
+    #[arg(long, default_value_t = 4)]
+    nodes: u32,
 }
 
 #[derive(Subcommand)]
@@ -929,15 +936,19 @@ fn sim_protocol(name: &str) -> Result<tessera_protocol::Mode, String> {
 
 fn simulate(args: SimArgs) -> Result<(), String> {
     let protocol = sim_protocol(&args.protocol)?;
+    if args.groups > 1 {
+        return simulate_groups(&args, protocol);
+    }
+    let default = tessera_sim::RunTiming::default();
     let config = tessera_sim::SimConfig {
         faults: tessera_sim::FaultKind::parse_list(&args.faults)?,
         workload: args.workload.parse()?,
         replicas: args.replicas,
         clients: args.clients,
         timing: tessera_sim::RunTiming {
-            safety_ms: args.safety_ms,
-            liveness_ms: args.liveness_ms,
-            ..Default::default()
+            safety_ms: args.safety_ms.unwrap_or(default.safety_ms),
+            liveness_ms: args.liveness_ms.unwrap_or(default.liveness_ms),
+            ..default
         },
         transition_to: args.transition_to.as_deref().map(sim_protocol).transpose()?,
         ..tessera_sim::SimConfig::new(protocol)
@@ -1024,6 +1035,79 @@ fn simulate(args: SimArgs) -> Result<(), String> {
     let reads: Vec<String> =
         strong_reads.iter().map(|(replica, count)| format!("n{replica}={count}")).collect();
     println!("  strong reads received per replica: {}", reads.join(" "));
+    if failed > 0 {
+        return Err(format!("{failed} of {runs} seeds violated a checked property"));
+    }
+    Ok(())
+}
+
+/// `tessera sim --groups G`: slot migrations between groups under faults
+/// (docs/PROTOCOLS.md, "Slot migration").
+fn simulate_groups(args: &SimArgs, protocol: tessera_protocol::Mode) -> Result<(), String> {
+    if !protocol.strong {
+        return Err(format!("--groups runs strong protocols (chain, quorum); {protocol} is not one"));
+    }
+    if args.transition_to.is_some() || args.workload != "registers" {
+        return Err("--groups runs the registers workload, without --transition-to".into());
+    }
+    if args.replicas as u64 > u64::from(args.nodes) || args.clients == 0 || args.replicas == 0 {
+        return Err("--groups needs --replicas between 1 and --nodes, and a client".into());
+    }
+    let default = tessera_sim::groups::GroupsConfig::new(protocol);
+    let config = tessera_sim::groups::GroupsConfig {
+        nodes: args.nodes,
+        groups: args.groups,
+        replicas: args.replicas as usize,
+        clients: args.clients,
+        // Of those asked for, the faults this simulation injects.
+        faults: tessera_sim::FaultKind::parse_list(&args.faults)?
+            .intersection(&default.faults)
+            .copied()
+            .collect(),
+        timing: tessera_sim::RunTiming {
+            safety_ms: args.safety_ms.unwrap_or(default.timing.safety_ms),
+            liveness_ms: args.liveness_ms.unwrap_or(default.timing.liveness_ms),
+            ..default.timing
+        },
+        ..default
+    };
+    let name = format!("{protocol} --groups {} --nodes {}", args.groups, args.nodes);
+    let seeds = match args.seed {
+        Some(seed) => seed..seed + 1,
+        None => args.first_seed..args.first_seed + args.seeds,
+    };
+    let started = std::time::Instant::now();
+    let (mut runs, mut failed, mut inconclusive, mut migrations, mut completed, mut unknown) =
+        (0u64, 0, 0, 0, 0, 0);
+    for seed in seeds {
+        let report = tessera_sim::groups::run(seed, &config);
+        runs += 1;
+        migrations += report.migrations_completed;
+        completed += report.completed;
+        unknown += report.unknown;
+        inconclusive += u64::from(report.inconclusive);
+        if args.seed.is_some() {
+            println!("seed {seed}: faults {}", report.faults.describe());
+            for line in &report.log {
+                println!("  {line}");
+            }
+        }
+        if !report.violations.is_empty() {
+            failed += 1;
+            println!("FAIL seed {seed} faults {}", report.faults.describe());
+            for violation in &report.violations {
+                println!("  {violation}");
+            }
+            println!("  replay: tessera sim --protocol {name} --seed {seed}");
+        }
+    }
+    println!(
+        "{name}: {runs} seeds in {:.1}s, {failed} failed, {inconclusive} inconclusive",
+        started.elapsed().as_secs_f64()
+    );
+    println!(
+        "  migrations completed {migrations}, operations completed {completed}, unknown outcome {unknown}"
+    );
     if failed > 0 {
         return Err(format!("{failed} of {runs} seeds violated a checked property"));
     }
