@@ -14,8 +14,8 @@ use tessera_protocol::migration::MigrationReport;
 use tessera_wire::slot::SLOTS;
 
 use crate::map::{
-    ClusterMap, ClusterTable, MapError, Migration, MigrationPhase, NodeInfo, NodeRole, ReplicaMove, Shard,
-    DEFAULT_TABLE,
+    ClusterMap, ClusterTable, MapError, Migration, MigrationPhase, NodeInfo, NodeRole, OpenSlot, ReplicaMove,
+    Shard, DEFAULT_TABLE,
 };
 
 /// How long a migration's cut may hold its source's writes before it is
@@ -62,6 +62,21 @@ fn shard_config(timing: Timing, mode: Mode, replicas: usize) -> CoordinatorConfi
         failure_timeout_ms: timing.failure_timeout_ms,
         admission: mode.admission(replicas),
     }
+}
+
+/// What CLUSTER SETSLOT (or MIGRATE) asks of a slot, sent to a node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotCommand {
+    /// The node is to receive the slot from `source`.
+    Importing { source: u32 },
+    /// The node, heading the slot's group, is to send it to `target`.
+    Migrating { target: u32 },
+    /// MIGRATE to `target`: the open slot may cut over.
+    Commit { target: u32 },
+    /// The slot is to be `owner`'s: committed, opened first if need be.
+    Node { owner: u32 },
+    /// Closes the slot, cancelling a move that has not cut over.
+    Stable,
 }
 
 pub struct ClusterCoordinator {
@@ -351,6 +366,21 @@ impl ClusterCoordinator {
     /// `to` of the same table; returns the migration's id. Refused while
     /// either shard switches modes or takes part in another migration.
     pub fn start_migration(&mut self, from: u32, to: u32, slots: Vec<(u16, u16)>) -> Result<u64, MapError> {
+        let open = self
+            .map
+            .open_slots
+            .iter()
+            .find(|open| slots.iter().any(|(first, last)| (*first..=*last).contains(&open.slot)));
+        if let Some(open) = open {
+            return Err(MapError::Invalid(format!(
+                "slot {} is open for CLUSTER SETSLOT; close it with CLUSTER SETSLOT {} STABLE first",
+                open.slot, open.slot
+            )));
+        }
+        self.begin_migration(from, to, slots)
+    }
+
+    fn begin_migration(&mut self, from: u32, to: u32, slots: Vec<(u16, u16)>) -> Result<u64, MapError> {
         for shard in [from, to] {
             if self.shards.get(&shard).is_some_and(ShardCoordinator::transitioning) {
                 return Err(MapError::Invalid(format!(
@@ -381,6 +411,7 @@ impl ClusterCoordinator {
         let migration = migration.ok_or_else(|| MapError::Invalid(format!("no migration {id} under way")))?;
         self.end_cut(&migration, now, "migration cancelled");
         self.map.migrations.retain(|other| other.id != id);
+        self.map.open_slots.retain(|open| open.migration != Some(id));
         self.forget_migration(id);
         self.map.epoch += 1;
         self.changed = true;
@@ -412,6 +443,7 @@ impl ClusterCoordinator {
     /// whose source drained and forwarded everything; gives up a cut that
     /// lost a first member or took too long.
     fn advance_migrations(&mut self, now: u64) {
+        self.start_open_slots();
         for migration in self.map.migrations.clone() {
             let report = self.migration_reports.get(&migration.id).map(|(report, _)| *report);
             let source = &self.shards[&migration.from];
@@ -419,7 +451,13 @@ impl ClusterCoordinator {
                 source.view().replicas.first().copied(),
                 self.shards[&migration.to].view().replicas.first().copied(),
             );
+            let uncommitted = self
+                .map
+                .open_slots
+                .iter()
+                .any(|open| open.migration == Some(migration.id) && !open.committed);
             match migration.phase {
+                MigrationPhase::Copying if uncommitted => {}
                 MigrationPhase::Copying => {
                     #[cfg(feature = "broken")]
                     if self.broken_without_cut && report.is_some_and(|report| report.caught_up) {
@@ -502,9 +540,143 @@ impl ClusterCoordinator {
             }
         }
         self.map.migrations.retain(|other| other.id != migration.id);
+        self.map.open_slots.retain(|open| open.migration != Some(migration.id));
         self.forget_migration(migration.id);
         self.map.epoch += 1;
         self.changed = true;
+    }
+
+    /// CLUSTER SETSLOT, and MIGRATE's commit, sent to `node`
+    /// (docs/ARCHITECTURE.md, "Redis Cluster's interface"). Refusals are
+    /// [`MapError::Slot`]s in Redis Cluster's words.
+    pub fn set_slot(&mut self, node: u32, slot: u16, command: SlotCommand, now: u64) -> Result<(), MapError> {
+        let refuse = |message: String| Err(MapError::Slot(message));
+        if usize::from(slot) >= SLOTS {
+            return refuse("Invalid or out of range slot".into());
+        }
+        let owner = self.map.shard_for_slot(slot).map(|shard| shard.id).expect("a valid map owns every slot");
+        let heads = |map: &ClusterMap, node: u32, shard: u32| {
+            map.shard(shard).and_then(|shard| shard.members.first()) == Some(&node)
+        };
+        let named = match command {
+            SlotCommand::Importing { source: other }
+            | SlotCommand::Migrating { target: other }
+            | SlotCommand::Node { owner: other }
+            | SlotCommand::Commit { target: other } => Some(other),
+            SlotCommand::Stable => None,
+        };
+        if let Some(other) = named.filter(|other| self.map.node(*other).is_none()) {
+            return refuse(format!("I don't know about node {other}"));
+        }
+        let open = self.map.open_slot(slot).cloned();
+        let opened = match command {
+            SlotCommand::Importing { .. } => {
+                if heads(&self.map, node, owner) {
+                    return refuse(format!("I'm already the owner of hash slot {slot}"));
+                }
+                let to = match open.as_ref().filter(|open| heads(&self.map, node, open.to)) {
+                    Some(open) => open.to,
+                    None => self.receiving_group(node, slot).ok_or_else(|| MapError::Slot(format!("I'm not a master: this node heads no replica group to import hash slot {slot} into")))?,
+                };
+                OpenSlot { slot, from: owner, to, importing: true, migrating: false, migration: None, committed: false }
+            }
+            SlotCommand::Migrating { target } => {
+                if !heads(&self.map, node, owner) {
+                    return refuse(format!("I'm not the owner of hash slot {slot}"));
+                }
+                let to = match open.as_ref().filter(|open| heads(&self.map, target, open.to)) {
+                    Some(open) => open.to,
+                    None => self.receiving_group(target, slot).ok_or_else(|| MapError::Slot("Target node is not a master".into()))?,
+                };
+                OpenSlot { slot, from: owner, to, importing: false, migrating: true, migration: None, committed: false }
+            }
+            SlotCommand::Commit { target } => match &open {
+                Some(open) if open.importing && open.migrating && heads(&self.map, target, open.to) => OpenSlot { committed: true, ..open.clone() },
+                _ => return refuse(format!("hash slot {slot} is not open from this node to node {target}: CLUSTER SETSLOT {slot} IMPORTING on it and MIGRATING here first")),
+            },
+            SlotCommand::Node { owner: new_owner } if heads(&self.map, new_owner, owner) => return self.close_slot(slot, now),
+            SlotCommand::Node { owner: new_owner } => {
+                let to = match open.as_ref().filter(|open| heads(&self.map, new_owner, open.to)) {
+                    Some(open) => open.to,
+                    None => self.receiving_group(new_owner, slot).ok_or_else(|| MapError::Slot("Target node is not a master".into()))?,
+                };
+                OpenSlot { slot, from: owner, to, importing: true, migrating: true, migration: None, committed: true }
+            }
+            SlotCommand::Stable => return self.close_slot(slot, now),
+        };
+        // The same move keeps its marks and its migration; another replaces it.
+        let opened = match open.filter(|open| open.to == opened.to) {
+            Some(same) => OpenSlot {
+                importing: opened.importing || same.importing,
+                migrating: opened.migrating || same.migrating,
+                committed: opened.committed || same.committed,
+                migration: same.migration,
+                ..opened
+            },
+            None => {
+                self.close_slot(slot, now)?;
+                opened
+            }
+        };
+        self.change_validated(|map| {
+            map.open_slots.retain(|other| other.slot != slot);
+            map.open_slots.push(opened);
+        })?;
+        self.advance_migrations(now);
+        Ok(())
+    }
+
+    /// The group of `node`'s that is to receive `slot`: one that owns a
+    /// neighbouring slot (a range grows rather than splits), else the one
+    /// with the fewest slots.
+    fn receiving_group(&self, node: u32, slot: u16) -> Option<u32> {
+        let headed: Vec<&Shard> = self.map.headed_by(node).collect();
+        let neighbour = headed.iter().find(|shard| {
+            slot.checked_sub(1).is_some_and(|below| shard.owns(below)) || shard.owns(slot.saturating_add(1))
+        });
+        let slot_count = |shard: &Shard| {
+            shard.slots.iter().map(|(first, last)| usize::from(last - first) + 1).sum::<usize>()
+        };
+        neighbour
+            .or_else(|| headed.iter().min_by_key(|shard| (slot_count(shard), shard.id)))
+            .map(|shard| shard.id)
+    }
+
+    /// Closes an open slot, cancelling its migration if it has one.
+    fn close_slot(&mut self, slot: u16, now: u64) -> Result<(), MapError> {
+        let Some(open) = self.map.open_slot(slot).cloned() else {
+            return Ok(());
+        };
+        match open.migration {
+            Some(id) => self.cancel_migration(id, now),
+            None => self.change_validated(|map| map.open_slots.retain(|other| other.slot != slot)),
+        }
+    }
+
+    /// Starts the migration of every slot opened at both ends, as soon as
+    /// neither group takes part in another.
+    fn start_open_slots(&mut self) {
+        let ready: Vec<OpenSlot> = self
+            .map
+            .open_slots
+            .iter()
+            .filter(|open| open.importing && open.migrating && open.migration.is_none())
+            .cloned()
+            .collect();
+        for open in ready {
+            if let Ok(id) = self.begin_migration(open.from, open.to, vec![(open.slot, open.slot)]) {
+                tracing::info!(
+                    slot = open.slot,
+                    from = open.from,
+                    to = open.to,
+                    migration = id,
+                    "an open slot starts moving"
+                );
+                if let Some(entry) = self.map.open_slots.iter_mut().find(|entry| entry.slot == open.slot) {
+                    entry.migration = Some(id);
+                }
+            }
+        }
     }
 
     fn set_phase(&mut self, id: u64, phase: MigrationPhase) {
@@ -1147,6 +1319,89 @@ mod migration_tests {
         assert!(map.shard(0).unwrap().owns(0));
         assert!(restarted.cancel_migration(id, 50).is_err(), "no such migration any more");
         assert_eq!(restarted.start_migration(0, 3, vec![(0, 9)]).unwrap(), id + 1, "ids are never reused");
+    }
+
+    /// Moves migration `id` (of shard `from`) through its cut.
+    fn cut_over(coordinator: &mut ClusterCoordinator, now: u64, from: u32, id: u64) {
+        let caught_up = MigrationReport { id, caught_up: true, ..MigrationReport::default() };
+        beat_all(coordinator, now, from, false, caught_up);
+        assert_eq!(coordinator.map().migrations[0].phase, MigrationPhase::Cutting);
+        let view = coordinator.map().shard(from).unwrap().view_number;
+        let forwarded = MigrationReport { forwarded_in: Some(view), ..caught_up };
+        beat_all(coordinator, now + 10, from, true, forwarded);
+    }
+
+    #[test]
+    fn redis_resharding_opens_a_slot_copies_it_and_cuts_over_only_once_committed() {
+        let mut coordinator = cluster();
+        // Six groups on three nodes: node 0 heads shards 0 and 3, node 1
+        // shards 1 and 4. Slot 0 is shard 0's.
+        let refused = |coordinator: &mut ClusterCoordinator, node, slot, command| {
+            coordinator.set_slot(node, slot, command, 1).unwrap_err().to_string()
+        };
+        assert_eq!(
+            refused(&mut coordinator, 1, 0, SlotCommand::Migrating { target: 0 }),
+            "I'm not the owner of hash slot 0"
+        );
+        assert_eq!(
+            refused(&mut coordinator, 0, 0, SlotCommand::Importing { source: 1 }),
+            "I'm already the owner of hash slot 0"
+        );
+        assert_eq!(
+            refused(&mut coordinator, 0, 0, SlotCommand::Migrating { target: 9 }),
+            "I don't know about node 9"
+        );
+        assert_eq!(refused(&mut coordinator, 0, 16384, SlotCommand::Stable), "Invalid or out of range slot");
+        assert!(refused(&mut coordinator, 0, 0, SlotCommand::Commit { target: 1 }).contains("not open"));
+
+        coordinator.set_slot(1, 0, SlotCommand::Importing { source: 0 }, 1).unwrap();
+        let open = coordinator.map().open_slot(0).cloned().unwrap();
+        assert_eq!(
+            (open.from, open.to, open.importing, open.migrating),
+            (0, 1, true, false),
+            "the target's group with the fewest slots"
+        );
+        assert!(coordinator.map().migrations.is_empty(), "one mark moves nothing");
+        let err = coordinator.start_migration(0, 3, vec![(0, 9)]).unwrap_err();
+        assert!(err.to_string().contains("STABLE"), "{err}");
+
+        coordinator.set_slot(0, 0, SlotCommand::Migrating { target: 1 }, 2).unwrap();
+        let id = coordinator.map().open_slot(0).unwrap().migration.expect("both marks start the copy");
+        assert_eq!(coordinator.map().migrations[0].slots, vec![(0, 0)]);
+        let caught_up = MigrationReport { id, caught_up: true, ..MigrationReport::default() };
+        beat_all(&mut coordinator, 10, 0, false, caught_up);
+        assert_eq!(coordinator.map().migrations[0].phase, MigrationPhase::Copying, "no cut before a commit");
+
+        // A restarted coordinator keeps the open slot; MIGRATE commits it.
+        let map = coordinator.take_changed_map().unwrap();
+        let mut coordinator =
+            ClusterCoordinator::new(map, Timing { lease_ms: 200, failure_timeout_ms: 150 }, 20);
+        coordinator.set_slot(0, 0, SlotCommand::Commit { target: 1 }, 20).unwrap();
+        cut_over(&mut coordinator, 30, 0, id);
+        let map = coordinator.map();
+        assert!(map.shard(1).unwrap().owns(0) && !map.shard(0).unwrap().owns(0));
+        assert!(map.open_slots.is_empty() && map.migrations.is_empty(), "moving closes the slot");
+        coordinator.set_slot(2, 0, SlotCommand::Node { owner: 1 }, 50).unwrap();
+        assert!(coordinator.map().migrations.is_empty(), "already node 1's: nothing to do");
+
+        // The next slot joins the range it borders, not the smaller group.
+        coordinator.set_slot(1, 1, SlotCommand::Importing { source: 0 }, 60).unwrap();
+        assert_eq!(coordinator.map().open_slot(1).unwrap().to, 1);
+        coordinator.set_slot(0, 1, SlotCommand::Migrating { target: 1 }, 60).unwrap();
+        assert_eq!(coordinator.map().migrations.len(), 1);
+        coordinator.set_slot(1, 1, SlotCommand::Stable, 70).unwrap();
+        assert!(
+            coordinator.map().open_slots.is_empty() && coordinator.map().migrations.is_empty(),
+            "STABLE cancels"
+        );
+        assert!(coordinator.map().shard(0).unwrap().owns(1));
+
+        // SETSLOT NODE alone opens, commits and moves the slot.
+        coordinator.set_slot(2, 5, SlotCommand::Node { owner: 1 }, 80).unwrap();
+        let id = coordinator.map().open_slot(5).unwrap().migration.unwrap();
+        cut_over(&mut coordinator, 90, 0, id);
+        assert!(coordinator.map().shard(4).unwrap().owns(5), "node 1's group with the fewest slots now");
+        coordinator.map().validate().unwrap();
     }
 }
 

@@ -18,6 +18,9 @@ pub enum MapError {
     TooFewNodes { nodes: usize, replicas: usize },
     #[error("user {0} changed meanwhile")]
     UserChanged(String),
+    /// A resharding command refused, in the words Redis Cluster uses.
+    #[error("{0}")]
+    Slot(String),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -181,6 +184,23 @@ impl Migration {
     }
 }
 
+/// A slot opened by Redis Cluster's resharding commands (docs/ARCHITECTURE.md,
+/// "Redis Cluster's interface"): CLUSTER SETSLOT IMPORTING on the target's
+/// head and MIGRATING on the source's. With both marks a migration of the
+/// slot starts; its cut waits until MIGRATE or SETSLOT NODE commits it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpenSlot {
+    pub slot: u16,
+    /// The default table's shard that owns the slot.
+    pub from: u32,
+    pub to: u32,
+    pub importing: bool,
+    pub migrating: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration: Option<u64>,
+    pub committed: bool,
+}
+
 /// A replica of a shard on its way from one node to another: the new one
 /// joins as the shard's protocol admits a node, then the old one leaves.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -217,6 +237,9 @@ pub struct ClusterMap {
     /// Replicas moving between nodes; a shard moves one at a time.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub replica_moves: Vec<ReplicaMove>,
+    /// Slots opened by CLUSTER SETSLOT, one entry per slot.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub open_slots: Vec<OpenSlot>,
 }
 
 fn first_migration_id() -> u64 {
@@ -305,6 +328,7 @@ impl ClusterMap {
             migrations: Vec::new(),
             next_migration: first_migration_id(),
             replica_moves: Vec::new(),
+            open_slots: Vec::new(),
         };
         map.validate()?;
         Ok(map)
@@ -354,6 +378,15 @@ impl ClusterMap {
     /// The migration a shard takes part in, as source or target.
     pub fn migration_of(&self, shard: u32) -> Option<&Migration> {
         self.migrations.iter().find(|migration| migration.from == shard || migration.to == shard)
+    }
+
+    pub fn open_slot(&self, slot: u16) -> Option<&OpenSlot> {
+        self.open_slots.iter().find(|open| open.slot == slot)
+    }
+
+    /// The default table's shards `node` heads.
+    pub fn headed_by(&self, node: u32) -> impl Iterator<Item = &Shard> {
+        self.slot_shards().filter(move |shard| shard.members.first() == Some(&node))
     }
 
     pub fn table(&self, name: &str) -> Option<&ClusterTable> {
@@ -498,6 +531,29 @@ impl ClusterMap {
             });
             if migration.slots.is_empty() || !moved {
                 return invalid(format!("migration {} moves slots its source does not own", migration.id));
+            }
+        }
+        let mut opened = BTreeSet::new();
+        for open in &self.open_slots {
+            let (slot, from, to) = (open.slot, self.shard(open.from), self.shard(open.to));
+            let default_shards =
+                [from, to].iter().all(|shard| shard.is_some_and(|shard| shard.table == DEFAULT_TABLE));
+            if !opened.insert(slot)
+                || !default_shards
+                || open.from == open.to
+                || !from.is_some_and(|from| from.owns(slot))
+            {
+                return invalid(format!("open slot {slot} must be owned by its source, a default-table shard other than its target, once"));
+            }
+            let migration =
+                open.migration.map(|id| self.migrations.iter().find(|migration| migration.id == id));
+            if migration.is_some_and(|migration| {
+                migration.is_none_or(|migration| {
+                    (migration.from, migration.to, migration.slots.as_slice())
+                        != (open.from, open.to, &[(slot, slot)][..])
+                })
+            }) {
+                return invalid(format!("open slot {slot} names a migration that does not move it"));
             }
         }
         let mut moving = BTreeSet::new();
