@@ -45,7 +45,7 @@ use tokio::sync::{watch, Semaphore};
 use crate::auth::{
     from_hex, to_hex, ClusterSecret, Transcript, ADMIN, COORDINATOR, NONCE_BYTES, PROOF_BYTES,
 };
-use crate::coordinator::{ClusterCoordinator, JoinError, Timing};
+use crate::coordinator::{ClusterCoordinator, JoinError, SlotCommand, Timing};
 use crate::map::{ClusterMap, ClusterTable, MapError, MigrationPhase};
 use crate::store::{MetadataStore, StoreError};
 use crate::tls::{self, MaybeTls, PeerTls};
@@ -437,6 +437,7 @@ async fn answer(state: &Arc<Mutex<State>>, session: &mut Session, args: &[Vec<u8
             change_map(state, |coordinator, now| coordinator.cancel_migration(id, now)).map(|_| out.ok())
         }),
         b"COORD.MOVE-REPLICA" if args.len() == 4 => move_replica(state, args, out),
+        b"COORD.SETSLOT" if args.len() == 4 || args.len() == 5 => set_slot(state, session, args, out),
         b"COORD.REMOVE-NODE" if args.len() == 2 => number(&args[1], "node").and_then(|node| {
             change_map(state, |coordinator, _| coordinator.remove_node(node)).map(|_| out.ok())
         }),
@@ -461,6 +462,7 @@ async fn answer(state: &Arc<Mutex<State>>, session: &mut Session, args: &[Vec<u8
         | b"COORD.MIGRATE-CANCEL"
         | b"COORD.MIGRATIONS"
         | b"COORD.MOVE-REPLICA"
+        | b"COORD.SETSLOT"
         | b"COORD.REMOVE-NODE"
         | b"COORD.ACL-SETUSER"
         | b"COORD.ACL-DELUSER" => Err(Refused::WrongArity(text(&args[0]).to_ascii_lowercase())),
@@ -695,6 +697,32 @@ fn start_migration(
         Ok(())
     })?;
     out.integer(id as i64);
+    Ok(())
+}
+
+/// `COORD.SETSLOT node slot IMPORTING|MIGRATING|COMMIT|NODE other-node` or
+/// `COORD.SETSLOT node slot STABLE`: CLUSTER SETSLOT (or MIGRATE's commit)
+/// as node `node` was sent it, from that node's session.
+fn set_slot(
+    state: &Arc<Mutex<State>>,
+    session: &Session,
+    args: &[Vec<u8>],
+    out: &mut ReplyWriter,
+) -> Result<(), Refused> {
+    let node: u32 = number(&args[1], "node")?;
+    session.check_node(node)?;
+    let slot: u16 = number(&args[2], "slot")?;
+    let other = || args.get(4).map_or(Err(Refused::NotANumber("node")), |other| number(other, "node"));
+    let command = match (args[3].to_ascii_uppercase().as_slice(), args.len()) {
+        (b"IMPORTING", 5) => SlotCommand::Importing { source: other()? },
+        (b"MIGRATING", 5) => SlotCommand::Migrating { target: other()? },
+        (b"COMMIT", 5) => SlotCommand::Commit { target: other()? },
+        (b"NODE", 5) => SlotCommand::Node { owner: other()? },
+        (b"STABLE", 4) => SlotCommand::Stable,
+        _ => return Err(Refused::WrongArity("coord.setslot".into())),
+    };
+    change_map(state, |coordinator, now| coordinator.set_slot(node, slot, command, now))?;
+    out.ok();
     Ok(())
 }
 

@@ -68,6 +68,9 @@ pub enum CommandError {
     Moved { slot: u16, address: String },
     #[error("CROSSSLOT {0}")]
     CrossSlot(String),
+    /// MIGRATE's keys did not reach their target in time.
+    #[error("IOERR {0}")]
+    Timeout(String),
     /// The coordinator could not be asked.
     #[error("TRYAGAIN {0}")]
     Coordinator(#[from] AgentError),

@@ -10,6 +10,7 @@
 mod admin;
 mod forward;
 mod placement;
+mod reshard;
 mod serve;
 mod upkeep;
 

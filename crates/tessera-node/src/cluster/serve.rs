@@ -57,6 +57,7 @@ pub async fn serve(
         Scope::TableRange => serve_table_range(cluster, context, request, forwarder).await,
         Scope::Tables => serve_tables(cluster, context, request).await,
         Scope::Users => serve_users(cluster, context, spec, request).await,
+        Scope::Resharding => serve_resharding(cluster, context, spec, request).await,
         Scope::NodeWide => serve_node_wide(cluster, context, spec, request),
         Scope::Flush => return serve_flush(cluster, context, request),
         Scope::Keys | Scope::WrappedRead => {
@@ -105,6 +106,27 @@ async fn serve_users(
     }
     let mark = context.out.len();
     if let Err(error) = cluster.change_users(context.node, request, context.out).await {
+        context.out.truncate(mark);
+        error.write(context.out);
+    }
+}
+
+/// MIGRATE and CLUSTER's resharding subcommands through the coordinator; the
+/// rest of CLUSTER from this node's map.
+async fn serve_resharding(
+    cluster: &ClusterNode,
+    context: &mut Context<'_>,
+    spec: &CommandSpec,
+    request: &Request<'_>,
+) {
+    let resharding = is(request.arg(0), "migrate")
+        || ["setslot", "getkeysinslot", "countkeysinslot"].iter().any(|name| is(request.arg(1), name));
+    if !resharding {
+        dispatch_admitted(context, spec, request);
+        return;
+    }
+    let mark = context.out.len();
+    if let Err(error) = cluster.resharding_command(request, context.now_ms, context.out).await {
         context.out.truncate(mark);
         error.write(context.out);
     }

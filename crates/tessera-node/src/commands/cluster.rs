@@ -21,7 +21,8 @@ use crate::membership::Membership;
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
-    CommandSpec { name: "cluster", arity: -2, flags: &[], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: cluster },
+    CommandSpec { name: "cluster", arity: -2, flags: &[], first_key: 0, last_key: 0, step: 0, scope: Scope::Resharding, handler: cluster },
+    CommandSpec { name: "migrate", arity: -6, flags: &["write", "movablekeys"], first_key: 3, last_key: 3, step: 1, scope: Scope::Resharding, handler: migrate },
     CommandSpec { name: "readonly", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: connection_mode },
     CommandSpec { name: "readwrite", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: connection_mode },
     CommandSpec { name: "asking", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: connection_mode },
@@ -75,6 +76,13 @@ fn cluster(context: &mut Context, request: &Request) -> CommandResult {
         }
     }
     Ok(())
+}
+
+/// MIGRATE on a node outside a cluster (a cluster node serves it as
+/// resharding).
+fn migrate(context: &mut Context, _request: &Request) -> CommandResult {
+    member_of_cluster(context)?;
+    Err(CommandError::Other("MIGRATE is served through the cluster".into()))
 }
 
 fn relay_refused() -> CommandError {
@@ -196,18 +204,29 @@ fn shards(context: &mut Context, map: &ClusterMap) {
     }
 }
 
+/// The master CLUSTER NODES shows `node` replicating: none if it heads a
+/// shard, else the head of the first shard it follows.
+pub fn shown_master(map: &ClusterMap, node: u32) -> Option<u32> {
+    if map.headed_by(node).next().is_some() {
+        return None;
+    }
+    let followed = map.slot_shards().find(|shard| shard.members.iter().skip(1).any(|id| *id == node))?;
+    followed.members.first().copied()
+}
+
 /// CLUSTER NODES: one line per node; a node is the master of the shards it
-/// heads and otherwise a replica of the first shard it follows.
+/// heads and otherwise a replica of the first shard it follows. Its own line
+/// shows the slots it is migrating (`[slot->-target]`) or importing
+/// (`[slot-<-source]`), as Redis does.
 fn nodes(map: &ClusterMap, me: u32, tls: bool) -> String {
     let mut text = String::new();
+    let head = |shard: u32| map.shard(shard).and_then(|shard| shard.members.first()).copied();
     for node in &map.nodes {
-        let headed: Vec<_> =
-            map.slot_shards().filter(|shard| shard.members.first() == Some(&node.id)).collect();
-        let followed = map.slot_shards().find(|shard| shard.members.iter().skip(1).any(|id| *id == node.id));
+        let headed: Vec<_> = map.headed_by(node.id).collect();
         let myself = if node.id == me { "myself," } else { "" };
-        let (role, master) = match (headed.is_empty(), followed.and_then(|shard| shard.members.first())) {
-            (true, Some(head)) => ("slave", node_name(map, *head)),
-            _ => ("master", "-".to_string()),
+        let (role, master) = match shown_master(map, node.id) {
+            Some(head) => ("slave", node_name(map, head)),
+            None => ("master", "-".to_string()),
         };
         let (host, port) = host_port(node.client_address(tls));
         // The peer port is the plain client port's, TLS or not.
@@ -224,6 +243,15 @@ fn nodes(map: &ClusterMap, me: u32, tls: bool) -> String {
                 } else {
                     text.push_str(&format!(" {first}-{last}"));
                 }
+            }
+        }
+        for open in map.open_slots.iter().filter(|_| node.id == me) {
+            let (Some(source), Some(target)) = (head(open.from), head(open.to)) else { continue };
+            if open.migrating && source == me {
+                text.push_str(&format!(" [{}->-{}]", open.slot, node_name(map, target)));
+            }
+            if open.importing && target == me {
+                text.push_str(&format!(" [{}-<-{}]", open.slot, node_name(map, source)));
             }
         }
         text.push('\n');
@@ -264,7 +292,7 @@ fn info(map: &ClusterMap, me: u32) -> String {
 }
 
 /// READONLY and READWRITE choose where this connection's reads go; ASKING is
-/// accepted (slots never migrate between shards here, so ASK is never sent).
+/// accepted (a slot's keys move together, at its cut, so ASK is never sent).
 /// Each marks the connection as a cluster client.
 fn connection_mode(context: &mut Context, request: &Request) -> CommandResult {
     member_of_cluster(context)?;

@@ -186,14 +186,19 @@ struct ScanFilter<'a> {
 
 impl ScanFilter<'_> {
     fn accepts(&self, key: &[u8], raw: bytes::Bytes, now_ms: u64) -> bool {
-        if reserved::is_reserved(key) {
-            return false;
-        }
-        let Ok(stored) = Stored::decode(raw) else { return false };
-        !stored.is_expired(now_ms)
-            && self.kind.is_none_or(|kind| kind == stored.kind)
+        live_kind(key, raw, now_ms).is_some_and(|kind| self.kind.is_none_or(|wanted| wanted == kind))
             && self.pattern.is_none_or(|pattern| glob_match(pattern, key))
     }
+}
+
+/// The type of a key as an engine holds it, unless it is one of Tessera's
+/// own (reserved) entries or has expired.
+pub fn live_kind(key: &[u8], raw: bytes::Bytes, now_ms: u64) -> Option<Kind> {
+    if reserved::is_reserved(key) {
+        return None;
+    }
+    let stored = Stored::decode(raw).ok()?;
+    (!stored.is_expired(now_ms)).then_some(stored.kind)
 }
 
 /// SCAN walks the tables in name order, each with its engine's own cursor. The

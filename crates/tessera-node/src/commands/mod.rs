@@ -2,11 +2,11 @@
 //! its commands in a `COMMANDS` table; adding a command is a handler and a row.
 
 pub mod acl;
-mod cluster;
+pub mod cluster;
 mod connection;
 pub mod consistency;
 mod hashes;
-mod keys;
+pub mod keys;
 mod server;
 mod sorted_sets;
 mod strings;
@@ -165,6 +165,10 @@ pub enum Scope {
     /// ACL: the cluster's users, changed through the coordinator and read
     /// from this node's copy.
     Users,
+    /// Redis Cluster's resharding (MIGRATE, CLUSTER SETSLOT and the key
+    /// counts by slot) through the coordinator; the rest of CLUSTER from
+    /// this node's map.
+    Resharding,
 }
 
 /// One command: how it is called and where its keys are (for COMMAND, which

@@ -37,10 +37,11 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
         let uptime = node.started.elapsed().as_secs();
         let _ = write!(
             text,
-            "# Server\r\nredis_version:{REDIS_COMPATIBLE_VERSION}\r\ntessera_version:{}\r\nredis_mode:standalone\r\n\
+            "# Server\r\nredis_version:{REDIS_COMPATIBLE_VERSION}\r\ntessera_version:{}\r\nredis_mode:{}\r\n\
              os:{}\r\narch_bits:64\r\nprocess_id:{}\r\ntcp_port:{}\r\nuptime_in_seconds:{uptime}\r\n\
              uptime_in_days:{}\r\nexecutable:tessera\r\n\r\n",
             env!("CARGO_PKG_VERSION"),
+            if context.cluster.is_some() { "cluster" } else { "standalone" },
             std::env::consts::OS,
             std::process::id(),
             node.config.port,
@@ -83,6 +84,9 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
             node.worker_total(|worker| &worker.keyspace_hits),
             node.worker_total(|worker| &worker.keyspace_misses),
         );
+    }
+    if include("cluster") {
+        let _ = write!(text, "# Cluster\r\ncluster_enabled:{}\r\n\r\n", u8::from(context.cluster.is_some()));
     }
     let tables = context.tables.by_name();
     if include("keyspace") {
