@@ -37,14 +37,11 @@ fn integer(arg: &[u8]) -> CommandResult<i64> {
 }
 
 /// The node a Redis Cluster node name (as CLUSTER NODES shows it) stands for.
-fn node_named(map: &ClusterMap, name: &[u8]) -> CommandResult<u32> {
+fn node_named(map: &ClusterMap, name: &[u8]) -> Option<u32> {
     map.nodes
         .iter()
         .find(|node| node_name(map, node.id).as_bytes().eq_ignore_ascii_case(name))
         .map(|node| node.id)
-        .ok_or_else(|| {
-            CommandError::Other(format!("I don't know about node {}", String::from_utf8_lossy(name)))
-        })
 }
 
 fn heads(shard: &Shard, node: u32) -> bool {
@@ -91,10 +88,23 @@ impl ClusterNode {
             .ok_or_else(|| CommandError::Other("Invalid or out of range slot".into()))?;
         let action = request.arg(3);
         let map = self.map()?;
+        // Checked here first, in Redis's order; the coordinator checks again.
+        let mine = map.shard_for_slot(slot).is_some_and(|owner| heads(owner, self.agent.node_id()));
+        if is(action, "importing") && mine {
+            return Err(CommandError::Other(format!("I'm already the owner of hash slot {slot}")));
+        }
+        if is(action, "migrating") && !mine {
+            return Err(CommandError::Other(format!("I'm not the owner of hash slot {slot}")));
+        }
+        let named = || {
+            let name = request.arg(4);
+            node_named(&map, name).ok_or_else(|| {
+                let unknown = if is(action, "node") { "Unknown node" } else { "I don't know about node" };
+                CommandError::Other(format!("{unknown} {}", String::from_utf8_lossy(name)))
+            })
+        };
         let other = match request.len() {
-            5 if ["importing", "migrating", "node"].iter().any(|word| is(action, word)) => {
-                Some(node_named(&map, request.arg(4))?)
-            }
+            5 if ["importing", "migrating", "node"].iter().any(|word| is(action, word)) => Some(named()?),
             4 if is(action, "stable") => None,
             _ => {
                 return Err(CommandError::Other(
@@ -135,10 +145,11 @@ impl ClusterNode {
         &self,
         request: &Request<'_>,
         now_ms: u64,
+        tls: bool,
         out: &mut ReplyWriter,
     ) -> CommandResult {
         if is(request.arg(0), "migrate") {
-            return self.migrate(request, now_ms, out).await;
+            return self.migrate(request, now_ms, tls, out).await;
         }
         let subcommand = request.arg(1);
         let arity_ok = match () {
@@ -148,7 +159,7 @@ impl ClusterNode {
         };
         if !arity_ok {
             let name = String::from_utf8_lossy(subcommand).to_ascii_lowercase();
-            return Err(CommandError::SubcommandSyntax(name, "CLUSTER"));
+            return Err(CommandError::WrongArity(format!("cluster|{name}")));
         }
         if is(subcommand, "setslot") {
             return self.set_slot(request, out).await;
@@ -210,51 +221,69 @@ impl ClusterNode {
 
     /// `MIGRATE host port key|"" db timeout [COPY] [REPLACE] [AUTH password]
     /// [AUTH2 user password] [KEYS key...]` to a node of this cluster whose
-    /// group imports the keys' slots: commits each slot's move and answers
-    /// once the slots have moved, every key of them with them; `NOKEY` if
-    /// none of the keys is here.
-    pub async fn migrate(&self, request: &Request<'_>, now_ms: u64, out: &mut ReplyWriter) -> CommandResult {
+    /// group imports the keys' slot: commits the slot's move and answers once
+    /// the slot has moved, every key of it with it; `NOKEY` if none of the
+    /// keys is here. Routed first, as Redis routes it: keys of several slots
+    /// are `CROSSSLOT`, and a slot neither this node's nor open is `MOVED`.
+    pub async fn migrate(
+        &self,
+        request: &Request<'_>,
+        now_ms: u64,
+        tls: bool,
+        out: &mut ReplyWriter,
+    ) -> CommandResult {
+        let keys_at = (6..request.len()).find(|index| is(request.arg(*index), "keys"));
+        let keys: Vec<&[u8]> = match keys_at {
+            Some(index) => request.args().skip(index + 1).collect(),
+            None => vec![request.arg(3)],
+        };
+        let map = self.map()?;
+        let me = self.agent.node_id();
+        let slots: BTreeSet<u16> = keys.iter().map(|key| key_slot(key) as u16).collect();
+        if slots.len() > 1 {
+            return Err(CommandError::CrossSlot("Keys in request don't hash to the same slot".into()));
+        }
+        let owner = slots.first().and_then(|slot| map.shard_for_slot(*slot));
+        if let (Some(slot), Some(owner)) = (slots.first(), owner) {
+            let head = owner.members.first().and_then(|head| map.node(*head));
+            if let Some(head) = head.filter(|_| !heads(owner, me) && map.open_slot(*slot).is_none()) {
+                return Err(CommandError::Moved {
+                    slot: *slot,
+                    address: head.client_address(tls).to_string(),
+                });
+            }
+        }
         let port = integer(request.arg(2))?;
         let database = integer(request.arg(4))?;
         let timeout = integer(request.arg(5))?;
-        let mut keys = vec![request.arg(3)];
         let mut copy = false;
         let mut index = 6;
-        while index < request.len() {
+        while index < keys_at.unwrap_or(request.len()) {
             let option = request.arg(index);
             if is(option, "copy") {
                 copy = true;
-            } else if is(option, "replace") {
-                // The target holds none of a slot it imports.
             } else if is(option, "auth") || is(option, "auth2") {
                 // The target is reached over the cluster's own links.
                 index += if is(option, "auth") { 1 } else { 2 };
                 if index >= request.len() {
                     return Err(CommandError::Syntax);
                 }
-            } else if is(option, "keys") {
-                if !request.arg(3).is_empty() {
-                    return Err(CommandError::Other(
-                        "When using MIGRATE KEYS option, the key argument must be set to the empty string"
-                            .into(),
-                    ));
-                }
-                keys = request.args().skip(index + 1).collect();
-                break;
-            } else {
+            } else if !is(option, "replace") {
+                // REPLACE changes nothing: the target holds none of a slot it imports.
                 return Err(CommandError::Syntax);
             }
             index += 1;
+        }
+        if keys_at.is_some() && !request.arg(3).is_empty() {
+            return Err(CommandError::Other(
+                "When using MIGRATE KEYS option, the key argument must be set to the empty string".into(),
+            ));
         }
         if copy {
             return Err(CommandError::Other(
                 "MIGRATE COPY is not supported: a Tessera cluster moves a slot's keys together, and a copy kept here would sit in a slot this node no longer serves".into(),
             ));
         }
-        if database != 0 {
-            return Err(CommandError::Other("a cluster has only database 0".into()));
-        }
-        let map = self.map()?;
         let destination = format!("{}:{port}", String::from_utf8_lossy(request.arg(1)));
         let target = map
             .nodes
@@ -265,30 +294,35 @@ impl ClusterNode {
                     "MIGRATE to {destination}: not a node of this cluster (Tessera moves keys between the groups of one cluster)"
                 ))
             })?;
-        let me = self.agent.node_id();
-        let mut slots = BTreeSet::new();
-        for key in keys {
-            let slot = key_slot(key) as u16;
-            let Some(owner) = map.shard_for_slot(slot).filter(|owner| heads(owner, me)) else {
-                continue; // not here (or already moved)
-            };
-            let engine = self.agent.engine(owner.id);
-            let raw = match engine {
-                Some(engine) => CapturingView::new(engine).get(key)?,
-                None => None,
-            };
-            if raw.is_some_and(|raw| live_kind(key, raw, now_ms).is_some()) {
-                slots.insert(slot);
+        if database != 0 {
+            return Err(CommandError::Other(
+                "Target instance replied with error: ERR SELECT is not allowed in cluster mode".into(),
+            ));
+        }
+        let here = owner.filter(|owner| heads(owner, me)).and_then(|owner| self.agent.engine(owner.id));
+        let mut present = false;
+        if let Some(engine) = here {
+            let view = CapturingView::new(engine);
+            for key in &keys {
+                present |= view.get(key)?.is_some_and(|raw| live_kind(key, raw, now_ms).is_some());
             }
         }
-        if slots.is_empty() {
+        let (Some(slot), Some(owner), true) = (slots.first().copied(), owner, present) else {
             out.simple("NOKEY");
             return Ok(());
+        };
+        let importing = map.open_slot(slot).is_some_and(|open| {
+            open.importing && open.migrating && map.shard(open.to).is_some_and(|to| heads(to, target.id))
+        });
+        if !importing {
+            // What a Redis target that does not import the slot answers.
+            let address = map.node(me).map_or("", |node| node.client_address(tls));
+            return Err(CommandError::Other(format!(
+                "Target instance replied with error: MOVED {slot} {address}"
+            )));
         }
-        let target_text = target.id.to_string();
-        for slot in &slots {
-            self.ask_set_slot(*slot, &[b"COMMIT", target_text.as_bytes()]).await?;
-        }
+        debug_assert!(heads(owner, me), "keys are present only in a group this node heads");
+        self.ask_set_slot(slot, &[b"COMMIT", target.id.to_string().as_bytes()]).await?;
         let wait = Duration::from_millis(timeout.max(0) as u64).max(MIGRATE_WAIT_MIN);
         self.wait_moved(&slots, target.id, wait).await?;
         out.ok();

@@ -126,7 +126,9 @@ async fn serve_resharding(
         return;
     }
     let mark = context.out.len();
-    if let Err(error) = cluster.resharding_command(request, context.now_ms, context.out).await {
+    if let Err(error) =
+        cluster.resharding_command(request, context.now_ms, context.session.tls, context.out).await
+    {
         context.out.truncate(mark);
         error.write(context.out);
     }
