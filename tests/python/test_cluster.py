@@ -224,11 +224,12 @@ def never_sent(error):
     )
 
 
-def run_with_faults(cluster, faults, clients=4, keys=24, plain_clients=0):
+def run_with_faults(cluster, faults, clients=4, keys=24, plain_clients=0, key_names=None):
     """Cluster clients, and plain clients each on a node of its own (which
-    serves what it can and forwards the rest)."""
+    serves what it can and forwards the rest), on `key_names` or `keys`
+    keys of their own."""
     stop = threading.Event()
-    key_names = [f"reg:{index}" for index in range(keys)]
+    key_names = key_names or [f"reg:{index}" for index in range(keys)]
     recorders = [Recorder(cluster, client, key_names, stop) for client in range(clients)]
     recorders += [
         Recorder(cluster, clients + index, key_names, stop,

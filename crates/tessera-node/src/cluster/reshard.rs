@@ -234,6 +234,11 @@ impl ClusterNode {
     ) -> CommandResult {
         let keys_at = (6..request.len()).find(|index| is(request.arg(*index), "keys"));
         let keys: Vec<&[u8]> = match keys_at {
+            Some(_) if !request.arg(3).is_empty() => {
+                return Err(CommandError::Other(
+                    "When using MIGRATE KEYS option, the key argument must be set to the empty string".into(),
+                ))
+            }
             Some(index) => request.args().skip(index + 1).collect(),
             None => vec![request.arg(3)],
         };
@@ -273,11 +278,6 @@ impl ClusterNode {
                 return Err(CommandError::Syntax);
             }
             index += 1;
-        }
-        if keys_at.is_some() && !request.arg(3).is_empty() {
-            return Err(CommandError::Other(
-                "When using MIGRATE KEYS option, the key argument must be set to the empty string".into(),
-            ));
         }
         if copy {
             return Err(CommandError::Other(
