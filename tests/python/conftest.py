@@ -63,6 +63,19 @@ class Node:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=30, **kwargs)
 
 
+def wait_for_ping(port, timeout=10):
+    """Until a server on `port` answers PING."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            redis.Redis(port=port).ping()
+            return
+        except redis.ConnectionError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 @pytest.fixture
 def redis_server(data_dir):
     """A real redis-server, for the `redis` engine."""
@@ -73,15 +86,7 @@ def redis_server(data_dir):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.time() + 10
-    while True:
-        try:
-            redis.Redis(port=port).ping()
-            break
-        except redis.ConnectionError:
-            if time.time() > deadline:
-                raise
-            time.sleep(0.05)
+    wait_for_ping(port)
     yield port
     process.terminate()
     process.wait(timeout=10)

@@ -442,6 +442,50 @@ def test_tls_clients_of_a_cluster_are_sent_to_tls_ports(cluster_factory):
     assert {node.port for node in client.get_nodes()} == tls_ports
 
 
+def write_during(cluster, action, key_of):
+    """Plain writers on every node set keys `key_of(node, sequence)` to
+    themselves from a second before `action` runs to half a second after;
+    returns the keys acknowledged and how many writes were tried."""
+    stop = threading.Event()
+    acknowledged, attempted = [], [0] * cluster.nodes
+
+    def writer(node):
+        connection = redis.Redis(port=cluster.port(node), socket_timeout=5)
+        while not stop.is_set():
+            attempted[node] += 1
+            key = key_of(node, attempted[node])
+            try:
+                connection.set(key, key)
+                acknowledged.append(key)
+            except redis.RedisError:
+                pass
+
+    writers = [threading.Thread(target=writer, args=(node,), daemon=True) for node in range(cluster.nodes)]
+    for thread in writers:
+        thread.start()
+    time.sleep(1.0)
+    action()
+    time.sleep(0.5)
+    stop.set()
+    for thread in writers:
+        thread.join(timeout=30)
+    return acknowledged, sum(attempted)
+
+
+def assert_acknowledged_writes_kept(cluster, acknowledged, timeout=10):
+    """Every key `write_during` had acknowledged reads back (replicas that
+    propagate asynchronously get `timeout` seconds)."""
+    reader = cluster.client()
+    deadline = time.time() + timeout
+    while True:
+        values = reader.mget_nonatomic(acknowledged)
+        lost = [key for key, value in zip(acknowledged, values) if value != key.encode()]
+        if not lost or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert not lost, f"{len(lost)} of {len(acknowledged)} acknowledged writes lost, e.g. {lost[:5]}"
+
+
 def assert_replicas_converge(cluster, keys, timeout=10):
     deadline = time.time() + timeout
     while True:

@@ -1,17 +1,18 @@
 """Slots moving between groups while clients run (docs/PROTOCOLS.md, "Slot
 migration"): `tessera cluster move-slots` against real node processes."""
 
-import threading
 import time
 
 import redis
 from redis.crc import key_slot
 
 from test_cluster import (
+    assert_acknowledged_writes_kept,
     assert_replicas_converge,
     assert_served_and_linearizable,
     cluster_factory,  # noqa: F401  (a fixture)
     run_with_faults,
+    write_during,
 )
 
 
@@ -78,49 +79,19 @@ def test_an_eventual_active_active_cluster_keeps_every_acknowledged_write_throug
     cluster = cluster_factory("eventual", nodes=3, topology="aa", options=("--groups", "3"))
     source_slots = cluster.map()["shards"][0]["slots"][0]
     before = keys_held(cluster)  # what `cluster up` wrote to check the slots
-    stop = threading.Event()
-    acknowledged = {}
-    attempted = [0, 0, 0]
-
-    def writer(node):
-        connection = redis.Redis(port=cluster.port(node), socket_timeout=5)
-        sequence = 0
-        while not stop.is_set():
-            sequence += 1
-            key = f"w{node}:{sequence}"
-            attempted[node] += 1
-            try:
-                connection.set(key, key)
-                acknowledged[key] = True
-            except redis.RedisError:
-                pass
-
-    writers = [threading.Thread(target=writer, args=(node,), daemon=True) for node in range(3)]
-    for thread in writers:
-        thread.start()
-    time.sleep(1.0)
-    move_slots(cluster, 0, 1, f"{source_slots[0]}-{source_slots[1]}")()
-    time.sleep(0.5)
-    stop.set()
-    for thread in writers:
-        thread.join(timeout=30)
+    acknowledged, attempted = write_during(
+        cluster, move_slots(cluster, 0, 1, f"{source_slots[0]}-{source_slots[1]}"),
+        lambda node, sequence: f"w{node}:{sequence}")
     cluster_map = cluster.map()
     assert owner(cluster_map, source_slots[0]) == 1
     moved = [key for key in acknowledged if source_slots[0] <= key_slot(key.encode()) <= source_slots[1]]
     assert len(moved) > 100, f"a real test: {len(moved)} acknowledged writes in the moved slots"
-    reader = cluster.client()
-    deadline = time.time() + 10
-    while True:
-        lost = [key for key in acknowledged if reader.get(key) != key.encode()]
-        if not lost or time.time() > deadline:
-            break
-        time.sleep(0.5)
-    assert not lost, f"{len(lost)} of {len(acknowledged)} acknowledged writes lost, e.g. {lost[:5]}"
+    assert_acknowledged_writes_kept(cluster, acknowledged)
     # The source deletes its copy of the moved keys: each node counts the
     # keys of the groups it heads, and no key twice.
     deadline = time.time() + 10
-    while (held := keys_held(cluster)) > before + sum(attempted):
-        assert time.time() < deadline, f"{held} keys held for {before} + {sum(attempted)} written"
+    while (held := keys_held(cluster)) > before + attempted:
+        assert time.time() < deadline, f"{held} keys held for {before} + {attempted} written"
         time.sleep(0.2)
 
 

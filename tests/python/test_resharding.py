@@ -7,7 +7,6 @@ without losing an acknowledged write in the eventual ones."""
 
 import re
 import subprocess
-import threading
 import time
 
 import pytest
@@ -15,12 +14,15 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 
+from conftest import wait_for_ping
 from test_cluster import (
+    assert_acknowledged_writes_kept,
     assert_replicas_converge,
     assert_served_and_linearizable,
     cluster_factory,  # noqa: F401  (a fixture)
     free_base_port,
     run_with_faults,
+    write_during,
 )
 
 MOVED_SLOTS = 24  # redis-cli moves a source's lowest slots first: 0-23
@@ -76,14 +78,7 @@ def redis_cluster(tmp_path):
     ]
     try:
         for port in ports:
-            deadline = time.time() + 10
-            while True:
-                try:
-                    redis.Redis(port=port).ping()
-                    break
-                except redis.ConnectionError:
-                    assert time.time() < deadline, "redis-server did not start"
-                    time.sleep(0.05)
+            wait_for_ping(port)
         redis_cli("--cluster", "create", *[f"127.0.0.1:{port}" for port in ports], "--cluster-replicas", "0",
                   "--cluster-yes")
         deadline = time.time() + 30
@@ -248,39 +243,12 @@ def test_redis_cli_reshards_an_eventual_cluster_without_losing_an_acknowledged_w
     ports = [cluster.port(node) for node in range(3)]
     ids = node_ids(ports)
     tags = tagged_keys("", 40)
-    stop = threading.Event()
-    acknowledged = []
 
-    def writer(node):
-        connection = redis.Redis(port=ports[node], socket_timeout=5)
-        sequence = 0
-        while not stop.is_set():
-            sequence += 1
-            key = f"{tags[sequence % len(tags)]}:w{node}:{sequence}"
-            try:
-                connection.set(key, key)
-                acknowledged.append(key)
-            except redis.RedisError:
-                pass
+    def reshard():
+        redis_cli("--cluster", "reshard", f"127.0.0.1:{ports[0]}", "--cluster-from", ids[0], "--cluster-to", ids[1],
+                  "--cluster-slots", str(MOVED_SLOTS), "--cluster-yes")
 
-    writers = [threading.Thread(target=writer, args=(node,), daemon=True) for node in range(3)]
-    for thread in writers:
-        thread.start()
-    time.sleep(1.0)
-    redis_cli("--cluster", "reshard", f"127.0.0.1:{ports[0]}", "--cluster-from", ids[0], "--cluster-to", ids[1],
-              "--cluster-slots", str(MOVED_SLOTS), "--cluster-yes")
-    time.sleep(0.5)
-    stop.set()
-    for thread in writers:
-        thread.join(timeout=30)
+    acknowledged, _ = write_during(cluster, reshard, lambda node, sequence: f"{tags[sequence % len(tags)]}:w{node}:{sequence}")
     assert all(owner == ports[1] for slot, owner in slot_owners(ports[2]).items() if slot < MOVED_SLOTS)
     assert len(acknowledged) > 300, f"a real test: {len(acknowledged)} acknowledged writes in the moved slots"
-    reader = cluster.client()
-    deadline = time.time() + 10
-    while True:
-        values = reader.mget_nonatomic(acknowledged)
-        lost = [key for key, value in zip(acknowledged, values) if value != key.encode()]
-        if not lost or time.time() > deadline:
-            break
-        time.sleep(0.5)
-    assert not lost, f"{len(lost)} of {len(acknowledged)} acknowledged writes lost, e.g. {lost[:5]}"
+    assert_acknowledged_writes_kept(cluster, acknowledged)

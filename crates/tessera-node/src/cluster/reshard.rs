@@ -225,7 +225,7 @@ impl ClusterNode {
     /// the slot has moved, every key of it with it; `NOKEY` if none of the
     /// keys is here. Routed first, as Redis routes it: keys of several slots
     /// are `CROSSSLOT`, and a slot neither this node's nor open is `MOVED`.
-    pub async fn migrate(
+    async fn migrate(
         &self,
         request: &Request<'_>,
         now_ms: u64,
