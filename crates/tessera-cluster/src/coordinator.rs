@@ -574,7 +574,7 @@ impl ClusterCoordinator {
                 if heads(&self.map, node, owner) {
                     return refuse(format!("I'm already the owner of hash slot {slot}"));
                 }
-                let to = match open.as_ref().filter(|open| heads(&self.map, node, open.to)) {
+                let to = match open.as_ref().filter(|open| self.map.stands_for(node, open.to)) {
                     Some(open) => open.to,
                     None => self.receiving_group(node, slot).ok_or_else(|| MapError::Slot(format!("I'm not a master: this node heads no replica group to import hash slot {slot} into")))?,
                 };
@@ -584,21 +584,26 @@ impl ClusterCoordinator {
                 if !heads(&self.map, node, owner) {
                     return refuse(format!("I'm not the owner of hash slot {slot}"));
                 }
-                let to = match open.as_ref().filter(|open| heads(&self.map, target, open.to)) {
+                let to = match open.as_ref().filter(|open| self.map.stands_for(target, open.to)) {
                     Some(open) => open.to,
                     None => self.receiving_group(target, slot).ok_or_else(|| MapError::Slot("Target node is not a master".into()))?,
                 };
                 OpenSlot { slot, from: owner, to, importing: false, migrating: true, migration: None, committed: false }
             }
             SlotCommand::Commit { target } => match &open {
-                Some(open) if open.importing && open.migrating && heads(&self.map, target, open.to) => OpenSlot { committed: true, ..open.clone() },
+                Some(open) if open.importing && open.migrating && self.map.stands_for(target, open.to) => OpenSlot { committed: true, ..open.clone() },
                 _ => return refuse(format!("hash slot {slot} is not open from this node to node {target}: CLUSTER SETSLOT {slot} IMPORTING on it and MIGRATING here first")),
             },
-            SlotCommand::Node { owner: new_owner } if heads(&self.map, new_owner, owner) => return self.close_slot(slot, now),
             SlotCommand::Node { owner: new_owner } => {
-                let to = match open.as_ref().filter(|open| heads(&self.map, new_owner, open.to)) {
+                // An open slot towards the node's group first: its head may
+                // have been replaced by a failover, leaving the node a member
+                // of the slot's present group as well.
+                let to = match open.as_ref().filter(|open| self.map.stands_for(new_owner, open.to)) {
                     Some(open) => open.to,
-                    None => self.receiving_group(new_owner, slot).ok_or_else(|| MapError::Slot("Target node is not a master".into()))?,
+                    None if self.map.stands_for(new_owner, owner) => return self.close_slot(slot, now),
+                    None => self
+                        .receiving_group(new_owner, slot)
+                        .ok_or_else(|| MapError::Slot("Target node is not a master".into()))?,
                 };
                 OpenSlot { slot, from: owner, to, importing: true, migrating: true, migration: None, committed: true }
             }
@@ -1402,6 +1407,26 @@ mod migration_tests {
         cut_over(&mut coordinator, 90, 0, id);
         assert!(coordinator.map().shard(4).unwrap().owns(5), "node 1's group with the fewest slots now");
         coordinator.map().validate().unwrap();
+    }
+
+    #[test]
+    fn a_slot_still_moves_when_its_target_head_was_replaced_meanwhile() {
+        let mut coordinator = cluster();
+        coordinator.set_slot(1, 0, SlotCommand::Importing { source: 0 }, 1).unwrap();
+        coordinator.set_slot(0, 0, SlotCommand::Migrating { target: 1 }, 1).unwrap();
+        // Node 1 falls behind in both groups it headed (as after a failover
+        // and its return): it heads none, and is a member of every group.
+        for shard in coordinator.map.shards.iter_mut().filter(|shard| shard.members[0] == 1) {
+            shard.members.rotate_left(1);
+        }
+        assert_eq!(coordinator.map.headed_by(1).count(), 0);
+        coordinator.set_slot(2, 0, SlotCommand::Node { owner: 1 }, 2).unwrap();
+        let open = coordinator.map().open_slot(0).cloned().unwrap();
+        assert!(open.committed && open.migration.is_some(), "committed, not closed: {open:?}");
+        cut_over(&mut coordinator, 10, 0, open.migration.unwrap());
+        assert!(coordinator.map().shard(1).unwrap().owns(0));
+        coordinator.set_slot(0, 0, SlotCommand::Node { owner: 1 }, 30).unwrap();
+        assert!(coordinator.map().migrations.is_empty(), "the slot is its group's: nothing more moves");
     }
 }
 

@@ -389,6 +389,16 @@ impl ClusterMap {
         self.slot_shards().filter(move |shard| shard.members.first() == Some(&node))
     }
 
+    /// Whether Redis Cluster's commands may name `node` for `shard`: it
+    /// heads the shard, or heads none and is one of its members (a head
+    /// replaced by a failover while a slot moved to its shard).
+    pub fn stands_for(&self, node: u32, shard: u32) -> bool {
+        self.shard(shard).is_some_and(|shard| {
+            shard.members.first() == Some(&node)
+                || (self.headed_by(node).next().is_none() && shard.members.contains(&node))
+        })
+    }
+
     pub fn table(&self, name: &str) -> Option<&ClusterTable> {
         self.tables.iter().find(|table| table.name == name)
     }

@@ -60,21 +60,21 @@ impl ClusterNode {
         }
     }
 
-    /// Waits until this node's map no longer has `slots` open, then checks
-    /// that each is the group's of `owner` (it could have been closed
-    /// instead, by SETSLOT STABLE elsewhere).
-    async fn wait_moved(&self, slots: &BTreeSet<u16>, owner: u32, wait: Duration) -> CommandResult {
-        let closed = |map: &ClusterMap| slots.iter().all(|slot| map.open_slot(*slot).is_none());
-        if !self.agent.wait_for_map(closed, wait).await {
+    /// Waits until this node's map no longer has `slot` open, then checks
+    /// that it left group `source` (for the group it was opened towards,
+    /// whoever heads that now) or is already `owner`'s: it could have been
+    /// closed instead, by SETSLOT STABLE elsewhere.
+    async fn wait_moved(&self, slot: u16, source: u32, owner: u32, wait: Duration) -> CommandResult {
+        if !self.agent.wait_for_map(|map| map.open_slot(slot).is_none(), wait).await {
             return Err(CommandError::Timeout(format!(
-                "hash slots {slots:?} are still moving after {} ms; ask again to wait for them",
+                "hash slot {slot} is still moving after {} ms; ask again to wait for it",
                 wait.as_millis()
             )));
         }
         let map = self.map()?;
-        match slots.iter().find(|slot| !map.shard_for_slot(**slot).is_some_and(|shard| heads(shard, owner))) {
-            Some(slot) => Err(CommandError::Other(format!("the move of hash slot {slot} was cancelled"))),
-            None => Ok(()),
+        match map.shard_for_slot(slot) {
+            Some(shard) if shard.id != source || map.stands_for(owner, shard.id) => Ok(()),
+            _ => Err(CommandError::Other(format!("the move of hash slot {slot} was cancelled"))),
         }
     }
 
@@ -89,7 +89,10 @@ impl ClusterNode {
         let action = request.arg(3);
         let map = self.map()?;
         // Checked here first, in Redis's order; the coordinator checks again.
-        let mine = map.shard_for_slot(slot).is_some_and(|owner| heads(owner, self.agent.node_id()));
+        let source = map
+            .shard_for_slot(slot)
+            .ok_or_else(|| CommandError::ClusterDown(format!("hash slot {slot} has no group")))?;
+        let mine = heads(source, self.agent.node_id());
         if is(action, "importing") && mine {
             return Err(CommandError::Other(format!("I'm already the owner of hash slot {slot}")));
         }
@@ -126,9 +129,7 @@ impl ClusterNode {
             }
         };
         match other {
-            Some(owner) if word == b"NODE" => {
-                self.wait_moved(&BTreeSet::from([slot]), owner, SLOT_MOVE_WAIT).await?
-            }
+            Some(owner) if word == b"NODE" => self.wait_moved(slot, source.id, owner, SLOT_MOVE_WAIT).await?,
             _ if !self.agent.wait_for_map(marked, MARK_WAIT).await => {
                 return Err(CommandError::TryAgain(
                     "the coordinator changed the map; this node has not seen it yet".into(),
@@ -311,9 +312,9 @@ impl ClusterNode {
             out.simple("NOKEY");
             return Ok(());
         };
-        let importing = map.open_slot(slot).is_some_and(|open| {
-            open.importing && open.migrating && map.shard(open.to).is_some_and(|to| heads(to, target.id))
-        });
+        let importing = map
+            .open_slot(slot)
+            .is_some_and(|open| open.importing && open.migrating && map.stands_for(target.id, open.to));
         if !importing {
             // What a Redis target that does not import the slot answers.
             let address = map.node(me).map_or("", |node| node.client_address(tls));
@@ -324,7 +325,7 @@ impl ClusterNode {
         debug_assert!(heads(owner, me), "keys are present only in a group this node heads");
         self.ask_set_slot(slot, &[b"COMMIT", target.id.to_string().as_bytes()]).await?;
         let wait = Duration::from_millis(timeout.max(0) as u64).max(MIGRATE_WAIT_MIN);
-        self.wait_moved(&slots, target.id, wait).await?;
+        self.wait_moved(slot, owner.id, target.id, wait).await?;
         out.ok();
         Ok(())
     }
