@@ -10,11 +10,11 @@ use tessera_protocol::{
     ClientReply, ClientRequest, Consistency, Operation as ProtocolOperation, Record, RequestId, Write,
 };
 
-use crate::config::Workload;
+use crate::config::{RunTiming, Workload};
 use crate::history::{Call, Operation, Outcome};
 use crate::network::{Address, Message};
 use crate::rng::Rng;
-use crate::sim::{key_name, Event, Simulation};
+use crate::sim::{key_name, Event, Report, Simulation};
 
 pub(crate) struct Pending {
     pub request: RequestId,
@@ -45,46 +45,107 @@ impl Client {
     pub fn of(request: RequestId) -> usize {
         (request.0 >> 32) as usize
     }
+
+    /// A new request id for client number `client`.
+    pub fn next_id(&mut self, client: usize) -> RequestId {
+        let id = RequestId(((client as u64) << 32) | self.next_request);
+        self.next_request += 1;
+        id
+    }
+
+    /// At a wake-up, whether to issue the next operation. A request past its
+    /// deadline gets an unknown outcome; a wake-up before the deadline is
+    /// stale (the deadline's is queued); and the last stretch of the run is
+    /// left to final reads, so that propagation can finish before the
+    /// convergence check.
+    pub fn wake(&mut self, client: usize, now: u64, timing: &RunTiming, report: &mut Report) -> bool {
+        if let Some(pending) = &self.pending {
+            if now < pending.deadline {
+                return false;
+            }
+            let pending = self.pending.take().expect("checked above");
+            record_unknown(report, client, pending);
+        }
+        let end = timing.safety_ms + timing.liveness_ms;
+        now + timing.client_timeout_ms + 200 <= end || !self.final_reads.is_empty()
+    }
+
+    /// A register workload's next operation on one of `keys` keys: a read
+    /// (45%), a write of a value no one else writes (45%) or a delete.
+    pub fn register_operation(&mut self, client: usize, keys: usize) -> (Bytes, Call) {
+        let key = key_name("k", self.rng.below(keys as u64) as usize);
+        let roll = self.rng.below(100);
+        let call = if roll < 45 {
+            Call::Get
+        } else if roll < 90 {
+            Call::Put(Bytes::from(format!("c{client}-{}", self.next_request)))
+        } else {
+            Call::Delete
+        };
+        (key, call)
+    }
+
+    /// The request `request` answers, unless the client gave up on it.
+    pub fn answered(&mut self, request: RequestId) -> Option<Pending> {
+        self.pending.take_if(|pending| pending.request == request)
+    }
+
+    /// Records an answered operation (an eventual read goes to no history
+    /// check: returns false) and ticks off the final read it was.
+    pub fn complete(
+        &mut self,
+        client: usize,
+        pending: Pending,
+        outcome: Outcome,
+        now: u64,
+        report: &mut Report,
+    ) -> bool {
+        report.completed += 1;
+        if self.final_reads.last() == Some(&pending.key) {
+            self.final_reads.pop(); // final reads start only once healed
+        }
+        if !pending.strong && pending.call == Call::Get {
+            return false;
+        }
+        if pending.call != Call::Get {
+            report.acknowledged_writes += 1;
+        }
+        report.history.operations.push(Operation {
+            client,
+            key: pending.key,
+            call: pending.call,
+            outcome,
+            invoked_at: pending.invoked_at,
+            completed_at: Some(now),
+        });
+        true
+    }
+}
+
+/// An operation whose outcome the client cannot know (no answer in time, or
+/// an answer saying so): it may take effect at any moment after it was
+/// invoked.
+pub(crate) fn record_unknown(report: &mut Report, client: usize, pending: Pending) {
+    if pending.fetching {
+        return; // only the fetch was sent: the write never was
+    }
+    report.unknown += 1;
+    if pending.strong || pending.call != Call::Get {
+        report.history.operations.push(Operation {
+            client,
+            key: pending.key,
+            call: pending.call,
+            outcome: Outcome::Unknown,
+            invoked_at: pending.invoked_at,
+            completed_at: None,
+        });
+    }
 }
 
 impl Simulation {
     pub(crate) fn client_wake(&mut self, client: usize) {
-        let now = self.now;
-        if let Some(pending) = &self.clients[client].pending {
-            if now < pending.deadline {
-                return; // a stale wake-up; the deadline one is queued
-            }
-            let pending = self.clients[client].pending.take().expect("checked above");
-            self.record_unknown(client, pending);
-        }
-        let end = self.config.timing.safety_ms + self.config.timing.liveness_ms;
-        // The last stretch is quiet, so that propagation can finish before the
-        // convergence check.
-        if now + self.config.timing.client_timeout_ms + 200 > end
-            && self.clients[client].final_reads.is_empty()
-        {
-            return;
-        }
-        self.issue(client);
-    }
-
-    /// An operation whose outcome the client cannot know (no answer in time,
-    /// or an answer saying so): it may take effect at any moment after it was
-    /// invoked.
-    fn record_unknown(&mut self, client: usize, pending: Pending) {
-        if pending.fetching {
-            return; // only the fetch was sent: the write never was
-        }
-        self.report.unknown += 1;
-        if pending.strong || pending.call != Call::Get {
-            self.report.history.operations.push(Operation {
-                client,
-                key: pending.key,
-                call: pending.call,
-                outcome: Outcome::Unknown,
-                invoked_at: pending.invoked_at,
-                completed_at: None,
-            });
+        if self.clients[client].wake(client, self.now, &self.config.timing, &mut self.report) {
+            self.issue(client);
         }
     }
 
@@ -105,20 +166,11 @@ impl Simulation {
                 (key, Call::Get, !state.rng.chance(config.eventual_read_fraction))
             }
         } else {
-            let key = key_name("k", state.rng.below(config.keys as u64) as usize);
-            let roll = state.rng.below(100);
-            let call = if roll < 45 {
-                Call::Get
-            } else if roll < 90 {
-                Call::Put(Bytes::from(format!("c{client}-{}", state.next_request)))
-            } else {
-                Call::Delete
-            };
+            let (key, call) = state.register_operation(client, config.keys);
             let strong = call != Call::Get || !state.rng.chance(config.eventual_read_fraction);
             (key, call, strong)
         };
-        let request = RequestId(((client as u64) << 32) | state.next_request);
-        state.next_request += 1;
+        let request = state.next_id(client);
         // Only on quorum protocols, and only there does it take a draw from
         // the client's generator, so every other protocol's seeds run as before.
         let conditional = config.workload == Workload::Registers
@@ -196,9 +248,7 @@ impl Simulation {
             Call::Delete => Write::Delete,
             other => unreachable!("only puts and deletes are conditional: {other:?}"),
         };
-        let state = &mut self.clients[client];
-        let request = RequestId(((client as u64) << 32) | state.next_request);
-        state.next_request += 1;
+        let request = self.clients[client].next_id(client);
         let operation = ProtocolOperation::WriteIf { key: pending.key.clone(), expected, write };
         let target = self.route(client, &pending.call, true);
         let deadline = self.now + self.config.timing.client_timeout_ms;
@@ -212,11 +262,7 @@ impl Simulation {
     }
 
     pub(crate) fn on_response(&mut self, client: usize, request: RequestId, reply: ClientReply) {
-        let Some(pending) = &self.clients[client].pending else { return };
-        if pending.request != request {
-            return; // an answer to a request the client gave up on
-        }
-        let pending = self.clients[client].pending.take().expect("checked above");
+        let Some(pending) = self.clients[client].answered(request) else { return };
         if pending.fetching {
             return self.on_fetched(client, pending, reply);
         }
@@ -235,29 +281,13 @@ impl Simulation {
             }
             ClientReply::Unknown(_) => {
                 // As after a timeout: it may take effect at any time from now.
-                self.record_unknown(client, pending);
+                record_unknown(&mut self.report, client, pending);
                 self.timeline.schedule(self.now + 1, Event::ClientWake(client));
                 return;
             }
         };
-        self.report.completed += 1;
-        if pending.strong || pending.call != Call::Get {
-            if pending.call != Call::Get {
-                self.report.acknowledged_writes += 1;
-            }
-            self.report.history.operations.push(Operation {
-                client,
-                key: pending.key.clone(),
-                call: pending.call,
-                outcome,
-                invoked_at: pending.invoked_at,
-                completed_at: Some(self.now),
-            });
-        } else {
+        if !self.clients[client].complete(client, pending, outcome, self.now, &mut self.report) {
             self.eventual_reads += 1;
-        }
-        if self.healed && self.clients[client].final_reads.last() == Some(&pending.key) {
-            self.clients[client].final_reads.pop();
         }
         let think = self.clients[client].rng.below(5);
         self.timeline.schedule(self.now + think, Event::ClientWake(client));

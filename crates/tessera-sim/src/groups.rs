@@ -25,9 +25,10 @@ use tessera_protocol::{
 use tessera_wire::slot::key_slot;
 
 use crate::checks::linearizability::{self, Verdict};
+use crate::clients::{record_unknown, Client, Pending};
 use crate::config::{FaultKind, FaultMix, RunTiming};
-use crate::history::{Call, Operation, Outcome};
-use crate::network::{draw_partition, Address, Links, Timeline};
+use crate::history::{Call, Outcome};
+use crate::network::{schedule_faults, Address, Fault, Links, Timeline};
 use crate::rng::Rng;
 use crate::sim::{catching_panics, key_name, Report};
 
@@ -109,10 +110,7 @@ enum Event {
     CoordinatorTick,
     ClientWake(usize),
     Migrate,
-    Crash(u32),
-    Restart(u32),
-    Partition(Vec<(Address, Address)>),
-    Heal,
+    Fault(Fault),
 }
 
 struct Node {
@@ -130,22 +128,6 @@ struct Node {
     heartbeats: BTreeMap<u64, u64>,
 }
 
-struct Pending {
-    id: RequestId,
-    key: Bytes,
-    call: Call,
-    invoked_at: u64,
-    deadline: u64,
-}
-
-struct Client {
-    rng: Rng,
-    next_request: u64,
-    routing: Routing,
-    pending: Option<Pending>,
-    final_reads: Vec<Bytes>,
-}
-
 pub struct GroupsSimulation {
     config: GroupsConfig,
     rng: Rng,
@@ -154,6 +136,8 @@ pub struct GroupsSimulation {
     nodes: Vec<Node>,
     coordinator: ClusterCoordinator,
     clients: Vec<Client>,
+    /// Each client's map, learnt again when a request is refused.
+    client_routes: Vec<Routing>,
     links: Links,
     healed: bool,
     /// When the coordinator last heard from each node.
@@ -198,15 +182,8 @@ impl GroupsSimulation {
                 heartbeats: BTreeMap::new(),
             })
             .collect();
-        let clients = (0..config.clients)
-            .map(|_| Client {
-                rng: rng.fork(),
-                next_request: 1,
-                routing: Routing::new(map.clone()),
-                pending: None,
-                final_reads: Vec::new(),
-            })
-            .collect();
+        let clients = (0..config.clients).map(|_| Client::new(rng.fork())).collect();
+        let client_routes = vec![Routing::new(map.clone()); config.clients];
         let mut simulation = Self {
             rng,
             now: 0,
@@ -214,6 +191,7 @@ impl GroupsSimulation {
             nodes,
             coordinator,
             clients,
+            client_routes,
             links: Links::default(),
             healed: false,
             heard_at: vec![0; config.nodes as usize],
@@ -240,27 +218,12 @@ impl GroupsSimulation {
             self.timeline.schedule(at, Event::Migrate);
             at += self.rng.between(100, 400);
         }
-        let enabled = self.report.faults.enabled.clone();
-        let mut at = 200;
-        while at < self.config.timing.safety_ms {
-            let fault = *self.rng.pick(&[FaultKind::Partition, FaultKind::Crash]);
-            if enabled.contains(&fault) {
-                match fault {
-                    FaultKind::Partition => {
-                        let cut = draw_partition(&mut self.rng, self.config.nodes);
-                        let heal_at = at + self.rng.between(50, 600);
-                        self.timeline.schedule(at, Event::Partition(cut));
-                        self.timeline.schedule(heal_at.min(self.config.timing.safety_ms), Event::Heal);
-                    }
-                    _ => {
-                        let node = self.rng.below(u64::from(self.config.nodes)) as u32;
-                        self.timeline.schedule(at, Event::Crash(node));
-                        let restart_at = at + self.rng.between(100, 800);
-                        self.timeline.schedule(restart_at, Event::Restart(node));
-                    }
-                }
-            }
-            at += self.rng.between(150, 700);
+        let kinds = [FaultKind::Partition, FaultKind::Crash];
+        let (nodes, safety_ms) = (self.config.nodes, self.config.timing.safety_ms);
+        for (at, fault) in
+            schedule_faults(&mut self.rng, &self.report.faults.enabled, &kinds, nodes, safety_ms)
+        {
+            self.timeline.schedule(at, Event::Fault(fault));
         }
     }
 
@@ -310,13 +273,13 @@ impl GroupsSimulation {
             }
             Event::ClientWake(client) => self.client_wake(client),
             Event::Migrate => self.start_migration(),
-            Event::Crash(node) => {
+            Event::Fault(Fault::Crash(node)) => {
                 if !self.healed && self.may_crash(node) {
                     self.nodes[node as usize].alive = false;
                     self.report.log.push(format!("{}ms crash n{node}", self.now));
                 }
             }
-            Event::Restart(node) => {
+            Event::Fault(Fault::Restart(node)) => {
                 let state = &mut self.nodes[node as usize];
                 if !state.alive {
                     // A crash loses everything in memory, engines included.
@@ -330,16 +293,17 @@ impl GroupsSimulation {
                     self.report.log.push(format!("{}ms restart n{node} (empty)", self.now));
                 }
             }
-            Event::Partition(cut) => {
+            Event::Fault(Fault::Partition(cut)) => {
                 if !self.healed {
                     self.report.log.push(format!("{}ms partition {cut:?}", self.now));
                     self.links.blocked.extend(cut);
                 }
             }
-            Event::Heal => {
+            Event::Fault(Fault::Heal) => {
                 self.report.log.push(format!("{}ms heal", self.now));
                 self.links.blocked.clear();
             }
+            Event::Fault(Fault::Suspect(_)) => unreachable!("false suspicions are not scheduled here"),
         }
     }
 
@@ -453,7 +417,7 @@ impl GroupsSimulation {
                         let count = state.in_flight.get_mut(&(shard, key)).expect("counted when submitted");
                         *count -= 1;
                     }
-                    let client = (id.0 >> 32) as usize;
+                    let client = Client::of(id);
                     self.send(
                         Address::Replica(node),
                         Address::Client(client),
@@ -603,83 +567,46 @@ impl GroupsSimulation {
     }
 
     fn client_wake(&mut self, client: usize) {
-        if let Some(pending) = &self.clients[client].pending {
-            if self.now < pending.deadline {
-                return; // a stale wake-up; the deadline's is queued
-            }
-            let pending = self.clients[client].pending.take().expect("checked above");
-            self.record_unknown(client, pending);
-        }
-        let end = self.config.timing.safety_ms + self.config.timing.liveness_ms;
-        if self.now + self.config.timing.client_timeout_ms + 200 > end
-            && self.clients[client].final_reads.is_empty()
-        {
-            return;
-        }
-        self.issue(client);
-    }
-
-    fn record_unknown(&mut self, client: usize, pending: Pending) {
-        self.report.unknown += 1;
-        if pending.call != Call::Get {
-            self.report.history.operations.push(Operation {
-                client,
-                key: pending.key,
-                call: pending.call,
-                outcome: Outcome::Unknown,
-                invoked_at: pending.invoked_at,
-                completed_at: None,
-            });
+        if self.clients[client].wake(client, self.now, &self.config.timing, &mut self.report) {
+            self.issue(client);
         }
     }
 
     fn issue(&mut self, client: usize) {
-        let keys = self.config.keys as u64;
         let state = &mut self.clients[client];
         let (key, call) = match state.final_reads.last() {
             Some(key) => (key.clone(), Call::Get),
-            None => {
-                let key = key_name("k", state.rng.below(keys) as usize);
-                let roll = state.rng.below(100);
-                let call = if roll < 45 {
-                    Call::Get
-                } else if roll < 90 {
-                    Call::Put(Bytes::from(format!("c{client}-{}", state.next_request)))
-                } else {
-                    Call::Delete
-                };
-                (key, call)
-            }
+            None => state.register_operation(client, self.config.keys),
         };
         let operation = match &call {
             Call::Get => ProtocolOperation::Get { key: key.clone(), consistency: Consistency::Strong },
             Call::Put(value) => ProtocolOperation::Put { key: key.clone(), value: value.clone() },
             _ => ProtocolOperation::Delete { key: key.clone() },
         };
-        let id = RequestId(((client as u64) << 32) | state.next_request);
-        state.next_request += 1;
+        let request = state.next_id(client);
         // A cluster client sends a key to its group's first member; in an
         // active–active mode any member serves it.
+        let routing = &self.client_routes[client];
         let slot = key_slot(&key) as u16;
-        let shard = state.routing.shard_of(DEFAULT_TABLE, &key, slot).expect("every slot is served");
-        let members = &state.routing.map.shard(shard).expect("a routed shard is in the map").members;
+        let shard = routing.shard_of(DEFAULT_TABLE, &key, slot).expect("every slot is served");
+        let members = &routing.map.shard(shard).expect("a routed shard is in the map").members;
         let target = if self.config.protocol.active_active { *state.rng.pick(members) } else { members[0] };
         let deadline = self.now + self.config.timing.client_timeout_ms;
-        state.pending = Some(Pending { id, key, call, invoked_at: self.now, deadline });
-        self.send(Address::Client(client), Address::Replica(target), Message::Request { id, operation });
+        let invoked_at = self.now;
+        state.pending =
+            Some(Pending { request, key, call, strong: true, invoked_at, deadline, fetching: false });
+        let message = Message::Request { id: request, operation };
+        self.send(Address::Client(client), Address::Replica(target), message);
         self.timeline.schedule(deadline, Event::ClientWake(client));
     }
 
     fn on_response(&mut self, client: usize, id: RequestId, reply: ClientReply) {
-        if self.clients[client].pending.as_ref().is_none_or(|pending| pending.id != id) {
-            return; // an answer to a request the client gave up on
-        }
-        let pending = self.clients[client].pending.take().expect("checked above");
+        let Some(pending) = self.clients[client].answered(id) else { return };
         let outcome = match reply {
             ClientReply::Value(value) => Outcome::Value(value),
             ClientReply::Written => Outcome::Written,
             ClientReply::Unknown(_) => {
-                self.record_unknown(client, pending);
+                record_unknown(&mut self.report, client, pending);
                 self.timeline.schedule(self.now + 1, Event::ClientWake(client));
                 return;
             }
@@ -689,28 +616,13 @@ impl GroupsSimulation {
             | ClientReply::Failed(_) => {
                 // No effect: learn the map again and try something shortly.
                 self.report.retried += 1;
-                self.clients[client].routing = Routing::new(self.coordinator.map().clone());
+                self.client_routes[client] = Routing::new(self.coordinator.map().clone());
                 let retry_at = self.now + 5 + self.clients[client].rng.below(10);
                 self.timeline.schedule(retry_at, Event::ClientWake(client));
                 return;
             }
         };
-        self.report.completed += 1;
-        if pending.call != Call::Get {
-            self.report.acknowledged_writes += 1;
-        }
-        let state = &mut self.clients[client];
-        if self.healed && state.final_reads.last() == Some(&pending.key) {
-            state.final_reads.pop();
-        }
-        self.report.history.operations.push(Operation {
-            client,
-            key: pending.key,
-            call: pending.call,
-            outcome,
-            invoked_at: pending.invoked_at,
-            completed_at: Some(self.now),
-        });
+        self.clients[client].complete(client, pending, outcome, self.now, &mut self.report);
         let think = self.clients[client].rng.below(5);
         self.timeline.schedule(self.now + think, Event::ClientWake(client));
     }

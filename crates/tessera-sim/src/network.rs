@@ -114,9 +114,57 @@ impl Links {
     }
 }
 
+/// A fault of the safety phase, in either simulation.
+#[derive(Clone, Debug)]
+pub(crate) enum Fault {
+    Crash(u32),
+    /// The server comes back with nothing it held in memory.
+    Restart(u32),
+    Partition(Vec<(Address, Address)>),
+    Heal,
+    /// The coordinator suspects a server that may well be alive.
+    Suspect(u32),
+}
+
+/// The safety phase's faults: from 200 ms, every 150–700 ms, one of `kinds`
+/// if it is enabled, on a random one of `servers`. A partition heals within
+/// 600 ms (by the end of the phase), a crashed server restarts within 800 ms.
+pub(crate) fn schedule_faults(
+    rng: &mut Rng,
+    enabled: &BTreeSet<FaultKind>,
+    kinds: &[FaultKind],
+    servers: u32,
+    safety_ms: u64,
+) -> Vec<(u64, Fault)> {
+    let mut faults = Vec::new();
+    let mut at = 200;
+    while at < safety_ms {
+        let kind = *rng.pick(kinds);
+        if enabled.contains(&kind) {
+            let server = rng.below(u64::from(servers)) as u32;
+            match kind {
+                FaultKind::Partition => {
+                    let cut = draw_partition(rng, servers);
+                    let heal_at = at + rng.between(50, 600);
+                    faults.push((at, Fault::Partition(cut)));
+                    faults.push((heal_at.min(safety_ms), Fault::Heal));
+                }
+                FaultKind::Crash => {
+                    faults.push((at, Fault::Crash(server)));
+                    faults.push((at + rng.between(100, 800), Fault::Restart(server)));
+                }
+                FaultKind::FalseSuspicion => faults.push((at, Fault::Suspect(server))),
+                other => unreachable!("{other:?} is not scheduled; the links inject it"),
+            }
+        }
+        at += rng.between(150, 700);
+    }
+    faults
+}
+
 /// A random cut among `servers` replicas and the coordinator: some links
 /// blocked one way or both.
-pub(crate) fn draw_partition(rng: &mut Rng, servers: u32) -> Vec<(Address, Address)> {
+fn draw_partition(rng: &mut Rng, servers: u32) -> Vec<(Address, Address)> {
     let mut servers: Vec<Address> = (0..servers).map(Address::Replica).collect();
     servers.push(Address::Coordinator);
     let side: Vec<bool> = servers.iter().map(|_| rng.chance(0.5)).collect();

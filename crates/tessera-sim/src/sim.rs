@@ -24,7 +24,7 @@ use crate::checks::linearizability::{self, Verdict};
 use crate::clients::Client;
 use crate::config::{FaultKind, FaultMix, SimConfig, Workload};
 use crate::history::History;
-use crate::network::{draw_partition, Address, Links, Message, Timeline};
+use crate::network::{schedule_faults, Address, Fault, Links, Message, Timeline};
 use crate::rng::Rng;
 
 /// What a run found.
@@ -65,11 +65,7 @@ pub(crate) enum Event {
     CoordinatorTick,
     BeginTransition,
     ClientWake(usize),
-    Crash(u32),
-    Restart(u32),
-    Partition(Vec<(Address, Address)>),
-    Heal,
-    Suspect(u32),
+    Fault(Fault),
 }
 
 struct SimReplica {
@@ -179,28 +175,12 @@ impl Simulation {
             let at = self.rng.between(300, self.config.timing.safety_ms * 2 / 3);
             self.timeline.schedule(at, Event::BeginTransition);
         }
-        let enabled = self.report.faults.enabled.clone();
-        let mut at = 200;
-        while at < self.config.timing.safety_ms {
-            let fault = *self.rng.pick(&[FaultKind::Partition, FaultKind::Crash, FaultKind::FalseSuspicion]);
-            if enabled.contains(&fault) {
-                let replica = self.rng.below(self.config.replicas as u64) as u32;
-                match fault {
-                    FaultKind::Partition => {
-                        let cut = draw_partition(&mut self.rng, self.config.replicas);
-                        let heal_at = at + self.rng.between(50, 600);
-                        self.timeline.schedule(at, Event::Partition(cut));
-                        self.timeline.schedule(heal_at.min(self.config.timing.safety_ms), Event::Heal);
-                    }
-                    FaultKind::Crash => {
-                        self.timeline.schedule(at, Event::Crash(replica));
-                        let restart_at = at + self.rng.between(100, 800);
-                        self.timeline.schedule(restart_at, Event::Restart(replica));
-                    }
-                    _ => self.timeline.schedule(at, Event::Suspect(replica)),
-                }
-            }
-            at += self.rng.between(150, 700);
+        let kinds = [FaultKind::Partition, FaultKind::Crash, FaultKind::FalseSuspicion];
+        let (replicas, safety_ms) = (self.config.replicas, self.config.timing.safety_ms);
+        for (at, fault) in
+            schedule_faults(&mut self.rng, &self.report.faults.enabled, &kinds, replicas, safety_ms)
+        {
+            self.timeline.schedule(at, Event::Fault(fault));
         }
     }
 
@@ -260,7 +240,7 @@ impl Simulation {
                 }
             }
             Event::ClientWake(client) => self.client_wake(client),
-            Event::Crash(id) => {
+            Event::Fault(Fault::Crash(id)) => {
                 // At most f failures: the last live member of the view holds the
                 // only copy, and losing it loses the data in any system.
                 let needed = self.copies_needed();
@@ -271,7 +251,7 @@ impl Simulation {
                     self.report.log.push(format!("{}ms crash n{id}", self.now));
                 }
             }
-            Event::Restart(id) => {
+            Event::Fault(Fault::Restart(id)) => {
                 let driver = self.config.replica(id, self.mode());
                 let replica = &mut self.replicas[id as usize];
                 if !replica.alive {
@@ -284,17 +264,17 @@ impl Simulation {
                     self.report.log.push(format!("{}ms restart n{id} (empty)", self.now));
                 }
             }
-            Event::Partition(cut) => {
+            Event::Fault(Fault::Partition(cut)) => {
                 if !self.healed {
                     self.report.log.push(format!("{}ms partition {cut:?}", self.now));
                     self.links.blocked.extend(cut);
                 }
             }
-            Event::Heal => {
+            Event::Fault(Fault::Heal) => {
                 self.report.log.push(format!("{}ms heal", self.now));
                 self.links.blocked.clear();
             }
-            Event::Suspect(id) => {
+            Event::Fault(Fault::Suspect(id)) => {
                 if self.healthy_members_except(id) >= self.copies_needed()
                     && !self.healed
                     && self.coordinator.suspect(NodeId(id))
