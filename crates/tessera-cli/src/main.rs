@@ -960,37 +960,76 @@ fn simulate(args: SimArgs) -> Result<(), String> {
     if args.replicas == 0 || args.clients == 0 {
         return Err("--replicas and --clients must be at least 1".into());
     }
+    let (mut completed, mut unknown, mut view_changes, mut lost, mut acknowledged) =
+        (0u64, 0u64, 0u64, 0u64, 0u64);
+    let mut primary_changes = 0u64;
+    let mut transition_ms: Vec<u64> = Vec::new();
+    let mut strong_reads: std::collections::BTreeMap<u32, u64> = Default::default();
+    let (runs, failed) = run_seeds(
+        &args,
+        &name,
+        |seed| tessera_sim::run(seed, &config),
+        |report| {
+            completed += report.completed;
+            unknown += report.unknown;
+            view_changes += report.view_changes;
+            primary_changes += report.primary_changes;
+            lost += report.lost_acknowledged_writes;
+            acknowledged += report.acknowledged_writes;
+            if let (Some(started), Some(completed)) =
+                (report.transition_started_at, report.transition_completed_at)
+            {
+                transition_ms.push(completed - started);
+            }
+            for (replica, count) in &report.strong_reads_by_replica {
+                *strong_reads.entry(*replica).or_default() += count;
+            }
+        },
+    );
+    if !transition_ms.is_empty() {
+        transition_ms.sort_unstable();
+        println!(
+            "  transitions completed {} of {runs}: median {} ms, slowest {} ms (virtual)",
+            transition_ms.len(),
+            transition_ms[transition_ms.len() / 2],
+            transition_ms.last().expect("not empty")
+        );
+    }
+    println!(
+        "  operations completed {completed}, unknown outcome {unknown}, view changes {view_changes} \
+         ({primary_changes} replaced the head or primary)"
+    );
+    println!(
+        "  acknowledged writes {acknowledged}, lost {lost} ({:.1} per head or primary change)",
+        lost as f64 / primary_changes.max(1) as f64
+    );
+    let reads: Vec<String> =
+        strong_reads.iter().map(|(replica, count)| format!("n{replica}={count}")).collect();
+    println!("  strong reads received per replica: {}", reads.join(" "));
+    seeds_passed(runs, failed)
+}
+
+/// Runs `run` for every seed `args` names and hands each report to `tally`:
+/// prints a seed's whole trace when one seed is asked for, and every
+/// violation with the command that replays it; then a summary line. Returns
+/// how many seeds ran and how many failed.
+fn run_seeds(
+    args: &SimArgs,
+    name: &str,
+    run: impl Fn(u64) -> tessera_sim::Report,
+    mut tally: impl FnMut(&tessera_sim::Report),
+) -> (u64, u64) {
     let seeds = match args.seed {
         Some(seed) => seed..seed + 1,
         None => args.first_seed..args.first_seed + args.seeds,
     };
     let started = std::time::Instant::now();
     let (mut runs, mut failed, mut inconclusive) = (0u64, 0u64, 0u64);
-    let (mut completed, mut unknown, mut view_changes, mut lost, mut acknowledged) =
-        (0u64, 0u64, 0u64, 0u64, 0u64);
-    let mut primary_changes = 0u64;
-    let mut transition_ms: Vec<u64> = Vec::new();
-    let mut strong_reads: std::collections::BTreeMap<u32, u64> = Default::default();
     for seed in seeds {
-        let report = tessera_sim::run(seed, &config);
+        let report = run(seed);
         runs += 1;
-        completed += report.completed;
-        unknown += report.unknown;
-        view_changes += report.view_changes;
-        primary_changes += report.primary_changes;
-        lost += report.lost_acknowledged_writes;
-        acknowledged += report.acknowledged_writes;
-        if let (Some(started), Some(completed)) =
-            (report.transition_started_at, report.transition_completed_at)
-        {
-            transition_ms.push(completed - started);
-        }
-        for (replica, count) in &report.strong_reads_by_replica {
-            *strong_reads.entry(*replica).or_default() += count;
-        }
-        if report.inconclusive {
-            inconclusive += 1;
-        }
+        inconclusive += u64::from(report.inconclusive);
+        tally(&report);
         if args.seed.is_some() {
             println!("seed {seed}: faults {}", report.faults.describe());
             for line in &report.log {
@@ -1015,30 +1054,14 @@ fn simulate(args: SimArgs) -> Result<(), String> {
         "{name}: {runs} seeds in {:.1}s, {failed} failed, {inconclusive} inconclusive",
         started.elapsed().as_secs_f64()
     );
-    if !transition_ms.is_empty() {
-        transition_ms.sort_unstable();
-        println!(
-            "  transitions completed {} of {runs}: median {} ms, slowest {} ms (virtual)",
-            transition_ms.len(),
-            transition_ms[transition_ms.len() / 2],
-            transition_ms.last().expect("not empty")
-        );
+    (runs, failed)
+}
+
+fn seeds_passed(runs: u64, failed: u64) -> Result<(), String> {
+    match failed {
+        0 => Ok(()),
+        _ => Err(format!("{failed} of {runs} seeds violated a checked property")),
     }
-    println!(
-        "  operations completed {completed}, unknown outcome {unknown}, view changes {view_changes} \
-         ({primary_changes} replaced the head or primary)"
-    );
-    println!(
-        "  acknowledged writes {acknowledged}, lost {lost} ({:.1} per head or primary change)",
-        lost as f64 / primary_changes.max(1) as f64
-    );
-    let reads: Vec<String> =
-        strong_reads.iter().map(|(replica, count)| format!("n{replica}={count}")).collect();
-    println!("  strong reads received per replica: {}", reads.join(" "));
-    if failed > 0 {
-        return Err(format!("{failed} of {runs} seeds violated a checked property"));
-    }
-    Ok(())
 }
 
 /// `tessera sim --groups G`: slot migrations between groups under faults
@@ -1072,46 +1095,21 @@ fn simulate_groups(args: &SimArgs, protocol: tessera_protocol::Mode) -> Result<(
         ..default
     };
     let name = format!("{protocol} --groups {} --nodes {}", args.groups, args.nodes);
-    let seeds = match args.seed {
-        Some(seed) => seed..seed + 1,
-        None => args.first_seed..args.first_seed + args.seeds,
-    };
-    let started = std::time::Instant::now();
-    let (mut runs, mut failed, mut inconclusive, mut migrations, mut completed, mut unknown) =
-        (0u64, 0, 0, 0, 0, 0);
-    for seed in seeds {
-        let report = tessera_sim::groups::run(seed, &config);
-        runs += 1;
-        migrations += report.migrations_completed;
-        completed += report.completed;
-        unknown += report.unknown;
-        inconclusive += u64::from(report.inconclusive);
-        if args.seed.is_some() {
-            println!("seed {seed}: faults {}", report.faults.describe());
-            for line in &report.log {
-                println!("  {line}");
-            }
-        }
-        if !report.violations.is_empty() {
-            failed += 1;
-            println!("FAIL seed {seed} faults {}", report.faults.describe());
-            for violation in &report.violations {
-                println!("  {violation}");
-            }
-            println!("  replay: tessera sim --protocol {name} --seed {seed}");
-        }
-    }
-    println!(
-        "{name}: {runs} seeds in {:.1}s, {failed} failed, {inconclusive} inconclusive",
-        started.elapsed().as_secs_f64()
+    let (mut migrations, mut completed, mut unknown) = (0, 0, 0);
+    let (runs, failed) = run_seeds(
+        args,
+        &name,
+        |seed| tessera_sim::groups::run(seed, &config),
+        |report| {
+            migrations += report.migrations_completed;
+            completed += report.completed;
+            unknown += report.unknown;
+        },
     );
     println!(
         "  migrations completed {migrations}, operations completed {completed}, unknown outcome {unknown}"
     );
-    if failed > 0 {
-        return Err(format!("{failed} of {runs} seeds violated a checked property"));
-    }
-    Ok(())
+    seeds_passed(runs, failed)
 }
 
 /// Repairs every log under `dir` (a node keeps one per table and per shard).
