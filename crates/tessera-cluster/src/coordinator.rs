@@ -554,10 +554,8 @@ impl ClusterCoordinator {
         if usize::from(slot) >= SLOTS {
             return refuse("Invalid or out of range slot".into());
         }
-        let owner = self.map.shard_for_slot(slot).map(|shard| shard.id).expect("a valid map owns every slot");
-        let heads = |map: &ClusterMap, node: u32, shard: u32| {
-            map.shard(shard).and_then(|shard| shard.members.first()) == Some(&node)
-        };
+        let owning = self.map.shard_for_slot(slot).expect("a valid map owns every slot");
+        let (owner, mine) = (owning.id, owning.is_headed_by(node));
         let named = match command {
             SlotCommand::Importing { source: other }
             | SlotCommand::Migrating { target: other }
@@ -571,7 +569,7 @@ impl ClusterCoordinator {
         let open = self.map.open_slot(slot).cloned();
         let opened = match command {
             SlotCommand::Importing { .. } => {
-                if heads(&self.map, node, owner) {
+                if mine {
                     return refuse(format!("I'm already the owner of hash slot {slot}"));
                 }
                 let to = match open.as_ref().filter(|open| self.map.stands_for(node, open.to)) {
@@ -581,7 +579,7 @@ impl ClusterCoordinator {
                 OpenSlot { slot, from: owner, to, importing: true, migrating: false, migration: None, committed: false }
             }
             SlotCommand::Migrating { target } => {
-                if !heads(&self.map, node, owner) {
+                if !mine {
                     return refuse(format!("I'm not the owner of hash slot {slot}"));
                 }
                 let to = match open.as_ref().filter(|open| self.map.stands_for(target, open.to)) {

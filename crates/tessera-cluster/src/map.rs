@@ -147,6 +147,11 @@ impl Shard {
         self.learners = view.learners.iter().map(|node| node.0).collect();
     }
 
+    /// Whether `node` is the shard's first member (its head or primary).
+    pub fn is_headed_by(&self, node: u32) -> bool {
+        self.members.first() == Some(&node)
+    }
+
     pub fn owns(&self, slot: u16) -> bool {
         self.slots.iter().any(|(first, last)| (*first..=*last).contains(&slot))
     }
@@ -386,7 +391,7 @@ impl ClusterMap {
 
     /// The default table's shards `node` heads.
     pub fn headed_by(&self, node: u32) -> impl Iterator<Item = &Shard> {
-        self.slot_shards().filter(move |shard| shard.members.first() == Some(&node))
+        self.slot_shards().filter(move |shard| shard.is_headed_by(node))
     }
 
     /// Whether Redis Cluster's commands may name `node` for `shard`: it
@@ -394,7 +399,7 @@ impl ClusterMap {
     /// replaced by a failover while a slot moved to its shard).
     pub fn stands_for(&self, node: u32, shard: u32) -> bool {
         self.shard(shard).is_some_and(|shard| {
-            shard.members.first() == Some(&node)
+            shard.is_headed_by(node)
                 || (self.headed_by(node).next().is_none() && shard.members.contains(&node))
         })
     }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tessera_cluster::capture::CapturingView;
-use tessera_cluster::map::{ClusterMap, Shard};
+use tessera_cluster::map::ClusterMap;
 use tessera_engine::{Engine, KeyRange, ScanCursor};
 use tessera_wire::slot::{key_slot, SLOTS};
 use tessera_wire::{ReplyWriter, Request, Value};
@@ -42,10 +42,6 @@ fn node_named(map: &ClusterMap, name: &[u8]) -> Option<u32> {
         .iter()
         .find(|node| node_name(map, node.id).as_bytes().eq_ignore_ascii_case(name))
         .map(|node| node.id)
-}
-
-fn heads(shard: &Shard, node: u32) -> bool {
-    shard.members.first() == Some(&node)
 }
 
 impl ClusterNode {
@@ -92,7 +88,7 @@ impl ClusterNode {
         let source = map
             .shard_for_slot(slot)
             .ok_or_else(|| CommandError::ClusterDown(format!("hash slot {slot} has no group")))?;
-        let mine = heads(source, self.agent.node_id());
+        let mine = source.is_headed_by(self.agent.node_id());
         if is(action, "importing") && mine {
             return Err(CommandError::Other(format!("I'm already the owner of hash slot {slot}")));
         }
@@ -195,7 +191,7 @@ impl ClusterNode {
         let Some(owner) = map.shard_for_slot(slot) else {
             return Ok(Vec::new());
         };
-        let answers = heads(owner, me) || owner.members.first().copied() == shown_master(&map, me);
+        let answers = owner.is_headed_by(me) || owner.members.first().copied() == shown_master(&map, me);
         let Some(engine) = answers.then(|| self.agent.engine(owner.id)).flatten() else {
             return Ok(Vec::new());
         };
@@ -252,7 +248,7 @@ impl ClusterNode {
         let owner = slots.first().and_then(|slot| map.shard_for_slot(*slot));
         if let (Some(slot), Some(owner)) = (slots.first(), owner) {
             let head = owner.members.first().and_then(|head| map.node(*head));
-            if let Some(head) = head.filter(|_| !heads(owner, me) && map.open_slot(*slot).is_none()) {
+            if let Some(head) = head.filter(|_| !owner.is_headed_by(me) && map.open_slot(*slot).is_none()) {
                 return Err(CommandError::Moved {
                     slot: *slot,
                     address: head.client_address(tls).to_string(),
@@ -300,7 +296,7 @@ impl ClusterNode {
                 "Target instance replied with error: ERR SELECT is not allowed in cluster mode".into(),
             ));
         }
-        let here = owner.filter(|owner| heads(owner, me)).and_then(|owner| self.agent.engine(owner.id));
+        let here = owner.filter(|owner| owner.is_headed_by(me)).and_then(|owner| self.agent.engine(owner.id));
         let mut present = false;
         if let Some(engine) = here {
             let view = CapturingView::new(engine);
@@ -322,7 +318,7 @@ impl ClusterNode {
                 "Target instance replied with error: MOVED {slot} {address}"
             )));
         }
-        debug_assert!(heads(owner, me), "keys are present only in a group this node heads");
+        debug_assert!(owner.is_headed_by(me), "keys are present only in a group this node heads");
         self.ask_set_slot(slot, &[b"COMMIT", target.id.to_string().as_bytes()]).await?;
         let wait = Duration::from_millis(timeout.max(0) as u64).max(MIGRATE_WAIT_MIN);
         self.wait_moved(slot, owner.id, target.id, wait).await?;

@@ -268,8 +268,7 @@ fn info(map: &ClusterMap, me: u32) -> String {
         .map(|(first, last)| (*last - *first) as usize + 1)
         .sum();
     let state = if served == tessera_wire::slot::SLOTS { "ok" } else { "fail" };
-    let my_epoch =
-        map.slot_shards().filter(|shard| shard.members.first() == Some(&me)).map(|shard| shard.view_number);
+    let my_epoch = map.headed_by(me).map(|shard| shard.view_number);
     [
         format!("cluster_state:{state}"),
         format!("cluster_slots_assigned:{served}"),
