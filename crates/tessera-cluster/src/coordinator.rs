@@ -567,46 +567,47 @@ impl ClusterCoordinator {
             return refuse(format!("I don't know about node {other}"));
         }
         let open = self.map.open_slot(slot).cloned();
-        let opened = match command {
-            SlotCommand::Importing { .. } => {
-                if mine {
-                    return refuse(format!("I'm already the owner of hash slot {slot}"));
-                }
-                let to = match open.as_ref().filter(|open| self.map.stands_for(node, open.to)) {
-                    Some(open) => open.to,
-                    None => self.receiving_group(node, slot).ok_or_else(|| MapError::Slot(format!("I'm not a master: this node heads no replica group to import hash slot {slot} into")))?,
-                };
-                OpenSlot { slot, from: owner, to, importing: true, migrating: false, migration: None, committed: false }
+        // The node that is to receive the slot, and the marks set.
+        let (receiver, importing, migrating, committed) = match command {
+            SlotCommand::Importing { .. } if mine => {
+                return refuse(format!("I'm already the owner of hash slot {slot}"))
             }
-            SlotCommand::Migrating { target } => {
-                if !mine {
-                    return refuse(format!("I'm not the owner of hash slot {slot}"));
-                }
-                let to = match open.as_ref().filter(|open| self.map.stands_for(target, open.to)) {
-                    Some(open) => open.to,
-                    None => self.receiving_group(target, slot).ok_or_else(|| MapError::Slot("Target node is not a master".into()))?,
-                };
-                OpenSlot { slot, from: owner, to, importing: false, migrating: true, migration: None, committed: false }
+            SlotCommand::Importing { .. } => (node, true, false, false),
+            SlotCommand::Migrating { .. } if !mine => {
+                return refuse(format!("I'm not the owner of hash slot {slot}"))
             }
+            SlotCommand::Migrating { target } => (target, false, true, false),
+            SlotCommand::Node { owner: new_owner } => (new_owner, true, true, true),
             SlotCommand::Commit { target } => match &open {
-                Some(open) if open.importing && open.migrating && self.map.stands_for(target, open.to) => OpenSlot { committed: true, ..open.clone() },
-                _ => return refuse(format!("hash slot {slot} is not open from this node to node {target}: CLUSTER SETSLOT {slot} IMPORTING on it and MIGRATING here first")),
+                Some(open) if open.importing && open.migrating && self.map.stands_for(target, open.to) => {
+                    (target, true, true, true)
+                }
+                _ => {
+                    return refuse(format!(
+                        "hash slot {slot} is not open from this node to node {target}: \
+                         CLUSTER SETSLOT {slot} IMPORTING on it and MIGRATING here first"
+                    ))
+                }
             },
-            SlotCommand::Node { owner: new_owner } => {
-                // An open slot towards the node's group first: its head may
-                // have been replaced by a failover, leaving the node a member
-                // of the slot's present group as well.
-                let to = match open.as_ref().filter(|open| self.map.stands_for(new_owner, open.to)) {
-                    Some(open) => open.to,
-                    None if self.map.stands_for(new_owner, owner) => return self.close_slot(slot, now),
-                    None => self
-                        .receiving_group(new_owner, slot)
-                        .ok_or_else(|| MapError::Slot("Target node is not a master".into()))?,
-                };
-                OpenSlot { slot, from: owner, to, importing: true, migrating: true, migration: None, committed: true }
-            }
             SlotCommand::Stable => return self.close_slot(slot, now),
         };
+        // An open slot towards the receiver's group first: its head may have
+        // been replaced by a failover, leaving the receiver a member of the
+        // slot's present group as well.
+        let assigning = matches!(command, SlotCommand::Node { .. });
+        let to = match open.as_ref().filter(|open| self.map.stands_for(receiver, open.to)) {
+            Some(open) => open.to,
+            None if assigning && self.map.stands_for(receiver, owner) => return self.close_slot(slot, now),
+            None => self.receiving_group(receiver, slot).ok_or_else(|| {
+                MapError::Slot(match command {
+                    SlotCommand::Importing { .. } => {
+                        format!("I'm not a master: this node heads no replica group to import hash slot {slot} into")
+                    }
+                    _ => "Target node is not a master".into(),
+                })
+            })?,
+        };
+        let opened = OpenSlot { slot, from: owner, to, importing, migrating, migration: None, committed };
         // The same move keeps its marks and its migration; another replaces it.
         let opened = match open.filter(|open| open.to == opened.to) {
             Some(same) => OpenSlot {
