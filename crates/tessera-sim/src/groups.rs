@@ -24,7 +24,7 @@ use tessera_protocol::{
 };
 use tessera_wire::slot::key_slot;
 
-use crate::checks::linearizability::{self, Verdict};
+use crate::checks::linearizability;
 use crate::clients::{record_unknown, Client, Pending};
 use crate::config::{FaultKind, FaultMix, RunTiming};
 use crate::history::{Call, Outcome};
@@ -628,15 +628,7 @@ impl GroupsSimulation {
     }
 
     fn finish(mut self) -> Report {
-        for (index, client) in self.clients.iter().enumerate() {
-            if !client.final_reads.is_empty() {
-                self.report.violations.push(format!(
-                    "liveness: client {index} could not read back {} keys within {} ms of healing",
-                    client.final_reads.len(),
-                    self.config.timing.liveness_ms
-                ));
-            }
-        }
+        self.report.check_final_reads(&self.clients, self.config.timing.liveness_ms);
         // No group holds a key of a slot it neither owns nor is receiving
         // (the sweep deleted what moved away): no live member, or under a
         // quorum protocol no majority (a minority may keep a record its
@@ -673,14 +665,8 @@ impl GroupsSimulation {
                 ));
             }
         }
-        match linearizability::check(&self.report.history) {
-            Verdict::Linearizable => {}
-            Verdict::Violation { key, detail } => self
-                .report
-                .violations
-                .push(format!("linearizability: key {:?}: {detail}", String::from_utf8_lossy(&key))),
-            Verdict::Inconclusive { .. } => self.report.inconclusive = true,
-        }
+        let verdict = linearizability::check(&self.report.history);
+        self.report.note_linearizability(verdict);
         self.report
     }
 }

@@ -58,6 +58,31 @@ pub struct Report {
     pub migrations_completed: u64,
 }
 
+impl Report {
+    /// Liveness: after healing, every client read every key back.
+    pub(crate) fn check_final_reads(&mut self, clients: &[Client], liveness_ms: u64) {
+        for (index, client) in clients.iter().enumerate() {
+            if !client.final_reads.is_empty() {
+                self.violations.push(format!(
+                    "liveness: client {index} could not read back {} keys within {liveness_ms} ms of healing",
+                    client.final_reads.len(),
+                ));
+            }
+        }
+    }
+
+    /// Safety under a strong protocol: the checked history was linearizable.
+    pub(crate) fn note_linearizability(&mut self, verdict: Verdict) {
+        match verdict {
+            Verdict::Linearizable => {}
+            Verdict::Violation { key, detail } => self
+                .violations
+                .push(format!("linearizability: key {:?}: {detail}", String::from_utf8_lossy(&key))),
+            Verdict::Inconclusive { .. } => self.inconclusive = true,
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub(crate) enum Event {
     Deliver { from: Address, to: Address, message: Message },
@@ -508,16 +533,7 @@ impl Simulation {
     }
 
     fn finish(mut self) -> Report {
-        // Liveness: after healing, every client read every key back.
-        for (index, client) in self.clients.iter().enumerate() {
-            if !client.final_reads.is_empty() {
-                self.report.violations.push(format!(
-                    "liveness: client {index} could not read back {} keys within {} ms of healing",
-                    client.final_reads.len(),
-                    self.config.timing.liveness_ms
-                ));
-            }
-        }
+        self.report.check_final_reads(&self.clients, self.config.timing.liveness_ms);
         // Convergence: the live members of the final view hold the same data.
         let members: Vec<u32> = self
             .coordinator
@@ -575,14 +591,7 @@ impl Simulation {
             }
         };
         if let Some(history) = checked {
-            match linearizability::check(&history) {
-                Verdict::Linearizable => {}
-                Verdict::Violation { key, detail } => self
-                    .report
-                    .violations
-                    .push(format!("linearizability: key {:?}: {detail}", String::from_utf8_lossy(&key))),
-                Verdict::Inconclusive { .. } => self.report.inconclusive = true,
-            }
+            self.report.note_linearizability(linearizability::check(&history));
         }
         if let Some(since) = durable_since {
             let lost = self.count_lost(final_state, since);
