@@ -228,7 +228,11 @@ impl ShardCoordinator {
             return None;
         }
         if !member && !learner {
-            if !self.suspected.contains(&node) && self.transition.is_none() {
+            // Not while every member is silent: a newcomer has no one to
+            // copy from, and as a backup it would let the last member, which
+            // may hold the only copy, be removed in its favour.
+            let someone_heard = self.view.replicas.iter().any(|member| !self.silent(*member, now));
+            if !self.suspected.contains(&node) && self.transition.is_none() && someone_heard {
                 self.admit(now, node, incarnation);
             }
             return None;
@@ -474,5 +478,27 @@ mod tests {
         single.suspect(NodeId(0));
         assert_eq!(single.on_tick(1_000), vec![NodeId(0)]);
         assert_eq!(single.view().replicas, vec![NodeId(0)]);
+    }
+
+    /// After the coordinator lost touch with every node (its own
+    /// partition), the first node back must not join as a backup while the
+    /// last member is still silent: that member would then be removed in
+    /// favour of an empty copy, and with it every record.
+    #[test]
+    fn no_one_joins_while_every_member_is_silent() {
+        let mut pb = coordinator(Admission::Backup);
+        for node in 0..3 {
+            beat(&mut pb, 0, node);
+        }
+        pb.on_tick(1_000);
+        assert_eq!(pb.view().replicas.len(), 1, "the coordinator heard no one: only the last member stays");
+        let last = pb.view().replicas[0];
+        let newcomer = (0..4).map(NodeId).find(|node| !pb.view().replicas.contains(node)).unwrap();
+        assert!(beat(&mut pb, 1_001, newcomer.0).is_none());
+        pb.on_tick(1_002);
+        assert_eq!(pb.view().replicas, vec![last], "nobody was admitted, so the last member stays");
+        beat(&mut pb, 1_003, last.0);
+        beat(&mut pb, 1_004, newcomer.0);
+        assert_eq!(pb.view().replicas, vec![last, newcomer], "admitted once the member is heard again");
     }
 }

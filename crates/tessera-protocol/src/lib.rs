@@ -351,6 +351,13 @@ pub trait Protocol: Send {
     fn tombstones(&self) -> u64 {
         0
     }
+
+    /// A drain's merge (an online transition, or a migration's cut, which
+    /// drains to the same mode and resumes this instance) replaced `key`'s
+    /// record `previous` with `record` beneath this instance: a protocol
+    /// that keeps state derived from its records (a hash tree, a count, a
+    /// clock) brings it up to date.
+    fn on_merged(&mut self, _key: &Bytes, _previous: Option<&Record>, _record: &Record) {}
 }
 
 /// Answers an operation only quorum protocols run (a conditional write's

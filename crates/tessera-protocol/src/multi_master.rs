@@ -688,6 +688,16 @@ impl Protocol for MultiMaster {
         self.tombstones.len() as u64
     }
 
+    /// The tree must describe the engine, or anti-entropy would take a
+    /// merged record for one a peer already has and never ship it.
+    fn on_merged(&mut self, key: &Bytes, previous: Option<&Record>, record: &Record) {
+        if let Some(previous) = previous {
+            self.index(key, previous, false);
+        }
+        self.index(key, record, true);
+        self.hlc.observe(record.version, 0);
+    }
+
     /// Every write accepted here was acknowledged by every peer of the view.
     fn quiescent(&self) -> bool {
         self.outboxes
@@ -845,6 +855,24 @@ mod tests {
             assert_eq!(value(replica, "k7"), Some(Bytes::from_static(b"changed")));
         }
         assert!(shipped < 20, "a few leaves travel, not the 2,003 records: {shipped}");
+        assert_eq!(replicas[0].tree.roots(), replicas[1].tree.roots());
+    }
+
+    /// A drain (a transition, or a migration's cut, which resumes this
+    /// protocol) merges records straight into the engine: told of them, the
+    /// tree describes them, and anti-entropy ships them to a peer that
+    /// missed the drain. Untold, the tree would still match the peer's and
+    /// the record would never travel.
+    #[test]
+    fn a_record_merged_by_a_drain_reaches_peers_through_anti_entropy() {
+        let mut fx = Effects::new(10);
+        let mut replicas = members(2, &mut fx);
+        let key = Bytes::from_static(b"merged");
+        let record = Record::value(Version::new(5, 0), NodeId(9), Bytes::from_static(b"m"));
+        replicas[0].engine.put(&key, record.encode()).unwrap();
+        replicas[0].on_merged(&key, None, &record);
+        settle(&mut replicas, Effects::new(5_000));
+        assert_eq!(value(&replicas[1], "merged"), Some(Bytes::from_static(b"m")));
         assert_eq!(replicas[0].tree.roots(), replicas[1].tree.roots());
     }
 

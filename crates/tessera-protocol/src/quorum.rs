@@ -425,13 +425,18 @@ impl QuorumRegister {
         raw: Bytes,
     ) -> Result<(), OperationError> {
         self.engine.put(key, raw)?;
-        let was_tombstone = current.is_some_and(|current| current.tombstone);
+        self.count_tombstone(current, record);
+        Ok(())
+    }
+
+    /// Keeps the count of tombstones as `record` replaces `previous`.
+    fn count_tombstone(&mut self, previous: Option<&Record>, record: &Record) {
+        let was_tombstone = previous.is_some_and(|previous| previous.tombstone);
         match (was_tombstone, record.tombstone) {
             (false, true) => self.tombstones += 1,
             (true, false) => self.tombstones = self.tombstones.saturating_sub(1),
             _ => {}
         }
-        Ok(())
     }
 
     /// A replica that takes over a shard's records from another protocol at
@@ -1053,6 +1058,11 @@ impl Protocol for QuorumRegister {
 
     fn tombstones(&self) -> u64 {
         self.tombstones
+    }
+
+    fn on_merged(&mut self, _key: &Bytes, previous: Option<&Record>, record: &Record) {
+        self.count_tombstone(previous, record);
+        self.hlc.observe(record.version, 0);
     }
 
     fn quiescent(&self) -> bool {

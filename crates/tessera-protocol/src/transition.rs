@@ -270,7 +270,7 @@ impl Switchable {
     }
 
     /// Keeps, per key, the record of highest (version, origin).
-    fn merge(&self, entries: Vec<(Bytes, Bytes)>) {
+    fn merge(&mut self, entries: Vec<(Bytes, Bytes)>) {
         for (key, raw) in entries {
             let Ok(incoming) = Record::decode(raw.clone()) else { continue };
             let local = match self.engine.get(&key) {
@@ -280,11 +280,13 @@ impl Switchable {
                     continue;
                 }
             };
-            let newer =
-                local.is_none_or(|local| (incoming.version, incoming.origin) > (local.version, local.origin));
+            let newer = local
+                .as_ref()
+                .is_none_or(|local| (incoming.version, incoming.origin) > (local.version, local.origin));
             if newer {
-                if let Err(error) = self.engine.put(&key, raw) {
-                    tracing::error!(replica = %self.me, %error, "cannot store a merged record");
+                match self.engine.put(&key, raw) {
+                    Ok(()) => self.protocol.on_merged(&key, local.as_ref(), &incoming),
+                    Err(error) => tracing::error!(replica = %self.me, %error, "cannot store a merged record"),
                 }
             }
         }
