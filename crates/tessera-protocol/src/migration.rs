@@ -607,8 +607,8 @@ mod tests {
         Arc::new(|key: &[u8]| key.last().is_some_and(|byte| byte % 2 == 0))
     }
 
-    fn incoming() -> Incoming {
-        Incoming { id: 7, from_shard: SOURCE_SHARD, from: NodeId(1), keys: moving() }
+    fn incoming(from: NodeId) -> Incoming {
+        Incoming { id: 7, from_shard: SOURCE_SHARD, from, keys: moving() }
     }
 
     fn replica(me: u32, mode: &str) -> Replica {
@@ -621,8 +621,8 @@ mod tests {
         replica
     }
 
-    /// A source (node 1, shard 1) and a target (node 2, shard 2), each its
-    /// shard's only member, exchanging what they send each other.
+    /// A source (shard 1) and a target (shard 2), each its shard's only
+    /// member, exchanging what they send each other.
     struct Pair {
         source: Replica,
         target: Replica,
@@ -630,14 +630,21 @@ mod tests {
     }
 
     impl Pair {
+        /// The source on node 1, the target on node 2.
         fn new(source_mode: &str, target_mode: &str) -> Self {
-            Self { source: replica(1, source_mode), target: replica(2, target_mode), now: 1 }
+            Self::on_nodes(source_mode, target_mode, 1, 2)
+        }
+
+        fn on_nodes(source_mode: &str, target_mode: &str, source_node: u32, target_node: u32) -> Self {
+            let (source, target) = (replica(source_node, source_mode), replica(target_node, target_mode));
+            Self { source, target, now: 1 }
         }
 
         fn start(&mut self) {
-            let outgoing = Outgoing { id: 7, to_shard: TARGET_SHARD, to: NodeId(2), keys: moving() };
+            let (source_node, target_node) = (self.source.view().replicas[0], self.target.view().replicas[0]);
+            let outgoing = Outgoing { id: 7, to_shard: TARGET_SHARD, to: target_node, keys: moving() };
             self.source.set_migrations(Some(outgoing), None, self.now);
-            self.target.set_migrations(None, Some(incoming()), self.now);
+            self.target.set_migrations(None, Some(incoming(source_node)), self.now);
         }
 
         fn write(&mut self, key: &str, value: Option<&str>) {
@@ -668,9 +675,11 @@ mod tests {
                 let mut next = Effects::new(self.now);
                 for effect in queue {
                     if let Effect::SendToShard { shard, to, message } = effect {
+                        let (source_node, target_node) =
+                            (self.source.view().replicas[0], self.target.view().replicas[0]);
                         let (receiver, from) = match shard {
-                            TARGET_SHARD => (&mut self.target, NodeId(1)),
-                            _ => (&mut self.source, NodeId(2)),
+                            TARGET_SHARD => (&mut self.target, source_node),
+                            _ => (&mut self.source, target_node),
                         };
                         assert_eq!(to, receiver.view().replicas[0]);
                         receiver.on_peer(from, message, &mut next);
@@ -744,6 +753,23 @@ mod tests {
         }
     }
 
+    /// Groups are not nodes: one node may head both the source and the
+    /// target, and the migration's messages then go from it to itself.
+    #[test]
+    fn a_node_heading_both_groups_migrates_between_them() {
+        let mut pair = Pair::on_nodes("multi-master", "multi-master", 1, 1);
+        for key in 0..100 {
+            pair.write(&format!("key{key}"), Some("v"));
+        }
+        pair.start();
+        for _ in 0..200 {
+            pair.round();
+        }
+        assert!(pair.caught_up());
+        let source = moving_values(pair.source.engine().as_ref());
+        assert_eq!(moving_values(pair.target.engine().as_ref()), source);
+    }
+
     #[test]
     fn a_target_that_lost_its_place_gets_a_new_stream_and_drops_what_it_held() {
         let mut pair = Pair::new("chain", "chain");
@@ -762,7 +788,7 @@ mod tests {
         for key in &keys[..10] {
             pair.write(key, None);
         }
-        pair.target.set_migrations(None, Some(incoming()), pair.now);
+        pair.target.set_migrations(None, Some(incoming(NodeId(1))), pair.now);
         for _ in 0..2_000 {
             pair.round();
             if pair.caught_up() {

@@ -353,8 +353,11 @@ impl Replica {
     }
 
     pub fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) -> Heard {
-        if from == self.config.me {
-            // The sender's id is the peer's own claim: nothing to assert on.
+        let migration = message.family() == <MigrationMessage as crate::Message>::FAMILY;
+        // A migration's two groups may both be headed by this node; within
+        // one group a message from this replica is a false claim (the
+        // sender's id is the peer's own: nothing to assert on).
+        if from == self.config.me && !migration {
             tracing::warn!(replica = %self.config.me, "dropped a peer message claiming to come from this replica");
             return Heard::default();
         }
@@ -363,7 +366,7 @@ impl Replica {
             .flatten();
         let was_drained = transition_view.is_some() && self.drained().is_some();
         let mark = fx.as_slice().len();
-        if message.family() == <MigrationMessage as crate::Message>::FAMILY {
+        if migration {
             match message.open::<MigrationMessage>() {
                 Some(Ok(message)) => self.on_migration_message(from, message, fx),
                 _ => {
