@@ -961,22 +961,16 @@ fn simulate(args: SimArgs) -> Result<(), String> {
     if args.replicas == 0 || args.clients == 0 {
         return Err("--replicas and --clients must be at least 1".into());
     }
-    let (mut completed, mut unknown, mut view_changes, mut lost, mut acknowledged) =
-        (0u64, 0u64, 0u64, 0u64, 0u64);
-    let mut primary_changes = 0u64;
+    let (mut view_changes, mut primary_changes) = (0u64, 0u64);
     let mut transition_ms: Vec<u64> = Vec::new();
     let mut strong_reads: std::collections::BTreeMap<u32, u64> = Default::default();
-    let (runs, failed) = run_seeds(
+    let totals = run_seeds(
         &args,
         &name,
         |seed| tessera_sim::run(seed, &config),
         |report| {
-            completed += report.completed;
-            unknown += report.unknown;
             view_changes += report.view_changes;
             primary_changes += report.primary_changes;
-            lost += report.lost_acknowledged_writes;
-            acknowledged += report.acknowledged_writes;
             if let (Some(started), Some(completed)) =
                 (report.transition_started_at, report.transition_completed_at)
             {
@@ -990,45 +984,78 @@ fn simulate(args: SimArgs) -> Result<(), String> {
     if !transition_ms.is_empty() {
         transition_ms.sort_unstable();
         println!(
-            "  transitions completed {} of {runs}: median {} ms, slowest {} ms (virtual)",
+            "  transitions completed {} of {}: median {} ms, slowest {} ms (virtual)",
             transition_ms.len(),
+            totals.runs,
             transition_ms[transition_ms.len() / 2],
             transition_ms.last().expect("not empty")
         );
     }
     println!(
-        "  operations completed {completed}, unknown outcome {unknown}, view changes {view_changes} \
-         ({primary_changes} replaced the head or primary)"
+        "  operations completed {}, unknown outcome {}, view changes {view_changes} \
+         ({primary_changes} replaced the head or primary)",
+        totals.completed, totals.unknown
     );
     println!(
-        "  acknowledged writes {acknowledged}, lost {lost} ({:.1} per head or primary change)",
-        lost as f64 / primary_changes.max(1) as f64
+        "  acknowledged writes {}, lost {} ({:.1} per head or primary change)",
+        totals.acknowledged,
+        totals.lost,
+        totals.lost as f64 / primary_changes.max(1) as f64
     );
     let reads: Vec<String> =
         strong_reads.iter().map(|(replica, count)| format!("n{replica}={count}")).collect();
     println!("  strong reads received per replica: {}", reads.join(" "));
-    seeds_passed(runs, failed)
+    totals.passed()
+}
+
+/// What a simulation's seeds add up to, whichever simulation ran them.
+#[derive(Default)]
+struct SeedTotals {
+    runs: u64,
+    failed: u64,
+    completed: u64,
+    unknown: u64,
+    acknowledged: u64,
+    lost: u64,
+}
+
+impl SeedTotals {
+    fn add(&mut self, report: &tessera_sim::Report) {
+        self.runs += 1;
+        self.failed += u64::from(!report.violations.is_empty());
+        self.completed += report.completed;
+        self.unknown += report.unknown;
+        self.acknowledged += report.acknowledged_writes;
+        self.lost += report.lost_acknowledged_writes;
+    }
+
+    fn passed(&self) -> Result<(), String> {
+        match self.failed {
+            0 => Ok(()),
+            failed => Err(format!("{failed} of {} seeds violated a checked property", self.runs)),
+        }
+    }
 }
 
 /// Runs `run` for every seed `args` names and hands each report to `tally`:
 /// prints a seed's whole trace when one seed is asked for, and every
 /// violation with the command that replays it; then a summary line. Returns
-/// how many seeds ran and how many failed.
+/// what the seeds add up to.
 fn run_seeds(
     args: &SimArgs,
     name: &str,
     run: impl Fn(u64) -> tessera_sim::Report,
     mut tally: impl FnMut(&tessera_sim::Report),
-) -> (u64, u64) {
+) -> SeedTotals {
     let seeds = match args.seed {
         Some(seed) => seed..seed + 1,
         None => args.first_seed..args.first_seed + args.seeds,
     };
     let started = std::time::Instant::now();
-    let (mut runs, mut failed, mut inconclusive) = (0u64, 0u64, 0u64);
+    let (mut totals, mut inconclusive) = (SeedTotals::default(), 0u64);
     for seed in seeds {
         let report = run(seed);
-        runs += 1;
+        totals.add(&report);
         inconclusive += u64::from(report.inconclusive);
         tally(&report);
         if args.seed.is_some() {
@@ -1043,7 +1070,6 @@ fn run_seeds(
             }
         }
         if !report.violations.is_empty() {
-            failed += 1;
             println!("FAIL seed {seed} faults {}", report.faults.describe());
             for violation in &report.violations {
                 println!("  {violation}");
@@ -1052,24 +1078,21 @@ fn run_seeds(
         }
     }
     println!(
-        "{name}: {runs} seeds in {:.1}s, {failed} failed, {inconclusive} inconclusive",
-        started.elapsed().as_secs_f64()
+        "{name}: {} seeds in {:.1}s, {} failed, {inconclusive} inconclusive",
+        totals.runs,
+        started.elapsed().as_secs_f64(),
+        totals.failed
     );
-    (runs, failed)
-}
-
-fn seeds_passed(runs: u64, failed: u64) -> Result<(), String> {
-    match failed {
-        0 => Ok(()),
-        _ => Err(format!("{failed} of {runs} seeds violated a checked property")),
-    }
+    totals
 }
 
 /// `tessera sim --groups G`: slot migrations between groups under faults
 /// (docs/PROTOCOLS.md, "Slot migration").
 fn simulate_groups(args: &SimArgs, protocol: tessera_protocol::Mode) -> Result<(), String> {
     if args.transition_to.is_some() || args.workload != "registers" {
-        return Err("--groups runs the registers workload, without --transition-to".into());
+        return Err("--groups chooses its workload by the mode (registers when strong, appends when \
+                    eventual) and runs without --transition-to"
+            .into());
     }
     if args.replicas as u64 > u64::from(args.nodes) || args.clients == 0 || args.replicas == 0 {
         return Err("--groups needs --replicas between 1 and --nodes, and a client".into());
@@ -1093,24 +1116,19 @@ fn simulate_groups(args: &SimArgs, protocol: tessera_protocol::Mode) -> Result<(
         ..default
     };
     let name = format!("{protocol} --groups {} --nodes {}", args.groups, args.nodes);
-    let (mut migrations, mut completed, mut unknown, mut acknowledged, mut lost) = (0, 0, 0, 0, 0);
-    let (runs, failed) = run_seeds(
+    let mut migrations = 0;
+    let totals = run_seeds(
         args,
         &name,
         |seed| tessera_sim::groups::run(seed, &config),
-        |report| {
-            migrations += report.migrations_completed;
-            completed += report.completed;
-            unknown += report.unknown;
-            acknowledged += report.acknowledged_writes;
-            lost += report.lost_acknowledged_writes;
-        },
+        |report| migrations += report.migrations_completed,
     );
     println!(
-        "  migrations completed {migrations}, operations completed {completed}, unknown outcome {unknown}"
+        "  migrations completed {migrations}, operations completed {}, unknown outcome {}",
+        totals.completed, totals.unknown
     );
-    println!("  acknowledged writes {acknowledged}, lost {lost}");
-    seeds_passed(runs, failed)
+    println!("  acknowledged writes {}, lost {}", totals.acknowledged, totals.lost);
+    totals.passed()
 }
 
 /// Repairs every log under `dir` (a node keeps one per table and per shard).
