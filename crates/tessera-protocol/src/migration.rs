@@ -692,6 +692,24 @@ mod tests {
         fn caught_up(&self) -> bool {
             self.source.progress().migration.is_some_and(|report| report.caught_up)
         }
+
+        /// 100 keys written, then the migration started and run until its
+        /// copy caught up.
+        fn copy_hundred_keys(&mut self) {
+            for key in 0..100 {
+                self.write(&format!("key{key}"), Some("v"));
+            }
+            self.start();
+            for _ in 0..200 {
+                self.round();
+            }
+            assert!(self.caught_up());
+        }
+
+        fn assert_target_holds_the_sources_moving_keys(&self) {
+            let source = moving_values(self.source.engine().as_ref());
+            assert_eq!(moving_values(self.target.engine().as_ref()), source);
+        }
     }
 
     /// The live values of an engine's moving keys.
@@ -758,29 +776,14 @@ mod tests {
     #[test]
     fn a_node_heading_both_groups_migrates_between_them() {
         let mut pair = Pair::on_nodes("multi-master", "multi-master", 1, 1);
-        for key in 0..100 {
-            pair.write(&format!("key{key}"), Some("v"));
-        }
-        pair.start();
-        for _ in 0..200 {
-            pair.round();
-        }
-        assert!(pair.caught_up());
-        let source = moving_values(pair.source.engine().as_ref());
-        assert_eq!(moving_values(pair.target.engine().as_ref()), source);
+        pair.copy_hundred_keys();
+        pair.assert_target_holds_the_sources_moving_keys();
     }
 
     #[test]
     fn a_target_that_lost_its_place_gets_a_new_stream_and_drops_what_it_held() {
         let mut pair = Pair::new("chain", "chain");
-        for key in 0..100 {
-            pair.write(&format!("key{key}"), Some("v"));
-        }
-        pair.start();
-        for _ in 0..200 {
-            pair.round();
-        }
-        assert!(pair.caught_up());
+        pair.copy_hundred_keys();
         // The target forgets the migration (its first member changed, say)
         // while the source deletes keys it already sent.
         let keys: Vec<String> = (0..100).step_by(2).map(|key| format!("key{key}")).collect();
@@ -796,8 +799,7 @@ mod tests {
             }
         }
         assert!(pair.caught_up(), "the source started over and caught up again");
-        let source = moving_values(pair.source.engine().as_ref());
-        assert_eq!(moving_values(pair.target.engine().as_ref()), source);
+        pair.assert_target_holds_the_sources_moving_keys();
     }
 
     #[test]
