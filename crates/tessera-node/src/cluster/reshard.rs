@@ -36,6 +36,10 @@ fn integer(arg: &[u8]) -> CommandResult<i64> {
     std::str::from_utf8(arg).ok().and_then(|text| text.parse().ok()).ok_or(CommandError::NotInteger)
 }
 
+fn valid_slot(number: i64) -> Option<u16> {
+    u16::try_from(number).ok().filter(|slot| usize::from(*slot) < SLOTS)
+}
+
 /// The node a Redis Cluster node name (as CLUSTER NODES shows it) stands for.
 fn node_named(map: &ClusterMap, name: &[u8]) -> Option<u32> {
     map.nodes
@@ -79,8 +83,7 @@ impl ClusterNode {
     pub async fn set_slot(&self, request: &Request<'_>, out: &mut ReplyWriter) -> CommandResult {
         let slot = integer(request.arg(2))
             .ok()
-            .and_then(|slot| u16::try_from(slot).ok())
-            .filter(|slot| usize::from(*slot) < SLOTS)
+            .and_then(valid_slot)
             .ok_or_else(|| CommandError::Other("Invalid or out of range slot".into()))?;
         let action = request.arg(3);
         let map = self.map()?;
@@ -161,15 +164,14 @@ impl ClusterNode {
         if is(subcommand, "setslot") {
             return self.set_slot(request, out).await;
         }
-        let slot = integer(request.arg(2))?;
+        let slot = valid_slot(integer(request.arg(2))?);
         let counting = is(subcommand, "countkeysinslot");
-        let limit =
-            if counting { usize::MAX } else { integer(request.arg(3))?.try_into().unwrap_or(usize::MAX) };
-        let slot = u16::try_from(slot).ok().filter(|slot| usize::from(*slot) < SLOTS);
-        let (Some(slot), false) = (slot, !counting && integer(request.arg(3))? < 0) else {
+        let count = if counting { None } else { Some(integer(request.arg(3))?) };
+        let (Some(slot), false) = (slot, count.is_some_and(|count| count < 0)) else {
             let message = if counting { "Invalid slot" } else { "Invalid slot or number of keys" };
             return Err(CommandError::Other(message.into()));
         };
+        let limit = count.map_or(usize::MAX, |count| usize::try_from(count).unwrap_or(usize::MAX));
         let keys = self.keys_in_slot(slot, limit, now_ms)?;
         if counting {
             out.integer(keys.len() as i64);
