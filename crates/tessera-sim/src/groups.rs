@@ -145,6 +145,8 @@ pub struct GroupsSimulation {
     healed: bool,
     /// When the coordinator last heard from each node.
     heard_at: Vec<u64>,
+    /// The map's epoch at the last look: what follows changes only with it.
+    epoch_seen: u64,
     /// Migrations the map named at the last look, to log their ends.
     migrations_seen: BTreeSet<u64>,
     /// Each group's members and their incarnations at the last look.
@@ -202,6 +204,7 @@ impl GroupsSimulation {
             links: Links::default(),
             healed: false,
             heard_at: vec![0; config.nodes as usize],
+            epoch_seen: 0,
             migrations_seen: BTreeSet::new(),
             members_seen: BTreeMap::new(),
             member_lost: false,
@@ -371,6 +374,10 @@ impl GroupsSimulation {
     /// Logs the migrations that ended, and notes a group losing a member.
     fn note_map_changes(&mut self) {
         let map = self.coordinator.map();
+        if map.epoch == self.epoch_seen {
+            return;
+        }
+        self.epoch_seen = map.epoch;
         let members: BTreeMap<u32, BTreeMap<u32, u64>> = map
             .shards
             .iter()
