@@ -536,6 +536,14 @@ impl ChainReplication {
         }
     }
 
+    /// A head that left the chain tells the clients still waiting that their
+    /// writes' outcome is unknown: the chain may yet commit them without it.
+    fn abandon_waiting(&mut self, fx: &mut Effects) {
+        for (_, (request, _)) in std::mem::take(&mut self.waiting) {
+            fx.reply(request, ClientReply::Unknown("this replica left the chain before the write committed"));
+        }
+    }
+
     /// Forgets all replication state (the engine is replaced by a snapshot).
     fn reset(&mut self) {
         self.applied = 0;
@@ -800,11 +808,14 @@ impl Protocol for ChainReplication {
             // The tail starts a learner over in every new view (see
             // `Learner`), so the learner does too: what it holds may be a
             // member's stale state, or another tail's numbering.
+            self.abandon_waiting(fx);
             self.reset();
             return;
         }
         if self.position().is_none() {
-            return; // removed from the chain: serve nothing until added back
+            // Removed from the chain: serve nothing until added back.
+            self.abandon_waiting(fx);
+            return;
         }
         self.snapshot_source = None;
         let learner = view.learners.first().copied().filter(|_| self.successor().is_none());
@@ -924,6 +935,31 @@ mod tests {
         // Then the tail fails: the head is alone and everything it applied commits.
         head.on_view(&view(3, &[1]), &mut fx);
         assert_eq!(fx.take(), vec![Effect::Reply { request: RequestId(7), reply: ClientReply::Written }]);
+    }
+
+    /// A head cut off while writes wait, removed, and added back as a
+    /// learner (its first view since) answers those writes: their outcome is
+    /// unknown, since the rest of the chain may have committed them.
+    #[test]
+    fn a_head_that_leaves_the_chain_tells_its_waiting_clients_the_outcome_is_unknown() {
+        let unknown = |request| Effect::Reply {
+            request: RequestId(request),
+            reply: ClientReply::Unknown("this replica left the chain before the write committed"),
+        };
+        let mut head = replica(1);
+        let mut fx = Effects::new(10);
+        head.on_view(&view(1, &[1, 2, 3]), &mut fx);
+        head.on_client(put(7, "k", "v"), &mut fx);
+        fx.take();
+        head.on_view(&ShardView { learners: vec![NodeId(1)], ..view(4, &[2, 3]) }, &mut fx);
+        assert_eq!(fx.take(), vec![unknown(7)]);
+
+        let mut head = replica(1);
+        head.on_view(&view(1, &[1, 2]), &mut fx);
+        head.on_client(put(8, "k", "v"), &mut fx);
+        fx.take();
+        head.on_view(&view(2, &[2]), &mut fx);
+        assert_eq!(fx.take(), vec![unknown(8)], "removed outright");
     }
 
     #[test]
