@@ -119,6 +119,9 @@ impl ClusterCoordinator {
                 if cutting {
                     // A migration's cut that a previous coordinator began.
                     coordinator.resume_cut();
+                } else if let Some(head) = shard.next_head {
+                    // A head handover that a previous coordinator began.
+                    coordinator.resume_handover(NodeId(head));
                 } else if let Some(next) = shard.next_mode {
                     // A transition that a previous coordinator started.
                     coordinator.resume_transition(shard_config(timing, next, map.replicas).admission);
@@ -344,6 +347,38 @@ impl ClusterCoordinator {
         }
     }
 
+    /// Starts handing shard `shard`'s first place (head, primary) to its
+    /// member `node` (docs/PROTOCOLS.md, "Head handovers"): the shard drains
+    /// to the mode it runs, and the view that ends the drain puts `node`
+    /// first. Writes wait for the drain; none fails.
+    pub fn start_handover(&mut self, shard: u32, node: u32, now: u64) -> Result<(), MapError> {
+        let entry = self.map.shard(shard).ok_or_else(|| MapError::Invalid(format!("no shard {shard}")))?;
+        match entry.members.iter().position(|member| *member == node) {
+            None => return Err(MapError::Invalid(format!("node {node} is not a member of shard {shard}"))),
+            Some(0) => return Err(MapError::Invalid(format!("node {node} already heads shard {shard}"))),
+            Some(_) => {}
+        }
+        if self.map.migration_of(shard).is_some() {
+            return Err(MapError::Invalid(format!(
+                "shard {shard} has slots migrating; hand its head over once they have moved"
+            )));
+        }
+        if self.map.replica_moves.iter().any(|replica_move| replica_move.shard == shard) {
+            return Err(MapError::Invalid(format!("a replica of shard {shard} is moving; wait for it")));
+        }
+        let mode = self.map.mode_of(entry);
+        let coordinator = self.shards.get_mut(&shard).expect("a coordinator per shard");
+        if !coordinator.begin_handover(now, NodeId(node)) {
+            return Err(MapError::Invalid(format!("shard {shard} is draining; wait for it")));
+        }
+        tracing::info!(shard, node, "handing the head over");
+        let entry = self.map.shards.iter_mut().find(|entry| entry.id == shard).expect("checked above");
+        entry.next_mode = Some(mode); // draining, to the mode it runs
+        entry.next_head = Some(node);
+        self.sync(&[]);
+        Ok(())
+    }
+
     /// Takes a node that serves nothing out of the map.
     pub fn remove_node(&mut self, node: u32) -> Result<(), MapError> {
         self.map.node(node).ok_or_else(|| MapError::Invalid(format!("no node {node}")))?;
@@ -384,7 +419,7 @@ impl ClusterCoordinator {
         for shard in [from, to] {
             if self.shards.get(&shard).is_some_and(ShardCoordinator::transitioning) {
                 return Err(MapError::Invalid(format!(
-                    "shard {shard} is switching modes; move slots once it has"
+                    "shard {shard} is draining (switching modes or handing its head over); move slots once it is done"
                 )));
             }
             if let Some(other) = self.map.migration_of(shard) {
@@ -723,6 +758,7 @@ impl ClusterCoordinator {
             let shard = self.map.shards.iter_mut().find(|shard| shard.id == *id).expect("shard in map");
             shard.set_view(coordinator.view());
             if !coordinator.view().draining {
+                shard.next_head = None;
                 if let Some(next) = shard.next_mode.take() {
                     shard.mode = (next != self.map.mode).then_some(next);
                 }
@@ -804,6 +840,7 @@ impl ClusterCoordinator {
                 learners: Vec::new(),
                 mode: None,
                 next_mode: None,
+                next_head: None,
                 incarnations: shard
                     .incarnations
                     .iter()
@@ -1189,6 +1226,52 @@ mod tests {
             .shards
             .iter()
             .all(|shard| shard.next_mode.is_none() && map.mode_of(shard) == labelled("ms+ec")));
+    }
+
+    #[test]
+    fn a_head_is_handed_over_after_a_drain_even_across_a_coordinator_restart() {
+        let mut coordinator = cluster(3, 3);
+        for node in 0..3 {
+            beat(&mut coordinator, 5, node);
+        }
+        let shard = coordinator.map().shards[0].clone();
+        let (head, next) = (shard.members[0], shard.members[2]);
+        let refused = |result: Result<(), MapError>| result.unwrap_err().to_string();
+        assert!(refused(coordinator.start_handover(shard.id, head, 10)).contains("already heads"));
+        assert!(refused(coordinator.start_handover(shard.id, 9, 10)).contains("not a member"));
+        coordinator.start_handover(shard.id, next, 10).unwrap();
+        assert!(refused(coordinator.start_handover(shard.id, shard.members[1], 10)).contains("draining"));
+        let other = coordinator.map().shards[1].id;
+        let migrating = coordinator.start_migration(shard.id, other, shard.slots.clone()).map(drop);
+        assert!(refused(migrating).contains("draining"));
+        let draining = coordinator.map().shard(shard.id).unwrap().clone();
+        assert!(draining.view().draining);
+        assert_eq!(draining.next_head, Some(next));
+        assert_eq!(coordinator.map().mode_label(&draining), format!("ms+sc (handing the head to n{next})"));
+        // Grants keep the mode: the shard drains to the mode it runs.
+        for (_, _, mode) in beat(&mut coordinator, 20, 0).shards {
+            assert_eq!(mode, labelled("ms+sc"));
+        }
+
+        let map = coordinator.take_changed_map().expect("stored");
+        let mut restarted =
+            ClusterCoordinator::new(map, Timing { lease_ms: 200, failure_timeout_ms: 150 }, 30);
+        let drained = |coordinator: &ClusterCoordinator| {
+            let view = coordinator.map().shard(shard.id).unwrap().view_number;
+            BTreeMap::from([(shard.id, Progress { drained: Some(view), ..Progress::default() })])
+        };
+        for node in 0..3 {
+            let report = drained(&restarted);
+            restarted.heartbeat(40, node, 1, &report).unwrap();
+        }
+        let done = restarted.map().shard(shard.id).unwrap();
+        assert!(!done.view().draining);
+        assert_eq!(done.members[0], next);
+        assert_eq!(done.members.len(), 3);
+        assert_eq!(
+            (done.next_head, done.next_mode, restarted.map().mode_of(done)),
+            (None, None, labelled("ms+sc"))
+        );
     }
 
     #[test]

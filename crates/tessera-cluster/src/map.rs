@@ -127,6 +127,10 @@ pub struct Shard {
     /// draining until every member has the same records).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub next_mode: Option<Mode>,
+    /// During a head handover (a drain to the mode it runs): the member the
+    /// view that ends the drain puts first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_head: Option<u32>,
 }
 
 impl Shard {
@@ -318,6 +322,7 @@ impl ClusterMap {
                     incarnations: BTreeMap::new(),
                     mode: None,
                     next_mode: None,
+                    next_head: None,
                 }
             })
             .collect();
@@ -355,9 +360,11 @@ impl ClusterMap {
     /// A shard's mode as operators read it: `ms+sc`, or `ms+sc (switching to
     /// aa+sc)`.
     pub fn mode_label(&self, shard: &Shard) -> String {
-        match shard.next_mode {
-            Some(next) => format!("{} (switching to {})", self.mode_of(shard).label(), next.label()),
-            None => self.mode_of(shard).label().to_string(),
+        let mode = self.mode_of(shard).label();
+        match (shard.next_mode, shard.next_head) {
+            (Some(_), Some(head)) => format!("{mode} (handing the head to n{head})"),
+            (Some(next), None) => format!("{mode} (switching to {})", next.label()),
+            (None, _) => mode.to_string(),
         }
     }
 

@@ -437,6 +437,7 @@ async fn answer(state: &Arc<Mutex<State>>, session: &mut Session, args: &[Vec<u8
             change_map(state, |coordinator, now| coordinator.cancel_migration(id, now)).map(|_| out.ok())
         }),
         b"COORD.MOVE-REPLICA" if args.len() == 4 => move_replica(state, args, out),
+        b"COORD.MOVE-HEAD" if args.len() == 3 => move_head(state, args, out),
         b"COORD.SETSLOT" if args.len() == 4 || args.len() == 5 => set_slot(state, session, args, out),
         b"COORD.REMOVE-NODE" if args.len() == 2 => number(&args[1], "node").and_then(|node| {
             change_map(state, |coordinator, _| coordinator.remove_node(node)).map(|_| out.ok())
@@ -462,6 +463,7 @@ async fn answer(state: &Arc<Mutex<State>>, session: &mut Session, args: &[Vec<u8
         | b"COORD.MIGRATE-CANCEL"
         | b"COORD.MIGRATIONS"
         | b"COORD.MOVE-REPLICA"
+        | b"COORD.MOVE-HEAD"
         | b"COORD.SETSLOT"
         | b"COORD.REMOVE-NODE"
         | b"COORD.ACL-SETUSER"
@@ -732,6 +734,15 @@ fn move_replica(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWrit
     let from: u32 = number(&args[2], "node")?;
     let to: u32 = number(&args[3], "node")?;
     change_map(state, |coordinator, _| coordinator.start_replica_move(shard, from, to))?;
+    out.ok();
+    Ok(())
+}
+
+/// `COORD.MOVE-HEAD shard node`: hands the shard's head to its member `node`.
+fn move_head(state: &Arc<Mutex<State>>, args: &[Vec<u8>], out: &mut ReplyWriter) -> Result<(), Refused> {
+    let shard: u32 = number(&args[1], "shard")?;
+    let node: u32 = number(&args[2], "node")?;
+    change_map(state, |coordinator, now| coordinator.start_handover(shard, node, now))?;
     out.ok();
     Ok(())
 }

@@ -20,6 +20,9 @@
 //!   draining and drops its learner; nobody is admitted while it drains. Once
 //!   every member has reported itself drained in the current view, the next
 //!   view ends the transition and admission follows the new protocol's rule.
+//! - A head handover (`begin_handover`) is a transition to the same protocol
+//!   whose completion view puts the chosen member first: once every member
+//!   has drained, all hold the same records, so any of them may lead.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
@@ -72,6 +75,8 @@ pub struct ShardCoordinator {
     /// The drain under way is a slot migration's cut: it ends by
     /// [`Self::end_cut`], not when the members have drained.
     cut: bool,
+    /// The drain under way hands the first place to this member.
+    handover: Option<NodeId>,
 }
 
 impl ShardCoordinator {
@@ -96,6 +101,7 @@ impl ShardCoordinator {
             changes: Vec::new(),
             transition: None,
             cut: false,
+            handover: None,
         }
     }
 
@@ -126,6 +132,34 @@ impl ShardCoordinator {
         }
         self.cut = true;
         true
+    }
+
+    /// Starts handing the first place (head, primary) to member `node`: the
+    /// view drains as for a transition to the same protocol, and the view
+    /// that ends the drain puts `node` first. Refused while a transition or
+    /// cut is under way, and for a node that is not a member or already first.
+    pub fn begin_handover(&mut self, now: u64, node: NodeId) -> bool {
+        if self.view.position(node).is_none_or(|position| position == 0) {
+            return false;
+        }
+        if !self.begin_transition(now, self.config.admission) {
+            return false;
+        }
+        self.handover = Some(node);
+        true
+    }
+
+    /// Carries on a handover whose draining view this coordinator took over.
+    pub fn resume_handover(&mut self, node: NodeId) {
+        self.resume_transition(self.config.admission);
+        if self.transition.is_some() && !self.cut {
+            self.handover = Some(node);
+        }
+    }
+
+    /// The member a handover under way puts first.
+    pub fn handing_over_to(&self) -> Option<NodeId> {
+        self.handover
     }
 
     /// Carries on a cut whose draining view this coordinator took over.
@@ -359,7 +393,21 @@ impl ShardCoordinator {
         }
         let (admission, _) = self.transition.take().expect("checked above");
         self.config.admission = admission;
-        self.change_view(now, |view| view.draining = false, "transition complete");
+        // Every member holds the same records now: any of them may lead. A
+        // handover's member that left meanwhile leaves the order as it is.
+        let head = self.handover.take().and_then(|node| self.view.position(node).map(|at| (node, at)));
+        let reason = if head.is_some() { "head handed over" } else { "transition complete" };
+        self.change_view(
+            now,
+            |view| {
+                view.draining = false;
+                if let Some((node, at)) = head {
+                    view.replicas.remove(at);
+                    view.replicas.insert(0, node);
+                }
+            },
+            reason,
+        );
     }
 
     fn change_view(&mut self, now: u64, change: impl FnOnce(&mut ShardView), reason: &'static str) {
@@ -500,5 +548,48 @@ mod tests {
         beat(&mut pb, 1_003, last.0);
         beat(&mut pb, 1_004, newcomer.0);
         assert_eq!(pb.view().replicas, vec![last, newcomer], "admitted once the member is heard again");
+    }
+
+    #[test]
+    fn a_handover_drains_then_puts_the_chosen_member_first() {
+        let mut chain = coordinator(Admission::Learner);
+        assert!(!chain.begin_handover(0, NodeId(0)), "already first");
+        assert!(!chain.begin_handover(0, NodeId(7)), "not a member");
+        assert!(chain.begin_handover(0, NodeId(2)));
+        assert!(!chain.begin_handover(0, NodeId(1)), "one drain at a time");
+        assert!(chain.view().draining);
+        let draining = chain.view().number;
+        let drained = Progress { drained: Some(draining), ..Progress::default() };
+        for node in 0..2 {
+            chain.on_heartbeat(10, NodeId(node), 0, &drained);
+            assert!(chain.view().draining, "not every member has drained");
+        }
+        assert!(!chain.begin_transition(10, Admission::Learner));
+        chain.on_heartbeat(10, NodeId(2), 0, &drained);
+        assert!(!chain.view().draining);
+        assert_eq!(chain.view().replicas, vec![NodeId(2), NodeId(0), NodeId(1)]);
+        let changes = chain.take_changes();
+        let last = changes.last().unwrap();
+        assert!(last.primary_changed);
+        assert_eq!(last.reason, "head handed over");
+        assert!(!chain.transitioning());
+        assert_eq!(chain.handing_over_to(), None);
+
+        // A chosen member removed during the drain: the drain ends with the
+        // order as it is.
+        let mut pb = coordinator(Admission::Backup);
+        assert!(pb.begin_handover(0, NodeId(1)));
+        pb.suspect(NodeId(1));
+        beat(&mut pb, 900, 0);
+        beat(&mut pb, 900, 2);
+        pb.on_tick(1_000);
+        assert_eq!(pb.view().replicas, vec![NodeId(0), NodeId(2)]);
+        let drained = Progress { drained: Some(pb.view().number), ..Progress::default() };
+        for node in [0, 2] {
+            pb.on_heartbeat(1_001, NodeId(node), 0, &drained);
+        }
+        assert!(!pb.view().draining);
+        assert_eq!(pb.view().replicas, vec![NodeId(0), NodeId(2)]);
+        assert_eq!(pb.take_changes().last().unwrap().reason, "transition complete");
     }
 }

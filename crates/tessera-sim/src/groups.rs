@@ -6,11 +6,12 @@
 //! that route by slot from a map they cache and learn again when told to.
 //! Migrations move the slots of the clients' keys back and forth while
 //! nodes crash and restart empty, messages are delayed, dropped and
-//! partitioned. Under a strong protocol the whole history, with every key
-//! read back after healing, must be linearizable. In every mode each group's
-//! members converge, no acknowledged write is missing from the final state
-//! (in an eventual mode: unless a member was lost, the window such a mode
-//! documents), and no group holds a key of a slot it does not keep.
+//! partitioned, and groups hand their heads to other members. Under a strong
+//! protocol the whole history, with every key read back after healing, must
+//! be linearizable. In every mode each group's members converge, no
+//! acknowledged write is missing from the final state (in an eventual mode:
+//! unless a member was lost, the window such a mode documents), and no group
+//! holds a key of a slot it does not keep.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -35,6 +36,11 @@ use crate::network::{schedule_faults, Address, Fault, Links, Timeline};
 use crate::rng::Rng;
 use crate::sim::{catching_panics, key_name, Report};
 
+/// How long after a slot moved its source may still hold its keys: the
+/// source's first member sweeps them at its next grant, and the deletes
+/// travel through its replication.
+const SWEEP_GRACE_MS: u64 = 500;
+
 #[derive(Clone, Debug)]
 pub struct GroupsConfig {
     /// A strong protocol's history is checked for linearizability.
@@ -46,6 +52,10 @@ pub struct GroupsConfig {
     pub keys: usize,
     pub faults: BTreeSet<FaultKind>,
     pub timing: RunTiming,
+    /// Groups hand their heads to other members now and then
+    /// (`ClusterCoordinator::start_handover`), drawn from a stream of their
+    /// own so that a run without them is the run it always was.
+    pub head_moves: bool,
     /// A coordinator that moves slots without a cut.
     #[cfg(any(test, feature = "broken"))]
     pub broken_without_cut: bool,
@@ -70,6 +80,7 @@ impl GroupsConfig {
             .into_iter()
             .collect(),
             timing: RunTiming { safety_ms: 4_000, liveness_ms: 3_000, ..RunTiming::default() },
+            head_moves: true,
             #[cfg(any(test, feature = "broken"))]
             broken_without_cut: false,
         }
@@ -113,6 +124,7 @@ enum Event {
     CoordinatorTick,
     ClientWake(usize),
     Migrate,
+    HandOver,
     Fault(Fault),
 }
 
@@ -134,6 +146,8 @@ struct Node {
 pub struct GroupsSimulation {
     config: GroupsConfig,
     rng: Rng,
+    /// Draws the head handovers' times and choices.
+    handover_rng: Rng,
     now: u64,
     timeline: Timeline<Event>,
     nodes: Vec<Node>,
@@ -145,12 +159,24 @@ pub struct GroupsSimulation {
     healed: bool,
     /// When the coordinator last heard from each node.
     heard_at: Vec<u64>,
+    /// The newest heartbeat the coordinator answered from each node: a node
+    /// heartbeats over one session, one at a time, so the coordinator never
+    /// answers an older heartbeat after a newer one (a late one is as lost).
+    heartbeat_answered: Vec<u64>,
     /// The map's epoch at the last look: what follows changes only with it.
     epoch_seen: u64,
-    /// Migrations the map named at the last look, to log their ends.
-    migrations_seen: BTreeSet<u64>,
+    /// Migrations the map named at the last look, and their slots, to log
+    /// their ends.
+    migrations_seen: BTreeMap<u64, Vec<(u16, u16)>>,
+    /// When each slot last finished moving: its source's sweep may still be
+    /// on its way at the end of a run.
+    slots_moved_at: BTreeMap<u16, u64>,
     /// Each group's members and their incarnations at the last look.
     members_seen: BTreeMap<u32, BTreeMap<u32, u64>>,
+    /// Each group's first member at the last look.
+    heads_seen: BTreeMap<u32, u32>,
+    /// The member each group was last asked to hand its head to.
+    handing_to: BTreeMap<u32, u32>,
     /// A group lost a member (removed, or restarted as a new incarnation):
     /// an eventual mode may then lose what only that member had.
     member_lost: bool,
@@ -195,6 +221,7 @@ impl GroupsSimulation {
         let client_routes = vec![Routing::new(map.clone()); config.clients];
         let mut simulation = Self {
             rng,
+            handover_rng: Rng::new(seed ^ 0x6865_6164_7321),
             now: 0,
             timeline: Timeline::new(),
             nodes,
@@ -204,9 +231,13 @@ impl GroupsSimulation {
             links: Links::default(),
             healed: false,
             heard_at: vec![0; config.nodes as usize],
+            heartbeat_answered: vec![0; config.nodes as usize],
             epoch_seen: 0,
-            migrations_seen: BTreeSet::new(),
+            migrations_seen: BTreeMap::new(),
+            slots_moved_at: BTreeMap::new(),
             members_seen: BTreeMap::new(),
+            heads_seen: BTreeMap::new(),
+            handing_to: BTreeMap::new(),
             member_lost: false,
             report: Report { seed, faults, ..Report::default() },
             config,
@@ -229,6 +260,14 @@ impl GroupsSimulation {
         while at < self.config.timing.safety_ms {
             self.timeline.schedule(at, Event::Migrate);
             at += self.rng.between(100, 400);
+        }
+        if self.config.head_moves {
+            // Often: most attempts find the group migrating, and are refused.
+            let mut at = self.handover_rng.between(50, 150);
+            while at < self.config.timing.safety_ms {
+                self.timeline.schedule(at, Event::HandOver);
+                at += self.handover_rng.between(50, 150);
+            }
         }
         let kinds = [FaultKind::Partition, FaultKind::Crash];
         let (nodes, safety_ms) = (self.config.nodes, self.config.timing.safety_ms);
@@ -285,6 +324,7 @@ impl GroupsSimulation {
             }
             Event::ClientWake(client) => self.client_wake(client),
             Event::Migrate => self.start_migration(),
+            Event::HandOver => self.start_handover(),
             Event::Fault(Fault::Crash(node)) => {
                 if !self.healed && self.may_crash(node) {
                     self.nodes[node as usize].alive = false;
@@ -367,11 +407,27 @@ impl GroupsSimulation {
             self.report
                 .log
                 .push(format!("{}ms migration {id}: slots {slots:?} from g{from} to g{to}", self.now));
-            self.migrations_seen.insert(id);
+            self.migrations_seen.insert(id, slots);
         }
     }
 
-    /// Logs the migrations that ended, and notes a group losing a member.
+    /// Hands a group's head to another of its members.
+    fn start_handover(&mut self) {
+        if self.healed {
+            return;
+        }
+        let shards = &self.coordinator.map().shards;
+        let shard = self.handover_rng.pick(shards);
+        let Some(others) = shard.members.get(1..).filter(|others| !others.is_empty()) else { return };
+        let (shard, node) = (shard.id, *self.handover_rng.pick(others));
+        if self.coordinator.start_handover(shard, node, self.now).is_ok() {
+            self.report.log.push(format!("{}ms handing g{shard}'s head to n{node}", self.now));
+            self.handing_to.insert(shard, node);
+        }
+    }
+
+    /// Logs the migrations that ended and new heads, and notes a group
+    /// losing a member.
     fn note_map_changes(&mut self) {
         let map = self.coordinator.map();
         if map.epoch == self.epoch_seen {
@@ -400,12 +456,24 @@ impl GroupsSimulation {
             }
         }
         self.members_seen = members;
-        let under_way: BTreeSet<u64> = map.migrations.iter().map(|migration| migration.id).collect();
-        for ended in self.migrations_seen.difference(&under_way) {
-            self.report.migrations_completed += 1;
-            self.report.log.push(format!("{}ms migration {ended} done", self.now));
+        for shard in &map.shards {
+            let head = shard.members[0];
+            if self.heads_seen.insert(shard.id, head).is_some_and(|before| before != head) {
+                let how =
+                    if self.handing_to.get(&shard.id) == Some(&head) { "handed over" } else { "changed" };
+                self.report.log.push(format!("{}ms g{} head {how}: n{head}", self.now, shard.id));
+            }
         }
-        self.migrations_seen = under_way;
+        let under_way: BTreeSet<u64> = map.migrations.iter().map(|migration| migration.id).collect();
+        let ended: Vec<u64> =
+            self.migrations_seen.keys().filter(|id| !under_way.contains(id)).copied().collect();
+        for id in ended {
+            self.report.migrations_completed += 1;
+            self.report.log.push(format!("{}ms migration {id} done", self.now));
+            for (first, last) in self.migrations_seen.remove(&id).unwrap_or_default() {
+                self.slots_moved_at.extend((first..=last).map(|slot| (slot, self.now)));
+            }
+        }
     }
 
     fn node_tick(&mut self, node: u32) {
@@ -471,6 +539,10 @@ impl GroupsSimulation {
         match (to, message) {
             (Address::Coordinator, Message::Heartbeat { seq, incarnation, known_epoch, progress }) => {
                 let Address::Replica(node) = from else { return };
+                if seq <= self.heartbeat_answered[node as usize] {
+                    return;
+                }
+                self.heartbeat_answered[node as usize] = seq;
                 self.heard_at[node as usize] = self.now;
                 let Ok(grants) = self.coordinator.heartbeat(self.now, node, incarnation, &progress) else {
                     return;
@@ -715,8 +787,13 @@ impl GroupsSimulation {
         // The sweep deleted what moved away: no live member, or under a
         // quorum protocol no majority (a minority may keep a record its
         // proposals never reached, as after any write there), keeps a key of
-        // a slot its group gave away.
+        // a slot its group gave away, unless it moved too late for the sweep
+        // to have run.
+        let swept_by = self.now.saturating_sub(SWEEP_GRACE_MS);
         for ((shard, key), nodes) in holders {
+            if self.slots_moved_at.get(&(key_slot(&key) as u16)).is_some_and(|at| *at > swept_by) {
+                continue;
+            }
             let members = map.shard(shard).map_or(0, |entry| entry.members.len());
             let too_many = if self.config.protocol.quorum { members / 2 + 1 } else { 1 };
             if nodes.len() >= too_many {
@@ -769,24 +846,29 @@ pub fn run(seed: u64, config: &GroupsConfig) -> Report {
 mod tests {
     use super::*;
 
-    fn failures(config: &GroupsConfig, seeds: std::ops::Range<u64>) -> (Vec<Report>, u64) {
-        let mut migrations = 0;
+    /// The failed runs, and how many migrations and head handovers completed.
+    fn failures(config: &GroupsConfig, seeds: std::ops::Range<u64>) -> (Vec<Report>, u64, usize) {
+        let (mut migrations, mut handovers) = (0, 0);
         let failed = seeds
             .map(|seed| run(seed, config))
-            .inspect(|report| migrations += report.migrations_completed)
+            .inspect(|report| {
+                migrations += report.migrations_completed;
+                handovers += report.log.iter().filter(|line| line.contains(" head handed over: ")).count();
+            })
             .filter(|report| !report.violations.is_empty())
             .collect();
-        (failed, migrations)
+        (failed, migrations, handovers)
     }
 
     #[test]
     fn slots_move_back_and_forth_under_faults_and_every_check_holds_in_every_mode() {
         for protocol in ["chain", "quorum", "primary-backup", "multi-master"] {
             let config = GroupsConfig::new(Mode::named(protocol).expect("a registered protocol"));
-            let (failed, migrations) = failures(&config, 0..40);
+            let (failed, migrations, handovers) = failures(&config, 0..40);
             let found: Vec<_> = failed.iter().map(|report| (report.seed, &report.violations)).collect();
             assert!(found.is_empty(), "{protocol}: {found:?}");
             assert!(migrations > 100, "{protocol}: only {migrations} migrations completed in 40 seeds");
+            assert!(handovers > 40, "{protocol}: only {handovers} heads handed over in 40 seeds");
         }
     }
 
@@ -795,7 +877,10 @@ mod tests {
     /// from anti-entropy, so members never converged.
     #[test]
     fn seeds_that_once_failed_pass() {
-        let config = GroupsConfig::new(Mode::named("multi-master").expect("a registered protocol"));
+        let config = GroupsConfig {
+            head_moves: false, // as when they failed
+            ..GroupsConfig::new(Mode::named("multi-master").expect("a registered protocol"))
+        };
         let report = run(585, &config);
         assert!(report.violations.is_empty(), "{:?}", report.violations);
     }
@@ -815,7 +900,7 @@ mod tests {
             let mode = Mode::named(protocol).expect("a registered protocol");
             let faults = if mode.strong { GroupsConfig::new(mode).faults } else { no_member_lost.clone() };
             let config = GroupsConfig { broken_without_cut: true, faults, ..GroupsConfig::new(mode) };
-            let (failed, _) = failures(&config, 0..40);
+            let (failed, _, _) = failures(&config, 0..40);
             let caught = failed
                 .iter()
                 .filter(|report| report.violations.iter().any(|violation| violation.starts_with(caught_by)))
