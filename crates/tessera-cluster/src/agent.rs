@@ -687,6 +687,12 @@ impl Agent {
         }
     }
 
+    /// Whether the map this node routes by no longer lists it: it was taken
+    /// out of the cluster and is about to stop.
+    pub fn retired(&self) -> bool {
+        self.routing.read().as_ref().is_some_and(|routing| routing.map.node(self.config.node).is_none())
+    }
+
     /// The map and slot table this node routes by, once it has one.
     pub fn routing(&self) -> Option<Routing> {
         self.routing.read().clone()
@@ -965,7 +971,21 @@ async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: Coordina
         let arg_slices: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
         let reply = coordinator.call(&arg_slices).await;
         match reply {
-            Ok(Value::Error(message)) => tracing::warn!(%message, "heartbeat refused"),
+            Ok(Value::Error(message)) => {
+                tracing::warn!(%message, "heartbeat refused");
+                // Taken out of the cluster: route by the map that says so,
+                // so that every client is told where its slots went.
+                if let Ok(Value::Bulk(json)) = coordinator.call(&[b"COORD.MAP"]).await {
+                    match ClusterMap::from_json(&String::from_utf8_lossy(&json)) {
+                        Ok(map) if map.epoch > known_epoch && map.node(agent_ref.config.node).is_none() => {
+                            known_epoch = map.epoch;
+                            agent_ref.set_map(map);
+                        }
+                        Ok(_) => {}
+                        Err(error) => tracing::error!(%error, "the coordinator sent a bad map"),
+                    }
+                }
+            }
             Ok(reply) => match parse_grants(reply) {
                 Some((epoch, grants)) => {
                     if epoch > known_epoch {

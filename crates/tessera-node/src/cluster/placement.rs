@@ -2,7 +2,7 @@
 //! another node, or refused.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tessera_cluster::agent::Completion;
 use tessera_cluster::{NodeInfo, DEFAULT_TABLE};
@@ -11,6 +11,12 @@ use tessera_protocol::Refusal;
 use tessera_wire::slot::key_slot;
 
 use super::{ClusterNode, TRANSITION_WAIT};
+
+/// How long a request waits for its shard to settle on this node (a head
+/// handover's or failover's grant on its way): longer than a heartbeat.
+const SETTLE_WAIT: Duration = Duration::from_secs(2);
+/// How often it looks again meanwhile.
+const SETTLE_POLL: Duration = Duration::from_millis(5);
 use crate::error::CommandError;
 
 /// Where a request is served.
@@ -30,14 +36,19 @@ pub enum Placement {
     /// The shard is switching modes here: ask again once it has
     /// ([`Agent::wait_while_draining`](tessera_cluster::agent::Agent::wait_while_draining)).
     Draining { shard: u32 },
+    /// The shard is changing hands here: the map names this node its head
+    /// before the grant of that view arrived, a lease is being renewed, or a
+    /// new head's first write has not committed. Ask again shortly; the
+    /// error is the client's if it lasts.
+    Settling(CommandError),
     /// An error for the client (keys in several slots, no map yet, ...).
     Refused(CommandError),
 }
 
 impl ClusterNode {
     /// [`Self::place`], waiting while the keys' shard switches modes (up to
-    /// [`TRANSITION_WAIT`]): writes and strong reads are then placed by the
-    /// new mode.
+    /// [`TRANSITION_WAIT`]: writes and strong reads are then placed by the
+    /// new mode) or changes hands here (up to [`SETTLE_WAIT`]).
     pub async fn place_when_settled<'k, I: Iterator<Item = &'k [u8]>>(
         &self,
         keys: impl Fn() -> I,
@@ -50,6 +61,10 @@ impl ClusterNode {
                 Placement::Draining { shard } if waiting_since.elapsed() < TRANSITION_WAIT => {
                     self.agent.wait_while_draining(shard, TRANSITION_WAIT - waiting_since.elapsed()).await
                 }
+                Placement::Settling(_) if waiting_since.elapsed() < SETTLE_WAIT => {
+                    tokio::time::sleep(SETTLE_POLL).await
+                }
+                Placement::Settling(error) => return Placement::Refused(error),
                 placement => return placement,
             }
         }
@@ -104,10 +119,10 @@ impl ClusterNode {
             (Ok(_), None) => unreachable!("a shard that is not here refuses"),
             (Err(Refusal::Draining), _) => Placement::Draining { shard },
             (Err(Refusal::LeaseExpired), _) => {
-                Placement::Refused(CommandError::TryAgain("the shard's lease is being renewed".into()))
+                Placement::Settling(CommandError::TryAgain("the shard's lease is being renewed".into()))
             }
             (Err(Refusal::Unsettled), _) => {
-                Placement::Refused(CommandError::TryAgain("the shard's new head has not settled yet".into()))
+                Placement::Settling(CommandError::TryAgain("the shard's new head has not settled yet".into()))
             }
             (Err(Refusal::NotOwner), _) => match routing.head(shard) {
                 Some(head) if head.address != self.address => {
@@ -121,7 +136,7 @@ impl ClusterNode {
                         || (table != DEFAULT_TABLE && slot_head == Some(self.address.as_str()));
                     Placement::Elsewhere { slot, head: head.clone(), forward_only }
                 }
-                _ => Placement::Refused(CommandError::TryAgain(format!("slot {slot} is changing hands"))),
+                _ => Placement::Settling(CommandError::TryAgain(format!("slot {slot} is changing hands"))),
             },
         }
     }

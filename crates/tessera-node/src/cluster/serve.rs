@@ -233,7 +233,8 @@ async fn serve_keyed(
             dispatch_admitted(context, spec, request);
             None
         }
-        Placement::Refused(error) => {
+        // A shard still settling after the wait: its error is the client's.
+        Placement::Refused(error) | Placement::Settling(error) => {
             error.write(context.out);
             None
         }
@@ -241,8 +242,13 @@ async fn serve_keyed(
             CommandError::TryAgain("the keys' shard is still switching modes".into()).write(context.out);
             None
         }
+        // A node taken out of the cluster redirects every client, plain
+        // ones too: it is about to stop, and its clients must learn where
+        // their slots went rather than keep coming back.
         Placement::Elsewhere { slot, head, forward_only }
-            if context.session.relay || (context.session.cluster_client && !forward_only) =>
+            if context.session.relay
+                || (context.session.cluster_client && !forward_only)
+                || cluster.agent.retired() =>
         {
             let address = head.client_address(context.session.tls).to_string();
             CommandError::Moved { slot, address }.write(context.out);
