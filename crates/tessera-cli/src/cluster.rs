@@ -37,6 +37,9 @@ const SECRET_FILE: &str = "cluster.secret";
 /// The certificates of a cluster made with `up --tls`, as
 /// [`tessera_cluster::tls::write_certificates`] writes them.
 const TLS_DIR: &str = "tls";
+/// How long a node taken out of the cluster keeps answering (MOVED) at most
+/// before it is stopped, while clients still send it requests.
+const REMOVED_NODE_GRACE: Duration = Duration::from_secs(10);
 /// In a `--tls` cluster, node i's TLS client port is its client port plus this.
 const TLS_PORT_OFFSET: u16 = 20_000;
 
@@ -59,7 +62,9 @@ pub enum ClusterCommand {
     AddNode(AddNodeArgs),
     /// Move group replicas from the nodes that hold the most to those that
     /// hold the fewest, one at a time, until every node holds as many as any
-    /// other, give or take one. Safe to interrupt and run again.
+    /// other, give or take one; then hand heads over likewise, so that every
+    /// node heads as many groups as any other, give or take one. Safe to
+    /// interrupt and run again.
     Rebalance(DirArgs),
     /// Move every replica off a node, then take it out of the cluster and
     /// stop it: no failure, no failover wait.
@@ -581,16 +586,40 @@ fn roles_of(map: &ClusterMap, node: u32) -> String {
 
 /// Each node's total_commands_processed, or None where it does not answer.
 fn commands_per_node(layout: &Layout) -> Vec<Option<u64>> {
-    layout
-        .nodes
-        .iter()
-        .map(|(_, port)| {
-            let mut client = Client::connect(layout.node_address(*port), Duration::from_millis(300)).ok()?;
-            let info = client.command(&["INFO", "stats"]).ok()?;
-            let text = String::from_utf8_lossy(info.as_bytes()?).into_owned();
-            text.lines().find_map(|line| line.strip_prefix("total_commands_processed:")?.trim().parse().ok())
-        })
-        .collect()
+    layout.nodes.iter().map(|(_, port)| node_stat(layout, *port, "total_commands_processed")).collect()
+}
+
+/// The probe [`node_stat`] sends, as it travels.
+const STATS_PROBE: &[u8] = b"*2\r\n$4\r\nINFO\r\n$5\r\nstats\r\n";
+
+/// A counter of a node's INFO stats section.
+fn node_stat(layout: &Layout, port: u16, name: &str) -> Option<u64> {
+    let mut client = Client::connect(layout.node_address(port), Duration::from_millis(300)).ok()?;
+    let info = client.command(&["INFO", "stats"]).ok()?;
+    let text = String::from_utf8_lossy(info.as_bytes()?).into_owned();
+    text.lines().find_map(|line| line.strip_prefix(name)?.strip_prefix(':')?.trim().parse().ok())
+}
+
+/// Waits until a node taken out of the cluster has received nothing but
+/// these probes for half a second (clients that still routed a slot to it
+/// were told MOVED and have learnt the new map), for at most
+/// `REMOVED_NODE_GRACE`: stopping it then fails no request in flight.
+/// Bytes received, since commands answered with MOVED are not counted as
+/// processed, as in Redis.
+fn wait_until_unused(layout: &Layout, port: u16) {
+    let deadline = Instant::now() + REMOVED_NODE_GRACE;
+    let received = || node_stat(layout, port, "total_net_input_bytes");
+    let mut before = received();
+    while Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(500));
+        let after = received();
+        if let (Some(before), Some(after)) = (before, after) {
+            if after <= before + STATS_PROBE.len() as u64 {
+                return;
+            }
+        }
+        before = after;
+    }
 }
 
 /// A session with the coordinator as the operator (`admin`), proved with the
@@ -691,8 +720,111 @@ fn plan_rebalance(map: &ClusterMap) -> Vec<(u32, u32, u32)> {
     }
 }
 
-/// Moves one replica and waits until the move is done.
+/// How many groups each node of the map heads.
+fn head_counts(map: &ClusterMap) -> BTreeMap<u32, usize> {
+    let mut counts: BTreeMap<u32, usize> = map.nodes.iter().map(|node| (node.id, 0)).collect();
+    for shard in &map.shards {
+        if let Some(head) = shard.members.first() {
+            *counts.entry(*head).or_default() += 1;
+        }
+    }
+    counts
+}
+
+/// Head handovers `(shard, from, to)` that even out the groups each node
+/// heads (within one). Each round takes a head from a node heading the most
+/// along the shortest path of handovers (each to a member of a group the
+/// giver heads) to a node heading at least two fewer: the nodes between
+/// give one head and take one.
+fn plan_head_moves(map: &ClusterMap) -> Vec<(u32, u32, u32)> {
+    let mut map = map.clone();
+    let mut moves = Vec::new();
+    loop {
+        let counts = head_counts(&map);
+        let Some((&most, &high)) =
+            counts.iter().max_by_key(|(node, count)| (**count, std::cmp::Reverse(**node)))
+        else {
+            return moves;
+        };
+        // Breadth first from `most`: each node reached, by which shard and from whom.
+        let mut reached: BTreeMap<u32, (u32, u32)> = BTreeMap::new();
+        let mut frontier = std::collections::VecDeque::from([most]);
+        let mut found = None;
+        while let Some(giver) = frontier.pop_front() {
+            if giver != most && counts[&giver] + 2 <= high {
+                found = Some(giver);
+                break;
+            }
+            for shard in map.shards.iter().filter(|shard| shard.members.first() == Some(&giver)) {
+                for member in &shard.members[1..] {
+                    if *member != most && !reached.contains_key(member) {
+                        reached.insert(*member, (shard.id, giver));
+                        frontier.push_back(*member);
+                    }
+                }
+            }
+        }
+        let Some(mut taker) = found else { return moves };
+        let mut path = Vec::new();
+        while taker != most {
+            let (shard, giver) = reached[&taker];
+            path.push((shard, giver, taker));
+            taker = giver;
+        }
+        for (shard, giver, taker) in path.into_iter().rev() {
+            let entry = map.shards.iter_mut().find(|entry| entry.id == shard).expect("a shard of the map");
+            debug_assert_eq!(entry.members.first(), Some(&giver));
+            entry.members.retain(|node| *node != taker);
+            entry.members.insert(0, taker);
+            moves.push((shard, giver, taker));
+        }
+    }
+}
+
+/// Hands one group's head over and waits until the new head serves.
+fn move_head(dir: &Path, layout: &Layout, (shard, from, to): (u32, u32, u32)) -> Result<(), String> {
+    let mut session = AdminSession::open(dir, layout)?;
+    let (shard_arg, to_arg) = (shard.to_string(), to.to_string());
+    if let Value::Error(message) = session.command(&["COORD.MOVE-HEAD", &shard_arg, &to_arg])? {
+        return Err(message);
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let map = fetch_map(dir, layout)?;
+        let entry = map.shard(shard).ok_or_else(|| format!("shard {shard} left the map"))?;
+        if entry.next_head.is_none() {
+            return match entry.members.first() {
+                Some(head) if *head == to => Ok(()),
+                Some(head) => Err(format!(
+                    "shard {shard}'s head went to n{head}, not n{to} (n{to} left the group meanwhile?); run rebalance again"
+                )),
+                None => Err(format!("shard {shard} has no members")),
+            };
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "shard {shard} has not handed its head from n{from} to n{to} in a minute; `cluster status` shows where it is"
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Moves one replica and waits until the move is done. A head hands its
+/// place to another member first (a short drain), so that its clients are
+/// never left waiting on a replica whose lease runs out.
 fn move_replica(dir: &Path, layout: &Layout, (shard, from, to): (u32, u32, u32)) -> Result<(), String> {
+    let map = fetch_map(dir, layout)?;
+    let entry = map.shard(shard).ok_or_else(|| format!("no shard {shard}"))?;
+    if entry.members.len() > 1 && entry.members.first() == Some(&from) {
+        let heads = head_counts(&map);
+        let successor = entry.members[1..]
+            .iter()
+            .copied()
+            .min_by_key(|member| (heads.get(member).copied().unwrap_or(0), *member))
+            .expect("a group of two or more");
+        move_head(dir, layout, (shard, from, successor))?;
+    }
     let mut session = AdminSession::open(dir, layout)?;
     let (shard_arg, from_arg, to_arg) = (shard.to_string(), from.to_string(), to.to_string());
     if let Value::Error(message) = session.command(&["COORD.MOVE-REPLICA", &shard_arg, &from_arg, &to_arg])? {
@@ -723,24 +855,45 @@ fn rebalance(dir: &Path) -> Result<(), String> {
     let layout = Layout::load(dir)?;
     // A move an interrupted run left finishes first.
     wait_for_replica_moves(dir, &layout, |_| true)?;
-    let plan = plan_rebalance(&fetch_map(dir, &layout)?);
-    if plan.is_empty() {
-        println!("balanced: {:?} replicas per node", replica_counts(&fetch_map(dir, &layout)?));
-        return Ok(());
-    }
     let started = Instant::now();
-    for (index, step) in plan.iter().enumerate() {
+    let replica_plan = plan_rebalance(&fetch_map(dir, &layout)?);
+    for (index, step) in replica_plan.iter().enumerate() {
         let (shard, from, to) = *step;
         move_replica(dir, &layout, *step)?;
         println!(
-            "[{}/{}] moved shard {shard}'s replica from n{from} to n{to} ({:.1} s)",
+            "[{}/{}] moved shard {shard}'s replica from n{from} to n{to} ({:.1} s{})",
             index + 1,
-            plan.len(),
-            started.elapsed().as_secs_f64()
+            replica_plan.len(),
+            started.elapsed().as_secs_f64(),
+            remaining(started, index + 1, replica_plan.len()),
         );
     }
-    println!("balanced: {:?} replicas per node", replica_counts(&fetch_map(dir, &layout)?));
+    // Heads last: a replica move may hand a head on by itself.
+    let head_plan = plan_head_moves(&fetch_map(dir, &layout)?);
+    let heads_started = Instant::now();
+    for (index, step) in head_plan.iter().enumerate() {
+        let (shard, from, to) = *step;
+        move_head(dir, &layout, *step)?;
+        println!(
+            "[{}/{}] handed shard {shard}'s head from n{from} to n{to} ({:.1} s{})",
+            index + 1,
+            head_plan.len(),
+            started.elapsed().as_secs_f64(),
+            remaining(heads_started, index + 1, head_plan.len()),
+        );
+    }
+    let map = fetch_map(dir, &layout)?;
+    println!("balanced: {:?} replicas and {:?} heads per node", replica_counts(&map), head_counts(&map));
     Ok(())
+}
+
+/// `, about N s left` after `done` of `total` steps taken since `started`.
+fn remaining(started: Instant, done: usize, total: usize) -> String {
+    if done >= total || done == 0 {
+        return String::new();
+    }
+    let per_step = started.elapsed().as_secs_f64() / done as f64;
+    format!(", about {:.0} s left", per_step * (total - done) as f64)
 }
 
 fn remove_node(dir: &Path, target: &str) -> Result<(), String> {
@@ -770,6 +923,9 @@ fn remove_node(dir: &Path, target: &str) -> Result<(), String> {
     if let Value::Error(message) = session.command(&["COORD.REMOVE-NODE", &node_arg])? {
         return Err(message);
     }
+    // Clients that still route a slot here are told MOVED, not refused a
+    // connection, until they have all heard of the new map.
+    wait_until_unused(&layout, layout.port_of(node)?);
     stop(dir, &name, Duration::from_secs(10))?;
     layout.nodes.retain(|(id, _)| *id != node);
     layout.save(dir)?;
@@ -1080,5 +1236,44 @@ mod tests {
         let counts = replica_counts(&map);
         assert!(counts.values().all(|count| (5..=6).contains(count)), "36 replicas over 7 nodes: {counts:?}");
         assert!(plan_rebalance(&map).is_empty(), "balanced: nothing more to move");
+    }
+
+    /// Replicas first, as `rebalance` does; then heads.
+    fn rebalanced(serving: usize, nodes: usize, groups: usize) -> ClusterMap {
+        let addresses: Vec<String> = (0..nodes).map(|index| format!("127.0.0.1:{}", 7000 + index)).collect();
+        let mut map =
+            ClusterMap::place_groups("c1", Mode::named("ms+sc").unwrap(), 3, &addresses, serving, groups)
+                .unwrap();
+        for (shard, from, to) in plan_rebalance(&map) {
+            let shard = map.shards.iter_mut().find(|entry| entry.id == shard).unwrap();
+            shard.members.retain(|node| *node != from);
+            shard.members.push(to);
+        }
+        for (shard, from, to) in plan_head_moves(&map) {
+            let shard = map.shards.iter_mut().find(|entry| entry.id == shard).unwrap();
+            assert_eq!(shard.members[0], from, "handed over by its head at the time");
+            let at = shard.members.iter().position(|node| *node == to).expect("a member takes over");
+            shard.members.remove(at);
+            shard.members.insert(0, to);
+        }
+        map.validate().unwrap();
+        assert!(plan_head_moves(&map).is_empty(), "balanced: nothing more to hand over");
+        map
+    }
+
+    #[test]
+    fn a_head_plan_spreads_heads_over_every_node() {
+        // Three new nodes got replicas, but head none until handed some.
+        let counts = head_counts(&rebalanced(3, 6, 12));
+        assert!(counts.values().all(|count| *count == 2), "twelve heads over six nodes: {counts:?}");
+        // Six groups on six nodes: the node heading two groups may be in no
+        // group with the node heading none; a path of handovers gets there.
+        let counts = head_counts(&rebalanced(3, 6, 6));
+        assert!(counts.values().all(|count| *count == 1), "six heads over six nodes: {counts:?}");
+        let counts = head_counts(&rebalanced(4, 7, 10));
+        assert!(
+            counts.values().all(|count| (1..=2).contains(count)),
+            "ten heads over seven nodes: {counts:?}"
+        );
     }
 }
