@@ -1,6 +1,8 @@
 """Slots moving between groups while clients run (docs/PROTOCOLS.md, "Slot
 migration"): `tessera cluster move-slots` against real node processes."""
 
+import random
+import threading
 import time
 
 import redis
@@ -11,6 +13,7 @@ from test_cluster import (
     assert_replicas_converge,
     assert_served_and_linearizable,
     cluster_factory,  # noqa: F401  (a fixture)
+    never_sent,
     run_with_faults,
     write_during,
 )
@@ -95,33 +98,79 @@ def test_an_eventual_active_active_cluster_keeps_every_acknowledged_write_throug
         time.sleep(0.2)
 
 
-def test_a_cluster_grows_by_a_node_rebalances_and_shrinks_while_serving(cluster_factory, tmp_path):
-    """add-node starts a node; rebalance moves group replicas onto it (a
-    learner catches up, then the replica it replaces leaves); remove-node
-    moves every replica off a node and retires it. Clients see a
-    linearizable history throughout."""
+def test_a_cluster_grows_by_three_nodes_and_shrinks_by_two_while_clients_write_and_incr(
+    cluster_factory, tmp_path
+):
+    """add-node starts three nodes; rebalance moves group replicas onto them
+    (a learner catches up, then the replica it replaces leaves) and hands
+    them heads (a drain, then the new head leads); remove-node moves every
+    replica off a node and retires it, twice. Cluster clients and plain
+    clients (on a node that stays) set, get and INCR throughout: no client
+    sees an error, the history is linearizable, and every counter equals the
+    INCRs acknowledged on it, each answer given once."""
     cluster = cluster_factory("strong", nodes=3, options=("--groups", "6"))
+    counters = [f"counter:{index}" for index in range(6)]
+    answers = {counter: [] for counter in counters}
+    incr_errors = []
+    stop_incrementing = threading.Event()
+
+    def incrementer(client, seed):
+        rng = random.Random(seed)
+        while not stop_incrementing.is_set():
+            counter = rng.choice(counters)
+            try:
+                answers[counter].append(client.incr(counter))
+            except redis.RedisError as error:
+                if not never_sent(error):  # else sent again, as by redis-py's default retry
+                    incr_errors.append(f"{counter}: {error}")
+
+    stays = 2  # plain clients connect to a node that is never removed
+    incrementers = [
+        threading.Thread(target=incrementer, args=(client, seed), daemon=True)
+        for seed, client in enumerate([cluster.checked_client(), cluster.checked_client(),
+                                       cluster.checked_client(stays), cluster.checked_client(stays)])
+    ]
+    for thread in incrementers:
+        thread.start()
 
     def grow():
-        cluster.cli("add-node", "--count", "1")
+        result = cluster.cli("add-node", "--count", "3")
+        assert result.stdout.count("added") == 3, result.stdout + result.stderr
         result = cluster.cli("rebalance")
         assert "balanced" in result.stdout, result.stdout + result.stderr
+        print(result.stdout)
         time.sleep(1.0)  # service is checked in the half second before the next change
 
-    def shrink():
-        result = cluster.cli("remove-node", "0")
-        assert "removed n0" in result.stdout, result.stdout + result.stderr
-        time.sleep(1.0)
+    def shrink(node):
+        def fault():
+            result = cluster.cli("remove-node", str(node))
+            assert f"removed n{node}" in result.stdout, result.stdout + result.stderr
+            time.sleep(1.0)
 
-    recorders, keys, marks = run_with_faults(cluster, [grow, shrink], clients=3, plain_clients=0)
+        fault.__name__ = f"remove n{node}"
+        return fault
+
+    recorders, keys, marks = run_with_faults(
+        cluster, [grow, shrink(0), shrink(1)], clients=3, plain_clients=2, plain_on=stays,
+    )
+    stop_incrementing.set()
+    for thread in incrementers:
+        thread.join(timeout=60)
+    errors = [error for recorder in recorders for error in recorder.errors] + incr_errors
+    assert not errors, f"{len(errors)} client errors, e.g. {errors[:5]}"
     assert_served_and_linearizable(cluster, tmp_path, recorders, keys, marks)
+
+    reader = cluster.client()
+    for counter in counters:
+        final = int(reader.get(counter) or 0)
+        assert sorted(answers[counter]) == list(range(1, final + 1)), (
+            f"{counter} is {final} after {len(answers[counter])} acknowledged INCRs"
+        )
+    assert sum(len(answered) for answered in answers.values()) > 200, "too few INCRs got through"
+
     cluster_map = cluster.map()
-    assert [node["id"] for node in cluster_map["nodes"]] == [1, 2, 3]
-    counts = {node: 0 for node in (1, 2, 3)}
+    assert [node["id"] for node in cluster_map["nodes"]] == [2, 3, 4, 5]
     for shard in cluster_map["shards"]:
-        assert len(shard["members"]) == 3 and 0 not in shard["members"]
-        for member in shard["members"]:
-            counts[member] += 1
-    assert sorted(counts.values()) == [6, 6, 6], counts
-    cluster.nodes = 4  # the new node is n3
-    assert_replicas_converge(cluster, keys)
+        assert len(shard["members"]) == 3 and not {0, 1} & set(shard["members"]), shard
+    cluster.nodes = 6  # ports of n2..n5
+    assert_replicas_converge(cluster, keys + counters)

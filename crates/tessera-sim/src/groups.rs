@@ -872,17 +872,24 @@ mod tests {
         }
     }
 
-    /// Seeds that once failed. Multi-master 585: a cut's drain merged
-    /// records beneath the resumed protocol, whose hash tree then hid them
-    /// from anti-entropy, so members never converged.
+    /// Seeds that once failed. Multi-master 585 (before head handovers): a
+    /// cut's drain merged records beneath the resumed protocol, whose hash
+    /// tree then hid them from anti-entropy, so members never converged.
+    /// Chain 74: heartbeats answered out of order dropped a learner's shard
+    /// within one view. Chain 595: a chain head added back as a learner
+    /// left its waiting clients unanswered, and strong reads of their keys
+    /// were refused there for good.
     #[test]
     fn seeds_that_once_failed_pass() {
-        let config = GroupsConfig {
-            head_moves: false, // as when they failed
+        let multi_master = GroupsConfig {
+            head_moves: false,
             ..GroupsConfig::new(Mode::named("multi-master").expect("a registered protocol"))
         };
-        let report = run(585, &config);
-        assert!(report.violations.is_empty(), "{:?}", report.violations);
+        let chain = GroupsConfig::new(Mode::named("chain").expect("a registered protocol"));
+        for (config, seed) in [(&multi_master, 585), (&chain, 74), (&chain, 595)] {
+            let report = run(seed, config);
+            assert!(report.violations.is_empty(), "seed {seed}: {:?}", report.violations);
+        }
     }
 
     #[test]
