@@ -851,10 +851,25 @@ fn wait_for_replica_moves(
     Ok(())
 }
 
+/// Waits until no group is handing its head over.
+fn wait_for_handovers(dir: &Path, layout: &Layout) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while fetch_map(dir, layout)?.shards.iter().any(|shard| shard.next_head.is_some()) {
+        if Instant::now() >= deadline {
+            return Err(
+                "a head handover has not finished in a minute; `cluster status` shows where it is".into()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
 fn rebalance(dir: &Path) -> Result<(), String> {
     let layout = Layout::load(dir)?;
-    // A move an interrupted run left finishes first.
+    // The moves and handovers an interrupted run left finish first.
     wait_for_replica_moves(dir, &layout, |_| true)?;
+    wait_for_handovers(dir, &layout)?;
     let started = Instant::now();
     let replica_plan = plan_rebalance(&fetch_map(dir, &layout)?);
     for (index, step) in replica_plan.iter().enumerate() {
@@ -902,6 +917,7 @@ fn remove_node(dir: &Path, target: &str) -> Result<(), String> {
     let node: u32 =
         target.trim_start_matches('n').parse().map_err(|_| format!("{target:?} is not a node id"))?;
     wait_for_replica_moves(dir, &layout, |_| true)?;
+    wait_for_handovers(dir, &layout)?;
     loop {
         let map = fetch_map(dir, &layout)?;
         let Some(shard) = map.shards_of(node).next() else { break };
