@@ -601,8 +601,9 @@ fn node_stat(layout: &Layout, port: u16, name: &str) -> Option<u64> {
 }
 
 /// Waits until a node taken out of the cluster has received nothing but
-/// these probes for half a second (clients that still routed a slot to it
-/// were told MOVED and have learnt the new map), for at most
+/// these probes for two seconds (clients that still routed a slot to it
+/// were told MOVED and have learnt the new map; a slot a client uses less
+/// often than that may still be routed here), for at most
 /// `REMOVED_NODE_GRACE`: stopping it then fails no request in flight.
 /// Bytes received, since commands answered with MOVED are not counted as
 /// processed, as in Redis.
@@ -610,13 +611,14 @@ fn wait_until_unused(layout: &Layout, port: u16) {
     let deadline = Instant::now() + REMOVED_NODE_GRACE;
     let received = || node_stat(layout, port, "total_net_input_bytes");
     let mut before = received();
+    let mut quiet = 0;
     while Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(500));
         let after = received();
-        if let (Some(before), Some(after)) = (before, after) {
-            if after <= before + STATS_PROBE.len() as u64 {
-                return;
-            }
+        let idle = matches!((before, after), (Some(before), Some(after)) if after <= before + STATS_PROBE.len() as u64);
+        quiet = if idle { quiet + 1 } else { 0 };
+        if quiet == 4 {
+            return;
         }
         before = after;
     }

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Throughput second by second while a cluster grows and shrinks under load
+(`tessera cluster add-node`, `rebalance`, `remove-node`), on a local cluster
+of real processes.
+
+`tessera bench` runs YCSB against the cluster (cluster-client routing) for the
+whole run. After a few seconds, `--add` nodes are started and the cluster is
+rebalanced (replicas, then heads, move onto them); a few seconds later
+`--remove` of the original nodes are removed one after another. Prints the
+per-second series with the phases marked and, for each phase: how long it
+took, the median of the three seconds before it, its lowest second and the
+median of the three seconds after it. Errors are the bench's, over the whole
+run.
+
+    scripts/measure-scale-out.py [--nodes 3] [--groups 6] [--add 3] [--remove 2] [--workload A]
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from importlib import import_module
+
+failover = import_module("measure-failover")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--groups", type=int, default=6)
+    parser.add_argument("--add", type=int, default=3)
+    parser.add_argument("--remove", type=int, default=2)
+    parser.add_argument("--workload", default="A")
+    parser.add_argument("--records", type=int, default=100000)
+    parser.add_argument("--connections", type=int, default=8)
+    parser.add_argument("--settle", type=float, default=5.0, help="seconds before and between the phases")
+    parser.add_argument("--duration", type=int, default=60, help="seconds the bench runs (past the last phase)")
+    parser.add_argument("--mode", default="ms+sc", choices=["ms+sc", "ms+ec", "aa+sc", "aa+ec"])
+    args = parser.parse_args()
+
+    directory = Path(tempfile.mkdtemp(prefix="tessera-scale-out-"))
+    base = failover.free_base_port(args.nodes + args.add + 1)
+
+    def cli(*command):
+        return subprocess.run([str(failover.BINARY), "cluster", *command, "--dir", str(directory / "cluster")],
+                              check=True, capture_output=True, text=True)
+
+    topology, consistency = args.mode.split("+")
+    cli("up", "--nodes", str(args.nodes), "--groups", str(args.groups), "--replicas", "3", "--topology", topology,
+        "--consistency", "strong" if consistency == "sc" else "eventual", "--base-port", str(base), "--no-demo")
+    # Seeds for the bench's cluster client: the nodes that stay.
+    targets = ",".join(f"127.0.0.1:{base + 1 + node}" for node in range(args.remove, args.nodes))
+    bench = [str(failover.BINARY), "bench", "--cluster", "--target", targets, "--workload", args.workload,
+             "--distribution", "zipfian", "--records", str(args.records), "--connections", str(args.connections),
+             "--threads", "1", "--quiet"]
+    report = directory / "bench.json"
+    phases = []
+    try:
+        subprocess.run([*bench, "--phase", "load"], check=True, capture_output=True)
+        runner = subprocess.Popen([*bench, "--phase", "run", "--duration", str(args.duration), "--json", str(report)])
+        started = time.time()
+
+        def phase(name, *commands):
+            time.sleep(args.settle)
+            asked = time.time() - started
+            for command in commands:
+                print(cli(*command).stdout.strip().splitlines()[-1], flush=True)
+            phases.append((name, asked, time.time() - started - asked))
+
+        phase(f"add {args.add} nodes and rebalance", ("add-node", "--count", str(args.add)), ("rebalance",))
+        for node in range(args.remove):
+            phase(f"remove n{node}", ("remove-node", str(node)))
+        runner.wait()
+    finally:
+        cli("down")
+    result = json.loads(report.read_text())
+    series = result["per_second"]
+    marks = {int(asked): name for name, asked, _ in phases}
+    print("second  ops/s")
+    for second, count in enumerate(series):
+        print(f"{second:6d}  {count:6d}  {'<- ' + marks[second] if second in marks else ''}")
+    print()
+    for name, asked, took in phases:
+        first, last = int(asked), int(asked + took)
+        before = statistics.median(series[max(0, first - 3):first])
+        during = series[first:last + 1]
+        after = statistics.median(series[last + 1:last + 4] or during)
+        print(f"{name}: {took:.1f} s; {before:.0f} ops/s before, lowest second {min(during)} "
+              f"({min(during) / before:.2f} of before), median during {statistics.median(during):.0f} "
+              f"({statistics.median(during) / before:.2f}), {after:.0f} after ({after / before:.2f})")
+    print(f"errors: {result.get('errors') or 'none'}")
+
+
+if __name__ == "__main__":
+    main()
