@@ -73,22 +73,29 @@ def main():
         runner.wait()
     finally:
         cli("down")
-    result = json.loads(report.read_text())
+    print_phases(json.loads(report.read_text()), moves)
+
+
+def print_phases(result, phases):
+    """The bench's per-second series with each phase `(name, started at,
+    took)` marked, then per phase: the median of the three seconds before
+    it, its lowest second, the median of its seconds and of the three after
+    it; and the bench's errors."""
     series = result["per_second"]
-    marks = {int(asked): name for name, asked, _ in moves}
+    marks = {int(asked): name for name, asked, _ in phases}
     print("second  ops/s")
     for second, count in enumerate(series):
         print(f"{second:6d}  {count:6d}  {'<- ' + marks[second] if second in marks else ''}")
     print()
-    for name, asked, took in moves:
+    for name, asked, took in phases:
         first, last = int(asked), int(asked + took)
         before = statistics.median(series[max(0, first - 3):first])
         during = series[first:last + 1]
         after = statistics.median(series[last + 1:last + 4] or during)
-        print(f"move {name}: {took * 1000:.0f} ms; {before:.0f} ops/s before, lowest second {min(during)} "
-              f"({min(during) / before:.2f} of before), {after:.0f} after ({after / before:.2f})")
+        print(f"{name}: {took:.1f} s; {before:.0f} ops/s before, lowest second {min(during)} "
+              f"({min(during) / before:.2f} of before), median during {statistics.median(during):.0f} "
+              f"({statistics.median(during) / before:.2f}), {after:.0f} after ({after / before:.2f})")
     print(f"errors: {result.get('errors') or 'none'}")
-
 
 if __name__ == "__main__":
     main()

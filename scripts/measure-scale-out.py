@@ -17,7 +17,6 @@ run.
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from importlib import import_module
 
 failover = import_module("measure-failover")
+migration = import_module("measure-migration")
 
 
 def main():
@@ -79,23 +79,7 @@ def main():
         runner.wait()
     finally:
         cli("down")
-    result = json.loads(report.read_text())
-    series = result["per_second"]
-    marks = {int(asked): name for name, asked, _ in phases}
-    print("second  ops/s")
-    for second, count in enumerate(series):
-        print(f"{second:6d}  {count:6d}  {'<- ' + marks[second] if second in marks else ''}")
-    print()
-    for name, asked, took in phases:
-        first, last = int(asked), int(asked + took)
-        before = statistics.median(series[max(0, first - 3):first])
-        during = series[first:last + 1]
-        after = statistics.median(series[last + 1:last + 4] or during)
-        print(f"{name}: {took:.1f} s; {before:.0f} ops/s before, lowest second {min(during)} "
-              f"({min(during) / before:.2f} of before), median during {statistics.median(during):.0f} "
-              f"({statistics.median(during) / before:.2f}), {after:.0f} after ({after / before:.2f})")
-    print(f"errors: {result.get('errors') or 'none'}")
-
+    migration.print_phases(json.loads(report.read_text()), phases)
 
 if __name__ == "__main__":
     main()
