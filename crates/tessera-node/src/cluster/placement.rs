@@ -11,13 +11,13 @@ use tessera_protocol::Refusal;
 use tessera_wire::slot::key_slot;
 
 use super::{ClusterNode, TRANSITION_WAIT};
+use crate::error::CommandError;
 
 /// How long a request waits for its shard to settle on this node (a head
 /// handover's or failover's grant on its way): longer than a heartbeat.
 const SETTLE_WAIT: Duration = Duration::from_secs(2);
 /// How often it looks again meanwhile.
 const SETTLE_POLL: Duration = Duration::from_millis(5);
-use crate::error::CommandError;
 
 /// Where a request is served.
 pub enum Placement {
@@ -48,7 +48,8 @@ pub enum Placement {
 impl ClusterNode {
     /// [`Self::place`], waiting while the keys' shard switches modes (up to
     /// [`TRANSITION_WAIT`]: writes and strong reads are then placed by the
-    /// new mode) or changes hands here (up to [`SETTLE_WAIT`]).
+    /// new mode) or changes hands here (up to [`SETTLE_WAIT`], then its
+    /// error is the client's).
     pub async fn place_when_settled<'k, I: Iterator<Item = &'k [u8]>>(
         &self,
         keys: impl Fn() -> I,
@@ -64,7 +65,6 @@ impl ClusterNode {
                 Placement::Settling(_) if waiting_since.elapsed() < SETTLE_WAIT => {
                     tokio::time::sleep(SETTLE_POLL).await
                 }
-                Placement::Settling(error) => return Placement::Refused(error),
                 placement => return placement,
             }
         }
