@@ -51,6 +51,18 @@ impl SlotMap {
         Ok(map)
     }
 
+    /// A MOVED reply: `slot` is served by endpoint `to` now, and so, most
+    /// likely, are the slots around it that the same endpoint served (a
+    /// group's range whose head moved, or that a failover handed on), as
+    /// Redis Cluster clients that refresh their map on MOVED learn. A wrong
+    /// guess costs one more MOVED.
+    pub fn moved(&mut self, slot: usize, to: u16) {
+        let from = self.master[slot];
+        let first = (0..slot).rev().take_while(|other| self.master[*other] == from).last().unwrap_or(slot);
+        let last = (slot + 1..SLOTS).take_while(|other| self.master[*other] == from).last().unwrap_or(slot);
+        self.master[first..=last].fill(to);
+    }
+
     /// The index of an endpoint, added if new.
     pub fn endpoint(&mut self, address: String) -> u16 {
         match self.addresses.iter().position(|known| *known == address) {
@@ -121,5 +133,22 @@ mod tests {
         assert_eq!((map.master[16383], map.replica[16383]), (2, None));
         let partial = Value::Array(vec![Value::Array(vec![Value::Integer(0), Value::Integer(10), node(1)])]);
         assert!(SlotMap::from_cluster_slots(&partial).unwrap_err().contains("slot 11"));
+    }
+
+    #[test]
+    fn a_moved_slot_takes_the_run_its_old_endpoint_served_with_it() {
+        let mut map = SlotMap {
+            addresses: vec!["a".into(), "b".into(), "c".into()],
+            master: vec![0; SLOTS],
+            replica: vec![None; SLOTS],
+        };
+        map.master[100..200].fill(1);
+        map.master[200..300].fill(0);
+        map.moved(150, 2);
+        assert!(map.master[100..200].iter().all(|endpoint| *endpoint == 2), "the whole run moved");
+        assert_eq!((map.master[99], map.master[200]), (0, 0), "the neighbours' runs stayed");
+        map.moved(0, 1);
+        assert!(map.master[..100].iter().all(|endpoint| *endpoint == 1));
+        assert_eq!(map.master[200], 0);
     }
 }

@@ -539,7 +539,7 @@ impl Worker {
                         if let (Some(redirect), Some(map)) = (redirect, self.slots.as_mut()) {
                             let endpoint = map.endpoint(redirect.address);
                             if !redirect.ask {
-                                map.master[redirect.slot] = endpoint;
+                                map.moved(redirect.slot, endpoint);
                             }
                             next.push(Command {
                                 endpoint,
