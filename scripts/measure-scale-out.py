@@ -70,7 +70,14 @@ def main():
             time.sleep(args.settle)
             asked = time.time() - started
             for command in commands:
-                print(cli(*command).stdout.strip().splitlines()[-1], flush=True)
+                # Each step's line, stamped with the bench's second, to set
+                # beside the series.
+                step = subprocess.Popen([str(failover.BINARY), "cluster", *command, "--dir",
+                                         str(directory / "cluster")], stdout=subprocess.PIPE, text=True)
+                for line in step.stdout:
+                    print(f"{time.time() - started:6.1f} s  {line.rstrip()}", flush=True)
+                if step.wait() != 0:
+                    sys.exit(f"tessera cluster {' '.join(command)} failed")
             phases.append((name, asked, time.time() - started - asked))
 
         phase(f"add {args.add} nodes and rebalance", ("add-node", "--count", str(args.add)), ("rebalance",))
