@@ -933,6 +933,14 @@ fn parse_grants(reply: Value) -> Option<(u64, Vec<Grant>)> {
     Some((epoch, grants))
 }
 
+/// The coordinator's map, if it answers with a well-formed one.
+async fn fetch_map(coordinator: &mut CoordinatorSession) -> Option<ClusterMap> {
+    let Ok(Value::Bulk(json)) = coordinator.call(&[b"COORD.MAP"]).await else { return None };
+    ClusterMap::from_json(&String::from_utf8_lossy(&json))
+        .inspect_err(|error| tracing::error!(%error, "the coordinator sent a bad map"))
+        .ok()
+}
+
 async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: CoordinatorSession) {
     let mut known_epoch = 0;
     loop {
@@ -975,28 +983,19 @@ async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: Coordina
                 tracing::warn!(%message, "heartbeat refused");
                 // Taken out of the cluster: route by the map that says so,
                 // so that every client is told where its slots went.
-                if let Ok(Value::Bulk(json)) = coordinator.call(&[b"COORD.MAP"]).await {
-                    match ClusterMap::from_json(&String::from_utf8_lossy(&json)) {
-                        Ok(map) if map.epoch > known_epoch && map.node(agent_ref.config.node).is_none() => {
-                            known_epoch = map.epoch;
-                            agent_ref.set_map(map);
-                        }
-                        Ok(_) => {}
-                        Err(error) => tracing::error!(%error, "the coordinator sent a bad map"),
+                if let Some(map) = fetch_map(&mut coordinator).await {
+                    if map.epoch > known_epoch && map.node(agent_ref.config.node).is_none() {
+                        known_epoch = map.epoch;
+                        agent_ref.set_map(map);
                     }
                 }
             }
             Ok(reply) => match parse_grants(reply) {
                 Some((epoch, grants)) => {
                     if epoch > known_epoch {
-                        if let Ok(Value::Bulk(json)) = coordinator.call(&[b"COORD.MAP"]).await {
-                            match ClusterMap::from_json(&String::from_utf8_lossy(&json)) {
-                                Ok(map) => {
-                                    known_epoch = map.epoch;
-                                    agent_ref.set_map(map);
-                                }
-                                Err(error) => tracing::error!(%error, "the coordinator sent a bad map"),
-                            }
+                        if let Some(map) = fetch_map(&mut coordinator).await {
+                            known_epoch = map.epoch;
+                            agent_ref.set_map(map);
                         }
                     }
                     agent_ref.apply_grants(asked_at, grants);
