@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use clap::{Args, Subcommand};
 use serde::{Deserialize, Serialize};
 use tessera_cluster::auth::{ClusterSecret, ADMIN};
-use tessera_cluster::map::ReplicaMove;
+use tessera_cluster::map::{ReplicaMove, Shard};
 use tessera_cluster::session::{CoordinatorSession, Credentials};
 use tessera_cluster::tls::PeerTls;
 use tessera_cluster::ClusterMap;
@@ -37,6 +37,10 @@ const SECRET_FILE: &str = "cluster.secret";
 /// The certificates of a cluster made with `up --tls`, as
 /// [`tessera_cluster::tls::write_certificates`] writes them.
 const TLS_DIR: &str = "tls";
+/// How long `rebalance` and `remove-node` wait for one replica move.
+const REPLICA_MOVE_WAIT: Duration = Duration::from_secs(300);
+/// How long they wait for one head handover (a drain).
+const HANDOVER_WAIT: Duration = Duration::from_secs(60);
 /// How long a node taken out of the cluster keeps answering (MOVED) at most
 /// before it is stopped, while clients still send it requests.
 const REMOVED_NODE_GRACE: Duration = Duration::from_secs(10);
@@ -678,15 +682,22 @@ fn add_standby(dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
-/// How many replicas (members and learners) each node of the map holds.
-fn replica_counts(map: &ClusterMap) -> BTreeMap<u32, usize> {
+/// How many of something each node of the map has: `counted` names the
+/// nodes a shard counts for.
+fn per_node<'m, I: IntoIterator<Item = &'m u32>>(
+    map: &'m ClusterMap,
+    counted: impl Fn(&'m Shard) -> I,
+) -> BTreeMap<u32, usize> {
     let mut counts: BTreeMap<u32, usize> = map.nodes.iter().map(|node| (node.id, 0)).collect();
-    for shard in &map.shards {
-        for node in shard.members.iter().chain(&shard.learners) {
-            *counts.entry(*node).or_default() += 1;
-        }
+    for node in map.shards.iter().flat_map(counted) {
+        *counts.entry(*node).or_default() += 1;
     }
     counts
+}
+
+/// How many replicas (members and learners) each node of the map holds.
+fn replica_counts(map: &ClusterMap) -> BTreeMap<u32, usize> {
+    per_node(map, |shard| shard.members.iter().chain(&shard.learners))
 }
 
 /// Replica moves `(shard, from, to)` that even out the replicas per node
@@ -724,13 +735,7 @@ fn plan_rebalance(map: &ClusterMap) -> Vec<(u32, u32, u32)> {
 
 /// How many groups each node of the map heads.
 fn head_counts(map: &ClusterMap) -> BTreeMap<u32, usize> {
-    let mut counts: BTreeMap<u32, usize> = map.nodes.iter().map(|node| (node.id, 0)).collect();
-    for shard in &map.shards {
-        if let Some(head) = shard.members.first() {
-            *counts.entry(*head).or_default() += 1;
-        }
-    }
-    counts
+    per_node(map, |shard| shard.members.first())
 }
 
 /// Head handovers `(shard, from, to)` that even out the groups each node
@@ -790,25 +795,21 @@ fn move_head(dir: &Path, layout: &Layout, (shard, from, to): (u32, u32, u32)) ->
     if let Value::Error(message) = session.command(&["COORD.MOVE-HEAD", &shard_arg, &to_arg])? {
         return Err(message);
     }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let map = fetch_map(dir, layout)?;
-        let entry = map.shard(shard).ok_or_else(|| format!("shard {shard} left the map"))?;
-        if entry.next_head.is_none() {
-            return match entry.members.first() {
-                Some(head) if *head == to => Ok(()),
-                Some(head) => Err(format!(
-                    "shard {shard}'s head went to n{head}, not n{to} (n{to} left the group meanwhile?); run rebalance again"
-                )),
-                None => Err(format!("shard {shard} has no members")),
-            };
-        }
-        if Instant::now() >= deadline {
-            return Err(format!(
-                "shard {shard} has not handed its head from n{from} to n{to} in a minute; `cluster status` shows where it is"
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(50));
+    let handing = |map: &ClusterMap| map.shard(shard).is_some_and(|entry| entry.next_head.is_some());
+    let map = wait_for_map(
+        dir,
+        layout,
+        HANDOVER_WAIT,
+        &format!("shard {shard}'s handover from n{from} to n{to}"),
+        handing,
+    )?;
+    let entry = map.shard(shard).ok_or_else(|| format!("shard {shard} left the map"))?;
+    match entry.members.first() {
+        Some(head) if *head == to => Ok(()),
+        Some(head) => Err(format!(
+            "shard {shard}'s head went to n{head}, not n{to} (n{to} left the group meanwhile?); run rebalance again"
+        )),
+        None => Err(format!("shard {shard} has no members")),
     }
 }
 
@@ -835,36 +836,45 @@ fn move_replica(dir: &Path, layout: &Layout, (shard, from, to): (u32, u32, u32))
     wait_for_replica_moves(dir, layout, |replica_move| replica_move.shard == shard)
 }
 
+/// Polls the map until `busy` no longer holds (for at most `limit`) and
+/// returns it; `what` names what the wait is for in the error.
+fn wait_for_map(
+    dir: &Path,
+    layout: &Layout,
+    limit: Duration,
+    what: &str,
+    busy: impl Fn(&ClusterMap) -> bool,
+) -> Result<ClusterMap, String> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let map = fetch_map(dir, layout)?;
+        if !busy(&map) {
+            return Ok(map);
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "{what} has not finished in {} s; `cluster status` shows where it is",
+                limit.as_secs()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Waits until no replica move that `pending` picks is left in the map.
 fn wait_for_replica_moves(
     dir: &Path,
     layout: &Layout,
     pending: impl Fn(&ReplicaMove) -> bool,
 ) -> Result<(), String> {
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while fetch_map(dir, layout)?.replica_moves.iter().any(&pending) {
-        if Instant::now() >= deadline {
-            return Err(
-                "a replica move has not finished in 5 minutes; `cluster status` shows where it is".into()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    Ok(())
+    let moving = |map: &ClusterMap| map.replica_moves.iter().any(&pending);
+    wait_for_map(dir, layout, REPLICA_MOVE_WAIT, "a replica move", moving).map(drop)
 }
 
 /// Waits until no group is handing its head over.
 fn wait_for_handovers(dir: &Path, layout: &Layout) -> Result<(), String> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while fetch_map(dir, layout)?.shards.iter().any(|shard| shard.next_head.is_some()) {
-        if Instant::now() >= deadline {
-            return Err(
-                "a head handover has not finished in a minute; `cluster status` shows where it is".into()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Ok(())
+    let handing = |map: &ClusterMap| map.shards.iter().any(|shard| shard.next_head.is_some());
+    wait_for_map(dir, layout, HANDOVER_WAIT, "a head handover", handing).map(drop)
 }
 
 fn rebalance(dir: &Path) -> Result<(), String> {
