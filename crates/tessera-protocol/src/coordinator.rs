@@ -15,7 +15,12 @@
 //! - A live node outside the view is admitted: as a learner behind the tail for
 //!   chain replication (one at a time, promoted when the tail reports it caught
 //!   up in the current view), straight in as a backup for primary–backup and
-//!   multi-master, as a learner that reports itself ready for quorums.
+//!   multi-master, as a learner that reports itself ready for quorums. A
+//!   quorum learner is promoted into a draining view: it merged what the
+//!   members held when it asked, and a write chosen meanwhile by a majority
+//!   of the smaller view may be on too few of the larger one for a later
+//!   removal to keep majorities intersecting, so the view serves again only
+//!   once every member holds the same records.
 //! - A transition to another protocol (`begin_transition`) makes the view
 //!   draining and drops its learner; nobody is admitted while it drains. Once
 //!   every member has reported itself drained in the current view, the next
@@ -23,6 +28,11 @@
 //! - A head handover (`begin_handover`) is a transition to the same protocol
 //!   whose completion view puts the chosen member first: once every member
 //!   has drained, all hold the same records, so any of them may lead.
+//! - Retiring a member (`begin_retire`, the old replica of a replica move) is
+//!   a transition to the same protocol whose completion view drops it: it
+//!   leaves holding nothing the others lack, in every mode (an eventual
+//!   mode's member may hold writes it acknowledged and has not yet passed
+//!   on), and no one waits for its lease.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
@@ -75,8 +85,17 @@ pub struct ShardCoordinator {
     /// The drain under way is a slot migration's cut: it ends by
     /// [`Self::end_cut`], not when the members have drained.
     cut: bool,
-    /// The drain under way hands the first place to this member.
-    handover: Option<NodeId>,
+    /// What the view that ends the drain under way does besides serving.
+    drain_end: Option<DrainEnd>,
+}
+
+/// What the view that ends a drain changes in the order of members.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DrainEnd {
+    /// Puts this member first (a head handover).
+    HandOver(NodeId),
+    /// Drops this member (a retired replica).
+    Retire(NodeId),
 }
 
 impl ShardCoordinator {
@@ -101,7 +120,7 @@ impl ShardCoordinator {
             changes: Vec::new(),
             transition: None,
             cut: false,
-            handover: None,
+            drain_end: None,
         }
     }
 
@@ -145,7 +164,7 @@ impl ShardCoordinator {
         if !self.begin_transition(now, self.config.admission) {
             return false;
         }
-        self.handover = Some(node);
+        self.drain_end = Some(DrainEnd::HandOver(node));
         true
     }
 
@@ -153,13 +172,31 @@ impl ShardCoordinator {
     pub fn resume_handover(&mut self, node: NodeId) {
         self.resume_transition(self.config.admission);
         if self.transition.is_some() && !self.cut {
-            self.handover = Some(node);
+            self.drain_end = Some(DrainEnd::HandOver(node));
         }
     }
 
     /// The member a handover under way puts first.
     pub fn handing_over_to(&self) -> Option<NodeId> {
-        self.handover
+        match self.drain_end {
+            Some(DrainEnd::HandOver(node)) => Some(node),
+            _ => None,
+        }
+    }
+
+    /// Starts retiring member `node`: the view drains as for a transition to
+    /// the same protocol, and the view that ends the drain drops `node`.
+    /// Refused while a transition or cut is under way, for a node that is
+    /// not a member, and for the last member.
+    pub fn begin_retire(&mut self, now: u64, node: NodeId) -> bool {
+        if self.view.position(node).is_none() || self.view.replicas.len() < 2 {
+            return false;
+        }
+        if !self.begin_transition(now, self.config.admission) {
+            return false;
+        }
+        self.drain_end = Some(DrainEnd::Retire(node));
+        true
     }
 
     /// Carries on a cut whose draining view this coordinator took over.
@@ -282,11 +319,16 @@ impl ShardCoordinator {
                 _ => self.view.replicas.last().copied().unwrap_or(ready),
             };
             if reporter == node && in_view == self.view.number && self.view.learners.first() == Some(&ready) {
+                let quorum = matches!(self.config.admission, Admission::Quorum { .. });
+                if quorum {
+                    self.transition = Some((self.config.admission, BTreeSet::new()));
+                }
                 self.change_view(
                     now,
                     |view| {
                         view.learners.clear();
                         view.replicas.push(ready);
+                        view.draining = quorum;
                     },
                     "learner promoted",
                 );
@@ -393,17 +435,29 @@ impl ShardCoordinator {
         }
         let (admission, _) = self.transition.take().expect("checked above");
         self.config.admission = admission;
-        // Every member holds the same records now: any of them may lead. A
-        // handover's member that left meanwhile leaves the order as it is.
-        let head = self.handover.take().and_then(|node| self.view.position(node).map(|at| (node, at)));
-        let reason = if head.is_some() { "head handed over" } else { "transition complete" };
+        // Every member holds the same records now: any of them may lead, and
+        // any but the last may leave. A member that left meanwhile leaves the
+        // order as it is.
+        let end = self.drain_end.take().filter(|end| match end {
+            DrainEnd::HandOver(node) => self.view.position(*node).is_some(),
+            DrainEnd::Retire(node) => self.view.position(*node).is_some() && self.view.replicas.len() > 1,
+        });
+        let reason = match end {
+            Some(DrainEnd::HandOver(_)) => "head handed over",
+            Some(DrainEnd::Retire(_)) => "replica retired",
+            None => "transition complete",
+        };
         self.change_view(
             now,
             |view| {
                 view.draining = false;
-                if let Some((node, at)) = head {
-                    view.replicas.remove(at);
-                    view.replicas.insert(0, node);
+                match end {
+                    Some(DrainEnd::HandOver(node)) => {
+                        view.replicas.retain(|other| *other != node);
+                        view.replicas.insert(0, node);
+                    }
+                    Some(DrainEnd::Retire(node)) => view.replicas.retain(|other| *other != node),
+                    None => {}
                 }
             },
             reason,
@@ -591,5 +645,39 @@ mod tests {
         assert!(!pb.view().draining);
         assert_eq!(pb.view().replicas, vec![NodeId(0), NodeId(2)]);
         assert_eq!(pb.take_changes().last().unwrap().reason, "transition complete");
+    }
+
+    #[test]
+    fn a_retired_member_leaves_with_the_view_that_ends_its_drain() {
+        let mut pb = coordinator(Admission::Backup);
+        assert!(!pb.begin_retire(0, NodeId(7)), "not a member");
+        assert!(pb.begin_retire(0, NodeId(0)), "the primary too: it leaves once the others hold all it has");
+        assert!(!pb.begin_handover(0, NodeId(1)), "one drain at a time");
+        assert!(pb.view().draining);
+        let drained = Progress { drained: Some(pb.view().number), ..Progress::default() };
+        for node in 0..3 {
+            assert!(pb.on_heartbeat(10, NodeId(node), 0, &drained).is_some(), "every member keeps its lease");
+        }
+        assert_eq!(pb.view().replicas, vec![NodeId(1), NodeId(2)]);
+        assert!(!pb.view().draining && !pb.transitioning());
+        assert_eq!(pb.take_changes().last().unwrap().reason, "replica retired");
+    }
+
+    #[test]
+    fn a_quorum_learner_is_promoted_into_a_draining_view() {
+        let mut quorum = coordinator(Admission::Quorum { min_members: 2 });
+        assert!(beat(&mut quorum, 10, 3).is_none());
+        assert_eq!(quorum.view().learners, vec![NodeId(3)]);
+        let ready =
+            Progress { learner_ready: Some((NodeId(3), quorum.view().number)), ..Progress::default() };
+        quorum.on_heartbeat(20, NodeId(3), 0, &ready);
+        assert_eq!(quorum.view().replicas.len(), 4);
+        assert!(quorum.view().draining, "serves again once all four hold the same records");
+        let drained = Progress { drained: Some(quorum.view().number), ..Progress::default() };
+        for node in 0..4 {
+            quorum.on_heartbeat(30, NodeId(node), 0, &drained);
+        }
+        assert!(!quorum.view().draining && !quorum.transitioning());
+        assert_eq!(quorum.view().replicas.len(), 4);
     }
 }

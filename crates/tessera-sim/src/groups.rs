@@ -56,6 +56,9 @@ pub struct GroupsConfig {
     /// (`ClusterCoordinator::start_handover`), drawn from a stream of their
     /// own so that a run without them is the run it always was.
     pub head_moves: bool,
+    /// Groups' replicas move to nodes that hold none
+    /// (`ClusterCoordinator::start_replica_move`), from a stream of their own.
+    pub replica_moves: bool,
     /// A coordinator that moves slots without a cut.
     #[cfg(any(test, feature = "broken"))]
     pub broken_without_cut: bool,
@@ -81,6 +84,7 @@ impl GroupsConfig {
             .collect(),
             timing: RunTiming { safety_ms: 4_000, liveness_ms: 3_000, ..RunTiming::default() },
             head_moves: true,
+            replica_moves: true,
             #[cfg(any(test, feature = "broken"))]
             broken_without_cut: false,
         }
@@ -125,6 +129,7 @@ enum Event {
     ClientWake(usize),
     Migrate,
     HandOver,
+    MoveReplica,
     Fault(Fault),
 }
 
@@ -148,6 +153,8 @@ pub struct GroupsSimulation {
     rng: Rng,
     /// Draws the head handovers' times and choices.
     handover_rng: Rng,
+    /// Draws the replica moves' times and choices.
+    replica_move_rng: Rng,
     now: u64,
     timeline: Timeline<Event>,
     nodes: Vec<Node>,
@@ -177,6 +184,9 @@ pub struct GroupsSimulation {
     heads_seen: BTreeMap<u32, u32>,
     /// The member each group was last asked to hand its head to.
     handing_to: BTreeMap<u32, u32>,
+    /// The replicas asked to move away, by group: their leaving loses
+    /// nothing.
+    moving_away: BTreeSet<(u32, u32)>,
     /// A group lost a member (removed, or restarted as a new incarnation):
     /// an eventual mode may then lose what only that member had.
     member_lost: bool,
@@ -222,6 +232,7 @@ impl GroupsSimulation {
         let mut simulation = Self {
             rng,
             handover_rng: Rng::new(seed ^ 0x6865_6164_7321),
+            replica_move_rng: Rng::new(seed ^ 0x7265_706c_6963_61),
             now: 0,
             timeline: Timeline::new(),
             nodes,
@@ -238,6 +249,7 @@ impl GroupsSimulation {
             members_seen: BTreeMap::new(),
             heads_seen: BTreeMap::new(),
             handing_to: BTreeMap::new(),
+            moving_away: BTreeSet::new(),
             member_lost: false,
             report: Report { seed, faults, ..Report::default() },
             config,
@@ -267,6 +279,13 @@ impl GroupsSimulation {
             while at < self.config.timing.safety_ms {
                 self.timeline.schedule(at, Event::HandOver);
                 at += self.handover_rng.between(50, 150);
+            }
+        }
+        if self.config.replica_moves {
+            let mut at = self.replica_move_rng.between(200, 600);
+            while at < self.config.timing.safety_ms {
+                self.timeline.schedule(at, Event::MoveReplica);
+                at += self.replica_move_rng.between(200, 600);
             }
         }
         let kinds = [FaultKind::Partition, FaultKind::Crash];
@@ -325,6 +344,7 @@ impl GroupsSimulation {
             Event::ClientWake(client) => self.client_wake(client),
             Event::Migrate => self.start_migration(),
             Event::HandOver => self.start_handover(),
+            Event::MoveReplica => self.start_replica_move(),
             Event::Fault(Fault::Crash(node)) => {
                 if !self.healed && self.may_crash(node) {
                     self.nodes[node as usize].alive = false;
@@ -426,6 +446,26 @@ impl GroupsSimulation {
         }
     }
 
+    /// Moves a group's replica to a node that holds none of it.
+    fn start_replica_move(&mut self) {
+        if self.healed {
+            return;
+        }
+        let map = self.coordinator.map();
+        let shard = self.replica_move_rng.pick(&map.shards);
+        let holds = |node: &u32| shard.members.contains(node) || shard.learners.contains(node);
+        let outside: Vec<u32> = map.nodes.iter().map(|node| node.id).filter(|node| !holds(node)).collect();
+        if outside.is_empty() || shard.members.is_empty() {
+            return;
+        }
+        let from = *self.replica_move_rng.pick(&shard.members);
+        let (shard, to) = (shard.id, *self.replica_move_rng.pick(&outside));
+        if self.coordinator.start_replica_move(shard, from, to).is_ok() {
+            self.report.log.push(format!("{}ms moving g{shard}'s replica from n{from} to n{to}", self.now));
+            self.moving_away.insert((shard, from));
+        }
+    }
+
     /// Logs the migrations that ended and new heads, and notes a group
     /// losing a member.
     fn note_map_changes(&mut self) {
@@ -444,10 +484,11 @@ impl GroupsSimulation {
             .collect();
         for (shard, before) in &self.members_seen {
             let now = members.get(shard);
-            if before
-                .iter()
-                .any(|(member, incarnation)| now.and_then(|now| now.get(member)) != Some(incarnation))
-            {
+            let lost = |(member, incarnation): (&u32, &u64)| match now.and_then(|now| now.get(member)) {
+                None => !self.moving_away.contains(&(*shard, *member)),
+                Some(now) => now != incarnation,
+            };
+            if before.iter().any(lost) {
                 self.member_lost = true;
             }
             if now != Some(before) {
@@ -572,8 +613,8 @@ impl GroupsSimulation {
     }
 
     /// As the agent: the newer map first, then the shards granted (new ones
-    /// on empty engines, those no longer granted left), each through the
-    /// grant the nodes apply.
+    /// on empty engines, those the map no longer lists the node in left),
+    /// each through the grant the nodes apply.
     fn on_grants(
         &mut self,
         node: u32,
@@ -594,9 +635,12 @@ impl GroupsSimulation {
         }
         // Grants wait for a map, as the agent's do.
         let Some(map) = state.routing.as_ref().map(|routing| routing.map.clone()) else { return };
-        state.shards.retain(|shard, _| grants.iter().any(|(granted, _, _)| granted == shard));
-        state.requests.retain(|(shard, _), _| grants.iter().any(|(granted, _, _)| granted == shard));
-        state.in_flight.retain(|(shard, _), _| grants.iter().any(|(granted, _, _)| granted == shard));
+        state.shards.retain(|shard, replica| {
+            replica.kept(&map, *shard, grants.iter().any(|(granted, _, _)| granted == shard))
+        });
+        let shards = &state.shards;
+        state.requests.retain(|(shard, _), _| shards.contains_key(shard));
+        state.in_flight.retain(|(shard, _), _| shards.contains_key(shard));
         let mut effects = Vec::new();
         for (shard, view, mode) in grants {
             let granted = state.shards.entry(shard).or_insert_with(|| {
