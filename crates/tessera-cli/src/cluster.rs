@@ -703,7 +703,7 @@ fn replica_counts(map: &ClusterMap) -> BTreeMap<u32, usize> {
 /// Replica moves `(shard, from, to)` that even out the replicas per node
 /// (within one): each from a node holding the most to one holding the
 /// fewest that the shard does not use yet, a replica that is not the head
-/// first (moving a head hands its role on).
+/// first (moving a head hands its role to the next member).
 fn plan_rebalance(map: &ClusterMap) -> Vec<(u32, u32, u32)> {
     let mut map = map.clone();
     let mut moves = Vec::new();
@@ -813,21 +813,10 @@ fn move_head(dir: &Path, layout: &Layout, (shard, from, to): (u32, u32, u32)) ->
     }
 }
 
-/// Moves one replica and waits until the move is done. A head hands its
-/// place to another member first (a short drain), so that its clients are
-/// never left waiting on a replica whose lease runs out.
+/// Moves one replica and waits until the move is done: the new replica
+/// joins, and the old one leaves with the view that ends a drain (a head
+/// hands its place to the next member then).
 fn move_replica(dir: &Path, layout: &Layout, (shard, from, to): (u32, u32, u32)) -> Result<(), String> {
-    let map = fetch_map(dir, layout)?;
-    let entry = map.shard(shard).ok_or_else(|| format!("no shard {shard}"))?;
-    if entry.members.len() > 1 && entry.members.first() == Some(&from) {
-        let heads = head_counts(&map);
-        let successor = entry.members[1..]
-            .iter()
-            .copied()
-            .min_by_key(|member| (heads.get(member).copied().unwrap_or(0), *member))
-            .expect("a group of two or more");
-        move_head(dir, layout, (shard, from, successor))?;
-    }
     let mut session = AdminSession::open(dir, layout)?;
     let (shard_arg, from_arg, to_arg) = (shard.to_string(), from.to_string(), to.to_string());
     if let Value::Error(message) = session.command(&["COORD.MOVE-REPLICA", &shard_arg, &from_arg, &to_arg])? {
@@ -895,22 +884,29 @@ fn rebalance(dir: &Path) -> Result<(), String> {
             remaining(started, index + 1, replica_plan.len()),
         );
     }
-    // Heads last: a replica move may hand a head on by itself.
-    let head_plan = plan_head_moves(&fetch_map(dir, &layout)?);
+    // Heads last: a replica move hands a head on by itself.
+    balance_heads(dir, &layout, started)?;
+    let map = fetch_map(dir, &layout)?;
+    println!("balanced: {:?} replicas and {:?} heads per node", replica_counts(&map), head_counts(&map));
+    Ok(())
+}
+
+/// Hands heads over until every node heads as many groups as any other,
+/// within one; `started` is when the whole operation began.
+fn balance_heads(dir: &Path, layout: &Layout, started: Instant) -> Result<(), String> {
+    let plan = plan_head_moves(&fetch_map(dir, layout)?);
     let heads_started = Instant::now();
-    for (index, step) in head_plan.iter().enumerate() {
+    for (index, step) in plan.iter().enumerate() {
         let (shard, from, to) = *step;
-        move_head(dir, &layout, *step)?;
+        move_head(dir, layout, *step)?;
         println!(
             "[{}/{}] handed shard {shard}'s head from n{from} to n{to} ({:.1} s{})",
             index + 1,
-            head_plan.len(),
+            plan.len(),
             started.elapsed().as_secs_f64(),
-            remaining(heads_started, index + 1, head_plan.len()),
+            remaining(heads_started, index + 1, plan.len()),
         );
     }
-    let map = fetch_map(dir, &layout)?;
-    println!("balanced: {:?} replicas and {:?} heads per node", replica_counts(&map), head_counts(&map));
     Ok(())
 }
 
@@ -930,6 +926,7 @@ fn remove_node(dir: &Path, target: &str) -> Result<(), String> {
         target.trim_start_matches('n').parse().map_err(|_| format!("{target:?} is not a node id"))?;
     wait_for_replica_moves(dir, &layout, |_| true)?;
     wait_for_handovers(dir, &layout)?;
+    let started = Instant::now();
     loop {
         let map = fetch_map(dir, &layout)?;
         let Some(shard) = map.shards_of(node).next() else { break };
@@ -958,7 +955,8 @@ fn remove_node(dir: &Path, target: &str) -> Result<(), String> {
     layout.nodes.retain(|(id, _)| *id != node);
     layout.save(dir)?;
     println!("removed n{node}: it held no replica any more, and it is stopped");
-    Ok(())
+    // The heads it gave up went to the next member of each group.
+    balance_heads(dir, &layout, started)
 }
 
 /// One migration as `COORD.MIGRATIONS` lists it.

@@ -78,6 +78,9 @@ pub struct ShardCoordinator {
     granted_until: HashMap<NodeId, u64>,
     progress: HashMap<NodeId, u64>,
     suspected: BTreeSet<NodeId>,
+    /// Members that came back with another incarnation: what they held is
+    /// gone, so keeping them in the view keeps nothing.
+    restarted: BTreeSet<NodeId>,
     changes: Vec<ViewChange>,
     /// During a transition: the admission rule after it, and the members that
     /// reported themselves drained in the current view.
@@ -87,6 +90,10 @@ pub struct ShardCoordinator {
     cut: bool,
     /// What the view that ends the drain under way does besides serving.
     drain_end: Option<DrainEnd>,
+    /// A quorum learner promoted into the draining view: until the drain
+    /// ends it may lack records the others hold, so it does not count
+    /// towards the members a removal must leave.
+    joining: Option<NodeId>,
 }
 
 /// What the view that ends a drain changes in the order of members.
@@ -117,10 +124,12 @@ impl ShardCoordinator {
             granted_until: HashMap::new(),
             progress: HashMap::new(),
             suspected: BTreeSet::new(),
+            restarted: BTreeSet::new(),
             changes: Vec::new(),
             transition: None,
             cut: false,
             drain_end: None,
+            joining: None,
         }
     }
 
@@ -292,6 +301,7 @@ impl ShardCoordinator {
         if member && !known {
             // Restarted with nothing: no longer the member it was.
             self.suspected.insert(node);
+            self.restarted.insert(node);
             return None;
         }
         if learner && !known {
@@ -322,6 +332,7 @@ impl ShardCoordinator {
                 let quorum = matches!(self.config.admission, Admission::Quorum { .. });
                 if quorum {
                     self.transition = Some((self.config.admission, BTreeSet::new()));
+                    self.joining = Some(ready);
                 }
                 self.change_view(
                     now,
@@ -384,8 +395,20 @@ impl ShardCoordinator {
             Admission::Quorum { min_members } => min_members.max(1),
             _ => 1,
         };
-        for node in members {
-            if self.view.replicas.len() <= min_members {
+        let removable = |this: &Self, node: NodeId| {
+            let failed = this.silent(node, now) || this.suspected.contains(&node);
+            failed && now >= this.granted_until.get(&node).copied().unwrap_or(0)
+        };
+        if let Some(joining) = self.joining.filter(|joining| removable(self, *joining)) {
+            self.remove(now, joining);
+        }
+        let joining = self.joining.filter(|joining| self.view.position(*joining).is_some());
+        for node in members.into_iter().filter(|node| Some(*node) != joining) {
+            let counted = self.view.replicas.len() - usize::from(joining.is_some());
+            // A member that restarted with nothing holds none of what the
+            // majority rule protects; only the last member always stays.
+            let min_members = if self.restarted.contains(&node) { 1 } else { min_members };
+            if counted <= min_members {
                 // The last member holds the only copy (or, in a quorum, the
                 // last majority holds every chosen record): it stays.
                 if self.suspected.remove(&node) {
@@ -393,9 +416,7 @@ impl ShardCoordinator {
                 }
                 break;
             }
-            let failed = self.silent(node, now) || self.suspected.contains(&node);
-            let lease_over = now >= self.granted_until.get(&node).copied().unwrap_or(0);
-            if failed && lease_over {
+            if removable(self, node) {
                 self.remove(now, node);
             }
         }
@@ -404,6 +425,10 @@ impl ShardCoordinator {
 
     fn remove(&mut self, now: u64, node: NodeId) {
         self.suspected.remove(&node);
+        self.restarted.remove(&node);
+        if self.joining == Some(node) {
+            self.joining = None;
+        }
         let was_first = self.view.replicas.first() == Some(&node);
         // Removing a primary–backup view's primary promotes the backup that
         // has applied the most.
@@ -434,6 +459,7 @@ impl ShardCoordinator {
             return;
         }
         let (admission, _) = self.transition.take().expect("checked above");
+        self.joining = None;
         self.config.admission = admission;
         // Every member holds the same records now: any of them may lead, and
         // any but the last may leave. A member that left meanwhile leaves the

@@ -184,8 +184,8 @@ pub struct GroupsSimulation {
     heads_seen: BTreeMap<u32, u32>,
     /// The member each group was last asked to hand its head to.
     handing_to: BTreeMap<u32, u32>,
-    /// The replicas asked to move away, by group: their leaving loses
-    /// nothing.
+    /// The replicas moving away at the last look, by group: their leaving
+    /// loses nothing.
     moving_away: BTreeSet<(u32, u32)>,
     /// A group lost a member (removed, or restarted as a new incarnation):
     /// an eventual mode may then lose what only that member had.
@@ -497,6 +497,7 @@ impl GroupsSimulation {
             }
         }
         self.members_seen = members;
+        self.moving_away = map.replica_moves.iter().map(|moving| (moving.shard, moving.from)).collect();
         for shard in &map.shards {
             let head = shard.members[0];
             if self.heads_seen.insert(shard.id, head).is_some_and(|before| before != head) {
