@@ -203,7 +203,7 @@ impl ClusterCoordinator {
                 "table {name} has slots migrating; switch modes once they have moved (or cancel the migration)"
             )));
         }
-        if current.iter().any(|(id, _)| self.shards[id].transitioning()) {
+        if current.iter().any(|(id, _)| !self.shards[id].may_begin_transition()) {
             return Err(MapError::Invalid(format!("table {name} is already switching modes; wait for it")));
         }
         let admission = shard_config(self.timing, mode, self.map.replicas).admission;
@@ -311,7 +311,7 @@ impl ClusterCoordinator {
         if entry.members.contains(&to) || entry.learners.contains(&to) {
             return Err(MapError::Invalid(format!("node {to} already holds a replica of shard {shard}")));
         }
-        if self.shards[&shard].transitioning() {
+        if !self.shards[&shard].may_begin_transition() {
             return Err(MapError::Invalid(format!(
                 "shard {shard} is draining; move its replicas once it is done"
             )));

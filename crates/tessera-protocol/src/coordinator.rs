@@ -16,11 +16,11 @@
 //!   chain replication (one at a time, promoted when the tail reports it caught
 //!   up in the current view), straight in as a backup for primary–backup and
 //!   multi-master, as a learner that reports itself ready for quorums. A
-//!   quorum learner is promoted into a draining view: it merged what the
-//!   members held when it asked, and a write chosen meanwhile by a majority
-//!   of the smaller view may be on too few of the larger one for a later
-//!   removal to keep majorities intersecting, so the view serves again only
-//!   once every member holds the same records.
+//!   quorum learner joins with the view that ends a drain of the members
+//!   (`begin_promotion`): it merged what they held when it asked, and a
+//!   write chosen meanwhile by a majority it was not in would otherwise sit
+//!   at too few members of the larger view for a later removal to keep
+//!   majorities intersecting.
 //! - A transition to another protocol (`begin_transition`) makes the view
 //!   draining and drops its learner; nobody is admitted while it drains. Once
 //!   every member has reported itself drained in the current view, the next
@@ -90,19 +90,17 @@ pub struct ShardCoordinator {
     cut: bool,
     /// What the view that ends the drain under way does besides serving.
     drain_end: Option<DrainEnd>,
-    /// A quorum learner promoted into the draining view: until the drain
-    /// ends it may lack records the others hold, so it does not count
-    /// towards the members a removal must leave.
-    joining: Option<NodeId>,
 }
 
-/// What the view that ends a drain changes in the order of members.
+/// What the view that ends a drain changes in its members.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum DrainEnd {
     /// Puts this member first (a head handover).
     HandOver(NodeId),
     /// Drops this member (a retired replica).
     Retire(NodeId),
+    /// Makes this learner a member (a quorum learner that is ready).
+    Promote(NodeId),
 }
 
 impl ShardCoordinator {
@@ -129,16 +127,19 @@ impl ShardCoordinator {
             transition: None,
             cut: false,
             drain_end: None,
-            joining: None,
         }
     }
 
     /// Starts switching the shard to another protocol, admitted by
-    /// `admission` once done. Refused while a transition is under way.
+    /// `admission` once done. Refused while a transition is under way,
+    /// unless it is a drain this coordinator began by itself (a learner's
+    /// promotion, a replica's retirement): that one gives way, and starts
+    /// again after.
     pub fn begin_transition(&mut self, now: u64, admission: Admission) -> bool {
-        if self.transition.is_some() {
+        if !self.may_begin_transition() {
             return false;
         }
+        self.drain_end = None;
         self.transition = Some((admission, BTreeSet::new()));
         self.change_view(
             now,
@@ -198,7 +199,7 @@ impl ShardCoordinator {
     /// Refused while a transition or cut is under way, for a node that is
     /// not a member, and for the last member.
     pub fn begin_retire(&mut self, now: u64, node: NodeId) -> bool {
-        if self.view.position(node).is_none() || self.view.replicas.len() < 2 {
+        if self.view.position(node).is_none() || self.view.replicas.len() < 2 || self.transitioning() {
             return false;
         }
         if !self.begin_transition(now, self.config.admission) {
@@ -248,6 +249,13 @@ impl ShardCoordinator {
     /// Whether a transition is under way.
     pub fn transitioning(&self) -> bool {
         self.transition.is_some()
+    }
+
+    /// Whether a transition, cut or handover may begin now: nothing drains,
+    /// or only a drain this coordinator began by itself.
+    pub fn may_begin_transition(&self) -> bool {
+        self.transition.is_none()
+            || (!self.cut && matches!(self.drain_end, Some(DrainEnd::Promote(_) | DrainEnd::Retire(_))))
     }
 
     pub fn view(&self) -> &ShardView {
@@ -329,20 +337,18 @@ impl ShardCoordinator {
                 _ => self.view.replicas.last().copied().unwrap_or(ready),
             };
             if reporter == node && in_view == self.view.number && self.view.learners.first() == Some(&ready) {
-                let quorum = matches!(self.config.admission, Admission::Quorum { .. });
-                if quorum {
-                    self.transition = Some((self.config.admission, BTreeSet::new()));
-                    self.joining = Some(ready);
+                if let Admission::Quorum { .. } = self.config.admission {
+                    self.begin_promotion(now, ready);
+                } else {
+                    self.change_view(
+                        now,
+                        |view| {
+                            view.learners.clear();
+                            view.replicas.push(ready);
+                        },
+                        "learner promoted",
+                    );
                 }
-                self.change_view(
-                    now,
-                    |view| {
-                        view.learners.clear();
-                        view.replicas.push(ready);
-                        view.draining = quorum;
-                    },
-                    "learner promoted",
-                );
             }
         }
         self.last_heard.insert(node, now);
@@ -352,6 +358,21 @@ impl ShardCoordinator {
             self.note_drained(now, node);
         }
         Some(ShardView { lease_until: 0, ..self.view.clone() })
+    }
+
+    /// A quorum learner joins with the view that ends a drain of the
+    /// members and itself, so that it joins holding every record they hold:
+    /// its merge is not atomic with the writes going on, and a write it
+    /// missed would otherwise sit at too few members of the larger view once
+    /// one of them left. It stays a learner meanwhile, so what the drain
+    /// finishes runs on the members' majorities.
+    fn begin_promotion(&mut self, now: u64, learner: NodeId) {
+        if self.transition.is_some() {
+            return; // one drain at a time; this one ends as it began
+        }
+        self.transition = Some((self.config.admission, BTreeSet::new()));
+        self.drain_end = Some(DrainEnd::Promote(learner));
+        self.change_view(now, |view| view.draining = true, "learner joining");
     }
 
     fn admit(&mut self, now: u64, node: NodeId, incarnation: u64) {
@@ -399,16 +420,11 @@ impl ShardCoordinator {
             let failed = this.silent(node, now) || this.suspected.contains(&node);
             failed && now >= this.granted_until.get(&node).copied().unwrap_or(0)
         };
-        if let Some(joining) = self.joining.filter(|joining| removable(self, *joining)) {
-            self.remove(now, joining);
-        }
-        let joining = self.joining.filter(|joining| self.view.position(*joining).is_some());
-        for node in members.into_iter().filter(|node| Some(*node) != joining) {
-            let counted = self.view.replicas.len() - usize::from(joining.is_some());
+        for node in members {
             // A member that restarted with nothing holds none of what the
             // majority rule protects; only the last member always stays.
             let min_members = if self.restarted.contains(&node) { 1 } else { min_members };
-            if counted <= min_members {
+            if self.view.replicas.len() <= min_members {
                 // The last member holds the only copy (or, in a quorum, the
                 // last majority holds every chosen record): it stays.
                 if self.suspected.remove(&node) {
@@ -426,9 +442,6 @@ impl ShardCoordinator {
     fn remove(&mut self, now: u64, node: NodeId) {
         self.suspected.remove(&node);
         self.restarted.remove(&node);
-        if self.joining == Some(node) {
-            self.joining = None;
-        }
         let was_first = self.view.replicas.first() == Some(&node);
         // Removing a primary–backup view's primary promotes the backup that
         // has applied the most.
@@ -455,11 +468,12 @@ impl ShardCoordinator {
     fn note_drained(&mut self, now: u64, node: NodeId) {
         let Some((_, drained)) = self.transition.as_mut() else { return };
         drained.insert(node);
-        if self.cut || !self.view.replicas.iter().all(|member| drained.contains(member)) {
+        // A learner in a draining view (one about to join) drains too.
+        let mut everyone = self.view.replicas.iter().chain(&self.view.learners);
+        if self.cut || !everyone.all(|member| drained.contains(member)) {
             return;
         }
         let (admission, _) = self.transition.take().expect("checked above");
-        self.joining = None;
         self.config.admission = admission;
         // Every member holds the same records now: any of them may lead, and
         // any but the last may leave. A member that left meanwhile leaves the
@@ -467,10 +481,12 @@ impl ShardCoordinator {
         let end = self.drain_end.take().filter(|end| match end {
             DrainEnd::HandOver(node) => self.view.position(*node).is_some(),
             DrainEnd::Retire(node) => self.view.position(*node).is_some() && self.view.replicas.len() > 1,
+            DrainEnd::Promote(node) => self.view.learners.contains(node),
         });
         let reason = match end {
             Some(DrainEnd::HandOver(_)) => "head handed over",
             Some(DrainEnd::Retire(_)) => "replica retired",
+            Some(DrainEnd::Promote(_)) => "learner promoted",
             None => "transition complete",
         };
         self.change_view(
@@ -483,6 +499,10 @@ impl ShardCoordinator {
                         view.replicas.insert(0, node);
                     }
                     Some(DrainEnd::Retire(node)) => view.replicas.retain(|other| *other != node),
+                    Some(DrainEnd::Promote(node)) => {
+                        view.learners.retain(|other| *other != node);
+                        view.replicas.push(node);
+                    }
                     None => {}
                 }
             },
@@ -678,7 +698,8 @@ mod tests {
         let mut pb = coordinator(Admission::Backup);
         assert!(!pb.begin_retire(0, NodeId(7)), "not a member");
         assert!(pb.begin_retire(0, NodeId(0)), "the primary too: it leaves once the others hold all it has");
-        assert!(!pb.begin_handover(0, NodeId(1)), "one drain at a time");
+        assert!(!pb.begin_retire(0, NodeId(1)), "one drain at a time");
+        assert!(pb.may_begin_transition(), "an operator's transition would take the drain over");
         assert!(pb.view().draining);
         let drained = Progress { drained: Some(pb.view().number), ..Progress::default() };
         for node in 0..3 {
@@ -690,20 +711,34 @@ mod tests {
     }
 
     #[test]
-    fn a_quorum_learner_is_promoted_into_a_draining_view() {
+    fn a_quorum_learner_joins_with_the_view_that_ends_a_drain_of_the_members() {
         let mut quorum = coordinator(Admission::Quorum { min_members: 2 });
         assert!(beat(&mut quorum, 10, 3).is_none());
         assert_eq!(quorum.view().learners, vec![NodeId(3)]);
-        let ready =
-            Progress { learner_ready: Some((NodeId(3), quorum.view().number)), ..Progress::default() };
-        quorum.on_heartbeat(20, NodeId(3), 0, &ready);
-        assert_eq!(quorum.view().replicas.len(), 4);
-        assert!(quorum.view().draining, "serves again once all four hold the same records");
-        let drained = Progress { drained: Some(quorum.view().number), ..Progress::default() };
-        for node in 0..4 {
-            quorum.on_heartbeat(30, NodeId(node), 0, &drained);
+        let ready = |view| Progress { learner_ready: Some((NodeId(3), view)), ..Progress::default() };
+        quorum.on_heartbeat(20, NodeId(3), 0, &ready(quorum.view().number));
+        let draining = quorum.view().clone();
+        assert!(draining.draining);
+        assert_eq!((draining.replicas.len(), &draining.learners[..]), (3, &[NodeId(3)][..]), "still a learner");
+        quorum.on_heartbeat(21, NodeId(3), 0, &ready(draining.number));
+        assert_eq!(quorum.view().number, draining.number, "ready again in the draining view: no new view");
+        // A member that fails meanwhile is removed as usual, down to the minimum.
+        quorum.suspect(NodeId(0));
+        for node in 1..4 {
+            beat(&mut quorum, 999, node);
         }
+        quorum.on_tick(1_000);
+        assert_eq!(quorum.view().replicas, vec![NodeId(1), NodeId(2)]);
+        let drained = Progress { drained: Some(quorum.view().number), ..Progress::default() };
+        for node in 1..3 {
+            quorum.on_heartbeat(1_001, NodeId(node), 0, &drained);
+        }
+        assert!(quorum.view().draining, "the learner drains too");
+        quorum.on_heartbeat(1_001, NodeId(3), 0, &drained);
         assert!(!quorum.view().draining && !quorum.transitioning());
-        assert_eq!(quorum.view().replicas.len(), 4);
+        assert_eq!(quorum.view().replicas, vec![NodeId(1), NodeId(2), NodeId(3)]);
+        assert!(quorum.view().learners.is_empty());
+        assert_eq!(quorum.take_changes().last().unwrap().reason, "learner promoted");
     }
+
 }

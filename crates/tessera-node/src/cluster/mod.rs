@@ -12,6 +12,7 @@ mod forward;
 mod placement;
 mod reshard;
 mod serve;
+mod slot_stats;
 mod upkeep;
 
 pub use forward::Forwarder;
@@ -56,6 +57,8 @@ pub struct ClusterNode {
     pub membership: Membership,
     /// The engine of the default table's shards.
     engine: EngineSpec,
+    /// Request and reply bytes served here, per slot (CLUSTER SLOT-STATS).
+    traffic: slot_stats::SlotTraffic,
 }
 
 /// How long a request waits for its shard to finish switching modes.
@@ -107,7 +110,7 @@ impl ClusterNode {
         let agent = runtime.block_on(Agent::start(agent_config))?;
         let address = format!("{}:{}", config.bind, client_address.port());
         tracing::info!(node = settings.node, incarnation, %address, "joined cluster {}", settings.id);
-        Ok(Self { membership: Membership { agent, address }, engine })
+        Ok(Self { membership: Membership { agent, address }, engine, traffic: Default::default() })
     }
 }
 

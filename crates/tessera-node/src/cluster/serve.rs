@@ -111,8 +111,9 @@ async fn serve_users(
     }
 }
 
-/// MIGRATE and CLUSTER's resharding subcommands through the coordinator; the
-/// rest of CLUSTER from this node's map.
+/// MIGRATE and CLUSTER's resharding subcommands through the coordinator,
+/// SLOT-STATS over the groups this node heads; the rest of CLUSTER from this
+/// node's map.
 async fn serve_resharding(
     cluster: &ClusterNode,
     context: &mut Context<'_>,
@@ -121,14 +122,18 @@ async fn serve_resharding(
 ) {
     let resharding = is(request.arg(0), "migrate")
         || ["setslot", "getkeysinslot", "countkeysinslot"].iter().any(|name| is(request.arg(1), name));
-    if !resharding {
+    let slot_stats = !resharding && is(request.arg(1), "slot-stats");
+    if !resharding && !slot_stats {
         dispatch_admitted(context, spec, request);
         return;
     }
     let mark = context.out.len();
-    if let Err(error) =
+    let served = if slot_stats {
+        cluster.slot_stats(request, context.now_ms, context.out).await
+    } else {
         cluster.resharding_command(request, context.now_ms, context.session.tls, context.out).await
-    {
+    };
+    if let Err(error) = served {
         context.out.truncate(mark);
         error.write(context.out);
     }
@@ -262,9 +267,11 @@ async fn serve_keyed(
             None
         }
         Placement::Quorum { shard, engine } => {
+            let start = context.out.len();
             level_header(context.out);
             let keys: Vec<Bytes> = keys().map(Bytes::copy_from_slice).collect();
             run_on_quorum(cluster, context, spec, request, &keys, shard, &engine).await;
+            cluster.traffic.record(&keys[0], raw.len(), context.out.len() - start);
             None
         }
         Placement::Shard { shard, engine, barrier } => {
@@ -300,6 +307,9 @@ async fn serve_keyed(
                         "a read-only command wrote; its writes were dropped"
                     );
                 }
+            }
+            if let Some(key) = keys().next() {
+                cluster.traffic.record(key, raw.len(), context.out.len() - start);
             }
             waits.retain(|wait| !wait.succeeded());
             (!waits.is_empty()).then(|| Held { start, end: context.out.len(), waits })
