@@ -174,3 +174,94 @@ def test_a_cluster_grows_by_three_nodes_and_shrinks_by_two_while_clients_write_a
         assert len(shard["members"]) == 3 and not {0, 1} & set(shard["members"]), shard
     cluster.nodes = 6  # ports of n2..n5
     assert_replicas_converge(cluster, keys + counters)
+
+
+def fields_of(fields):
+    """A slot's SLOT-STATS figures: a map in RESP3, pairs in RESP2."""
+    return fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2]))
+
+
+def slot_stats(cluster, metric):
+    """Each slot's `metric` from CLUSTER SLOT-STATS on every node (a node
+    answers for the groups it heads)."""
+    totals = {}
+    for node in range(cluster.nodes):
+        for slot, fields in redis.Redis(port=cluster.port(node)).execute_command(
+                "CLUSTER", "SLOT-STATS", "SLOTSRANGE", 0, 16383):
+            named = fields_of(fields)
+            totals[slot] = totals.get(slot, 0) + named[metric.encode()]
+    return totals
+
+
+def group_totals(cluster, per_slot):
+    return {shard["id"]: sum(per_slot.get(slot, 0) for first, last in shard["slots"]
+                             for slot in range(first, last + 1))
+            for shard in cluster.map()["shards"]}
+
+
+def test_rebalance_by_keys_and_by_load_evens_out_the_groups_and_keeps_every_key(cluster_factory):
+    """Keys piled into one group's slots: `rebalance --by keys` moves slots
+    until the groups hold within 10% of the mean, and every key keeps its
+    value; then traffic on one group's keys alone: `rebalance --by load`
+    moves slots away from it. CLUSTER SLOT-STATS answers as Redis 8 does."""
+    cluster = cluster_factory("strong", nodes=3, options=("--groups", "3"))
+    first_group = cluster.map()["shards"][0]
+    slots_of_first = {slot for first, last in first_group["slots"] for slot in range(first, last + 1)}
+    piled = [key for key in (f"k:{index}" for index in range(40000)) if key_slot(key.encode()) in slots_of_first]
+    spread = [f"s:{index}" for index in range(3000)]
+    values = {key: f"{key}=" + "v" * 64 for key in piled + spread}
+    loader = cluster.client(socket_timeout=30).pipeline()
+    for key, value in values.items():
+        loader.set(key, value)
+    loader.execute()
+
+    node = redis.Redis(port=cluster.port(0))
+    assert sum(slot_stats(cluster, "key-count").values()) == keys_held(cluster) >= len(values)
+    top = node.execute_command("CLUSTER", "SLOT-STATS", "ORDERBY", "key-count", "LIMIT", 3)
+    counts = [fields_of(fields)[b"key-count"] for _, fields in top]
+    assert len(top) <= 3 and counts == sorted(counts, reverse=True)
+    for bad in (("SLOTSRANGE", 5, 2), ("SLOTSRANGE", 0, 16384), ("ORDERBY", "bogus"), ("SLOTSRANGE", 0)):
+        try:
+            node.execute_command("CLUSTER", "SLOT-STATS", *bad)
+            raise AssertionError(f"SLOT-STATS {bad} was accepted")
+        except redis.ResponseError:
+            pass
+
+    result = cluster.cli("rebalance", "--by", "keys", "--threshold", "10")
+    assert "moving" in result.stdout and "balanced" in result.stdout, result.stdout + result.stderr
+    held = group_totals(cluster, slot_stats(cluster, "key-count"))
+    mean = len(values) / len(held)
+    assert max(held.values()) - min(held.values()) <= mean * 0.1 + 50, held
+    assert not cluster.map().get("migrations")
+    reader = cluster.client(socket_timeout=30).pipeline()
+    for key in values:
+        reader.get(key)
+    found = dict(zip(values, reader.execute()))
+    changed = [key for key, value in values.items() if found[key] != value.encode()]
+    assert not changed, f"{len(changed)} keys lost or changed, e.g. {changed[:3]}"
+    again = cluster.cli("rebalance", "--by", "keys", "--threshold", "10")
+    assert "moving" not in again.stdout, again.stdout
+
+    # Load on the keys of one group only, while --by load measures it.
+    busy_group = cluster.map()["shards"][1]
+    busy_slots = {slot for first, last in busy_group["slots"] for slot in range(first, last + 1)}
+    hot = [key for key in values if key_slot(key.encode()) in busy_slots][:200]
+    stop = threading.Event()
+
+    def hammer():
+        client = cluster.client(socket_timeout=10)
+        while not stop.is_set():
+            client.get(random.choice(hot))
+
+    worker = threading.Thread(target=hammer)
+    worker.start()
+    try:
+        result = cluster.cli("rebalance", "--by", "load", "--window", "2", "--threshold", "20")
+    finally:
+        stop.set()
+        worker.join()
+    assert f"from group {busy_group['id']}" in result.stdout, result.stdout + result.stderr
+    reader = cluster.client(socket_timeout=30).pipeline()
+    for key in values:
+        reader.get(key)
+    assert reader.execute() == [value.encode() for value in values.values()]

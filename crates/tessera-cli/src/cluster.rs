@@ -32,6 +32,8 @@ use tessera_node::memory::EvictionPolicy;
 use tessera_wire::slot::key_slot;
 use tessera_wire::{Client, Value};
 
+mod slot_balance;
+
 /// The cluster's secret, in the cluster directory (mode 0600).
 const SECRET_FILE: &str = "cluster.secret";
 /// The certificates of a cluster made with `up --tls`, as
@@ -67,9 +69,11 @@ pub enum ClusterCommand {
     /// Move group replicas from the nodes that hold the most to those that
     /// hold the fewest, one at a time, until every node holds as many as any
     /// other, give or take one; then hand heads over likewise, so that every
-    /// node heads as many groups as any other, give or take one. Safe to
-    /// interrupt and run again.
-    Rebalance(DirArgs),
+    /// node heads as many groups as any other, give or take one. With --by,
+    /// move slots between groups instead, until the groups hold as many keys
+    /// or bytes, or serve as much, as each other. Safe to interrupt and run
+    /// again.
+    Rebalance(RebalanceArgs),
     /// Move every replica off a node, then take it out of the cluster and
     /// stop it: no failure, no failover wait.
     RemoveNode(TargetArgs),
@@ -85,6 +89,23 @@ pub enum ClusterCommand {
 #[derive(Args)]
 pub struct DirArgs {
     /// The cluster's directory.
+    #[arg(long, default_value = "tessera-cluster")]
+    dir: PathBuf,
+}
+
+#[derive(Args)]
+pub struct RebalanceArgs {
+    /// Move slots between groups to even out what they hold or serve:
+    /// keys, bytes, or load (request and reply bytes over --window).
+    #[arg(long, value_enum)]
+    by: Option<slot_balance::Weight>,
+    /// With --by load: how many seconds to measure the load over.
+    #[arg(long, default_value_t = 5)]
+    window: u64,
+    /// With --by: stop once the heaviest and the lightest group differ by at
+    /// most this percentage of the mean.
+    #[arg(long, default_value_t = 10)]
+    threshold: u64,
     #[arg(long, default_value = "tessera-cluster")]
     dir: PathBuf,
 }
@@ -282,7 +303,10 @@ pub fn run(command: ClusterCommand) -> Result<(), String> {
             println!("run `tessera cluster rebalance --dir {}` to give them replicas", args.dir.display());
             Ok(())
         }
-        ClusterCommand::Rebalance(args) => rebalance(&args.dir),
+        ClusterCommand::Rebalance(args) => match args.by {
+            None => rebalance(&args.dir),
+            Some(weight) => slot_balance::rebalance_slots(&args.dir, weight, args.window, args.threshold),
+        },
         ClusterCommand::RemoveNode(args) => remove_node(&args.dir, &args.target),
         ClusterCommand::MoveSlots(args) => move_slots(&args),
         ClusterCommand::Down(args) => down(&args.dir),
@@ -1019,25 +1043,33 @@ fn move_slots(args: &MoveSlotsArgs) -> Result<(), String> {
             );
             migration.id
         }
-        None => {
-            let (from, to) = (args.from.to_string(), args.to.to_string());
-            let mut command = vec!["COORD.MIGRATE", from.as_str(), to.as_str()];
-            command.extend(args.slots.iter().map(String::as_str));
-            match session.command(&command)? {
-                Value::Integer(id) => id as u64,
-                Value::Error(message) => return Err(message),
-                other => return Err(format!("unexpected answer to COORD.MIGRATE: {other:?}")),
-            }
-        }
+        None => start_migration(&mut session, args.from, args.to, &args.slots)?,
     };
+    follow_migration(&mut session, id, args.to)
+}
+
+/// Asks the coordinator to move `slots` (ranges as `FIRST-LAST`) from group
+/// `from` to group `to`; returns the migration's id.
+fn start_migration(session: &mut AdminSession, from: u32, to: u32, slots: &[String]) -> Result<u64, String> {
+    let (from, to) = (from.to_string(), to.to_string());
+    let mut command = vec!["COORD.MIGRATE", from.as_str(), to.as_str()];
+    command.extend(slots.iter().map(String::as_str));
+    match session.command(&command)? {
+        Value::Integer(id) => Ok(id as u64),
+        Value::Error(message) => Err(message),
+        other => Err(format!("unexpected answer to COORD.MIGRATE: {other:?}")),
+    }
+}
+
+/// Prints a migration's progress until it is done (its slots are group
+/// `to`'s).
+fn follow_migration(session: &mut AdminSession, id: u64, to: u32) -> Result<(), String> {
     let started = Instant::now();
     let mut last_line = String::new();
     loop {
-        let Some(migration) = migrations(&mut session)?.into_iter().find(|migration| migration.id == id)
-        else {
+        let Some(migration) = migrations(session)?.into_iter().find(|migration| migration.id == id) else {
             println!(
-                "migration {id} done: the slots are group {}'s ({:.1} s)",
-                args.to,
+                "migration {id} done: the slots are group {to}'s ({:.1} s)",
                 started.elapsed().as_secs_f64()
             );
             return Ok(());

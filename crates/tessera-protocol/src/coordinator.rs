@@ -719,7 +719,11 @@ mod tests {
         quorum.on_heartbeat(20, NodeId(3), 0, &ready(quorum.view().number));
         let draining = quorum.view().clone();
         assert!(draining.draining);
-        assert_eq!((draining.replicas.len(), &draining.learners[..]), (3, &[NodeId(3)][..]), "still a learner");
+        assert_eq!(
+            (draining.replicas.len(), &draining.learners[..]),
+            (3, &[NodeId(3)][..]),
+            "still a learner"
+        );
         quorum.on_heartbeat(21, NodeId(3), 0, &ready(draining.number));
         assert_eq!(quorum.view().number, draining.number, "ready again in the draining view: no new view");
         // A member that fails meanwhile is removed as usual, down to the minimum.
@@ -740,5 +744,4 @@ mod tests {
         assert!(quorum.view().learners.is_empty());
         assert_eq!(quorum.take_changes().last().unwrap().reason, "learner promoted");
     }
-
 }

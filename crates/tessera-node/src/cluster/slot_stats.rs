@@ -107,7 +107,12 @@ impl ClusterNode {
     /// `CLUSTER SLOT-STATS SLOTSRANGE first last | ORDERBY metric [LIMIT n]
     /// [ASC|DESC]` over the slots of the groups this node heads. Counting
     /// keys reads the groups' engines through, off the serving thread.
-    pub async fn slot_stats(&self, request: &Request<'_>, now_ms: u64, out: &mut ReplyWriter) -> CommandResult {
+    pub async fn slot_stats(
+        &self,
+        request: &Request<'_>,
+        now_ms: u64,
+        out: &mut ReplyWriter,
+    ) -> CommandResult {
         let selection = parse(request)?;
         let map = self.map()?;
         let me = self.agent.node_id();
