@@ -361,11 +361,11 @@ impl ShardCoordinator {
     }
 
     /// A quorum learner joins with the view that ends a drain of the
-    /// members and itself, so that it joins holding every record they hold:
-    /// its merge is not atomic with the writes going on, and a write it
-    /// missed would otherwise sit at too few members of the larger view once
-    /// one of them left. It stays a learner meanwhile, so what the drain
-    /// finishes runs on the members' majorities.
+    /// members it merged from, so that it joins members that all hold every
+    /// chosen record: its merge is not atomic with the writes going on, and
+    /// a write it missed would otherwise sit at too few members of the
+    /// larger view once one of them left. It stays a learner meanwhile, so
+    /// what the drain finishes runs on the members' majorities.
     fn begin_promotion(&mut self, now: u64, learner: NodeId) {
         if self.transition.is_some() {
             return; // one drain at a time; this one ends as it began
@@ -468,9 +468,7 @@ impl ShardCoordinator {
     fn note_drained(&mut self, now: u64, node: NodeId) {
         let Some((_, drained)) = self.transition.as_mut() else { return };
         drained.insert(node);
-        // A learner in a draining view (one about to join) drains too.
-        let mut everyone = self.view.replicas.iter().chain(&self.view.learners);
-        if self.cut || !everyone.all(|member| drained.contains(member)) {
+        if self.cut || !self.view.replicas.iter().all(|member| drained.contains(member)) {
             return;
         }
         let (admission, _) = self.transition.take().expect("checked above");
@@ -737,8 +735,6 @@ mod tests {
         for node in 1..3 {
             quorum.on_heartbeat(1_001, NodeId(node), 0, &drained);
         }
-        assert!(quorum.view().draining, "the learner drains too");
-        quorum.on_heartbeat(1_001, NodeId(3), 0, &drained);
         assert!(!quorum.view().draining && !quorum.transitioning());
         assert_eq!(quorum.view().replicas, vec![NodeId(1), NodeId(2), NodeId(3)]);
         assert!(quorum.view().learners.is_empty());

@@ -473,9 +473,7 @@ impl Protocol for Switchable {
             return; // a late grant of an older view
         }
         self.view_number = view.number;
-        // A draining view's learner (a quorum learner about to join) drains
-        // with the members, so that it joins holding every record they hold.
-        self.members = view.replicas.iter().chain(&view.learners).copied().collect();
+        self.members = view.replicas.clone();
         if view.draining {
             if self.drain.as_ref().map(|drain| drain.view) != Some(view.number) {
                 // Every view starts the exchange over: its members may differ.
