@@ -96,6 +96,11 @@ pub struct ClusterCoordinator {
     /// with no cut, so writes still reaching the source are lost.
     #[cfg(feature = "broken")]
     broken_without_cut: bool,
+    /// For tests of the checkers: a moved replica leaves as a suspected
+    /// member once its lease runs out, without a drain, taking what only it
+    /// held.
+    #[cfg(feature = "broken")]
+    broken_retire_without_drain: bool,
 }
 
 impl ClusterCoordinator {
@@ -139,6 +144,8 @@ impl ClusterCoordinator {
             cut_not_before: BTreeMap::new(),
             #[cfg(feature = "broken")]
             broken_without_cut: false,
+            #[cfg(feature = "broken")]
+            broken_retire_without_drain: false,
         }
     }
 
@@ -146,6 +153,12 @@ impl ClusterCoordinator {
     #[cfg(feature = "broken")]
     pub fn break_cuts(&mut self) {
         self.broken_without_cut = true;
+    }
+
+    /// See `broken_retire_without_drain`.
+    #[cfg(feature = "broken")]
+    pub fn break_retirements(&mut self) {
+        self.broken_retire_without_drain = true;
     }
 
     pub fn map(&self) -> &ClusterMap {
@@ -324,6 +337,8 @@ impl ClusterCoordinator {
     /// are done.
     fn advance_replica_moves(&mut self, now: u64) {
         let before = self.map.replica_moves.len();
+        #[cfg(feature = "broken")]
+        let broken = self.broken_retire_without_drain;
         let (shards, migrations) = (&mut self.shards, &self.map.migrations);
         self.map.replica_moves.retain(|replica_move| {
             let Some(coordinator) = shards.get_mut(&replica_move.shard) else { return false };
@@ -335,6 +350,11 @@ impl ClusterCoordinator {
             let migrating = migrations
                 .iter()
                 .any(|migration| migration.from == replica_move.shard || migration.to == replica_move.shard);
+            #[cfg(feature = "broken")]
+            if broken && arrived && !left {
+                coordinator.suspect(NodeId(replica_move.from));
+                return true;
+            }
             if arrived && !left && !migrating && coordinator.begin_retire(now, NodeId(replica_move.from)) {
                 tracing::info!(
                     shard = replica_move.shard,

@@ -62,6 +62,9 @@ pub struct GroupsConfig {
     /// A coordinator that moves slots without a cut.
     #[cfg(any(test, feature = "broken"))]
     pub broken_without_cut: bool,
+    /// A coordinator that retires a moved replica without a drain.
+    #[cfg(any(test, feature = "broken"))]
+    pub broken_retire_without_drain: bool,
 }
 
 impl GroupsConfig {
@@ -87,6 +90,8 @@ impl GroupsConfig {
             replica_moves: true,
             #[cfg(any(test, feature = "broken"))]
             broken_without_cut: false,
+            #[cfg(any(test, feature = "broken"))]
+            broken_retire_without_drain: false,
         }
     }
 }
@@ -215,6 +220,10 @@ impl GroupsSimulation {
         if config.broken_without_cut {
             coordinator.break_cuts();
         }
+        #[cfg(any(test, feature = "broken"))]
+        if config.broken_retire_without_drain {
+            coordinator.break_retirements();
+        }
         let nodes = (0..config.nodes)
             .map(|_| Node {
                 alive: true,
@@ -232,7 +241,7 @@ impl GroupsSimulation {
         let mut simulation = Self {
             rng,
             handover_rng: Rng::new(seed ^ 0x6865_6164_7321),
-            replica_move_rng: Rng::new(seed ^ 0x7265_706c_6963_61),
+            replica_move_rng: Rng::new(seed ^ 0x0072_6570_6c69_6361),
             now: 0,
             timeline: Timeline::new(),
             nodes,
@@ -923,15 +932,31 @@ mod tests {
     /// Chain 74: heartbeats answered out of order dropped a learner's shard
     /// within one view. Chain 595: a chain head added back as a learner
     /// left its waiting clients unanswered, and strong reads of their keys
-    /// were refused there for good.
+    /// were refused there for good (both before replica moves). Quorum 29
+    /// and 105: a learner promoted straight into a serving view lacked a
+    /// write that a later removal left outside every majority; 924: an
+    /// operation in flight finished in the larger view; 615: a key moved
+    /// out of a group and back lost its value when the learner drained with
+    /// the members.
     #[test]
     fn seeds_that_once_failed_pass() {
-        let multi_master = GroupsConfig {
-            head_moves: false,
-            ..GroupsConfig::new(Mode::named("multi-master").expect("a registered protocol"))
+        let before_replica_moves = |protocol| GroupsConfig {
+            replica_moves: false,
+            ..GroupsConfig::new(Mode::named(protocol).expect("a registered protocol"))
         };
-        let chain = GroupsConfig::new(Mode::named("chain").expect("a registered protocol"));
-        for (config, seed) in [(&multi_master, 585), (&chain, 74), (&chain, 595)] {
+        let multi_master = GroupsConfig { head_moves: false, ..before_replica_moves("multi-master") };
+        let chain = before_replica_moves("chain");
+        let quorum = GroupsConfig::new(Mode::named("quorum").expect("a registered protocol"));
+        let seeds = [
+            (&multi_master, 585),
+            (&chain, 74),
+            (&chain, 595),
+            (&quorum, 29),
+            (&quorum, 105),
+            (&quorum, 615),
+            (&quorum, 924),
+        ];
+        for (config, seed) in seeds {
             let report = run(seed, config);
             assert!(report.violations.is_empty(), "seed {seed}: {:?}", report.violations);
         }
@@ -958,6 +983,33 @@ mod tests {
                 .filter(|report| report.violations.iter().any(|violation| violation.starts_with(caught_by)))
                 .count();
             assert!(caught >= 2, "{protocol}: only {caught} of 40 seeds caught moving slots without a cut");
+        }
+    }
+
+    #[test]
+    fn retiring_a_moved_replica_without_a_drain_fails_the_checks() {
+        // Without crashes and partitions no member is lost but the moved
+        // ones, so an eventual mode's lost acknowledged write is a violation.
+        let no_member_lost: BTreeSet<FaultKind> =
+            [FaultKind::Delay, FaultKind::Reorder, FaultKind::Drop].into_iter().collect();
+        for protocol in ["primary-backup", "multi-master"] {
+            let mode = Mode::named(protocol).expect("a registered protocol");
+            let config = GroupsConfig {
+                broken_retire_without_drain: true,
+                faults: no_member_lost.clone(),
+                ..GroupsConfig::new(mode)
+            };
+            let (failed, _, _) = failures(&config, 0..40);
+            let caught = failed
+                .iter()
+                .filter(|report| {
+                    report.violations.iter().any(|violation| violation.starts_with("durability"))
+                })
+                .count();
+            assert!(caught >= 2, "{protocol}: only {caught} of 40 seeds caught a retirement without a drain");
+            let (failed, _, _) =
+                failures(&GroupsConfig { faults: no_member_lost.clone(), ..GroupsConfig::new(mode) }, 0..40);
+            assert!(failed.is_empty(), "{protocol}: the real retirement fails too");
         }
     }
 
