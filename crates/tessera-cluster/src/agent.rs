@@ -821,15 +821,19 @@ impl Agent {
         // Published before the left shards are closed, so that no request
         // reaches a closed shard through the new list.
         *self.local_shards.write() = Arc::new(locals.clone());
+        // Requests waiting for a drain to end here wake when the node leaves
+        // a draining shard too (a retired replica leaves with the view that
+        // ends the drain), and go where the shard is now.
+        let mut switched = false;
         for local in left {
             tracing::info!(shard = local.id, "no longer a member of this shard; leaving it");
             let mut state = local.state.lock();
+            switched |= state.granted.replica.draining();
             state.left = true;
             let unanswered = state.abandon();
             self.uncommitted.fetch_sub(unanswered, Ordering::Relaxed);
             self.room.notify_waiters();
         }
-        let mut switched = false;
         for (shard, view, mode) in grants {
             let Some(local) = locals.get(&shard) else { continue };
             let mut state = local.state.lock();
