@@ -921,7 +921,8 @@ mod tests {
             let (failed, migrations, handovers) = failures(&config, 0..40);
             let found: Vec<_> = failed.iter().map(|report| (report.seed, &report.violations)).collect();
             assert!(found.is_empty(), "{protocol}: {found:?}");
-            assert!(migrations > 100, "{protocol}: only {migrations} migrations completed in 40 seeds");
+            // Replica moves' drains hold migrations back now and then.
+            assert!(migrations > 80, "{protocol}: only {migrations} migrations completed in 40 seeds");
             assert!(handovers > 40, "{protocol}: only {handovers} heads handed over in 40 seeds");
         }
     }
