@@ -32,11 +32,11 @@ const MIGRATE_WAIT_MIN: Duration = Duration::from_secs(10);
 /// the map that records them.
 const MARK_WAIT: Duration = Duration::from_secs(5);
 
-fn integer(arg: &[u8]) -> CommandResult<i64> {
+pub(super) fn integer(arg: &[u8]) -> CommandResult<i64> {
     std::str::from_utf8(arg).ok().and_then(|text| text.parse().ok()).ok_or(CommandError::NotInteger)
 }
 
-fn valid_slot(number: i64) -> Option<u16> {
+pub(super) fn valid_slot(number: i64) -> Option<u16> {
     u16::try_from(number).ok().filter(|slot| usize::from(*slot) < SLOTS)
 }
 

@@ -10,6 +10,7 @@ use tessera_engine::{reserved, Engine, KeyRange, ScanCursor};
 use tessera_wire::slot::{key_slot, SLOTS};
 use tessera_wire::{ReplyWriter, Request};
 
+use super::reshard::{integer, valid_slot};
 use super::ClusterNode;
 use crate::commands::is;
 use crate::commands::keys::live_kind;
@@ -52,12 +53,7 @@ enum Selection {
 }
 
 fn parse(request: &Request<'_>) -> CommandResult<Selection> {
-    let number = |index: usize| -> CommandResult<i64> {
-        std::str::from_utf8(request.arg(index))
-            .ok()
-            .and_then(|text| text.parse().ok())
-            .ok_or(CommandError::NotInteger)
-    };
+    let number = |index: usize| integer(request.arg(index));
     let syntax = || CommandError::Syntax;
     if request.len() < 3 {
         return Err(CommandError::WrongArity("cluster|slot-stats".into()));
@@ -67,9 +63,7 @@ fn parse(request: &Request<'_>) -> CommandResult<Selection> {
             return Err(syntax());
         }
         let slot = |index| {
-            u16::try_from(number(index)?)
-                .ok()
-                .filter(|slot| usize::from(*slot) < SLOTS)
+            valid_slot(number(index)?)
                 .ok_or_else(|| CommandError::Other("Invalid or out of range slot.".into()))
         };
         let (first, last) = (slot(3)?, slot(4)?);
