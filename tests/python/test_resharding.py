@@ -240,13 +240,12 @@ def test_redis_cli_reshards_and_rebalances_a_strong_cluster_under_load(cluster_f
     assert_replicas_converge(cluster, keys)
 
 
-def test_redis_cli_reshards_an_eventual_cluster_without_losing_an_acknowledged_write(cluster_factory):
-    """MS+EC: writers on every node write keys of the slots redis-cli moves;
-    every acknowledged write is there after. (AA+EC is left out for now:
-    after twenty-odd back-to-back one-slot moves under these writers, a
-    source's copy stream restarted every second without progress for a
-    minute and MIGRATE timed out; docs/PROTOCOLS.md, "Slot migration".)"""
-    cluster = cluster_factory("eventual", nodes=3, failure_timeout_ms=FAILURE_TIMEOUT_MS, options=("--groups", "3"))
+@pytest.mark.parametrize("topology", ["ms", "aa"])
+def test_redis_cli_reshards_an_eventual_cluster_without_losing_an_acknowledged_write(cluster_factory, topology):
+    """MS+EC and AA+EC: writers on every node write keys of the slots
+    redis-cli moves; every acknowledged write is there after."""
+    cluster = cluster_factory("eventual", nodes=3, topology=topology, failure_timeout_ms=FAILURE_TIMEOUT_MS,
+                              options=("--groups", "3"))
     ports = [cluster.port(node) for node in range(3)]
     ids = node_ids(ports)
     tags = tagged_keys("", 40)

@@ -10,8 +10,13 @@
 //!
 //! Anti-entropy repairs what propagation missed (a dropped outbox, a partition,
 //! an empty newcomer): replicas compare a two-level hash tree of their records
-//! and ship only the leaves that differ. Deletes are tombstones, collected after
-//! a grace period once every peer has acknowledged them.
+//! and ship only the leaves that differ. Finding a leaf's records scans the
+//! shard, so a round repairs only differences that are no writes in flight:
+//! leaves that differed in the last round with that peer too, with neither
+//! side's digest changed since (under steady writes nearly every round sees
+//! some leaves differ by what propagation is about to deliver). After a view
+//! change every difference is repaired at once. Deletes are tombstones,
+//! collected after a grace period once every peer has acknowledged them.
 //!
 //! Network assumptions: none beyond eventual delivery between live replicas.
 //! Messages from another view are ignored.
@@ -238,6 +243,19 @@ impl HashTree {
     }
 }
 
+/// This replica's anti-entropy rounds with one peer.
+#[derive(Debug, Default)]
+struct PeerRounds {
+    /// The leaves that differed in the last round, with both digests (this
+    /// replica's, the peer's).
+    differing: BTreeMap<u32, (u64, u64)>,
+    /// The round under way repairs every difference at once: the view is
+    /// new, or the last repair stopped at its cap with more to send.
+    at_once: bool,
+    /// The next round does.
+    next_at_once: bool,
+}
+
 /// What one peer still has to receive from this replica.
 #[derive(Debug, Default)]
 struct Outbox {
@@ -273,8 +291,12 @@ pub struct MultiMaster {
     /// When the next anti-entropy round starts, and with which peer.
     next_round_at: Time,
     round_turn: usize,
-    /// Set on entering a view: a round with every peer at the next tick.
-    round_with_everyone: bool,
+    /// Peers new to this replica's view (every peer when the replica itself
+    /// has just arrived): a round with each starts at the next tick and
+    /// repairs every difference at once.
+    newcomers: BTreeSet<NodeId>,
+    /// This replica's anti-entropy rounds with each peer.
+    rounds: HashMap<NodeId, PeerRounds>,
     /// Writes accepted here, for progress reports.
     accepted: u64,
 }
@@ -313,7 +335,8 @@ impl MultiMaster {
             next_batch: 1,
             next_round_at: 0,
             round_turn: 0,
-            round_with_everyone: false,
+            newcomers: BTreeSet::new(),
+            rounds: HashMap::new(),
             accepted: 0,
         };
         let engine = replica.engine.clone();
@@ -485,8 +508,11 @@ impl MultiMaster {
             return;
         }
         let now = fx.now();
-        let targets = if std::mem::take(&mut self.round_with_everyone) {
-            peers
+        let newcomers: Vec<NodeId> =
+            std::mem::take(&mut self.newcomers).into_iter().filter(|peer| peers.contains(peer)).collect();
+        let at_once = !newcomers.is_empty();
+        let targets = if at_once {
+            newcomers
         } else if now >= self.next_round_at {
             self.round_turn = (self.round_turn + 1) % peers.len();
             vec![peers[self.round_turn]]
@@ -496,6 +522,8 @@ impl MultiMaster {
         self.next_round_at = now.saturating_add(interval);
         let roots = self.tree.roots();
         for peer in targets {
+            let rounds = self.rounds.entry(peer).or_default();
+            rounds.at_once = std::mem::take(&mut rounds.next_at_once) || at_once;
             let message = MultiMessage::Roots { view: self.view_number(), roots: roots.clone() };
             fx.send(peer, PeerMessage::new(&message));
         }
@@ -503,9 +531,9 @@ impl MultiMaster {
 
     /// Records held in the given leaves, in messages of a chunk's size, up to
     /// [`REPAIR_BYTES_PER_ROUND`]: the next round sends what still differs,
-    /// so a newcomer is filled a round at a time rather than by a burst no
-    /// link can queue.
-    fn send_leaves(&self, to: NodeId, leaves: &BTreeSet<u32>, want: Vec<u32>, fx: &mut Effects) {
+    /// at once, so a newcomer is filled a round at a time rather than by a
+    /// burst no link can queue.
+    fn send_leaves(&mut self, to: NodeId, leaves: &BTreeSet<u32>, want: Vec<u32>, fx: &mut Effects) {
         let view = self.view_number();
         let mut want = Some(want);
         let (mut records, mut size, mut sent) = (Vec::new(), 0, 0);
@@ -528,6 +556,7 @@ impl MultiMaster {
                     fx.send(to, PeerMessage::new(&MultiMessage::Repair { view, records, want }));
                     (records, sent, size) = (Vec::new(), sent + size, 0);
                     if sent >= REPAIR_BYTES_PER_ROUND {
+                        self.rounds.entry(to).or_default().next_at_once = true;
                         break 'scan;
                     }
                 }
@@ -629,16 +658,24 @@ impl Protocol for MultiMaster {
                 }
             }
             MultiMessage::Leaves { leaves, .. } => {
-                let differing: BTreeSet<u32> = leaves
+                let differing: BTreeMap<u32, (u64, u64)> = leaves
                     .into_iter()
-                    .filter(|(leaf, digest)| {
-                        self.tree.leaves.get(*leaf as usize).is_some_and(|mine| mine != digest)
+                    .filter_map(|(leaf, theirs)| {
+                        let mine = *self.tree.leaves.get(leaf as usize)?;
+                        (mine != theirs).then_some((leaf, (mine, theirs)))
                     })
+                    .collect();
+                let rounds = self.rounds.entry(from).or_default();
+                let at_once = rounds.at_once;
+                let before = std::mem::replace(&mut rounds.differing, differing.clone());
+                let settled: BTreeSet<u32> = differing
+                    .into_iter()
+                    .filter(|(leaf, digests)| at_once || before.get(leaf) == Some(digests))
                     .map(|(leaf, _)| leaf)
                     .collect();
-                if !differing.is_empty() {
-                    let want = differing.iter().copied().collect();
-                    self.send_leaves(from, &differing, want, fx);
+                if !settled.is_empty() {
+                    let want = settled.iter().copied().collect();
+                    self.send_leaves(from, &settled, want, fx);
                 }
             }
             MultiMessage::Repair { records, want, .. } => {
@@ -672,12 +709,17 @@ impl Protocol for MultiMaster {
             }
             return;
         }
+        let (arriving, before) = (!self.is_member(), self.peers());
         self.view = Some(view.clone());
         // Peers that left get nothing more; a newcomer, or this replica
-        // arriving, is brought up to date by a round with everyone.
+        // arriving, is brought up to date by a round at once. A view with no
+        // one new (a drain, its end, a member removed) starts no round: a
+        // migration's cut brings two such views, and under steady writes
+        // each round would scan the shard for what propagation delivers.
         let peers = self.peers();
         self.outboxes.retain(|peer, _| peers.contains(peer));
-        self.round_with_everyone = true;
+        self.rounds.retain(|peer, _| peers.contains(peer));
+        self.newcomers = peers.into_iter().filter(|peer| arriving || !before.contains(peer)).collect();
     }
 
     fn progress(&self) -> Progress {
@@ -848,7 +890,11 @@ mod tests {
             replica.outboxes.clear();
         }
         fx.take();
-        let shipped = settle(&mut replicas, Effects::new(5_000));
+        // The first round sees the difference and ships nothing: it may be
+        // writes still in flight. The next sees it unchanged and repairs it.
+        assert_eq!(settle(&mut replicas, Effects::new(5_000)), 0);
+        assert_eq!(value(&replicas[1], "left"), None);
+        let shipped = settle(&mut replicas, Effects::new(6_000));
         for replica in &replicas {
             assert_eq!(value(replica, "left"), Some(Bytes::from_static(b"l")));
             assert_eq!(value(replica, "right"), Some(Bytes::from_static(b"r")));
@@ -856,6 +902,26 @@ mod tests {
         }
         assert!(shipped < 20, "a few leaves travel, not the 2,003 records: {shipped}");
         assert_eq!(replicas[0].tree.roots(), replicas[1].tree.roots());
+    }
+
+    #[test]
+    fn a_view_with_no_one_new_starts_no_round_and_a_lasting_difference_is_repaired_later() {
+        let mut fx = Effects::new(10);
+        let mut replicas = members(3, &mut fx);
+        settle(&mut replicas, Effects::new(20));
+        replicas[0].on_client(put(1, "missed", "v"), &mut fx);
+        replicas[0].outboxes.clear();
+        fx.take();
+        for replica in &mut replicas {
+            replica.on_view(&view(2, &[1, 2, 3]), &mut fx);
+        }
+        assert_eq!(settle(&mut replicas, Effects::new(30)), 0, "no round, so nothing travels");
+        for now in (2_000..=6_000).step_by(1_000) {
+            settle(&mut replicas, Effects::new(now));
+        }
+        for replica in &replicas {
+            assert_eq!(value(replica, "missed"), Some(Bytes::from_static(b"v")));
+        }
     }
 
     /// A drain (a transition, or a migration's cut, which resumes this
