@@ -88,7 +88,7 @@ for repeat in $(seq "$REPEATS"); do
     stop_etcd
     for consistency in strong eventual; do
         rm -rf "$WORK/tessera"
-        "$TESSERA" cluster up --dir "$WORK/tessera" --nodes 6 --replicas 3 --consistency "$consistency" \
+        "$TESSERA" cluster up --dir "$WORK/tessera" --nodes 6 --groups 6 --replicas 3 --consistency "$consistency" \
             --base-port 17000 --no-demo >/dev/null
         addresses=$(seq -s';' 17001 17006 | sed 's/\([0-9]*\)/127.0.0.1:\1/g')
         # go-ycsb separates cluster addresses with semicolons.

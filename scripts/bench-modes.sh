@@ -51,7 +51,7 @@ for mode in "ms strong ms+sc" "ms eventual ms+ec" "aa strong aa+sc" "aa eventual
         binary=${build#*:}
         cleanup
         rm -rf "$WORK/cluster"
-        "$binary" cluster up --dir "$WORK/cluster" --nodes 6 --replicas 3 --topology "$topology" \
+        "$binary" cluster up --dir "$WORK/cluster" --nodes 6 --groups 6 --replicas 3 --topology "$topology" \
             --consistency "$consistency" --base-port "$BASE_PORT" --no-demo >/dev/null
         "$TESSERA" bench --target "$FIRST_NODE" --cluster --phase load --records "$RECORDS" \
             --connections "$CONNECTIONS" --threads 1 --quiet >/dev/null

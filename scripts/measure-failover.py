@@ -61,8 +61,8 @@ def main():
         subprocess.run([str(BINARY), "cluster", *command, "--dir", str(directory)], check=True,
                        capture_output=True, text=True)
 
-    cli("up", "--nodes", str(args.nodes), "--replicas", "3", "--consistency", args.consistency,
-        "--base-port", str(base), "--lease-ms", str(args.lease_ms),
+    cli("up", "--nodes", str(args.nodes), "--groups", str(args.nodes), "--replicas", "3",
+        "--consistency", args.consistency, "--base-port", str(base), "--lease-ms", str(args.lease_ms),
         "--failure-timeout-ms", str(args.failure_timeout_ms), "--no-demo")
     coordinator = redis.Redis(port=base, protocol=2)
 

@@ -52,8 +52,8 @@ def main():
         subprocess.run([str(failover.BINARY), "cluster", *command, "--dir", str(directory / "cluster")],
                        check=True, capture_output=True, text=True)
 
-    cli("up", "--nodes", str(args.nodes), "--replicas", "3", "--topology", "ms", "--consistency", "strong",
-        "--base-port", str(base), "--no-demo")
+    cli("up", "--nodes", str(args.nodes), "--groups", str(args.nodes), "--replicas", "3", "--topology", "ms",
+        "--consistency", "strong", "--base-port", str(base), "--no-demo")
     targets = ",".join(f"127.0.0.1:{base + 1 + node}" for node in range(args.nodes))
     bench = [str(failover.BINARY), "bench", "--cluster", "--target", targets, "--workload", args.workload,
              "--distribution", "zipfian", "--records", str(args.records), "--connections", str(args.connections),

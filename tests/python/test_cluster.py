@@ -59,10 +59,14 @@ def now_us():
 
 class LocalCluster:
     def __init__(self, directory, consistency, topology="ms", failure_timeout_ms=FAILURE_TIMEOUT_MS, tls=False,
-                 options=()):
+                 options=(), default_groups=False):
         self.dir = Path(directory) / "cluster"
         self.tls = tls
         self.options = list(options)
+        # Most tests here were written for one group per node (killing a
+        # node fails over one group); `cluster up`'s own default, four per
+        # node, is what `default_groups` asks for.
+        self.default_groups = default_groups or "--groups" in self.options
         self.consistency = consistency
         self.topology = topology
         self.failure_timeout_ms = failure_timeout_ms
@@ -83,12 +87,13 @@ class LocalCluster:
 
     def up(self, nodes=NODES):
         self.nodes = nodes
+        groups = [] if self.default_groups else ["--groups", str(nodes)]
         self.cli(
             "up", "--nodes", str(nodes), "--replicas", "3", "--consistency", self.consistency,
             "--topology", self.topology,
             "--base-port", str(self.base_port), "--lease-ms", str(LEASE_MS),
             "--failure-timeout-ms", str(self.failure_timeout_ms), "--no-demo", *(["--tls"] if self.tls else []),
-            *self.options,
+            *groups, *self.options,
         )
         return self
 
@@ -158,9 +163,10 @@ class LocalCluster:
 def cluster_factory(tmp_path):
     clusters = []
 
-    def make(consistency, nodes=NODES, topology="ms", failure_timeout_ms=FAILURE_TIMEOUT_MS, tls=False, options=()):
+    def make(consistency, nodes=NODES, topology="ms", failure_timeout_ms=FAILURE_TIMEOUT_MS, tls=False, options=(),
+             default_groups=False):
         """A cluster up; `options`: more flags for `tessera cluster up`."""
-        cluster = LocalCluster(tmp_path, consistency, topology, failure_timeout_ms, tls, options)
+        cluster = LocalCluster(tmp_path, consistency, topology, failure_timeout_ms, tls, options, default_groups)
         clusters.append(cluster)
         return cluster.up(nodes)
 
@@ -348,14 +354,14 @@ def test_strong_cluster_stays_linearizable_through_kills_stops_and_coordinator_r
 
 
 def test_a_cluster_with_more_groups_than_nodes_fails_over_every_group_a_node_held(cluster_factory, tmp_path):
-    """`cluster up --groups 12` on 4 nodes: each node heads 3 groups, their
-    followers differ, and killing a node fails over every group it headed
-    while the history stays linearizable."""
-    cluster = cluster_factory("strong", nodes=4, options=("--groups", "12"))
+    """`cluster up` on 4 nodes places its default of four groups per node:
+    each node heads 4 groups, their followers differ, and killing a node
+    fails over every group it headed while the history stays linearizable."""
+    cluster = cluster_factory("strong", nodes=4, default_groups=True)
     shards = cluster.map()["shards"]
-    assert len(shards) == 12
+    assert len(shards) == 16
     heads = [shard["members"][0] for shard in shards]
-    assert sorted(heads.count(node) for node in range(4)) == [3, 3, 3, 3]
+    assert sorted(heads.count(node) for node in range(4)) == [4, 4, 4, 4]
     assert len({tuple(shard["members"]) for shard in shards}) > 4, "followers vary"
     slots = cluster.client().execute_command("CLUSTER", "SLOTS", target_nodes=RedisCluster.RANDOM)
     assert sum(last - first + 1 for first, last, *_ in slots) == 16384

@@ -151,7 +151,7 @@ pub struct UpArgs {
     #[arg(long, default_value_t = 6)]
     nodes: u32,
     /// Replica groups (shards) splitting the slots, spread over the nodes
-    /// (each node heads about groups / nodes) [default: one per node].
+    /// (each node heads about groups / nodes) [default: four per node].
     #[arg(long)]
     groups: Option<usize>,
     /// Copies of each shard.
@@ -202,7 +202,7 @@ struct Layout {
     /// Node id → client port, in id order.
     nodes: Vec<(u32, u16)>,
     replicas: usize,
-    /// Replica groups; `None`: one per node.
+    /// Replica groups; `None`: the coordinator's default, four per node.
     #[serde(default)]
     groups: Option<usize>,
     #[serde(default = "master_slave")]
@@ -988,6 +988,8 @@ struct MigrationStatus {
     id: u64,
     from: u32,
     to: u32,
+    /// Slot ranges, first and last.
+    slots: Vec<(u16, u16)>,
     phase: String,
     entries: u64,
     bytes: u64,
@@ -1008,10 +1010,18 @@ fn migrations(session: &mut AdminSession) -> Result<Vec<MigrationStatus>, String
                 Value::Bulk(bytes) => String::from_utf8_lossy(bytes).into_owned(),
                 _ => String::new(),
             };
+            let slots = text(3)
+                .split(',')
+                .filter_map(|range| {
+                    let (first, last) = range.split_once('-')?;
+                    Some((first.parse().ok()?, last.parse().ok()?))
+                })
+                .collect();
             Ok(MigrationStatus {
                 id: number(0) as u64,
                 from: number(1) as u32,
                 to: number(2) as u32,
+                slots,
                 phase: text(4),
                 entries: number(5) as u64,
                 bytes: number(6) as u64,
@@ -1045,7 +1055,7 @@ fn move_slots(args: &MoveSlotsArgs) -> Result<(), String> {
         }
         None => start_migration(&mut session, args.from, args.to, &args.slots)?,
     };
-    follow_migration(&mut session, id, args.to)
+    follow_migration(&mut session, &layout, id, args.to)
 }
 
 /// Asks the coordinator to move `slots` (ranges as `FIRST-LAST`) from group
@@ -1062,10 +1072,12 @@ fn start_migration(session: &mut AdminSession, from: u32, to: u32, slots: &[Stri
 }
 
 /// Prints a migration's progress until it is done (its slots are group
-/// `to`'s).
-fn follow_migration(session: &mut AdminSession, id: u64, to: u32) -> Result<(), String> {
+/// `to`'s): what it sent, the rate, and the time left at that rate for the
+/// bytes its slots held when it was first seen (CLUSTER SLOT-STATS).
+fn follow_migration(session: &mut AdminSession, layout: &Layout, id: u64, to: u32) -> Result<(), String> {
     let started = Instant::now();
     let mut last_line = String::new();
+    let mut total_bytes: Option<u64> = None;
     loop {
         let Some(migration) = migrations(session)?.into_iter().find(|migration| migration.id == id) else {
             println!(
@@ -1074,14 +1086,28 @@ fn follow_migration(session: &mut AdminSession, id: u64, to: u32) -> Result<(), 
             );
             return Ok(());
         };
-        let seconds = started.elapsed().as_secs_f64().max(0.001);
+        let slots: u64 = migration.slots.iter().map(|(first, last)| u64::from(last - first) + 1).sum();
+        let total = *total_bytes.get_or_insert_with(|| {
+            let weights =
+                slot_balance::slot_weights(layout, slot_balance::Weight::Bytes, 0).unwrap_or_default();
+            let held = |(first, last): &(u16, u16)| -> u64 {
+                weights.get(usize::from(*first)..=usize::from(*last)).map_or(0, |slots| slots.iter().sum())
+            };
+            migration.slots.iter().map(held).sum()
+        });
+        let mebibytes = |bytes: u64| bytes as f64 / (1 << 20) as f64;
+        let rate = mebibytes(migration.bytes) / started.elapsed().as_secs_f64().max(0.001);
+        let left = match (migration.phase.as_str(), total > migration.bytes && rate > 0.0) {
+            ("copying", true) => format!(", about {:.0} s left", mebibytes(total - migration.bytes) / rate),
+            _ => String::new(),
+        };
         let line = format!(
-            "migration {id}: {}{}, {} keys, {:.1} MiB sent, {:.1} MiB/s",
+            "migration {id}: {}{}, {slots} slots, {} keys, {:.1} of about {:.1} MiB sent, {rate:.1} MiB/s{left}",
             migration.phase,
             if migration.caught_up { " (caught up)" } else { "" },
             migration.entries,
-            migration.bytes as f64 / (1 << 20) as f64,
-            migration.bytes as f64 / (1 << 20) as f64 / seconds,
+            mebibytes(migration.bytes),
+            mebibytes(total),
         );
         if line != last_line {
             println!("{line}");

@@ -196,7 +196,7 @@ struct CoordinatorArgs {
     #[arg(long)]
     members: Option<usize>,
     /// Replica groups (shards) splitting the slots; a node hosts several.
-    /// Default: one per serving node.
+    /// Default: four per serving node.
     #[arg(long)]
     groups: Option<usize>,
     #[arg(long, default_value_t = 3)]
@@ -526,7 +526,7 @@ impl ServeArgs {
 }
 
 fn coordinator(args: CoordinatorArgs) -> Result<(), String> {
-    use tessera_cluster::{ClusterMap, CoordinatorServer, FileStore, Timing};
+    use tessera_cluster::{ClusterMap, CoordinatorServer, FileStore, Timing, GROUPS_PER_NODE_DEFAULT};
     init_logging(&args.log)?;
     if args.failure_timeout_ms <= args.lease_ms {
         return Err("--failure-timeout-ms must be longer than --lease-ms".into());
@@ -535,7 +535,8 @@ fn coordinator(args: CoordinatorArgs) -> Result<(), String> {
         (Some(id), false) => {
             let mode = tessera_protocol::Mode::for_table(&args.topology, &args.consistency)?;
             let members = args.members.unwrap_or(args.nodes.len());
-            let groups = args.groups.unwrap_or(members);
+            let groups =
+                args.groups.unwrap_or((members * GROUPS_PER_NODE_DEFAULT).min(tessera_wire::slot::SLOTS));
             Some(
                 ClusterMap::place_groups(id, mode, args.replicas, &args.nodes, members, groups)
                     .map_err(|error| error.to_string())?,

@@ -17,6 +17,8 @@ pub mod tls;
 
 pub use coordinator::{ClusterCoordinator, Grants, JoinError, Timing};
 pub use etcd::{Etcd, EtcdStore};
-pub use map::{ClusterMap, ClusterTable, MapError, NodeInfo, NodeRole, Shard, DEFAULT_TABLE};
+pub use map::{
+    ClusterMap, ClusterTable, MapError, NodeInfo, NodeRole, Shard, DEFAULT_TABLE, GROUPS_PER_NODE_DEFAULT,
+};
 pub use server::{CoordinatorServer, StartError};
 pub use store::{FileStore, MetadataStore, StoreError, Versioned};

@@ -259,6 +259,11 @@ fn first_migration_id() -> u64 {
 pub const USERS_MAX: usize = 10_000;
 pub const USER_RULES_BYTES_MAX: usize = 64 << 10;
 
+/// Groups a new cluster places per serving node unless told otherwise. Load
+/// moves between nodes a group at a time (a rebalance, a node added or
+/// removed), so four per node moves a quarter of a node's share per step.
+pub const GROUPS_PER_NODE_DEFAULT: usize = 4;
+
 impl ClusterMap {
     /// A new cluster of one group per serving node ([`Self::place_groups`]).
     pub fn place(

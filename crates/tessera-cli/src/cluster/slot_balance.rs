@@ -52,7 +52,7 @@ pub fn rebalance_slots(dir: &Path, weight: Weight, window: u64, threshold: u64) 
             "following migration {} under way from group {} to group {}",
             migration.id, migration.from, migration.to
         );
-        follow_migration(&mut session, migration.id, migration.to)?;
+        follow_migration(&mut session, &layout, migration.id, migration.to)?;
     }
     let weights = slot_weights(&layout, weight, window)?;
     let map = fetch_map(dir, &layout)?;
@@ -76,7 +76,7 @@ pub fn rebalance_slots(dir: &Path, weight: Weight, window: u64, threshold: u64) 
             .map(|(first, last)| if first == last { first.to_string() } else { format!("{first}-{last}") })
             .collect();
         let id = start_migration(&mut session, *from, *to, &ranges)?;
-        follow_migration(&mut session, id, *to)?;
+        follow_migration(&mut session, &layout, id, *to)?;
     }
     let after = group_totals(&fetch_map(dir, &layout)?, &weights);
     println!("balanced: {} per group {before:?} before, {after:?} now", weight.label());
@@ -85,7 +85,7 @@ pub fn rebalance_slots(dir: &Path, weight: Weight, window: u64, threshold: u64) 
 
 /// Each slot's weight, summed over what every node reports for the groups
 /// it heads; for load, the traffic during `window` seconds.
-fn slot_weights(layout: &Layout, weight: Weight, window: u64) -> Result<Vec<u64>, String> {
+pub(super) fn slot_weights(layout: &Layout, weight: Weight, window: u64) -> Result<Vec<u64>, String> {
     let sample = |metrics: &[&str]| -> Result<Vec<u64>, String> {
         let mut weights = vec![0u64; SLOTS];
         for (node, port) in &layout.nodes {
