@@ -35,6 +35,13 @@ pub type KeyFilter = Arc<dyn Fn(&[u8]) -> bool + Send + Sync>;
 /// unacknowledged chunks again (plus the time their bytes take).
 const RETRANSMIT_AFTER_MS: u64 = 100;
 
+/// The most bytes a source may still have to forward when it reports its
+/// copy caught up. The cut forwards them while the source group's writes
+/// wait, which takes milliseconds; a stream under steady writes to the moving
+/// keys is never empty, so waiting for an empty one would wait for the
+/// writes to stop.
+const CUT_BACKLOG_BYTES_MAX: usize = 1 << 20;
+
 /// How long a target or a sweep waits before trying a batch again whose
 /// writes did not all commit (its group changed views, or its lease ran out).
 const RETRY_AFTER_MS: u64 = 50;
@@ -72,8 +79,8 @@ pub struct MigrationReport {
     /// Entries and bytes sent in the current stream.
     pub entries: u64,
     pub bytes: u64,
-    /// The source's copy has caught up: everything read and every change
-    /// recorded so far is committed at the target.
+    /// The source's copy has caught up: everything read, and at most
+    /// [`CUT_BACKLOG_BYTES_MAX`] of changes left to commit at the target.
     pub caught_up: bool,
     /// The draining view in which the source caught up: every write its
     /// group acknowledged on the keys is committed at the target.
@@ -175,18 +182,23 @@ impl MigrationSource {
     }
 
     pub fn caught_up(&self) -> bool {
+        self.stream.read_through() && self.stream.backlog_bytes() <= CUT_BACKLOG_BYTES_MAX
+    }
+
+    /// Everything read and every change recorded so far is committed at the
+    /// target.
+    pub fn forwarded(&self) -> bool {
         self.stream.finished()
     }
 
     pub fn report(&self, drained: Option<u64>) -> MigrationReport {
         let (entries, bytes) = self.stream.sent();
-        let caught_up = self.caught_up();
         MigrationReport {
             id: self.outgoing.id,
             entries,
             bytes,
-            caught_up,
-            forwarded_in: drained.filter(|_| caught_up),
+            caught_up: self.caught_up(),
+            forwarded_in: drained.filter(|_| self.forwarded()),
         }
     }
 }
@@ -689,7 +701,13 @@ mod tests {
             }
         }
 
-        fn caught_up(&self) -> bool {
+        /// The source forwarded everything so far (stricter than the
+        /// caught-up it reports, which leaves a backlog to the cut).
+        fn forwarded(&self) -> bool {
+            self.source.migration_forwarded()
+        }
+
+        fn reported_caught_up(&self) -> bool {
             self.source.progress().migration.is_some_and(|report| report.caught_up)
         }
 
@@ -703,7 +721,7 @@ mod tests {
             for _ in 0..200 {
                 self.round();
             }
-            assert!(self.caught_up());
+            assert!(self.forwarded());
         }
 
         fn assert_target_holds_the_sources_moving_keys(&self) {
@@ -749,12 +767,12 @@ mod tests {
             pair.round();
         }
         for _ in 0..100 {
-            if pair.caught_up() {
+            if pair.forwarded() {
                 break;
             }
             pair.round();
         }
-        assert!(pair.caught_up(), "{source_mode} -> {target_mode}: the copy catches up");
+        assert!(pair.forwarded(), "{source_mode} -> {target_mode}: the copy catches up");
         let source = moving_values(pair.source.engine().as_ref());
         assert!(source.len() > 50, "a real test: {} keys move", source.len());
         assert_eq!(moving_values(pair.target.engine().as_ref()), source, "{source_mode} -> {target_mode}");
@@ -769,6 +787,25 @@ mod tests {
                 copies_while_the_source_serves(source, target);
             }
         }
+    }
+
+    /// Under steady writes to the moving keys a stream is never empty: the
+    /// copy reports caught up with a backlog the cut can forward quickly,
+    /// and not with a larger one.
+    #[test]
+    fn a_copy_under_writes_is_caught_up_with_a_small_backlog_only() {
+        let mut pair = Pair::new("chain", "chain");
+        pair.copy_hundred_keys();
+        pair.write("key0", Some("changed"));
+        assert!(!pair.forwarded(), "the change waits for the next tick");
+        assert!(pair.reported_caught_up());
+        pair.write("key2", Some(&"x".repeat(CUT_BACKLOG_BYTES_MAX)));
+        assert!(!pair.reported_caught_up(), "more than a cut should forward");
+        for _ in 0..100 {
+            pair.round();
+        }
+        assert!(pair.forwarded() && pair.reported_caught_up());
+        pair.assert_target_holds_the_sources_moving_keys();
     }
 
     /// Groups are not nodes: one node may head both the source and the
@@ -794,11 +831,11 @@ mod tests {
         pair.target.set_migrations(None, Some(incoming(NodeId(1))), pair.now);
         for _ in 0..2_000 {
             pair.round();
-            if pair.caught_up() {
+            if pair.forwarded() {
                 break;
             }
         }
-        assert!(pair.caught_up(), "the source started over and caught up again");
+        assert!(pair.forwarded(), "the source started over and caught up again");
         pair.assert_target_holds_the_sources_moving_keys();
     }
 

@@ -192,6 +192,12 @@ impl Replica {
         Progress { migration, ..self.protocol.progress() }
     }
 
+    /// This replica's outgoing migration has forwarded everything so far.
+    #[cfg(test)]
+    pub(crate) fn migration_forwarded(&self) -> bool {
+        self.migration_out.as_ref().is_some_and(MigrationSource::forwarded)
+    }
+
     /// The keys the engine holds that are live: its count less tombstones.
     pub fn live_keys(&self) -> u64 {
         self.engine().len().unwrap_or(0).saturating_sub(self.protocol.tombstones())

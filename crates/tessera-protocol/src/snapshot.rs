@@ -146,14 +146,18 @@ struct Changes {
     order: BTreeMap<u64, Bytes>,
     records: HashMap<Bytes, (u64, Bytes)>,
     next: u64,
+    /// Bytes of the keys and records waiting.
+    bytes: usize,
 }
 
 impl Changes {
     fn push(&mut self, key: Bytes, record: Bytes) {
         let position = self.next;
         self.next += 1;
-        if let Some((earlier, _)) = self.records.insert(key.clone(), (position, record)) {
+        self.bytes += key.len() + record.len();
+        if let Some((earlier, replaced)) = self.records.insert(key.clone(), (position, record)) {
             self.order.remove(&earlier);
+            self.bytes -= key.len() + replaced.len();
         }
         self.order.insert(position, key);
     }
@@ -168,6 +172,7 @@ impl Changes {
             size += key.len() + record.len();
             taken.push((key, record));
         }
+        self.bytes -= size;
         taken
     }
 
@@ -227,6 +232,19 @@ impl SnapshotStream {
     /// the stream (last) started.
     pub fn sent(&self) -> (u64, u64) {
         self.sent
+    }
+
+    /// The last chunk of the snapshot was read (a following stream still
+    /// carries changes after it).
+    pub fn read_through(&self) -> bool {
+        self.cursor.is_none()
+    }
+
+    /// Bytes of keys and values sent and not yet acknowledged, or (following)
+    /// changed and not yet sent.
+    pub fn backlog_bytes(&self) -> usize {
+        let unacked: usize = self.unacked.iter().map(|(_, entries)| entries_bytes(entries)).sum();
+        unacked + self.changes.as_ref().map_or(0, |changes| changes.bytes)
     }
 
     /// Every chunk was read and acknowledged (and, following, every change
