@@ -12,7 +12,7 @@ took, the median of the three seconds before it, its lowest second and the
 median of the three seconds after it. Errors are the bench's, over the whole
 run.
 
-    scripts/measure-scale-out.py [--nodes 3] [--groups 6] [--add 3] [--remove 2] [--workload A]
+    scripts/measure-scale-out.py [--nodes 3] [--groups 6] [--add 3] [--remove 2] [--workload A] [--svg PATH]
 """
 
 import argparse
@@ -28,6 +28,7 @@ from importlib import import_module
 
 failover = import_module("measure-failover")
 migration = import_module("measure-migration")
+transition = import_module("measure-transition")
 
 
 def main():
@@ -42,6 +43,7 @@ def main():
     parser.add_argument("--settle", type=float, default=5.0, help="seconds before and between the phases")
     parser.add_argument("--duration", type=int, default=60, help="seconds the bench runs (past the last phase)")
     parser.add_argument("--mode", default="ms+sc", choices=["ms+sc", "ms+ec", "aa+sc", "aa+ec"])
+    parser.add_argument("--svg", help="draw the series, the phases marked, here")
     args = parser.parse_args()
 
     directory = Path(tempfile.mkdtemp(prefix="tessera-scale-out-"))
@@ -86,7 +88,10 @@ def main():
         runner.wait()
     finally:
         cli("down")
-    migration.print_phases(json.loads(report.read_text()), phases)
+    result = json.loads(report.read_text())
+    migration.print_phases(result, phases)
+    if args.svg:
+        transition.draw(result["per_second"], phases, args.svg)
 
 if __name__ == "__main__":
     main()
