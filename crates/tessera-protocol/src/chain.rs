@@ -865,6 +865,10 @@ impl Protocol for ChainReplication {
     fn quiescent(&self) -> bool {
         self.sent.is_empty() && self.waiting.is_empty()
     }
+
+    fn copies_equal_when_quiescent(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]

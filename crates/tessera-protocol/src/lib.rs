@@ -345,6 +345,13 @@ pub trait Protocol: Send {
     /// operation waits for peers. A transition waits for it (new operations
     /// are held meanwhile).
     fn quiescent(&self) -> bool;
+    /// Whether every member holds the same records once all are quiescent:
+    /// every write passes through the first member, which counts it done
+    /// only once every member has it. A drain then has nothing to merge and
+    /// skips the exchange of digests, each a scan of the whole shard.
+    fn copies_equal_when_quiescent(&self) -> bool {
+        false
+    }
     /// Deleted keys whose tombstones the engine holds (those this replica
     /// has seen written), so that the engine's `len()` less these counts the
     /// live keys. A protocol that deletes outright holds none.

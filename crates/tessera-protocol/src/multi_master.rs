@@ -214,7 +214,9 @@ pub fn leaf_of(key: &[u8]) -> usize {
     (hash(&[key]) >> 52) as usize
 }
 
-fn record_hash(key: &[u8], record: &Record) -> u64 {
+/// A record summed up by what orders it (its key, version, origin and
+/// tombstone), not by its value's bytes.
+pub(crate) fn record_hash(key: &[u8], record: &Record) -> u64 {
     let tombstone = [u8::from(record.tombstone)];
     hash(&[key, &record.version.0.to_le_bytes(), &record.origin.0.to_le_bytes(), &tombstone])
 }

@@ -586,6 +586,10 @@ impl Protocol for PrimaryBackup {
                 .is_some_and(|state| state.confirmed.is_some_and(|confirmed| confirmed >= self.applied))
         })
     }
+
+    fn copies_equal_when_quiescent(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]
