@@ -65,7 +65,7 @@ def main():
         result = run(nodes, args, root / f"n{nodes}")
         median = statistics.median(result["per_second"][2:] or result["per_second"])
         first = first or median
-        p99 = max(operation["p99_us"] for operation in result["operations"].values())
+        p99 = max(latency["p99_us"] for latency in result["latency"].values())
         print(f"{nodes} nodes, {args.groups} groups: median {median:,.0f} ops/s ({median / first:.2f} of the first), "
               f"p99 {p99 / 1000:.1f} ms, errors {sum(result['errors'].values())}", flush=True)
 
