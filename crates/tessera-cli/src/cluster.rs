@@ -1077,7 +1077,8 @@ fn start_migration(session: &mut AdminSession, from: u32, to: u32, slots: &[Stri
 fn follow_migration(session: &mut AdminSession, layout: &Layout, id: u64, to: u32) -> Result<(), String> {
     let started = Instant::now();
     let mut last_line = String::new();
-    let mut total_bytes: Option<u64> = None;
+    // What the slots held, once asked; `None` inside if a node did not say.
+    let mut total_bytes: Option<Option<u64>> = None;
     loop {
         let Some(migration) = migrations(session)?.into_iter().find(|migration| migration.id == id) else {
             println!(
@@ -1088,26 +1089,27 @@ fn follow_migration(session: &mut AdminSession, layout: &Layout, id: u64, to: u3
         };
         let slots: u64 = migration.slots.iter().map(|(first, last)| u64::from(last - first) + 1).sum();
         let total = *total_bytes.get_or_insert_with(|| {
-            let weights =
-                slot_balance::slot_weights(layout, slot_balance::Weight::Bytes, 0).unwrap_or_default();
+            let weights = slot_balance::slot_weights(layout, slot_balance::Weight::Bytes, 0).ok()?;
             let held = |(first, last): &(u16, u16)| -> u64 {
                 weights.get(usize::from(*first)..=usize::from(*last)).map_or(0, |slots| slots.iter().sum())
             };
-            migration.slots.iter().map(held).sum()
+            Some(migration.slots.iter().map(held).sum())
         });
         let mebibytes = |bytes: u64| bytes as f64 / (1 << 20) as f64;
         let rate = mebibytes(migration.bytes) / started.elapsed().as_secs_f64().max(0.001);
-        let left = match (migration.phase.as_str(), total > migration.bytes && rate > 0.0) {
-            ("copying", true) => format!(", about {:.0} s left", mebibytes(total - migration.bytes) / rate),
+        let of_total = total.map_or(String::new(), |total| format!(" of about {:.1}", mebibytes(total)));
+        let left = match (migration.phase.as_str(), total.filter(|total| *total > migration.bytes)) {
+            ("copying", Some(total)) if rate > 0.0 => {
+                format!(", about {:.0} s left", mebibytes(total - migration.bytes) / rate)
+            }
             _ => String::new(),
         };
         let line = format!(
-            "migration {id}: {}{}, {slots} slots, {} keys, {:.1} of about {:.1} MiB sent, {rate:.1} MiB/s{left}",
+            "migration {id}: {}{}, {slots} slots, {} keys, {:.1}{of_total} MiB sent, {rate:.1} MiB/s{left}",
             migration.phase,
             if migration.caught_up { " (caught up)" } else { "" },
             migration.entries,
             mebibytes(migration.bytes),
-            mebibytes(total),
         );
         if line != last_line {
             println!("{line}");
