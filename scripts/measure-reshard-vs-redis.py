@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from importlib import import_module
 
 failover = import_module("measure-failover")
+sys.path.insert(0, str(failover.ROOT / "tests" / "python"))
+from conftest import wait_for_ping  # noqa: E402  (the tests' own wait for a server)
 
 MOVED = range(0, 5461)  # the first master's slots in a Redis Cluster of three
 BENCH_ROUND_S = 5
@@ -182,15 +184,7 @@ def redis_cluster(directory, keys, value_bytes, pipeline):
          "--dir", str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for port in ports]
     try:
         for port in ports:
-            deadline = time.time() + 10
-            while True:
-                try:
-                    redis.Redis(port=port).ping()
-                    break
-                except redis.ConnectionError:
-                    if time.time() > deadline:
-                        raise
-                    time.sleep(0.05)
+            wait_for_ping(port)
         subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{port}" for port in ports],
                         "--cluster-replicas", "1", "--cluster-yes"], check=True, capture_output=True)
         while not all(b"cluster_state:ok" in redis.Redis(port=port).execute_command("CLUSTER", "INFO")
