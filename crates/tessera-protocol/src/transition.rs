@@ -527,7 +527,7 @@ mod tests {
     use crate::test_support::{put, view};
     use crate::Effect;
 
-    /// Two members of `mode`, each with a write, drained in view 2; answers
+    /// Two members of `mode`, the first written to, drained in view 2; answers
     /// whether both reported drained and whether records were asked for.
     fn drain_two(mode: &str) -> (bool, bool) {
         let mode = Mode::named(mode).unwrap();
