@@ -668,13 +668,12 @@ impl Protocol for MultiMaster {
                     })
                     .collect();
                 let rounds = self.rounds.entry(from).or_default();
-                let at_once = rounds.at_once;
-                let before = std::mem::replace(&mut rounds.differing, differing.clone());
                 let settled: BTreeSet<u32> = differing
-                    .into_iter()
-                    .filter(|(leaf, digests)| at_once || before.get(leaf) == Some(digests))
-                    .map(|(leaf, _)| leaf)
+                    .iter()
+                    .filter(|(leaf, digests)| rounds.at_once || rounds.differing.get(leaf) == Some(digests))
+                    .map(|(leaf, _)| *leaf)
                     .collect();
+                rounds.differing = differing;
                 if !settled.is_empty() {
                     let want = settled.iter().copied().collect();
                     self.send_leaves(from, &settled, want, fx);
