@@ -66,7 +66,7 @@ class LocalCluster:
         # Most tests here were written for one group per node (killing a
         # node fails over one group); `cluster up`'s own default, four per
         # node, is what `default_groups` asks for.
-        self.default_groups = default_groups or "--groups" in self.options
+        self.one_group_per_node = not default_groups and "--groups" not in self.options
         self.consistency = consistency
         self.topology = topology
         self.failure_timeout_ms = failure_timeout_ms
@@ -87,7 +87,7 @@ class LocalCluster:
 
     def up(self, nodes=NODES):
         self.nodes = nodes
-        groups = [] if self.default_groups else ["--groups", str(nodes)]
+        groups = ["--groups", str(nodes)] if self.one_group_per_node else []
         self.cli(
             "up", "--nodes", str(nodes), "--replicas", "3", "--consistency", self.consistency,
             "--topology", self.topology,
