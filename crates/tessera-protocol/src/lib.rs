@@ -345,6 +345,16 @@ pub trait Protocol: Send {
     /// operation waits for peers. A transition waits for it (new operations
     /// are held meanwhile).
     fn quiescent(&self) -> bool;
+    /// Whether this replica's peers are nearly in step with it: what it
+    /// still has to ship them is small. A migration's cut holds the shard's
+    /// writes while it drains, so it begins only then (a backup being sent
+    /// a snapshot of the whole shard would hold them for as long as that
+    /// takes); and the driver's own jobs (a migration target, a sweep) go at
+    /// the pace it allows, so that they never leave a backup so far behind
+    /// that it needs that snapshot.
+    fn peers_in_step(&self) -> bool {
+        true
+    }
     /// Whether every member holds the same records once all are quiescent:
     /// every write passes through the first member, which counts it done
     /// only once every member has it. A drain then has nothing to merge and

@@ -48,7 +48,7 @@ const RETRY_AFTER_MS: u64 = 50;
 
 /// The most keys a sweep deletes per batch, and the most engine entries it
 /// scans for them per event.
-const SWEEP_BATCH_KEYS: usize = 256;
+pub(crate) const SWEEP_BATCH_KEYS: usize = 256;
 const SWEEP_SCAN_PER_BATCH: usize = 16 * SWEEP_BATCH_KEYS;
 
 /// A migration of some of this shard's keys to another shard, as the map
@@ -80,7 +80,8 @@ pub struct MigrationReport {
     pub entries: u64,
     pub bytes: u64,
     /// The source's copy has caught up: everything read, and at most
-    /// [`CUT_BACKLOG_BYTES_MAX`] of changes left to commit at the target.
+    /// [`CUT_BACKLOG_BYTES_MAX`] of changes left to commit at the target;
+    /// and its group's replicas are nearly in step.
     pub caught_up: bool,
     /// The draining view in which the source caught up: every write its
     /// group acknowledged on the keys is committed at the target.
@@ -191,13 +192,16 @@ impl MigrationSource {
         self.stream.finished()
     }
 
-    pub fn report(&self, drained: Option<u64>) -> MigrationReport {
+    /// `group_in_step`: the source's group's replicas are nearly in step, so
+    /// that its drain would be short: a cut needs it as much as a copy that
+    /// caught up.
+    pub fn report(&self, drained: Option<u64>, group_in_step: bool) -> MigrationReport {
         let (entries, bytes) = self.stream.sent();
         MigrationReport {
             id: self.outgoing.id,
             entries,
             bytes,
-            caught_up: self.caught_up(),
+            caught_up: self.caught_up() && group_in_step,
             forwarded_in: drained.filter(|_| self.forwarded()),
         }
     }

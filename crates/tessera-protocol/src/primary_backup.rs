@@ -39,6 +39,8 @@ use crate::{
 pub struct PrimaryBackupOptions {
     /// Entries per update message.
     pub batch_max: usize,
+    /// Entries sent to a backup and not yet confirmed, at most.
+    pub in_flight_entries_max: usize,
     /// Recent entries kept to bring backups up to date; a backup further
     /// behind gets a snapshot.
     pub log_entries_max: usize,
@@ -52,12 +54,19 @@ impl Default for PrimaryBackupOptions {
     fn default() -> Self {
         Self {
             batch_max: 256,
+            in_flight_entries_max: 64 * 256,
             log_entries_max: 100_000,
             retransmit_after_ms: 50,
             snapshot: SnapshotPace::default(),
         }
     }
 }
+
+/// Bytes of entries sent to a backup and not yet confirmed, at most (beyond
+/// the batch that crosses it): with the window of entries, what keeps a
+/// backup at a primary's pace when a round trip takes tens of milliseconds
+/// on a busy node, and within what a peer link queues (64 MiB).
+const UPDATES_IN_FLIGHT_BYTES_MAX: usize = 8 * crate::BATCH_BYTES_MAX;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LogEntry {
@@ -213,6 +222,8 @@ pub struct PrimaryBackup {
     /// Recent entries, for bringing backups up to date (every replica keeps
     /// them: any may become primary).
     log: BTreeMap<u64, LogEntry>,
+    /// As a backup: entries that arrived ahead of the next one to apply.
+    early: BTreeMap<u64, LogEntry>,
     backups: HashMap<NodeId, BackupState>,
     /// As a backup: where it is in the primary's snapshot stream. Partway,
     /// it holds part of a snapshot and no history: it reports no position,
@@ -232,6 +243,7 @@ impl PrimaryBackup {
             applied: 0,
             applied_epoch: 0,
             log: BTreeMap::new(),
+            early: BTreeMap::new(),
             backups: HashMap::new(),
             snapshot_receiver: SnapshotReceiver::default(),
             stream_numbers: StreamNumbers::default(),
@@ -247,6 +259,8 @@ impl PrimaryBackup {
         let last = self.log.last_key_value().map_or(0, |(key, _)| *key);
         assert!(last <= self.applied, "{}: log entry {last} beyond applied {}", self.me, self.applied);
         assert!(self.log.len() <= self.options.log_entries_max, "{}: log over its bound", self.me);
+        let first_early = self.early.first_key_value().map_or(u64::MAX, |(key, _)| *key);
+        assert!(first_early > self.applied + 1, "{}: entry {first_early} waits though it is next", self.me);
     }
 
     fn primary(&self) -> Option<NodeId> {
@@ -328,11 +342,17 @@ impl PrimaryBackup {
             return; // a report from before the stream: the stream decides
         }
         if matches {
-            if state.confirmed.is_none_or(|confirmed| applied > confirmed) {
-                state.last_sent_at = now; // progress: no need to resend yet
+            let progress = state.confirmed.is_none_or(|confirmed| applied > confirmed);
+            if progress {
+                state.last_sent_at = now; // no need to resend yet
             }
             state.confirmed = Some(applied);
             state.sent_upto = state.sent_upto.max(applied);
+            // The window moved: what it now admits goes at once.
+            let backup = self.view.as_ref().is_some_and(|view| view.position(from).is_some_and(|at| at > 0));
+            if progress && backup {
+                self.propagate_to(from, fx);
+            }
             return;
         }
         state.confirmed = None;
@@ -394,6 +414,7 @@ impl PrimaryBackup {
                 self.applied = 0;
                 self.applied_epoch = 0;
                 self.log.clear();
+                self.early.clear();
             }
             let engine = self.engine.as_ref();
             if let Err(error) = entries.into_iter().try_for_each(|(key, value)| engine.put(&key, value)) {
@@ -410,14 +431,15 @@ impl PrimaryBackup {
         }
     }
 
+    /// Applies the primary's entries in number order. Entries past a gap
+    /// wait in `early` (a link sends a small batch ahead of a large one sent
+    /// before it), up to one window of updates; the primary resends the rest.
     fn on_updates(&mut self, entries: Vec<LogEntry>) {
-        for entry in entries {
-            if entry.seq <= self.applied {
-                continue;
-            }
-            if entry.seq != self.applied + 1 {
-                return; // a gap: the primary resends
-            }
+        let reach = self.applied + (self.options.in_flight_entries_max + self.options.batch_max) as u64;
+        for entry in entries.into_iter().filter(|entry| entry.seq > self.applied && entry.seq <= reach) {
+            self.early.insert(entry.seq, entry);
+        }
+        while let Some(entry) = self.early.remove(&(self.applied + 1)) {
             if let Err(error) = self.apply(entry) {
                 tracing::error!(replica = %self.me, %error, "cannot apply a propagated write; waiting for a resend");
                 return;
@@ -427,29 +449,49 @@ impl PrimaryBackup {
 
     /// The primary ships each confirmed backup what it lacks.
     fn propagate(&mut self, fx: &mut Effects) {
+        let Some(replicas) = self.view.as_ref().map(|view| view.replicas.clone()) else { return };
+        let me = self.me;
+        for backup in replicas.into_iter().filter(|replica| *replica != me) {
+            self.propagate_to(backup, fx);
+        }
+    }
+
+    /// Ships a confirmed backup what it lacks, several batches at a time up
+    /// to a window of unconfirmed entries; called on every tick and on every
+    /// position that confirms more. One batch per tick capped a backup's pace
+    /// below what one primary takes (256 entries every 10 ms, less on a busy
+    /// node), and a backup left behind past the log needs a snapshot of the
+    /// whole shard.
+    fn propagate_to(&mut self, backup: NodeId, fx: &mut Effects) {
         let now = fx.now();
         let view = self.view_number();
-        let Some(replicas) = self.view.as_ref().map(|view| view.replicas.clone()) else { return };
-        for backup in replicas.into_iter().filter(|replica| *replica != self.me) {
-            let state = self.backups.entry(backup).or_default();
-            let Some(confirmed) = state.confirmed else { continue };
-            // Unconfirmed entries are sent again once they had time to arrive.
-            let unconfirmed = (Bound::Excluded(confirmed), Bound::Included(state.sent_upto));
-            let unconfirmed_bytes = || self.log.range(unconfirmed).map(|(_, entry)| entry.bytes()).sum();
-            let waited = now.saturating_sub(state.last_sent_at);
-            let from = if resend_due(waited, self.options.retransmit_after_ms, unconfirmed_bytes) {
-                confirmed
-            } else {
-                state.sent_upto
-            };
-            if from >= self.applied {
-                continue;
-            }
-            if self.log.first_key_value().is_some_and(|(first, _)| *first > from + 1) {
-                // Too far behind for the log: the next position report gets a snapshot.
-                state.confirmed = None;
-                continue;
-            }
+        let state = self.backups.entry(backup).or_default();
+        let Some(confirmed) = state.confirmed else { return };
+        // Unconfirmed entries are sent again once they had time to arrive.
+        let unconfirmed = (Bound::Excluded(confirmed), Bound::Included(state.sent_upto));
+        let unconfirmed_bytes = || self.log.range(unconfirmed).map(|(_, entry)| entry.bytes()).sum();
+        let waited = now.saturating_sub(state.last_sent_at);
+        let mut from = if resend_due(waited, self.options.retransmit_after_ms, unconfirmed_bytes) {
+            confirmed
+        } else {
+            state.sent_upto
+        };
+        let window_end = confirmed + self.options.in_flight_entries_max as u64;
+        if from >= self.applied.min(window_end) {
+            return;
+        }
+        if self.log.first_key_value().is_some_and(|(first, _)| *first > from + 1) {
+            // Too far behind for the log: the next position report gets a snapshot.
+            state.confirmed = None;
+            return;
+        }
+        let sent_from = from;
+        let mut in_flight: usize = self
+            .log
+            .range((Bound::Excluded(confirmed), Bound::Included(from)))
+            .map(|(_, entry)| entry.bytes())
+            .sum();
+        while from < self.applied.min(window_end) && in_flight < UPDATES_IN_FLIGHT_BYTES_MAX {
             let mut room = BatchBytes::default();
             let entries: Vec<LogEntry> = self
                 .log
@@ -458,9 +500,27 @@ impl PrimaryBackup {
                 .take_while(|(_, entry)| room.admits(entry.bytes()))
                 .map(|(_, entry)| entry.clone())
                 .collect();
-            state.sent_upto = entries.last().map_or(from, |entry| entry.seq);
-            state.last_sent_at = now;
+            assert!(!entries.is_empty(), "{}: the log holds every entry after {from}", self.me);
+            from = entries.last().map_or(from, |entry| entry.seq);
+            in_flight += entries.iter().map(LogEntry::bytes).sum::<usize>();
             fx.send(backup, PeerMessage::new(&BackupMessage::Updates { view, entries }));
+        }
+        if from > sent_from {
+            state.sent_upto = from;
+            state.last_sent_at = now;
+        }
+    }
+
+    /// As a backup: tells the primary how far it got.
+    fn report_position(&self, fx: &mut Effects) {
+        let Some(primary) = self.primary().filter(|_| !self.snapshot_receiver.partway()) else { return };
+        if self.view.as_ref().and_then(|view| view.position(self.me)).is_some() {
+            let message = BackupMessage::Position {
+                view: self.view_number(),
+                applied: self.applied,
+                epoch: self.applied_epoch,
+            };
+            fx.send(primary, PeerMessage::new(&message));
         }
     }
 }
@@ -508,7 +568,13 @@ impl Protocol for PrimaryBackup {
             BackupMessage::Updates { entries, .. }
                 if Some(from) == self.primary() && !self.snapshot_receiver.partway() =>
             {
-                self.on_updates(entries)
+                // Reported at once, not at the next tick: the primary's next
+                // window waits for it.
+                let applied = self.applied;
+                self.on_updates(entries);
+                if self.applied > applied {
+                    self.report_position(fx);
+                }
             }
             BackupMessage::Snapshot { applied, epoch, chunk, entries, .. }
                 if Some(from) == self.primary() =>
@@ -535,15 +601,8 @@ impl Protocol for PrimaryBackup {
                 self.send_snapshot_chunks(backup, fx);
             }
             self.propagate(fx);
-        } else if let Some(primary) = self.primary().filter(|_| !self.snapshot_receiver.partway()) {
-            if self.view.as_ref().and_then(|view| view.position(self.me)).is_some() {
-                let message = BackupMessage::Position {
-                    view: self.view_number(),
-                    applied: self.applied,
-                    epoch: self.applied_epoch,
-                };
-                fx.send(primary, PeerMessage::new(&message));
-            }
+        } else {
+            self.report_position(fx);
         }
     }
 
@@ -558,10 +617,24 @@ impl Protocol for PrimaryBackup {
                 return;
             }
         }
+        // Positions are relearnt in every view: a drain counts a backup in
+        // step only on what it reported since the drain began. A snapshot
+        // under way carries over to the next view with the same primary (a
+        // drain, a member added or removed), which changes no one's history:
+        // starting it over would let no snapshot of a large shard finish
+        // while views change every few seconds. After a skipped view, which
+        // may have had another primary, it starts over too.
+        let same_primary = self.view.as_ref().is_some_and(|current| {
+            view.number == current.number + 1 && view.replicas.first() == current.replicas.first()
+        });
         self.view = Some(view.clone());
-        // A new view means new backups, or a new primary: positions are
-        // relearnt, and a snapshot under way starts over.
+        if same_primary {
+            self.backups
+                .retain(|backup, state| view.replicas[1..].contains(backup) && state.snapshot.is_some());
+            return;
+        }
         self.backups.clear();
+        self.early.clear();
         if self.snapshot_receiver.partway() {
             self.snapshot_receiver.clear();
             if let Err(error) = self.engine.clear() {
@@ -584,6 +657,22 @@ impl Protocol for PrimaryBackup {
             self.backups
                 .get(backup)
                 .is_some_and(|state| state.confirmed.is_some_and(|confirmed| confirmed >= self.applied))
+        })
+    }
+
+    /// The primary's: every backup of the view confirmed a position within
+    /// one window of updates of the last write, with no snapshot under way.
+    fn peers_in_step(&self) -> bool {
+        let Some(view) = self.view.as_ref().filter(|view| view.position(self.me) == Some(0)) else {
+            return true;
+        };
+        view.replicas[1..].iter().all(|backup| {
+            self.backups.get(backup).is_some_and(|state| {
+                state.snapshot.is_none()
+                    && state.confirmed.is_some_and(|confirmed| {
+                        self.applied - confirmed <= self.options.in_flight_entries_max as u64
+                    })
+            })
         })
     }
 
@@ -717,6 +806,136 @@ mod tests {
             &mut fx,
         );
         assert!(matches!(&fx.take()[..], [Effect::Reply { reply: ClientReply::Retry(_), .. }]));
+    }
+
+    /// Delivers every message `from` sent to `to`.
+    fn deliver(effects: Vec<Effect>, from: u32, to: &mut PrimaryBackup, fx: &mut Effects) {
+        for effect in effects {
+            if let Effect::Send { to: recipient, message } = effect {
+                if recipient == to.me {
+                    to.on_peer(NodeId(from), message, fx);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_primary_ships_a_backup_several_batches_per_tick() {
+        let mut primary = replica(1);
+        let mut backup = replica(2);
+        let mut fx = Effects::new(10);
+        primary.on_view(&view(1, &[1, 2]), &mut fx);
+        backup.on_view(&view(1, &[1, 2]), &mut fx);
+        backup.on_tick(&mut fx);
+        let position = fx.take();
+        deliver(position, 2, &mut primary, &mut fx);
+        let writes = 10 * primary.options.batch_max as u64;
+        for index in 0..writes {
+            primary.on_client(put(index, &format!("k{index}"), "v"), &mut fx);
+        }
+        fx.take();
+        primary.on_tick(&mut fx);
+        let mut batches = fx.take();
+        assert_eq!(batches.len(), 10, "ten batches in one tick");
+        // A link may deliver a later batch first: it waits for the gap.
+        batches.swap(0, 9);
+        let mut backups_fx = Effects::new(10);
+        deliver(batches, 1, &mut backup, &mut backups_fx);
+        assert_eq!(backup.progress().applied, writes);
+        assert!(backup.early.is_empty());
+
+        // Within its window: a backup that confirms nothing is sent no more.
+        for index in writes..writes + 2 * primary.options.in_flight_entries_max as u64 {
+            primary.on_client(put(index, &format!("k{index}"), "v"), &mut fx);
+        }
+        fx.take();
+        primary.on_tick(&mut fx);
+        let in_flight_entries = |effects: &[Effect]| -> usize {
+            effects
+                .iter()
+                .map(|effect| match effect {
+                    Effect::Send { message, .. } => match message.open::<BackupMessage>() {
+                        Some(Ok(BackupMessage::Updates { entries, .. })) => entries.len(),
+                        other => panic!("{other:?}"),
+                    },
+                    other => panic!("{other:?}"),
+                })
+                .sum()
+        };
+        assert_eq!(
+            in_flight_entries(&fx.take()),
+            primary.options.in_flight_entries_max - writes as usize,
+            "the window counts from the last confirmed entry"
+        );
+        primary.on_tick(&mut fx);
+        assert!(fx.take().is_empty(), "nothing more until the backup confirms");
+        // Unconfirmed, the window is sent again once it had time to arrive,
+        // however often the primary ticks meanwhile.
+        let mut resent = 0;
+        for tick in 1..=10 * primary.options.retransmit_after_ms / 10 {
+            fx = Effects::new(10 + 10 * tick);
+            primary.on_tick(&mut fx);
+            resent += in_flight_entries(&fx.take());
+        }
+        assert!(resent >= primary.options.in_flight_entries_max, "{resent} entries resent");
+    }
+
+    #[test]
+    fn a_snapshot_under_way_carries_over_to_the_next_view_of_the_same_primary_only() {
+        let mut primary = replica(1);
+        let mut fx = Effects::new(10);
+        primary.on_view(&view(1, &[1, 2]), &mut fx);
+        for index in 0..40 {
+            let value = "v".repeat(crate::snapshot::SNAPSHOT_CHUNK_BYTES / 10);
+            primary.on_client(put(index, &format!("k{index}"), &value), &mut fx);
+        }
+        primary.log.pop_first();
+        fx.take();
+        let mut backup = replica(2);
+        backup.on_view(&view(1, &[1, 2]), &mut fx);
+        backup.on_tick(&mut fx);
+        let position = fx.take();
+        deliver(position, 2, &mut primary, &mut fx);
+        let mut chunks = fx.take();
+        assert!(chunks.len() > 1);
+        let rest = chunks.split_off(1);
+        deliver(chunks, 1, &mut backup, &mut fx);
+        fx.take();
+        assert!(!primary.peers_in_step(), "a drain would wait for the snapshot, and so do the driver's jobs");
+
+        // A drain's view: same primary, next number.
+        let draining = ShardView { draining: true, ..view(2, &[1, 2]) };
+        primary.on_view(&draining, &mut fx);
+        backup.on_view(&draining, &mut fx);
+        assert!(backup.snapshot_receiver.partway(), "the backup keeps what it applied");
+        assert!(primary.backups[&NodeId(2)].snapshot.is_some(), "the primary goes on streaming");
+        deliver(rest, 1, &mut backup, &mut fx);
+        assert!(fx.take().is_empty(), "chunks sent in the last view are dropped unacknowledged");
+        fx = Effects::new(1_000);
+        primary.on_tick(&mut fx);
+        let resent = fx.take();
+        deliver(resent, 1, &mut backup, &mut fx);
+        let acks = fx.take();
+        deliver(acks, 2, &mut primary, &mut fx);
+        assert!(!backup.snapshot_receiver.partway());
+        assert_eq!(backup.progress().applied, 40);
+        fx = Effects::new(1_200);
+        backup.on_tick(&mut fx);
+        let position = fx.take();
+        deliver(position, 2, &mut primary, &mut fx);
+        assert!(primary.quiescent() && primary.peers_in_step());
+
+        // A view with another primary (or a skipped view) starts over.
+        let mut other = replica(2);
+        other.on_view(&view(3, &[1, 2]), &mut fx);
+        let chunk = Chunk { stream: 1, index: 0, last: false };
+        other.snapshot_receiver.arrive(NodeId(1), chunk);
+        other.snapshot_receiver.applied(chunk);
+        assert!(other.snapshot_receiver.partway());
+        other.on_view(&view(4, &[3, 2]), &mut fx);
+        assert!(!other.snapshot_receiver.partway());
+        primary.on_view(&view(5, &[1, 2]), &mut fx);
+        assert!(primary.backups.is_empty(), "positions are relearnt after a skipped view");
     }
 }
 

@@ -188,7 +188,10 @@ impl Replica {
     }
 
     pub fn progress(&self) -> Progress {
-        let migration = self.migration_out.as_ref().map(|source| source.report(self.drained()));
+        let migration = self
+            .migration_out
+            .as_ref()
+            .map(|source| source.report(self.drained(), self.protocol.peers_in_step()));
         Progress { migration, ..self.protocol.progress() }
     }
 
@@ -522,9 +525,16 @@ fn next_id(next_request: &mut u64) -> RequestId {
     id
 }
 
+/// The most batches a driver's job submits in one event. A batch may commit
+/// at once (a primary acknowledges alone), so a job with work ready would
+/// otherwise run through all of it in one event: a sweep of a million keys
+/// held the shard for seconds, and its node missed its heartbeats. The rest
+/// waits for the next event, a tick at the latest.
+const BATCHES_PER_EVENT: usize = 8;
+
 /// Hands a job the replies emitted since `mark`, and submits its batches
-/// while it has one ready (a batch may commit at once, on a replica alone);
-/// answers whether a batch finished.
+/// while it has one ready, up to [`BATCHES_PER_EVENT`] and while the
+/// protocol's peers keep in step; answers whether a batch finished.
 fn run_batches(
     job: &mut dyn Batches,
     protocol: &mut Switchable,
@@ -534,7 +544,7 @@ fn run_batches(
     fx: &mut Effects,
 ) -> bool {
     let mut finished = false;
-    loop {
+    for submitted in 0.. {
         let now = fx.now();
         for effect in &fx.as_slice()[mark..] {
             if let Effect::Reply { request, reply } = effect {
@@ -542,7 +552,10 @@ fn run_batches(
             }
         }
         mark = fx.as_slice().len();
-        let Some(operations) = job.next_batch(engine, now) else { return finished };
+        if submitted == BATCHES_PER_EVENT || !protocol.peers_in_step() {
+            break;
+        }
+        let Some(operations) = job.next_batch(engine, now) else { break };
         let ids = operations
             .into_iter()
             .map(|operation| {
@@ -553,6 +566,7 @@ fn run_batches(
             .collect();
         job.submitted(ids);
     }
+    finished
 }
 
 #[cfg(test)]
@@ -619,6 +633,41 @@ mod tests {
         assert_eq!(tail.check_write(), Err(Refusal::NotOwner));
         assert_eq!(tail.check_read(true, 20), Err(Refusal::NotOwner));
         assert_eq!(tail.check_read(false, 20), Ok(ReadGate::Open));
+    }
+
+    #[test]
+    fn a_sweep_goes_a_few_batches_per_event_and_waits_for_a_backup_far_behind() {
+        let primary_backup = Mode::named("primary-backup").unwrap();
+        let mut primary = replica(1, "primary-backup");
+        let mut fx = Effects::new(10);
+        primary.on_grant(10, view(2, &[1, 2]), primary_backup, &mut fx);
+        let keys = 20_000;
+        primary.submit((0..keys).map(|key| put(&format!("k{key}"))), &mut fx);
+        let written = primary.progress().applied; // the keys and the head's barrier
+        primary.sweep(Arc::new(|key: &[u8]| key.starts_with(b"k")));
+        let position = |applied: u64| {
+            let report = crate::primary_backup::BackupMessage::Position { view: 2, applied, epoch: 2 };
+            PeerMessage::new(&report)
+        };
+
+        // The backup has not reported in this view, then reports a position
+        // more than a window behind: the sweep waits.
+        primary.on_tick(&mut fx);
+        primary.on_peer(NodeId(2), position(0), &mut fx);
+        assert_eq!(primary.progress().applied, written);
+
+        // In step, it deletes at most its budget per event.
+        primary.on_peer(NodeId(2), position(written), &mut fx);
+        // A batch is what a bounded scan finds, up to two pages' worth.
+        let budget = (BATCHES_PER_EVENT * 2 * crate::migration::SWEEP_BATCH_KEYS) as u64;
+        let deleted = primary.progress().applied - written;
+        assert!(deleted > 0 && deleted <= budget, "{deleted} deleted in one event");
+        for _ in 0..keys / deleted + 1 {
+            primary.on_tick(&mut fx);
+            let applied = primary.progress().applied;
+            primary.on_peer(NodeId(2), position(applied), &mut fx);
+        }
+        assert_eq!(primary.progress().applied, written + keys, "every key deleted");
     }
 
     #[test]

@@ -516,6 +516,10 @@ impl Protocol for Switchable {
     fn quiescent(&self) -> bool {
         self.drain.is_none() && self.protocol.quiescent()
     }
+
+    fn peers_in_step(&self) -> bool {
+        self.protocol.peers_in_step()
+    }
 }
 
 #[cfg(test)]
