@@ -20,7 +20,6 @@
 //! no progress. Messages from another view are ignored.
 
 use std::collections::{BTreeMap, HashMap};
-use std::ops::Bound;
 use std::sync::Arc;
 
 use bytes::{BufMut, Bytes};
@@ -76,6 +75,29 @@ pub struct LogEntry {
     pub origin: NodeId,
     pub key: Bytes,
     pub write: Write,
+}
+
+/// A log entry, with the bytes of every entry logged through it (since the
+/// log was last cleared): the bytes between two entries are a subtraction,
+/// not a walk of the entries between them.
+struct Logged {
+    entry: LogEntry,
+    bytes_through: u64,
+}
+
+/// Bytes of the logged entries after `after` through `through`, if the log
+/// holds them all.
+fn log_bytes(log: &BTreeMap<u64, Logged>, after: u64, through: u64) -> Option<usize> {
+    if through <= after {
+        return Some(0);
+    }
+    // The bytes logged through `seq`: its own count, or the next entry's less
+    // that entry (the entry at `after` may be trimmed, or before the log began).
+    let bytes_through = |seq: u64| match log.get(&seq) {
+        Some(logged) => Some(logged.bytes_through),
+        None => log.get(&(seq + 1)).map(|next| next.bytes_through - next.entry.bytes() as u64),
+    };
+    Some((bytes_through(through)? - bytes_through(after)?) as usize)
 }
 
 impl LogEntry {
@@ -221,7 +243,7 @@ pub struct PrimaryBackup {
     applied_epoch: u64,
     /// Recent entries, for bringing backups up to date (every replica keeps
     /// them: any may become primary).
-    log: BTreeMap<u64, LogEntry>,
+    log: BTreeMap<u64, Logged>,
     /// As a backup: entries that arrived ahead of the next one to apply.
     early: BTreeMap<u64, LogEntry>,
     backups: HashMap<NodeId, BackupState>,
@@ -291,7 +313,9 @@ impl PrimaryBackup {
         result?;
         self.applied = entry.seq;
         self.applied_epoch = entry.epoch;
-        self.log.insert(entry.seq, entry);
+        let bytes_through = self.log.last_key_value().map_or(0, |(_, last)| last.bytes_through);
+        let bytes_through = bytes_through + entry.bytes() as u64;
+        self.log.insert(entry.seq, Logged { entry, bytes_through });
         while self.log.len() > self.options.log_entries_max {
             self.log.pop_first();
         }
@@ -333,7 +357,7 @@ impl PrimaryBackup {
         // hold (same number, same view) or is empty; we can bring it up to date
         // from the log if the log holds the entry after it.
         let same_end = applied == self.applied && epoch == self.applied_epoch;
-        let prefix = applied == 0 || self.log.get(&applied).is_some_and(|entry| entry.epoch == epoch);
+        let prefix = applied == 0 || self.log.get(&applied).is_some_and(|logged| logged.entry.epoch == epoch);
         let matches = same_end || (applied < self.applied && prefix && self.log.contains_key(&(applied + 1)));
         let now = fx.now();
         let retransmit_after = self.options.retransmit_after_ms;
@@ -468,8 +492,7 @@ impl PrimaryBackup {
         let state = self.backups.entry(backup).or_default();
         let Some(confirmed) = state.confirmed else { return };
         // Unconfirmed entries are sent again once they had time to arrive.
-        let unconfirmed = (Bound::Excluded(confirmed), Bound::Included(state.sent_upto));
-        let unconfirmed_bytes = || self.log.range(unconfirmed).map(|(_, entry)| entry.bytes()).sum();
+        let unconfirmed_bytes = || log_bytes(&self.log, confirmed, state.sent_upto).unwrap_or(0);
         let waited = now.saturating_sub(state.last_sent_at);
         let mut from = if resend_due(waited, self.options.retransmit_after_ms, unconfirmed_bytes) {
             confirmed
@@ -486,19 +509,16 @@ impl PrimaryBackup {
             return;
         }
         let sent_from = from;
-        let mut in_flight: usize = self
-            .log
-            .range((Bound::Excluded(confirmed), Bound::Included(from)))
-            .map(|(_, entry)| entry.bytes())
-            .sum();
+        // Unconfirmed entries the log no longer holds count as a full window.
+        let mut in_flight = log_bytes(&self.log, confirmed, from).unwrap_or(UPDATES_IN_FLIGHT_BYTES_MAX);
         while from < self.applied.min(window_end) && in_flight < UPDATES_IN_FLIGHT_BYTES_MAX {
             let mut room = BatchBytes::default();
             let entries: Vec<LogEntry> = self
                 .log
                 .range(from + 1..)
                 .take(self.options.batch_max)
-                .take_while(|(_, entry)| room.admits(entry.bytes()))
-                .map(|(_, entry)| entry.clone())
+                .take_while(|(_, logged)| room.admits(logged.entry.bytes()))
+                .map(|(_, logged)| logged.entry.clone())
                 .collect();
             assert!(!entries.is_empty(), "{}: the log holds every entry after {from}", self.me);
             from = entries.last().map_or(from, |entry| entry.seq);
@@ -509,6 +529,21 @@ impl PrimaryBackup {
             state.sent_upto = from;
             state.last_sent_at = now;
         }
+    }
+
+    /// As the primary: whether every backup of the view confirmed entry
+    /// `seq` (one being sent a snapshot has confirmed nothing). Elsewhere,
+    /// true: a backup starts nothing.
+    fn backups_confirmed(&self, seq: u64) -> bool {
+        let Some(view) = self.view.as_ref().filter(|view| view.position(self.me) == Some(0)) else {
+            return true;
+        };
+        view.replicas[1..].iter().all(|backup| {
+            self.backups
+                .get(backup)
+                .and_then(|state| state.confirmed)
+                .is_some_and(|confirmed| confirmed >= seq)
+        })
     }
 
     /// As a backup: tells the primary how far it got.
@@ -650,30 +685,13 @@ impl Protocol for PrimaryBackup {
     /// The primary's: every backup of the view confirmed every write. A
     /// backup starts nothing.
     fn quiescent(&self) -> bool {
-        let Some(view) = self.view.as_ref().filter(|view| view.position(self.me) == Some(0)) else {
-            return true;
-        };
-        view.replicas[1..].iter().all(|backup| {
-            self.backups
-                .get(backup)
-                .is_some_and(|state| state.confirmed.is_some_and(|confirmed| confirmed >= self.applied))
-        })
+        self.backups_confirmed(self.applied)
     }
 
     /// The primary's: every backup of the view confirmed a position within
-    /// one window of updates of the last write, with no snapshot under way.
+    /// one window of updates of the last write.
     fn peers_in_step(&self) -> bool {
-        let Some(view) = self.view.as_ref().filter(|view| view.position(self.me) == Some(0)) else {
-            return true;
-        };
-        view.replicas[1..].iter().all(|backup| {
-            self.backups.get(backup).is_some_and(|state| {
-                state.snapshot.is_none()
-                    && state.confirmed.is_some_and(|confirmed| {
-                        self.applied - confirmed <= self.options.in_flight_entries_max as u64
-                    })
-            })
-        })
+        self.backups_confirmed(self.applied.saturating_sub(self.options.in_flight_entries_max as u64))
     }
 
     fn copies_equal_when_quiescent(&self) -> bool {
@@ -772,24 +790,44 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_backup_partway_through_a_snapshot_is_silent_and_serves_no_reads() {
+    /// Delivers every message `from` sent to `to`.
+    fn deliver(effects: Vec<Effect>, from: u32, to: &mut PrimaryBackup, fx: &mut Effects) {
+        for effect in effects {
+            if let Effect::Send { to: recipient, message } = effect {
+                if recipient == to.me {
+                    to.on_peer(NodeId(from), message, fx);
+                }
+            }
+        }
+    }
+
+    /// A primary of view 1 holding 40 values of a tenth of a snapshot chunk
+    /// each, and a new, empty backup 2. An empty backup behind a log that
+    /// starts at 1 is shipped the log; this log was trimmed, so the backup's
+    /// first position report (returned) gets a snapshot of several chunks.
+    fn primary_past_its_log_and_a_new_backup(
+        fx: &mut Effects,
+    ) -> (PrimaryBackup, PrimaryBackup, Vec<Effect>) {
         let mut primary = replica(1);
-        let mut fx = Effects::new(10);
-        primary.on_view(&view(1, &[1, 2]), &mut fx);
+        primary.on_view(&view(1, &[1, 2]), fx);
         for index in 0..40 {
             let value = "v".repeat(crate::snapshot::SNAPSHOT_CHUNK_BYTES / 10);
-            primary.on_client(put(index, &format!("k{index}"), &value), &mut fx);
+            primary.on_client(put(index, &format!("k{index}"), &value), fx);
         }
+        primary.log.pop_first();
         fx.take();
         let mut backup = replica(2);
-        backup.on_view(&view(1, &[1, 2]), &mut fx);
-        backup.on_tick(&mut fx);
-        let Effect::Send { message: position, .. } = &fx.take()[0] else { panic!("a position") };
-        // An empty backup behind a log that starts at 1 is shipped the log;
-        // one whose log was trimmed gets a snapshot.
-        primary.log.pop_first();
-        primary.on_peer(NodeId(2), position.clone(), &mut fx);
+        backup.on_view(&view(1, &[1, 2]), fx);
+        backup.on_tick(fx);
+        let position = fx.take();
+        (primary, backup, position)
+    }
+
+    #[test]
+    fn a_backup_partway_through_a_snapshot_is_silent_and_serves_no_reads() {
+        let mut fx = Effects::new(10);
+        let (mut primary, mut backup, position) = primary_past_its_log_and_a_new_backup(&mut fx);
+        deliver(position, 2, &mut primary, &mut fx);
         let chunks = fx.take();
         assert!(chunks.len() > 1, "several chunks, {} sent", chunks.len());
         let Effect::Send { message: first, .. } = &chunks[0] else { panic!("{chunks:?}") };
@@ -808,15 +846,31 @@ mod tests {
         assert!(matches!(&fx.take()[..], [Effect::Reply { reply: ClientReply::Retry(_), .. }]));
     }
 
-    /// Delivers every message `from` sent to `to`.
-    fn deliver(effects: Vec<Effect>, from: u32, to: &mut PrimaryBackup, fx: &mut Effects) {
-        for effect in effects {
-            if let Effect::Send { to: recipient, message } = effect {
-                if recipient == to.me {
-                    to.on_peer(NodeId(from), message, fx);
-                }
-            }
+    #[test]
+    fn bytes_between_log_entries_are_what_the_entries_hold_even_once_trimmed() {
+        let mut primary = replica(1);
+        let mut fx = Effects::new(10);
+        primary.on_view(&view(1, &[1, 2]), &mut fx);
+        for index in 1..=6u64 {
+            primary.on_client(put(index, "k", &"v".repeat(index as usize)), &mut fx);
         }
+        let walked = |log: &BTreeMap<u64, Logged>, after: u64, through: u64| -> usize {
+            let between = log.iter().filter(|(seq, _)| after < **seq && **seq <= through);
+            between.map(|(_, logged)| logged.entry.bytes()).sum()
+        };
+        for (after, through) in [(0, 6), (2, 5), (4, 4), (5, 2)] {
+            let expected = walked(&primary.log, after, through);
+            assert_eq!(log_bytes(&primary.log, after, through), Some(expected), "{after}..{through}");
+        }
+        assert_eq!(walked(&primary.log, 0, 6), 6 + (1..=6).sum::<usize>(), "a real sum");
+        primary.log.pop_first();
+        primary.log.pop_first();
+        assert_eq!(
+            log_bytes(&primary.log, 2, 6),
+            Some(walked(&primary.log, 2, 6)),
+            "from the entry before the first"
+        );
+        assert_eq!(log_bytes(&primary.log, 1, 6), None, "entry 2 is gone");
     }
 
     #[test]
@@ -882,19 +936,8 @@ mod tests {
 
     #[test]
     fn a_snapshot_under_way_carries_over_to_the_next_view_of_the_same_primary_only() {
-        let mut primary = replica(1);
         let mut fx = Effects::new(10);
-        primary.on_view(&view(1, &[1, 2]), &mut fx);
-        for index in 0..40 {
-            let value = "v".repeat(crate::snapshot::SNAPSHOT_CHUNK_BYTES / 10);
-            primary.on_client(put(index, &format!("k{index}"), &value), &mut fx);
-        }
-        primary.log.pop_first();
-        fx.take();
-        let mut backup = replica(2);
-        backup.on_view(&view(1, &[1, 2]), &mut fx);
-        backup.on_tick(&mut fx);
-        let position = fx.take();
+        let (mut primary, mut backup, position) = primary_past_its_log_and_a_new_backup(&mut fx);
         deliver(position, 2, &mut primary, &mut fx);
         let mut chunks = fx.take();
         assert!(chunks.len() > 1);
