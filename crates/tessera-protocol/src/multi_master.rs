@@ -14,9 +14,11 @@
 //! shard, so a round repairs only differences that are no writes in flight:
 //! leaves that differed in the last round with that peer too, with neither
 //! side's digest changed since (under steady writes nearly every round sees
-//! some leaves differ by what propagation is about to deliver). After a view
-//! change every difference is repaired at once. Deletes are tombstones,
-//! collected after a grace period once every peer has acknowledged them.
+//! some leaves differ by what propagation is about to deliver). A view that
+//! brings a newcomer (or this replica itself) repairs every difference with
+//! it at once, as does the round after a repair that stopped at its cap.
+//! Deletes are tombstones, collected after a grace period once every peer
+//! has acknowledged them.
 //!
 //! Network assumptions: none beyond eventual delivery between live replicas.
 //! Messages from another view are ignored.
