@@ -45,6 +45,22 @@ def free_base_port(count):
     raise RuntimeError("no free port range")
 
 
+def cluster_cli(directory):
+    """A function that runs `tessera cluster COMMAND... --dir directory` and
+    fails on any error."""
+    def cli(*command):
+        return subprocess.run([str(BINARY), "cluster", *command, "--dir", str(directory)], check=True,
+                              capture_output=True, text=True)
+    return cli
+
+
+def mode_flags(mode):
+    """`cluster up`'s flags for a mode named as the tables name them (ms+sc,
+    aa+ec, ...)."""
+    topology, consistency = mode.split("+")
+    return ["--topology", topology, "--consistency", "strong" if consistency == "sc" else "eventual"]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=7)
@@ -57,10 +73,7 @@ def main():
     directory = Path(tempfile.mkdtemp(prefix="tessera-failover-")) / "cluster"
     base = free_base_port(args.nodes + 1)
 
-    def cli(*command):
-        subprocess.run([str(BINARY), "cluster", *command, "--dir", str(directory)], check=True,
-                       capture_output=True, text=True)
-
+    cli = cluster_cli(directory)
     cli("up", "--nodes", str(args.nodes), "--groups", str(args.nodes), "--replicas", "3",
         "--consistency", args.consistency, "--base-port", str(base), "--lease-ms", str(args.lease_ms),
         "--failure-timeout-ms", str(args.failure_timeout_ms), "--no-demo")

@@ -42,13 +42,9 @@ def main():
     base = failover.free_base_port(args.nodes + 1)
     groups = 2 * args.nodes
 
-    def cli(*command):
-        return subprocess.run([str(failover.BINARY), "cluster", *command, "--dir", str(directory / "cluster")],
-                              check=True, capture_output=True, text=True)
-
-    topology, consistency = args.mode.split("+")
-    cli("up", "--nodes", str(args.nodes), "--groups", str(groups), "--replicas", "3", "--topology", topology,
-        "--consistency", "strong" if consistency == "sc" else "eventual", "--base-port", str(base), "--no-demo")
+    cli = failover.cluster_cli(directory / "cluster")
+    cli("up", "--nodes", str(args.nodes), "--groups", str(groups), "--replicas", "3", *failover.mode_flags(args.mode),
+        "--base-port", str(base), "--no-demo")
     targets = ",".join(f"127.0.0.1:{base + 1 + node}" for node in range(args.nodes))
     bench = [str(failover.BINARY), "bench", "--cluster", "--target", targets, "--workload", args.workload,
              "--distribution", "zipfian", "--records", str(args.records), "--connections", str(args.connections),

@@ -29,13 +29,9 @@ failover = import_module("measure-failover")
 def run(nodes, args, directory):
     base = failover.free_base_port(nodes + 1)
 
-    def cli(*command):
-        return subprocess.run([str(failover.BINARY), "cluster", *command, "--dir", str(directory)],
-                              check=True, capture_output=True, text=True)
-
-    topology, consistency = args.mode.split("+")
-    cli("up", "--nodes", str(nodes), "--groups", str(args.groups), "--replicas", "3", "--topology", topology,
-        "--consistency", "strong" if consistency == "sc" else "eventual", "--base-port", str(base), "--no-demo")
+    cli = failover.cluster_cli(directory)
+    cli("up", "--nodes", str(nodes), "--groups", str(args.groups), "--replicas", "3", *failover.mode_flags(args.mode),
+        "--base-port", str(base), "--no-demo")
     try:
         targets = ",".join(f"127.0.0.1:{base + 1 + node}" for node in range(nodes))
         bench = [str(failover.BINARY), "bench", "--cluster", "--target", targets, "--workload", args.workload,

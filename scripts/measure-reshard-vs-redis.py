@@ -157,8 +157,6 @@ def measure(name, seed_port, source_port, move, keys, value_bytes, directory, se
     bench.stop.set()
     bench.join()
     during, errors = bench.during(start, start + took)
-    print(f"{name}: moved in {took:.1f} s; clients {before:,.0f} ops/s before, {during:,.0f} during, "
-          f"{errors} errors", flush=True)
     settle()
     client = redis.RedisCluster(host="127.0.0.1", port=seed_port)
     sample = random.Random(1).sample(keys, min(2000, len(keys)))
@@ -212,14 +210,9 @@ def redis_cluster(directory, keys, value_bytes, pipeline):
 
 def tessera_cluster(directory, keys, value_bytes, mode):
     base = failover.free_base_port(4)
-    topology, consistency = mode.split("+")
-
-    def cli(*command):
-        return subprocess.run([str(failover.BINARY), "cluster", *command, "--dir", str(directory / "cluster")],
-                              check=True, capture_output=True, text=True)
-
-    cli("up", "--nodes", "3", "--groups", "3", "--replicas", "2", "--topology", topology, "--consistency",
-        "strong" if consistency == "sc" else "eventual", "--base-port", str(base), "--no-demo")
+    cli = failover.cluster_cli(directory / "cluster")
+    cli("up", "--nodes", "3", "--groups", "3", "--replicas", "2", *failover.mode_flags(mode), "--base-port", str(base),
+        "--no-demo")
     try:
         seed = base + 1
         source = owner_port(seed, 0)

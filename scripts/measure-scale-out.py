@@ -49,13 +49,9 @@ def main():
     directory = Path(tempfile.mkdtemp(prefix="tessera-scale-out-"))
     base = failover.free_base_port(args.nodes + args.add + 1)
 
-    def cli(*command):
-        return subprocess.run([str(failover.BINARY), "cluster", *command, "--dir", str(directory / "cluster")],
-                              check=True, capture_output=True, text=True)
-
-    topology, consistency = args.mode.split("+")
-    cli("up", "--nodes", str(args.nodes), "--groups", str(args.groups), "--replicas", "3", "--topology", topology,
-        "--consistency", "strong" if consistency == "sc" else "eventual", "--base-port", str(base), "--no-demo")
+    cli = failover.cluster_cli(directory / "cluster")
+    cli("up", "--nodes", str(args.nodes), "--groups", str(args.groups), "--replicas", "3",
+        *failover.mode_flags(args.mode), "--base-port", str(base), "--no-demo")
     # Seeds for the bench's cluster client: the nodes that stay.
     targets = ",".join(f"127.0.0.1:{base + 1 + node}" for node in range(args.remove, args.nodes))
     bench = [str(failover.BINARY), "bench", "--cluster", "--target", targets, "--workload", args.workload,

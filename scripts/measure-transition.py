@@ -48,10 +48,7 @@ def main():
     directory = Path(tempfile.mkdtemp(prefix="tessera-transition-"))
     base = failover.free_base_port(args.nodes + 1)
 
-    def cli(*command):
-        subprocess.run([str(failover.BINARY), "cluster", *command, "--dir", str(directory / "cluster")],
-                       check=True, capture_output=True, text=True)
-
+    cli = failover.cluster_cli(directory / "cluster")
     cli("up", "--nodes", str(args.nodes), "--groups", str(args.nodes), "--replicas", "3", "--topology", "ms",
         "--consistency", "strong", "--base-port", str(base), "--no-demo")
     targets = ",".join(f"127.0.0.1:{base + 1 + node}" for node in range(args.nodes))
