@@ -121,10 +121,11 @@ impl Keyspace for Table {
     }
 
     fn remove(&self, key: &[u8]) -> CommandResult<()> {
-        if self.engine.delete(key)? && reserved::is_reserved(key) {
-            self.reserved_entries.fetch_sub(1, Ordering::Relaxed);
+        if reserved::is_reserved(key) {
+            self.reserved.change(|| Ok(((), -i64::from(self.engine.delete(key)?))))
+        } else {
+            self.engine.delete(key).map(drop).map_err(Into::into)
         }
-        Ok(())
     }
 }
 

@@ -6,12 +6,13 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use tessera_engine::{Engine, EngineError, EngineKind, EngineSpec};
+
+use crate::typed::ReservedEntries;
 pub use tessera_wire::prefix::{escape_prefix, unescape_prefix, valid_table_name};
 
 pub const DEFAULT_TABLE: &str = "default";
@@ -69,8 +70,8 @@ pub struct Table {
     pub prefix: Bytes,
     pub spec: EngineSpec,
     pub engine: Arc<dyn Engine>,
-    /// Entries under the reserved key space ([`tessera_engine::reserved`]), which DBSIZE leaves out.
-    pub reserved_entries: AtomicU64,
+    /// Its entries under the reserved key space, which DBSIZE leaves out.
+    pub reserved: ReservedEntries,
 }
 
 /// The tables in routing order (longest prefix first). Immutable: a change
@@ -180,13 +181,7 @@ impl Catalogue {
         let reserved = crate::zset::recover(engine.as_ref()).map_err(|error| {
             TableError::Catalog(self.catalog_path(), format!("table '{}': {error}", def.name))
         })?;
-        Ok(Table {
-            prefix: Bytes::from(prefix),
-            spec,
-            engine,
-            def,
-            reserved_entries: AtomicU64::new(reserved),
-        })
+        Ok(Table { prefix: Bytes::from(prefix), spec, engine, def, reserved: ReservedEntries::new(reserved) })
     }
 
     fn save(&self, defs: &[TableDef]) -> Result<(), TableError> {

@@ -10,7 +10,10 @@
 //! applications and YCSB use (tens of fields); very large hashes pay for it.
 //! A sorted set's payload points to entries of its own ([`crate::zset`]).
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use bytes::{BufMut, Bytes, BytesMut};
+use parking_lot::RwLock;
 use tessera_engine::Engine;
 
 use crate::error::{CommandError, CommandResult};
@@ -246,6 +249,46 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// DBSIZE's reading never sees a change's entries without its count: a
+    /// sweeper removing a replaced set's entries while DBSIZE ran made it
+    /// count them as keys.
+    #[test]
+    fn the_count_of_keys_ignores_reserved_entries_changing_at_the_same_time() {
+        use tessera_engine::{reserved, MemoryEngine};
+        let engine = MemoryEngine::new();
+        let reserved_entries = ReservedEntries::default();
+        for key in 0..100u32 {
+            engine.put(&key.to_be_bytes(), Bytes::from_static(b"v")).unwrap();
+        }
+        let entries: Vec<Vec<u8>> = (0..8u8).map(|n| reserved::owned(b"set", &[n])).collect();
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                for _ in 0..2000 {
+                    reserved_entries
+                        .change(|| {
+                            for entry in &entries {
+                                engine.put(entry, Bytes::from_static(b"e"))?;
+                            }
+                            Ok(((), entries.len() as i64))
+                        })
+                        .unwrap();
+                    reserved_entries
+                        .change(|| {
+                            let removed =
+                                entries.iter().filter(|entry| engine.delete(entry).unwrap()).count();
+                            Ok(((), -(removed as i64)))
+                        })
+                        .unwrap();
+                }
+                done.store(true, Ordering::Relaxed);
+            });
+            while !done.load(Ordering::Relaxed) {
+                assert_eq!(reserved_entries.keys_in(&engine).unwrap(), 100);
+            }
+        });
+    }
+
     #[test]
     fn integers_parse_like_redis() {
         assert_eq!(parse_i64(b"0").unwrap(), 0);
@@ -282,5 +325,58 @@ mod tests {
         fn corrupt_hashes_are_errors_not_panics(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
             let _ = Hash::decode(&Bytes::from(bytes));
         }
+    }
+}
+
+/// How many of an engine's entries lie under the reserved key space
+/// ([`tessera_engine::reserved`]), so that DBSIZE can leave them out in O(1).
+///
+/// Changes to reserved entries run under the shared side of `changing` and
+/// adjust the count before releasing it; DBSIZE reads the engine's length and
+/// the count under the exclusive side. Without that, a sweep deleting a
+/// replaced set's entries between DBSIZE's two reads made it count them as keys.
+#[derive(Default)]
+pub struct ReservedEntries {
+    count: AtomicU64,
+    changing: RwLock<()>,
+}
+
+impl ReservedEntries {
+    pub fn new(count: u64) -> Self {
+        Self { count: AtomicU64::new(count), changing: RwLock::new(()) }
+    }
+
+    /// Runs `change`, which writes reserved entries and returns its answer
+    /// with the number of entries it added less those it removed.
+    pub fn change<T>(&self, change: impl FnOnce() -> CommandResult<(T, i64)>) -> CommandResult<T> {
+        let _changing = self.changing.read();
+        let (answer, added) = change()?;
+        if added >= 0 {
+            self.count.fetch_add(added as u64, Ordering::Relaxed);
+        } else {
+            let removed = added.unsigned_abs();
+            let before = self.count.fetch_sub(removed, Ordering::Relaxed);
+            debug_assert!(before >= removed, "more reserved entries removed than counted");
+        }
+        Ok(answer)
+    }
+
+    /// The entries of `engine` outside the reserved key space.
+    pub fn keys_in(&self, engine: &dyn Engine) -> CommandResult<u64> {
+        let _quiet = self.changing.write();
+        Ok(engine.len()?.saturating_sub(self.count.load(Ordering::Relaxed)))
+    }
+
+    /// Empties `engine`, reserved entries and all.
+    pub fn clear(&self, engine: &dyn Engine) -> CommandResult<()> {
+        let _quiet = self.changing.write();
+        engine.clear()?;
+        self.count.store(0, Ordering::Relaxed);
+        Ok(())
+    }
+
+    #[cfg(test)]
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
     }
 }

@@ -24,14 +24,12 @@
 
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use tessera_engine::{reserved, Engine, ScanCursor};
 
 use crate::error::{CommandError, CommandResult};
-use crate::typed::read_kind;
-use crate::typed::{self, Kind};
+use crate::typed::{self, read_kind, Kind, ReservedEntries};
 
 /// Entries per page; a page that grows past it splits in two.
 const PAGE_MAX: usize = 128;
@@ -653,7 +651,12 @@ impl<'a> SortedSet<'a> {
 
     /// Writes the changes; an emptied set is deleted, as in Redis. `reserved`
     /// counts the table's reserved entries (DBSIZE leaves them out).
-    pub fn commit(mut self, reserved: &AtomicU64) -> CommandResult<()> {
+    pub fn commit(self, reserved: &ReservedEntries) -> CommandResult<()> {
+        reserved.change(|| Ok(((), self.write_changes()?)))
+    }
+
+    /// Writes the changes: the reserved entries it added less those it removed.
+    fn write_changes(mut self) -> CommandResult<i64> {
         let mut writes: Vec<EntryWrite> = Vec::new();
         let mut created = 0i64;
         let mut note = |writes: &mut Vec<_>, key: Bytes, value: Option<Bytes>, was_there: bool| {
@@ -687,7 +690,7 @@ impl<'a> SortedSet<'a> {
         }
         if writes.is_empty() {
             // Nothing changed (a set's size and pages change only with its entries).
-            return Ok(());
+            return Ok(0);
         }
         let main = (!emptied).then(|| self.meta.encode());
         let intent = self.engine.capabilities().persistent;
@@ -699,12 +702,7 @@ impl<'a> SortedSet<'a> {
         if intent {
             self.engine.delete(&intent_key)?;
         }
-        if created >= 0 {
-            reserved.fetch_add(created as u64, AtomicOrdering::Relaxed);
-        } else {
-            reserved.fetch_sub(created.unsigned_abs(), AtomicOrdering::Relaxed);
-        }
-        Ok(())
+        Ok(created)
     }
 }
 
@@ -865,7 +863,7 @@ mod tests {
         let log = tessera_engine::LogEngine::open(dir.path(), Default::default()).unwrap();
         let engines: [&dyn Engine; 2] = [&MemoryEngine::new(), &log];
         for engine in engines {
-            let reserved = AtomicU64::new(0);
+            let reserved = ReservedEntries::default();
             let mut rng = rand::rngs::StdRng::seed_from_u64(7);
             let mut model: BTreeMap<Vec<u8>, f64> = BTreeMap::new();
             for round in 0..300 {
@@ -923,7 +921,7 @@ mod tests {
                 live.insert(key.to_vec());
             })
             .unwrap();
-            assert_eq!(reserved.load(AtomicOrdering::Relaxed), live.len() as u64);
+            assert_eq!(reserved.count(), live.len() as u64);
             let pages = live.iter().filter(|key| parse_entry_key(key).is_some_and(|(_, _, tag)| tag == PAGE));
             assert!(pages.count() >= 3, "the set spans several pages");
         }
@@ -944,7 +942,7 @@ mod tests {
     #[test]
     fn replaced_sets_leave_orphans_for_the_sweep() {
         let engine = MemoryEngine::new();
-        let reserved = AtomicU64::new(0);
+        let reserved = ReservedEntries::default();
         let mut set = SortedSet::open_or_new(&engine, b"z", 0).unwrap();
         set.insert(b"a", 1.0).unwrap();
         set.commit(&reserved).unwrap();

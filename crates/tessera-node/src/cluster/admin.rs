@@ -2,7 +2,6 @@
 //! shards a node heads for SCAN / KEYS / DBSIZE, FLUSHALL through replication.
 
 use std::collections::BTreeSet;
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,6 +24,7 @@ use crate::commands::tables::{ordered_keys, parse_alter, parse_create, parse_ran
 use crate::error::{CommandError, CommandResult};
 use crate::node_state::NodeState;
 use crate::tables::{Table, TableDef, TableSet};
+use crate::typed::ReservedEntries;
 
 /// How many times ACL SETUSER tries while other nodes change the same user.
 const USER_CHANGE_ATTEMPTS: usize = 5;
@@ -367,7 +367,7 @@ impl ClusterNode {
                 def,
                 spec,
                 engine: Arc::new(CapturingView::new(engine)),
-                reserved_entries: AtomicU64::new(0),
+                reserved: ReservedEntries::default(),
             }));
         }
         Ok(TableSet::new(tables))

@@ -1,8 +1,6 @@
 //! Commands on keys of any type: DEL, EXISTS, expiry, TYPE, SCAN, KEYS, DBSIZE,
 //! FLUSHDB.
 
-use std::sync::atomic::Ordering;
-
 use tessera_engine::{reserved, KeyRange, ScanCursor};
 use tessera_wire::Request;
 
@@ -329,7 +327,7 @@ fn dbsize(context: &mut Context, _request: &Request) -> CommandResult {
         walk_keys(context, &ScanFilter { pattern: None, kind: None }, |_| total += 1)?;
     } else {
         for table in context.tables.by_name() {
-            total += table.engine.len()?.saturating_sub(table.reserved_entries.load(Ordering::Relaxed));
+            total += table.reserved.keys_in(table.engine.as_ref())?;
         }
     }
     context.out.integer(total as i64);
@@ -344,8 +342,7 @@ fn flushdb(context: &mut Context, request: &Request) -> CommandResult {
     }
     let _locks = context.node.lock_all();
     for table in context.tables.by_name() {
-        table.engine.clear()?;
-        table.reserved_entries.store(0, Ordering::Relaxed);
+        table.reserved.clear(table.engine.as_ref())?;
     }
     context.out.ok();
     Ok(())

@@ -47,7 +47,7 @@ fn update_set<T>(
     let _lock = context.lock_key(key);
     let mut set = SortedSet::open_or_new(context.engine(key), key, context.now_ms)?;
     let answer = change(&mut set)?;
-    set.commit(&context.table(key).reserved_entries)?;
+    set.commit(&context.table(key).reserved)?;
     Ok(answer)
 }
 
@@ -177,7 +177,7 @@ fn zrem(context: &mut Context, request: &Request) -> CommandResult {
                 removed += 1;
             }
         }
-        set.commit(&context.table(key).reserved_entries)?;
+        set.commit(&context.table(key).reserved)?;
     }
     context.out.integer(removed);
     Ok(())
