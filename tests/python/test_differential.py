@@ -6,11 +6,16 @@ errors included (wrong type, wrong arity, syntax, not an integer).
 
 Differences that are allowed, and how the comparison absorbs them:
 - the order of KEYS and SCAN replies (sorted before comparing);
-- TTL and PTTL while a deadline runs (compared as "has one" or not: the
-  two servers read their clocks at different moments). For the same
-  reason GT and LT come only with absolute deadlines (EXPIREAT): two
-  relative deadlines of the same length set one millisecond apart on one
-  server and within one on the other compare differently.
+- TTL, PTTL, EXPIRETIME and PEXPIRETIME while a deadline runs (compared
+  as "has one" or not: the two servers read their clocks at different
+  moments). For the same reason GT and LT come only with absolute
+  deadlines (EXPIREAT): two relative deadlines of the same length set one
+  millisecond apart on one server and within one on the other compare
+  differently;
+- which key RANDOMKEY picks (compared as "one" or "none").
+
+Not sent: other databases than 0 (SELECT 1, COPY … DB 1): Tessera has one
+database, and tables take their place.
 
 CI runs a fixed budget; a longer run is one command:
 
@@ -63,6 +68,22 @@ def strings(rng, key):
         ["DECRBY", key, integer(rng)],
         ["APPEND", key, value],
         ["STRLEN", key],
+        ["GETEX", key, *rng.choice([[], ["EX", 100], ["PX", rng.choice([100000, 0, -1, "x"])],
+                                    ["EXAT", rng.choice([4102444800, 1])], ["PXAT", 4102444800000], ["PERSIST"],
+                                    ["EX"], ["EX", 10, "PX", 10], ["PERSIST", "EX", 10], ["BAD"]])],
+        [rng.choice(["GETRANGE", "SUBSTR"]), key, rng.choice([0, 1, -1, -3, 5, -100, "x"]),
+         rng.choice([0, 2, -1, -2, 100, -100])],
+        ["SETRANGE", key, rng.choice([0, 1, 5, -1, "x", 536870912]), rng.choice(["", "ab", "xyz"])],
+        ["MSETNX", key, value, rng.choice(KEYS), rng.choice(VALUES)],
+        ["MSETNX", key],
+        ["INCRBYFLOAT", key, rng.choice(["0.1", "-2.5", "1e3", "3", "abc", "inf", "", "5.0e-1", "0.2"])],
+        ["SETBIT", key, rng.choice([0, 7, 8, 100, -1, "x", 4294967296]), rng.choice([0, 1, 1, 2, "x"])],
+        ["GETBIT", key, rng.choice([0, 3, 7, 100, -1, "x"])],
+        ["BITCOUNT", key, *rng.choice([[], [0, -1], [1, 1], [-2, -1], [0], [0, -1, "BIT"], [3, 10, "BIT"],
+                                       [0, -1, "BYTE"], [0, 1, "BAD"], ["x", 1], [-1, -3]])],
+        ["BITPOS", key, rng.choice([0, 1, 2]), *rng.choice([[], [0], [1], [-1], [0, -1], [2, 1], [-10, -20],
+                                                          [0, -1, "BIT"], [3, 20, "BIT"], [0, 0, "BYTE"],
+                                                          [0, 1, "BAD"], ["x"]])],
     ])
 
 
@@ -85,6 +106,13 @@ def keyspace(rng, key):
         ["EXISTS"],
         ["KEYS", rng.choice(["*", "a*", "{t}*", "?", "[ab]"])],
         ["DBSIZE"],
+        ["RENAME", key, other],
+        ["RENAMENX", key, other],
+        ["COPY", key, other, *rng.choice([[], ["REPLACE"], ["DB", 0], ["DB", "x"], ["BAD"]])],
+        ["EXPIRETIME", key],
+        ["PEXPIRETIME", key],
+        ["TOUCH", key, other],
+        ["RANDOMKEY"],
     ])
 
 
@@ -148,8 +176,10 @@ def reply_of(client, command):
     name = command[0].upper()
     if name == "KEYS" and isinstance(reply, list):
         return sorted(reply)
-    if name in ("TTL", "PTTL") and isinstance(reply, int):
-        return reply if reply < 0 else "counting down"
+    if name in ("TTL", "PTTL", "EXPIRETIME", "PEXPIRETIME") and isinstance(reply, int):
+        return reply if reply < 0 else "has a deadline"
+    if name == "RANDOMKEY":
+        return reply is not None
     return reply
 
 

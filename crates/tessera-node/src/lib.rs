@@ -13,6 +13,7 @@ pub mod config;
 pub mod connection;
 pub mod error;
 pub mod glob;
+pub mod long_double;
 pub mod membership;
 pub mod memory;
 pub mod node_state;

@@ -90,6 +90,8 @@ pub struct NodeState {
     scan_cursors: Mutex<ScanCursors>,
     /// Where the expiry sweeper stopped in each table.
     sweep_positions: Mutex<HashMap<String, ScanCursor>>,
+    /// Where RANDOMKEY's last sample stopped in each table.
+    pub random_key_positions: Mutex<HashMap<String, ScanCursor>>,
     /// Where eviction's last sample stopped: the table, then the cursor in it.
     eviction_position: Mutex<(usize, ScanCursor)>,
     pub access: AccessClock,
@@ -168,6 +170,7 @@ impl NodeState {
             stripes: (0..LOCK_STRIPES).map(|_| Mutex::new(())).collect(),
             scan_cursors: Mutex::new(ScanCursors::default()),
             sweep_positions: Mutex::new(HashMap::new()),
+            random_key_positions: Mutex::new(HashMap::new()),
             eviction_position: Mutex::new((0, ScanCursor::default())),
             access: AccessClock::default(),
             stats: Stats::default(),

@@ -1,5 +1,5 @@
-//! Commands on keys of any type: DEL, EXISTS, expiry, TYPE, SCAN, KEYS, DBSIZE,
-//! FLUSHDB.
+//! Commands on keys of any type: DEL, EXISTS, expiry, TYPE, RENAME and COPY,
+//! SCAN, KEYS, RANDOMKEY, DBSIZE, FLUSHDB.
 
 use tessera_engine::{reserved, KeyRange, ScanCursor};
 use tessera_wire::Request;
@@ -11,6 +11,7 @@ use crate::glob::glob_match;
 use crate::node_state::ScanPosition;
 use crate::typed::read_live;
 use crate::typed::{encode, Kind, Stored};
+use crate::zset;
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
@@ -29,6 +30,13 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "keys", arity: 2, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, scope: Scope::NodeWide, handler: keys },
     CommandSpec { name: "dbsize", arity: 1, flags: &["readonly", "fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::NodeWide, handler: dbsize },
     CommandSpec { name: "flushdb", arity: -1, flags: &["write"], first_key: 0, last_key: 0, step: 0, scope: Scope::Flush, handler: flushdb },
+    CommandSpec { name: "expiretime", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: expiretime },
+    CommandSpec { name: "pexpiretime", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: pexpiretime },
+    CommandSpec { name: "touch", arity: -2, flags: &["readonly", "fast"], first_key: 1, last_key: -1, step: 1, scope: Scope::Keys, handler: exists },
+    CommandSpec { name: "rename", arity: 3, flags: &["write"], first_key: 1, last_key: 2, step: 1, scope: Scope::Keys, handler: rename },
+    CommandSpec { name: "renamenx", arity: 3, flags: &["write", "fast"], first_key: 1, last_key: 2, step: 1, scope: Scope::Keys, handler: renamenx },
+    CommandSpec { name: "copy", arity: -3, flags: &["write", "denyoom"], first_key: 1, last_key: 2, step: 1, scope: Scope::Keys, handler: copy },
+    CommandSpec { name: "randomkey", arity: 1, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, scope: Scope::NodeWide, handler: randomkey },
     CommandSpec { name: "flushall", arity: -1, flags: &["write"], first_key: 0, last_key: 0, step: 0, scope: Scope::Flush, handler: flushdb },
 ];
 
@@ -143,6 +151,109 @@ fn time_to_live(context: &mut Context, request: &Request, unit_ms: u64) -> Comma
         }
     };
     context.out.integer(answer);
+    Ok(())
+}
+
+/// -2 for a missing key, -1 for no deadline, else the deadline in unix `unit_ms`.
+fn expiry_time(context: &mut Context, request: &Request, unit_ms: u64) -> CommandResult {
+    let key = request.arg(1);
+    let answer = match read_live(context.engine(key), key, context.now_ms)? {
+        None => -2,
+        Some(Stored { expires_at_ms: None, .. }) => -1,
+        Some(Stored { expires_at_ms: Some(deadline), .. }) => {
+            (deadline / unit_ms).min(i64::MAX as u64) as i64
+        }
+    };
+    context.out.integer(answer);
+    Ok(())
+}
+
+fn expiretime(context: &mut Context, request: &Request) -> CommandResult {
+    expiry_time(context, request, 1000)
+}
+
+fn pexpiretime(context: &mut Context, request: &Request) -> CommandResult {
+    expiry_time(context, request, 1)
+}
+
+/// Writes a copy of `source` (the value at `from`) at `to`, replacing what
+/// `to` held. The caller holds both keys' locks.
+fn copy_value(context: &Context, from: &[u8], source: &Stored, to: &[u8]) -> CommandResult {
+    let target = context.engine(to);
+    match source.kind {
+        // Its entries are named by its key: the copy gets entries of its own.
+        Kind::SortedSet => {
+            zset::copy(context.engine(from), from, target, to, context.now_ms, &context.table(to).reserved)
+        }
+        Kind::String | Kind::Hash => {
+            target.put(to, encode(source.kind, source.expires_at_ms, &source.payload))?;
+            Ok(())
+        }
+    }
+}
+
+/// RENAME and RENAMENX: whether the key moved.
+fn move_key(context: &mut Context, request: &Request, replace: bool) -> CommandResult<bool> {
+    let (from, to) = (request.arg(1), request.arg(2));
+    let _locks = context.lock_keys([from, to].into_iter());
+    let Some(source) = read_live(context.engine(from), from, context.now_ms)? else {
+        return Err(CommandError::Other("no such key".into()));
+    };
+    if from == to {
+        return Ok(replace);
+    }
+    if !replace && read_live(context.engine(to), to, context.now_ms)?.is_some() {
+        return Ok(false);
+    }
+    copy_value(context, from, &source, to)?;
+    context.engine(from).delete(from)?;
+    Ok(true)
+}
+
+fn rename(context: &mut Context, request: &Request) -> CommandResult {
+    move_key(context, request, true)?;
+    context.out.ok();
+    Ok(())
+}
+
+fn renamenx(context: &mut Context, request: &Request) -> CommandResult {
+    let moved = move_key(context, request, false)?;
+    context.out.integer(i64::from(moved));
+    Ok(())
+}
+
+fn copy(context: &mut Context, request: &Request) -> CommandResult {
+    let mut replace = false;
+    let mut index = 3;
+    while index < request.len() {
+        let option = request.arg(index);
+        if is(option, "replace") {
+            replace = true;
+            index += 1;
+        } else if is(option, "db") && index + 1 < request.len() {
+            if integer_arg(request, index + 1)? != 0 {
+                return Err(CommandError::Other(
+                    "DB index is out of range (Tessera has one database; use tables)".into(),
+                ));
+            }
+            index += 2;
+        } else {
+            return Err(CommandError::Syntax);
+        }
+    }
+    let (from, to) = (request.arg(1), request.arg(2));
+    if from == to {
+        return Err(CommandError::Other("source and destination objects are the same".into()));
+    }
+    let _locks = context.lock_keys([from, to].into_iter());
+    let copied = match read_live(context.engine(from), from, context.now_ms)? {
+        Some(source) if replace || read_live(context.engine(to), to, context.now_ms)?.is_none() => {
+            copy_value(context, from, &source, to)?;
+            true
+        }
+        _ => false,
+    };
+    context.out.integer(i64::from(copied));
     Ok(())
 }
 
@@ -296,6 +407,59 @@ fn keys(context: &mut Context, request: &Request) -> CommandResult {
     for key in &keys {
         context.out.bulk(key);
     }
+    Ok(())
+}
+
+/// Entries RANDOMKEY samples at a time, and how many samples it takes before
+/// it looks for any key at all (the samples held only expired keys or
+/// Tessera's own entries).
+const RANDOM_KEY_SAMPLE: usize = 64;
+const RANDOM_KEY_SAMPLES_MAX: usize = 16;
+
+/// A key picked at random from a sample: a table chosen in proportion to its
+/// keys, the next entries from where the last sample there stopped (so
+/// that successive calls travel the whole table), one live key among them.
+fn randomkey(context: &mut Context, _request: &Request) -> CommandResult {
+    let tables = context.tables.by_name();
+    let mut weights = Vec::with_capacity(tables.len());
+    for table in &tables {
+        weights.push(table.reserved.keys_in(table.engine.as_ref())?);
+    }
+    let total: u64 = weights.iter().sum();
+    for _ in 0..RANDOM_KEY_SAMPLES_MAX {
+        if total == 0 {
+            break;
+        }
+        let mut pick = rand::random::<u64>() % total;
+        let index = weights.iter().position(|&weight| {
+            pick < weight || {
+                pick -= weight;
+                false
+            }
+        });
+        let table = &tables[index.expect("the pick is below the total")];
+        let name = &table.def.name;
+        let cursor = context.node.random_key_positions.lock().remove(name).unwrap_or_default();
+        let page = table.engine.scan(&KeyRange::all(), &cursor, RANDOM_KEY_SAMPLE)?;
+        if let Some(next) = page.next {
+            context.node.random_key_positions.lock().insert(name.clone(), next);
+        }
+        let live: Vec<_> = page
+            .entries
+            .into_iter()
+            .filter(|(key, raw)| live_kind(key, raw.clone(), context.now_ms).is_some())
+            .collect();
+        if !live.is_empty() {
+            let (key, _) = &live[rand::random::<usize>() % live.len()];
+            context.out.bulk(key);
+            return Ok(());
+        }
+    }
+    let mut first = None;
+    walk_keys(context, &ScanFilter { pattern: None, kind: None }, |key| {
+        first.get_or_insert(key);
+    })?;
+    context.out.bulk_or_null(first.as_deref());
     Ok(())
 }
 

@@ -1,10 +1,11 @@
-//! String commands: GET, SET and friends, counters, APPEND.
+//! String commands: GET, SET and friends, counters, APPEND, ranges and bits.
 
 use bytes::Bytes;
 use tessera_wire::Request;
 
 use super::{integer_arg, is, wrong_arity, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
+use crate::long_double::LongDouble;
 use crate::typed::{decode_header, parse_i64, Kind};
 use crate::typed::{read_kind, read_live, write};
 
@@ -25,6 +26,16 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "decrby", arity: 3, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: decrby },
     CommandSpec { name: "append", arity: 3, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: append },
     CommandSpec { name: "strlen", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: strlen },
+    CommandSpec { name: "getex", arity: -2, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: getex },
+    CommandSpec { name: "getrange", arity: 4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: getrange },
+    CommandSpec { name: "substr", arity: 4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: getrange },
+    CommandSpec { name: "setrange", arity: 4, flags: &["write", "denyoom"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: setrange },
+    CommandSpec { name: "msetnx", arity: -3, flags: &["write", "denyoom"], first_key: 1, last_key: -1, step: 2, scope: Scope::Keys, handler: msetnx },
+    CommandSpec { name: "incrbyfloat", arity: 3, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: incrbyfloat },
+    CommandSpec { name: "setbit", arity: 4, flags: &["write", "denyoom"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: setbit },
+    CommandSpec { name: "getbit", arity: 3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: getbit },
+    CommandSpec { name: "bitcount", arity: -2, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: bitcount },
+    CommandSpec { name: "bitpos", arity: -3, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: bitpos },
 ];
 
 /// Turns a relative or absolute expiry argument into a deadline in unix ms.
@@ -293,5 +304,285 @@ fn strlen(context: &mut Context, request: &Request) -> CommandResult {
     let key = request.arg(1);
     let stored = read_kind(context.engine(key), key, Kind::String, context.now_ms)?;
     context.out.integer(stored.map_or(0, |stored| stored.payload.len() as i64));
+    Ok(())
+}
+
+fn getex(context: &mut Context, request: &Request) -> CommandResult {
+    // The options first (a syntax error whatever the key holds), then the
+    // key, then the deadline's value (none checked for a missing key).
+    let mut expiry = None;
+    let mut persist = false;
+    let mut index = 2;
+    while index < request.len() {
+        let arg = request.arg(index);
+        let unit = [("ex", 1000, false), ("px", 1, false), ("exat", 1000, true), ("pxat", 1, true)]
+            .into_iter()
+            .find(|(name, _, _)| is(arg, name));
+        match unit {
+            Some((_, unit_ms, absolute)) if expiry.is_none() && !persist && index + 1 < request.len() => {
+                expiry = Some((index + 1, unit_ms, absolute));
+                index += 2;
+            }
+            None if is(arg, "persist") && expiry.is_none() && !persist => {
+                persist = true;
+                index += 1;
+            }
+            _ => return Err(CommandError::Syntax),
+        }
+    }
+    let key = request.arg(1);
+    let engine = context.engine(key);
+    let _lock = context.lock_key(key);
+    let Some(stored) = read_kind(engine, key, Kind::String, context.now_ms)? else {
+        context.out.null();
+        return Ok(());
+    };
+    let deadline_ms = match expiry {
+        Some((at, unit_ms, absolute)) => {
+            let amount = integer_arg(request, at)?;
+            if amount <= 0 {
+                return Err(CommandError::InvalidExpire("getex".into()));
+            }
+            Some(deadline(context.now_ms, amount, unit_ms, absolute, "getex")?)
+        }
+        None => None,
+    };
+    match deadline_ms {
+        Some(deadline) if deadline <= context.now_ms as i64 => {
+            engine.delete(key)?;
+        }
+        Some(deadline) => {
+            write(engine, key, Kind::String, Some(deadline as u64), &stored.payload, usize::MAX)?
+        }
+        None if persist && stored.expires_at_ms.is_some() => {
+            write(engine, key, Kind::String, None, &stored.payload, usize::MAX)?
+        }
+        None => {}
+    }
+    context.out.bulk(&stored.payload);
+    Ok(())
+}
+
+/// Redis's reading of a range `start..=end` over `length` units, negative
+/// indexes counting from the end: `None` when it holds nothing. GETRANGE
+/// and BITCOUNT (not BITPOS) call a range of two negative indexes in the
+/// wrong order empty before clamping them.
+fn clamp_range(start: i64, end: i64, length: i64) -> Option<(i64, i64)> {
+    if start < 0 && end < 0 && start > end {
+        return None;
+    }
+    clamp_indexes(start, end, length)
+}
+
+fn clamp_indexes(start: i64, end: i64, length: i64) -> Option<(i64, i64)> {
+    let from_end = |index: i64| if index < 0 { length.saturating_add(index).max(0) } else { index };
+    let (start, end) = (from_end(start), from_end(end).min(length - 1));
+    (start <= end && length > 0).then_some((start, end))
+}
+
+fn getrange(context: &mut Context, request: &Request) -> CommandResult {
+    let (start, end) = (integer_arg(request, 2)?, integer_arg(request, 3)?);
+    let key = request.arg(1);
+    let stored = read_kind(context.engine(key), key, Kind::String, context.now_ms)?;
+    let value = stored.map(|stored| stored.payload).unwrap_or_default();
+    match clamp_range(start, end, value.len() as i64) {
+        Some((start, end)) => context.out.bulk(&value[start as usize..=end as usize]),
+        None => context.out.bulk(b""),
+    }
+    Ok(())
+}
+
+fn setrange(context: &mut Context, request: &Request) -> CommandResult {
+    let offset = integer_arg(request, 2)?;
+    if offset < 0 {
+        return Err(CommandError::Other("offset is out of range".into()));
+    }
+    let (key, patch) = (request.arg(1), request.arg(3));
+    let engine = context.engine(key);
+    let _lock = context.lock_key(key);
+    let old = read_kind(engine, key, Kind::String, context.now_ms)?;
+    let old_length = old.as_ref().map_or(0, |old| old.payload.len());
+    if patch.is_empty() {
+        // Nothing to write: a missing key stays missing.
+        context.out.integer(old_length as i64);
+        return Ok(());
+    }
+    let offset = offset as usize;
+    if offset.saturating_add(patch.len()) > context.bulk_bytes_max() {
+        return Err(CommandError::TooLarge);
+    }
+    let mut value = old.as_ref().map(|old| old.payload.to_vec()).unwrap_or_default();
+    if value.len() < offset + patch.len() {
+        value.resize(offset + patch.len(), 0);
+    }
+    value[offset..offset + patch.len()].copy_from_slice(patch);
+    write(engine, key, Kind::String, old.and_then(|old| old.expires_at_ms), &value, usize::MAX)?;
+    context.out.integer(value.len() as i64);
+    Ok(())
+}
+
+fn msetnx(context: &mut Context, request: &Request) -> CommandResult {
+    if request.len().is_multiple_of(2) {
+        return Err(wrong_arity(request));
+    }
+    let pairs: Vec<(&[u8], &[u8])> =
+        (1..request.len()).step_by(2).map(|index| (request.arg(index), request.arg(index + 1))).collect();
+    let _locks = context.lock_keys(pairs.iter().map(|(key, _)| *key));
+    for (key, _) in &pairs {
+        if read_live(context.engine(key), key, context.now_ms)?.is_some() {
+            context.out.integer(0);
+            return Ok(());
+        }
+    }
+    for (key, value) in pairs {
+        write(context.engine(key), key, Kind::String, None, value, context.bulk_bytes_max())?;
+    }
+    context.out.integer(1);
+    Ok(())
+}
+
+fn incrbyfloat(context: &mut Context, request: &Request) -> CommandResult {
+    let key = request.arg(1);
+    let engine = context.engine(key);
+    let _lock = context.lock_key(key);
+    let old = read_kind(engine, key, Kind::String, context.now_ms)?;
+    let current = match &old {
+        Some(old) => LongDouble::parse(&old.payload)?,
+        None => LongDouble::parse(b"0")?,
+    };
+    let updated = current.checked_add(LongDouble::parse(request.arg(2))?)?.to_human();
+    write(engine, key, Kind::String, old.and_then(|old| old.expires_at_ms), updated.as_bytes(), usize::MAX)?;
+    context.out.bulk(updated.as_bytes());
+    Ok(())
+}
+
+/// A bit offset argument: within a string of at most `bulk_bytes_max` bytes.
+fn bit_offset(context: &Context, request: &Request, index: usize) -> CommandResult<usize> {
+    let invalid = || CommandError::Other("bit offset is not an integer or out of range".into());
+    let offset = integer_arg(request, index).map_err(|_| invalid())?;
+    if offset < 0 || (offset >> 3) as u64 >= context.bulk_bytes_max() as u64 {
+        return Err(invalid());
+    }
+    Ok(offset as usize)
+}
+
+fn setbit(context: &mut Context, request: &Request) -> CommandResult {
+    let offset = bit_offset(context, request, 2)?;
+    let on = match request.arg(3) {
+        b"0" => false,
+        b"1" => true,
+        _ => return Err(CommandError::Other("bit is not an integer or out of range".into())),
+    };
+    let key = request.arg(1);
+    let engine = context.engine(key);
+    let _lock = context.lock_key(key);
+    let old = read_kind(engine, key, Kind::String, context.now_ms)?;
+    let mut value = old.as_ref().map(|old| old.payload.to_vec()).unwrap_or_default();
+    let (byte, mask) = (offset >> 3, 0x80u8 >> (offset & 7));
+    if value.len() <= byte {
+        value.resize(byte + 1, 0);
+    }
+    let was_on = value[byte] & mask != 0;
+    if on {
+        value[byte] |= mask;
+    } else {
+        value[byte] &= !mask;
+    }
+    write(engine, key, Kind::String, old.and_then(|old| old.expires_at_ms), &value, usize::MAX)?;
+    context.out.integer(i64::from(was_on));
+    Ok(())
+}
+
+fn getbit(context: &mut Context, request: &Request) -> CommandResult {
+    let offset = bit_offset(context, request, 2)?;
+    let key = request.arg(1);
+    let stored = read_kind(context.engine(key), key, Kind::String, context.now_ms)?;
+    let on = stored
+        .and_then(|stored| stored.payload.get(offset >> 3).copied())
+        .is_some_and(|byte| byte & (0x80 >> (offset & 7)) != 0);
+    context.out.integer(i64::from(on));
+    Ok(())
+}
+
+fn bit_at(value: &[u8], position: i64) -> bool {
+    value[(position >> 3) as usize] & (0x80 >> (position & 7)) != 0
+}
+
+/// BITCOUNT's and BITPOS's range: `start` and `end` (arguments at those
+/// indexes, `end` possibly absent) in bytes or, with `BIT` after them, in
+/// bits; the bits it covers, or `None` when it is empty.
+fn bit_range(
+    request: &Request,
+    start_at: usize,
+    value_length: usize,
+    clamp: fn(i64, i64, i64) -> Option<(i64, i64)>,
+) -> CommandResult<Option<(i64, i64)>> {
+    let start = integer_arg(request, start_at)?;
+    let in_bits = match request.len() {
+        length if length == start_at + 3 => {
+            let unit = request.arg(start_at + 2);
+            if is(unit, "bit") {
+                true
+            } else if is(unit, "byte") {
+                false
+            } else {
+                return Err(CommandError::Syntax);
+            }
+        }
+        _ => false,
+    };
+    let length = value_length as i64 * if in_bits { 8 } else { 1 };
+    let end = if request.len() > start_at + 1 { integer_arg(request, start_at + 1)? } else { length - 1 };
+    Ok(clamp(start, end, length)
+        .map(|(start, end)| if in_bits { (start, end) } else { (start * 8, end * 8 + 7) }))
+}
+
+fn bitcount(context: &mut Context, request: &Request) -> CommandResult {
+    let key = request.arg(1);
+    let stored = read_kind(context.engine(key), key, Kind::String, context.now_ms)?;
+    let Some(stored) = stored else {
+        context.out.integer(0);
+        return Ok(());
+    };
+    let value = stored.payload;
+    let range = match request.len() {
+        2 => clamp_range(0, -1, value.len() as i64).map(|(start, end)| (start * 8, end * 8 + 7)),
+        4 | 5 => bit_range(request, 2, value.len(), clamp_range)?,
+        _ => return Err(CommandError::Syntax),
+    };
+    let count = range.map_or(0, |(first, last)| (first..=last).filter(|&bit| bit_at(&value, bit)).count());
+    context.out.integer(count as i64);
+    Ok(())
+}
+
+fn bitpos(context: &mut Context, request: &Request) -> CommandResult {
+    let wanted = match integer_arg(request, 2)? {
+        0 => false,
+        1 => true,
+        _ => return Err(CommandError::Other("The bit argument must be 1 or 0.".into())),
+    };
+    let key = request.arg(1);
+    let Some(stored) = read_kind(context.engine(key), key, Kind::String, context.now_ms)? else {
+        // A missing key reads as endless zero bits.
+        context.out.integer(if wanted { -1 } else { 0 });
+        return Ok(());
+    };
+    let value = stored.payload;
+    let range = match request.len() {
+        3 => clamp_range(0, -1, value.len() as i64).map(|(start, end)| (start * 8, end * 8 + 7)),
+        4..=6 => bit_range(request, 3, value.len(), clamp_indexes)?,
+        _ => return Err(CommandError::Syntax),
+    };
+    let end_given = request.len() >= 5;
+    let position = match range {
+        None => -1,
+        Some((first, last)) => match (first..=last).find(|&bit| bit_at(&value, bit) == wanted) {
+            Some(bit) => bit,
+            // Without an end the string goes on in zeros past the range.
+            None if !wanted && !end_given => last + 1,
+            None => -1,
+        },
+    };
+    context.out.integer(position);
     Ok(())
 }
