@@ -8,11 +8,13 @@
 
 pub mod acl;
 pub mod cluster;
+pub mod collection;
 pub mod commands;
 pub mod config;
 pub mod connection;
 pub mod error;
 pub mod glob;
+pub mod list;
 pub mod long_double;
 pub mod membership;
 pub mod memory;

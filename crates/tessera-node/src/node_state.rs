@@ -15,12 +15,12 @@ use parking_lot::{Mutex, MutexGuard, RwLock};
 use tessera_engine::{reserved, Engine, EngineSpec, KeyRange, ScanCursor};
 
 use crate::acl::{Acl, CommandCatalog};
+use crate::collection;
 use crate::config::Config;
 use crate::error::{CommandError, CommandResult};
 use crate::memory::{used_memory, AccessClock, EvictionPolicy};
 use crate::tables::{Catalogue, Table, TableDef, TableError, TableSet};
 use crate::typed::{decode_header, Stored};
-use crate::zset;
 
 const LOCK_STRIPES: usize = 1024;
 /// SCAN cursors kept before the oldest are forgotten.
@@ -443,11 +443,11 @@ impl NodeState {
         }
     }
 
-    /// Deletes a sorted set's entry whose set is gone (see [`zset::is_orphan`]).
+    /// Deletes a collection's entry whose collection is gone (see [`collection::is_orphan`]).
     fn remove_if_orphan<K: Keyspace>(&self, keyspace: &K, entry: &[u8], now: u64) -> CommandResult<bool> {
-        let Some(owner) = zset::owner_key(entry) else { return Ok(false) };
+        let Some(owner) = collection::owner_key(entry) else { return Ok(false) };
         let _lock = self.lock_key(owner);
-        if !zset::is_orphan(keyspace.values(), entry, now)? {
+        if !collection::is_orphan(keyspace.values(), entry, now)? {
             return Ok(false);
         }
         keyspace.remove(entry)?;

@@ -178,7 +178,7 @@ impl Catalogue {
         })?;
         let spec = EngineSpec::new(def.engine.parse()?, def.options.clone())?;
         let engine = spec.open(&self.table_dir(&def.name))?;
-        let reserved = crate::zset::recover(engine.as_ref()).map_err(|error| {
+        let reserved = crate::collection::recover(engine.as_ref()).map_err(|error| {
             TableError::Catalog(self.catalog_path(), format!("table '{}': {error}", def.name))
         })?;
         Ok(Table { prefix: Bytes::from(prefix), spec, engine, def, reserved: ReservedEntries::new(reserved) })

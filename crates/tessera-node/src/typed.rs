@@ -1,14 +1,15 @@
 //! Typed values inside the engines' opaque bytes.
 //!
 //! ```text
-//! kind (1 byte: 's' string, 'h' hash, 'z' sorted set; bit 0x80 set = has expiry) | [expiry unix ms, u64 LE] | payload
+//! kind (1 byte: 's' string, 'h' hash, 'z' sorted set, 'l' list; bit 0x80 set = has expiry) | [expiry unix ms, u64 LE] | payload
 //! ```
 //!
 //! A string's payload is its bytes. A hash's payload is its fields in insertion
 //! order, each `field_len u32 LE | field | value_len u32 LE | value`. A hash is
 //! rewritten whole on every change, which suits the small hashes Redis
 //! applications and YCSB use (tens of fields); very large hashes pay for it.
-//! A sorted set's payload points to entries of its own ([`crate::zset`]).
+//! A sorted set's payload points to entries of its own ([`crate::zset`]); a
+//! list's holds its elements or, once large, points to pages ([`crate::list`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -25,16 +26,18 @@ pub enum Kind {
     String,
     Hash,
     SortedSet,
+    List,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 3] = [Kind::String, Kind::Hash, Kind::SortedSet];
+    pub const ALL: [Kind; 4] = [Kind::String, Kind::Hash, Kind::SortedSet, Kind::List];
 
     fn tag(self) -> u8 {
         match self {
             Kind::String => b's',
             Kind::Hash => b'h',
             Kind::SortedSet => b'z',
+            Kind::List => b'l',
         }
     }
 
@@ -43,6 +46,7 @@ impl Kind {
             Kind::String => "string",
             Kind::Hash => "hash",
             Kind::SortedSet => "zset",
+            Kind::List => "list",
         }
     }
 }
@@ -65,6 +69,7 @@ pub fn decode_header(raw: &[u8]) -> CommandResult<(Kind, Option<u64>, usize)> {
         b's' => Kind::String,
         b'h' => Kind::Hash,
         b'z' => Kind::SortedSet,
+        b'l' => Kind::List,
         _ => return Err(corrupt()),
     };
     if first & EXPIRES_FLAG != 0 {

@@ -9,25 +9,18 @@
 //! R | key_len u32 | key | id | 'd'   directory: (lower bound, page id) per page, in order
 //! R | key_len u32 | key | id | 'p' | page id    up to PAGE_MAX (score, member), sorted
 //! R | key_len u32 | key | id | 'm' | member     the member's score
-//! R | key_len u32 | key | id | 'w'   intent: every write of a change in progress
 //! ```
 //!
-//! `R` is the reserved key space's prefix ([`tessera_engine::reserved`]): keys
-//! under it are Tessera's own, refused from clients and hidden from SCAN, KEYS
-//! and DBSIZE. The entries live in the
-//! engine of the table that owns `key`. Each set has a random id, so a key that
-//! is deleted, overwritten or expires as a whole needs no clean-up on the spot:
-//! its entries stop matching the key's value and the expiry sweep removes them
-//! ([`is_orphan`]). On a persistent engine a change of more than one entry is
-//! first written as one intent entry and replayed on open if the process died
-//! half-way ([`recover`]).
+//! The entries live in the engine of the table that owns `key`, named and
+//! collected as every collection's are ([`crate::collection`]).
 
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, HashMap};
 
 use bytes::{BufMut, Bytes, BytesMut};
-use tessera_engine::{reserved, Engine, ScanCursor};
+use tessera_engine::Engine;
 
+use crate::collection::{corrupt, entry_key, put_bytes, Changes, Reader};
 use crate::error::{CommandError, CommandResult};
 use crate::typed::{self, read_kind, Kind, ReservedEntries};
 
@@ -37,11 +30,6 @@ const PAGE_MAX: usize = 128;
 const DIRECTORY: u8 = b'd';
 const PAGE: u8 = b'p';
 const MEMBER: u8 = b'm';
-const INTENT: u8 = b'w';
-
-fn corrupt() -> CommandError {
-    CommandError::Other("stored sorted set is corrupt".into())
-}
 
 /// Orders (score, member) pairs as Redis does: by score, then by member bytes.
 fn compare(a: (f64, &[u8]), b: (f64, &[u8])) -> Ordering {
@@ -123,65 +111,6 @@ impl Meta {
     }
 }
 
-fn entry_key(key: &[u8], id: u64, tag: u8, suffix: &[u8]) -> Bytes {
-    let mut after = Vec::with_capacity(9 + suffix.len());
-    after.extend_from_slice(&id.to_be_bytes());
-    after.push(tag);
-    after.extend_from_slice(suffix);
-    Bytes::from(reserved::owned(key, &after))
-}
-
-/// Splits a reserved key into (set key, set id, tag).
-fn parse_entry_key(raw: &[u8]) -> Option<(&[u8], u64, u8)> {
-    let (key, rest) = reserved::owner(raw)?;
-    let id = u64::from_be_bytes(rest.get(..8)?.try_into().ok()?);
-    let tag = *rest.get(8)?;
-    Some((key, id, tag))
-}
-
-/// Reads length-prefixed byte strings and fixed words from an entry's value.
-struct Reader<'a> {
-    bytes: &'a Bytes,
-    at: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn new(bytes: &'a Bytes) -> Self {
-        Self { bytes, at: 0 }
-    }
-
-    fn done(&self) -> bool {
-        self.at >= self.bytes.len()
-    }
-
-    fn u64(&mut self) -> CommandResult<u64> {
-        let word = self.bytes.get(self.at..self.at + 8).ok_or_else(corrupt)?;
-        self.at += 8;
-        Ok(u64::from_le_bytes(word.try_into().expect("8 bytes")))
-    }
-
-    fn score(&mut self) -> CommandResult<f64> {
-        Ok(f64::from_bits(self.u64()?))
-    }
-
-    fn bytes(&mut self) -> CommandResult<Bytes> {
-        let length = self.bytes.get(self.at..self.at + 4).ok_or_else(corrupt)?;
-        let length = u32::from_le_bytes(length.try_into().expect("4 bytes")) as usize;
-        let start = self.at + 4;
-        let end = start.checked_add(length).filter(|end| *end <= self.bytes.len()).ok_or_else(corrupt)?;
-        self.at = end;
-        Ok(self.bytes.slice(start..end))
-    }
-}
-
-/// One entry to write (`Some`) or delete (`None`).
-type EntryWrite = (Bytes, Option<Bytes>);
-
-fn put_bytes(out: &mut BytesMut, bytes: &[u8]) {
-    out.put_u32_le(bytes.len() as u32);
-    out.put_slice(bytes);
-}
-
 /// A page's lower bound: every entry of page i is in [bound i, bound i+1).
 #[derive(Clone, Debug)]
 struct PageBound {
@@ -227,7 +156,7 @@ impl Directory {
                 let offset = raw.get(at..at + 4).ok_or_else(corrupt)?;
                 let mut reader = Reader::new(raw);
                 reader.at = u32::from_le_bytes(offset.try_into().expect("4 bytes")) as usize;
-                Ok(PageBound { score: reader.score()?, member: reader.bytes()?, page: reader.u64()? })
+                Ok(PageBound { score: reader.f64()?, member: reader.bytes()?, page: reader.u64()? })
             }
             Self::Changed(bounds) => bounds.get(index).cloned().ok_or_else(corrupt),
         }
@@ -292,7 +221,7 @@ fn decode_page(raw: &Bytes) -> CommandResult<Vec<(f64, Bytes)>> {
     let mut reader = Reader::new(raw);
     let mut entries = Vec::new();
     while !reader.done() {
-        entries.push((reader.score()?, reader.bytes()?));
+        entries.push((reader.f64()?, reader.bytes()?));
     }
     Ok(entries)
 }
@@ -414,7 +343,7 @@ impl<'a> SortedSet<'a> {
         }
         let stored = if self.in_engine {
             match self.engine.get(&self.entry_key(MEMBER, member))? {
-                Some(raw) => Some(Reader::new(&raw).score()?),
+                Some(raw) => Some(Reader::new(&raw).f64()?),
                 None => None,
             }
         } else {
@@ -651,23 +580,13 @@ impl<'a> SortedSet<'a> {
 
     /// Writes the changes; an emptied set is deleted, as in Redis. `reserved`
     /// counts the table's reserved entries (DBSIZE leaves them out).
-    pub fn commit(self, reserved: &ReservedEntries) -> CommandResult<()> {
-        reserved.change(|| Ok(((), self.write_changes()?)))
-    }
-
-    /// Writes the changes: the reserved entries it added less those it removed.
-    fn write_changes(mut self) -> CommandResult<i64> {
-        let mut writes: Vec<EntryWrite> = Vec::new();
-        let mut created = 0i64;
-        let mut note = |writes: &mut Vec<_>, key: Bytes, value: Option<Bytes>, was_there: bool| {
-            created += i64::from(value.is_some()) - i64::from(was_there);
-            writes.push((key, value));
-        };
+    pub fn commit(mut self, reserved: &ReservedEntries) -> CommandResult<()> {
+        let mut changes = Changes::default();
         let emptied = self.meta.len == 0;
         for (member, state) in std::mem::take(&mut self.members) {
             if state.current != state.stored {
                 let value = state.current.map(|score| Bytes::copy_from_slice(&score.to_bits().to_le_bytes()));
-                note(&mut writes, self.entry_key(MEMBER, &member), value, state.stored.is_some());
+                changes.note(self.entry_key(MEMBER, &member), value, state.stored.is_some());
             }
         }
         let pages: BTreeMap<u64, CachedPage> = std::mem::take(&mut self.pages).into_iter().collect();
@@ -676,89 +595,30 @@ impl<'a> SortedSet<'a> {
             if page.dirty || removed {
                 let value = (!removed).then(|| encode_page(&page.entries));
                 if value.is_some() || page.in_engine {
-                    note(&mut writes, self.entry_key(PAGE, &page_id.to_be_bytes()), value, page.in_engine);
+                    changes.note(self.entry_key(PAGE, &page_id.to_be_bytes()), value, page.in_engine);
                 }
             }
         }
         if emptied {
             if self.in_engine {
-                note(&mut writes, self.entry_key(DIRECTORY, &[]), None, true);
+                changes.note(self.entry_key(DIRECTORY, &[]), None, true);
             }
         } else if self.directory_dirty || !self.in_engine {
             let directory = self.directory.as_ref().expect("a changed set has its directory").encode()?;
-            note(&mut writes, self.entry_key(DIRECTORY, &[]), Some(directory), self.in_engine);
+            changes.note(self.entry_key(DIRECTORY, &[]), Some(directory), self.in_engine);
         }
-        if writes.is_empty() {
+        if changes.is_empty() {
             // Nothing changed (a set's size and pages change only with its entries).
-            return Ok(0);
+            return Ok(());
         }
         let main = (!emptied).then(|| self.meta.encode());
-        let intent = self.engine.capabilities().persistent;
-        let intent_key = self.entry_key(INTENT, &[]);
-        if intent {
-            self.engine.put(&intent_key, encode_intent(&writes, main.as_ref()))?;
-        }
-        apply(self.engine, self.key, &writes, main)?;
-        if intent {
-            self.engine.delete(&intent_key)?;
-        }
-        Ok(created)
+        changes.commit(self.engine, self.key, self.meta.id, main, reserved)
     }
 }
 
-fn apply(engine: &dyn Engine, key: &[u8], writes: &[EntryWrite], main: Option<Bytes>) -> CommandResult<()> {
-    for (entry, value) in writes {
-        match value {
-            Some(value) => engine.put(entry, value.clone())?,
-            None => {
-                engine.delete(entry)?;
-            }
-        }
-    }
-    match main {
-        Some(value) => engine.put(key, value)?,
-        None => {
-            engine.delete(key)?;
-        }
-    }
-    Ok(())
-}
-
-fn encode_intent(writes: &[EntryWrite], main: Option<&Bytes>) -> Bytes {
-    let mut out = BytesMut::new();
-    let put_optional = |out: &mut BytesMut, value: Option<&Bytes>| match value {
-        Some(value) => {
-            out.put_u8(1);
-            put_bytes(out, value);
-        }
-        None => out.put_u8(0),
-    };
-    put_optional(&mut out, main);
-    for (key, value) in writes {
-        put_bytes(&mut out, key);
-        put_optional(&mut out, value.as_ref());
-    }
-    out.freeze()
-}
-
-fn decode_intent(raw: &Bytes) -> CommandResult<(Option<Bytes>, Vec<EntryWrite>)> {
-    let mut reader = Reader::new(raw);
-    let optional = |reader: &mut Reader| -> CommandResult<Option<Bytes>> {
-        let flag = *raw.get(reader.at).ok_or_else(corrupt)?;
-        reader.at += 1;
-        match flag {
-            0 => Ok(None),
-            1 => Ok(Some(reader.bytes()?)),
-            _ => Err(corrupt()),
-        }
-    };
-    let main = optional(&mut reader)?;
-    let mut writes = Vec::new();
-    while !reader.done() {
-        let key = reader.bytes()?;
-        writes.push((key, optional(&mut reader)?));
-    }
-    Ok((main, writes))
+/// The id of the set whose stored value (payload) this is.
+pub fn id_of(payload: &[u8]) -> CommandResult<u64> {
+    Ok(Meta::decode(payload, None)?.id)
 }
 
 /// Writes a copy of the set at `from` (in `source`) at `to` (in `target`),
@@ -783,67 +643,10 @@ pub fn copy(
     copy.commit(reserved)
 }
 
-/// Finishes changes a crash interrupted and counts the reserved entries; run
-/// when a table opens, before it serves.
-pub fn recover(engine: &dyn Engine) -> CommandResult<u64> {
-    let mut intents = Vec::new();
-    for_each_reserved(engine, |key, value| {
-        if parse_entry_key(key).is_some_and(|(_, _, tag)| tag == INTENT) {
-            intents.push((Bytes::copy_from_slice(key), value.clone()));
-        }
-    })?;
-    for (intent_key, raw) in intents {
-        let (set_key, _, _) = parse_entry_key(&intent_key).expect("parsed above");
-        let (main, writes) = decode_intent(&raw)?;
-        apply(engine, set_key, &writes, main)?;
-        engine.delete(&intent_key)?;
-        tracing::info!(key = %String::from_utf8_lossy(set_key), "finished an interrupted sorted-set change");
-    }
-    let mut count = 0;
-    for_each_reserved(engine, |_, _| count += 1)?;
-    Ok(count)
-}
-
-fn for_each_reserved(engine: &dyn Engine, mut visit: impl FnMut(&[u8], &Bytes)) -> CommandResult<()> {
-    let range = reserved::range();
-    let mut cursor = ScanCursor::start();
-    loop {
-        let page = engine.scan(&range, &cursor, 1024)?;
-        for (key, value) in &page.entries {
-            if range.contains(key) {
-                visit(key, value);
-            }
-        }
-        match page.next {
-            Some(next) => cursor = next,
-            None => return Ok(()),
-        }
-    }
-}
-
-/// The key a reserved entry belongs to, for locking before [`is_orphan`].
-pub fn owner_key(entry: &[u8]) -> Option<&[u8]> {
-    parse_entry_key(entry).map(|(key, _, _)| key)
-}
-
-/// Whether a reserved entry belongs to no live set (its key was deleted,
-/// overwritten or expired). Call with the owner key's lock held.
-pub fn is_orphan(engine: &dyn Engine, entry: &[u8], now_ms: u64) -> CommandResult<bool> {
-    let Some((key, id, tag)) = parse_entry_key(entry) else { return Ok(true) };
-    if tag == INTENT {
-        // Only a crash leaves one behind, and opening the table replays it.
-        return Ok(false);
-    }
-    Ok(match read_kind(engine, key, Kind::SortedSet, now_ms) {
-        Ok(Some(stored)) => Meta::decode(&stored.payload, None)?.id != id,
-        Ok(None) | Err(CommandError::WrongType) => true,
-        Err(error) => return Err(error),
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::collection::{for_each_reserved, is_orphan, parse_entry_key};
     use std::collections::BTreeSet;
     use tessera_engine::MemoryEngine;
 
@@ -866,14 +669,6 @@ mod tests {
         let bound = ScoreBound::parse(b"(3").unwrap();
         assert!(bound.exclusive && bound.score == 3.0);
         assert!(ScoreBound::parse(b"(").is_err());
-    }
-
-    #[test]
-    fn reserved_keys_parse_back() {
-        let key = entry_key(b"index", 42, PAGE, &7u64.to_be_bytes());
-        assert!(reserved::is_reserved(&key) && reserved::range().contains(&key));
-        assert_eq!(parse_entry_key(&key), Some((&b"index"[..], 42, PAGE)));
-        assert_eq!(parse_entry_key(b"\xff\xff#\x00\x00"), None);
     }
 
     /// Random changes across many page splits and merges, held to a model after
@@ -947,18 +742,6 @@ mod tests {
             let pages = live.iter().filter(|key| parse_entry_key(key).is_some_and(|(_, _, tag)| tag == PAGE));
             assert!(pages.count() >= 3, "the set spans several pages");
         }
-    }
-
-    #[test]
-    fn an_interrupted_change_is_finished_on_recovery() {
-        let engine = MemoryEngine::new();
-        let key = &b"z"[..];
-        let writes = vec![(entry_key(key, 9, MEMBER, b"a"), Some(Bytes::from_static(&[0; 8])))];
-        let main = Meta { id: 9, len: 1, next_page: 1, expires_at_ms: None }.encode();
-        engine.put(&entry_key(key, 9, INTENT, &[]), encode_intent(&writes, Some(&main))).unwrap();
-        assert_eq!(recover(&engine).unwrap(), 1);
-        assert_eq!(engine.get(key).unwrap(), Some(main));
-        assert!(engine.get(&entry_key(key, 9, INTENT, &[])).unwrap().is_none());
     }
 
     #[test]

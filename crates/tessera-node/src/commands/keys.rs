@@ -11,7 +11,7 @@ use crate::glob::glob_match;
 use crate::node_state::ScanPosition;
 use crate::typed::read_live;
 use crate::typed::{encode, Kind, Stored};
-use crate::zset;
+use crate::{list, zset};
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
@@ -181,9 +181,12 @@ fn pexpiretime(context: &mut Context, request: &Request) -> CommandResult {
 fn copy_value(context: &Context, from: &[u8], source: &Stored, to: &[u8]) -> CommandResult {
     let target = context.engine(to);
     match source.kind {
-        // Its entries are named by its key: the copy gets entries of its own.
+        // Their entries are named by their key: a copy gets entries of its own.
         Kind::SortedSet => {
             zset::copy(context.engine(from), from, target, to, context.now_ms, &context.table(to).reserved)
+        }
+        Kind::List => {
+            list::copy(context.engine(from), from, target, to, context.now_ms, &context.table(to).reserved)
         }
         Kind::String | Kind::Hash => {
             target.put(to, encode(source.kind, source.expires_at_ms, &source.payload))?;

@@ -1,0 +1,689 @@
+//! Lists over any engine, atomic per key (changed under the key's lock):
+//! Redis's quicklist over engine entries. A small list is one value; past
+//! [`INLINE_ELEMENTS_MAX`] elements or [`INLINE_BYTES_MAX`] bytes it becomes a
+//! header and a doubly linked chain of pages, so that a push or a pop reads
+//! and writes the header and one end page whatever the list's length:
+//!
+//! ```text
+//! key   'l' value, inline: 0 | (len u32, element) × n
+//!       'l' value, paged:  1 | id u64 | length u64 | head page u64 | tail page u64 | next page id u64
+//! R | key_len u32 | key | id | 'p' | page id u64 BE    prev u64 | next u64 | (len u32, element) × n
+//! ```
+//!
+//! Page ids start at 1; 0 links to nothing. The pages are named and collected
+//! as every collection's entries are ([`crate::collection`]). An inline list
+//! is handled as a chain of one page (id 0) kept inside the value.
+
+use std::collections::{HashMap, VecDeque};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use tessera_engine::Engine;
+
+use crate::collection::{corrupt, entry_key, put_bytes, Changes, Reader};
+use crate::error::CommandResult;
+use crate::typed::{self, read_kind, Kind, ReservedEntries};
+
+/// The most elements and bytes a list keeps in its value (near Redis's own
+/// listpack limits).
+pub const INLINE_ELEMENTS_MAX: usize = 128;
+pub const INLINE_BYTES_MAX: usize = 8 << 10;
+/// A page takes elements until it holds this many, or this many bytes.
+const PAGE_ELEMENTS_MAX: usize = 128;
+const PAGE_BYTES_MAX: usize = 32 << 10;
+
+const INLINE: u8 = 0;
+const PAGED: u8 = 1;
+const PAGE: u8 = b'p';
+/// The page id of an inline list's elements, and the end of a chain.
+const NONE: u64 = 0;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum End {
+    Front,
+    Back,
+}
+
+impl End {
+    pub fn other(self) -> Self {
+        match self {
+            End::Front => End::Back,
+            End::Back => End::Front,
+        }
+    }
+}
+
+struct Page {
+    prev: u64,
+    next: u64,
+    elements: VecDeque<Bytes>,
+    in_engine: bool,
+    dirty: bool,
+    deleted: bool,
+}
+
+impl Page {
+    fn new(prev: u64, next: u64) -> Self {
+        Self { prev, next, elements: VecDeque::new(), in_engine: false, dirty: true, deleted: false }
+    }
+
+    fn bytes(&self) -> usize {
+        self.elements.iter().map(|element| element.len() + 4).sum()
+    }
+
+    fn full(&self) -> bool {
+        self.elements.len() >= PAGE_ELEMENTS_MAX || self.bytes() >= PAGE_BYTES_MAX
+    }
+
+    fn overfull(&self) -> bool {
+        self.elements.len() > 1 && (self.elements.len() > PAGE_ELEMENTS_MAX || self.bytes() > PAGE_BYTES_MAX)
+    }
+
+    fn link(&self, toward: End) -> u64 {
+        match toward {
+            End::Front => self.prev,
+            End::Back => self.next,
+        }
+    }
+
+    fn set_link(&mut self, toward: End, page: u64) {
+        match toward {
+            End::Front => self.prev = page,
+            End::Back => self.next = page,
+        }
+        self.dirty = true;
+    }
+
+    fn encode(&self) -> Bytes {
+        let mut out = BytesMut::with_capacity(16 + self.bytes());
+        out.put_u64_le(self.prev);
+        out.put_u64_le(self.next);
+        put_elements(&mut out, &self.elements);
+        out.freeze()
+    }
+
+    fn decode(raw: &Bytes) -> CommandResult<Self> {
+        let mut reader = Reader::new(raw);
+        let (prev, next) = (reader.u64()?, reader.u64()?);
+        let elements = read_elements(&mut reader)?;
+        Ok(Self { prev, next, elements, in_engine: true, dirty: false, deleted: false })
+    }
+}
+
+fn put_elements<'e>(out: &mut BytesMut, elements: impl IntoIterator<Item = &'e Bytes>) {
+    for element in elements {
+        put_bytes(out, element);
+    }
+}
+
+fn read_elements(reader: &mut Reader) -> CommandResult<VecDeque<Bytes>> {
+    let mut elements = VecDeque::new();
+    while !reader.done() {
+        elements.push_back(reader.bytes()?);
+    }
+    Ok(elements)
+}
+
+/// The id of a paged list's entries, from its stored value (payload); an
+/// inline list has none.
+pub fn id_of(payload: &[u8]) -> CommandResult<Option<u64>> {
+    match payload.first() {
+        Some(&PAGED) => {
+            let id = payload.get(1..9).ok_or_else(corrupt)?;
+            Ok(Some(u64::from_le_bytes(id.try_into().expect("8 bytes"))))
+        }
+        Some(&INLINE) => Ok(None),
+        _ => Err(corrupt()),
+    }
+}
+
+/// One list, read lazily and changed in memory until [`List::commit`]. The
+/// caller holds the key's lock for as long as it lives.
+pub struct List<'a> {
+    engine: &'a dyn Engine,
+    key: &'a [u8],
+    expires_at_ms: Option<u64>,
+    /// The id of its pages once it is paged.
+    paged_id: Option<u64>,
+    len: u64,
+    head: u64,
+    tail: u64,
+    next_page: u64,
+    pages: HashMap<u64, Page>,
+    changed: bool,
+}
+
+impl<'a> List<'a> {
+    /// The list at `key`, if there is one; `WRONGTYPE` for another kind of value.
+    pub fn open(engine: &'a dyn Engine, key: &'a [u8], now_ms: u64) -> CommandResult<Option<Self>> {
+        let Some(stored) = read_kind(engine, key, Kind::List, now_ms)? else { return Ok(None) };
+        let mut reader = Reader::new(&stored.payload);
+        let mut list = Self::empty(engine, key);
+        list.expires_at_ms = stored.expires_at_ms;
+        match reader.u8()? {
+            INLINE => {
+                let mut page = Page::new(NONE, NONE);
+                page.elements = read_elements(&mut reader)?;
+                page.dirty = false;
+                list.len = page.elements.len() as u64;
+                list.pages.insert(NONE, page);
+            }
+            PAGED => {
+                list.paged_id = Some(reader.u64()?);
+                list.len = reader.u64()?;
+                list.head = reader.u64()?;
+                list.tail = reader.u64()?;
+                list.next_page = reader.u64()?;
+            }
+            _ => return Err(corrupt()),
+        }
+        Ok(Some(list))
+    }
+
+    /// The list at `key`, or a new empty one (stored by `commit` only if it gains elements).
+    pub fn open_or_new(engine: &'a dyn Engine, key: &'a [u8], now_ms: u64) -> CommandResult<Self> {
+        match Self::open(engine, key, now_ms)? {
+            Some(list) => Ok(list),
+            None => {
+                let mut list = Self::empty(engine, key);
+                list.pages.insert(NONE, Page::new(NONE, NONE));
+                Ok(list)
+            }
+        }
+    }
+
+    fn empty(engine: &'a dyn Engine, key: &'a [u8]) -> Self {
+        Self {
+            engine,
+            key,
+            expires_at_ms: None,
+            paged_id: None,
+            len: 0,
+            head: NONE,
+            tail: NONE,
+            next_page: 1,
+            pages: HashMap::new(),
+            changed: false,
+        }
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn outer(&self, end: End) -> u64 {
+        match end {
+            End::Front => self.head,
+            End::Back => self.tail,
+        }
+    }
+
+    fn page(&mut self, id: u64) -> CommandResult<&mut Page> {
+        if !self.pages.contains_key(&id) {
+            let paged_id = self.paged_id.ok_or_else(corrupt)?;
+            let raw = self.engine.get(&entry_key(self.key, paged_id, PAGE, &id.to_be_bytes()))?;
+            let page = Page::decode(&raw.ok_or_else(corrupt)?)?;
+            self.pages.insert(id, page);
+        }
+        Ok(self.pages.get_mut(&id).expect("cached above"))
+    }
+
+    /// A new page linked between `before` and `after` (either may be NONE).
+    fn new_page(&mut self, before: u64, after: u64) -> CommandResult<u64> {
+        let id = self.next_page;
+        self.next_page += 1;
+        self.pages.insert(id, Page::new(before, after));
+        match before {
+            NONE => self.head = id,
+            before => self.page(before)?.set_link(End::Back, id),
+        }
+        match after {
+            NONE => self.tail = id,
+            after => self.page(after)?.set_link(End::Front, id),
+        }
+        Ok(id)
+    }
+
+    /// Drops an emptied page from the chain, unless it is the only one.
+    fn unlink_if_empty(&mut self, id: u64) -> CommandResult<()> {
+        let page = self.page(id)?;
+        if !page.elements.is_empty() || (page.prev == NONE && page.next == NONE) {
+            return Ok(());
+        }
+        let (prev, next) = (page.prev, page.next);
+        page.deleted = true;
+        match prev {
+            NONE => self.head = next,
+            prev => self.page(prev)?.set_link(End::Back, next),
+        }
+        match next {
+            NONE => self.tail = prev,
+            next => self.page(next)?.set_link(End::Front, prev),
+        }
+        Ok(())
+    }
+
+    pub fn push(&mut self, end: End, element: Bytes) -> CommandResult<()> {
+        let mut outer = self.outer(end);
+        if self.paged_id.is_some() && self.page(outer)?.full() {
+            outer = match end {
+                End::Front => self.new_page(NONE, outer)?,
+                End::Back => self.new_page(outer, NONE)?,
+            };
+        }
+        let page = self.page(outer)?;
+        match end {
+            End::Front => page.elements.push_front(element),
+            End::Back => page.elements.push_back(element),
+        }
+        page.dirty = true;
+        self.len += 1;
+        self.changed = true;
+        Ok(())
+    }
+
+    pub fn pop(&mut self, end: End) -> CommandResult<Option<Bytes>> {
+        if self.len == 0 {
+            return Ok(None);
+        }
+        let outer = self.outer(end);
+        let page = self.page(outer)?;
+        let element = match end {
+            End::Front => page.elements.pop_front(),
+            End::Back => page.elements.pop_back(),
+        };
+        let element = element.ok_or_else(corrupt)?;
+        page.dirty = true;
+        self.len -= 1;
+        self.changed = true;
+        self.unlink_if_empty(outer)?;
+        Ok(Some(element))
+    }
+
+    /// The page and offset of element `index` (below `len`), found from the
+    /// nearer end.
+    fn locate(&mut self, index: u64) -> CommandResult<(u64, usize)> {
+        debug_assert!(index < self.len);
+        let (from, mut left) =
+            if index < self.len / 2 { (End::Front, index) } else { (End::Back, self.len - 1 - index) };
+        let mut id = self.outer(from);
+        loop {
+            let page = self.page(id)?;
+            let count = page.elements.len() as u64;
+            if left < count {
+                let offset = match from {
+                    End::Front => left,
+                    End::Back => count - 1 - left,
+                };
+                return Ok((id, offset as usize));
+            }
+            left -= count;
+            id = page.link(from.other());
+            if id == NONE {
+                return Err(corrupt());
+            }
+        }
+    }
+
+    pub fn get(&mut self, index: u64) -> CommandResult<Option<Bytes>> {
+        if index >= self.len {
+            return Ok(None);
+        }
+        let (id, offset) = self.locate(index)?;
+        Ok(self.page(id)?.elements.get(offset).cloned())
+    }
+
+    /// Replaces element `index`; false when there is none.
+    pub fn set(&mut self, index: u64, element: Bytes) -> CommandResult<bool> {
+        if index >= self.len {
+            return Ok(false);
+        }
+        let (id, offset) = self.locate(index)?;
+        self.changed = true;
+        let page = self.page(id)?;
+        page.elements[offset] = element;
+        page.dirty = true;
+        if page.overfull() {
+            self.split(id)?;
+        }
+        Ok(true)
+    }
+
+    /// Elements `start..=end` (indexes below `len`), front to back.
+    pub fn range(&mut self, start: u64, end: u64) -> CommandResult<Vec<Bytes>> {
+        if start > end || start >= self.len {
+            return Ok(Vec::new());
+        }
+        let wanted = (end.min(self.len - 1) - start + 1) as usize;
+        let mut out = Vec::with_capacity(wanted.min(1 << 16));
+        let (mut id, mut offset) = self.locate(start)?;
+        while out.len() < wanted {
+            let page = self.page(id)?;
+            out.extend(page.elements.iter().skip(offset).take(wanted - out.len()).cloned());
+            offset = 0;
+            id = page.next;
+            if id == NONE && out.len() < wanted {
+                return Err(corrupt());
+            }
+        }
+        Ok(out)
+    }
+
+    /// Calls `visit` with each element's index and value from `from`'s end
+    /// inward, until it returns false.
+    pub fn walk(&mut self, from: End, mut visit: impl FnMut(u64, &Bytes) -> bool) -> CommandResult<()> {
+        let mut id = self.outer(from);
+        let mut index = match from {
+            End::Front => 0i64,
+            End::Back => self.len as i64 - 1,
+        };
+        while self.len > 0 {
+            let page = self.page(id)?;
+            let elements: Box<dyn Iterator<Item = &Bytes>> = match from {
+                End::Front => Box::new(page.elements.iter()),
+                End::Back => Box::new(page.elements.iter().rev()),
+            };
+            for element in elements {
+                if !visit(index as u64, element) {
+                    return Ok(());
+                }
+                index += if from == End::Front { 1 } else { -1 };
+            }
+            id = page.link(from.other());
+            if id == NONE {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes up to `limit` elements equal to `element` (0: all), from
+    /// `from`'s end inward: how many it removed.
+    pub fn remove(&mut self, element: &[u8], limit: u64, from: End) -> CommandResult<u64> {
+        let mut removed = 0;
+        let mut id = self.outer(from);
+        while self.len > 0 && (limit == 0 || removed < limit) {
+            let page = self.page(id)?;
+            let next = page.link(from.other());
+            let mut kept = VecDeque::with_capacity(page.elements.len());
+            let mut taken = 0;
+            let ordered: Vec<Bytes> = match from {
+                End::Front => page.elements.drain(..).collect(),
+                End::Back => page.elements.drain(..).rev().collect(),
+            };
+            for candidate in ordered {
+                if candidate.as_ref() == element && (limit == 0 || removed + taken < limit) {
+                    taken += 1;
+                } else {
+                    match from {
+                        End::Front => kept.push_back(candidate),
+                        End::Back => kept.push_front(candidate),
+                    }
+                }
+            }
+            page.elements = kept;
+            if taken > 0 {
+                page.dirty = true;
+                removed += taken;
+                self.len -= taken;
+                self.changed = true;
+                self.unlink_if_empty(id)?;
+            }
+            if next == NONE {
+                break;
+            }
+            id = next;
+        }
+        Ok(removed)
+    }
+
+    /// Inserts `element` before or after the first `pivot` from the front:
+    /// false when there is no pivot.
+    pub fn insert(&mut self, pivot: &[u8], element: Bytes, after: bool) -> CommandResult<bool> {
+        let mut found = None;
+        self.walk(End::Front, |index, candidate| {
+            if candidate.as_ref() == pivot {
+                found = Some(index);
+            }
+            found.is_none()
+        })?;
+        let Some(index) = found else { return Ok(false) };
+        let (id, offset) = self.locate(index)?;
+        let page = self.page(id)?;
+        page.elements.insert(offset + usize::from(after), element);
+        page.dirty = true;
+        self.len += 1;
+        self.changed = true;
+        if self.paged_id.is_some() && self.page(id)?.overfull() {
+            self.split(id)?;
+        }
+        Ok(true)
+    }
+
+    /// Moves the back half of page `id` to a new page after it.
+    fn split(&mut self, id: u64) -> CommandResult<()> {
+        if self.paged_id.is_none() {
+            return Ok(()); // an inline list is paged whole when it commits
+        }
+        let next = self.page(id)?.next;
+        let page = self.page(id)?;
+        let half = page.elements.len() / 2;
+        let moved = page.elements.split_off(half);
+        page.dirty = true;
+        let new = self.new_page(id, next)?;
+        self.page(new)?.elements = moved;
+        Ok(())
+    }
+
+    /// Keeps elements `start..=end` only (indexes below `len`, `start <= end`).
+    pub fn trim(&mut self, start: u64, end: u64) -> CommandResult<()> {
+        let drop_back = self.len - 1 - end;
+        for _ in 0..start {
+            self.pop(End::Front)?;
+        }
+        for _ in 0..drop_back {
+            self.pop(End::Back)?;
+        }
+        Ok(())
+    }
+
+    /// Empties the list (LTRIM to nothing): pages not read are left to the
+    /// expiry sweep, as when the key is deleted.
+    pub fn clear(&mut self) {
+        self.len = 0;
+        self.changed = true;
+    }
+
+    /// Writes the changes; an emptied list is deleted, as in Redis.
+    pub fn commit(mut self, reserved: &ReservedEntries) -> CommandResult<()> {
+        if !self.changed {
+            return Ok(());
+        }
+        let mut changes = Changes::default();
+        if self.len == 0 {
+            if let Some(id) = self.paged_id {
+                for (page_id, page) in &self.pages {
+                    if page.in_engine {
+                        changes.note(entry_key(self.key, id, PAGE, &page_id.to_be_bytes()), None, true);
+                    }
+                }
+            }
+            return changes.commit(self.engine, self.key, self.paged_id.unwrap_or(0), None, reserved);
+        }
+        if self.paged_id.is_none() {
+            let page = self.pages.remove(&NONE).ok_or_else(corrupt)?;
+            if page.elements.len() <= INLINE_ELEMENTS_MAX && page.bytes() <= INLINE_BYTES_MAX {
+                let mut payload = BytesMut::with_capacity(1 + page.bytes());
+                payload.put_u8(INLINE);
+                put_elements(&mut payload, &page.elements);
+                let main = typed::encode(Kind::List, self.expires_at_ms, &payload);
+                return changes.commit(self.engine, self.key, 0, Some(main), reserved);
+            }
+            self.page_out(page.elements)?;
+        }
+        let id = self.paged_id.expect("paged above");
+        for (page_id, page) in &self.pages {
+            let name = || entry_key(self.key, id, PAGE, &page_id.to_be_bytes());
+            if page.deleted {
+                if page.in_engine {
+                    changes.note(name(), None, true);
+                }
+            } else if page.dirty {
+                changes.note(name(), Some(page.encode()), page.in_engine);
+            }
+        }
+        let mut payload = BytesMut::with_capacity(41);
+        payload.put_u8(PAGED);
+        for word in [id, self.len, self.head, self.tail, self.next_page] {
+            payload.put_u64_le(word);
+        }
+        let main = typed::encode(Kind::List, self.expires_at_ms, &payload);
+        changes.commit(self.engine, self.key, id, Some(main), reserved)
+    }
+
+    /// Turns an inline list grown past the limits into pages, with an id of
+    /// its own.
+    fn page_out(&mut self, elements: VecDeque<Bytes>) -> CommandResult<()> {
+        self.paged_id = Some(rand::random());
+        self.head = NONE;
+        self.tail = NONE;
+        self.next_page = 1;
+        let mut last = NONE;
+        for element in elements {
+            if last == NONE || self.page(last)?.full() {
+                last = self.new_page(last, NONE)?;
+            }
+            self.page(last)?.elements.push_back(element);
+        }
+        Ok(())
+    }
+}
+
+/// Writes a copy of the list at `from` (in `source`) at `to` (in `target`),
+/// replacing whatever `to` held, deadline included. The caller holds both
+/// keys' locks.
+pub fn copy(
+    source: &dyn Engine,
+    from: &[u8],
+    target: &dyn Engine,
+    to: &[u8],
+    now_ms: u64,
+    reserved: &ReservedEntries,
+) -> CommandResult<()> {
+    let Some(mut list) = List::open(source, from, now_ms)? else { return Ok(()) };
+    let elements = if list.is_empty() { Vec::new() } else { list.range(0, list.len() - 1)? };
+    target.delete(to)?;
+    let mut copy = List::open_or_new(target, to, now_ms)?;
+    copy.expires_at_ms = list.expires_at_ms;
+    for element in elements {
+        copy.push(End::Back, element)?;
+    }
+    copy.commit(reserved)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collection::{for_each_reserved, is_orphan};
+    use rand::{Rng, SeedableRng};
+    use tessera_engine::MemoryEngine;
+
+    fn contents(engine: &dyn Engine) -> Vec<Bytes> {
+        match List::open(engine, b"l", 0).unwrap() {
+            Some(mut list) if !list.is_empty() => list.range(0, list.len() - 1).unwrap(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Random changes held to a VecDeque after every commit, through the
+    /// inline form, paging out and many pages, on a volatile and a persistent engine.
+    #[test]
+    fn changes_match_a_model() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = tessera_engine::LogEngine::open(dir.path(), Default::default()).unwrap();
+        let engines: [&dyn Engine; 2] = [&MemoryEngine::new(), &log];
+        for engine in engines {
+            let reserved = ReservedEntries::default();
+            let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+            let mut model: VecDeque<Bytes> = VecDeque::new();
+            for round in 0..400 {
+                let mut list = List::open_or_new(engine, b"l", 0).unwrap();
+                for _ in 0..rng.gen_range(1..60) {
+                    let element = Bytes::from(format!("e{}", rng.gen_range(0..50)));
+                    let grow = round < 200;
+                    match rng.gen_range(0..10) {
+                        0..=3 if grow || rng.gen_bool(0.5) => {
+                            let end = if rng.gen_bool(0.5) { End::Front } else { End::Back };
+                            list.push(end, element.clone()).unwrap();
+                            match end {
+                                End::Front => model.push_front(element),
+                                End::Back => model.push_back(element),
+                            }
+                        }
+                        0..=5 => {
+                            let popped = list.pop(End::Front).unwrap();
+                            assert_eq!(popped, model.pop_front());
+                        }
+                        6 => {
+                            let removed = list.remove(&element, 2, End::Back).unwrap();
+                            let mut left = 2;
+                            for index in (0..model.len()).rev() {
+                                if left > 0 && model[index] == element {
+                                    model.remove(index);
+                                    left -= 1;
+                                }
+                            }
+                            assert_eq!(removed, 2 - left);
+                        }
+                        7 => {
+                            let pivot = Bytes::from(format!("e{}", rng.gen_range(0..50)));
+                            let inserted = list.insert(&pivot, element.clone(), true).unwrap();
+                            let at = model.iter().position(|candidate| *candidate == pivot);
+                            assert_eq!(inserted, at.is_some());
+                            if let Some(at) = at {
+                                model.insert(at + 1, element);
+                            }
+                        }
+                        _ if !model.is_empty() => {
+                            let index = rng.gen_range(0..model.len());
+                            assert_eq!(list.get(index as u64).unwrap().as_ref(), model.get(index));
+                            list.set(index as u64, element.clone()).unwrap();
+                            model[index] = element;
+                        }
+                        _ => {}
+                    }
+                    assert_eq!(list.len(), model.len() as u64);
+                }
+                list.commit(&reserved).unwrap();
+                assert_eq!(contents(engine), Vec::from(model.clone()));
+                if round == 199 {
+                    let mut pages = 0;
+                    for_each_reserved(engine, |entry, _| {
+                        pages += u32::from(!is_orphan(engine, entry, 0).unwrap())
+                    })
+                    .unwrap();
+                    assert!(pages > 3, "the list spans several pages");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_push_to_a_long_list_writes_one_page_and_the_header() {
+        let engine = MemoryEngine::new();
+        let reserved = ReservedEntries::default();
+        let mut list = List::open_or_new(&engine, b"l", 0).unwrap();
+        for n in 0..10_000 {
+            list.push(End::Back, Bytes::from(format!("{n}"))).unwrap();
+        }
+        list.commit(&reserved).unwrap();
+        let mut list = List::open(&engine, b"l", 0).unwrap().unwrap();
+        list.push(End::Front, Bytes::from_static(b"first")).unwrap();
+        assert!(list.pages.len() <= 2, "only the head page was read (and one begun before it)");
+        list.commit(&reserved).unwrap();
+        assert_eq!(List::open(&engine, b"l", 0).unwrap().unwrap().get(0).unwrap().unwrap(), "first");
+    }
+}
