@@ -1,5 +1,5 @@
 """Differential testing against a real Redis: seeded random sequences of the
-commands Tessera serves (strings, keys, hashes, sorted sets, mixed on a few
+commands Tessera serves (strings, keys, hashes, sorted sets, lists, mixed on a few
 keys so that types collide) go to a Tessera node and to Debian's
 redis-server, and every reply and the final state must be the same,
 errors included (wrong type, wrong arity, syntax, not an integer).
@@ -158,7 +158,39 @@ def sorted_sets(rng, key):
     ])
 
 
-FAMILIES = [strings, keyspace, hashes, sorted_sets]
+def lists(rng, key):
+    element, other = rng.choice(FIELDS + ["0", "1"]), rng.choice(KEYS)
+    end = lambda: rng.choice(["LEFT", "RIGHT", "LEFT", "RIGHT", "UP"])  # noqa: E731
+    # Blocking pops wait 10 ms at most: a timeout of 0 would wait for ever.
+    return rng.choice([
+        ["LPUSH", key, element, *rng.sample(FIELDS, rng.randint(0, 3))],
+        ["RPUSH", key, element, *rng.sample(FIELDS, rng.randint(0, 3))],
+        [rng.choice(["LPUSHX", "RPUSHX"]), key, element],
+        [rng.choice(["LPOP", "RPOP"]), key],
+        [rng.choice(["LPOP", "RPOP"]), key, rng.choice([0, 1, 3, -1, "x"])],
+        ["RPOP", key, 2, 3],
+        ["LLEN", key],
+        ["LINDEX", key, rng.choice([0, 1, -1, -5, 10, "x"])],
+        ["LSET", key, rng.choice([0, -1, 5, "x"]), element],
+        ["LRANGE", key, rng.choice([0, 1, -2, -100, 5]), rng.choice([-1, 0, 2, 100, -100])],
+        ["LTRIM", key, rng.choice([0, 1, -2, 5]), rng.choice([-1, 0, 2, -3])],
+        ["LREM", key, rng.choice([0, 1, -1, 2, -2, "x"]), element],
+        ["LINSERT", key, rng.choice(["BEFORE", "AFTER", "MIDDLE"]), rng.choice(FIELDS), element],
+        ["LPOS", key, element, *rng.choice([[], ["RANK", rng.choice([1, -1, 2, 0])], ["COUNT", rng.choice([0, 2, -1])],
+                                            ["MAXLEN", rng.choice([1, 0, -1])], ["RANK", -2, "COUNT", 0, "MAXLEN", 3],
+                                            ["BAD", 1], ["RANK"]])],
+        ["LMOVE", key, other, end(), end()],
+        ["RPOPLPUSH", key, other],
+        ["LMPOP", rng.choice([1, 2, 0, -1, 9, "x"]), key, other, end(),
+         *rng.choice([[], ["COUNT", rng.choice([1, 2, 0, -1])], ["COUNT"]])],
+        [rng.choice(["BLPOP", "BRPOP"]), key, other, rng.choice([0.01, "x", -1])],
+        ["BLMOVE", key, other, end(), end(), 0.01],
+        ["BRPOPLPUSH", key, other, 0.01],
+        ["BLMPOP", 0.01, rng.choice([1, 2]), key, other, end(), *rng.choice([[], ["COUNT", 2]])],
+    ])
+
+
+FAMILIES = [strings, keyspace, hashes, sorted_sets, lists]
 
 
 def random_command(rng):
@@ -192,7 +224,8 @@ def state_of(client):
             flat = client.execute_command("HGETALL", key)
             value = sorted(zip(flat[::2], flat[1::2]))
         else:
-            read = {b"string": ["GET", key], b"zset": ["ZRANGE", key, 0, -1, "WITHSCORES"]}[kind]
+            read = {b"string": ["GET", key], b"zset": ["ZRANGE", key, 0, -1, "WITHSCORES"],
+                    b"list": ["LRANGE", key, 0, -1]}[kind]
             value = client.execute_command(*read)
         state[key] = (kind, value, client.execute_command("TTL", key) >= 0)
     return state
@@ -236,6 +269,6 @@ def test_the_generator_reaches_every_family_and_error_kind(both):
             for kind in ("WRONGTYPE", "wrong number of arguments", "syntax error", "not an integer"):
                 if kind in message:
                     seen.add(kind)
-    for expected in ("SET", "EXPIRE", "HSET", "ZADD", "WRONGTYPE", "wrong number of arguments",
+    for expected in ("SET", "EXPIRE", "HSET", "ZADD", "LPUSH", "BLPOP", "WRONGTYPE", "wrong number of arguments",
                      "syntax error", "not an integer"):
         assert expected in seen, expected

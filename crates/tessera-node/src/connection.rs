@@ -11,6 +11,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::sync::watch;
 
 use crate::acl::DEFAULT_USER;
+use crate::blocking::Wait;
 use crate::cluster::{serve, ClusterNode, Forwarder, Held};
 use crate::commands::{dispatch, Context, Session};
 use crate::error::CommandError;
@@ -43,6 +44,8 @@ pub struct Connection {
     forwarder: Forwarder,
     /// What the input buffer holds beyond its first chunk, in the node's total.
     query_buffer: QueryBufferShare,
+    /// While a blocking command waits: its place in the key's queues.
+    wait: Option<Wait>,
 }
 
 /// One connection's part of the node's query-buffer total, given back when
@@ -117,6 +120,7 @@ impl Connection {
             held: Vec::new(),
             forwarder,
             query_buffer: QueryBufferShare { node: node_for_share, counted: 0 },
+            wait: None,
         }
     }
 
@@ -138,17 +142,42 @@ impl Connection {
                     None => std::future::pending().await,
                 }
             };
-            let read = tokio::select! {
-                read = self.stream.read_buf(&mut self.input) => read,
-                () = idle => {
-                    tracing::debug!(client = self.session.id, "closing an idle client");
-                    break;
+            let read = match self.session.blocked.clone() {
+                None => tokio::select! {
+                    read = self.stream.read_buf(&mut self.input) => Some(read),
+                    () = idle => {
+                        tracing::debug!(client = self.session.id, "closing an idle client");
+                        break;
+                    }
+                    _ = shutdown.changed() => break,
+                },
+                Some(blocked) => {
+                    // Blocked: wait to be woken or for the deadline, and
+                    // keep reading what the client sends, if only to see it leave.
+                    let wait = self.wait.get_or_insert_with(|| self.node.waiters.wait_on(&blocked.keys));
+                    let deadline = async {
+                        match blocked.deadline {
+                            Some(deadline) => tokio::time::sleep_until(deadline.into()).await,
+                            None => std::future::pending().await,
+                        }
+                    };
+                    tokio::select! {
+                        () = wait.woken() => None,
+                        () = deadline => {
+                            if let Some(blocked) = &mut self.session.blocked {
+                                blocked.timed_out = true;
+                            }
+                            None
+                        }
+                        read = self.stream.read_buf(&mut self.input) => Some(read),
+                        _ = shutdown.changed() => break,
+                    }
                 }
-                _ = shutdown.changed() => break,
             };
             match read {
-                Ok(0) | Err(_) => break,
-                Ok(count) => {
+                None => {}
+                Some(Ok(0) | Err(_)) => break,
+                Some(Ok(count)) => {
                     WorkerStats::add(&self.stats.net_input_bytes, count as u64);
                     if count < room {
                         self.forget_readiness();
@@ -161,6 +190,10 @@ impl Connection {
                 break;
             }
             let keep_open = self.run_batch().await;
+            if self.session.blocked.is_none() {
+                // Served or timed out: the next waiter may find what is left.
+                self.wait = None;
+            }
             if self.flush_output().await.is_err() || !keep_open {
                 break;
             }
@@ -213,6 +246,10 @@ impl Connection {
                             let held = serve(cluster, &mut context, &request, raw, &mut self.forwarder);
                             self.held.extend(held.await);
                         }
+                    }
+                    if self.session.blocked.is_some() {
+                        // It waits, unanswered, to run again from here.
+                        break;
                     }
                     start = end;
                     if self.out.overflowed() {

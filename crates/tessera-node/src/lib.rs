@@ -7,6 +7,7 @@
 //! ([`zset`]).
 
 pub mod acl;
+pub mod blocking;
 pub mod cluster;
 pub mod collection;
 pub mod commands;

@@ -15,6 +15,7 @@ use parking_lot::{Mutex, MutexGuard, RwLock};
 use tessera_engine::{reserved, Engine, EngineSpec, KeyRange, ScanCursor};
 
 use crate::acl::{Acl, CommandCatalog};
+use crate::blocking::Waiters;
 use crate::collection;
 use crate::config::Config;
 use crate::error::{CommandError, CommandResult};
@@ -90,6 +91,8 @@ pub struct NodeState {
     scan_cursors: Mutex<ScanCursors>,
     /// Where the expiry sweeper stopped in each table.
     sweep_positions: Mutex<HashMap<String, ScanCursor>>,
+    /// Clients blocked in BLPOP and its kin.
+    pub waiters: Arc<Waiters>,
     /// Where RANDOMKEY's last sample stopped in each table.
     pub random_key_positions: Mutex<HashMap<String, ScanCursor>>,
     /// Where eviction's last sample stopped: the table, then the cursor in it.
@@ -170,6 +173,7 @@ impl NodeState {
             stripes: (0..LOCK_STRIPES).map(|_| Mutex::new(())).collect(),
             scan_cursors: Mutex::new(ScanCursors::default()),
             sweep_positions: Mutex::new(HashMap::new()),
+            waiters: Arc::new(Waiters::default()),
             random_key_positions: Mutex::new(HashMap::new()),
             eviction_position: Mutex::new((0, ScanCursor::default())),
             access: AccessClock::default(),

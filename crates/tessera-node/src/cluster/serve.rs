@@ -222,7 +222,8 @@ async fn serve_keyed(
             out.bulk(level_got(Some(&cluster.membership), strong).as_bytes());
         }
     };
-    let keys = || spec.key_positions(request.len()).map(|index| request.arg(index));
+    let keys =
+        || spec.key_positions(request.len(), |index| request.arg(index)).map(|index| request.arg(index));
     let placement = cluster.place_when_settled(keys, write, strong).await;
     if matches!(placement, Placement::Shard { .. } | Placement::Quorum { .. })
         && spec.flags.contains(&"denyoom")

@@ -7,6 +7,7 @@ mod connection;
 pub mod consistency;
 mod hashes;
 pub mod keys;
+pub mod lists;
 mod server;
 mod sorted_sets;
 mod strings;
@@ -60,6 +61,9 @@ pub struct Session {
     /// Came in over TLS: cluster replies and redirections name the nodes'
     /// TLS ports.
     pub tls: bool,
+    /// A blocking command (BLPOP …) that found nothing: the connection waits
+    /// and runs it again.
+    pub blocked: Option<crate::blocking::Blocked>,
 }
 
 /// A user's permissions as a connection checks them.
@@ -196,16 +200,40 @@ impl CommandSpec {
         }
     }
 
-    /// Where the keys are in a call with `count` arguments (the name included).
-    pub fn key_positions(&self, count: usize) -> impl Iterator<Item = usize> {
+    /// Where the keys are in a call with `count` arguments (the name
+    /// included), `arg` reading them: the range that `first_key`,
+    /// `last_key` and `step` give, then those an argument counts.
+    pub fn key_positions<'r>(
+        &self,
+        count: usize,
+        arg: impl Fn(usize) -> &'r [u8],
+    ) -> impl Iterator<Item = usize> {
         let last = if self.last_key < 0 { count as i32 + self.last_key } else { self.last_key };
         let first = if self.first_key > 0 { self.first_key } else { last + 1 };
-        (first..=last).step_by(self.step.max(1) as usize).map(|index| index as usize)
+        let fixed = (first..=last).step_by(self.step.max(1) as usize).map(|index| index as usize);
+        let counted = match counted_keys_at(self.name) {
+            Some(at) if at < count => {
+                let keys = parse_i64(arg(at)).unwrap_or(0).clamp(0, (count - at - 1) as i64) as usize;
+                at + 1..at + 1 + keys
+            }
+            _ => 0..0,
+        };
+        fixed.chain(counted)
     }
 
     /// Whether the command may run before AUTH.
     fn allowed_unauthenticated(&self) -> bool {
         matches!(self.name, "auth" | "hello" | "quit" | "relay.hello" | "relay.auth")
+    }
+}
+
+/// Commands whose keys an argument counts (Redis's movable keys): that
+/// argument's index; the keys follow it.
+fn counted_keys_at(name: &str) -> Option<usize> {
+    match name {
+        "lmpop" => Some(1),
+        "blmpop" => Some(2),
+        _ => None,
     }
 }
 
@@ -216,13 +244,14 @@ fn table() -> &'static HashMap<&'static [u8], &'static CommandSpec> {
 
 /// The commands, by family: the family is a command's ACL category beside
 /// those its flags give (`@string`, `@hash`, … as Redis names them).
-const FAMILIES: [(&str, &[CommandSpec]); 10] = [
+const FAMILIES: [(&str, &[CommandSpec]); 11] = [
     ("connection", connection::COMMANDS),
     ("tessera", consistency::COMMANDS),
     ("cluster", cluster::COMMANDS),
     ("string", strings::COMMANDS),
     ("keyspace", keys::COMMANDS),
     ("hash", hashes::COMMANDS),
+    ("list", lists::COMMANDS),
     ("sortedset", sorted_sets::COMMANDS),
     ("server", server::COMMANDS),
     ("tessera", tables::COMMANDS),
@@ -298,7 +327,7 @@ fn execute(context: &mut Context, spec: &CommandSpec, request: &Request) -> Comm
         context.node.make_room(|| tables.by_name(), 0)?;
     }
     if context.node.config.maxmemory_policy.uses_access_times() {
-        for index in spec.key_positions(request.len()) {
+        for index in spec.key_positions(request.len(), |index| request.arg(index)) {
             context.node.access.touch(request.arg(index), context.now_ms);
         }
     }
@@ -313,7 +342,7 @@ pub fn admit(context: &mut Context, spec: &CommandSpec, request: &Request) -> Co
         check_permissions(context, spec, request)?;
     }
     match spec
-        .key_positions(request.len())
+        .key_positions(request.len(), |index| request.arg(index))
         .map(|index| request.arg(index))
         .find(|key| reserved::is_reserved(key))
     {
@@ -355,7 +384,9 @@ fn check_permissions(context: &mut Context, spec: &CommandSpec, request: &Reques
         )));
     }
     let write = spec.flags.contains(&"write");
-    if spec.key_positions(request.len()).any(|index| !permissions.user.may_access(request.arg(index), write))
+    if spec
+        .key_positions(request.len(), |index| request.arg(index))
+        .any(|index| !permissions.user.may_access(request.arg(index), write))
     {
         return Err(CommandError::NoPermission(
             "this user has no permissions to access one of the keys used as arguments".into(),

@@ -51,9 +51,10 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
     if include("clients") {
         let _ = write!(
             text,
-            "# Clients\r\nconnected_clients:{}\r\nmaxclients:{}\r\n\r\n",
+            "# Clients\r\nconnected_clients:{}\r\nmaxclients:{}\r\nblocked_clients:{}\r\n\r\n",
             stats.connected_clients.load(Ordering::Relaxed),
-            node.config.max_clients
+            node.config.max_clients,
+            node.waiters.blocked_clients(),
         );
     }
     if include("memory") {
@@ -174,11 +175,13 @@ fn command(context: &mut Context, request: &Request) -> CommandResult {
         let spec =
             lookup(request.arg(2)).ok_or_else(|| CommandError::Other("Invalid command specified".into()))?;
         let args: Vec<&[u8]> = request.args().skip(2).collect();
-        if spec.first_key == 0 {
+        let keys: Vec<&[u8]> = spec
+            .key_positions(args.len(), |index| args[index])
+            .filter_map(|index| args.get(index).copied())
+            .collect();
+        if keys.is_empty() {
             return Err(CommandError::Other("The command has no key arguments".into()));
         }
-        let keys: Vec<&[u8]> =
-            spec.key_positions(args.len()).filter_map(|index| args.get(index).copied()).collect();
         out.array(keys.len());
         for key in keys {
             out.bulk(key);
