@@ -1376,3 +1376,37 @@ def test_expired_keys_leave_every_replica_of_a_cluster(cluster_factory, topology
     assert all(after[node] - before[node] < 10 << 20 for node in range(3)), (before, after)
     assert client.get("persistent") == b"stays"
     assert_replicas_converge(cluster, random.Random(3).sample(keys, 100) + ["persistent"])
+
+
+def test_a_job_queue_on_lists_serves_each_job_once_across_a_cluster(cluster_factory):
+    """Workers block in BLPOP on the queue's head node through cluster
+    clients; a producer pushes jobs in batches. Every job is taken once, and
+    a long list (paged) reads back whole from every replica's head."""
+    cluster = cluster_factory("strong", nodes=3)
+    producer = cluster.client(socket_timeout=10)
+    taken, lock = [], threading.Lock()
+
+    def work():
+        client = cluster.client(socket_timeout=10)
+        while True:
+            _, job = client.blpop(["jobs"], timeout=5)
+            if job == b"stop":
+                return
+            with lock:
+                taken.append(job)
+
+    workers = [threading.Thread(target=work) for _ in range(4)]
+    for worker in workers:
+        worker.start()
+    jobs = [f"job-{n}".encode() for n in range(2000)]
+    for start in range(0, len(jobs), 100):
+        producer.rpush("jobs", *jobs[start:start + 100])
+    producer.rpush("jobs", *[b"stop"] * len(workers))
+    for worker in workers:
+        worker.join(timeout=60)
+    assert sorted(taken) == sorted(jobs), "each job taken exactly once"
+    assert producer.llen("jobs") == 0
+    producer.rpush("{log}long", *jobs)
+    producer.lmove("{log}long", "{log}done", "LEFT", "RIGHT")
+    assert producer.lrange("{log}long", 0, -1) == jobs[1:]
+    assert producer.lrange("{log}done", 0, -1) == jobs[:1]

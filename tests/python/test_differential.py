@@ -24,6 +24,9 @@ CI runs a fixed budget; a longer run is one command:
 
 import os
 import random
+import socket
+import threading
+import time
 
 import pytest
 import redis
@@ -272,3 +275,94 @@ def test_the_generator_reaches_every_family_and_error_kind(both):
     for expected in ("SET", "EXPIRE", "HSET", "ZADD", "LPUSH", "BLPOP", "WRONGTYPE", "wrong number of arguments",
                      "syntax error", "not an integer"):
         assert expected in seen, expected
+
+
+def test_long_lists_match_redis(both):
+    """Lists past the inline limit are pages on Tessera: the same random
+    changes on a list of thousands of elements, with indexes across it."""
+    ours, theirs = both
+    for seed in range(FIRST_SEED, FIRST_SEED + max(SEQUENCES // 10, 3)):
+        rng = random.Random(seed)
+        for client in (ours, theirs):
+            client.execute_command("FLUSHALL")
+        elements = [rng.choice("abcdefgh") * rng.randint(1, 300) for _ in range(rng.randint(200, 3000))]
+        for command in (["RPUSH", "L", *elements], ["LPUSH", "M", *elements[:150]]):
+            assert reply_of(ours, command) == reply_of(theirs, command)
+        for step in range(200):
+            length = max(int(reply_of(theirs, ["LLEN", "L"])), 1)
+            index = lambda: rng.randint(-length - 5, length + 5)  # noqa: E731
+            element = rng.choice("abcdefgh") * rng.randint(1, 300)
+            command = rng.choice([
+                ["LINDEX", "L", index()],
+                ["LSET", "L", index(), element],
+                ["LRANGE", "L", index(), index()],
+                ["LINSERT", "L", rng.choice(["BEFORE", "AFTER"]), rng.choice(elements), element],
+                ["LREM", "L", rng.choice([0, 1, -1, 3, -3]), rng.choice(elements)],
+                ["LPOS", "L", rng.choice(elements), "RANK", rng.choice([1, -1, 3, -3]), "COUNT", rng.choice([0, 1, 5])],
+                ["LTRIM", "L", rng.randint(0, 20), rng.choice([-1, -5, length // 2])],
+                [rng.choice(["LPOP", "RPOP"]), "L", rng.randint(0, 300)],
+                [rng.choice(["LPUSH", "RPUSH"]), "L", *([element] * rng.randint(1, 200))],
+                ["LMOVE", "L", rng.choice(["L", "M"]), rng.choice(["LEFT", "RIGHT"]), rng.choice(["LEFT", "RIGHT"])],
+                ["LLEN", "L"],
+            ])
+            expected, got = reply_of(theirs, command), reply_of(ours, command)
+            assert got == expected, f"seed {seed} step {step}: {command[:6]}: Tessera {got!r}, Redis {expected!r}"
+        assert state_of(ours) == state_of(theirs), f"seed {seed}: final state"
+
+
+def test_blocked_clients_are_served_in_the_order_they_blocked(node, redis_server):
+    """Three clients block on one list, one on two; pushes wake them in turn.
+    Who gets what, and when a wait times out, must be as on Redis."""
+
+    def scenario(port):
+        clients = [redis.Redis(port=port, protocol=2) for _ in range(4)]
+        clients[0].delete("q", "other")
+        results = {}
+
+        def block(n, command):
+            results[n] = clients[n].execute_command(*command)
+
+        waits = [["BLPOP", "q", 5], ["BRPOP", "other", "q", 5], ["BLMOVE", "q", "moved", "LEFT", "RIGHT", 5]]
+        threads = []
+        for n, command in enumerate(waits):
+            thread = threading.Thread(target=block, args=(n, command))
+            thread.start()
+            threads.append(thread)
+            time.sleep(0.1)  # each blocks before the next
+        control = clients[3]
+        assert control.info("clients")["blocked_clients"] == 3
+        control.execute_command("RPUSH", "q", "a", "b")
+        time.sleep(0.2)
+        control.execute_command("LPUSH", "other", "c")
+        time.sleep(0.2)
+        control.execute_command("RPUSH", "q", "d", "e")
+        for thread in threads:
+            thread.join(timeout=10)
+        timed_out = control.execute_command("BLPOP", "nothing", 0.05)
+        state = (control.execute_command("LRANGE", "q", 0, -1), control.execute_command("LRANGE", "moved", 0, -1))
+        for client in clients:
+            client.close()
+        return results, timed_out, state
+
+    assert scenario(node.port) == scenario(redis_server)
+
+
+def test_a_client_that_leaves_while_blocked_takes_nothing(node):
+    """A blocked client that disconnects leaves the queue: the next push goes
+    to the next waiter, and no element is popped for a client that is gone."""
+
+    leaving = socket.create_connection(("127.0.0.1", node.port))
+    leaving.sendall(b"*3\r\n$5\r\nBLPOP\r\n$4\r\njobs\r\n$1\r\n0\r\n")
+    waiting = node.client()
+    got = {}
+    thread = threading.Thread(target=lambda: got.setdefault("reply", waiting.execute_command("BLPOP", "jobs", 5)))
+    time.sleep(0.2)
+    thread.start()
+    time.sleep(0.2)
+    leaving.close()
+    time.sleep(0.2)
+    pusher = node.client()
+    pusher.execute_command("RPUSH", "jobs", "job-1")
+    thread.join(timeout=10)
+    assert list(got["reply"]) == [b"jobs", b"job-1"]
+    assert pusher.execute_command("LLEN", "jobs") == 0
