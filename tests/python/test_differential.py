@@ -1,5 +1,5 @@
 """Differential testing against a real Redis: seeded random sequences of the
-commands Tessera serves (strings, keys, hashes, sorted sets, lists, mixed on a few
+commands Tessera serves (strings, keys, hashes, sorted sets, lists, sets, mixed on a few
 keys so that types collide) go to a Tessera node and to Debian's
 redis-server, and every reply and the final state must be the same,
 errors included (wrong type, wrong arity, syntax, not an integer).
@@ -12,7 +12,10 @@ Differences that are allowed, and how the comparison absorbs them:
   deadlines (EXPIREAT): two relative deadlines of the same length set one
   millisecond apart on one server and within one on the other compare
   differently;
-- which key RANDOMKEY picks (compared as "one" or "none").
+- which key RANDOMKEY picks (compared as "one" or "none"), which members
+  SRANDMEMBER picks (compared by number) and the order of a set's members
+  (sorted); SPOP is sent only to take every member;
+- SSCAN's cursors (the members of a whole scan are compared).
 
 Not sent: other databases than 0 (SELECT 1, COPY … DB 1): Tessera has one
 database, and tables take their place.
@@ -193,13 +196,36 @@ def lists(rng, key):
     ])
 
 
-FAMILIES = [strings, keyspace, hashes, sorted_sets, lists]
+def sets(rng, key):
+    member, other = rng.choice(FIELDS + ["0", "7"]), rng.choice(KEYS)
+    keys = rng.sample(KEYS, rng.randint(1, 3))
+    return rng.choice([
+        ["SADD", key, member, *rng.sample(FIELDS, rng.randint(0, 3))],
+        ["SREM", key, member, rng.choice(FIELDS)],
+        ["SISMEMBER", key, member],
+        ["SMISMEMBER", key, member, rng.choice(FIELDS)],
+        ["SCARD", key],
+        ["SMEMBERS", key],
+        # SPOP takes random members: only all of them keeps the two servers alike.
+        ["SPOP", key, rng.choice([1000, 0, -1, "x"])],
+        ["SPOP", key, 1000, 2],
+        ["SRANDMEMBER", key, *rng.choice([[], [2], [-3], [1000], ["x"], [1, 2]])],
+        ["SMOVE", key, other, member],
+        [rng.choice(["SINTER", "SUNION", "SDIFF"]), *keys],
+        [rng.choice(["SINTERSTORE", "SUNIONSTORE", "SDIFFSTORE"]), other, *keys],
+        ["SINTERCARD", rng.choice([len(keys), 0, 9, "x"]), *keys, *rng.choice([[], ["LIMIT", 1], ["LIMIT", -1], ["BAD"]])],
+        ["SSCAN", key, rng.choice([0, "x"]), *rng.choice([[], ["COUNT", 1000], ["MATCH", "f*", "COUNT", 1000], ["COUNT", 0]])],
+    ])
+
+
+FAMILIES = [strings, keyspace, hashes, sorted_sets, lists, sets]
 
 
 def random_command(rng):
     command = rng.choice(FAMILIES)(rng, rng.choice(KEYS))
-    if rng.random() < 0.03 and len(command) > 1:
-        command = command[: rng.randint(1, len(command) - 1)]  # wrong arity, mostly
+    # Wrong arity, mostly; not for SPOP, which must take every member (above).
+    if rng.random() < 0.03 and len(command) > 1 and command[0] != "SPOP":
+        command = command[: rng.randint(1, len(command) - 1)]
     return [str(arg) for arg in command]
 
 
@@ -215,6 +241,12 @@ def reply_of(client, command):
         return reply if reply < 0 else "has a deadline"
     if name == "RANDOMKEY":
         return reply is not None
+    if name in ("SMEMBERS", "SINTER", "SUNION", "SDIFF", "SPOP") and isinstance(reply, list):
+        return sorted(reply)
+    if name == "SRANDMEMBER":
+        return len(reply) if isinstance(reply, list) else reply is not None
+    if name == "SSCAN" and isinstance(reply, list):
+        return sorted(reply[1])  # the cursor's form is each server's own
     return reply
 
 
@@ -228,8 +260,10 @@ def state_of(client):
             value = sorted(zip(flat[::2], flat[1::2]))
         else:
             read = {b"string": ["GET", key], b"zset": ["ZRANGE", key, 0, -1, "WITHSCORES"],
-                    b"list": ["LRANGE", key, 0, -1]}[kind]
+                    b"list": ["LRANGE", key, 0, -1], b"set": ["SMEMBERS", key]}[kind]
             value = client.execute_command(*read)
+            if kind == b"set":
+                value = sorted(value)
         state[key] = (kind, value, client.execute_command("TTL", key) >= 0)
     return state
 
@@ -272,7 +306,7 @@ def test_the_generator_reaches_every_family_and_error_kind(both):
             for kind in ("WRONGTYPE", "wrong number of arguments", "syntax error", "not an integer"):
                 if kind in message:
                     seen.add(kind)
-    for expected in ("SET", "EXPIRE", "HSET", "ZADD", "LPUSH", "BLPOP", "WRONGTYPE", "wrong number of arguments",
+    for expected in ("SET", "EXPIRE", "HSET", "ZADD", "LPUSH", "BLPOP", "SADD", "SINTERSTORE", "WRONGTYPE", "wrong number of arguments",
                      "syntax error", "not an integer"):
         assert expected in seen, expected
 
@@ -366,3 +400,46 @@ def test_a_client_that_leaves_while_blocked_takes_nothing(node):
     thread.join(timeout=10)
     assert list(got["reply"]) == [b"jobs", b"job-1"]
     assert pusher.execute_command("LLEN", "jobs") == 0
+
+
+def full_sscan(client, key):
+    members, cursor = set(), b"0"
+    while True:
+        cursor, page = client.execute_command("SSCAN", key, cursor, "COUNT", 100)
+        members.update(page)
+        if cursor in (b"0", 0):
+            return sorted(members)
+
+
+def test_large_sets_match_redis(both):
+    """Sets past the inline limit are hashed buckets on Tessera: the same
+    random changes and algebra on sets of thousands of members."""
+    ours, theirs = both
+    for seed in range(FIRST_SEED, FIRST_SEED + max(SEQUENCES // 10, 3)):
+        rng = random.Random(seed)
+        for client in (ours, theirs):
+            client.execute_command("FLUSHALL")
+        universe = [f"member-{n}" for n in range(6000)]
+        for key in ("{s}a", "{s}b"):
+            command = ["SADD", key, *rng.sample(universe, rng.randint(150, 3000))]
+            assert reply_of(ours, command) == reply_of(theirs, command)
+        for step in range(150):
+            key, other = rng.sample(["{s}a", "{s}b", "{s}c"], 2)
+            command = rng.choice([
+                ["SADD", key, *rng.sample(universe, rng.randint(1, 300))],
+                ["SREM", key, *rng.sample(universe, rng.randint(1, 300))],
+                ["SISMEMBER", key, rng.choice(universe)],
+                ["SMISMEMBER", key, *rng.sample(universe, 5)],
+                ["SCARD", key],
+                ["SMOVE", key, other, rng.choice(universe)],
+                [rng.choice(["SINTER", "SUNION", "SDIFF"]), key, other],
+                [rng.choice(["SINTERSTORE", "SUNIONSTORE", "SDIFFSTORE"]), "{s}c", key, other],
+                ["SINTERCARD", 2, key, other, "LIMIT", rng.choice([0, 10])],
+            ])
+            expected, got = reply_of(theirs, command), reply_of(ours, command)
+            assert got == expected, f"seed {seed} step {step}: {command[:5]}: Tessera {got!r}, Redis {expected!r}"
+            if step % 50 == 0:
+                assert full_sscan(ours, key) == full_sscan(theirs, key)
+                picked = ours.execute_command("SRANDMEMBER", key, 20)
+                assert len(set(picked)) == len(picked) and set(picked) <= set(full_sscan(ours, key))
+        assert state_of(ours) == state_of(theirs), f"seed {seed}: final state"

@@ -1,5 +1,6 @@
 //! What the collections spread over several engine entries share: sorted
-//! sets ([`crate::zset`]) and large lists ([`crate::list`]).
+//! sets ([`crate::zset`]), large lists ([`crate::list`]) and large sets
+//! ([`crate::set`]).
 //!
 //! A collection's value at its key holds a random id; its other entries live
 //! under the reserved key space ([`tessera_engine::reserved`]), named by the
@@ -57,6 +58,7 @@ fn collection_id(kind: Kind, payload: &[u8]) -> CommandResult<Option<u64>> {
     match kind {
         Kind::SortedSet => crate::zset::id_of(payload).map(Some),
         Kind::List => crate::list::id_of(payload),
+        Kind::Set => crate::set::id_of(payload),
         Kind::String | Kind::Hash => Ok(None),
     }
 }

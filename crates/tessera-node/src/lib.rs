@@ -21,6 +21,7 @@ pub mod membership;
 pub mod memory;
 pub mod node_state;
 pub mod server;
+pub mod set;
 pub mod tables;
 pub mod tls;
 pub mod typed;

@@ -1,7 +1,7 @@
 //! Typed values inside the engines' opaque bytes.
 //!
 //! ```text
-//! kind (1 byte: 's' string, 'h' hash, 'z' sorted set, 'l' list; bit 0x80 set = has expiry) | [expiry unix ms, u64 LE] | payload
+//! kind (1 byte: 's' string, 'h' hash, 'z' sorted set, 'l' list, 'S' set; bit 0x80 set = has expiry) | [expiry unix ms, u64 LE] | payload
 //! ```
 //!
 //! A string's payload is its bytes. A hash's payload is its fields in insertion
@@ -9,7 +9,8 @@
 //! rewritten whole on every change, which suits the small hashes Redis
 //! applications and YCSB use (tens of fields); very large hashes pay for it.
 //! A sorted set's payload points to entries of its own ([`crate::zset`]); a
-//! list's holds its elements or, once large, points to pages ([`crate::list`]).
+//! list's or a set's holds its elements or, once large, points to pages
+//! ([`crate::list`], [`crate::set`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -27,10 +28,11 @@ pub enum Kind {
     Hash,
     SortedSet,
     List,
+    Set,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 4] = [Kind::String, Kind::Hash, Kind::SortedSet, Kind::List];
+    pub const ALL: [Kind; 5] = [Kind::String, Kind::Hash, Kind::SortedSet, Kind::List, Kind::Set];
 
     fn tag(self) -> u8 {
         match self {
@@ -38,6 +40,7 @@ impl Kind {
             Kind::Hash => b'h',
             Kind::SortedSet => b'z',
             Kind::List => b'l',
+            Kind::Set => b'S',
         }
     }
 
@@ -47,6 +50,7 @@ impl Kind {
             Kind::Hash => "hash",
             Kind::SortedSet => "zset",
             Kind::List => "list",
+            Kind::Set => "set",
         }
     }
 }
@@ -70,6 +74,7 @@ pub fn decode_header(raw: &[u8]) -> CommandResult<(Kind, Option<u64>, usize)> {
         b'h' => Kind::Hash,
         b'z' => Kind::SortedSet,
         b'l' => Kind::List,
+        b'S' => Kind::Set,
         _ => return Err(corrupt()),
     };
     if first & EXPIRES_FLAG != 0 {

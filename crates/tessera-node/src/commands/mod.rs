@@ -9,6 +9,7 @@ mod hashes;
 pub mod keys;
 pub mod lists;
 mod server;
+mod sets;
 mod sorted_sets;
 mod strings;
 pub mod tables;
@@ -231,7 +232,7 @@ impl CommandSpec {
 /// argument's index; the keys follow it.
 fn counted_keys_at(name: &str) -> Option<usize> {
     match name {
-        "lmpop" => Some(1),
+        "lmpop" | "sintercard" => Some(1),
         "blmpop" => Some(2),
         _ => None,
     }
@@ -244,7 +245,7 @@ fn table() -> &'static HashMap<&'static [u8], &'static CommandSpec> {
 
 /// The commands, by family: the family is a command's ACL category beside
 /// those its flags give (`@string`, `@hash`, … as Redis names them).
-const FAMILIES: [(&str, &[CommandSpec]); 11] = [
+const FAMILIES: [(&str, &[CommandSpec]); 12] = [
     ("connection", connection::COMMANDS),
     ("tessera", consistency::COMMANDS),
     ("cluster", cluster::COMMANDS),
@@ -252,6 +253,7 @@ const FAMILIES: [(&str, &[CommandSpec]); 11] = [
     ("keyspace", keys::COMMANDS),
     ("hash", hashes::COMMANDS),
     ("list", lists::COMMANDS),
+    ("set", sets::COMMANDS),
     ("sortedset", sorted_sets::COMMANDS),
     ("server", server::COMMANDS),
     ("tessera", tables::COMMANDS),
