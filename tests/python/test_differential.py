@@ -13,9 +13,9 @@ Differences that are allowed, and how the comparison absorbs them:
   millisecond apart on one server and within one on the other compare
   differently;
 - which key RANDOMKEY picks (compared as "one" or "none"), which members
-  SRANDMEMBER picks (compared by number) and the order of a set's members
+  SRANDMEMBER and fields HRANDFIELD pick (compared by number) and the order of a set's members
   (sorted); SPOP is sent only to take every member;
-- SSCAN's cursors (the members of a whole scan are compared).
+- SSCAN's and HSCAN's cursors (what a whole scan returns is compared).
 
 Not sent: other databases than 0 (SELECT 1, COPY … DB 1): Tessera has one
 database, and tables take their place.
@@ -140,6 +140,10 @@ def hashes(rng, key):
         ["HVALS", key],
         ["HSTRLEN", key, field],
         ["HINCRBY", key, field, integer(rng)],
+        ["HINCRBYFLOAT", key, field, rng.choice(["0.1", "-2.5", "1e3", "abc", "inf", "", "0.2"])],
+        ["HRANDFIELD", key, *rng.choice([[], [2], [-3], [1000], [1000, "WITHVALUES"], ["x"], [1, "BAD"]])],
+        ["HSCAN", key, rng.choice([0, "x"]), *rng.choice([[], ["COUNT", 1000], ["MATCH", "f*", "COUNT", 1000],
+                                                          ["COUNT", 0]])],
     ])
 
 
@@ -243,10 +247,12 @@ def reply_of(client, command):
         return reply is not None
     if name in ("SMEMBERS", "SINTER", "SUNION", "SDIFF", "SPOP") and isinstance(reply, list):
         return sorted(reply)
-    if name == "SRANDMEMBER":
+    if name == "SRANDMEMBER" or (name == "HRANDFIELD" and not (len(command) == 4 and command[2] == "1000")):
         return len(reply) if isinstance(reply, list) else reply is not None
-    if name == "SSCAN" and isinstance(reply, list):
+    if name in ("SSCAN", "HSCAN") and isinstance(reply, list):
         return sorted(reply[1])  # the cursor's form is each server's own
+    if name == "HRANDFIELD" and isinstance(reply, list):
+        return sorted(zip(reply[::2], reply[1::2]))  # every field, with its value
     return reply
 
 
@@ -442,4 +448,42 @@ def test_large_sets_match_redis(both):
                 assert full_sscan(ours, key) == full_sscan(theirs, key)
                 picked = ours.execute_command("SRANDMEMBER", key, 20)
                 assert len(set(picked)) == len(picked) and set(picked) <= set(full_sscan(ours, key))
+        assert state_of(ours) == state_of(theirs), f"seed {seed}: final state"
+
+
+def test_large_hashes_match_redis(both):
+    """Hashes past the inline limit are hashed buckets on Tessera: the same
+    random changes on hashes of thousands of fields."""
+    ours, theirs = both
+    for seed in range(FIRST_SEED, FIRST_SEED + max(SEQUENCES // 10, 3)):
+        rng = random.Random(seed)
+        for client in (ours, theirs):
+            client.execute_command("FLUSHALL")
+        fields = [f"field-{n}" for n in range(5000)]
+        pairs = [part for field in rng.sample(fields, rng.randint(150, 3000)) for part in (field, rng.randint(0, 9))]
+        assert reply_of(ours, ["HSET", "h", *pairs]) == reply_of(theirs, ["HSET", "h", *pairs])
+        for step in range(150):
+            command = rng.choice([
+                ["HSET", "h", *[part for field in rng.sample(fields, 50) for part in (field, rng.randint(0, 9))]],
+                ["HDEL", "h", *rng.sample(fields, rng.randint(1, 200))],
+                ["HGET", "h", rng.choice(fields)],
+                ["HMGET", "h", *rng.sample(fields, 5)],
+                ["HLEN", "h"],
+                ["HEXISTS", "h", rng.choice(fields)],
+                ["HINCRBY", "h", rng.choice(fields), rng.randint(-5, 5)],
+                ["HINCRBYFLOAT", "h", rng.choice(fields), rng.choice(["0.1", "-1.5", "2e2"])],
+                ["HSETNX", "h", rng.choice(fields), "new"],
+            ])
+            expected, got = reply_of(theirs, command), reply_of(ours, command)
+            assert got == expected, f"seed {seed} step {step}: {command[:5]}: Tessera {got!r}, Redis {expected!r}"
+        scans = []
+        for client in (ours, theirs):
+            found, cursor = set(), b"0"
+            while True:
+                cursor, page = client.execute_command("HSCAN", "h", cursor, "COUNT", 100)
+                found.update(zip(page[::2], page[1::2]))
+                if cursor in (b"0", 0):
+                    break
+            scans.append(sorted(found))
+        assert scans[0] == scans[1]
         assert state_of(ours) == state_of(theirs), f"seed {seed}: final state"

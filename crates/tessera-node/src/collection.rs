@@ -1,6 +1,6 @@
 //! What the collections spread over several engine entries share: sorted
-//! sets ([`crate::zset`]), large lists ([`crate::list`]) and large sets
-//! ([`crate::set`]).
+//! sets ([`crate::zset`]), large lists ([`crate::list`]), and large sets and
+//! hashes ([`crate::hashed`]).
 //!
 //! A collection's value at its key holds a random id; its other entries live
 //! under the reserved key space ([`tessera_engine::reserved`]), named by the
@@ -22,6 +22,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use tessera_engine::{reserved, Engine, ScanCursor};
 
 use crate::error::{CommandError, CommandResult};
+use crate::hashed::Layout;
 use crate::typed::{read_live, Kind, ReservedEntries};
 
 /// The tag of a change's intent entry, whatever the collection.
@@ -54,12 +55,13 @@ pub fn owner_key(entry: &[u8]) -> Option<&[u8]> {
 }
 
 /// The id of the collection a stored value heads, if it has entries apart.
-fn collection_id(kind: Kind, payload: &[u8]) -> CommandResult<Option<u64>> {
+fn collection_id(kind: Kind, payload: &Bytes) -> CommandResult<Option<u64>> {
     match kind {
         Kind::SortedSet => crate::zset::id_of(payload).map(Some),
         Kind::List => crate::list::id_of(payload),
-        Kind::Set => crate::set::id_of(payload),
-        Kind::String | Kind::Hash => Ok(None),
+        Kind::Set => crate::hashed::id_of(Layout::Set, payload),
+        Kind::Hash => crate::hashed::id_of(Layout::Hash, payload),
+        Kind::String => Ok(None),
     }
 }
 

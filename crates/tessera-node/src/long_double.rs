@@ -46,6 +46,10 @@ impl LongDouble {
         Ok(Self(parsed.value))
     }
 
+    pub fn is_finite(self) -> bool {
+        !self.0.is_nan() && !self.0.is_infinite()
+    }
+
     /// The sum, or Redis's error when it is not a finite number.
     pub fn checked_add(self, other: Self) -> CommandResult<Self> {
         let sum = (self.0 + other.0).value;

@@ -4,13 +4,12 @@
 //! kind (1 byte: 's' string, 'h' hash, 'z' sorted set, 'l' list, 'S' set; bit 0x80 set = has expiry) | [expiry unix ms, u64 LE] | payload
 //! ```
 //!
-//! A string's payload is its bytes. A hash's payload is its fields in insertion
-//! order, each `field_len u32 LE | field | value_len u32 LE | value`. A hash is
-//! rewritten whole on every change, which suits the small hashes Redis
-//! applications and YCSB use (tens of fields); very large hashes pay for it.
+//! A string's payload is its bytes. A hash's payload is its fields in
+//! insertion order, each `field_len u32 LE | field | value_len u32 LE | value`,
+//! or, once large, points to buckets ([`crate::hashed`]).
 //! A sorted set's payload points to entries of its own ([`crate::zset`]); a
 //! list's or a set's holds its elements or, once large, points to pages
-//! ([`crate::list`], [`crate::set`]).
+//! ([`crate::list`], [`crate::hashed`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -119,94 +118,6 @@ pub fn encode(kind: Kind, expires_at_ms: Option<u64>, payload: &[u8]) -> Bytes {
     out.freeze()
 }
 
-/// A hash, decoded for changing.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Hash {
-    pub fields: Vec<(Bytes, Bytes)>,
-}
-
-impl Hash {
-    pub fn decode(payload: &Bytes) -> CommandResult<Self> {
-        Ok(Self { fields: HashFields::new(payload).collect::<CommandResult<_>>()? })
-    }
-
-    pub fn encode(&self) -> Vec<u8> {
-        let size: usize = self.fields.iter().map(|(field, value)| 8 + field.len() + value.len()).sum();
-        let mut out = Vec::with_capacity(size);
-        for (field, value) in &self.fields {
-            out.extend_from_slice(&(field.len() as u32).to_le_bytes());
-            out.extend_from_slice(field);
-            out.extend_from_slice(&(value.len() as u32).to_le_bytes());
-            out.extend_from_slice(value);
-        }
-        out
-    }
-
-    pub fn get(&self, field: &[u8]) -> Option<&Bytes> {
-        self.fields.iter().find(|(name, _)| name.as_ref() == field).map(|(_, value)| value)
-    }
-
-    /// Sets a field; returns whether it is new.
-    pub fn set(&mut self, field: &[u8], value: Bytes) -> bool {
-        match self.fields.iter_mut().find(|(name, _)| name.as_ref() == field) {
-            Some(slot) => {
-                slot.1 = value;
-                false
-            }
-            None => {
-                self.fields.push((Bytes::copy_from_slice(field), value));
-                true
-            }
-        }
-    }
-
-    pub fn remove(&mut self, field: &[u8]) -> bool {
-        let before = self.fields.len();
-        self.fields.retain(|(name, _)| name.as_ref() != field);
-        self.fields.len() != before
-    }
-}
-
-/// Iterates a hash payload without decoding it whole (HGET, HLEN).
-pub struct HashFields<'a> {
-    payload: &'a Bytes,
-    at: usize,
-}
-
-impl<'a> HashFields<'a> {
-    pub fn new(payload: &'a Bytes) -> Self {
-        Self { payload, at: 0 }
-    }
-
-    fn next_part(&mut self) -> Option<Bytes> {
-        let length_bytes: [u8; 4] = self.payload.get(self.at..self.at + 4)?.try_into().ok()?;
-        let length = u32::from_le_bytes(length_bytes) as usize;
-        let start = self.at + 4;
-        let end = start.checked_add(length).filter(|end| *end <= self.payload.len())?;
-        self.at = end;
-        Some(self.payload.slice(start..end))
-    }
-}
-
-impl Iterator for HashFields<'_> {
-    type Item = CommandResult<(Bytes, Bytes)>;
-
-    fn next(&mut self) -> Option<Self::Item> {
-        if self.at >= self.payload.len() {
-            return None;
-        }
-        let corrupt = || CommandError::Other("stored hash is corrupt".into());
-        let pair = match (self.next_part(), self.next_part()) {
-            (Some(field), Some(value)) => Ok((field, value)),
-            _ => {
-                self.at = self.payload.len();
-                Err(corrupt())
-            }
-        };
-        Some(pair)
-    }
-}
-
 /// Parses a Redis integer argument: optional '-', no spaces or '+', no leading
 /// zeros, within i64.
 pub fn parse_i64(text: &[u8]) -> CommandResult<i64> {
@@ -257,7 +168,6 @@ pub fn write(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proptest::prelude::*;
 
     /// DBSIZE's reading never sees a change's entries without its count: a
     /// sweeper removing a replaced set's entries while DBSIZE ran made it
@@ -321,20 +231,6 @@ mod tests {
         }
         assert!(Stored::decode(Bytes::from_static(b"")).is_err());
         assert!(Stored::decode(Bytes::from_static(b"\x8f12")).is_err());
-    }
-
-    proptest! {
-        #[test]
-        fn hashes_round_trip(fields in proptest::collection::btree_map(
-            proptest::collection::vec(any::<u8>(), 0..8), proptest::collection::vec(any::<u8>(), 0..8), 0..10)) {
-            let hash = Hash { fields: fields.into_iter().map(|(f, v)| (Bytes::from(f), Bytes::from(v))).collect() };
-            prop_assert_eq!(Hash::decode(&Bytes::from(hash.encode())).unwrap(), hash);
-        }
-
-        #[test]
-        fn corrupt_hashes_are_errors_not_panics(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
-            let _ = Hash::decode(&Bytes::from(bytes));
-        }
     }
 }
 

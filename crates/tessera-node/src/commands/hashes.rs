@@ -1,13 +1,19 @@
-//! Hash commands, atomic per key over any engine: a hash is one engine value,
-//! changed under the key's lock.
+//! Hash commands, atomic per key over any engine: every command, reads
+//! included, runs under the key's lock because a large hash spans several
+//! entries ([`crate::hashed`]).
+
+use std::collections::HashSet;
 
 use bytes::Bytes;
-use tessera_wire::Request;
+use tessera_wire::{Protocol, Request};
 
-use super::{wrong_arity, CommandSpec, Context, Scope};
+use super::sets::parse_scan_options;
+use super::{integer_arg, is, wrong_arity, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
-use crate::typed::{parse_i64, Hash, HashFields, Kind, Stored};
-use crate::typed::{read_kind, write};
+use crate::glob::glob_match;
+use crate::hashed::{Hashed, Layout};
+use crate::long_double::LongDouble;
+use crate::typed::parse_i64;
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
@@ -24,36 +30,39 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "hvals", arity: 2, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: hvals },
     CommandSpec { name: "hstrlen", arity: 3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: hstrlen },
     CommandSpec { name: "hincrby", arity: 4, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: hincrby },
+    CommandSpec { name: "hincrbyfloat", arity: 4, flags: &["write", "denyoom", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: hincrbyfloat },
+    CommandSpec { name: "hrandfield", arity: -2, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: hrandfield },
+    CommandSpec { name: "hscan", arity: -3, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: hscan },
 ];
 
-fn read_hash(context: &mut Context, key: &[u8]) -> CommandResult<Option<Stored>> {
-    let stored = read_kind(context.engine(key), key, Kind::Hash, context.now_ms)?;
-    context.count_lookup(stored.is_some());
-    Ok(stored)
-}
-
-/// Runs `change` on the hash at `key` under the key's lock and stores the
-/// result, keeping its TTL; an emptied hash is deleted, as in Redis.
-fn update_hash<T>(
+/// Runs `body` on the hash at `key` (`None` if there is none) under the
+/// key's lock, and writes what it changed, keeping the TTL; an emptied hash
+/// is deleted, as in Redis.
+fn with_hash<T>(
     context: &mut Context,
     key: &[u8],
-    change: impl FnOnce(&mut Hash) -> CommandResult<T>,
+    body: impl FnOnce(Option<&mut Hashed>) -> CommandResult<T>,
 ) -> CommandResult<T> {
-    let engine = context.engine(key);
     let _lock = context.lock_key(key);
-    let old = read_kind(engine, key, Kind::Hash, context.now_ms)?;
-    let (mut hash, expires_at_ms) = match &old {
-        Some(old) => (Hash::decode(&old.payload)?, old.expires_at_ms),
-        None => (Hash::default(), None),
-    };
-    let answer = change(&mut hash)?;
-    if hash.fields.is_empty() {
-        if old.is_some() {
-            engine.delete(key)?;
-        }
-    } else {
-        write(engine, key, Kind::Hash, expires_at_ms, &hash.encode(), context.bulk_bytes_max())?;
+    let mut hash = Hashed::open(Layout::Hash, context.engine(key), key, context.now_ms)?;
+    context.count_lookup(hash.is_some());
+    let answer = body(hash.as_mut())?;
+    if let Some(hash) = hash {
+        hash.commit(&context.table(key).reserved)?;
     }
+    Ok(answer)
+}
+
+/// Like [`with_hash`], with a new hash when there is none.
+fn change_hash<T>(
+    context: &mut Context,
+    key: &[u8],
+    change: impl FnOnce(&mut Hashed) -> CommandResult<T>,
+) -> CommandResult<T> {
+    let _lock = context.lock_key(key);
+    let mut hash = Hashed::open_or_new(Layout::Hash, context.engine(key), key, context.now_ms)?;
+    let answer = change(&mut hash)?;
+    hash.commit(&context.table(key).reserved)?;
     Ok(answer)
 }
 
@@ -61,12 +70,15 @@ fn set_fields(context: &mut Context, request: &Request) -> CommandResult<i64> {
     if !request.len().is_multiple_of(2) {
         return Err(wrong_arity(request));
     }
-    update_hash(context, request.arg(1), |hash| {
+    let bytes_max = context.bulk_bytes_max();
+    change_hash(context, request.arg(1), |hash| {
         let mut added = 0;
         for index in (2..request.len()).step_by(2) {
-            if hash.set(request.arg(index), Bytes::copy_from_slice(request.arg(index + 1))) {
-                added += 1;
+            let value = request.arg(index + 1);
+            if value.len() > bytes_max {
+                return Err(CommandError::TooLarge);
             }
+            added += i64::from(hash.insert(request.arg(index), Bytes::copy_from_slice(value))?);
         }
         Ok(added)
     })
@@ -85,51 +97,53 @@ fn hmset(context: &mut Context, request: &Request) -> CommandResult {
 }
 
 fn hsetnx(context: &mut Context, request: &Request) -> CommandResult {
-    let added = update_hash(context, request.arg(1), |hash| {
-        Ok(hash.get(request.arg(2)).is_none()
-            && hash.set(request.arg(2), Bytes::copy_from_slice(request.arg(3))))
+    let added = change_hash(context, request.arg(1), |hash| {
+        if hash.contains(request.arg(2))? {
+            return Ok(false);
+        }
+        hash.insert(request.arg(2), Bytes::copy_from_slice(request.arg(3)))
     })?;
     context.out.integer(i64::from(added));
     Ok(())
 }
 
-/// Finds one field without decoding the whole hash.
-fn field_of(stored: &Stored, field: &[u8]) -> CommandResult<Option<Bytes>> {
-    for pair in HashFields::new(&stored.payload) {
-        let (name, value) = pair?;
-        if name.as_ref() == field {
-            return Ok(Some(value));
-        }
-    }
-    Ok(None)
+/// The value of one field.
+fn field(context: &mut Context, key: &[u8], field: &[u8]) -> CommandResult<Option<Bytes>> {
+    with_hash(context, key, |hash| match hash {
+        Some(hash) => hash.get(field),
+        None => Ok(None),
+    })
 }
 
 fn hget(context: &mut Context, request: &Request) -> CommandResult {
-    let value = match read_hash(context, request.arg(1))? {
-        Some(stored) => field_of(&stored, request.arg(2))?,
-        None => None,
-    };
+    let value = field(context, request.arg(1), request.arg(2))?;
     context.out.bulk_or_null(value.as_deref());
     Ok(())
 }
 
 fn hmget(context: &mut Context, request: &Request) -> CommandResult {
-    let hash = match read_hash(context, request.arg(1))? {
-        Some(stored) => Hash::decode(&stored.payload)?,
-        None => Hash::default(),
-    };
-    context.out.array(request.len() - 2);
-    for field in request.args().skip(2) {
-        context.out.bulk_or_null(hash.get(field).map(|value| value.as_ref()));
+    let values = with_hash(context, request.arg(1), |mut hash| {
+        request
+            .args()
+            .skip(2)
+            .map(|field| match hash.as_deref_mut() {
+                Some(hash) => hash.get(field),
+                None => Ok(None),
+            })
+            .collect::<CommandResult<Vec<_>>>()
+    })?;
+    context.out.array(values.len());
+    for value in &values {
+        context.out.bulk_or_null(value.as_deref());
     }
     Ok(())
 }
 
 fn all_fields(context: &mut Context, key: &[u8]) -> CommandResult<Vec<(Bytes, Bytes)>> {
-    match read_hash(context, key)? {
-        Some(stored) => Ok(Hash::decode(&stored.payload)?.fields),
+    with_hash(context, key, |hash| match hash {
+        Some(hash) => hash.entries(),
         None => Ok(Vec::new()),
-    }
+    })
 }
 
 fn hgetall(context: &mut Context, request: &Request) -> CommandResult {
@@ -142,7 +156,7 @@ fn hgetall(context: &mut Context, request: &Request) -> CommandResult {
     Ok(())
 }
 
-/// HKEYS and HVALS: one part of every field, in insertion order.
+/// HKEYS and HVALS: one part of every field.
 fn reply_field_parts(
     context: &mut Context,
     request: &Request,
@@ -165,36 +179,32 @@ fn hvals(context: &mut Context, request: &Request) -> CommandResult {
 }
 
 fn hdel(context: &mut Context, request: &Request) -> CommandResult {
-    let removed = update_hash(context, request.arg(1), |hash| {
-        Ok(request.args().skip(2).filter(|field| hash.remove(field)).count() as i64)
+    let removed = with_hash(context, request.arg(1), |hash| {
+        let Some(hash) = hash else { return Ok(0) };
+        let mut removed = 0;
+        for field in request.args().skip(2) {
+            removed += i64::from(hash.remove(field)?);
+        }
+        Ok(removed)
     })?;
     context.out.integer(removed);
     Ok(())
 }
 
 fn hlen(context: &mut Context, request: &Request) -> CommandResult {
-    let length = match read_hash(context, request.arg(1))? {
-        Some(stored) => HashFields::new(&stored.payload).count() as i64,
-        None => 0,
-    };
-    context.out.integer(length);
+    let length = with_hash(context, request.arg(1), |hash| Ok(hash.map_or(0, |hash| hash.len())))?;
+    context.out.integer(length as i64);
     Ok(())
 }
 
 fn hexists(context: &mut Context, request: &Request) -> CommandResult {
-    let found = match read_hash(context, request.arg(1))? {
-        Some(stored) => field_of(&stored, request.arg(2))?.is_some(),
-        None => false,
-    };
+    let found = field(context, request.arg(1), request.arg(2))?.is_some();
     context.out.integer(i64::from(found));
     Ok(())
 }
 
 fn hstrlen(context: &mut Context, request: &Request) -> CommandResult {
-    let length = match read_hash(context, request.arg(1))? {
-        Some(stored) => field_of(&stored, request.arg(2))?.map_or(0, |value| value.len()),
-        None => 0,
-    };
+    let length = field(context, request.arg(1), request.arg(2))?.map_or(0, |value| value.len());
     context.out.integer(length as i64);
     Ok(())
 }
@@ -202,15 +212,118 @@ fn hstrlen(context: &mut Context, request: &Request) -> CommandResult {
 fn hincrby(context: &mut Context, request: &Request) -> CommandResult {
     let delta = parse_i64(request.arg(3))?;
     let field = request.arg(2);
-    let updated = update_hash(context, request.arg(1), |hash| {
-        let current = match hash.get(field) {
-            Some(value) => parse_i64(value).map_err(|_| CommandError::HashValueNotInteger)?,
+    let updated = change_hash(context, request.arg(1), |hash| {
+        let current = match hash.get(field)? {
+            Some(value) => parse_i64(&value).map_err(|_| CommandError::HashValueNotInteger)?,
             None => 0,
         };
         let updated = current.checked_add(delta).ok_or(CommandError::Overflow)?;
-        hash.set(field, Bytes::from(updated.to_string()));
+        hash.insert(field, Bytes::from(updated.to_string()))?;
         Ok(updated)
     })?;
     context.out.integer(updated);
+    Ok(())
+}
+
+fn hincrbyfloat(context: &mut Context, request: &Request) -> CommandResult {
+    let delta = LongDouble::parse(request.arg(3))?;
+    if !delta.is_finite() {
+        return Err(CommandError::Other("value is NaN or Infinity".into()));
+    }
+    let field = request.arg(2);
+    let updated = change_hash(context, request.arg(1), |hash| {
+        let current = match hash.get(field)? {
+            Some(value) => LongDouble::parse(&value)
+                .map_err(|_| CommandError::Other("hash value is not a float".into()))?,
+            None => LongDouble::parse(b"0")?,
+        };
+        let updated = Bytes::from(current.checked_add(delta)?.to_human());
+        hash.insert(field, updated.clone())?;
+        Ok(updated)
+    })?;
+    context.out.bulk(&updated);
+    Ok(())
+}
+
+fn hrandfield(context: &mut Context, request: &Request) -> CommandResult {
+    let (count, with_values) = match request.len() {
+        2 => (None, false),
+        3 => (Some(integer_arg(request, 2)?), false),
+        4 if is(request.arg(3), "withvalues") => (Some(integer_arg(request, 2)?), true),
+        _ => return Err(CommandError::Syntax),
+    };
+    let picked = with_hash(context, request.arg(1), |hash| {
+        let Some(hash) = hash else { return Ok(Vec::new()) };
+        match count {
+            None => Ok(hash.random_entry()?.into_iter().collect()),
+            // Negative: that many picks, repeats allowed.
+            Some(count) if count < 0 => {
+                (0..count.unsigned_abs()).map(|_| Ok(hash.random_entry()?.expect("not empty"))).collect()
+            }
+            Some(count) if count as u64 >= hash.len() => hash.entries(),
+            Some(count) => {
+                let mut seen = HashSet::new();
+                let mut picked = Vec::new();
+                while (picked.len() as i64) < count {
+                    let entry = hash.random_entry()?.expect("not empty");
+                    if seen.insert(entry.0.clone()) {
+                        picked.push(entry);
+                    }
+                }
+                Ok(picked)
+            }
+        }
+    })?;
+    let out = &mut *context.out;
+    match count {
+        None => out.bulk_or_null(picked.first().map(|(field, _)| &field[..])),
+        Some(_) if with_values && out.protocol() == Protocol::Resp3 => {
+            out.array(picked.len());
+            for (field, value) in &picked {
+                out.array(2);
+                out.bulk(field);
+                out.bulk(value);
+            }
+        }
+        Some(_) => {
+            out.array(picked.len() * if with_values { 2 } else { 1 });
+            for (field, value) in &picked {
+                out.bulk(field);
+                if with_values {
+                    out.bulk(value);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// HSCAN: the cursor is a bucket of the hash, as SSCAN's is of a set.
+fn hscan(context: &mut Context, request: &Request) -> CommandResult {
+    let cursor: u64 = std::str::from_utf8(request.arg(2))
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .ok_or(CommandError::InvalidCursor)?;
+    let (next, entries) = with_hash(context, request.arg(1), |hash| {
+        let Some(hash) = hash else { return Ok((0, Vec::new())) };
+        let (pattern, count) = parse_scan_options(request)?;
+        let buckets = hash.bucket_count();
+        let mut entries = Vec::new();
+        let mut bucket = cursor;
+        while bucket < buckets && (entries.len() as u64) < count {
+            entries.extend(hash.bucket_entries(bucket)?);
+            bucket += 1;
+        }
+        entries
+            .retain(|(field, _): &(Bytes, Bytes)| pattern.is_none_or(|pattern| glob_match(pattern, field)));
+        Ok((if bucket >= buckets { 0 } else { bucket }, entries))
+    })?;
+    context.out.array(2);
+    context.out.bulk(next.to_string().as_bytes());
+    context.out.array(entries.len() * 2);
+    for (field, value) in &entries {
+        context.out.bulk(field);
+        context.out.bulk(value);
+    }
     Ok(())
 }

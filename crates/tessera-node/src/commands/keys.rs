@@ -8,8 +8,8 @@ use super::strings::deadline;
 use super::{integer_arg, is, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 use crate::glob::glob_match;
+use crate::hashed::{self, Hashed, Layout};
 use crate::node_state::ScanPosition;
-use crate::set::{self, Set};
 use crate::typed::read_live;
 use crate::typed::{encode, Kind, Stored};
 use crate::{list, zset};
@@ -189,15 +189,17 @@ fn copy_value(context: &Context, from: &[u8], source: &Stored, to: &[u8]) -> Com
         Kind::List => {
             list::copy(context.engine(from), from, target, to, context.now_ms, &context.table(to).reserved)
         }
-        Kind::Set => {
-            let members = match Set::open(context.engine(from), from, context.now_ms)? {
-                Some(mut set) => set.members()?,
+        Kind::Set | Kind::Hash => {
+            let layout = if source.kind == Kind::Set { Layout::Set } else { Layout::Hash };
+            let entries = match Hashed::open(layout, context.engine(from), from, context.now_ms)? {
+                Some(mut value) => value.entries()?,
                 None => Vec::new(),
             };
             let reserved = &context.table(to).reserved;
-            set::store(target, to, members, source.expires_at_ms, context.now_ms, reserved).map(drop)
+            hashed::store(layout, target, to, entries, source.expires_at_ms, context.now_ms, reserved)
+                .map(drop)
         }
-        Kind::String | Kind::Hash => {
+        Kind::String => {
             target.put(to, encode(source.kind, source.expires_at_ms, &source.payload))?;
             Ok(())
         }

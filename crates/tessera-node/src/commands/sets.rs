@@ -1,6 +1,6 @@
 //! Set commands, atomic per key over any engine: every command, reads
 //! included, runs under its keys' locks because a large set spans several
-//! entries ([`crate::set`]).
+//! entries ([`crate::hashed`]).
 
 use std::collections::HashSet;
 
@@ -10,7 +10,7 @@ use tessera_wire::Request;
 use super::{integer_arg, is, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 use crate::glob::glob_match;
-use crate::set::{self, Set};
+use crate::hashed::{self, Hashed, Layout};
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
@@ -38,10 +38,10 @@ pub const COMMANDS: &[CommandSpec] = &[
 fn with_set<T>(
     context: &mut Context,
     key: &[u8],
-    body: impl FnOnce(Option<&mut Set>) -> CommandResult<T>,
+    body: impl FnOnce(Option<&mut Hashed>) -> CommandResult<T>,
 ) -> CommandResult<T> {
     let _lock = context.lock_key(key);
-    let mut set = Set::open(context.engine(key), key, context.now_ms)?;
+    let mut set = Hashed::open(Layout::Set, context.engine(key), key, context.now_ms)?;
     let answer = body(set.as_mut())?;
     if let Some(set) = set {
         set.commit(&context.table(key).reserved)?;
@@ -53,10 +53,10 @@ fn sadd(context: &mut Context, request: &Request) -> CommandResult {
     let key = request.arg(1);
     let added = {
         let _lock = context.lock_key(key);
-        let mut set = Set::open_or_new(context.engine(key), key, context.now_ms)?;
+        let mut set = Hashed::open_or_new(Layout::Set, context.engine(key), key, context.now_ms)?;
         let mut added = 0;
         for member in request.args().skip(2) {
-            added += i64::from(set.insert(member)?);
+            added += i64::from(set.add(member)?);
         }
         set.commit(&context.table(key).reserved)?;
         added
@@ -143,7 +143,7 @@ fn spop(context: &mut Context, request: &Request) -> CommandResult {
         let Some(set) = set else { return Ok(Vec::new()) };
         let mut popped = Vec::new();
         for _ in 0..count.unwrap_or(1).min(set.len() as i64) {
-            let member = set.random_member()?.expect("the set is not empty");
+            let (member, _) = set.random_entry()?.expect("the set is not empty");
             set.remove(&member)?;
             popped.push(member);
         }
@@ -165,16 +165,16 @@ fn srandmember(context: &mut Context, request: &Request) -> CommandResult {
     let picked = with_set(context, request.arg(1), |set| {
         let Some(set) = set else { return Ok(Vec::new()) };
         match count {
-            None => Ok(set.random_member()?.into_iter().collect()),
+            None => Ok(set.random_entry()?.into_iter().map(|(member, _)| member).collect()),
             // Negative: that many picks, repeats allowed.
             Some(count) if count < 0 => {
-                (0..count.unsigned_abs()).map(|_| Ok(set.random_member()?.expect("not empty"))).collect()
+                (0..count.unsigned_abs()).map(|_| Ok(set.random_entry()?.expect("not empty").0)).collect()
             }
             Some(count) if count as u64 >= set.len() => set.members(),
             Some(count) => {
                 let mut picked = HashSet::new();
                 while (picked.len() as i64) < count {
-                    picked.insert(set.random_member()?.expect("not empty"));
+                    picked.insert(set.random_entry()?.expect("not empty").0);
                 }
                 Ok(picked.into_iter().collect())
             }
@@ -196,15 +196,20 @@ fn smove(context: &mut Context, request: &Request) -> CommandResult {
     let (source, destination, member) = (request.arg(1), request.arg(2), request.arg(3));
     let moved = {
         let _locks = context.lock_keys([source, destination].into_iter());
-        match Set::open(context.engine(source), source, context.now_ms)? {
+        match Hashed::open(Layout::Set, context.engine(source), source, context.now_ms)? {
             None => false,
             Some(mut from) if source == destination => from.contains(member)?,
             Some(mut from) => {
                 // The destination's type is checked before anything moves.
-                let mut to = Set::open_or_new(context.engine(destination), destination, context.now_ms)?;
+                let mut to = Hashed::open_or_new(
+                    Layout::Set,
+                    context.engine(destination),
+                    destination,
+                    context.now_ms,
+                )?;
                 let moved = from.remove(member)?;
                 if moved {
-                    to.insert(member)?;
+                    to.add(member)?;
                     from.commit(&context.table(source).reserved)?;
                     to.commit(&context.table(destination).reserved)?;
                 }
@@ -229,7 +234,7 @@ enum Algebra {
 fn combine(context: &Context, keys: &[&[u8]], algebra: Algebra) -> CommandResult<Vec<Bytes>> {
     let mut sets = Vec::with_capacity(keys.len());
     for key in keys {
-        sets.push(Set::open(context.engine(key), key, context.now_ms)?);
+        sets.push(Hashed::open(Layout::Set, context.engine(key), key, context.now_ms)?);
     }
     let mut result: Vec<Bytes> = match (algebra, sets.first_mut()) {
         (_, Some(Some(first))) => first.members()?,
@@ -300,8 +305,9 @@ fn store_algebra(context: &mut Context, request: &Request, algebra: Algebra) -> 
     let _locks = context.lock_keys(request.args().skip(1));
     let members = combine(context, &keys, algebra)?;
     let reserved = &context.table(destination).reserved;
-    let stored =
-        set::store(context.engine(destination), destination, members, None, context.now_ms, reserved)?;
+    let entries = members.into_iter().map(|member| (member, Bytes::new()));
+    let engine = context.engine(destination);
+    let stored = hashed::store(Layout::Set, engine, destination, entries, None, context.now_ms, reserved)?;
     context.out.integer(stored as i64);
     Ok(())
 }
@@ -361,7 +367,7 @@ fn sscan(context: &mut Context, request: &Request) -> CommandResult {
         let mut bucket = cursor;
         // At least `count` members' worth of buckets: Redis's COUNT is a hint.
         while bucket < buckets && (members.len() as u64) < count {
-            members.extend(set.bucket_members(bucket)?);
+            members.extend(set.bucket_entries(bucket)?.into_iter().map(|(member, _)| member));
             bucket += 1;
         }
         members.retain(|member: &Bytes| pattern.is_none_or(|pattern| glob_match(pattern, member)));
@@ -377,7 +383,7 @@ fn sscan(context: &mut Context, request: &Request) -> CommandResult {
 }
 
 /// SSCAN's MATCH and COUNT.
-fn parse_scan_options<'r>(request: &'r Request) -> CommandResult<(Option<&'r [u8]>, u64)> {
+pub(super) fn parse_scan_options<'r>(request: &'r Request) -> CommandResult<(Option<&'r [u8]>, u64)> {
     let (mut pattern, mut count) = (None, 10u64);
     let mut index = 3;
     while index < request.len() {

@@ -1,0 +1,571 @@
+//! Sets and hashes over any engine, atomic per key (changed under the key's
+//! lock). A small one is one value; past [`INLINE_ENTRIES_MAX`] entries or
+//! [`INLINE_BYTES_MAX`] bytes its entries spread over buckets addressed by
+//! linear hashing, so that SADD, HSET, SISMEMBER and HGET read and write one
+//! bucket (and the header) whatever the size, on engines without range scans:
+//!
+//! ```text
+//! set    'S' value, inline: 0 | (len u32, member) × n
+//!        'S' value, paged:  1 | header
+//! hash   'h' value, inline: (len u32, field, len u32, value) × n   (insertion order)
+//!        'h' value, paged:  FF FF FF FF | header   (no field is 4 GiB long)
+//! header: id u64 | entries u64 | level u64 | split u64
+//! R | key_len u32 | key | id | 'b' | bucket u64 BE    entries, encoded as inline
+//! ```
+//!
+//! There are `2^level + split` buckets. An entry whose field hashes to `h`
+//! lives in bucket `h mod 2^level`, or `h mod 2^(level+1)` when that is below
+//! `split`. When there are more than [`BUCKET_LOAD`] entries a bucket on
+//! average, bucket `split` splits into itself and `split + 2^level`. Entries
+//! only ever move to higher buckets, so a scan in bucket order (SSCAN's and
+//! HSCAN's cursor is a bucket) sees every entry present throughout. An inline
+//! value is bucket 0 of a table of one, kept inside the value, in insertion
+//! order. Buckets are named and collected as every collection's entries are
+//! ([`crate::collection`]).
+
+use std::collections::HashMap;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use tessera_engine::Engine;
+
+use crate::collection::{corrupt, entry_key, put_bytes, Changes, Reader};
+use crate::error::CommandResult;
+use crate::typed::{self, read_kind, Kind, ReservedEntries};
+
+/// The most entries and bytes a set or hash keeps in its value (Redis's
+/// listpack limits are near).
+pub const INLINE_ENTRIES_MAX: usize = 128;
+pub const INLINE_BYTES_MAX: usize = 8 << 10;
+/// Average entries per bucket past which a bucket splits.
+const BUCKET_LOAD: u64 = 64;
+
+const SET_INLINE: u8 = 0;
+const SET_PAGED: u8 = 1;
+const HASH_PAGED: [u8; 4] = [0xff; 4];
+const BUCKET: u8 = b'b';
+
+/// Which type the entries make: a set's have no values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    Set,
+    Hash,
+}
+
+impl Layout {
+    pub fn kind(self) -> Kind {
+        match self {
+            Layout::Set => Kind::Set,
+            Layout::Hash => Kind::Hash,
+        }
+    }
+
+    fn put_entries<'e>(self, out: &mut BytesMut, entries: impl IntoIterator<Item = &'e (Bytes, Bytes)>) {
+        for (field, value) in entries {
+            put_bytes(out, field);
+            if self == Layout::Hash {
+                put_bytes(out, value);
+            }
+        }
+    }
+
+    fn read_entries(self, reader: &mut Reader) -> CommandResult<Vec<(Bytes, Bytes)>> {
+        let mut entries = Vec::new();
+        while !reader.done() {
+            let field = reader.bytes()?;
+            let value = if self == Layout::Hash { reader.bytes()? } else { Bytes::new() };
+            entries.push((field, value));
+        }
+        Ok(entries)
+    }
+
+    /// Whether a stored value (payload) is paged, reading past the marker.
+    fn read_paged_marker(self, reader: &mut Reader, payload: &[u8]) -> CommandResult<bool> {
+        match self {
+            Layout::Set => match reader.u8()? {
+                SET_INLINE => Ok(false),
+                SET_PAGED => Ok(true),
+                _ => Err(corrupt()),
+            },
+            Layout::Hash if payload.starts_with(&HASH_PAGED) => {
+                reader.at = HASH_PAGED.len();
+                Ok(true)
+            }
+            Layout::Hash => Ok(false),
+        }
+    }
+
+    fn put_paged_marker(self, out: &mut BytesMut) {
+        match self {
+            Layout::Set => out.put_u8(SET_PAGED),
+            Layout::Hash => out.put_slice(&HASH_PAGED),
+        }
+    }
+}
+
+/// A field's hash (FNV-1a, 64 bits): stable across processes and versions,
+/// since it places entries in stored buckets.
+fn hash(member: &[u8]) -> u64 {
+    member
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |hash, &byte| (hash ^ byte as u64).wrapping_mul(0x100_0000_01b3))
+}
+
+#[derive(Default)]
+struct Bucket {
+    entries: Vec<(Bytes, Bytes)>,
+    in_engine: bool,
+    dirty: bool,
+}
+
+impl Bucket {
+    fn bytes(&self) -> usize {
+        self.entries.iter().map(|(field, value)| field.len() + value.len() + 8).sum()
+    }
+
+    fn fits_inline(&self) -> bool {
+        self.entries.len() <= INLINE_ENTRIES_MAX && self.bytes() <= INLINE_BYTES_MAX
+    }
+
+    fn position(&self, field: &[u8]) -> Option<usize> {
+        self.entries.iter().position(|(candidate, _)| candidate.as_ref() == field)
+    }
+}
+
+/// The id of a paged set's or hash's buckets, from its stored value (payload).
+pub fn id_of(layout: Layout, payload: &Bytes) -> CommandResult<Option<u64>> {
+    let mut reader = Reader::new(payload);
+    match layout.read_paged_marker(&mut reader, payload)? {
+        true => Ok(Some(reader.u64()?)),
+        false => Ok(None),
+    }
+}
+
+/// One set or hash, read lazily and changed in memory until
+/// [`Hashed::commit`]. The caller holds the key's lock for as long as it lives.
+pub struct Hashed<'a> {
+    layout: Layout,
+    engine: &'a dyn Engine,
+    key: &'a [u8],
+    expires_at_ms: Option<u64>,
+    paged_id: Option<u64>,
+    len: u64,
+    level: u32,
+    split: u64,
+    buckets: HashMap<u64, Bucket>,
+    changed: bool,
+}
+
+impl<'a> Hashed<'a> {
+    /// The value at `key`, if there is one; `WRONGTYPE` for another kind of value.
+    pub fn open(
+        layout: Layout,
+        engine: &'a dyn Engine,
+        key: &'a [u8],
+        now_ms: u64,
+    ) -> CommandResult<Option<Self>> {
+        let Some(stored) = read_kind(engine, key, layout.kind(), now_ms)? else { return Ok(None) };
+        let mut value = Self::empty(layout, engine, key);
+        value.expires_at_ms = stored.expires_at_ms;
+        let mut reader = Reader::new(&stored.payload);
+        if layout.read_paged_marker(&mut reader, &stored.payload)? {
+            value.paged_id = Some(reader.u64()?);
+            value.len = reader.u64()?;
+            value.level = u32::try_from(reader.u64()?).map_err(|_| corrupt())?;
+            value.split = reader.u64()?;
+            if value.level >= 63 || value.split >= 1 << value.level {
+                return Err(corrupt());
+            }
+        } else {
+            let entries = layout.read_entries(&mut reader)?;
+            value.len = entries.len() as u64;
+            value.buckets.insert(0, Bucket { entries, in_engine: false, dirty: false });
+        }
+        Ok(Some(value))
+    }
+
+    /// The value at `key`, or a new empty one (stored by `commit` only if it gains entries).
+    pub fn open_or_new(
+        layout: Layout,
+        engine: &'a dyn Engine,
+        key: &'a [u8],
+        now_ms: u64,
+    ) -> CommandResult<Self> {
+        match Self::open(layout, engine, key, now_ms)? {
+            Some(value) => Ok(value),
+            None => {
+                let mut value = Self::empty(layout, engine, key);
+                value.buckets.insert(0, Bucket::default());
+                Ok(value)
+            }
+        }
+    }
+
+    fn empty(layout: Layout, engine: &'a dyn Engine, key: &'a [u8]) -> Self {
+        Self {
+            layout,
+            engine,
+            key,
+            expires_at_ms: None,
+            paged_id: None,
+            len: 0,
+            level: 0,
+            split: 0,
+            buckets: HashMap::new(),
+            changed: false,
+        }
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// How many buckets there are (1 for an inline value).
+    pub fn bucket_count(&self) -> u64 {
+        (1 << self.level) + self.split
+    }
+
+    fn bucket_of(&self, field: &[u8]) -> u64 {
+        let hash = hash(field);
+        let low = hash & ((1 << self.level) - 1);
+        if low < self.split {
+            hash & ((1 << (self.level + 1)) - 1)
+        } else {
+            low
+        }
+    }
+
+    fn bucket(&mut self, index: u64) -> CommandResult<&mut Bucket> {
+        if !self.buckets.contains_key(&index) {
+            let id = self.paged_id.ok_or_else(corrupt)?;
+            let bucket = match self.engine.get(&entry_key(self.key, id, BUCKET, &index.to_be_bytes()))? {
+                Some(raw) => {
+                    let entries = self.layout.read_entries(&mut Reader::new(&raw))?;
+                    Bucket { entries, in_engine: true, dirty: false }
+                }
+                None => Bucket::default(), // an empty bucket is not stored
+            };
+            self.buckets.insert(index, bucket);
+        }
+        Ok(self.buckets.get_mut(&index).expect("cached above"))
+    }
+
+    pub fn get(&mut self, field: &[u8]) -> CommandResult<Option<Bytes>> {
+        if self.len == 0 {
+            return Ok(None);
+        }
+        let bucket = self.bucket(self.bucket_of(field))?;
+        Ok(bucket.position(field).map(|at| bucket.entries[at].1.clone()))
+    }
+
+    pub fn contains(&mut self, field: &[u8]) -> CommandResult<bool> {
+        Ok(self.get(field)?.is_some())
+    }
+
+    /// Sets `field` to `value` (a set's members have empty values): whether
+    /// the field is new.
+    pub fn insert(&mut self, field: &[u8], value: Bytes) -> CommandResult<bool> {
+        let inline = self.paged_id.is_none();
+        let bucket = self.bucket(self.bucket_of(field))?;
+        match bucket.position(field) {
+            Some(at) if bucket.entries[at].1 == value => return Ok(false),
+            Some(at) => {
+                bucket.entries[at].1 = value;
+                bucket.dirty = true;
+                self.changed = true;
+                if inline && !self.bucket(0)?.fits_inline() {
+                    self.page_out()?;
+                }
+                return Ok(false);
+            }
+            None => bucket.entries.push((Bytes::copy_from_slice(field), value)),
+        }
+        bucket.dirty = true;
+        let outgrown = inline && !bucket.fits_inline();
+        self.len += 1;
+        self.changed = true;
+        if outgrown {
+            // At once, not at commit: an inline value is searched entry by entry.
+            self.page_out()?;
+        } else if !inline && self.len > BUCKET_LOAD * self.bucket_count() {
+            self.split_next()?;
+        }
+        Ok(true)
+    }
+
+    /// A set's insert: whether the member is new.
+    pub fn add(&mut self, member: &[u8]) -> CommandResult<bool> {
+        self.insert(member, Bytes::new())
+    }
+
+    /// Removes `field`: whether it was there.
+    pub fn remove(&mut self, field: &[u8]) -> CommandResult<bool> {
+        if self.len == 0 {
+            return Ok(false);
+        }
+        let bucket = self.bucket(self.bucket_of(field))?;
+        let Some(at) = bucket.position(field) else { return Ok(false) };
+        bucket.entries.remove(at); // keeps an inline hash's insertion order
+        bucket.dirty = true;
+        self.len -= 1;
+        self.changed = true;
+        Ok(true)
+    }
+
+    /// Splits bucket `split` into itself and `split + 2^level`.
+    fn split_next(&mut self) -> CommandResult<()> {
+        let (old, new) = (self.split, self.split + (1 << self.level));
+        let mask = (1u64 << (self.level + 1)) - 1;
+        let entries = std::mem::take(&mut self.bucket(old)?.entries);
+        self.bucket(new)?; // read (it is absent unless a crash left one)
+        for entry in entries {
+            let target = if hash(&entry.0) & mask == new { new } else { old };
+            self.bucket(target)?.entries.push(entry);
+        }
+        for index in [old, new] {
+            self.bucket(index)?.dirty = true;
+        }
+        self.split += 1;
+        if self.split == 1 << self.level {
+            self.level += 1;
+            self.split = 0;
+        }
+        Ok(())
+    }
+
+    /// The entries of bucket `index` (below [`Hashed::bucket_count`]).
+    pub fn bucket_entries(&mut self, index: u64) -> CommandResult<Vec<(Bytes, Bytes)>> {
+        Ok(self.bucket(index)?.entries.clone())
+    }
+
+    /// Every entry: an inline value's in insertion order, a paged one's by bucket.
+    pub fn entries(&mut self) -> CommandResult<Vec<(Bytes, Bytes)>> {
+        let mut all = Vec::with_capacity(self.len.min(1 << 16) as usize);
+        for index in 0..self.bucket_count() {
+            all.extend(self.bucket(index)?.entries.iter().cloned());
+        }
+        Ok(all)
+    }
+
+    /// A set's members.
+    pub fn members(&mut self) -> CommandResult<Vec<Bytes>> {
+        Ok(self.entries()?.into_iter().map(|(member, _)| member).collect())
+    }
+
+    /// An entry picked at random (about uniformly: a random bucket, then a
+    /// random entry of it; empty buckets are drawn again).
+    pub fn random_entry(&mut self) -> CommandResult<Option<(Bytes, Bytes)>> {
+        if self.len == 0 {
+            return Ok(None);
+        }
+        loop {
+            let index = rand::random::<u64>() % self.bucket_count();
+            let bucket = self.bucket(index)?;
+            if !bucket.entries.is_empty() {
+                return Ok(Some(bucket.entries[rand::random::<usize>() % bucket.entries.len()].clone()));
+            }
+        }
+    }
+
+    /// Writes the changes; an emptied value is deleted, as in Redis.
+    pub fn commit(self, reserved: &ReservedEntries) -> CommandResult<()> {
+        if !self.changed {
+            return Ok(());
+        }
+        let kind = self.layout.kind();
+        let mut changes = Changes::default();
+        if self.len == 0 {
+            if let Some(id) = self.paged_id {
+                for (index, bucket) in &self.buckets {
+                    if bucket.in_engine {
+                        changes.note(entry_key(self.key, id, BUCKET, &index.to_be_bytes()), None, true);
+                    }
+                }
+            }
+            return changes.commit(self.engine, self.key, self.paged_id.unwrap_or(0), None, reserved);
+        }
+        let Some(id) = self.paged_id else {
+            let bucket = self.buckets.get(&0).ok_or_else(corrupt)?;
+            debug_assert!(bucket.fits_inline(), "a value is paged out as soon as it outgrows its key");
+            let mut payload = BytesMut::with_capacity(1 + bucket.bytes());
+            if self.layout == Layout::Set {
+                payload.put_u8(SET_INLINE);
+            }
+            self.layout.put_entries(&mut payload, &bucket.entries);
+            let main = typed::encode(kind, self.expires_at_ms, &payload);
+            return changes.commit(self.engine, self.key, 0, Some(main), reserved);
+        };
+        for (index, bucket) in &self.buckets {
+            if bucket.dirty {
+                let value = (!bucket.entries.is_empty()).then(|| {
+                    let mut out = BytesMut::with_capacity(bucket.bytes());
+                    self.layout.put_entries(&mut out, &bucket.entries);
+                    out.freeze()
+                });
+                if value.is_some() || bucket.in_engine {
+                    changes.note(
+                        entry_key(self.key, id, BUCKET, &index.to_be_bytes()),
+                        value,
+                        bucket.in_engine,
+                    );
+                }
+            }
+        }
+        let mut payload = BytesMut::with_capacity(36);
+        self.layout.put_paged_marker(&mut payload);
+        for word in [id, self.len, u64::from(self.level), self.split] {
+            payload.put_u64_le(word);
+        }
+        let main = typed::encode(kind, self.expires_at_ms, &payload);
+        changes.commit(self.engine, self.key, id, Some(main), reserved)
+    }
+
+    /// Spreads an inline value grown past the limits over enough buckets
+    /// for about half the load that splits one, under an id of its own.
+    fn page_out(&mut self) -> CommandResult<()> {
+        let entries = std::mem::take(&mut self.bucket(0)?.entries);
+        self.paged_id = Some(rand::random());
+        self.level = 0;
+        while (1u64 << self.level) * BUCKET_LOAD / 2 < entries.len() as u64 {
+            self.level += 1;
+        }
+        self.split = 0;
+        self.buckets.clear();
+        for entry in entries {
+            let bucket = self.buckets.entry(self.bucket_of(&entry.0)).or_default();
+            bucket.entries.push(entry);
+            bucket.dirty = true;
+        }
+        Ok(())
+    }
+}
+
+/// Writes `entries` as the value at `key` in place of what `key` held
+/// (STORE forms, COPY, RENAME), with `expires_at_ms`; none deletes `key`.
+pub fn store(
+    layout: Layout,
+    engine: &dyn Engine,
+    key: &[u8],
+    entries: impl IntoIterator<Item = (Bytes, Bytes)>,
+    expires_at_ms: Option<u64>,
+    now_ms: u64,
+    reserved: &ReservedEntries,
+) -> CommandResult<u64> {
+    engine.delete(key)?;
+    let mut value = Hashed::open_or_new(layout, engine, key, now_ms)?;
+    value.expires_at_ms = expires_at_ms;
+    for (field, entry) in entries {
+        value.insert(&field, entry)?;
+    }
+    let len = value.len();
+    value.changed = true;
+    value.commit(reserved)?;
+    Ok(len)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collection::{for_each_reserved, is_orphan};
+    use proptest::prelude::*;
+    use rand::{Rng, SeedableRng};
+    use std::collections::BTreeMap;
+    use tessera_engine::MemoryEngine;
+
+    proptest! {
+        /// Bytes that are not what Tessera wrote are an error, not a panic.
+        #[test]
+        fn corrupt_inline_values_are_errors_not_panics(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let engine = MemoryEngine::new();
+            for (layout, marker) in [(Layout::Set, &[SET_INLINE][..]), (Layout::Hash, &[][..])] {
+                engine.put(b"k", typed::encode(layout.kind(), None, &[marker, &bytes].concat())).unwrap();
+                if let Ok(Some(mut value)) = Hashed::open(layout, &engine, b"k", 0) {
+                    let _ = value.entries();
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn changes_match_a_model_through_paging_and_splits() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = tessera_engine::LogEngine::open(dir.path(), Default::default()).unwrap();
+        let engines: [&dyn Engine; 2] = [&MemoryEngine::new(), &log];
+        for (engine, layout) in engines.into_iter().zip([Layout::Set, Layout::Hash]) {
+            let reserved = ReservedEntries::default();
+            let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+            let mut model = BTreeMap::new();
+            for round in 0..300 {
+                let mut value = Hashed::open_or_new(layout, engine, b"s", 0).unwrap();
+                for _ in 0..rng.gen_range(1..80) {
+                    let field = format!("m{}", rng.gen_range(0..5000)).into_bytes();
+                    let entry = match layout {
+                        Layout::Set => Bytes::new(),
+                        Layout::Hash => Bytes::from(format!("v{}", rng.gen_range(0..3))),
+                    };
+                    if rng.gen_bool(if round < 200 { 0.85 } else { 0.2 }) {
+                        let new = model.insert(field.clone(), entry.clone()).is_none();
+                        assert_eq!(value.insert(&field, entry).unwrap(), new);
+                    } else {
+                        assert_eq!(value.remove(&field).unwrap(), model.remove(&field).is_some());
+                    }
+                }
+                value.commit(&reserved).unwrap();
+                let mut value = match Hashed::open(layout, engine, b"s", 0).unwrap() {
+                    Some(value) => value,
+                    None => {
+                        assert!(model.is_empty());
+                        continue;
+                    }
+                };
+                assert_eq!(value.len(), model.len() as u64);
+                let entries: BTreeMap<Vec<u8>, Bytes> = value
+                    .entries()
+                    .unwrap()
+                    .into_iter()
+                    .map(|(field, entry)| (field.to_vec(), entry))
+                    .collect();
+                assert_eq!(entries, model);
+                let probe = format!("m{}", rng.gen_range(0..5000)).into_bytes();
+                assert_eq!(value.get(&probe).unwrap().as_ref(), model.get(&probe));
+                if round == 199 {
+                    assert!(value.bucket_count() > 16, "the value spread over buckets");
+                    let mut live = 0;
+                    for_each_reserved(engine, |entry, _| {
+                        live += u32::from(!is_orphan(engine, entry, 0).unwrap())
+                    })
+                    .unwrap();
+                    assert!(live as u64 <= value.bucket_count());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn an_add_to_a_large_set_reads_one_bucket() {
+        let engine = MemoryEngine::new();
+        let reserved = ReservedEntries::default();
+        let members = (0..50_000).map(|n| (Bytes::from(format!("{n}")), Bytes::new()));
+        store(Layout::Set, &engine, b"s", members, None, 0, &reserved).unwrap();
+        let mut set = Hashed::open(Layout::Set, &engine, b"s", 0).unwrap().unwrap();
+        assert!(set.add(b"new member").unwrap());
+        assert!(set.buckets.len() <= 3, "one bucket, and two more if it split one");
+    }
+
+    #[test]
+    fn inline_hashes_keep_the_format_and_order_they_always_had() {
+        let engine = MemoryEngine::new();
+        // field_len u32 LE | field | value_len u32 LE | value, in insertion order.
+        let old = b"\x01\x00\x00\x00b\x01\x00\x00\x001\x01\x00\x00\x00a\x01\x00\x00\x002";
+        engine.put(b"h", typed::encode(Kind::Hash, None, old)).unwrap();
+        let mut hash = Hashed::open(Layout::Hash, &engine, b"h", 0).unwrap().unwrap();
+        hash.insert(b"c", Bytes::from("3")).unwrap();
+        hash.commit(&ReservedEntries::default()).unwrap();
+        let mut hash = Hashed::open(Layout::Hash, &engine, b"h", 0).unwrap().unwrap();
+        let fields: Vec<Bytes> = hash.entries().unwrap().into_iter().map(|(field, _)| field).collect();
+        assert_eq!(fields, ["b", "a", "c"]);
+    }
+}
