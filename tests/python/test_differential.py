@@ -1,5 +1,6 @@
 """Differential testing against a real Redis: seeded random sequences of the
-commands Tessera serves (strings, keys, hashes, sorted sets, lists, sets, mixed on a few
+commands Tessera serves (strings, keys, hashes, sorted sets, lists, sets, and
+transactions around them, mixed on a few
 keys so that types collide) go to a Tessera node and to Debian's
 redis-server, and every reply and the final state must be the same,
 errors included (wrong type, wrong arity, syntax, not an integer).
@@ -222,7 +223,13 @@ def sets(rng, key):
     ])
 
 
-FAMILIES = [strings, keyspace, hashes, sorted_sets, lists, sets]
+def transactions(rng, key):
+    return rng.choice([
+        ["MULTI"], ["MULTI"], ["EXEC"], ["EXEC"], ["DISCARD"], ["WATCH", key, rng.choice(KEYS)], ["UNWATCH"],
+    ])
+
+
+FAMILIES = [strings, keyspace, hashes, sorted_sets, lists, sets, transactions]
 
 
 def random_command(rng):
@@ -233,12 +240,25 @@ def random_command(rng):
     return [str(arg) for arg in command]
 
 
-def reply_of(client, command):
+def reply_of(client, command, queued=None):
+    """The reply to `command`, in a form both servers must agree on. For
+    EXEC, `queued` lists the commands the transaction queued, and each of
+    their replies is put in that form too."""
     try:
         reply = client.execute_command(*command)
     except redis.ResponseError as error:
         return ("error", str(error))
+    return comparable(command, reply, queued)
+
+
+def comparable(command, reply, queued=None):
+    if isinstance(reply, redis.ResponseError):
+        return ("error", str(reply))
+    if reply == b"QUEUED":
+        return reply  # answered for the command, which runs at EXEC
     name = command[0].upper()
+    if name == "EXEC" and isinstance(reply, list) and queued is not None:
+        return [comparable(inner, inner_reply) for inner, inner_reply in zip(queued, reply)]
     if name == "KEYS" and isinstance(reply, list):
         return sorted(reply)
     if name in ("TTL", "PTTL", "EXPIRETIME", "PEXPIRETIME") and isinstance(reply, int):
@@ -289,12 +309,32 @@ def test_random_sequences_match_redis(both):
     for seed in range(FIRST_SEED, FIRST_SEED + SEQUENCES):
         rng = random.Random(seed)
         for client in (ours, theirs):
-            client.execute_command("FLUSHALL")
+            reset(client)
+        queued = None  # the commands queued since MULTI
         for step in range(COMMANDS_PER_SEQUENCE):
             command = random_command(rng)
-            expected, got = reply_of(theirs, command), reply_of(ours, command)
+            expected = reply_of(theirs, command, queued)
+            got = reply_of(ours, command, queued)
             assert got == expected, f"seed {seed} step {step}: {command}: Tessera {got!r}, Redis {expected!r}"
+            name = command[0].upper()
+            if name == "MULTI" and expected == b"OK":
+                queued = []
+            elif name in ("EXEC", "DISCARD") and not (isinstance(expected, tuple) and "without MULTI" in expected[1]):
+                queued = None
+            elif queued is not None and expected == b"QUEUED":
+                queued.append(command)
+        for client in (ours, theirs):
+            reset(client)
         assert state_of(ours) == state_of(theirs), f"seed {seed}: final state"
+
+
+def reset(client):
+    """Out of any transaction, no key watched, no key."""
+    for command in (["DISCARD"], ["UNWATCH"], ["FLUSHALL"]):
+        try:
+            client.execute_command(*command)
+        except redis.ResponseError:
+            pass
 
 
 def test_the_generator_reaches_every_family_and_error_kind(both):
@@ -312,7 +352,7 @@ def test_the_generator_reaches_every_family_and_error_kind(both):
             for kind in ("WRONGTYPE", "wrong number of arguments", "syntax error", "not an integer"):
                 if kind in message:
                     seen.add(kind)
-    for expected in ("SET", "EXPIRE", "HSET", "ZADD", "LPUSH", "BLPOP", "SADD", "SINTERSTORE", "WRONGTYPE", "wrong number of arguments",
+    for expected in ("SET", "EXPIRE", "HSET", "ZADD", "LPUSH", "BLPOP", "SADD", "SINTERSTORE", "MULTI", "WRONGTYPE", "wrong number of arguments",
                      "syntax error", "not an integer"):
         assert expected in seen, expected
 

@@ -17,6 +17,7 @@ use tessera_engine::{reserved, Engine, EngineSpec, KeyRange, ScanCursor};
 use crate::acl::{Acl, CommandCatalog};
 use crate::blocking::Waiters;
 use crate::collection;
+use crate::commands::transactions::KeyVersions;
 use crate::config::Config;
 use crate::error::{CommandError, CommandResult};
 use crate::memory::{used_memory, AccessClock, EvictionPolicy};
@@ -24,6 +25,7 @@ use crate::tables::{Catalogue, Table, TableDef, TableError, TableSet};
 use crate::typed::{decode_header, Stored};
 
 const LOCK_STRIPES: usize = 1024;
+
 /// SCAN cursors kept before the oldest are forgotten.
 const SCAN_CURSORS_MAX: usize = 100_000;
 /// Samples in a row that may find nothing to evict before a write is refused.
@@ -91,6 +93,8 @@ pub struct NodeState {
     scan_cursors: Mutex<ScanCursors>,
     /// Where the expiry sweeper stopped in each table.
     sweep_positions: Mutex<HashMap<String, ScanCursor>>,
+    /// WATCH's versions, moved by every write to the tables' engines.
+    pub versions: Arc<KeyVersions>,
     /// Clients blocked in BLPOP and its kin.
     pub waiters: Arc<Waiters>,
     /// Where RANDOMKEY's last sample stopped in each table.
@@ -160,7 +164,8 @@ impl NodeState {
         let mut remote_allowed = config.redis_engine_allow.clone();
         let default_spec = EngineSpec::new(config.engine.parse()?, config.engine_options.clone())?;
         remote_allowed.extend(default_spec.remote_database().map(|(address, _)| address));
-        let catalogue = Catalogue::new(&config.dir, remote_allowed);
+        let versions = Arc::new(KeyVersions::default());
+        let catalogue = Catalogue::new(&config.dir, remote_allowed, versions.clone());
         let tables = catalogue.load(&config.engine, &config.engine_options)?;
         let acl = Acl::open(&config.dir, config.password.as_deref(), commands)?;
         Ok(Self {
@@ -173,6 +178,7 @@ impl NodeState {
             stripes: (0..LOCK_STRIPES).map(|_| Mutex::new(())).collect(),
             scan_cursors: Mutex::new(ScanCursors::default()),
             sweep_positions: Mutex::new(HashMap::new()),
+            versions,
             waiters: Arc::new(Waiters::default()),
             random_key_positions: Mutex::new(HashMap::new()),
             eviction_position: Mutex::new((0, ScanCursor::default())),

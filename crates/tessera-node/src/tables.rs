@@ -12,6 +12,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use tessera_engine::{Engine, EngineError, EngineKind, EngineSpec};
 
+use crate::commands::transactions::{KeyVersions, Touching};
 use crate::typed::ReservedEntries;
 pub use tessera_wire::prefix::{escape_prefix, unescape_prefix, valid_table_name};
 
@@ -111,11 +112,13 @@ pub struct Catalogue {
     dir: PathBuf,
     /// Where a table on the `redis` engine may connect (`host:port`).
     remote_allowed: Vec<String>,
+    /// WATCH's versions, which every table's writes move.
+    versions: Arc<KeyVersions>,
 }
 
 impl Catalogue {
-    pub fn new(dir: &Path, remote_allowed: Vec<String>) -> Self {
-        Self { dir: dir.to_path_buf(), remote_allowed }
+    pub fn new(dir: &Path, remote_allowed: Vec<String>, versions: Arc<KeyVersions>) -> Self {
+        Self { dir: dir.to_path_buf(), remote_allowed, versions }
     }
 
     fn catalog_path(&self) -> PathBuf {
@@ -181,7 +184,13 @@ impl Catalogue {
         let reserved = crate::collection::recover(engine.as_ref()).map_err(|error| {
             TableError::Catalog(self.catalog_path(), format!("table '{}': {error}", def.name))
         })?;
-        Ok(Table { prefix: Bytes::from(prefix), spec, engine, def, reserved: ReservedEntries::new(reserved) })
+        Ok(Table {
+            prefix: Bytes::from(prefix),
+            spec,
+            engine: Arc::new(Touching::new(engine, self.versions.clone())),
+            def,
+            reserved: ReservedEntries::new(reserved),
+        })
     }
 
     fn save(&self, defs: &[TableDef]) -> Result<(), TableError> {

@@ -16,6 +16,7 @@ use super::forward::Forwarder;
 use super::placement::Placement;
 use super::ClusterNode;
 use crate::commands::consistency::{level_got, parse_level, wrapped_read};
+use crate::commands::transactions::{self, Touching};
 use crate::commands::{admit, dispatch, dispatch_admitted, is, lookup, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 
@@ -50,8 +51,25 @@ pub async fn serve(
     // Checked here, before the request goes anywhere: the coordinator, the
     // shards this node heads, or another node (which runs what a relay sends).
     if let Err(error) = admit(context, spec, request) {
+        transactions::refuse(context);
         error.write(context.out);
         return None;
+    }
+    if transactions::queue(context, spec, request) {
+        return None;
+    }
+    if spec.name == "exec" {
+        // Run where the queued commands' keys live, as one command.
+        let Some(transaction) = &context.session.transaction else {
+            dispatch_admitted(context, spec, request); // EXEC without MULTI
+            return None;
+        };
+        let keys = transaction.keys();
+        let held = serve_keyed(cluster, context, spec, request, raw, forwarder, Some(keys)).await;
+        // Not run (MOVED, CROSSSLOT, a shard settling): the transaction is gone.
+        context.session.transaction = None;
+        context.session.watched = None;
+        return held;
     }
     match spec.scope {
         Scope::TableRange => serve_table_range(cluster, context, request, forwarder).await,
@@ -61,7 +79,7 @@ pub async fn serve(
         Scope::NodeWide => serve_node_wide(cluster, context, spec, request),
         Scope::Flush => return serve_flush(cluster, context, request),
         Scope::Keys | Scope::WrappedRead => {
-            return serve_keyed(cluster, context, spec, request, raw, forwarder).await
+            return serve_keyed(cluster, context, spec, request, raw, forwarder, None).await
         }
     }
     None
@@ -183,7 +201,7 @@ fn serve_flush(cluster: &ClusterNode, context: &mut Context<'_>, request: &Reque
 
 /// A command served where its keys live. CONSISTENCY.READ level read is
 /// placed and run as the read it wraps, its reply preceded by the level it
-/// got.
+/// got. EXEC comes with its transaction's keys and whether it writes.
 async fn serve_keyed(
     cluster: &ClusterNode,
     context: &mut Context<'_>,
@@ -191,6 +209,7 @@ async fn serve_keyed(
     request: &Request<'_>,
     raw: &[u8],
     forwarder: &mut Forwarder,
+    transaction: Option<(Vec<Bytes>, bool)>,
 ) -> Option<Held> {
     let wrapped = if spec.scope == Scope::WrappedRead {
         match parse_level(request.arg(1)).and_then(|strong| Ok((strong, wrapped_read(request)?))) {
@@ -212,7 +231,7 @@ async fn serve_keyed(
             (*inner_spec, inner, false, *strong)
         }
         None => {
-            let write = spec.flags.contains(&"write");
+            let write = transaction.as_ref().map_or(spec.flags.contains(&"write"), |(_, write)| *write);
             (spec, request, write, write || !context.session.readonly)
         }
     };
@@ -260,11 +279,24 @@ async fn serve_keyed(
             CommandError::Moved { slot, address }.write(context.out);
             None
         }
+        Placement::Elsewhere { .. } if transaction.is_some() => {
+            CommandError::Other(
+                "this transaction's keys are served by another node: run it there, or with a cluster client"
+                    .into(),
+            )
+            .write(context.out);
+            None
+        }
         Placement::Elsewhere { head, .. } => {
             match forwarder.forward(&cluster.agent, head.address, raw).await {
                 Ok(reply) => context.out.raw(&reply),
                 Err(error) => error.write(context.out),
             }
+            None
+        }
+        Placement::Quorum { .. } if transaction.is_some() => {
+            CommandError::Other("transactions are not served on active-active strong tables yet".into())
+                .write(context.out);
             None
         }
         Placement::Quorum { shard, engine } => {
@@ -282,7 +314,8 @@ async fn serve_keyed(
             let start = context.out.len();
             level_header(context.out);
             let mut waits: Vec<Completion> = barrier.into_iter().collect();
-            let view = CapturingView::new(engine);
+            let touching = Touching::new(Arc::new(CapturingView::new(engine)), context.node.versions.clone());
+            let view = touching.inner();
             {
                 // A strong request sees the keys' newest writes, so it must
                 // wait for those still in flight; its own writes are handed to
@@ -291,7 +324,7 @@ async fn serve_keyed(
                 if strong {
                     waits.extend(cluster.agent.in_flight(shard, keys()));
                 }
-                dispatch_admitted(&mut context.over(&view, strong), spec, request);
+                dispatch_admitted(&mut context.over(&touching, strong), spec, request);
                 let writes = view.take();
                 if write && !writes.is_empty() {
                     let operations = writes

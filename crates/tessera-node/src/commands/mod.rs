@@ -13,6 +13,7 @@ mod sets;
 mod sorted_sets;
 mod strings;
 pub mod tables;
+pub mod transactions;
 
 use std::sync::{Arc, OnceLock};
 
@@ -65,6 +66,10 @@ pub struct Session {
     /// A blocking command (BLPOP …) that found nothing: the connection waits
     /// and runs it again.
     pub blocked: Option<crate::blocking::Blocked>,
+    /// Since MULTI: the commands EXEC will run.
+    pub transaction: Option<transactions::Transaction>,
+    /// Since WATCH: the keys whose change makes EXEC abort.
+    pub watched: Option<transactions::Watched>,
 }
 
 /// A user's permissions as a connection checks them.
@@ -245,7 +250,7 @@ fn table() -> &'static HashMap<&'static [u8], &'static CommandSpec> {
 
 /// The commands, by family: the family is a command's ACL category beside
 /// those its flags give (`@string`, `@hash`, … as Redis names them).
-const FAMILIES: [(&str, &[CommandSpec]); 12] = [
+const FAMILIES: [(&str, &[CommandSpec]); 13] = [
     ("connection", connection::COMMANDS),
     ("tessera", consistency::COMMANDS),
     ("cluster", cluster::COMMANDS),
@@ -256,6 +261,7 @@ const FAMILIES: [(&str, &[CommandSpec]); 12] = [
     ("set", sets::COMMANDS),
     ("sortedset", sorted_sets::COMMANDS),
     ("server", server::COMMANDS),
+    ("transaction", transactions::COMMANDS),
     ("tessera", tables::COMMANDS),
     ("admin", acl::COMMANDS),
 ];
@@ -301,6 +307,22 @@ fn answer(context: &mut Context, run: impl FnOnce(&mut Context) -> CommandResult
 }
 
 fn run(context: &mut Context, request: &Request) -> CommandResult {
+    let spec = match check(context, request) {
+        Ok(spec) => spec,
+        Err(error) => {
+            transactions::refuse(context);
+            return Err(error);
+        }
+    };
+    if transactions::queue(context, spec, request) {
+        return Ok(());
+    }
+    execute(context, spec, request)
+}
+
+/// Looks a request's command up and checks that the connection may run it:
+/// logged in, the right arity, [`admit`]ted.
+fn check(context: &mut Context, request: &Request) -> CommandResult<&'static CommandSpec> {
     let name = request.arg(0);
     let Some(spec) = lookup(name) else {
         let arguments: Vec<String> =
@@ -317,7 +339,7 @@ fn run(context: &mut Context, request: &Request) -> CommandResult {
         return Err(CommandError::WrongArity(spec.name.into()));
     }
     admit(context, spec, request)?;
-    execute(context, spec, request)
+    Ok(spec)
 }
 
 /// Runs an admitted request: room for what it may write, then its handler.

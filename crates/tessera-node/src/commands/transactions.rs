@@ -1,0 +1,326 @@
+//! MULTI / EXEC / DISCARD / WATCH / UNWATCH, as Redis has them.
+//!
+//! Between MULTI and EXEC a connection's commands are queued ([`queue`]), not
+//! run; a command refused on the way in (unknown, wrong arity, no
+//! permission) makes EXEC abort. EXEC takes the locks of every key of every
+//! queued command at once (every key's, if one of them flushes) and runs
+//! them back to back, so no other client's command comes between them.
+//! WATCH notes a version per key, and EXEC answers nil without running
+//! anything if one moved. Every write that reaches a table's engine moves
+//! its key's version ([`Touching`]), while the writer holds the key's lock, so an EXEC that holds the
+//! locks and finds the versions unmoved knows no write came between. As in
+//! Redis, a command that changes nothing (HDEL of a missing field) moves
+//! nothing. Versions are kept per stripe of keys, so a write to another key
+//! of the same stripe (one in 65,536) aborts an EXEC that need not have.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tessera_engine::{reserved, Capabilities, Engine, KeyRange, ScanCursor, ScanPage};
+use tessera_wire::Request;
+
+use super::{execute, CommandSpec, Context, Scope};
+use crate::error::{CommandError, CommandResult};
+
+/// Stripes of WATCH's key versions.
+const VERSION_STRIPES: usize = 1 << 16;
+
+/// WATCH's versions: one per stripe of keys, and one moved by every flush.
+pub struct KeyVersions {
+    stripes: Box<[AtomicU64]>,
+    flushes: AtomicU64,
+}
+
+impl Default for KeyVersions {
+    fn default() -> Self {
+        Self {
+            stripes: (0..VERSION_STRIPES).map(|_| AtomicU64::new(0)).collect(),
+            flushes: AtomicU64::new(0),
+        }
+    }
+}
+
+impl KeyVersions {
+    fn stripe(key: &[u8]) -> usize {
+        let hash = key
+            .iter()
+            .fold(0xcbf2_9ce4_8422_2325u64, |hash, &byte| (hash ^ byte as u64).wrapping_mul(0x100_0000_01b3));
+        (hash as usize) % VERSION_STRIPES
+    }
+
+    fn version(&self, stripe: usize) -> u64 {
+        self.stripes[stripe].load(Ordering::SeqCst)
+    }
+
+    /// A collection's own entries move nothing: every change to them writes
+    /// the value at its key too, and the sweep's removal of a replaced
+    /// collection's entries changes no key.
+    fn moved(&self, key: &[u8]) {
+        if !reserved::is_reserved(key) {
+            self.stripes[Self::stripe(key)].fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn flushes(&self) -> u64 {
+        self.flushes.load(Ordering::SeqCst)
+    }
+}
+
+/// An engine whose writes move their keys' versions (a table's engine on a
+/// node; a shard's view on a cluster node, while a command runs on it).
+pub struct Touching<E: ?Sized> {
+    inner: Arc<E>,
+    versions: Arc<KeyVersions>,
+}
+
+impl<E: ?Sized> Touching<E> {
+    pub fn new(inner: Arc<E>, versions: Arc<KeyVersions>) -> Self {
+        Self { inner, versions }
+    }
+
+    pub fn inner(&self) -> &E {
+        &self.inner
+    }
+}
+
+impl<E: Engine + ?Sized> Engine for Touching<E> {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+
+    fn get(&self, key: &[u8]) -> tessera_engine::Result<Option<Bytes>> {
+        self.inner.get(key)
+    }
+
+    fn get_with(&self, key: &[u8], visit: &mut dyn FnMut(Option<&[u8]>)) -> tessera_engine::Result<()> {
+        self.inner.get_with(key, visit)
+    }
+
+    fn put(&self, key: &[u8], value: Bytes) -> tessera_engine::Result<()> {
+        self.versions.moved(key);
+        self.inner.put(key, value)
+    }
+
+    fn delete(&self, key: &[u8]) -> tessera_engine::Result<bool> {
+        let deleted = self.inner.delete(key)?;
+        if deleted {
+            self.versions.moved(key);
+        }
+        Ok(deleted)
+    }
+
+    fn scan(&self, range: &KeyRange, cursor: &ScanCursor, limit: usize) -> tessera_engine::Result<ScanPage> {
+        self.inner.scan(range, cursor, limit)
+    }
+
+    fn len(&self) -> tessera_engine::Result<u64> {
+        self.inner.len()
+    }
+
+    fn clear(&self) -> tessera_engine::Result<()> {
+        self.versions.flushes.fetch_add(1, Ordering::SeqCst);
+        self.inner.clear()
+    }
+
+    fn flush(&self) -> tessera_engine::Result<()> {
+        self.inner.flush()
+    }
+
+    fn get_many(&self, keys: &[&[u8]]) -> tessera_engine::Result<Vec<Option<Bytes>>> {
+        self.inner.get_many(keys)
+    }
+
+    fn put_many(&self, entries: &[(&[u8], Bytes)]) -> tessera_engine::Result<()> {
+        for (key, _) in entries {
+            self.versions.moved(key);
+        }
+        self.inner.put_many(entries)
+    }
+}
+
+#[rustfmt::skip]
+pub const COMMANDS: &[CommandSpec] = &[
+    CommandSpec { name: "multi", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: multi },
+    CommandSpec { name: "exec", arity: 1, flags: &[], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: exec },
+    CommandSpec { name: "discard", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: discard },
+    CommandSpec { name: "watch", arity: -2, flags: &["fast"], first_key: 1, last_key: -1, step: 1, scope: Scope::Keys, handler: watch },
+    CommandSpec { name: "unwatch", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: unwatch },
+];
+
+/// Commands queued since MULTI, each with its own copy of its arguments.
+#[derive(Debug, Default)]
+pub struct Transaction {
+    queued: Vec<Queued>,
+    /// A command was refused while queueing: EXEC aborts.
+    refused: bool,
+}
+
+struct Queued {
+    spec: &'static CommandSpec,
+    bytes: Vec<u8>,
+    ranges: Vec<Range<usize>>,
+}
+
+impl std::fmt::Debug for Queued {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.debug_struct("Queued").field("command", &self.spec.name).finish()
+    }
+}
+
+impl Queued {
+    fn new(spec: &'static CommandSpec, request: &Request) -> Self {
+        let mut bytes = Vec::new();
+        let mut ranges = Vec::with_capacity(request.len());
+        for arg in request.args() {
+            ranges.push(bytes.len()..bytes.len() + arg.len());
+            bytes.extend_from_slice(arg);
+        }
+        Self { spec, bytes, ranges }
+    }
+
+    fn request(&self) -> Request<'_> {
+        Request::new(&self.bytes, &self.ranges)
+    }
+}
+
+/// The versions of the keys WATCH named, as they were then.
+#[derive(Debug, Default)]
+pub struct Watched {
+    versions: Vec<(usize, u64)>,
+    flushes: u64,
+}
+
+/// The commands a connection in MULTI runs at once rather than queueing.
+fn runs_in_multi(name: &str) -> bool {
+    matches!(name, "exec" | "discard" | "multi" | "watch" | "quit" | "reset")
+}
+
+/// In MULTI: queues the request (admitted, of the right arity) and answers
+/// QUEUED; `false` when the command runs now instead.
+pub fn queue(context: &mut Context, spec: &'static CommandSpec, request: &Request) -> bool {
+    let Some(transaction) = context.session.transaction.as_mut() else { return false };
+    if runs_in_multi(spec.name) {
+        return false;
+    }
+    transaction.queued.push(Queued::new(spec, request));
+    context.out.simple("QUEUED");
+    true
+}
+
+impl Transaction {
+    /// Every key the queued commands name, and whether any of them writes:
+    /// where a cluster node runs EXEC.
+    pub fn keys(&self) -> (Vec<Bytes>, bool) {
+        let mut keys = Vec::new();
+        for queued in &self.queued {
+            let request = queued.request();
+            let positions = queued.spec.key_positions(request.len(), |index| request.arg(index));
+            keys.extend(positions.map(|index| Bytes::copy_from_slice(request.arg(index))));
+        }
+        let write = self.queued.iter().any(|queued| queued.spec.flags.contains(&"write"));
+        (keys, write)
+    }
+}
+
+/// In MULTI: a command was refused before it could be queued.
+pub fn refuse(context: &mut Context) {
+    if let Some(transaction) = context.session.transaction.as_mut() {
+        transaction.refused = true;
+    }
+}
+
+fn multi(context: &mut Context, _request: &Request) -> CommandResult {
+    if context.session.transaction.is_some() {
+        return Err(CommandError::Other("MULTI calls can not be nested".into()));
+    }
+    context.session.transaction = Some(Transaction::default());
+    context.out.ok();
+    Ok(())
+}
+
+fn discard(context: &mut Context, _request: &Request) -> CommandResult {
+    if context.session.transaction.take().is_none() {
+        return Err(CommandError::Other("DISCARD without MULTI".into()));
+    }
+    context.session.watched = None;
+    context.out.ok();
+    Ok(())
+}
+
+fn watch(context: &mut Context, request: &Request) -> CommandResult {
+    if context.session.transaction.is_some() {
+        return Err(CommandError::Other("WATCH inside MULTI is not allowed".into()));
+    }
+    let versions = &context.node.versions;
+    let watched = context
+        .session
+        .watched
+        .get_or_insert_with(|| Watched { versions: Vec::new(), flushes: versions.flushes() });
+    for key in request.args().skip(1) {
+        let stripe = KeyVersions::stripe(key);
+        watched.versions.push((stripe, versions.version(stripe)));
+    }
+    context.out.ok();
+    Ok(())
+}
+
+fn unwatch(context: &mut Context, _request: &Request) -> CommandResult {
+    context.session.watched = None;
+    context.out.ok();
+    Ok(())
+}
+
+fn exec(context: &mut Context, _request: &Request) -> CommandResult {
+    let Some(transaction) = context.session.transaction.take() else {
+        return Err(CommandError::Other("EXEC without MULTI".into()));
+    };
+    let watched = context.session.watched.take();
+    if transaction.refused {
+        return Err(CommandError::ExecAbort);
+    }
+    let requests: Vec<(&CommandSpec, Request)> =
+        transaction.queued.iter().map(|queued| (queued.spec, queued.request())).collect();
+    let node = context.node;
+    let _locks = if context.locks_held {
+        Vec::new()
+    } else if requests.iter().any(|(spec, _)| spec.scope == Scope::Flush) {
+        node.lock_all()
+    } else {
+        node.lock_keys(
+            requests
+                .iter()
+                .flat_map(|(spec, request)| {
+                    spec.key_positions(request.len(), |index| request.arg(index))
+                        .map(|index| request.arg(index))
+                })
+                .collect::<Vec<_>>()
+                .into_iter(),
+        )
+    };
+    if let Some(watched) = watched {
+        let versions = &node.versions;
+        let moved = watched.flushes != versions.flushes()
+            || watched.versions.iter().any(|&(stripe, version)| versions.version(stripe) != version);
+        if moved {
+            context.out.null_array();
+            return Ok(());
+        }
+    }
+    context.out.array(requests.len());
+    let locks_held = std::mem::replace(&mut context.locks_held, true);
+    for (spec, request) in &requests {
+        super::answer(context, |context| execute(context, spec, request));
+        if context.session.blocked.take().is_some() {
+            // A blocking command in a transaction does not wait, as in Redis.
+            context.out.null_array();
+        }
+    }
+    context.locks_held = locks_held;
+    Ok(())
+}
