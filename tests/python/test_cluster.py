@@ -1410,3 +1410,52 @@ def test_a_job_queue_on_lists_serves_each_job_once_across_a_cluster(cluster_fact
     producer.lmove("{log}long", "{log}done", "LEFT", "RIGHT")
     assert producer.lrange("{log}long", 0, -1) == jobs[1:]
     assert producer.lrange("{log}done", 0, -1) == jobs[:1]
+
+
+def test_transactions_run_whole_on_the_slots_head_and_refuse_two_slots(cluster_factory):
+    """Transfers between two accounts of one slot, by clients on the slot's
+    head with WATCH and MULTI/EXEC, keep the total; a transaction over two
+    slots is refused with CROSSSLOT; EXEC's writes reach the replicas."""
+    cluster = cluster_factory("strong", nodes=3)
+    client = cluster.client(socket_timeout=10)
+    accounts = [f"{{bank}}account-{n}" for n in range(5)]
+    for account in accounts:
+        client.set(account, 1000)
+    slot = client.keyslot(accounts[0])
+    head = client.nodes_manager.get_node_from_slot(slot)
+    committed, lock = [0], threading.Lock()
+
+    def transfer(seed):
+        rng = random.Random(seed)
+        plain = redis.Redis(host=head.host, port=head.port, socket_timeout=10, protocol=2)
+        for _ in range(100):
+            source, target = rng.sample(accounts, 2)
+            with plain.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(source)
+                    amount = min(int(pipe.get(source)), rng.randint(1, 50))
+                    pipe.multi()
+                    pipe.decrby(source, amount)
+                    pipe.incrby(target, amount)
+                    pipe.execute()
+                    with lock:
+                        committed[0] += 1
+                except redis.WatchError:
+                    pass
+
+    threads = [threading.Thread(target=transfer, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert committed[0] > 50, committed
+    balances = [int(client.get(account)) for account in accounts]
+    assert sum(balances) == 5000 and balances != [1000] * 5, balances
+    plain = redis.Redis(host=head.host, port=head.port, socket_timeout=10, protocol=2)
+    plain.execute_command("MULTI")
+    plain.execute_command("SET", "{bank}x", "1")
+    plain.execute_command("SET", "{other}y", "2")
+    with pytest.raises(redis.ResponseError, match="same slot"):  # CROSSSLOT
+        plain.execute_command("EXEC")
+    assert plain.get("{bank}x") is None, "nothing of a refused transaction ran"
+    assert_replicas_converge(cluster, accounts)

@@ -241,8 +241,14 @@ async fn serve_keyed(
             out.bulk(level_got(Some(&cluster.membership), strong).as_bytes());
         }
     };
-    let keys =
-        || spec.key_positions(request.len(), |index| request.arg(index)).map(|index| request.arg(index));
+    let named: Vec<&[u8]> = match &transaction {
+        Some((keys, _)) => keys.iter().map(|key| &key[..]).collect(),
+        None => spec
+            .key_positions(request.len(), |index| request.arg(index))
+            .map(|index| request.arg(index))
+            .collect(),
+    };
+    let keys = || named.iter().copied();
     let placement = cluster.place_when_settled(keys, write, strong).await;
     if matches!(placement, Placement::Shard { .. } | Placement::Quorum { .. })
         && spec.flags.contains(&"denyoom")
