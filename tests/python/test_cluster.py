@@ -1459,3 +1459,26 @@ def test_transactions_run_whole_on_the_slots_head_and_refuse_two_slots(cluster_f
         plain.execute_command("EXEC")
     assert plain.get("{bank}x") is None, "nothing of a refused transaction ran"
     assert_replicas_converge(cluster, accounts)
+
+
+def test_publish_reaches_subscribers_on_every_node_and_shard_channels_their_slots_head(cluster_factory):
+    cluster = cluster_factory("strong", nodes=3)
+    subscribers = []
+    for node in range(3):
+        pubsub = redis.Redis(port=cluster.port(node), socket_timeout=5).pubsub()
+        pubsub.subscribe("announcements")
+        assert pubsub.get_message(timeout=5)["type"] == "subscribe"
+        subscribers.append(pubsub)
+    publisher = redis.Redis(port=cluster.port(1), socket_timeout=5)
+    assert publisher.publish("announcements", "hello") == 1, "a node counts its own subscribers, as in Redis Cluster"
+    for pubsub in subscribers:
+        message = pubsub.get_message(timeout=5)
+        assert message and message["data"] == b"hello", message
+    client = cluster.client(socket_timeout=5)
+    head = client.nodes_manager.get_node_from_slot(client.keyslot("orders"))
+    shard_subscriber = redis.Redis(host=head.host, port=head.port, socket_timeout=5).pubsub()
+    shard_subscriber.ssubscribe("orders")
+    assert shard_subscriber.get_sharded_message(timeout=5)["type"] == "ssubscribe"
+    assert client.spublish("orders", "order-1") == 1
+    message = shard_subscriber.get_sharded_message(timeout=5)
+    assert message and message["data"] == b"order-1", message

@@ -527,3 +527,73 @@ def test_large_hashes_match_redis(both):
             scans.append(sorted(found))
         assert scans[0] == scans[1]
         assert state_of(ours) == state_of(theirs), f"seed {seed}: final state"
+
+
+def raw_exchange(port, script):
+    """Sends each step's commands on its connection (0 subscribes, 1
+    publishes) and returns, per step, the bytes each connection received."""
+    connections = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+    received = []
+    for which, commands in script:
+        for command in commands:
+            connections[which].sendall(
+                b"*%d\r\n" % len(command) + b"".join(b"$%d\r\n%s\r\n" % (len(arg), arg) for arg in command))
+        time.sleep(0.05)
+        step = []
+        for connection in connections:
+            connection.settimeout(0.05)
+            data = b""
+            try:
+                while chunk := connection.recv(65536):
+                    data += chunk
+            except socket.timeout:
+                pass
+            step.append(data)
+        received.append(step)
+    for connection in connections:
+        connection.close()
+    return received
+
+
+def test_pubsub_replies_and_messages_match_redis(node, redis_server):
+    """Subscriptions, their confirmations, messages by channel and pattern,
+    the counts PUBLISH answers, what a subscribed RESP2 connection may send,
+    and PUBSUB's answers: the same bytes as Redis, in RESP2 and RESP3."""
+    script = [
+        (0, [[b"SUBSCRIBE", b"news", b"sport"], [b"PSUBSCRIBE", b"n*"]]),
+        (1, [[b"PUBLISH", b"news", b"hello"], [b"PUBLISH", b"sport", b""], [b"PUBLISH", b"none", b"x"]]),
+        (1, [[b"PUBSUB", b"NUMSUB", b"news", b"none"], [b"PUBSUB", b"NUMPAT"], [b"PUBSUB", b"CHANNELS", b"s*"]]),
+        (0, [[b"GET", b"k"], [b"PING"], [b"PING", b"hi"]]),
+        (0, [[b"UNSUBSCRIBE", b"news"], [b"PUNSUBSCRIBE"], [b"UNSUBSCRIBE"], [b"UNSUBSCRIBE"]]),
+        (1, [[b"PUBLISH", b"news", b"after"]]),
+        (0, [[b"PING"], [b"HELLO", b"3"]]),
+        (0, [[b"SUBSCRIBE", b"news"], [b"GET", b"k"]]),
+        (1, [[b"PUBLISH", b"news", b"in resp3"], [b"PUBSUB", b"NUMSUB"], [b"PUBSUB", b"NOPE"]]),
+    ]
+    ours, theirs = raw_exchange(node.port, script), raw_exchange(redis_server, script)
+    for step, (got, expected) in enumerate(zip(ours, theirs)):
+        if script[step][1][0][:2] == [b"HELLO", b"3"] or [b"HELLO", b"3"] in script[step][1]:
+            continue  # HELLO's reply describes each server
+        assert got == expected, f"step {step} {script[step]}: Tessera {got!r}, Redis {expected!r}"
+
+
+def test_a_slow_subscriber_is_closed_at_its_output_limit(tmp_path):
+    """A subscriber that does not read is disconnected once its queue passes
+    client-output-buffer-limit; the node and other clients carry on."""
+    node = Node(str(tmp_path), "--client-output-buffer-limit", str(1 << 20)).start()
+    try:
+        slow = socket.create_connection(("127.0.0.1", node.port))
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.sendall(b"*2\r\n$9\r\nSUBSCRIBE\r\n$4\r\nfeed\r\n")
+        time.sleep(0.2)
+        publisher = node.client()
+        payload = b"p" * 10_000
+        for _ in range(2000):  # 20 MB, far past the limit and the socket buffers
+            publisher.publish("feed", payload)
+        deadline = time.time() + 10
+        while publisher.pubsub_numsub("feed")[0][1] and time.time() < deadline:
+            time.sleep(0.1)
+        assert publisher.pubsub_numsub("feed")[0][1] == 0, "the slow subscriber was let go"
+        assert publisher.ping()
+    finally:
+        node.stop()

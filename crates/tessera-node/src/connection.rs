@@ -16,6 +16,7 @@ use crate::cluster::{serve, ClusterNode, Forwarder, Held};
 use crate::commands::{dispatch, Context, Session};
 use crate::error::CommandError;
 use crate::node_state::{now_ms, NodeState, WorkerStats};
+use crate::pubsub::{Message, Subscription};
 use crate::tables::TableSet;
 use crate::tls::ClientStream;
 
@@ -145,7 +146,14 @@ impl Connection {
             let read = match self.session.blocked.clone() {
                 None => tokio::select! {
                     read = self.stream.read_buf(&mut self.input) => Some(read),
-                    () = idle => {
+                    message = next_message(&mut self.session.subscription) => {
+                        if !self.write_messages(message).await {
+                            break;
+                        }
+                        continue;
+                    }
+                    // A subscriber waits for messages, however long.
+                    () = idle, if self.session.subscription.is_none() => {
                         tracing::debug!(client = self.session.id, "closing an idle client");
                         break;
                     }
@@ -199,6 +207,44 @@ impl Connection {
             }
         }
         let _ = self.stream.shutdown().await;
+    }
+
+    /// Writes `first` and every message queued behind it: false when the
+    /// connection must close (the client left, or its queue overflowed).
+    async fn write_messages(&mut self, first: Message) -> bool {
+        let mut next = Some(first);
+        while let Some(message) = next {
+            let out = &mut self.out;
+            let event: &[u8] = match (&message.pattern, message.shard) {
+                (Some(_), _) => b"pmessage",
+                (None, true) => b"smessage",
+                (None, false) => b"message",
+            };
+            out.push(if message.pattern.is_some() { 4 } else { 3 });
+            out.bulk(event);
+            if let Some(pattern) = &message.pattern {
+                out.bulk(pattern);
+            }
+            out.bulk(&message.channel);
+            out.bulk(&message.payload);
+            next = if out.len() < OUTPUT_FLUSH_BYTES {
+                self.session.subscription.as_mut().and_then(Subscription::try_next)
+            } else {
+                None
+            };
+        }
+        let Some(overflow) = self.session.subscription.as_ref().map(Subscription::overflow_signal) else {
+            return self.flush_output().await.is_ok();
+        };
+        let written = tokio::select! {
+            written = self.flush_output() => written.is_ok(),
+            () = overflow.notified() => false,
+        };
+        if self.session.subscription.as_ref().is_some_and(Subscription::overflowed) {
+            tracing::warn!(client = self.session.id, "closing a subscriber over its output buffer limit");
+            return false;
+        }
+        written
     }
 
     /// Whether the node's query buffers, this one's grown part included, are
@@ -348,6 +394,17 @@ impl Connection {
         self.out.clear();
         self.out.shrink_to(BUFFER_KEEP_BYTES);
         result
+    }
+}
+
+/// The subscription's next message; never, without one.
+async fn next_message(subscription: &mut Option<Subscription>) -> Message {
+    match subscription {
+        Some(subscription) => match subscription.next().await {
+            Some(message) => message,
+            None => std::future::pending().await,
+        },
+        None => std::future::pending().await,
     }
 }
 

@@ -21,6 +21,7 @@ pub mod long_double;
 pub mod membership;
 pub mod memory;
 pub mod node_state;
+pub mod pubsub;
 pub mod server;
 pub mod tables;
 pub mod tls;

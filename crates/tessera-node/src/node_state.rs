@@ -21,10 +21,14 @@ use crate::commands::transactions::KeyVersions;
 use crate::config::Config;
 use crate::error::{CommandError, CommandResult};
 use crate::memory::{used_memory, AccessClock, EvictionPolicy};
+use crate::pubsub::PubSub;
 use crate::tables::{Catalogue, Table, TableDef, TableError, TableSet};
 use crate::typed::{decode_header, Stored};
 
 const LOCK_STRIPES: usize = 1024;
+/// What a subscriber may have queued when `client_output_buffer_limit` sets
+/// no limit: Redis's default hard limit for pub/sub clients.
+const PUBSUB_OUTPUT_LIMIT_DEFAULT: usize = 32 << 20;
 
 /// SCAN cursors kept before the oldest are forgotten.
 const SCAN_CURSORS_MAX: usize = 100_000;
@@ -95,6 +99,8 @@ pub struct NodeState {
     sweep_positions: Mutex<HashMap<String, ScanCursor>>,
     /// WATCH's versions, moved by every write to the tables' engines.
     pub versions: Arc<KeyVersions>,
+    /// Subscribers to channels, patterns and shard channels.
+    pub pubsub: Arc<PubSub>,
     /// Clients blocked in BLPOP and its kin.
     pub waiters: Arc<Waiters>,
     /// Where RANDOMKEY's last sample stopped in each table.
@@ -165,6 +171,10 @@ impl NodeState {
         let default_spec = EngineSpec::new(config.engine.parse()?, config.engine_options.clone())?;
         remote_allowed.extend(default_spec.remote_database().map(|(address, _)| address));
         let versions = Arc::new(KeyVersions::default());
+        let pubsub = PubSub::new(match config.client_output_buffer_limit {
+            0 => PUBSUB_OUTPUT_LIMIT_DEFAULT,
+            limit => limit,
+        });
         let catalogue = Catalogue::new(&config.dir, remote_allowed, versions.clone());
         let tables = catalogue.load(&config.engine, &config.engine_options)?;
         let acl = Acl::open(&config.dir, config.password.as_deref(), commands)?;
@@ -179,6 +189,7 @@ impl NodeState {
             scan_cursors: Mutex::new(ScanCursors::default()),
             sweep_positions: Mutex::new(HashMap::new()),
             versions,
+            pubsub,
             waiters: Arc::new(Waiters::default()),
             random_key_positions: Mutex::new(HashMap::new()),
             eviction_position: Mutex::new((0, ScanCursor::default())),

@@ -174,6 +174,15 @@ impl ReplyWriter {
         }
     }
 
+    /// An out-of-band message of `length` parts (pub/sub): a push in RESP3,
+    /// an array in RESP2.
+    pub fn push(&mut self, length: usize) {
+        match self.protocol {
+            Protocol::Resp2 => self.number_line(b'*', length as i64),
+            Protocol::Resp3 => self.number_line(b'>', length as i64),
+        }
+    }
+
     pub fn set(&mut self, length: usize) {
         match self.protocol {
             Protocol::Resp2 => self.number_line(b'*', length as i64),

@@ -10,7 +10,7 @@ use tessera_cluster::agent::{outcome, Completion};
 use tessera_cluster::capture::CapturingView;
 use tessera_engine::Engine;
 use tessera_protocol::{ClientReply, Operation, Record, Write};
-use tessera_wire::{ReplyWriter, Request};
+use tessera_wire::{encode_command, ReplyWriter, Request};
 
 use super::forward::Forwarder;
 use super::placement::Placement;
@@ -58,6 +58,11 @@ pub async fn serve(
     if transactions::queue(context, spec, request) {
         return None;
     }
+    if spec.name == "publish" {
+        dispatch_admitted(context, spec, request);
+        publish_on_other_nodes(cluster, request, forwarder).await;
+        return None;
+    }
     if spec.name == "exec" {
         // Run where the queued commands' keys live, as one command.
         let Some(transaction) = &context.session.transaction else {
@@ -83,6 +88,21 @@ pub async fn serve(
         }
     }
     None
+}
+
+/// PUBLISH reaches the subscribers of every node: the others are sent it as
+/// RELAY.PUBLISH, which delivers only where it arrives. One node at a time,
+/// over this connection's forwarding links; a node that cannot be reached
+/// misses the message (pub/sub promises no delivery, in Redis either).
+async fn publish_on_other_nodes(cluster: &ClusterNode, request: &Request<'_>, forwarder: &mut Forwarder) {
+    let Some(routing) = cluster.agent.routing() else { return };
+    let mut relayed = Vec::new();
+    encode_command(&[&b"RELAY.PUBLISH"[..], request.arg(1), request.arg(2)], &mut relayed);
+    for node in routing.map.nodes.iter().filter(|node| node.id != cluster.agent.node_id()) {
+        if let Err(error) = forwarder.forward(&cluster.agent, node.address.clone(), &relayed).await {
+            tracing::debug!(node = node.id, %error, "a published message did not reach a node");
+        }
+    }
 }
 
 async fn serve_table_range(

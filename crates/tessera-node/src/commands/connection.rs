@@ -20,10 +20,18 @@ pub const COMMANDS: &[CommandSpec] = &[
 ];
 
 fn ping(context: &mut Context, request: &Request) -> CommandResult {
-    match request.len() {
-        1 => context.out.simple("PONG"),
-        2 => context.out.bulk(request.arg(1)),
-        _ => return Err(CommandError::WrongArity("ping".into())),
+    if request.len() > 2 {
+        return Err(CommandError::WrongArity("ping".into()));
+    }
+    if super::pubsub::in_subscribed_mode(context) {
+        // A subscribed RESP2 connection reads only arrays: Redis answers so.
+        context.out.array(2);
+        context.out.bulk(b"pong");
+        context.out.bulk(if request.len() == 2 { request.arg(1) } else { b"" });
+    } else if request.len() == 2 {
+        context.out.bulk(request.arg(1));
+    } else {
+        context.out.simple("PONG");
     }
     Ok(())
 }

@@ -8,6 +8,7 @@ pub mod consistency;
 mod hashes;
 pub mod keys;
 pub mod lists;
+pub mod pubsub;
 mod server;
 mod sets;
 mod sorted_sets;
@@ -70,6 +71,8 @@ pub struct Session {
     pub transaction: Option<transactions::Transaction>,
     /// Since WATCH: the keys whose change makes EXEC abort.
     pub watched: Option<transactions::Watched>,
+    /// Since SUBSCRIBE and its kin: the channels and the messages to write.
+    pub subscription: Option<crate::pubsub::Subscription>,
 }
 
 /// A user's permissions as a connection checks them.
@@ -250,7 +253,7 @@ fn table() -> &'static HashMap<&'static [u8], &'static CommandSpec> {
 
 /// The commands, by family: the family is a command's ACL category beside
 /// those its flags give (`@string`, `@hash`, … as Redis names them).
-const FAMILIES: [(&str, &[CommandSpec]); 13] = [
+const FAMILIES: [(&str, &[CommandSpec]); 14] = [
     ("connection", connection::COMMANDS),
     ("tessera", consistency::COMMANDS),
     ("cluster", cluster::COMMANDS),
@@ -262,6 +265,7 @@ const FAMILIES: [(&str, &[CommandSpec]); 13] = [
     ("sortedset", sorted_sets::COMMANDS),
     ("server", server::COMMANDS),
     ("transaction", transactions::COMMANDS),
+    ("pubsub", pubsub::COMMANDS),
     ("tessera", tables::COMMANDS),
     ("admin", acl::COMMANDS),
 ];
@@ -362,6 +366,12 @@ fn execute(context: &mut Context, spec: &CommandSpec, request: &Request) -> Comm
 /// key positions rely on): its user's permissions, and no reserved keys. A
 /// cluster node asks before it sends a request anywhere.
 pub fn admit(context: &mut Context, spec: &CommandSpec, request: &Request) -> CommandResult {
+    if pubsub::in_subscribed_mode(context) && !pubsub::allowed_while_subscribed(spec.name) {
+        return Err(CommandError::Other(format!(
+            "Can't execute '{}': only (P|S)SUBSCRIBE / (P|S)UNSUBSCRIBE / PING / QUIT / RESET are allowed in this context",
+            spec.name
+        )));
+    }
     if !spec.allowed_unauthenticated() {
         check_permissions(context, spec, request)?;
     }
