@@ -166,6 +166,14 @@ def sorted_sets(rng, key):
         ["ZRANGE", key, 0, -1, rng.choice(["WITHSCORES", "REV", "BYSCORE", "BADOPTION"])],
         ["ZRANGEBYSCORE", key, "-inf", "+inf", "LIMIT", rng.choice([0, 1, "x"]), 2],
         ["ZREVRANGEBYSCORE", key, "+inf", "-inf", "WITHSCORES"],
+        [rng.choice(["ZPOPMIN", "ZPOPMAX"]), key, *rng.choice([[], [2], [0], [-1], ["x"], [1, 2]])],
+        ["ZMPOP", rng.choice([1, 2, 0, "x"]), key, rng.choice(KEYS), rng.choice(["MIN", "MAX", "BAD"]),
+         *rng.choice([[], ["COUNT", 2], ["COUNT", 0]])],
+        [rng.choice(["BZPOPMIN", "BZPOPMAX"]), key, rng.choice(KEYS), rng.choice([0.01, "x", -1])],
+        ["BZMPOP", 0.01, 1, key, rng.choice(["MIN", "MAX"]), *rng.choice([[], ["COUNT", 3]])],
+        ["ZREMRANGEBYRANK", key, rng.choice([0, 1, -1, -5, "x"]), rng.choice([0, -1, 2, 10])],
+        ["ZREMRANGEBYSCORE", key, rng.choice(["-inf", "0", "(1"]), rng.choice(["+inf", "1", "x"])],
+        ["ZRANDMEMBER", key, *rng.choice([[], [2], [-3], [1000], [1000, "WITHSCORES"], ["x"], [1, "BAD"]])],
     ])
 
 
@@ -267,12 +275,14 @@ def comparable(command, reply, queued=None):
         return reply is not None
     if name in ("SMEMBERS", "SINTER", "SUNION", "SDIFF", "SPOP") and isinstance(reply, list):
         return sorted(reply)
-    if name == "SRANDMEMBER" or (name == "HRANDFIELD" and not (len(command) == 4 and command[2] == "1000")):
+    if name == "SRANDMEMBER" or (name in ("HRANDFIELD", "ZRANDMEMBER") and not (len(command) >= 3 and command[2] == "1000")):
         return len(reply) if isinstance(reply, list) else reply is not None
     if name in ("SSCAN", "HSCAN") and isinstance(reply, list):
         return sorted(reply[1])  # the cursor's form is each server's own
-    if name == "HRANDFIELD" and isinstance(reply, list):
-        return sorted(zip(reply[::2], reply[1::2]))  # every field, with its value
+    if name in ("HRANDFIELD", "ZRANDMEMBER") and isinstance(reply, list):
+        if len(command) == 4:
+            return sorted(zip(reply[::2], reply[1::2]))  # every one, with its value or score
+        return sorted(reply)
     return reply
 
 

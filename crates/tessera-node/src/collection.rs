@@ -22,7 +22,6 @@ use bytes::{BufMut, Bytes, BytesMut};
 use tessera_engine::{reserved, Engine, ScanCursor};
 
 use crate::error::{CommandError, CommandResult};
-use crate::hashed::Layout;
 use crate::typed::{read_live, Kind, ReservedEntries};
 
 /// The tag of a change's intent entry, whatever the collection.
@@ -54,27 +53,21 @@ pub fn owner_key(entry: &[u8]) -> Option<&[u8]> {
     parse_entry_key(entry).map(|(key, _, _)| key)
 }
 
-/// The id of the collection a stored value heads, if it has entries apart.
-fn collection_id(kind: Kind, payload: &Bytes) -> CommandResult<Option<u64>> {
-    match kind {
-        Kind::SortedSet => crate::zset::id_of(payload).map(Some),
-        Kind::List => crate::list::id_of(payload),
-        Kind::Set => crate::hashed::id_of(Layout::Set, payload),
-        Kind::Hash => crate::hashed::id_of(Layout::Hash, payload),
-        Kind::String => Ok(None),
-    }
-}
+/// The id of the collection a stored value heads, if it has entries apart:
+/// each type knows where its own keeps it.
+pub type IdOf = fn(Kind, &Bytes) -> CommandResult<Option<u64>>;
 
 /// Whether a reserved entry belongs to no live collection (its key was
-/// deleted, overwritten or expired). Call with the owner key's lock held.
-pub fn is_orphan(engine: &dyn Engine, entry: &[u8], now_ms: u64) -> CommandResult<bool> {
+/// deleted, overwritten or expired), `id_of` reading the ids the values
+/// carry. Call with the owner key's lock held.
+pub fn is_orphan(engine: &dyn Engine, entry: &[u8], now_ms: u64, id_of: IdOf) -> CommandResult<bool> {
     let Some((key, id, tag)) = parse_entry_key(entry) else { return Ok(true) };
     if tag == INTENT {
         // Only a crash leaves one behind, and opening the table replays it.
         return Ok(false);
     }
     Ok(match read_live(engine, key, now_ms)? {
-        Some(stored) => collection_id(stored.kind, &stored.payload)? != Some(id),
+        Some(stored) => id_of(stored.kind, &stored.payload)? != Some(id),
         None => true,
     })
 }

@@ -469,7 +469,13 @@ pub fn store(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collection::{for_each_reserved, is_orphan};
+    use crate::collection::{for_each_reserved, is_orphan, IdOf};
+
+    const ID_OF: IdOf = |kind, payload| match kind {
+        Kind::Set => id_of(Layout::Set, payload),
+        Kind::Hash => id_of(Layout::Hash, payload),
+        _ => Ok(None),
+    };
     use proptest::prelude::*;
     use rand::{Rng, SeedableRng};
     use std::collections::BTreeMap;
@@ -535,7 +541,7 @@ mod tests {
                     assert!(value.bucket_count() > 16, "the value spread over buckets");
                     let mut live = 0;
                     for_each_reserved(engine, |entry, _| {
-                        live += u32::from(!is_orphan(engine, entry, 0).unwrap())
+                        live += u32::from(!is_orphan(engine, entry, 0, ID_OF).unwrap())
                     })
                     .unwrap();
                     assert!(live as u64 <= value.bucket_count());

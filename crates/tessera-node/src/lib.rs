@@ -26,6 +26,7 @@ pub mod server;
 pub mod tables;
 pub mod tls;
 pub mod typed;
+pub mod watch;
 pub mod zset;
 
 pub use config::Config;

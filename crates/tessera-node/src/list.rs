@@ -587,7 +587,9 @@ pub fn copy(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collection::{for_each_reserved, is_orphan};
+    use crate::collection::{for_each_reserved, is_orphan, IdOf};
+
+    const ID_OF: IdOf = |kind, payload| if kind == Kind::List { id_of(payload) } else { Ok(None) };
     use rand::{Rng, SeedableRng};
     use tessera_engine::MemoryEngine;
 
@@ -662,7 +664,7 @@ mod tests {
                 if round == 199 {
                     let mut pages = 0;
                     for_each_reserved(engine, |entry, _| {
-                        pages += u32::from(!is_orphan(engine, entry, 0).unwrap())
+                        pages += u32::from(!is_orphan(engine, entry, 0, ID_OF).unwrap())
                     })
                     .unwrap();
                     assert!(pages > 3, "the list spans several pages");

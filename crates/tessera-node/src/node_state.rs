@@ -11,19 +11,21 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use bytes::Bytes;
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use tessera_engine::{reserved, Engine, EngineSpec, KeyRange, ScanCursor};
 
 use crate::acl::{Acl, CommandCatalog};
 use crate::blocking::Waiters;
 use crate::collection;
-use crate::commands::transactions::KeyVersions;
 use crate::config::Config;
 use crate::error::{CommandError, CommandResult};
+use crate::hashed::Layout;
 use crate::memory::{used_memory, AccessClock, EvictionPolicy};
 use crate::pubsub::PubSub;
 use crate::tables::{Catalogue, Table, TableDef, TableError, TableSet};
-use crate::typed::{decode_header, Stored};
+use crate::typed::{decode_header, Kind, Stored};
+use crate::watch::KeyVersions;
 
 const LOCK_STRIPES: usize = 1024;
 /// What a subscriber may have queued when `client_output_buffer_limit` sets
@@ -113,6 +115,17 @@ pub struct NodeState {
     worker_stats: Mutex<Vec<Arc<WorkerStats>>>,
     pub started: Instant,
     pub next_client_id: AtomicU64,
+}
+
+/// The id of the collection a stored value heads, whatever its type.
+fn collection_id(kind: Kind, payload: &Bytes) -> CommandResult<Option<u64>> {
+    match kind {
+        Kind::SortedSet => crate::zset::id_of(payload).map(Some),
+        Kind::List => crate::list::id_of(payload),
+        Kind::Set => crate::hashed::id_of(Layout::Set, payload),
+        Kind::Hash => crate::hashed::id_of(Layout::Hash, payload),
+        Kind::String => Ok(None),
+    }
 }
 
 /// Keys that expiry and eviction work on: a table of a node by itself, or a
@@ -468,7 +481,7 @@ impl NodeState {
     fn remove_if_orphan<K: Keyspace>(&self, keyspace: &K, entry: &[u8], now: u64) -> CommandResult<bool> {
         let Some(owner) = collection::owner_key(entry) else { return Ok(false) };
         let _lock = self.lock_key(owner);
-        if !collection::is_orphan(keyspace.values(), entry, now)? {
+        if !collection::is_orphan(keyspace.values(), entry, now, collection_id)? {
             return Ok(false);
         }
         keyspace.remove(entry)?;

@@ -12,8 +12,8 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use tessera_engine::{Engine, EngineError, EngineKind, EngineSpec};
 
-use crate::commands::transactions::{KeyVersions, Touching};
 use crate::typed::ReservedEntries;
+use crate::watch::{KeyVersions, Touching};
 pub use tessera_wire::prefix::{escape_prefix, unescape_prefix, valid_table_name};
 
 pub const DEFAULT_TABLE: &str = "default";

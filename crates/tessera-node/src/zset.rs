@@ -646,7 +646,10 @@ pub fn copy(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collection::{for_each_reserved, is_orphan, parse_entry_key};
+    use crate::collection::{for_each_reserved, is_orphan, parse_entry_key, IdOf};
+
+    const ID_OF: IdOf =
+        |kind, payload| if kind == Kind::SortedSet { id_of(payload).map(Some) } else { Ok(None) };
     use std::collections::BTreeSet;
     use tessera_engine::MemoryEngine;
 
@@ -734,7 +737,7 @@ mod tests {
             // Every reserved entry is counted and belongs to the live set.
             let mut live = BTreeSet::new();
             for_each_reserved(engine, |key, _| {
-                assert!(!is_orphan(engine, key, 0).unwrap());
+                assert!(!is_orphan(engine, key, 0, ID_OF).unwrap());
                 live.insert(key.to_vec());
             })
             .unwrap();
@@ -752,6 +755,6 @@ mod tests {
         set.insert(b"a", 1.0).unwrap();
         set.commit(&reserved).unwrap();
         engine.put(b"z", typed::encode(Kind::String, None, b"plain")).unwrap();
-        for_each_reserved(&engine, |key, _| assert!(is_orphan(&engine, key, 0).unwrap())).unwrap();
+        for_each_reserved(&engine, |key, _| assert!(is_orphan(&engine, key, 0, ID_OF).unwrap())).unwrap();
     }
 }

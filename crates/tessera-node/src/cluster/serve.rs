@@ -16,9 +16,10 @@ use super::forward::Forwarder;
 use super::placement::Placement;
 use super::ClusterNode;
 use crate::commands::consistency::{level_got, parse_level, wrapped_read};
-use crate::commands::transactions::{self, Touching};
+use crate::commands::transactions;
 use crate::commands::{admit, dispatch, dispatch_admitted, is, lookup, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
+use crate::watch::Touching;
 
 /// A reply (the bytes `start..end` of the connection's output) that may be
 /// sent only once every one of `waits` has committed; if one fails, the

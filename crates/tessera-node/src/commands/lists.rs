@@ -119,7 +119,7 @@ fn pop_some(context: &mut Context, key: &[u8], end: End, count: u64) -> CommandR
 }
 
 /// An argument that must be a number above zero: `message` for anything else.
-fn positive(request: &Request, index: usize, message: &str) -> CommandResult<u64> {
+pub(super) fn positive(request: &Request, index: usize, message: &str) -> CommandResult<u64> {
     match integer_arg(request, index) {
         Ok(count) if count > 0 => Ok(count as u64),
         _ => Err(CommandError::Other(message.into())),
@@ -402,9 +402,13 @@ fn rpoplpush(context: &mut Context, request: &Request) -> CommandResult {
     Ok(())
 }
 
-/// LMPOP's and BLMPOP's arguments from `numkeys_at` on: the keys, the end
-/// and the count.
-fn parse_mpop<'r>(request: &'r Request, numkeys_at: usize) -> CommandResult<(Vec<&'r [u8]>, End, u64)> {
+/// LMPOP's and BLMPOP's (and ZMPOP's) arguments from `numkeys_at` on: the
+/// keys, the end (read by `parse_end`) and the count.
+pub(super) fn parse_mpop<'r, E>(
+    request: &'r Request,
+    numkeys_at: usize,
+    parse_end: fn(&[u8]) -> CommandResult<E>,
+) -> CommandResult<(Vec<&'r [u8]>, E, u64)> {
     let keys = positive(request, numkeys_at, "numkeys should be greater than 0")?;
     let first_key = numkeys_at + 1;
     let end_at = (first_key as u64).saturating_add(keys);
@@ -457,14 +461,14 @@ fn write_mpop(context: &mut Context, popped: Option<(Bytes, Vec<Bytes>)>) {
 }
 
 fn lmpop(context: &mut Context, request: &Request) -> CommandResult {
-    let (keys, end, count) = parse_mpop(request, 1)?;
+    let (keys, end, count) = parse_mpop(request, 1, parse_end)?;
     let popped = pop_first(context, &keys, end, count)?;
     write_mpop(context, popped);
     Ok(())
 }
 
 /// A blocking command's timeout in seconds (a float; 0 waits for ever).
-fn parse_timeout(arg: &[u8]) -> CommandResult<Option<Duration>> {
+pub(super) fn parse_timeout(arg: &[u8]) -> CommandResult<Option<Duration>> {
     let seconds: f64 = std::str::from_utf8(arg)
         .ok()
         .filter(|_| LongDouble::parse(arg).is_ok())
@@ -482,7 +486,7 @@ fn parse_timeout(arg: &[u8]) -> CommandResult<Option<Duration>> {
 /// What a blocking command does when it found nothing to pop: the first
 /// time, it asks the connection to wait on `keys` until `timeout`; woken,
 /// it waits on; past its deadline it answers the null array.
-fn wait_or_time_out(context: &mut Context, keys: &[&[u8]], timeout: Option<Duration>) {
+pub(super) fn wait_or_time_out(context: &mut Context, keys: &[&[u8]], timeout: Option<Duration>) {
     match &context.session.blocked {
         Some(blocked) if blocked.timed_out => {
             context.session.blocked = None;
@@ -552,7 +556,7 @@ fn brpoplpush(context: &mut Context, request: &Request) -> CommandResult {
 
 fn blmpop(context: &mut Context, request: &Request) -> CommandResult {
     let timeout = parse_timeout(request.arg(1))?;
-    let (keys, end, count) = parse_mpop(request, 2)?;
+    let (keys, end, count) = parse_mpop(request, 2, parse_end)?;
     match pop_first(context, &keys, end, count)? {
         Some(popped) => {
             context.session.blocked = None;

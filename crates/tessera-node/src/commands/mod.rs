@@ -240,8 +240,8 @@ impl CommandSpec {
 /// argument's index; the keys follow it.
 fn counted_keys_at(name: &str) -> Option<usize> {
     match name {
-        "lmpop" | "sintercard" => Some(1),
-        "blmpop" => Some(2),
+        "lmpop" | "sintercard" | "zmpop" => Some(1),
+        "blmpop" | "bzmpop" => Some(2),
         _ => None,
     }
 }

@@ -5,7 +5,7 @@
 use bytes::Bytes;
 use tessera_wire::Request;
 
-use super::{integer_arg, is, CommandSpec, Context, Scope};
+use super::{integer_arg, is, lists, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 use crate::zset::{parse_score, ScoreBound, SortedSet};
 
@@ -23,6 +23,15 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "zrange", arity: -4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrange },
     CommandSpec { name: "zrangebyscore", arity: -4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrangebyscore },
     CommandSpec { name: "zrevrangebyscore", arity: -4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrevrangebyscore },
+    CommandSpec { name: "zpopmin", arity: -2, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zpopmin },
+    CommandSpec { name: "zpopmax", arity: -2, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zpopmax },
+    CommandSpec { name: "bzpopmin", arity: -3, flags: &["write", "fast", "blocking"], first_key: 1, last_key: -2, step: 1, scope: Scope::Keys, handler: bzpopmin },
+    CommandSpec { name: "bzpopmax", arity: -3, flags: &["write", "fast", "blocking"], first_key: 1, last_key: -2, step: 1, scope: Scope::Keys, handler: bzpopmax },
+    CommandSpec { name: "zmpop", arity: -4, flags: &["write", "movablekeys"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: zmpop },
+    CommandSpec { name: "bzmpop", arity: -5, flags: &["write", "blocking", "movablekeys"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: bzmpop },
+    CommandSpec { name: "zremrangebyrank", arity: 4, flags: &["write"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zremrangebyrank },
+    CommandSpec { name: "zremrangebyscore", arity: 4, flags: &["write"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zremrangebyscore },
+    CommandSpec { name: "zrandmember", arity: -2, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrandmember },
 ];
 
 /// Runs `body` on the set at `key` (`None` if there is none) under the key's lock.
@@ -47,7 +56,11 @@ fn update_set<T>(
     let _lock = context.lock_key(key);
     let mut set = SortedSet::open_or_new(context.engine(key), key, context.now_ms)?;
     let answer = change(&mut set)?;
+    let grown = !set.is_empty();
     set.commit(&context.table(key).reserved)?;
+    if grown {
+        context.node.waiters.signal(key); // BZPOPMIN and its kin
+    }
     Ok(answer)
 }
 
@@ -365,4 +378,222 @@ fn zrangebyscore(context: &mut Context, request: &Request) -> CommandResult {
 fn zrevrangebyscore(context: &mut Context, request: &Request) -> CommandResult {
     let options = RangeOptions { reverse: true, ..range_options(request, 4, false)? };
     score_range(context, request.arg(1), request.arg(2), request.arg(3), &options)
+}
+
+/// Takes up to `count` members from the low end (`max`: the high end) of
+/// the set at `key`: `None` when there is no set.
+fn pop_some(
+    context: &mut Context,
+    key: &[u8],
+    max: bool,
+    count: u64,
+) -> CommandResult<Option<Vec<(f64, Bytes)>>> {
+    let _lock = context.lock_key(key);
+    let Some(mut set) = SortedSet::open(context.engine(key), key, context.now_ms)? else { return Ok(None) };
+    if count == 0 || set.is_empty() {
+        return Ok(Some(Vec::new()));
+    }
+    let taken = set.range_by_rank(0, count.min(set.len()) - 1, max)?;
+    for (_, member) in &taken {
+        set.remove(member)?;
+    }
+    set.commit(&context.table(key).reserved)?;
+    Ok(Some(taken))
+}
+
+/// Member, score, member, score …
+fn write_flat(context: &mut Context, entries: &[(f64, Bytes)]) {
+    context.out.array(entries.len() * 2);
+    for (score, member) in entries {
+        context.out.bulk(member);
+        context.out.double(*score);
+    }
+}
+
+fn zpop(context: &mut Context, request: &Request, max: bool) -> CommandResult {
+    let count = match request.len() {
+        2 => 1,
+        // Redis answers a count that is not a number as it answers a negative one.
+        3 => integer_arg(request, 2)
+            .ok()
+            .filter(|count| *count >= 0)
+            .ok_or_else(|| CommandError::Other("value is out of range, must be positive".into()))?
+            as u64,
+        _ => return Err(CommandError::Syntax),
+    };
+    let taken = pop_some(context, request.arg(1), max, count)?.unwrap_or_default();
+    write_flat(context, &taken);
+    Ok(())
+}
+
+fn zpopmin(context: &mut Context, request: &Request) -> CommandResult {
+    zpop(context, request, false)
+}
+
+fn zpopmax(context: &mut Context, request: &Request) -> CommandResult {
+    zpop(context, request, true)
+}
+
+/// A key and the (score, member) pairs taken from its set.
+type Popped = (Bytes, Vec<(f64, Bytes)>);
+
+/// Pops up to `count` from the first non-empty set of `keys`.
+fn pop_first(context: &mut Context, keys: &[&[u8]], max: bool, count: u64) -> CommandResult<Option<Popped>> {
+    for key in keys {
+        match pop_some(context, key, max, count)? {
+            Some(taken) if !taken.is_empty() => return Ok(Some((Bytes::copy_from_slice(key), taken))),
+            _ => {}
+        }
+    }
+    Ok(None)
+}
+
+fn blocking_zpop(context: &mut Context, request: &Request, max: bool) -> CommandResult {
+    let timeout = lists::parse_timeout(request.arg(request.len() - 1))?;
+    let keys: Vec<&[u8]> = request.args().skip(1).take(request.len() - 2).collect();
+    match pop_first(context, &keys, max, 1)? {
+        Some((key, taken)) => {
+            context.session.blocked = None;
+            let (score, member) = &taken[0];
+            context.out.array(3);
+            context.out.bulk(&key);
+            context.out.bulk(member);
+            context.out.double(*score);
+        }
+        None => lists::wait_or_time_out(context, &keys, timeout),
+    }
+    Ok(())
+}
+
+fn bzpopmin(context: &mut Context, request: &Request) -> CommandResult {
+    blocking_zpop(context, request, false)
+}
+
+fn bzpopmax(context: &mut Context, request: &Request) -> CommandResult {
+    blocking_zpop(context, request, true)
+}
+
+fn parse_min_max(arg: &[u8]) -> CommandResult<bool> {
+    if is(arg, "min") {
+        Ok(false)
+    } else if is(arg, "max") {
+        Ok(true)
+    } else {
+        Err(CommandError::Syntax)
+    }
+}
+
+/// ZMPOP's reply: the key, then [member, score] pairs.
+fn write_mpop(context: &mut Context, popped: Option<Popped>) {
+    let Some((key, taken)) = popped else {
+        context.out.null_array();
+        return;
+    };
+    context.out.array(2);
+    context.out.bulk(&key);
+    context.out.array(taken.len());
+    for (score, member) in &taken {
+        context.out.array(2);
+        context.out.bulk(member);
+        context.out.double(*score);
+    }
+}
+
+fn zmpop(context: &mut Context, request: &Request) -> CommandResult {
+    let (keys, max, count) = lists::parse_mpop(request, 1, parse_min_max)?;
+    let popped = pop_first(context, &keys, max, count)?;
+    write_mpop(context, popped);
+    Ok(())
+}
+
+fn bzmpop(context: &mut Context, request: &Request) -> CommandResult {
+    let timeout = lists::parse_timeout(request.arg(1))?;
+    let (keys, max, count) = lists::parse_mpop(request, 2, parse_min_max)?;
+    match pop_first(context, &keys, max, count)? {
+        Some(popped) => {
+            context.session.blocked = None;
+            write_mpop(context, Some(popped));
+        }
+        None => lists::wait_or_time_out(context, &keys, timeout),
+    }
+    Ok(())
+}
+
+/// Removes what `select` picks from the set at `key`: how many.
+fn remove_range(
+    context: &mut Context,
+    key: &[u8],
+    select: impl FnOnce(&mut SortedSet) -> CommandResult<Vec<(f64, Bytes)>>,
+) -> CommandResult {
+    let removed = {
+        let _lock = context.lock_key(key);
+        match SortedSet::open(context.engine(key), key, context.now_ms)? {
+            Some(mut set) => {
+                let doomed = select(&mut set)?;
+                for (_, member) in &doomed {
+                    set.remove(member)?;
+                }
+                set.commit(&context.table(key).reserved)?;
+                doomed.len()
+            }
+            None => 0,
+        }
+    };
+    context.out.integer(removed as i64);
+    Ok(())
+}
+
+fn zremrangebyrank(context: &mut Context, request: &Request) -> CommandResult {
+    let (start, stop) = (integer_arg(request, 2)?, integer_arg(request, 3)?);
+    remove_range(context, request.arg(1), |set| {
+        let len = set.len() as i64;
+        let start = if start < 0 { (start + len).max(0) } else { start };
+        let stop = if stop < 0 { stop + len } else { stop.min(len - 1) };
+        if start > stop || start >= len {
+            return Ok(Vec::new());
+        }
+        set.range_by_rank(start as u64, stop as u64, false)
+    })
+}
+
+fn zremrangebyscore(context: &mut Context, request: &Request) -> CommandResult {
+    let (min, max) = (ScoreBound::parse(request.arg(2))?, ScoreBound::parse(request.arg(3))?);
+    remove_range(context, request.arg(1), |set| set.range_by_score(min, max, false, 0, usize::MAX))
+}
+
+fn zrandmember(context: &mut Context, request: &Request) -> CommandResult {
+    let (count, with_scores) = match request.len() {
+        2 => (None, false),
+        3 => (Some(integer_arg(request, 2)?), false),
+        4 if is(request.arg(3), "withscores") => (Some(integer_arg(request, 2)?), true),
+        _ => return Err(CommandError::Syntax),
+    };
+    let picked = read_set(context, request.arg(1), |set| {
+        let Some(set) = set else { return Ok(Vec::new()) };
+        let len = set.len();
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let mut pick = |rank: u64| -> CommandResult<(f64, Bytes)> {
+            Ok(set.range_by_rank(rank, rank, false)?.pop().expect("a member at every rank below the length"))
+        };
+        match count {
+            None => Ok(vec![pick(rand::random::<u64>() % len)?]),
+            // Negative: that many picks, repeats allowed.
+            Some(count) if count < 0 => {
+                (0..count.unsigned_abs()).map(|_| pick(rand::random::<u64>() % len)).collect()
+            }
+            Some(count) if count as u64 >= len => set.range_by_rank(0, len - 1, false),
+            Some(count) => {
+                let ranks = rand::seq::index::sample(&mut rand::thread_rng(), len as usize, count as usize);
+                ranks.into_iter().map(|rank| pick(rank as u64)).collect()
+            }
+        }
+    })?;
+    match count {
+        None => context.out.bulk_or_null(picked.first().map(|(_, member)| &member[..])),
+        Some(_) if with_scores => write_entries(context, &picked, true),
+        Some(_) => write_entries(context, &picked, false),
+    }
+    Ok(())
 }

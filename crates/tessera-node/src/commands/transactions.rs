@@ -7,142 +7,20 @@
 //! them back to back, so no other client's command comes between them.
 //! WATCH notes a version per key, and EXEC answers nil without running
 //! anything if one moved. Every write that reaches a table's engine moves
-//! its key's version ([`Touching`]), while the writer holds the key's lock, so an EXEC that holds the
+//! its key's version ([`crate::watch::Touching`]), while the writer holds the key's lock, so an EXEC that holds the
 //! locks and finds the versions unmoved knows no write came between. As in
 //! Redis, a command that changes nothing (HDEL of a missing field) moves
 //! nothing. Versions are kept per stripe of keys, so a write to another key
 //! of the same stripe (one in 65,536) aborts an EXEC that need not have.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 
 use bytes::Bytes;
-use tessera_engine::{reserved, Capabilities, Engine, KeyRange, ScanCursor, ScanPage};
 use tessera_wire::Request;
 
 use super::{execute, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
-
-/// Stripes of WATCH's key versions.
-const VERSION_STRIPES: usize = 1 << 16;
-
-/// WATCH's versions: one per stripe of keys, and one moved by every flush.
-pub struct KeyVersions {
-    stripes: Box<[AtomicU64]>,
-    flushes: AtomicU64,
-}
-
-impl Default for KeyVersions {
-    fn default() -> Self {
-        Self {
-            stripes: (0..VERSION_STRIPES).map(|_| AtomicU64::new(0)).collect(),
-            flushes: AtomicU64::new(0),
-        }
-    }
-}
-
-impl KeyVersions {
-    fn stripe(key: &[u8]) -> usize {
-        let hash = key
-            .iter()
-            .fold(0xcbf2_9ce4_8422_2325u64, |hash, &byte| (hash ^ byte as u64).wrapping_mul(0x100_0000_01b3));
-        (hash as usize) % VERSION_STRIPES
-    }
-
-    fn version(&self, stripe: usize) -> u64 {
-        self.stripes[stripe].load(Ordering::SeqCst)
-    }
-
-    /// A collection's own entries move nothing: every change to them writes
-    /// the value at its key too, and the sweep's removal of a replaced
-    /// collection's entries changes no key.
-    fn moved(&self, key: &[u8]) {
-        if !reserved::is_reserved(key) {
-            self.stripes[Self::stripe(key)].fetch_add(1, Ordering::SeqCst);
-        }
-    }
-
-    fn flushes(&self) -> u64 {
-        self.flushes.load(Ordering::SeqCst)
-    }
-}
-
-/// An engine whose writes move their keys' versions (a table's engine on a
-/// node; a shard's view on a cluster node, while a command runs on it).
-pub struct Touching<E: ?Sized> {
-    inner: Arc<E>,
-    versions: Arc<KeyVersions>,
-}
-
-impl<E: ?Sized> Touching<E> {
-    pub fn new(inner: Arc<E>, versions: Arc<KeyVersions>) -> Self {
-        Self { inner, versions }
-    }
-
-    pub fn inner(&self) -> &E {
-        &self.inner
-    }
-}
-
-impl<E: Engine + ?Sized> Engine for Touching<E> {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-
-    fn get(&self, key: &[u8]) -> tessera_engine::Result<Option<Bytes>> {
-        self.inner.get(key)
-    }
-
-    fn get_with(&self, key: &[u8], visit: &mut dyn FnMut(Option<&[u8]>)) -> tessera_engine::Result<()> {
-        self.inner.get_with(key, visit)
-    }
-
-    fn put(&self, key: &[u8], value: Bytes) -> tessera_engine::Result<()> {
-        self.versions.moved(key);
-        self.inner.put(key, value)
-    }
-
-    fn delete(&self, key: &[u8]) -> tessera_engine::Result<bool> {
-        let deleted = self.inner.delete(key)?;
-        if deleted {
-            self.versions.moved(key);
-        }
-        Ok(deleted)
-    }
-
-    fn scan(&self, range: &KeyRange, cursor: &ScanCursor, limit: usize) -> tessera_engine::Result<ScanPage> {
-        self.inner.scan(range, cursor, limit)
-    }
-
-    fn len(&self) -> tessera_engine::Result<u64> {
-        self.inner.len()
-    }
-
-    fn clear(&self) -> tessera_engine::Result<()> {
-        self.versions.flushes.fetch_add(1, Ordering::SeqCst);
-        self.inner.clear()
-    }
-
-    fn flush(&self) -> tessera_engine::Result<()> {
-        self.inner.flush()
-    }
-
-    fn get_many(&self, keys: &[&[u8]]) -> tessera_engine::Result<Vec<Option<Bytes>>> {
-        self.inner.get_many(keys)
-    }
-
-    fn put_many(&self, entries: &[(&[u8], Bytes)]) -> tessera_engine::Result<()> {
-        for (key, _) in entries {
-            self.versions.moved(key);
-        }
-        self.inner.put_many(entries)
-    }
-}
+use crate::watch::KeyVersions;
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[

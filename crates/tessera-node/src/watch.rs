@@ -1,0 +1,128 @@
+//! WATCH's key versions, and the engine wrapper that moves them
+//! ([`crate::commands::transactions`] says how EXEC uses them).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tessera_engine::{reserved, Capabilities, Engine, KeyRange, ScanCursor, ScanPage};
+
+/// Stripes of WATCH's key versions.
+const VERSION_STRIPES: usize = 1 << 16;
+
+/// WATCH's versions: one per stripe of keys, and one moved by every flush.
+pub struct KeyVersions {
+    stripes: Box<[AtomicU64]>,
+    flushes: AtomicU64,
+}
+
+impl Default for KeyVersions {
+    fn default() -> Self {
+        Self {
+            stripes: (0..VERSION_STRIPES).map(|_| AtomicU64::new(0)).collect(),
+            flushes: AtomicU64::new(0),
+        }
+    }
+}
+
+impl KeyVersions {
+    pub fn stripe(key: &[u8]) -> usize {
+        let hash = key
+            .iter()
+            .fold(0xcbf2_9ce4_8422_2325u64, |hash, &byte| (hash ^ byte as u64).wrapping_mul(0x100_0000_01b3));
+        (hash as usize) % VERSION_STRIPES
+    }
+
+    pub fn version(&self, stripe: usize) -> u64 {
+        self.stripes[stripe].load(Ordering::SeqCst)
+    }
+
+    /// A collection's own entries move nothing: every change to them writes
+    /// the value at its key too, and the sweep's removal of a replaced
+    /// collection's entries changes no key.
+    fn moved(&self, key: &[u8]) {
+        if !reserved::is_reserved(key) {
+            self.stripes[Self::stripe(key)].fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    pub fn flushes(&self) -> u64 {
+        self.flushes.load(Ordering::SeqCst)
+    }
+}
+
+/// An engine whose writes move their keys' versions (a table's engine on a
+/// node; a shard's view on a cluster node, while a command runs on it).
+pub struct Touching<E: ?Sized> {
+    inner: Arc<E>,
+    versions: Arc<KeyVersions>,
+}
+
+impl<E: ?Sized> Touching<E> {
+    pub fn new(inner: Arc<E>, versions: Arc<KeyVersions>) -> Self {
+        Self { inner, versions }
+    }
+
+    pub fn inner(&self) -> &E {
+        &self.inner
+    }
+}
+
+impl<E: Engine + ?Sized> Engine for Touching<E> {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+
+    fn get(&self, key: &[u8]) -> tessera_engine::Result<Option<Bytes>> {
+        self.inner.get(key)
+    }
+
+    fn get_with(&self, key: &[u8], visit: &mut dyn FnMut(Option<&[u8]>)) -> tessera_engine::Result<()> {
+        self.inner.get_with(key, visit)
+    }
+
+    fn put(&self, key: &[u8], value: Bytes) -> tessera_engine::Result<()> {
+        self.versions.moved(key);
+        self.inner.put(key, value)
+    }
+
+    fn delete(&self, key: &[u8]) -> tessera_engine::Result<bool> {
+        let deleted = self.inner.delete(key)?;
+        if deleted {
+            self.versions.moved(key);
+        }
+        Ok(deleted)
+    }
+
+    fn scan(&self, range: &KeyRange, cursor: &ScanCursor, limit: usize) -> tessera_engine::Result<ScanPage> {
+        self.inner.scan(range, cursor, limit)
+    }
+
+    fn len(&self) -> tessera_engine::Result<u64> {
+        self.inner.len()
+    }
+
+    fn clear(&self) -> tessera_engine::Result<()> {
+        self.versions.flushes.fetch_add(1, Ordering::SeqCst);
+        self.inner.clear()
+    }
+
+    fn flush(&self) -> tessera_engine::Result<()> {
+        self.inner.flush()
+    }
+
+    fn get_many(&self, keys: &[&[u8]]) -> tessera_engine::Result<Vec<Option<Bytes>>> {
+        self.inner.get_many(keys)
+    }
+
+    fn put_many(&self, entries: &[(&[u8], Bytes)]) -> tessera_engine::Result<()> {
+        for (key, _) in entries {
+            self.versions.moved(key);
+        }
+        self.inner.put_many(entries)
+    }
+}
