@@ -174,7 +174,22 @@ def sorted_sets(rng, key):
         ["ZREMRANGEBYRANK", key, rng.choice([0, 1, -1, -5, "x"]), rng.choice([0, -1, 2, 10])],
         ["ZREMRANGEBYSCORE", key, rng.choice(["-inf", "0", "(1"]), rng.choice(["+inf", "1", "x"])],
         ["ZRANDMEMBER", key, *rng.choice([[], [2], [-3], [1000], [1000, "WITHSCORES"], ["x"], [1, "BAD"]])],
+        [*rng.choice([["ZUNION"], ["ZINTER"], ["ZDIFF"], ["ZUNIONSTORE", key], ["ZINTERSTORE", key], ["ZDIFFSTORE", key]]),
+         *combination(rng)],
+        ["ZINTERCARD", *combination(rng, ["LIMIT", rng.choice([0, 1, -1])])],
     ])
+
+
+def combination(rng, extra=None):
+    """numkeys, the keys, and options for ZUNION and its kin (sometimes wrong)."""
+    keys = rng.sample(KEYS, rng.randint(1, 3))
+    numkeys = rng.choice([len(keys)] * 6 + [0, 9, "x"])
+    options = extra if extra is not None and rng.random() < 0.5 else rng.choice([
+        [], ["WITHSCORES"], ["WEIGHTS", *[rng.choice([2, 0.5, -1, "x"]) for _ in keys]],
+        ["AGGREGATE", rng.choice(["MIN", "MAX", "SUM", "BAD"])], ["WEIGHTS", 1], ["BAD"],
+        ["WEIGHTS", *[2] * len(keys), "AGGREGATE", "MAX", "WITHSCORES"],
+    ])
+    return [numkeys, *keys, *options]
 
 
 def lists(rng, key):

@@ -240,8 +240,8 @@ impl CommandSpec {
 /// argument's index; the keys follow it.
 fn counted_keys_at(name: &str) -> Option<usize> {
     match name {
-        "lmpop" | "sintercard" | "zmpop" => Some(1),
-        "blmpop" | "bzmpop" => Some(2),
+        "lmpop" | "sintercard" | "zmpop" | "zunion" | "zinter" | "zdiff" | "zintercard" => Some(1),
+        "blmpop" | "bzmpop" | "zunionstore" | "zinterstore" | "zdiffstore" => Some(2),
         _ => None,
     }
 }

@@ -2,11 +2,14 @@
 //! included, runs under the key's lock because a set spans several entries
 //! ([`crate::zset`]).
 
+use std::collections::HashMap;
+
 use bytes::Bytes;
 use tessera_wire::Request;
 
 use super::{integer_arg, is, lists, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
+use crate::hashed::{Hashed, Layout};
 use crate::zset::{parse_score, ScoreBound, SortedSet};
 
 #[rustfmt::skip]
@@ -31,6 +34,13 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "bzmpop", arity: -5, flags: &["write", "blocking", "movablekeys"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: bzmpop },
     CommandSpec { name: "zremrangebyrank", arity: 4, flags: &["write"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zremrangebyrank },
     CommandSpec { name: "zremrangebyscore", arity: 4, flags: &["write"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zremrangebyscore },
+    CommandSpec { name: "zunion", arity: -3, flags: &["readonly", "movablekeys"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: zunion },
+    CommandSpec { name: "zinter", arity: -3, flags: &["readonly", "movablekeys"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: zinter },
+    CommandSpec { name: "zdiff", arity: -3, flags: &["readonly", "movablekeys"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: zdiff },
+    CommandSpec { name: "zintercard", arity: -3, flags: &["readonly", "movablekeys"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: zintercard },
+    CommandSpec { name: "zunionstore", arity: -4, flags: &["write", "denyoom", "movablekeys"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zunionstore },
+    CommandSpec { name: "zinterstore", arity: -4, flags: &["write", "denyoom", "movablekeys"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zinterstore },
+    CommandSpec { name: "zdiffstore", arity: -4, flags: &["write", "denyoom", "movablekeys"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zdiffstore },
     CommandSpec { name: "zrandmember", arity: -2, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrandmember },
 ];
 
@@ -596,4 +606,258 @@ fn zrandmember(context: &mut Context, request: &Request) -> CommandResult {
         Some(_) => write_entries(context, &picked, false),
     }
     Ok(())
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Combine {
+    Union,
+    Inter,
+    Diff,
+}
+
+#[derive(Clone, Copy)]
+enum Aggregate {
+    Sum,
+    Min,
+    Max,
+}
+
+/// What ZUNION, ZINTER, ZDIFF and their STORE and CARD forms were asked.
+struct Combination<'r> {
+    keys: Vec<&'r [u8]>,
+    weights: Vec<f64>,
+    aggregate: Aggregate,
+    with_scores: bool,
+    limit: usize,
+}
+
+/// The sorted sets (or plain sets, every member scored 1) at `keys`, as
+/// member → score; `None` for a missing key. `WRONGTYPE` for another type.
+fn read_inputs(context: &mut Context, keys: &[&[u8]]) -> CommandResult<Vec<Option<HashMap<Bytes, f64>>>> {
+    let mut inputs = Vec::with_capacity(keys.len());
+    for key in keys {
+        let engine = context.engine(key);
+        let input = match SortedSet::open(engine, key, context.now_ms) {
+            Ok(Some(set)) if set.is_empty() => Some(HashMap::new()),
+            Ok(Some(mut set)) => {
+                let len = set.len();
+                Some(
+                    set.range_by_rank(0, len - 1, false)?
+                        .into_iter()
+                        .map(|(score, member)| (member, score))
+                        .collect(),
+                )
+            }
+            Ok(None) => None,
+            Err(CommandError::WrongType) => match Hashed::open(Layout::Set, engine, key, context.now_ms)? {
+                Some(mut set) => Some(set.members()?.into_iter().map(|member| (member, 1.0)).collect()),
+                None => None,
+            },
+            Err(error) => return Err(error),
+        };
+        inputs.push(input);
+    }
+    Ok(inputs)
+}
+
+/// The keys counted at `numkeys_at`, and where the options after them
+/// start. The keys' types are checked before the options are read, as in
+/// Redis, so these come apart.
+fn parse_combination<'r>(
+    request: &'r Request,
+    numkeys_at: usize,
+    command: &str,
+) -> CommandResult<(Vec<&'r [u8]>, usize)> {
+    let keys = integer_arg(request, numkeys_at)?;
+    if keys < 1 {
+        return Err(CommandError::Other(format!("at least 1 input key is needed for '{command}' command")));
+    }
+    if keys as u64 > (request.len() - numkeys_at - 1) as u64 {
+        return Err(CommandError::Syntax);
+    }
+    let first = numkeys_at + 1;
+    let after = first + keys as usize;
+    Ok(((first..after).map(|index| request.arg(index)).collect(), after))
+}
+
+/// The options from `from` on: WEIGHTS and AGGREGATE (not for ZDIFF or
+/// ZINTERCARD), WITHSCORES (not for a `store` form), LIMIT (`card` only).
+fn parse_combination_options<'r>(
+    request: &'r Request,
+    keys: Vec<&'r [u8]>,
+    from: usize,
+    combine: Combine,
+    store: bool,
+    card: bool,
+) -> CommandResult<Combination<'r>> {
+    let mut combination = Combination {
+        weights: vec![1.0; keys.len()],
+        keys,
+        aggregate: Aggregate::Sum,
+        with_scores: false,
+        limit: 0,
+    };
+    let mut index = from;
+    while index < request.len() {
+        let remaining = request.len() - index;
+        let option = request.arg(index);
+        let weighable = combine != Combine::Diff && !card;
+        if weighable && remaining > combination.keys.len() && is(option, "weights") {
+            for weight in combination.weights.iter_mut() {
+                index += 1;
+                *weight = parse_score(request.arg(index))
+                    .map_err(|_| CommandError::Other("weight value is not a float".into()))?;
+            }
+        } else if weighable && remaining >= 2 && is(option, "aggregate") {
+            index += 1;
+            combination.aggregate = match request.arg(index) {
+                name if is(name, "sum") => Aggregate::Sum,
+                name if is(name, "min") => Aggregate::Min,
+                name if is(name, "max") => Aggregate::Max,
+                _ => return Err(CommandError::Syntax),
+            };
+        } else if !store && !card && is(option, "withscores") {
+            combination.with_scores = true;
+        } else if card && remaining >= 2 && is(option, "limit") {
+            index += 1;
+            combination.limit = match integer_arg(request, index) {
+                Ok(limit) if limit >= 0 => limit as usize,
+                _ => return Err(CommandError::Other("LIMIT can't be negative".into())),
+            };
+        } else {
+            return Err(CommandError::Syntax);
+        }
+        index += 1;
+    }
+    Ok(combination)
+}
+
+/// A weighted score, as Redis computes it: NaN (inf × 0) counts as 0.
+fn weighted(score: f64, weight: f64) -> f64 {
+    let product = score * weight;
+    if product.is_nan() {
+        0.0
+    } else {
+        product
+    }
+}
+
+fn aggregate(aggregate: Aggregate, a: f64, b: f64) -> f64 {
+    match aggregate {
+        Aggregate::Sum => {
+            let sum = a + b;
+            if sum.is_nan() {
+                0.0
+            } else {
+                sum
+            }
+        }
+        Aggregate::Min => a.min(b),
+        Aggregate::Max => a.max(b),
+    }
+}
+
+/// The result, ordered by score then member.
+fn combined(
+    combine: Combine,
+    combination: &Combination,
+    inputs: Vec<Option<HashMap<Bytes, f64>>>,
+) -> Vec<(f64, Bytes)> {
+    let mut inputs = inputs.into_iter().map(Option::unwrap_or_default);
+    let first = inputs.next().unwrap_or_default();
+    let mut result: HashMap<Bytes, f64> =
+        first.into_iter().map(|(member, score)| (member, weighted(score, combination.weights[0]))).collect();
+    for (index, input) in inputs.enumerate() {
+        let weight = combination.weights[index + 1];
+        match combine {
+            Combine::Union => {
+                for (member, score) in input {
+                    let score = weighted(score, weight);
+                    result
+                        .entry(member)
+                        .and_modify(|current| *current = aggregate(combination.aggregate, *current, score))
+                        .or_insert(score);
+                }
+            }
+            Combine::Inter => {
+                result.retain(|member, current| match input.get(member) {
+                    Some(&score) => {
+                        *current = aggregate(combination.aggregate, *current, weighted(score, weight));
+                        true
+                    }
+                    None => false,
+                });
+            }
+            Combine::Diff => result.retain(|member, _| !input.contains_key(member)),
+        }
+    }
+    let mut entries: Vec<(f64, Bytes)> = result.into_iter().map(|(member, score)| (score, member)).collect();
+    entries.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
+    entries
+}
+
+fn combine_read(context: &mut Context, request: &Request, combine: Combine, command: &str) -> CommandResult {
+    let (keys, after) = parse_combination(request, 1, command)?;
+    let _locks = context.lock_keys(keys.iter().copied());
+    let inputs = read_inputs(context, &keys)?;
+    let combination = parse_combination_options(request, keys, after, combine, false, false)?;
+    let entries = combined(combine, &combination, inputs);
+    write_entries(context, &entries, combination.with_scores);
+    Ok(())
+}
+
+fn zunion(context: &mut Context, request: &Request) -> CommandResult {
+    combine_read(context, request, Combine::Union, "zunion")
+}
+
+fn zinter(context: &mut Context, request: &Request) -> CommandResult {
+    combine_read(context, request, Combine::Inter, "zinter")
+}
+
+fn zdiff(context: &mut Context, request: &Request) -> CommandResult {
+    combine_read(context, request, Combine::Diff, "zdiff")
+}
+
+fn zintercard(context: &mut Context, request: &Request) -> CommandResult {
+    let (keys, after) = parse_combination(request, 1, "zintercard")?;
+    let _locks = context.lock_keys(keys.iter().copied());
+    let inputs = read_inputs(context, &keys)?;
+    let combination = parse_combination_options(request, keys, after, Combine::Inter, false, true)?;
+    let count = combined(Combine::Inter, &combination, inputs).len();
+    let count = if combination.limit == 0 { count } else { count.min(combination.limit) };
+    context.out.integer(count as i64);
+    Ok(())
+}
+
+fn combine_store(context: &mut Context, request: &Request, combine: Combine, command: &str) -> CommandResult {
+    let destination = request.arg(1);
+    let (keys, after) = parse_combination(request, 2, command)?;
+    let _locks = context.lock_keys(keys.iter().copied().chain([destination]));
+    let inputs = read_inputs(context, &keys)?;
+    let combination = parse_combination_options(request, keys, after, combine, true, false)?;
+    let entries = combined(combine, &combination, inputs);
+    let engine = context.engine(destination);
+    engine.delete(destination)?;
+    let mut set = SortedSet::open_or_new(engine, destination, context.now_ms)?;
+    for (score, member) in &entries {
+        set.insert(member, *score)?;
+    }
+    set.commit(&context.table(destination).reserved)?;
+    if !entries.is_empty() {
+        context.node.waiters.signal(destination);
+    }
+    context.out.integer(entries.len() as i64);
+    Ok(())
+}
+
+fn zunionstore(context: &mut Context, request: &Request) -> CommandResult {
+    combine_store(context, request, Combine::Union, "zunionstore")
+}
+
+fn zinterstore(context: &mut Context, request: &Request) -> CommandResult {
+    combine_store(context, request, Combine::Inter, "zinterstore")
+}
+
+fn zdiffstore(context: &mut Context, request: &Request) -> CommandResult {
+    combine_store(context, request, Combine::Diff, "zdiffstore")
 }
