@@ -52,6 +52,15 @@ pub enum Layout {
 }
 
 impl Layout {
+    /// The layout of a stored type, if it is a set or a hash.
+    pub fn of(kind: Kind) -> Option<Self> {
+        match kind {
+            Kind::Set => Some(Layout::Set),
+            Kind::Hash => Some(Layout::Hash),
+            Kind::String | Kind::List | Kind::SortedSet => None,
+        }
+    }
+
     pub fn kind(self) -> Kind {
         match self {
             Layout::Set => Kind::Set,
@@ -131,8 +140,10 @@ impl Bucket {
     }
 }
 
-/// The id of a paged set's or hash's buckets, from its stored value (payload).
-pub fn id_of(layout: Layout, payload: &Bytes) -> CommandResult<Option<u64>> {
+/// The id of a paged set's or hash's buckets, from its stored value
+/// (payload); none for an inline one or another type.
+pub fn id_of(kind: Kind, payload: &Bytes) -> CommandResult<Option<u64>> {
+    let Some(layout) = Layout::of(kind) else { return Ok(None) };
     let mut reader = Reader::new(payload);
     match layout.read_paged_marker(&mut reader, payload)? {
         true => Ok(Some(reader.u64()?)),
@@ -336,9 +347,17 @@ impl<'a> Hashed<'a> {
         Ok(())
     }
 
-    /// The entries of bucket `index` (below [`Hashed::bucket_count`]).
-    pub fn bucket_entries(&mut self, index: u64) -> CommandResult<Vec<(Bytes, Bytes)>> {
-        Ok(self.bucket(index)?.entries.clone())
+    /// SSCAN and HSCAN: the entries of the buckets from `cursor` on, until
+    /// at least `count` (Redis's COUNT is a hint), and the cursor to go on
+    /// from, 0 at the end.
+    pub fn scan(&mut self, cursor: u64, count: u64) -> CommandResult<(u64, Vec<(Bytes, Bytes)>)> {
+        let buckets = self.bucket_count();
+        let (mut bucket, mut entries) = (cursor, Vec::new());
+        while bucket < buckets && (entries.len() as u64) < count {
+            entries.extend(self.bucket(bucket)?.entries.iter().cloned());
+            bucket += 1;
+        }
+        Ok((if bucket >= buckets { 0 } else { bucket }, entries))
     }
 
     /// Every entry: an inline value's in insertion order, a paged one's by bucket.
@@ -469,13 +488,7 @@ pub fn store(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collection::{for_each_reserved, is_orphan, IdOf};
-
-    const ID_OF: IdOf = |kind, payload| match kind {
-        Kind::Set => id_of(Layout::Set, payload),
-        Kind::Hash => id_of(Layout::Hash, payload),
-        _ => Ok(None),
-    };
+    use crate::collection::{for_each_reserved, is_orphan};
     use proptest::prelude::*;
     use rand::{Rng, SeedableRng};
     use std::collections::BTreeMap;
@@ -541,7 +554,7 @@ mod tests {
                     assert!(value.bucket_count() > 16, "the value spread over buckets");
                     let mut live = 0;
                     for_each_reserved(engine, |entry, _| {
-                        live += u32::from(!is_orphan(engine, entry, 0, ID_OF).unwrap())
+                        live += u32::from(!is_orphan(engine, entry, 0, id_of).unwrap())
                     })
                     .unwrap();
                     assert!(live as u64 <= value.bucket_count());

@@ -20,7 +20,6 @@ use crate::blocking::Waiters;
 use crate::collection;
 use crate::config::Config;
 use crate::error::{CommandError, CommandResult};
-use crate::hashed::Layout;
 use crate::memory::{used_memory, AccessClock, EvictionPolicy};
 use crate::pubsub::PubSub;
 use crate::tables::{Catalogue, Table, TableDef, TableError, TableSet};
@@ -122,8 +121,7 @@ fn collection_id(kind: Kind, payload: &Bytes) -> CommandResult<Option<u64>> {
     match kind {
         Kind::SortedSet => crate::zset::id_of(payload).map(Some),
         Kind::List => crate::list::id_of(payload),
-        Kind::Set => crate::hashed::id_of(Layout::Set, payload),
-        Kind::Hash => crate::hashed::id_of(Layout::Hash, payload),
+        Kind::Set | Kind::Hash => crate::hashed::id_of(kind, payload),
         Kind::String => Ok(None),
     }
 }

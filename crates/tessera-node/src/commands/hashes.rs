@@ -7,10 +7,9 @@ use std::collections::HashSet;
 use bytes::Bytes;
 use tessera_wire::{Protocol, Request};
 
-use super::sets::parse_scan_options;
+use super::sets::{scan_hashed, with_hashed};
 use super::{integer_arg, is, wrong_arity, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
-use crate::glob::glob_match;
 use crate::hashed::{Hashed, Layout};
 use crate::long_double::LongDouble;
 use crate::typed::parse_i64;
@@ -35,25 +34,8 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "hscan", arity: -3, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: hscan },
 ];
 
-/// Runs `body` on the hash at `key` (`None` if there is none) under the
-/// key's lock, and writes what it changed, keeping the TTL; an emptied hash
-/// is deleted, as in Redis.
-fn with_hash<T>(
-    context: &mut Context,
-    key: &[u8],
-    body: impl FnOnce(Option<&mut Hashed>) -> CommandResult<T>,
-) -> CommandResult<T> {
-    let _lock = context.lock_key(key);
-    let mut hash = Hashed::open(Layout::Hash, context.engine(key), key, context.now_ms)?;
-    context.count_lookup(hash.is_some());
-    let answer = body(hash.as_mut())?;
-    if let Some(hash) = hash {
-        hash.commit(&context.table(key).reserved)?;
-    }
-    Ok(answer)
-}
-
-/// Like [`with_hash`], with a new hash when there is none.
+/// Runs `change` on the hash at `key` (a new one if there is none) under
+/// the key's lock, and writes what it changed.
 fn change_hash<T>(
     context: &mut Context,
     key: &[u8],
@@ -70,15 +52,11 @@ fn set_fields(context: &mut Context, request: &Request) -> CommandResult<i64> {
     if !request.len().is_multiple_of(2) {
         return Err(wrong_arity(request));
     }
-    let bytes_max = context.bulk_bytes_max();
     change_hash(context, request.arg(1), |hash| {
         let mut added = 0;
         for index in (2..request.len()).step_by(2) {
-            let value = request.arg(index + 1);
-            if value.len() > bytes_max {
-                return Err(CommandError::TooLarge);
-            }
-            added += i64::from(hash.insert(request.arg(index), Bytes::copy_from_slice(value))?);
+            let value = Bytes::copy_from_slice(request.arg(index + 1));
+            added += i64::from(hash.insert(request.arg(index), value)?);
         }
         Ok(added)
     })
@@ -109,7 +87,7 @@ fn hsetnx(context: &mut Context, request: &Request) -> CommandResult {
 
 /// The value of one field.
 fn field(context: &mut Context, key: &[u8], field: &[u8]) -> CommandResult<Option<Bytes>> {
-    with_hash(context, key, |hash| match hash {
+    with_hashed(context, Layout::Hash, key, |hash| match hash {
         Some(hash) => hash.get(field),
         None => Ok(None),
     })
@@ -122,7 +100,7 @@ fn hget(context: &mut Context, request: &Request) -> CommandResult {
 }
 
 fn hmget(context: &mut Context, request: &Request) -> CommandResult {
-    let values = with_hash(context, request.arg(1), |mut hash| {
+    let values = with_hashed(context, Layout::Hash, request.arg(1), |mut hash| {
         request
             .args()
             .skip(2)
@@ -140,7 +118,7 @@ fn hmget(context: &mut Context, request: &Request) -> CommandResult {
 }
 
 fn all_fields(context: &mut Context, key: &[u8]) -> CommandResult<Vec<(Bytes, Bytes)>> {
-    with_hash(context, key, |hash| match hash {
+    with_hashed(context, Layout::Hash, key, |hash| match hash {
         Some(hash) => hash.entries(),
         None => Ok(Vec::new()),
     })
@@ -179,7 +157,7 @@ fn hvals(context: &mut Context, request: &Request) -> CommandResult {
 }
 
 fn hdel(context: &mut Context, request: &Request) -> CommandResult {
-    let removed = with_hash(context, request.arg(1), |hash| {
+    let removed = with_hashed(context, Layout::Hash, request.arg(1), |hash| {
         let Some(hash) = hash else { return Ok(0) };
         let mut removed = 0;
         for field in request.args().skip(2) {
@@ -192,7 +170,8 @@ fn hdel(context: &mut Context, request: &Request) -> CommandResult {
 }
 
 fn hlen(context: &mut Context, request: &Request) -> CommandResult {
-    let length = with_hash(context, request.arg(1), |hash| Ok(hash.map_or(0, |hash| hash.len())))?;
+    let length =
+        with_hashed(context, Layout::Hash, request.arg(1), |hash| Ok(hash.map_or(0, |hash| hash.len())))?;
     context.out.integer(length as i64);
     Ok(())
 }
@@ -252,7 +231,7 @@ fn hrandfield(context: &mut Context, request: &Request) -> CommandResult {
         4 if is(request.arg(3), "withvalues") => (Some(integer_arg(request, 2)?), true),
         _ => return Err(CommandError::Syntax),
     };
-    let picked = with_hash(context, request.arg(1), |hash| {
+    let picked = with_hashed(context, Layout::Hash, request.arg(1), |hash| {
         let Some(hash) = hash else { return Ok(Vec::new()) };
         match count {
             None => Ok(hash.random_entry()?.into_iter().collect()),
@@ -298,32 +277,6 @@ fn hrandfield(context: &mut Context, request: &Request) -> CommandResult {
     Ok(())
 }
 
-/// HSCAN: the cursor is a bucket of the hash, as SSCAN's is of a set.
 fn hscan(context: &mut Context, request: &Request) -> CommandResult {
-    let cursor: u64 = std::str::from_utf8(request.arg(2))
-        .ok()
-        .and_then(|text| text.parse().ok())
-        .ok_or(CommandError::InvalidCursor)?;
-    let (next, entries) = with_hash(context, request.arg(1), |hash| {
-        let Some(hash) = hash else { return Ok((0, Vec::new())) };
-        let (pattern, count) = parse_scan_options(request)?;
-        let buckets = hash.bucket_count();
-        let mut entries = Vec::new();
-        let mut bucket = cursor;
-        while bucket < buckets && (entries.len() as u64) < count {
-            entries.extend(hash.bucket_entries(bucket)?);
-            bucket += 1;
-        }
-        entries
-            .retain(|(field, _): &(Bytes, Bytes)| pattern.is_none_or(|pattern| glob_match(pattern, field)));
-        Ok((if bucket >= buckets { 0 } else { bucket }, entries))
-    })?;
-    context.out.array(2);
-    context.out.bulk(next.to_string().as_bytes());
-    context.out.array(entries.len() * 2);
-    for (field, value) in &entries {
-        context.out.bulk(field);
-        context.out.bulk(value);
-    }
-    Ok(())
+    scan_hashed(context, request, Layout::Hash)
 }

@@ -190,7 +190,7 @@ fn copy_value(context: &Context, from: &[u8], source: &Stored, to: &[u8]) -> Com
             list::copy(context.engine(from), from, target, to, context.now_ms, &context.table(to).reserved)
         }
         Kind::Set | Kind::Hash => {
-            let layout = if source.kind == Kind::Set { Layout::Set } else { Layout::Hash };
+            let layout = Layout::of(source.kind).expect("a set or a hash");
             let entries = match Hashed::open(layout, context.engine(from), from, context.now_ms)? {
                 Some(mut value) => value.entries()?,
                 None => Vec::new(),

@@ -33,18 +33,21 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "sscan", arity: -3, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: sscan },
 ];
 
-/// Runs `body` on the set at `key` (`None` if there is none) under the key's
-/// lock, and writes what it changed.
-fn with_set<T>(
+/// Runs `body` on the set or hash at `key` (`None` if there is none) under
+/// the key's lock, and writes what it changed, keeping the TTL; an emptied
+/// one is deleted, as in Redis.
+pub(super) fn with_hashed<T>(
     context: &mut Context,
+    layout: Layout,
     key: &[u8],
     body: impl FnOnce(Option<&mut Hashed>) -> CommandResult<T>,
 ) -> CommandResult<T> {
     let _lock = context.lock_key(key);
-    let mut set = Hashed::open(Layout::Set, context.engine(key), key, context.now_ms)?;
-    let answer = body(set.as_mut())?;
-    if let Some(set) = set {
-        set.commit(&context.table(key).reserved)?;
+    let mut value = Hashed::open(layout, context.engine(key), key, context.now_ms)?;
+    context.count_lookup(value.is_some());
+    let answer = body(value.as_mut())?;
+    if let Some(value) = value {
+        value.commit(&context.table(key).reserved)?;
     }
     Ok(answer)
 }
@@ -66,7 +69,7 @@ fn sadd(context: &mut Context, request: &Request) -> CommandResult {
 }
 
 fn srem(context: &mut Context, request: &Request) -> CommandResult {
-    let removed = with_set(context, request.arg(1), |set| {
+    let removed = with_hashed(context, Layout::Set, request.arg(1), |set| {
         let Some(set) = set else { return Ok(0) };
         let mut removed = 0;
         for member in request.args().skip(2) {
@@ -79,7 +82,7 @@ fn srem(context: &mut Context, request: &Request) -> CommandResult {
 }
 
 fn sismember(context: &mut Context, request: &Request) -> CommandResult {
-    let found = with_set(context, request.arg(1), |set| match set {
+    let found = with_hashed(context, Layout::Set, request.arg(1), |set| match set {
         Some(set) => set.contains(request.arg(2)),
         None => Ok(false),
     })?;
@@ -88,7 +91,7 @@ fn sismember(context: &mut Context, request: &Request) -> CommandResult {
 }
 
 fn smismember(context: &mut Context, request: &Request) -> CommandResult {
-    let found = with_set(context, request.arg(1), |mut set| {
+    let found = with_hashed(context, Layout::Set, request.arg(1), |mut set| {
         request
             .args()
             .skip(2)
@@ -106,7 +109,7 @@ fn smismember(context: &mut Context, request: &Request) -> CommandResult {
 }
 
 fn scard(context: &mut Context, request: &Request) -> CommandResult {
-    let length = with_set(context, request.arg(1), |set| Ok(set.map_or(0, |set| set.len())))?;
+    let length = with_hashed(context, Layout::Set, request.arg(1), |set| Ok(set.map_or(0, |set| set.len())))?;
     context.out.integer(length as i64);
     Ok(())
 }
@@ -119,7 +122,7 @@ fn write_set(context: &mut Context, members: &[Bytes]) {
 }
 
 fn smembers(context: &mut Context, request: &Request) -> CommandResult {
-    let members = with_set(context, request.arg(1), |set| match set {
+    let members = with_hashed(context, Layout::Set, request.arg(1), |set| match set {
         Some(set) => set.members(),
         None => Ok(Vec::new()),
     })?;
@@ -139,7 +142,7 @@ fn spop(context: &mut Context, request: &Request) -> CommandResult {
         ),
         _ => return Err(CommandError::Syntax),
     };
-    let popped = with_set(context, request.arg(1), |set| {
+    let popped = with_hashed(context, Layout::Set, request.arg(1), |set| {
         let Some(set) = set else { return Ok(Vec::new()) };
         let mut popped = Vec::new();
         for _ in 0..count.unwrap_or(1).min(set.len() as i64) {
@@ -162,7 +165,7 @@ fn srandmember(context: &mut Context, request: &Request) -> CommandResult {
         3 => Some(integer_arg(request, 2)?),
         _ => return Err(CommandError::Syntax),
     };
-    let picked = with_set(context, request.arg(1), |set| {
+    let picked = with_hashed(context, Layout::Set, request.arg(1), |set| {
         let Some(set) = set else { return Ok(Vec::new()) };
         match count {
             None => Ok(set.random_entry()?.into_iter().map(|(member, _)| member).collect()),
@@ -351,39 +354,41 @@ fn sintercard(context: &mut Context, request: &Request) -> CommandResult {
     Ok(())
 }
 
-/// SSCAN: the cursor is a bucket of the set ([`crate::set`]); an inline set
-/// is answered whole with cursor 0, as Redis answers a small one. As in
-/// Redis, a missing key is answered before the options are read.
-fn sscan(context: &mut Context, request: &Request) -> CommandResult {
+/// SSCAN and HSCAN: the cursor is a bucket ([`crate::hashed`]); an inline
+/// value is answered whole with cursor 0, as Redis answers a small one. As
+/// in Redis, a missing key is answered before the options are read.
+pub(super) fn scan_hashed(context: &mut Context, request: &Request, layout: Layout) -> CommandResult {
     let cursor: u64 = std::str::from_utf8(request.arg(2))
         .ok()
         .and_then(|text| text.parse().ok())
         .ok_or(CommandError::InvalidCursor)?;
-    let (next, members) = with_set(context, request.arg(1), |set| {
-        let Some(set) = set else { return Ok((0, Vec::new())) };
+    let (next, entries) = with_hashed(context, layout, request.arg(1), |value| {
+        let Some(value) = value else { return Ok((0, Vec::new())) };
         let (pattern, count) = parse_scan_options(request)?;
-        let buckets = set.bucket_count();
-        let mut members = Vec::new();
-        let mut bucket = cursor;
-        // At least `count` members' worth of buckets: Redis's COUNT is a hint.
-        while bucket < buckets && (members.len() as u64) < count {
-            members.extend(set.bucket_entries(bucket)?.into_iter().map(|(member, _)| member));
-            bucket += 1;
-        }
-        members.retain(|member: &Bytes| pattern.is_none_or(|pattern| glob_match(pattern, member)));
-        Ok((if bucket >= buckets { 0 } else { bucket }, members))
+        let (next, mut entries) = value.scan(cursor, count)?;
+        entries
+            .retain(|(field, _): &(Bytes, Bytes)| pattern.is_none_or(|pattern| glob_match(pattern, field)));
+        Ok((next, entries))
     })?;
+    let with_values = layout == Layout::Hash;
     context.out.array(2);
     context.out.bulk(next.to_string().as_bytes());
-    context.out.array(members.len());
-    for member in &members {
-        context.out.bulk(member);
+    context.out.array(entries.len() * if with_values { 2 } else { 1 });
+    for (field, value) in &entries {
+        context.out.bulk(field);
+        if with_values {
+            context.out.bulk(value);
+        }
     }
     Ok(())
 }
 
-/// SSCAN's MATCH and COUNT.
-pub(super) fn parse_scan_options<'r>(request: &'r Request) -> CommandResult<(Option<&'r [u8]>, u64)> {
+fn sscan(context: &mut Context, request: &Request) -> CommandResult {
+    scan_hashed(context, request, Layout::Set)
+}
+
+/// SSCAN's and HSCAN's MATCH and COUNT.
+fn parse_scan_options<'r>(request: &'r Request) -> CommandResult<(Option<&'r [u8]>, u64)> {
     let (mut pattern, mut count) = (None, 10u64);
     let mut index = 3;
     while index < request.len() {
