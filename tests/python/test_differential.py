@@ -252,7 +252,59 @@ def transactions(rng, key):
     ])
 
 
-FAMILIES = [strings, keyspace, hashes, sorted_sets, lists, sets, transactions]
+SCRIPTS = [
+    "return redis.call('incr', KEYS[1])",
+    "local v = redis.call('get', KEYS[1]) if v then redis.call('set', KEYS[1], v .. ARGV[1]) end return v",
+    "return redis.call('lpush', KEYS[1], ARGV[1], ARGV[1])",
+    "return {redis.call('lpop', KEYS[1]), redis.call('llen', KEYS[1])}",
+    "redis.call('hset', KEYS[1], 'f', ARGV[1]) return redis.call('hgetall', KEYS[1])",
+    "return redis.pcall('hincrby', KEYS[1], 'f', 1)",
+    "return redis.call('sadd', KEYS[1], ARGV[1])",
+    "return redis.call('zadd', KEYS[1], 1, ARGV[1])",
+    "return redis.call('type', KEYS[1])",
+    "return redis.call('exists', KEYS[1], KEYS[1])",
+    "return {1, 2.9, -3.2, 'x', false, true, {ok='fine'}, nil, 'after nil'}",
+    "return cjson.encode({key = KEYS[1], n = #ARGV})",
+    "return cjson.decode(ARGV[1])",
+    "return redis.error_reply('MYERR ' .. KEYS[1])",
+    "return redis.status_reply('DONE')",
+    "return redis.call('nosuchcommand')",
+    "return redis.call('get')",
+    "return redis.call('set', KEYS[1])",
+    "return redis.call('get', KEYS[1], {})",
+    "local ok, e = pcall(redis.call, 'incr', KEYS[1]) return {tostring(ok), e}",
+    "error('failed on ' .. KEYS[1])",
+    "return undefined_global",
+    "x = 1",
+    "return tonumber(ARGV[1]) + 1",
+    "return redis.call('del', KEYS[1])",
+    "redis.call('set', KEYS[1], 'written') return redis.call('incr', KEYS[1])",
+    "return redis.call('expire', KEYS[1], 100)",
+    "return bit.bxor(tonumber(ARGV[1]) or 0, 5)",
+    "return redis.sha1hex(ARGV[1])",
+    "#!lua flags=no-writes\nreturn redis.call('set', KEYS[1], 1)",
+    "#!lua flags=no-writes\nreturn redis.call('get', KEYS[1])",
+    "return redis.call('multi')",
+    "return ARGV",
+    "return KEYS",
+]
+
+
+def scripts(rng, key):
+    body = rng.choice(SCRIPTS)
+    arg = rng.choice(VALUES + ['[1,2,{"a":null}]', '{"k":"v"}', "[1,"])
+    return rng.choice([
+        ["EVAL", body, 1, key, arg],
+        ["EVAL", body, 1, key, arg],
+        ["EVAL_RO", body, 1, key, arg],
+        ["EVAL", body, 0],
+        ["EVAL", body, rng.choice([-1, 3, "x"]), key],
+        ["EVALSHA", rng.choice(["ffffffffffffffffffffffffffffffffffffffff", "short"]), 1, key],
+        ["SCRIPT", "EXISTS", "ffffffffffffffffffffffffffffffffffffffff"],
+    ])
+
+
+FAMILIES = [strings, keyspace, hashes, sorted_sets, lists, sets, transactions, scripts]
 
 
 def random_command(rng):
@@ -377,7 +429,7 @@ def test_the_generator_reaches_every_family_and_error_kind(both):
             for kind in ("WRONGTYPE", "wrong number of arguments", "syntax error", "not an integer"):
                 if kind in message:
                     seen.add(kind)
-    for expected in ("SET", "EXPIRE", "HSET", "ZADD", "LPUSH", "BLPOP", "SADD", "SINTERSTORE", "MULTI", "WRONGTYPE", "wrong number of arguments",
+    for expected in ("SET", "EXPIRE", "HSET", "ZADD", "LPUSH", "BLPOP", "SADD", "SINTERSTORE", "MULTI", "EVAL", "WRONGTYPE", "wrong number of arguments",
                      "syntax error", "not an integer"):
         assert expected in seen, expected
 

@@ -424,6 +424,10 @@ struct ServeArgs {
     /// How long shutdown waits for in-flight requests, in ms [default: 5000].
     #[arg(long)]
     shutdown_timeout_ms: Option<u64>,
+    /// How long a script runs before other commands answer BUSY and SCRIPT
+    /// KILL may stop it, in ms [default: 5000].
+    #[arg(long)]
+    busy_reply_threshold_ms: Option<u64>,
     /// How often expired keys are swept, in ms [default: 100].
     #[arg(long)]
     expiry_sweep_interval_ms: Option<u64>,
@@ -492,7 +496,8 @@ impl ServeArgs {
             maxmemory,
             maxmemory_policy,
             maxmemory_samples,
-            shutdown_timeout_ms
+            shutdown_timeout_ms,
+            busy_reply_threshold_ms
         );
         if self.password.is_some() {
             config.password = self.password.clone();

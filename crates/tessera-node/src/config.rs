@@ -55,6 +55,10 @@ pub struct Config {
     pub maxmemory_samples: usize,
     /// How long shutdown waits for connections to finish their requests.
     pub shutdown_timeout_ms: u64,
+    /// How long a script runs before other clients are answered BUSY and
+    /// SCRIPT KILL may stop it (Redis's busy-reply-threshold, or
+    /// lua-time-limit).
+    pub busy_reply_threshold_ms: u64,
     /// How often expired keys are swept, and how many entries per table each sweep reads.
     pub expiry_sweep_interval_ms: u64,
     pub expiry_sweep_entries: usize,
@@ -156,6 +160,7 @@ impl Default for Config {
             maxmemory_policy: EvictionPolicy::Noeviction,
             maxmemory_samples: 5,
             shutdown_timeout_ms: 5_000,
+            busy_reply_threshold_ms: 5_000,
             expiry_sweep_interval_ms: 100,
             expiry_sweep_entries: 256,
             tls_port: 0,
@@ -182,6 +187,14 @@ impl Config {
         let text = std::fs::read_to_string(path)
             .map_err(|error| ConfigError::File(path.into(), error.to_string()))?;
         toml::from_str(&text).map_err(|error| ConfigError::File(path.into(), error.to_string()))
+    }
+
+    /// The worker threads to run: `threads`, or one per core.
+    pub fn worker_threads(&self) -> usize {
+        match self.threads {
+            0 => std::thread::available_parallelism().map_or(1, |cores| cores.get()),
+            threads => threads,
+        }
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {

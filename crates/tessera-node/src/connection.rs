@@ -8,11 +8,12 @@ use std::time::Duration;
 
 use tessera_wire::{Parsed, Protocol, ReplyWriter, Request, RequestParser};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 
 use crate::acl::DEFAULT_USER;
 use crate::blocking::Wait;
 use crate::cluster::{serve, ClusterNode, Forwarder, Held};
+use crate::commands::scripting::ScriptOutcome;
 use crate::commands::{dispatch, Context, Session};
 use crate::error::CommandError;
 use crate::node_state::{now_ms, NodeState, WorkerStats};
@@ -293,6 +294,9 @@ impl Connection {
                             self.held.extend(held.await);
                         }
                     }
+                    if let Some(script) = self.session.script.take() {
+                        self.await_script(script).await;
+                    }
                     if self.session.blocked.is_some() {
                         // It waits, unanswered, to run again from here.
                         break;
@@ -342,6 +346,21 @@ impl Connection {
             self.query_buffer.set(self.input.capacity().saturating_sub(READ_CHUNK_BYTES));
         }
         keep_open
+    }
+
+    /// Writes the reply of a script running on a script thread once it
+    /// comes (the worker serves other connections meanwhile).
+    async fn await_script(&mut self, script: oneshot::Receiver<ScriptOutcome>) {
+        let start = self.out.len();
+        match script.await {
+            Ok(ScriptOutcome { reply, waits }) => {
+                self.out.raw(&reply);
+                if !waits.is_empty() {
+                    self.held.push(Held { start, end: self.out.len(), waits });
+                }
+            }
+            Err(_) => CommandError::Other("the script's thread stopped".into()).write(&mut self.out),
+        }
     }
 
     /// After a read that left room in the buffer, the socket was empty when

@@ -51,6 +51,11 @@ pub enum CommandError {
     OutOfMemory,
     #[error("ERR {0}")]
     Other(String),
+    #[error("NOSCRIPT No matching script. Please use EVAL.")]
+    NoScript,
+    /// A script has run past the busy threshold (Redis's words).
+    #[error("BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE.")]
+    Busy,
     /// The connection's input is not RESP: answered, then the connection closes.
     #[error("ERR {0}")]
     Protocol(#[from] ProtocolError),

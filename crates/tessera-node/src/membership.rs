@@ -10,6 +10,7 @@ use tessera_cluster::ClusterMap;
 
 use crate::error::{CommandError, CommandResult};
 
+#[derive(Clone)]
 pub struct Membership {
     pub agent: Arc<Agent>,
     /// This node's client address, as the map names it.

@@ -9,7 +9,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use parking_lot::{Mutex, MutexGuard, RwLock};
@@ -22,11 +22,15 @@ use crate::config::Config;
 use crate::error::{CommandError, CommandResult};
 use crate::memory::{used_memory, AccessClock, EvictionPolicy};
 use crate::pubsub::PubSub;
+use crate::scripts::Scripts;
 use crate::tables::{Catalogue, Table, TableDef, TableError, TableSet};
 use crate::typed::{decode_header, Kind, Stored};
 use crate::watch::KeyVersions;
 
 const LOCK_STRIPES: usize = 1024;
+/// How often a command waiting for a key's lock looks whether a script has
+/// gone past the busy threshold.
+const BUSY_CHECK_INTERVAL: Duration = Duration::from_millis(10);
 /// What a subscriber may have queued when `client_output_buffer_limit` sets
 /// no limit: Redis's default hard limit for pub/sub clients.
 const PUBSUB_OUTPUT_LIMIT_DEFAULT: usize = 32 << 20;
@@ -104,6 +108,8 @@ pub struct NodeState {
     pub pubsub: Arc<PubSub>,
     /// Clients blocked in BLPOP and its kin.
     pub waiters: Arc<Waiters>,
+    /// The scripts known and running, and the threads they run on.
+    pub scripts: Scripts,
     /// Where RANDOMKEY's last sample stopped in each table.
     pub random_key_positions: Mutex<HashMap<String, ScanCursor>>,
     /// Where eviction's last sample stopped: the table, then the cursor in it.
@@ -189,6 +195,7 @@ impl NodeState {
         let catalogue = Catalogue::new(&config.dir, remote_allowed, versions.clone());
         let tables = catalogue.load(&config.engine, &config.engine_options)?;
         let acl = Acl::open(&config.dir, config.password.as_deref(), commands)?;
+        let scripts = Scripts::new(config.busy_reply_threshold_ms, config.worker_threads());
         Ok(Self {
             acl,
             config,
@@ -202,6 +209,7 @@ impl NodeState {
             versions,
             pubsub,
             waiters: Arc::new(Waiters::default()),
+            scripts,
             random_key_positions: Mutex::new(HashMap::new()),
             eviction_position: Mutex::new((0, ScanCursor::default())),
             access: AccessClock::default(),
@@ -251,7 +259,7 @@ impl NodeState {
         Ok(())
     }
 
-    fn stripe_index(key: &[u8]) -> usize {
+    pub fn stripe_index(key: &[u8]) -> usize {
         // FNV-1a: cheap, and spreads keys over the stripes well enough.
         let hash =
             key.iter().fold(0x811c9dc5u32, |hash, &byte| (hash ^ byte as u32).wrapping_mul(0x01000193));
@@ -274,6 +282,62 @@ impl NodeState {
     /// Holds every key's lock (FLUSHDB: no change may straddle the wipe).
     pub fn lock_all(&self) -> Vec<MutexGuard<'_, ()>> {
         self.stripes.iter().map(|stripe| stripe.lock()).collect()
+    }
+
+    pub const STRIPES: usize = LOCK_STRIPES;
+
+    /// Holds one stripe's lock.
+    pub fn lock_stripe(&self, index: usize) -> MutexGuard<'_, ()> {
+        self.stripes[index].lock()
+    }
+
+    /// Holds one stripe's lock if it comes free within `patience`.
+    pub fn try_lock_stripe(&self, index: usize, patience: Duration) -> Option<MutexGuard<'_, ()>> {
+        self.stripes[index].try_lock_for(patience)
+    }
+
+    /// Holds stripes' locks for a client's command, in index order; a wait
+    /// gives up with BUSY once a script has run too long, since it may be the
+    /// script that holds the lock, and a worker must stay free to serve
+    /// SCRIPT KILL.
+    pub fn lock_stripes_unless_busy(
+        &self,
+        indexes: impl Iterator<Item = usize>,
+    ) -> CommandResult<Vec<MutexGuard<'_, ()>>> {
+        let mut indexes: Vec<usize> = indexes.collect();
+        indexes.sort_unstable();
+        indexes.dedup();
+        let mut guards = Vec::with_capacity(indexes.len());
+        for index in indexes {
+            let stripe = &self.stripes[index];
+            let guard = match stripe.try_lock() {
+                Some(guard) => guard,
+                None => loop {
+                    if let Some(guard) = stripe.try_lock_for(BUSY_CHECK_INTERVAL) {
+                        break guard;
+                    }
+                    if self.scripts.busy() {
+                        return Err(CommandError::Busy);
+                    }
+                },
+            };
+            guards.push(guard);
+        }
+        Ok(guards)
+    }
+
+    /// [`Self::lock_keys`] for a client's command: BUSY instead of waiting
+    /// behind a script that runs too long.
+    pub fn lock_keys_unless_busy<'k>(
+        &self,
+        keys: impl Iterator<Item = &'k [u8]>,
+    ) -> CommandResult<Vec<MutexGuard<'_, ()>>> {
+        self.lock_stripes_unless_busy(keys.map(Self::stripe_index))
+    }
+
+    /// [`Self::lock_all`] for a client's command.
+    pub fn lock_all_unless_busy(&self) -> CommandResult<Vec<MutexGuard<'_, ()>>> {
+        self.lock_stripes_unless_busy(0..LOCK_STRIPES)
     }
 
     /// Flushes every engine (shutdown).

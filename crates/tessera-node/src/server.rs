@@ -88,10 +88,7 @@ impl Server {
             .map_err(bind_error)?
             .next()
             .ok_or_else(|| bind_error(std::io::Error::other("address resolves to nothing")))?;
-        let threads = match config.threads {
-            0 => thread::available_parallelism().map_or(1, |cores| cores.get()),
-            threads => threads,
-        };
+        let threads = config.worker_threads();
         let tls = acceptor(&config)?;
         let node = Arc::new(NodeState::open(config, crate::commands::acl::catalog())?);
         // The first socket picks the port when port 0 asks for any free one.

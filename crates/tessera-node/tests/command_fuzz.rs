@@ -67,8 +67,8 @@ fn command() -> impl Strategy<Value = Vec<Vec<u8>>> {
 
 /// Runs one command the way a connection does and returns its raw reply.
 fn run(
-    node: &NodeState,
-    stats: &WorkerStats,
+    node: &Arc<NodeState>,
+    stats: &Arc<WorkerStats>,
     session: &mut Session,
     protocol: Protocol,
     args: &[Vec<u8>],
@@ -93,6 +93,10 @@ fn run(
         locks_held: false,
     };
     dispatch(&mut context, &Request::new(&buffer, &ranges));
+    if let Some(script) = session.script.take() {
+        // A script answers from its thread, as a connection would wait for.
+        out.raw(&script.blocking_recv().expect("a script thread answers").reply);
+    }
     out.as_bytes().to_vec()
 }
 

@@ -17,7 +17,9 @@ use super::placement::Placement;
 use super::ClusterNode;
 use crate::commands::consistency::{level_got, parse_level, wrapped_read};
 use crate::commands::transactions;
-use crate::commands::{admit, dispatch, dispatch_admitted, is, lookup, CommandSpec, Context, Scope};
+use crate::commands::{
+    admit, dispatch, dispatch_admitted, is, lookup, refuse_if_busy, CommandSpec, Context, Scope,
+};
 use crate::error::{CommandError, CommandResult};
 use crate::watch::Touching;
 
@@ -51,7 +53,7 @@ pub async fn serve(
     };
     // Checked here, before the request goes anywhere: the coordinator, the
     // shards this node heads, or another node (which runs what a relay sends).
-    if let Err(error) = admit(context, spec, request) {
+    if let Err(error) = refuse_if_busy(context, spec).and_then(|()| admit(context, spec, request)) {
         transactions::refuse(context);
         error.write(context.out);
         return None;
@@ -188,7 +190,7 @@ fn serve_node_wide(
     match cluster.headed_tables() {
         Ok(headed) => {
             let mut on_headed = Context {
-                tables: &headed,
+                tables: &Arc::new(headed),
                 session: &mut *context.session,
                 out: &mut *context.out,
                 ..*context
@@ -347,7 +349,14 @@ async fn serve_keyed(
                 // A strong request sees the keys' newest writes, so it must
                 // wait for those still in flight; its own writes are handed to
                 // replication before the locks go, so they are ordered as run.
-                let _locks = strong.then(|| context.node.lock_keys(keys()));
+                let _locks = match strong.then(|| context.node.lock_keys_unless_busy(keys())) {
+                    Some(Err(error)) => {
+                        context.out.truncate(start);
+                        error.write(context.out);
+                        return None;
+                    }
+                    locks => locks,
+                };
                 if strong {
                     waits.extend(cluster.agent.in_flight(shard, keys()));
                 }

@@ -21,11 +21,11 @@ use crate::membership::Membership;
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
-    CommandSpec { name: "cluster", arity: -2, flags: &[], first_key: 0, last_key: 0, step: 0, scope: Scope::Resharding, handler: cluster },
-    CommandSpec { name: "migrate", arity: -6, flags: &["write", "movablekeys"], first_key: 3, last_key: 3, step: 1, scope: Scope::Resharding, handler: migrate },
-    CommandSpec { name: "readonly", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: connection_mode },
-    CommandSpec { name: "readwrite", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: connection_mode },
-    CommandSpec { name: "asking", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: connection_mode },
+    CommandSpec { name: "cluster", arity: -2, flags: &["noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Resharding, handler: cluster },
+    CommandSpec { name: "migrate", arity: -6, flags: &["write", "movablekeys", "noscript"], first_key: 3, last_key: 3, step: 1, scope: Scope::Resharding, handler: migrate },
+    CommandSpec { name: "readonly", arity: 1, flags: &["fast", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: connection_mode },
+    CommandSpec { name: "readwrite", arity: 1, flags: &["fast", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: connection_mode },
+    CommandSpec { name: "asking", arity: 1, flags: &["fast", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: connection_mode },
     CommandSpec { name: "relay.hello", arity: 4, flags: &["noscript", "loading", "stale", "fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: relay_hello },
     CommandSpec { name: "relay.auth", arity: 2, flags: &["noscript", "loading", "stale", "fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: relay_auth },
 ];

@@ -12,11 +12,11 @@ use crate::REDIS_COMPATIBLE_VERSION;
 pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "ping", arity: -1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: ping },
     CommandSpec { name: "echo", arity: 2, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: echo },
-    CommandSpec { name: "hello", arity: -1, flags: &["noauth", "fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: hello },
-    CommandSpec { name: "auth", arity: -2, flags: &["noauth", "fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: auth },
+    CommandSpec { name: "hello", arity: -1, flags: &["noauth", "fast", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: hello },
+    CommandSpec { name: "auth", arity: -2, flags: &["noauth", "fast", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: auth },
     CommandSpec { name: "select", arity: 2, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: select },
-    CommandSpec { name: "quit", arity: -1, flags: &["noauth", "fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: quit },
-    CommandSpec { name: "client", arity: -2, flags: &[], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: client },
+    CommandSpec { name: "quit", arity: -1, flags: &["noauth", "fast", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: quit },
+    CommandSpec { name: "client", arity: -2, flags: &["noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: client },
 ];
 
 fn ping(context: &mut Context, request: &Request) -> CommandResult {

@@ -41,7 +41,7 @@ fn change_hash<T>(
     key: &[u8],
     change: impl FnOnce(&mut Hashed) -> CommandResult<T>,
 ) -> CommandResult<T> {
-    let _lock = context.lock_key(key);
+    let _lock = context.lock_key(key)?;
     let mut hash = Hashed::open_or_new(Layout::Hash, context.engine(key), key, context.now_ms)?;
     let answer = change(&mut hash)?;
     hash.commit(&context.table(key).reserved)?;

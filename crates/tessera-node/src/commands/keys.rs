@@ -42,7 +42,7 @@ pub const COMMANDS: &[CommandSpec] = &[
 ];
 
 fn del(context: &mut Context, request: &Request) -> CommandResult {
-    let _locks = context.lock_keys(request.args().skip(1));
+    let _locks = context.lock_keys(request.args().skip(1))?;
     let mut deleted = 0;
     for key in request.args().skip(1) {
         let engine = context.engine(key);
@@ -99,7 +99,7 @@ fn set_expiry(
         ));
     }
     let engine = context.engine(key);
-    let _lock = context.lock_key(key);
+    let _lock = context.lock_key(key)?;
     let Some(stored) = read_live(engine, key, context.now_ms)? else {
         context.out.integer(0);
         return Ok(());
@@ -209,7 +209,7 @@ fn copy_value(context: &Context, from: &[u8], source: &Stored, to: &[u8]) -> Com
 /// RENAME and RENAMENX: whether the key moved.
 fn move_key(context: &mut Context, request: &Request, replace: bool) -> CommandResult<bool> {
     let (from, to) = (request.arg(1), request.arg(2));
-    let _locks = context.lock_keys([from, to].into_iter());
+    let _locks = context.lock_keys([from, to].into_iter())?;
     let Some(source) = read_live(context.engine(from), from, context.now_ms)? else {
         return Err(CommandError::Other("no such key".into()));
     };
@@ -259,7 +259,7 @@ fn copy(context: &mut Context, request: &Request) -> CommandResult {
     if from == to {
         return Err(CommandError::Other("source and destination objects are the same".into()));
     }
-    let _locks = context.lock_keys([from, to].into_iter());
+    let _locks = context.lock_keys([from, to].into_iter())?;
     let copied = match read_live(context.engine(from), from, context.now_ms)? {
         Some(source) if replace || read_live(context.engine(to), to, context.now_ms)?.is_none() => {
             copy_value(context, from, &source, to)?;
@@ -282,7 +282,7 @@ fn pttl(context: &mut Context, request: &Request) -> CommandResult {
 fn persist(context: &mut Context, request: &Request) -> CommandResult {
     let key = request.arg(1);
     let engine = context.engine(key);
-    let _lock = context.lock_key(key);
+    let _lock = context.lock_key(key)?;
     let changed = match read_live(engine, key, context.now_ms)? {
         Some(stored) if stored.expires_at_ms.is_some() => {
             engine.put(key, encode(stored.kind, None, &stored.payload))?;
@@ -518,7 +518,7 @@ fn flushdb(context: &mut Context, request: &Request) -> CommandResult {
     {
         return Err(CommandError::Syntax);
     }
-    let _locks = (!context.locks_held).then(|| context.node.lock_all());
+    let _locks = if context.locks_held { Vec::new() } else { context.node.lock_all_unless_busy()? };
     for table in context.tables.by_name() {
         table.reserved.clear(table.engine.as_ref())?;
     }

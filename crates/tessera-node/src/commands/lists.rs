@@ -47,7 +47,7 @@ fn with_list<T>(
     key: &[u8],
     body: impl FnOnce(Option<&mut List>) -> CommandResult<T>,
 ) -> CommandResult<T> {
-    let _lock = context.lock_key(key);
+    let _lock = context.lock_key(key)?;
     let mut list = List::open(context.engine(key), key, context.now_ms)?;
     let answer = body(list.as_mut())?;
     if let Some(list) = list {
@@ -60,7 +60,7 @@ fn with_list<T>(
 fn push(context: &mut Context, request: &Request, end: End, only_if_present: bool) -> CommandResult {
     let key = request.arg(1);
     let length = {
-        let _lock = context.lock_key(key);
+        let _lock = context.lock_key(key)?;
         let engine = context.engine(key);
         let list = if only_if_present {
             List::open(engine, key, context.now_ms)?
@@ -366,7 +366,7 @@ fn move_element(
     to: End,
 ) -> CommandResult<Option<Bytes>> {
     let moved = {
-        let _locks = context.lock_keys([source, destination].into_iter());
+        let _locks = context.lock_keys([source, destination].into_iter())?;
         let Some(mut list) = List::open(context.engine(source), source, context.now_ms)? else {
             return Ok(None);
         };

@@ -9,6 +9,7 @@ mod hashes;
 pub mod keys;
 pub mod lists;
 pub mod pubsub;
+pub mod scripting;
 mod server;
 mod sets;
 mod sorted_sets;
@@ -73,6 +74,8 @@ pub struct Session {
     pub watched: Option<transactions::Watched>,
     /// Since SUBSCRIBE and its kin: the channels and the messages to write.
     pub subscription: Option<crate::pubsub::Subscription>,
+    /// A script running on a script thread: the connection waits for its reply.
+    pub script: Option<tokio::sync::oneshot::Receiver<scripting::ScriptOutcome>>,
 }
 
 /// A user's permissions as a connection checks them.
@@ -86,11 +89,11 @@ pub struct Permissions {
 
 /// What a command handler works with.
 pub struct Context<'a> {
-    pub node: &'a NodeState,
-    pub tables: &'a TableSet,
+    pub node: &'a Arc<NodeState>,
+    pub tables: &'a Arc<TableSet>,
     pub session: &'a mut Session,
     pub out: &'a mut ReplyWriter,
-    pub stats: &'a WorkerStats,
+    pub stats: &'a Arc<WorkerStats>,
     /// The node's place in a cluster, if it is a member of one.
     pub cluster: Option<&'a Membership>,
     /// Wall-clock milliseconds, read once per batch of commands.
@@ -134,16 +137,17 @@ impl<'a> Context<'a> {
     }
 
     /// Holds the write lock of one key, unless the caller already does.
-    pub fn lock_key(&self, key: &[u8]) -> Option<MutexGuard<'a, ()>> {
-        (!self.locks_held).then(|| self.node.lock_key(key))
+    pub fn lock_key(&self, key: &[u8]) -> CommandResult<Vec<MutexGuard<'a, ()>>> {
+        self.lock_keys(std::iter::once(key))
     }
 
-    /// Holds the write locks of several keys, unless the caller already does.
-    pub fn lock_keys<'k>(&self, keys: impl Iterator<Item = &'k [u8]>) -> Vec<MutexGuard<'a, ()>> {
+    /// Holds the write locks of several keys, unless the caller already
+    /// does; BUSY rather than waiting behind a script that runs too long.
+    pub fn lock_keys<'k>(&self, keys: impl Iterator<Item = &'k [u8]>) -> CommandResult<Vec<MutexGuard<'a, ()>>> {
         if self.locks_held {
-            return Vec::new();
+            return Ok(Vec::new());
         }
-        self.node.lock_keys(keys)
+        self.node.lock_keys_unless_busy(keys)
     }
 
     pub fn bulk_bytes_max(&self) -> usize {
@@ -242,6 +246,7 @@ fn counted_keys_at(name: &str) -> Option<usize> {
     match name {
         "lmpop" | "sintercard" | "zmpop" | "zunion" | "zinter" | "zdiff" | "zintercard" => Some(1),
         "blmpop" | "bzmpop" | "zunionstore" | "zinterstore" | "zdiffstore" => Some(2),
+        "eval" | "evalsha" | "eval_ro" | "evalsha_ro" => Some(2),
         _ => None,
     }
 }
@@ -253,7 +258,7 @@ fn table() -> &'static HashMap<&'static [u8], &'static CommandSpec> {
 
 /// The commands, by family: the family is a command's ACL category beside
 /// those its flags give (`@string`, `@hash`, … as Redis names them).
-const FAMILIES: [(&str, &[CommandSpec]); 14] = [
+const FAMILIES: [(&str, &[CommandSpec]); 15] = [
     ("connection", connection::COMMANDS),
     ("tessera", consistency::COMMANDS),
     ("cluster", cluster::COMMANDS),
@@ -266,6 +271,7 @@ const FAMILIES: [(&str, &[CommandSpec]); 14] = [
     ("server", server::COMMANDS),
     ("transaction", transactions::COMMANDS),
     ("pubsub", pubsub::COMMANDS),
+    ("scripting", scripting::COMMANDS),
     ("tessera", tables::COMMANDS),
     ("admin", acl::COMMANDS),
 ];
@@ -342,8 +348,19 @@ fn check(context: &mut Context, request: &Request) -> CommandResult<&'static Com
     if !spec.arity_ok(request.len()) {
         return Err(CommandError::WrongArity(spec.name.into()));
     }
+    refuse_if_busy(context, spec)?;
     admit(context, spec, request)?;
     Ok(spec)
+}
+
+/// While a script runs past the busy threshold, a client may only stop it,
+/// log in, or leave (Redis's commands allowed when busy).
+pub fn refuse_if_busy(context: &Context, spec: &CommandSpec) -> CommandResult {
+    let allowed = matches!(spec.name, "script" | "auth" | "hello" | "quit" | "multi" | "discard");
+    if !allowed && context.node.scripts.busy() {
+        return Err(CommandError::Busy);
+    }
+    Ok(())
 }
 
 /// Runs an admitted request: room for what it may write, then its handler.

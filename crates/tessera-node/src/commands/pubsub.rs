@@ -21,7 +21,7 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "publish", arity: 3, flags: &["pubsub", "loading", "stale", "fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: publish },
     CommandSpec { name: "spublish", arity: 3, flags: &["pubsub", "loading", "stale", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: spublish },
     CommandSpec { name: "pubsub", arity: -2, flags: &["pubsub", "loading", "stale"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: pubsub },
-    CommandSpec { name: "relay.publish", arity: 3, flags: &["pubsub", "fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: relay_publish },
+    CommandSpec { name: "relay.publish", arity: 3, flags: &["pubsub", "fast", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: relay_publish },
 ];
 
 /// The commands a RESP2 connection may send while subscribed.

@@ -15,7 +15,7 @@ use crate::REDIS_COMPATIBLE_VERSION;
 pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "info", arity: -1, flags: &["loading", "stale"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: info },
     CommandSpec { name: "command", arity: -1, flags: &["loading", "stale"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: command },
-    CommandSpec { name: "config", arity: -2, flags: &["admin", "loading", "stale"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: config },
+    CommandSpec { name: "config", arity: -2, flags: &["admin", "loading", "stale", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: config },
     CommandSpec { name: "time", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: time },
 ];
 

@@ -42,7 +42,7 @@ pub(super) fn with_hashed<T>(
     key: &[u8],
     body: impl FnOnce(Option<&mut Hashed>) -> CommandResult<T>,
 ) -> CommandResult<T> {
-    let _lock = context.lock_key(key);
+    let _lock = context.lock_key(key)?;
     let mut value = Hashed::open(layout, context.engine(key), key, context.now_ms)?;
     context.count_lookup(value.is_some());
     let answer = body(value.as_mut())?;
@@ -55,7 +55,7 @@ pub(super) fn with_hashed<T>(
 fn sadd(context: &mut Context, request: &Request) -> CommandResult {
     let key = request.arg(1);
     let added = {
-        let _lock = context.lock_key(key);
+        let _lock = context.lock_key(key)?;
         let mut set = Hashed::open_or_new(Layout::Set, context.engine(key), key, context.now_ms)?;
         let mut added = 0;
         for member in request.args().skip(2) {
@@ -198,7 +198,7 @@ fn srandmember(context: &mut Context, request: &Request) -> CommandResult {
 fn smove(context: &mut Context, request: &Request) -> CommandResult {
     let (source, destination, member) = (request.arg(1), request.arg(2), request.arg(3));
     let moved = {
-        let _locks = context.lock_keys([source, destination].into_iter());
+        let _locks = context.lock_keys([source, destination].into_iter())?;
         match Hashed::open(Layout::Set, context.engine(source), source, context.now_ms)? {
             None => false,
             Some(mut from) if source == destination => from.contains(member)?,
@@ -281,7 +281,7 @@ fn combine(context: &Context, keys: &[&[u8]], algebra: Algebra) -> CommandResult
 fn read_algebra(context: &mut Context, request: &Request, algebra: Algebra) -> CommandResult {
     let keys: Vec<&[u8]> = request.args().skip(1).collect();
     let members = {
-        let _locks = context.lock_keys(keys.iter().copied());
+        let _locks = context.lock_keys(keys.iter().copied())?;
         combine(context, &keys, algebra)?
     };
     write_set(context, &members);
@@ -305,7 +305,7 @@ fn sdiff(context: &mut Context, request: &Request) -> CommandResult {
 fn store_algebra(context: &mut Context, request: &Request, algebra: Algebra) -> CommandResult {
     let destination = request.arg(1);
     let keys: Vec<&[u8]> = request.args().skip(2).collect();
-    let _locks = context.lock_keys(request.args().skip(1));
+    let _locks = context.lock_keys(request.args().skip(1))?;
     let members = combine(context, &keys, algebra)?;
     let reserved = &context.table(destination).reserved;
     let entries = members.into_iter().map(|member| (member, Bytes::new()));
@@ -346,7 +346,7 @@ fn sintercard(context: &mut Context, request: &Request) -> CommandResult {
     };
     let keys: Vec<&[u8]> = (2..after_keys).map(|index| request.arg(index)).collect();
     let members = {
-        let _locks = context.lock_keys(keys.iter().copied());
+        let _locks = context.lock_keys(keys.iter().copied())?;
         combine(context, &keys, Algebra::Inter)?
     };
     let count = if limit == 0 { members.len() } else { members.len().min(limit) };

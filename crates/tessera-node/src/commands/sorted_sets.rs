@@ -50,7 +50,7 @@ fn read_set<T>(
     key: &[u8],
     body: impl FnOnce(Option<&mut SortedSet>) -> CommandResult<T>,
 ) -> CommandResult<T> {
-    let _lock = context.lock_key(key);
+    let _lock = context.lock_key(key)?;
     let mut set = SortedSet::open(context.engine(key), key, context.now_ms)?;
     context.count_lookup(set.is_some());
     body(set.as_mut())
@@ -63,7 +63,7 @@ fn update_set<T>(
     key: &[u8],
     change: impl FnOnce(&mut SortedSet) -> CommandResult<T>,
 ) -> CommandResult<T> {
-    let _lock = context.lock_key(key);
+    let _lock = context.lock_key(key)?;
     let mut set = SortedSet::open_or_new(context.engine(key), key, context.now_ms)?;
     let answer = change(&mut set)?;
     let grown = !set.is_empty();
@@ -192,7 +192,7 @@ fn zincrby(context: &mut Context, request: &Request) -> CommandResult {
 
 fn zrem(context: &mut Context, request: &Request) -> CommandResult {
     let key = request.arg(1);
-    let _lock = context.lock_key(key);
+    let _lock = context.lock_key(key)?;
     let mut removed = 0;
     if let Some(mut set) = SortedSet::open(context.engine(key), key, context.now_ms)? {
         for member in request.args().skip(2) {
@@ -398,7 +398,7 @@ fn pop_some(
     max: bool,
     count: u64,
 ) -> CommandResult<Option<Vec<(f64, Bytes)>>> {
-    let _lock = context.lock_key(key);
+    let _lock = context.lock_key(key)?;
     let Some(mut set) = SortedSet::open(context.engine(key), key, context.now_ms)? else { return Ok(None) };
     if count == 0 || set.is_empty() {
         return Ok(Some(Vec::new()));
@@ -536,7 +536,7 @@ fn remove_range(
     select: impl FnOnce(&mut SortedSet) -> CommandResult<Vec<(f64, Bytes)>>,
 ) -> CommandResult {
     let removed = {
-        let _lock = context.lock_key(key);
+        let _lock = context.lock_key(key)?;
         match SortedSet::open(context.engine(key), key, context.now_ms)? {
             Some(mut set) => {
                 let doomed = select(&mut set)?;
@@ -798,7 +798,7 @@ fn combined(
 
 fn combine_read(context: &mut Context, request: &Request, combine: Combine, command: &str) -> CommandResult {
     let (keys, after) = parse_combination(request, 1, command)?;
-    let _locks = context.lock_keys(keys.iter().copied());
+    let _locks = context.lock_keys(keys.iter().copied())?;
     let inputs = read_inputs(context, &keys)?;
     let combination = parse_combination_options(request, keys, after, combine, false, false)?;
     let entries = combined(combine, &combination, inputs);
@@ -820,7 +820,7 @@ fn zdiff(context: &mut Context, request: &Request) -> CommandResult {
 
 fn zintercard(context: &mut Context, request: &Request) -> CommandResult {
     let (keys, after) = parse_combination(request, 1, "zintercard")?;
-    let _locks = context.lock_keys(keys.iter().copied());
+    let _locks = context.lock_keys(keys.iter().copied())?;
     let inputs = read_inputs(context, &keys)?;
     let combination = parse_combination_options(request, keys, after, Combine::Inter, false, true)?;
     let count = combined(Combine::Inter, &combination, inputs).len();
@@ -832,7 +832,7 @@ fn zintercard(context: &mut Context, request: &Request) -> CommandResult {
 fn combine_store(context: &mut Context, request: &Request, combine: Combine, command: &str) -> CommandResult {
     let destination = request.arg(1);
     let (keys, after) = parse_combination(request, 2, command)?;
-    let _locks = context.lock_keys(keys.iter().copied().chain([destination]));
+    let _locks = context.lock_keys(keys.iter().copied().chain([destination]))?;
     let inputs = read_inputs(context, &keys)?;
     let combination = parse_combination_options(request, keys, after, combine, true, false)?;
     let entries = combined(combine, &combination, inputs);

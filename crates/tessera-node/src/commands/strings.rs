@@ -134,7 +134,7 @@ fn set_value(
     options: &SetOptions,
 ) -> CommandResult<(bool, Option<Bytes>)> {
     let engine = context.engine(key);
-    let _lock = context.lock_key(key);
+    let _lock = context.lock_key(key)?;
     // Plain SET needs no read; options that depend on the old value do.
     let needs_old =
         options.only_if_absent || options.only_if_present || options.return_old || options.keep_ttl;
@@ -214,7 +214,7 @@ fn getset(context: &mut Context, request: &Request) -> CommandResult {
 fn getdel(context: &mut Context, request: &Request) -> CommandResult {
     let key = request.arg(1);
     let engine = context.engine(key);
-    let _lock = context.lock_key(key);
+    let _lock = context.lock_key(key)?;
     let stored = read_kind(engine, key, Kind::String, context.now_ms)?;
     if stored.is_some() {
         engine.delete(key)?;
@@ -241,7 +241,7 @@ fn mset(context: &mut Context, request: &Request) -> CommandResult {
     }
     let pairs: Vec<(&[u8], &[u8])> =
         (1..request.len()).step_by(2).map(|index| (request.arg(index), request.arg(index + 1))).collect();
-    let _locks = context.lock_keys(pairs.iter().map(|(key, _)| *key));
+    let _locks = context.lock_keys(pairs.iter().map(|(key, _)| *key))?;
     for (key, value) in pairs {
         write(context.engine(key), key, Kind::String, None, value, context.bulk_bytes_max())?;
     }
@@ -252,7 +252,7 @@ fn mset(context: &mut Context, request: &Request) -> CommandResult {
 /// Adds `delta` to the integer stored at `key` (0 if absent), keeping its TTL.
 fn add(context: &mut Context, key: &[u8], delta: i64) -> CommandResult {
     let engine = context.engine(key);
-    let _lock = context.lock_key(key);
+    let _lock = context.lock_key(key)?;
     let old = read_kind(engine, key, Kind::String, context.now_ms)?;
     let current = match &old {
         Some(old) => parse_i64(&old.payload)?,
@@ -287,7 +287,7 @@ fn decrby(context: &mut Context, request: &Request) -> CommandResult {
 fn append(context: &mut Context, request: &Request) -> CommandResult {
     let (key, suffix) = (request.arg(1), request.arg(2));
     let engine = context.engine(key);
-    let _lock = context.lock_key(key);
+    let _lock = context.lock_key(key)?;
     let old = read_kind(engine, key, Kind::String, context.now_ms)?;
     let mut value = old.as_ref().map(|old| old.payload.to_vec()).unwrap_or_default();
     if value.len() + suffix.len() > context.bulk_bytes_max() {
@@ -332,7 +332,7 @@ fn getex(context: &mut Context, request: &Request) -> CommandResult {
     }
     let key = request.arg(1);
     let engine = context.engine(key);
-    let _lock = context.lock_key(key);
+    let _lock = context.lock_key(key)?;
     let Some(stored) = read_kind(engine, key, Kind::String, context.now_ms)? else {
         context.out.null();
         return Ok(());
@@ -399,7 +399,7 @@ fn setrange(context: &mut Context, request: &Request) -> CommandResult {
     }
     let (key, patch) = (request.arg(1), request.arg(3));
     let engine = context.engine(key);
-    let _lock = context.lock_key(key);
+    let _lock = context.lock_key(key)?;
     let old = read_kind(engine, key, Kind::String, context.now_ms)?;
     let old_length = old.as_ref().map_or(0, |old| old.payload.len());
     if patch.is_empty() {
@@ -427,7 +427,7 @@ fn msetnx(context: &mut Context, request: &Request) -> CommandResult {
     }
     let pairs: Vec<(&[u8], &[u8])> =
         (1..request.len()).step_by(2).map(|index| (request.arg(index), request.arg(index + 1))).collect();
-    let _locks = context.lock_keys(pairs.iter().map(|(key, _)| *key));
+    let _locks = context.lock_keys(pairs.iter().map(|(key, _)| *key))?;
     for (key, _) in &pairs {
         if read_live(context.engine(key), key, context.now_ms)?.is_some() {
             context.out.integer(0);
@@ -444,7 +444,7 @@ fn msetnx(context: &mut Context, request: &Request) -> CommandResult {
 fn incrbyfloat(context: &mut Context, request: &Request) -> CommandResult {
     let key = request.arg(1);
     let engine = context.engine(key);
-    let _lock = context.lock_key(key);
+    let _lock = context.lock_key(key)?;
     let old = read_kind(engine, key, Kind::String, context.now_ms)?;
     let current = match &old {
         Some(old) => LongDouble::parse(&old.payload)?,
@@ -475,7 +475,7 @@ fn setbit(context: &mut Context, request: &Request) -> CommandResult {
     };
     let key = request.arg(1);
     let engine = context.engine(key);
-    let _lock = context.lock_key(key);
+    let _lock = context.lock_key(key)?;
     let old = read_kind(engine, key, Kind::String, context.now_ms)?;
     let mut value = old.as_ref().map(|old| old.payload.to_vec()).unwrap_or_default();
     let (byte, mask) = (offset >> 3, 0x80u8 >> (offset & 7));

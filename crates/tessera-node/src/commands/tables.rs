@@ -15,12 +15,12 @@ use crate::typed::Stored;
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
-    CommandSpec { name: "table.create", arity: -6, flags: &["write", "admin"], first_key: 0, last_key: 0, step: 0, scope: Scope::Tables, handler: create },
-    CommandSpec { name: "table.drop", arity: 2, flags: &["write", "admin"], first_key: 0, last_key: 0, step: 0, scope: Scope::Tables, handler: drop_table },
-    CommandSpec { name: "table.list", arity: 1, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, scope: Scope::Tables, handler: list },
-    CommandSpec { name: "table.alter", arity: -4, flags: &["write", "admin"], first_key: 0, last_key: 0, step: 0, scope: Scope::Tables, handler: alter },
-    CommandSpec { name: "table.info", arity: 2, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, scope: Scope::Tables, handler: info },
-    CommandSpec { name: "table.range", arity: -4, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, scope: Scope::TableRange, handler: range },
+    CommandSpec { name: "table.create", arity: -6, flags: &["write", "admin", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Tables, handler: create },
+    CommandSpec { name: "table.drop", arity: 2, flags: &["write", "admin", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Tables, handler: drop_table },
+    CommandSpec { name: "table.list", arity: 1, flags: &["readonly", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Tables, handler: list },
+    CommandSpec { name: "table.alter", arity: -4, flags: &["write", "admin", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Tables, handler: alter },
+    CommandSpec { name: "table.info", arity: 2, flags: &["readonly", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Tables, handler: info },
+    CommandSpec { name: "table.range", arity: -4, flags: &["readonly", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::TableRange, handler: range },
 ];
 
 pub fn text(arg: &[u8]) -> CommandResult<String> {

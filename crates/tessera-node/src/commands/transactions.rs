@@ -24,11 +24,11 @@ use crate::watch::KeyVersions;
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
-    CommandSpec { name: "multi", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: multi },
-    CommandSpec { name: "exec", arity: 1, flags: &[], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: exec },
-    CommandSpec { name: "discard", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: discard },
-    CommandSpec { name: "watch", arity: -2, flags: &["fast"], first_key: 1, last_key: -1, step: 1, scope: Scope::Keys, handler: watch },
-    CommandSpec { name: "unwatch", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: unwatch },
+    CommandSpec { name: "multi", arity: 1, flags: &["fast", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: multi },
+    CommandSpec { name: "exec", arity: 1, flags: &["noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: exec },
+    CommandSpec { name: "discard", arity: 1, flags: &["fast", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: discard },
+    CommandSpec { name: "watch", arity: -2, flags: &["fast", "noscript"], first_key: 1, last_key: -1, step: 1, scope: Scope::Keys, handler: watch },
+    CommandSpec { name: "unwatch", arity: 1, flags: &["fast", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: unwatch },
 ];
 
 /// Commands queued since MULTI, each with its own copy of its arguments.
@@ -168,9 +168,9 @@ fn exec(context: &mut Context, _request: &Request) -> CommandResult {
     let _locks = if context.locks_held {
         Vec::new()
     } else if requests.iter().any(|(spec, _)| spec.scope == Scope::Flush) {
-        node.lock_all()
+        node.lock_all_unless_busy()?
     } else {
-        node.lock_keys(
+        node.lock_keys_unless_busy(
             requests
                 .iter()
                 .flat_map(|(spec, request)| {
@@ -179,7 +179,7 @@ fn exec(context: &mut Context, _request: &Request) -> CommandResult {
                 })
                 .collect::<Vec<_>>()
                 .into_iter(),
-        )
+        )?
     };
     if let Some(watched) = watched {
         let versions = &node.versions;
