@@ -29,7 +29,8 @@ pub fn cjson(lua: &Lua) -> mlua::Result<Table> {
     let table = lua.create_table()?;
     table.set(
         "encode",
-        lua.create_function(|lua, value: Value| {
+        lua.create_function(|lua, args: MultiValue| {
+            let value = single_argument(args, "encode")?;
             let mut out = Vec::new();
             encode(&value, 0, &mut out)?;
             lua.create_string(&out)
@@ -37,13 +38,28 @@ pub fn cjson(lua: &Lua) -> mlua::Result<Table> {
     )?;
     table.set(
         "decode",
-        lua.create_function(|lua, text: mlua::String| {
+        lua.create_function(|lua, args: MultiValue| {
+            let value = single_argument(args, "decode")?;
+            let Some(text) = lua.coerce_string(value.clone())? else {
+                return Err(mlua::Error::runtime(format!(
+                    "bad argument #1 to 'decode' (string expected, got {})",
+                    value.type_name()
+                )));
+            };
             let bytes = text.as_bytes();
             JsonParser { lua, bytes: &bytes, at: 0 }.document()
         })?,
     )?;
     table.set("null", json_null())?;
     Ok(table)
+}
+
+/// The one argument lua-cjson's functions take.
+fn single_argument(args: MultiValue, function: &str) -> mlua::Result<Value> {
+    if args.len() != 1 {
+        return Err(mlua::Error::runtime(format!("bad argument #1 to '{function}' (expected 1 argument)")));
+    }
+    Ok(args.into_iter().next().expect("one argument"))
 }
 
 /// lua-cjson prints numbers with `%.14g`.

@@ -42,11 +42,10 @@ impl ScriptFlags {
             return Ok((Self::default(), 0));
         }
         let end = body.iter().position(|&byte| byte == b'\n').unwrap_or(body.len());
-        let line = String::from_utf8_lossy(&body[2..end]);
-        let mut parts = line.split(' ').filter(|part| !part.is_empty());
-        let engine = parts.next().unwrap_or("");
-        if engine != "lua" {
-            return Err(CommandError::Other(format!("Could not find scripting engine '{engine}'")));
+        let line = String::from_utf8_lossy(&body[..end]);
+        let mut parts = line[2..].split(' ').filter(|part| !part.is_empty());
+        if parts.next() != Some("lua") {
+            return Err(CommandError::Other(format!("Unexpected engine in script shebang: {line}")));
         }
         let mut flags = Self { shebang: true, ..Self::default() };
         for part in parts {

@@ -33,10 +33,10 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "lmove", arity: 5, flags: &["write", "denyoom"], first_key: 1, last_key: 2, step: 1, scope: Scope::Keys, handler: lmove },
     CommandSpec { name: "rpoplpush", arity: 3, flags: &["write", "denyoom"], first_key: 1, last_key: 2, step: 1, scope: Scope::Keys, handler: rpoplpush },
     CommandSpec { name: "lmpop", arity: -4, flags: &["write", "movablekeys"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: lmpop },
-    CommandSpec { name: "blpop", arity: -3, flags: &["write", "blocking"], first_key: 1, last_key: -2, step: 1, scope: Scope::Keys, handler: blpop },
-    CommandSpec { name: "brpop", arity: -3, flags: &["write", "blocking"], first_key: 1, last_key: -2, step: 1, scope: Scope::Keys, handler: brpop },
-    CommandSpec { name: "blmove", arity: 6, flags: &["write", "denyoom", "blocking"], first_key: 1, last_key: 2, step: 1, scope: Scope::Keys, handler: blmove },
-    CommandSpec { name: "brpoplpush", arity: 4, flags: &["write", "denyoom", "blocking"], first_key: 1, last_key: 2, step: 1, scope: Scope::Keys, handler: brpoplpush },
+    CommandSpec { name: "blpop", arity: -3, flags: &["write", "blocking", "noscript"], first_key: 1, last_key: -2, step: 1, scope: Scope::Keys, handler: blpop },
+    CommandSpec { name: "brpop", arity: -3, flags: &["write", "blocking", "noscript"], first_key: 1, last_key: -2, step: 1, scope: Scope::Keys, handler: brpop },
+    CommandSpec { name: "blmove", arity: 6, flags: &["write", "denyoom", "blocking", "noscript"], first_key: 1, last_key: 2, step: 1, scope: Scope::Keys, handler: blmove },
+    CommandSpec { name: "brpoplpush", arity: 4, flags: &["write", "denyoom", "blocking", "noscript"], first_key: 1, last_key: 2, step: 1, scope: Scope::Keys, handler: brpoplpush },
     CommandSpec { name: "blmpop", arity: -5, flags: &["write", "blocking", "movablekeys"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: blmpop },
 ];
 

@@ -353,6 +353,26 @@ fn check(context: &mut Context, request: &Request) -> CommandResult<&'static Com
     Ok(spec)
 }
 
+/// A container command's subcommand: known, and of the right arity.
+fn check_subcommand(spec: &CommandSpec, request: &Request) -> CommandResult {
+    let subcommands = match spec.name {
+        "script" => scripting::SUBCOMMANDS,
+        _ => return Ok(()),
+    };
+    let name = String::from_utf8_lossy(request.arg(1)).to_ascii_lowercase();
+    let Some(&(_, arity)) = subcommands.iter().find(|(known, _)| *known == name) else {
+        return Err(CommandError::UnknownSubcommand(
+            String::from_utf8_lossy(request.arg(1)).into_owned(),
+            spec.name.to_ascii_uppercase(),
+        ));
+    };
+    let count = request.len() as i32;
+    if (arity >= 0 && count != arity) || (arity < 0 && count < -arity) {
+        return Err(CommandError::WrongArity(format!("{}|{name}", spec.name)));
+    }
+    Ok(())
+}
+
 /// While a script runs past the busy threshold, a client may only stop it,
 /// log in, or leave (Redis's commands allowed when busy).
 pub fn refuse_if_busy(context: &Context, spec: &CommandSpec) -> CommandResult {
@@ -383,6 +403,7 @@ fn execute(context: &mut Context, spec: &CommandSpec, request: &Request) -> Comm
 /// key positions rely on): its user's permissions, and no reserved keys. A
 /// cluster node asks before it sends a request anywhere.
 pub fn admit(context: &mut Context, spec: &CommandSpec, request: &Request) -> CommandResult {
+    check_subcommand(spec, request)?;
     if pubsub::in_subscribed_mode(context) && !pubsub::allowed_while_subscribed(spec.name) {
         return Err(CommandError::Other(format!(
             "Can't execute '{}': only (P|S)SUBSCRIBE / (P|S)UNSUBSCRIBE / PING / QUIT / RESET are allowed in this context",

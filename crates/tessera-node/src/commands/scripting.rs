@@ -37,6 +37,10 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "script", arity: -2, flags: &["noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: script },
 ];
 
+/// SCRIPT's subcommands and their arities (Redis's convention), checked
+/// before the command runs or is queued, as Redis checks them.
+pub const SUBCOMMANDS: &[(&str, i32)] = &[("load", 3), ("exists", -3), ("flush", -2), ("kill", 2), ("help", 2)];
+
 /// Instructions between two looks at whether the script was killed.
 const KILL_CHECK_INSTRUCTIONS: u32 = 10_000;
 /// How long a script waits for the lock of a key it did not declare, when
@@ -297,10 +301,18 @@ pub fn run(context: &mut Context, call: &Call, rule: KeyRule) -> CommandResult {
                     Err(message) => error_table(lua, &message),
                 }
             })?;
-            let set_resp = scope.create_function(|_, version: i64| {
-                match version {
-                    2 | 3 => state.borrow_mut().resp3 = version == 3,
-                    _ => return Err(mlua::Error::runtime("RESP version must be 2 or 3.")),
+            let set_resp = scope.create_function(|_, args: MultiValue| {
+                let failed = |message: &str| mlua::Error::external(CommandFailed(message.into()));
+                if args.len() != 1 {
+                    return Err(failed("redis.setresp() requires one argument."));
+                }
+                match &args[0] {
+                    Value::Integer(2) => state.borrow_mut().resp3 = false,
+                    Value::Integer(3) => state.borrow_mut().resp3 = true,
+                    Value::Number(version) if *version == 2.0 || *version == 3.0 => {
+                        state.borrow_mut().resp3 = *version == 3.0
+                    }
+                    _ => return Err(failed("RESP version must be 2 or 3.")),
                 }
                 Ok(())
             })?;
@@ -597,31 +609,29 @@ fn write_value(out: &mut ReplyWriter, reply: &Reply) {
 }
 
 fn script(context: &mut Context, request: &Request) -> CommandResult {
+    // The subcommand and its arity were checked on the way in (SUBCOMMANDS).
     let subcommand = String::from_utf8_lossy(request.arg(1)).to_ascii_lowercase();
     let scripts = &context.node.scripts;
-    match (subcommand.as_str(), request.len()) {
-        ("load", 3) => {
+    match subcommand.as_str() {
+        "load" => {
             let script = load(context.node, request.arg(2), true)?;
             context.out.bulk(script.sha.as_bytes());
         }
-        ("exists", length) if length >= 3 => {
-            context.out.array(length - 2);
+        "exists" => {
+            context.out.array(request.len() - 2);
             for sha in request.args().skip(2) {
                 context.out.integer(i64::from(scripts.get(sha).is_some()));
             }
         }
-        ("flush", 2) => {
+        "flush" => {
+            if request.len() > 3
+                || request.len() == 3 && !super::is(request.arg(2), "sync") && !super::is(request.arg(2), "async") {
+                return Err(CommandError::Other("SCRIPT FLUSH only support SYNC|ASYNC option".into()));
+            }
             scripts.flush();
             context.out.ok();
         }
-        ("flush", 3) if super::is(request.arg(2), "sync") || super::is(request.arg(2), "async") => {
-            scripts.flush();
-            context.out.ok();
-        }
-        ("flush", 3) => {
-            return Err(CommandError::Other("SCRIPT FLUSH only support SYNC|ASYNC option".into()));
-        }
-        ("kill", 2) => match scripts.kill() {
+        "kill" => match scripts.kill() {
             Kill::Killed => context.out.ok(),
             Kill::NotBusy => {
                 return Err(CommandError::Relayed("NOTBUSY No scripts in execution right now.".into()))
@@ -635,7 +645,7 @@ fn script(context: &mut Context, request: &Request) -> CommandResult {
                 ))
             }
         },
-        ("help", 2) => {
+        _ => {
             let lines = [
                 "SCRIPT <subcommand> [<arg> [value] [opt] ...]. Subcommands are:",
                 "EXISTS <sha1> [<sha1> ...]",
@@ -651,12 +661,6 @@ fn script(context: &mut Context, request: &Request) -> CommandResult {
             ];
             context.out.array(lines.len());
             lines.iter().for_each(|line| context.out.simple(line));
-        }
-        _ => {
-            return Err(CommandError::SubcommandSyntax(
-                String::from_utf8_lossy(request.arg(1)).into_owned(),
-                "SCRIPT",
-            ))
         }
     }
     Ok(())
