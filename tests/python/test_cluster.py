@@ -1461,6 +1461,49 @@ def test_transactions_run_whole_on_the_slots_head_and_refuse_two_slots(cluster_f
     assert_replicas_converge(cluster, accounts)
 
 
+def test_scripts_run_atomically_on_the_slots_head_and_stay_in_their_slot(cluster_factory):
+    """Transfers by script from a cluster client keep the total and reach the
+    replicas; a script's keys, and every key it touches, share a slot; a
+    plain client's EVALSHA on another node is served as EVAL there."""
+    cluster = cluster_factory("strong", nodes=3)
+    client = cluster.client(socket_timeout=10)
+    accounts = [f"{{bank}}account-{n}" for n in range(5)]
+    for account in accounts:
+        client.set(account, 1000)
+    transfer = client.register_script(
+        "local amount = math.min(tonumber(redis.call('get', KEYS[1])), tonumber(ARGV[1])) "
+        "redis.call('decrby', KEYS[1], amount) redis.call('incrby', KEYS[2], amount) return amount"
+    )
+
+    def transfers(seed):
+        rng = random.Random(seed)
+        for _ in range(100):
+            transfer(keys=rng.sample(accounts, 2), args=[rng.randint(1, 50)])
+
+    threads = [threading.Thread(target=transfers, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    balances = [int(client.get(account)) for account in accounts]
+    assert sum(balances) == 5000 and balances != [1000] * 5, balances
+    assert_replicas_converge(cluster, accounts)
+
+    head = client.nodes_manager.get_node_from_slot(client.keyslot(accounts[0]))
+    plain = redis.Redis(host=head.host, port=head.port, socket_timeout=10, protocol=2)
+    with pytest.raises(redis.ResponseError, match="same slot"):  # CROSSSLOT
+        plain.eval("return 1", 2, "{bank}x", "{other}y")
+    with pytest.raises(redis.ResponseError, match="do not hash to the same slot"):
+        plain.eval("return redis.call('get', 'elsewhere')", 1, accounts[0])
+    with pytest.raises(redis.ResponseError, match="non local key"):
+        plain.eval("return redis.call('get', KEYS[1] or 'k')", 0)
+    assert plain.eval("return redis.call('get', KEYS[1])", 1, accounts[0]) == str(balances[0]).encode()
+    other = next(node for node in range(3) if cluster.port(node) != head.port)
+    elsewhere = redis.Redis(port=cluster.port(other), socket_timeout=10, protocol=2)
+    sha = elsewhere.script_load("return redis.call('incrby', KEYS[1], ARGV[1])")
+    assert elsewhere.evalsha(sha, 1, accounts[0], 0) == balances[0], "forwarded to the head as EVAL"
+
+
 def test_publish_reaches_subscribers_on_every_node_and_shard_channels_their_slots_head(cluster_factory):
     cluster = cluster_factory("strong", nodes=3)
     subscribers = []

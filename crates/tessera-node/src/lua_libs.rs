@@ -323,7 +323,9 @@ impl JsonParser<'_, '_> {
         self.at += 1; // the opening quote
         let mut text = Vec::new();
         loop {
-            let Some(&byte) = self.bytes.get(self.at) else { return Token::Invalid("unexpected end of string") };
+            let Some(&byte) = self.bytes.get(self.at) else {
+                return Token::Invalid("unexpected end of string");
+            };
             self.at += 1;
             match byte {
                 b'"' => return Token::String(text),
@@ -340,7 +342,9 @@ impl JsonParser<'_, '_> {
                         b'r' => text.push(b'\r'),
                         b't' => text.push(b'\t'),
                         b'u' => match self.unicode_escape() {
-                            Some(character) => text.extend_from_slice(character.encode_utf8(&mut [0; 4]).as_bytes()),
+                            Some(character) => {
+                                text.extend_from_slice(character.encode_utf8(&mut [0; 4]).as_bytes())
+                            }
                             None => return Token::Invalid("invalid unicode escape code"),
                         },
                         _ => return Token::Invalid("invalid escape code"),
@@ -376,7 +380,11 @@ impl JsonParser<'_, '_> {
     }
 
     fn error(expected: &str, (token, at): &(Token, usize)) -> mlua::Error {
-        mlua::Error::runtime(format!("Expected {expected} but found {} at character {}", token.name(), at + 1))
+        mlua::Error::runtime(format!(
+            "Expected {expected} but found {} at character {}",
+            token.name(),
+            at + 1
+        ))
     }
 
     /// The whole text as one value.
@@ -487,7 +495,10 @@ pub fn bit(lua: &Lua) -> mlua::Result<Table> {
     fold("bor", |a, b| a | b)?;
     fold("bxor", |a, b| a ^ b)?;
     let unary = |name: &'static str, operation: fn(i32) -> i32| -> mlua::Result<()> {
-        table.set(name, lua.create_function(move |_, value: Value| Ok(operation(to_bit(&value, 1, name)?) as f64))?)
+        table.set(
+            name,
+            lua.create_function(move |_, value: Value| Ok(operation(to_bit(&value, 1, name)?) as f64))?,
+        )
     };
     unary("tobit", |value| value)?;
     unary("bnot", |value| !value)?;
@@ -540,7 +551,11 @@ mod tests {
 
     fn eval(lua: &Lua, code: &str) -> String {
         match lua.load(code).eval::<Value>() {
-            Ok(value) => lua.coerce_string(value).unwrap().map(|text| text.to_str().unwrap().to_string()).unwrap_or_default(),
+            Ok(value) => lua
+                .coerce_string(value)
+                .unwrap()
+                .map(|text| text.to_str().unwrap().to_string())
+                .unwrap_or_default(),
             Err(error) => format!("error: {error}"),
         }
     }
@@ -607,6 +622,7 @@ mod tests {
         assert_eq!(eval(&lua, "return bit.tohex(255, -2)"), "FF");
         assert_eq!(eval(&lua, "return bit.bswap(0x12345678)"), "2018915346");
         assert_eq!(eval(&lua, "return bit.rol(1, 33)"), "2");
-        assert!(eval(&lua, "return bit.band('x')").contains("bad argument #1 to 'band' (number expected, got string)"));
+        assert!(eval(&lua, "return bit.band('x')")
+            .contains("bad argument #1 to 'band' (number expected, got string)"));
     }
 }

@@ -60,7 +60,9 @@ impl ScriptFlags {
                     "no-cluster" => flags.no_cluster = true,
                     "allow-cross-slot-keys" => flags.allow_cross_slot_keys = true,
                     other => {
-                        return Err(CommandError::Other(format!("Unexpected flag in script shebang: {other}")))
+                        return Err(CommandError::Other(format!(
+                            "Unexpected flag in script shebang: {other}"
+                        )))
                     }
                 }
             }
@@ -190,7 +192,8 @@ impl Scripts {
                 "{LOADED_SCRIPTS_MAX} scripts are loaded, the most kept: SCRIPT FLUSH first"
             )));
         }
-        let script = Arc::new(Script { sha: sha.clone(), body: Bytes::copy_from_slice(body), flags, lua_start });
+        let script =
+            Arc::new(Script { sha: sha.clone(), body: Bytes::copy_from_slice(body), flags, lua_start });
         cache.scripts.insert(sha.clone(), script.clone());
         if loaded {
             cache.loaded += 1;
@@ -313,9 +316,8 @@ impl Pool {
         state.queue.push_back(job);
         if state.idle == 0 && state.threads < pool.limit {
             let worker = pool.clone();
-            let spawned = std::thread::Builder::new()
-                .name("tessera-script".into())
-                .spawn(move || worker.run());
+            let spawned =
+                std::thread::Builder::new().name("tessera-script".into()).spawn(move || worker.run());
             match spawned {
                 Ok(_) => state.threads += 1,
                 // The threads there are will get to it.

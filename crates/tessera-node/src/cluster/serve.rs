@@ -16,6 +16,7 @@ use super::forward::Forwarder;
 use super::placement::Placement;
 use super::ClusterNode;
 use crate::commands::consistency::{level_got, parse_level, wrapped_read};
+use crate::commands::scripting::{self, is_script, Call, KeyRule, ScriptOutcome};
 use crate::commands::transactions;
 use crate::commands::{
     admit, dispatch, dispatch_admitted, is, lookup, refuse_if_busy, CommandSpec, Context, Scope,
@@ -308,6 +309,15 @@ async fn serve_keyed(
             CommandError::Moved { slot, address }.write(context.out);
             None
         }
+        Placement::Elsewhere { head, .. } if is_script(spec) => {
+            // The other node may not have the script: send its body.
+            let as_eval = evalsha_as_eval(context, request);
+            match forwarder.forward(&cluster.agent, head.address, as_eval.as_deref().unwrap_or(raw)).await {
+                Ok(reply) => context.out.raw(&reply),
+                Err(error) => error.write(context.out),
+            }
+            None
+        }
         Placement::Elsewhere { .. } if transaction.is_some() => {
             CommandError::Other(
                 "this transaction's keys are served by another node: run it there, or with a cluster client"
@@ -323,9 +333,11 @@ async fn serve_keyed(
             }
             None
         }
-        Placement::Quorum { .. } if transaction.is_some() => {
-            CommandError::Other("transactions are not served on active-active strong tables yet".into())
-                .write(context.out);
+        Placement::Quorum { .. } if transaction.is_some() || is_script(spec) => {
+            CommandError::Other(
+                "transactions and scripts are not served on active-active strong tables yet".into(),
+            )
+            .write(context.out);
             None
         }
         Placement::Quorum { shard, engine } => {
@@ -334,6 +346,18 @@ async fn serve_keyed(
             let keys: Vec<Bytes> = keys().map(Bytes::copy_from_slice).collect();
             run_on_quorum(cluster, context, spec, request, &keys, shard, &engine).await;
             cluster.traffic.record(&keys[0], raw.len(), context.out.len() - start);
+            None
+        }
+        Placement::Shard { shard, engine, barrier } if is_script(spec) => {
+            if write {
+                cluster.agent.wait_for_room().await;
+            }
+            let keys: Vec<Bytes> = keys().map(Bytes::copy_from_slice).collect();
+            if let Err(error) =
+                run_script_on_shard(context, request, spec, ShardRun { shard, engine, barrier, keys })
+            {
+                error.write(context.out);
+            }
             None
         }
         Placement::Shard { shard, engine, barrier } => {
@@ -385,6 +409,91 @@ async fn serve_keyed(
             (!waits.is_empty()).then(|| Held { start, end: context.out.len(), waits })
         }
     }
+}
+
+/// Where a script runs on the shard this node heads.
+struct ShardRun {
+    shard: u32,
+    engine: Arc<dyn Engine>,
+    barrier: Option<Completion>,
+    keys: Vec<Bytes>,
+}
+
+/// Runs a script on a script thread over the shard's view, as a
+/// transaction runs: its keys locked, after the writes in flight on them,
+/// its writes handed to replication together. The connection waits for it
+/// (`Session::script`).
+fn run_script_on_shard(
+    context: &mut Context<'_>,
+    request: &Request<'_>,
+    spec: &CommandSpec,
+    run: ShardRun,
+) -> Result<(), CommandError> {
+    let by_sha = spec.name.starts_with("evalsha");
+    let call = Call::parse(context.node, request, by_sha, spec.name.ends_with("_ro"))?;
+    if call.script.flags.no_cluster {
+        return Err(CommandError::Other("Can not run script on cluster, 'no-cluster' flag is set.".into()));
+    }
+    let rule = KeyRule::slot(&run.keys, call.script.flags.allow_cross_slot_keys);
+    let (sender, receiver) = tokio::sync::oneshot::channel();
+    let node = context.node.clone();
+    let tables = context.tables.clone();
+    let stats = context.stats.clone();
+    let membership = context.cluster.cloned().expect("a cluster node has its membership");
+    let mut session = context.session.for_script();
+    let protocol = context.out.protocol();
+    let now_ms = context.now_ms;
+    context.node.scripts.spawn(move || {
+        let ShardRun { shard, engine, barrier, keys } = run;
+        let agent = membership.agent.clone();
+        let _locks = node.lock_keys(keys.iter().map(|key| &key[..]));
+        let mut waits: Vec<Completion> = barrier.into_iter().collect();
+        waits.extend(agent.in_flight(shard, keys.iter().map(|key| &key[..])));
+        let touching = Touching::new(Arc::new(CapturingView::new(engine)), node.versions.clone());
+        let mut out = ReplyWriter::new(protocol);
+        let mut context = Context {
+            node: &node,
+            tables: &tables,
+            session: &mut session,
+            out: &mut out,
+            stats: &stats,
+            cluster: Some(&membership),
+            now_ms,
+            engine_override: Some(&touching),
+            locks_held: true,
+        };
+        scripting::answer_run(&mut context, &call, rule);
+        let writes = touching.inner().take();
+        if !writes.is_empty() {
+            let operations = writes
+                .into_iter()
+                .map(|(key, write)| match write {
+                    Write::Put(value) => Operation::Put { key, value },
+                    Write::Delete => Operation::Delete { key },
+                })
+                .collect();
+            waits.push(agent.begin_batch(shard, keys.iter().map(|key| &key[..]), operations));
+        }
+        waits.retain(|wait| !wait.succeeded());
+        let _ = sender.send(ScriptOutcome { reply: out.as_bytes().to_vec(), waits });
+    });
+    context.session.script = Some(receiver);
+    Ok(())
+}
+
+/// EVALSHA as the EVAL of the script this node knows, for a node that may
+/// not know it; None for EVAL, or a script this node does not know either.
+fn evalsha_as_eval(context: &Context<'_>, request: &Request<'_>) -> Option<Vec<u8>> {
+    if !is(request.arg(0), "evalsha") && !is(request.arg(0), "evalsha_ro") {
+        return None;
+    }
+    let script = context.node.scripts.get(request.arg(1))?;
+    let name: &[u8] = if is(request.arg(0), "evalsha") { b"EVAL" } else { b"EVAL_RO" };
+    let mut args: Vec<&[u8]> = vec![name, &script.body];
+    args.extend(request.args().skip(2));
+    let mut raw = Vec::new();
+    encode_command(&args, &mut raw);
+    Some(raw)
 }
 
 /// How many times a command on a shard running a quorum protocol runs before its keys are

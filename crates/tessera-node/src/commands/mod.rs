@@ -143,7 +143,10 @@ impl<'a> Context<'a> {
 
     /// Holds the write locks of several keys, unless the caller already
     /// does; BUSY rather than waiting behind a script that runs too long.
-    pub fn lock_keys<'k>(&self, keys: impl Iterator<Item = &'k [u8]>) -> CommandResult<Vec<MutexGuard<'a, ()>>> {
+    pub fn lock_keys<'k>(
+        &self,
+        keys: impl Iterator<Item = &'k [u8]>,
+    ) -> CommandResult<Vec<MutexGuard<'a, ()>>> {
         if self.locks_held {
             return Ok(Vec::new());
         }

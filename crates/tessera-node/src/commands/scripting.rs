@@ -39,7 +39,8 @@ pub const COMMANDS: &[CommandSpec] = &[
 
 /// SCRIPT's subcommands and their arities (Redis's convention), checked
 /// before the command runs or is queued, as Redis checks them.
-pub const SUBCOMMANDS: &[(&str, i32)] = &[("load", 3), ("exists", -3), ("flush", -2), ("kill", 2), ("help", 2)];
+pub const SUBCOMMANDS: &[(&str, i32)] =
+    &[("load", 3), ("exists", -3), ("flush", -2), ("kill", 2), ("help", 2)];
 
 /// Instructions between two looks at whether the script was killed.
 const KILL_CHECK_INSTRUCTIONS: u32 = 10_000;
@@ -168,11 +169,16 @@ fn start(context: &mut Context, request: &Request, by_sha: bool, read_only: bool
             engine_override: None,
             locks_held: false,
         };
-        answer(&mut context, |context| run(context, &call, rule));
+        answer_run(&mut context, &call, rule);
         let _ = sender.send(ScriptOutcome { reply: out.as_bytes().to_vec(), waits: Vec::new() });
     });
     context.session.script = Some(receiver);
     Ok(())
+}
+
+/// Runs a script and writes its reply or its error.
+pub fn answer_run(context: &mut Context, call: &Call, rule: KeyRule) {
+    answer(context, |context| run(context, call, rule));
 }
 
 /// Which keys a script's commands may name.
@@ -319,14 +325,19 @@ pub fn run(context: &mut Context, call: &Call, rule: KeyRule) -> CommandResult {
             vm.redis.raw_set("call", redis_call)?;
             vm.redis.raw_set("pcall", redis_pcall)?;
             vm.redis.raw_set("setresp", set_resp)?;
-            let keys = vm.lua.create_sequence_from(call.keys.iter().map(|key| vm.lua.create_string(key)).collect::<mlua::Result<Vec<_>>>()?)?;
-            let args = vm.lua.create_sequence_from(call.args.iter().map(|arg| vm.lua.create_string(arg)).collect::<mlua::Result<Vec<_>>>()?)?;
+            let keys = vm.lua.create_sequence_from(
+                call.keys.iter().map(|key| vm.lua.create_string(key)).collect::<mlua::Result<Vec<_>>>()?,
+            )?;
+            let args = vm.lua.create_sequence_from(
+                call.args.iter().map(|arg| vm.lua.create_string(arg)).collect::<mlua::Result<Vec<_>>>()?,
+            )?;
             let (ok, value): (bool, Value) = vm.runner.call((function, keys, args))?;
             let resp3 = state.borrow().resp3;
             Ok(if ok { Ok(lua_to_reply(&value, resp3, 0)) } else { Err(value) })
         });
         vm.lua.remove_app_data::<Arc<Running>>();
-        let outcome = outcome.map_err(|error| CommandError::Other(format!("Error running script: {error}")))?;
+        let outcome =
+            outcome.map_err(|error| CommandError::Other(format!("Error running script: {error}")))?;
         match outcome {
             Ok(reply) => Ok(reply),
             Err(error) => Err(script_error(&error, &call.script.sha, &running)),
@@ -344,14 +355,19 @@ pub fn run(context: &mut Context, call: &Call, rule: KeyRule) -> CommandResult {
 fn script_error(error: &Value, sha: &str, running: &Running) -> CommandError {
     let (message, source, line) = match error {
         Value::Table(table) => (
-            table.raw_get::<Option<String>>("err").ok().flatten().unwrap_or_else(|| "ERR unknown error".into()),
+            table
+                .raw_get::<Option<String>>("err")
+                .ok()
+                .flatten()
+                .unwrap_or_else(|| "ERR unknown error".into()),
             table.raw_get::<Option<String>>("source").ok().flatten(),
             table.raw_get::<Option<i64>>("line").ok().flatten(),
         ),
         Value::String(text) => (format!("ERR {}", text.to_string_lossy()), None, None),
         other => (format!("ERR {other:?}"), None, None),
     };
-    let message = if running.killed() { "ERR Script killed by user with SCRIPT KILL...".to_string() } else { message };
+    let message =
+        if running.killed() { "ERR Script killed by user with SCRIPT KILL...".to_string() } else { message };
     let message = match (source, line) {
         (Some(source), Some(line)) => format!("{message} script: {sha}, on {source}:{line}."),
         _ => format!("{message} script: {sha}."),
@@ -513,7 +529,9 @@ fn lua_to_reply(value: &Value, resp3: bool, depth: usize) -> Reply {
         Value::String(text) => Reply::Bulk(Bytes::copy_from_slice(&text.as_bytes())),
         Value::Integer(number) => Reply::Integer(*number),
         // C's conversion on x86-64: out of range (and NaN) is i64::MIN.
-        Value::Number(number) if number.is_finite() && number.abs() < 9.2e18 => Reply::Integer(*number as i64),
+        Value::Number(number) if number.is_finite() && number.abs() < 9.2e18 => {
+            Reply::Integer(*number as i64)
+        }
         Value::Number(_) => Reply::Integer(i64::MIN),
         Value::Boolean(true) => Reply::Integer(1),
         Value::Boolean(false) if resp3 => Reply::Boolean(false),
@@ -538,7 +556,9 @@ fn lua_to_reply(value: &Value, resp3: bool, depth: usize) -> Reply {
                 let pairs = map
                     .pairs::<Value, Value>()
                     .filter_map(Result::ok)
-                    .map(|(key, value)| (lua_to_reply(&key, resp3, depth + 1), lua_to_reply(&value, resp3, depth + 1)))
+                    .map(|(key, value)| {
+                        (lua_to_reply(&key, resp3, depth + 1), lua_to_reply(&value, resp3, depth + 1))
+                    })
                     .collect();
                 return Reply::Map(pairs);
             }
@@ -625,7 +645,10 @@ fn script(context: &mut Context, request: &Request) -> CommandResult {
         }
         "flush" => {
             if request.len() > 3
-                || request.len() == 3 && !super::is(request.arg(2), "sync") && !super::is(request.arg(2), "async") {
+                || request.len() == 3
+                    && !super::is(request.arg(2), "sync")
+                    && !super::is(request.arg(2), "async")
+            {
                 return Err(CommandError::Other("SCRIPT FLUSH only support SYNC|ASYNC option".into()));
             }
             scripts.flush();
@@ -708,9 +731,11 @@ thread_local! {
 /// Runs `work` with this thread's Lua state, built on first use.
 fn with_vm<T>(node: &NodeState, work: impl FnOnce(&mut Vm) -> CommandResult<T>) -> CommandResult<T> {
     VM.with(|cell| {
-        let mut slot = cell.try_borrow_mut().map_err(|_| CommandError::Other("scripts cannot nest".into()))?;
+        let mut slot =
+            cell.try_borrow_mut().map_err(|_| CommandError::Other("scripts cannot nest".into()))?;
         if slot.is_none() {
-            *slot = Some(Vm::new().map_err(|error| CommandError::Other(format!("cannot start Lua: {error}")))?);
+            *slot =
+                Some(Vm::new().map_err(|error| CommandError::Other(format!("cannot start Lua: {error}")))?);
         }
         let vm = slot.as_mut().expect("built above");
         let generation = node.scripts.generation();
@@ -812,9 +837,14 @@ impl Vm {
         globals.set("cjson", lua_libs::cjson(&lua)?)?;
         globals.set("bit", lua_libs::bit(&lua)?)?;
         let redis = lua.create_table()?;
-        for (name, value) in [("LOG_DEBUG", 0), ("LOG_VERBOSE", 1), ("LOG_NOTICE", 2), ("LOG_WARNING", 3)]
-            .into_iter()
-            .chain([("REPL_NONE", 0), ("REPL_AOF", 1), ("REPL_SLAVE", 2), ("REPL_REPLICA", 2), ("REPL_ALL", 3)])
+        for (name, value) in
+            [("LOG_DEBUG", 0), ("LOG_VERBOSE", 1), ("LOG_NOTICE", 2), ("LOG_WARNING", 3)].into_iter().chain([
+                ("REPL_NONE", 0),
+                ("REPL_AOF", 1),
+                ("REPL_SLAVE", 2),
+                ("REPL_REPLICA", 2),
+                ("REPL_ALL", 3),
+            ])
         {
             redis.raw_set(name, value)?;
         }
@@ -845,13 +875,13 @@ impl Vm {
         let runner: Function =
             lua.load(PRELUDE).set_name("=tessera").call((redis.clone(), handler, message_of))?;
         // Scripts that loop are stopped here once SCRIPT KILL asks.
-        lua.set_hook(HookTriggers::new().every_nth_instruction(KILL_CHECK_INSTRUCTIONS), |lua, _| {
-            match lua.app_data_ref::<Arc<Running>>() {
-                Some(running) if running.killed() => {
-                    Err(mlua::Error::runtime("Script killed by user with SCRIPT KILL..."))
-                }
-                _ => Ok(VmState::Continue),
+        lua.set_hook(HookTriggers::new().every_nth_instruction(KILL_CHECK_INSTRUCTIONS), |lua, _| match lua
+            .app_data_ref::<Arc<Running>>()
+        {
+            Some(running) if running.killed() => {
+                Err(mlua::Error::runtime("Script killed by user with SCRIPT KILL..."))
             }
+            _ => Ok(VmState::Continue),
         });
         Ok(Self { lua, generation: u64::MAX, functions: HashMap::new(), redis, runner })
     }
@@ -924,7 +954,9 @@ fn failure_message(error: &mlua::Error) -> (bool, String) {
 /// function's error names the script's line first, as `luaL_error` does.
 fn error_with_place(lua: &Lua, error: Value) -> mlua::Result<Table> {
     let line_of = |frame: Option<mlua::Debug>| {
-        frame.filter(|frame| frame.source().source.as_deref() == Some("@user_script")).map(|frame| frame.curr_line())
+        frame
+            .filter(|frame| frame.source().source.as_deref() == Some("@user_script"))
+            .map(|frame| frame.curr_line())
     };
     let message = match error {
         Value::Table(table) => Some(table),
@@ -939,7 +971,9 @@ fn error_with_place(lua: &Lua, error: Value) -> mlua::Result<Table> {
             if command {
                 table.raw_set("err", message)?;
             } else {
-                let place = line_of(lua.inspect_stack(2)).map(|line| format!("user_script:{line}: ")).unwrap_or_default();
+                let place = line_of(lua.inspect_stack(2))
+                    .map(|line| format!("user_script:{line}: "))
+                    .unwrap_or_default();
                 table.raw_set("err", format!("ERR {place}{message}"))?;
             }
             Some(table)
