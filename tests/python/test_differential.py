@@ -177,7 +177,20 @@ def sorted_sets(rng, key):
         [*rng.choice([["ZUNION"], ["ZINTER"], ["ZDIFF"], ["ZUNIONSTORE", key], ["ZINTERSTORE", key], ["ZDIFFSTORE", key]]),
          *combination(rng)],
         ["ZINTERCARD", *combination(rng, ["LIMIT", rng.choice([0, 1, -1])])],
+        ["ZADD", key, 0, member, 0, rng.choice(FIELDS)],
+        [rng.choice(["ZRANGEBYLEX", "ZLEXCOUNT", "ZREMRANGEBYLEX"]), key, lex_bound(rng), lex_bound(rng)],
+        ["ZRANGEBYLEX", key, lex_bound(rng), lex_bound(rng), "LIMIT", rng.choice([0, 1, -1]), rng.choice([1, 2, -1])],
+        ["ZREVRANGEBYLEX", key, lex_bound(rng), lex_bound(rng), *rng.choice([[], ["LIMIT", 1, 1], ["WITHSCORES"]])],
+        ["ZRANGE", key, lex_bound(rng), lex_bound(rng), "BYLEX", *rng.choice([[], ["REV"], ["LIMIT", 0, 2], ["WITHSCORES"]])],
+        ["ZRANGE", key, 0, 5, "BYSCORE", "BYLEX"],
+        ["ZRANGESTORE", rng.choice(KEYS), key, *rng.choice([[0, -1], [1, 2, "REV"], ["-inf", "+inf", "BYSCORE", "LIMIT", 1, 2],
+                                                           [lex_bound(rng), lex_bound(rng), "BYLEX"], [0, -1, "WITHSCORES"]])],
+        ["ZSCAN", key, rng.choice([0, "x"]), *rng.choice([[], ["MATCH", "f*"], ["COUNT", 1], ["COUNT", 0]])],
     ])
+
+
+def lex_bound(rng):
+    return rng.choice(["-", "+", "[f1", "(f1", "[f3", "(field-4", "[", "(", "f1", "[z"])
 
 
 def combination(rng, extra=None):
@@ -526,12 +539,12 @@ def test_a_client_that_leaves_while_blocked_takes_nothing(node):
 
 
 def full_scan(client, command, key):
-    """Everything an SSCAN or HSCAN from cursor 0 to the end returns, sorted
-    (an HSCAN's as field–value pairs)."""
+    """Everything an SSCAN, HSCAN or ZSCAN from cursor 0 to the end returns,
+    sorted (an HSCAN's and a ZSCAN's as pairs)."""
     found, cursor = set(), b"0"
     while True:
         cursor, page = client.execute_command(command, key, cursor, "COUNT", 100)
-        found.update(zip(page[::2], page[1::2]) if command == "HSCAN" else page)
+        found.update(zip(page[::2], page[1::2]) if command in ("HSCAN", "ZSCAN") else page)
         if cursor in (b"0", 0):
             return sorted(found)
 
@@ -596,6 +609,38 @@ def test_large_hashes_match_redis(both):
             expected, got = reply_of(theirs, command), reply_of(ours, command)
             assert got == expected, f"seed {seed} step {step}: {command[:5]}: Tessera {got!r}, Redis {expected!r}"
         assert full_scan(ours, "HSCAN", "h") == full_scan(theirs, "HSCAN", "h")
+        assert state_of(ours) == state_of(theirs), f"seed {seed}: final state"
+
+
+def test_large_sorted_sets_by_member_match_redis(both):
+    """Sorted sets of thousands of members of one score, paged on Tessera:
+    lexicographic ranges, counts, removals and stores, and a whole ZSCAN."""
+    ours, theirs = both
+    for seed in range(FIRST_SEED, FIRST_SEED + max(SEQUENCES // 20, 2)):
+        rng = random.Random(seed)
+        for client in (ours, theirs):
+            client.execute_command("FLUSHALL")
+        words = [f"{rng.choice('abcdefgh')}{n:05}" for n in range(4000)]
+        members = [part for word in words for part in (0, word)]
+        assert reply_of(ours, ["ZADD", "{z}words", *members]) == reply_of(theirs, ["ZADD", "{z}words", *members])
+
+        def bound():
+            return rng.choice(["-", "+", f"[{rng.choice(words)}", f"({rng.choice(words)}", f"[{rng.choice('abcdefgh')}"])
+
+        for step in range(120):
+            command = rng.choice([
+                ["ZRANGEBYLEX", "{z}words", bound(), bound(), "LIMIT", rng.randint(0, 50), rng.randint(1, 30)],
+                ["ZREVRANGEBYLEX", "{z}words", bound(), bound(), "LIMIT", rng.randint(0, 50), rng.randint(1, 30)],
+                ["ZLEXCOUNT", "{z}words", bound(), bound()],
+                ["ZREMRANGEBYLEX", "{z}words", f"[{rng.choice(words)}", f"({rng.choice(words)}"],
+                ["ZRANGESTORE", "{z}copy", "{z}words", bound(), bound(), "BYLEX", "LIMIT", 0, rng.randint(1, 500)],
+                ["ZRANGE", "{z}copy", 0, -1],
+            ])
+            expected, got = reply_of(theirs, command), reply_of(ours, command)
+            assert got == expected, f"seed {seed} step {step}: {command}: Tessera {got!r}, Redis {expected!r}"
+        ours_scan = full_scan(ours, "ZSCAN", "{z}words")
+        assert ours_scan == full_scan(theirs, "ZSCAN", "{z}words")
+        assert len(ours_scan) == ours.execute_command("ZCARD", "{z}words")
         assert state_of(ours) == state_of(theirs), f"seed {seed}: final state"
 
 

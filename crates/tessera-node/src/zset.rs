@@ -36,6 +36,66 @@ fn compare(a: (f64, &[u8]), b: (f64, &[u8])) -> Ordering {
     a.0.total_cmp(&b.0).then_with(|| a.1.cmp(b.1))
 }
 
+/// A bound of a lexicographic range, as ZRANGEBYLEX takes it: `-`, `+`,
+/// `[member` (inclusive) or `(member` (exclusive).
+#[derive(Clone, Debug, PartialEq)]
+pub enum LexBound {
+    Lowest,
+    Highest,
+    Inclusive(Bytes),
+    Exclusive(Bytes),
+}
+
+impl LexBound {
+    pub fn parse(text: &[u8]) -> CommandResult<Self> {
+        match text {
+            b"-" => Ok(LexBound::Lowest),
+            b"+" => Ok(LexBound::Highest),
+            [b'[', rest @ ..] => Ok(LexBound::Inclusive(Bytes::copy_from_slice(rest))),
+            [b'(', rest @ ..] => Ok(LexBound::Exclusive(Bytes::copy_from_slice(rest))),
+            _ => Err(CommandError::Other("min or max not valid string range item".into())),
+        }
+    }
+
+    /// Whether no member can lie between `min` and `max`.
+    fn empty_between(min: &LexBound, max: &LexBound) -> bool {
+        let rank = |bound: &LexBound| match bound {
+            LexBound::Lowest => 0,
+            LexBound::Inclusive(_) | LexBound::Exclusive(_) => 1,
+            LexBound::Highest => 2,
+        };
+        let exclusive = |bound: &LexBound| matches!(bound, LexBound::Exclusive(_));
+        let order = match (min, max) {
+            (
+                LexBound::Inclusive(a) | LexBound::Exclusive(a),
+                LexBound::Inclusive(b) | LexBound::Exclusive(b),
+            ) => a.cmp(b),
+            _ => rank(min).cmp(&rank(max)),
+        };
+        order.is_gt() || (order.is_eq() && (exclusive(min) || exclusive(max)))
+    }
+
+    /// Whether `member` is at or past this bound taken as a minimum.
+    fn admits_from_below(&self, member: &[u8]) -> bool {
+        match self {
+            LexBound::Lowest => true,
+            LexBound::Highest => false,
+            LexBound::Inclusive(bound) => member >= &bound[..],
+            LexBound::Exclusive(bound) => member > &bound[..],
+        }
+    }
+
+    /// Whether `member` is at or before this bound taken as a maximum.
+    fn admits_from_above(&self, member: &[u8]) -> bool {
+        match self {
+            LexBound::Lowest => false,
+            LexBound::Highest => true,
+            LexBound::Inclusive(bound) => member <= &bound[..],
+            LexBound::Exclusive(bound) => member < &bound[..],
+        }
+    }
+}
+
 /// A score bound of a range query, as in `ZRANGEBYSCORE key (1 +inf`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ScoreBound {
@@ -519,6 +579,87 @@ impl<'a> SortedSet<'a> {
                 take(score, member, max.admits_from_above(score))
             })?;
         }
+        Ok(out)
+    }
+
+    /// Members between `min` and `max` by member bytes, skipping `offset` and
+    /// returning at most `limit`; descending when `reverse`. As Redis reads
+    /// a set whose members share one score (the case the lexicographic
+    /// commands are for, and the only one whose answer Redis defines): from
+    /// the first member within the near bound, on while within the far one.
+    pub fn range_by_lex(
+        &mut self,
+        min: &LexBound,
+        max: &LexBound,
+        reverse: bool,
+        offset: usize,
+        limit: usize,
+    ) -> CommandResult<Vec<(f64, Bytes)>> {
+        let mut out = Vec::new();
+        if limit == 0 || self.is_empty() || LexBound::empty_between(min, max) {
+            return Ok(out);
+        }
+        // Redis answers nothing unless the last member is within `min` and
+        // the first within `max`, whatever lies between.
+        let last = self.range_by_rank(self.len() - 1, self.len() - 1, false)?;
+        let first = self.range_by_rank(0, 0, false)?;
+        if !min.admits_from_below(&last[0].1) || !max.admits_from_above(&first[0].1) {
+            return Ok(out);
+        }
+        let (near, far_admits): (&dyn Fn(&[u8]) -> bool, &dyn Fn(&[u8]) -> bool) = if reverse {
+            (&|member| max.admits_from_above(member), &|member| min.admits_from_below(member))
+        } else {
+            (&|member| min.admits_from_below(member), &|member| max.admits_from_above(member))
+        };
+        let (mut started, mut skipped) = (false, 0);
+        let mut visit = |score: f64, member: &Bytes| -> bool {
+            if !started {
+                if !near(member) {
+                    return true;
+                }
+                started = true;
+            }
+            if !far_admits(member) {
+                return false;
+            }
+            if skipped < offset {
+                skipped += 1;
+            } else {
+                out.push((score, member.clone()));
+            }
+            out.len() < limit
+        };
+        if reverse {
+            self.walk_backward(None, visit)?;
+        } else {
+            // Members before `min` at the first score come first: start there.
+            let from = match min {
+                LexBound::Inclusive(bound) | LexBound::Exclusive(bound) => Some((first[0].0, bound.clone())),
+                _ => None,
+            };
+            self.walk_forward(from.as_ref().map(|(score, bound)| (*score, &bound[..])), &mut visit)?;
+        }
+        Ok(out)
+    }
+
+    /// Up to `count` members after `after` (a score and member) in set
+    /// order, from the first when None.
+    pub fn entries_after(
+        &mut self,
+        after: Option<(f64, &[u8])>,
+        count: usize,
+    ) -> CommandResult<Vec<(f64, Bytes)>> {
+        let mut out = Vec::new();
+        if count == 0 {
+            return Ok(out);
+        }
+        self.walk_forward(after, |score, member| {
+            if after.is_some_and(|after| compare((score, member), after).is_le()) {
+                return true;
+            }
+            out.push((score, member.clone()));
+            out.len() < count
+        })?;
         Ok(out)
     }
 

@@ -388,7 +388,7 @@ fn sscan(context: &mut Context, request: &Request) -> CommandResult {
 }
 
 /// SSCAN's and HSCAN's MATCH and COUNT.
-fn parse_scan_options<'r>(request: &'r Request) -> CommandResult<(Option<&'r [u8]>, u64)> {
+pub(super) fn parse_scan_options<'r>(request: &'r Request) -> CommandResult<(Option<&'r [u8]>, u64)> {
     let (mut pattern, mut count) = (None, 10u64);
     let mut index = 3;
     while index < request.len() {

@@ -9,8 +9,11 @@ use tessera_wire::Request;
 
 use super::{integer_arg, is, lists, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
+use crate::glob::glob_match;
 use crate::hashed::{Hashed, Layout};
-use crate::zset::{parse_score, ScoreBound, SortedSet};
+use crate::node_state::ScanPosition;
+use crate::typed::parse_i64;
+use crate::zset::{parse_score, LexBound, ScoreBound, SortedSet};
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
@@ -25,6 +28,12 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "zrevrank", arity: -3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrevrank },
     CommandSpec { name: "zrange", arity: -4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrange },
     CommandSpec { name: "zrangebyscore", arity: -4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrangebyscore },
+    CommandSpec { name: "zrangebylex", arity: -4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrangebylex },
+    CommandSpec { name: "zrevrangebylex", arity: -4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrevrangebylex },
+    CommandSpec { name: "zlexcount", arity: 4, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zlexcount },
+    CommandSpec { name: "zremrangebylex", arity: 4, flags: &["write"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zremrangebylex },
+    CommandSpec { name: "zrangestore", arity: -5, flags: &["write", "denyoom"], first_key: 1, last_key: 2, step: 1, scope: Scope::Keys, handler: zrangestore },
+    CommandSpec { name: "zscan", arity: -3, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zscan },
     CommandSpec { name: "zrevrangebyscore", arity: -4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrevrangebyscore },
     CommandSpec { name: "zpopmin", arity: -2, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zpopmin },
     CommandSpec { name: "zpopmax", arity: -2, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zpopmax },
@@ -274,11 +283,13 @@ fn zrevrank(context: &mut Context, request: &Request) -> CommandResult {
     rank(context, request, true)
 }
 
-/// The options after a range's bounds: WITHSCORES, LIMIT, and (for ZRANGE) BYSCORE and REV.
+/// The options after a range's bounds: WITHSCORES, LIMIT, and (for ZRANGE
+/// and ZRANGESTORE) BYSCORE, BYLEX and REV.
 #[derive(Default)]
 struct RangeOptions {
     with_scores: bool,
     by_score: bool,
+    by_lex: bool,
     reverse: bool,
     /// LIMIT offset count; a negative count means no limit.
     limit: Option<(i64, i64)>,
@@ -299,7 +310,7 @@ fn range_options(request: &Request, from: usize, zrange: bool) -> CommandResult<
         } else if zrange && is(arg, "rev") {
             options.reverse = true;
         } else if zrange && is(arg, "bylex") {
-            return Err(CommandError::Other("BYLEX is not supported by Tessera".into()));
+            options.by_lex = true;
         } else {
             return Err(CommandError::Syntax);
         }
@@ -333,6 +344,20 @@ fn write_entries(context: &mut Context, entries: &[(f64, Bytes)], with_scores: b
 
 /// A range by score; `first` and `second` are the bounds as given (upper
 /// first when `reverse`, as ZREVRANGEBYSCORE takes them).
+fn score_entries(
+    context: &mut Context,
+    key: &[u8],
+    first: &[u8],
+    second: &[u8],
+    options: &RangeOptions,
+) -> CommandResult<Vec<(f64, Bytes)>> {
+    let (first, second) = (ScoreBound::parse(first)?, ScoreBound::parse(second)?);
+    let (offset, limit) = skip_and_most(options.limit);
+    read_set(context, key, |set| {
+        set.map_or(Ok(Vec::new()), |set| set.range_by_score(first, second, options.reverse, offset, limit))
+    })
+}
+
 fn score_range(
     context: &mut Context,
     key: &[u8],
@@ -340,33 +365,55 @@ fn score_range(
     second: &[u8],
     options: &RangeOptions,
 ) -> CommandResult {
-    let (first, second) = (ScoreBound::parse(first)?, ScoreBound::parse(second)?);
-    let (offset, limit) = match options.limit {
-        Some((offset, _)) if offset < 0 => (0, 0),
-        Some((offset, count)) => (offset as usize, usize::try_from(count).unwrap_or(usize::MAX)),
-        None => (0, usize::MAX),
-    };
-    let entries = read_set(context, key, |set| {
-        set.map_or(Ok(Vec::new()), |set| set.range_by_score(first, second, options.reverse, offset, limit))
-    })?;
+    let entries = score_entries(context, key, first, second, options)?;
     write_entries(context, &entries, options.with_scores);
     Ok(())
 }
 
-fn zrange(context: &mut Context, request: &Request) -> CommandResult {
-    let options = range_options(request, 4, true)?;
-    let key = request.arg(1);
+/// LIMIT's offset and count as a skip and a most.
+fn skip_and_most(limit: Option<(i64, i64)>) -> (usize, usize) {
+    match limit {
+        Some((offset, _)) if offset < 0 => (0, 0),
+        Some((offset, count)) => (offset as usize, usize::try_from(count).unwrap_or(usize::MAX)),
+        None => (0, usize::MAX),
+    }
+}
+
+/// What ZRANGE and ZRANGESTORE select from the set at `key`: by rank, by
+/// score or by member, with the bounds as given (upper first with REV).
+fn ranged(
+    context: &mut Context,
+    key: &[u8],
+    first: &[u8],
+    second: &[u8],
+    options: &RangeOptions,
+) -> CommandResult<Vec<(f64, Bytes)>> {
+    if options.by_score && options.by_lex {
+        return Err(CommandError::Syntax);
+    }
+    if options.by_lex && options.with_scores {
+        return Err(CommandError::Other(
+            "syntax error, WITHSCORES not supported in combination with BYLEX".into(),
+        ));
+    }
     if options.by_score {
-        // With REV the bounds come upper first, as in ZREVRANGEBYSCORE.
-        return score_range(context, key, request.arg(2), request.arg(3), &options);
+        return score_entries(context, key, first, second, options);
+    }
+    if options.by_lex {
+        let (first, second) = (LexBound::parse(first)?, LexBound::parse(second)?);
+        let (min, max) = if options.reverse { (second, first) } else { (first, second) };
+        let (offset, limit) = skip_and_most(options.limit);
+        return read_set(context, key, |set| {
+            set.map_or(Ok(Vec::new()), |set| set.range_by_lex(&min, &max, options.reverse, offset, limit))
+        });
     }
     if options.limit.is_some() {
         return Err(CommandError::Other(
             "syntax error, LIMIT is only supported in combination with either BYSCORE or BYLEX".into(),
         ));
     }
-    let (start, stop) = (integer_arg(request, 2)?, integer_arg(request, 3)?);
-    let entries = read_set(context, key, |set| {
+    let (start, stop) = (parse_i64(first)?, parse_i64(second)?);
+    read_set(context, key, |set| {
         let Some(set) = set else { return Ok(Vec::new()) };
         let len = set.len() as i64;
         let start = if start < 0 { (start + len).max(0) } else { start };
@@ -375,8 +422,118 @@ fn zrange(context: &mut Context, request: &Request) -> CommandResult {
             return Ok(Vec::new());
         }
         set.range_by_rank(start as u64, stop as u64, options.reverse)
-    })?;
+    })
+}
+
+fn zrange(context: &mut Context, request: &Request) -> CommandResult {
+    let options = range_options(request, 4, true)?;
+    let entries = ranged(context, request.arg(1), request.arg(2), request.arg(3), &options)?;
     write_entries(context, &entries, options.with_scores);
+    Ok(())
+}
+
+fn zrangestore(context: &mut Context, request: &Request) -> CommandResult {
+    let options = range_options(request, 5, true)?;
+    if options.with_scores {
+        return Err(CommandError::Syntax);
+    }
+    let (destination, source) = (request.arg(1), request.arg(2));
+    let _locks = context.lock_keys([destination, source].into_iter())?;
+    // Both keys' locks are held: the range reads under them.
+    let locks_held = std::mem::replace(&mut context.locks_held, true);
+    let stored = ranged(context, source, request.arg(3), request.arg(4), &options)
+        .and_then(|entries| store_entries(context, destination, &entries).map(|()| entries.len()));
+    context.locks_held = locks_held;
+    context.out.integer(stored? as i64);
+    Ok(())
+}
+
+fn lex_range(context: &mut Context, request: &Request, reverse: bool) -> CommandResult {
+    let options = RangeOptions { by_lex: true, reverse, ..range_options(request, 4, false)? };
+    let entries = ranged(context, request.arg(1), request.arg(2), request.arg(3), &options)?;
+    write_entries(context, &entries, false);
+    Ok(())
+}
+
+fn zrangebylex(context: &mut Context, request: &Request) -> CommandResult {
+    lex_range(context, request, false)
+}
+
+fn zrevrangebylex(context: &mut Context, request: &Request) -> CommandResult {
+    lex_range(context, request, true)
+}
+
+fn zlexcount(context: &mut Context, request: &Request) -> CommandResult {
+    let (min, max) = (LexBound::parse(request.arg(2))?, LexBound::parse(request.arg(3))?);
+    let count = read_set(context, request.arg(1), |set| {
+        set.map_or(Ok(0), |set| Ok(set.range_by_lex(&min, &max, false, 0, usize::MAX)?.len()))
+    })?;
+    context.out.integer(count as i64);
+    Ok(())
+}
+
+fn zremrangebylex(context: &mut Context, request: &Request) -> CommandResult {
+    let (min, max) = (LexBound::parse(request.arg(2))?, LexBound::parse(request.arg(3))?);
+    remove_range(context, request.arg(1), |set| set.range_by_lex(&min, &max, false, 0, usize::MAX))
+}
+
+/// Members ZSCAN returns per call on a large set; a set of at most this
+/// many comes whole with cursor 0, as Redis answers for a small set.
+const ZSCAN_WHOLE_MAX: u64 = 128;
+
+/// ZSCAN: a small set whole; a large one in score order, the cursor naming
+/// (in the node's cursor registry) the last member returned, so a member
+/// present throughout with its score unchanged is returned once.
+fn zscan(context: &mut Context, request: &Request) -> CommandResult {
+    let key = request.arg(1);
+    let cursor: u64 = std::str::from_utf8(request.arg(2))
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .ok_or(CommandError::InvalidCursor)?;
+    let after = match cursor {
+        0 => None,
+        id => match context.node.scan_position(id) {
+            Some(ScanPosition { table, cursor }) if table.as_bytes() == key && cursor.0.len() >= 8 => {
+                let score = f64::from_be_bytes(cursor.0[..8].try_into().expect("8 bytes"));
+                Some((score, cursor.0.slice(8..)))
+            }
+            _ => return Err(CommandError::InvalidCursor),
+        },
+    };
+    let (entries, last, pattern) = read_set(context, key, |set| {
+        let Some(set) = set else { return Ok((Vec::new(), None, None)) };
+        // Options are read once the key is known to hold a set, as in Redis.
+        let (pattern, count) = super::sets::parse_scan_options(request)?;
+        if after.is_none() && set.len() <= ZSCAN_WHOLE_MAX {
+            return Ok((set.range_by_rank(0, set.len() - 1, false)?, None, pattern));
+        }
+        let entries =
+            set.entries_after(after.as_ref().map(|(score, member)| (*score, &member[..])), count as usize)?;
+        let last = (entries.len() == count as usize).then(|| entries.last().cloned()).flatten();
+        Ok((entries, last, pattern))
+    })?;
+    let next = match last {
+        Some((score, member)) => {
+            let mut position = score.to_be_bytes().to_vec();
+            position.extend_from_slice(&member);
+            context.node.save_scan_position(ScanPosition {
+                table: String::from_utf8_lossy(key).into_owned(),
+                cursor: tessera_engine::ScanCursor(position.into()),
+            })
+        }
+        None => 0,
+    };
+    let entries: Vec<_> = entries
+        .into_iter()
+        .filter(|(_, member)| pattern.is_none_or(|pattern| glob_match(pattern, member)))
+        .collect();
+    context.out.array(2);
+    context.out.bulk(next.to_string().as_bytes());
+    context.out.array(entries.len() * 2);
+    for (score, member) in &entries {
+        context.out.bulk(member);
+        context.out.bulk(tessera_wire::reply::format_double(*score).as_bytes());
+    }
     Ok(())
 }
 
@@ -836,17 +993,24 @@ fn combine_store(context: &mut Context, request: &Request, combine: Combine, com
     let inputs = read_inputs(context, &keys)?;
     let combination = parse_combination_options(request, keys, after, combine, true, false)?;
     let entries = combined(combine, &combination, inputs);
+    store_entries(context, destination, &entries)?;
+    context.out.integer(entries.len() as i64);
+    Ok(())
+}
+
+/// Replaces whatever `destination` holds with a set of `entries` (none:
+/// deletes it), as the STORE commands do; the caller holds its lock.
+fn store_entries(context: &mut Context, destination: &[u8], entries: &[(f64, Bytes)]) -> CommandResult {
     let engine = context.engine(destination);
     engine.delete(destination)?;
     let mut set = SortedSet::open_or_new(engine, destination, context.now_ms)?;
-    for (score, member) in &entries {
+    for (score, member) in entries {
         set.insert(member, *score)?;
     }
     set.commit(&context.table(destination).reserved)?;
     if !entries.is_empty() {
         context.node.waiters.signal(destination);
     }
-    context.out.integer(entries.len() as i64);
     Ok(())
 }
 
