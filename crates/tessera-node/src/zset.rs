@@ -606,10 +606,20 @@ impl<'a> SortedSet<'a> {
         if !min.admits_from_below(&last[0].1) || !max.admits_from_above(&first[0].1) {
             return Ok(out);
         }
-        let (near, far_admits): (&dyn Fn(&[u8]) -> bool, &dyn Fn(&[u8]) -> bool) = if reverse {
-            (&|member| max.admits_from_above(member), &|member| min.admits_from_below(member))
-        } else {
-            (&|member| min.admits_from_below(member), &|member| max.admits_from_above(member))
+        // The bound the walk meets first, and the one that ends it.
+        let near = |member: &[u8]| {
+            if reverse {
+                max.admits_from_above(member)
+            } else {
+                min.admits_from_below(member)
+            }
+        };
+        let far_admits = |member: &[u8]| {
+            if reverse {
+                min.admits_from_below(member)
+            } else {
+                max.admits_from_above(member)
+            }
         };
         let (mut started, mut skipped) = (false, 0);
         let mut visit = |score: f64, member: &Bytes| -> bool {
