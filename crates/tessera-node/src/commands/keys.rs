@@ -33,6 +33,7 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "flushdb", arity: -1, flags: &["write"], first_key: 0, last_key: 0, step: 0, scope: Scope::Flush, handler: flushdb },
     CommandSpec { name: "expiretime", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: expiretime },
     CommandSpec { name: "pexpiretime", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: pexpiretime },
+    CommandSpec { name: "object", arity: -2, flags: &["readonly"], first_key: 2, last_key: -1, step: 1, scope: Scope::Keys, handler: object },
     CommandSpec { name: "touch", arity: -2, flags: &["readonly", "fast"], first_key: 1, last_key: -1, step: 1, scope: Scope::Keys, handler: exists },
     CommandSpec { name: "rename", arity: 3, flags: &["write"], first_key: 1, last_key: 2, step: 1, scope: Scope::Keys, handler: rename },
     CommandSpec { name: "renamenx", arity: 3, flags: &["write", "fast"], first_key: 1, last_key: 2, step: 1, scope: Scope::Keys, handler: renamenx },
@@ -299,6 +300,126 @@ fn key_type(context: &mut Context, request: &Request) -> CommandResult {
     let stored = read_live(context.engine(key), key, context.now_ms)?;
     context.out.simple(stored.map_or("none", |stored| stored.kind.name()));
     Ok(())
+}
+
+/// OBJECT's subcommands and their arities.
+pub const OBJECT_SUBCOMMANDS: &[(&str, i32)] =
+    &[("encoding", 3), ("freq", 3), ("idletime", 3), ("refcount", 3), ("help", 2)];
+
+/// Redis's refcount of a shared object (small integers are shared).
+const SHARED_REFCOUNT: i64 = i32::MAX as i64;
+
+/// OBJECT ENCODING, FREQ, IDLETIME, REFCOUNT. ENCODING names what Redis 7.2
+/// would keep the value as, by its default limits (a list by Tessera's own
+/// layout: inline or paged); idle time comes from the node's access clock
+/// (OBJECT itself does not count as an access).
+fn object(context: &mut Context, request: &Request) -> CommandResult {
+    let subcommand = String::from_utf8_lossy(request.arg(1)).to_ascii_lowercase();
+    if subcommand == "help" {
+        let lines = [
+            "OBJECT <subcommand> <key>, where <subcommand> is one of:",
+            "ENCODING <key> -- how Redis would keep the value at <key>",
+            "FREQ <key> -- access frequency (needs an LFU policy, which Tessera has not)",
+            "IDLETIME <key> -- seconds since <key> was last read or written",
+            "REFCOUNT <key> -- references to the value (shared small integers count as many)",
+            "HELP -- this text",
+        ];
+        context.out.array(lines.len());
+        lines.iter().for_each(|line| context.out.simple(line));
+        return Ok(());
+    }
+    let key = request.arg(2);
+    let engine = context.engine(key);
+    let Some(stored) = read_live(engine, key, context.now_ms)? else {
+        context.out.null();
+        return Ok(());
+    };
+    match subcommand.as_str() {
+        "encoding" => {
+            let encoding = match stored.kind {
+                Kind::String => string_encoding(&stored.payload).0,
+                Kind::List if list::id_of(&stored.payload)?.is_some() => "quicklist",
+                Kind::List => "listpack",
+                Kind::Hash | Kind::Set => {
+                    let layout = Layout::of(stored.kind).expect("a set or a hash");
+                    let mut value = Hashed::open(layout, engine, key, context.now_ms)?.expect("read above");
+                    let len = value.len();
+                    if stored.kind == Kind::Set && len <= 512 {
+                        let members = value.members()?;
+                        if members.iter().all(|member| canonical_integer(member).is_some()) {
+                            "intset"
+                        } else if len <= 128 && members.iter().all(|member| member.len() <= 64) {
+                            "listpack"
+                        } else {
+                            "hashtable"
+                        }
+                    } else if stored.kind == Kind::Hash
+                        && len <= 512
+                        && value
+                            .entries()?
+                            .iter()
+                            .all(|(field, value)| field.len() <= 64 && value.len() <= 64)
+                    {
+                        "listpack"
+                    } else {
+                        "hashtable"
+                    }
+                }
+                Kind::SortedSet => {
+                    let mut set = zset::SortedSet::open(engine, key, context.now_ms)?.expect("read above");
+                    let small = set.len() <= 128
+                        && set
+                            .range_by_rank(0, set.len().saturating_sub(1), false)?
+                            .iter()
+                            .all(|(_, member)| member.len() <= 64);
+                    if small {
+                        "listpack"
+                    } else {
+                        "skiplist"
+                    }
+                }
+            };
+            context.out.bulk(encoding.as_bytes());
+        }
+        "freq" => return Err(CommandError::Other(
+            "An LFU maxmemory policy is not selected, access frequency not tracked. Please note that when \
+                 switching between policies at runtime LRU and LFU data will take some time to adjust."
+                .into(),
+        )),
+        "idletime" => {
+            // The clock keeps tenths of a second in 32 bits, wrapping.
+            let last_tenths = context.node.access.last_access(key);
+            let now_tenths = (context.now_ms / 100) as u32;
+            let idle_seconds = if last_tenths == 0 {
+                context.node.started.elapsed().as_secs()
+            } else {
+                u64::from(now_tenths.wrapping_sub(last_tenths)) / 10
+            };
+            context.out.integer(idle_seconds as i64);
+        }
+        _ => {
+            let shared = stored.kind == Kind::String
+                && string_encoding(&stored.payload).1.is_some_and(|value| (0..10_000).contains(&value));
+            context.out.integer(if shared { SHARED_REFCOUNT } else { 1 });
+        }
+    }
+    Ok(())
+}
+
+/// The bytes as the integer Redis would keep them as (no sign but `-`, no
+/// leading zeros).
+fn canonical_integer(bytes: &[u8]) -> Option<i64> {
+    let value: i64 = std::str::from_utf8(bytes).ok()?.parse().ok()?;
+    (value.to_string().as_bytes() == bytes).then_some(value)
+}
+
+/// A string's encoding by Redis's rules, and its integer if it is one.
+fn string_encoding(value: &[u8]) -> (&'static str, Option<i64>) {
+    match canonical_integer(value) {
+        Some(integer) if value.len() <= 20 => ("int", Some(integer)),
+        _ if value.len() <= 44 => ("embstr", None),
+        _ => ("raw", None),
+    }
 }
 
 /// SCAN's filters.

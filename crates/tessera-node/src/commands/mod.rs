@@ -360,6 +360,7 @@ fn check(context: &mut Context, request: &Request) -> CommandResult<&'static Com
 fn check_subcommand(spec: &CommandSpec, request: &Request) -> CommandResult {
     let subcommands = match spec.name {
         "script" => scripting::SUBCOMMANDS,
+        "object" => keys::OBJECT_SUBCOMMANDS,
         _ => return Ok(()),
     };
     let name = String::from_utf8_lossy(request.arg(1)).to_ascii_lowercase();
@@ -394,7 +395,8 @@ fn execute(context: &mut Context, spec: &CommandSpec, request: &Request) -> Comm
         let tables = context.tables;
         context.node.make_room(|| tables.by_name(), 0)?;
     }
-    if context.node.config.maxmemory_policy.uses_access_times() {
+    // Every access is timed (OBJECT IDLETIME, LRU eviction) but OBJECT's own.
+    if spec.name != "object" {
         for index in spec.key_positions(request.len(), |index| request.arg(index)) {
             context.node.access.touch(request.arg(index), context.now_ms);
         }

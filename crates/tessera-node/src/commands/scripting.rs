@@ -670,17 +670,12 @@ fn script(context: &mut Context, request: &Request) -> CommandResult {
         },
         _ => {
             let lines = [
-                "SCRIPT <subcommand> [<arg> [value] [opt] ...]. Subcommands are:",
-                "EXISTS <sha1> [<sha1> ...]",
-                "    Return information about the existence of the scripts in the script cache.",
-                "FLUSH [ASYNC|SYNC]",
-                "    Flush the Lua scripts cache.",
-                "KILL",
-                "    Kill the currently executing Lua script.",
-                "LOAD <script>",
-                "    Load a script into the scripts cache without executing it.",
-                "HELP",
-                "    Print this help.",
+                "SCRIPT <subcommand>, where <subcommand> is one of:",
+                "EXISTS <sha1> [<sha1> ...] -- 1 for each script the cache holds, else 0",
+                "FLUSH [ASYNC|SYNC] -- forget every cached script",
+                "KILL -- stop the running scripts that have not written",
+                "LOAD <script> -- compile and cache a script, answering its SHA-1",
+                "HELP -- this text",
             ];
             context.out.array(lines.len());
             lines.iter().for_each(|line| context.out.simple(line));
