@@ -350,3 +350,40 @@ def test_max_clients(data_dir):
         assert node.client().ping()
     finally:
         node.stop()
+
+
+def test_client_list_shows_every_connection_and_client_kill_closes_them(node):
+    """CLIENT LIST as redis-py parses it (names, library, last command,
+    subscriber flags), CLIENT INFO for the connection itself, and CLIENT
+    KILL by id, by address (the old form) and by type."""
+    admin = node.client(client_name="admin")
+    worker = socket.create_connection(("127.0.0.1", node.port), timeout=5)
+    worker.sendall(b"CLIENT SETNAME worker\r\nCLIENT SETINFO LIB-NAME jobs\r\nCLIENT SETINFO LIB-VER 1.2\r\nSET k v\r\n")
+    received = b""
+    while received.count(b"+OK") < 4:
+        received += worker.recv(1024)
+    subscriber = node.client().pubsub()
+    subscriber.subscribe("news")
+    assert subscriber.get_message(timeout=5)["type"] == "subscribe"
+    listed = {client["name"]: client for client in admin.client_list()}
+    assert set(listed) >= {"admin", "worker"}
+    assert listed["worker"]["lib-name"] == "jobs" and listed["worker"]["lib-ver"] == "1.2"
+    assert listed["worker"]["cmd"] == "set" and listed["admin"]["cmd"] == "client|list"
+    assert listed["worker"]["user"] == "default" and listed["worker"]["flags"] == "N"
+    pubsub_clients = admin.client_list(_type="pubsub")
+    assert len(pubsub_clients) == 1 and pubsub_clients[0]["sub"] == "1" and "P" in pubsub_clients[0]["flags"]
+    assert admin.client_info()["name"] == "admin"
+    assert admin.client_kill_filter(_type="pubsub") == 1
+    worker_id = int(listed["worker"]["id"])
+    assert admin.client_kill_filter(_id=worker_id) == 1
+    assert worker.recv(1024) == b"", "a killed client's connection is closed"
+    assert worker_id not in [int(client["id"]) for client in admin.client_list()]
+    other = node.client(client_name="other")
+    other.ping()
+    address = next(client["addr"] for client in admin.client_list() if client["name"] == "other")
+    assert admin.client_kill(address) is True
+    with pytest.raises(redis.ResponseError, match="No such client"):
+        admin.client_kill("127.0.0.1:1")
+    assert admin.client_kill_filter(_id=int(admin.client_id()), skipme=True) == 0
+    with pytest.raises(redis.ResponseError, match="Unknown client type"):
+        admin.execute_command("CLIENT", "LIST", "TYPE", "nonsense")

@@ -2,6 +2,7 @@
 //! it, write all the replies in one go. Pipelined requests therefore cost one
 //! read and one write per batch, and nothing hops threads on the way.
 
+use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +13,9 @@ use tokio::sync::{oneshot, watch};
 
 use crate::acl::DEFAULT_USER;
 use crate::blocking::Wait;
+use crate::clients::{ClientEntry, Registration};
 use crate::cluster::{serve, ClusterNode, Forwarder, Held};
+use crate::commands::connection::refresh_client_state;
 use crate::commands::scripting::ScriptOutcome;
 use crate::commands::{dispatch, Context, Session};
 use crate::error::CommandError;
@@ -48,6 +51,10 @@ pub struct Connection {
     query_buffer: QueryBufferShare,
     /// While a blocking command waits: its place in the key's queues.
     wait: Option<Wait>,
+    /// The connection's entry among the node's clients, while it lives.
+    registration: Registration,
+    /// The last command run, as CLIENT LIST names it.
+    last_command: String,
 }
 
 /// One connection's part of the node's query-buffer total, given back when
@@ -96,8 +103,20 @@ impl Connection {
             tokio::runtime::RuntimeFlavor::CurrentThread,
             "connections rely on a single-threaded runtime (see forget_readiness)"
         );
+        let id = node.next_client_id.fetch_add(1, Ordering::Relaxed);
+        let address = |address: std::io::Result<std::net::SocketAddr>| {
+            address.map_or_else(|_| "?:0".to_string(), |address| address.to_string())
+        };
+        let entry = Arc::new(ClientEntry::new(
+            id,
+            address(stream.tcp().peer_addr()),
+            address(stream.tcp().local_addr()),
+            i64::from(stream.tcp().as_raw_fd()),
+        ));
+        let registration = node.clients.register(entry.clone());
         let session = Session {
-            id: node.next_client_id.fetch_add(1, Ordering::Relaxed),
+            id,
+            client: Some(entry),
             authenticated: node.acl.user(DEFAULT_USER).is_some_and(|user| user.is_open()),
             user: DEFAULT_USER.to_string(),
             tls: matches!(stream, ClientStream::Tls(_)),
@@ -123,6 +142,8 @@ impl Connection {
             forwarder,
             query_buffer: QueryBufferShare { node: node_for_share, counted: 0 },
             wait: None,
+            registration,
+            last_command: String::new(),
         }
     }
 
@@ -147,6 +168,7 @@ impl Connection {
             let read = match self.session.blocked.clone() {
                 None => tokio::select! {
                     read = self.stream.read_buf(&mut self.input) => Some(read),
+                    () = self.registration.entry.kill_requested() => break,
                     message = next_message(&mut self.session.subscription) => {
                         if !self.write_messages(message).await {
                             break;
@@ -179,6 +201,7 @@ impl Connection {
                             None
                         }
                         read = self.stream.read_buf(&mut self.input) => Some(read),
+                        () = self.registration.entry.kill_requested() => break,
                         _ = shutdown.changed() => break,
                     }
                 }
@@ -286,6 +309,7 @@ impl Connection {
                         locks_held: false,
                     };
                     let failed_auths = context.session.failed_auths;
+                    note_command(&mut self.last_command, &request);
                     match self.cluster.as_deref() {
                         None => dispatch(&mut context, &request),
                         Some(cluster) => {
@@ -337,6 +361,13 @@ impl Connection {
         }
         self.input.drain(..start);
         self.parser.discard_front(start);
+        let mut state = self.registration.entry.state.lock();
+        refresh_client_state(&mut state, &self.session, self.out.protocol(), &self.last_command, now_ms);
+        (state.query_buffer, state.output_buffer) = (self.input.len(), self.out.len());
+        drop(state);
+        if self.registration.entry.killed() {
+            keep_open = false;
+        }
         if self.input.len() > self.node.config.query_buffer_bytes_max {
             CommandError::QueryBufferFull.write(&mut self.out);
             keep_open = false;
@@ -413,6 +444,18 @@ impl Connection {
         self.out.clear();
         self.out.shrink_to(BUFFER_KEEP_BYTES);
         result
+    }
+}
+
+/// Notes a command's name as CLIENT LIST shows it: lower case, with the
+/// subcommand of a container command (`client|list`).
+fn note_command(last: &mut String, request: &Request) {
+    last.clear();
+    last.extend(String::from_utf8_lossy(request.arg(0)).chars().take(32).map(|c| c.to_ascii_lowercase()));
+    let container = ["client", "config", "script", "object", "cluster", "acl", "command", "pubsub", "memory"];
+    if request.len() > 1 && container.contains(&last.as_str()) {
+        last.push('|');
+        last.extend(String::from_utf8_lossy(request.arg(1)).chars().take(32).map(|c| c.to_ascii_lowercase()));
     }
 }
 

@@ -8,6 +8,7 @@
 
 pub mod acl;
 pub mod blocking;
+pub mod clients;
 pub mod cluster;
 pub mod collection;
 pub mod commands;

@@ -17,6 +17,7 @@ use tessera_engine::{reserved, Engine, EngineSpec, KeyRange, ScanCursor};
 
 use crate::acl::{Acl, CommandCatalog};
 use crate::blocking::Waiters;
+use crate::clients::Clients;
 use crate::collection;
 use crate::config::Config;
 use crate::error::{CommandError, CommandResult};
@@ -110,6 +111,8 @@ pub struct NodeState {
     pub waiters: Arc<Waiters>,
     /// The scripts known and running, and the threads they run on.
     pub scripts: Scripts,
+    /// The connected clients (CLIENT LIST, CLIENT KILL).
+    pub clients: Arc<Clients>,
     /// Where RANDOMKEY's last sample stopped in each table.
     pub random_key_positions: Mutex<HashMap<String, ScanCursor>>,
     /// Where eviction's last sample stopped: the table, then the cursor in it.
@@ -210,6 +213,7 @@ impl NodeState {
             pubsub,
             waiters: Arc::new(Waiters::default()),
             scripts,
+            clients: Arc::default(),
             random_key_positions: Mutex::new(HashMap::new()),
             eviction_position: Mutex::new((0, ScanCursor::default())),
             access: AccessClock::default(),

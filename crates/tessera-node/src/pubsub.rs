@@ -172,6 +172,12 @@ impl std::fmt::Debug for PubSub {
 }
 
 impl Subscription {
+    /// How many channels, patterns and shard channels it holds.
+    pub fn counts(&self) -> (usize, usize, usize) {
+        let count = |kind| self.names.get(&kind).map_or(0, HashSet::len);
+        (count(Kind::Channel), count(Kind::Pattern), count(Kind::ShardChannel))
+    }
+
     /// Subscribes; the connection's count of subscriptions after it (of
     /// shard channels for a shard channel, of the others otherwise).
     pub fn subscribe(&mut self, kind: Kind, name: &[u8]) -> usize {

@@ -3,9 +3,11 @@
 use bytes::Bytes;
 use tessera_wire::{Protocol, Request};
 
-use super::{integer_arg, is, CommandSpec, Context, Scope};
+use super::{integer_arg, is, CommandSpec, Context, Scope, Session};
 use crate::acl::DEFAULT_USER;
+use crate::clients::{ClientEntry, ClientState};
 use crate::error::{CommandError, CommandResult};
+use crate::typed::parse_i64;
 use crate::REDIS_COMPATIBLE_VERSION;
 
 #[rustfmt::skip]
@@ -186,15 +188,25 @@ fn client(context: &mut Context, request: &Request) -> CommandResult {
         }
         context.out.ok();
     } else if is(subcommand, "info") {
-        let text = format!(
-            "id={} name={} lib-name={} lib-ver={} resp={}\n",
-            context.session.id,
-            String::from_utf8_lossy(context.session.name.as_deref().unwrap_or_default()),
-            String::from_utf8_lossy(context.session.library_name.as_deref().unwrap_or_default()),
-            String::from_utf8_lossy(context.session.library_version.as_deref().unwrap_or_default()),
-            if context.out.protocol() == Protocol::Resp3 { 3 } else { 2 },
-        );
+        let line = match context.session.client.clone() {
+            Some(entry) => {
+                refresh_client_state(
+                    &mut entry.state.lock(),
+                    context.session,
+                    context.out.protocol(),
+                    "client|info",
+                    context.now_ms,
+                );
+                entry.line(context.now_ms)
+            }
+            None => format!("id={}\n", context.session.id),
+        };
+        context.out.verbatim(&line);
+    } else if is(subcommand, "list") {
+        let text = client_list(context, request)?;
         context.out.verbatim(&text);
+    } else if is(subcommand, "kill") {
+        client_kill(context, request)?;
     } else if is(subcommand, "help") {
         let lines = [
             "CLIENT <subcommand>",
@@ -203,6 +215,8 @@ fn client(context: &mut Context, request: &Request) -> CommandResult {
             "SETNAME <name>",
             "SETINFO <LIB-NAME|LIB-VER> <value>",
             "INFO",
+            "LIST [TYPE NORMAL|PUBSUB] [ID <id> ...]",
+            "KILL <ip:port> | KILL [ID <id>] [ADDR <ip:port>] [LADDR <ip:port>] [USER <name>] [TYPE NORMAL|PUBSUB] [SKIPME YES|NO]",
         ];
         context.out.array(lines.len());
         for line in lines {
@@ -211,5 +225,177 @@ fn client(context: &mut Context, request: &Request) -> CommandResult {
     } else {
         return Err(arity_error());
     }
+    Ok(())
+}
+
+/// Copies what CLIENT LIST shows of a connection from its session.
+pub fn refresh_client_state(
+    state: &mut ClientState,
+    session: &Session,
+    protocol: Protocol,
+    command: &str,
+    now_ms: u64,
+) {
+    fn copy(target: &mut String, source: Option<&[u8]>) {
+        let source = source.unwrap_or_default();
+        if target.as_bytes() != source {
+            *target = String::from_utf8_lossy(source).into_owned();
+        }
+    }
+    copy(&mut state.name, session.name.as_deref());
+    copy(&mut state.library_name, session.library_name.as_deref());
+    copy(&mut state.library_version, session.library_version.as_deref());
+    copy(&mut state.user, Some(session.user.as_bytes()));
+    copy(&mut state.last_command, Some(command.as_bytes()));
+    state.resp = if protocol == Protocol::Resp3 { 3 } else { 2 };
+    state.last_active_ms = now_ms;
+    let (channels, patterns, shard_channels) =
+        session.subscription.as_ref().map_or((0, 0, 0), |subscription| subscription.counts());
+    (state.channels, state.patterns, state.shard_channels) = (channels, patterns, shard_channels);
+    state.multi = session.transaction.as_ref().map_or(-1, |transaction| transaction.len() as i64);
+    state.flags.clear();
+    if channels + patterns + shard_channels > 0 {
+        state.flags.push('P');
+    }
+    if session.transaction.is_some() {
+        state.flags.push('x');
+    }
+    if session.blocked.is_some() {
+        state.flags.push('b');
+    }
+}
+
+/// Whether a client is of a TYPE filter's kind (one checked known). No
+/// client is a master or a replica: replication runs over peer links.
+fn client_type_matches(entry: &ClientEntry, kind: &[u8]) -> bool {
+    let subscriber = entry.state.lock().flags.contains('P');
+    (is(kind, "pubsub") && subscriber) || (is(kind, "normal") && !subscriber)
+}
+
+fn client_list(context: &mut Context, request: &Request) -> CommandResult<String> {
+    let (mut kind, mut ids) = (None, Vec::new());
+    let mut index = 2;
+    while index < request.len() {
+        if is(request.arg(index), "type") && index + 1 < request.len() {
+            kind = Some(request.arg(index + 1));
+            index += 2;
+        } else if is(request.arg(index), "id") && index + 1 < request.len() && kind.is_none() {
+            index += 1;
+            while index < request.len() {
+                match parse_i64(request.arg(index)) {
+                    Ok(id) if id > 0 => ids.push(id as u64),
+                    _ => return Err(CommandError::Other("Invalid client ID".into())),
+                }
+                index += 1;
+            }
+        } else {
+            return Err(CommandError::Syntax);
+        }
+    }
+    if let Some(kind) = kind {
+        client_type_matches_known(kind)?;
+    }
+    if let Some(own) = context.session.client.clone() {
+        refresh_client_state(
+            &mut own.state.lock(),
+            context.session,
+            context.out.protocol(),
+            "client|list",
+            context.now_ms,
+        );
+    }
+    let mut text = String::new();
+    for entry in context.node.clients.all() {
+        if (!ids.is_empty() && !ids.contains(&entry.id))
+            || kind.is_some_and(|kind| !client_type_matches(&entry, kind))
+        {
+            continue;
+        }
+        text.push_str(&entry.line(context.now_ms));
+    }
+    Ok(text)
+}
+
+/// A TYPE filter's name is one Redis knows.
+fn client_type_matches_known(kind: &[u8]) -> CommandResult {
+    let known = ["normal", "pubsub", "master", "replica", "slave"];
+    if known.iter().any(|name| is(kind, name)) {
+        Ok(())
+    } else {
+        Err(CommandError::Other(format!("Unknown client type '{}'", String::from_utf8_lossy(kind))))
+    }
+}
+
+/// CLIENT KILL, the old form (an address: OK or an error) and the new
+/// (filters: the number of clients closed).
+fn client_kill(context: &mut Context, request: &Request) -> CommandResult {
+    let own_id = context.session.id;
+    if request.len() == 3 {
+        let address = request.arg(2);
+        let Some(entry) =
+            context.node.clients.all().into_iter().find(|entry| entry.address.as_bytes() == address)
+        else {
+            return Err(CommandError::Other("No such client".into()));
+        };
+        entry.kill();
+        context.out.ok();
+        return Ok(());
+    }
+    if request.len() % 2 != 0 {
+        return Err(CommandError::Syntax);
+    }
+    let (mut id, mut address, mut local, mut user, mut kind, mut skip_me) =
+        (None, None, None, None, None, true);
+    for pair in (2..request.len()).step_by(2) {
+        let (option, value) = (request.arg(pair), request.arg(pair + 1));
+        if is(option, "id") {
+            id = Some(
+                parse_i64(value)
+                    .ok()
+                    .filter(|id| *id > 0)
+                    .ok_or_else(|| CommandError::Other("client-id should be greater than 0".into()))?
+                    as u64,
+            );
+        } else if is(option, "addr") {
+            address = Some(value);
+        } else if is(option, "laddr") {
+            local = Some(value);
+        } else if is(option, "user") {
+            if context.node.acl.user(&String::from_utf8_lossy(value)).is_none() {
+                return Err(CommandError::Other(format!(
+                    "No such user '{}'",
+                    String::from_utf8_lossy(value)
+                )));
+            }
+            user = Some(value);
+        } else if is(option, "type") {
+            client_type_matches_known(value)?;
+            kind = Some(value);
+        } else if is(option, "skipme") {
+            skip_me = if is(value, "yes") {
+                true
+            } else if is(value, "no") {
+                false
+            } else {
+                return Err(CommandError::Syntax);
+            };
+        } else {
+            return Err(CommandError::Syntax);
+        }
+    }
+    let mut killed = 0;
+    for entry in context.node.clients.all() {
+        let matches = id.is_none_or(|id| entry.id == id)
+            && address.is_none_or(|address| entry.address.as_bytes() == address)
+            && local.is_none_or(|local| entry.local_address.as_bytes() == local)
+            && user.is_none_or(|user| entry.state.lock().user.as_bytes() == user)
+            && kind.is_none_or(|kind| client_type_matches(&entry, kind))
+            && !(skip_me && entry.id == own_id);
+        if matches {
+            entry.kill();
+            killed += 1;
+        }
+    }
+    context.out.integer(killed);
     Ok(())
 }

@@ -3,7 +3,7 @@
 
 pub mod acl;
 pub mod cluster;
-mod connection;
+pub mod connection;
 pub mod consistency;
 mod hashes;
 pub mod keys;
@@ -74,6 +74,8 @@ pub struct Session {
     pub watched: Option<transactions::Watched>,
     /// Since SUBSCRIBE and its kin: the channels and the messages to write.
     pub subscription: Option<crate::pubsub::Subscription>,
+    /// The connection's entry among the node's clients.
+    pub client: Option<Arc<crate::clients::ClientEntry>>,
     /// A script running on a script thread: the connection waits for its reply.
     pub script: Option<tokio::sync::oneshot::Receiver<scripting::ScriptOutcome>>,
 }

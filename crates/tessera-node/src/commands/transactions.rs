@@ -92,6 +92,15 @@ pub fn queue(context: &mut Context, spec: &'static CommandSpec, request: &Reques
 }
 
 impl Transaction {
+    /// Commands queued so far.
+    pub fn len(&self) -> usize {
+        self.queued.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.queued.is_empty()
+    }
+
     /// Every key the queued commands name, and whether any of them writes:
     /// where a cluster node runs EXEC.
     pub fn keys(&self) -> (Vec<Bytes>, bool) {
