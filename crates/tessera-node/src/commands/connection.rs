@@ -341,7 +341,7 @@ fn client_kill(context: &mut Context, request: &Request) -> CommandResult {
         context.out.ok();
         return Ok(());
     }
-    if request.len() % 2 != 0 {
+    if !request.len().is_multiple_of(2) {
         return Err(CommandError::Syntax);
     }
     let (mut id, mut address, mut local, mut user, mut kind, mut skip_me) =
