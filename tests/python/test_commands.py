@@ -387,3 +387,46 @@ def test_client_list_shows_every_connection_and_client_kill_closes_them(node):
     assert admin.client_kill_filter(_id=int(admin.client_id()), skipme=True) == 0
     with pytest.raises(redis.ResponseError, match="Unknown client type"):
         admin.execute_command("CLIENT", "LIST", "TYPE", "nonsense")
+
+
+def test_config_set_changes_what_it_can_while_serving_and_answers_as_redis(node, redis_server):
+    ours, theirs = node.client(), redis.Redis(port=redis_server, protocol=2)
+    for command in [
+        ["CONFIG", "SET", "maxmemory", "lots"],
+        ["CONFIG", "SET", "no-such-parameter", "1"],
+        ["CONFIG", "SET", "maxmemory"],
+        ["CONFIG", "SET", "maxmemory", "1mb", "maxmemory", "2mb"],
+        ["CONFIG", "SET", "maxmemory-samples", "0"],
+        ["CONFIG", "SET", "timeout", "-1"],
+        ["CONFIG", "SET", "maxmemory", "64mb", "timeout", "x"],
+        ["CONFIG", "GET", "maxmemory"],
+        ["CONFIG", "SET", "maxmemory", "0", "maxmemory-policy", "noeviction", "timeout", "0"],
+        ["CONFIG", "GET", "maxmemory-policy"],
+        ["CONFIG", "SET", "lua-time-limit", "5000"],
+        ["CONFIG", "GET", "lua-time-limit"],
+        ["CONFIG"],
+        ["CONFIG", "GET"],
+    ]:
+        def answer(client):
+            try:
+                return client.execute_command(*command)
+            except redis.ResponseError as error:
+                return ("error", str(error))
+        assert answer(ours) == answer(theirs), command
+    with pytest.raises(redis.ResponseError, match="immutable"):
+        ours.config_set("port", "1")
+    with pytest.raises(redis.ResponseError, match="must be one of the following: volatile-lru"):
+        ours.config_set("maxmemory-policy", "allkeys-lfu")  # no LFU in Tessera
+    ours.config_set("save", "")  # what it is: accepted, as tools send it
+    ours.config_set("maxmemory", "8mb", "maxmemory-policy", "allkeys-random")
+    assert ours.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-random"}
+    for n in range(4000):
+        ours.set(f"key-{n}", "x" * 10_000)
+    assert ours.dbsize() < 4000, "keys were evicted under the new limit"
+    ours.config_set("maxmemory", "0")
+    ours.config_set("timeout", "1")
+    idle = node.client()
+    idle.ping()
+    time.sleep(2.5)
+    assert idle.connection_pool._available_connections[0]._sock.recv(16) == b"", "closed after the new timeout"
+    ours.config_set("timeout", "0")

@@ -151,14 +151,14 @@ impl Connection {
     /// Shutdown is noticed between batches, so a batch that was read is answered.
     pub async fn run(mut self, mut shutdown: watch::Receiver<bool>) {
         let _ = self.stream.tcp().set_nodelay(true);
-        let idle_limit =
-            (self.node.config.timeout > 0).then(|| Duration::from_secs(self.node.config.timeout));
         loop {
             if self.input.capacity() - self.input.len() < READ_CHUNK_BYTES / 4 {
                 self.input.reserve(READ_CHUNK_BYTES);
             }
             let room = self.input.capacity() - self.input.len();
             // A timer only when idle clients are closed: most reads need none.
+            let timeout = self.node.settings.timeout();
+            let idle_limit = (timeout > 0).then(|| Duration::from_secs(timeout));
             let idle = async {
                 match idle_limit {
                     Some(limit) => tokio::time::sleep(limit).await,

@@ -12,7 +12,7 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
 use serde::Deserialize;
 
@@ -199,6 +199,72 @@ pub fn parse_size(text: &str) -> Option<u64> {
         _ => return None,
     };
     number.parse::<u64>().ok()?.checked_mul(multiplier)
+}
+
+/// The settings CONFIG SET may change while the node serves (the rest of
+/// [`crate::Config`] is fixed at start): read on every use.
+#[derive(Debug)]
+pub struct Settings {
+    maxmemory: AtomicU64,
+    maxmemory_policy: AtomicU8,
+    maxmemory_samples: AtomicUsize,
+    /// Seconds a client may stay idle; 0: forever.
+    timeout: AtomicU64,
+}
+
+const POLICIES: [EvictionPolicy; 6] = [
+    EvictionPolicy::Noeviction,
+    EvictionPolicy::AllkeysLru,
+    EvictionPolicy::AllkeysRandom,
+    EvictionPolicy::VolatileLru,
+    EvictionPolicy::VolatileRandom,
+    EvictionPolicy::VolatileTtl,
+];
+
+impl Settings {
+    pub fn new(config: &crate::Config) -> Self {
+        let settings = Self {
+            maxmemory: AtomicU64::new(config.maxmemory),
+            maxmemory_policy: AtomicU8::new(0),
+            maxmemory_samples: AtomicUsize::new(config.maxmemory_samples),
+            timeout: AtomicU64::new(config.timeout),
+        };
+        settings.set_maxmemory_policy(config.maxmemory_policy);
+        settings
+    }
+
+    pub fn maxmemory(&self) -> u64 {
+        self.maxmemory.load(Ordering::Relaxed)
+    }
+
+    pub fn set_maxmemory(&self, bytes: u64) {
+        self.maxmemory.store(bytes, Ordering::Relaxed);
+    }
+
+    pub fn maxmemory_policy(&self) -> EvictionPolicy {
+        POLICIES[self.maxmemory_policy.load(Ordering::Relaxed) as usize]
+    }
+
+    pub fn set_maxmemory_policy(&self, policy: EvictionPolicy) {
+        let index = POLICIES.iter().position(|known| *known == policy).expect("every policy is listed");
+        self.maxmemory_policy.store(index as u8, Ordering::Relaxed);
+    }
+
+    pub fn maxmemory_samples(&self) -> usize {
+        self.maxmemory_samples.load(Ordering::Relaxed)
+    }
+
+    pub fn set_maxmemory_samples(&self, samples: usize) {
+        self.maxmemory_samples.store(samples, Ordering::Relaxed);
+    }
+
+    pub fn timeout(&self) -> u64 {
+        self.timeout.load(Ordering::Relaxed)
+    }
+
+    pub fn set_timeout(&self, seconds: u64) {
+        self.timeout.store(seconds, Ordering::Relaxed);
+    }
 }
 
 #[cfg(test)]

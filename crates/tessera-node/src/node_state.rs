@@ -21,7 +21,7 @@ use crate::clients::Clients;
 use crate::collection;
 use crate::config::Config;
 use crate::error::{CommandError, CommandResult};
-use crate::memory::{used_memory, AccessClock, EvictionPolicy};
+use crate::memory::{used_memory, AccessClock, EvictionPolicy, Settings};
 use crate::pubsub::PubSub;
 use crate::scripts::Scripts;
 use crate::tables::{Catalogue, Table, TableDef, TableError, TableSet};
@@ -93,6 +93,8 @@ struct ScanCursors {
 
 pub struct NodeState {
     pub config: Config,
+    /// What CONFIG SET may change while the node serves.
+    pub settings: Settings,
     catalogue: Catalogue,
     tables: RwLock<Arc<TableSet>>,
     /// Bumped on every table change, so connections know to refresh their copy.
@@ -200,6 +202,7 @@ impl NodeState {
         let acl = Acl::open(&config.dir, config.password.as_deref(), commands)?;
         let scripts = Scripts::new(config.busy_reply_threshold_ms, config.worker_threads());
         Ok(Self {
+            settings: Settings::new(&config),
             acl,
             config,
             catalogue,
@@ -417,7 +420,7 @@ impl NodeState {
 
     /// Whether the node's memory, less `uncounted_bytes`, is over `maxmemory`.
     pub fn over_maxmemory(&self, uncounted_bytes: usize) -> bool {
-        let limit = self.config.maxmemory as usize;
+        let limit = self.settings.maxmemory() as usize;
         limit != 0 && used_memory().saturating_sub(uncounted_bytes) > limit
     }
 
@@ -443,9 +446,9 @@ impl NodeState {
         if !self.over_maxmemory(uncounted_bytes) {
             return Ok(());
         }
-        let limit = self.config.maxmemory as usize;
+        let limit = self.settings.maxmemory() as usize;
         let counted = || used_memory().saturating_sub(uncounted_bytes);
-        let policy = self.config.maxmemory_policy;
+        let policy = self.settings.maxmemory_policy();
         if policy == EvictionPolicy::Noeviction {
             return Err(CommandError::OutOfMemory);
         }
@@ -488,7 +491,7 @@ impl NodeState {
         // The sample: the next live entries. A replicated shard's deleted
         // keys stay a while as tombstones, which its view skips, so a page
         // may hold fewer than asked; a few pages make up for them.
-        let samples = self.config.maxmemory_samples.max(1);
+        let samples = self.settings.maxmemory_samples().max(1);
         let mut sample = Vec::with_capacity(samples);
         let mut cursor = Some(cursor);
         for _ in 0..EVICTION_PAGES_PER_SAMPLE {

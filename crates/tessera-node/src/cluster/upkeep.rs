@@ -93,8 +93,8 @@ impl ClusterNode {
         if !node.over_maxmemory(uncounted) {
             return Ok(());
         }
-        if node.config.maxmemory_policy != EvictionPolicy::Noeviction && !self.headed_hold_their_share() {
-            uncounted += node.config.maxmemory as usize / SHARE_ALLOWANCE_DIVISOR;
+        if node.settings.maxmemory_policy() != EvictionPolicy::Noeviction && !self.headed_hold_their_share() {
+            uncounted += node.settings.maxmemory() as usize / SHARE_ALLOWANCE_DIVISOR;
         }
         node.make_room(|| self.headed_keyspaces(), uncounted)
     }

@@ -363,6 +363,7 @@ fn check_subcommand(spec: &CommandSpec, request: &Request) -> CommandResult {
     let subcommands = match spec.name {
         "script" => scripting::SUBCOMMANDS,
         "object" => keys::OBJECT_SUBCOMMANDS,
+        "config" => server::CONFIG_SUBCOMMANDS,
         _ => return Ok(()),
     };
     let name = String::from_utf8_lossy(request.arg(1)).to_ascii_lowercase();

@@ -7,7 +7,7 @@ use tessera_wire::{ReplyWriter, Request};
 
 use super::{all_commands, is, lookup, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
-use crate::memory::{human_bytes, resident_memory, used_memory};
+use crate::memory::{human_bytes, parse_size, resident_memory, used_memory, EvictionPolicy};
 use crate::tables::escape_prefix;
 use crate::REDIS_COMPATIBLE_VERSION;
 
@@ -58,7 +58,7 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
         );
     }
     if include("memory") {
-        let (used, resident, limit) = (used_memory(), resident_memory(), node.config.maxmemory);
+        let (used, resident, limit) = (used_memory(), resident_memory(), node.settings.maxmemory());
         let _ = write!(
             text,
             "# Memory\r\nused_memory:{used}\r\nused_memory_human:{}\r\nused_memory_rss:{resident}\r\n\
@@ -66,7 +66,7 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
             human_bytes(used as u64),
             human_bytes(resident),
             human_bytes(limit),
-            node.config.maxmemory_policy.name(),
+            node.settings.maxmemory_policy().name(),
         );
     }
     if include("stats") {
@@ -195,32 +195,70 @@ fn command(context: &mut Context, request: &Request) -> CommandResult {
     Ok(())
 }
 
-/// CONFIG GET answers for the parameters Redis tools ask about; settings are
-/// changed in the config file, not at run time.
+/// CONFIG's subcommands and their arities.
+pub const CONFIG_SUBCOMMANDS: &[(&str, i32)] = &[("get", -3), ("set", -4), ("rewrite", 2), ("help", 2)];
+
+/// A parameter's value as CONFIG GET shows it, and whether CONFIG SET may
+/// change it while the node serves.
+fn parameters(context: &Context) -> Vec<(&'static str, String, bool)> {
+    let (config, settings) = (&context.node.config, &context.node.settings);
+    let busy_threshold = context.node.scripts.busy_threshold_ms().to_string();
+    vec![
+        ("bind", config.bind.clone(), false),
+        ("port", config.port.to_string(), false),
+        ("dir", config.dir.display().to_string(), false),
+        ("maxclients", config.max_clients.to_string(), false),
+        ("proto-max-bulk-len", config.bulk_bytes_max.to_string(), false),
+        ("maxmemory", settings.maxmemory().to_string(), true),
+        ("maxmemory-policy", settings.maxmemory_policy().name().to_string(), true),
+        ("maxmemory-samples", settings.maxmemory_samples().to_string(), true),
+        ("timeout", settings.timeout().to_string(), true),
+        ("busy-reply-threshold", busy_threshold.clone(), true),
+        ("lua-time-limit", busy_threshold, true),
+        ("databases", "1".into(), false),
+        ("save", String::new(), false),
+        ("appendonly", "no".into(), false),
+        ("cluster-enabled", if context.cluster.is_some() { "yes" } else { "no" }.into(), false),
+    ]
+}
+
+/// Applies one CONFIG SET pair, or says what is wrong with its value.
+fn set_parameter(context: &Context, name: &str, value: &str) -> Result<(), String> {
+    let settings = &context.node.settings;
+    let integer = |min: i64, max: i64| -> Result<u64, String> {
+        let number: i64 =
+            value.parse().map_err(|_| "argument couldn't be parsed into an integer".to_string())?;
+        if !(min..=max).contains(&number) {
+            return Err(format!("argument must be between {min} and {max} inclusive"));
+        }
+        Ok(number as u64)
+    };
+    match name {
+        "maxmemory" => settings.set_maxmemory(parse_size(value).ok_or("argument must be a memory value")?),
+        "maxmemory-policy" => settings.set_maxmemory_policy(EvictionPolicy::parse(value).ok_or(
+            "argument(s) must be one of the following: volatile-lru, allkeys-lru, volatile-random, \
+             allkeys-random, volatile-ttl, noeviction",
+        )?),
+        "maxmemory-samples" => settings.set_maxmemory_samples(integer(1, i32::MAX.into())? as usize),
+        "timeout" => settings.set_timeout(integer(0, i32::MAX.into())?),
+        "busy-reply-threshold" | "lua-time-limit" => {
+            context.node.scripts.set_busy_threshold_ms(integer(0, i64::MAX)?)
+        }
+        _ => unreachable!("only parameters listed as settable come here"),
+    }
+    Ok(())
+}
+
+/// CONFIG GET answers for the parameters Redis tools ask about; CONFIG SET
+/// changes those the node can change while it serves (memory limit and
+/// policy, idle timeout, the script busy threshold), all or none of a call's.
 fn config(context: &mut Context, request: &Request) -> CommandResult {
     let subcommand = request.arg(1);
     if is(subcommand, "get") {
-        if request.len() < 3 {
-            return Err(CommandError::WrongArity("config|get".into()));
-        }
-        let config = &context.node.config;
-        let parameters = [
-            ("bind", config.bind.clone()),
-            ("port", config.port.to_string()),
-            ("dir", config.dir.display().to_string()),
-            ("maxclients", config.max_clients.to_string()),
-            ("proto-max-bulk-len", config.bulk_bytes_max.to_string()),
-            ("maxmemory", config.maxmemory.to_string()),
-            ("maxmemory-policy", config.maxmemory_policy.name().to_string()),
-            ("maxmemory-samples", config.maxmemory_samples.to_string()),
-            ("databases", "1".into()),
-            ("save", String::new()),
-            ("appendonly", "no".into()),
-            ("cluster-enabled", "no".into()),
-        ];
+        let parameters = parameters(context);
         let matched: Vec<_> = parameters
             .iter()
-            .filter(|(name, _)| {
+            .filter(|(name, _, _)| {
                 request
                     .args()
                     .skip(2)
@@ -228,19 +266,67 @@ fn config(context: &mut Context, request: &Request) -> CommandResult {
             })
             .collect();
         context.out.map(matched.len());
-        for (name, value) in matched {
+        for (name, value, _) in matched {
             context.out.bulk(name.as_bytes());
             context.out.bulk(value.as_bytes());
         }
-    } else if is(subcommand, "set") || is(subcommand, "rewrite") {
+    } else if is(subcommand, "set") {
+        if !request.len().is_multiple_of(2) {
+            return Err(CommandError::WrongArity("config|set".into()));
+        }
+        let parameters = parameters(context);
+        let failed = |name: &str, why: &str| {
+            CommandError::Other(format!("CONFIG SET failed (possibly related to argument '{name}') - {why}"))
+        };
+        let mut pairs: Vec<(&'static str, String)> = Vec::new();
+        for index in (2..request.len()).step_by(2) {
+            let asked = String::from_utf8_lossy(request.arg(index)).to_ascii_lowercase();
+            let value = String::from_utf8_lossy(request.arg(index + 1)).into_owned();
+            let Some((name, current, settable)) = parameters.iter().find(|(name, _, _)| *name == asked)
+            else {
+                return Err(CommandError::Other(format!(
+                    "Unknown option or number of arguments for CONFIG SET - '{asked}'"
+                )));
+            };
+            if pairs.iter().any(|(seen, _)| seen == name) {
+                return Err(failed(name, "duplicate parameter"));
+            }
+            // A fixed parameter may be "set" to what it is (tools do so).
+            if !settable && *current != value {
+                return Err(failed(name, "can't set immutable config"));
+            }
+            if *settable {
+                pairs.push((name, value));
+            }
+        }
+        // Every value is checked before any is applied.
+        let saved: Vec<(&str, String)> = pairs
+            .iter()
+            .map(|(name, _)| (*name, parameters.iter().find(|p| p.0 == *name).expect("listed").1.clone()))
+            .collect();
+        for (name, value) in &pairs {
+            if let Err(why) = set_parameter(context, name, value) {
+                for (name, value) in &saved {
+                    set_parameter(context, name, value).expect("a value it had is valid");
+                }
+                return Err(failed(name, &why));
+            }
+        }
+        context.out.ok();
+    } else if is(subcommand, "rewrite") {
         return Err(CommandError::Other(
-            "CONFIG SET and REWRITE are not supported: edit the config file and restart".into(),
+            "CONFIG REWRITE is not supported: settings live in the config file given at start".into(),
         ));
     } else {
-        return Err(CommandError::UnknownSubcommand(
-            String::from_utf8_lossy(subcommand).into_owned(),
-            "CONFIG".into(),
-        ));
+        let lines = [
+            "CONFIG <subcommand>, where <subcommand> is one of:",
+            "GET <pattern> [<pattern> ...] -- the parameters matching the patterns, with their values",
+            "SET <parameter> <value> [<parameter> <value> ...] -- change maxmemory, maxmemory-policy,",
+            "    maxmemory-samples, timeout or busy-reply-threshold (lua-time-limit) while serving",
+            "HELP -- this text",
+        ];
+        context.out.array(lines.len());
+        lines.iter().for_each(|line| context.out.simple(line));
     }
     Ok(())
 }
