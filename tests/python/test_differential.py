@@ -43,7 +43,8 @@ COMMANDS_PER_SEQUENCE = 250
 
 KEYS = ["a", "b", "c", "{t}x", "{t}y"]
 FIELDS = ["f1", "f2", "f3", "field-4", ""]
-VALUES = ["", "0", "1", "-7", "12", "9223372036854775807", "-9223372036854775808", "3.5", "abc", "x" * 40]
+VALUES = ["", "0", "1", "-7", "12", "9223372036854775807", "-9223372036854775808", "3.5", "abc", "x" * 40,
+          "ohmytext", "mynewtext"]
 
 
 def integer(rng):
@@ -91,6 +92,8 @@ def strings(rng, key):
         ["BITPOS", key, rng.choice([0, 1, 2]), *rng.choice([[], [0], [1], [-1], [0, -1], [2, 1], [-10, -20],
                                                           [0, -1, "BIT"], [3, 20, "BIT"], [0, 0, "BYTE"],
                                                           [0, 1, "BAD"], ["x"]])],
+        ["LCS", key, rng.choice(KEYS), *rng.choice([[], ["LEN"], ["IDX"], ["IDX", "WITHMATCHLEN"], ["LEN", "IDX"],
+                                                   ["IDX", "MINMATCHLEN", rng.choice([0, 2, -1, "x"])], ["BAD"]])],
     ])
 
 

@@ -28,6 +28,7 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "strlen", arity: 2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: strlen },
     CommandSpec { name: "getex", arity: -2, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: getex },
     CommandSpec { name: "getrange", arity: 4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: getrange },
+    CommandSpec { name: "lcs", arity: -3, flags: &["readonly"], first_key: 1, last_key: 2, step: 1, scope: Scope::Keys, handler: lcs },
     CommandSpec { name: "substr", arity: 4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: getrange },
     CommandSpec { name: "setrange", arity: 4, flags: &["write", "denyoom"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: setrange },
     CommandSpec { name: "msetnx", arity: -3, flags: &["write", "denyoom"], first_key: 1, last_key: -1, step: 2, scope: Scope::Keys, handler: msetnx },
@@ -389,6 +390,135 @@ fn getrange(context: &mut Context, request: &Request) -> CommandResult {
         Some((start, end)) => context.out.bulk(&value[start as usize..=end as usize]),
         None => context.out.bulk(b""),
     }
+    Ok(())
+}
+
+/// LCS: the longest common subsequence of two strings, its length, or
+/// where its runs lie in each (IDX), as Redis answers. The table it is
+/// computed over is (len1 + 1) × (len2 + 1) counters, bounded, as in Redis,
+/// by proto-max-bulk-len.
+fn lcs(context: &mut Context, request: &Request) -> CommandResult {
+    let read = |key: &[u8]| -> CommandResult<Bytes> {
+        let stored =
+            read_kind(context.engine(key), key, Kind::String, context.now_ms).map_err(
+                |error| match error {
+                    CommandError::WrongType => {
+                        CommandError::Other("The specified keys must contain string values".into())
+                    }
+                    other => other,
+                },
+            )?;
+        Ok(stored.map(|stored| stored.payload).unwrap_or_default())
+    };
+    let (a, b) = (read(request.arg(1))?, read(request.arg(2))?);
+    let (mut length_only, mut indexes, mut min_match, mut with_match_length) = (false, false, 0u64, false);
+    let mut index = 3;
+    while index < request.len() {
+        let option = request.arg(index);
+        if is(option, "len") {
+            length_only = true;
+        } else if is(option, "idx") {
+            indexes = true;
+        } else if is(option, "withmatchlen") {
+            with_match_length = true;
+        } else if is(option, "minmatchlen") && index + 1 < request.len() {
+            min_match = integer_arg(request, index + 1)?.max(0) as u64;
+            index += 1;
+        } else {
+            return Err(CommandError::Syntax);
+        }
+        index += 1;
+    }
+    if length_only && indexes {
+        return Err(CommandError::Other(
+            "If you want both the length and indexes, please just use IDX.".into(),
+        ));
+    }
+    let cells = (a.len() as u128 + 1) * (b.len() as u128 + 1);
+    if cells * 4 > context.bulk_bytes_max() as u128 {
+        return Err(CommandError::Other(
+            "Insufficient memory, transient memory for LCS exceeds proto-max-bulk-len".into(),
+        ));
+    }
+    // table[i * width + j]: the LCS length of a[..i] and b[..j].
+    let width = b.len() + 1;
+    let mut table = vec![0u32; cells as usize];
+    for i in 1..=a.len() {
+        for j in 1..=b.len() {
+            table[i * width + j] = if a[i - 1] == b[j - 1] {
+                table[(i - 1) * width + j - 1] + 1
+            } else {
+                table[(i - 1) * width + j].max(table[i * width + j - 1])
+            };
+        }
+    }
+    let total = table[a.len() * width + b.len()] as usize;
+    if length_only {
+        context.out.integer(total as i64);
+        return Ok(());
+    }
+    // Walk back from the end: the subsequence, and its runs in both strings.
+    let mut common = vec![0u8; total];
+    let mut runs: Vec<((usize, usize), (usize, usize))> = Vec::new();
+    let (mut i, mut j, mut filled) = (a.len(), b.len(), total);
+    let mut open: Option<((usize, usize), (usize, usize))> = None;
+    while i > 0 && j > 0 {
+        let close;
+        if a[i - 1] == b[j - 1] {
+            filled -= 1;
+            common[filled] = a[i - 1];
+            open = Some(match open {
+                // A run grows backwards while both sides stay contiguous.
+                Some(((a_start, a_end), (b_start, b_end))) if a_start == i && b_start == j => {
+                    ((a_start - 1, a_end), (b_start - 1, b_end))
+                }
+                _ => ((i - 1, i - 1), (j - 1, j - 1)),
+            });
+            let ((a_start, _), (b_start, _)) = open.expect("set above");
+            close = a_start == 0 || b_start == 0;
+            i -= 1;
+            j -= 1;
+        } else {
+            if table[(i - 1) * width + j] > table[i * width + j - 1] {
+                i -= 1;
+            } else {
+                j -= 1;
+            }
+            close = open.is_some();
+        }
+        if close {
+            if let Some(run) = open.take() {
+                if (run.0 .1 - run.0 .0 + 1) as u64 >= min_match {
+                    runs.push(run);
+                }
+            }
+        }
+    }
+    if !indexes {
+        context.out.bulk(&common);
+        return Ok(());
+    }
+    let resp3 = context.out.protocol() == tessera_wire::Protocol::Resp3;
+    if resp3 {
+        context.out.map(2);
+    } else {
+        context.out.array(4);
+    }
+    context.out.bulk(b"matches");
+    context.out.array(runs.len());
+    for ((a_start, a_end), (b_start, b_end)) in runs {
+        context.out.array(if with_match_length { 3 } else { 2 });
+        for (start, end) in [(a_start, a_end), (b_start, b_end)] {
+            context.out.array(2);
+            context.out.integer(start as i64);
+            context.out.integer(end as i64);
+        }
+        if with_match_length {
+            context.out.integer((a_end - a_start + 1) as i64);
+        }
+    }
+    context.out.bulk(b"len");
+    context.out.integer(total as i64);
     Ok(())
 }
 
