@@ -92,6 +92,7 @@ def strings(rng, key):
         ["BITPOS", key, rng.choice([0, 1, 2]), *rng.choice([[], [0], [1], [-1], [0, -1], [2, 1], [-10, -20],
                                                           [0, -1, "BIT"], [3, 20, "BIT"], [0, 0, "BYTE"],
                                                           [0, 1, "BAD"], ["x"]])],
+        ["BITOP", rng.choice(["AND", "OR", "XOR", "NOT", "NAND"]), key, *rng.sample(KEYS, rng.randint(1, 3))],
         ["LCS", key, rng.choice(KEYS), *rng.choice([[], ["LEN"], ["IDX"], ["IDX", "WITHMATCHLEN"], ["LEN", "IDX"],
                                                    ["IDX", "MINMATCHLEN", rng.choice([0, 2, -1, "x"])], ["BAD"]])],
     ])

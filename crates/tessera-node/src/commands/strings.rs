@@ -29,6 +29,7 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "getex", arity: -2, flags: &["write", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: getex },
     CommandSpec { name: "getrange", arity: 4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: getrange },
     CommandSpec { name: "lcs", arity: -3, flags: &["readonly"], first_key: 1, last_key: 2, step: 1, scope: Scope::Keys, handler: lcs },
+    CommandSpec { name: "bitop", arity: -4, flags: &["write", "denyoom"], first_key: 2, last_key: -1, step: 1, scope: Scope::Keys, handler: bitop },
     CommandSpec { name: "substr", arity: 4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: getrange },
     CommandSpec { name: "setrange", arity: 4, flags: &["write", "denyoom"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: setrange },
     CommandSpec { name: "msetnx", arity: -3, flags: &["write", "denyoom"], first_key: 1, last_key: -1, step: 2, scope: Scope::Keys, handler: msetnx },
@@ -519,6 +520,52 @@ fn lcs(context: &mut Context, request: &Request) -> CommandResult {
     }
     context.out.bulk(b"len");
     context.out.integer(total as i64);
+    Ok(())
+}
+
+/// BITOP AND|OR|XOR|NOT: the sources combined byte by byte (a shorter or
+/// missing one read as zeros) into the destination, replaced whole (deleted
+/// when the result is empty); answers the result's length.
+fn bitop(context: &mut Context, request: &Request) -> CommandResult {
+    let operation = request.arg(1);
+    let not = is(operation, "not");
+    let combine: fn(u8, u8) -> u8 = if is(operation, "and") {
+        |a, b| a & b
+    } else if is(operation, "or") {
+        |a, b| a | b
+    } else if is(operation, "xor") {
+        |a, b| a ^ b
+    } else if not {
+        if request.len() != 4 {
+            return Err(CommandError::Other("BITOP NOT must be called with a single source key.".into()));
+        }
+        |a, _| a // one source: nothing to combine
+    } else {
+        return Err(CommandError::Syntax);
+    };
+    let destination = request.arg(2);
+    let _locks = context.lock_keys(request.args().skip(2))?;
+    let mut sources = Vec::with_capacity(request.len() - 3);
+    for key in request.args().skip(3) {
+        let stored = read_kind(context.engine(key), key, Kind::String, context.now_ms)?;
+        sources.push(stored.map(|stored| stored.payload).unwrap_or_default());
+    }
+    let length = sources.iter().map(Bytes::len).max().unwrap_or(0);
+    let byte_of = |source: &Bytes, index: usize| source.get(index).copied().unwrap_or(0);
+    let result: Vec<u8> = (0..length)
+        .map(|index| {
+            let first = byte_of(&sources[0], index);
+            let first = if not { !first } else { first };
+            sources[1..].iter().fold(first, |result, source| combine(result, byte_of(source, index)))
+        })
+        .collect();
+    let engine = context.engine(destination);
+    if result.is_empty() {
+        engine.delete(destination)?;
+    } else {
+        write(engine, destination, Kind::String, None, &result, usize::MAX)?;
+    }
+    context.out.integer(result.len() as i64);
     Ok(())
 }
 
