@@ -1,6 +1,6 @@
 """Differential testing against a real Redis: seeded random sequences of the
-commands Tessera serves (strings, keys, hashes, sorted sets, lists, sets, and
-transactions around them, mixed on a few
+commands Tessera serves (strings, keys, hashes, sorted sets, lists, sets,
+scripts, and transactions around them, mixed on a few
 keys so that types collide) go to a Tessera node and to Debian's
 redis-server, and every reply and the final state must be the same,
 errors included (wrong type, wrong arity, syntax, not an integer).
