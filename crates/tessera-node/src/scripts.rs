@@ -3,7 +3,7 @@
 //! run on. The Lua side and the commands are in `commands::scripting`.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,15 +21,13 @@ const LOADED_SCRIPTS_MAX: usize = 100_000;
 /// A script thread with nothing to run for this long ends.
 const IDLE_THREAD_LINGER: Duration = Duration::from_secs(30);
 
-/// What a script's `#!lua flags=…` line allows.
+/// What a script's `#!lua flags=…` line allows. A script without one has
+/// every flag off and may write. `allow-oom` and `allow-stale` are accepted
+/// and change nothing: Tessera refuses no script as a whole for memory or
+/// staleness.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ScriptFlags {
-    /// The script had a shebang line (Redis 7's scripts): without one every
-    /// flag is off and writes are allowed.
-    pub shebang: bool,
     pub no_writes: bool,
-    pub allow_oom: bool,
-    pub allow_stale: bool,
     pub no_cluster: bool,
     pub allow_cross_slot_keys: bool,
 }
@@ -47,7 +45,7 @@ impl ScriptFlags {
         if parts.next() != Some("lua") {
             return Err(CommandError::Other(format!("Unexpected engine in script shebang: {line}")));
         }
-        let mut flags = Self { shebang: true, ..Self::default() };
+        let mut flags = Self::default();
         for part in parts {
             let Some(list) = part.strip_prefix("flags=") else {
                 return Err(CommandError::Other(format!("Unknown lua shebang option: {part}")));
@@ -55,8 +53,7 @@ impl ScriptFlags {
             for flag in list.split(',').filter(|flag| !flag.is_empty()) {
                 match flag {
                     "no-writes" => flags.no_writes = true,
-                    "allow-oom" => flags.allow_oom = true,
-                    "allow-stale" => flags.allow_stale = true,
+                    "allow-oom" | "allow-stale" => {}
                     "no-cluster" => flags.no_cluster = true,
                     "allow-cross-slot-keys" => flags.allow_cross_slot_keys = true,
                     other => {
@@ -105,7 +102,8 @@ struct Cache {
 /// A script running now.
 #[derive(Debug)]
 pub struct Running {
-    started: Instant,
+    /// Milliseconds since the registry's epoch.
+    started_ms: u64,
     wrote: AtomicBool,
     killed: AtomicBool,
 }
@@ -131,7 +129,7 @@ impl Drop for RunningGuard<'_> {
     fn drop(&mut self) {
         let mut running = self.scripts.running.lock();
         running.retain(|other| !Arc::ptr_eq(other, &self.running));
-        self.scripts.running_count.store(running.len(), Ordering::Release);
+        self.scripts.note_oldest(&running);
     }
 }
 
@@ -149,8 +147,11 @@ pub struct Scripts {
     /// Moves on SCRIPT FLUSH: Lua states drop the functions they compiled.
     generation: AtomicU64,
     running: Mutex<Vec<Arc<Running>>>,
-    /// `running.len()`, read without the lock by every command's BUSY check.
-    running_count: AtomicUsize,
+    /// When the oldest running script started (ms since `epoch`; u64::MAX:
+    /// none runs), kept with `running` and read without its lock by every
+    /// command's BUSY check.
+    oldest_started_ms: AtomicU64,
+    epoch: Instant,
     busy_threshold_ms: AtomicU64,
     pool: Arc<Pool>,
 }
@@ -161,7 +162,8 @@ impl Scripts {
             cache: RwLock::new(Cache::default()),
             generation: AtomicU64::new(0),
             running: Mutex::new(Vec::new()),
-            running_count: AtomicUsize::new(0),
+            oldest_started_ms: AtomicU64::new(u64::MAX),
+            epoch: Instant::now(),
             busy_threshold_ms: AtomicU64::new(busy_threshold_ms),
             pool: Arc::new(Pool::new(threads.max(1))),
         }
@@ -226,27 +228,35 @@ impl Scripts {
         self.len() == 0
     }
 
+    fn elapsed_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
     /// Enters a script into the registry of running ones.
     pub fn start(&self) -> RunningGuard<'_> {
         let running = Arc::new(Running {
-            started: Instant::now(),
+            started_ms: self.elapsed_ms(),
             wrote: AtomicBool::new(false),
             killed: AtomicBool::new(false),
         });
         let mut all = self.running.lock();
         all.push(running.clone());
-        self.running_count.store(all.len(), Ordering::Release);
+        self.note_oldest(&all);
         RunningGuard { scripts: self, running }
     }
 
+    /// Records when the oldest of `running` (the registry, locked) started.
+    fn note_oldest(&self, running: &[Arc<Running>]) {
+        let oldest = running.iter().map(|script| script.started_ms).min().unwrap_or(u64::MAX);
+        self.oldest_started_ms.store(oldest, Ordering::Release);
+    }
+
     /// Whether a script has run past the busy threshold: other commands
-    /// answer BUSY meanwhile. One atomic load while no script runs.
+    /// answer BUSY meanwhile. Two atomic loads, whether scripts run or not.
     pub fn busy(&self) -> bool {
-        if self.running_count.load(Ordering::Acquire) == 0 {
-            return false;
-        }
-        let threshold = Duration::from_millis(self.busy_threshold_ms.load(Ordering::Relaxed));
-        self.running.lock().iter().any(|running| running.started.elapsed() >= threshold)
+        let oldest = self.oldest_started_ms.load(Ordering::Acquire);
+        oldest != u64::MAX
+            && self.elapsed_ms().saturating_sub(oldest) >= self.busy_threshold_ms.load(Ordering::Relaxed)
     }
 
     pub fn busy_threshold_ms(&self) -> u64 {
@@ -362,7 +372,7 @@ mod tests {
     #[test]
     fn shebang_flags_are_read_and_checked() {
         let (flags, start) = ScriptFlags::parse(b"#!lua flags=no-writes,allow-oom\nreturn 1").unwrap();
-        assert!(flags.shebang && flags.no_writes && flags.allow_oom && !flags.no_cluster);
+        assert!(flags.no_writes && !flags.no_cluster && !flags.allow_cross_slot_keys);
         assert_eq!(start, 31);
         assert_eq!(ScriptFlags::parse(b"return 1").unwrap(), (ScriptFlags::default(), 0));
         assert!(ScriptFlags::parse(b"#!python\n").is_err());
