@@ -25,6 +25,7 @@ CASES = [
     ("return {ok='x', err='y'}", [], []),
     ("return {1, 2, {3, 'a'}, nil, 5}", [], []),
     ("return {1, {err='inner'}, 3}", [], []),
+    ("return {1, {err='ERR reached lua stack limit'}}", [], []),
     ("return 3.99", [], []),
     ("return -3.7", [], []),
     ("return 1e30", [], []),
@@ -117,6 +118,15 @@ def test_scripts_answer_as_on_redis(both):
     for client in (ours, theirs):
         assert client.execute_command("KEYS", "*") is not None
     assert sorted(ours.execute_command("KEYS", "*")) == sorted(theirs.execute_command("KEYS", "*"))
+
+
+def test_a_reply_nested_past_the_limit_is_one_error(node):
+    """Redis answers a table that holds itself with thousands of nested
+    arrays around the error; Tessera answers the error alone."""
+    client = node.client()
+    with pytest.raises(redis.ResponseError, match="^reached lua stack limit$"):
+        client.eval("local t = {} t[1] = t return t", 0)
+    client.close()
 
 
 def test_the_script_cache_matches_redis(both):

@@ -16,7 +16,7 @@ use super::forward::Forwarder;
 use super::placement::Placement;
 use super::ClusterNode;
 use crate::commands::consistency::{level_got, parse_level, wrapped_read};
-use crate::commands::scripting::{self, is_script, Call, KeyRule, ScriptOutcome};
+use crate::commands::scripting::{self, is_script, Call, ScriptOutcome};
 use crate::commands::transactions;
 use crate::commands::{
     admit, dispatch, dispatch_admitted, is, lookup, refuse_if_busy, CommandSpec, Context, Scope,
@@ -387,14 +387,7 @@ async fn serve_keyed(
                 dispatch_admitted(&mut context.over(&touching, strong), spec, request);
                 let writes = view.take();
                 if write && !writes.is_empty() {
-                    let operations = writes
-                        .into_iter()
-                        .map(|(key, write)| match write {
-                            Write::Put(value) => Operation::Put { key, value },
-                            Write::Delete => Operation::Delete { key },
-                        })
-                        .collect();
-                    waits.push(cluster.agent.begin_batch(shard, keys(), operations));
+                    waits.push(cluster.agent.begin_batch(shard, keys(), operations(writes)));
                 } else if !writes.is_empty() {
                     tracing::error!(
                         command = spec.name,
@@ -430,55 +423,36 @@ fn run_script_on_shard(
     run: ShardRun,
 ) -> Result<(), CommandError> {
     let by_sha = spec.name.starts_with("evalsha");
-    let call = Call::parse(context.node, request, by_sha, spec.name.ends_with("_ro"))?;
-    if call.script.flags.no_cluster {
-        return Err(CommandError::Other("Can not run script on cluster, 'no-cluster' flag is set.".into()));
-    }
-    let rule = KeyRule::slot(&run.keys, call.script.flags.allow_cross_slot_keys);
-    let (sender, receiver) = tokio::sync::oneshot::channel();
-    let node = context.node.clone();
-    let tables = context.tables.clone();
-    let stats = context.stats.clone();
-    let membership = context.cluster.cloned().expect("a cluster node has its membership");
-    let mut session = context.session.for_script();
-    let protocol = context.out.protocol();
-    let now_ms = context.now_ms;
-    context.node.scripts.spawn(move || {
+    let call = Call::parse(context, request, by_sha, spec.name.ends_with("_ro"))?;
+    scripting::spawn(context, move |mut detached| {
         let ShardRun { shard, engine, barrier, keys } = run;
-        let agent = membership.agent.clone();
-        let _locks = node.lock_keys(keys.iter().map(|key| &key[..]));
+        let node = detached.node.clone();
+        let agent = detached.cluster.as_ref().expect("a cluster node has its membership").agent.clone();
+        let keys = || keys.iter().map(|key| &key[..]);
+        let _locks = node.lock_keys(keys());
         let mut waits: Vec<Completion> = barrier.into_iter().collect();
-        waits.extend(agent.in_flight(shard, keys.iter().map(|key| &key[..])));
+        waits.extend(agent.in_flight(shard, keys()));
         let touching = Touching::new(Arc::new(CapturingView::new(engine)), node.versions.clone());
-        let mut out = ReplyWriter::new(protocol);
-        let mut context = Context {
-            node: &node,
-            tables: &tables,
-            session: &mut session,
-            out: &mut out,
-            stats: &stats,
-            cluster: Some(&membership),
-            now_ms,
-            engine_override: Some(&touching),
-            locks_held: true,
-        };
-        scripting::answer_run(&mut context, &call, rule);
+        let reply = detached.run(Some(&touching), true, |context| scripting::answer_run(context, &call));
         let writes = touching.inner().take();
         if !writes.is_empty() {
-            let operations = writes
-                .into_iter()
-                .map(|(key, write)| match write {
-                    Write::Put(value) => Operation::Put { key, value },
-                    Write::Delete => Operation::Delete { key },
-                })
-                .collect();
-            waits.push(agent.begin_batch(shard, keys.iter().map(|key| &key[..]), operations));
+            waits.push(agent.begin_batch(shard, keys(), operations(writes)));
         }
         waits.retain(|wait| !wait.succeeded());
-        let _ = sender.send(ScriptOutcome { reply: out.as_bytes().to_vec(), waits });
+        ScriptOutcome { reply, waits }
     });
-    context.session.script = Some(receiver);
     Ok(())
+}
+
+/// A command's captured writes as the operations replication carries.
+fn operations(writes: Vec<(Bytes, Write)>) -> Vec<Operation> {
+    writes
+        .into_iter()
+        .map(|(key, write)| match write {
+            Write::Put(value) => Operation::Put { key, value },
+            Write::Delete => Operation::Delete { key },
+        })
+        .collect()
 }
 
 /// EVALSHA as the EVAL of the script this node knows, for a node that may

@@ -18,6 +18,7 @@ use bytes::Bytes;
 use mlua::{Function, HookTriggers, Lua, LuaOptions, MultiValue, StdLib, Table, Value, VmState};
 use parking_lot::MutexGuard;
 use tessera_cluster::agent::Completion;
+use tessera_engine::Engine;
 use tessera_wire::slot::key_slot;
 use tessera_wire::{parse_value, Protocol, ReplyWriter, Request, Value as Reply};
 use tokio::sync::oneshot;
@@ -25,8 +26,10 @@ use tokio::sync::oneshot;
 use super::{admit, answer, execute, lookup, CommandSpec, Context, Scope, Session};
 use crate::error::{CommandError, CommandResult};
 use crate::lua_libs;
-use crate::node_state::NodeState;
+use crate::membership::Membership;
+use crate::node_state::{NodeState, WorkerStats};
 use crate::scripts::{Kill, Running, Script};
+use crate::tables::TableSet;
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
@@ -88,11 +91,14 @@ pub struct Call {
     pub keys: Vec<Bytes>,
     pub args: Vec<Bytes>,
     pub read_only: bool,
+    /// Which keys its commands may name.
+    rule: KeyRule,
 }
 
 impl Call {
     /// Parses EVAL's arguments and finds (EVAL: compiles and caches) the script.
-    pub fn parse(node: &NodeState, request: &Request, by_sha: bool, read_only: bool) -> CommandResult<Self> {
+    pub fn parse(context: &Context, request: &Request, by_sha: bool, read_only: bool) -> CommandResult<Self> {
+        let node = context.node;
         if by_sha && request.arg(1).len() != 40 {
             return Err(CommandError::NoScript); // before the count, as in Redis
         }
@@ -115,7 +121,22 @@ impl Call {
         let keys = args[..count as usize].to_vec();
         let args = args[count as usize..].to_vec();
         let read_only = read_only || script.flags.no_writes;
-        Ok(Self { script, keys, args, read_only })
+        let cluster = context.cluster.is_some();
+        if cluster && script.flags.no_cluster {
+            return Err(CommandError::Other(
+                "Can not run script on cluster, 'no-cluster' flag is set.".into(),
+            ));
+        }
+        // In a cluster a script with keys runs on their slot's shard; one
+        // without runs on no shard.
+        let rule = match keys.first() {
+            _ if !cluster => KeyRule::Any,
+            Some(key) => {
+                KeyRule::Slot { slot: key_slot(key), cross_slot: script.flags.allow_cross_slot_keys }
+            }
+            None => KeyRule::None,
+        };
+        Ok(Self { script, keys, args, read_only, rule })
     }
 }
 
@@ -138,52 +159,82 @@ fn compile(lua: &Lua, lua_code: &[u8]) -> CommandResult<Function> {
 }
 
 fn start(context: &mut Context, request: &Request, by_sha: bool, read_only: bool) -> CommandResult {
-    let call = Call::parse(context.node, request, by_sha, read_only)?;
-    if call.script.flags.no_cluster && context.cluster.is_some() {
-        return Err(CommandError::Other("Can not run script on cluster, 'no-cluster' flag is set.".into()));
-    }
+    let call = Call::parse(context, request, by_sha, read_only)?;
     if context.locks_held || context.engine_override.is_some() {
         // Inside EXEC, or on a view only this call may use: here and now.
-        let rule = KeyRule::of(context, &call.keys);
-        return run(context, &call, rule);
+        return run(context, &call);
     }
-    let (sender, receiver) = oneshot::channel();
-    let node = context.node.clone();
-    let tables = context.tables.clone();
-    let stats = context.stats.clone();
-    let cluster = context.cluster.cloned();
-    let mut session = context.session.for_script();
-    let protocol = context.out.protocol();
-    let now_ms = context.now_ms;
-    let rule = KeyRule::of(context, &call.keys);
-    context.node.scripts.spawn(move || {
-        let mut out = ReplyWriter::new(protocol);
-        let mut context = Context {
-            node: &node,
-            tables: &tables,
-            session: &mut session,
-            out: &mut out,
-            stats: &stats,
-            cluster: cluster.as_ref(),
-            now_ms,
-            engine_override: None,
-            locks_held: false,
-        };
-        answer_run(&mut context, &call, rule);
-        let _ = sender.send(ScriptOutcome { reply: out.as_bytes().to_vec(), waits: Vec::new() });
+    spawn(context, move |mut detached| ScriptOutcome {
+        reply: detached.run(None, false, |context| answer_run(context, &call)),
+        waits: Vec::new(),
     });
-    context.session.script = Some(receiver);
     Ok(())
 }
 
 /// Runs a script and writes its reply or its error.
-pub fn answer_run(context: &mut Context, call: &Call, rule: KeyRule) {
-    answer(context, |context| run(context, call, rule));
+pub fn answer_run(context: &mut Context, call: &Call) {
+    answer(context, |context| run(context, call));
+}
+
+/// What a script thread takes of the client's context: its own copies.
+pub struct Detached {
+    pub node: Arc<NodeState>,
+    tables: Arc<TableSet>,
+    stats: Arc<WorkerStats>,
+    pub cluster: Option<Membership>,
+    session: Session,
+    protocol: Protocol,
+    now_ms: u64,
+}
+
+impl Detached {
+    /// Runs `work` over a context whose engine is `engine_override` (with
+    /// the keys' locks held by the caller when `locks_held`); returns the
+    /// reply it wrote.
+    pub fn run(
+        &mut self,
+        engine_override: Option<&dyn Engine>,
+        locks_held: bool,
+        work: impl FnOnce(&mut Context),
+    ) -> Vec<u8> {
+        let mut out = ReplyWriter::new(self.protocol);
+        work(&mut Context {
+            node: &self.node,
+            tables: &self.tables,
+            session: &mut self.session,
+            out: &mut out,
+            stats: &self.stats,
+            cluster: self.cluster.as_ref(),
+            now_ms: self.now_ms,
+            engine_override,
+            locks_held,
+        });
+        out.as_bytes().to_vec()
+    }
+}
+
+/// Runs `job` on a script thread over a copy of the client's context; the
+/// connection waits for what it answers (`Session::script`).
+pub fn spawn(context: &mut Context, job: impl FnOnce(Detached) -> ScriptOutcome + Send + 'static) {
+    let detached = Detached {
+        node: context.node.clone(),
+        tables: context.tables.clone(),
+        stats: context.stats.clone(),
+        cluster: context.cluster.cloned(),
+        session: context.session.for_script(),
+        protocol: context.out.protocol(),
+        now_ms: context.now_ms,
+    };
+    let (sender, receiver) = oneshot::channel();
+    context.node.scripts.spawn(move || {
+        let _ = sender.send(job(detached));
+    });
+    context.session.script = Some(receiver);
 }
 
 /// Which keys a script's commands may name.
 #[derive(Clone, Copy, Debug)]
-pub enum KeyRule {
+enum KeyRule {
     /// A node by itself: any key.
     Any,
     /// A cluster node, running on the shard of the declared keys' slot.
@@ -193,24 +244,6 @@ pub enum KeyRule {
 }
 
 impl KeyRule {
-    fn of(context: &Context, keys: &[Bytes]) -> Self {
-        match (context.cluster.is_some(), keys.first()) {
-            (false, _) => KeyRule::Any,
-            (true, Some(key)) if context.engine_override.is_some() => {
-                KeyRule::Slot { slot: key_slot(key), cross_slot: false }
-            }
-            (true, _) => KeyRule::None,
-        }
-    }
-
-    /// A cluster node serving a script whose declared keys are in `slot`.
-    pub fn slot(keys: &[Bytes], cross_slot: bool) -> Self {
-        match keys.first() {
-            Some(key) => KeyRule::Slot { slot: key_slot(key), cross_slot },
-            None => KeyRule::None,
-        }
-    }
-
     fn check(self, key: &[u8]) -> Result<(), String> {
         match self {
             KeyRule::Any => Ok(()),
@@ -279,19 +312,18 @@ struct ScriptState<'c, 'a> {
 }
 
 /// Runs a script and writes its reply to `context.out`.
-pub fn run(context: &mut Context, call: &Call, rule: KeyRule) -> CommandResult {
+pub fn run(context: &mut Context, call: &Call) -> CommandResult {
     let node = context.node;
     let guard = node.scripts.start();
     let locks = ScriptLocks::new(node, &call.keys, context.locks_held);
     let running = guard.running.clone();
-    let protocol = context.out.protocol();
     let reply = with_vm(node, |vm| {
         let function = vm.function(&call.script)?;
         vm.lua.set_app_data(running.clone());
         let state = RefCell::new(ScriptState {
             context: &mut *context,
             locks,
-            rule,
+            rule: call.rule,
             read_only: call.read_only,
             running: running.clone(),
             resp3: false,
@@ -339,14 +371,13 @@ pub fn run(context: &mut Context, call: &Call, rule: KeyRule) -> CommandResult {
         let outcome =
             outcome.map_err(|error| CommandError::Other(format!("Error running script: {error}")))?;
         match outcome {
-            Ok(reply) => Ok(reply),
+            Ok(Some(reply)) => Ok(reply),
+            Ok(None) => Err(CommandError::Other("reached lua stack limit".into())),
             Err(error) => Err(script_error(&error, &call.script.sha, &running)),
         }
     })?;
     drop(guard);
-    let mut out = ReplyWriter::new(protocol);
-    write_reply(&mut out, &reply);
-    context.out.raw(out.as_bytes());
+    write_value(context.out, &reply);
     Ok(())
 }
 
@@ -520,12 +551,14 @@ fn reply_to_lua(lua: &Lua, reply: Reply, resp3: bool) -> mlua::Result<Value> {
 
 /// A script's result as a reply (Redis's conversion). Tables become
 /// arrays up to their first nil; `err`, `ok` and, after setresp(3),
-/// `map`, `set`, `double` and `big_number` tables their types.
-fn lua_to_reply(value: &Value, resp3: bool, depth: usize) -> Reply {
+/// `map`, `set`, `double` and `big_number` tables their types. None: nested
+/// deeper than a reply may be (a table that holds itself, say).
+fn lua_to_reply(value: &Value, resp3: bool, depth: usize) -> Option<Reply> {
     if depth > REPLY_DEPTH_MAX {
-        return Reply::Error("ERR reached lua stack limit".into());
+        return None;
     }
-    match value {
+    let nested = |value: &Value| lua_to_reply(value, resp3, depth + 1);
+    Some(match value {
         Value::String(text) => Reply::Bulk(Bytes::copy_from_slice(&text.as_bytes())),
         Value::Integer(number) => Reply::Integer(*number),
         // C's conversion on x86-64: out of range (and NaN) is i64::MIN.
@@ -537,67 +570,45 @@ fn lua_to_reply(value: &Value, resp3: bool, depth: usize) -> Reply {
         Value::Boolean(false) if resp3 => Reply::Boolean(false),
         Value::Table(table) => {
             let field = |name: &str| table.raw_get::<Value>(name).unwrap_or(Value::Nil);
-            if let Value::String(text) = field("err") {
-                return Reply::Error(text.to_string_lossy());
-            }
-            if let Value::String(text) = field("ok") {
-                return Reply::Simple(text.to_string_lossy());
-            }
-            if let Value::Number(number) = field("double") {
-                return Reply::Double(number);
-            }
-            if let Value::Integer(number) = field("double") {
-                return Reply::Double(number as f64);
-            }
-            if let Value::String(text) = field("big_number") {
-                return Reply::BigNumber(text.to_string_lossy());
-            }
-            if let Value::Table(map) = field("map") {
-                let pairs = map
-                    .pairs::<Value, Value>()
-                    .filter_map(Result::ok)
-                    .map(|(key, value)| {
-                        (lua_to_reply(&key, resp3, depth + 1), lua_to_reply(&value, resp3, depth + 1))
-                    })
-                    .collect();
-                return Reply::Map(pairs);
-            }
-            if let Value::Table(set) = field("set") {
-                let members = set
-                    .pairs::<Value, Value>()
-                    .filter_map(Result::ok)
-                    .map(|(member, _)| lua_to_reply(&member, resp3, depth + 1))
-                    .collect();
-                return Reply::Set(members);
-            }
-            let mut items = Vec::new();
-            for index in 1.. {
-                match table.raw_get::<Value>(index) {
-                    Ok(Value::Nil) | Err(_) => break,
-                    Ok(item) => items.push(lua_to_reply(&item, resp3, depth + 1)),
+            match (
+                field("err"),
+                field("ok"),
+                field("double"),
+                field("big_number"),
+                field("map"),
+                field("set"),
+            ) {
+                (Value::String(text), ..) => Reply::Error(text.to_string_lossy()),
+                (_, Value::String(text), ..) => Reply::Simple(text.to_string_lossy()),
+                (_, _, Value::Number(number), ..) => Reply::Double(number),
+                (_, _, Value::Integer(number), ..) => Reply::Double(number as f64),
+                (_, _, _, Value::String(text), ..) => Reply::BigNumber(text.to_string_lossy()),
+                (_, _, _, _, Value::Table(map), _) => Reply::Map(
+                    map.pairs::<Value, Value>()
+                        .filter_map(Result::ok)
+                        .map(|(key, value)| Some((nested(&key)?, nested(&value)?)))
+                        .collect::<Option<_>>()?,
+                ),
+                (_, _, _, _, _, Value::Table(set)) => Reply::Set(
+                    set.pairs::<Value, Value>()
+                        .filter_map(Result::ok)
+                        .map(|(member, _)| nested(&member))
+                        .collect::<Option<_>>()?,
+                ),
+                _ => {
+                    let mut items = Vec::new();
+                    for index in 1.. {
+                        match table.raw_get::<Value>(index) {
+                            Ok(Value::Nil) | Err(_) => break,
+                            Ok(item) => items.push(nested(&item)?),
+                        }
+                    }
+                    Reply::Array(items)
                 }
             }
-            Reply::Array(items)
         }
         _ => Reply::Null,
-    }
-}
-
-/// Writes a converted reply; a too-deep one becomes its error.
-fn write_reply(out: &mut ReplyWriter, reply: &Reply) {
-    fn too_deep(reply: &Reply) -> bool {
-        match reply {
-            Reply::Error(message) => message == "ERR reached lua stack limit",
-            Reply::Array(items) | Reply::Set(items) | Reply::Push(items) => items.iter().any(too_deep),
-            Reply::Map(pairs) => pairs.iter().any(|(key, value)| too_deep(key) || too_deep(value)),
-            _ => false,
-        }
-    }
-    if too_deep(reply) {
-        out.error("ERR reached lua stack limit");
-        return;
-    }
-    write_value(out, reply);
+    })
 }
 
 fn write_value(out: &mut ReplyWriter, reply: &Reply) {
