@@ -212,15 +212,6 @@ pub struct Settings {
     timeout: AtomicU64,
 }
 
-const POLICIES: [EvictionPolicy; 6] = [
-    EvictionPolicy::Noeviction,
-    EvictionPolicy::AllkeysLru,
-    EvictionPolicy::AllkeysRandom,
-    EvictionPolicy::VolatileLru,
-    EvictionPolicy::VolatileRandom,
-    EvictionPolicy::VolatileTtl,
-];
-
 impl Settings {
     pub fn new(config: &crate::Config) -> Self {
         let settings = Self {
@@ -242,11 +233,12 @@ impl Settings {
     }
 
     pub fn maxmemory_policy(&self) -> EvictionPolicy {
-        POLICIES[self.maxmemory_policy.load(Ordering::Relaxed) as usize]
+        EvictionPolicy::ALL[self.maxmemory_policy.load(Ordering::Relaxed) as usize]
     }
 
     pub fn set_maxmemory_policy(&self, policy: EvictionPolicy) {
-        let index = POLICIES.iter().position(|known| *known == policy).expect("every policy is listed");
+        let index =
+            EvictionPolicy::ALL.iter().position(|known| *known == policy).expect("every policy is listed");
         self.maxmemory_policy.store(index as u8, Ordering::Relaxed);
     }
 

@@ -314,23 +314,23 @@ impl NodeState {
         let mut indexes: Vec<usize> = indexes.collect();
         indexes.sort_unstable();
         indexes.dedup();
-        let mut guards = Vec::with_capacity(indexes.len());
-        for index in indexes {
-            let stripe = &self.stripes[index];
-            let guard = match stripe.try_lock() {
-                Some(guard) => guard,
-                None => loop {
-                    if let Some(guard) = stripe.try_lock_for(BUSY_CHECK_INTERVAL) {
-                        break guard;
-                    }
-                    if self.scripts.busy() {
-                        return Err(CommandError::Busy);
-                    }
-                },
-            };
-            guards.push(guard);
+        indexes.into_iter().map(|index| self.lock_stripe_unless_busy(index)).collect()
+    }
+
+    /// One stripe's lock for a client's command, as [`Self::lock_stripes_unless_busy`].
+    pub fn lock_stripe_unless_busy(&self, index: usize) -> CommandResult<MutexGuard<'_, ()>> {
+        let stripe = &self.stripes[index];
+        if let Some(guard) = stripe.try_lock() {
+            return Ok(guard);
         }
-        Ok(guards)
+        loop {
+            if let Some(guard) = stripe.try_lock_for(BUSY_CHECK_INTERVAL) {
+                return Ok(guard);
+            }
+            if self.scripts.busy() {
+                return Err(CommandError::Busy);
+            }
+        }
     }
 
     /// [`Self::lock_keys`] for a client's command: BUSY instead of waiting

@@ -31,6 +31,31 @@ const DIRECTORY: u8 = b'd';
 const PAGE: u8 = b'p';
 const MEMBER: u8 = b'm';
 
+/// What a range with LIMIT keeps of the entries it walks: the first
+/// `offset` skipped, then at most `limit`.
+struct Window {
+    offset: usize,
+    limit: usize,
+    skipped: usize,
+    out: Vec<(f64, Bytes)>,
+}
+
+impl Window {
+    fn new(offset: usize, limit: usize) -> Self {
+        Self { offset, limit, skipped: 0, out: Vec::new() }
+    }
+
+    /// Takes an entry in range; whether the walk should go on.
+    fn take(&mut self, score: f64, member: &Bytes) -> bool {
+        if self.skipped < self.offset {
+            self.skipped += 1;
+        } else {
+            self.out.push((score, member.clone()));
+        }
+        self.out.len() < self.limit
+    }
+}
+
 /// Orders (score, member) pairs as Redis does: by score, then by member bytes.
 fn compare(a: (f64, &[u8]), b: (f64, &[u8])) -> Ordering {
     a.0.total_cmp(&b.0).then_with(|| a.1.cmp(b.1))
@@ -550,36 +575,24 @@ impl<'a> SortedSet<'a> {
         offset: usize,
         limit: usize,
     ) -> CommandResult<Vec<(f64, Bytes)>> {
-        let mut out = Vec::new();
-        let mut skipped = 0;
-        let mut take = |score: f64, member: &Bytes, inside: bool| -> bool {
-            if !inside || out.len() >= limit {
-                return false;
-            }
-            if skipped < offset {
-                skipped += 1;
-            } else {
-                out.push((score, member.clone()));
-            }
-            out.len() < limit
-        };
+        let mut window = Window::new(offset, limit);
         if limit == 0 {
-            return Ok(out);
+            return Ok(window.out);
         }
         if reverse {
             let (upper, lower) = (min, max);
             self.walk_backward(Some(upper), |score, member| {
-                take(score, member, lower.admits_from_below(score))
+                lower.admits_from_below(score) && window.take(score, member)
             })?;
         } else {
             self.walk_forward(Some((min.score, b"")), |score, member| {
                 if !min.admits_from_below(score) {
                     return true;
                 }
-                take(score, member, max.admits_from_above(score))
+                max.admits_from_above(score) && window.take(score, member)
             })?;
         }
-        Ok(out)
+        Ok(window.out)
     }
 
     /// Members between `min` and `max` by member bytes, skipping `offset` and
@@ -595,16 +608,16 @@ impl<'a> SortedSet<'a> {
         offset: usize,
         limit: usize,
     ) -> CommandResult<Vec<(f64, Bytes)>> {
-        let mut out = Vec::new();
+        let mut window = Window::new(offset, limit);
         if limit == 0 || self.is_empty() || LexBound::empty_between(min, max) {
-            return Ok(out);
+            return Ok(window.out);
         }
         // Redis answers nothing unless the last member is within `min` and
         // the first within `max`, whatever lies between.
-        let last = self.range_by_rank(self.len() - 1, self.len() - 1, false)?;
+        let last = self.range_by_rank(0, 0, true)?;
         let first = self.range_by_rank(0, 0, false)?;
         if !min.admits_from_below(&last[0].1) || !max.admits_from_above(&first[0].1) {
-            return Ok(out);
+            return Ok(window.out);
         }
         // The bound the walk meets first, and the one that ends it.
         let near = |member: &[u8]| {
@@ -621,7 +634,7 @@ impl<'a> SortedSet<'a> {
                 max.admits_from_above(member)
             }
         };
-        let (mut started, mut skipped) = (false, 0);
+        let mut started = false;
         let mut visit = |score: f64, member: &Bytes| -> bool {
             if !started {
                 if !near(member) {
@@ -629,15 +642,7 @@ impl<'a> SortedSet<'a> {
                 }
                 started = true;
             }
-            if !far_admits(member) {
-                return false;
-            }
-            if skipped < offset {
-                skipped += 1;
-            } else {
-                out.push((score, member.clone()));
-            }
-            out.len() < limit
+            far_admits(member) && window.take(score, member)
         };
         if reverse {
             self.walk_backward(None, visit)?;
@@ -649,7 +654,7 @@ impl<'a> SortedSet<'a> {
             };
             self.walk_forward(from.as_ref().map(|(score, bound)| (*score, &bound[..])), &mut visit)?;
         }
-        Ok(out)
+        Ok(window.out)
     }
 
     /// Up to `count` members after `after` (a score and member) in set

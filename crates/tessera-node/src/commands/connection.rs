@@ -1,5 +1,7 @@
 //! Connection commands: PING, ECHO, HELLO, AUTH, SELECT, QUIT, CLIENT.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use tessera_wire::{Protocol, Request};
 
@@ -188,17 +190,8 @@ fn client(context: &mut Context, request: &Request) -> CommandResult {
         }
         context.out.ok();
     } else if is(subcommand, "info") {
-        let line = match context.session.client.clone() {
-            Some(entry) => {
-                refresh_client_state(
-                    &mut entry.state.lock(),
-                    context.session,
-                    context.out.protocol(),
-                    "client|info",
-                    context.now_ms,
-                );
-                entry.line(context.now_ms)
-            }
+        let line = match refresh_own_entry(context, "client|info") {
+            Some(entry) => entry.line(context.now_ms),
             None => format!("id={}\n", context.session.id),
         };
         context.out.verbatim(&line);
@@ -218,14 +211,25 @@ fn client(context: &mut Context, request: &Request) -> CommandResult {
             "LIST [TYPE NORMAL|PUBSUB] [ID <id> ...]",
             "KILL <ip:port> | KILL [ID <id>] [ADDR <ip:port>] [LADDR <ip:port>] [USER <name>] [TYPE NORMAL|PUBSUB] [SKIPME YES|NO]",
         ];
-        context.out.array(lines.len());
-        for line in lines {
-            context.out.simple(line);
-        }
+        super::write_help(context, &lines);
     } else {
         return Err(arity_error());
     }
     Ok(())
+}
+
+/// Brings the connection's own entry up to date (it is otherwise refreshed
+/// after its batch), so that it shows the command running now.
+fn refresh_own_entry(context: &Context, command: &str) -> Option<Arc<ClientEntry>> {
+    let entry = context.session.client.clone()?;
+    refresh_client_state(
+        &mut entry.state.lock(),
+        context.session,
+        context.out.protocol(),
+        command,
+        context.now_ms,
+    );
+    Some(entry)
 }
 
 /// Copies what CLIENT LIST shows of a connection from its session.
@@ -295,15 +299,7 @@ fn client_list(context: &mut Context, request: &Request) -> CommandResult<String
     if let Some(kind) = kind {
         client_type_matches_known(kind)?;
     }
-    if let Some(own) = context.session.client.clone() {
-        refresh_client_state(
-            &mut own.state.lock(),
-            context.session,
-            context.out.protocol(),
-            "client|list",
-            context.now_ms,
-        );
-    }
+    refresh_own_entry(context, "client|list");
     let mut text = String::new();
     for entry in context.node.clients.all() {
         if (!ids.is_empty() && !ids.contains(&entry.id))

@@ -324,8 +324,7 @@ fn object(context: &mut Context, request: &Request) -> CommandResult {
             "REFCOUNT <key> -- references to the value (shared small integers count as many)",
             "HELP -- this text",
         ];
-        context.out.array(lines.len());
-        lines.iter().for_each(|line| context.out.simple(line));
+        super::write_help(context, &lines);
         return Ok(());
     }
     let key = request.arg(2);

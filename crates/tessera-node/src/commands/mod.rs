@@ -138,9 +138,13 @@ impl<'a> Context<'a> {
         self.tables.route(key)
     }
 
-    /// Holds the write lock of one key, unless the caller already does.
-    pub fn lock_key(&self, key: &[u8]) -> CommandResult<Vec<MutexGuard<'a, ()>>> {
-        self.lock_keys(std::iter::once(key))
+    /// Holds the write lock of one key, unless the caller already does;
+    /// BUSY rather than waiting behind a script that runs too long.
+    pub fn lock_key(&self, key: &[u8]) -> CommandResult<Option<MutexGuard<'a, ()>>> {
+        if self.locks_held {
+            return Ok(None);
+        }
+        self.node.lock_stripe_unless_busy(NodeState::stripe_index(key)).map(Some)
     }
 
     /// Holds the write locks of several keys, unless the caller already
@@ -485,6 +489,12 @@ pub fn integer_arg(request: &Request, index: usize) -> CommandResult<i64> {
 /// Whether an argument equals an option name, ignoring case.
 pub fn is(arg: &[u8], option: &str) -> bool {
     arg.eq_ignore_ascii_case(option.as_bytes())
+}
+
+/// A HELP subcommand's text, a line per simple string, as Redis sends it.
+pub fn write_help(context: &mut Context, lines: &[&str]) {
+    context.out.array(lines.len());
+    lines.iter().for_each(|line| context.out.simple(line));
 }
 
 /// A wrong-arity error for the command being run.

@@ -688,8 +688,7 @@ fn script(context: &mut Context, request: &Request) -> CommandResult {
                 "LOAD <script> -- compile and cache a script, answering its SHA-1",
                 "HELP -- this text",
             ];
-            context.out.array(lines.len());
-            lines.iter().for_each(|line| context.out.simple(line));
+            super::write_help(context, &lines);
         }
     }
     Ok(())

@@ -325,8 +325,7 @@ fn config(context: &mut Context, request: &Request) -> CommandResult {
             "    maxmemory-samples, timeout or busy-reply-threshold (lua-time-limit) while serving",
             "HELP -- this text",
         ];
-        context.out.array(lines.len());
-        lines.iter().for_each(|line| context.out.simple(line));
+        super::write_help(context, &lines);
     }
     Ok(())
 }
