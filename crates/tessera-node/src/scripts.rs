@@ -220,12 +220,9 @@ impl Scripts {
         self.generation.load(Ordering::Acquire)
     }
 
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.cache.read().scripts.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     fn elapsed_ms(&self) -> u64 {
