@@ -95,6 +95,22 @@ def strings(rng, key):
         ["BITOP", rng.choice(["AND", "OR", "XOR", "NOT", "NAND"]), key, *rng.sample(KEYS, rng.randint(1, 3))],
         ["LCS", key, rng.choice(KEYS), *rng.choice([[], ["LEN"], ["IDX"], ["IDX", "WITHMATCHLEN"], ["LEN", "IDX"],
                                                    ["IDX", "MINMATCHLEN", rng.choice([0, 2, -1, "x"])], ["BAD"]])],
+        [rng.choice(["BITFIELD", "BITFIELD", "BITFIELD_RO"]), key,
+         *[part for _ in range(rng.randint(0, 4)) for part in bitfield_operation(rng)]],
+    ])
+
+
+def bitfield_operation(rng):
+    kind = rng.choice(["i8", "u8", "i5", "u1", "i64", "u63", "u16", "i1", "u64", "i0", "x8", "I8"])
+    offset = rng.choice([0, 3, 7, 8, 13, 64, "#1", "#3", -1, "x", 4294967296])
+    number = rng.choice([0, 1, -1, 100, 127, 128, -129, 255, 256, 9223372036854775807, -9223372036854775808, "x"])
+    return rng.choice([
+        ["GET", kind, offset],
+        ["SET", kind, offset, number],
+        ["INCRBY", kind, offset, number],
+        ["OVERFLOW", rng.choice(["WRAP", "SAT", "FAIL", "fail", "BAD"])],
+        ["GET", kind],
+        ["BAD", kind, offset],
     ])
 
 

@@ -2,6 +2,7 @@
 //! its commands in a `COMMANDS` table; adding a command is a handler and a row.
 
 pub mod acl;
+mod bitfield;
 pub mod cluster;
 pub mod connection;
 pub mod consistency;

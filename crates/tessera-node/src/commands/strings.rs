@@ -38,6 +38,8 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "getbit", arity: 3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: getbit },
     CommandSpec { name: "bitcount", arity: -2, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: bitcount },
     CommandSpec { name: "bitpos", arity: -3, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: bitpos },
+    CommandSpec { name: "bitfield", arity: -2, flags: &["write", "denyoom"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: super::bitfield::bitfield },
+    CommandSpec { name: "bitfield_ro", arity: -2, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: super::bitfield::bitfield_ro },
 ];
 
 /// Turns a relative or absolute expiry argument into a deadline in unix ms.
