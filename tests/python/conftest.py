@@ -85,6 +85,7 @@ def redis_server(data_dir):
          "--dir", data_dir],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={**os.environ, "LC_ALL": "C"},  # SORT ... ALPHA collates bytes, as Tessera does
     )
     wait_for_ping(port)
     yield port

@@ -1464,7 +1464,8 @@ def test_transactions_run_whole_on_the_slots_head_and_refuse_two_slots(cluster_f
 def test_scripts_run_atomically_on_the_slots_head_and_stay_in_their_slot(cluster_factory):
     """Transfers by script from a cluster client keep the total and reach the
     replicas; a script's keys, and every key it touches, share a slot; a
-    plain client's EVALSHA on another node is served as EVAL there."""
+    plain client's EVALSHA on another node is served as EVAL there. SORT
+    keeps to one slot too."""
     cluster = cluster_factory("strong", nodes=3)
     client = cluster.client(socket_timeout=10)
     accounts = [f"{{bank}}account-{n}" for n in range(5)]
@@ -1502,6 +1503,18 @@ def test_scripts_run_atomically_on_the_slots_head_and_stay_in_their_slot(cluster
     elsewhere = redis.Redis(port=cluster.port(other), socket_timeout=10, protocol=2)
     sha = elsewhere.script_load("return redis.call('incrby', KEYS[1], ARGV[1])")
     assert elsewhere.evalsha(sha, 1, accounts[0], 0) == balances[0], "forwarded to the head as EVAL"
+
+    # SORT keeps to its slot as well: STORE into another slot is CROSSSLOT,
+    # and BY and GET patterns, which name keys anywhere, are refused as
+    # Redis Cluster refuses them.
+    client.rpush("{bank}queue", 3, 1, 2)
+    assert client.sort("{bank}queue", store="{bank}sorted") == 3
+    assert client.lrange("{bank}sorted", 0, -1) == [b"1", b"2", b"3"]
+    with pytest.raises(redis.ResponseError, match="same slot"):
+        plain.execute_command("SORT", "{bank}queue", "STORE", "{other}sorted")
+    with pytest.raises(redis.ResponseError, match="BY option of SORT denied in Cluster mode"):
+        plain.execute_command("SORT", "{bank}queue", "BY", "weight_*")
+    assert plain.execute_command("SORT", "{bank}queue", "BY", "nosort", "DESC") == [b"2", b"1", b"3"]
 
 
 def test_publish_reaches_subscribers_on_every_node_and_shard_channels_their_slots_head(cluster_factory):

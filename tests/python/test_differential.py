@@ -16,7 +16,15 @@ Differences that are allowed, and how the comparison absorbs them:
 - which key RANDOMKEY picks (compared as "one" or "none"), which members
   SRANDMEMBER and fields HRANDFIELD pick (compared by number) and the order of a set's members
   (sorted); SPOP is sent only to take every member;
-- SSCAN's and HSCAN's cursors (what a whole scan returns is compared).
+- SSCAN's, HSCAN's and ZSCAN's cursors and order (what a whole scan
+  returns is compared: Redis scans a large sorted set in its hash table's
+  order);
+- SORT's order where Redis's is its own: BY without "*" on a set (Redis
+  answers in the set's layout order; Tessera sorts by bytes), and BY ...
+  ALPHA, whose ties Redis's sort orders as it happens to (compared as
+  multisets, and by length under LIMIT);
+- ALPHA compares bytes; Redis uses the locale's collation, the same order
+  in the C locale the test runs Redis under.
 
 Not sent: other databases than 0 (SELECT 1, COPY … DB 1): Tessera has one
 database, and tables take their place.
@@ -337,7 +345,38 @@ def scripts(rng, key):
     ])
 
 
-FAMILIES = [strings, keyspace, hashes, sorted_sets, lists, sets, transactions, scripts]
+# Elements that are also keys (or, with "{t}" before them, keys), so that
+# SORT's BY and GET patterns find weights and values.
+SORTABLE = ["a", "b", "c", "x", "y", "3", "10", "-2", "2.5", ""]
+
+
+def sorting(rng, key):
+    fill = rng.sample(SORTABLE, rng.randint(1, 5))
+    weights = [rng.choice(["1", "3", "-1", "2.5", "abc", "", " 7", "1e400"]) for _ in range(3)]
+    by = rng.choice([[], [], ["BY", "*"], ["BY", "{t}*"], ["BY", "*->f1"], ["BY", "nosort"], ["BY", "missing_*"]])
+    window = rng.choice([[], [], ["LIMIT", rng.choice([0, 1, -1, 5]), rng.choice([1, 2, 0, -1])], ["LIMIT", "x", 1],
+                         ["LIMIT", 1]])
+    gets = rng.choice([[], [], ["GET", "#"], ["GET", "*", "GET", "#"], ["GET", "*->f1"], ["GET", "nokey"]])
+    order = rng.sample(["ASC", "DESC", "ALPHA"], rng.randint(0, 2))
+    # STORE only where the order is Redis's own too: not BY ... ALPHA, whose
+    # ties Redis leaves to its sort, and not BY without "*" (a set's order).
+    deterministic = not by or (by[1] in ("*", "{t}*", "missing_*") and "ALPHA" not in order)
+    store = ["STORE", rng.choice(KEYS)] if deterministic and rng.random() < 0.3 else []
+    return rng.choice([
+        [rng.choice(["RPUSH", "SADD"]), key, *fill],
+        ["ZADD", key, *[part for element in fill for part in (rng.choice([1, 2, -1]), element)]],
+        ["MSET", *[part for element, weight in zip(rng.sample(SORTABLE, 3), weights) for part in (element, weight)]],
+        ["MSET", *[part for element, weight in zip(rng.sample(SORTABLE, 3), weights) for part in ("{t}" + element, weight)]],
+        ["HSET", rng.choice(SORTABLE), "f1", weights[0]],
+        ["SORT", key, *by, *window, *gets, *order, *store],
+        ["SORT", key, *by, *window, *gets, *order, *store],
+        ["SORT_RO", key, *by, *window, *gets, *order],
+        ["SORT_RO", key, "STORE", "a"],
+        ["SORT", key, rng.choice(["BAD", "LIMIT", "GET", "BY", "STORE"])],
+    ])
+
+
+FAMILIES = [strings, keyspace, hashes, sorted_sets, lists, sets, transactions, scripts, sorting]
 
 
 def random_command(rng):
@@ -377,13 +416,27 @@ def comparable(command, reply, queued=None):
         return sorted(reply)
     if name == "SRANDMEMBER" or (name in ("HRANDFIELD", "ZRANDMEMBER") and not (len(command) >= 3 and command[2] == "1000")):
         return len(reply) if isinstance(reply, list) else reply is not None
+    if name in ("SORT", "SORT_RO") and isinstance(reply, list) and sort_order_is_open(command):
+        if "LIMIT" in (str(arg).upper() for arg in command):
+            return len(reply)  # which tied elements the window takes is open too
+        return sorted(reply, key=lambda value: (value is None, value or b""))
     if name in ("SSCAN", "HSCAN") and isinstance(reply, list):
         return sorted(reply[1])  # the cursor's form is each server's own
+    if name == "ZSCAN" and isinstance(reply, list):
+        return sorted(zip(reply[1][::2], reply[1][1::2]))  # a hash-table zset scans in its table's order
     if name in ("HRANDFIELD", "ZRANDMEMBER") and isinstance(reply, list):
         if len(command) == 4:
             return sorted(zip(reply[::2], reply[1::2]))  # every one, with its value or score
         return sorted(reply)
     return reply
+
+
+def sort_order_is_open(command):
+    """SORT ... BY without "*" answers a set in its own order, and BY ...
+    ALPHA leaves ties to Redis's sort: both compared as multisets."""
+    upper = [str(arg).upper() for arg in command]
+    patterns = [command[at + 1] for at, arg in enumerate(upper[:-1]) if arg == "BY"]
+    return any("*" not in pattern for pattern in patterns) or (bool(patterns) and "ALPHA" in upper)
 
 
 def state_of(client):
@@ -688,6 +741,48 @@ def test_object_matches_redis(both):
     ours.execute_command("GET", "short")
     assert ours.execute_command("OBJECT", "IDLETIME", "short") == 0
     assert len(ours.execute_command("OBJECT", "HELP")) > 3
+
+
+def test_sort_matches_redis_where_order_is_defined(both):
+    """SORT's orders that the random sequences compare loosely, compared
+    exactly: a list and a sorted set under BY without "*" (their own order,
+    windowed from either end), BY ... ALPHA over distinct weights, large
+    values, hash fields, STORE over every type, and a user who may not
+    read every key."""
+    ours, theirs = both
+    elements = [f"e{n}" for n in range(300)]
+    setup = [["RPUSH", "list", *elements], ["ZADD", "zset", *[part for n, e in enumerate(elements) for part in (n % 7, e)]],
+             ["SADD", "set", *elements[:50]],
+             ["MSET", *[part for n, e in enumerate(elements) for part in (f"w_{e}", f"{(n * 7919) % 1000:04d}")]],
+             *[["HSET", f"h_{e}", "f", n] for n, e in enumerate(elements[:40])]]
+    for command in setup:
+        assert reply_of(ours, command) == reply_of(theirs, command)
+    commands = [["SORT", key, "BY", "nosort", *window, *order] for key in ("list", "zset")
+                for window in ([], ["LIMIT", 0, 5], ["LIMIT", 290, 20], ["LIMIT", 3, -1], ["LIMIT", -5, 3])
+                for order in ([], ["DESC"])]
+    commands += [["SORT", "list", "BY", "w_*", "ALPHA", *extra] for extra in ([], ["DESC"], ["LIMIT", 10, 5])]
+    commands += [["SORT", "list", "BY", "w_*", "GET", "#", "GET", "w_*", "LIMIT", 0, 10],
+                 ["SORT", "set", "BY", "h_*->f", "GET", "h_*->f", "DESC"], ["SORT", "zset", "ALPHA", "LIMIT", 0, 20],
+                 ["SORT", "set", "ALPHA", "STORE", "dest"], ["LRANGE", "dest", 0, -1],
+                 ["SORT", "zset", "BY", "w_*", "STORE", "dest"], ["LRANGE", "dest", 0, -1],
+                 ["SORT", "list", "BY", "nosort", "GET", "h_*->f", "STORE", "dest"], ["LRANGE", "dest", 0, -1],
+                 ["SORT", "missing", "STORE", "dest"], ["EXISTS", "dest"], ["SORT", "w_e1"], ["SORT", "list"]]
+    def exact(client, command):
+        try:
+            return client.execute_command(*command)
+        except redis.ResponseError as error:
+            return ("error", str(error))
+
+    for command in commands:
+        expected, got = exact(theirs, command), exact(ours, command)
+        assert got == expected, f"{command}: Tessera {got!r}, Redis {expected!r}"
+    for client in (ours, theirs):
+        client.execute_command("ACL", "SETUSER", "sorter", "on", "nopass", "+@all", "~list", "~dest")
+        client.execute_command("AUTH", "sorter", "any")
+    for command in (["SORT", "list", "BY", "w_*"], ["SORT", "list", "GET", "#"], ["SORT", "list", "BY", "nosort", "LIMIT", 0, 2],
+                    ["SORT", "list", "LIMIT", 0, 2, "STORE", "dest"]):
+        expected, got = exact(theirs, command), exact(ours, command)
+        assert got == expected, f"{command}: Tessera {got!r}, Redis {expected!r}"
 
 
 def raw_exchange(port, script):

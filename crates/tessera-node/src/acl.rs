@@ -245,6 +245,11 @@ impl User {
             && self.keys.iter().any(|key| key.pattern == b"*" && key.read && key.write)
     }
 
+    /// Whether the user may read every key.
+    pub fn reads_every_key(&self) -> bool {
+        self.keys.iter().any(|key| key.pattern == b"*" && key.read)
+    }
+
     pub fn may_run(&self, command: &str) -> bool {
         self.allowed.contains(command)
     }

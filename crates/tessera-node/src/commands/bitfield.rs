@@ -100,7 +100,8 @@ fn parse_field(request: &Request, at: usize, bulk_bytes_max: usize) -> CommandRe
     let kind = request.arg(at);
     let bad_type = || {
         CommandError::Other(
-            "Invalid bitfield type. Use something like i16 u8. Note that u64 is not supported but i64 is.".into(),
+            "Invalid bitfield type. Use something like i16 u8. Note that u64 is not supported but i64 is."
+                .into(),
         )
     };
     let signed = match kind.first() {

@@ -38,6 +38,8 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "rename", arity: 3, flags: &["write"], first_key: 1, last_key: 2, step: 1, scope: Scope::Keys, handler: rename },
     CommandSpec { name: "renamenx", arity: 3, flags: &["write", "fast"], first_key: 1, last_key: 2, step: 1, scope: Scope::Keys, handler: renamenx },
     CommandSpec { name: "copy", arity: -3, flags: &["write", "denyoom"], first_key: 1, last_key: 2, step: 1, scope: Scope::Keys, handler: copy },
+    CommandSpec { name: "sort", arity: -2, flags: &["write", "denyoom", "movablekeys"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: super::sort::sort },
+    CommandSpec { name: "sort_ro", arity: -2, flags: &["readonly", "movablekeys"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: super::sort::sort_ro },
     CommandSpec { name: "randomkey", arity: 1, flags: &["readonly"], first_key: 0, last_key: 0, step: 0, scope: Scope::NodeWide, handler: randomkey },
     CommandSpec { name: "flushall", arity: -1, flags: &["write"], first_key: 0, last_key: 0, step: 0, scope: Scope::Flush, handler: flushdb },
 ];

@@ -13,6 +13,7 @@ pub mod pubsub;
 pub mod scripting;
 mod server;
 mod sets;
+mod sort;
 mod sorted_sets;
 mod strings;
 pub mod tables;
@@ -79,6 +80,14 @@ pub struct Session {
     pub client: Option<Arc<crate::clients::ClientEntry>>,
     /// A script running on a script thread: the connection waits for its reply.
     pub script: Option<tokio::sync::oneshot::Receiver<scripting::ScriptOutcome>>,
+}
+
+impl Session {
+    /// Whether the connection's user may read any key (SORT's BY and GET
+    /// patterns read keys no argument names).
+    pub fn reads_every_key(&self) -> bool {
+        self.relay || self.permissions.as_ref().is_some_and(|permissions| permissions.user.reads_every_key())
+    }
 }
 
 /// A user's permissions as a connection checks them.
@@ -234,14 +243,15 @@ impl CommandSpec {
         let last = if self.last_key < 0 { count as i32 + self.last_key } else { self.last_key };
         let first = if self.first_key > 0 { self.first_key } else { last + 1 };
         let fixed = (first..=last).step_by(self.step.max(1) as usize).map(|index| index as usize);
-        let counted = match counted_keys_at(self.name) {
+        let movable = match counted_keys_at(self.name) {
             Some(at) if at < count => {
                 let keys = parse_i64(arg(at)).unwrap_or(0).clamp(0, (count - at - 1) as i64) as usize;
                 at + 1..at + 1 + keys
             }
+            _ if self.name == "sort" => sort::store_key_position(count, arg).map_or(0..0, |at| at..at + 1),
             _ => 0..0,
         };
-        fixed.chain(counted)
+        fixed.chain(movable)
     }
 
     /// Whether the command may run before AUTH.
