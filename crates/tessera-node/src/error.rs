@@ -27,6 +27,8 @@ pub enum CommandError {
     Overflow,
     #[error("ERR syntax error")]
     Syntax,
+    #[error("BUSYKEY Target key name already exists.")]
+    BusyKey,
     #[error("EXECABORT Transaction discarded because of previous errors.")]
     ExecAbort,
     #[error("ERR invalid expire time in '{0}' command")]

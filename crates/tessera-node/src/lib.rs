@@ -24,6 +24,7 @@ pub mod membership;
 pub mod memory;
 pub mod node_state;
 pub mod pubsub;
+pub mod rdb;
 pub mod scripts;
 pub mod server;
 pub mod tables;

@@ -6,6 +6,7 @@ mod bitfield;
 pub mod cluster;
 pub mod connection;
 pub mod consistency;
+mod dump;
 mod hashes;
 pub mod keys;
 pub mod lists;

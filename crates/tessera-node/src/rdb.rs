@@ -1,0 +1,702 @@
+//! Redis's serialization format (RDB) for one value: what DUMP answers,
+//! RESTORE reads and MIGRATE carries between Tessera and Redis.
+//!
+//! A payload is `type byte | object | RDB version (u16 LE) | CRC-64/Jones of
+//! everything before it (u64 LE)`. Tessera writes the plain encodings
+//! every Redis since 4.0 reads (a list, set and hash as counted strings, a
+//! sorted set with binary scores) under version 9, and reads every encoding
+//! Redis 2.8 to 7.2 write for strings, lists, sets, hashes and sorted sets:
+//! integers and LZF inside strings, ziplists, intsets, quicklists and
+//! listpacks. Streams and module values are refused by name.
+
+use bytes::Bytes;
+use crc::{Crc, CRC_64_REDIS};
+
+const CRC64: Crc<u64> = Crc::<u64>::new(&CRC_64_REDIS);
+
+/// The version DUMP writes: Redis 4.0 and every later one read it.
+pub const DUMP_VERSION: u16 = 9;
+/// The newest version RESTORE reads (Redis 7.4's); what a later version
+/// adds would be refused by type anyway.
+const NEWEST_VERSION: u16 = 12;
+
+mod object_type {
+    pub const STRING: u8 = 0;
+    pub const LIST: u8 = 1;
+    pub const SET: u8 = 2;
+    pub const ZSET: u8 = 3;
+    pub const HASH: u8 = 4;
+    pub const ZSET_2: u8 = 5;
+    pub const MODULE: u8 = 6;
+    pub const MODULE_2: u8 = 7;
+    pub const HASH_ZIPMAP: u8 = 9;
+    pub const LIST_ZIPLIST: u8 = 10;
+    pub const SET_INTSET: u8 = 11;
+    pub const ZSET_ZIPLIST: u8 = 12;
+    pub const HASH_ZIPLIST: u8 = 13;
+    pub const LIST_QUICKLIST: u8 = 14;
+    pub const STREAM_LISTPACKS: u8 = 15;
+    pub const HASH_LISTPACK: u8 = 16;
+    pub const ZSET_LISTPACK: u8 = 17;
+    pub const LIST_QUICKLIST_2: u8 = 18;
+    pub const STREAM_LISTPACKS_2: u8 = 19;
+    pub const SET_LISTPACK: u8 = 20;
+    pub const STREAM_LISTPACKS_3: u8 = 21;
+}
+
+/// A value as the format carries it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Value {
+    String(Bytes),
+    List(Vec<Bytes>),
+    Set(Vec<Bytes>),
+    Hash(Vec<(Bytes, Bytes)>),
+    /// Members with their scores, in any order.
+    SortedSet(Vec<(f64, Bytes)>),
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RdbError {
+    #[error("DUMP payload version or checksum are wrong")]
+    Footer,
+    /// Malformed: the wording is Redis's; the detail goes to the log.
+    #[error("Bad data format")]
+    Format(&'static str),
+    #[error("Bad data format: {0} values are not supported by Tessera")]
+    Unsupported(&'static str),
+    #[error("Bad data format: the value would take more than {0} bytes")]
+    TooLarge(usize),
+}
+
+type Result<T> = std::result::Result<T, RdbError>;
+
+/// DUMP's payload for `value`.
+pub fn dump(value: &Value) -> Vec<u8> {
+    let mut out = Vec::new();
+    write_object(&mut out, value);
+    out.extend_from_slice(&DUMP_VERSION.to_le_bytes());
+    let checksum = CRC64.checksum(&out);
+    out.extend_from_slice(&checksum.to_le_bytes());
+    out
+}
+
+/// The value in a DUMP payload, whose decoded elements may take at most
+/// `bytes_max` bytes together.
+pub fn restore(payload: &[u8], bytes_max: usize) -> Result<Value> {
+    let Some(body_length) = payload.len().checked_sub(10) else { return Err(RdbError::Footer) };
+    let (body, footer) = payload.split_at(body_length);
+    let version = u16::from_le_bytes([footer[0], footer[1]]);
+    let checksum = u64::from_le_bytes(footer[2..].try_into().expect("8 bytes"));
+    if version > NEWEST_VERSION || CRC64.checksum(&payload[..body_length + 2]) != checksum {
+        return Err(RdbError::Footer);
+    }
+    let mut reader = Reader::new(body, bytes_max);
+    let kind = reader.byte()?;
+    let value = reader.object(kind)?;
+    if !reader.is_done() {
+        return Err(RdbError::Format("bytes after the value"));
+    }
+    Ok(value)
+}
+
+/// The type byte and the object, in the encodings DUMP writes.
+pub fn write_object(out: &mut Vec<u8>, value: &Value) {
+    match value {
+        Value::String(bytes) => {
+            out.push(object_type::STRING);
+            write_string(out, bytes);
+        }
+        Value::List(elements) | Value::Set(elements) => {
+            out.push(if matches!(value, Value::List(_)) { object_type::LIST } else { object_type::SET });
+            write_length(out, elements.len() as u64);
+            for element in elements {
+                write_string(out, element);
+            }
+        }
+        Value::Hash(entries) => {
+            out.push(object_type::HASH);
+            write_length(out, entries.len() as u64);
+            for (field, entry) in entries {
+                write_string(out, field);
+                write_string(out, entry);
+            }
+        }
+        Value::SortedSet(entries) => {
+            out.push(object_type::ZSET_2);
+            write_length(out, entries.len() as u64);
+            for (score, member) in entries {
+                write_string(out, member);
+                out.extend_from_slice(&score.to_le_bytes());
+            }
+        }
+    }
+}
+
+fn write_length(out: &mut Vec<u8>, length: u64) {
+    if length < 1 << 6 {
+        out.push(length as u8);
+    } else if length < 1 << 14 {
+        out.extend_from_slice(&[0x40 | (length >> 8) as u8, length as u8]);
+    } else if length <= u64::from(u32::MAX) {
+        out.push(0x80);
+        out.extend_from_slice(&(length as u32).to_be_bytes());
+    } else {
+        out.push(0x81);
+        out.extend_from_slice(&length.to_be_bytes());
+    }
+}
+
+fn write_string(out: &mut Vec<u8>, bytes: &[u8]) {
+    write_length(out, bytes.len() as u64);
+    out.extend_from_slice(bytes);
+}
+
+/// A length, or one of the special string encodings.
+enum Length {
+    Plain(u64),
+    Int8,
+    Int16,
+    Int32,
+    Lzf,
+}
+
+/// Reads objects from a payload (or, later, a whole RDB file), counting the
+/// bytes of what it decodes against a budget.
+pub struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+    budget: usize,
+    budget_max: usize,
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(bytes: &'a [u8], bytes_max: usize) -> Self {
+        Self { bytes, at: 0, budget: bytes_max, budget_max: bytes_max }
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.at == self.bytes.len()
+    }
+
+    fn take(&mut self, count: usize) -> Result<&'a [u8]> {
+        let end = self.at.checked_add(count).filter(|end| *end <= self.bytes.len());
+        let end = end.ok_or(RdbError::Format("the value ends early"))?;
+        let taken = &self.bytes[self.at..end];
+        self.at = end;
+        Ok(taken)
+    }
+
+    pub fn byte(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn spend(&mut self, bytes: usize) -> Result<()> {
+        self.budget = self.budget.checked_sub(bytes).ok_or(RdbError::TooLarge(self.budget_max))?;
+        Ok(())
+    }
+
+    fn length_or_encoding(&mut self) -> Result<Length> {
+        let first = self.byte()?;
+        Ok(match first >> 6 {
+            0 => Length::Plain(u64::from(first & 0x3f)),
+            1 => Length::Plain(u64::from(first & 0x3f) << 8 | u64::from(self.byte()?)),
+            2 if first == 0x80 => Length::Plain(u64::from(u32::from_be_bytes(self.array()?))),
+            2 if first == 0x81 => Length::Plain(u64::from_be_bytes(self.array()?)),
+            3 => match first & 0x3f {
+                0 => Length::Int8,
+                1 => Length::Int16,
+                2 => Length::Int32,
+                3 => Length::Lzf,
+                _ => return Err(RdbError::Format("unknown string encoding")),
+            },
+            _ => return Err(RdbError::Format("unknown length encoding")),
+        })
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
+        Ok(self.take(N)?.try_into().expect("N bytes"))
+    }
+
+    /// A length that counts items each taking at least a byte of what is left.
+    fn count(&mut self) -> Result<usize> {
+        match self.length_or_encoding()? {
+            Length::Plain(length) if length <= (self.bytes.len() - self.at) as u64 => Ok(length as usize),
+            Length::Plain(_) => Err(RdbError::Format("a count past the value's end")),
+            _ => Err(RdbError::Format("an encoded string where a count belongs")),
+        }
+    }
+
+    fn string(&mut self) -> Result<Bytes> {
+        let bytes = match self.length_or_encoding()? {
+            Length::Plain(length) => {
+                let length =
+                    usize::try_from(length).map_err(|_| RdbError::Format("a string past the value's end"))?;
+                Bytes::copy_from_slice(self.take(length)?)
+            }
+            Length::Int8 => Bytes::from((self.byte()? as i8).to_string()),
+            Length::Int16 => Bytes::from(i16::from_le_bytes(self.array()?).to_string()),
+            Length::Int32 => Bytes::from(i32::from_le_bytes(self.array()?).to_string()),
+            Length::Lzf => {
+                let compressed = self.count()?;
+                let Length::Plain(length) = self.length_or_encoding()? else {
+                    return Err(RdbError::Format("an encoded LZF length"));
+                };
+                let length = usize::try_from(length).map_err(|_| RdbError::TooLarge(self.budget_max))?;
+                if length > self.budget {
+                    return Err(RdbError::TooLarge(self.budget_max));
+                }
+                Bytes::from(lzf_decompress(self.take(compressed)?, length)?)
+            }
+        };
+        self.spend(bytes.len())?;
+        Ok(bytes)
+    }
+
+    /// The object of type `kind`, the type byte already read.
+    pub fn object(&mut self, kind: u8) -> Result<Value> {
+        use object_type::*;
+        let value = match kind {
+            STRING => return Ok(Value::String(self.string()?)),
+            LIST => Value::List(self.strings()?),
+            SET => Value::Set(self.strings()?),
+            HASH => {
+                let count = self.count()?;
+                let mut entries = Vec::with_capacity(count.min(1 << 16));
+                for _ in 0..count {
+                    entries.push((self.string()?, self.string()?));
+                }
+                Value::Hash(entries)
+            }
+            ZSET | ZSET_2 => {
+                let count = self.count()?;
+                let mut entries = Vec::with_capacity(count.min(1 << 16));
+                for _ in 0..count {
+                    let member = self.string()?;
+                    let score =
+                        if kind == ZSET_2 { f64::from_le_bytes(self.array()?) } else { self.text_score()? };
+                    entries.push((score, member));
+                }
+                Value::SortedSet(entries)
+            }
+            LIST_ZIPLIST => Value::List(self.packed(ziplist)?),
+            SET_INTSET => Value::Set(intset(&self.string()?)?),
+            SET_LISTPACK => Value::Set(self.packed(listpack)?),
+            ZSET_ZIPLIST | ZSET_LISTPACK => {
+                let entries = self.packed(if kind == ZSET_ZIPLIST { ziplist } else { listpack })?;
+                Value::SortedSet(pairs(entries)?.into_iter().map(parse_packed_score).collect::<Result<_>>()?)
+            }
+            HASH_ZIPLIST | HASH_LISTPACK => {
+                Value::Hash(pairs(self.packed(if kind == HASH_ZIPLIST { ziplist } else { listpack })?)?)
+            }
+            LIST_QUICKLIST | LIST_QUICKLIST_2 => {
+                let nodes = self.count()?;
+                let mut elements = Vec::new();
+                for _ in 0..nodes {
+                    if kind == LIST_QUICKLIST {
+                        elements.extend(self.packed(ziplist)?);
+                        continue;
+                    }
+                    match self.length_or_encoding()? {
+                        Length::Plain(1) => elements.push(self.string()?),
+                        Length::Plain(2) => elements.extend(self.packed(listpack)?),
+                        _ => return Err(RdbError::Format("unknown quicklist node container")),
+                    }
+                }
+                Value::List(elements)
+            }
+            STREAM_LISTPACKS | STREAM_LISTPACKS_2 | STREAM_LISTPACKS_3 => {
+                return Err(RdbError::Unsupported("stream"))
+            }
+            MODULE | MODULE_2 => return Err(RdbError::Unsupported("module")),
+            HASH_ZIPMAP => return Err(RdbError::Unsupported("zipmap-encoded hash (Redis 2.4)")),
+            _ => return Err(RdbError::Format("unknown value type")),
+        };
+        check_collection(&value)?;
+        Ok(value)
+    }
+
+    fn strings(&mut self) -> Result<Vec<Bytes>> {
+        let count = self.count()?;
+        let mut elements = Vec::with_capacity(count.min(1 << 16));
+        for _ in 0..count {
+            elements.push(self.string()?);
+        }
+        Ok(elements)
+    }
+
+    /// A string holding a ziplist or listpack, read by `entries_of`.
+    fn packed(&mut self, entries_of: fn(&[u8]) -> Result<Vec<Bytes>>) -> Result<Vec<Bytes>> {
+        let blob = self.string()?;
+        let entries = entries_of(&blob)?;
+        // Integers decode longer than they were packed.
+        self.spend(entries.iter().map(Bytes::len).sum::<usize>().saturating_sub(blob.len()))?;
+        Ok(entries)
+    }
+
+    /// A score written as text (the first sorted-set encoding): a length
+    /// byte, or 253, 254, 255 for NaN, +inf, -inf.
+    fn text_score(&mut self) -> Result<f64> {
+        match self.byte()? {
+            253 => Ok(f64::NAN),
+            254 => Ok(f64::INFINITY),
+            255 => Ok(f64::NEG_INFINITY),
+            length => parse_score_text(self.take(usize::from(length))?),
+        }
+    }
+}
+
+/// What Redis refuses to load as well: an empty collection, a NaN score, a
+/// member or field twice.
+fn check_collection(value: &Value) -> Result<()> {
+    fn distinct<'v>(items: impl ExactSizeIterator<Item = &'v Bytes>) -> bool {
+        let count = items.len();
+        items.collect::<hashbrown::HashSet<_>>().len() == count
+    }
+    let (empty, unique) = match value {
+        Value::String(_) => return Ok(()),
+        Value::List(elements) => (elements.is_empty(), true),
+        Value::Set(members) => (members.is_empty(), distinct(members.iter())),
+        Value::Hash(entries) => (entries.is_empty(), distinct(entries.iter().map(|(field, _)| field))),
+        Value::SortedSet(entries) => {
+            if entries.iter().any(|(score, _)| score.is_nan()) {
+                return Err(RdbError::Format("a NaN score"));
+            }
+            (entries.is_empty(), distinct(entries.iter().map(|(_, member)| member)))
+        }
+    };
+    if empty {
+        return Err(RdbError::Format("an empty collection"));
+    }
+    if !unique {
+        return Err(RdbError::Format("a member twice"));
+    }
+    Ok(())
+}
+
+fn pairs(entries: Vec<Bytes>) -> Result<Vec<(Bytes, Bytes)>> {
+    if !entries.len().is_multiple_of(2) {
+        return Err(RdbError::Format("an odd number of entries in pairs"));
+    }
+    let mut entries = entries.into_iter();
+    let mut out = Vec::with_capacity(entries.len() / 2);
+    while let (Some(first), Some(second)) = (entries.next(), entries.next()) {
+        out.push((first, second));
+    }
+    Ok(out)
+}
+
+fn parse_packed_score((member, score): (Bytes, Bytes)) -> Result<(f64, Bytes)> {
+    Ok((parse_score_text(&score)?, member))
+}
+
+fn parse_score_text(text: &[u8]) -> Result<f64> {
+    let invalid = || RdbError::Format("a score that is not a number");
+    let text = std::str::from_utf8(text).map_err(|_| invalid())?;
+    match text {
+        "inf" | "+inf" => Ok(f64::INFINITY),
+        "-inf" => Ok(f64::NEG_INFINITY),
+        _ => text.parse().map_err(|_| invalid()),
+    }
+}
+
+fn little_endian(bytes: &[u8]) -> i64 {
+    let mut padded = [0u8; 8];
+    padded[..bytes.len()].copy_from_slice(bytes);
+    // Sign-extend from the top byte given.
+    let shift = 64 - 8 * bytes.len() as u32;
+    (i64::from_le_bytes(padded) << shift) >> shift
+}
+
+/// A cursor over a ziplist's or listpack's bytes.
+struct Packed<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Packed<'a> {
+    fn take(&mut self, count: usize) -> Result<&'a [u8]> {
+        let end = self.at.checked_add(count).filter(|end| *end <= self.bytes.len());
+        let end = end.ok_or(RdbError::Format("a packed entry past its end"))?;
+        let taken = &self.bytes[self.at..end];
+        self.at = end;
+        Ok(taken)
+    }
+
+    fn byte(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn number(&mut self, width: usize) -> Result<Bytes> {
+        Ok(Bytes::from(little_endian(self.take(width)?).to_string()))
+    }
+
+    /// Checks the header's total length and returns the cursor after it.
+    fn open(bytes: &'a [u8], header: usize) -> Result<Self> {
+        let total = bytes.get(..4).map(|total| u32::from_le_bytes(total.try_into().expect("4 bytes")));
+        if bytes.len() < header + 1 || total != Some(bytes.len() as u32) || bytes[bytes.len() - 1] != 0xff {
+            return Err(RdbError::Format("a packed value's header or end"));
+        }
+        Ok(Self { bytes, at: header })
+    }
+
+    fn finish(&self) -> Result<()> {
+        if self.at + 1 == self.bytes.len() {
+            Ok(())
+        } else {
+            Err(RdbError::Format("bytes after a packed value's last entry"))
+        }
+    }
+}
+
+/// A ziplist's entries (Redis up to 6.2): header `zlbytes zltail zllen`,
+/// entries each after the previous one's length, and 0xFF.
+fn ziplist(bytes: &[u8]) -> Result<Vec<Bytes>> {
+    let mut cursor = Packed::open(bytes, 10)?;
+    let mut entries = Vec::new();
+    while cursor.bytes[cursor.at] != 0xff {
+        if cursor.byte()? == 0xfe {
+            cursor.take(4)?; // the previous entry's length, past 253 bytes
+        }
+        let encoding = cursor.byte()?;
+        let entry = match encoding {
+            0x00..=0x3f => Bytes::copy_from_slice(cursor.take(usize::from(encoding))?),
+            0x40..=0x7f => {
+                let length = usize::from(encoding & 0x3f) << 8 | usize::from(cursor.byte()?);
+                Bytes::copy_from_slice(cursor.take(length)?)
+            }
+            0x80 => {
+                let length = u32::from_be_bytes(cursor.take(4)?.try_into().expect("4 bytes")) as usize;
+                Bytes::copy_from_slice(cursor.take(length)?)
+            }
+            0xc0 => cursor.number(2)?,
+            0xd0 => cursor.number(4)?,
+            0xe0 => cursor.number(8)?,
+            0xf0 => cursor.number(3)?,
+            0xfe => cursor.number(1)?,
+            0xf1..=0xfd => Bytes::from(((encoding & 0x0f) - 1).to_string()),
+            _ => return Err(RdbError::Format("unknown ziplist entry encoding")),
+        };
+        entries.push(entry);
+        if cursor.at >= cursor.bytes.len() {
+            return Err(RdbError::Format("a ziplist without its end"));
+        }
+    }
+    cursor.finish()?;
+    Ok(entries)
+}
+
+/// A listpack's entries (Redis 7): header `total-bytes count`, entries each
+/// followed by its own length backwards, and 0xFF.
+fn listpack(bytes: &[u8]) -> Result<Vec<Bytes>> {
+    let mut cursor = Packed::open(bytes, 6)?;
+    let mut entries = Vec::new();
+    while cursor.bytes[cursor.at] != 0xff {
+        let start = cursor.at;
+        let encoding = cursor.byte()?;
+        let entry = match encoding {
+            0x00..=0x7f => Bytes::from(encoding.to_string()),
+            0x80..=0xbf => Bytes::copy_from_slice(cursor.take(usize::from(encoding & 0x3f))?),
+            0xc0..=0xdf => {
+                let raw = i64::from(encoding & 0x1f) << 8 | i64::from(cursor.byte()?);
+                Bytes::from((if raw >= 1 << 12 { raw - (1 << 13) } else { raw }).to_string())
+            }
+            0xe0..=0xef => {
+                let length = usize::from(encoding & 0x0f) << 8 | usize::from(cursor.byte()?);
+                Bytes::copy_from_slice(cursor.take(length)?)
+            }
+            0xf0 => {
+                let length = u32::from_le_bytes(cursor.take(4)?.try_into().expect("4 bytes")) as usize;
+                Bytes::copy_from_slice(cursor.take(length)?)
+            }
+            0xf1 => cursor.number(2)?,
+            0xf2 => cursor.number(3)?,
+            0xf3 => cursor.number(4)?,
+            0xf4 => cursor.number(8)?,
+            _ => return Err(RdbError::Format("unknown listpack entry encoding")),
+        };
+        let entry_length = cursor.at - start;
+        let back_length = match entry_length {
+            0..=127 => 1,
+            128..=16382 => 2,
+            16383..=2_097_150 => 3,
+            2_097_151..=268_435_454 => 4,
+            _ => 5,
+        };
+        cursor.take(back_length)?;
+        entries.push(entry);
+        if cursor.at >= cursor.bytes.len() {
+            return Err(RdbError::Format("a listpack without its end"));
+        }
+    }
+    cursor.finish()?;
+    Ok(entries)
+}
+
+/// An intset's members: `encoding (2, 4 or 8) count` and the integers.
+fn intset(bytes: &[u8]) -> Result<Vec<Bytes>> {
+    let word =
+        |at: usize| bytes.get(at..at + 4).map(|word| u32::from_le_bytes(word.try_into().expect("4 bytes")));
+    let (Some(width), Some(count)) = (word(0), word(4)) else {
+        return Err(RdbError::Format("an intset's header"));
+    };
+    let (width, count) = (width as usize, count as usize);
+    if !matches!(width, 2 | 4 | 8)
+        || count.checked_mul(width).and_then(|body| body.checked_add(8)) != Some(bytes.len())
+    {
+        return Err(RdbError::Format("an intset's length"));
+    }
+    Ok(bytes[8..].chunks_exact(width).map(|member| Bytes::from(little_endian(member).to_string())).collect())
+}
+
+/// LZF's decompression: literal runs (a control byte below 32 says how
+/// many bytes follow) and back references (length in the top three bits,
+/// extended by a byte when they are all set; distance in the rest and the
+/// next byte). The result must be exactly `length` bytes.
+fn lzf_decompress(input: &[u8], length: usize) -> Result<Vec<u8>> {
+    let bad = || RdbError::Format("a bad LZF-compressed string");
+    let mut out = Vec::with_capacity(length);
+    let mut at = 0;
+    while at < input.len() {
+        let control = usize::from(input[at]);
+        at += 1;
+        if control < 32 {
+            let run = input.get(at..at + control + 1).ok_or_else(bad)?;
+            out.extend_from_slice(run);
+            at += control + 1;
+        } else {
+            let mut run = control >> 5;
+            if run == 7 {
+                run += usize::from(*input.get(at).ok_or_else(bad)?);
+                at += 1;
+            }
+            let low = usize::from(*input.get(at).ok_or_else(bad)?);
+            at += 1;
+            let distance = ((control & 0x1f) << 8) + low + 1;
+            let from = out.len().checked_sub(distance).ok_or_else(bad)?;
+            for index in 0..run + 2 {
+                out.push(out[from + index]); // may read what this run wrote
+            }
+        }
+        if out.len() > length {
+            return Err(bad());
+        }
+    }
+    if out.len() != length {
+        return Err(bad());
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn bytes(items: &[&str]) -> Vec<Bytes> {
+        items.iter().map(|item| Bytes::copy_from_slice(item.as_bytes())).collect()
+    }
+
+    #[test]
+    fn the_checksum_is_redis_crc64() {
+        assert_eq!(CRC64.checksum(b"123456789"), 0xe9c6_d914_c4b8_d9ca);
+    }
+
+    #[test]
+    fn every_value_comes_back_from_its_dump() {
+        let long = "x".repeat(20_000);
+        let values = [
+            Value::String(Bytes::from_static(b"hello")),
+            Value::String(Bytes::from(long.clone())),
+            Value::List(bytes(&["a", "", "a", &long])),
+            Value::Set(bytes(&["m1", "m2"])),
+            Value::Hash(vec![(Bytes::from_static(b"f"), Bytes::from_static(b"v"))]),
+            Value::SortedSet(vec![
+                (1.5, Bytes::from_static(b"m")),
+                (f64::NEG_INFINITY, Bytes::from_static(b"n")),
+            ]),
+        ];
+        for value in values {
+            assert_eq!(restore(&dump(&value), 1 << 20), Ok(value));
+        }
+    }
+
+    #[test]
+    fn a_changed_payload_is_refused_by_its_footer() {
+        let mut payload = dump(&Value::String(Bytes::from_static(b"hello")));
+        payload[3] ^= 1;
+        assert_eq!(restore(&payload, 1 << 20), Err(RdbError::Footer));
+        assert_eq!(restore(b"short", 1 << 20), Err(RdbError::Footer));
+    }
+
+    /// Payloads redis-server 7.0 answered DUMP with.
+    #[test]
+    fn redis_encodings_are_read() {
+        let cases: [(&[u8], Value); 6] = [
+            // SET k 123: an int8-encoded string.
+            (b"\x00\xc0{\n\x00H\xe2S\xe1\x00zg\xb9", Value::String(Bytes::from_static(b"123"))),
+            // SET c abcabc…: an LZF-compressed string.
+            (
+                b"\x00\xc3\x0b@Z\x03abca\xe0K\x02\x01bc\n\x00#\x806\xf9\xe2\xd0\xc7\x80",
+                Value::String(Bytes::from("abc".repeat(30))),
+            ),
+            // RPUSH l a 1 -5000: a quicklist of one listpack node.
+            (
+                b"\x12\x01\x02\x10\x10\x00\x00\x00\x03\x00\x81a\x02\x01\x01\xf1x\xec\x03\xff\n\x00\xbetw%\xa2q\x99\xb2",
+                Value::List(bytes(&["a", "1", "-5000"])),
+            ),
+            // SADD s 1 2 300: an intset.
+            (
+                b"\x0b\x0e\x02\x00\x00\x00\x03\x00\x00\x00\x01\x00\x02\x00,\x01\n\x00\xe5\x10\xb2\x8e{\x95)\xaa",
+                Value::Set(bytes(&["1", "2", "300"])),
+            ),
+            // HSET h f v: a listpack.
+            (
+                b"\x10\r\r\x00\x00\x00\x02\x00\x81f\x02\x81v\x02\xff\n\x00 \xf1=D#T\x08\x9d",
+                Value::Hash(vec![(Bytes::from_static(b"f"), Bytes::from_static(b"v"))]),
+            ),
+            // ZADD z 1.5 m: a listpack with the score as text.
+            (
+                b"\x11\x0f\x0f\x00\x00\x00\x02\x00\x81m\x02\x831.5\x04\xff\n\x00I\xd9\x87`x%N\x8a",
+                Value::SortedSet(vec![(1.5, Bytes::from_static(b"m"))]),
+            ),
+        ];
+        for (payload, expected) in cases {
+            assert_eq!(restore(payload, 1 << 20), Ok(expected));
+        }
+    }
+
+    #[test]
+    fn lzf_reads_literals_and_overlapping_references() {
+        // "aaaaaaaaaa": one literal 'a', then a reference one back, 9 long.
+        assert_eq!(lzf_decompress(&[0x00, b'a', 0xe0, 0x00, 0x00], 10).unwrap(), b"a".repeat(10));
+        assert!(lzf_decompress(&[0x20, 0x05], 3).is_err(), "a reference before the start");
+        assert!(lzf_decompress(&[0x05, b'a'], 6).is_err(), "a literal run past the input");
+    }
+
+    #[test]
+    fn malformed_payloads_are_errors_never_panics() {
+        let value = Value::Hash(
+            (0..50).map(|n| (Bytes::from(format!("f{n}")), Bytes::from(format!("{n}")))).collect(),
+        );
+        let payload = dump(&value);
+        for cut in 0..payload.len() - 10 {
+            let mut body = payload[..cut].to_vec();
+            body.extend_from_slice(&DUMP_VERSION.to_le_bytes());
+            let checksum = CRC64.checksum(&body);
+            body.extend_from_slice(&checksum.to_le_bytes());
+            assert!(restore(&body, 1 << 20).is_err(), "cut at {cut}");
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for _ in 0..2000 {
+            let mut body: Vec<u8> = payload[..payload.len() - 10].to_vec();
+            for _ in 0..rng.gen_range(1..4) {
+                let at = rng.gen_range(0..body.len());
+                body[at] = rng.gen();
+            }
+            body.extend_from_slice(&DUMP_VERSION.to_le_bytes());
+            let checksum = CRC64.checksum(&body);
+            body.extend_from_slice(&checksum.to_le_bytes());
+            let _ = restore(&body, 1 << 20);
+        }
+    }
+}
