@@ -49,7 +49,7 @@ import time
 import pytest
 import redis
 
-from conftest import Node
+from conftest import Node, free_port
 
 SEQUENCES = int(os.environ.get("TESSERA_DIFF_SEQUENCES", "60"))
 FIRST_SEED = int(os.environ.get("TESSERA_DIFF_SEED", "1"))
@@ -870,6 +870,31 @@ def test_redis_migrates_keys_into_tessera(both, node, redis_server):
         theirs.execute_command("MIGRATE", "127.0.0.1", node.port, "short", 0, 5000, "COPY")
     assert theirs.execute_command("MIGRATE", "127.0.0.1", node.port, "short", 0, 5000, "REPLACE") == b"OK"
     assert ours.execute_command("GET", "short") == b"again"
+
+
+def test_tessera_migrates_keys_into_redis(both, redis_server):
+    """A node's MIGRATE sends its keys to Redis as a Redis node would:
+    every type with its deadline, COPY, REPLACE, NOKEY, the target's
+    refusals (a key it refused stays here) and an unreachable target."""
+    ours, theirs = both
+    keys = values_of_every_encoding(ours)
+    assert ours.execute_command("MIGRATE", "127.0.0.1", redis_server, "", 0, 5000, "COPY", "KEYS", *keys) == b"OK"
+    assert state_of(ours) == state_of(theirs)
+    moved = ours.execute_command("MIGRATE", "127.0.0.1", redis_server, "", 0, 5000, "REPLACE", "KEYS", "short", "int",
+                                 "missing")
+    assert moved == b"OK"
+    assert ours.execute_command("EXISTS", "short", "int") == 0 and theirs.execute_command("GET", "short") == b"hello"
+    assert ours.execute_command("MIGRATE", "127.0.0.1", redis_server, "missing", 0, 5000) == b"NOKEY"
+    ours.execute_command("SET", "short", "again")
+    with pytest.raises(redis.ResponseError, match="Target instance replied with error: BUSYKEY"):
+        ours.execute_command("MIGRATE", "127.0.0.1", redis_server, "short", 0, 5000)
+    assert ours.execute_command("GET", "short") == b"again", "a key the target refused stays"
+    with pytest.raises(redis.ResponseError, match="Target instance replied with error: ERR AUTH"):
+        ours.execute_command("MIGRATE", "127.0.0.1", redis_server, "short", 0, 5000, "AUTH", "nope")
+    with pytest.raises(redis.ResponseError, match="IOERR error or timeout connecting"):
+        ours.execute_command("MIGRATE", "127.0.0.1", free_port(), "short", 0, 200)
+    with pytest.raises(redis.ResponseError, match="KEYS option, the key argument must be set to the empty string"):
+        ours.execute_command("MIGRATE", "127.0.0.1", redis_server, "short", 0, 5000, "KEYS", "int")
 
 
 def raw_exchange(port, script):

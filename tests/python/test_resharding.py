@@ -258,3 +258,33 @@ def test_redis_cli_reshards_an_eventual_cluster_without_losing_an_acknowledged_w
     assert all(owner == ports[1] for slot, owner in slot_owners(ports[2]).items() if slot < MOVED_SLOTS)
     assert len(acknowledged) > 300, f"a real test: {len(acknowledged)} acknowledged writes in the moved slots"
     assert_acknowledged_writes_kept(cluster, acknowledged)
+
+
+def test_redis_cli_imports_a_redis_server_into_the_cluster(cluster_factory, redis_server):
+    """`redis-cli --cluster import` moves a Redis server's keys into a
+    Tessera cluster with MIGRATE from the Redis side, which sends each key to
+    its slot's node as RESTORE: every type arrives, deadlines included, and
+    the cluster's replicas hold them."""
+    cluster = cluster_factory("strong", nodes=3)
+    source = redis.Redis(port=redis_server)
+    strings = {f"string:{n}": str(n * 7) for n in range(300)}
+    source.mset(strings)
+    source.rpush("list", *[f"element-{n}" for n in range(1000)])
+    source.sadd("intset", *range(50))
+    source.sadd("set", *[f"member-{n}" for n in range(300)])
+    source.hset("hash", mapping={f"field-{n}": n for n in range(300)})
+    source.zadd("zset", {f"member-{n}": n / 4 for n in range(300)})
+    source.set("expiring", "soon", ex=1000)
+    output = redis_cli("--cluster", "import", f"127.0.0.1:{cluster.port(0)}",
+                       "--cluster-from", f"127.0.0.1:{redis_server}", "--cluster-copy")
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", output)  # redis-cli colours its report
+    assert len(re.findall(r"^Migrating .*: OK$", plain, re.MULTILINE)) == len(strings) + 6, plain[-2000:]
+    client = cluster.client(socket_timeout=10)
+    assert [client.get(key) for key in strings] == [value.encode() for value in strings.values()]
+    assert client.lrange("list", 0, -1) == source.lrange("list", 0, -1)
+    assert client.smembers("intset") == source.smembers("intset")
+    assert client.smembers("set") == source.smembers("set")
+    assert client.hgetall("hash") == source.hgetall("hash")
+    assert client.zrange("zset", 0, -1, withscores=True) == source.zrange("zset", 0, -1, withscores=True)
+    assert 990 <= client.ttl("expiring") <= 1000
+    assert_replicas_converge(cluster, list(strings)[:20] + ["expiring"])

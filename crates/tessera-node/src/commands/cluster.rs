@@ -78,11 +78,13 @@ fn cluster(context: &mut Context, request: &Request) -> CommandResult {
     Ok(())
 }
 
-/// MIGRATE on a node outside a cluster (a cluster node serves it as
-/// resharding).
-fn migrate(context: &mut Context, _request: &Request) -> CommandResult {
-    member_of_cluster(context)?;
-    Err(CommandError::Other("MIGRATE is served through the cluster".into()))
+/// MIGRATE on a node outside a cluster, to any server (a cluster node
+/// serves it as resharding).
+fn migrate(context: &mut Context, request: &Request) -> CommandResult {
+    if context.cluster.is_some() {
+        return Err(CommandError::Other("MIGRATE is served through the cluster".into()));
+    }
+    super::dump::migrate(context, request)
 }
 
 fn relay_refused() -> CommandError {

@@ -241,8 +241,17 @@ impl CommandSpec {
         count: usize,
         arg: impl Fn(usize) -> &'r [u8],
     ) -> impl Iterator<Item = usize> {
-        let last = if self.last_key < 0 { count as i32 + self.last_key } else { self.last_key };
-        let first = if self.first_key > 0 { self.first_key } else { last + 1 };
+        let (first, last) = match self.name {
+            // MIGRATE's KEYS form names its keys after KEYS, and "" in place of one.
+            "migrate" => match dump::migrate_keys_at(count, &arg) {
+                Some(at) => (at as i32, count as i32 - 1),
+                None => (3, 3),
+            },
+            _ => {
+                let last = if self.last_key < 0 { count as i32 + self.last_key } else { self.last_key };
+                (if self.first_key > 0 { self.first_key } else { last + 1 }, last)
+            }
+        };
         let fixed = (first..=last).step_by(self.step.max(1) as usize).map(|index| index as usize);
         let movable = match counted_keys_at(self.name) {
             Some(at) if at < count => {
