@@ -430,3 +430,109 @@ def test_config_set_changes_what_it_can_while_serving_and_answers_as_redis(node,
     time.sleep(2.5)
     assert idle.connection_pool._available_connections[0]._sock.recv(16) == b"", "closed after the new timeout"
     ours.config_set("timeout", "0")
+
+
+def answer_of(client, command):
+    try:
+        return client.execute_command(*command)
+    except redis.ResponseError as error:
+        return ("error", str(error))
+
+
+def test_slowlog_latency_and_memory_answer_as_redis(node, redis_server):
+    """The slow log keeps what Redis keeps (arguments cut at 32 and 128
+    bytes, passwords left out) and answers in Redis's shapes; LATENCY and
+    MEMORY answer as Redis does; Redis's encoding parameters are accepted;
+    errors match."""
+    ours, theirs = node.client(), redis.Redis(port=redis_server, protocol=2)
+    for client in (ours, theirs):
+        client.response_callbacks.clear()
+        client.execute_command("SLOWLOG", "RESET")
+        client.execute_command("CONFIG", "SET", "slowlog-log-slower-than", "0", "slowlog-max-len", "3")
+        client.execute_command("SET", "key", "x" * 200)
+        client.execute_command("RPUSH", "list", *range(40))
+        client.execute_command("GET", "key")
+
+    def entries(client):
+        # id, time and duration are each server's own; the rest must agree.
+        return [(entry[3], entry[5]) for entry in client.execute_command("SLOWLOG", "GET", -1)]
+
+    assert entries(ours) == entries(theirs)
+    assert ours.execute_command("SLOWLOG", "LEN") == theirs.execute_command("SLOWLOG", "LEN") == 3
+    first = ours.execute_command("SLOWLOG", "GET", 1)[0]
+    assert len(first) == 6 and first[2] >= 0 and isinstance(first[4], bytes)
+    for command in [["SLOWLOG", "GET", -2], ["SLOWLOG", "GET", "x"], ["SLOWLOG", "GET", 1, 2], ["SLOWLOG", "NOPE"],
+                    ["SLOWLOG", "LEN", "x"], ["CONFIG", "SET", "slowlog-log-slower-than", "-5"],
+                    ["CONFIG", "SET", "slowlog-max-len", "x"], ["CONFIG", "SET", "latency-monitor-threshold", "-1"],
+                    ["CONFIG", "SET", "hash-max-listpack-entries", "512", "activerehashing", "no"],
+                    ["CONFIG", "GET", "hash-max-listpack-entries"], ["CONFIG", "SET", "activerehashing", "maybe"],
+                    ["CONFIG", "SET", "zset-max-listpack-value", "x"],
+                    ["LATENCY", "LATEST"], ["LATENCY", "HISTORY", "command"], ["LATENCY", "RESET"],
+                    ["LATENCY", "NOPE"], ["LATENCY", "HISTORY"],
+                    ["MEMORY", "USAGE", "missing"], ["MEMORY", "USAGE", "key", "SAMPLES", -1],
+                    ["MEMORY", "USAGE", "key", "BAD", 1], ["MEMORY", "USAGE"], ["MEMORY", "NOPE"],
+                    ["MEMORY", "PURGE"], ["CONFIG", "RESETSTAT"], ["CONFIG", "RESETSTAT", "x"]]:
+        assert answer_of(ours, command) == answer_of(theirs, command), command
+    ours.execute_command("SLOWLOG", "RESET")
+    ours.execute_command("MSET", *[f"k{n}" for n in range(80)])
+    logged = ours.execute_command("SLOWLOG", "GET", 1)[0][3]
+    assert len(logged) == 32 and logged[-1] == b"... (50 more arguments)"
+    with pytest.raises(redis.AuthenticationError):
+        ours.execute_command("AUTH", "nobody", "secret-password")
+    logged = [entry[3] for entry in ours.execute_command("SLOWLOG", "GET", -1) if entry[3][0] == b"AUTH"]
+    assert logged == [[b"AUTH", b"(redacted)"]], "no password kept"
+    ours.execute_command("CONFIG", "SET", "slowlog-log-slower-than", "10000", "slowlog-max-len", "128")
+    theirs.execute_command("CONFIG", "SET", "slowlog-log-slower-than", "10000", "slowlog-max-len", "128")
+    # MEMORY USAGE grows with the value, sampled or whole.
+    ours.execute_command("RPUSH", "big", *[f"element-{n:05}" * 4 for n in range(5000)])
+    small, large = ours.execute_command("MEMORY", "USAGE", "list"), ours.execute_command("MEMORY", "USAGE", "big")
+    assert 0 < small < large and large > 5000 * 40
+    assert abs(ours.execute_command("MEMORY", "USAGE", "big", "SAMPLES", 0) - large) < large * 0.2
+    stats = dict(zip(*[iter(ours.execute_command("MEMORY", "STATS"))] * 2))
+    assert stats[b"keys.count"] >= 3 and stats[b"total.allocated"] > 0
+    # LATENCY records a command over the threshold.
+    ours.execute_command("CONFIG", "SET", "latency-monitor-threshold", "1")
+    ours.execute_command("EVAL", "local n = 0 for i = 1, 3000000 do n = n + i end return n", 0)
+    latest = ours.execute_command("LATENCY", "LATEST")
+    assert latest and latest[0][0] == b"command" and latest[0][3] >= 1, latest
+    assert ours.execute_command("LATENCY", "HISTORY", "command")
+    assert ours.execute_command("LATENCY", "RESET", "command") == 1
+    ours.execute_command("CONFIG", "SET", "latency-monitor-threshold", "0")
+
+
+def test_client_reply_and_pause_behave_as_in_redis(node, redis_server):
+    """CLIENT REPLY OFF and SKIP drop replies byte for byte as Redis does;
+    CLIENT PAUSE WRITE holds writes (not reads) until it ends or UNPAUSE,
+    and CLIENT PAUSE ALL holds every command."""
+    def exchange(port):
+        connection = socket.create_connection(("127.0.0.1", port))
+        script = [["SET", "a", "1"], ["CLIENT", "REPLY", "OFF"], ["SET", "b", "2"], ["GET", "a"],
+                  ["CLIENT", "REPLY", "ON"], ["CLIENT", "REPLY", "SKIP"], ["GET", "a"], ["GET", "b"],
+                  ["CLIENT", "REPLY", "MAYBE"], ["CLIENT", "NO-EVICT", "ON"], ["CLIENT", "NO-EVICT", "x"],
+                  ["CLIENT", "PAUSE", "x"], ["CLIENT", "PAUSE", "10", "SOME"], ["PING"]]
+        connection.sendall(b"".join(b"*%d\r\n" % len(command) + b"".join(
+            b"$%d\r\n%s\r\n" % (len(arg), arg.encode()) for arg in command) for command in script))
+        connection.settimeout(1)
+        data = b""
+        while not data.endswith(b"+PONG\r\n"):
+            data += connection.recv(65536)
+        connection.close()
+        return data
+
+    assert exchange(node.port) == exchange(redis_server)
+    ours, other = node.client(), node.client()
+    ours.execute_command("CLIENT", "PAUSE", 500, "WRITE")
+    started = time.monotonic()
+    assert other.get("a") == b"1" and time.monotonic() - started < 0.3, "reads go on"
+    other.set("a", "2")
+    assert time.monotonic() - started >= 0.4, "a write waited for the pause to end"
+    ours.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
+    threading.Timer(0.3, lambda: node.client().execute_command("CLIENT", "UNPAUSE")).start()
+    started = time.monotonic()
+    other.set("a", "3")
+    assert 0.2 < time.monotonic() - started < 5, "CLIENT UNPAUSE ended the pause"
+    ours.execute_command("CLIENT", "PAUSE", 400, "ALL")
+    started = time.monotonic()
+    assert other.get("a") == b"3" and time.monotonic() - started >= 0.3, "under ALL, reads wait too"
+    ours.execute_command("CLIENT", "NO-EVICT", "ON")
+    assert b"flags=e" in ours.execute_command("CLIENT", "INFO")

@@ -5,8 +5,9 @@
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use tessera_wire::{Parsed, Protocol, ReplyWriter, Request, RequestParser};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::sync::{oneshot, watch};
@@ -17,7 +18,7 @@ use crate::clients::{ClientEntry, Registration};
 use crate::cluster::{serve, ClusterNode, Forwarder, Held};
 use crate::commands::connection::refresh_client_state;
 use crate::commands::scripting::ScriptOutcome;
-use crate::commands::{dispatch, Context, Session};
+use crate::commands::{dispatch, lookup, CommandSpec, Context, Session};
 use crate::error::CommandError;
 use crate::node_state::{now_ms, NodeState, WorkerStats};
 use crate::pubsub::{Message, Subscription};
@@ -297,6 +298,15 @@ impl Connection {
             match self.parser.parse(&self.input, start) {
                 Ok(Parsed::Complete { end }) => {
                     let request = Request::new(&self.input, self.parser.args());
+                    // CLIENT PAUSE holds other clients' commands here (a
+                    // cluster's own links go on).
+                    if !self.session.relay && self.node.pause.holds(true, now_ms) {
+                        let writes = lookup(request.arg(0)).is_some_and(pausable_as_write);
+                        while self.node.pause.holds(writes, crate::node_state::now_ms()) {
+                            self.node.pause.wait(crate::node_state::now_ms()).await;
+                        }
+                    }
+                    let (started, reply_mark) = (Instant::now(), self.out.len());
                     let mut context = Context {
                         node: &self.node,
                         tables: &self.tables,
@@ -319,8 +329,20 @@ impl Connection {
                         }
                     }
                     if let Some(script) = self.session.script.take() {
+                        // The request's buffer is this connection's: its
+                        // arguments are copied to outlive the wait.
+                        let args: Vec<Bytes> = request.args().map(Bytes::copy_from_slice).collect();
                         self.await_script(script).await;
+                        self.observe(args.iter().map(|arg| &arg[..]), started.elapsed());
+                    } else {
+                        self.observe(request.args(), started.elapsed());
                     }
+                    if self.session.replies_off || self.session.replies_to_skip > 0 {
+                        // CLIENT REPLY OFF or SKIP: the reply is dropped.
+                        self.out.truncate(reply_mark);
+                        self.held.retain(|held| held.start < reply_mark);
+                    }
+                    self.session.replies_to_skip = self.session.replies_to_skip.saturating_sub(1);
                     if self.session.blocked.is_some() {
                         // It waits, unanswered, to run again from here.
                         break;
@@ -377,6 +399,34 @@ impl Connection {
             self.query_buffer.set(self.input.capacity().saturating_sub(READ_CHUNK_BYTES));
         }
         keep_open
+    }
+
+    /// Puts a command that took `duration` in the slow log and the latency
+    /// monitor, if it was slow enough for them.
+    fn observe<'a>(&self, args: impl ExactSizeIterator<Item = &'a [u8]>, duration: Duration) {
+        let (slowlog, latency) = (&self.node.slowlog, &self.node.latency);
+        let latency_threshold = latency.threshold_ms();
+        let for_latency = latency_threshold > 0 && duration.as_millis() >= u128::from(latency_threshold);
+        if !slowlog.is_slow(duration) && !for_latency {
+            return;
+        }
+        let args: Vec<&[u8]> = args.collect();
+        let unix_seconds = now_ms() / 1000;
+        let spec = args.first().and_then(|name| lookup(name));
+        if for_latency {
+            let fast = spec.is_some_and(|spec| spec.flags.contains(&"fast"));
+            latency.observe(if fast { "fast-command" } else { "command" }, duration, unix_seconds);
+        }
+        if slowlog.is_slow(duration) {
+            let name = self.session.name.clone().unwrap_or_default();
+            let address = self.registration.entry.address.clone();
+            // Arguments that may carry a password are not kept.
+            let logged = match spec {
+                Some(spec) if carries_secrets(spec.name) && args.len() > 1 => vec![args[0], b"(redacted)"],
+                _ => args,
+            };
+            slowlog.record(&logged, duration, address, name, unix_seconds);
+        }
     }
 
     /// Writes the reply of a script running on a script thread once it
@@ -468,6 +518,18 @@ async fn next_message(subscription: &mut Option<Subscription>) -> Message {
         },
         None => std::future::pending().await,
     }
+}
+
+/// What CLIENT PAUSE WRITE holds back: writes, and what may write or
+/// replicate (scripts, PUBLISH), as Redis does.
+fn pausable_as_write(spec: &CommandSpec) -> bool {
+    spec.flags.contains(&"write") || matches!(spec.name, "eval" | "evalsha" | "publish" | "spublish")
+}
+
+/// Commands whose arguments may carry a password: the slow log keeps only
+/// their name.
+fn carries_secrets(name: &str) -> bool {
+    matches!(name, "auth" | "hello" | "migrate" | "acl" | "relay.hello" | "relay.auth")
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ pub mod collection;
 pub mod commands;
 pub mod config;
 pub mod connection;
+pub mod diagnostics;
 pub mod error;
 pub mod glob;
 pub mod hashed;

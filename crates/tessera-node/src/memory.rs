@@ -210,6 +210,9 @@ pub struct Settings {
     maxmemory_samples: AtomicUsize,
     /// Seconds a client may stay idle; 0: forever.
     timeout: AtomicU64,
+    /// Redis parameters CONFIG SET accepts and Tessera has no use for (its
+    /// own encodings): the values set, for CONFIG GET.
+    pub accepted_and_ignored: parking_lot::Mutex<hashbrown::HashMap<&'static str, String>>,
 }
 
 impl Settings {
@@ -219,6 +222,7 @@ impl Settings {
             maxmemory_policy: AtomicU8::new(0),
             maxmemory_samples: AtomicUsize::new(config.maxmemory_samples),
             timeout: AtomicU64::new(config.timeout),
+            accepted_and_ignored: Default::default(),
         };
         settings.set_maxmemory_policy(config.maxmemory_policy);
         settings

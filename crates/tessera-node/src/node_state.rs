@@ -6,6 +6,7 @@
 //! other; reads take no lock. Multi-key writes (MSET, DEL) hold all their
 //! stripes, taken in index order so that two of them cannot deadlock.
 
+use crate::diagnostics::{ClientPause, LatencyMonitor, SlowLog};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -122,6 +123,9 @@ pub struct NodeState {
     pub access: AccessClock,
     pub acl: Acl,
     pub stats: Stats,
+    pub slowlog: SlowLog,
+    pub latency: LatencyMonitor,
+    pub pause: ClientPause,
     worker_stats: Mutex<Vec<Arc<WorkerStats>>>,
     pub started: Instant,
     pub next_client_id: AtomicU64,
@@ -221,6 +225,9 @@ impl NodeState {
             eviction_position: Mutex::new((0, ScanCursor::default())),
             access: AccessClock::default(),
             stats: Stats::default(),
+            slowlog: SlowLog::default(),
+            latency: LatencyMonitor::default(),
+            pause: ClientPause::default(),
             worker_stats: Mutex::new(Vec::new()),
             started: Instant::now(),
             next_client_id: AtomicU64::new(1),
@@ -237,6 +244,29 @@ impl NodeState {
     /// One counter summed over every worker.
     pub fn worker_total(&self, counter: impl Fn(&WorkerStats) -> &AtomicU64) -> u64 {
         self.worker_stats.lock().iter().map(|stats| counter(stats).load(Ordering::Relaxed)).sum()
+    }
+
+    /// CONFIG RESETSTAT: the counters INFO shows start again from zero.
+    pub fn reset_stats(&self) {
+        for counter in [
+            &self.stats.connections_received,
+            &self.stats.connections_rejected,
+            &self.stats.expired_keys,
+            &self.stats.evicted_keys,
+        ] {
+            counter.store(0, Ordering::Relaxed);
+        }
+        for stats in self.worker_stats.lock().iter() {
+            for counter in [
+                &stats.commands,
+                &stats.keyspace_hits,
+                &stats.keyspace_misses,
+                &stats.net_input_bytes,
+                &stats.net_output_bytes,
+            ] {
+                counter.store(0, Ordering::Relaxed);
+            }
+        }
     }
 
     pub fn tables(&self) -> Arc<TableSet> {

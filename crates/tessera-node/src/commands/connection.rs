@@ -200,6 +200,38 @@ fn client(context: &mut Context, request: &Request) -> CommandResult {
         context.out.verbatim(&text);
     } else if is(subcommand, "kill") {
         client_kill(context, request)?;
+    } else if is(subcommand, "reply") && request.len() == 3 {
+        let mode = request.arg(2);
+        if is(mode, "on") {
+            (context.session.replies_off, context.session.replies_to_skip) = (false, 0);
+            context.out.ok();
+        } else if is(mode, "off") {
+            context.session.replies_off = true;
+        } else if is(mode, "skip") {
+            context.session.replies_to_skip = 2; // this command's reply and the next one's
+        } else {
+            return Err(CommandError::Syntax);
+        }
+    } else if is(subcommand, "no-evict") && request.len() == 3 {
+        context.session.no_evict = on_or_off(request.arg(2))?;
+        context.out.ok();
+    } else if is(subcommand, "pause") && (3..=4).contains(&request.len()) {
+        let timeout = parse_i64(request.arg(2))
+            .ok()
+            .filter(|timeout| *timeout >= 0)
+            .ok_or_else(|| CommandError::Other("timeout is not an integer or out of range".into()))?;
+        let every_command = match request.len() {
+            4 if is(request.arg(3), "write") => false,
+            4 if is(request.arg(3), "all") => true,
+            4 => return Err(CommandError::Other("CLIENT PAUSE mode must be WRITE or ALL".into())),
+            _ => true,
+        };
+        let until = context.now_ms.saturating_add(timeout as u64);
+        context.node.pause.pause(until, every_command, context.now_ms);
+        context.out.ok();
+    } else if is(subcommand, "unpause") && request.len() == 2 {
+        context.node.pause.unpause();
+        context.out.ok();
     } else if is(subcommand, "help") {
         let lines = [
             "CLIENT <subcommand>",
@@ -210,6 +242,10 @@ fn client(context: &mut Context, request: &Request) -> CommandResult {
             "INFO",
             "LIST [TYPE NORMAL|PUBSUB] [ID <id> ...]",
             "KILL <ip:port> | KILL [ID <id>] [ADDR <ip:port>] [LADDR <ip:port>] [USER <name>] [TYPE NORMAL|PUBSUB] [SKIPME YES|NO]",
+            "REPLY ON|OFF|SKIP",
+            "NO-EVICT ON|OFF",
+            "PAUSE <timeout> [WRITE|ALL]",
+            "UNPAUSE",
         ];
         super::write_help(context, &lines);
     } else {
@@ -266,6 +302,9 @@ pub fn refresh_client_state(
     }
     if session.blocked.is_some() {
         state.flags.push('b');
+    }
+    if session.no_evict {
+        state.flags.push('e');
     }
 }
 
@@ -394,4 +433,15 @@ fn client_kill(context: &mut Context, request: &Request) -> CommandResult {
     }
     context.out.integer(killed);
     Ok(())
+}
+
+/// An ON or OFF argument.
+fn on_or_off(arg: &[u8]) -> CommandResult<bool> {
+    if is(arg, "on") {
+        Ok(true)
+    } else if is(arg, "off") {
+        Ok(false)
+    } else {
+        Err(CommandError::Syntax)
+    }
 }

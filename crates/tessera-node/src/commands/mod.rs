@@ -8,6 +8,7 @@ pub mod connection;
 pub mod consistency;
 mod dump;
 mod hashes;
+mod introspection;
 pub mod keys;
 pub mod lists;
 pub mod pubsub;
@@ -79,6 +80,12 @@ pub struct Session {
     pub subscription: Option<crate::pubsub::Subscription>,
     /// The connection's entry among the node's clients.
     pub client: Option<Arc<crate::clients::ClientEntry>>,
+    /// CLIENT REPLY OFF: no replies until CLIENT REPLY ON.
+    pub replies_off: bool,
+    /// CLIENT REPLY SKIP: the replies to drop, this command's included.
+    pub replies_to_skip: u8,
+    /// CLIENT NO-EVICT ON (kept for CLIENT LIST; Tessera never evicts clients).
+    pub no_evict: bool,
     /// A script running on a script thread: the connection waits for its reply.
     pub script: Option<tokio::sync::oneshot::Receiver<scripting::ScriptOutcome>>,
 }
@@ -259,6 +266,8 @@ impl CommandSpec {
                 at + 1..at + 1 + keys
             }
             _ if self.name == "sort" => sort::store_key_position(count, arg).map_or(0..0, |at| at..at + 1),
+            // MEMORY USAGE's key, the one key of its subcommands.
+            _ if self.name == "memory" && count >= 3 && is(arg(1), "usage") => 2..3,
             _ => 0..0,
         };
         fixed.chain(movable)
@@ -288,7 +297,7 @@ fn table() -> &'static HashMap<&'static [u8], &'static CommandSpec> {
 
 /// The commands, by family: the family is a command's ACL category beside
 /// those its flags give (`@string`, `@hash`, … as Redis names them).
-const FAMILIES: [(&str, &[CommandSpec]); 15] = [
+const FAMILIES: [(&str, &[CommandSpec]); 16] = [
     ("connection", connection::COMMANDS),
     ("tessera", consistency::COMMANDS),
     ("cluster", cluster::COMMANDS),
@@ -299,6 +308,7 @@ const FAMILIES: [(&str, &[CommandSpec]); 15] = [
     ("set", sets::COMMANDS),
     ("sortedset", sorted_sets::COMMANDS),
     ("server", server::COMMANDS),
+    ("server", introspection::COMMANDS),
     ("transaction", transactions::COMMANDS),
     ("pubsub", pubsub::COMMANDS),
     ("scripting", scripting::COMMANDS),
@@ -389,6 +399,9 @@ fn check_subcommand(spec: &CommandSpec, request: &Request) -> CommandResult {
         "script" => scripting::SUBCOMMANDS,
         "object" => keys::OBJECT_SUBCOMMANDS,
         "config" => server::CONFIG_SUBCOMMANDS,
+        "slowlog" => introspection::SLOWLOG_SUBCOMMANDS,
+        "latency" => introspection::LATENCY_SUBCOMMANDS,
+        "memory" => introspection::MEMORY_SUBCOMMANDS,
         _ => return Ok(()),
     };
     let name = String::from_utf8_lossy(request.arg(1)).to_ascii_lowercase();

@@ -196,13 +196,58 @@ fn command(context: &mut Context, request: &Request) -> CommandResult {
 }
 
 /// CONFIG's subcommands and their arities.
-pub const CONFIG_SUBCOMMANDS: &[(&str, i32)] = &[("get", -3), ("set", -4), ("rewrite", 2), ("help", 2)];
+pub const CONFIG_SUBCOMMANDS: &[(&str, i32)] =
+    &[("get", -3), ("set", -4), ("resetstat", 2), ("rewrite", 2), ("help", 2)];
+
+/// Redis's encoding and tuning parameters, with their defaults: CONFIG SET
+/// accepts them (so tools and configs written for Redis apply) and Tessera,
+/// whose values have encodings of their own, ignores them. docs/OPERATIONS.md
+/// lists them.
+pub const ACCEPTED_AND_IGNORED: &[(&str, &str, ValueKind)] = &[
+    ("hash-max-listpack-entries", "128", ValueKind::Integer),
+    ("hash-max-listpack-value", "64", ValueKind::Memory),
+    ("hash-max-ziplist-entries", "128", ValueKind::Integer),
+    ("hash-max-ziplist-value", "64", ValueKind::Memory),
+    ("set-max-intset-entries", "512", ValueKind::Integer),
+    ("set-max-listpack-entries", "128", ValueKind::Integer),
+    ("set-max-listpack-value", "64", ValueKind::Memory),
+    ("zset-max-listpack-entries", "128", ValueKind::Integer),
+    ("zset-max-listpack-value", "64", ValueKind::Memory),
+    ("zset-max-ziplist-entries", "128", ValueKind::Integer),
+    ("zset-max-ziplist-value", "64", ValueKind::Memory),
+    ("list-max-listpack-size", "-2", ValueKind::Integer),
+    ("list-max-ziplist-size", "-2", ValueKind::Integer),
+    ("list-compress-depth", "0", ValueKind::Integer),
+    ("stream-node-max-bytes", "4096", ValueKind::Memory),
+    ("stream-node-max-entries", "100", ValueKind::Integer),
+    ("hll-sparse-max-bytes", "3000", ValueKind::Memory),
+    ("activerehashing", "yes", ValueKind::YesNo),
+    ("lazyfree-lazy-eviction", "no", ValueKind::YesNo),
+    ("lazyfree-lazy-expire", "no", ValueKind::YesNo),
+    ("lazyfree-lazy-server-del", "no", ValueKind::YesNo),
+    ("lazyfree-lazy-user-del", "no", ValueKind::YesNo),
+    ("lazyfree-lazy-user-flush", "no", ValueKind::YesNo),
+];
+
+/// How an accepted-and-ignored parameter's value is checked.
+#[derive(Clone, Copy, Debug)]
+pub enum ValueKind {
+    Integer,
+    /// Bytes, with Redis's units (`64`, `4kb`).
+    Memory,
+    YesNo,
+}
 
 /// A parameter's value as CONFIG GET shows it, and whether CONFIG SET may
 /// change it while the node serves.
 fn parameters(context: &Context) -> Vec<(&'static str, String, bool)> {
     let (config, settings) = (&context.node.config, &context.node.settings);
     let busy_threshold = context.node.scripts.busy_threshold_ms().to_string();
+    let ignored = settings.accepted_and_ignored.lock();
+    let accepted = ACCEPTED_AND_IGNORED.iter().map(|(name, default, _)| {
+        (*name, ignored.get(name).cloned().unwrap_or_else(|| default.to_string()), true)
+    });
+    let (slowlog, latency) = (&context.node.slowlog, &context.node.latency);
     vec![
         ("bind", config.bind.clone(), false),
         ("port", config.port.to_string(), false),
@@ -219,7 +264,13 @@ fn parameters(context: &Context) -> Vec<(&'static str, String, bool)> {
         ("save", String::new(), false),
         ("appendonly", "no".into(), false),
         ("cluster-enabled", if context.cluster.is_some() { "yes" } else { "no" }.into(), false),
+        ("slowlog-log-slower-than", slowlog.threshold_us().to_string(), true),
+        ("slowlog-max-len", slowlog.max_len().to_string(), true),
+        ("latency-monitor-threshold", latency.threshold_ms().to_string(), true),
     ]
+    .into_iter()
+    .chain(accepted)
+    .collect()
 }
 
 /// Applies one CONFIG SET pair, or says what is wrong with its value.
@@ -244,7 +295,33 @@ fn set_parameter(context: &Context, name: &str, value: &str) -> Result<(), Strin
         "busy-reply-threshold" | "lua-time-limit" => {
             context.node.scripts.set_busy_threshold_ms(integer(0, i64::MAX)?)
         }
-        _ => unreachable!("only parameters listed as settable come here"),
+        "slowlog-log-slower-than" => {
+            let threshold: i64 =
+                value.parse().map_err(|_| "argument couldn't be parsed into an integer".to_string())?;
+            if threshold < -1 {
+                return Err(format!("argument must be between -1 and {} inclusive", i64::MAX));
+            }
+            context.node.slowlog.set_threshold_us(threshold);
+        }
+        "slowlog-max-len" => context.node.slowlog.set_max_len(integer(0, i64::from(i32::MAX))? as usize),
+        "latency-monitor-threshold" => context.node.latency.set_threshold_ms(integer(0, i64::MAX)?),
+        name => {
+            let (name, _, kind) =
+                ACCEPTED_AND_IGNORED.iter().find(|(known, _, _)| *known == name).expect("listed as settable");
+            match kind {
+                ValueKind::Integer if value.parse::<i64>().is_err() => {
+                    return Err("argument couldn't be parsed into an integer".into())
+                }
+                ValueKind::Memory if parse_size(value).is_none() => {
+                    return Err("argument must be a memory value".into())
+                }
+                ValueKind::YesNo if !matches!(value.to_ascii_lowercase().as_str(), "yes" | "no") => {
+                    return Err("argument must be 'yes' or 'no'".into())
+                }
+                _ => {}
+            }
+            settings.accepted_and_ignored.lock().insert(name, value.to_ascii_lowercase());
+        }
     }
     Ok(())
 }
@@ -313,6 +390,9 @@ fn config(context: &mut Context, request: &Request) -> CommandResult {
             }
         }
         context.out.ok();
+    } else if is(subcommand, "resetstat") {
+        context.node.reset_stats();
+        context.out.ok();
     } else if is(subcommand, "rewrite") {
         return Err(CommandError::Other(
             "CONFIG REWRITE is not supported: settings live in the config file given at start".into(),
@@ -322,7 +402,10 @@ fn config(context: &mut Context, request: &Request) -> CommandResult {
             "CONFIG <subcommand>, where <subcommand> is one of:",
             "GET <pattern> [<pattern> ...] -- the parameters matching the patterns, with their values",
             "SET <parameter> <value> [<parameter> <value> ...] -- change maxmemory, maxmemory-policy,",
-            "    maxmemory-samples, timeout or busy-reply-threshold (lua-time-limit) while serving",
+            "    maxmemory-samples, timeout, busy-reply-threshold (lua-time-limit), slowlog-log-slower-than,",
+            "    slowlog-max-len or latency-monitor-threshold while serving; Redis's encoding parameters",
+            "    are accepted and ignored",
+            "RESETSTAT -- the statistics INFO shows start again from zero",
             "HELP -- this text",
         ];
         super::write_help(context, &lines);
