@@ -42,9 +42,11 @@ CI runs a fixed budget; a longer run is one command:
 
 import os
 import random
+import re
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -215,6 +217,8 @@ def sorted_sets(rng, key):
         [rng.choice(["ZRANGEBYLEX", "ZLEXCOUNT", "ZREMRANGEBYLEX"]), key, lex_bound(rng), lex_bound(rng)],
         ["ZRANGEBYLEX", key, lex_bound(rng), lex_bound(rng), "LIMIT", rng.choice([0, 1, -1]), rng.choice([1, 2, -1])],
         ["ZREVRANGEBYLEX", key, lex_bound(rng), lex_bound(rng), *rng.choice([[], ["LIMIT", 1, 1], ["WITHSCORES"]])],
+        ["ZREVRANGE", key, rng.choice([0, 1, -1, -3, 5, "x"]), rng.choice([-1, 0, 2, 10, -5]),
+         *rng.choice([[], ["WITHSCORES"], ["LIMIT", 0, 1], ["BAD"]])],
         ["ZRANGE", key, lex_bound(rng), lex_bound(rng), "BYLEX", *rng.choice([[], ["REV"], ["LIMIT", 0, 2], ["WITHSCORES"]])],
         ["ZRANGE", key, 0, 5, "BYSCORE", "BYLEX"],
         ["ZRANGESTORE", rng.choice(KEYS), key, *rng.choice([[0, -1], [1, 2, "REV"], ["-inf", "+inf", "BYSCORE", "LIMIT", 1, 2],
@@ -895,6 +899,23 @@ def test_tessera_migrates_keys_into_redis(both, redis_server):
         ours.execute_command("MIGRATE", "127.0.0.1", free_port(), "short", 0, 200)
     with pytest.raises(redis.ResponseError, match="KEYS option, the key argument must be set to the empty string"):
         ours.execute_command("MIGRATE", "127.0.0.1", redis_server, "short", 0, 5000, "KEYS", "int")
+
+
+def test_the_command_reference_covers_every_redis_command(node, redis_server):
+    """docs/COMMANDS.md names every command redis-server lists, each once:
+    served (and then Tessera lists it too) or not, with why."""
+    reference = (Path(__file__).resolve().parents[2] / "docs" / "COMMANDS.md").read_text()
+    rows = re.findall(r"^\| ([A-Z_.\-]+) \|", reference, re.MULTILINE)
+    not_served = set(re.findall(r"^\| ([A-Z_.\-]+) \| [^|]+ \|$", reference.split("does not serve")[-1], re.MULTILINE))
+    theirs, ours = redis.Redis(port=redis_server), node.client()
+    for client in (theirs, ours):
+        client.response_callbacks.clear()
+    redis_commands = {name.decode().upper() for name in theirs.execute_command("COMMAND", "LIST") if b"|" not in name}
+    ours = {name.decode().upper() for name in ours.execute_command("COMMAND", "LIST")}
+    assert len(rows) == len(set(rows)), "each command once"
+    assert redis_commands <= set(rows), sorted(redis_commands - set(rows))
+    assert (redis_commands - not_served) <= ours and not (not_served & ours)
+    assert ours == set(rows) - not_served
 
 
 def raw_exchange(port, script):

@@ -12,6 +12,8 @@ mod introspection;
 pub mod keys;
 pub mod lists;
 pub mod pubsub;
+#[cfg(test)]
+mod reference;
 pub mod scripting;
 mod server;
 mod sets;
@@ -552,36 +554,6 @@ mod tests {
     }
 
     /// docs/COMMANDS.md lists the command table; `TESSERA_BLESS=1` rewrites it.
-    #[test]
-    fn the_command_reference_matches_the_table() {
-        let mut text = String::from(
-            "# Commands\n\nWhat Tessera serves, by family, generated from the command table\n\
-             (`crates/tessera-node/src/commands`): `cargo test -p tessera-node the_command_reference`\n\
-             checks it and `TESSERA_BLESS=1` rewrites it. Arity is Redis's convention (`-n`: at least\n\
-             n, the name included); where Tessera's behaviour differs from Redis's, docs/ARCHITECTURE.md\n\
-             says so.\n",
-        );
-        let mut family_seen = "";
-        for (family, spec) in commands_by_family() {
-            if family != family_seen {
-                text.push_str(&format!("\n## {family}\n\n| Command | Arity | Flags |\n|---|---|---|\n"));
-                family_seen = family;
-            }
-            text.push_str(&format!(
-                "| {} | {} | {} |\n",
-                spec.name.to_ascii_uppercase(),
-                spec.arity,
-                spec.flags.join(", ")
-            ));
-        }
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/COMMANDS.md");
-        if std::env::var_os("TESSERA_BLESS").is_some() {
-            std::fs::write(&path, &text).unwrap();
-        }
-        let written = std::fs::read_to_string(&path).unwrap_or_default();
-        assert!(written == text, "docs/COMMANDS.md is stale: run with TESSERA_BLESS=1");
-    }
-
     #[test]
     fn lookup_ignores_case_and_rejects_long_names() {
         assert_eq!(lookup(b"GeT").map(|spec| spec.name), Some("get"));

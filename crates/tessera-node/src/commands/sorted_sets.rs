@@ -27,6 +27,7 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "zrank", arity: -3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrank },
     CommandSpec { name: "zrevrank", arity: -3, flags: &["readonly", "fast"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrevrank },
     CommandSpec { name: "zrange", arity: -4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrange },
+    CommandSpec { name: "zrevrange", arity: -4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrevrange },
     CommandSpec { name: "zrangebyscore", arity: -4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrangebyscore },
     CommandSpec { name: "zrangebylex", arity: -4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrangebylex },
     CommandSpec { name: "zrevrangebylex", arity: -4, flags: &["readonly"], first_key: 1, last_key: 1, step: 1, scope: Scope::Keys, handler: zrevrangebylex },
@@ -427,6 +428,14 @@ fn ranged(
 
 fn zrange(context: &mut Context, request: &Request) -> CommandResult {
     let options = range_options(request, 4, true)?;
+    let entries = ranged(context, request.arg(1), request.arg(2), request.arg(3), &options)?;
+    write_entries(context, &entries, options.with_scores);
+    Ok(())
+}
+
+/// ZREVRANGE: ZRANGE by rank, from the highest score down.
+fn zrevrange(context: &mut Context, request: &Request) -> CommandResult {
+    let options = RangeOptions { reverse: true, ..range_options(request, 4, false)? };
     let entries = ranged(context, request.arg(1), request.arg(2), request.arg(3), &options)?;
     write_entries(context, &entries, options.with_scores);
     Ok(())
