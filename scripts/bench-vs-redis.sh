@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Tessera (memory engine) against Redis, side by side in one run, both driven by
-# Redis's own redis-benchmark:  -t set,get -n N -r 1000000 -c 50, at -P 1 and -P 16.
+# Redis's own redis-benchmark:  -t $TESTS -n N -r 1000000 -c 50, at -P 1 and -P 16
+# (TESTS: redis-benchmark's test names, set,get unless given).
 # Rounds alternate the order of the servers; the report gives medians and the
 # Tessera/Redis ratio. Usage: scripts/bench-vs-redis.sh [ROUNDS] [REQUESTS]
 # TLS=1 runs every server on a TLS port only (certificates from `tessera
@@ -12,7 +13,8 @@ requests=${2:-1000000}
 out=${BENCH_OUT:-bench-results}
 mkdir -p "$out"
 tls=${TLS:-0}
-results="$out/vs-redis$([ "$tls" = 1 ] && echo -tls).csv"
+tests=${TESTS:-set,get}
+results="$out/vs-redis$([ "$tls" = 1 ] && echo -tls)$([ "$tests" != set,get ] && echo -many).csv"
 
 command -v redis-server >/dev/null && command -v redis-benchmark >/dev/null || {
     echo "needs redis-server and redis-benchmark (apt-get install redis-server redis-tools)" >&2
@@ -64,7 +66,7 @@ for round in $(seq "$rounds"); do
     for pipeline in 1 16; do
         for server in "${order[@]}"; do
             redis-cli -p "${ports[$server]}" "${client_tls[@]}" flushall >/dev/null
-            redis-benchmark -p "${ports[$server]}" "${client_tls[@]}" -t set,get -n "$requests" -r 1000000 -c 50 -P "$pipeline" --csv -q 2>/dev/null |
+            redis-benchmark -p "${ports[$server]}" "${client_tls[@]}" -t "$tests" -n "$requests" -r 1000000 -c 50 -P "$pipeline" --csv -q 2>/dev/null |
                 grep -v '^"test"' | tr -d '"' |
                 awk -F, -v r="$round" -v p="$pipeline" -v s="$server" '{print r "," p "," s "," $1 "," $2}' >>"$results"
         done
@@ -80,8 +82,9 @@ for key in {(r["pipeline"], r["server"], r["test"]) for r in rows}:
     median[key] = statistics.median(float(r["rps"]) for r in rows if (r["pipeline"], r["server"], r["test"]) == key)
 print("| pipeline | test | Redis ops/s | Tessera ops/s | ratio | Tessera 1 thread ops/s | ratio |")
 print("|---|---|---:|---:|---:|---:|---:|")
+tests = list(dict.fromkeys(r["test"] for r in rows))  # in redis-benchmark's order
 for pipeline in ("1", "16"):
-    for test in ("SET", "GET"):
+    for test in tests:
         redis = median[(pipeline, "redis", test)]
         tessera = median[(pipeline, "tessera", test)]
         single = median[(pipeline, "tessera-1thread", test)]

@@ -55,7 +55,7 @@ impl End {
 struct Page {
     prev: u64,
     next: u64,
-    elements: VecDeque<Bytes>,
+    elements: Elements,
     in_engine: bool,
     dirty: bool,
     deleted: bool,
@@ -63,11 +63,11 @@ struct Page {
 
 impl Page {
     fn new(prev: u64, next: u64) -> Self {
-        Self { prev, next, elements: VecDeque::new(), in_engine: false, dirty: true, deleted: false }
+        Self { prev, next, elements: Elements::default(), in_engine: false, dirty: true, deleted: false }
     }
 
     fn bytes(&self) -> usize {
-        self.elements.iter().map(|element| element.len() + 4).sum()
+        self.elements.bytes()
     }
 
     fn full(&self) -> bool {
@@ -97,30 +97,152 @@ impl Page {
         let mut out = BytesMut::with_capacity(16 + self.bytes());
         out.put_u64_le(self.prev);
         out.put_u64_le(self.next);
-        put_elements(&mut out, &self.elements);
+        self.elements.write_to(&mut out);
         out.freeze()
     }
 
     fn decode(raw: &Bytes) -> CommandResult<Self> {
         let mut reader = Reader::new(raw);
         let (prev, next) = (reader.u64()?, reader.u64()?);
-        let elements = read_elements(&mut reader)?;
+        let elements = Elements::encoded(raw.slice(16..))?;
         Ok(Self { prev, next, elements, in_engine: true, dirty: false, deleted: false })
     }
 }
 
-fn put_elements<'e>(out: &mut BytesMut, elements: impl IntoIterator<Item = &'e Bytes>) {
-    for element in elements {
-        put_bytes(out, element);
+/// A page's elements, `(len u32, element) × n`. They stay as stored until an
+/// operation needs them one by one: a push or a pop at either end works on
+/// the stored form (one copy of the page for a push, none for a pop), so a
+/// queue's LPUSH and RPOP do no work per element of the page.
+enum Elements {
+    Encoded { raw: Bytes, count: usize },
+    Decoded(VecDeque<Bytes>),
+}
+
+impl Default for Elements {
+    fn default() -> Self {
+        Elements::Encoded { raw: Bytes::new(), count: 0 }
     }
 }
 
-fn read_elements(reader: &mut Reader) -> CommandResult<VecDeque<Bytes>> {
-    let mut elements = VecDeque::new();
-    while !reader.done() {
-        elements.push_back(reader.bytes()?);
+impl Elements {
+    /// Stored elements, their lengths checked.
+    fn encoded(raw: Bytes) -> CommandResult<Self> {
+        let mut count = 0;
+        let mut at = 0;
+        while at < raw.len() {
+            at = next_element(&raw, at)?.1;
+            count += 1;
+        }
+        Ok(Elements::Encoded { raw, count })
     }
-    Ok(elements)
+
+    fn len(&self) -> usize {
+        match self {
+            Elements::Encoded { count, .. } => *count,
+            Elements::Decoded(elements) => elements.len(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes as stored.
+    fn bytes(&self) -> usize {
+        match self {
+            Elements::Encoded { raw, .. } => raw.len(),
+            Elements::Decoded(elements) => elements.iter().map(|element| element.len() + 4).sum(),
+        }
+    }
+
+    /// The elements one by one, decoded now if they were not.
+    fn decoded(&mut self) -> CommandResult<&mut VecDeque<Bytes>> {
+        if let Elements::Encoded { raw, count } = self {
+            let mut elements = VecDeque::with_capacity(*count);
+            let mut reader = Reader::new(raw);
+            while !reader.done() {
+                elements.push_back(reader.bytes()?);
+            }
+            *self = Elements::Decoded(elements);
+        }
+        match self {
+            Elements::Decoded(elements) => Ok(elements),
+            Elements::Encoded { .. } => unreachable!("decoded above"),
+        }
+    }
+
+    fn into_decoded(mut self) -> CommandResult<VecDeque<Bytes>> {
+        self.decoded()?;
+        match self {
+            Elements::Decoded(elements) => Ok(elements),
+            Elements::Encoded { .. } => unreachable!("decoded above"),
+        }
+    }
+
+    fn push(&mut self, end: End, element: Bytes) {
+        match self {
+            Elements::Encoded { raw, count } => {
+                let mut grown = BytesMut::with_capacity(raw.len() + 4 + element.len());
+                if end == End::Back {
+                    grown.extend_from_slice(raw);
+                }
+                put_bytes(&mut grown, &element);
+                if end == End::Front {
+                    grown.extend_from_slice(raw);
+                }
+                *raw = grown.freeze();
+                *count += 1;
+            }
+            Elements::Decoded(elements) if end == End::Front => elements.push_front(element),
+            Elements::Decoded(elements) => elements.push_back(element),
+        }
+    }
+
+    fn pop(&mut self, end: End) -> CommandResult<Option<Bytes>> {
+        match self {
+            Elements::Encoded { count: 0, .. } => Ok(None),
+            Elements::Encoded { raw, count } => {
+                let (start, element_end) = match end {
+                    End::Front => next_element(raw, 0)?,
+                    End::Back => {
+                        let mut last = next_element(raw, 0)?;
+                        while last.1 < raw.len() {
+                            last = next_element(raw, last.1)?;
+                        }
+                        last
+                    }
+                };
+                let element = raw.slice(start + 4..element_end);
+                *raw = match end {
+                    End::Front => raw.slice(element_end..),
+                    End::Back => raw.slice(..start),
+                };
+                *count -= 1;
+                Ok(Some(element))
+            }
+            Elements::Decoded(elements) if end == End::Front => Ok(elements.pop_front()),
+            Elements::Decoded(elements) => Ok(elements.pop_back()),
+        }
+    }
+
+    fn write_to(&self, out: &mut BytesMut) {
+        match self {
+            Elements::Encoded { raw, .. } => out.extend_from_slice(raw),
+            Elements::Decoded(elements) => {
+                for element in elements {
+                    put_bytes(out, element);
+                }
+            }
+        }
+    }
+}
+
+/// The element stored at `at`: where it starts (its length) and ends.
+fn next_element(raw: &[u8], at: usize) -> CommandResult<(usize, usize)> {
+    let length = raw.get(at..at + 4).ok_or_else(corrupt)?;
+    let length = u32::from_le_bytes(length.try_into().expect("4 bytes")) as usize;
+    let end = (at + 4).checked_add(length).filter(|end| *end <= raw.len()).ok_or_else(corrupt)?;
+    Ok((at, end))
 }
 
 /// The id of a paged list's entries, from its stored value (payload); an
@@ -162,7 +284,7 @@ impl<'a> List<'a> {
         match reader.u8()? {
             INLINE => {
                 let mut page = Page::new(NONE, NONE);
-                page.elements = read_elements(&mut reader)?;
+                page.elements = Elements::encoded(stored.payload.slice(1..))?;
                 page.dirty = false;
                 list.len = page.elements.len() as u64;
                 list.pages.insert(NONE, page);
@@ -275,10 +397,7 @@ impl<'a> List<'a> {
             };
         }
         let page = self.page(outer)?;
-        match end {
-            End::Front => page.elements.push_front(element),
-            End::Back => page.elements.push_back(element),
-        }
+        page.elements.push(end, element);
         page.dirty = true;
         self.len += 1;
         self.changed = true;
@@ -291,11 +410,7 @@ impl<'a> List<'a> {
         }
         let outer = self.outer(end);
         let page = self.page(outer)?;
-        let element = match end {
-            End::Front => page.elements.pop_front(),
-            End::Back => page.elements.pop_back(),
-        };
-        let element = element.ok_or_else(corrupt)?;
+        let element = page.elements.pop(end)?.ok_or_else(corrupt)?;
         page.dirty = true;
         self.len -= 1;
         self.changed = true;
@@ -333,7 +448,7 @@ impl<'a> List<'a> {
             return Ok(None);
         }
         let (id, offset) = self.locate(index)?;
-        Ok(self.page(id)?.elements.get(offset).cloned())
+        Ok(self.page(id)?.elements.decoded()?.get(offset).cloned())
     }
 
     /// Replaces element `index`; false when there is none.
@@ -344,7 +459,7 @@ impl<'a> List<'a> {
         let (id, offset) = self.locate(index)?;
         self.changed = true;
         let page = self.page(id)?;
-        page.elements[offset] = element;
+        page.elements.decoded()?[offset] = element;
         page.dirty = true;
         if page.overfull() {
             self.split(id)?;
@@ -362,7 +477,8 @@ impl<'a> List<'a> {
         let (mut id, mut offset) = self.locate(start)?;
         while out.len() < wanted {
             let page = self.page(id)?;
-            out.extend(page.elements.iter().skip(offset).take(wanted - out.len()).cloned());
+            let taken = wanted - out.len();
+            out.extend(page.elements.decoded()?.iter().skip(offset).take(taken).cloned());
             offset = 0;
             id = page.next;
             if id == NONE && out.len() < wanted {
@@ -382,9 +498,11 @@ impl<'a> List<'a> {
         };
         while self.len > 0 {
             let page = self.page(id)?;
+            let next = page.link(from.other());
+            let elements = page.elements.decoded()?;
             let elements: Box<dyn Iterator<Item = &Bytes>> = match from {
-                End::Front => Box::new(page.elements.iter()),
-                End::Back => Box::new(page.elements.iter().rev()),
+                End::Front => Box::new(elements.iter()),
+                End::Back => Box::new(elements.iter().rev()),
             };
             for element in elements {
                 if !visit(index as u64, element) {
@@ -392,7 +510,7 @@ impl<'a> List<'a> {
                 }
                 index += if from == End::Front { 1 } else { -1 };
             }
-            id = page.link(from.other());
+            id = next;
             if id == NONE {
                 break;
             }
@@ -410,9 +528,10 @@ impl<'a> List<'a> {
             let next = page.link(from.other());
             let mut kept = VecDeque::with_capacity(page.elements.len());
             let mut taken = 0;
+            let elements = page.elements.decoded()?;
             let ordered: Vec<Bytes> = match from {
-                End::Front => page.elements.drain(..).collect(),
-                End::Back => page.elements.drain(..).rev().collect(),
+                End::Front => elements.drain(..).collect(),
+                End::Back => elements.drain(..).rev().collect(),
             };
             for candidate in ordered {
                 if candidate.as_ref() == element && (limit == 0 || removed + taken < limit) {
@@ -424,7 +543,7 @@ impl<'a> List<'a> {
                     }
                 }
             }
-            page.elements = kept;
+            page.elements = Elements::Decoded(kept);
             if taken > 0 {
                 page.dirty = true;
                 removed += taken;
@@ -453,7 +572,7 @@ impl<'a> List<'a> {
         let Some(index) = found else { return Ok(false) };
         let (id, offset) = self.locate(index)?;
         let page = self.page(id)?;
-        page.elements.insert(offset + usize::from(after), element);
+        page.elements.decoded()?.insert(offset + usize::from(after), element);
         page.dirty = true;
         self.len += 1;
         self.changed = true;
@@ -471,10 +590,10 @@ impl<'a> List<'a> {
         let next = self.page(id)?.next;
         let page = self.page(id)?;
         let half = page.elements.len() / 2;
-        let moved = page.elements.split_off(half);
+        let moved = page.elements.decoded()?.split_off(half);
         page.dirty = true;
         let new = self.new_page(id, next)?;
-        self.page(new)?.elements = moved;
+        self.page(new)?.elements = Elements::Decoded(moved);
         Ok(())
     }
 
@@ -518,11 +637,11 @@ impl<'a> List<'a> {
             if page.elements.len() <= INLINE_ELEMENTS_MAX && page.bytes() <= INLINE_BYTES_MAX {
                 let mut payload = BytesMut::with_capacity(1 + page.bytes());
                 payload.put_u8(INLINE);
-                put_elements(&mut payload, &page.elements);
+                page.elements.write_to(&mut payload);
                 let main = typed::encode(Kind::List, self.expires_at_ms, &payload);
                 return changes.commit(self.engine, self.key, 0, Some(main), reserved);
             }
-            self.page_out(page.elements)?;
+            self.page_out(page.elements.into_decoded()?)?;
         }
         let id = self.paged_id.expect("paged above");
         for (page_id, page) in &self.pages {
@@ -556,7 +675,7 @@ impl<'a> List<'a> {
             if last == NONE || self.page(last)?.full() {
                 last = self.new_page(last, NONE)?;
             }
-            self.page(last)?.elements.push_back(element);
+            self.page(last)?.elements.push(End::Back, element);
         }
         Ok(())
     }
