@@ -501,7 +501,8 @@ def test_slowlog_latency_and_memory_answer_as_redis(node, redis_server):
 
 
 def test_client_reply_and_pause_behave_as_in_redis(node, redis_server):
-    """CLIENT REPLY OFF and SKIP drop replies byte for byte as Redis does;
+    """CLIENT REPLY OFF and SKIP drop replies byte for byte as Redis does,
+    and RESET returns a connection to a new one's state;
     CLIENT PAUSE WRITE holds writes (not reads) until it ends or UNPAUSE,
     and CLIENT PAUSE ALL holds every command."""
     def exchange(port):
@@ -509,7 +510,11 @@ def test_client_reply_and_pause_behave_as_in_redis(node, redis_server):
         script = [["SET", "a", "1"], ["CLIENT", "REPLY", "OFF"], ["SET", "b", "2"], ["GET", "a"],
                   ["CLIENT", "REPLY", "ON"], ["CLIENT", "REPLY", "SKIP"], ["GET", "a"], ["GET", "b"],
                   ["CLIENT", "REPLY", "MAYBE"], ["CLIENT", "NO-EVICT", "ON"], ["CLIENT", "NO-EVICT", "x"],
-                  ["CLIENT", "PAUSE", "x"], ["CLIENT", "PAUSE", "10", "SOME"], ["PING"]]
+                  ["CLIENT", "PAUSE", "x"], ["CLIENT", "PAUSE", "10", "SOME"],
+                  # RESET: a connection as new, whatever state it was in.
+                  ["MULTI"], ["SET", "a", "changed"], ["RESET"], ["GET", "a"], ["CLIENT", "SETNAME", "named"],
+                  ["RESET"], ["CLIENT", "GETNAME"], ["SUBSCRIBE", "channel"], ["RESET"],
+                  ["GET", "a"], ["CLIENT", "REPLY", "OFF"], ["RESET"], ["RESET", "extra"], ["PING"]]
         connection.sendall(b"".join(b"*%d\r\n" % len(command) + b"".join(
             b"$%d\r\n%s\r\n" % (len(arg), arg.encode()) for arg in command) for command in script))
         connection.settimeout(1)
@@ -520,6 +525,14 @@ def test_client_reply_and_pause_behave_as_in_redis(node, redis_server):
         return data
 
     assert exchange(node.port) == exchange(redis_server)
+    resp3 = socket.create_connection(("127.0.0.1", node.port))
+    resp3.sendall(b"*2\r\n$5\r\nHELLO\r\n$1\r\n3\r\n*1\r\n$5\r\nRESET\r\n*2\r\n$7\r\nHGETALL\r\n$1\r\nh\r\n")
+    resp3.settimeout(1)
+    received = b""
+    while b"RESET" not in received or not received.endswith(b"\r\n") or received.endswith(b"+RESET\r\n"):
+        received += resp3.recv(65536)
+    assert received.endswith(b"+RESET\r\n*0\r\n"), "RESP2 again: an empty hash is an empty array, not a map"
+    resp3.close()
     ours, other = node.client(), node.client()
     ours.execute_command("CLIENT", "PAUSE", 500, "WRITE")
     started = time.monotonic()

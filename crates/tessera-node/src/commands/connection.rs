@@ -21,7 +21,26 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "select", arity: 2, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: select },
     CommandSpec { name: "quit", arity: -1, flags: &["noauth", "fast", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: quit },
     CommandSpec { name: "client", arity: -2, flags: &["noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: client },
+    CommandSpec { name: "reset", arity: 1, flags: &["noauth", "fast", "noscript", "loading", "stale"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: reset },
 ];
+
+/// RESET: the connection as a new one (what connection pools send before
+/// handing a connection on): out of MULTI, nothing watched or subscribed,
+/// replies on, read-write, RESP2, no name, logged in as `default` if that
+/// user needs no password.
+fn reset(context: &mut Context, _request: &Request) -> CommandResult {
+    let session = &mut *context.session;
+    (session.transaction, session.watched, session.subscription) = (None, None, None);
+    (session.readonly, session.replies_off, session.replies_to_skip, session.no_evict) =
+        (false, false, 0, false);
+    (session.name, session.relay, session.relay_challenge) = (None, false, None);
+    session.user = DEFAULT_USER.to_string();
+    session.permissions = None;
+    session.authenticated = context.node.acl.user(DEFAULT_USER).is_some_and(|user| user.is_open());
+    context.out.set_protocol(Protocol::Resp2);
+    context.out.simple("RESET");
+    Ok(())
+}
 
 fn ping(context: &mut Context, request: &Request) -> CommandResult {
     if request.len() > 2 {

@@ -277,7 +277,7 @@ impl CommandSpec {
 
     /// Whether the command may run before AUTH.
     fn allowed_unauthenticated(&self) -> bool {
-        matches!(self.name, "auth" | "hello" | "quit" | "relay.hello" | "relay.auth")
+        matches!(self.name, "auth" | "hello" | "quit" | "reset" | "relay.hello" | "relay.auth")
     }
 }
 
@@ -423,7 +423,7 @@ fn check_subcommand(spec: &CommandSpec, request: &Request) -> CommandResult {
 /// While a script runs past the busy threshold, a client may only stop it,
 /// log in, or leave (Redis's commands allowed when busy).
 pub fn refuse_if_busy(context: &Context, spec: &CommandSpec) -> CommandResult {
-    let allowed = matches!(spec.name, "script" | "auth" | "hello" | "quit" | "multi" | "discard");
+    let allowed = matches!(spec.name, "script" | "auth" | "hello" | "quit" | "reset" | "multi" | "discard");
     if !allowed && context.node.scripts.busy() {
         return Err(CommandError::Busy);
     }

@@ -328,7 +328,6 @@ pub const NOT_SERVED: &[(&str, &str)] = &[
     ("monitor", "Not built yet; `CONFIG SET slowlog-log-slower-than 0` and `SLOWLOG GET` show recent commands."),
     ("move", DATABASES),
     ("swapdb", DATABASES),
-    ("reset", "Not built yet."),
     ("shutdown", "Stop a node with SIGTERM (or `tessera cluster down`): it shuts down cleanly."),
 ];
 
