@@ -104,13 +104,18 @@ impl<'a> Reader<'a> {
     }
 
     pub fn bytes(&mut self) -> CommandResult<Bytes> {
-        let length = self.bytes.get(self.at..self.at + 4).ok_or_else(corrupt)?;
-        let length = u32::from_le_bytes(length.try_into().expect("4 bytes")) as usize;
-        let start = self.at + 4;
-        let end = start.checked_add(length).filter(|end| *end <= self.bytes.len()).ok_or_else(corrupt)?;
-        self.at = end;
-        Ok(self.bytes.slice(start..end))
+        let range = stored_bytes(self.bytes, self.at)?;
+        self.at = range.end;
+        Ok(self.bytes.slice(range))
     }
+}
+
+/// Where the bytes of the `len u32 | bytes` stored at `at` in `raw` are.
+pub fn stored_bytes(raw: &[u8], at: usize) -> CommandResult<std::ops::Range<usize>> {
+    let length = raw.get(at..at + 4).ok_or_else(corrupt)?;
+    let length = u32::from_le_bytes(length.try_into().expect("4 bytes")) as usize;
+    let end = (at + 4).checked_add(length).filter(|end| *end <= raw.len()).ok_or_else(corrupt)?;
+    Ok(at + 4..end)
 }
 
 pub fn put_bytes(out: &mut BytesMut, bytes: &[u8]) {

@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use bytes::{BufMut, Bytes, BytesMut};
 use tessera_engine::Engine;
 
-use crate::collection::{corrupt, entry_key, put_bytes, Changes, Reader};
+use crate::collection::{corrupt, entry_key, put_bytes, stored_bytes, Changes, Reader};
 use crate::error::CommandResult;
 use crate::typed::{self, read_kind, Kind, ReservedEntries};
 
@@ -276,14 +276,6 @@ fn next_entry(
     };
     let end = value.end;
     Ok((field, value, end))
-}
-
-/// The bytes of the `len u32 | bytes` stored at `at`.
-fn stored_bytes(raw: &[u8], at: usize) -> CommandResult<std::ops::Range<usize>> {
-    let length = raw.get(at..at + 4).ok_or_else(corrupt)?;
-    let length = u32::from_le_bytes(length.try_into().expect("4 bytes")) as usize;
-    let end = (at + 4).checked_add(length).filter(|end| *end <= raw.len()).ok_or_else(corrupt)?;
-    Ok(at + 4..end)
 }
 
 /// The id of a paged set's or hash's buckets, from its stored value

@@ -19,7 +19,7 @@ use std::collections::{HashMap, VecDeque};
 use bytes::{BufMut, Bytes, BytesMut};
 use tessera_engine::Engine;
 
-use crate::collection::{corrupt, entry_key, put_bytes, Changes, Reader};
+use crate::collection::{corrupt, entry_key, put_bytes, stored_bytes, Changes, Reader};
 use crate::error::CommandResult;
 use crate::typed::{self, read_kind, Kind, ReservedEntries};
 
@@ -130,7 +130,7 @@ impl Elements {
         let mut count = 0;
         let mut at = 0;
         while at < raw.len() {
-            at = next_element(&raw, at)?.1;
+            at = stored_bytes(&raw, at)?.end;
             count += 1;
         }
         Ok(Elements::Encoded { raw, count })
@@ -202,17 +202,20 @@ impl Elements {
         match self {
             Elements::Encoded { count: 0, .. } => Ok(None),
             Elements::Encoded { raw, count } => {
-                let (start, element_end) = match end {
-                    End::Front => next_element(raw, 0)?,
+                // Where the element's length is stored, and its bytes.
+                let (start, element) = match end {
+                    End::Front => (0, stored_bytes(raw, 0)?),
                     End::Back => {
-                        let mut last = next_element(raw, 0)?;
-                        while last.1 < raw.len() {
-                            last = next_element(raw, last.1)?;
+                        let (mut start, mut element) = (0, stored_bytes(raw, 0)?);
+                        while element.end < raw.len() {
+                            start = element.end;
+                            element = stored_bytes(raw, start)?;
                         }
-                        last
+                        (start, element)
                     }
                 };
-                let element = raw.slice(start + 4..element_end);
+                let element_end = element.end;
+                let element = raw.slice(element);
                 *raw = match end {
                     End::Front => raw.slice(element_end..),
                     End::Back => raw.slice(..start),
@@ -235,14 +238,6 @@ impl Elements {
             }
         }
     }
-}
-
-/// The element stored at `at`: where it starts (its length) and ends.
-fn next_element(raw: &[u8], at: usize) -> CommandResult<(usize, usize)> {
-    let length = raw.get(at..at + 4).ok_or_else(corrupt)?;
-    let length = u32::from_le_bytes(length.try_into().expect("4 bytes")) as usize;
-    let end = (at + 4).checked_add(length).filter(|end| *end <= raw.len()).ok_or_else(corrupt)?;
-    Ok((at, end))
 }
 
 /// The id of a paged list's entries, from its stored value (payload); an
