@@ -133,6 +133,16 @@ impl Bucket {
         Self { entries, in_engine, dirty: false }
     }
 
+    /// The entries, to be changed: a bucket already changed in this call is
+    /// decoded, so that a command adding many entries copies the stored
+    /// form once, not once per entry. The caller marks the bucket changed.
+    fn changing(&mut self) -> CommandResult<&mut Entries> {
+        if self.dirty {
+            self.entries.decoded()?;
+        }
+        Ok(&mut self.entries)
+    }
+
     fn fits_inline(&self) -> bool {
         self.entries.len() <= INLINE_ENTRIES_MAX && self.entries.bytes() <= INLINE_BYTES_MAX
     }
@@ -418,7 +428,7 @@ impl<'a> Hashed<'a> {
         match bucket.entries.find(field)? {
             Some((_, _, stored)) if stored == value => return Ok(false),
             Some(_) => {
-                let entries = bucket.entries.decoded()?;
+                let entries = bucket.changing()?.decoded()?;
                 let at = entries
                     .iter()
                     .position(|(candidate, _)| candidate.as_ref() == field)
@@ -431,7 +441,7 @@ impl<'a> Hashed<'a> {
                 }
                 return Ok(false);
             }
-            None => bucket.entries.push(field, value),
+            None => bucket.changing()?.push(field, value),
         }
         bucket.dirty = true;
         let outgrown = inline && !bucket.fits_inline();
@@ -457,7 +467,7 @@ impl<'a> Hashed<'a> {
             return Ok(false);
         }
         let bucket = self.bucket(self.bucket_of(field))?;
-        if !bucket.entries.remove(field)? {
+        if !bucket.changing()?.remove(field)? {
             return Ok(false);
         }
         bucket.dirty = true;

@@ -101,6 +101,17 @@ impl Page {
         out.freeze()
     }
 
+    /// The elements, to be changed (the page is marked so): a page already
+    /// changed in this call is decoded, so that a command pushing many
+    /// elements copies the stored form once, not once per element.
+    fn changing(&mut self) -> CommandResult<&mut Elements> {
+        if self.dirty {
+            self.elements.decoded()?;
+        }
+        self.dirty = true;
+        Ok(&mut self.elements)
+    }
+
     fn decode(raw: &Bytes) -> CommandResult<Self> {
         let mut reader = Reader::new(raw);
         let (prev, next) = (reader.u64()?, reader.u64()?);
@@ -165,14 +176,6 @@ impl Elements {
             }
             *self = Elements::Decoded(elements);
         }
-        match self {
-            Elements::Decoded(elements) => Ok(elements),
-            Elements::Encoded { .. } => unreachable!("decoded above"),
-        }
-    }
-
-    fn into_decoded(mut self) -> CommandResult<VecDeque<Bytes>> {
-        self.decoded()?;
         match self {
             Elements::Decoded(elements) => Ok(elements),
             Elements::Encoded { .. } => unreachable!("decoded above"),
@@ -391,9 +394,7 @@ impl<'a> List<'a> {
                 End::Back => self.new_page(outer, NONE)?,
             };
         }
-        let page = self.page(outer)?;
-        page.elements.push(end, element);
-        page.dirty = true;
+        self.page(outer)?.changing()?.push(end, element);
         self.len += 1;
         self.changed = true;
         Ok(())
@@ -404,9 +405,7 @@ impl<'a> List<'a> {
             return Ok(None);
         }
         let outer = self.outer(end);
-        let page = self.page(outer)?;
-        let element = page.elements.pop(end)?.ok_or_else(corrupt)?;
-        page.dirty = true;
+        let element = self.page(outer)?.changing()?.pop(end)?.ok_or_else(corrupt)?;
         self.len -= 1;
         self.changed = true;
         self.unlink_if_empty(outer)?;
@@ -636,7 +635,8 @@ impl<'a> List<'a> {
                 let main = typed::encode(Kind::List, self.expires_at_ms, &payload);
                 return changes.commit(self.engine, self.key, 0, Some(main), reserved);
             }
-            self.page_out(page.elements.into_decoded()?)?;
+            let mut elements = page.elements;
+            self.page_out(std::mem::take(elements.decoded()?))?;
         }
         let id = self.paged_id.expect("paged above");
         for (page_id, page) in &self.pages {
@@ -670,32 +670,10 @@ impl<'a> List<'a> {
             if last == NONE || self.page(last)?.full() {
                 last = self.new_page(last, NONE)?;
             }
-            self.page(last)?.elements.push(End::Back, element);
+            self.page(last)?.changing()?.push(End::Back, element);
         }
         Ok(())
     }
-}
-
-/// Writes a copy of the list at `from` (in `source`) at `to` (in `target`),
-/// replacing whatever `to` held, deadline included. The caller holds both
-/// keys' locks.
-pub fn copy(
-    source: &dyn Engine,
-    from: &[u8],
-    target: &dyn Engine,
-    to: &[u8],
-    now_ms: u64,
-    reserved: &ReservedEntries,
-) -> CommandResult<()> {
-    let Some(mut list) = List::open(source, from, now_ms)? else { return Ok(()) };
-    let elements = if list.is_empty() { Vec::new() } else { list.range(0, list.len() - 1)? };
-    target.delete(to)?;
-    let mut copy = List::open_or_new(target, to, now_ms)?;
-    copy.expires_at_ms = list.expires_at_ms;
-    for element in elements {
-        copy.push(End::Back, element)?;
-    }
-    copy.commit(reserved)
 }
 
 #[cfg(test)]

@@ -777,28 +777,6 @@ pub fn id_of(payload: &[u8]) -> CommandResult<u64> {
     Ok(Meta::decode(payload, None)?.id)
 }
 
-/// Writes a copy of the set at `from` (in `source`) at `to` (in `target`),
-/// replacing whatever `to` held, deadline included: a set with an id of its
-/// own, so the two share no entries. The caller holds both keys' locks.
-pub fn copy(
-    source: &dyn Engine,
-    from: &[u8],
-    target: &dyn Engine,
-    to: &[u8],
-    now_ms: u64,
-    reserved: &ReservedEntries,
-) -> CommandResult<()> {
-    let Some(mut set) = SortedSet::open(source, from, now_ms)? else { return Ok(()) };
-    let members = set.range_by_rank(0, u64::MAX, false)?;
-    target.delete(to)?;
-    let mut copy = SortedSet::open_or_new(target, to, now_ms)?;
-    copy.meta.expires_at_ms = set.meta.expires_at_ms;
-    for (score, member) in members {
-        copy.insert(&member, score)?;
-    }
-    copy.commit(reserved)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,7 +7,7 @@ use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
 use bytes::Bytes;
-use tessera_wire::Request;
+use tessera_wire::{encode_command, Request};
 
 use super::scripting::{spawn, ScriptOutcome};
 use super::{answer, integer_arg, is, Context};
@@ -27,7 +27,7 @@ pub fn read_value(context: &Context, key: &[u8]) -> CommandResult<Option<(Value,
         Kind::String => Value::String(stored.payload),
         Kind::List => {
             let mut list = List::open(engine, key, now)?.ok_or_else(crate::collection::corrupt)?;
-            Value::List(if list.is_empty() { Vec::new() } else { list.range(0, list.len() - 1)? })
+            Value::List(list.range(0, u64::MAX)?)
         }
         Kind::Set | Kind::Hash => {
             let layout = Layout::of(stored.kind).expect("a set or a hash");
@@ -40,11 +40,7 @@ pub fn read_value(context: &Context, key: &[u8]) -> CommandResult<Option<(Value,
         }
         Kind::SortedSet => {
             let mut set = SortedSet::open(engine, key, now)?.ok_or_else(crate::collection::corrupt)?;
-            Value::SortedSet(if set.is_empty() {
-                Vec::new()
-            } else {
-                set.range_by_rank(0, set.len() - 1, false)?
-            })
+            Value::SortedSet(set.range_by_rank(0, u64::MAX, false)?)
         }
     };
     Ok(Some((value, stored.expires_at_ms)))
@@ -56,9 +52,13 @@ pub fn store_value(context: &Context, key: &[u8], value: Value, expires_at_ms: O
     let engine = context.engine(key);
     let reserved = &context.table(key).reserved;
     let now = context.now_ms;
+    if let Value::String(bytes) = &value {
+        return write(engine, key, Kind::String, expires_at_ms, bytes, usize::MAX);
+    }
+    // A collection is built anew: a value left at the key would be opened.
     engine.delete(key)?;
     match value {
-        Value::String(bytes) => return write(engine, key, Kind::String, expires_at_ms, &bytes, usize::MAX),
+        Value::String(_) => unreachable!("written above"),
         Value::List(elements) => {
             let mut list = List::open_or_new(engine, key, now)?;
             for element in elements {
@@ -278,16 +278,17 @@ fn migrate_now(context: &mut Context, migration: &Migration) -> CommandResult {
         let mut auth: Vec<&[u8]> = vec![b"AUTH"];
         auth.extend(user.as_deref());
         auth.push(password);
-        encode_command(&mut commands, &auth);
+        encode_command(&auth, &mut commands);
     }
-    encode_command(&mut commands, &[b"SELECT", migration.database.to_string().as_bytes()]);
+    let database = migration.database.to_string();
+    encode_command(&[&b"SELECT"[..], database.as_bytes()], &mut commands);
     for (key, payload, ttl) in &moving {
         let ttl = ttl.to_string();
         let mut restore: Vec<&[u8]> = vec![b"RESTORE", key, ttl.as_bytes(), payload];
         if migration.replace {
             restore.push(b"REPLACE");
         }
-        encode_command(&mut commands, &restore);
+        encode_command(&restore, &mut commands);
     }
     let io_error = |doing: &str| CommandError::Timeout(format!("error or timeout {doing} target instance"));
     let address = migration
@@ -338,15 +339,5 @@ fn migrate_now(context: &mut Context, migration: &Migration) -> CommandResult {
             context.out.ok();
             Ok(())
         }
-    }
-}
-
-/// A command as RESP, the way a client sends it.
-fn encode_command(out: &mut Vec<u8>, args: &[&[u8]]) {
-    out.extend_from_slice(format!("*{}\r\n", args.len()).as_bytes());
-    for arg in args {
-        out.extend_from_slice(format!("${}\r\n", arg.len()).as_bytes());
-        out.extend_from_slice(arg);
-        out.extend_from_slice(b"\r\n");
     }
 }

@@ -4,11 +4,12 @@
 use tessera_engine::{reserved, KeyRange, ScanCursor};
 use tessera_wire::Request;
 
+use super::dump::{read_value, store_value};
 use super::strings::deadline;
 use super::{integer_arg, is, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 use crate::glob::glob_match;
-use crate::hashed::{self, Hashed, Layout};
+use crate::hashed::{Hashed, Layout};
 use crate::node_state::ScanPosition;
 use crate::typed::read_live;
 use crate::typed::{encode, Kind, Stored};
@@ -183,49 +184,27 @@ fn pexpiretime(context: &mut Context, request: &Request) -> CommandResult {
     expiry_time(context, request, 1)
 }
 
-/// Writes a copy of `source` (the value at `from`) at `to`, replacing what
-/// `to` held. The caller holds both keys' locks.
-fn copy_value(context: &Context, from: &[u8], source: &Stored, to: &[u8]) -> CommandResult {
-    let target = context.engine(to);
-    match source.kind {
-        // Their entries are named by their key: a copy gets entries of its own.
-        Kind::SortedSet => {
-            zset::copy(context.engine(from), from, target, to, context.now_ms, &context.table(to).reserved)
-        }
-        Kind::List => {
-            list::copy(context.engine(from), from, target, to, context.now_ms, &context.table(to).reserved)
-        }
-        Kind::Set | Kind::Hash => {
-            let layout = Layout::of(source.kind).expect("a set or a hash");
-            let entries = match Hashed::open(layout, context.engine(from), from, context.now_ms)? {
-                Some(mut value) => value.entries()?,
-                None => Vec::new(),
-            };
-            let reserved = &context.table(to).reserved;
-            hashed::store(layout, target, to, entries, source.expires_at_ms, context.now_ms, reserved)
-                .map(drop)
-        }
-        Kind::String => {
-            target.put(to, encode(source.kind, source.expires_at_ms, &source.payload))?;
-            Ok(())
-        }
-    }
+/// Writes a copy of the value at `from` (which holds one) at `to`, replacing
+/// what `to` held, deadline included. The caller holds both keys' locks.
+fn copy_value(context: &Context, from: &[u8], to: &[u8]) -> CommandResult {
+    let (value, deadline) = read_value(context, from)?.ok_or_else(crate::collection::corrupt)?;
+    store_value(context, to, value, deadline)
 }
 
 /// RENAME and RENAMENX: whether the key moved.
 fn move_key(context: &mut Context, request: &Request, replace: bool) -> CommandResult<bool> {
     let (from, to) = (request.arg(1), request.arg(2));
     let _locks = context.lock_keys([from, to].into_iter())?;
-    let Some(source) = read_live(context.engine(from), from, context.now_ms)? else {
+    if read_live(context.engine(from), from, context.now_ms)?.is_none() {
         return Err(CommandError::Other("no such key".into()));
-    };
+    }
     if from == to {
         return Ok(replace);
     }
     if !replace && read_live(context.engine(to), to, context.now_ms)?.is_some() {
         return Ok(false);
     }
-    copy_value(context, from, &source, to)?;
+    copy_value(context, from, to)?;
     context.engine(from).delete(from)?;
     Ok(true)
 }
@@ -266,13 +245,11 @@ fn copy(context: &mut Context, request: &Request) -> CommandResult {
         return Err(CommandError::Other("source and destination objects are the same".into()));
     }
     let _locks = context.lock_keys([from, to].into_iter())?;
-    let copied = match read_live(context.engine(from), from, context.now_ms)? {
-        Some(source) if replace || read_live(context.engine(to), to, context.now_ms)?.is_none() => {
-            copy_value(context, from, &source, to)?;
-            true
-        }
-        _ => false,
-    };
+    let copied = read_live(context.engine(from), from, context.now_ms)?.is_some()
+        && (replace || read_live(context.engine(to), to, context.now_ms)?.is_none());
+    if copied {
+        copy_value(context, from, to)?;
+    }
     context.out.integer(i64::from(copied));
     Ok(())
 }

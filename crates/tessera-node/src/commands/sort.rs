@@ -7,12 +7,12 @@ use std::cmp::Ordering;
 use bytes::Bytes;
 use tessera_wire::Request;
 
+use super::dump::{read_value, store_value};
 use super::{integer_arg, is, Context};
 use crate::error::{CommandError, CommandResult};
 use crate::hashed::{Hashed, Layout};
-use crate::list::{End, List};
+use crate::rdb::Value;
 use crate::typed::{read_live, Kind};
-use crate::zset::SortedSet;
 
 struct Options<'r> {
     descending: bool,
@@ -124,34 +124,21 @@ fn look_up(context: &Context, pattern: &[u8], element: &Bytes) -> CommandResult<
     }
 }
 
-/// The value's elements in its own order (a set's sorted, so that the order
-/// does not depend on the layout); WRONGTYPE for a type SORT does not take.
-fn elements_of(context: &Context, key: &[u8]) -> CommandResult<Vec<Bytes>> {
-    let engine = context.engine(key);
-    let now = context.now_ms;
-    let Some(stored) = read_live(engine, key, now)? else { return Ok(Vec::new()) };
-    match stored.kind {
-        Kind::List => match List::open(engine, key, now)? {
-            Some(mut list) if !list.is_empty() => list.range(0, list.len() - 1),
-            _ => Ok(Vec::new()),
-        },
-        Kind::Set => {
-            let mut members = match Hashed::open(Layout::Set, engine, key, now)? {
-                Some(mut set) => set.members()?,
-                None => Vec::new(),
-            };
+/// The value's elements in its own order, and whether it is a set (which
+/// has none: its members come sorted, so that the order does not depend on
+/// the layout); WRONGTYPE for a type SORT does not take.
+fn elements_of(context: &Context, key: &[u8]) -> CommandResult<(Vec<Bytes>, bool)> {
+    match read_value(context, key)?.map(|(value, _)| value) {
+        None => Ok((Vec::new(), false)),
+        Some(Value::List(elements)) => Ok((elements, false)),
+        Some(Value::Set(mut members)) => {
             members.sort();
-            Ok(members)
+            Ok((members, true))
         }
-        Kind::SortedSet => match SortedSet::open(engine, key, now)? {
-            Some(mut set) if !set.is_empty() => Ok(set
-                .range_by_rank(0, set.len() - 1, false)?
-                .into_iter()
-                .map(|(_, member)| member)
-                .collect()),
-            _ => Ok(Vec::new()),
-        },
-        Kind::String | Kind::Hash => Err(CommandError::WrongType),
+        Some(Value::SortedSet(entries)) => {
+            Ok((entries.into_iter().map(|(_, member)| member).collect(), false))
+        }
+        Some(Value::String(_) | Value::Hash(_)) => Err(CommandError::WrongType),
     }
 }
 
@@ -210,16 +197,15 @@ fn run(context: &mut Context, request: &Request, read_only: bool) -> CommandResu
         Some(destination) => context.lock_keys([key, destination].into_iter())?,
         None => Vec::new(),
     };
-    let source_kind = read_live(context.engine(key), key, context.now_ms)?.map(|stored| stored.kind);
-    let mut elements = elements_of(context, key)?;
+    let (mut elements, a_set) = elements_of(context, key)?;
     let length = elements.len() as i64;
     let (start, count) = options.limit.unwrap_or((0, -1));
     let start = start.max(0);
     let end = if count < 0 { length - 1 } else { start.saturating_add(count) - 1 }.min(length - 1);
     // A set has no order of its own: sorted by bytes even under BY without
     // `*`, as Redis does whenever it must answer the same on every replica.
-    let keep_order = options.keep_order && source_kind != Some(Kind::Set);
-    let alpha = options.alpha || (options.keep_order && source_kind == Some(Kind::Set));
+    let keep_order = options.keep_order && !a_set;
+    let alpha = options.alpha || (options.keep_order && a_set);
     if keep_order {
         if options.descending {
             elements.reverse();
@@ -273,17 +259,14 @@ fn run(context: &mut Context, request: &Request, read_only: bool) -> CommandResu
             }
         }
         Some(destination) => {
-            let engine = context.engine(destination);
-            engine.delete(destination)?;
-            if !output.is_empty() {
-                let mut list = List::open_or_new(engine, destination, context.now_ms)?;
-                for value in &output {
-                    list.push(End::Back, value.clone().unwrap_or_default())?;
-                }
-                list.commit(&context.table(destination).reserved)?;
-                context.node.waiters.signal(destination);
+            let stored = output.len();
+            if output.is_empty() {
+                context.engine(destination).delete(destination)?;
+            } else {
+                let elements = output.into_iter().map(Option::unwrap_or_default).collect();
+                store_value(context, destination, Value::List(elements), None)?;
             }
-            context.out.integer(output.len() as i64);
+            context.out.integer(stored as i64);
         }
     }
     Ok(())
