@@ -7,7 +7,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use tessera_wire::{Parsed, Protocol, ReplyWriter, Request, RequestParser};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::sync::{oneshot, watch};
@@ -329,14 +328,9 @@ impl Connection {
                         }
                     }
                     if let Some(script) = self.session.script.take() {
-                        // The request's buffer is this connection's: its
-                        // arguments are copied to outlive the wait.
-                        let args: Vec<Bytes> = request.args().map(Bytes::copy_from_slice).collect();
-                        self.await_script(script).await;
-                        self.observe(args.iter().map(|arg| &arg[..]), started.elapsed());
-                    } else {
-                        self.observe(request.args(), started.elapsed());
+                        await_script(&mut self.out, &mut self.held, script).await;
                     }
+                    self.observe(&request, started.elapsed());
                     if self.session.replies_off || self.session.replies_to_skip > 0 {
                         // CLIENT REPLY OFF or SKIP: the reply is dropped.
                         self.out.truncate(reply_mark);
@@ -403,14 +397,13 @@ impl Connection {
 
     /// Puts a command that took `duration` in the slow log and the latency
     /// monitor, if it was slow enough for them.
-    fn observe<'a>(&self, args: impl ExactSizeIterator<Item = &'a [u8]>, duration: Duration) {
+    fn observe(&self, request: &Request, duration: Duration) {
         let (slowlog, latency) = (&self.node.slowlog, &self.node.latency);
-        let latency_threshold = latency.threshold_ms();
-        let for_latency = latency_threshold > 0 && duration.as_millis() >= u128::from(latency_threshold);
+        let for_latency = latency.is_spike(duration);
         if !slowlog.is_slow(duration) && !for_latency {
             return;
         }
-        let args: Vec<&[u8]> = args.collect();
+        let args: Vec<&[u8]> = request.args().collect();
         let unix_seconds = now_ms() / 1000;
         let spec = args.first().and_then(|name| lookup(name));
         if for_latency {
@@ -426,21 +419,6 @@ impl Connection {
                 _ => args,
             };
             slowlog.record(&logged, duration, address, name, unix_seconds);
-        }
-    }
-
-    /// Writes the reply of a script running on a script thread once it
-    /// comes (the worker serves other connections meanwhile).
-    async fn await_script(&mut self, script: oneshot::Receiver<ScriptOutcome>) {
-        let start = self.out.len();
-        match script.await {
-            Ok(ScriptOutcome { reply, waits }) => {
-                self.out.raw(&reply);
-                if !waits.is_empty() {
-                    self.held.push(Held { start, end: self.out.len(), waits });
-                }
-            }
-            Err(_) => CommandError::Other("the script's thread stopped".into()).write(&mut self.out),
         }
     }
 
@@ -517,6 +495,23 @@ async fn next_message(subscription: &mut Option<Subscription>) -> Message {
             None => std::future::pending().await,
         },
         None => std::future::pending().await,
+    }
+}
+
+/// Writes the reply of a script running on a script thread once it comes
+/// (the worker serves other connections meanwhile). Apart from the
+/// connection, so that the request, in the connection's input, stays
+/// borrowed across the wait.
+async fn await_script(out: &mut ReplyWriter, held: &mut Vec<Held>, script: oneshot::Receiver<ScriptOutcome>) {
+    let start = out.len();
+    match script.await {
+        Ok(ScriptOutcome { reply, waits }) => {
+            out.raw(&reply);
+            if !waits.is_empty() {
+                held.push(Held { start, end: out.len(), waits });
+            }
+        }
+        Err(_) => CommandError::Other("the script's thread stopped".into()).write(out),
     }
 }
 

@@ -160,14 +160,19 @@ impl LatencyMonitor {
         self.threshold_ms.store(threshold, Ordering::Relaxed);
     }
 
-    /// Notes an event that took `duration`, if monitoring is on and it is
-    /// over the threshold.
-    pub fn observe(&self, event: &'static str, duration: Duration, unix_seconds: u64) {
+    /// Whether an event that took `duration` is a spike to note: monitoring
+    /// is on and it reached the threshold.
+    pub fn is_spike(&self, duration: Duration) -> bool {
         let threshold = self.threshold_ms();
-        let latency_ms = duration.as_millis().min(u128::from(u64::MAX)) as u64;
-        if threshold == 0 || latency_ms < threshold {
+        threshold > 0 && duration.as_millis() >= u128::from(threshold)
+    }
+
+    /// Notes an event that took `duration`, if it is a spike.
+    pub fn observe(&self, event: &'static str, duration: Duration, unix_seconds: u64) {
+        if !self.is_spike(duration) {
             return;
         }
+        let latency_ms = duration.as_millis().min(u128::from(u64::MAX)) as u64;
         let mut events = self.events.lock();
         let history = events.entry(event).or_default();
         history.max_ms = history.max_ms.max(latency_ms);

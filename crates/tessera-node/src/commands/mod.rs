@@ -23,6 +23,7 @@ mod strings;
 pub mod tables;
 pub mod transactions;
 
+use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
@@ -250,28 +251,13 @@ impl CommandSpec {
         count: usize,
         arg: impl Fn(usize) -> &'r [u8],
     ) -> impl Iterator<Item = usize> {
-        let (first, last) = match self.name {
-            // MIGRATE's KEYS form names its keys after KEYS, and "" in place of one.
-            "migrate" => match dump::migrate_keys_at(count, &arg) {
-                Some(at) => (at as i32, count as i32 - 1),
-                None => (3, 3),
-            },
-            _ => {
-                let last = if self.last_key < 0 { count as i32 + self.last_key } else { self.last_key };
-                (if self.first_key > 0 { self.first_key } else { last + 1 }, last)
-            }
-        };
+        let movable = movable_keys(self.name, count, &arg);
+        // MIGRATE's KEYS form names its keys there, and "" where the key stands.
+        let fixed_stand = !(self.name == "migrate" && movable.is_some());
+        let last = if self.last_key < 0 { count as i32 + self.last_key } else { self.last_key };
+        let first = if self.first_key > 0 && fixed_stand { self.first_key } else { last + 1 };
         let fixed = (first..=last).step_by(self.step.max(1) as usize).map(|index| index as usize);
-        let movable = match counted_keys_at(self.name) {
-            Some(at) if at < count => {
-                let keys = parse_i64(arg(at)).unwrap_or(0).clamp(0, (count - at - 1) as i64) as usize;
-                at + 1..at + 1 + keys
-            }
-            _ if self.name == "sort" => sort::store_key_position(count, arg).map_or(0..0, |at| at..at + 1),
-            // MEMORY USAGE's key, the one key of its subcommands.
-            _ if self.name == "memory" && count >= 3 && is(arg(1), "usage") => 2..3,
-            _ => 0..0,
-        };
+        let movable = movable.unwrap_or(0..0);
         fixed.chain(movable)
     }
 
@@ -281,15 +267,23 @@ impl CommandSpec {
     }
 }
 
-/// Commands whose keys an argument counts (Redis's movable keys): that
-/// argument's index; the keys follow it.
-fn counted_keys_at(name: &str) -> Option<usize> {
-    match name {
-        "lmpop" | "sintercard" | "zmpop" | "zunion" | "zinter" | "zdiff" | "zintercard" => Some(1),
-        "blmpop" | "bzmpop" | "zunionstore" | "zinterstore" | "zdiffstore" => Some(2),
-        "eval" | "evalsha" | "eval_ro" | "evalsha_ro" => Some(2),
-        _ => None,
-    }
+/// Where the keys of a command with movable keys are in a call with `count`
+/// arguments, beyond its fixed ones: those an argument counts, SORT's
+/// STORE destination, MEMORY USAGE's key, MIGRATE's KEYS list.
+fn movable_keys<'r>(name: &str, count: usize, arg: &impl Fn(usize) -> &'r [u8]) -> Option<Range<usize>> {
+    let counted_at = match name {
+        "lmpop" | "sintercard" | "zmpop" | "zunion" | "zinter" | "zdiff" | "zintercard" => 1,
+        "blmpop" | "bzmpop" | "zunionstore" | "zinterstore" | "zdiffstore" => 2,
+        "eval" | "evalsha" | "eval_ro" | "evalsha_ro" => 2,
+        "sort" => return sort::store_key_position(count, arg).map(|at| at..at + 1),
+        "memory" => return (count >= 3 && is(arg(1), "usage")).then_some(2..3),
+        "migrate" => return dump::migrate_keys_at(count, arg).map(|at| at..count),
+        _ => return None,
+    };
+    (counted_at < count).then(|| {
+        let keys = parse_i64(arg(counted_at)).unwrap_or(0).clamp(0, (count - counted_at - 1) as i64) as usize;
+        counted_at + 1..counted_at + 1 + keys
+    })
 }
 
 fn table() -> &'static HashMap<&'static [u8], &'static CommandSpec> {

@@ -276,13 +276,13 @@ fn parameters(context: &Context) -> Vec<(&'static str, String, bool)> {
 /// Applies one CONFIG SET pair, or says what is wrong with its value.
 fn set_parameter(context: &Context, name: &str, value: &str) -> Result<(), String> {
     let settings = &context.node.settings;
-    let integer = |min: i64, max: i64| -> Result<u64, String> {
+    let integer = |min: i64, max: i64| -> Result<i64, String> {
         let number: i64 =
             value.parse().map_err(|_| "argument couldn't be parsed into an integer".to_string())?;
         if !(min..=max).contains(&number) {
             return Err(format!("argument must be between {min} and {max} inclusive"));
         }
-        Ok(number as u64)
+        Ok(number)
     };
     match name {
         "maxmemory" => settings.set_maxmemory(parse_size(value).ok_or("argument must be a memory value")?),
@@ -291,20 +291,13 @@ fn set_parameter(context: &Context, name: &str, value: &str) -> Result<(), Strin
              allkeys-random, volatile-ttl, noeviction",
         )?),
         "maxmemory-samples" => settings.set_maxmemory_samples(integer(1, i32::MAX.into())? as usize),
-        "timeout" => settings.set_timeout(integer(0, i32::MAX.into())?),
+        "timeout" => settings.set_timeout(integer(0, i32::MAX.into())? as u64),
         "busy-reply-threshold" | "lua-time-limit" => {
-            context.node.scripts.set_busy_threshold_ms(integer(0, i64::MAX)?)
+            context.node.scripts.set_busy_threshold_ms(integer(0, i64::MAX)? as u64)
         }
-        "slowlog-log-slower-than" => {
-            let threshold: i64 =
-                value.parse().map_err(|_| "argument couldn't be parsed into an integer".to_string())?;
-            if threshold < -1 {
-                return Err(format!("argument must be between -1 and {} inclusive", i64::MAX));
-            }
-            context.node.slowlog.set_threshold_us(threshold);
-        }
+        "slowlog-log-slower-than" => context.node.slowlog.set_threshold_us(integer(-1, i64::MAX)?),
         "slowlog-max-len" => context.node.slowlog.set_max_len(integer(0, i64::from(i32::MAX))? as usize),
-        "latency-monitor-threshold" => context.node.latency.set_threshold_ms(integer(0, i64::MAX)?),
+        "latency-monitor-threshold" => context.node.latency.set_threshold_ms(integer(0, i64::MAX)? as u64),
         name => {
             let (name, _, kind) =
                 ACCEPTED_AND_IGNORED.iter().find(|(known, _, _)| *known == name).expect("listed as settable");
