@@ -1461,6 +1461,66 @@ def test_transactions_run_whole_on_the_slots_head_and_refuse_two_slots(cluster_f
     assert_replicas_converge(cluster, accounts)
 
 
+@pytest.mark.parametrize("consistency", ["strong", "eventual"])
+def test_transactions_replicate_whole_through_a_kill_of_the_slots_head(cluster_factory, consistency):
+    """Transfers by MULTI/EXEC between accounts of one slot keep the total
+    through a kill -9 of the slot's head: an EXEC's writes replicate as one
+    unit, so the head that takes over holds all of a transaction or none of
+    it, whether or not its client heard the outcome (and under MS+EC, whether
+    or not the transaction was among the last writes the failover lost)."""
+    cluster = cluster_factory(consistency, nodes=3)
+    client = cluster.client(socket_timeout=10)
+    accounts = [f"{{bank}}account-{n}" for n in range(5)]
+    for account in accounts:
+        client.set(account, 1000)
+    slot = key_slot(accounts[0].encode())
+
+    def head():
+        shards = cluster.map()["shards"]
+        return next(shard for shard in shards if any(first <= slot <= last for first, last in shard["slots"]))[
+            "members"][0]
+
+    first_head = head()
+    stop, committed = threading.Event(), [0]
+
+    def transfers(seed):
+        rng = random.Random(seed)
+        connection = None
+        while not stop.is_set():
+            try:
+                if connection is None:
+                    connection = redis.Redis(port=cluster.port(head()), socket_timeout=2, protocol=2,
+                                             retry=Retry(NoBackoff(), 0))
+                source, target = rng.sample(accounts, 2)
+                amount = rng.randint(1, 50)
+                with connection.pipeline(transaction=True) as pipe:
+                    pipe.decrby(source, amount)
+                    pipe.incrby(target, amount)
+                    pipe.execute()
+                committed[0] += 1
+            except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
+                connection = None  # a dead head, a new one, or an unknown outcome
+                time.sleep(0.05)
+
+    threads = [threading.Thread(target=transfers, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.5)
+    before_kill = committed[0]
+    cluster.cli("kill", str(first_head))
+    time.sleep(2.5)
+    cluster.cli("restart", str(first_head))
+    time.sleep(1.5)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert before_kill > 50 and committed[0] > before_kill + 50, (before_kill, committed[0])
+    cluster.wait_for_full_shards()
+    balances = [int(client.get(account)) for account in accounts]
+    assert sum(balances) == 5000 and balances != [1000] * 5, balances
+    assert_replicas_converge(cluster, accounts)
+
+
 def test_scripts_run_atomically_on_the_slots_head_and_stay_in_their_slot(cluster_factory):
     """Transfers by script from a cluster client keep the total and reach the
     replicas; a script's keys, and every key it touches, share a slot; a

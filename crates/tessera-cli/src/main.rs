@@ -282,8 +282,10 @@ struct SimArgs {
     /// partition, crash, skew, suspicion (with --groups: the first five).
     #[arg(long, default_value = "all")]
     faults: String,
-    /// registers (contended keys, checked for linearizability) or appends
-    /// (every write a fresh key: counts lost acknowledged writes exactly).
+    /// registers (contended keys, checked for linearizability), appends
+    /// (every write a fresh key: counts lost acknowledged writes exactly) or
+    /// batches (writes to every key of a group as one unit, each group
+    /// checked as one register; not for a quorum, which refuses batches).
     #[arg(long, default_value = "registers")]
     workload: String,
     #[arg(long, default_value_t = 3)]
@@ -960,6 +962,12 @@ fn simulate(args: SimArgs) -> Result<(), String> {
         transition_to: args.transition_to.as_deref().map(sim_protocol).transpose()?,
         ..tessera_sim::SimConfig::new(protocol)
     };
+    let quorum = protocol.quorum || config.transition_to.is_some_and(|target| target.quorum);
+    if config.workload == tessera_sim::Workload::Batches && quorum {
+        return Err(
+            "a quorum protocol refuses batches: run the batches workload with one that orders writes".into(),
+        );
+    }
     let name = match config.transition_to {
         Some(target) => format!("{protocol} --transition-to {target}"),
         None => protocol.to_string(),

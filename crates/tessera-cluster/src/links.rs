@@ -612,8 +612,7 @@ mod tests {
             view: 1,
             seq,
             origin: NodeId(7),
-            key: Bytes::from_static(b"k"),
-            write: tessera_protocol::Write::Put(Bytes::from(value)),
+            writes: vec![(Bytes::from_static(b"k"), tessera_protocol::Write::Put(Bytes::from(value)))],
         })
     }
 

@@ -5,8 +5,9 @@
 //! Guarantees: gets, puts, deletes and increments are linearizable; a write
 //! acknowledged to a client is applied at every replica of the chain.
 //!
-//! Writes enter at the head, which numbers them; every replica applies them in
-//! number order, keeps them in its *sent list* until the tail's cumulative
+//! Writes enter at the head, which numbers them (a batch of writes to several
+//! keys takes one number and travels in one message, so every replica applies
+//! it whole); every replica applies them in number order, keeps them in its *sent list* until the tail's cumulative
 //! acknowledgement comes back, and forwards them to its successor. The head
 //! answers the client when the acknowledgement reaches it. Strong reads are
 //! answered by the tail (or, with CRAQ reads, by any replica whose copy of the key
@@ -28,12 +29,12 @@ use std::sync::Arc;
 use bytes::{BufMut, Bytes};
 use tessera_engine::Engine;
 
-use crate::codec::{put_bytes, put_chunk, put_entries, put_write, CodecError, Family, Message, Reader};
-use crate::record::{Record, Version};
+use crate::codec::{put_bytes, put_chunk, put_entries, put_writes, CodecError, Family, Message, Reader};
 use crate::{
-    increment_value, read_visible, refused_without_quorum, resend_due, Arrival, Chunk, ClientReply,
-    ClientRequest, Consistency, Effects, NodeId, Operation, OperationError, PeerMessage, Progress, Protocol,
-    RequestId, ShardView, SnapshotPace, SnapshotReceiver, SnapshotStream, StreamNumbers, Time, Write,
+    apply_ordered, increment_value, read_visible, refused_without_quorum, resend_due, writes_bytes, Arrival,
+    Chunk, ClientReply, ClientRequest, Consistency, Effects, NodeId, Operation, OperationError, PeerMessage,
+    Progress, Protocol, RequestId, ShardView, SnapshotPace, SnapshotReceiver, SnapshotStream, StreamNumbers,
+    Time, Write, Writes,
 };
 
 #[derive(Clone, Debug)]
@@ -54,6 +55,10 @@ pub struct ChainOptions {
     /// files a waiting client under the write after its own (an off-by-one).
     #[cfg(feature = "broken")]
     pub broken_waits_past_applied: bool,
+    /// For tests of the checkers: the head gives each write of a batch a
+    /// number of its own, so replicas apply a batch a write at a time.
+    #[cfg(feature = "broken")]
+    pub broken_split_batches: bool,
 }
 
 impl Default for ChainOptions {
@@ -67,14 +72,17 @@ impl Default for ChainOptions {
             broken_early_ack: false,
             #[cfg(feature = "broken")]
             broken_waits_past_applied: false,
+            #[cfg(feature = "broken")]
+            broken_split_batches: false,
         }
     }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ChainMessage {
-    /// Write number `seq`, accepted by `origin` (the head), flowing down the chain.
-    Forward { view: u64, seq: u64, origin: NodeId, key: Bytes, write: Write },
+    /// Write number `seq` (one key's, or a batch's), accepted by `origin`
+    /// (the head), flowing down the chain.
+    Forward { view: u64, seq: u64, origin: NodeId, writes: Writes },
     /// Every write up to `seq` is applied at the tail; flows up the chain.
     Ack { view: u64, seq: u64 },
     /// CRAQ: a strong read of a dirty key, asked of the tail.
@@ -115,13 +123,12 @@ impl Message for ChainMessage {
 
     fn encode(&self, out: &mut Vec<u8>) {
         match self {
-            ChainMessage::Forward { view, seq, origin, key, write } => {
+            ChainMessage::Forward { view, seq, origin, writes } => {
                 out.put_u8(FORWARD);
                 out.put_u64_le(*view);
                 out.put_u64_le(*seq);
                 out.put_u32_le(origin.0);
-                put_bytes(out, key);
-                put_write(out, write);
+                put_writes(out, writes);
             }
             ChainMessage::Ack { view, seq } => {
                 out.put_u8(ACK);
@@ -169,8 +176,7 @@ impl Message for ChainMessage {
                 view: reader.u64()?,
                 seq: reader.u64()?,
                 origin: reader.node()?,
-                key: reader.bytes()?,
-                write: reader.write()?,
+                writes: reader.writes()?,
             },
             ACK => ChainMessage::Ack { view: reader.u64()?, seq: reader.u64()? },
             READ_FORWARD => ChainMessage::ReadForward {
@@ -204,8 +210,7 @@ impl Message for ChainMessage {
 
 struct SentEntry {
     origin: NodeId,
-    key: Bytes,
-    write: Write,
+    writes: Writes,
 }
 
 /// What the head tells a client once its write commits.
@@ -352,15 +357,9 @@ impl ChainReplication {
     }
 
     /// Applies write `seq` to the engine; the caller checked it is the next one.
-    fn apply(&mut self, seq: u64, origin: NodeId, key: &Bytes, write: &Write) -> Result<(), OperationError> {
+    fn apply(&mut self, seq: u64, origin: NodeId, writes: &[(Bytes, Write)]) -> Result<(), OperationError> {
         assert_eq!(seq, self.applied + 1, "writes are applied in number order");
-        let result = match write {
-            Write::Put(value) => {
-                self.engine.put(key, Record::value(Version(seq), origin, value.clone()).encode()).map(drop)
-            }
-            Write::Delete => self.engine.delete(key).map(drop),
-        };
-        result?;
+        apply_ordered(self.engine.as_ref(), seq, origin, writes)?;
         self.applied = seq;
         Ok(())
     }
@@ -370,14 +369,15 @@ impl ChainReplication {
             view: self.view_number(),
             seq,
             origin: entry.origin,
-            key: entry.key.clone(),
-            write: entry.write.clone(),
+            writes: entry.writes.clone(),
         })
     }
 
     /// Keeps an applied write until the tail acknowledges it, and passes it on.
     fn remember_and_forward(&mut self, seq: u64, entry: SentEntry, fx: &mut Effects) {
-        *self.dirty.entry(entry.key.clone()).or_default() += 1;
+        for (key, _) in &entry.writes {
+            *self.dirty.entry(key.clone()).or_default() += 1;
+        }
         if let Some(next) = self.downstream() {
             fx.send(next, self.forward(seq, &entry));
         }
@@ -402,10 +402,12 @@ impl ChainReplication {
             }
             let entry = entry.remove();
             self.last_progress_at = now;
-            if let Some(count) = self.dirty.get_mut(&entry.key) {
-                *count -= 1;
-                if *count == 0 {
-                    self.dirty.remove(&entry.key);
+            for (key, _) in &entry.writes {
+                if let Some(count) = self.dirty.get_mut(key) {
+                    *count -= 1;
+                    if *count == 0 {
+                        self.dirty.remove(key);
+                    }
                 }
             }
         }
@@ -559,7 +561,7 @@ impl ChainReplication {
     /// The keys and values a resend of the sent list carries.
     fn resend_bytes(&self) -> usize {
         let entries = self.sent.values().take(self.options.resend_batch_max);
-        entries.map(|entry| entry.key.len() + entry.write.value_bytes()).sum()
+        entries.map(|entry| writes_bytes(&entry.writes)).sum()
     }
 
     fn resend_sent(&mut self, to: NodeId, fx: &mut Effects) {
@@ -615,16 +617,17 @@ impl ChainReplication {
         if alone && !self.lease_valid(fx.now()) {
             return fx.reply(request, ClientReply::Retry("lease expired"));
         }
-        let (key, write, answer) = match operation {
-            Operation::Put { key, value } => (key, Write::Put(value), Answer::Written),
-            Operation::Delete { key } => (key, Write::Delete, Answer::Written),
+        let (writes, answer) = match operation {
+            Operation::Put { key, value } => (vec![(key, Write::Put(value))], Answer::Written),
+            Operation::Delete { key } => (vec![(key, Write::Delete)], Answer::Written),
+            Operation::Batch { writes } => (writes, Answer::Written),
             Operation::Increment { key, delta } => {
                 // The head holds every write it ordered, so its copy is the
                 // newest; the result travels down the chain as a plain put.
                 let updated =
                     self.read_local(&key).and_then(|current| increment_value(current.as_deref(), delta));
                 match updated {
-                    Ok(updated) => (key, Write::Put(updated.clone()), Answer::Value(updated)),
+                    Ok(updated) => (vec![(key, Write::Put(updated.clone()))], Answer::Value(updated)),
                     Err(error) => return fx.reply(request, ClientReply::Failed(error)),
                 }
             }
@@ -632,8 +635,10 @@ impl ChainReplication {
                 unreachable!("reads are handled by on_read; conditional writes are refused before")
             }
         };
+        #[cfg(feature = "broken")]
+        let writes = self.broken_split(writes, alone, fx);
         let seq = self.applied + 1;
-        if let Err(error) = self.apply(seq, self.me, &key, &write) {
+        if let Err(error) = self.apply(seq, self.me, &writes) {
             return fx.reply(request, ClientReply::Failed(error));
         }
         #[cfg(feature = "broken")]
@@ -645,7 +650,7 @@ impl ChainReplication {
                     Answer::Value(value) => ClientReply::Value(Some(value)),
                 },
             );
-            self.remember_and_forward(seq, SentEntry { origin: self.me, key, write }, fx);
+            self.remember_and_forward(seq, SentEntry { origin: self.me, writes }, fx);
             return;
         }
         #[cfg(feature = "broken")]
@@ -653,21 +658,33 @@ impl ChainReplication {
         #[cfg(not(feature = "broken"))]
         let waited_on = seq;
         self.waiting.insert(waited_on, (request, answer));
-        self.remember_and_forward(seq, SentEntry { origin: self.me, key, write }, fx);
+        self.remember_and_forward(seq, SentEntry { origin: self.me, writes }, fx);
         if alone {
             self.applied_at_tail(seq, fx);
         }
     }
 
-    fn on_forward(
-        &mut self,
-        from: NodeId,
-        seq: u64,
-        origin: NodeId,
-        key: Bytes,
-        write: Write,
-        fx: &mut Effects,
-    ) {
+    /// The broken variant's head: every write of a batch but the last goes
+    /// down the chain under a number of its own; the last is returned.
+    #[cfg(feature = "broken")]
+    fn broken_split(&mut self, mut writes: Writes, alone: bool, fx: &mut Effects) -> Writes {
+        if !self.options.broken_split_batches {
+            return writes;
+        }
+        let last = writes.split_off(writes.len() - 1);
+        for write in writes {
+            let seq = self.applied + 1;
+            if self.apply(seq, self.me, std::slice::from_ref(&write)).is_ok() {
+                self.remember_and_forward(seq, SentEntry { origin: self.me, writes: vec![write] }, fx);
+                if alone {
+                    self.applied_at_tail(seq, fx);
+                }
+            }
+        }
+        last
+    }
+
+    fn on_forward(&mut self, from: NodeId, seq: u64, origin: NodeId, writes: Writes, fx: &mut Effects) {
         if Some(from) != self.predecessor() {
             return;
         }
@@ -686,7 +703,7 @@ impl ChainReplication {
         if seq != self.applied + 1 {
             return; // a gap: the predecessor resends what is missing
         }
-        if let Err(error) = self.apply(seq, origin, &key, &write) {
+        if let Err(error) = self.apply(seq, origin, &writes) {
             tracing::error!(replica = %self.me, seq, %error, "cannot apply a forwarded write; waiting for a resend");
             return;
         }
@@ -696,7 +713,7 @@ impl ChainReplication {
             fx.send(from, PeerMessage::new(&ChainMessage::Ack { view, seq }));
             return;
         }
-        self.remember_and_forward(seq, SentEntry { origin, key, write }, fx);
+        self.remember_and_forward(seq, SentEntry { origin, writes }, fx);
         if self.successor().is_none() {
             self.applied_at_tail(seq, fx);
         }
@@ -725,8 +742,8 @@ impl Protocol for ChainReplication {
             return; // another view's message: fenced off
         }
         match message {
-            ChainMessage::Forward { seq, origin, key, write, .. } => {
-                self.on_forward(from, seq, origin, key, write, fx)
+            ChainMessage::Forward { seq, origin, writes, .. } => {
+                self.on_forward(from, seq, origin, writes, fx)
             }
             ChainMessage::Ack { seq, .. } if seq > self.applied => {
                 // Nothing downstream can hold a write this replica has not
@@ -874,7 +891,7 @@ impl Protocol for ChainReplication {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_support::{put, view};
+    use crate::test_support::{batch, put, view};
     use crate::{transfer_allowance, Effect};
     use tessera_engine::MemoryEngine;
 
@@ -887,8 +904,7 @@ mod tests {
             view,
             seq,
             origin: NodeId(1),
-            key: Bytes::from(key.to_string()),
-            write: Write::Put(Bytes::from(value.to_string())),
+            writes: vec![(Bytes::from(key.to_string()), Write::Put(Bytes::from(value.to_string())))],
         })
     }
 
@@ -905,6 +921,32 @@ mod tests {
         assert_eq!(fx.take(), vec![Effect::Send { to: NodeId(2), message: forward(1, 1, "k", "v") }]);
         head.on_peer(NodeId(2), ack(1, 1), &mut fx);
         assert_eq!(fx.take(), vec![Effect::Reply { request: RequestId(7), reply: ClientReply::Written }]);
+    }
+
+    #[test]
+    fn a_batch_takes_one_number_and_one_message_and_commits_whole() {
+        let (mut head, mut tail) = (replica(1), replica(2));
+        let mut fx = Effects::new(10);
+        head.on_view(&view(1, &[1, 2]), &mut fx);
+        tail.on_view(&view(1, &[1, 2]), &mut fx);
+        head.on_client(batch(7, &["a", "b", "c"], "v"), &mut fx);
+        let sent = fx.take();
+        let [Effect::Send { to, message }] = &sent[..] else { panic!("one forward: {sent:?}") };
+        let Some(Ok(ChainMessage::Forward { seq: 1, writes, .. })) = message.open::<ChainMessage>() else {
+            panic!("a forward of write 1")
+        };
+        assert_eq!(writes.len(), 3);
+        assert_eq!(head.progress().applied, 1);
+        tail.on_peer(NodeId(1), message.clone(), &mut fx);
+        for key in ["a", "b", "c"] {
+            assert_eq!(tail.read_local(key.as_bytes()).unwrap(), Some(Bytes::from_static(b"v")));
+        }
+        let acknowledged = fx.take();
+        assert_eq!(acknowledged, vec![Effect::Send { to: NodeId(1), message: ack(1, 1) }]);
+        assert_eq!(*to, NodeId(2));
+        head.on_peer(NodeId(2), ack(1, 1), &mut fx);
+        assert_eq!(fx.take(), vec![Effect::Reply { request: RequestId(7), reply: ClientReply::Written }]);
+        assert!(head.dirty.is_empty(), "every key of the batch is clean once it commits");
     }
 
     #[test]
@@ -1001,8 +1043,7 @@ mod tests {
                 view: 1,
                 seq: 1,
                 origin: NodeId(1),
-                key: Bytes::from_static(b"a"),
-                write: Write::Put(Bytes::from_static(b"1")),
+                writes: vec![(Bytes::from_static(b"a"), Write::Put(Bytes::from_static(b"1")))],
             }),
             &mut fx,
         );
@@ -1154,19 +1195,13 @@ mod codec_tests {
 
     use super::*;
     use crate::codec::check_codec;
-    use crate::codec::strategies::{bytes, chunk, entries, write};
+    use crate::codec::strategies::{bytes, chunk, entries, writes};
 
     fn message() -> impl Strategy<Value = ChainMessage> {
         prop_oneof![
-            (any::<u64>(), any::<u64>(), any::<u32>(), bytes(), write()).prop_map(
-                |(view, seq, origin, key, write)| ChainMessage::Forward {
-                    view,
-                    seq,
-                    origin: NodeId(origin),
-                    key,
-                    write
-                }
-            ),
+            (any::<u64>(), any::<u64>(), any::<u32>(), writes()).prop_map(|(view, seq, origin, writes)| {
+                ChainMessage::Forward { view, seq, origin: NodeId(origin), writes }
+            }),
             (any::<u64>(), any::<u64>()).prop_map(|(view, seq)| ChainMessage::Ack { view, seq }),
             (any::<u64>(), any::<u64>(), bytes()).prop_map(|(view, request, key)| {
                 ChainMessage::ReadForward { view, request: RequestId(request), key }

@@ -121,6 +121,15 @@ pub fn put_write(out: &mut Vec<u8>, write: &Write) {
     }
 }
 
+/// An entry's writes: a count, then each key and write.
+pub fn put_writes(out: &mut Vec<u8>, writes: &[(Bytes, Write)]) {
+    out.put_u32_le(writes.len() as u32);
+    for (key, write) in writes {
+        put_bytes(out, key);
+        put_write(out, write);
+    }
+}
+
 pub fn put_chunk(out: &mut Vec<u8>, chunk: Chunk) {
     out.put_u64_le(chunk.stream);
     out.put_u32_le(chunk.index);
@@ -208,6 +217,16 @@ impl Reader {
         }
     }
 
+    /// An entry's writes, at least one (a key's length and a write's kind
+    /// take five bytes at least).
+    pub fn writes(&mut self) -> Result<crate::Writes, CodecError> {
+        let count = self.count(5)?;
+        if count == 0 {
+            return Err(CodecError("an entry without writes"));
+        }
+        (0..count).map(|_| Ok((self.bytes()?, self.write()?))).collect()
+    }
+
     /// A count of items each at least `item_bytes` long: checked against what
     /// is left before anything is allocated.
     pub fn count(&mut self, item_bytes: usize) -> Result<usize, CodecError> {
@@ -276,6 +295,10 @@ pub(crate) mod strategies {
 
     pub fn write() -> impl Strategy<Value = Write> {
         prop_oneof![Just(Write::Delete), bytes().prop_map(Write::Put)]
+    }
+
+    pub fn writes() -> impl Strategy<Value = crate::Writes> {
+        proptest::collection::vec((bytes(), write()), 1..4)
     }
 
     pub fn entries() -> impl Strategy<Value = Vec<(Bytes, Bytes)>> {

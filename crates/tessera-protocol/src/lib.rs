@@ -95,17 +95,29 @@ pub enum Operation {
         expected: Option<(Version, NodeId)>,
         write: Write,
     },
+    /// Writes to several keys (a transaction's, a script's, a paged
+    /// collection's) replicated as one unit: ordered as one entry and
+    /// applied whole by every replica, so none holds a part of them.
+    /// Protocols that order writes only; a quorum protocol refuses it.
+    Batch {
+        writes: Writes,
+    },
 }
 
+/// Writes to several keys that go together.
+pub type Writes = Vec<(Bytes, Write)>;
+
 impl Operation {
-    pub fn key(&self) -> &Bytes {
+    /// The key a single-key operation names: a batch has several.
+    pub fn key(&self) -> Option<&Bytes> {
         match self {
             Operation::Get { key, .. }
             | Operation::Put { key, .. }
             | Operation::Delete { key }
             | Operation::Increment { key, .. }
             | Operation::Fetch { key }
-            | Operation::WriteIf { key, .. } => key,
+            | Operation::WriteIf { key, .. } => Some(key),
+            Operation::Batch { .. } => None,
         }
     }
 
@@ -190,12 +202,42 @@ pub enum OperationError {
     Overflow,
     #[error("conditional writes need a shard running a quorum protocol")]
     NeedsQuorum,
+    #[error("writes to several keys as one unit (a transaction, a script) need a table whose mode orders writes: MS+SC, MS+EC or AA+EC, not AA+SC")]
+    BatchNeedsOrdering,
 }
 
 impl From<tessera_engine::EngineError> for OperationError {
     fn from(error: tessera_engine::EngineError) -> Self {
         OperationError::Engine(error.to_string())
     }
+}
+
+/// Applies an ordered entry's writes (one key's, or a batch's) to the
+/// engine, each record stamped with the entry's number and origin.
+pub(crate) fn apply_ordered(
+    engine: &dyn Engine,
+    seq: u64,
+    origin: NodeId,
+    writes: &[(Bytes, Write)],
+) -> Result<(), OperationError> {
+    for (key, write) in writes {
+        match write {
+            Write::Put(value) => {
+                engine.put(key, Record::value(Version(seq), origin, value.clone()).encode())?
+            }
+            Write::Delete => drop(engine.delete(key)?),
+        }
+    }
+    Ok(())
+}
+
+/// The most bytes of keys and values one replicated unit (a batch) carries:
+/// it travels in one peer message, which the links take up to 1 GiB.
+pub const UNIT_BYTES_MAX: usize = 512 << 20;
+
+/// The keys' and values' bytes of some writes.
+pub fn writes_bytes(writes: &[(Bytes, Write)]) -> usize {
+    writes.iter().map(|(key, write)| key.len() + write.value_bytes()).sum()
 }
 
 /// A write as replicas ship it to each other.

@@ -6,7 +6,12 @@
 //! applied wherever they outrank what is held (version, then origin), so
 //! replicas that can talk converge once writes stop, whatever the order, loss
 //! or duplication of messages. Concurrent writes keep the newest; an increment
-//! computed at one replica may overwrite a concurrent one at another.
+//! computed at one replica may overwrite a concurrent one at another. A batch
+//! of writes to several keys is stamped with one version and its records
+//! travel in one message, which a peer applies whole (each record where it
+//! outranks what is held): no peer shows a part of a batch it was shipped.
+//! Anti-entropy repairs key by key, so a replica that missed a batch's
+//! message may show part of it until the repair completes.
 //!
 //! Anti-entropy repairs what propagation missed (a dropped outbox, a partition,
 //! an empty newcomer): replicas compare a two-level hash tree of their records
@@ -35,7 +40,7 @@ use crate::snapshot::SNAPSHOT_CHUNK_BYTES;
 use crate::{
     entries_bytes, for_each_entry, increment_value, refused_without_quorum, resend_due, BatchBytes,
     ClientReply, ClientRequest, Effects, NodeId, Operation, OperationError, PeerMessage, Progress, Protocol,
-    ShardView, Time,
+    ShardView, Time, Write,
 };
 
 /// The most bytes of records one anti-entropy exchange sends a peer.
@@ -265,12 +270,40 @@ struct PeerRounds {
 struct Outbox {
     /// Keys written here and not yet sent, with the encoded record written
     /// (the newest: a key written again is sent once).
-    unsent: BTreeMap<Bytes, Bytes>,
+    unsent: BTreeMap<Bytes, Unsent>,
     /// Batches sent and not acknowledged: when last sent, and what.
     in_flight: BTreeMap<u64, (Time, Vec<(Bytes, Bytes)>)>,
 }
 
+/// A record waiting to be sent, and the keys it must travel with.
+#[derive(Debug)]
+struct Unsent {
+    raw: Bytes,
+    /// The keys of the batch that wrote it, itself included, if any.
+    batch: Option<Arc<[Bytes]>>,
+}
+
 impl Outbox {
+    /// The keys that must go in the same message as `key`: its batch's, and
+    /// theirs in turn, as far as they are still unsent (a key written again
+    /// since carries its newer batch along).
+    fn unit(&self, key: &Bytes) -> Vec<Bytes> {
+        let mut unit = vec![key.clone()];
+        let mut next = 0;
+        while let Some(member) = unit.get(next) {
+            next += 1;
+            let Some(batch) = self.unsent.get(member).and_then(|unsent| unsent.batch.clone()) else {
+                continue;
+            };
+            for sibling in batch.iter() {
+                if self.unsent.contains_key(sibling) && !unit.contains(sibling) {
+                    unit.push(sibling.clone());
+                }
+            }
+        }
+        unit
+    }
+
     fn holds(&self, key: &[u8]) -> bool {
         self.unsent.contains_key(key)
             || self.in_flight.values().any(|(_, entries)| entries.iter().any(|(sent, _)| sent == key))
@@ -433,14 +466,17 @@ impl MultiMaster {
 
     fn on_write(&mut self, request: ClientRequest, fx: &mut Effects) {
         let now = fx.now();
-        let (key, value, reply) = match request.operation {
-            Operation::Put { key, value } => (key, Some(value), ClientReply::Written),
-            Operation::Delete { key } => (key, None, ClientReply::Written),
+        let (writes, reply) = match request.operation {
+            Operation::Put { key, value } => (vec![(key, Write::Put(value))], ClientReply::Written),
+            Operation::Delete { key } => (vec![(key, Write::Delete)], ClientReply::Written),
+            Operation::Batch { writes } => (writes, ClientReply::Written),
             Operation::Increment { key, delta } => {
                 let current =
                     self.stored(&key).map(|record| record.and_then(|record| record.visible().cloned()));
                 match current.and_then(|current| increment_value(current.as_deref(), delta)) {
-                    Ok(updated) => (key, Some(updated.clone()), ClientReply::Value(Some(updated))),
+                    Ok(updated) => {
+                        (vec![(key, Write::Put(updated.clone()))], ClientReply::Value(Some(updated)))
+                    }
                     Err(error) => return fx.reply(request.id, ClientReply::Failed(error)),
                 }
             }
@@ -448,22 +484,30 @@ impl MultiMaster {
                 unreachable!("reads are handled separately; conditional writes are refused before")
             }
         };
+        // One version for the whole batch, so that wherever its records
+        // meet later writes they win or lose together.
         let version = self.hlc.tick(now);
-        let record = match value {
-            Some(value) => Record::value(version, self.me, value),
-            None => Record::tombstone(version, self.me),
-        };
-        let raw = record.encode();
-        match self.merge(&key, record, raw.clone(), now) {
-            Ok(_) => {
-                self.accepted += 1;
-                for peer in self.peers() {
-                    self.outboxes.entry(peer).or_default().unsent.insert(key.clone(), raw.clone());
-                }
-                fx.reply(request.id, reply);
+        let batch: Option<Arc<[Bytes]>> =
+            (writes.len() > 1).then(|| writes.iter().map(|(key, _)| key.clone()).collect());
+        let peers = self.peers();
+        for (key, write) in writes {
+            let record = match write {
+                Write::Put(value) => Record::value(version, self.me, value),
+                Write::Delete => Record::tombstone(version, self.me),
+            };
+            let raw = record.encode();
+            if let Err(error) = self.merge(&key, record, raw.clone(), now) {
+                // Only an engine error gets here; the batch's earlier
+                // records stay, as a failed command's earlier writes do.
+                return fx.reply(request.id, ClientReply::Failed(error));
             }
-            Err(error) => fx.reply(request.id, ClientReply::Failed(error)),
+            for peer in &peers {
+                let unsent = Unsent { raw: raw.clone(), batch: batch.clone() };
+                self.outboxes.entry(*peer).or_default().unsent.insert(key.clone(), unsent);
+            }
         }
+        self.accepted += 1;
+        fx.reply(request.id, reply);
     }
 
     /// Ships due batches to every peer: new ones while the window allows, and
@@ -488,11 +532,19 @@ impl MultiMaster {
             while !outbox.unsent.is_empty() && outbox.in_flight.len() < self.options.window_batches {
                 let (mut entries, mut room) = (Vec::new(), BatchBytes::default());
                 while entries.len() < self.options.batch_max {
-                    let Some((key, raw)) = outbox.unsent.first_key_value() else { break };
-                    if !room.admits(key.len() + raw.len()) {
+                    // A batch's records go in one message, whatever its size.
+                    let Some(first) = outbox.unsent.keys().next() else { break };
+                    let unit = outbox.unit(first);
+                    let unit_bytes: usize =
+                        unit.iter().map(|key| key.len() + outbox.unsent[key].raw.len()).sum();
+                    let too_many = !entries.is_empty() && entries.len() + unit.len() > self.options.batch_max;
+                    if too_many || !room.admits(unit_bytes) {
                         break;
                     }
-                    entries.extend(outbox.unsent.pop_first());
+                    for key in unit {
+                        let unsent = outbox.unsent.remove(&key).expect("a unit's keys are unsent");
+                        entries.push((key, unsent.raw));
+                    }
                 }
                 let batch = self.next_batch;
                 self.next_batch += 1;
@@ -822,6 +874,44 @@ mod tests {
         }
         let roots: Vec<Vec<u64>> = replicas.iter().map(|replica| replica.tree.roots()).collect();
         assert!(roots.windows(2).all(|pair| pair[0] == pair[1]), "identical trees");
+    }
+
+    #[test]
+    fn a_batch_travels_in_one_message_past_the_records_per_message() {
+        let mut fx = Effects::new(100);
+        let mut replicas: Vec<MultiMaster> = (1..=2)
+            .map(|id| {
+                let options = MultiMasterOptions { batch_max: 2, ..MultiMasterOptions::default() };
+                MultiMaster::new(NodeId(id), Arc::new(MemoryEngine::new()), options)
+            })
+            .collect();
+        for replica in &mut replicas {
+            replica.on_view(&view(1, &[1, 2]), &mut fx);
+        }
+        fx.take();
+        replicas[0].on_client(put(1, "0-before", "x"), &mut fx);
+        replicas[0].on_client(crate::test_support::batch(2, &["a", "b", "c"], "v"), &mut fx);
+        // Written again since: the newer batch comes along with it.
+        replicas[0].on_client(crate::test_support::batch(3, &["c", "d"], "w"), &mut fx);
+        fx.take();
+        replicas[0].on_tick(&mut fx);
+        let sizes: Vec<usize> = fx
+            .take()
+            .into_iter()
+            .filter_map(|effect| match effect {
+                Effect::Send { message, .. } => match message.open::<MultiMessage>() {
+                    Some(Ok(MultiMessage::Records { records, .. })) => Some(records.len()),
+                    _ => None,
+                },
+                _ => None,
+            })
+            .collect();
+        assert_eq!(sizes, vec![1, 4], "a single record, then both batches whole");
+        let stamps: BTreeSet<_> = ["a", "b"]
+            .iter()
+            .map(|key| replicas[0].stored(key.as_bytes()).unwrap().map(|record| record.version))
+            .collect();
+        assert_eq!(stamps.len(), 1, "a batch's records share one version");
     }
 
     #[test]

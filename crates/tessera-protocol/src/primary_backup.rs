@@ -8,7 +8,8 @@
 //! Loss window: writes the primary acknowledged but had not shipped when it
 //! failed are lost when a backup is promoted. The simulator measures it.
 //!
-//! Each write carries (view, number). A backup reports the number and view of
+//! Each write carries (view, number); a batch of writes to several keys takes
+//! one number and is applied whole. A backup reports the number and view of
 //! the last write it applied; the primary ships the rest only if it holds the
 //! same entry (so the backup's history is a prefix of its own), and otherwise
 //! sends a snapshot of its whole state. A backup that applied writes of a
@@ -25,13 +26,12 @@ use std::sync::Arc;
 use bytes::{BufMut, Bytes};
 use tessera_engine::Engine;
 
-use crate::codec::{put_bytes, put_chunk, put_entries, put_write, CodecError, Family, Message, Reader};
-use crate::record::{Record, Version};
+use crate::codec::{put_chunk, put_entries, put_writes, CodecError, Family, Message, Reader};
 use crate::{
-    increment_value, read_visible, refused_without_quorum, resend_due, Arrival, BatchBytes, Chunk,
-    ClientReply, ClientRequest, Consistency, Effects, NodeId, Operation, OperationError, PeerMessage,
-    Progress, Protocol, ShardView, SnapshotPace, SnapshotReceiver, SnapshotStream, StreamNumbers, Time,
-    Write,
+    apply_ordered, increment_value, read_visible, refused_without_quorum, resend_due, writes_bytes, Arrival,
+    BatchBytes, Chunk, ClientReply, ClientRequest, Consistency, Effects, NodeId, Operation, OperationError,
+    PeerMessage, Progress, Protocol, ShardView, SnapshotPace, SnapshotReceiver, SnapshotStream,
+    StreamNumbers, Time, Write, Writes,
 };
 
 #[derive(Clone, Debug)]
@@ -73,8 +73,8 @@ pub struct LogEntry {
     /// The view whose primary ordered this write.
     pub epoch: u64,
     pub origin: NodeId,
-    pub key: Bytes,
-    pub write: Write,
+    /// One key's write, or a batch's.
+    pub writes: Writes,
 }
 
 /// A log entry, with the bytes of every entry logged through it (since the
@@ -101,9 +101,9 @@ fn log_bytes(log: &BTreeMap<u64, Logged>, after: u64, through: u64) -> Option<us
 }
 
 impl LogEntry {
-    /// The key's and the value's bytes, what a batch of entries is bounded by.
+    /// The keys' and the values' bytes, what a batch of entries is bounded by.
     fn bytes(&self) -> usize {
-        self.key.len() + self.write.value_bytes()
+        writes_bytes(&self.writes)
     }
 }
 
@@ -150,8 +150,7 @@ impl Message for BackupMessage {
                     out.put_u64_le(entry.seq);
                     out.put_u64_le(entry.epoch);
                     out.put_u32_le(entry.origin.0);
-                    put_bytes(out, &entry.key);
-                    put_write(out, &entry.write);
+                    put_writes(out, &entry.writes);
                 }
             }
             BackupMessage::Snapshot { view, applied, epoch, chunk, entries } => {
@@ -181,16 +180,16 @@ impl Message for BackupMessage {
         Ok(match reader.u8()? {
             UPDATES => {
                 let view = reader.u64()?;
-                // seq, epoch, origin, key length, write kind: 25 bytes at least.
-                let count = reader.count(25)?;
+                // seq, epoch, origin, a count of writes and one write: 29
+                // bytes at least.
+                let count = reader.count(29)?;
                 let entries = (0..count)
                     .map(|_| {
                         Ok(LogEntry {
                             seq: reader.u64()?,
                             epoch: reader.u64()?,
                             origin: reader.node()?,
-                            key: reader.bytes()?,
-                            write: reader.write()?,
+                            writes: reader.writes()?,
                         })
                     })
                     .collect::<Result<_, CodecError>>()?;
@@ -303,14 +302,7 @@ impl PrimaryBackup {
 
     fn apply(&mut self, entry: LogEntry) -> Result<(), OperationError> {
         assert_eq!(entry.seq, self.applied + 1, "entries are applied in number order");
-        let result = match &entry.write {
-            Write::Put(value) => {
-                let record = Record::value(Version(entry.seq), entry.origin, value.clone());
-                self.engine.put(&entry.key, record.encode()).map(drop)
-            }
-            Write::Delete => self.engine.delete(&entry.key).map(drop),
-        };
-        result?;
+        apply_ordered(self.engine.as_ref(), entry.seq, entry.origin, &entry.writes)?;
         self.applied = entry.seq;
         self.applied_epoch = entry.epoch;
         let bytes_through = self.log.last_key_value().map_or(0, |(_, last)| last.bytes_through);
@@ -330,12 +322,15 @@ impl PrimaryBackup {
         if !self.lease_valid(fx.now()) {
             return fx.reply(request.id, ClientReply::Retry("lease expired"));
         }
-        let (key, write, reply) = match request.operation {
-            Operation::Put { key, value } => (key, Write::Put(value), ClientReply::Written),
-            Operation::Delete { key } => (key, Write::Delete, ClientReply::Written),
+        let (writes, reply) = match request.operation {
+            Operation::Put { key, value } => (vec![(key, Write::Put(value))], ClientReply::Written),
+            Operation::Delete { key } => (vec![(key, Write::Delete)], ClientReply::Written),
+            Operation::Batch { writes } => (writes, ClientReply::Written),
             Operation::Increment { key, delta } => {
                 match self.read_local(&key).and_then(|current| increment_value(current.as_deref(), delta)) {
-                    Ok(updated) => (key, Write::Put(updated.clone()), ClientReply::Value(Some(updated))),
+                    Ok(updated) => {
+                        (vec![(key, Write::Put(updated.clone()))], ClientReply::Value(Some(updated)))
+                    }
                     Err(error) => return fx.reply(request.id, ClientReply::Failed(error)),
                 }
             }
@@ -343,8 +338,7 @@ impl PrimaryBackup {
                 unreachable!("reads are handled separately; conditional writes are refused before")
             }
         };
-        let entry =
-            LogEntry { seq: self.applied + 1, epoch: self.view_number(), origin: self.me, key, write };
+        let entry = LogEntry { seq: self.applied + 1, epoch: self.view_number(), origin: self.me, writes };
         match self.apply(entry) {
             Ok(()) => fx.reply(request.id, reply),
             Err(error) => fx.reply(request.id, ClientReply::Failed(error)),
@@ -739,6 +733,31 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_is_one_log_entry_that_a_backup_applies_whole() {
+        let (mut primary, mut backup) = (replica(1), replica(2));
+        let mut fx = Effects::new(10);
+        primary.on_view(&view(1, &[1, 2]), &mut fx);
+        backup.on_view(&view(1, &[1, 2]), &mut fx);
+        primary.on_client(crate::test_support::batch(7, &["a", "b"], "v"), &mut fx);
+        assert_eq!(fx.take(), vec![Effect::Reply { request: RequestId(7), reply: ClientReply::Written }]);
+        assert_eq!(primary.progress().applied, 1);
+        backup.on_tick(&mut fx);
+        let Effect::Send { message, .. } = fx.take()[0].clone() else { panic!("a position report") };
+        primary.on_peer(NodeId(2), message, &mut fx);
+        primary.on_tick(&mut fx);
+        let Effect::Send { message, .. } = fx.take()[0].clone() else { panic!("updates") };
+        let Some(Ok(BackupMessage::Updates { entries, .. })) = message.open::<BackupMessage>() else {
+            panic!("updates")
+        };
+        assert_eq!(entries.len(), 1);
+        assert_eq!(entries[0].writes.len(), 2);
+        backup.on_peer(NodeId(1), message, &mut fx);
+        assert_eq!(backup.read_local(b"a").unwrap(), Some(Bytes::from_static(b"v")));
+        assert_eq!(backup.read_local(b"b").unwrap(), Some(Bytes::from_static(b"v")));
+        assert_eq!(backup.progress().applied, 1);
+    }
+
+    #[test]
     fn a_backup_ahead_of_a_new_primary_is_reset_by_a_snapshot() {
         let mut new_primary = replica(2);
         let mut fx = Effects::new(10);
@@ -988,12 +1007,11 @@ mod codec_tests {
 
     use super::*;
     use crate::codec::check_codec;
-    use crate::codec::strategies::{bytes, chunk, entries, write};
+    use crate::codec::strategies::{chunk, entries, writes};
 
     fn message() -> impl Strategy<Value = BackupMessage> {
-        let entry = (any::<u64>(), any::<u64>(), any::<u32>(), bytes(), write()).prop_map(
-            |(seq, epoch, origin, key, write)| LogEntry { seq, epoch, origin: NodeId(origin), key, write },
-        );
+        let entry = (any::<u64>(), any::<u64>(), any::<u32>(), writes())
+            .prop_map(|(seq, epoch, origin, writes)| LogEntry { seq, epoch, origin: NodeId(origin), writes });
         prop_oneof![
             (any::<u64>(), proptest::collection::vec(entry, 0..4))
                 .prop_map(|(view, entries)| BackupMessage::Updates { view, entries }),

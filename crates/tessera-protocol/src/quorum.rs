@@ -324,7 +324,7 @@ struct Proposal {
 
 impl Proposal {
     fn key(&self) -> &Bytes {
-        self.operation.key()
+        self.operation.key().expect("batches are refused before they become proposals")
     }
 
     /// Whether an interrupted accept round may simply start over: only a
@@ -745,6 +745,9 @@ impl QuorumRegister {
                     }
                     Operation::WriteIf { write: Write::Delete, .. } => (None, ClientReply::Written),
                     Operation::Delete { .. } => (None, ClientReply::Written),
+                    Operation::Batch { .. } => {
+                        unreachable!("batches are refused before they become proposals")
+                    }
                     Operation::Increment { delta, .. } => match increment_value(current.as_deref(), *delta) {
                         Ok(updated) => (Some(updated.clone()), ClientReply::Value(Some(updated))),
                         Err(error) => {
@@ -853,6 +856,11 @@ impl Protocol for QuorumRegister {
                 Err(error) => ClientReply::Failed(error),
             };
             return fx.reply(request.id, reply);
+        }
+        if let Operation::Batch { .. } = request.operation {
+            // One CASPaxos round decides one key's record; a unit of several
+            // keys needs more than that (docs/PROTOCOLS.md, "AA+SC").
+            return fx.reply(request.id, ClientReply::Failed(OperationError::BatchNeedsOrdering));
         }
         let op = self.next_op;
         self.next_op += 1;
@@ -1073,7 +1081,7 @@ impl Protocol for QuorumRegister {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_support::{put, view};
+    use crate::test_support::{batch, put, view};
     use crate::Effect;
     use tessera_engine::MemoryEngine;
 
@@ -1088,6 +1096,21 @@ mod tests {
             replica.on_view(&view(1, &members), &mut Effects::new(0));
         }
         replicas
+    }
+
+    #[test]
+    fn a_batch_is_refused_without_effect() {
+        let mut replicas = replicas(3);
+        let mut fx = Effects::new(10);
+        replicas[0].on_client(batch(1, &["a", "b"], "v"), &mut fx);
+        assert_eq!(
+            fx.take(),
+            vec![Effect::Reply {
+                request: RequestId(1),
+                reply: ClientReply::Failed(OperationError::BatchNeedsOrdering)
+            }]
+        );
+        assert_eq!(replicas[0].engine.get(b"a").unwrap(), None);
     }
 
     /// Delivers messages until none is left, except those to `cut`; returns

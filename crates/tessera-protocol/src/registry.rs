@@ -396,6 +396,18 @@ static BROKEN: &[ProtocolSpec] = &[
         },
         ..CHAIN
     },
+    // The head gives each write of a batch a number of its own.
+    ProtocolSpec {
+        name: "broken-chain-split-batches",
+        build: |me, engine, _, tuning| {
+            Box::new(ChainReplication::new(
+                me,
+                engine,
+                ChainOptions { broken_split_batches: true, ..chain_options(tuning) },
+            ))
+        },
+        ..CHAIN
+    },
     // Multi-master without anti-entropy: what propagation misses is never repaired.
     ProtocolSpec {
         name: "broken-multi-master-no-repair",

@@ -2,7 +2,7 @@
 
 use bytes::Bytes;
 
-use crate::{ClientRequest, NodeId, Operation, RequestId, ShardView};
+use crate::{ClientRequest, NodeId, Operation, RequestId, ShardView, Write};
 
 /// A view of `replicas` in order, with a lease until time 1,000.
 pub(crate) fn view(number: u64, replicas: &[u32]) -> ShardView {
@@ -13,6 +13,13 @@ pub(crate) fn view(number: u64, replicas: &[u32]) -> ShardView {
         lease_until: 1_000,
         draining: false,
     }
+}
+
+/// A batch that puts `value` at every key of `keys`.
+pub(crate) fn batch(id: u64, keys: &[&str], value: &str) -> ClientRequest {
+    let write = Write::Put(Bytes::from(value.to_string()));
+    let writes = keys.iter().map(|key| (Bytes::from(key.to_string()), write.clone())).collect();
+    ClientRequest { id: RequestId(id), operation: Operation::Batch { writes } }
 }
 
 pub(crate) fn put(id: u64, key: &str, value: &str) -> ClientRequest {

@@ -2,13 +2,31 @@
 //! where a client that read the shard's map would send it, and recorded in
 //! the history with its outcome. On a quorum protocol half the writes go the
 //! way a node runs a command there: fetch the key's record, then write only
-//! if it is still the one fetched.
+//! if it is still the one fetched. In the batches workload a write covers
+//! every key of a group, and the history names the group.
 
 use bytes::Bytes;
 use tessera_protocol::registry::StrongReads;
 use tessera_protocol::{
     ClientReply, ClientRequest, Consistency, Operation as ProtocolOperation, Record, RequestId, Write,
 };
+
+/// Keys of each group in the batches workload.
+pub(crate) const GROUP_KEYS: usize = 3;
+
+/// The keys of group `group` (`g1`: `g1.0`, `g1.1`, ...).
+pub(crate) fn group_members(group: &[u8]) -> impl Iterator<Item = Bytes> + '_ {
+    (0..GROUP_KEYS).map(move |index| Bytes::from([group, b".", index.to_string().as_bytes()].concat()))
+}
+
+/// The key the history records an operation on `key` under: its group for a
+/// group's key, else the key itself.
+pub(crate) fn history_key(key: &Bytes) -> Bytes {
+    match key.iter().position(|byte| *byte == b'.') {
+        Some(dot) => key.slice(..dot),
+        None => key.clone(),
+    }
+}
 
 use crate::config::{RunTiming, Workload};
 use crate::history::{Call, Operation, Outcome};
@@ -101,7 +119,7 @@ impl Client {
         report: &mut Report,
     ) -> bool {
         report.completed += 1;
-        if self.final_reads.last() == Some(&pending.key) {
+        if self.final_reads.last().map(history_key).as_ref() == Some(&pending.key) {
             self.final_reads.pop(); // final reads start only once healed
         }
         if !pending.strong && pending.call == Call::Get {
@@ -158,6 +176,17 @@ impl Simulation {
         } else if config.workload == Workload::Appends {
             let key = Bytes::from(format!("a{client}-{}", state.next_request));
             (key.clone(), Call::Put(key), true)
+        } else if config.workload == Workload::Batches {
+            let (group, call) = state.register_operation(client, config.keys);
+            let group = Bytes::from([b"g", &group[1..]].concat());
+            match call {
+                Call::Get => {
+                    let member = group_members(&group).nth(state.rng.below(GROUP_KEYS as u64) as usize);
+                    let strong = !state.rng.chance(config.eventual_read_fraction);
+                    (member.expect("a group's key"), Call::Get, strong)
+                }
+                write => (group, write, true),
+            }
         } else if state.rng.chance(0.25) && config.counters > 0 {
             let key = key_name("c", state.rng.below(config.counters as u64) as usize);
             if state.rng.chance(0.5) {
@@ -177,8 +206,13 @@ impl Simulation {
             && matches!(call, Call::Put(_) | Call::Delete)
             && quorum
             && state.rng.chance(0.5);
+        let batch = |write: Write| ProtocolOperation::Batch {
+            writes: group_members(&key).map(|member| (member, write.clone())).collect(),
+        };
         let operation = match &call {
             _ if conditional => ProtocolOperation::Fetch { key: key.clone() },
+            Call::Put(value) if config.workload == Workload::Batches => batch(Write::Put(value.clone())),
+            Call::Delete if config.workload == Workload::Batches => batch(Write::Delete),
             Call::Get => ProtocolOperation::Get {
                 key: key.clone(),
                 consistency: if strong { Consistency::Strong } else { Consistency::Eventual },
@@ -191,7 +225,7 @@ impl Simulation {
         let deadline = self.now + self.config.timing.client_timeout_ms;
         self.clients[client].pending = Some(Pending {
             request,
-            key,
+            key: history_key(&key),
             call,
             strong,
             invoked_at: self.now,

@@ -77,6 +77,11 @@ pub enum Workload {
     /// Every write to a fresh key: an acknowledged key missing at the end was
     /// lost, so loss is counted exactly (the eventual modes' window).
     Appends,
+    /// Batches that write one value to every key of a group (or delete them
+    /// all), and reads of single keys: a group is checked as one register,
+    /// so a replica that shows part of a batch fails the checks. For the
+    /// protocols that order writes (a quorum refuses batches).
+    Batches,
 }
 
 impl std::str::FromStr for Workload {
@@ -86,7 +91,8 @@ impl std::str::FromStr for Workload {
         match name {
             "registers" => Ok(Workload::Registers),
             "appends" => Ok(Workload::Appends),
-            _ => Err(format!("unknown workload {name:?}; choose registers or appends")),
+            "batches" => Ok(Workload::Batches),
+            _ => Err(format!("unknown workload {name:?}; choose registers, appends or batches")),
         }
     }
 }
@@ -132,7 +138,8 @@ pub struct SimConfig {
     pub workload: Workload,
     pub replicas: u32,
     pub clients: usize,
-    /// Keys for puts, deletes and gets; counters for increments.
+    /// Keys for puts, deletes and gets (groups, for batches); counters for
+    /// increments.
     pub keys: usize,
     pub counters: usize,
     /// Faults a run may draw; each seed enables a random subset (swarm testing).

@@ -672,7 +672,7 @@ impl GroupsSimulation {
     fn on_request(&mut self, node: u32, from: Address, id: RequestId, operation: ProtocolOperation) {
         let now = self.now;
         let state = &mut self.nodes[node as usize];
-        let key = operation.key().clone();
+        let key = operation.key().expect("the groups' clients send single-key operations").clone();
         let slot = key_slot(&key) as u16;
         let shard = state.routing.as_ref().and_then(|routing| routing.shard_of(DEFAULT_TABLE, &key, slot));
         let refusal = match shard

@@ -105,6 +105,40 @@ fn a_broken_invariant_fails_the_run_loudly_with_its_seed() {
     }
 }
 
+/// The protocols that order writes, with the batches workload: no replica
+/// shows part of a batch, and under a strong one the groups stay
+/// linearizable registers.
+#[test]
+fn every_ordering_protocol_applies_batches_whole() {
+    for protocol in Mode::all().filter(|mode| !mode.quorum) {
+        let config = SimConfig { workload: Workload::Batches, ..SimConfig::new(protocol) };
+        for seed in 0..150 {
+            let report = run(seed, &config);
+            assert!(
+                report.violations.is_empty(),
+                "{protocol} seed {seed} faults {}: {:?}\nreplay: tessera sim --protocol {protocol} --workload batches --seed {seed}",
+                report.faults.describe(),
+                report.violations
+            );
+            assert!(report.acknowledged_writes > 50, "{protocol} seed {seed} wrote little");
+        }
+    }
+}
+
+#[test]
+fn the_checkers_catch_a_chain_that_applies_a_batch_a_write_at_a_time() {
+    let config =
+        SimConfig { workload: Workload::Batches, ..SimConfig::new(mode("broken-chain-split-batches")) };
+    let caught = (0..100)
+        .map(|seed| run(seed, &config))
+        .filter(|report| report.violations.iter().any(|violation| violation.starts_with("linearizability")))
+        .count();
+    assert!(
+        caught > 0,
+        "100 seeds of a chain that splits batches stayed linearizable: the checker does not bite"
+    );
+}
+
 #[test]
 fn the_checkers_catch_replicas_that_never_repair_what_propagation_missed() {
     let failed = failures(mode("broken-multi-master-no-repair"), 0..100);
@@ -162,6 +196,20 @@ fn transitions() -> impl Iterator<Item = (Mode, Mode)> {
     kinds.into_iter().flat_map(move |from| {
         targets.clone().into_iter().filter(move |to| *to != from).map(move |to| (from, to))
     })
+}
+
+/// Batches through switches between the protocols that order writes.
+#[test]
+fn transitions_keep_batches_whole() {
+    for (from, to) in transitions().filter(|(from, to)| !from.quorum && !to.quorum) {
+        let config =
+            SimConfig { workload: Workload::Batches, transition_to: Some(to), ..SimConfig::new(from) };
+        for seed in 0..30 {
+            let report = run(seed, &config);
+            assert!(report.violations.is_empty(), "{from} to {to} seed {seed}: {:?}", report.violations);
+            assert!(report.transition_completed_at.is_some());
+        }
+    }
 }
 
 #[test]

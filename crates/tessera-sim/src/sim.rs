@@ -21,7 +21,7 @@ use tessera_protocol::{
 use crate::checks::convergence::{self, Contents};
 use crate::checks::durability;
 use crate::checks::linearizability::{self, Verdict};
-use crate::clients::Client;
+use crate::clients::{group_members, Client};
 use crate::config::{FaultKind, FaultMix, SimConfig, Workload};
 use crate::history::History;
 use crate::network::{schedule_faults, Address, Fault, Links, Message, Timeline};
@@ -233,11 +233,56 @@ impl Simulation {
         if self.config.workload == Workload::Appends {
             return; // liveness shows in writes completing; nothing to read back
         }
-        for client in &mut self.clients {
-            client.final_reads = (0..self.config.keys)
+        let final_reads: Vec<Bytes> = if self.config.workload == Workload::Batches {
+            self.groups().flat_map(|group| group_members(&group).collect::<Vec<_>>()).collect()
+        } else {
+            (0..self.config.keys)
                 .map(|index| key_name("k", index))
                 .chain((0..self.config.counters).map(|index| key_name("c", index)))
-                .collect();
+                .collect()
+        };
+        for client in &mut self.clients {
+            client.final_reads = final_reads.clone();
+        }
+    }
+
+    /// The groups of the batches workload.
+    fn groups(&self) -> impl Iterator<Item = Bytes> {
+        (0..self.config.keys).map(|index| key_name("g", index))
+    }
+
+    /// A state by group, as the history names them: each group's first
+    /// key's record (the checks of the batches workload see to it that the
+    /// others agree).
+    fn group_state(&self, state: &[(Bytes, Record)]) -> Vec<(Bytes, Record)> {
+        self.groups()
+            .filter_map(|group| {
+                let first = group_members(&group).next().expect("a group has keys");
+                state.iter().find(|(key, _)| *key == first).map(|(_, record)| (group, record.clone()))
+            })
+            .collect()
+    }
+
+    /// Atomicity (the batches workload): every member holds every group's
+    /// keys with one value, as the last batch to reach it wrote them.
+    fn check_groups_whole(&mut self, contents: &[(u32, Contents)]) {
+        for (id, entries) in contents {
+            for group in self.groups() {
+                let values: Vec<Option<&Bytes>> = group_members(&group)
+                    .map(|member| {
+                        entries
+                            .iter()
+                            .find(|(key, _)| *key == member)
+                            .and_then(|(_, record)| record.visible())
+                    })
+                    .collect();
+                if values.iter().any(|value| *value != values[0]) {
+                    self.report.violations.push(format!(
+                        "atomicity: n{id} holds part of a batch in group {}: {values:?}",
+                        String::from_utf8_lossy(&group)
+                    ));
+                }
+            }
         }
     }
 
@@ -323,6 +368,13 @@ impl Simulation {
                 .into_iter()
                 .map(|(key, record)| (key, record.visible().cloned()))
                 .collect();
+        if self.config.workload == Workload::Batches {
+            let first = |group: &Bytes| group_members(group).next().expect("a group has keys");
+            return self
+                .groups()
+                .map(|group| (group.clone(), held.get(&first(&group)).cloned().flatten()))
+                .collect();
+        }
         let keys = (0..self.config.keys).map(|index| key_name("k", index));
         let counters = (0..self.config.counters).map(|index| key_name("c", index));
         keys.chain(counters).map(|key| (key.clone(), held.get(&key).cloned().flatten())).collect()
@@ -559,6 +611,9 @@ impl Simulation {
             self.report.violations.extend(convergence::identical(&contents, quiet_ms));
             contents.first().map(|(_, contents)| contents.clone())
         };
+        if self.config.workload == Workload::Batches {
+            self.check_groups_whole(&contents);
+        }
         let final_state = final_state.as_deref();
         self.report.lost_acknowledged_writes = self.count_lost(final_state, 0);
         if self.config.workload == Workload::Appends {
@@ -608,7 +663,10 @@ impl Simulation {
         let history = &self.report.history;
         match (self.config.workload, final_state) {
             (Workload::Registers, Some(state)) => durability::lost_writes(history, state, since),
-            (Workload::Registers, None) => 0,
+            (Workload::Batches, Some(state)) => {
+                durability::lost_writes(history, &self.group_state(state), since)
+            }
+            (Workload::Registers | Workload::Batches, None) => 0,
             (Workload::Appends, state) => durability::lost_appends(history, state.unwrap_or_default(), since),
         }
     }

@@ -6,10 +6,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use tessera_cluster::agent::{outcome, Completion};
+use tessera_cluster::agent::{outcome, Agent, Completion};
 use tessera_cluster::capture::CapturingView;
 use tessera_engine::Engine;
-use tessera_protocol::{ClientReply, Operation, Record, Write};
+use tessera_protocol::{writes_bytes, ClientReply, Operation, Record, Write, UNIT_BYTES_MAX};
 use tessera_wire::{encode_command, ReplyWriter, Request};
 
 use super::forward::Forwarder;
@@ -387,7 +387,13 @@ async fn serve_keyed(
                 dispatch_admitted(&mut context.over(&touching, strong), spec, request);
                 let writes = view.take();
                 if write && !writes.is_empty() {
-                    waits.push(cluster.agent.begin_batch(shard, keys(), operations(writes)));
+                    match replicate(&cluster.agent, shard, keys(), writes) {
+                        Ok(completion) => waits.push(completion),
+                        Err(error) => {
+                            context.out.truncate(start);
+                            error.write(context.out);
+                        }
+                    }
                 } else if !writes.is_empty() {
                     tracing::error!(
                         command = spec.name,
@@ -433,10 +439,13 @@ fn run_script_on_shard(
         let mut waits: Vec<Completion> = barrier.into_iter().collect();
         waits.extend(agent.in_flight(shard, keys()));
         let touching = Touching::new(Arc::new(CapturingView::new(engine)), node.versions.clone());
-        let reply = detached.run(Some(&touching), true, |context| scripting::answer_run(context, &call));
+        let mut reply = detached.run(Some(&touching), true, |context| scripting::answer_run(context, &call));
         let writes = touching.inner().take();
         if !writes.is_empty() {
-            waits.push(agent.begin_batch(shard, keys(), operations(writes)));
+            match replicate(&agent, shard, keys(), writes) {
+                Ok(completion) => waits.push(completion),
+                Err(error) => reply = detached.run(None, true, |context| error.write(context.out)),
+            }
         }
         waits.retain(|wait| !wait.succeeded());
         ScriptOutcome { reply, waits }
@@ -444,15 +453,34 @@ fn run_script_on_shard(
     Ok(())
 }
 
-/// A command's captured writes as the operations replication carries.
-fn operations(writes: Vec<(Bytes, Write)>) -> Vec<Operation> {
-    writes
-        .into_iter()
-        .map(|(key, write)| match write {
-            Write::Put(value) => Operation::Put { key, value },
-            Write::Delete => Operation::Delete { key },
-        })
-        .collect()
+/// Hands a command's writes to replication as one unit (in one view, and
+/// applied whole by every replica), or refuses them all, without effect,
+/// when they are more than a unit carries.
+fn replicate<'k>(
+    agent: &Agent,
+    shard: u32,
+    keys: impl Iterator<Item = &'k [u8]>,
+    writes: Vec<(Bytes, Write)>,
+) -> CommandResult<Completion> {
+    let bytes = writes_bytes(&writes);
+    if bytes > UNIT_BYTES_MAX {
+        return Err(CommandError::Other(format!(
+            "the command writes {bytes} bytes, more than the {UNIT_BYTES_MAX} that replicate as one unit; nothing was written"
+        )));
+    }
+    Ok(agent.begin_batch(shard, keys, vec![replicated(writes)]))
+}
+
+/// A command's captured writes as the operation replication carries: one
+/// key's write, or a batch that every replica applies whole.
+fn replicated(mut writes: Vec<(Bytes, Write)>) -> Operation {
+    if writes.len() > 1 {
+        return Operation::Batch { writes };
+    }
+    match writes.pop().expect("only commands that wrote are replicated") {
+        (key, Write::Put(value)) => Operation::Put { key, value },
+        (key, Write::Delete) => Operation::Delete { key },
+    }
 }
 
 /// EVALSHA as the EVAL of the script this node knows, for a node that may
@@ -509,12 +537,7 @@ async fn run_on_quorum(
             .collect();
         let view = CapturingView::pinned(engine.clone(), pins);
         dispatch_admitted(&mut context.over(&view, false), spec, request);
-        // The last write to each key is the one that counts.
-        let mut writes: Vec<(Bytes, Write)> = Vec::new();
-        for (key, write) in view.take() {
-            writes.retain(|(written, _)| *written != key);
-            writes.push((key, write));
-        }
+        let writes = view.take();
         if writes.is_empty() {
             return;
         }
