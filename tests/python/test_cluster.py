@@ -1521,6 +1521,36 @@ def test_transactions_replicate_whole_through_a_kill_of_the_slots_head(cluster_f
     assert_replicas_converge(cluster, accounts)
 
 
+@pytest.mark.parametrize("consistency,topology", [("strong", "ms"), ("eventual", "ms"), ("eventual", "aa"),
+                                                   ("strong", "aa")])
+def test_wait_counts_the_replicas_that_hold_a_connections_writes(cluster_factory, consistency, topology):
+    """WAIT answers how many other members hold the connection's writes: the
+    two others of the shard once they have them (at once where a write is
+    answered only then; AA+SC knows of a majority only), and after the
+    timeout no more than that; a transaction's WAIT does not block."""
+    cluster = cluster_factory(consistency, nodes=3, topology=topology)
+    client = cluster.client(socket_timeout=10)
+    slot = key_slot(b"{w}k")
+    head = client.nodes_manager.get_node_from_slot(slot)
+    plain = redis.Redis(host=head.host, port=head.port, socket_timeout=10, protocol=2)
+    assert plain.execute_command("WAIT", 0, 0) >= 0
+    for n in range(20):
+        plain.set(f"{{w}}k{n}", n)
+    plain.execute_command("MSET", "{w}a", 1, "{w}b", 2)
+    # AA+SC knows only that a majority holds a write: one other member.
+    expected = 1 if topology == "aa" and consistency == "strong" else 2
+    started = time.monotonic()
+    assert plain.execute_command("WAIT", expected, 5000) == expected
+    assert time.monotonic() - started < 4
+    started = time.monotonic()
+    assert plain.execute_command("WAIT", 3, 300) == expected, "no more than are known to hold them"
+    assert time.monotonic() - started >= 0.25
+    plain.execute_command("MULTI")
+    plain.execute_command("WAIT", 3, 0)
+    assert plain.execute_command("EXEC")[0] <= 2
+    assert_replicas_converge(cluster, ["{w}a", "{w}b", "{w}k19"])
+
+
 def test_scripts_run_atomically_on_the_slots_head_and_stay_in_their_slot(cluster_factory):
     """Transfers by script from a cluster client keep the total and reach the
     replicas; a script's keys, and every key it touches, share a slot; a

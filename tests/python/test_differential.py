@@ -755,6 +755,25 @@ def test_object_matches_redis(both):
     assert len(ours.execute_command("OBJECT", "HELP")) > 3
 
 
+def test_wait_without_replicas_matches_redis(both):
+    """WAIT on a server without replicas: 0 at once when 0 are asked for,
+    else 0 after the timeout; at once inside MULTI; Redis's errors for bad
+    arguments; refused inside a script."""
+    ours, theirs = both
+    for command in [["SET", "k", "v"], ["WAIT", 0, 0], ["WAIT", -1, 10], ["WAIT", "x", 0], ["WAIT", 0, "x"],
+                    ["WAIT", 0, -1], ["WAIT", 0, "1.5"], ["WAIT", 0], ["WAIT", 0, 0, 0],
+                    ["EVAL", "return redis.call('wait', 0, 0)", 0]]:
+        expected, got = reply_of(theirs, command), reply_of(ours, command)
+        assert got == expected, f"{command}: Tessera {got!r}, Redis {expected!r}"
+    for client in (ours, theirs):
+        started = time.monotonic()
+        assert client.execute_command("WAIT", 1, 150) == 0
+        assert 0.14 <= time.monotonic() - started < 2
+        client.execute_command("MULTI")
+        client.execute_command("WAIT", 5, 0)
+        assert client.execute_command("EXEC") == [0], "a transaction never blocks"
+
+
 def test_sort_matches_redis_where_order_is_defined(both):
     """SORT's orders that the random sequences compare loosely, compared
     exactly: a list and a sorted set under BY without "*" (their own order,

@@ -23,7 +23,7 @@ use parking_lot::{Mutex, RwLock};
 use tessera_engine::{Engine, EngineSpec};
 use tessera_protocol::{
     ClientReply, Effect, Effects, Mode, NodeId, Operation, OperationError, Progress, ReadGate, Refusal,
-    Replica, ReplicaConfig, RequestId, Role, ShardView, Tuning,
+    Replica, ReplicaConfig, RequestId, Role, ShardView, Tuning, WritePosition,
 };
 use tessera_wire::prefix::unescape_prefix;
 use tessera_wire::slot::SLOTS;
@@ -574,17 +574,48 @@ impl Agent {
     /// Hands a command's writes to a shard's driver in one step (all in one
     /// view, or none; ordered, and applied at the head, before this returns)
     /// and marks `keys`, the command's own, as in flight until they commit.
-    /// The completion resolves once every write has answered.
+    /// The completion resolves once every write has answered; the position
+    /// is where they stand, for WAIT (none when they were refused).
     pub fn begin_batch<'k>(
         &self,
         shard: u32,
         keys: impl Iterator<Item = &'k [u8]>,
         operations: Vec<Operation>,
-    ) -> Completion {
+    ) -> (Completion, Option<WritePosition>) {
         let begun = self.begin(shard, operations, |agent, state, ids| {
-            agent.open_batch(state, ids, keys.map(Bytes::copy_from_slice).collect())
+            let completion = agent.open_batch(state, ids, keys.map(Bytes::copy_from_slice).collect());
+            (completion, Some(state.granted.replica.write_position()))
         });
-        begun.unwrap_or_else(|why| Completion::resolved(Err(ShardError::Retry(why))))
+        begun.unwrap_or_else(|why| (Completion::resolved(Err(ShardError::Retry(why))), None))
+    }
+
+    /// Where a shard's newest write here stands, for WAIT.
+    pub fn write_position(&self, shard: u32) -> Option<WritePosition> {
+        Some(self.local_shard(shard)?.state.lock().granted.replica.write_position())
+    }
+
+    /// How many other members of a shard are known to hold every write this
+    /// node took there through `written` (WAIT).
+    pub fn replicas_holding(&self, shard: u32, written: WritePosition) -> usize {
+        self.local_shard(shard)
+            .map_or(0, |local| local.state.lock().granted.replica.replicas_holding(written))
+    }
+
+    /// The fewest other members among the shards whose writes this node
+    /// takes (WAIT on a connection that wrote nothing: every member holds
+    /// all of nothing that is connected): 0 when it takes none.
+    pub fn replicas_in_step(&self) -> usize {
+        self.local_shards()
+            .values()
+            .filter_map(|local| {
+                let state = local.state.lock();
+                let replica = &state.granted.replica;
+                replica.check_write().is_ok().then(|| {
+                    replica.replicas_holding(WritePosition { position: 0, ..replica.write_position() })
+                })
+            })
+            .min()
+            .unwrap_or(0)
     }
 
     /// Submits operations to a shard under its lock, lets `wait` say who

@@ -11,7 +11,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use parking_lot::Mutex;
@@ -25,6 +25,9 @@ pub struct Blocked {
     pub deadline: Option<Instant>,
     /// Set by the connection when the deadline passed: the next run answers.
     pub timed_out: bool,
+    /// A command that waits for something no push signals (WAIT, for its
+    /// replicas) runs again this often.
+    pub recheck: Option<Duration>,
 }
 
 struct Waiter {

@@ -186,16 +186,22 @@ impl Connection {
                     // Blocked: wait to be woken or for the deadline, and
                     // keep reading what the client sends, if only to see it leave.
                     let wait = self.wait.get_or_insert_with(|| self.node.waiters.wait_on(&blocked.keys));
-                    let deadline = async {
-                        match blocked.deadline {
-                            Some(deadline) => tokio::time::sleep_until(deadline.into()).await,
+                    let recheck_at = blocked.recheck.map(|every| std::time::Instant::now() + every);
+                    let wake_at = match (blocked.deadline, recheck_at) {
+                        (Some(deadline), Some(recheck)) => Some(deadline.min(recheck)),
+                        (deadline, recheck) => deadline.or(recheck),
+                    };
+                    let wake = async {
+                        match wake_at {
+                            Some(at) => tokio::time::sleep_until(at.into()).await,
                             None => std::future::pending().await,
                         }
                     };
                     tokio::select! {
                         () = wait.woken() => None,
-                        () = deadline => {
-                            if let Some(blocked) = &mut self.session.blocked {
+                        () = wake => {
+                            let passed = blocked.deadline.is_some_and(|deadline| deadline <= std::time::Instant::now());
+                            if let Some(blocked) = self.session.blocked.as_mut().filter(|_| passed) {
                                 blocked.timed_out = true;
                             }
                             None
@@ -328,7 +334,7 @@ impl Connection {
                         }
                     }
                     if let Some(script) = self.session.script.take() {
-                        await_script(&mut self.out, &mut self.held, script).await;
+                        await_script(&mut self.out, &mut self.held, &mut self.session, script).await;
                     }
                     self.observe(&request, started.elapsed());
                     if self.session.replies_off || self.session.replies_to_skip > 0 {
@@ -502,10 +508,18 @@ async fn next_message(subscription: &mut Option<Subscription>) -> Message {
 /// (the worker serves other connections meanwhile). Apart from the
 /// connection, so that the request, in the connection's input, stays
 /// borrowed across the wait.
-async fn await_script(out: &mut ReplyWriter, held: &mut Vec<Held>, script: oneshot::Receiver<ScriptOutcome>) {
+async fn await_script(
+    out: &mut ReplyWriter,
+    held: &mut Vec<Held>,
+    session: &mut Session,
+    script: oneshot::Receiver<ScriptOutcome>,
+) {
     let start = out.len();
     match script.await {
-        Ok(ScriptOutcome { reply, waits }) => {
+        Ok(ScriptOutcome { reply, waits, written }) => {
+            if let Some((shard, position)) = written {
+                session.note_write(shard, position);
+            }
             out.raw(&reply);
             if !waits.is_empty() {
                 held.push(Held { start, end: out.len(), waits });

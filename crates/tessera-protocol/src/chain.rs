@@ -883,6 +883,19 @@ impl Protocol for ChainReplication {
         self.sent.is_empty() && self.waiting.is_empty()
     }
 
+    fn write_position(&self) -> u64 {
+        self.applied
+    }
+
+    /// A committed write is at every member; an uncommitted one is known to
+    /// be at none but this one.
+    fn replicas_holding(&self, position: u64) -> usize {
+        match &self.view {
+            Some(view) if self.acked >= position => view.replicas.len().saturating_sub(1),
+            _ => 0,
+        }
+    }
+
     fn copies_equal_when_quiescent(&self) -> bool {
         true
     }

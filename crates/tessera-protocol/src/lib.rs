@@ -51,6 +51,15 @@ impl std::fmt::Display for NodeId {
 /// Milliseconds on the local clock of the replica handling the event.
 pub type Time = u64;
 
+/// Where a write stands at the replica that took it, for WAIT: the protocol
+/// instance that took it (a switch of modes starts another) and the
+/// instance's [`Protocol::write_position`] just after it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WritePosition {
+    pub instance: u64,
+    pub position: u64,
+}
+
 /// Chosen by the driver; unique among the requests a replica has outstanding.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct RequestId(pub u64);
@@ -403,6 +412,17 @@ pub trait Protocol: Send {
     /// skips the exchange of digests, each a scan of the whole shard.
     fn copies_equal_when_quiescent(&self) -> bool {
         false
+    }
+    /// Where the newest write this replica took stands among its writes (a
+    /// sequence number, a count): a position [`Protocol::replicas_holding`]
+    /// is later asked about, for WAIT.
+    fn write_position(&self) -> u64 {
+        0
+    }
+    /// How many other members are known to hold every write this replica
+    /// took through `position` (a lower bound).
+    fn replicas_holding(&self, _position: u64) -> usize {
+        0
     }
     /// Deleted keys whose tombstones the engine holds (those this replica
     /// has seen written), so that the engine's `len()` less these counts the

@@ -40,7 +40,7 @@ use crate::snapshot::SNAPSHOT_CHUNK_BYTES;
 use crate::{
     entries_bytes, for_each_entry, increment_value, refused_without_quorum, resend_due, BatchBytes,
     ClientReply, ClientRequest, Effects, NodeId, Operation, OperationError, PeerMessage, Progress, Protocol,
-    ShardView, Time, Write,
+    ShardView, Time, Write, UNIT_BYTES_MAX,
 };
 
 /// The most bytes of records one anti-entropy exchange sends a peer.
@@ -271,14 +271,29 @@ struct Outbox {
     /// Keys written here and not yet sent, with the encoded record written
     /// (the newest: a key written again is sent once).
     unsent: BTreeMap<Bytes, Unsent>,
-    /// Batches sent and not acknowledged: when last sent, and what.
-    in_flight: BTreeMap<u64, (Time, Vec<(Bytes, Bytes)>)>,
+    /// Batches sent and not acknowledged.
+    in_flight: BTreeMap<u64, InFlight>,
+    /// Writes accepted here through this number may not reach the peer by
+    /// propagation: it arrived after them, or its outbox overflowed
+    /// (anti-entropy brings it level, unseen by WAIT).
+    unshipped_through: u64,
+}
+
+/// A batch of records sent to a peer and not acknowledged.
+#[derive(Debug)]
+struct InFlight {
+    sent_at: Time,
+    records: Vec<(Bytes, Bytes)>,
+    /// The number of the earliest write among them.
+    first_write: u64,
 }
 
 /// A record waiting to be sent, and the keys it must travel with.
 #[derive(Debug)]
 struct Unsent {
     raw: Bytes,
+    /// The number of the write (among those accepted here) it came from.
+    write: u64,
     /// The keys of the batch that wrote it, itself included, if any.
     batch: Option<Arc<[Bytes]>>,
 }
@@ -306,11 +321,22 @@ impl Outbox {
 
     fn holds(&self, key: &[u8]) -> bool {
         self.unsent.contains_key(key)
-            || self.in_flight.values().any(|(_, entries)| entries.iter().any(|(sent, _)| sent == key))
+            || self.in_flight.values().any(|sent| sent.records.iter().any(|(sent, _)| sent == key))
     }
 
     fn keys(&self) -> usize {
-        self.unsent.len() + self.in_flight.values().map(|(_, entries)| entries.len()).sum::<usize>()
+        self.unsent.len() + self.in_flight.values().map(|sent| sent.records.len()).sum::<usize>()
+    }
+
+    /// Whether the peer holds every write accepted here through `write`:
+    /// none of them waits to be sent or acknowledged.
+    fn delivered_through(&self, write: u64) -> bool {
+        if write == 0 {
+            return true;
+        }
+        write > self.unshipped_through
+            && self.unsent.values().all(|unsent| unsent.write > write)
+            && self.in_flight.values().all(|sent| sent.first_write > write)
     }
 }
 
@@ -490,6 +516,7 @@ impl MultiMaster {
         let batch: Option<Arc<[Bytes]>> =
             (writes.len() > 1).then(|| writes.iter().map(|(key, _)| key.clone()).collect());
         let peers = self.peers();
+        self.accepted += 1;
         for (key, write) in writes {
             let record = match write {
                 Write::Put(value) => Record::value(version, self.me, value),
@@ -502,11 +529,10 @@ impl MultiMaster {
                 return fx.reply(request.id, ClientReply::Failed(error));
             }
             for peer in &peers {
-                let unsent = Unsent { raw: raw.clone(), batch: batch.clone() };
+                let unsent = Unsent { raw: raw.clone(), write: self.accepted, batch: batch.clone() };
                 self.outboxes.entry(*peer).or_default().unsent.insert(key.clone(), unsent);
             }
         }
-        self.accepted += 1;
         fx.reply(request.id, reply);
     }
 
@@ -519,37 +545,44 @@ impl MultiMaster {
             let mut outbox = self.outboxes.remove(&peer).unwrap_or_default();
             if outbox.keys() > self.options.outbox_keys_max {
                 tracing::warn!(replica = %self.me, %peer, "outbox overflowed; anti-entropy will repair the peer");
-                outbox = Outbox::default();
+                outbox = Outbox { unshipped_through: self.accepted, ..Outbox::default() };
             }
-            for (batch, (sent_at, entries)) in &mut outbox.in_flight {
-                let bytes = || entries_bytes(entries);
-                if resend_due(now.saturating_sub(*sent_at), self.options.retransmit_after_ms, bytes) {
-                    *sent_at = now;
-                    let records = entries.clone();
+            for (batch, sent) in &mut outbox.in_flight {
+                let bytes = || entries_bytes(&sent.records);
+                if resend_due(now.saturating_sub(sent.sent_at), self.options.retransmit_after_ms, bytes) {
+                    sent.sent_at = now;
+                    let records = sent.records.clone();
                     fx.send(peer, PeerMessage::new(&MultiMessage::Records { view, batch: *batch, records }));
                 }
             }
             while !outbox.unsent.is_empty() && outbox.in_flight.len() < self.options.window_batches {
-                let (mut entries, mut room) = (Vec::new(), BatchBytes::default());
+                let (mut entries, mut room, mut first_write) = (Vec::new(), BatchBytes::default(), u64::MAX);
                 while entries.len() < self.options.batch_max {
                     // A batch's records go in one message, whatever its size.
                     let Some(first) = outbox.unsent.keys().next() else { break };
-                    let unit = outbox.unit(first);
-                    let unit_bytes: usize =
-                        unit.iter().map(|key| key.len() + outbox.unsent[key].raw.len()).sum();
+                    let mut unit = outbox.unit(first);
+                    let bytes_of = |key: &Bytes| key.len() + outbox.unsent[key].raw.len();
+                    let mut unit_bytes: usize = unit.iter().map(bytes_of).sum();
+                    if unit_bytes > UNIT_BYTES_MAX {
+                        // Batches chained by keys written again, past what
+                        // one message carries: the first key goes alone.
+                        unit.truncate(1);
+                        unit_bytes = bytes_of(&unit[0]);
+                    }
                     let too_many = !entries.is_empty() && entries.len() + unit.len() > self.options.batch_max;
                     if too_many || !room.admits(unit_bytes) {
                         break;
                     }
                     for key in unit {
                         let unsent = outbox.unsent.remove(&key).expect("a unit's keys are unsent");
+                        first_write = first_write.min(unsent.write);
                         entries.push((key, unsent.raw));
                     }
                 }
                 let batch = self.next_batch;
                 self.next_batch += 1;
                 let records = entries.clone();
-                outbox.in_flight.insert(batch, (now, entries));
+                outbox.in_flight.insert(batch, InFlight { sent_at: now, records: entries, first_write });
                 fx.send(peer, PeerMessage::new(&MultiMessage::Records { view, batch, records }));
             }
             self.outboxes.insert(peer, outbox);
@@ -775,6 +808,9 @@ impl Protocol for MultiMaster {
         self.outboxes.retain(|peer, _| peers.contains(peer));
         self.rounds.retain(|peer, _| peers.contains(peer));
         self.newcomers = peers.into_iter().filter(|peer| arriving || !before.contains(peer)).collect();
+        for newcomer in &self.newcomers {
+            self.outboxes.entry(*newcomer).or_default().unshipped_through = self.accepted;
+        }
     }
 
     fn progress(&self) -> Progress {
@@ -783,6 +819,18 @@ impl Protocol for MultiMaster {
 
     fn tombstones(&self) -> u64 {
         self.tombstones.len() as u64
+    }
+
+    fn write_position(&self) -> u64 {
+        self.accepted
+    }
+
+    /// The other members whose outboxes hold nothing of those writes.
+    fn replicas_holding(&self, position: u64) -> usize {
+        let Some(view) = &self.view else { return 0 };
+        let delivered =
+            |peer: &&NodeId| self.outboxes.get(peer).is_none_or(|outbox| outbox.delivered_through(position));
+        view.replicas.iter().filter(|peer| **peer != self.me).filter(delivered).count()
     }
 
     /// The tree must describe the engine, or anti-entropy would take a
@@ -863,11 +911,14 @@ mod tests {
         let mut fx = Effects::new(100);
         let mut replicas = members(3, &mut fx);
         replicas[0].on_client(put(1, "k", "first"), &mut fx);
+        let written = replicas[0].write_position();
+        assert_eq!(replicas[0].replicas_holding(written), 0, "not yet shipped");
         let mut later = Effects::new(105);
         replicas[2].on_client(put(2, "k", "second"), &mut later);
         replicas[1].on_client(put(3, "other", "x"), &mut later);
         assert_eq!(later.take().len(), 2, "each answers at once");
         settle(&mut replicas, Effects::new(110));
+        assert_eq!(replicas[0].replicas_holding(written), 2, "every peer acknowledged it");
         for replica in &replicas {
             assert_eq!(value(replica, "k"), Some(Bytes::from_static(b"second")));
             assert_eq!(value(replica, "other"), Some(Bytes::from_static(b"x")));

@@ -691,6 +691,25 @@ impl Protocol for PrimaryBackup {
     fn copies_equal_when_quiescent(&self) -> bool {
         true
     }
+
+    fn write_position(&self) -> u64 {
+        self.applied
+    }
+
+    /// The primary's backups that confirmed `position` (relearnt in every
+    /// view).
+    fn replicas_holding(&self, position: u64) -> usize {
+        let Some(view) = self.view.as_ref().filter(|view| view.position(self.me) == Some(0)) else {
+            return 0;
+        };
+        let confirmed = |backup: &&NodeId| {
+            self.backups
+                .get(backup)
+                .and_then(|state| state.confirmed)
+                .is_some_and(|confirmed| confirmed >= position)
+        };
+        view.replicas[1..].iter().filter(confirmed).count()
+    }
 }
 
 #[cfg(test)]
@@ -751,10 +770,16 @@ mod tests {
         };
         assert_eq!(entries.len(), 1);
         assert_eq!(entries[0].writes.len(), 2);
+        assert_eq!(primary.replicas_holding(primary.write_position()), 0, "shipped, not yet confirmed");
         backup.on_peer(NodeId(1), message, &mut fx);
         assert_eq!(backup.read_local(b"a").unwrap(), Some(Bytes::from_static(b"v")));
         assert_eq!(backup.read_local(b"b").unwrap(), Some(Bytes::from_static(b"v")));
         assert_eq!(backup.progress().applied, 1);
+        fx.take();
+        backup.on_tick(&mut fx);
+        let Effect::Send { message, .. } = fx.take()[0].clone() else { panic!("a position report") };
+        primary.on_peer(NodeId(2), message, &mut fx);
+        assert_eq!(primary.replicas_holding(primary.write_position()), 1, "WAIT counts the backup now");
     }
 
     #[test]

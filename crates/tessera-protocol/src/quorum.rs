@@ -1076,6 +1076,11 @@ impl Protocol for QuorumRegister {
     fn quiescent(&self) -> bool {
         self.proposals.is_empty()
     }
+
+    /// Every write answered is at a majority of the members.
+    fn replicas_holding(&self, _position: u64) -> usize {
+        self.view.as_ref().map_or(0, |view| view.replicas.len() / 2)
+    }
 }
 
 #[cfg(test)]

@@ -27,7 +27,7 @@ use crate::snapshot::StreamNumbers;
 use crate::transition::TransitionMessage;
 use crate::{
     ClientRequest, Effect, Effects, NodeId, Operation, PeerMessage, Progress, Protocol, RequestId, ShardView,
-    Switchable, Time,
+    Switchable, Time, WritePosition,
 };
 
 #[derive(Clone, Debug)]
@@ -129,6 +129,10 @@ pub struct Replica {
     migration_in: Option<MigrationTarget>,
     migration_streams: StreamNumbers,
     sweep: Option<Sweep>,
+    /// Counts the protocol instances this replica has run (one per mode
+    /// switch), so that a write position is read only by the instance that
+    /// gave it.
+    instance: u64,
 }
 
 impl Replica {
@@ -163,6 +167,7 @@ impl Replica {
             migration_in: None,
             migration_streams: StreamNumbers::default(),
             sweep: None,
+            instance: 0,
         }
     }
 
@@ -305,6 +310,26 @@ impl Replica {
         next_id(&mut self.next_request)
     }
 
+    /// Where the newest write this replica took stands, for WAIT.
+    pub fn write_position(&self) -> WritePosition {
+        WritePosition { instance: self.instance, position: self.protocol.write_position() }
+    }
+
+    /// How many other members are known to hold every write this replica
+    /// took through `written`: none once it is no member; every one if the
+    /// shard switched modes since (a switch ends only once every member
+    /// holds the same records).
+    pub fn replicas_holding(&self, written: WritePosition) -> usize {
+        if self.view.position(self.config.me).is_none() {
+            return 0;
+        }
+        let others = self.view.replicas.len() - 1;
+        if written.instance != self.instance {
+            return others;
+        }
+        self.protocol.replicas_holding(written.position).min(others)
+    }
+
     /// Deletes, through the protocol, the live keys `strays` picks (keys of
     /// slots the shard no longer owns); only the first member sweeps. A
     /// sweep under way starts over with the new filter.
@@ -332,6 +357,7 @@ impl Replica {
                 mode.instance(self.config.me, self.engine.clone(), Start::SwitchedIn, &self.config.tuning);
             self.protocol.replace(&view, || instance);
             self.mode = mode;
+            self.instance += 1;
         }
         let mark = fx.as_slice().len();
         let heads_anew = newer && view.position(self.config.me) == Some(0) && !self.mode.active_active;

@@ -520,6 +520,14 @@ impl Protocol for Switchable {
     fn peers_in_step(&self) -> bool {
         self.protocol.peers_in_step()
     }
+
+    fn write_position(&self) -> u64 {
+        self.protocol.write_position()
+    }
+
+    fn replicas_holding(&self, position: u64) -> usize {
+        self.protocol.replicas_holding(position)
+    }
 }
 
 #[cfg(test)]

@@ -398,7 +398,7 @@ impl ClusterNode {
             }
             let deletes = keys.iter().map(|key| Operation::Delete { key: key.clone() }).collect();
             let client_keys = keys.iter().map(|key| key.as_ref()).filter(|key| !reserved::is_reserved(key));
-            completions.push(self.agent.begin_batch(shard, client_keys, deletes));
+            completions.push(self.agent.begin_batch(shard, client_keys, deletes).0);
         }
         Ok(completions)
     }

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use tessera_cluster::agent::{outcome, Agent, Completion};
 use tessera_cluster::capture::CapturingView;
 use tessera_engine::Engine;
-use tessera_protocol::{writes_bytes, ClientReply, Operation, Record, Write, UNIT_BYTES_MAX};
+use tessera_protocol::{writes_bytes, ClientReply, Operation, Record, Write, WritePosition, UNIT_BYTES_MAX};
 use tessera_wire::{encode_command, ReplyWriter, Request};
 
 use super::forward::Forwarder;
@@ -388,7 +388,12 @@ async fn serve_keyed(
                 let writes = view.take();
                 if write && !writes.is_empty() {
                     match replicate(&cluster.agent, shard, keys(), writes) {
-                        Ok(completion) => waits.push(completion),
+                        Ok((completion, position)) => {
+                            waits.push(completion);
+                            if let Some(position) = position {
+                                context.session.note_write(shard, position);
+                            }
+                        }
                         Err(error) => {
                             context.out.truncate(start);
                             error.write(context.out);
@@ -441,14 +446,18 @@ fn run_script_on_shard(
         let touching = Touching::new(Arc::new(CapturingView::new(engine)), node.versions.clone());
         let mut reply = detached.run(Some(&touching), true, |context| scripting::answer_run(context, &call));
         let writes = touching.inner().take();
+        let mut written = None;
         if !writes.is_empty() {
             match replicate(&agent, shard, keys(), writes) {
-                Ok(completion) => waits.push(completion),
+                Ok((completion, position)) => {
+                    waits.push(completion);
+                    written = position.map(|position| (shard, position));
+                }
                 Err(error) => reply = detached.run(None, true, |context| error.write(context.out)),
             }
         }
         waits.retain(|wait| !wait.succeeded());
-        ScriptOutcome { reply, waits }
+        ScriptOutcome { reply, waits, written }
     });
     Ok(())
 }
@@ -461,7 +470,7 @@ fn replicate<'k>(
     shard: u32,
     keys: impl Iterator<Item = &'k [u8]>,
     writes: Vec<(Bytes, Write)>,
-) -> CommandResult<Completion> {
+) -> CommandResult<(Completion, Option<WritePosition>)> {
     let bytes = writes_bytes(&writes);
     if bytes > UNIT_BYTES_MAX {
         return Err(CommandError::Other(format!(
@@ -568,6 +577,9 @@ async fn run_on_quorum(
             }
         }
         if !changed {
+            if let Some(position) = cluster.agent.write_position(shard) {
+                context.session.note_write(shard, position);
+            }
             return;
         }
     }

@@ -69,7 +69,7 @@ impl Keyspace for ShardKeyspace<'_> {
         }
         let client_key = (!reserved::is_reserved(&key)).then_some(key.as_ref());
         let delete = Operation::Delete { key: key.clone() };
-        let completion = self.agent.begin_batch(self.shard, client_key.into_iter(), vec![delete]);
+        let (completion, _) = self.agent.begin_batch(self.shard, client_key.into_iter(), vec![delete]);
         if completion.is_done() && !completion.succeeded() {
             return Err(CommandError::Other(format!("{}: the shard refused the delete", self.name)));
         }

@@ -252,6 +252,7 @@ const TARGET_REPLY_MAX: u64 = 64 << 10;
 pub fn migrate(context: &mut Context, request: &Request) -> CommandResult {
     let migration = Migration::parse(request)?;
     spawn(context, move |mut detached| ScriptOutcome {
+        written: None,
         reply: detached
             .run(None, false, |context| answer(context, |context| migrate_now(context, &migration))),
         waits: Vec::new(),

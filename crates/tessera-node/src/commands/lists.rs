@@ -498,6 +498,7 @@ pub(super) fn wait_or_time_out(context: &mut Context, keys: &[&[u8]], timeout: O
                 keys: keys.iter().map(|key| Bytes::copy_from_slice(key)).collect(),
                 deadline: timeout.map(|timeout| Instant::now() + timeout),
                 timed_out: false,
+                recheck: None,
             });
         }
     }

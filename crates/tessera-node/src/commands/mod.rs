@@ -91,9 +91,23 @@ pub struct Session {
     pub no_evict: bool,
     /// A script running on a script thread: the connection waits for its reply.
     pub script: Option<tokio::sync::oneshot::Receiver<scripting::ScriptOutcome>>,
+    /// In a cluster: where the connection's last write to each shard stands
+    /// (WAIT waits for replicas to hold them).
+    pub written: Vec<(u32, tessera_protocol::WritePosition)>,
+    /// EXEC is running the connection's commands: none may block (WAIT
+    /// answers at once).
+    pub deny_blocking: bool,
 }
 
 impl Session {
+    /// Notes the connection's newest write to `shard`.
+    pub fn note_write(&mut self, shard: u32, position: tessera_protocol::WritePosition) {
+        match self.written.iter_mut().find(|(written, _)| *written == shard) {
+            Some((_, last)) => *last = position,
+            None => self.written.push((shard, position)),
+        }
+    }
+
     /// Whether the connection's user may read any key (SORT's BY and GET
     /// patterns read keys no argument names).
     pub fn reads_every_key(&self) -> bool {

@@ -61,6 +61,8 @@ const REPLY_DEPTH_MAX: usize = 1000;
 pub struct ScriptOutcome {
     pub reply: Vec<u8>,
     pub waits: Vec<Completion>,
+    /// In a cluster: the shard the script wrote and where its writes stand.
+    pub written: Option<(u32, tessera_protocol::WritePosition)>,
 }
 
 /// Whether a command is one of the scripting commands (a cluster node runs
@@ -165,6 +167,7 @@ fn start(context: &mut Context, request: &Request, by_sha: bool, read_only: bool
         return run(context, &call);
     }
     spawn(context, move |mut detached| ScriptOutcome {
+        written: None,
         reply: detached.run(None, false, |context| answer_run(context, &call)),
         waits: Vec::new(),
     });

@@ -1,4 +1,4 @@
-//! Server commands: INFO, COMMAND, CONFIG GET, TIME.
+//! Server commands: INFO, COMMAND, CONFIG GET, TIME, WAIT.
 
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
@@ -9,6 +9,7 @@ use super::{all_commands, is, lookup, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 use crate::memory::{human_bytes, parse_size, resident_memory, used_memory, EvictionPolicy};
 use crate::tables::escape_prefix;
+use crate::typed::parse_i64;
 use crate::REDIS_COMPATIBLE_VERSION;
 
 #[rustfmt::skip]
@@ -17,7 +18,11 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "command", arity: -1, flags: &["loading", "stale"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: command },
     CommandSpec { name: "config", arity: -2, flags: &["admin", "loading", "stale", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: config },
     CommandSpec { name: "time", arity: 1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: time },
+    CommandSpec { name: "wait", arity: 3, flags: &["noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: wait },
 ];
+
+/// How often a WAIT that is short of replicas looks again.
+const WAIT_RECHECK: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// INFO [section ...]: the sections Redis tools read, in Redis's format, plus
 /// Tessera's tables.
@@ -402,6 +407,47 @@ fn config(context: &mut Context, request: &Request) -> CommandResult {
             "HELP -- this text",
         ];
         super::write_help(context, &lines);
+    }
+    Ok(())
+}
+
+/// WAIT numreplicas timeout: until at least `numreplicas` other members
+/// hold every write this connection made (in each shard it wrote), or
+/// `timeout` milliseconds (0: for ever); answers how many do. A node outside
+/// a cluster has no replicas (0, as a Redis without any). In MS+SC a write
+/// is answered only once every member holds it, so WAIT answers at once.
+fn wait(context: &mut Context, request: &Request) -> CommandResult {
+    let wanted = parse_i64(request.arg(1))?;
+    let timeout_ms = parse_i64(request.arg(2))
+        .map_err(|_| CommandError::Other("timeout is not an integer or out of range".into()))?;
+    if timeout_ms < 0 {
+        return Err(CommandError::Other("timeout is negative".into()));
+    }
+    let holding = match context.cluster {
+        None => 0,
+        Some(cluster) if context.session.written.is_empty() => cluster.agent.replicas_in_step(),
+        Some(cluster) => {
+            let written = &context.session.written;
+            written
+                .iter()
+                .map(|(shard, position)| cluster.agent.replicas_holding(*shard, *position))
+                .min()
+                .unwrap_or(0)
+        }
+    };
+    let timed_out = context.session.blocked.as_ref().is_some_and(|blocked| blocked.timed_out);
+    if holding as i64 >= wanted || timed_out || context.session.deny_blocking {
+        context.session.blocked = None;
+        context.out.integer(holding as i64);
+    } else if context.session.blocked.is_none() {
+        context.session.blocked = Some(crate::blocking::Blocked {
+            keys: Vec::new(),
+            deadline: (timeout_ms > 0)
+                .then(|| std::time::Instant::now() + std::time::Duration::from_millis(timeout_ms as u64)),
+            timed_out: false,
+            // Outside a cluster nothing changes the count: only the deadline.
+            recheck: context.cluster.map(|_| WAIT_RECHECK),
+        });
     }
     Ok(())
 }

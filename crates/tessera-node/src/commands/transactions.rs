@@ -201,6 +201,7 @@ fn exec(context: &mut Context, _request: &Request) -> CommandResult {
     }
     context.out.array(requests.len());
     let locks_held = std::mem::replace(&mut context.locks_held, true);
+    context.session.deny_blocking = true;
     for (spec, request) in &requests {
         super::answer(context, |context| execute(context, spec, request));
         if context.session.blocked.take().is_some() {
@@ -208,6 +209,7 @@ fn exec(context: &mut Context, _request: &Request) -> CommandResult {
             context.out.null_array();
         }
     }
+    context.session.deny_blocking = false;
     context.locks_held = locks_held;
     Ok(())
 }
