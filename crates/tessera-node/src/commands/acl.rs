@@ -9,22 +9,67 @@ use super::{commands_by_family, is, CommandSpec, Context, Scope};
 use crate::acl::{AclError, CommandCatalog};
 use crate::error::{CommandError, CommandResult};
 
+/// ACL's subcommands and their arities.
+pub const SUBCOMMANDS: &[(&str, i32)] = &[
+    ("cat", -2),
+    ("deluser", -3),
+    ("genpass", -2),
+    ("getuser", 3),
+    ("list", 2),
+    ("setuser", -3),
+    ("users", 2),
+    ("whoami", 2),
+];
+
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "acl", arity: -2, flags: &["admin", "noscript", "loading", "stale"], first_key: 0, last_key: 0, step: 0, scope: Scope::Users, handler: acl },
 ];
 
-/// The categories a command belongs to: its family, and what its flags say,
-/// with Redis's names where Redis has the category.
-fn categories(family: &'static str, spec: &CommandSpec) -> Vec<&'static str> {
-    let mut categories = vec!["all", family];
-    for (flag, category) in [("readonly", "read"), ("write", "write"), ("admin", "admin")] {
-        if spec.flags.contains(&flag) {
+/// The categories a command belongs to: its family, what its flags say, and
+/// Redis's own exceptions, as Redis 7 files its commands (the node's server
+/// commands have no family there); `@tessera` and `@cluster` are Tessera's.
+pub(super) fn categories(family: &'static str, spec: &CommandSpec) -> Vec<&'static str> {
+    let family = match spec.name {
+        "setbit" | "getbit" | "bitcount" | "bitpos" | "bitop" | "bitfield" | "bitfield_ro" => Some("bitmap"),
+        "readonly" | "readwrite" | "asking" | "command" | "wait" => Some("connection"),
+        "migrate" => Some("keyspace"),
+        "sort" | "sort_ro" => None,
+        _ if family == "server" => None,
+        _ => Some(family),
+    };
+    let mut categories = vec!["all"];
+    categories.extend(family);
+    // A script is checked command by command as it runs, not as a read or
+    // a write.
+    let flagged: &[(&str, &str)] = if family == Some("scripting") {
+        &[("admin", "admin")]
+    } else {
+        &[("readonly", "read"), ("write", "write"), ("admin", "admin")]
+    };
+    for (flag, category) in flagged.iter().chain(&[("blocking", "blocking")]) {
+        if spec.flags.contains(flag) {
             categories.push(category);
         }
     }
+    if matches!(spec.name, "sort" | "sort_ro") {
+        categories.extend(["set", "sortedset", "list"]);
+    }
     categories.push(if spec.flags.contains(&"fast") { "fast" } else { "slow" });
-    let dangerous = ["flushdb", "flushall", "keys", "config", "info", "table.create", "table.drop"];
+    let dangerous = [
+        "flushdb",
+        "flushall",
+        "keys",
+        "config",
+        "info",
+        "migrate",
+        "restore",
+        "restore-asking",
+        "sort",
+        "sort_ro",
+        "table.create",
+        "table.drop",
+    ];
     if spec.flags.contains(&"admin") || dangerous.contains(&spec.name) {
         categories.push("dangerous");
     }

@@ -19,6 +19,19 @@ use super::{is, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 use crate::membership::Membership;
 
+/// CLUSTER's subcommands and their arities.
+pub const SUBCOMMANDS: &[(&str, i32)] = &[
+    ("countkeysinslot", 3),
+    ("getkeysinslot", 4),
+    ("info", 2),
+    ("keyslot", 3),
+    ("myid", 2),
+    ("nodes", 2),
+    ("setslot", -4),
+    ("shards", 2),
+    ("slots", 2),
+];
+
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "cluster", arity: -2, flags: &["noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Resharding, handler: cluster },

@@ -12,6 +12,22 @@ use crate::error::{CommandError, CommandResult};
 use crate::typed::parse_i64;
 use crate::REDIS_COMPATIBLE_VERSION;
 
+/// CLIENT's subcommands and their arities.
+pub const CLIENT_SUBCOMMANDS: &[(&str, i32)] = &[
+    ("id", 2),
+    ("info", 2),
+    ("list", -2),
+    ("kill", -3),
+    ("getname", 2),
+    ("setname", 3),
+    ("setinfo", 4),
+    ("reply", 3),
+    ("no-evict", 3),
+    ("pause", -3),
+    ("unpause", 2),
+    ("help", 2),
+];
+
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "ping", arity: -1, flags: &["fast"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: ping },

@@ -4,6 +4,7 @@
 pub mod acl;
 mod bitfield;
 pub mod cluster;
+mod command_info;
 pub mod connection;
 pub mod consistency;
 mod dump;
@@ -286,18 +287,26 @@ impl CommandSpec {
 /// STORE destination, MEMORY USAGE's key, MIGRATE's KEYS list.
 fn movable_keys<'r>(name: &str, count: usize, arg: &impl Fn(usize) -> &'r [u8]) -> Option<Range<usize>> {
     let counted_at = match name {
-        "lmpop" | "sintercard" | "zmpop" | "zunion" | "zinter" | "zdiff" | "zintercard" => 1,
-        "blmpop" | "bzmpop" | "zunionstore" | "zinterstore" | "zdiffstore" => 2,
-        "eval" | "evalsha" | "eval_ro" | "evalsha_ro" => 2,
         "sort" => return sort::store_key_position(count, arg).map(|at| at..at + 1),
         "memory" => return (count >= 3 && is(arg(1), "usage")).then_some(2..3),
         "migrate" => return dump::migrate_keys_at(count, arg).map(|at| at..count),
-        _ => return None,
+        _ => counted_keys_at(name)?,
     };
     (counted_at < count).then(|| {
         let keys = parse_i64(arg(counted_at)).unwrap_or(0).clamp(0, (count - counted_at - 1) as i64) as usize;
         counted_at + 1..counted_at + 1 + keys
     })
+}
+
+/// Where the argument that counts a command's keys stands, for the commands
+/// whose keys follow such a count.
+pub fn counted_keys_at(name: &str) -> Option<usize> {
+    match name {
+        "lmpop" | "sintercard" | "zmpop" | "zunion" | "zinter" | "zdiff" | "zintercard" => Some(1),
+        "blmpop" | "bzmpop" | "zunionstore" | "zinterstore" | "zdiffstore" => Some(2),
+        "eval" | "evalsha" | "eval_ro" | "evalsha_ro" => Some(2),
+        _ => None,
+    }
 }
 
 fn table() -> &'static HashMap<&'static [u8], &'static CommandSpec> {
@@ -403,17 +412,29 @@ fn check(context: &mut Context, request: &Request) -> CommandResult<&'static Com
     Ok(spec)
 }
 
-/// A container command's subcommand: known, and of the right arity.
-fn check_subcommand(spec: &CommandSpec, request: &Request) -> CommandResult {
-    let subcommands = match spec.name {
+/// A container command's subcommands, each with its arity (Redis's): what
+/// the check on the way in and COMMAND INFO go by.
+pub fn subcommands(name: &str) -> Option<&'static [(&'static str, i32)]> {
+    Some(match name {
         "script" => scripting::SUBCOMMANDS,
         "object" => keys::OBJECT_SUBCOMMANDS,
         "config" => server::CONFIG_SUBCOMMANDS,
+        "command" => server::COMMAND_SUBCOMMANDS,
         "slowlog" => introspection::SLOWLOG_SUBCOMMANDS,
         "latency" => introspection::LATENCY_SUBCOMMANDS,
         "memory" => introspection::MEMORY_SUBCOMMANDS,
-        _ => return Ok(()),
-    };
+        "client" => connection::CLIENT_SUBCOMMANDS,
+        "pubsub" => pubsub::SUBCOMMANDS,
+        "acl" => acl::SUBCOMMANDS,
+        "cluster" => cluster::SUBCOMMANDS,
+        _ => return None,
+    })
+}
+
+/// A container command's subcommand: known, and of the right arity (COMMAND
+/// alone is the whole table).
+fn check_subcommand(spec: &CommandSpec, request: &Request) -> CommandResult {
+    let Some(subcommands) = subcommands(spec.name).filter(|_| request.len() > 1) else { return Ok(()) };
     let name = String::from_utf8_lossy(request.arg(1)).to_ascii_lowercase();
     let Some(&(_, arity)) = subcommands.iter().find(|(known, _)| *known == name) else {
         return Err(CommandError::UnknownSubcommand(

@@ -10,6 +10,10 @@ use super::{is, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 use crate::pubsub::Kind;
 
+/// PUBSUB's subcommands and their arities.
+pub const SUBCOMMANDS: &[(&str, i32)] =
+    &[("channels", -2), ("numsub", -2), ("numpat", 2), ("shardchannels", -2), ("shardnumsub", -2)];
+
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "subscribe", arity: -2, flags: &["pubsub", "noscript", "loading", "stale"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: subscribe },

@@ -3,9 +3,9 @@
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 
-use tessera_wire::{ReplyWriter, Request};
+use tessera_wire::Request;
 
-use super::{all_commands, is, lookup, CommandSpec, Context, Scope};
+use super::{all_commands, command_info, is, lookup, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 use crate::memory::{human_bytes, parse_size, resident_memory, used_memory, EvictionPolicy};
 use crate::tables::escape_prefix;
@@ -124,24 +124,6 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
     Ok(())
 }
 
-fn write_command_info(out: &mut ReplyWriter, spec: &CommandSpec) {
-    // Redis 7's ten fields; the last four are empty (no ACL categories, tips,
-    // key specs or subcommands), which clients accept.
-    out.array(10);
-    out.bulk(spec.name.as_bytes());
-    out.integer(spec.arity as i64);
-    out.set(spec.flags.len());
-    for flag in spec.flags {
-        out.simple(flag);
-    }
-    out.integer(spec.first_key as i64);
-    out.integer(spec.last_key as i64);
-    out.integer(spec.step as i64);
-    for _ in 0..4 {
-        out.array(0);
-    }
-}
-
 /// COMMAND, COMMAND COUNT / INFO / LIST / DOCS / GETKEYS.
 fn command(context: &mut Context, request: &Request) -> CommandResult {
     let out = &mut *context.out;
@@ -149,7 +131,7 @@ fn command(context: &mut Context, request: &Request) -> CommandResult {
         let specs: Vec<_> = all_commands().collect();
         out.array(specs.len());
         for spec in specs {
-            write_command_info(out, spec);
+            command_info::write(out, spec);
         }
         return Ok(());
     }
@@ -166,7 +148,7 @@ fn command(context: &mut Context, request: &Request) -> CommandResult {
         out.array(request.len() - 2);
         for name in request.args().skip(2) {
             match lookup(name) {
-                Some(spec) => write_command_info(out, spec),
+                Some(spec) => command_info::write(out, spec),
                 None => out.null_array(),
             }
         }
@@ -199,6 +181,10 @@ fn command(context: &mut Context, request: &Request) -> CommandResult {
     }
     Ok(())
 }
+
+/// COMMAND's subcommands and their arities.
+pub const COMMAND_SUBCOMMANDS: &[(&str, i32)] =
+    &[("count", 2), ("docs", -2), ("getkeys", -4), ("info", -2), ("list", -2)];
 
 /// CONFIG's subcommands and their arities.
 pub const CONFIG_SUBCOMMANDS: &[(&str, i32)] =
