@@ -96,6 +96,19 @@ pub enum CommandError {
 
 pub type CommandResult<T = ()> = Result<T, CommandError>;
 
+impl From<tessera_data::DataError> for CommandError {
+    fn from(error: tessera_data::DataError) -> Self {
+        use tessera_data::DataError;
+        match error {
+            DataError::WrongType => CommandError::WrongType,
+            DataError::NotInteger => CommandError::NotInteger,
+            DataError::TooLarge => CommandError::TooLarge,
+            DataError::Invalid(message) => CommandError::Other(message),
+            DataError::Engine(error) => CommandError::Engine(error),
+        }
+    }
+}
+
 impl CommandError {
     /// What the node has not got before the coordinator gives it a map.
     pub fn no_map_yet() -> Self {

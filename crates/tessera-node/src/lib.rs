@@ -10,16 +10,12 @@ pub mod acl;
 pub mod blocking;
 pub mod clients;
 pub mod cluster;
-pub mod collection;
 pub mod commands;
 pub mod config;
 pub mod connection;
 pub mod diagnostics;
 pub mod error;
 pub mod glob;
-pub mod hashed;
-pub mod list;
-pub mod long_double;
 pub mod lua_libs;
 pub mod membership;
 pub mod memory;
@@ -30,9 +26,9 @@ pub mod scripts;
 pub mod server;
 pub mod tables;
 pub mod tls;
-pub mod typed;
 pub mod watch;
-pub mod zset;
+
+pub use tessera_data::{collection, hashed, list, long_double, typed, zset};
 
 pub use config::Config;
 pub use server::Server;

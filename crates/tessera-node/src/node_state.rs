@@ -132,7 +132,7 @@ pub struct NodeState {
 }
 
 /// The id of the collection a stored value heads, whatever its type.
-fn collection_id(kind: Kind, payload: &Bytes) -> CommandResult<Option<u64>> {
+fn collection_id(kind: Kind, payload: &Bytes) -> tessera_data::DataResult<Option<u64>> {
     match kind {
         Kind::SortedSet => crate::zset::id_of(payload).map(Some),
         Kind::List => crate::list::id_of(payload),
@@ -163,7 +163,7 @@ impl Keyspace for Table {
 
     fn remove(&self, key: &[u8]) -> CommandResult<()> {
         if reserved::is_reserved(key) {
-            self.reserved.change(|| Ok(((), -i64::from(self.engine.delete(key)?))))
+            Ok(self.reserved.change(|| Ok(((), -i64::from(self.engine.delete(key)?))))?)
         } else {
             self.engine.delete(key).map(drop).map_err(Into::into)
         }

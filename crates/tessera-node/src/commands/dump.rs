@@ -53,7 +53,7 @@ pub fn store_value(context: &Context, key: &[u8], value: Value, expires_at_ms: O
     let reserved = &context.table(key).reserved;
     let now = context.now_ms;
     if let Value::String(bytes) = &value {
-        return write(engine, key, Kind::String, expires_at_ms, bytes, usize::MAX);
+        return Ok(write(engine, key, Kind::String, expires_at_ms, bytes, usize::MAX)?);
     }
     // A collection is built anew: a value left at the key would be opened.
     engine.delete(key)?;

@@ -79,7 +79,7 @@ fn hsetnx(context: &mut Context, request: &Request) -> CommandResult {
         if hash.contains(request.arg(2))? {
             return Ok(false);
         }
-        hash.insert(request.arg(2), Bytes::copy_from_slice(request.arg(3)))
+        Ok(hash.insert(request.arg(2), Bytes::copy_from_slice(request.arg(3)))?)
     })?;
     context.out.integer(i64::from(added));
     Ok(())
@@ -88,7 +88,7 @@ fn hsetnx(context: &mut Context, request: &Request) -> CommandResult {
 /// The value of one field.
 fn field(context: &mut Context, key: &[u8], field: &[u8]) -> CommandResult<Option<Bytes>> {
     with_hashed(context, Layout::Hash, key, |hash| match hash {
-        Some(hash) => hash.get(field),
+        Some(hash) => Ok(hash.get(field)?),
         None => Ok(None),
     })
 }
@@ -105,7 +105,7 @@ fn hmget(context: &mut Context, request: &Request) -> CommandResult {
             .args()
             .skip(2)
             .map(|field| match hash.as_deref_mut() {
-                Some(hash) => hash.get(field),
+                Some(hash) => Ok(hash.get(field)?),
                 None => Ok(None),
             })
             .collect::<CommandResult<Vec<_>>>()
@@ -119,7 +119,7 @@ fn hmget(context: &mut Context, request: &Request) -> CommandResult {
 
 fn all_fields(context: &mut Context, key: &[u8]) -> CommandResult<Vec<(Bytes, Bytes)>> {
     with_hashed(context, Layout::Hash, key, |hash| match hash {
-        Some(hash) => hash.entries(),
+        Some(hash) => Ok(hash.entries()?),
         None => Ok(Vec::new()),
     })
 }
@@ -239,7 +239,7 @@ fn hrandfield(context: &mut Context, request: &Request) -> CommandResult {
             Some(count) if count < 0 => {
                 (0..count.unsigned_abs()).map(|_| Ok(hash.random_entry()?.expect("not empty"))).collect()
             }
-            Some(count) if count as u64 >= hash.len() => hash.entries(),
+            Some(count) if count as u64 >= hash.len() => Ok(hash.entries()?),
             Some(count) => {
                 let mut seen = HashSet::new();
                 let mut picked = Vec::new();

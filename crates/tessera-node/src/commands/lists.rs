@@ -180,7 +180,7 @@ fn lindex(context: &mut Context, request: &Request) -> CommandResult {
         let Some(list) = list else { return Ok(None) };
         let index = integer_arg(request, 2)?;
         match resolve_index(index, list.len()) {
-            Some(index) => list.get(index),
+            Some(index) => Ok(list.get(index)?),
             None => Ok(None),
         }
     })?;
@@ -217,7 +217,7 @@ fn lrange(context: &mut Context, request: &Request) -> CommandResult {
     let (start, end) = (integer_arg(request, 2)?, integer_arg(request, 3)?);
     let elements = with_list(context, request.arg(1), |list| match list {
         Some(list) => match clamp(start, end, list.len()) {
-            Some((start, end)) => list.range(start, end),
+            Some((start, end)) => Ok(list.range(start, end)?),
             None => Ok(Vec::new()),
         },
         None => Ok(Vec::new()),
@@ -249,7 +249,7 @@ fn lrem(context: &mut Context, request: &Request) -> CommandResult {
     let removed = with_list(context, request.arg(1), |list| match list {
         Some(list) => {
             let from = if count < 0 { End::Back } else { End::Front };
-            list.remove(request.arg(3), count.unsigned_abs(), from)
+            Ok(list.remove(request.arg(3), count.unsigned_abs(), from)?)
         }
         None => Ok(0),
     })?;

@@ -548,7 +548,7 @@ fn check_permissions(context: &mut Context, spec: &CommandSpec, request: &Reques
 
 /// The argument at `index` as an integer.
 pub fn integer_arg(request: &Request, index: usize) -> CommandResult<i64> {
-    parse_i64(request.arg(index))
+    Ok(parse_i64(request.arg(index))?)
 }
 
 /// Whether an argument equals an option name, ignoring case.

@@ -83,7 +83,7 @@ fn srem(context: &mut Context, request: &Request) -> CommandResult {
 
 fn sismember(context: &mut Context, request: &Request) -> CommandResult {
     let found = with_hashed(context, Layout::Set, request.arg(1), |set| match set {
-        Some(set) => set.contains(request.arg(2)),
+        Some(set) => Ok(set.contains(request.arg(2))?),
         None => Ok(false),
     })?;
     context.out.integer(i64::from(found));
@@ -96,7 +96,7 @@ fn smismember(context: &mut Context, request: &Request) -> CommandResult {
             .args()
             .skip(2)
             .map(|member| match set.as_deref_mut() {
-                Some(set) => set.contains(member),
+                Some(set) => Ok(set.contains(member)?),
                 None => Ok(false),
             })
             .collect::<CommandResult<Vec<bool>>>()
@@ -123,7 +123,7 @@ fn write_set(context: &mut Context, members: &[Bytes]) {
 
 fn smembers(context: &mut Context, request: &Request) -> CommandResult {
     let members = with_hashed(context, Layout::Set, request.arg(1), |set| match set {
-        Some(set) => set.members(),
+        Some(set) => Ok(set.members()?),
         None => Ok(Vec::new()),
     })?;
     write_set(context, &members);
@@ -173,7 +173,7 @@ fn srandmember(context: &mut Context, request: &Request) -> CommandResult {
             Some(count) if count < 0 => {
                 (0..count.unsigned_abs()).map(|_| Ok(set.random_entry()?.expect("not empty").0)).collect()
             }
-            Some(count) if count as u64 >= set.len() => set.members(),
+            Some(count) if count as u64 >= set.len() => Ok(set.members()?),
             Some(count) => {
                 let mut picked = HashSet::new();
                 while (picked.len() as i64) < count {

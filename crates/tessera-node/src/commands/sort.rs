@@ -117,7 +117,7 @@ fn look_up(context: &Context, pattern: &[u8], element: &Bytes) -> CommandResult<
     match (stored.kind, field) {
         (Kind::String, None) => Ok(Some(stored.payload)),
         (Kind::Hash, Some(field)) => match Hashed::open(Layout::Hash, engine, &key, context.now_ms)? {
-            Some(mut hash) => hash.get(field),
+            Some(mut hash) => Ok(hash.get(field)?),
             None => Ok(None),
         },
         _ => Ok(None),

@@ -144,7 +144,7 @@ fn zadd(context: &mut Context, request: &Request) -> CommandResult {
     }
     // Every score is checked before anything changes.
     let scores =
-        pairs.iter().step_by(2).map(|score| parse_score(score)).collect::<CommandResult<Vec<_>>>()?;
+        pairs.iter().step_by(2).map(|score| Ok(parse_score(score)?)).collect::<CommandResult<Vec<_>>>()?;
     if options.increment {
         let new_score =
             update_set(context, request.arg(1), |set| increment(set, pairs[1], scores[0], &options))?;
@@ -218,7 +218,7 @@ fn zrem(context: &mut Context, request: &Request) -> CommandResult {
 
 fn zscore(context: &mut Context, request: &Request) -> CommandResult {
     let score =
-        read_set(context, request.arg(1), |set| set.map_or(Ok(None), |set| set.score(request.arg(2))))?;
+        read_set(context, request.arg(1), |set| set.map_or(Ok(None), |set| Ok(set.score(request.arg(2))?)))?;
     match score {
         Some(score) => context.out.double(score),
         None => context.out.null(),
@@ -228,7 +228,7 @@ fn zscore(context: &mut Context, request: &Request) -> CommandResult {
 
 fn zmscore(context: &mut Context, request: &Request) -> CommandResult {
     let scores = read_set(context, request.arg(1), |set| match set {
-        Some(set) => request.args().skip(2).map(|member| set.score(member)).collect(),
+        Some(set) => request.args().skip(2).map(|member| Ok(set.score(member)?)).collect(),
         None => Ok(vec![None; request.len() - 2]),
     })?;
     context.out.array(scores.len());
@@ -249,7 +249,7 @@ fn zcard(context: &mut Context, request: &Request) -> CommandResult {
 
 fn zcount(context: &mut Context, request: &Request) -> CommandResult {
     let (min, max) = (ScoreBound::parse(request.arg(2))?, ScoreBound::parse(request.arg(3))?);
-    let count = read_set(context, request.arg(1), |set| set.map_or(Ok(0), |set| set.count(min, max)))?;
+    let count = read_set(context, request.arg(1), |set| set.map_or(Ok(0), |set| Ok(set.count(min, max)?)))?;
     context.out.integer(count as i64);
     Ok(())
 }
@@ -261,7 +261,7 @@ fn rank(context: &mut Context, request: &Request, reverse: bool) -> CommandResul
         _ => return Err(CommandError::Syntax),
     };
     let found = read_set(context, request.arg(1), |set| {
-        set.map_or(Ok(None), |set| set.rank(request.arg(2), reverse))
+        set.map_or(Ok(None), |set| Ok(set.rank(request.arg(2), reverse)?))
     })?;
     match found {
         None if with_score => context.out.null_array(),
@@ -355,7 +355,9 @@ fn score_entries(
     let (first, second) = (ScoreBound::parse(first)?, ScoreBound::parse(second)?);
     let (offset, limit) = skip_and_most(options.limit);
     read_set(context, key, |set| {
-        set.map_or(Ok(Vec::new()), |set| set.range_by_score(first, second, options.reverse, offset, limit))
+        set.map_or(Ok(Vec::new()), |set| {
+            Ok(set.range_by_score(first, second, options.reverse, offset, limit)?)
+        })
     })
 }
 
@@ -405,7 +407,9 @@ fn ranged(
         let (min, max) = if options.reverse { (second, first) } else { (first, second) };
         let (offset, limit) = skip_and_most(options.limit);
         return read_set(context, key, |set| {
-            set.map_or(Ok(Vec::new()), |set| set.range_by_lex(&min, &max, options.reverse, offset, limit))
+            set.map_or(Ok(Vec::new()), |set| {
+                Ok(set.range_by_lex(&min, &max, options.reverse, offset, limit)?)
+            })
         });
     }
     if options.limit.is_some() {
@@ -422,7 +426,7 @@ fn ranged(
         if start > stop || start >= len {
             return Ok(Vec::new());
         }
-        set.range_by_rank(start as u64, stop as u64, options.reverse)
+        Ok(set.range_by_rank(start as u64, stop as u64, options.reverse)?)
     })
 }
 
@@ -483,7 +487,7 @@ fn zlexcount(context: &mut Context, request: &Request) -> CommandResult {
 
 fn zremrangebylex(context: &mut Context, request: &Request) -> CommandResult {
     let (min, max) = (LexBound::parse(request.arg(2))?, LexBound::parse(request.arg(3))?);
-    remove_range(context, request.arg(1), |set| set.range_by_lex(&min, &max, false, 0, usize::MAX))
+    remove_range(context, request.arg(1), |set| Ok(set.range_by_lex(&min, &max, false, 0, usize::MAX)?))
 }
 
 /// Members ZSCAN returns per call on a large set; a set of at most this
@@ -728,13 +732,13 @@ fn zremrangebyrank(context: &mut Context, request: &Request) -> CommandResult {
         if start > stop || start >= len {
             return Ok(Vec::new());
         }
-        set.range_by_rank(start as u64, stop as u64, false)
+        Ok(set.range_by_rank(start as u64, stop as u64, false)?)
     })
 }
 
 fn zremrangebyscore(context: &mut Context, request: &Request) -> CommandResult {
     let (min, max) = (ScoreBound::parse(request.arg(2))?, ScoreBound::parse(request.arg(3))?);
-    remove_range(context, request.arg(1), |set| set.range_by_score(min, max, false, 0, usize::MAX))
+    remove_range(context, request.arg(1), |set| Ok(set.range_by_score(min, max, false, 0, usize::MAX)?))
 }
 
 fn zrandmember(context: &mut Context, request: &Request) -> CommandResult {
@@ -759,7 +763,7 @@ fn zrandmember(context: &mut Context, request: &Request) -> CommandResult {
             Some(count) if count < 0 => {
                 (0..count.unsigned_abs()).map(|_| pick(rand::random::<u64>() % len)).collect()
             }
-            Some(count) if count as u64 >= len => set.range_by_rank(0, len - 1, false),
+            Some(count) if count as u64 >= len => Ok(set.range_by_rank(0, len - 1, false)?),
             Some(count) => {
                 let ranks = rand::seq::index::sample(&mut rand::thread_rng(), len as usize, count as usize);
                 ranks.into_iter().map(|rank| pick(rank as u64)).collect()
@@ -815,11 +819,13 @@ fn read_inputs(context: &mut Context, keys: &[&[u8]]) -> CommandResult<Vec<Optio
                 )
             }
             Ok(None) => None,
-            Err(CommandError::WrongType) => match Hashed::open(Layout::Set, engine, key, context.now_ms)? {
-                Some(mut set) => Some(set.members()?.into_iter().map(|member| (member, 1.0)).collect()),
-                None => None,
-            },
-            Err(error) => return Err(error),
+            Err(tessera_data::DataError::WrongType) => {
+                match Hashed::open(Layout::Set, engine, key, context.now_ms)? {
+                    Some(mut set) => Some(set.members()?.into_iter().map(|member| (member, 1.0)).collect()),
+                    None => None,
+                }
+            }
+            Err(error) => return Err(error.into()),
         };
         inputs.push(input);
     }

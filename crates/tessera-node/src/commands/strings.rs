@@ -76,7 +76,7 @@ fn get(context: &mut Context, request: &Request) -> CommandResult {
                 out.null();
                 Ok(false)
             }
-            Err(error) => Err(error),
+            Err(error) => Err(error.into()),
         };
     })?;
     let found = found?;
@@ -405,10 +405,10 @@ fn lcs(context: &mut Context, request: &Request) -> CommandResult {
         let stored =
             read_kind(context.engine(key), key, Kind::String, context.now_ms).map_err(
                 |error| match error {
-                    CommandError::WrongType => {
+                    tessera_data::DataError::WrongType => {
                         CommandError::Other("The specified keys must contain string values".into())
                     }
-                    other => other,
+                    other => other.into(),
                 },
             )?;
         Ok(stored.map(|stored| stored.payload).unwrap_or_default())

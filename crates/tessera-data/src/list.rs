@@ -20,8 +20,8 @@ use bytes::{BufMut, Bytes, BytesMut};
 use tessera_engine::Engine;
 
 use crate::collection::{corrupt, entry_key, put_bytes, stored_bytes, Changes, Reader};
-use crate::error::CommandResult;
 use crate::typed::{self, read_kind, Kind, ReservedEntries};
+use crate::DataResult;
 
 /// The most elements and bytes a list keeps in its value (near Redis's own
 /// listpack limits).
@@ -104,7 +104,7 @@ impl Page {
     /// The elements, to be changed (the page is marked so): a page already
     /// changed in this call is decoded, so that a command pushing many
     /// elements copies the stored form once, not once per element.
-    fn changing(&mut self) -> CommandResult<&mut Elements> {
+    fn changing(&mut self) -> DataResult<&mut Elements> {
         if self.dirty {
             self.elements.decoded()?;
         }
@@ -112,7 +112,7 @@ impl Page {
         Ok(&mut self.elements)
     }
 
-    fn decode(raw: &Bytes) -> CommandResult<Self> {
+    fn decode(raw: &Bytes) -> DataResult<Self> {
         let mut reader = Reader::new(raw);
         let (prev, next) = (reader.u64()?, reader.u64()?);
         let elements = Elements::encoded(raw.slice(16..))?;
@@ -137,7 +137,7 @@ impl Default for Elements {
 
 impl Elements {
     /// Stored elements, their lengths checked.
-    fn encoded(raw: Bytes) -> CommandResult<Self> {
+    fn encoded(raw: Bytes) -> DataResult<Self> {
         let mut count = 0;
         let mut at = 0;
         while at < raw.len() {
@@ -167,7 +167,7 @@ impl Elements {
     }
 
     /// The elements one by one, decoded now if they were not.
-    fn decoded(&mut self) -> CommandResult<&mut VecDeque<Bytes>> {
+    fn decoded(&mut self) -> DataResult<&mut VecDeque<Bytes>> {
         if let Elements::Encoded { raw, count } = self {
             let mut elements = VecDeque::with_capacity(*count);
             let mut reader = Reader::new(raw);
@@ -201,7 +201,7 @@ impl Elements {
         }
     }
 
-    fn pop(&mut self, end: End) -> CommandResult<Option<Bytes>> {
+    fn pop(&mut self, end: End) -> DataResult<Option<Bytes>> {
         match self {
             Elements::Encoded { count: 0, .. } => Ok(None),
             Elements::Encoded { raw, count } => {
@@ -245,7 +245,7 @@ impl Elements {
 
 /// The id of a paged list's entries, from its stored value (payload); an
 /// inline list has none.
-pub fn id_of(payload: &[u8]) -> CommandResult<Option<u64>> {
+pub fn id_of(payload: &[u8]) -> DataResult<Option<u64>> {
     match payload.first() {
         Some(&PAGED) => {
             let id = payload.get(1..9).ok_or_else(corrupt)?;
@@ -274,7 +274,7 @@ pub struct List<'a> {
 
 impl<'a> List<'a> {
     /// The list at `key`, if there is one; `WRONGTYPE` for another kind of value.
-    pub fn open(engine: &'a dyn Engine, key: &'a [u8], now_ms: u64) -> CommandResult<Option<Self>> {
+    pub fn open(engine: &'a dyn Engine, key: &'a [u8], now_ms: u64) -> DataResult<Option<Self>> {
         let Some(stored) = read_kind(engine, key, Kind::List, now_ms)? else { return Ok(None) };
         let mut reader = Reader::new(&stored.payload);
         let mut list = Self::empty(engine, key);
@@ -300,7 +300,7 @@ impl<'a> List<'a> {
     }
 
     /// The list at `key`, or a new empty one (stored by `commit` only if it gains elements).
-    pub fn open_or_new(engine: &'a dyn Engine, key: &'a [u8], now_ms: u64) -> CommandResult<Self> {
+    pub fn open_or_new(engine: &'a dyn Engine, key: &'a [u8], now_ms: u64) -> DataResult<Self> {
         match Self::open(engine, key, now_ms)? {
             Some(list) => Ok(list),
             None => {
@@ -341,7 +341,7 @@ impl<'a> List<'a> {
         }
     }
 
-    fn page(&mut self, id: u64) -> CommandResult<&mut Page> {
+    fn page(&mut self, id: u64) -> DataResult<&mut Page> {
         if !self.pages.contains_key(&id) {
             let paged_id = self.paged_id.ok_or_else(corrupt)?;
             let raw = self.engine.get(&entry_key(self.key, paged_id, PAGE, &id.to_be_bytes()))?;
@@ -352,7 +352,7 @@ impl<'a> List<'a> {
     }
 
     /// A new page linked between `before` and `after` (either may be NONE).
-    fn new_page(&mut self, before: u64, after: u64) -> CommandResult<u64> {
+    fn new_page(&mut self, before: u64, after: u64) -> DataResult<u64> {
         let id = self.next_page;
         self.next_page += 1;
         self.pages.insert(id, Page::new(before, after));
@@ -368,7 +368,7 @@ impl<'a> List<'a> {
     }
 
     /// Drops an emptied page from the chain, unless it is the only one.
-    fn unlink_if_empty(&mut self, id: u64) -> CommandResult<()> {
+    fn unlink_if_empty(&mut self, id: u64) -> DataResult<()> {
         let page = self.page(id)?;
         if !page.elements.is_empty() || (page.prev == NONE && page.next == NONE) {
             return Ok(());
@@ -386,7 +386,7 @@ impl<'a> List<'a> {
         Ok(())
     }
 
-    pub fn push(&mut self, end: End, element: Bytes) -> CommandResult<()> {
+    pub fn push(&mut self, end: End, element: Bytes) -> DataResult<()> {
         let mut outer = self.outer(end);
         if self.paged_id.is_some() && self.page(outer)?.full() {
             outer = match end {
@@ -400,7 +400,7 @@ impl<'a> List<'a> {
         Ok(())
     }
 
-    pub fn pop(&mut self, end: End) -> CommandResult<Option<Bytes>> {
+    pub fn pop(&mut self, end: End) -> DataResult<Option<Bytes>> {
         if self.len == 0 {
             return Ok(None);
         }
@@ -414,7 +414,7 @@ impl<'a> List<'a> {
 
     /// The page and offset of element `index` (below `len`), found from the
     /// nearer end.
-    fn locate(&mut self, index: u64) -> CommandResult<(u64, usize)> {
+    fn locate(&mut self, index: u64) -> DataResult<(u64, usize)> {
         debug_assert!(index < self.len);
         let (from, mut left) =
             if index < self.len / 2 { (End::Front, index) } else { (End::Back, self.len - 1 - index) };
@@ -437,7 +437,7 @@ impl<'a> List<'a> {
         }
     }
 
-    pub fn get(&mut self, index: u64) -> CommandResult<Option<Bytes>> {
+    pub fn get(&mut self, index: u64) -> DataResult<Option<Bytes>> {
         if index >= self.len {
             return Ok(None);
         }
@@ -446,7 +446,7 @@ impl<'a> List<'a> {
     }
 
     /// Replaces element `index`; false when there is none.
-    pub fn set(&mut self, index: u64, element: Bytes) -> CommandResult<bool> {
+    pub fn set(&mut self, index: u64, element: Bytes) -> DataResult<bool> {
         if index >= self.len {
             return Ok(false);
         }
@@ -462,7 +462,7 @@ impl<'a> List<'a> {
     }
 
     /// Elements `start..=end` (indexes below `len`), front to back.
-    pub fn range(&mut self, start: u64, end: u64) -> CommandResult<Vec<Bytes>> {
+    pub fn range(&mut self, start: u64, end: u64) -> DataResult<Vec<Bytes>> {
         if start > end || start >= self.len {
             return Ok(Vec::new());
         }
@@ -484,7 +484,7 @@ impl<'a> List<'a> {
 
     /// Calls `visit` with each element's index and value from `from`'s end
     /// inward, until it returns false.
-    pub fn walk(&mut self, from: End, mut visit: impl FnMut(u64, &Bytes) -> bool) -> CommandResult<()> {
+    pub fn walk(&mut self, from: End, mut visit: impl FnMut(u64, &Bytes) -> bool) -> DataResult<()> {
         let mut id = self.outer(from);
         let mut index = match from {
             End::Front => 0i64,
@@ -514,7 +514,7 @@ impl<'a> List<'a> {
 
     /// Removes up to `limit` elements equal to `element` (0: all), from
     /// `from`'s end inward: how many it removed.
-    pub fn remove(&mut self, element: &[u8], limit: u64, from: End) -> CommandResult<u64> {
+    pub fn remove(&mut self, element: &[u8], limit: u64, from: End) -> DataResult<u64> {
         let mut removed = 0;
         let mut id = self.outer(from);
         while self.len > 0 && (limit == 0 || removed < limit) {
@@ -555,7 +555,7 @@ impl<'a> List<'a> {
 
     /// Inserts `element` before or after the first `pivot` from the front:
     /// false when there is no pivot.
-    pub fn insert(&mut self, pivot: &[u8], element: Bytes, after: bool) -> CommandResult<bool> {
+    pub fn insert(&mut self, pivot: &[u8], element: Bytes, after: bool) -> DataResult<bool> {
         let mut found = None;
         self.walk(End::Front, |index, candidate| {
             if candidate.as_ref() == pivot {
@@ -577,7 +577,7 @@ impl<'a> List<'a> {
     }
 
     /// Moves the back half of page `id` to a new page after it.
-    fn split(&mut self, id: u64) -> CommandResult<()> {
+    fn split(&mut self, id: u64) -> DataResult<()> {
         if self.paged_id.is_none() {
             return Ok(()); // an inline list is paged whole when it commits
         }
@@ -592,7 +592,7 @@ impl<'a> List<'a> {
     }
 
     /// Keeps elements `start..=end` only (indexes below `len`, `start <= end`).
-    pub fn trim(&mut self, start: u64, end: u64) -> CommandResult<()> {
+    pub fn trim(&mut self, start: u64, end: u64) -> DataResult<()> {
         let drop_back = self.len - 1 - end;
         for _ in 0..start {
             self.pop(End::Front)?;
@@ -611,7 +611,7 @@ impl<'a> List<'a> {
     }
 
     /// Writes the changes; an emptied list is deleted, as in Redis.
-    pub fn commit(mut self, reserved: &ReservedEntries) -> CommandResult<()> {
+    pub fn commit(mut self, reserved: &ReservedEntries) -> DataResult<()> {
         if !self.changed {
             return Ok(());
         }
@@ -660,7 +660,7 @@ impl<'a> List<'a> {
 
     /// Turns an inline list grown past the limits into pages, with an id of
     /// its own.
-    fn page_out(&mut self, elements: VecDeque<Bytes>) -> CommandResult<()> {
+    fn page_out(&mut self, elements: VecDeque<Bytes>) -> DataResult<()> {
         self.paged_id = Some(rand::random());
         self.head = NONE;
         self.tail = NONE;

@@ -21,8 +21,8 @@ use bytes::{BufMut, Bytes, BytesMut};
 use tessera_engine::Engine;
 
 use crate::collection::{corrupt, entry_key, put_bytes, Changes, Reader};
-use crate::error::{CommandError, CommandResult};
 use crate::typed::{self, read_kind, Kind, ReservedEntries};
+use crate::{DataError, DataResult};
 
 /// Entries per page; a page that grows past it splits in two.
 const PAGE_MAX: usize = 128;
@@ -72,13 +72,13 @@ pub enum LexBound {
 }
 
 impl LexBound {
-    pub fn parse(text: &[u8]) -> CommandResult<Self> {
+    pub fn parse(text: &[u8]) -> DataResult<Self> {
         match text {
             b"-" => Ok(LexBound::Lowest),
             b"+" => Ok(LexBound::Highest),
             [b'[', rest @ ..] => Ok(LexBound::Inclusive(Bytes::copy_from_slice(rest))),
             [b'(', rest @ ..] => Ok(LexBound::Exclusive(Bytes::copy_from_slice(rest))),
-            _ => Err(CommandError::Other("min or max not valid string range item".into())),
+            _ => Err(DataError::Invalid("min or max not valid string range item".into())),
         }
     }
 
@@ -129,13 +129,13 @@ pub struct ScoreBound {
 }
 
 impl ScoreBound {
-    pub fn parse(text: &[u8]) -> CommandResult<Self> {
+    pub fn parse(text: &[u8]) -> DataResult<Self> {
         let (exclusive, number) = match text.strip_prefix(b"(") {
             Some(rest) => (true, rest),
             None => (false, text),
         };
         let score =
-            parse_score(number).map_err(|_| CommandError::Other("min or max is not a float".into()))?;
+            parse_score(number).map_err(|_| DataError::Invalid("min or max is not a float".into()))?;
         Ok(Self { score, exclusive })
     }
 
@@ -157,8 +157,8 @@ impl ScoreBound {
 }
 
 /// Parses a score: a decimal or `inf` / `+inf` / `-inf`; never NaN.
-pub fn parse_score(text: &[u8]) -> CommandResult<f64> {
-    let invalid = || CommandError::Other("value is not a valid float".into());
+pub fn parse_score(text: &[u8]) -> DataResult<f64> {
+    let invalid = || DataError::Invalid("value is not a valid float".into());
     let text = std::str::from_utf8(text).map_err(|_| invalid())?;
     if text.is_empty() || text.starts_with(char::is_whitespace) || text.ends_with(char::is_whitespace) {
         return Err(invalid());
@@ -188,8 +188,8 @@ impl Meta {
         typed::encode(Kind::SortedSet, self.expires_at_ms, &payload)
     }
 
-    fn decode(payload: &[u8], expires_at_ms: Option<u64>) -> CommandResult<Self> {
-        let word = |at: usize| -> CommandResult<u64> {
+    fn decode(payload: &[u8], expires_at_ms: Option<u64>) -> DataResult<Self> {
+        let word = |at: usize| -> DataResult<u64> {
             Ok(u64::from_le_bytes(payload.get(at..at + 8).ok_or_else(corrupt)?.try_into().expect("8 bytes")))
         };
         Ok(Self { id: word(0)?, len: word(8)?, next_page: word(16)?, expires_at_ms })
@@ -218,7 +218,7 @@ enum Directory {
 }
 
 impl Directory {
-    fn from_stored(raw: Bytes) -> CommandResult<Self> {
+    fn from_stored(raw: Bytes) -> DataResult<Self> {
         let count =
             u32::from_le_bytes(raw.get(..4).ok_or_else(corrupt)?.try_into().expect("4 bytes")) as usize;
         if count == 0 || raw.len() < 4 + 4 * count {
@@ -234,7 +234,7 @@ impl Directory {
         }
     }
 
-    fn bound(&self, index: usize) -> CommandResult<PageBound> {
+    fn bound(&self, index: usize) -> DataResult<PageBound> {
         match self {
             Self::Stored(raw) => {
                 let at = 4 + 4 * index;
@@ -249,7 +249,7 @@ impl Directory {
 
     /// The number of leading bounds for which `before` holds (it must hold for
     /// a prefix of the directory, as for `slice::partition_point`).
-    fn partition_point(&self, before: impl Fn(&PageBound) -> bool) -> CommandResult<usize> {
+    fn partition_point(&self, before: impl Fn(&PageBound) -> bool) -> DataResult<usize> {
         let (mut low, mut high) = (0, self.len());
         while low < high {
             let middle = low + (high - low) / 2;
@@ -262,9 +262,9 @@ impl Directory {
         Ok(low)
     }
 
-    fn changed(&mut self) -> CommandResult<&mut Vec<PageBound>> {
+    fn changed(&mut self) -> DataResult<&mut Vec<PageBound>> {
         if let Self::Stored(_) = self {
-            let bounds = (0..self.len()).map(|index| self.bound(index)).collect::<CommandResult<_>>()?;
+            let bounds = (0..self.len()).map(|index| self.bound(index)).collect::<DataResult<_>>()?;
             *self = Self::Changed(bounds);
         }
         match self {
@@ -273,7 +273,7 @@ impl Directory {
         }
     }
 
-    fn encode(&self) -> CommandResult<Bytes> {
+    fn encode(&self) -> DataResult<Bytes> {
         let bounds = match self {
             Self::Stored(raw) => return Ok(raw.clone()),
             Self::Changed(bounds) => bounds,
@@ -302,7 +302,7 @@ fn encode_page(entries: &[(f64, Bytes)]) -> Bytes {
     out.freeze()
 }
 
-fn decode_page(raw: &Bytes) -> CommandResult<Vec<(f64, Bytes)>> {
+fn decode_page(raw: &Bytes) -> DataResult<Vec<(f64, Bytes)>> {
     let mut reader = Reader::new(raw);
     let mut entries = Vec::new();
     while !reader.done() {
@@ -345,14 +345,14 @@ pub struct SortedSet<'a> {
 
 impl<'a> SortedSet<'a> {
     /// The set at `key`, if there is one; `WRONGTYPE` for another kind of value.
-    pub fn open(engine: &'a dyn Engine, key: &'a [u8], now_ms: u64) -> CommandResult<Option<Self>> {
+    pub fn open(engine: &'a dyn Engine, key: &'a [u8], now_ms: u64) -> DataResult<Option<Self>> {
         let Some(stored) = read_kind(engine, key, Kind::SortedSet, now_ms)? else { return Ok(None) };
         let meta = Meta::decode(&stored.payload, stored.expires_at_ms)?;
         Ok(Some(Self::with_meta(engine, key, meta, true)))
     }
 
     /// The set at `key`, or a new empty one (stored by `commit` only if it gains members).
-    pub fn open_or_new(engine: &'a dyn Engine, key: &'a [u8], now_ms: u64) -> CommandResult<Self> {
+    pub fn open_or_new(engine: &'a dyn Engine, key: &'a [u8], now_ms: u64) -> DataResult<Self> {
         Ok(match Self::open(engine, key, now_ms)? {
             Some(set) => set,
             None => {
@@ -393,7 +393,7 @@ impl<'a> SortedSet<'a> {
         entry_key(self.key, self.meta.id, tag, suffix)
     }
 
-    fn directory(&mut self) -> CommandResult<&mut Directory> {
+    fn directory(&mut self) -> DataResult<&mut Directory> {
         if self.directory.is_none() {
             let raw = self.engine.get(&self.entry_key(DIRECTORY, &[]))?.ok_or_else(corrupt)?;
             self.directory = Some(Directory::from_stored(raw)?);
@@ -401,11 +401,11 @@ impl<'a> SortedSet<'a> {
         Ok(self.directory.as_mut().expect("loaded"))
     }
 
-    fn page_id(&mut self, index: usize) -> CommandResult<u64> {
+    fn page_id(&mut self, index: usize) -> DataResult<u64> {
         Ok(self.directory()?.bound(index)?.page)
     }
 
-    fn page(&mut self, page: u64) -> CommandResult<&mut CachedPage> {
+    fn page(&mut self, page: u64) -> DataResult<&mut CachedPage> {
         if !self.pages.contains_key(&page) {
             let raw = self.engine.get(&self.entry_key(PAGE, &page.to_be_bytes()))?.ok_or_else(corrupt)?;
             let entries = decode_page(&raw)?;
@@ -415,14 +415,14 @@ impl<'a> SortedSet<'a> {
     }
 
     /// The index in the directory of the page that holds (or would hold) an entry.
-    fn page_index_for(&mut self, score: f64, member: &[u8]) -> CommandResult<usize> {
+    fn page_index_for(&mut self, score: f64, member: &[u8]) -> DataResult<usize> {
         let directory = self.directory()?;
         let after = directory
             .partition_point(|bound| compare((bound.score, &bound.member), (score, member)).is_le())?;
         Ok(after.saturating_sub(1))
     }
 
-    pub fn score(&mut self, member: &[u8]) -> CommandResult<Option<f64>> {
+    pub fn score(&mut self, member: &[u8]) -> DataResult<Option<f64>> {
         if let Some(state) = self.members.get(member) {
             return Ok(state.current);
         }
@@ -439,7 +439,7 @@ impl<'a> SortedSet<'a> {
     }
 
     /// Sets a member's score; returns its previous score.
-    pub fn insert(&mut self, member: &[u8], score: f64) -> CommandResult<Option<f64>> {
+    pub fn insert(&mut self, member: &[u8], score: f64) -> DataResult<Option<f64>> {
         let previous = self.score(member)?;
         if previous == Some(score) {
             return Ok(previous);
@@ -474,7 +474,7 @@ impl<'a> SortedSet<'a> {
     }
 
     /// Removes a member; returns its score if it was there.
-    pub fn remove(&mut self, member: &[u8]) -> CommandResult<Option<f64>> {
+    pub fn remove(&mut self, member: &[u8]) -> DataResult<Option<f64>> {
         let previous = self.score(member)?;
         if let Some(old) = previous {
             self.remove_from_page(member, old)?;
@@ -484,7 +484,7 @@ impl<'a> SortedSet<'a> {
         Ok(previous)
     }
 
-    fn remove_from_page(&mut self, member: &[u8], score: f64) -> CommandResult<()> {
+    fn remove_from_page(&mut self, member: &[u8], score: f64) -> DataResult<()> {
         let index = self.page_index_for(score, member)?;
         let page_id = self.page_id(index)?;
         let page = self.page(page_id)?;
@@ -514,7 +514,7 @@ impl<'a> SortedSet<'a> {
         &mut self,
         from: Option<(f64, &[u8])>,
         mut visit: impl FnMut(f64, &Bytes) -> bool,
-    ) -> CommandResult<()> {
+    ) -> DataResult<()> {
         let start = match from {
             Some((score, member)) => self.page_index_for(score, member)?,
             None => 0,
@@ -540,7 +540,7 @@ impl<'a> SortedSet<'a> {
         &mut self,
         to: Option<ScoreBound>,
         mut visit: impl FnMut(f64, &Bytes) -> bool,
-    ) -> CommandResult<()> {
+    ) -> DataResult<()> {
         let directory = self.directory()?;
         let end = match to {
             Some(bound) => directory
@@ -574,7 +574,7 @@ impl<'a> SortedSet<'a> {
         reverse: bool,
         offset: usize,
         limit: usize,
-    ) -> CommandResult<Vec<(f64, Bytes)>> {
+    ) -> DataResult<Vec<(f64, Bytes)>> {
         let mut window = Window::new(offset, limit);
         if limit == 0 {
             return Ok(window.out);
@@ -607,7 +607,7 @@ impl<'a> SortedSet<'a> {
         reverse: bool,
         offset: usize,
         limit: usize,
-    ) -> CommandResult<Vec<(f64, Bytes)>> {
+    ) -> DataResult<Vec<(f64, Bytes)>> {
         let mut window = Window::new(offset, limit);
         if limit == 0 || self.is_empty() || LexBound::empty_between(min, max) {
             return Ok(window.out);
@@ -663,7 +663,7 @@ impl<'a> SortedSet<'a> {
         &mut self,
         after: Option<(f64, &[u8])>,
         count: usize,
-    ) -> CommandResult<Vec<(f64, Bytes)>> {
+    ) -> DataResult<Vec<(f64, Bytes)>> {
         let mut out = Vec::new();
         if count == 0 {
             return Ok(out);
@@ -679,12 +679,7 @@ impl<'a> SortedSet<'a> {
     }
 
     /// Members ranked `start..=stop` (0-based, in score order or descending).
-    pub fn range_by_rank(
-        &mut self,
-        start: u64,
-        stop: u64,
-        reverse: bool,
-    ) -> CommandResult<Vec<(f64, Bytes)>> {
+    pub fn range_by_rank(&mut self, start: u64, stop: u64, reverse: bool) -> DataResult<Vec<(f64, Bytes)>> {
         let mut out = Vec::new();
         let mut rank = 0u64;
         let mut take = |score: f64, member: &Bytes| {
@@ -705,7 +700,7 @@ impl<'a> SortedSet<'a> {
     }
 
     /// A member's 0-based rank, ascending or descending.
-    pub fn rank(&mut self, member: &[u8], reverse: bool) -> CommandResult<Option<(u64, f64)>> {
+    pub fn rank(&mut self, member: &[u8], reverse: bool) -> DataResult<Option<(u64, f64)>> {
         let Some(score) = self.score(member)? else { return Ok(None) };
         let mut below = 0u64;
         self.walk_forward(None, |entry_score, entry_member| {
@@ -720,7 +715,7 @@ impl<'a> SortedSet<'a> {
     }
 
     /// How many members have scores between `min` and `max`.
-    pub fn count(&mut self, min: ScoreBound, max: ScoreBound) -> CommandResult<u64> {
+    pub fn count(&mut self, min: ScoreBound, max: ScoreBound) -> DataResult<u64> {
         let mut count = 0;
         self.walk_forward(Some((min.score, b"")), |score, _| {
             if min.admits_from_below(score) {
@@ -736,7 +731,7 @@ impl<'a> SortedSet<'a> {
 
     /// Writes the changes; an emptied set is deleted, as in Redis. `reserved`
     /// counts the table's reserved entries (DBSIZE leaves them out).
-    pub fn commit(mut self, reserved: &ReservedEntries) -> CommandResult<()> {
+    pub fn commit(mut self, reserved: &ReservedEntries) -> DataResult<()> {
         let mut changes = Changes::default();
         let emptied = self.meta.len == 0;
         for (member, state) in std::mem::take(&mut self.members) {
@@ -773,7 +768,7 @@ impl<'a> SortedSet<'a> {
 }
 
 /// The id of the set whose stored value (payload) this is.
-pub fn id_of(payload: &[u8]) -> CommandResult<u64> {
+pub fn id_of(payload: &[u8]) -> DataResult<u64> {
     Ok(Meta::decode(payload, None)?.id)
 }
 

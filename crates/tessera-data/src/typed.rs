@@ -17,7 +17,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use parking_lot::RwLock;
 use tessera_engine::Engine;
 
-use crate::error::{CommandError, CommandResult};
+use crate::{DataError, DataResult};
 
 const EXPIRES_FLAG: u8 = 0x80;
 
@@ -65,8 +65,8 @@ pub struct Stored {
 /// A stored value's header: its kind, its deadline, and where the payload starts.
 /// Bytes that are not a Tessera value (a remote Redis shared with other
 /// writers, say) are an error, not a panic.
-pub fn decode_header(raw: &[u8]) -> CommandResult<(Kind, Option<u64>, usize)> {
-    let corrupt = || CommandError::Other("stored value is not in Tessera's format".into());
+pub fn decode_header(raw: &[u8]) -> DataResult<(Kind, Option<u64>, usize)> {
+    let corrupt = || DataError::Invalid("stored value is not in Tessera's format".into());
     let &first = raw.first().ok_or_else(corrupt)?;
     let kind = match first & !EXPIRES_FLAG {
         b's' => Kind::String,
@@ -86,7 +86,7 @@ pub fn decode_header(raw: &[u8]) -> CommandResult<(Kind, Option<u64>, usize)> {
 
 impl Stored {
     /// Decodes what an engine returned, sharing its buffer.
-    pub fn decode(raw: Bytes) -> CommandResult<Self> {
+    pub fn decode(raw: Bytes) -> DataResult<Self> {
         let (kind, expires_at_ms, payload_start) = decode_header(&raw)?;
         Ok(Self { kind, expires_at_ms, payload: raw.slice(payload_start..) })
     }
@@ -95,11 +95,11 @@ impl Stored {
         self.expires_at_ms.is_some_and(|deadline| deadline <= now_ms)
     }
 
-    pub fn expect(self, kind: Kind) -> CommandResult<Self> {
+    pub fn expect(self, kind: Kind) -> DataResult<Self> {
         if self.kind == kind {
             Ok(self)
         } else {
-            Err(CommandError::WrongType)
+            Err(DataError::WrongType)
         }
     }
 }
@@ -120,7 +120,7 @@ pub fn encode(kind: Kind, expires_at_ms: Option<u64>, payload: &[u8]) -> Bytes {
 
 /// Parses a Redis integer argument: optional '-', no spaces or '+', no leading
 /// zeros, within i64.
-pub fn parse_i64(text: &[u8]) -> CommandResult<i64> {
+pub fn parse_i64(text: &[u8]) -> DataResult<i64> {
     let digits = text.strip_prefix(b"-").unwrap_or(text);
     let valid = !digits.is_empty()
         && digits.len() <= 19
@@ -128,13 +128,13 @@ pub fn parse_i64(text: &[u8]) -> CommandResult<i64> {
         && (digits == b"0" || digits[0] != b'0')
         && text != b"-0";
     if !valid {
-        return Err(CommandError::NotInteger);
+        return Err(DataError::NotInteger);
     }
-    std::str::from_utf8(text).ok().and_then(|text| text.parse().ok()).ok_or(CommandError::NotInteger)
+    std::str::from_utf8(text).ok().and_then(|text| text.parse().ok()).ok_or(DataError::NotInteger)
 }
 
 /// Reads a live (unexpired) value.
-pub fn read_live(engine: &dyn Engine, key: &[u8], now: u64) -> CommandResult<Option<Stored>> {
+pub fn read_live(engine: &dyn Engine, key: &[u8], now: u64) -> DataResult<Option<Stored>> {
     match engine.get(key)? {
         Some(raw) => {
             let stored = Stored::decode(raw)?;
@@ -145,7 +145,7 @@ pub fn read_live(engine: &dyn Engine, key: &[u8], now: u64) -> CommandResult<Opt
 }
 
 /// Reads a live value of the given kind: `WRONGTYPE` for another kind.
-pub fn read_kind(engine: &dyn Engine, key: &[u8], kind: Kind, now: u64) -> CommandResult<Option<Stored>> {
+pub fn read_kind(engine: &dyn Engine, key: &[u8], kind: Kind, now: u64) -> DataResult<Option<Stored>> {
     read_live(engine, key, now)?.map(|stored| stored.expect(kind)).transpose()
 }
 
@@ -157,9 +157,9 @@ pub fn write(
     expires_at_ms: Option<u64>,
     payload: &[u8],
     bytes_max: usize,
-) -> CommandResult<()> {
+) -> DataResult<()> {
     if payload.len() > bytes_max {
-        return Err(CommandError::TooLarge);
+        return Err(DataError::TooLarge);
     }
     engine.put(key, encode(kind, expires_at_ms, payload))?;
     Ok(())
@@ -254,7 +254,7 @@ impl ReservedEntries {
 
     /// Runs `change`, which writes reserved entries and returns its answer
     /// with the number of entries it added less those it removed.
-    pub fn change<T>(&self, change: impl FnOnce() -> CommandResult<(T, i64)>) -> CommandResult<T> {
+    pub fn change<T>(&self, change: impl FnOnce() -> DataResult<(T, i64)>) -> DataResult<T> {
         let _changing = self.changing.read();
         let (answer, added) = change()?;
         if added >= 0 {
@@ -268,13 +268,13 @@ impl ReservedEntries {
     }
 
     /// The entries of `engine` outside the reserved key space.
-    pub fn keys_in(&self, engine: &dyn Engine) -> CommandResult<u64> {
+    pub fn keys_in(&self, engine: &dyn Engine) -> DataResult<u64> {
         let _quiet = self.changing.write();
         Ok(engine.len()?.saturating_sub(self.count.load(Ordering::Relaxed)))
     }
 
     /// Empties `engine`, reserved entries and all.
-    pub fn clear(&self, engine: &dyn Engine) -> CommandResult<()> {
+    pub fn clear(&self, engine: &dyn Engine) -> DataResult<()> {
         let _quiet = self.changing.write();
         engine.clear()?;
         self.count.store(0, Ordering::Relaxed);

@@ -7,7 +7,7 @@ use num_bigint::BigUint;
 use rustc_apfloat::ieee::X87DoubleExtended;
 use rustc_apfloat::{Float, Round, Status};
 
-use crate::error::{CommandError, CommandResult};
+use crate::{DataError, DataResult};
 
 /// Digits after the point in Redis's "human" long double format.
 const DECIMALS: u32 = 17;
@@ -15,15 +15,15 @@ const DECIMALS: u32 = 17;
 #[derive(Clone, Copy, Debug)]
 pub struct LongDouble(X87DoubleExtended);
 
-fn not_a_float() -> CommandError {
-    CommandError::Other("value is not a valid float".into())
+fn not_a_float() -> DataError {
+    DataError::Invalid("value is not a valid float".into())
 }
 
 impl LongDouble {
     /// Parses a decimal as Redis's `string2ld` accepts it: no spaces around it,
     /// `inf` / `infinity` in any case with a sign, never NaN, and nothing that
     /// overflows or underflows to zero.
-    pub fn parse(text: &[u8]) -> CommandResult<Self> {
+    pub fn parse(text: &[u8]) -> DataResult<Self> {
         let text = std::str::from_utf8(text).map_err(|_| not_a_float())?;
         let unsigned = text.strip_prefix(['+', '-']).unwrap_or(text);
         if unsigned.eq_ignore_ascii_case("inf") || unsigned.eq_ignore_ascii_case("infinity") {
@@ -51,10 +51,10 @@ impl LongDouble {
     }
 
     /// The sum, or Redis's error when it is not a finite number.
-    pub fn checked_add(self, other: Self) -> CommandResult<Self> {
+    pub fn checked_add(self, other: Self) -> DataResult<Self> {
         let sum = (self.0 + other.0).value;
         if sum.is_nan() || sum.is_infinite() {
-            return Err(CommandError::Other("increment would produce NaN or Infinity".into()));
+            return Err(DataError::Invalid("increment would produce NaN or Infinity".into()));
         }
         Ok(Self(sum))
     }

@@ -29,8 +29,8 @@ use bytes::{BufMut, Bytes, BytesMut};
 use tessera_engine::Engine;
 
 use crate::collection::{corrupt, entry_key, put_bytes, stored_bytes, Changes, Reader};
-use crate::error::CommandResult;
 use crate::typed::{self, read_kind, Kind, ReservedEntries};
+use crate::DataResult;
 
 /// The most entries and bytes a set or hash keeps in its value (Redis's
 /// listpack limits are near).
@@ -80,7 +80,7 @@ impl Layout {
         }
     }
 
-    fn read_entries(self, reader: &mut Reader) -> CommandResult<Vec<(Bytes, Bytes)>> {
+    fn read_entries(self, reader: &mut Reader) -> DataResult<Vec<(Bytes, Bytes)>> {
         let mut entries = Vec::new();
         while !reader.done() {
             let field = reader.bytes()?;
@@ -91,7 +91,7 @@ impl Layout {
     }
 
     /// Whether a stored value (payload) is paged, reading past the marker.
-    fn read_paged_marker(self, reader: &mut Reader, payload: &[u8]) -> CommandResult<bool> {
+    fn read_paged_marker(self, reader: &mut Reader, payload: &[u8]) -> DataResult<bool> {
         match self {
             Layout::Set => match reader.u8()? {
                 SET_INLINE => Ok(false),
@@ -136,7 +136,7 @@ impl Bucket {
     /// The entries, to be changed: a bucket already changed in this call is
     /// decoded, so that a command adding many entries copies the stored
     /// form once, not once per entry. The caller marks the bucket changed.
-    fn changing(&mut self) -> CommandResult<&mut Entries> {
+    fn changing(&mut self) -> DataResult<&mut Entries> {
         if self.dirty {
             self.entries.decoded()?;
         }
@@ -164,7 +164,7 @@ impl Entries {
     }
 
     /// Stored entries, their lengths checked.
-    fn encoded(layout: Layout, raw: Bytes) -> CommandResult<Self> {
+    fn encoded(layout: Layout, raw: Bytes) -> DataResult<Self> {
         let (mut count, mut at) = (0, 0);
         while at < raw.len() {
             at = next_entry(layout, &raw, at)?.2;
@@ -196,7 +196,7 @@ impl Entries {
     }
 
     /// The entries one by one, decoded now if they were not.
-    fn decoded(&mut self) -> CommandResult<&mut Vec<(Bytes, Bytes)>> {
+    fn decoded(&mut self) -> DataResult<&mut Vec<(Bytes, Bytes)>> {
         if let Entries::Encoded { layout, raw, .. } = self {
             let entries = layout.read_entries(&mut Reader::new(raw))?;
             *self = Entries::Decoded(entries);
@@ -208,7 +208,7 @@ impl Entries {
     }
 
     /// Where `field`'s entry is stored, and its value, if it is there.
-    fn find(&self, field: &[u8]) -> CommandResult<Option<(usize, usize, Bytes)>> {
+    fn find(&self, field: &[u8]) -> DataResult<Option<(usize, usize, Bytes)>> {
         match self {
             Entries::Encoded { layout, raw, .. } => {
                 let mut at = 0;
@@ -228,7 +228,7 @@ impl Entries {
         }
     }
 
-    fn get(&self, field: &[u8]) -> CommandResult<Option<Bytes>> {
+    fn get(&self, field: &[u8]) -> DataResult<Option<Bytes>> {
         Ok(self.find(field)?.map(|(_, _, value)| value))
     }
 
@@ -247,7 +247,7 @@ impl Entries {
     }
 
     /// Removes `field`'s entry, keeping the others' order: whether it was there.
-    fn remove(&mut self, field: &[u8]) -> CommandResult<bool> {
+    fn remove(&mut self, field: &[u8]) -> DataResult<bool> {
         let Some((start, end, _)) = self.find(field)? else { return Ok(false) };
         match self {
             Entries::Encoded { raw, count, .. } => {
@@ -278,7 +278,7 @@ fn next_entry(
     layout: Layout,
     raw: &[u8],
     at: usize,
-) -> CommandResult<(std::ops::Range<usize>, std::ops::Range<usize>, usize)> {
+) -> DataResult<(std::ops::Range<usize>, std::ops::Range<usize>, usize)> {
     let field = stored_bytes(raw, at)?;
     let value = match layout {
         Layout::Hash => stored_bytes(raw, field.end)?,
@@ -290,7 +290,7 @@ fn next_entry(
 
 /// The id of a paged set's or hash's buckets, from its stored value
 /// (payload); none for an inline one or another type.
-pub fn id_of(kind: Kind, payload: &Bytes) -> CommandResult<Option<u64>> {
+pub fn id_of(kind: Kind, payload: &Bytes) -> DataResult<Option<u64>> {
     let Some(layout) = Layout::of(kind) else { return Ok(None) };
     let mut reader = Reader::new(payload);
     match layout.read_paged_marker(&mut reader, payload)? {
@@ -321,7 +321,7 @@ impl<'a> Hashed<'a> {
         engine: &'a dyn Engine,
         key: &'a [u8],
         now_ms: u64,
-    ) -> CommandResult<Option<Self>> {
+    ) -> DataResult<Option<Self>> {
         let Some(stored) = read_kind(engine, key, layout.kind(), now_ms)? else { return Ok(None) };
         let mut value = Self::empty(layout, engine, key);
         value.expires_at_ms = stored.expires_at_ms;
@@ -348,7 +348,7 @@ impl<'a> Hashed<'a> {
         engine: &'a dyn Engine,
         key: &'a [u8],
         now_ms: u64,
-    ) -> CommandResult<Self> {
+    ) -> DataResult<Self> {
         match Self::open(layout, engine, key, now_ms)? {
             Some(value) => Ok(value),
             None => {
@@ -397,7 +397,7 @@ impl<'a> Hashed<'a> {
         }
     }
 
-    fn bucket(&mut self, index: u64) -> CommandResult<&mut Bucket> {
+    fn bucket(&mut self, index: u64) -> DataResult<&mut Bucket> {
         if !self.buckets.contains_key(&index) {
             let id = self.paged_id.ok_or_else(corrupt)?;
             let bucket = match self.engine.get(&entry_key(self.key, id, BUCKET, &index.to_be_bytes()))? {
@@ -409,20 +409,20 @@ impl<'a> Hashed<'a> {
         Ok(self.buckets.get_mut(&index).expect("cached above"))
     }
 
-    pub fn get(&mut self, field: &[u8]) -> CommandResult<Option<Bytes>> {
+    pub fn get(&mut self, field: &[u8]) -> DataResult<Option<Bytes>> {
         if self.len == 0 {
             return Ok(None);
         }
         self.bucket(self.bucket_of(field))?.entries.get(field)
     }
 
-    pub fn contains(&mut self, field: &[u8]) -> CommandResult<bool> {
+    pub fn contains(&mut self, field: &[u8]) -> DataResult<bool> {
         Ok(self.get(field)?.is_some())
     }
 
     /// Sets `field` to `value` (a set's members have empty values): whether
     /// the field is new.
-    pub fn insert(&mut self, field: &[u8], value: Bytes) -> CommandResult<bool> {
+    pub fn insert(&mut self, field: &[u8], value: Bytes) -> DataResult<bool> {
         let inline = self.paged_id.is_none();
         let bucket = self.bucket(self.bucket_of(field))?;
         match bucket.entries.find(field)? {
@@ -457,12 +457,12 @@ impl<'a> Hashed<'a> {
     }
 
     /// A set's insert: whether the member is new.
-    pub fn add(&mut self, member: &[u8]) -> CommandResult<bool> {
+    pub fn add(&mut self, member: &[u8]) -> DataResult<bool> {
         self.insert(member, Bytes::new())
     }
 
     /// Removes `field`: whether it was there.
-    pub fn remove(&mut self, field: &[u8]) -> CommandResult<bool> {
+    pub fn remove(&mut self, field: &[u8]) -> DataResult<bool> {
         if self.len == 0 {
             return Ok(false);
         }
@@ -477,7 +477,7 @@ impl<'a> Hashed<'a> {
     }
 
     /// Splits bucket `split` into itself and `split + 2^level`.
-    fn split_next(&mut self) -> CommandResult<()> {
+    fn split_next(&mut self) -> DataResult<()> {
         let (old, new) = (self.split, self.split + (1 << self.level));
         let mask = (1u64 << (self.level + 1)) - 1;
         let entries = std::mem::take(self.bucket(old)?.entries.decoded()?);
@@ -500,7 +500,7 @@ impl<'a> Hashed<'a> {
     /// SSCAN and HSCAN: the entries of the buckets from `cursor` on, until
     /// at least `count` (Redis's COUNT is a hint), and the cursor to go on
     /// from, 0 at the end.
-    pub fn scan(&mut self, cursor: u64, count: u64) -> CommandResult<(u64, Vec<(Bytes, Bytes)>)> {
+    pub fn scan(&mut self, cursor: u64, count: u64) -> DataResult<(u64, Vec<(Bytes, Bytes)>)> {
         let buckets = self.bucket_count();
         let (mut bucket, mut entries) = (cursor, Vec::new());
         while bucket < buckets && (entries.len() as u64) < count {
@@ -511,7 +511,7 @@ impl<'a> Hashed<'a> {
     }
 
     /// Every entry: an inline value's in insertion order, a paged one's by bucket.
-    pub fn entries(&mut self) -> CommandResult<Vec<(Bytes, Bytes)>> {
+    pub fn entries(&mut self) -> DataResult<Vec<(Bytes, Bytes)>> {
         let mut all = Vec::with_capacity(self.len.min(1 << 16) as usize);
         for index in 0..self.bucket_count() {
             all.extend(self.bucket(index)?.entries.decoded()?.iter().cloned());
@@ -520,13 +520,13 @@ impl<'a> Hashed<'a> {
     }
 
     /// A set's members.
-    pub fn members(&mut self) -> CommandResult<Vec<Bytes>> {
+    pub fn members(&mut self) -> DataResult<Vec<Bytes>> {
         Ok(self.entries()?.into_iter().map(|(member, _)| member).collect())
     }
 
     /// An entry picked at random (about uniformly: a random bucket, then a
     /// random entry of it; empty buckets are drawn again).
-    pub fn random_entry(&mut self) -> CommandResult<Option<(Bytes, Bytes)>> {
+    pub fn random_entry(&mut self) -> DataResult<Option<(Bytes, Bytes)>> {
         if self.len == 0 {
             return Ok(None);
         }
@@ -540,7 +540,7 @@ impl<'a> Hashed<'a> {
     }
 
     /// Writes the changes; an emptied value is deleted, as in Redis.
-    pub fn commit(self, reserved: &ReservedEntries) -> CommandResult<()> {
+    pub fn commit(self, reserved: &ReservedEntries) -> DataResult<()> {
         if !self.changed {
             return Ok(());
         }
@@ -594,7 +594,7 @@ impl<'a> Hashed<'a> {
 
     /// Spreads an inline value grown past the limits over enough buckets
     /// for about half the load that splits one, under an id of its own.
-    fn page_out(&mut self) -> CommandResult<()> {
+    fn page_out(&mut self) -> DataResult<()> {
         let entries = std::mem::take(self.bucket(0)?.entries.decoded()?);
         self.paged_id = Some(rand::random());
         self.level = 0;
@@ -625,7 +625,7 @@ pub fn store(
     expires_at_ms: Option<u64>,
     now_ms: u64,
     reserved: &ReservedEntries,
-) -> CommandResult<u64> {
+) -> DataResult<u64> {
     engine.delete(key)?;
     let mut value = Hashed::open_or_new(layout, engine, key, now_ms)?;
     value.expires_at_ms = expires_at_ms;

@@ -21,14 +21,14 @@
 use bytes::{BufMut, Bytes, BytesMut};
 use tessera_engine::{reserved, Engine, ScanCursor};
 
-use crate::error::{CommandError, CommandResult};
 use crate::typed::{read_live, Kind, ReservedEntries};
+use crate::{DataError, DataResult};
 
 /// The tag of a change's intent entry, whatever the collection.
 const INTENT: u8 = b'w';
 
-pub fn corrupt() -> CommandError {
-    CommandError::Other("stored collection is corrupt".into())
+pub fn corrupt() -> DataError {
+    DataError::Invalid("stored collection is corrupt".into())
 }
 
 /// The name of one of the entries of the collection `id` at `key`.
@@ -55,12 +55,12 @@ pub fn owner_key(entry: &[u8]) -> Option<&[u8]> {
 
 /// The id of the collection a stored value heads, if it has entries apart:
 /// each type knows where its own keeps it.
-pub type IdOf = fn(Kind, &Bytes) -> CommandResult<Option<u64>>;
+pub type IdOf = fn(Kind, &Bytes) -> DataResult<Option<u64>>;
 
 /// Whether a reserved entry belongs to no live collection (its key was
 /// deleted, overwritten or expired), `id_of` reading the ids the values
 /// carry. Call with the owner key's lock held.
-pub fn is_orphan(engine: &dyn Engine, entry: &[u8], now_ms: u64, id_of: IdOf) -> CommandResult<bool> {
+pub fn is_orphan(engine: &dyn Engine, entry: &[u8], now_ms: u64, id_of: IdOf) -> DataResult<bool> {
     let Some((key, id, tag)) = parse_entry_key(entry) else { return Ok(true) };
     if tag == INTENT {
         // Only a crash leaves one behind, and opening the table replays it.
@@ -87,23 +87,23 @@ impl<'a> Reader<'a> {
         self.at >= self.bytes.len()
     }
 
-    pub fn u8(&mut self) -> CommandResult<u8> {
+    pub fn u8(&mut self) -> DataResult<u8> {
         let byte = *self.bytes.get(self.at).ok_or_else(corrupt)?;
         self.at += 1;
         Ok(byte)
     }
 
-    pub fn u64(&mut self) -> CommandResult<u64> {
+    pub fn u64(&mut self) -> DataResult<u64> {
         let word = self.bytes.get(self.at..self.at + 8).ok_or_else(corrupt)?;
         self.at += 8;
         Ok(u64::from_le_bytes(word.try_into().expect("8 bytes")))
     }
 
-    pub fn f64(&mut self) -> CommandResult<f64> {
+    pub fn f64(&mut self) -> DataResult<f64> {
         Ok(f64::from_bits(self.u64()?))
     }
 
-    pub fn bytes(&mut self) -> CommandResult<Bytes> {
+    pub fn bytes(&mut self) -> DataResult<Bytes> {
         let range = stored_bytes(self.bytes, self.at)?;
         self.at = range.end;
         Ok(self.bytes.slice(range))
@@ -111,7 +111,7 @@ impl<'a> Reader<'a> {
 }
 
 /// Where the bytes of the `len u32 | bytes` stored at `at` in `raw` are.
-pub fn stored_bytes(raw: &[u8], at: usize) -> CommandResult<std::ops::Range<usize>> {
+pub fn stored_bytes(raw: &[u8], at: usize) -> DataResult<std::ops::Range<usize>> {
     let length = raw.get(at..at + 4).ok_or_else(corrupt)?;
     let length = u32::from_le_bytes(length.try_into().expect("4 bytes")) as usize;
     let end = (at + 4).checked_add(length).filter(|end| *end <= raw.len()).ok_or_else(corrupt)?;
@@ -156,7 +156,7 @@ impl Changes {
         id: u64,
         main: Option<Bytes>,
         reserved: &ReservedEntries,
-    ) -> CommandResult<()> {
+    ) -> DataResult<()> {
         reserved.change(|| {
             let intent = engine.capabilities().persistent && !self.writes.is_empty();
             let intent_key = entry_key(key, id, INTENT, &[]);
@@ -172,7 +172,7 @@ impl Changes {
     }
 }
 
-fn apply(engine: &dyn Engine, key: &[u8], writes: &[EntryWrite], main: Option<Bytes>) -> CommandResult<()> {
+fn apply(engine: &dyn Engine, key: &[u8], writes: &[EntryWrite], main: Option<Bytes>) -> DataResult<()> {
     for (entry, value) in writes {
         match value {
             Some(value) => engine.put(entry, value.clone())?,
@@ -207,9 +207,9 @@ fn encode_intent(writes: &[EntryWrite], main: Option<&Bytes>) -> Bytes {
     out.freeze()
 }
 
-fn decode_intent(raw: &Bytes) -> CommandResult<(Option<Bytes>, Vec<EntryWrite>)> {
+fn decode_intent(raw: &Bytes) -> DataResult<(Option<Bytes>, Vec<EntryWrite>)> {
     let mut reader = Reader::new(raw);
-    let optional = |reader: &mut Reader| -> CommandResult<Option<Bytes>> {
+    let optional = |reader: &mut Reader| -> DataResult<Option<Bytes>> {
         match reader.u8()? {
             0 => Ok(None),
             1 => Ok(Some(reader.bytes()?)),
@@ -227,7 +227,7 @@ fn decode_intent(raw: &Bytes) -> CommandResult<(Option<Bytes>, Vec<EntryWrite>)>
 
 /// Finishes changes a crash interrupted and counts the reserved entries; run
 /// when a table opens, before it serves.
-pub fn recover(engine: &dyn Engine) -> CommandResult<u64> {
+pub fn recover(engine: &dyn Engine) -> DataResult<u64> {
     let mut intents = Vec::new();
     for_each_reserved(engine, |key, value| {
         if parse_entry_key(key).is_some_and(|(_, _, tag)| tag == INTENT) {
@@ -247,7 +247,7 @@ pub fn recover(engine: &dyn Engine) -> CommandResult<u64> {
 }
 
 /// Calls `visit` with every reserved entry of `engine`.
-pub fn for_each_reserved(engine: &dyn Engine, mut visit: impl FnMut(&[u8], &Bytes)) -> CommandResult<()> {
+pub fn for_each_reserved(engine: &dyn Engine, mut visit: impl FnMut(&[u8], &Bytes)) -> DataResult<()> {
     let range = reserved::range();
     let mut cursor = ScanCursor::start();
     loop {
