@@ -1551,6 +1551,31 @@ def test_wait_counts_the_replicas_that_hold_a_connections_writes(cluster_factory
     assert_replicas_converge(cluster, ["{w}a", "{w}b", "{w}k19"])
 
 
+def test_a_client_blocked_on_a_head_that_loses_its_slot_is_sent_to_the_new_head(cluster_factory):
+    """A cluster client blocked in BLPOP (no timeout) on a slot's head that
+    is removed (stopped past the failure timeout) is woken once that node
+    learns it no longer heads the slot, told MOVED as Redis Cluster tells
+    it, and served by the new head."""
+    cluster = cluster_factory("strong", nodes=3)
+    key = "{queue}jobs"
+    slot = key_slot(key.encode())
+    shards = cluster.map()["shards"]
+    old_head = next(shard for shard in shards if any(first <= slot <= last for first, last in shard["slots"]))[
+        "members"][0]
+    popped = []
+
+    def blocked_pop():
+        popped.append(cluster.client(socket_timeout=60).blpop([key], timeout=0))
+
+    waiter = threading.Thread(target=blocked_pop)
+    waiter.start()
+    time.sleep(0.5)
+    stop_node(cluster, old_head)()
+    cluster.client(socket_timeout=10).rpush(key, "job")
+    waiter.join(timeout=30)
+    assert popped == [(key.encode(), b"job")], "the blocked client was left on the old head"
+
+
 def test_scripts_run_atomically_on_the_slots_head_and_stay_in_their_slot(cluster_factory):
     """Transfers by script from a cluster client keep the total and reach the
     replicas; a script's keys, and every key it touches, share a slot; a

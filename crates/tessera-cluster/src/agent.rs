@@ -414,7 +414,14 @@ pub struct Agent {
     hurry: Arc<Notify>,
     /// Told every new map before this node reports routing by it.
     map_watchers: Mutex<Vec<MapWatcher>>,
+    /// Told whenever where requests go may have changed here: a new map in
+    /// force, or this node's role in a shard changed.
+    placement_watchers: Mutex<Vec<PlacementWatcher>>,
 }
+
+/// Called when placement may have changed (the node wakes its blocked
+/// clients, whose keys may now be served elsewhere).
+pub type PlacementWatcher = Box<dyn Fn() + Send + Sync>;
 
 /// What the node keeps from each map besides routing (its users).
 pub type MapWatcher = Box<dyn Fn(&ClusterMap) + Send + Sync>;
@@ -487,6 +494,7 @@ impl Agent {
             switched: Notify::new(),
             hurry: Arc::new(Notify::new()),
             map_watchers: Mutex::new(Vec::new()),
+            placement_watchers: Mutex::new(Vec::new()),
         });
         agent.tasks.lock().extend([
             tokio::spawn(heartbeat_loop(Arc::downgrade(&agent), coordinator)),
@@ -856,6 +864,7 @@ impl Agent {
         // a draining shard too (a retired replica leaves with the view that
         // ends the drain), and go where the shard is now.
         let mut switched = false;
+        let mut roles_changed = !left.is_empty();
         for local in left {
             tracing::info!(shard = local.id, "no longer a member of this shard; leaving it");
             let mut state = local.state.lock();
@@ -869,8 +878,10 @@ impl Agent {
             let Some(local) = locals.get(&shard) else { continue };
             let mut state = local.state.lock();
             let was_draining = state.granted.replica.draining();
+            let role = state.granted.replica.role();
             let mut fx = Effects::new(self.now());
             state.granted.apply_grant(&map, shard, asked_at, view, mode, &mut fx);
+            roles_changed |= state.granted.replica.role() != role;
             let draining = state.granted.replica.draining();
             switched |= was_draining && !draining;
             if !was_draining && draining {
@@ -890,6 +901,9 @@ impl Agent {
         }
         if switched {
             self.switched.notify_waiters();
+        }
+        if roles_changed {
+            self.placement_changed();
         }
     }
 
@@ -913,6 +927,19 @@ impl Agent {
             watcher(&map);
         }
         *self.routing.write() = Some(Routing::new(map));
+        drop(watchers);
+        self.placement_changed();
+    }
+
+    /// Calls `watcher` whenever where requests go may have changed here.
+    pub fn watch_placement(&self, watcher: PlacementWatcher) {
+        self.placement_watchers.lock().push(watcher);
+    }
+
+    fn placement_changed(&self) {
+        for watcher in self.placement_watchers.lock().iter() {
+            watcher();
+        }
     }
 
     /// Calls `watcher` with the map now, if there is one, and with every new

@@ -61,6 +61,16 @@ impl Waiters {
         }
     }
 
+    /// Every blocked client runs its command again: where its keys are
+    /// served may have changed (a failover, a slot moved), and a client
+    /// whose keys this node no longer serves is told where they are now
+    /// rather than left waiting.
+    pub fn wake_all(&self) {
+        for waiter in self.queues.lock().values().flatten() {
+            waiter.woken.notify_one();
+        }
+    }
+
     /// How many clients wait (INFO's `blocked_clients`).
     pub fn blocked_clients(&self) -> usize {
         let queues = self.queues.lock();

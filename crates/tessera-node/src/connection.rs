@@ -336,6 +336,12 @@ impl Connection {
                     if let Some(script) = self.session.script.take() {
                         await_script(&mut self.out, &mut self.held, &mut self.session, script).await;
                     }
+                    if self.out.len() > reply_mark || self.held.iter().any(|held| held.start >= reply_mark) {
+                        // Answered, if only with an error (a blocked command
+                        // whose keys are now served elsewhere is told where):
+                        // it waits no more.
+                        self.session.blocked = None;
+                    }
                     self.observe(&request, started.elapsed());
                     if self.session.replies_off || self.session.replies_to_skip > 0 {
                         // CLIENT REPLY OFF or SKIP: the reply is dropped.

@@ -120,9 +120,17 @@ impl Server {
         if let Some(cluster) = &cluster {
             // A cluster node serves the cluster's users.
             let node = Arc::downgrade(&node);
-            cluster.agent.watch_maps(Box::new(move |map| {
+            cluster.agent.watch_maps(Box::new({
+                let node = node.clone();
+                move |map| {
+                    if let Some(node) = node.upgrade() {
+                        node.acl.adopt(&map.users);
+                    }
+                }
+            }));
+            cluster.agent.watch_placement(Box::new(move || {
                 if let Some(node) = node.upgrade() {
-                    node.acl.adopt(&map.users);
+                    node.waiters.wake_all();
                 }
             }));
         }
