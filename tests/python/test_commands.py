@@ -59,6 +59,50 @@ def test_counters_are_atomic_under_concurrency(node):
         r.incr("big")
 
 
+def test_a_read_of_several_keys_sees_all_of_a_transaction_or_none(node):
+    """Transactions set two keys (and two set members) to one value while
+    other clients read both with one command (MGET, SUNION): a read never
+    sees one key changed and the other not, as in Redis, where commands run
+    one at a time."""
+    stop, torn = threading.Event(), []
+
+    def write():
+        client = node.client()
+        for value in range(1, 100_000):
+            if stop.is_set():
+                break
+            with client.pipeline(transaction=True) as pipe:
+                # Commands between the two halves hold them apart in time.
+                pipe.set("{t}a", value).append("{t}pad", "x" * 8).set("{t}b", value)
+                for _ in range(100):
+                    pipe.append("{t}pad", "x")
+                pipe.delete("{t}s1", "{t}s2").sadd("{t}s1", value)
+                for _ in range(100):
+                    pipe.append("{t}pad", "x")
+                pipe.sadd("{t}s2", value).delete("{t}pad")
+                pipe.execute()
+
+    def read():
+        client = node.client()
+        while not stop.is_set():
+            a, _, b = client.mget("{t}a", "{t}pad", "{t}b")
+            if a != b:
+                torn.append((a, b))
+            members = client.sunion("{t}s1", "{t}s2")
+            if len(members) > 1:
+                torn.append(members)
+
+    threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    time.sleep(4)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    assert not torn, f"{len(torn)} reads saw half a transaction, first {torn[0]}"
+    assert int(node.client().get("{t}a")) > 100
+
+
 def test_expiry(r):
     assert r.set("e", "v", ex=100)
     assert 98 <= r.ttl("e") <= 100

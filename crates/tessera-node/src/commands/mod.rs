@@ -473,6 +473,21 @@ fn execute(context: &mut Context, spec: &CommandSpec, request: &Request) -> Comm
             context.node.access.touch(request.arg(index), context.now_ms);
         }
     }
+    // A read of several keys sees all of a transaction's or a script's
+    // writes or none of them, as in Redis: it holds the keys' locks, which a
+    // writer holds while it writes. (A write locks what it writes itself, and
+    // a script, which runs on a thread of its own, what it reads.)
+    let several_keys = spec.key_positions(request.len(), |index| request.arg(index)).nth(1).is_some();
+    if spec.flags.contains(&"readonly") && several_keys && !context.locks_held && !scripting::is_script(spec)
+    {
+        let keys =
+            spec.key_positions(request.len(), |index| request.arg(index)).map(|index| request.arg(index));
+        let _locks = context.node.lock_keys_unless_busy(keys)?;
+        context.locks_held = true;
+        let answer = (spec.handler)(context, request);
+        context.locks_held = false;
+        return answer;
+    }
     (spec.handler)(context, request)
 }
 
