@@ -823,6 +823,46 @@ def test_command_info_matches_redis(both):
             assert sub_name in redis_7_2 or redis_subcommands.get(sub_name) == sub[1], (sub_name, sub[1])
 
 
+def comparable_docs(flat):
+    """A COMMAND DOCS entry as both servers must agree on it: version, group,
+    and the arguments (key specification numbers and prose left out), with
+    the subcommands'."""
+    fields = dict(zip(flat[0::2], flat[1::2]))
+
+    def arguments(args):
+        result = []
+        for arg in args:
+            arg = dict(zip(arg[0::2], arg[1::2]))
+            result.append((arg[b"name"], arg[b"type"], arg.get(b"token"), arg.get(b"display_text"),
+                           sorted(arg.get(b"flags", [])), arguments(arg.get(b"arguments", []))))
+        return result
+
+    subcommands = dict(zip(fields.get(b"subcommands", [])[0::2], fields.get(b"subcommands", [])[1::2]))
+    return (fields[b"since"], fields[b"group"], arguments(fields.get(b"arguments", [])),
+            {name: comparable_docs(sub) for name, sub in subcommands.items()})
+
+
+def test_command_docs_match_redis(both):
+    """COMMAND DOCS of every command both serve carries Redis's version,
+    group and arguments (what redis-cli builds its help and hints from), and
+    a container's subcommands that Tessera serves; Tessera's own commands
+    are documented too."""
+    ours, theirs = both
+    names = [name.decode() for name in ours.execute_command("COMMAND", "LIST")]
+    our_docs = dict(zip(*[iter(ours.execute_command("COMMAND", "DOCS"))] * 2))
+    assert sorted(name.decode() for name in our_docs) == sorted(names)
+    their_docs = dict(zip(*[iter(theirs.execute_command("COMMAND", "DOCS", *names))] * 2))
+    assert len(their_docs) > 180
+    for name, expected in their_docs.items():
+        got = comparable_docs(our_docs[name])
+        expected = comparable_docs(expected)
+        assert got[:3] == expected[:3], name
+        for sub, sub_docs in got[3].items():
+            assert sub_docs == expected[3][sub], sub
+    assert dict(zip(*[iter(our_docs[b"table.create"])] * 2))[b"group"] == b"tessera"
+    assert ours.execute_command("COMMAND", "DOCS", "get", "nosuch")[0] == b"get"
+
+
 def test_sort_matches_redis_where_order_is_defined(both):
     """SORT's orders that the random sequences compare loosely, compared
     exactly: a list and a sorted set under BY without "*" (their own order,

@@ -155,6 +155,11 @@ fn categories_of(spec: &CommandSpec) -> Vec<&'static str> {
     categories
 }
 
+/// How many key specifications the command (or one of its subcommands) has.
+pub fn key_spec_count(spec: &CommandSpec, subcommand: Option<&str>) -> usize {
+    key_specs(spec, subcommand).len()
+}
+
 /// Key specifications: the fixed range, then the keys a count, a keyword or
 /// a subcommand introduces. What a command does to its keys is told coarsely:
 /// RW for a command that writes, RO for one that reads.

@@ -7,6 +7,8 @@ pub mod cluster;
 mod command_info;
 pub mod connection;
 pub mod consistency;
+mod docs;
+mod docs_table;
 mod dump;
 mod hashes;
 mod introspection;

@@ -262,7 +262,7 @@ pub const DIFFERENCES: &[(&str, &str)] = &[
     ("client", "`TRACKING`, `CACHING`, `GETREDIR`, `TRACKINGINFO` and `UNBLOCK` are not served; `NO-EVICT` is kept, but Tessera never evicts clients."),
     ("config", "The parameters Tessera has, plus Redis's encoding parameters, accepted and ignored (docs/OPERATIONS.md); `REWRITE` is refused."),
     ("info", "Sections Server, Clients, Memory, Stats, Cluster, Keyspace and Tessera's Tables; not yet Replication, Persistence or CPU."),
-    ("command", "`DOCS` answers an empty map (redis-cli's HELP then shows nothing). `INFO` derives key specs from the command table: one range where Redis splits one per role (RENAME's source and destination), flags RW or RO by what the command does, SORT's STORE as a keyword; a container's subcommands carry its ACL categories."),
+    ("command", "`DOCS` carries Redis 7.0's version, group and arguments for each command (what redis-cli builds its help and hints from; `scripts/gen-command-docs.py` writes the table), but not Redis's prose: the summary is the command's syntax, and there is no complexity. `INFO` derives key specs from the command table: one range where Redis splits one per role (RENAME's source and destination), flags RW or RO by what the command does, SORT's STORE as a keyword; a container's subcommands carry its ACL categories."),
     ("memory", "`USAGE` estimates Tessera's own layout from a sample of elements; `STATS` reports a subset of Redis's fields; `DOCTOR` and `MALLOC-STATS` have no report."),
     ("latency", "`LATEST`, `HISTORY`, `RESET` and `DOCTOR`; no `GRAPH` or `HISTOGRAM`."),
     ("slowlog", "A transaction is logged as its EXEC (Redis logs the commands inside it)."),

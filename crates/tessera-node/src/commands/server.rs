@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 
 use tessera_wire::Request;
 
-use super::{all_commands, command_info, is, lookup, CommandSpec, Context, Scope};
+use super::{all_commands, command_info, docs, is, lookup, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 use crate::memory::{human_bytes, parse_size, resident_memory, used_memory, EvictionPolicy};
 use crate::tables::escape_prefix;
@@ -153,8 +153,16 @@ fn command(context: &mut Context, request: &Request) -> CommandResult {
             }
         }
     } else if is(subcommand, "docs") {
-        // Documentation is optional for clients (redis-cli uses it for hints).
-        out.map(0);
+        // Every command, or those named (names Tessera does not serve are
+        // left out, as Redis leaves them).
+        let specs: Vec<&CommandSpec> = match request.len() {
+            2 => all_commands().collect(),
+            _ => request.args().skip(2).filter_map(lookup).collect(),
+        };
+        out.map(specs.len());
+        for spec in specs {
+            docs::write(out, spec);
+        }
     } else if is(subcommand, "getkeys") {
         if request.len() < 3 {
             return Err(CommandError::WrongArity("command|getkeys".into()));
