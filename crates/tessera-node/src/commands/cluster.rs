@@ -29,6 +29,7 @@ pub const SUBCOMMANDS: &[(&str, i32)] = &[
     ("nodes", 2),
     ("setslot", -4),
     ("shards", 2),
+    ("slot-stats", -4),
     ("slots", 2),
 ];
 
