@@ -113,7 +113,7 @@ pub enum Operation {
     },
 }
 
-/// Writes to several keys that go together.
+/// The writes of one replicated entry: one key's, or a batch's.
 pub type Writes = Vec<(Bytes, Write)>;
 
 impl Operation {
