@@ -33,21 +33,35 @@ pub fn panics_so_far() -> usize {
     PANICS.load(Ordering::SeqCst)
 }
 
-/// A port that was free a moment ago.
+/// A port that was free a moment ago, and not handed out before in this
+/// process (tests run in parallel: two servers must not race for one port).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .expect("bind an ephemeral port")
-        .local_addr()
-        .expect("local address")
-        .port()
+    static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .expect("bind an ephemeral port")
+            .local_addr()
+            .expect("local address")
+            .port();
+        let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if !handed_out.contains(&port) {
+            handed_out.push(port);
+            return port;
+        }
+    }
 }
 
-/// Waits until something accepts connections on `port`.
+/// Waits until something accepts connections on `port`. A connection to
+/// itself does not count: with nothing listening, a connect to a port in the
+/// ephemeral range can pick that very port as its source and succeed.
 pub fn wait_for_port(port: u16, timeout: Duration) -> bool {
     let deadline = Instant::now() + timeout;
     while Instant::now() < deadline {
-        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return true;
+        if let Ok(stream) = TcpStream::connect(("127.0.0.1", port)) {
+            let to_itself = stream.local_addr().is_ok_and(|local| local.port() == port);
+            if !to_itself {
+                return true;
+            }
         }
         thread::sleep(Duration::from_millis(20));
     }
