@@ -95,53 +95,54 @@ fn write_key_spec(out: &mut ReplyWriter, key_spec: &KeySpec) {
         out.simple(flag);
     }
     out.bulk(b"begin_search");
-    out.map(2);
     match key_spec.begin {
-        Begin::Index(index) => {
-            out.bulk(b"type");
-            out.bulk(b"index");
-            out.bulk(b"spec");
-            out.map(1);
-            out.bulk(b"index");
-            out.integer(index);
-        }
-        Begin::Keyword(keyword, from) => {
-            out.bulk(b"type");
-            out.bulk(b"keyword");
-            out.bulk(b"spec");
-            out.map(2);
-            out.bulk(b"keyword");
-            out.bulk(keyword.as_bytes());
-            out.bulk(b"startfrom");
-            out.integer(from);
-        }
+        Begin::Index(index) => write_search(out, "index", &[("index", Field::Integer(index))]),
+        Begin::Keyword(keyword, from) => write_search(
+            out,
+            "keyword",
+            &[("keyword", Field::Text(keyword)), ("startfrom", Field::Integer(from))],
+        ),
     }
     out.bulk(b"find_keys");
-    out.map(2);
     match key_spec.find {
-        Find::Range { last, step } => {
-            out.bulk(b"type");
-            out.bulk(b"range");
-            out.bulk(b"spec");
-            out.map(3);
-            out.bulk(b"lastkey");
-            out.integer(last);
-            out.bulk(b"keystep");
-            out.integer(step);
-            out.bulk(b"limit");
-            out.integer(0);
-        }
-        Find::Counted => {
-            out.bulk(b"type");
-            out.bulk(b"keynum");
-            out.bulk(b"spec");
-            out.map(3);
-            out.bulk(b"keynumidx");
-            out.integer(0);
-            out.bulk(b"firstkey");
-            out.integer(1);
-            out.bulk(b"keystep");
-            out.integer(1);
+        Find::Range { last, step } => write_search(
+            out,
+            "range",
+            &[
+                ("lastkey", Field::Integer(last)),
+                ("keystep", Field::Integer(step)),
+                ("limit", Field::Integer(0)),
+            ],
+        ),
+        Find::Counted => write_search(
+            out,
+            "keynum",
+            &[
+                ("keynumidx", Field::Integer(0)),
+                ("firstkey", Field::Integer(1)),
+                ("keystep", Field::Integer(1)),
+            ],
+        ),
+    }
+}
+
+enum Field {
+    Integer(i64),
+    Text(&'static str),
+}
+
+/// One step of a key specification: `{type, spec: {fields}}`.
+fn write_search(out: &mut ReplyWriter, kind: &str, fields: &[(&str, Field)]) {
+    out.map(2);
+    out.bulk(b"type");
+    out.bulk(kind.as_bytes());
+    out.bulk(b"spec");
+    out.map(fields.len());
+    for (name, value) in fields {
+        out.bulk(name.as_bytes());
+        match value {
+            Field::Integer(value) => out.integer(*value),
+            Field::Text(value) => out.bulk(value.as_bytes()),
         }
     }
 }

@@ -479,12 +479,12 @@ fn execute(context: &mut Context, spec: &CommandSpec, request: &Request) -> Comm
     // writes or none of them, as in Redis: it holds the keys' locks, which a
     // writer holds while it writes. (A write locks what it writes itself, and
     // a script, which runs on a thread of its own, what it reads.)
-    let several_keys = spec.key_positions(request.len(), |index| request.arg(index)).nth(1).is_some();
-    if spec.flags.contains(&"readonly") && several_keys && !context.locks_held && !scripting::is_script(spec)
-    {
-        let keys =
-            spec.key_positions(request.len(), |index| request.arg(index)).map(|index| request.arg(index));
-        let _locks = context.node.lock_keys_unless_busy(keys)?;
+    // The flags first: a write, the common case, counts no keys here.
+    let keys =
+        || spec.key_positions(request.len(), |index| request.arg(index)).map(|index| request.arg(index));
+    let may_lock = spec.flags.contains(&"readonly") && !context.locks_held && !scripting::is_script(spec);
+    if may_lock && keys().nth(1).is_some() {
+        let _locks = context.node.lock_keys_unless_busy(keys())?;
         context.locks_held = true;
         let answer = (spec.handler)(context, request);
         context.locks_held = false;
