@@ -1521,6 +1521,76 @@ def test_transactions_replicate_whole_through_a_kill_of_the_slots_head(cluster_f
     assert_replicas_converge(cluster, accounts)
 
 
+def test_active_active_strong_transactions_commit_whole_from_every_member_through_a_kill(cluster_factory):
+    """On AA+SC, MULTI/EXEC transfers sent to every member of the slot's
+    group at once commit whole through write intents (docs/PROTOCOLS.md,
+    "Batches on AA+SC"), through a kill -9 of one member: the total stays,
+    and a strong read at every member gives the same balances. MSET writes
+    all its keys; WATCH is refused there with a clear error, nothing run."""
+    cluster = cluster_factory("strong", nodes=3, topology="aa")
+    client = cluster.client(socket_timeout=10)
+    accounts = [f"{{bank}}account-{n}" for n in range(5)]
+    for account in accounts:
+        client.set(account, 1000)
+    slot = key_slot(accounts[0].encode())
+    members = next(shard for shard in cluster.map()["shards"]
+                   if any(first <= slot <= last for first, last in shard["slots"]))["members"]
+    stop, committed, lock = threading.Event(), [0], threading.Lock()
+
+    def transfers(seed):
+        rng = random.Random(seed)
+        member = members[seed % len(members)]
+        connection = None
+        while not stop.is_set():
+            try:
+                if connection is None:
+                    connection = redis.Redis(port=cluster.port(member), socket_timeout=3, protocol=2,
+                                             retry=Retry(NoBackoff(), 0))
+                source, target = rng.sample(accounts, 2)
+                amount = rng.randint(1, 50)
+                with connection.pipeline(transaction=True) as pipe:
+                    pipe.decrby(source, amount)
+                    pipe.incrby(target, amount)
+                    pipe.execute()
+                with lock:
+                    committed[0] += 1
+            except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
+                connection = None  # a dead member, busy keys or an unknown outcome
+                member = rng.choice(members)
+                time.sleep(0.05)
+
+    threads = [threading.Thread(target=transfers, args=(seed,)) for seed in range(6)]
+    for thread in threads:
+        thread.start()
+    time.sleep(2)
+    before_kill = committed[0]
+    cluster.cli("kill", str(members[1]))
+    time.sleep(2)
+    cluster.cli("restart", str(members[1]))
+    time.sleep(1.5)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert before_kill > 30 and committed[0] > before_kill + 30, (before_kill, committed[0])
+    cluster.wait_for_full_shards()
+    balances = [int(client.get(account)) for account in accounts]
+    assert sum(balances) == 5000 and balances != [1000] * 5, balances
+    for member in members:  # a strong read anywhere reads through the quorum
+        connection = redis.Redis(port=cluster.port(member), socket_timeout=10, protocol=2)
+        assert [int(connection.get(account)) for account in accounts] == balances, member
+
+    plain = redis.Redis(port=cluster.port(members[0]), socket_timeout=10, protocol=2)
+    assert plain.mset({"{bank}m1": "a", "{bank}m2": "a", "{bank}m3": "a"})
+    assert plain.mget("{bank}m1", "{bank}m2", "{bank}m3") == [b"a"] * 3
+    with plain.pipeline(transaction=True) as pipe:
+        pipe.watch(accounts[0])
+        pipe.multi()
+        pipe.set(accounts[0], 0)
+        with pytest.raises(redis.ResponseError, match="WATCH is not served"):
+            pipe.execute()
+    assert int(plain.get(accounts[0])) == balances[0], "the refused transaction ran nothing"
+
+
 @pytest.mark.parametrize("consistency,topology", [("strong", "ms"), ("eventual", "ms"), ("eventual", "aa"),
                                                    ("strong", "aa")])
 def test_wait_counts_the_replicas_that_hold_a_connections_writes(cluster_factory, consistency, topology):

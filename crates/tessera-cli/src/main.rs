@@ -285,7 +285,7 @@ struct SimArgs {
     /// registers (contended keys, checked for linearizability), appends
     /// (every write a fresh key: counts lost acknowledged writes exactly) or
     /// batches (writes to every key of a group as one unit, each group
-    /// checked as one register; not for a quorum, which refuses batches).
+    /// checked as one register).
     #[arg(long, default_value = "registers")]
     workload: String,
     #[arg(long, default_value_t = 3)]
@@ -948,10 +948,13 @@ fn simulate(args: SimArgs) -> Result<(), String> {
     if args.groups > 1 {
         return simulate_groups(&args, protocol);
     }
-    let default = tessera_sim::RunTiming::default();
+    let workload: tessera_sim::Workload = args.workload.parse()?;
+    let transition_to = args.transition_to.as_deref().map(sim_protocol).transpose()?;
+    let quorum = protocol.quorum || transition_to.is_some_and(|target| target.quorum);
+    let default = tessera_sim::RunTiming::for_workload(workload, quorum);
     let config = tessera_sim::SimConfig {
         faults: tessera_sim::FaultKind::parse_list(&args.faults)?,
-        workload: args.workload.parse()?,
+        workload,
         replicas: args.replicas,
         clients: args.clients,
         timing: tessera_sim::RunTiming {
@@ -959,15 +962,9 @@ fn simulate(args: SimArgs) -> Result<(), String> {
             liveness_ms: args.liveness_ms.unwrap_or(default.liveness_ms),
             ..default
         },
-        transition_to: args.transition_to.as_deref().map(sim_protocol).transpose()?,
+        transition_to,
         ..tessera_sim::SimConfig::new(protocol)
     };
-    let quorum = protocol.quorum || config.transition_to.is_some_and(|target| target.quorum);
-    if config.workload == tessera_sim::Workload::Batches && quorum {
-        return Err(
-            "a quorum protocol refuses batches: run the batches workload with one that orders writes".into(),
-        );
-    }
     let name = match config.transition_to {
         Some(target) => format!("{protocol} --transition-to {target}"),
         None => protocol.to_string(),

@@ -631,7 +631,10 @@ impl ChainReplication {
                     Err(error) => return fx.reply(request, ClientReply::Failed(error)),
                 }
             }
-            Operation::Get { .. } | Operation::Fetch { .. } | Operation::WriteIf { .. } => {
+            Operation::Get { .. }
+            | Operation::Fetch { .. }
+            | Operation::WriteIf { .. }
+            | Operation::BatchIf { .. } => {
                 unreachable!("reads are handled by on_read; conditional writes are refused before")
             }
         };

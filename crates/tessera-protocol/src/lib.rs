@@ -29,7 +29,7 @@ pub use codec::{Message, PeerMessage};
 pub use multi_master::{MultiMaster, MultiMasterOptions};
 pub use primary_backup::{PrimaryBackup, PrimaryBackupOptions};
 pub use quorum::{QuorumOptions, QuorumRegister};
-pub use record::{Hlc, Record, RecordError, Version};
+pub use record::{BatchId, Hlc, Intent, Record, RecordError, Version};
 pub use registry::{Mode, ProtocolSpec, Start, Tuning};
 pub use replica::{ReadGate, Refusal, Replica, ReplicaConfig, Role};
 pub use snapshot::{
@@ -105,16 +105,27 @@ pub enum Operation {
         write: Write,
     },
     /// Writes to several keys (a transaction's, a script's, a paged
-    /// collection's) replicated as one unit: ordered as one entry and
-    /// applied whole by every replica, so none holds a part of them.
-    /// Protocols that order writes only; a quorum protocol refuses it.
+    /// collection's) replicated as one unit: every replica applies them
+    /// whole, so none holds a part of them. Protocols that order writes
+    /// apply it as one entry; a quorum protocol commits it through write
+    /// intents (docs/PROTOCOLS.md, "Batches on AA+SC").
     Batch {
         writes: Writes,
+    },
+    /// A batch each of whose writes takes effect only if its key's newest
+    /// record is still the one fetched, as `WriteIf`: all of them, or none
+    /// (`Changed`). Quorum protocols only.
+    BatchIf {
+        writes: ConditionalWrites,
     },
 }
 
 /// The writes of one replicated entry: one key's, or a batch's.
 pub type Writes = Vec<(Bytes, Write)>;
+
+/// A conditional batch's writes: each key, the version and origin of the
+/// record it expects there (`None`: none), and its write.
+pub type ConditionalWrites = Vec<(Bytes, Option<(Version, NodeId)>, Write)>;
 
 impl Operation {
     /// The key a single-key operation names: a batch has several.
@@ -126,7 +137,7 @@ impl Operation {
             | Operation::Increment { key, .. }
             | Operation::Fetch { key }
             | Operation::WriteIf { key, .. } => Some(key),
-            Operation::Batch { .. } => None,
+            Operation::Batch { .. } | Operation::BatchIf { .. } => None,
         }
     }
 
@@ -136,7 +147,7 @@ impl Operation {
 
     /// Whether only a quorum protocol can run it.
     pub fn needs_quorum(&self) -> bool {
-        matches!(self, Operation::Fetch { .. } | Operation::WriteIf { .. })
+        matches!(self, Operation::Fetch { .. } | Operation::WriteIf { .. } | Operation::BatchIf { .. })
     }
 }
 
@@ -211,8 +222,6 @@ pub enum OperationError {
     Overflow,
     #[error("conditional writes need a shard running a quorum protocol")]
     NeedsQuorum,
-    #[error("writes to several keys as one unit (a transaction, a script) need a table whose mode orders writes: MS+SC, MS+EC or AA+EC, not AA+SC")]
-    BatchNeedsOrdering,
 }
 
 impl From<tessera_engine::EngineError> for OperationError {

@@ -506,7 +506,10 @@ impl MultiMaster {
                     Err(error) => return fx.reply(request.id, ClientReply::Failed(error)),
                 }
             }
-            Operation::Get { .. } | Operation::Fetch { .. } | Operation::WriteIf { .. } => {
+            Operation::Get { .. }
+            | Operation::Fetch { .. }
+            | Operation::WriteIf { .. }
+            | Operation::BatchIf { .. } => {
                 unreachable!("reads are handled separately; conditional writes are refused before")
             }
         };

@@ -33,7 +33,7 @@ use bytes::{BufMut, Bytes};
 use tessera_engine::Engine;
 
 use crate::codec::{put_bytes, put_chunk, put_entries, put_optional, CodecError, Family, Message, Reader};
-use crate::record::{Hlc, Record, Version, VERSION_AHEAD_MAX_MS};
+use crate::record::{BatchId, Hlc, Intent, Record, Version, VERSION_AHEAD_MAX_MS};
 use crate::{
     for_each_entry, increment_value, transfer_allowance, Arrival, Chunk, ClientReply, ClientRequest,
     Consistency, Effects, NodeId, Operation, OperationError, PeerMessage, Progress, Protocol, RequestId,
@@ -53,10 +53,18 @@ pub struct QuorumOptions {
     pub snapshot_retry_ms: u64,
     /// How snapshots are streamed.
     pub snapshot: SnapshotPace,
+    /// How long a batch's proposer has to commit it before an operation
+    /// that meets its intents may abort it.
+    pub lock_patience_ms: u64,
     /// For tests of the checkers: a proposer counts its own answer as a
     /// majority.
     #[cfg(feature = "broken")]
     pub broken_quorum_of_one: bool,
+    /// For tests of the checkers: a batch locks its primary together with
+    /// its other keys, not first, so that a resolver may take a batch still
+    /// to commit for aborted.
+    #[cfg(feature = "broken")]
+    pub broken_parallel_locks: bool,
 }
 
 impl Default for QuorumOptions {
@@ -67,8 +75,11 @@ impl Default for QuorumOptions {
             attempts_max: 8,
             snapshot_retry_ms: 500,
             snapshot: SnapshotPace::default(),
+            lock_patience_ms: 250,
             #[cfg(feature = "broken")]
             broken_quorum_of_one: false,
+            #[cfg(feature = "broken")]
+            broken_parallel_locks: false,
         }
     }
 }
@@ -85,6 +96,31 @@ pub type Ballot = (Version, NodeId);
 
 fn ballot_of(record: &Record) -> Ballot {
     (record.version, record.origin)
+}
+
+/// Commits the record's intent: its value becomes the record's.
+fn roll_forward(record: &mut Record) {
+    if let Some(intent) = record.intent.take() {
+        record.tombstone = intent.value.is_none();
+        record.value = intent.value.unwrap_or_default();
+    }
+}
+
+/// A batch's writes with each key once, its last write, in the order the
+/// keys first appear.
+fn last_write_per_key<E>(writes: Vec<(Bytes, E, Write)>) -> Vec<(Bytes, E, Write)> {
+    let mut position: HashMap<Bytes, usize> = HashMap::new();
+    let mut distinct: Vec<(Bytes, E, Write)> = Vec::with_capacity(writes.len());
+    for (key, expect, write) in writes {
+        match position.get(&key) {
+            Some(at) => distinct[*at] = (key, expect, write),
+            None => {
+                position.insert(key.clone(), distinct.len());
+                distinct.push((key, expect, write));
+            }
+        }
+    }
+    distinct
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -293,7 +329,7 @@ enum Phase {
     },
     Accept {
         record: Record,
-        reply: ClientReply,
+        outcome: Outcome,
     },
     /// Waiting out a backoff before preparing again.
     Backoff {
@@ -302,6 +338,11 @@ enum Phase {
     /// Waiting for this replica's earlier proposal on the same key: proposals
     /// of one replica on one key never duel.
     Parked,
+    /// Waiting for the primary of the batch whose intent is on the key to
+    /// tell whether it committed.
+    Resolving {
+        batch: BatchId,
+    },
 }
 
 /// An answer to one phase, by member.
@@ -313,26 +354,224 @@ enum Answer {
     Refused(Version),
 }
 
+/// Whether a batch's write depends on its key's record.
+#[derive(Clone, Debug)]
+enum Expect {
+    Any,
+    /// The key's newest record must still be the one with this ballot
+    /// (`None`: there was none).
+    Ballot(Option<Ballot>),
+}
+
+/// What a proposal does to its key's record: a client's operation, or one
+/// step of a batch (docs/PROTOCOLS.md, "Batches on AA+SC"). Each is one
+/// CASPaxos operation on one key.
+#[derive(Clone, Debug)]
+enum Step {
+    Client(Operation),
+    /// Puts the batch's intent on the key.
+    Lock {
+        batch: BatchId,
+        primary: Bytes,
+        expect: Expect,
+        write: Write,
+    },
+    /// On the primary: the batch commits if its intent is still there.
+    Commit {
+        batch: BatchId,
+    },
+    /// After the commit: the key's intent becomes its committed value.
+    RollForward {
+        batch: BatchId,
+    },
+    /// The batch aborted: its intent goes.
+    Unlock {
+        batch: BatchId,
+    },
+    /// On the primary, once every other key rolled forward.
+    ClearMarker {
+        batch: BatchId,
+    },
+    /// On the primary, for an operation that met the batch's intent on
+    /// another key: whether the batch committed (aborting it if stale).
+    Status {
+        batch: BatchId,
+    },
+}
+
+impl Step {
+    /// Whether the step must first resolve another batch's intent on its key.
+    fn meets_intents(&self) -> bool {
+        matches!(self, Step::Client(_) | Step::Lock { .. })
+    }
+
+    fn batch(&self) -> Option<BatchId> {
+        match self {
+            Step::Client(_) => None,
+            Step::Lock { batch, .. }
+            | Step::Commit { batch }
+            | Step::RollForward { batch }
+            | Step::Unlock { batch }
+            | Step::ClearMarker { batch }
+            | Step::Status { batch } => Some(*batch),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BatchStatus {
+    Committed,
+    /// Not committed and younger than the lock patience.
+    Pending,
+    /// Aborted, now or earlier; or committed with every key rolled forward.
+    /// Either way an intent still on a key is dropped.
+    Aborted,
+}
+
+/// How a proposal ended.
+#[derive(Clone, Debug)]
+enum Outcome {
+    /// A client operation's answer, or why an internal step failed.
+    Reply(ClientReply),
+    /// An internal step took effect.
+    Done,
+    /// An internal step that must not take effect (a lock on a key that
+    /// changed or that a live batch holds; a commit of an aborted batch),
+    /// with the answer for the batch's client.
+    Refused(ClientReply),
+    Status(BatchStatus),
+}
+
+/// Who a proposal answers.
+#[derive(Clone, Copy, Debug)]
+enum Waiter {
+    Client(RequestId),
+    /// Key `index` of batch run `run`.
+    Batch {
+        run: u64,
+        index: usize,
+    },
+    /// The proposal (by its number) waiting for a batch's status.
+    Resolver(u64),
+    /// This replica's sweep of an intent left behind.
+    Sweep,
+}
+
+/// The proposals of one replica on one key that run one at a time: a
+/// client's operations (and sweeps, which read as one), and the steps that
+/// settle batches, which never wait for anything and so can never wait on a
+/// client's operation that waits for them. Locks take no lane: they fail
+/// rather than wait.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Lane {
+    Client,
+    Settle,
+}
+
 struct Proposal {
-    request: RequestId,
-    operation: Operation,
+    waiter: Waiter,
+    key: Bytes,
+    step: Step,
     phase: Phase,
     answers: BTreeMap<NodeId, Answer>,
     deadline: Time,
     attempt: u32,
+    /// A batch whose intent this proposal met on its key, as its primary
+    /// decided it.
+    resolved: Option<(BatchId, BatchStatus)>,
 }
 
 impl Proposal {
-    fn key(&self) -> &Bytes {
-        self.operation.key().expect("batches are refused before they become proposals")
+    fn new(waiter: Waiter, key: Bytes, step: Step) -> Self {
+        Self {
+            waiter,
+            key,
+            step,
+            phase: Phase::Parked,
+            answers: BTreeMap::new(),
+            deadline: 0,
+            attempt: 0,
+            resolved: None,
+        }
     }
 
-    /// Whether an interrupted accept round may simply start over: only a
-    /// read's write-back. A write's record may already have been seen, and
-    /// writing it again after a later write would apply it twice.
-    fn restartable(&self) -> bool {
-        matches!(self.operation, Operation::Get { .. } | Operation::Fetch { .. })
+    fn lane(&self) -> Option<Lane> {
+        match (&self.waiter, &self.step) {
+            (Waiter::Client(_) | Waiter::Sweep, _) => Some(Lane::Client),
+            (_, Step::Lock { .. }) => None,
+            _ => Some(Lane::Settle),
+        }
     }
+
+    /// Whether it starts with a peek, which answers it without a write when
+    /// a majority holds the same record: a client's read, or a status. A
+    /// sweep writes back whatever it finds.
+    fn reads(&self) -> bool {
+        match self.step {
+            Step::Client(Operation::Get { .. } | Operation::Fetch { .. }) => {
+                !matches!(self.waiter, Waiter::Sweep)
+            }
+            Step::Status { .. } => true,
+            _ => false,
+        }
+    }
+
+    /// Whether an interrupted accept round may simply start over: a read's
+    /// write-back, and the batch steps that only settle what is decided. A
+    /// write's record may already have been seen, and writing it again after
+    /// a later write would apply it twice; a lock taken again after a
+    /// resolver dropped it could let its batch commit without that key.
+    fn restartable(&self) -> bool {
+        match &self.step {
+            Step::Client(operation) => matches!(operation, Operation::Get { .. } | Operation::Fetch { .. }),
+            Step::Lock { .. } | Step::Commit { .. } => false,
+            Step::RollForward { .. }
+            | Step::Unlock { .. }
+            | Step::ClearMarker { .. }
+            | Step::Status { .. } => true,
+        }
+    }
+}
+
+/// What a proposal writes, once a majority promised.
+enum Plan {
+    Write(Record, Outcome),
+    /// Answer without writing.
+    Answer(Outcome),
+    /// Ask the primary of the batch whose intent is on the key first.
+    Resolve {
+        batch: BatchId,
+        primary: Bytes,
+    },
+    /// A live batch holds the key.
+    Wait,
+}
+
+/// The stage of a batch this replica proposes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    LockingPrimary,
+    Locking,
+    Committing,
+    RollingForward { failed: bool },
+    Clearing,
+    Unlocking,
+}
+
+struct BatchRun {
+    request: RequestId,
+    batch: BatchId,
+    /// The first is the primary.
+    keys: Vec<Bytes>,
+    stage: Stage,
+    /// Per key, whether the batch's intent may be on it.
+    locked: Vec<bool>,
+    /// Steps of the stage not yet ended.
+    pending: usize,
+    /// The client's answer when the batch aborts.
+    failure: Option<ClientReply>,
+    /// The locks of the keys after the primary, until they start.
+    locks: Vec<Step>,
 }
 
 pub struct QuorumRegister {
@@ -349,9 +588,17 @@ pub struct QuorumRegister {
     restarted_with_state: bool,
     /// In a map that iterates in order, so that a simulated run replays.
     proposals: BTreeMap<u64, Proposal>,
-    /// Keys with a proposal under way here, and the proposals parked behind it.
-    busy: HashMap<Bytes, VecDeque<u64>>,
+    /// Per lane and key, the proposals parked behind the one under way:
+    /// proposals of one replica on one key never duel.
+    queues: HashMap<(Lane, Bytes), VecDeque<u64>>,
     next_op: u64,
+    /// The batches this replica proposes, by run number.
+    runs: BTreeMap<u64, BatchRun>,
+    next_run: u64,
+    /// The keys whose record here carries an intent, and its batch.
+    intents: BTreeMap<Bytes, BatchId>,
+    /// Keys this replica's sweep is resolving.
+    sweeping: BTreeSet<Bytes>,
     /// As a learner: where it is in each member's snapshot stream, and
     /// whose it has merged whole.
     receivers: BTreeMap<NodeId, SnapshotReceiver>,
@@ -373,10 +620,10 @@ impl QuorumRegister {
         let newest = self.proposals.last_key_value().map_or(0, |(key, _)| *key);
         assert!(newest < self.next_op, "{}: proposal {newest} not yet numbered", self.me);
         assert!(
-            self.busy.len() <= self.proposals.len(),
-            "{}: {} keys busy with {} proposals",
+            self.queues.len() <= self.proposals.len(),
+            "{}: {} queues for {} proposals",
             self.me,
-            self.busy.len(),
+            self.queues.len(),
             self.proposals.len()
         );
     }
@@ -384,13 +631,19 @@ impl QuorumRegister {
     pub fn new(me: NodeId, engine: Arc<dyn Engine>, options: QuorumOptions) -> Self {
         let restarted_with_state = engine.is_empty().map_or(true, |empty| !empty);
         let mut tombstones = 0;
+        let mut intents = BTreeMap::new();
         if restarted_with_state {
-            let read = for_each_entry(engine.as_ref(), |_, raw| {
-                tombstones += u64::from(Record::decode(raw).is_ok_and(|record| record.tombstone));
+            let read = for_each_entry(engine.as_ref(), |key, raw| {
+                if let Ok(record) = Record::decode(raw) {
+                    tombstones += u64::from(record.tombstone);
+                    if let Some(intent) = record.intent {
+                        intents.insert(key, intent.batch);
+                    }
+                }
                 Ok(())
             });
             if let Err(error) = read {
-                tracing::error!(replica = %me, %error, "cannot read the shard to count its tombstones");
+                tracing::error!(replica = %me, %error, "cannot read the shard to count its tombstones and intents");
             }
         }
         Self {
@@ -403,8 +656,12 @@ impl QuorumRegister {
             promise_floor: None,
             restarted_with_state,
             proposals: BTreeMap::new(),
-            busy: HashMap::new(),
+            queues: HashMap::new(),
             next_op: 1,
+            runs: BTreeMap::new(),
+            next_run: 1,
+            intents,
+            sweeping: BTreeSet::new(),
             receivers: BTreeMap::new(),
             merged_from: BTreeSet::new(),
             ready_in: None,
@@ -416,7 +673,7 @@ impl QuorumRegister {
     }
 
     /// Stores a record over `current` (the key's record, if any), keeping the
-    /// count of tombstones.
+    /// count of tombstones and the keys with intents.
     fn store(
         &mut self,
         key: &[u8],
@@ -425,8 +682,20 @@ impl QuorumRegister {
         raw: Bytes,
     ) -> Result<(), OperationError> {
         self.engine.put(key, raw)?;
-        self.count_tombstone(current, record);
+        self.note_stored(key, current, record);
         Ok(())
+    }
+
+    fn note_stored(&mut self, key: &[u8], previous: Option<&Record>, record: &Record) {
+        self.count_tombstone(previous, record);
+        match &record.intent {
+            Some(intent) => {
+                self.intents.insert(Bytes::copy_from_slice(key), intent.batch);
+            }
+            None => {
+                self.intents.remove(key);
+            }
+        }
     }
 
     /// Keeps the count of tombstones as `record` replaces `previous`.
@@ -577,6 +846,25 @@ impl QuorumRegister {
 
     // --- Proposer ---
 
+    /// Numbers a new proposal and runs its first phase, or parks it behind
+    /// the one under way in its lane on its key.
+    fn propose(&mut self, proposal: Proposal, fx: &mut Effects) {
+        let op = self.next_op;
+        self.next_op += 1;
+        let queue = proposal.lane().map(|lane| (lane, proposal.key.clone()));
+        self.proposals.insert(op, proposal);
+        match queue {
+            Some(queue) => match self.queues.get_mut(&queue) {
+                Some(parked) => parked.push_back(op),
+                None => {
+                    self.queues.insert(queue, VecDeque::new());
+                    self.begin(op, fx);
+                }
+            },
+            None => self.begin(op, fx),
+        }
+    }
+
     /// Sends the proposal's current phase to every member (answering its own
     /// part at once). Each phase runs under an operation number of its own, so
     /// a late answer to an earlier phase finds nothing to count toward.
@@ -588,16 +876,12 @@ impl QuorumRegister {
         let op = self.next_op;
         self.next_op += 1;
         proposal.answers.clear();
-        let key = proposal.key().clone();
+        let key = proposal.key.clone();
         let message = match &proposal.phase {
-            Phase::Peek => QuorumMessage::Peek { view, op, key: key.clone() },
-            Phase::Prepare { ballot } => {
-                QuorumMessage::Prepare { view, op, key: key.clone(), ballot: *ballot }
-            }
-            Phase::Accept { record, .. } => {
-                QuorumMessage::Accept { view, op, key: key.clone(), record: record.encode() }
-            }
-            Phase::Backoff { .. } | Phase::Parked => {
+            Phase::Peek => QuorumMessage::Peek { view, op, key },
+            Phase::Prepare { ballot } => QuorumMessage::Prepare { view, op, key, ballot: *ballot },
+            Phase::Accept { record, .. } => QuorumMessage::Accept { view, op, key, record: record.encode() },
+            Phase::Backoff { .. } | Phase::Parked | Phase::Resolving { .. } => {
                 self.proposals.insert(old_op, proposal);
                 return;
             }
@@ -647,24 +931,31 @@ impl QuorumRegister {
 
     /// After a refusal or a timeout: prepare again after a backoff, or give up.
     fn retry(&mut self, op: u64, outbid: Version, fx: &mut Effects) {
-        let now = fx.now();
-        if let Err(error) = self.hlc.observe_remote(outbid, now) {
+        if let Err(error) = self.hlc.observe_remote(outbid, fx.now()) {
             tracing::warn!(replica = %self.me, %error, "a refusal's version ignored");
         }
-        let Some(proposal) = self.proposals.get_mut(&op) else { return };
+        let Some(proposal) = self.proposals.get(&op) else { return };
         let accepting = matches!(proposal.phase, Phase::Accept { .. });
-        proposal.attempt += 1;
         if accepting && !proposal.restartable() {
             let reason = "a concurrent proposal or a lost majority interrupted the write";
-            return self.finish(op, ClientReply::Unknown(reason), fx);
+            return self.finish(op, Outcome::Reply(ClientReply::Unknown(reason)), fx);
         }
+        let reply = if accepting {
+            ClientReply::Unknown("no majority accepted the write")
+        } else {
+            ClientReply::Retry("no majority answered")
+        };
+        self.back_off(op, reply, fx);
+    }
+
+    /// Prepares again after a backoff that grows with the attempt, or ends
+    /// the proposal with `reply` once it has made every attempt.
+    fn back_off(&mut self, op: u64, reply: ClientReply, fx: &mut Effects) {
+        let now = fx.now();
+        let Some(proposal) = self.proposals.get_mut(&op) else { return };
+        proposal.attempt += 1;
         if proposal.attempt >= self.options.attempts_max {
-            let reply = if accepting {
-                ClientReply::Unknown("no majority accepted the write")
-            } else {
-                ClientReply::Retry("no majority answered")
-            };
-            return self.finish(op, reply, fx);
+            return self.finish(op, Outcome::Reply(reply), fx);
         }
         // A spread that grows with the attempt keeps proposers of one key apart.
         let spread = self.options.backoff_ms * proposal.attempt as u64;
@@ -673,10 +964,22 @@ impl QuorumRegister {
         proposal.answers.clear();
     }
 
+    /// A live batch holds the proposal's key: a client's operation waits for
+    /// it; a lock gives up at once, so that two batches never wait on each
+    /// other.
+    fn wait_for_batch(&mut self, op: u64, fx: &mut Effects) {
+        let Some(proposal) = self.proposals.get(&op) else { return };
+        if let Step::Lock { .. } = proposal.step {
+            let reply = ClientReply::Retry("another transaction holds one of its keys");
+            return self.finish(op, Outcome::Refused(reply), fx);
+        }
+        self.back_off(op, ClientReply::Retry("a transaction holds the key"), fx);
+    }
+
     fn on_answer(&mut self, from: NodeId, op: u64, answer: Answer, fx: &mut Effects) {
         let majority = self.majority();
         let Some(proposal) = self.proposals.get_mut(&op) else { return };
-        if matches!(proposal.phase, Phase::Backoff { .. } | Phase::Parked) {
+        if matches!(proposal.phase, Phase::Backoff { .. } | Phase::Parked | Phase::Resolving { .. }) {
             return;
         }
         if let Answer::Refused(highest) = answer {
@@ -710,15 +1013,14 @@ impl QuorumRegister {
                         _ => None,
                     })
                     .collect();
-                if records.len() >= majority && records.windows(2).all(|pair| pair[0] == pair[1]) {
-                    // A majority holds it: chosen.
-                    let value = match proposal.operation {
-                        Operation::Fetch { .. } => records[0].as_ref().map(Record::encode),
-                        _ => records[0].as_ref().and_then(|record| record.visible().cloned()),
-                    };
-                    return self.finish(op, ClientReply::Value(value), fx);
+                let agreed = records.len() >= majority && records.windows(2).all(|pair| pair[0] == pair[1]);
+                // A majority holds it: chosen.
+                let step = proposal.step.clone();
+                let answer = agreed.then(|| self.peeked(&step, records[0].as_ref(), fx.now())).flatten();
+                match answer {
+                    Some(outcome) => self.finish(op, outcome, fx),
+                    None => self.start_prepare(op, fx),
                 }
-                self.start_prepare(op, fx);
             }
             Phase::Prepare { ballot } => {
                 let newest = answers
@@ -728,59 +1030,250 @@ impl QuorumRegister {
                         _ => None,
                     })
                     .max_by_key(ballot_of);
-                let current = newest.as_ref().and_then(|record| record.visible().cloned());
-                let (value, reply) = match &proposal.operation {
-                    Operation::Get { .. } | Operation::Fetch { .. } => match &newest {
-                        // Nothing anywhere: nothing to write back.
-                        None => {
-                            return self.finish(op, ClientReply::Value(None), fx);
-                        }
-                        Some(record) => (record.visible().cloned(), ClientReply::Value(current)),
-                    },
-                    Operation::WriteIf { expected, .. } if newest.as_ref().map(ballot_of) != *expected => {
-                        return self.finish(op, ClientReply::Changed, fx);
+                let proposal = self.proposals.get(&op).expect("looked up above");
+                match self.plan(proposal, newest, ballot, fx.now()) {
+                    Plan::Write(record, outcome) => {
+                        let proposal = self.proposals.get_mut(&op).expect("looked up above");
+                        proposal.phase = Phase::Accept { record, outcome };
+                        self.send_phase(op, fx);
                     }
-                    Operation::WriteIf { write: Write::Put(value), .. } | Operation::Put { value, .. } => {
-                        (Some(value.clone()), ClientReply::Written)
+                    Plan::Answer(outcome) => self.finish(op, outcome, fx),
+                    Plan::Resolve { batch, primary } => {
+                        let proposal = self.proposals.get_mut(&op).expect("looked up above");
+                        proposal.phase = Phase::Resolving { batch };
+                        let status = Proposal::new(Waiter::Resolver(op), primary, Step::Status { batch });
+                        self.propose(status, fx);
                     }
-                    Operation::WriteIf { write: Write::Delete, .. } => (None, ClientReply::Written),
-                    Operation::Delete { .. } => (None, ClientReply::Written),
-                    Operation::Batch { .. } => {
-                        unreachable!("batches are refused before they become proposals")
-                    }
-                    Operation::Increment { delta, .. } => match increment_value(current.as_deref(), *delta) {
-                        Ok(updated) => (Some(updated.clone()), ClientReply::Value(Some(updated))),
-                        Err(error) => {
-                            return self.finish(op, ClientReply::Failed(error), fx);
-                        }
-                    },
-                };
-                let record = match value {
-                    Some(value) => Record::value(ballot.0, ballot.1, value),
-                    None => Record::tombstone(ballot.0, ballot.1),
-                };
-                // A fetch answers the record as written back, at its new ballot.
-                let reply = match proposal.operation {
-                    Operation::Fetch { .. } => ClientReply::Value(Some(record.encode())),
-                    _ => reply,
-                };
-                proposal.phase = Phase::Accept { record, reply };
-                self.send_phase(op, fx);
+                    Plan::Wait => self.wait_for_batch(op, fx),
+                }
             }
-            Phase::Accept { reply, .. } => self.finish(op, reply, fx),
-            Phase::Backoff { .. } | Phase::Parked => {}
+            Phase::Accept { outcome, .. } => self.finish(op, outcome, fx),
+            Phase::Backoff { .. } | Phase::Parked | Phase::Resolving { .. } => {}
         }
     }
 
-    /// Answers a proposal and starts the next one parked behind it on its key.
-    fn finish(&mut self, op: u64, reply: ClientReply, fx: &mut Effects) {
+    /// The answer a peek gives when a majority holds `chosen`, if it needs no
+    /// write: not when an intent must be settled first.
+    fn peeked(&self, step: &Step, chosen: Option<&Record>, now: Time) -> Option<Outcome> {
+        let intent = chosen.and_then(|record| record.intent.as_deref());
+        match step {
+            Step::Client(operation) if intent.is_none() => {
+                let value = match operation {
+                    Operation::Fetch { .. } => chosen.map(Record::encode),
+                    _ => chosen.and_then(|record| record.visible().cloned()),
+                };
+                Some(Outcome::Reply(ClientReply::Value(value)))
+            }
+            Step::Status { batch } => {
+                let status = if chosen.is_some_and(|record| record.markers.contains(batch)) {
+                    BatchStatus::Committed
+                } else if intent.is_some_and(|intent| intent.batch == *batch) {
+                    // A stale one is aborted, which takes a write.
+                    if self.stale(*batch, now) {
+                        return None;
+                    }
+                    BatchStatus::Pending
+                } else {
+                    BatchStatus::Aborted
+                };
+                Some(Outcome::Status(status))
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether a batch is older than the lock patience: its proposer has had
+    /// time to commit it, and a resolver may abort it.
+    /// In a draining view every batch is: no new one starts, and the drain
+    /// waits for the members to hold no intent.
+    fn stale(&self, batch: BatchId, now: Time) -> bool {
+        now >= batch.0.physical_ms().saturating_add(self.patience())
+    }
+
+    fn patience(&self) -> u64 {
+        if self.view.as_ref().is_some_and(|view| view.draining) {
+            0
+        } else {
+            self.options.lock_patience_ms
+        }
+    }
+
+    /// What a proposal writes over `newest`, the record of the highest ballot
+    /// a majority promised with, under its own `ballot`.
+    fn plan(&self, proposal: &Proposal, newest: Option<Record>, ballot: Ballot, now: Time) -> Plan {
+        let found = newest.as_ref().map(ballot_of);
+        // A conditional write checks the record as it found it, first. One
+        // with another batch's intent is not as fetched either: a fetch
+        // settles intents, and the value under one may not be the key's.
+        let foreign_intent = newest
+            .as_ref()
+            .and_then(|record| record.intent.as_deref())
+            .is_some_and(|intent| proposal.step.batch() != Some(intent.batch));
+        match &proposal.step {
+            Step::Client(Operation::WriteIf { expected, .. }) if found != *expected || foreign_intent => {
+                return Plan::Answer(Outcome::Reply(ClientReply::Changed));
+            }
+            Step::Lock { expect: Expect::Ballot(expected), .. } if found != *expected || foreign_intent => {
+                return Plan::Answer(Outcome::Refused(ClientReply::Changed));
+            }
+            _ => {}
+        }
+        let mut base = newest;
+        // Another batch's intent on the key is settled first, as its primary
+        // decided it (there, its intent means it has not committed).
+        if let Some(intent) = base.as_ref().and_then(|record| record.intent.as_deref()) {
+            if proposal.step.meets_intents() && proposal.step.batch() != Some(intent.batch) {
+                let status = match proposal.resolved {
+                    Some((batch, status)) if batch == intent.batch => status,
+                    _ if intent.primary == proposal.key && self.stale(intent.batch, now) => {
+                        BatchStatus::Aborted
+                    }
+                    _ if intent.primary == proposal.key => BatchStatus::Pending,
+                    _ => return Plan::Resolve { batch: intent.batch, primary: intent.primary.clone() },
+                };
+                let record = base.as_mut().expect("it has an intent");
+                match status {
+                    BatchStatus::Pending => return Plan::Wait,
+                    BatchStatus::Committed => roll_forward(record),
+                    BatchStatus::Aborted => record.intent = None,
+                }
+            }
+        }
+        // The record the step writes: its own value, the rest of `base` kept.
+        let write = |value: Option<Bytes>| {
+            let mut record = Record::new(ballot.0, ballot.1, value);
+            if let Some(base) = &base {
+                record.intent = base.intent.clone();
+                record.markers = base.markers.clone();
+            }
+            record
+        };
+        let committed = base.as_ref().and_then(|record| record.visible().cloned());
+        let own_intent = |batch: BatchId| {
+            base.as_ref().and_then(|record| record.intent.as_deref()).filter(|intent| intent.batch == batch)
+        };
+        match &proposal.step {
+            Step::Client(operation) => {
+                let (value, reply) = match operation {
+                    Operation::Get { .. } | Operation::Fetch { .. } => match &base {
+                        // Nothing anywhere: nothing to write back, except for
+                        // a sweep, which brings every member level.
+                        None if !matches!(proposal.waiter, Waiter::Sweep) => {
+                            return Plan::Answer(Outcome::Reply(ClientReply::Value(None)));
+                        }
+                        _ => (committed.clone(), ClientReply::Value(committed)),
+                    },
+                    Operation::WriteIf { write: Write::Put(value), .. } | Operation::Put { value, .. } => {
+                        (Some(value.clone()), ClientReply::Written)
+                    }
+                    Operation::WriteIf { write: Write::Delete, .. } | Operation::Delete { .. } => {
+                        (None, ClientReply::Written)
+                    }
+                    Operation::Increment { delta, .. } => match increment_value(committed.as_deref(), *delta)
+                    {
+                        Ok(updated) => (Some(updated.clone()), ClientReply::Value(Some(updated))),
+                        Err(error) => return Plan::Answer(Outcome::Reply(ClientReply::Failed(error))),
+                    },
+                    Operation::Batch { .. } | Operation::BatchIf { .. } => {
+                        unreachable!("a batch runs as steps on its keys")
+                    }
+                };
+                let record = write(value);
+                // A fetch answers the record as written back, at its new ballot.
+                let reply = match operation {
+                    Operation::Fetch { .. } => ClientReply::Value(Some(record.encode())),
+                    _ => reply,
+                };
+                Plan::Write(record, Outcome::Reply(reply))
+            }
+            Step::Lock { batch, primary, write: batch_write, .. } => {
+                let mut record = write(committed);
+                if own_intent(*batch).is_none() {
+                    let value = match batch_write {
+                        Write::Put(value) => Some(value.clone()),
+                        Write::Delete => None,
+                    };
+                    record.intent = Some(Box::new(Intent { batch: *batch, primary: primary.clone(), value }));
+                }
+                Plan::Write(record, Outcome::Done)
+            }
+            Step::Commit { batch } => match own_intent(*batch) {
+                Some(intent) => {
+                    let mut record = write(intent.value.clone());
+                    record.intent = None;
+                    record.markers.push(*batch);
+                    Plan::Write(record, Outcome::Done)
+                }
+                // A resolver aborted it; nothing to write.
+                None => Plan::Answer(Outcome::Refused(ClientReply::Retry(
+                    "the transaction was aborted as stale; nothing was written",
+                ))),
+            },
+            Step::RollForward { batch } | Step::Unlock { batch } => match (own_intent(*batch), &base) {
+                (Some(intent), _) => {
+                    let rolled = matches!(proposal.step, Step::RollForward { .. });
+                    let mut record = write(if rolled { intent.value.clone() } else { committed });
+                    record.intent = None;
+                    Plan::Write(record, Outcome::Done)
+                }
+                // Settled already: written back so that a minority's copy
+                // of the intent cannot come back.
+                (None, Some(_)) => Plan::Write(write(committed), Outcome::Done),
+                (None, None) => Plan::Answer(Outcome::Done),
+            },
+            Step::ClearMarker { batch } => match &base {
+                Some(_) => {
+                    let mut record = write(committed);
+                    record.markers.retain(|marker| marker != batch);
+                    Plan::Write(record, Outcome::Done)
+                }
+                None => Plan::Answer(Outcome::Done),
+            },
+            Step::Status { batch } => {
+                let Some(found) = &base else { return Plan::Answer(Outcome::Status(BatchStatus::Aborted)) };
+                let mut record = write(committed);
+                let status = if found.markers.contains(batch) {
+                    BatchStatus::Committed
+                } else if own_intent(*batch).is_some() && self.stale(*batch, now) {
+                    record.intent = None;
+                    BatchStatus::Aborted
+                } else if own_intent(*batch).is_some() {
+                    BatchStatus::Pending
+                } else {
+                    BatchStatus::Aborted
+                };
+                Plan::Write(record, Outcome::Status(status))
+            }
+        }
+    }
+
+    /// Ends a proposal, answering whoever waits for it; the next proposal
+    /// parked in its lane on the key starts.
+    fn finish(&mut self, op: u64, outcome: Outcome, fx: &mut Effects) {
         let Some(proposal) = self.proposals.remove(&op) else { return };
-        fx.reply(proposal.request, reply);
-        let key = proposal.key();
-        match self.busy.get_mut(key).and_then(VecDeque::pop_front) {
-            Some(next) => self.begin(next, fx),
-            None => {
-                self.busy.remove(key);
+        match proposal.waiter {
+            Waiter::Client(request) => {
+                let reply = match outcome {
+                    Outcome::Reply(reply) | Outcome::Refused(reply) => reply,
+                    Outcome::Done | Outcome::Status(_) => {
+                        unreachable!("a client's operation answers a reply")
+                    }
+                };
+                fx.reply(request, reply);
+            }
+            Waiter::Batch { run, index } => self.on_batch_step(run, index, outcome, fx),
+            Waiter::Resolver(waiting) => self.on_status(waiting, outcome, fx),
+            Waiter::Sweep => {
+                self.sweeping.remove(&proposal.key);
+            }
+        }
+        if let Some(lane) = proposal.lane() {
+            let queue = (lane, proposal.key.clone());
+            match self.queues.get_mut(&queue).and_then(VecDeque::pop_front) {
+                Some(next) => self.begin(next, fx),
+                None => {
+                    self.queues.remove(&queue);
+                }
             }
         }
     }
@@ -788,11 +1281,196 @@ impl QuorumRegister {
     /// Runs a proposal's first phase: a look for reads, a prepare for writes.
     fn begin(&mut self, op: u64, fx: &mut Effects) {
         let Some(proposal) = self.proposals.get_mut(&op) else { return };
-        if proposal.restartable() {
+        if proposal.reads() {
             proposal.phase = Phase::Peek;
             self.send_phase(op, fx);
         } else {
             self.start_prepare(op, fx);
+        }
+    }
+
+    /// A batch's status, for the proposal that met its intent.
+    fn on_status(&mut self, waiting: u64, outcome: Outcome, fx: &mut Effects) {
+        let Some(proposal) = self.proposals.get_mut(&waiting) else { return };
+        let Phase::Resolving { batch } = proposal.phase else { return };
+        match outcome {
+            Outcome::Status(status @ (BatchStatus::Committed | BatchStatus::Aborted)) => {
+                proposal.resolved = Some((batch, status));
+                self.start_prepare(waiting, fx);
+            }
+            _ => self.wait_for_batch(waiting, fx),
+        }
+    }
+
+    fn client_operation(&mut self, request: RequestId, operation: Operation, fx: &mut Effects) {
+        let key = operation.key().expect("a single-key operation").clone();
+        self.propose(Proposal::new(Waiter::Client(request), key, Step::Client(operation)), fx);
+    }
+
+    // --- Batches ---
+
+    /// Starts a batch: its intent on the primary first, so that a resolver
+    /// that finds neither intent nor marker there knows an intent it met
+    /// elsewhere is not of a batch still to commit.
+    fn begin_batch(&mut self, request: RequestId, writes: Vec<(Bytes, Expect, Write)>, fx: &mut Effects) {
+        let batch = (self.hlc.tick(fx.now()), self.me);
+        let run = self.next_run;
+        self.next_run += 1;
+        let keys: Vec<Bytes> = writes.iter().map(|(key, _, _)| key.clone()).collect();
+        let primary = keys[0].clone();
+        let mut locks = writes.into_iter().map(|(_, expect, write)| Step::Lock {
+            batch,
+            primary: primary.clone(),
+            expect,
+            write,
+        });
+        let first = locks.next().expect("a batch has keys");
+        self.runs.insert(
+            run,
+            BatchRun {
+                request,
+                batch,
+                locked: vec![false; keys.len()],
+                pending: 1,
+                keys,
+                stage: Stage::LockingPrimary,
+                failure: None,
+                locks: locks.collect(),
+            },
+        );
+        self.propose(Proposal::new(Waiter::Batch { run, index: 0 }, primary, first), fx);
+        #[cfg(feature = "broken")]
+        if self.options.broken_parallel_locks {
+            let batch_run = self.runs.get_mut(&run).expect("inserted above");
+            batch_run.stage = Stage::Locking;
+            batch_run.pending = batch_run.keys.len();
+            let others: Vec<usize> = (1..batch_run.keys.len()).collect();
+            let pending = batch_run.pending;
+            self.batch_steps(run, Stage::Locking, others, fx);
+            if let Some(batch_run) = self.runs.get_mut(&run) {
+                batch_run.pending = pending;
+            }
+        }
+    }
+
+    /// Starts `step` on each of `keys` of batch run `run`.
+    fn batch_steps(&mut self, run: u64, stage: Stage, indexes: Vec<usize>, fx: &mut Effects) {
+        let Some(batch_run) = self.runs.get_mut(&run) else { return };
+        batch_run.stage = stage;
+        batch_run.pending = indexes.len();
+        let batch = batch_run.batch;
+        let steps: Vec<(usize, Bytes)> =
+            indexes.into_iter().map(|index| (index, batch_run.keys[index].clone())).collect();
+        if steps.is_empty() {
+            return self.end_stage(run, fx);
+        }
+        let mut locks = std::mem::take(&mut batch_run.locks).into_iter();
+        for (index, key) in steps {
+            let step = match stage {
+                Stage::LockingPrimary => unreachable!("the primary's lock starts with the batch"),
+                Stage::Locking => locks.next().expect("a lock per key"),
+                Stage::Committing => Step::Commit { batch },
+                Stage::RollingForward { .. } => Step::RollForward { batch },
+                Stage::Clearing => Step::ClearMarker { batch },
+                Stage::Unlocking => Step::Unlock { batch },
+            };
+            self.propose(Proposal::new(Waiter::Batch { run, index }, key, step), fx);
+        }
+    }
+
+    fn on_batch_step(&mut self, run: u64, index: usize, outcome: Outcome, fx: &mut Effects) {
+        let Some(batch_run) = self.runs.get_mut(&run) else { return };
+        let failed = !matches!(outcome, Outcome::Done);
+        match (batch_run.stage, outcome) {
+            (Stage::LockingPrimary | Stage::Locking, outcome) => {
+                // An interrupted lock may be in place.
+                batch_run.locked[index] =
+                    matches!(outcome, Outcome::Done | Outcome::Reply(ClientReply::Unknown(_)));
+                if let Outcome::Reply(reply) | Outcome::Refused(reply) = outcome {
+                    // The client is told nothing was written: the batch never commits.
+                    let reply = match reply {
+                        ClientReply::Unknown(_) => {
+                            ClientReply::Retry("a lock's outcome is unknown; nothing was written")
+                        }
+                        reply => reply,
+                    };
+                    batch_run.failure.get_or_insert(reply);
+                }
+            }
+            (Stage::Committing, Outcome::Done) => fx.reply(batch_run.request, ClientReply::Written),
+            (Stage::Committing, Outcome::Reply(ClientReply::Unknown(reason))) => {
+                // Its resolvers decide it; its intents stay for them.
+                fx.reply(batch_run.request, ClientReply::Unknown(reason));
+                self.runs.remove(&run);
+                return;
+            }
+            (Stage::Committing, Outcome::Refused(reply)) => {
+                batch_run.locked[0] = false;
+                batch_run.failure = Some(reply);
+            }
+            (Stage::Committing, Outcome::Reply(reply)) => batch_run.failure = Some(reply),
+            (Stage::RollingForward { .. }, _) if failed => {
+                batch_run.stage = Stage::RollingForward { failed: true };
+            }
+            _ => {}
+        }
+        batch_run.pending -= 1;
+        if batch_run.pending == 0 {
+            self.end_stage(run, fx);
+        }
+    }
+
+    /// Moves a batch run on once every step of its stage has ended.
+    fn end_stage(&mut self, run: u64, fx: &mut Effects) {
+        let Some(batch_run) = self.runs.get(&run) else { return };
+        let aborting = batch_run.failure.is_some();
+        let locked: Vec<usize> = (0..batch_run.keys.len()).filter(|index| batch_run.locked[*index]).collect();
+        let others: Vec<usize> = (1..batch_run.keys.len()).collect();
+        match batch_run.stage {
+            Stage::LockingPrimary | Stage::Locking if aborting => {
+                self.batch_steps(run, Stage::Unlocking, locked, fx)
+            }
+            Stage::LockingPrimary => self.batch_steps(run, Stage::Locking, others, fx),
+            Stage::Locking => self.batch_steps(run, Stage::Committing, vec![0], fx),
+            Stage::Committing if aborting => self.batch_steps(run, Stage::Unlocking, locked, fx),
+            Stage::Committing => self.batch_steps(run, Stage::RollingForward { failed: false }, others, fx),
+            Stage::RollingForward { failed: false } => self.batch_steps(run, Stage::Clearing, vec![0], fx),
+            // An intent may remain, so the marker stays for its resolver.
+            Stage::RollingForward { failed: true } | Stage::Clearing => {
+                self.runs.remove(&run);
+            }
+            Stage::Unlocking => {
+                let batch_run = self.runs.remove(&run).expect("looked up above");
+                fx.reply(batch_run.request, batch_run.failure.expect("an aborted batch says why"));
+            }
+        }
+    }
+
+    /// Resolves intents left on this member's records by batches whose
+    /// proposer did not settle them (it failed, or lost its majority): a
+    /// read through the quorum settles the key and writes it back everywhere.
+    fn sweep(&mut self, fx: &mut Effects) {
+        const SWEEPS_AT_ONCE: usize = 16;
+        let Some(position) = self.view.as_ref().and_then(|view| view.position(self.me)) else { return };
+        let now = fx.now();
+        // Members that hold the same intents sweep them one after another,
+        // not all at once: each sweep settles the key at every member.
+        let patience = self.patience() + self.options.lock_patience_ms * position as u64;
+        let due: Vec<Bytes> = self
+            .intents
+            .iter()
+            .filter(|(key, batch)| {
+                now >= batch.0.physical_ms().saturating_add(patience)
+                    && !self.queues.contains_key(&(Lane::Client, (*key).clone()))
+                    && !self.sweeping.contains(*key)
+            })
+            .map(|(key, _)| key.clone())
+            .take(SWEEPS_AT_ONCE.saturating_sub(self.sweeping.len()))
+            .collect();
+        for key in due {
+            self.sweeping.insert(key.clone());
+            let read = Step::Client(Operation::Get { key: key.clone(), consistency: Consistency::Strong });
+            self.propose(Proposal::new(Waiter::Sweep, key, read), fx);
         }
     }
 
@@ -857,31 +1535,30 @@ impl Protocol for QuorumRegister {
             };
             return fx.reply(request.id, reply);
         }
-        if let Operation::Batch { .. } = request.operation {
-            // One CASPaxos round decides one key's record; a unit of several
-            // keys needs more than that (docs/PROTOCOLS.md, "AA+SC").
-            return fx.reply(request.id, ClientReply::Failed(OperationError::BatchNeedsOrdering));
-        }
-        let op = self.next_op;
-        self.next_op += 1;
-        let proposal = Proposal {
-            request: request.id,
-            operation: request.operation,
-            phase: Phase::Parked,
-            answers: BTreeMap::new(),
-            deadline: 0,
-            attempt: 0,
+        let writes: Vec<(Bytes, Expect, Write)> = match request.operation {
+            Operation::Batch { writes } => {
+                writes.into_iter().map(|(key, write)| (key, Expect::Any, write)).collect()
+            }
+            Operation::BatchIf { writes } => writes
+                .into_iter()
+                .map(|(key, expected, write)| (key, Expect::Ballot(expected), write))
+                .collect(),
+            operation => return self.client_operation(request.id, operation, fx),
         };
-        match self.busy.get_mut(proposal.key()) {
-            Some(queue) => {
-                queue.push_back(op);
-                self.proposals.insert(op, proposal);
+        let mut writes = last_write_per_key(writes);
+        match writes.len() {
+            0 => fx.reply(request.id, ClientReply::Written),
+            // One key needs no intents: its own register is atomic.
+            1 => {
+                let (key, expect, write) = writes.pop().expect("one write");
+                let operation = match (expect, write) {
+                    (Expect::Ballot(expected), write) => Operation::WriteIf { key, expected, write },
+                    (Expect::Any, Write::Put(value)) => Operation::Put { key, value },
+                    (Expect::Any, Write::Delete) => Operation::Delete { key },
+                };
+                self.client_operation(request.id, operation, fx);
             }
-            None => {
-                self.busy.insert(proposal.key().clone(), VecDeque::new());
-                self.proposals.insert(op, proposal);
-                self.begin(op, fx);
-            }
+            _ => self.begin_batch(request.id, writes, fx),
         }
     }
 
@@ -978,17 +1655,18 @@ impl Protocol for QuorumRegister {
         for learner in learners {
             self.send_snapshot_chunks(learner, fx);
         }
+        self.sweep(fx);
         let due: Vec<(u64, bool)> = self
             .proposals
             .iter()
             .filter_map(|(op, proposal)| match proposal.phase {
-                Phase::Parked => None,
+                Phase::Parked | Phase::Resolving { .. } => None,
                 Phase::Backoff { until } => (now >= until).then_some((*op, true)),
                 _ => (now >= proposal.deadline).then_some((*op, false)),
             })
             .collect();
         for (op, backed_off) in due {
-            let read = self.proposals.get(&op).is_some_and(|proposal| proposal.restartable());
+            let read = self.proposals.get(&op).is_some_and(Proposal::reads);
             if backed_off && read {
                 // A read looks again: the write that outbid it may be chosen by now.
                 if let Some(proposal) = self.proposals.get_mut(&op) {
@@ -1068,13 +1746,15 @@ impl Protocol for QuorumRegister {
         self.tombstones
     }
 
-    fn on_merged(&mut self, _key: &Bytes, previous: Option<&Record>, record: &Record) {
-        self.count_tombstone(previous, record);
+    fn on_merged(&mut self, key: &Bytes, previous: Option<&Record>, record: &Record) {
+        self.note_stored(key, previous, record);
         self.hlc.observe(record.version, 0);
     }
 
+    /// Nothing under way, and, on a member, no intent left: the next
+    /// protocol after a drain reads committed values only.
     fn quiescent(&self) -> bool {
-        self.proposals.is_empty()
+        self.proposals.is_empty() && self.runs.is_empty() && (self.intents.is_empty() || !self.is_member())
     }
 
     /// Every write answered is at a majority of the members.
@@ -1103,29 +1783,15 @@ mod tests {
         replicas
     }
 
-    #[test]
-    fn a_batch_is_refused_without_effect() {
-        let mut replicas = replicas(3);
-        let mut fx = Effects::new(10);
-        replicas[0].on_client(batch(1, &["a", "b"], "v"), &mut fx);
-        assert_eq!(
-            fx.take(),
-            vec![Effect::Reply {
-                request: RequestId(1),
-                reply: ClientReply::Failed(OperationError::BatchNeedsOrdering)
-            }]
-        );
-        assert_eq!(replicas[0].engine.get(b"a").unwrap(), None);
-    }
-
     /// Delivers messages until none is left, except those to `cut`; returns
     /// the client replies and how many peer messages travelled.
-    fn run(
+    fn run_at(
         replicas: &mut [QuorumRegister],
         first: Vec<(NodeId, Effect)>,
         cut: Option<NodeId>,
+        now: Time,
     ) -> (Vec<ClientReply>, usize) {
-        let mut fx = Effects::new(10);
+        let mut fx = Effects::new(now);
         let mut pending = first;
         let (mut replies, mut messages) = (Vec::new(), 0);
         while let Some((from, effect)) = pending.pop() {
@@ -1149,11 +1815,148 @@ mod tests {
         request: ClientRequest,
         cut: Option<NodeId>,
     ) -> (Vec<ClientReply>, usize) {
-        let mut fx = Effects::new(10);
+        client_at(replicas, at, request, cut, 10)
+    }
+
+    fn client_at(
+        replicas: &mut [QuorumRegister],
+        at: usize,
+        request: ClientRequest,
+        cut: Option<NodeId>,
+        now: Time,
+    ) -> (Vec<ClientReply>, usize) {
+        let mut fx = Effects::new(now);
         replicas[at].on_client(request, &mut fx);
         let me = replicas[at].me;
         let first = fx.take().into_iter().map(|effect| (me, effect)).collect();
-        run(replicas, first, cut)
+        run_at(replicas, first, cut, now)
+    }
+
+    fn value(replica: &QuorumRegister, key: &str) -> Option<Bytes> {
+        replica.accepted(key.as_bytes()).unwrap().and_then(|record| record.visible().cloned())
+    }
+
+    /// Puts `record` at `key` on every replica, as a batch's proposer that
+    /// stopped half-way leaves it.
+    fn leave(replicas: &mut [QuorumRegister], key: &str, record: &Record) {
+        for replica in replicas.iter_mut() {
+            let previous = replica.accepted(key.as_bytes()).unwrap();
+            replica.store(key.as_bytes(), previous.as_ref(), record, record.encode()).unwrap();
+        }
+    }
+
+    /// `key`'s record at ballot `(version, 1)` holding `committed`, with the
+    /// intent of `batch` (primary `primary`) to write `intended`.
+    fn with_intent(version: u64, committed: &str, batch: BatchId, primary: &str, intended: &str) -> Record {
+        let mut record = Record::value(Version(version), NodeId(1), Bytes::from(committed.to_string()));
+        let primary = Bytes::from(primary.to_string());
+        record.intent =
+            Some(Box::new(Intent { batch, primary, value: Some(Bytes::from(intended.to_string())) }));
+        record
+    }
+
+    #[test]
+    fn a_batch_commits_on_every_key_and_leaves_no_intent() {
+        let mut replicas = replicas(3);
+        client(&mut replicas, 0, put(1, "b", "old"), None);
+        let (replies, _) = client(&mut replicas, 1, batch(2, &["a", "b", "c"], "new"), None);
+        assert_eq!(replies, vec![ClientReply::Written]);
+        for replica in &replicas {
+            for key in ["a", "b", "c"] {
+                let record = replica.accepted(key.as_bytes()).unwrap().unwrap();
+                assert_eq!(record.visible(), Some(&Bytes::from_static(b"new")), "{} {key}", replica.me);
+                assert!(
+                    record.intent.is_none() && record.markers.is_empty(),
+                    "{} {key}: {record:?}",
+                    replica.me
+                );
+            }
+            assert!(replica.intents.is_empty() && replica.quiescent());
+        }
+        let (replies, _) = client(&mut replicas, 2, get(3, "c"), None);
+        assert_eq!(replies, vec![ClientReply::Value(Some(Bytes::from_static(b"new")))]);
+    }
+
+    #[test]
+    fn a_conditional_batch_writes_nothing_when_a_key_changed() {
+        let mut replicas = replicas(3);
+        client(&mut replicas, 0, put(1, "a", "1"), None);
+        client(&mut replicas, 0, put(2, "b", "1"), None);
+        let ballot = |replica: &QuorumRegister, key: &str| {
+            replica.accepted(key.as_bytes()).unwrap().map(|r| ballot_of(&r))
+        };
+        let (a, b) = (ballot(&replicas[0], "a"), ballot(&replicas[0], "b"));
+        client(&mut replicas, 2, put(3, "b", "2"), None);
+        let writes = vec![
+            (Bytes::from_static(b"a"), a, Write::Put(Bytes::from_static(b"x"))),
+            (Bytes::from_static(b"b"), b, Write::Put(Bytes::from_static(b"x"))),
+        ];
+        let request = ClientRequest { id: RequestId(4), operation: Operation::BatchIf { writes } };
+        assert_eq!(client(&mut replicas, 1, request, None).0, vec![ClientReply::Changed]);
+        for replica in &replicas {
+            assert_eq!(value(replica, "a"), Some(Bytes::from_static(b"1")));
+            assert_eq!(value(replica, "b"), Some(Bytes::from_static(b"2")));
+            assert!(replica.intents.is_empty(), "the lock on a was taken back");
+        }
+    }
+
+    #[test]
+    fn an_intent_left_by_a_committed_batch_is_rolled_forward_by_the_next_reader() {
+        let mut replicas = replicas(3);
+        let batch = (Version::new(5, 0), NodeId(2));
+        // The batch committed on its primary, then its proposer stopped.
+        let mut primary = Record::value(Version::new(6, 0), NodeId(2), Bytes::from_static(b"new"));
+        primary.markers.push(batch);
+        leave(&mut replicas, "a", &primary);
+        leave(&mut replicas, "b", &with_intent(Version::new(5, 1).0, "old", batch, "a", "new"));
+        let (replies, _) = client(&mut replicas, 0, get(1, "b"), None);
+        assert_eq!(replies, vec![ClientReply::Value(Some(Bytes::from_static(b"new")))]);
+        assert!(replicas.iter().all(|replica| value(replica, "b") == Some(Bytes::from_static(b"new"))));
+        assert!(replicas.iter().all(|replica| replica.intents.is_empty()));
+    }
+
+    #[test]
+    fn a_stale_batch_that_never_committed_is_aborted_by_the_next_writer() {
+        let mut replicas = replicas(3);
+        let batch = (Version::new(5, 0), NodeId(2));
+        leave(&mut replicas, "a", &with_intent(Version::new(5, 1).0, "a0", batch, "a", "new"));
+        leave(&mut replicas, "b", &with_intent(Version::new(5, 2).0, "b0", batch, "a", "new"));
+        // Young: a reader of b waits (no answer without ticks) and nothing changes.
+        let (replies, _) = client_at(&mut replicas, 0, get(1, "b"), None, 10);
+        assert!(replies.is_empty(), "{replies:?}");
+        // Past the patience the primary's intent is dropped: the batch aborted.
+        let patience = QuorumOptions::default().lock_patience_ms;
+        let later = 5 + patience + 1;
+        let (replies, _) = client_at(&mut replicas, 1, put(2, "b", "mine"), None, later);
+        assert_eq!(replies, vec![ClientReply::Written]);
+        let (replies, _) = client_at(&mut replicas, 2, get(3, "a"), None, later);
+        assert_eq!(replies, vec![ClientReply::Value(Some(Bytes::from_static(b"a0")))]);
+        for replica in &replicas {
+            assert_eq!(value(replica, "b"), Some(Bytes::from_static(b"mine")));
+            assert!(replica.intents.is_empty(), "{}: {:?}", replica.me, replica.intents);
+        }
+    }
+
+    #[test]
+    fn a_member_sweeps_the_intents_it_holds_and_is_quiescent_only_then() {
+        let mut replicas = replicas(3);
+        let batch = (Version::new(5, 0), NodeId(2));
+        leave(&mut replicas, "a", &with_intent(Version::new(5, 1).0, "a0", batch, "a", "new"));
+        leave(&mut replicas, "b", &with_intent(Version::new(5, 2).0, "b0", batch, "a", "new"));
+        assert!(!replicas[0].quiescent());
+        let later = 5 + QuorumOptions::default().lock_patience_ms + 1;
+        // Only the first member ticks: its sweep settles both keys everywhere.
+        for now in (later..later + 1_000).step_by(10) {
+            let mut fx = Effects::new(now);
+            replicas[0].on_tick(&mut fx);
+            let first = fx.take().into_iter().map(|effect| (NodeId(1), effect)).collect();
+            run_at(&mut replicas, first, None, now);
+        }
+        for replica in &replicas {
+            assert_eq!(value(replica, "a"), Some(Bytes::from_static(b"a0")));
+            assert_eq!(value(replica, "b"), Some(Bytes::from_static(b"b0")));
+            assert!(replica.intents.is_empty() && replica.quiescent(), "{}", replica.me);
+        }
     }
 
     fn get(id: u64, key: &str) -> ClientRequest {

@@ -2,8 +2,14 @@
 //! codec shared by every protocol:
 //!
 //! ```text
-//! format (1 byte = 1) | version (u64 LE) | origin replica (u32 LE) | flags (1 byte: 1 = tombstone) | value
+//! format (1 byte = 1) | version (u64 LE) | origin replica (u32 LE) | flags (1 byte) | [intent] | [markers] | value
+//! flags: 1 = tombstone, 2 = an intent follows, 4 = commit markers follow
+//! intent:  batch version u64 | batch origin u32 | primary (len u32, bytes) | 0 (a delete) or 1 (len u32, value)
+//! markers: count u32 | (batch version u64, batch origin u32) × count
 //! ```
+//!
+//! Intents and markers are AA+SC's, for batches (docs/PROTOCOLS.md, "Batches
+//! on AA+SC"); a record without them is the header and the value.
 
 use bytes::{BufMut, Bytes, BytesMut};
 
@@ -12,6 +18,11 @@ use crate::{NodeId, Time};
 const FORMAT: u8 = 1;
 const HEADER_BYTES: usize = 1 + 8 + 4 + 1;
 const TOMBSTONE: u8 = 1;
+const HAS_INTENT: u8 = 2;
+const HAS_MARKERS: u8 = 4;
+/// More markers than a record ever needs (one per batch whose roll-forward
+/// is under way or was cut short): a record claiming more is corrupt.
+const MARKERS_MAX: usize = 1 << 16;
 
 /// A hybrid logical clock value: 48 bits of physical milliseconds, then a 16-bit
 /// logical counter. Ordered like the pair (milliseconds, counter). Protocols that
@@ -87,12 +98,29 @@ impl Hlc {
     }
 }
 
+/// A batch, named by its proposer's ballot when it began.
+pub type BatchId = (Version, NodeId);
+
+/// A batch's write waiting on a key, over the key's committed value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Intent {
+    pub batch: BatchId,
+    /// The batch's first key, whose record decides whether it committed.
+    pub primary: Bytes,
+    /// The key's value in the batch; `None` deletes it.
+    pub value: Option<Bytes>,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Record {
     pub version: Version,
     pub origin: NodeId,
     pub tombstone: bool,
     pub value: Bytes,
+    pub intent: Option<Box<Intent>>,
+    /// Batches committed with this key as their primary whose other keys
+    /// may still hold their intents.
+    pub markers: Vec<BatchId>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -101,11 +129,19 @@ pub struct RecordError;
 
 impl Record {
     pub fn value(version: Version, origin: NodeId, value: Bytes) -> Self {
-        Self { version, origin, tombstone: false, value }
+        Self { version, origin, tombstone: false, value, intent: None, markers: Vec::new() }
     }
 
     pub fn tombstone(version: Version, origin: NodeId) -> Self {
-        Self { version, origin, tombstone: true, value: Bytes::new() }
+        Self { version, origin, tombstone: true, value: Bytes::new(), intent: None, markers: Vec::new() }
+    }
+
+    /// A record of `value` (`None`: a tombstone).
+    pub fn new(version: Version, origin: NodeId, value: Option<Bytes>) -> Self {
+        match value {
+            Some(value) => Self::value(version, origin, value),
+            None => Self::tombstone(version, origin),
+        }
     }
 
     pub fn encode(&self) -> Bytes {
@@ -113,7 +149,33 @@ impl Record {
         out.put_u8(FORMAT);
         out.put_u64_le(self.version.0);
         out.put_u32_le(self.origin.0);
-        out.put_u8(if self.tombstone { TOMBSTONE } else { 0 });
+        let mut flags = if self.tombstone { TOMBSTONE } else { 0 };
+        if self.intent.is_some() {
+            flags |= HAS_INTENT;
+        }
+        if !self.markers.is_empty() {
+            flags |= HAS_MARKERS;
+        }
+        out.put_u8(flags);
+        if let Some(intent) = &self.intent {
+            put_batch(&mut out, intent.batch);
+            out.put_u32_le(intent.primary.len() as u32);
+            out.put_slice(&intent.primary);
+            match &intent.value {
+                None => out.put_u8(0),
+                Some(value) => {
+                    out.put_u8(1);
+                    out.put_u32_le(value.len() as u32);
+                    out.put_slice(value);
+                }
+            }
+        }
+        if !self.markers.is_empty() {
+            out.put_u32_le(self.markers.len() as u32);
+            for batch in &self.markers {
+                put_batch(&mut out, *batch);
+            }
+        }
         out.put_slice(&self.value);
         out.freeze()
     }
@@ -124,18 +186,73 @@ impl Record {
         }
         let version = Version(u64::from_le_bytes(raw[1..9].try_into().expect("8 bytes")));
         let origin = NodeId(u32::from_le_bytes(raw[9..13].try_into().expect("4 bytes")));
-        let tombstone = match raw[13] {
-            0 => false,
-            TOMBSTONE => true,
-            _ => return Err(RecordError),
+        let flags = raw[13];
+        if flags & !(TOMBSTONE | HAS_INTENT | HAS_MARKERS) != 0 {
+            return Err(RecordError);
+        }
+        let mut at = HEADER_BYTES;
+        let intent = if flags & HAS_INTENT != 0 {
+            let batch = take_batch(&raw, &mut at)?;
+            let primary = take_bytes(&raw, &mut at)?;
+            let value = match take(&raw, &mut at, 1)?[0] {
+                0 => None,
+                1 => Some(take_bytes(&raw, &mut at)?),
+                _ => return Err(RecordError),
+            };
+            Some(Box::new(Intent { batch, primary, value }))
+        } else {
+            None
         };
-        Ok(Self { version, origin, tombstone, value: raw.slice(HEADER_BYTES..) })
+        let mut markers = Vec::new();
+        if flags & HAS_MARKERS != 0 {
+            let count = u32::from_le_bytes(take(&raw, &mut at, 4)?.try_into().expect("4 bytes")) as usize;
+            if count == 0 || count > MARKERS_MAX {
+                return Err(RecordError);
+            }
+            for _ in 0..count {
+                markers.push(take_batch(&raw, &mut at)?);
+            }
+        }
+        Ok(Self {
+            version,
+            origin,
+            tombstone: flags & TOMBSTONE != 0,
+            value: raw.slice(at..),
+            intent,
+            markers,
+        })
     }
 
-    /// The value a reader sees: none for a tombstone.
+    /// The value a reader sees: none for a tombstone. An intent's value is
+    /// not visible until its batch commits and the key is rolled forward.
     pub fn visible(&self) -> Option<&Bytes> {
         (!self.tombstone).then_some(&self.value)
     }
+}
+
+fn put_batch(out: &mut BytesMut, batch: BatchId) {
+    out.put_u64_le(batch.0 .0);
+    out.put_u32_le(batch.1 .0);
+}
+
+fn take<'a>(raw: &'a Bytes, at: &mut usize, count: usize) -> Result<&'a [u8], RecordError> {
+    let end = at.checked_add(count).filter(|end| *end <= raw.len()).ok_or(RecordError)?;
+    let taken = &raw[*at..end];
+    *at = end;
+    Ok(taken)
+}
+
+fn take_bytes(raw: &Bytes, at: &mut usize) -> Result<Bytes, RecordError> {
+    let length = u32::from_le_bytes(take(raw, at, 4)?.try_into().expect("4 bytes")) as usize;
+    let start = *at;
+    take(raw, at, length)?;
+    Ok(raw.slice(start..*at))
+}
+
+fn take_batch(raw: &Bytes, at: &mut usize) -> Result<BatchId, RecordError> {
+    let version = Version(u64::from_le_bytes(take(raw, at, 8)?.try_into().expect("8 bytes")));
+    let origin = NodeId(u32::from_le_bytes(take(raw, at, 4)?.try_into().expect("4 bytes")));
+    Ok((version, origin))
 }
 
 #[cfg(test)]
@@ -150,6 +267,30 @@ mod tests {
         assert_eq!(Record::decode(tombstone.encode()).unwrap().visible(), None);
         assert!(Record::decode(Bytes::from_static(b"short")).is_err());
         assert!(Record::decode(Bytes::from(vec![2u8; 20])).is_err());
+    }
+
+    #[test]
+    fn intents_and_markers_round_trip_and_cut_records_are_errors() {
+        let batch = (Version::new(5, 1), NodeId(2));
+        let mut record = Record::value(Version::new(9, 0), NodeId(3), Bytes::from_static(b"committed"));
+        record.intent = Some(Box::new(Intent {
+            batch,
+            primary: Bytes::from_static(b"p"),
+            value: Some(Bytes::from_static(b"new")),
+        }));
+        record.markers = vec![batch, (Version(1), NodeId(1))];
+        let raw = record.encode();
+        assert_eq!(Record::decode(raw.clone()).unwrap(), record);
+        assert_eq!(Record::decode(raw.clone()).unwrap().visible(), Some(&Bytes::from_static(b"committed")));
+        let mut deleting = Record::tombstone(Version(4), NodeId(1));
+        deleting.intent = Some(Box::new(Intent { batch, primary: Bytes::new(), value: None }));
+        assert_eq!(Record::decode(deleting.encode()).unwrap(), deleting);
+        // Every cut inside the intent or the markers is caught (a cut in the
+        // value is only a shorter value).
+        let value_starts = raw.len() - b"committed".len();
+        for cut in HEADER_BYTES..value_starts {
+            assert!(Record::decode(raw.slice(..cut)).is_err(), "cut at {cut}");
+        }
     }
 
     #[test]

@@ -435,6 +435,20 @@ static BROKEN: &[ProtocolSpec] = &[
         offered: false,
         ..QUORUM
     },
+    // Batches that lock their primary together with their other keys.
+    ProtocolSpec {
+        name: "broken-quorum-parallel-locks",
+        build: |me, engine, start, tuning| {
+            quorum_register(
+                me,
+                engine,
+                start,
+                QuorumOptions { broken_parallel_locks: true, ..quorum_options(tuning) },
+            )
+        },
+        offered: false,
+        ..QUORUM
+    },
 ];
 
 #[cfg(test)]

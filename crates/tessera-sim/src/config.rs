@@ -79,8 +79,7 @@ pub enum Workload {
     Appends,
     /// Batches that write one value to every key of a group (or delete them
     /// all), and reads of single keys: a group is checked as one register,
-    /// so a replica that shows part of a batch fails the checks. For the
-    /// protocols that order writes (a quorum refuses batches).
+    /// so a replica that shows part of a batch fails the checks.
     Batches,
 }
 
@@ -129,6 +128,20 @@ impl Default for RunTiming {
                 snapshot: SnapshotPace { bytes_per_sec: None, chunk_bytes: 128 },
             },
         }
+    }
+}
+
+impl RunTiming {
+    /// The timing of a run of `workload`: the batches workload reads back
+    /// twelve keys, each through a quorum's round trips (and waits for the
+    /// batches still writing it), which under the runs' message delays
+    /// takes twice the window.
+    pub fn for_workload(workload: Workload, quorum: bool) -> Self {
+        let mut timing = Self::default();
+        if workload == Workload::Batches && quorum {
+            timing.liveness_ms *= 2;
+        }
+        timing
     }
 }
 

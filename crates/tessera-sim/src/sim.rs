@@ -8,7 +8,7 @@
 //! healed, traffic goes on, then every key is read back). The report carries
 //! the history and what the checkers found.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use bytes::Bytes;
 use tessera_engine::Engine;
@@ -265,20 +265,49 @@ impl Simulation {
 
     /// Atomicity (the batches workload): every member holds every group's
     /// keys with one value, as the last batch to reach it wrote them.
-    fn check_groups_whole(&mut self, contents: &[(u32, Contents)]) {
-        for (id, entries) in contents {
-            for group in self.groups() {
+    /// Every member holds each group whole. Under a quorum protocol a
+    /// member's own records are not what a reader sees, and a batch's keys
+    /// hold its intents until they are rolled forward: there the state the
+    /// majority holds is checked, each intent taken as its primary decided.
+    fn check_groups_whole(&mut self, contents: &[(u32, Contents)], majority: Option<&[(Bytes, Record)]>) {
+        // A key no majority agrees on is the convergence check's to report.
+        let undecided: BTreeSet<&Bytes> = match majority {
+            Some(state) => contents
+                .iter()
+                .flat_map(|(_, entries)| entries.iter().map(|(key, _)| key))
+                .filter(|key| !state.iter().any(|(decided, _)| decided == *key))
+                .filter(|key| {
+                    contents
+                        .iter()
+                        .filter(|(_, entries)| !entries.iter().any(|(other, _)| other == *key))
+                        .count()
+                        <= contents.len() / 2
+                })
+                .collect(),
+            None => BTreeSet::new(),
+        };
+        let checked: Vec<(String, Values)> = match majority {
+            Some(state) if self.mode().quorum => vec![("a majority".into(), as_read(state))],
+            _ => contents
+                .iter()
+                .map(|(id, entries)| {
+                    let values = entries.iter().map(|(key, record)| (key.clone(), record.visible().cloned()));
+                    (format!("n{id}"), values.collect())
+                })
+                .collect(),
+        };
+        for (holder, entries) in checked {
+            for group in
+                self.groups().filter(|group| group_members(group).all(|member| !undecided.contains(&member)))
+            {
                 let values: Vec<Option<&Bytes>> = group_members(&group)
                     .map(|member| {
-                        entries
-                            .iter()
-                            .find(|(key, _)| *key == member)
-                            .and_then(|(_, record)| record.visible())
+                        entries.iter().find(|(key, _)| *key == member).and_then(|(_, value)| value.as_ref())
                     })
                     .collect();
                 if values.iter().any(|value| *value != values[0]) {
                     self.report.violations.push(format!(
-                        "atomicity: n{id} holds part of a batch in group {}: {values:?}",
+                        "atomicity: {holder} holds part of a batch in group {}: {values:?}",
                         String::from_utf8_lossy(&group)
                     ));
                 }
@@ -570,11 +599,13 @@ impl Simulation {
     }
 
     /// A replica's live records, by key (tombstones are bookkeeping: when
-    /// each replica collects one is its own business).
+    /// each replica collects one is its own business), and the tombstones
+    /// that carry a batch's intent.
     fn engine_contents(engine: &dyn Engine) -> Contents {
         let mut entries: Vec<(Bytes, Record)> = Vec::new();
         for_each_entry(engine, |key, raw| {
-            if let Some(record) = Record::decode(raw).ok().filter(|record| !record.tombstone) {
+            let kept = |record: &Record| !record.tombstone || record.intent.is_some();
+            if let Some(record) = Record::decode(raw).ok().filter(kept) {
                 entries.push((key, record));
             }
             Ok(())
@@ -611,10 +642,10 @@ impl Simulation {
             self.report.violations.extend(convergence::identical(&contents, quiet_ms));
             contents.first().map(|(_, contents)| contents.clone())
         };
-        if self.config.workload == Workload::Batches {
-            self.check_groups_whole(&contents);
-        }
         let final_state = final_state.as_deref();
+        if self.config.workload == Workload::Batches {
+            self.check_groups_whole(&contents, final_state);
+        }
         self.report.lost_acknowledged_writes = self.count_lost(final_state, 0);
         if self.config.workload == Workload::Appends {
             let writes_after_healing = self.report.history.operations.iter().any(|operation| {
@@ -689,4 +720,28 @@ pub(crate) fn catching_panics(seed: u64, run: impl FnOnce() -> Report) -> Report
             .unwrap_or("a panic without a message");
         Report { seed, violations: vec![format!("assertion: {message} (seed {seed})")], ..Report::default() }
     })
+}
+
+/// Each key's value, as some holder shows it.
+type Values = Vec<(Bytes, Option<Bytes>)>;
+
+/// Each key's value as a quorum reader sees it: an intent's value once the
+/// batch's primary shows it committed, the committed value otherwise.
+fn as_read(state: &[(Bytes, Record)]) -> Values {
+    let record_of = |key: &[u8]| state.iter().find(|(other, _)| other == key).map(|(_, record)| record);
+    state
+        .iter()
+        .map(|(key, record)| {
+            let value = match record.intent.as_deref() {
+                Some(intent)
+                    if record_of(&intent.primary)
+                        .is_some_and(|primary| primary.markers.contains(&intent.batch)) =>
+                {
+                    intent.value.clone()
+                }
+                _ => record.visible().cloned(),
+            };
+            (key.clone(), value)
+        })
+        .collect()
 }

@@ -9,7 +9,9 @@ use bytes::Bytes;
 use tessera_cluster::agent::{outcome, Agent, Completion};
 use tessera_cluster::capture::CapturingView;
 use tessera_engine::Engine;
-use tessera_protocol::{writes_bytes, ClientReply, Operation, Record, Write, WritePosition, UNIT_BYTES_MAX};
+use tessera_protocol::{
+    writes_bytes, ClientReply, ConditionalWrites, Operation, Record, Write, WritePosition, UNIT_BYTES_MAX,
+};
 use tessera_wire::{encode_command, ReplyWriter, Request};
 
 use super::forward::Forwarder;
@@ -333,9 +335,19 @@ async fn serve_keyed(
             }
             None
         }
-        Placement::Quorum { .. } if transaction.is_some() || is_script(spec) => {
+        Placement::Quorum { .. } if is_script(spec) => {
+            CommandError::Other("scripts are not served on active-active strong tables yet".into())
+                .write(context.out);
+            None
+        }
+        // WATCH compares this node's own versions of the keys, which writes
+        // through the other members do not move.
+        Placement::Quorum { .. } if transaction.is_some() && context.session.watched.is_some() => {
+            context.session.transaction = None;
+            context.session.watched = None;
             CommandError::Other(
-                "transactions and scripts are not served on active-active strong tables yet".into(),
+                "WATCH is not served on active-active strong tables yet (MULTI/EXEC alone is atomic there)"
+                    .into(),
             )
             .write(context.out);
             None
@@ -344,7 +356,7 @@ async fn serve_keyed(
             let start = context.out.len();
             level_header(context.out);
             let keys: Vec<Bytes> = keys().map(Bytes::copy_from_slice).collect();
-            run_on_quorum(cluster, context, spec, request, &keys, shard, &engine).await;
+            run_on_quorum(cluster, context, (spec, request, write), &keys, shard, &engine).await;
             cluster.traffic.record(&keys[0], raw.len(), context.out.len() - start);
             None
         }
@@ -471,13 +483,20 @@ fn replicate<'k>(
     keys: impl Iterator<Item = &'k [u8]>,
     writes: Vec<(Bytes, Write)>,
 ) -> CommandResult<(Completion, Option<WritePosition>)> {
-    let bytes = writes_bytes(&writes);
+    fits_one_unit(&writes)?;
+    Ok(agent.begin_batch(shard, keys, vec![replicated(writes)]))
+}
+
+/// Refuses, with nothing written, a command that writes more than one
+/// replicated unit carries.
+fn fits_one_unit(writes: &[(Bytes, Write)]) -> CommandResult<()> {
+    let bytes = writes_bytes(writes);
     if bytes > UNIT_BYTES_MAX {
         return Err(CommandError::Other(format!(
             "the command writes {bytes} bytes, more than the {UNIT_BYTES_MAX} that replicate as one unit; nothing was written"
         )));
     }
-    Ok(agent.begin_batch(shard, keys, vec![replicated(writes)]))
+    Ok(())
 }
 
 /// A command's captured writes as the operation replication carries: one
@@ -511,30 +530,35 @@ fn evalsha_as_eval(context: &Context<'_>, request: &Request<'_>) -> Option<Vec<u
 /// declared too busy.
 const QUORUM_ATTEMPTS: usize = 8;
 
-/// A command on a shard running a quorum protocol (AA+SC): it runs on its keys' records, and
-/// what it wrote is written only if each key's newest record is still the one
-/// it ran on; if one changed, the command runs again on records fetched
-/// through the quorum. A write first tries this member's own records (its
-/// proposals keep them current, so a key written through one member commits
-/// in a prepare and an accept); a read always fetches. Each key is
-/// linearizable; a command's writes to several keys are not atomic together.
+/// A command (or a transaction's EXEC) on a shard running a quorum protocol
+/// (AA+SC): it runs on its keys' records, and what it wrote is written only
+/// if each key's newest record is still the one it ran on, all its keys at
+/// once (a conditional batch, docs/PROTOCOLS.md "Batches on AA+SC"); if one
+/// changed, the command runs again on records fetched through the quorum. A
+/// write first tries this member's own records (its proposals keep them
+/// current, so a key written through one member commits in a prepare and an
+/// accept); a read always fetches.
 async fn run_on_quorum(
     cluster: &ClusterNode,
     context: &mut Context<'_>,
-    spec: &CommandSpec,
-    request: &Request<'_>,
+    (spec, request, write): (&CommandSpec, &Request<'_>, bool),
     keys: &[Bytes],
     shard: u32,
     engine: &Arc<dyn Engine>,
 ) {
-    let write = spec.flags.contains(&"write");
     let start = context.out.len();
+    // EXEC takes the transaction it runs: each attempt runs it anew, and
+    // the session is out of MULTI however EXEC ends.
+    let transaction = context.session.transaction.take();
     for attempt in 0..QUORUM_ATTEMPTS {
         context.out.truncate(start);
-        let records = if write && attempt == 0 {
-            local_records(engine.as_ref(), keys)
-        } else {
-            fetch_records(cluster, shard, keys).await
+        let local = match write && attempt == 0 {
+            true => local_records(engine.as_ref(), keys).transpose(),
+            false => None,
+        };
+        let records = match local {
+            Some(records) => records,
+            None => fetch_records(cluster, shard, keys).await,
         };
         let fetched = match records {
             Ok(fetched) => fetched,
@@ -545,6 +569,7 @@ async fn run_on_quorum(
             .map(|(key, record)| (key.clone(), record.as_ref().and_then(|record| record.visible().cloned())))
             .collect();
         let view = CapturingView::pinned(engine.clone(), pins);
+        context.session.transaction = transaction.clone();
         dispatch_admitted(&mut context.over(&view, false), spec, request);
         let writes = view.take();
         if writes.is_empty() {
@@ -558,24 +583,34 @@ async fn run_on_quorum(
             ))
             .write(context.out);
         }
-        let operations = writes
+        if let Err(error) = fits_one_unit(&writes) {
+            context.out.truncate(start);
+            return error.write(context.out);
+        }
+        let mut writes: ConditionalWrites = writes
             .into_iter()
             .map(|(key, write)| {
                 let expected = fetched[&key].as_ref().map(|record| (record.version, record.origin));
-                Operation::WriteIf { key, expected, write }
+                (key, expected, write)
             })
             .collect();
-        let mut changed = false;
-        for pending in cluster.agent.begin_all(shard, operations) {
-            match pending.answer().await {
-                ClientReply::Written | ClientReply::Value(_) => {}
-                ClientReply::Changed => changed = true,
-                other => {
-                    context.out.truncate(start);
-                    return failure(&other).write(context.out);
-                }
+        let operation = match writes.len() {
+            1 => {
+                let (key, expected, write) = writes.pop().expect("one write");
+                Operation::WriteIf { key, expected, write }
             }
-        }
+            _ => Operation::BatchIf { writes },
+        };
+        let pending = cluster.agent.begin_all(shard, vec![operation]).pop().expect("one operation");
+        let changed = match pending.answer().await {
+            ClientReply::Written | ClientReply::Value(_) => false,
+            // Nothing was written: a key changed, or another batch held one.
+            ClientReply::Changed | ClientReply::Retry(_) => true,
+            other => {
+                context.out.truncate(start);
+                return failure(&other).write(context.out);
+            }
+        };
         if !changed {
             if let Some(position) = cluster.agent.write_position(shard) {
                 context.session.note_write(shard, position);
@@ -588,16 +623,23 @@ async fn run_on_quorum(
 }
 
 /// Each key's record as this member holds it: a guess a conditional write
-/// checks.
-fn local_records(engine: &dyn Engine, keys: &[Bytes]) -> CommandResult<HashMap<Bytes, Option<Record>>> {
+/// checks. None when one carries a batch's intent, which only the quorum
+/// settles (a fetch does).
+fn local_records(
+    engine: &dyn Engine,
+    keys: &[Bytes],
+) -> CommandResult<Option<HashMap<Bytes, Option<Record>>>> {
     let mut records = HashMap::new();
     for key in keys {
         let raw = engine.get(key)?;
         let record =
             raw.map(Record::decode).transpose().map_err(|error| CommandError::Other(error.to_string()))?;
+        if record.as_ref().is_some_and(|record| record.intent.is_some()) {
+            return Ok(None);
+        }
         records.insert(key.clone(), record);
     }
-    Ok(records)
+    Ok(Some(records))
 }
 
 /// Each key's newest record, read through the quorum.

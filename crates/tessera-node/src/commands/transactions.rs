@@ -32,13 +32,14 @@ pub const COMMANDS: &[CommandSpec] = &[
 ];
 
 /// Commands queued since MULTI, each with its own copy of its arguments.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Transaction {
     queued: Vec<Queued>,
     /// A command was refused while queueing: EXEC aborts.
     refused: bool,
 }
 
+#[derive(Clone)]
 struct Queued {
     spec: &'static CommandSpec,
     bytes: Vec<u8>,

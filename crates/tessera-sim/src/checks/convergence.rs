@@ -53,9 +53,16 @@ pub fn majority_state(contents: &[(u32, Contents)]) -> (Contents, Vec<String>) {
             Some((Some(record), _)) => state.push((key.clone(), record.clone())),
             Some((None, _)) => {}
             None => violations.push(format!(
-                "convergence: no majority of the {} live members holds one record of key {:?}",
+                "convergence: no majority of the {} live members holds one record of key {:?}: {:?}",
                 contents.len(),
-                String::from_utf8_lossy(key)
+                String::from_utf8_lossy(key),
+                contents
+                    .iter()
+                    .map(|(_, entries)| entries
+                        .iter()
+                        .find(|(other, _)| other == key)
+                        .map(|(_, record)| record))
+                    .collect::<Vec<_>>()
             )),
         }
     }
