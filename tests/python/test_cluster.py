@@ -1461,6 +1461,48 @@ def test_transactions_run_whole_on_the_slots_head_and_refuse_two_slots(cluster_f
     assert_replicas_converge(cluster, accounts)
 
 
+def transfers_through_a_kill(cluster, accounts, victim, node_for, clients=4):
+    """Runs MULTI/EXEC transfers between `accounts` from `clients` threads,
+    each connecting to the node `node_for(rng)` names (again after every
+    error), through a kill -9 and a restart of node `victim`: how many
+    committed before the kill, and in all."""
+    stop, committed, lock = threading.Event(), [0], threading.Lock()
+
+    def transfers(seed):
+        rng = random.Random(seed)
+        connection = None
+        while not stop.is_set():
+            try:
+                if connection is None:
+                    connection = redis.Redis(port=cluster.port(node_for(rng)), socket_timeout=3, protocol=2,
+                                             retry=Retry(NoBackoff(), 0))
+                source, target = rng.sample(accounts, 2)
+                amount = rng.randint(1, 50)
+                with connection.pipeline(transaction=True) as pipe:
+                    pipe.decrby(source, amount)
+                    pipe.incrby(target, amount)
+                    pipe.execute()
+                with lock:
+                    committed[0] += 1
+            except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
+                connection = None  # a dead node, a new head, busy keys or an unknown outcome
+                time.sleep(0.05)
+
+    threads = [threading.Thread(target=transfers, args=(seed,)) for seed in range(clients)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.5)
+    before_kill = committed[0]
+    cluster.cli("kill", str(victim))
+    time.sleep(2.5)
+    cluster.cli("restart", str(victim))
+    time.sleep(1.5)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=30)
+    return before_kill, committed[0]
+
+
 @pytest.mark.parametrize("consistency", ["strong", "eventual"])
 def test_transactions_replicate_whole_through_a_kill_of_the_slots_head(cluster_factory, consistency):
     """Transfers by MULTI/EXEC between accounts of one slot keep the total
@@ -1480,41 +1522,8 @@ def test_transactions_replicate_whole_through_a_kill_of_the_slots_head(cluster_f
         return next(shard for shard in shards if any(first <= slot <= last for first, last in shard["slots"]))[
             "members"][0]
 
-    first_head = head()
-    stop, committed = threading.Event(), [0]
-
-    def transfers(seed):
-        rng = random.Random(seed)
-        connection = None
-        while not stop.is_set():
-            try:
-                if connection is None:
-                    connection = redis.Redis(port=cluster.port(head()), socket_timeout=2, protocol=2,
-                                             retry=Retry(NoBackoff(), 0))
-                source, target = rng.sample(accounts, 2)
-                amount = rng.randint(1, 50)
-                with connection.pipeline(transaction=True) as pipe:
-                    pipe.decrby(source, amount)
-                    pipe.incrby(target, amount)
-                    pipe.execute()
-                committed[0] += 1
-            except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
-                connection = None  # a dead head, a new one, or an unknown outcome
-                time.sleep(0.05)
-
-    threads = [threading.Thread(target=transfers, args=(seed,)) for seed in range(4)]
-    for thread in threads:
-        thread.start()
-    time.sleep(1.5)
-    before_kill = committed[0]
-    cluster.cli("kill", str(first_head))
-    time.sleep(2.5)
-    cluster.cli("restart", str(first_head))
-    time.sleep(1.5)
-    stop.set()
-    for thread in threads:
-        thread.join(timeout=30)
-    assert before_kill > 50 and committed[0] > before_kill + 50, (before_kill, committed[0])
+    before_kill, committed = transfers_through_a_kill(cluster, accounts, head(), lambda rng: head())
+    assert before_kill > 50 and committed > before_kill + 50, (before_kill, committed)
     cluster.wait_for_full_shards()
     balances = [int(client.get(account)) for account in accounts]
     assert sum(balances) == 5000 and balances != [1000] * 5, balances
@@ -1535,43 +1544,9 @@ def test_active_active_strong_transactions_commit_whole_from_every_member_throug
     slot = key_slot(accounts[0].encode())
     members = next(shard for shard in cluster.map()["shards"]
                    if any(first <= slot <= last for first, last in shard["slots"]))["members"]
-    stop, committed, lock = threading.Event(), [0], threading.Lock()
-
-    def transfers(seed):
-        rng = random.Random(seed)
-        member = members[seed % len(members)]
-        connection = None
-        while not stop.is_set():
-            try:
-                if connection is None:
-                    connection = redis.Redis(port=cluster.port(member), socket_timeout=3, protocol=2,
-                                             retry=Retry(NoBackoff(), 0))
-                source, target = rng.sample(accounts, 2)
-                amount = rng.randint(1, 50)
-                with connection.pipeline(transaction=True) as pipe:
-                    pipe.decrby(source, amount)
-                    pipe.incrby(target, amount)
-                    pipe.execute()
-                with lock:
-                    committed[0] += 1
-            except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
-                connection = None  # a dead member, busy keys or an unknown outcome
-                member = rng.choice(members)
-                time.sleep(0.05)
-
-    threads = [threading.Thread(target=transfers, args=(seed,)) for seed in range(6)]
-    for thread in threads:
-        thread.start()
-    time.sleep(2)
-    before_kill = committed[0]
-    cluster.cli("kill", str(members[1]))
-    time.sleep(2)
-    cluster.cli("restart", str(members[1]))
-    time.sleep(1.5)
-    stop.set()
-    for thread in threads:
-        thread.join(timeout=30)
-    assert before_kill > 30 and committed[0] > before_kill + 30, (before_kill, committed[0])
+    before_kill, committed = transfers_through_a_kill(cluster, accounts, members[1], lambda rng: rng.choice(members),
+                                                      clients=6)
+    assert before_kill > 30 and committed > before_kill + 30, (before_kill, committed)
     cluster.wait_for_full_shards()
     balances = [int(client.get(account)) for account in accounts]
     assert sum(balances) == 5000 and balances != [1000] * 5, balances
