@@ -1231,6 +1231,9 @@ impl QuorumRegister {
             },
             Step::Status { batch } => {
                 let Some(found) = &base else { return Plan::Answer(Outcome::Status(BatchStatus::Aborted)) };
+                // A decision is written back, so that the record it rests on
+                // is chosen; a wait needs nothing, and a write would only
+                // outbid the batch's own commit.
                 let mut record = write(committed);
                 let status = if found.markers.contains(batch) {
                     BatchStatus::Committed
@@ -1238,7 +1241,7 @@ impl QuorumRegister {
                     record.intent = None;
                     BatchStatus::Aborted
                 } else if own_intent(*batch).is_some() {
-                    BatchStatus::Pending
+                    return Plan::Answer(Outcome::Status(BatchStatus::Pending));
                 } else {
                     BatchStatus::Aborted
                 };
