@@ -1881,6 +1881,17 @@ mod tests {
     }
 
     #[test]
+    fn a_lone_member_commits_a_batch_within_the_call() {
+        // Every phase of a one-member view ends as it starts.
+        let mut replicas = replicas(1);
+        let mut fx = Effects::new(10);
+        replicas[0].on_client(batch(1, &["a", "b"], "v"), &mut fx);
+        assert_eq!(fx.take(), vec![Effect::Reply { request: RequestId(1), reply: ClientReply::Written }]);
+        assert_eq!(value(&replicas[0], "b"), Some(Bytes::from_static(b"v")));
+        assert!(replicas[0].quiescent() && replicas[0].intents.is_empty());
+    }
+
+    #[test]
     fn a_conditional_batch_writes_nothing_when_a_key_changed() {
         let mut replicas = replicas(3);
         client(&mut replicas, 0, put(1, "a", "1"), None);
