@@ -597,8 +597,6 @@ pub struct QuorumRegister {
     next_run: u64,
     /// The keys whose record here carries an intent, and its batch.
     intents: BTreeMap<Bytes, BatchId>,
-    /// Keys this replica's sweep is resolving.
-    sweeping: BTreeSet<Bytes>,
     /// As a learner: where it is in each member's snapshot stream, and
     /// whose it has merged whole.
     receivers: BTreeMap<NodeId, SnapshotReceiver>,
@@ -661,7 +659,6 @@ impl QuorumRegister {
             runs: BTreeMap::new(),
             next_run: 1,
             intents,
-            sweeping: BTreeSet::new(),
             receivers: BTreeMap::new(),
             merged_from: BTreeSet::new(),
             ready_in: None,
@@ -1064,21 +1061,30 @@ impl QuorumRegister {
                 };
                 Some(Outcome::Reply(ClientReply::Value(value)))
             }
-            Step::Status { batch } => {
-                let status = if chosen.is_some_and(|record| record.markers.contains(batch)) {
-                    BatchStatus::Committed
-                } else if intent.is_some_and(|intent| intent.batch == *batch) {
-                    // A stale one is aborted, which takes a write.
-                    if self.stale(*batch, now) {
-                        return None;
-                    }
-                    BatchStatus::Pending
-                } else {
-                    BatchStatus::Aborted
-                };
-                Some(Outcome::Status(status))
-            }
+            // Aborting a stale batch takes a write.
+            Step::Status { batch } => match self.status_on_primary(chosen, *batch, now) {
+                (_, true) => None,
+                (status, false) => Some(Outcome::Status(status)),
+            },
             _ => None,
+        }
+    }
+
+    /// What the primary's record says of `batch`: committed (its marker
+    /// there), pending (its intent there, younger than the lock patience) or
+    /// aborted; `true` when the aborting is this reader's, the stale intent
+    /// to be dropped.
+    fn status_on_primary(&self, primary: Option<&Record>, batch: BatchId, now: Time) -> (BatchStatus, bool) {
+        let intent = primary.and_then(|record| record.intent.as_deref());
+        if primary.is_some_and(|record| record.markers.contains(&batch)) {
+            (BatchStatus::Committed, false)
+        } else if intent.is_some_and(|intent| intent.batch == batch) {
+            match self.stale(batch, now) {
+                true => (BatchStatus::Aborted, true),
+                false => (BatchStatus::Pending, false),
+            }
+        } else {
+            (BatchStatus::Aborted, false)
         }
     }
 
@@ -1125,10 +1131,9 @@ impl QuorumRegister {
             if proposal.step.meets_intents() && proposal.step.batch() != Some(intent.batch) {
                 let status = match proposal.resolved {
                     Some((batch, status)) if batch == intent.batch => status,
-                    _ if intent.primary == proposal.key && self.stale(intent.batch, now) => {
-                        BatchStatus::Aborted
+                    _ if intent.primary == proposal.key => {
+                        self.status_on_primary(base.as_ref(), intent.batch, now).0
                     }
-                    _ if intent.primary == proposal.key => BatchStatus::Pending,
                     _ => return Plan::Resolve { batch: intent.batch, primary: intent.primary.clone() },
                 };
                 let record = base.as_mut().expect("it has an intent");
@@ -1229,22 +1234,18 @@ impl QuorumRegister {
                 }
                 None => Plan::Answer(Outcome::Done),
             },
+            // A decision is written back, so that the record it rests on is
+            // chosen; a wait needs nothing, and a write would only outbid the
+            // batch's own commit.
             Step::Status { batch } => {
-                let Some(found) = &base else { return Plan::Answer(Outcome::Status(BatchStatus::Aborted)) };
-                // A decision is written back, so that the record it rests on
-                // is chosen; a wait needs nothing, and a write would only
-                // outbid the batch's own commit.
+                let (status, aborts) = self.status_on_primary(base.as_ref(), *batch, now);
+                if status == BatchStatus::Pending || base.is_none() {
+                    return Plan::Answer(Outcome::Status(status));
+                }
                 let mut record = write(committed);
-                let status = if found.markers.contains(batch) {
-                    BatchStatus::Committed
-                } else if own_intent(*batch).is_some() && self.stale(*batch, now) {
+                if aborts {
                     record.intent = None;
-                    BatchStatus::Aborted
-                } else if own_intent(*batch).is_some() {
-                    return Plan::Answer(Outcome::Status(BatchStatus::Pending));
-                } else {
-                    BatchStatus::Aborted
-                };
+                }
                 Plan::Write(record, Outcome::Status(status))
             }
         }
@@ -1266,9 +1267,7 @@ impl QuorumRegister {
             }
             Waiter::Batch { run, index } => self.on_batch_step(run, index, outcome, fx),
             Waiter::Resolver(waiting) => self.on_status(waiting, outcome, fx),
-            Waiter::Sweep => {
-                self.sweeping.remove(&proposal.key);
-            }
+            Waiter::Sweep => {}
         }
         if let Some(lane) = proposal.lane() {
             let queue = (lane, proposal.key.clone());
@@ -1344,14 +1343,11 @@ impl QuorumRegister {
         self.propose(Proposal::new(Waiter::Batch { run, index: 0 }, primary, first), fx);
         #[cfg(feature = "broken")]
         if self.options.broken_parallel_locks {
-            let batch_run = self.runs.get_mut(&run).expect("inserted above");
-            batch_run.stage = Stage::Locking;
-            batch_run.pending = batch_run.keys.len();
-            let others: Vec<usize> = (1..batch_run.keys.len()).collect();
-            let pending = batch_run.pending;
+            let others: Vec<usize> = (1..self.runs[&run].keys.len()).collect();
             self.batch_steps(run, Stage::Locking, others, fx);
+            // The primary's lock is under way too.
             if let Some(batch_run) = self.runs.get_mut(&run) {
-                batch_run.pending = pending;
+                batch_run.pending += 1;
             }
         }
     }
@@ -1455,23 +1451,23 @@ impl QuorumRegister {
     fn sweep(&mut self, fx: &mut Effects) {
         const SWEEPS_AT_ONCE: usize = 16;
         let Some(position) = self.view.as_ref().and_then(|view| view.position(self.me)) else { return };
-        let now = fx.now();
         // Members that hold the same intents sweep them one after another,
         // not all at once: each sweep settles the key at every member.
-        let patience = self.patience() + self.options.lock_patience_ms * position as u64;
+        let now = fx.now().saturating_sub(self.options.lock_patience_ms * position as u64);
+        let under_way =
+            self.proposals.values().filter(|proposal| matches!(proposal.waiter, Waiter::Sweep)).count();
+        // A sweep reads in the client lane: a key with one under way, or a
+        // client's operation, is not swept again.
         let due: Vec<Bytes> = self
             .intents
             .iter()
             .filter(|(key, batch)| {
-                now >= batch.0.physical_ms().saturating_add(patience)
-                    && !self.queues.contains_key(&(Lane::Client, (*key).clone()))
-                    && !self.sweeping.contains(*key)
+                self.stale(**batch, now) && !self.queues.contains_key(&(Lane::Client, (*key).clone()))
             })
             .map(|(key, _)| key.clone())
-            .take(SWEEPS_AT_ONCE.saturating_sub(self.sweeping.len()))
+            .take(SWEEPS_AT_ONCE.saturating_sub(under_way))
             .collect();
         for key in due {
-            self.sweeping.insert(key.clone());
             let read = Step::Client(Operation::Get { key: key.clone(), consistency: Consistency::Strong });
             self.propose(Proposal::new(Waiter::Sweep, key, read), fx);
         }
@@ -1880,6 +1876,14 @@ mod tests {
         assert_eq!(replies, vec![ClientReply::Value(Some(Bytes::from_static(b"new")))]);
     }
 
+    /// A batch of "a" (its primary, "a0" underneath) and "b" ("b0"),
+    /// locked at time 5 and never committed.
+    fn leave_uncommitted_batch(replicas: &mut [QuorumRegister]) {
+        let batch = (Version::new(5, 0), NodeId(2));
+        leave(replicas, "a", &with_intent(Version::new(5, 1).0, "a0", batch, "a", "new"));
+        leave(replicas, "b", &with_intent(Version::new(5, 2).0, "b0", batch, "a", "new"));
+    }
+
     #[test]
     fn a_lone_member_commits_a_batch_within_the_call() {
         // Every phase of a one-member view ends as it starts.
@@ -1932,9 +1936,7 @@ mod tests {
     #[test]
     fn a_stale_batch_that_never_committed_is_aborted_by_the_next_writer() {
         let mut replicas = replicas(3);
-        let batch = (Version::new(5, 0), NodeId(2));
-        leave(&mut replicas, "a", &with_intent(Version::new(5, 1).0, "a0", batch, "a", "new"));
-        leave(&mut replicas, "b", &with_intent(Version::new(5, 2).0, "b0", batch, "a", "new"));
+        leave_uncommitted_batch(&mut replicas);
         // Young: a reader of b waits (no answer without ticks) and nothing changes.
         let (replies, _) = client_at(&mut replicas, 0, get(1, "b"), None, 10);
         assert!(replies.is_empty(), "{replies:?}");
@@ -1954,9 +1956,7 @@ mod tests {
     #[test]
     fn a_member_sweeps_the_intents_it_holds_and_is_quiescent_only_then() {
         let mut replicas = replicas(3);
-        let batch = (Version::new(5, 0), NodeId(2));
-        leave(&mut replicas, "a", &with_intent(Version::new(5, 1).0, "a0", batch, "a", "new"));
-        leave(&mut replicas, "b", &with_intent(Version::new(5, 2).0, "b0", batch, "a", "new"));
+        leave_uncommitted_batch(&mut replicas);
         assert!(!replicas[0].quiescent());
         let later = 5 + QuorumOptions::default().lock_patience_ms + 1;
         // Only the first member ticks: its sweep settles both keys everywhere.
