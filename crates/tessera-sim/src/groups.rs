@@ -862,9 +862,9 @@ impl GroupsSimulation {
         let mut final_state = Contents::new();
         for contents in owned.values() {
             if self.config.protocol.copies_needed(self.config.replicas) > 1 {
-                let (state, violations) = convergence::majority_state(contents);
+                let (majority, violations) = convergence::majority_state(contents);
                 self.report.violations.extend(violations);
-                final_state.extend(state);
+                final_state.extend(majority.state);
             } else {
                 self.report
                     .violations

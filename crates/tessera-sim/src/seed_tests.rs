@@ -15,6 +15,18 @@ fn mode(name: &str) -> Mode {
 /// Any other violation in them still fails.
 const OPEN_CONVERGENCE: &[(&str, u64)] = &[("quorum", 162)];
 
+/// The batches workload on `protocol` (switching to `transition_to`), with
+/// the time its reads back take.
+fn batches(protocol: Mode, transition_to: Option<Mode>) -> SimConfig {
+    let quorum = protocol.quorum || transition_to.is_some_and(|target| target.quorum);
+    SimConfig {
+        workload: Workload::Batches,
+        transition_to,
+        timing: RunTiming::for_workload(Workload::Batches, quorum),
+        ..SimConfig::new(protocol)
+    }
+}
+
 fn failures(protocol: Mode, seeds: std::ops::Range<u64>) -> Vec<Report> {
     let config = SimConfig::new(protocol);
     let name = protocol.to_string();
@@ -111,7 +123,7 @@ fn a_broken_invariant_fails_the_run_loudly_with_its_seed() {
 #[test]
 fn every_ordering_protocol_applies_batches_whole() {
     for protocol in Mode::all().filter(|mode| !mode.quorum) {
-        let config = SimConfig { workload: Workload::Batches, ..SimConfig::new(protocol) };
+        let config = batches(protocol, None);
         for seed in 0..150 {
             let report = run(seed, &config);
             assert!(
@@ -130,11 +142,7 @@ fn every_ordering_protocol_applies_batches_whole() {
 /// acknowledged batch is lost.
 #[test]
 fn a_quorum_commits_batches_whole() {
-    let config = SimConfig {
-        workload: Workload::Batches,
-        timing: RunTiming::for_workload(Workload::Batches, true),
-        ..SimConfig::new(mode("quorum"))
-    };
+    let config = batches(mode("quorum"), None);
     let mut acknowledged = 0;
     for seed in 0..150 {
         let report = run(seed, &config);
@@ -159,11 +167,7 @@ const OPEN_BATCH_CONVERGENCE: &[u64] = &[136];
 
 #[test]
 fn the_checkers_catch_batches_that_lock_their_primary_with_the_other_keys() {
-    let config = SimConfig {
-        workload: Workload::Batches,
-        timing: RunTiming::for_workload(Workload::Batches, true),
-        ..SimConfig::new(mode("broken-quorum-parallel-locks"))
-    };
+    let config = batches(mode("broken-quorum-parallel-locks"), None);
     let caught = (0..100)
         .map(|seed| run(seed, &config))
         .filter(|report| {
@@ -177,8 +181,7 @@ fn the_checkers_catch_batches_that_lock_their_primary_with_the_other_keys() {
 
 #[test]
 fn the_checkers_catch_a_chain_that_applies_a_batch_a_write_at_a_time() {
-    let config =
-        SimConfig { workload: Workload::Batches, ..SimConfig::new(mode("broken-chain-split-batches")) };
+    let config = batches(mode("broken-chain-split-batches"), None);
     let caught = (0..100)
         .map(|seed| run(seed, &config))
         .filter(|report| report.violations.iter().any(|violation| violation.starts_with("linearizability")))
@@ -253,12 +256,7 @@ fn transitions() -> impl Iterator<Item = (Mode, Mode)> {
 #[test]
 fn transitions_keep_batches_whole() {
     for (from, to) in transitions() {
-        let config = SimConfig {
-            workload: Workload::Batches,
-            transition_to: Some(to),
-            timing: RunTiming::for_workload(Workload::Batches, from.quorum || to.quorum),
-            ..SimConfig::new(from)
-        };
+        let config = batches(from, Some(to));
         for seed in 0..30 {
             let report = run(seed, &config);
             assert!(report.violations.is_empty(), "{from} to {to} seed {seed}: {:?}", report.violations);

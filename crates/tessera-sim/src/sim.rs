@@ -18,7 +18,7 @@ use tessera_protocol::{
     Record, Replica as Driver, RequestId, ShardView,
 };
 
-use crate::checks::convergence::{self, Contents};
+use crate::checks::convergence::{self, Contents, Majority};
 use crate::checks::durability;
 use crate::checks::linearizability::{self, Verdict};
 use crate::clients::{group_members, Client};
@@ -264,30 +264,19 @@ impl Simulation {
     }
 
     /// Atomicity (the batches workload): every member holds every group's
-    /// keys with one value, as the last batch to reach it wrote them.
-    /// Every member holds each group whole. Under a quorum protocol a
-    /// member's own records are not what a reader sees, and a batch's keys
-    /// hold its intents until they are rolled forward: there the state the
-    /// majority holds is checked, each intent taken as its primary decided.
-    fn check_groups_whole(&mut self, contents: &[(u32, Contents)], majority: Option<&[(Bytes, Record)]>) {
-        // A key no majority agrees on is the convergence check's to report.
-        let undecided: BTreeSet<&Bytes> = match majority {
-            Some(state) => contents
-                .iter()
-                .flat_map(|(_, entries)| entries.iter().map(|(key, _)| key))
-                .filter(|key| !state.iter().any(|(decided, _)| decided == *key))
-                .filter(|key| {
-                    contents
-                        .iter()
-                        .filter(|(_, entries)| !entries.iter().any(|(other, _)| other == *key))
-                        .count()
-                        <= contents.len() / 2
-                })
-                .collect(),
-            None => BTreeSet::new(),
-        };
+    /// keys with one value, as the last batch to reach it wrote them. Under
+    /// a quorum protocol a member's own records are not what a reader sees,
+    /// and a batch's keys hold its intents until they are rolled forward:
+    /// there the state the majority holds is checked, each intent taken as
+    /// its primary decided (a group with a key no majority agrees on is the
+    /// convergence check's to report).
+    fn check_groups_whole(&mut self, contents: &[(u32, Contents)], majority: Option<&Majority>) {
+        let mut undecided = BTreeSet::new();
         let checked: Vec<(String, Values)> = match majority {
-            Some(state) if self.mode().quorum => vec![("a majority".into(), as_read(state))],
+            Some(majority) if self.mode().quorum => {
+                undecided = majority.undecided.iter().collect();
+                vec![("a majority".into(), as_read(&majority.state))]
+            }
             _ => contents
                 .iter()
                 .map(|(id, entries)| {
@@ -633,18 +622,21 @@ impl Simulation {
         if let (Some(target), None) = (self.config.transition_to, self.report.transition_completed_at) {
             self.report.violations.push(format!("liveness: the transition to {target} never completed"));
         }
-        let final_state = if self.mode().copies_needed(self.config.replicas as usize) > 1 {
-            let (state, violations) = convergence::majority_state(&contents);
+        let majority = (self.mode().copies_needed(self.config.replicas as usize) > 1).then(|| {
+            let (majority, violations) = convergence::majority_state(&contents);
             self.report.violations.extend(violations);
-            Some(state)
-        } else {
-            let quiet_ms = self.config.timing.client_timeout_ms + 200;
-            self.report.violations.extend(convergence::identical(&contents, quiet_ms));
-            contents.first().map(|(_, contents)| contents.clone())
+            majority
+        });
+        let final_state = match &majority {
+            Some(majority) => Some(&majority.state[..]),
+            None => {
+                let quiet_ms = self.config.timing.client_timeout_ms + 200;
+                self.report.violations.extend(convergence::identical(&contents, quiet_ms));
+                contents.first().map(|(_, contents)| &contents[..])
+            }
         };
-        let final_state = final_state.as_deref();
         if self.config.workload == Workload::Batches {
-            self.check_groups_whole(&contents, final_state);
+            self.check_groups_whole(&contents, majority.as_ref());
         }
         self.report.lost_acknowledged_writes = self.count_lost(final_state, 0);
         if self.config.workload == Workload::Appends {

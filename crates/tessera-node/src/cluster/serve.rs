@@ -552,10 +552,8 @@ async fn run_on_quorum(
     let transaction = context.session.transaction.take();
     for attempt in 0..QUORUM_ATTEMPTS {
         context.out.truncate(start);
-        let local = match write && attempt == 0 {
-            true => local_records(engine.as_ref(), keys).transpose(),
-            false => None,
-        };
+        let local =
+            (write && attempt == 0).then(|| local_records(engine.as_ref(), keys).transpose()).flatten();
         let records = match local {
             Some(records) => records,
             None => fetch_records(cluster, shard, keys).await,
@@ -587,20 +585,15 @@ async fn run_on_quorum(
             context.out.truncate(start);
             return error.write(context.out);
         }
-        let mut writes: ConditionalWrites = writes
+        // The protocol runs a batch of one key as that key's conditional write.
+        let writes: ConditionalWrites = writes
             .into_iter()
             .map(|(key, write)| {
                 let expected = fetched[&key].as_ref().map(|record| (record.version, record.origin));
                 (key, expected, write)
             })
             .collect();
-        let operation = match writes.len() {
-            1 => {
-                let (key, expected, write) = writes.pop().expect("one write");
-                Operation::WriteIf { key, expected, write }
-            }
-            _ => Operation::BatchIf { writes },
-        };
+        let operation = Operation::BatchIf { writes };
         let pending = cluster.agent.begin_all(shard, vec![operation]).pop().expect("one operation");
         let changed = match pending.answer().await {
             ClientReply::Written | ClientReply::Value(_) => false,

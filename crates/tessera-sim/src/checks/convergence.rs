@@ -32,13 +32,22 @@ pub fn identical(contents: &[(u32, Contents)], quiet_ms: u64) -> Vec<String> {
     violations
 }
 
-/// Per key, the record a majority of the members hold (absence counts as a
-/// record), and a violation for each key without one.
-pub fn majority_state(contents: &[(u32, Contents)]) -> (Contents, Vec<String>) {
+/// What a majority of the members hold.
+pub struct Majority {
+    /// Per key, the record a majority holds (absence counts as a record).
+    pub state: Contents,
+    /// The keys no majority agrees on.
+    pub undecided: Vec<Bytes>,
+}
+
+/// What a majority of the members hold, and a violation for each key
+/// without one.
+pub fn majority_state(contents: &[(u32, Contents)]) -> (Majority, Vec<String>) {
     let majority = contents.len() / 2 + 1;
     let keys: BTreeSet<&Bytes> =
         contents.iter().flat_map(|(_, entries)| entries.iter().map(|(key, _)| key)).collect();
     let mut state = Vec::new();
+    let mut undecided = Vec::new();
     let mut violations = Vec::new();
     for key in keys {
         let mut counts: Vec<(Option<&Record>, usize)> = Vec::new();
@@ -52,19 +61,22 @@ pub fn majority_state(contents: &[(u32, Contents)]) -> (Contents, Vec<String>) {
         match counts.into_iter().find(|(_, count)| *count >= majority) {
             Some((Some(record), _)) => state.push((key.clone(), record.clone())),
             Some((None, _)) => {}
-            None => violations.push(format!(
-                "convergence: no majority of the {} live members holds one record of key {:?}: {:?}",
-                contents.len(),
-                String::from_utf8_lossy(key),
-                contents
-                    .iter()
-                    .map(|(_, entries)| entries
+            None => {
+                undecided.push(key.clone());
+                violations.push(format!(
+                    "convergence: no majority of the {} live members holds one record of key {:?}: {:?}",
+                    contents.len(),
+                    String::from_utf8_lossy(key),
+                    contents
                         .iter()
-                        .find(|(other, _)| other == key)
-                        .map(|(_, record)| record))
-                    .collect::<Vec<_>>()
-            )),
+                        .map(|(_, entries)| entries
+                            .iter()
+                            .find(|(other, _)| other == key)
+                            .map(|(_, record)| record))
+                        .collect::<Vec<_>>()
+                ))
+            }
         }
     }
-    (state, violations)
+    (Majority { state, undecided }, violations)
 }
