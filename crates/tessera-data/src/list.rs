@@ -135,16 +135,21 @@ impl Default for Elements {
     }
 }
 
+/// How many elements `(len u32, element) × n` holds, their lengths checked.
+fn count_stored(raw: &[u8]) -> DataResult<usize> {
+    let mut count = 0;
+    let mut at = 0;
+    while at < raw.len() {
+        at = stored_bytes(raw, at)?.end;
+        count += 1;
+    }
+    Ok(count)
+}
+
 impl Elements {
     /// Stored elements, their lengths checked.
     fn encoded(raw: Bytes) -> DataResult<Self> {
-        let mut count = 0;
-        let mut at = 0;
-        while at < raw.len() {
-            at = stored_bytes(&raw, at)?.end;
-            count += 1;
-        }
-        Ok(Elements::Encoded { raw, count })
+        Ok(Elements::Encoded { count: count_stored(&raw)?, raw })
     }
 
     fn len(&self) -> usize {
@@ -241,6 +246,241 @@ impl Elements {
             }
         }
     }
+}
+
+/// Pushes `elements` one by one to `end` of the stored elements that begin at
+/// `base` in `value` (a list's value or a page), where they lie.
+fn insert_stored(value: &mut Vec<u8>, base: usize, end: End, elements: &[&[u8]]) {
+    let added: usize = elements.iter().map(|element| 4 + element.len()).sum();
+    let at = match end {
+        End::Front => base,
+        End::Back => value.len(),
+    };
+    let old_len = value.len();
+    value.resize(old_len + added, 0);
+    value.copy_within(at..old_len, at + added);
+    let mut written = at;
+    let mut write = |element: &&[u8]| {
+        value[written..written + 4].copy_from_slice(&(element.len() as u32).to_le_bytes());
+        value[written + 4..written + 4 + element.len()].copy_from_slice(element);
+        written += 4 + element.len();
+    };
+    // The last element pushed to the front ends up first.
+    match end {
+        End::Front => elements.iter().rev().for_each(&mut write),
+        End::Back => elements.iter().for_each(&mut write),
+    }
+}
+
+/// Pops `count` of the `held` stored elements that begin at `base` in
+/// `value` from `end`, where they lie: the popped elements, in the order
+/// popped. `count` is below `held`.
+fn take_stored(
+    value: &mut Vec<u8>,
+    base: usize,
+    end: End,
+    count: usize,
+    held: usize,
+) -> DataResult<Vec<Bytes>> {
+    debug_assert!(count < held);
+    let kept_before = match end {
+        End::Front => count,
+        End::Back => held - count,
+    };
+    let mut boundary = base;
+    for _ in 0..kept_before {
+        boundary = stored_bytes(value, boundary)?.end;
+    }
+    let (from, to) = match end {
+        End::Front => (base, boundary),
+        End::Back => (boundary, value.len()),
+    };
+    let mut popped = Vec::with_capacity(count);
+    let mut at = from;
+    while at < to {
+        let element = stored_bytes(value, at)?;
+        at = element.end;
+        popped.push(Bytes::copy_from_slice(&value[element]));
+    }
+    if end == End::Back {
+        popped.reverse();
+    }
+    value.drain(from..to);
+    Ok(popped)
+}
+
+/// A paged list's header: `PAGED | id | length | head | tail | next page id`.
+struct PagedHeader {
+    id: u64,
+    len: u64,
+    head: u64,
+    tail: u64,
+}
+
+impl PagedHeader {
+    /// Where the length lies in the payload.
+    const LEN_AT: usize = 9;
+
+    fn read(payload: &[u8]) -> DataResult<Self> {
+        let word = |at: usize| -> DataResult<u64> {
+            let bytes = payload.get(at..at + 8).ok_or_else(corrupt)?;
+            Ok(u64::from_le_bytes(bytes.try_into().expect("8 bytes")))
+        };
+        Ok(Self { id: word(1)?, len: word(Self::LEN_AT)?, head: word(17)?, tail: word(25)? })
+    }
+
+    fn outer(&self, end: End) -> u64 {
+        match end {
+            End::Front => self.head,
+            End::Back => self.tail,
+        }
+    }
+}
+
+/// What the in-place paths found at a list's key.
+enum Form {
+    /// An inline list, already changed: its new length.
+    Inline(u64),
+    /// A paged list, its length already changed.
+    Paged(PagedHeader),
+}
+
+/// Adds `delta` to a paged list's stored length, where it lies.
+fn adjust_length(engine: &dyn Engine, key: &[u8], delta: i64, now_ms: u64) -> DataResult<()> {
+    typed::edit_live(engine, key, Kind::List, now_ms, |value, start| {
+        let at = start + PagedHeader::LEN_AT;
+        let stored = value.get_mut(at..at + 8).ok_or_else(corrupt)?;
+        let len = u64::from_le_bytes((&*stored).try_into().expect("8 bytes"));
+        stored.copy_from_slice(&len.wrapping_add_signed(delta).to_le_bytes());
+        Ok(Some(()))
+    })?
+    .ok_or_else(corrupt)
+}
+
+/// Edits the inline list's value or, for a paged list, its stored length
+/// by `delta` then its page at `end`; undoes the length if the page's edit
+/// declines or fails. `inline` and `page` get the value and where the
+/// stored elements begin, with how many it holds.
+fn edit_end<T>(
+    engine: &dyn Engine,
+    key: &[u8],
+    end: End,
+    delta: i64,
+    now_ms: u64,
+    mut inline: impl FnMut(&mut Vec<u8>, usize, usize) -> DataResult<Option<(u64, T)>>,
+    mut page: impl FnMut(&mut Vec<u8>, usize, usize) -> DataResult<Option<T>>,
+) -> DataResult<Option<(u64, T)>> {
+    let mut answer = None;
+    let form = typed::edit_live(engine, key, Kind::List, now_ms, |value, start| {
+        match *value.get(start).ok_or_else(corrupt)? {
+            INLINE => {
+                let held = count_stored(&value[start + 1..])?;
+                Ok(inline(value, start + 1, held)?.map(|(len, done)| {
+                    answer = Some(done);
+                    Form::Inline(len)
+                }))
+            }
+            PAGED => {
+                let mut header = PagedHeader::read(&value[start..])?;
+                let len = header.len.checked_add_signed(delta).filter(|len| *len > 0);
+                let Some(len) = len else { return Ok(None) };
+                header.len = len;
+                value[start + PagedHeader::LEN_AT..start + PagedHeader::LEN_AT + 8]
+                    .copy_from_slice(&len.to_le_bytes());
+                Ok(Some(Form::Paged(header)))
+            }
+            _ => Err(corrupt()),
+        }
+    })?;
+    let header = match form {
+        None => return Ok(None),
+        Some(Form::Inline(len)) => return Ok(answer.map(|done| (len, done))),
+        Some(Form::Paged(header)) => header,
+    };
+    let name = entry_key(key, header.id, PAGE, &header.outer(end).to_be_bytes());
+    let edited = typed::edit_value(engine, &name, |value| {
+        let value = value.ok_or_else(corrupt)?;
+        let held = count_stored(value.get(16..).ok_or_else(corrupt)?)?;
+        page(value, 16, held)
+    });
+    if !matches!(edited, Ok(Some(_))) {
+        adjust_length(engine, key, -delta, now_ms)?;
+    }
+    Ok(edited?.map(|done| (header.len, done)))
+}
+
+/// LPUSH and RPUSH where the list lies ([`typed::edits_in_place`]): the
+/// inline list's value, or the header's length and the end page, changed
+/// in place. The new length, or `None` when the push needs the general
+/// path ([`List`]): no list yet, an inline list outgrowing its form, or an
+/// end page without room.
+pub fn push_in_place(
+    engine: &dyn Engine,
+    key: &[u8],
+    end: End,
+    elements: &[&[u8]],
+    now_ms: u64,
+) -> DataResult<Option<u64>> {
+    if !typed::edits_in_place(engine) {
+        return Ok(None);
+    }
+    let count = elements.len();
+    let bytes: usize = elements.iter().map(|element| 4 + element.len()).sum();
+    let fits = |value: &Vec<u8>, base: usize, held: usize, elements_max: usize, bytes_max: usize| {
+        held + count <= elements_max && value.len() - base + bytes <= bytes_max
+    };
+    let pushed = edit_end(
+        engine,
+        key,
+        end,
+        count as i64,
+        now_ms,
+        |value, base, held| {
+            if !fits(value, base, held, INLINE_ELEMENTS_MAX, INLINE_BYTES_MAX) {
+                return Ok(None);
+            }
+            insert_stored(value, base, end, elements);
+            Ok(Some(((held + count) as u64, ())))
+        },
+        |value, base, held| {
+            if !fits(value, base, held, PAGE_ELEMENTS_MAX, PAGE_BYTES_MAX) {
+                return Ok(None);
+            }
+            insert_stored(value, base, end, elements);
+            Ok(Some(()))
+        },
+    )?;
+    Ok(pushed.map(|(len, ())| len))
+}
+
+/// LPOP and RPOP of `count` elements where the list lies, as
+/// [`push_in_place`] pushes: the popped elements, or `None` when the pop
+/// needs the general path (no list, or the list or its end page emptied).
+pub fn pop_in_place(
+    engine: &dyn Engine,
+    key: &[u8],
+    end: End,
+    count: u64,
+    now_ms: u64,
+) -> DataResult<Option<Vec<Bytes>>> {
+    if !typed::edits_in_place(engine) || count == 0 {
+        return Ok(None);
+    }
+    let count = usize::try_from(count).unwrap_or(usize::MAX);
+    let take = |value: &mut Vec<u8>, base: usize, held: usize| match count < held {
+        true => take_stored(value, base, end, count, held).map(Some),
+        false => Ok(None),
+    };
+    let popped = edit_end(
+        engine,
+        key,
+        end,
+        -(count.min(i64::MAX as usize) as i64),
+        now_ms,
+        |value, base, held| Ok(take(value, base, held)?.map(|popped| ((held - count) as u64, popped))),
+        take,
+    )?;
+    Ok(popped.map(|(_, popped)| popped))
 }
 
 /// The id of a paged list's entries, from its stored value (payload); an
@@ -763,6 +1003,112 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Pushes and pops where the list lies, falling back to the general path
+    /// as the commands do, mixed with general changes: held to a VecDeque
+    /// through the inline form, paging out, pages filling and emptying, and
+    /// the list emptying.
+    #[test]
+    fn pushes_and_pops_in_place_match_a_model() {
+        let engine = MemoryEngine::new();
+        let reserved = ReservedEntries::default();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let mut model: VecDeque<Bytes> = VecDeque::new();
+        let (mut in_place, mut general) = (0, 0);
+        for round in 0..6000 {
+            let end = if rng.gen_bool(0.5) { End::Front } else { End::Back };
+            let grow = (round / 1500) % 2 == 0;
+            match rng.gen_range(0..10) {
+                0..=5 if grow || rng.gen_bool(0.3) => {
+                    let elements: Vec<Bytes> = (0..rng.gen_range(1..4))
+                        .map(|_| Bytes::from("x".repeat(rng.gen_range(0..40))))
+                        .collect();
+                    let borrowed: Vec<&[u8]> = elements.iter().map(|element| element.as_ref()).collect();
+                    match push_in_place(&engine, b"l", end, &borrowed, 0).unwrap() {
+                        Some(len) => {
+                            in_place += 1;
+                            assert_eq!(len, (model.len() + elements.len()) as u64);
+                        }
+                        None => {
+                            general += 1;
+                            let mut list = List::open_or_new(&engine, b"l", 0).unwrap();
+                            for element in &elements {
+                                list.push(end, element.clone()).unwrap();
+                            }
+                            list.commit(&reserved).unwrap();
+                        }
+                    }
+                    for element in elements {
+                        match end {
+                            End::Front => model.push_front(element),
+                            End::Back => model.push_back(element),
+                        }
+                    }
+                }
+                0..=8 => {
+                    let count = rng.gen_range(1..4);
+                    let expected: Vec<Bytes> = (0..count)
+                        .map_while(|_| match end {
+                            End::Front => model.pop_front(),
+                            End::Back => model.pop_back(),
+                        })
+                        .collect();
+                    let popped = match pop_in_place(&engine, b"l", end, count, 0).unwrap() {
+                        Some(popped) => popped,
+                        None => match List::open(&engine, b"l", 0).unwrap() {
+                            Some(mut list) => {
+                                let popped = (0..count).map_while(|_| list.pop(end).unwrap()).collect();
+                                list.commit(&reserved).unwrap();
+                                popped
+                            }
+                            None => Vec::new(),
+                        },
+                    };
+                    assert_eq!(popped, expected, "round {round}");
+                }
+                _ if !model.is_empty() => {
+                    let index = rng.gen_range(0..model.len());
+                    let mut list = List::open(&engine, b"l", 0).unwrap().unwrap();
+                    list.set(index as u64, Bytes::from_static(b"set")).unwrap();
+                    list.commit(&reserved).unwrap();
+                    model[index] = Bytes::from_static(b"set");
+                }
+                _ => {}
+            }
+            assert_eq!(contents(&engine), Vec::from(model.clone()), "round {round}");
+        }
+        assert!(in_place > 1000 && general > 50, "both paths ran: {in_place} in place, {general} general");
+    }
+
+    #[test]
+    fn a_persistent_engine_never_changes_a_list_in_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = tessera_engine::LogEngine::open(dir.path(), Default::default()).unwrap();
+        let mut list = List::open_or_new(&log, b"l", 0).unwrap();
+        list.push(End::Back, Bytes::from_static(b"a")).unwrap();
+        list.commit(&ReservedEntries::default()).unwrap();
+        assert_eq!(push_in_place(&log, b"l", End::Back, &[b"b"], 0).unwrap(), None);
+        assert_eq!(pop_in_place(&log, b"l", End::Back, 1, 0).unwrap(), None);
+    }
+
+    #[test]
+    fn in_place_changes_meet_other_kinds_and_expired_lists_as_the_general_path_does() {
+        let engine = MemoryEngine::new();
+        engine.put(b"s", typed::encode(Kind::String, None, b"text")).unwrap();
+        assert!(matches!(
+            push_in_place(&engine, b"s", End::Back, &[b"x"], 0),
+            Err(crate::DataError::WrongType)
+        ));
+        assert!(matches!(pop_in_place(&engine, b"s", End::Back, 1, 0), Err(crate::DataError::WrongType)));
+        let mut list = List::open_or_new(&engine, b"l", 0).unwrap();
+        list.push(End::Back, Bytes::from_static(b"a")).unwrap();
+        list.push(End::Back, Bytes::from_static(b"b")).unwrap();
+        list.expires_at_ms = Some(100);
+        list.commit(&ReservedEntries::default()).unwrap();
+        assert_eq!(push_in_place(&engine, b"l", End::Back, &[b"x"], 99).unwrap(), Some(3));
+        assert_eq!(push_in_place(&engine, b"l", End::Back, &[b"x"], 100).unwrap(), None, "expired");
+        assert_eq!(pop_in_place(&engine, b"l", End::Back, 1, 100).unwrap(), None, "expired");
     }
 
     #[test]

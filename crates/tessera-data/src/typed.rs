@@ -149,6 +149,55 @@ pub fn read_kind(engine: &dyn Engine, key: &[u8], kind: Kind, now: u64) -> DataR
     read_live(engine, key, now)?.map(|stored| stored.expect(kind)).transpose()
 }
 
+/// Whether the collections change `engine`'s entries where they lie
+/// ([`Engine::update`]) for the commands that touch one end or one bucket
+/// (a push, a pop, an addition). A persistent engine takes the general
+/// path instead, whose change of several entries goes through an intent
+/// ([`crate::collection::Changes`]) so that a crash half-way is finished
+/// on recovery.
+pub fn edits_in_place(engine: &dyn Engine) -> bool {
+    !engine.capabilities().persistent
+}
+
+/// Runs `edit` on the value at `key` where it lies ([`Engine::update`]);
+/// `edit` answers `None`, having changed nothing, to leave it as it was.
+pub fn edit_value<T>(
+    engine: &dyn Engine,
+    key: &[u8],
+    mut edit: impl FnMut(Option<&mut Vec<u8>>) -> DataResult<Option<T>>,
+) -> DataResult<Option<T>> {
+    let mut outcome = Ok(None);
+    engine.update(key, &mut |value| {
+        outcome = edit(value.as_mut());
+        matches!(outcome, Ok(Some(_)))
+    })?;
+    outcome
+}
+
+/// Edits the live value of `kind` at `key` where it lies: `edit` gets the
+/// stored value and where its payload starts, and answers `None`, having
+/// changed nothing, when the change needs the general path. `None` too when
+/// there is no live value; `WRONGTYPE` for another kind.
+pub fn edit_live<T>(
+    engine: &dyn Engine,
+    key: &[u8],
+    kind: Kind,
+    now_ms: u64,
+    mut edit: impl FnMut(&mut Vec<u8>, usize) -> DataResult<Option<T>>,
+) -> DataResult<Option<T>> {
+    edit_value(engine, key, |value| {
+        let Some(raw) = value else { return Ok(None) };
+        let (stored_kind, expires_at_ms, payload_start) = decode_header(raw)?;
+        if expires_at_ms.is_some_and(|deadline| deadline <= now_ms) {
+            Ok(None)
+        } else if stored_kind != kind {
+            Err(DataError::WrongType)
+        } else {
+            edit(raw, payload_start)
+        }
+    })
+}
+
 /// Writes a value, checking the size limit.
 pub fn write(
     engine: &dyn Engine,

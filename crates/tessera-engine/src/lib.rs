@@ -133,4 +133,25 @@ pub trait Engine: Send + Sync + 'static {
     fn put_many(&self, entries: &[(&[u8], Bytes)]) -> Result<()> {
         entries.iter().try_for_each(|(key, value)| self.put(key, value.clone()))
     }
+
+    /// Reads the value at `key` and changes it where it lies: `change` is
+    /// handed the value (`None` when absent) to edit in place, replace, or
+    /// set to `None` to remove, and returns whether it changed anything.
+    /// `memory` edits its own copy under its bucket's lock, so an append or a
+    /// push costs no new value; the others (this default) read, hand over a
+    /// copy, and write it back when changed, which is not atomic against a
+    /// `put` of the same key on another thread: callers hold their own lock
+    /// of the key. `change` must be quick.
+    fn update(&self, key: &[u8], change: &mut dyn FnMut(&mut Option<Vec<u8>>) -> bool) -> Result<()> {
+        let mut value = self.get(key)?.map(Vec::from);
+        let existed = value.is_some();
+        if !change(&mut value) {
+            return Ok(());
+        }
+        match value {
+            Some(value) => self.put(key, Bytes::from(value)),
+            None if existed => self.delete(key).map(drop),
+            None => Ok(()),
+        }
+    }
 }

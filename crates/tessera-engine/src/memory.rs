@@ -36,6 +36,15 @@ impl StoredValue {
         }
     }
 
+    /// The value as an owned buffer, leaving an empty one behind: the
+    /// engine's own allocation when nothing else shares it.
+    fn take(&mut self) -> Vec<u8> {
+        match self {
+            StoredValue::Inline { .. } => self.as_slice().to_vec(),
+            StoredValue::Shared(bytes) => Vec::from(std::mem::take(bytes)),
+        }
+    }
+
     fn to_bytes(&self) -> Bytes {
         match self {
             StoredValue::Inline { .. } => Bytes::copy_from_slice(self.as_slice()),
@@ -94,6 +103,29 @@ impl Engine for MemoryEngine {
 
     fn delete(&self, key: &[u8]) -> Result<bool> {
         Ok(self.map.bucket(key).write().remove(key).is_some())
+    }
+
+    fn update(&self, key: &[u8], change: &mut dyn FnMut(&mut Option<Vec<u8>>) -> bool) -> Result<()> {
+        let mut bucket = self.map.bucket(key).write();
+        let Some(stored) = bucket.get_mut(key) else {
+            let mut value = None;
+            if change(&mut value) {
+                if let Some(value) = value {
+                    bucket.insert(StoredKey::new(key), StoredValue::new(Bytes::from(value)));
+                }
+            }
+            return Ok(());
+        };
+        // Taken and put back even when unchanged: `take` left an empty value.
+        let mut value = Some(stored.take());
+        change(&mut value);
+        match value {
+            Some(value) => *stored = StoredValue::new(Bytes::from(value)),
+            None => {
+                bucket.remove(key);
+            }
+        }
+        Ok(())
     }
 
     fn scan(&self, range: &KeyRange, cursor: &ScanCursor, limit: usize) -> Result<ScanPage> {

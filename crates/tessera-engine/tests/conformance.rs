@@ -123,10 +123,48 @@ enum Op {
     Put(Vec<u8>, Vec<u8>),
     Delete(Vec<u8>),
     Get(Vec<u8>),
+    Update(Vec<u8>, Edit),
     Scan(Option<Vec<u8>>, Option<Vec<u8>>),
     /// Close and open again (persistent engines only).
     Reopen,
     Clear,
+}
+
+/// What an `update` does to the value it is handed.
+#[derive(Clone, Debug)]
+enum Edit {
+    /// Appends, creating the value when absent.
+    Append(Vec<u8>),
+    /// Drops the first byte in place, or replaces a missing value with nothing.
+    DropFirst,
+    Remove,
+    /// Reads and reports no change.
+    Leave,
+}
+
+impl Edit {
+    /// Applies the edit as `update`'s closure would; returns whether it changed anything.
+    fn apply(&self, value: &mut Option<Vec<u8>>) -> bool {
+        match self {
+            Edit::Append(tail) => value.get_or_insert_with(Vec::new).extend_from_slice(tail),
+            Edit::DropFirst => match value {
+                Some(bytes) if !bytes.is_empty() => drop(bytes.remove(0)),
+                _ => *value = Some(Vec::new()),
+            },
+            Edit::Remove => *value = None,
+            Edit::Leave => return false,
+        }
+        true
+    }
+}
+
+fn edit_strategy() -> impl Strategy<Value = Edit> {
+    prop_oneof![
+        3 => proptest::collection::vec(any::<u8>(), 0..24).prop_map(Edit::Append),
+        1 => Just(Edit::DropFirst),
+        1 => Just(Edit::Remove),
+        1 => Just(Edit::Leave),
+    ]
 }
 
 fn key_strategy() -> impl Strategy<Value = Vec<u8>> {
@@ -145,6 +183,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         6 => (key_strategy(), proptest::collection::vec(any::<u8>(), 0..48)).prop_map(|(k, v)| Op::Put(k, v)),
         2 => key_strategy().prop_map(Op::Delete),
         2 => key_strategy().prop_map(Op::Get),
+        3 => (key_strategy(), edit_strategy()).prop_map(|(k, edit)| Op::Update(k, edit)),
         1 => (proptest::option::of(key_strategy()), proptest::option::of(key_strategy()))
             .prop_map(|(start, end)| Op::Scan(start, end)),
         1 => Just(Op::Reopen),
@@ -174,6 +213,23 @@ fn every_engine_behaves_like_a_btreemap() {
                     Op::Get(key) => {
                         let got = engine.get(key).unwrap();
                         prop_assert_eq!(got.as_deref(), model.get(key).map(Vec::as_slice));
+                    }
+                    Op::Update(key, edit) => {
+                        let before = model.get(key).cloned();
+                        let mut handed = None;
+                        engine
+                            .update(key, &mut |value| {
+                                handed = Some(value.clone());
+                                edit.apply(value)
+                            })
+                            .unwrap();
+                        prop_assert_eq!(handed, Some(before.clone()), "update is handed the value");
+                        let mut expected = before;
+                        edit.apply(&mut expected);
+                        match expected {
+                            Some(value) => model.insert(key.clone(), value),
+                            None => model.remove(key),
+                        };
                     }
                     Op::Scan(start, end) => {
                         let range = KeyRange {

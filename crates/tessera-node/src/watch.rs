@@ -98,6 +98,22 @@ impl<E: Engine + ?Sized> Engine for Touching<E> {
         Ok(deleted)
     }
 
+    fn update(
+        &self,
+        key: &[u8],
+        change: &mut dyn FnMut(&mut Option<Vec<u8>>) -> bool,
+    ) -> tessera_engine::Result<()> {
+        let mut changed = false;
+        self.inner.update(key, &mut |value| {
+            changed = change(value);
+            changed
+        })?;
+        if changed {
+            self.versions.moved(key);
+        }
+        Ok(())
+    }
+
     fn scan(&self, range: &KeyRange, cursor: &ScanCursor, limit: usize) -> tessera_engine::Result<ScanPage> {
         self.inner.scan(range, cursor, limit)
     }

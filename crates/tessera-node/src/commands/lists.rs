@@ -11,7 +11,7 @@ use tessera_wire::Request;
 use super::{integer_arg, is, CommandSpec, Context, Scope};
 use crate::blocking::Blocked;
 use crate::error::{CommandError, CommandResult};
-use crate::list::{End, List};
+use crate::list::{self, End, List};
 use crate::long_double::LongDouble;
 
 #[rustfmt::skip]
@@ -62,21 +62,25 @@ fn push(context: &mut Context, request: &Request, end: End, only_if_present: boo
     let length = {
         let _lock = context.lock_key(key)?;
         let engine = context.engine(key);
-        let list = if only_if_present {
+        let elements: Vec<&[u8]> = request.args().skip(2).collect();
+        let in_place = list::push_in_place(engine, key, end, &elements, context.now_ms)?;
+        let list = if in_place.is_some() {
+            None
+        } else if only_if_present {
             List::open(engine, key, context.now_ms)?
         } else {
             Some(List::open_or_new(engine, key, context.now_ms)?)
         };
         match list {
             Some(mut list) => {
-                for element in request.args().skip(2) {
+                for element in elements {
                     list.push(end, Bytes::copy_from_slice(element))?;
                 }
                 let length = list.len();
                 list.commit(&context.table(key).reserved)?;
                 length
             }
-            None => 0,
+            None => in_place.unwrap_or(0),
         }
     };
     if length > 0 {
@@ -105,6 +109,12 @@ fn rpushx(context: &mut Context, request: &Request) -> CommandResult {
 /// Pops up to `count` elements from `end` of the list at `key`: `None` when
 /// there is no list.
 fn pop_some(context: &mut Context, key: &[u8], end: End, count: u64) -> CommandResult<Option<Vec<Bytes>>> {
+    {
+        let _lock = context.lock_key(key)?;
+        if let Some(popped) = list::pop_in_place(context.engine(key), key, end, count, context.now_ms)? {
+            return Ok(Some(popped));
+        }
+    }
     with_list(context, key, |list| {
         let Some(list) = list else { return Ok(None) };
         let mut popped = Vec::with_capacity(count.min(list.len()) as usize);
