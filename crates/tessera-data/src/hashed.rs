@@ -29,7 +29,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use tessera_engine::Engine;
 
 use crate::collection::{corrupt, entry_key, put_bytes, stored_bytes, Changes, Reader};
-use crate::typed::{self, read_kind, Kind, ReservedEntries};
+use crate::typed::{self, read_kind, Edit, Kind, ReservedEntries};
 use crate::DataResult;
 
 /// The most entries and bytes a set or hash keeps in its value (Redis's
@@ -90,20 +90,25 @@ impl Layout {
         Ok(entries)
     }
 
-    /// Whether a stored value (payload) is paged, reading past the marker.
-    fn read_paged_marker(self, reader: &mut Reader, payload: &[u8]) -> DataResult<bool> {
+    /// Whether a stored value (payload) is paged, and where its entries or
+    /// its header begin.
+    fn marker(self, payload: &[u8]) -> DataResult<(bool, usize)> {
         match self {
-            Layout::Set => match reader.u8()? {
-                SET_INLINE => Ok(false),
-                SET_PAGED => Ok(true),
+            Layout::Set => match payload.first() {
+                Some(&SET_INLINE) => Ok((false, 1)),
+                Some(&SET_PAGED) => Ok((true, 1)),
                 _ => Err(corrupt()),
             },
-            Layout::Hash if payload.starts_with(&HASH_PAGED) => {
-                reader.at = HASH_PAGED.len();
-                Ok(true)
-            }
-            Layout::Hash => Ok(false),
+            Layout::Hash if payload.starts_with(&HASH_PAGED) => Ok((true, HASH_PAGED.len())),
+            Layout::Hash => Ok((false, 0)),
         }
+    }
+
+    /// Whether a stored value (payload) is paged, reading past the marker.
+    fn read_paged_marker(self, reader: &mut Reader, payload: &[u8]) -> DataResult<bool> {
+        let (paged, at) = self.marker(payload)?;
+        reader.at = at;
+        Ok(paged)
     }
 
     fn put_paged_marker(self, out: &mut BytesMut) {
@@ -165,12 +170,7 @@ impl Entries {
 
     /// Stored entries, their lengths checked.
     fn encoded(layout: Layout, raw: Bytes) -> DataResult<Self> {
-        let (mut count, mut at) = (0, 0);
-        while at < raw.len() {
-            at = next_entry(layout, &raw, at)?.2;
-            count += 1;
-        }
-        Ok(Entries::Encoded { layout, raw, count })
+        Ok(Entries::Encoded { layout, count: count_stored(layout, &raw)?, raw })
     }
 
     fn len(&self) -> usize {
@@ -187,8 +187,7 @@ impl Entries {
     /// What the inline limit counts: fields and values, and 8 bytes each.
     fn bytes(&self) -> usize {
         match self {
-            Entries::Encoded { layout: Layout::Hash, raw, .. } => raw.len(),
-            Entries::Encoded { layout: Layout::Set, raw, count } => raw.len() + 4 * count,
+            Entries::Encoded { layout, raw, count } => inline_bytes(*layout, raw, *count),
             Entries::Decoded(entries) => {
                 entries.iter().map(|(field, value)| field.len() + value.len() + 8).sum()
             }
@@ -211,15 +210,8 @@ impl Entries {
     fn find(&self, field: &[u8]) -> DataResult<Option<(usize, usize, Bytes)>> {
         match self {
             Entries::Encoded { layout, raw, .. } => {
-                let mut at = 0;
-                while at < raw.len() {
-                    let (field_range, value_range, end) = next_entry(*layout, raw, at)?;
-                    if &raw[field_range] == field {
-                        return Ok(Some((at, end, raw.slice(value_range))));
-                    }
-                    at = end;
-                }
-                Ok(None)
+                Ok(find_stored(*layout, raw, field)?
+                    .map(|(start, value, end)| (start, end, raw.slice(value))))
             }
             Entries::Decoded(entries) => Ok(entries
                 .iter()
@@ -286,6 +278,306 @@ fn next_entry(
     };
     let end = value.end;
     Ok((field, value, end))
+}
+
+/// How many entries `raw` stores, their lengths checked.
+fn count_stored(layout: Layout, raw: &[u8]) -> DataResult<usize> {
+    let (mut count, mut at) = (0, 0);
+    while at < raw.len() {
+        at = next_entry(layout, raw, at)?.2;
+        count += 1;
+    }
+    Ok(count)
+}
+
+/// What the inline limit counts of `count` stored entries: fields and
+/// values, and 8 bytes each.
+fn inline_bytes(layout: Layout, raw: &[u8], count: usize) -> usize {
+    match layout {
+        Layout::Hash => raw.len(),
+        Layout::Set => raw.len() + 4 * count,
+    }
+}
+
+/// Where `field`'s entry is stored in `raw`: its start, its value's bytes
+/// and its end.
+fn find_stored(
+    layout: Layout,
+    raw: &[u8],
+    field: &[u8],
+) -> DataResult<Option<(usize, std::ops::Range<usize>, usize)>> {
+    let mut at = 0;
+    while at < raw.len() {
+        let (field_range, value_range, end) = next_entry(layout, raw, at)?;
+        if &raw[field_range] == field {
+            return Ok(Some((at, value_range, end)));
+        }
+        at = end;
+    }
+    Ok(None)
+}
+
+/// Sets `field` to `value` among the entries stored from `base` in
+/// `stored`, where they lie (a new field goes last): whether the field is
+/// new, or `None` when it held that value already (a set's members always
+/// do).
+fn set_stored(
+    layout: Layout,
+    stored: &mut Vec<u8>,
+    base: usize,
+    field: &[u8],
+    value: &[u8],
+) -> DataResult<Option<bool>> {
+    match find_stored(layout, &stored[base..], field)? {
+        Some((_, held, _)) => {
+            let held = base + held.start..base + held.end;
+            if &stored[held.clone()] == value {
+                return Ok(None);
+            }
+            stored[held.start - 4..held.start].copy_from_slice(&(value.len() as u32).to_le_bytes());
+            stored.splice(held, value.iter().copied());
+            Ok(Some(false))
+        }
+        None => {
+            let mut entry = BytesMut::new();
+            layout.put_entries(&mut entry, [&(Bytes::copy_from_slice(field), Bytes::copy_from_slice(value))]);
+            stored.extend_from_slice(&entry);
+            Ok(Some(true))
+        }
+    }
+}
+
+/// The bucket `field` lives in among `2^level + split`.
+fn bucket_index(field: &[u8], level: u32, split: u64) -> u64 {
+    let hash = hash(field);
+    let low = hash & ((1 << level) - 1);
+    if low < split {
+        hash & ((1 << (level + 1)) - 1)
+    } else {
+        low
+    }
+}
+
+/// A paged set's or hash's header, and where it lies in the stored value.
+struct PagedHeader {
+    id: u64,
+    len: u64,
+    level: u32,
+    split: u64,
+    /// Where `len` lies in the stored value.
+    len_at: usize,
+}
+
+impl PagedHeader {
+    fn bucket_count(&self) -> u64 {
+        (1 << self.level) + self.split
+    }
+
+    fn bucket_name(&self, key: &[u8], index: u64) -> Bytes {
+        entry_key(key, self.id, BUCKET, &index.to_be_bytes())
+    }
+}
+
+/// What the in-place paths found at a set's or hash's key.
+enum Form {
+    /// An inline value, already changed; the fields it added.
+    Inline(u64),
+    Paged(PagedHeader),
+}
+
+/// Reads the value at `key` for an edit in place: `inline` edits an inline
+/// value (given the value, where its entries begin, and how many it holds);
+/// a paged one is only read.
+fn edit_form(
+    layout: Layout,
+    engine: &dyn Engine,
+    key: &[u8],
+    now_ms: u64,
+    mut inline: impl FnMut(&mut Vec<u8>, usize, usize) -> DataResult<Edit<u64>>,
+) -> DataResult<Option<Form>> {
+    typed::edit_live(engine, key, layout.kind(), now_ms, |value, start| {
+        let (paged, at) = layout.marker(&value[start..])?;
+        let base = start + at;
+        if !paged {
+            let held = count_stored(layout, &value[base..])?;
+            return Ok(match inline(value, base, held)? {
+                Edit::Declined => Edit::Declined,
+                Edit::Unchanged(added) => Edit::Unchanged(Form::Inline(added)),
+                Edit::Changed(added) => Edit::Changed(Form::Inline(added)),
+            });
+        }
+        let word = |index: usize| -> DataResult<u64> {
+            let bytes = value.get(base + 8 * index..base + 8 * index + 8).ok_or_else(corrupt)?;
+            Ok(u64::from_le_bytes(bytes.try_into().expect("8 bytes")))
+        };
+        let (id, len, level, split) = (word(0)?, word(1)?, word(2)?, word(3)?);
+        let len_at = base + 8;
+        let level = u32::try_from(level).ok().filter(|level| *level < 63).ok_or_else(corrupt)?;
+        if split >= 1 << level {
+            return Err(corrupt());
+        }
+        Ok(Edit::Unchanged(Form::Paged(PagedHeader { id, len, level, split, len_at })))
+    })
+}
+
+/// Adds `delta` to a paged value's stored number of entries.
+fn adjust_len(
+    layout: Layout,
+    engine: &dyn Engine,
+    key: &[u8],
+    header: &PagedHeader,
+    delta: i64,
+    now_ms: u64,
+) -> DataResult<()> {
+    typed::edit_live(engine, key, layout.kind(), now_ms, |value, _| {
+        let stored = value.get_mut(header.len_at..header.len_at + 8).ok_or_else(corrupt)?;
+        let len = u64::from_le_bytes((&*stored).try_into().expect("8 bytes"));
+        stored.copy_from_slice(&len.wrapping_add_signed(delta).to_le_bytes());
+        Ok(Edit::Changed(()))
+    })?
+    .ok_or_else(corrupt)
+}
+
+/// SADD, HSET and HMSET where the value lies ([`typed::edits_in_place`]):
+/// an inline value's entries, or each field's bucket and then the header's
+/// count, changed in place. How many fields are new, or `None` when the
+/// change needs the general path ([`Hashed`]): no value yet, an inline one
+/// that may outgrow its form, or a paged one due to split a bucket.
+pub fn insert_in_place(
+    layout: Layout,
+    engine: &dyn Engine,
+    key: &[u8],
+    entries: &[(&[u8], &[u8])],
+    now_ms: u64,
+    reserved: &ReservedEntries,
+) -> DataResult<Option<u64>> {
+    if !typed::edits_in_place(engine) {
+        return Ok(None);
+    }
+    let set_all = |stored: &mut Vec<u8>, base: usize| -> DataResult<Edit<u64>> {
+        let (mut added, mut changed) = (0, false);
+        for (field, value) in entries {
+            if let Some(new) = set_stored(layout, stored, base, field, value)? {
+                changed = true;
+                added += u64::from(new);
+            }
+        }
+        Ok(if changed { Edit::Changed(added) } else { Edit::Unchanged(0) })
+    };
+    // At most what the entries add, whether their fields are new or not.
+    let added_bytes: usize = entries.iter().map(|(field, value)| 8 + field.len() + value.len()).sum();
+    let form = edit_form(layout, engine, key, now_ms, |value, base, held| {
+        let fits = held + entries.len() <= INLINE_ENTRIES_MAX
+            && inline_bytes(layout, &value[base..], held) + added_bytes <= INLINE_BYTES_MAX;
+        if !fits {
+            return Ok(Edit::Declined);
+        }
+        set_all(value, base)
+    })?;
+    let header = match form {
+        None => return Ok(None),
+        Some(Form::Inline(added)) => return Ok(Some(added)),
+        Some(Form::Paged(header)) => header,
+    };
+    if header.len + entries.len() as u64 > BUCKET_LOAD * header.bucket_count() {
+        return Ok(None);
+    }
+    let added = reserved.change(|| {
+        let (mut added, mut created) = (0, 0);
+        for &(field, value) in entries {
+            let bucket = header.bucket_name(key, bucket_index(field, header.level, header.split));
+            let answer = typed::edit_value(engine, &bucket, |stored| match stored {
+                Some(stored) => Ok(match set_stored(layout, stored, 0, field, value)? {
+                    Some(new) => Edit::Changed(new),
+                    None => Edit::Unchanged(false),
+                }),
+                None => {
+                    let mut new = Vec::new();
+                    set_stored(layout, &mut new, 0, field, value)?;
+                    *stored = Some(new);
+                    created += 1;
+                    Ok(Edit::Changed(true))
+                }
+            })?;
+            added += u64::from(answer.ok_or_else(corrupt)?);
+        }
+        Ok((added, created))
+    })?;
+    if added > 0 {
+        adjust_len(layout, engine, key, &header, added as i64, now_ms)?;
+    }
+    Ok(Some(added))
+}
+
+/// SPOP of one member where the set lies, as [`insert_in_place`] adds: the
+/// member, or `None` when the pop needs the general path (no set, or one
+/// member left, or no member found in a few buckets drawn).
+pub fn pop_random_in_place(
+    engine: &dyn Engine,
+    key: &[u8],
+    now_ms: u64,
+    reserved: &ReservedEntries,
+) -> DataResult<Option<Bytes>> {
+    const DRAWS: usize = 16;
+    let layout = Layout::Set;
+    if !typed::edits_in_place(engine) {
+        return Ok(None);
+    }
+    // Takes a random one of the `held` entries stored from `base`.
+    let take = |stored: &mut Vec<u8>, base: usize, held: usize| -> DataResult<Bytes> {
+        let mut at = base;
+        for _ in 0..rand::random::<usize>() % held {
+            at = base + next_entry(layout, &stored[base..], at - base)?.2;
+        }
+        let (member, _, end) = next_entry(layout, &stored[base..], at - base)?;
+        let member = Bytes::copy_from_slice(&stored[base + member.start..base + member.end]);
+        stored.drain(at..base + end);
+        Ok(member)
+    };
+    let mut popped = None;
+    let form = edit_form(layout, engine, key, now_ms, |value, base, held| {
+        if held < 2 {
+            return Ok(Edit::Declined);
+        }
+        popped = Some(take(value, base, held)?);
+        Ok(Edit::Changed(0))
+    })?;
+    let header = match form {
+        None => return Ok(None),
+        Some(Form::Inline(_)) => return Ok(popped),
+        Some(Form::Paged(header)) => header,
+    };
+    if header.len < 2 {
+        return Ok(None);
+    }
+    reserved.change(|| {
+        let mut removed = 0;
+        for _ in 0..DRAWS {
+            let bucket = header.bucket_name(key, rand::random::<u64>() % header.bucket_count());
+            popped = typed::edit_value(engine, &bucket, |stored| {
+                let Some(entries) = stored.as_mut() else { return Ok(Edit::Unchanged(None)) };
+                let held = count_stored(layout, entries)?;
+                if held == 0 {
+                    return Ok(Edit::Unchanged(None));
+                }
+                let member = take(entries, 0, held)?;
+                if held == 1 {
+                    *stored = None; // an empty bucket is not stored
+                    removed = 1;
+                }
+                Ok(Edit::Changed(Some(member)))
+            })?
+            .flatten();
+            if popped.is_some() {
+                break;
+            }
+        }
+        Ok(((), -removed))
+    })?;
+    if popped.is_some() {
+        adjust_len(layout, engine, key, &header, -1, now_ms)?;
+    }
+    Ok(popped)
 }
 
 /// The id of a paged set's or hash's buckets, from its stored value
@@ -388,13 +680,7 @@ impl<'a> Hashed<'a> {
     }
 
     fn bucket_of(&self, field: &[u8]) -> u64 {
-        let hash = hash(field);
-        let low = hash & ((1 << self.level) - 1);
-        if low < self.split {
-            hash & ((1 << (self.level + 1)) - 1)
-        } else {
-            low
-        }
+        bucket_index(field, self.level, self.split)
     }
 
     fn bucket(&mut self, index: u64) -> DataResult<&mut Bucket> {
@@ -713,6 +999,110 @@ mod tests {
                     assert!(live as u64 <= value.bucket_count());
                 }
             }
+        }
+    }
+
+    /// Additions and SPOPs where the value lies, falling back to the general
+    /// path as the commands do, mixed with general removals: held to a model
+    /// through the inline form, paging out, splits and buckets emptied, with
+    /// the count of reserved entries kept exact.
+    #[test]
+    fn changes_in_place_match_a_model() {
+        for layout in [Layout::Set, Layout::Hash] {
+            let engine = MemoryEngine::new();
+            let reserved = ReservedEntries::default();
+            let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+            let mut model = BTreeMap::new();
+            let (mut in_place, mut general) = (0, 0);
+            for round in 0..8000 {
+                let growing = (round / 2000) % 2 == 0;
+                match rng.gen_range(0..10) {
+                    0..=5 if growing || rng.gen_bool(0.2) => {
+                        let entries: Vec<(Vec<u8>, Vec<u8>)> = (0..rng.gen_range(1..4))
+                            .map(|_| {
+                                let field = format!("m{}", rng.gen_range(0..3000)).into_bytes();
+                                let value = match layout {
+                                    Layout::Set => Vec::new(),
+                                    Layout::Hash => "v".repeat(rng.gen_range(0..12)).into_bytes(),
+                                };
+                                (field, value)
+                            })
+                            .collect();
+                        let borrowed: Vec<(&[u8], &[u8])> =
+                            entries.iter().map(|(field, value)| (&field[..], &value[..])).collect();
+                        let mut expected = 0;
+                        for (field, value) in &entries {
+                            expected +=
+                                u64::from(model.insert(field.clone(), Bytes::from(value.clone())).is_none());
+                        }
+                        let added =
+                            match insert_in_place(layout, &engine, b"k", &borrowed, 0, &reserved).unwrap() {
+                                Some(added) => {
+                                    in_place += 1;
+                                    added
+                                }
+                                None => {
+                                    general += 1;
+                                    let mut value = Hashed::open_or_new(layout, &engine, b"k", 0).unwrap();
+                                    let mut added = 0;
+                                    for (field, entry) in &borrowed {
+                                        added += u64::from(
+                                            value.insert(field, Bytes::copy_from_slice(entry)).unwrap(),
+                                        );
+                                    }
+                                    value.commit(&reserved).unwrap();
+                                    added
+                                }
+                            };
+                        assert_eq!(added, expected, "round {round}");
+                    }
+                    0..=7 if layout == Layout::Set => {
+                        let popped = match pop_random_in_place(&engine, b"k", 0, &reserved).unwrap() {
+                            Some(member) => Some(member),
+                            None => match Hashed::open(layout, &engine, b"k", 0).unwrap() {
+                                Some(mut set) => {
+                                    let (member, _) = set.random_entry().unwrap().unwrap();
+                                    set.remove(&member).unwrap();
+                                    set.commit(&reserved).unwrap();
+                                    Some(member)
+                                }
+                                None => None,
+                            },
+                        };
+                        match popped {
+                            Some(member) => assert!(model.remove(&member[..]).is_some(), "round {round}"),
+                            None => assert!(model.is_empty()),
+                        }
+                    }
+                    _ => {
+                        let field = format!("m{}", rng.gen_range(0..3000)).into_bytes();
+                        if let Some(mut value) = Hashed::open(layout, &engine, b"k", 0).unwrap() {
+                            assert_eq!(value.remove(&field).unwrap(), model.remove(&field).is_some());
+                            value.commit(&reserved).unwrap();
+                        }
+                    }
+                }
+                if round % 97 == 0 || round == 7999 {
+                    let entries: BTreeMap<Vec<u8>, Bytes> =
+                        match Hashed::open(layout, &engine, b"k", 0).unwrap() {
+                            Some(mut value) => {
+                                assert_eq!(value.len(), model.len() as u64);
+                                value
+                                    .entries()
+                                    .unwrap()
+                                    .into_iter()
+                                    .map(|(field, entry)| (field.to_vec(), entry))
+                                    .collect()
+                            }
+                            None => BTreeMap::new(),
+                        };
+                    assert_eq!(entries, model, "round {round}");
+                    let mut stored = 0;
+                    for_each_reserved(&engine, |_, _| stored += 1).unwrap();
+                    assert_eq!(reserved.count(), stored, "round {round}: reserved entries counted");
+                }
+            }
+            assert!(in_place > 2000 && general > 20, "{layout:?}: {in_place} in place, {general} general");
         }
     }
 

@@ -20,7 +20,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use tessera_engine::Engine;
 
 use crate::collection::{corrupt, entry_key, put_bytes, stored_bytes, Changes, Reader};
-use crate::typed::{self, read_kind, Kind, ReservedEntries};
+use crate::typed::{self, read_kind, Edit, Kind, ReservedEntries};
 use crate::DataResult;
 
 /// The most elements and bytes a list keeps in its value (near Redis's own
@@ -352,7 +352,7 @@ fn adjust_length(engine: &dyn Engine, key: &[u8], delta: i64, now_ms: u64) -> Da
         let stored = value.get_mut(at..at + 8).ok_or_else(corrupt)?;
         let len = u64::from_le_bytes((&*stored).try_into().expect("8 bytes"));
         stored.copy_from_slice(&len.wrapping_add_signed(delta).to_le_bytes());
-        Ok(Some(()))
+        Ok(Edit::Changed(()))
     })?
     .ok_or_else(corrupt)
 }
@@ -375,19 +375,20 @@ fn edit_end<T>(
         match *value.get(start).ok_or_else(corrupt)? {
             INLINE => {
                 let held = count_stored(&value[start + 1..])?;
-                Ok(inline(value, start + 1, held)?.map(|(len, done)| {
+                let edited = inline(value, start + 1, held)?.map(|(len, done)| {
                     answer = Some(done);
                     Form::Inline(len)
-                }))
+                });
+                Ok(edited.into())
             }
             PAGED => {
                 let mut header = PagedHeader::read(&value[start..])?;
                 let len = header.len.checked_add_signed(delta).filter(|len| *len > 0);
-                let Some(len) = len else { return Ok(None) };
+                let Some(len) = len else { return Ok(Edit::Declined) };
                 header.len = len;
                 value[start + PagedHeader::LEN_AT..start + PagedHeader::LEN_AT + 8]
                     .copy_from_slice(&len.to_le_bytes());
-                Ok(Some(Form::Paged(header)))
+                Ok(Edit::Changed(Form::Paged(header)))
             }
             _ => Err(corrupt()),
         }
@@ -399,9 +400,9 @@ fn edit_end<T>(
     };
     let name = entry_key(key, header.id, PAGE, &header.outer(end).to_be_bytes());
     let edited = typed::edit_value(engine, &name, |value| {
-        let value = value.ok_or_else(corrupt)?;
+        let value = value.as_mut().ok_or_else(corrupt)?;
         let held = count_stored(value.get(16..).ok_or_else(corrupt)?)?;
-        page(value, 16, held)
+        Ok(page(value, 16, held)?.into())
     });
     if !matches!(edited, Ok(Some(_))) {
         adjust_length(engine, key, -delta, now_ms)?;

@@ -159,37 +159,55 @@ pub fn edits_in_place(engine: &dyn Engine) -> bool {
     !engine.capabilities().persistent
 }
 
-/// Runs `edit` on the value at `key` where it lies ([`Engine::update`]);
-/// `edit` answers `None`, having changed nothing, to leave it as it was.
+/// What an edit in place did with the value it was handed.
+pub enum Edit<T> {
+    /// Nothing: the change needs the general path.
+    Declined,
+    /// Nothing, and this is the answer (a member added that was there).
+    Unchanged(T),
+    Changed(T),
+}
+
+/// An edit that changes the value whenever it does not decline.
+impl<T> From<Option<T>> for Edit<T> {
+    fn from(answer: Option<T>) -> Self {
+        answer.map_or(Edit::Declined, Edit::Changed)
+    }
+}
+
+/// Runs `edit` on the value at `key` where it lies ([`Engine::update`]):
+/// the answer, or `None` when `edit` declined (having changed nothing).
 pub fn edit_value<T>(
     engine: &dyn Engine,
     key: &[u8],
-    mut edit: impl FnMut(Option<&mut Vec<u8>>) -> DataResult<Option<T>>,
+    mut edit: impl FnMut(&mut Option<Vec<u8>>) -> DataResult<Edit<T>>,
 ) -> DataResult<Option<T>> {
-    let mut outcome = Ok(None);
+    let mut outcome = Ok(Edit::Declined);
     engine.update(key, &mut |value| {
-        outcome = edit(value.as_mut());
-        matches!(outcome, Ok(Some(_)))
+        outcome = edit(value);
+        matches!(outcome, Ok(Edit::Changed(_)))
     })?;
-    outcome
+    match outcome? {
+        Edit::Declined => Ok(None),
+        Edit::Unchanged(answer) | Edit::Changed(answer) => Ok(Some(answer)),
+    }
 }
 
 /// Edits the live value of `kind` at `key` where it lies: `edit` gets the
-/// stored value and where its payload starts, and answers `None`, having
-/// changed nothing, when the change needs the general path. `None` too when
-/// there is no live value; `WRONGTYPE` for another kind.
+/// stored value and where its payload starts. Declined when there is no
+/// live value; `WRONGTYPE` for another kind.
 pub fn edit_live<T>(
     engine: &dyn Engine,
     key: &[u8],
     kind: Kind,
     now_ms: u64,
-    mut edit: impl FnMut(&mut Vec<u8>, usize) -> DataResult<Option<T>>,
+    mut edit: impl FnMut(&mut Vec<u8>, usize) -> DataResult<Edit<T>>,
 ) -> DataResult<Option<T>> {
     edit_value(engine, key, |value| {
-        let Some(raw) = value else { return Ok(None) };
+        let Some(raw) = value else { return Ok(Edit::Declined) };
         let (stored_kind, expires_at_ms, payload_start) = decode_header(raw)?;
         if expires_at_ms.is_some_and(|deadline| deadline <= now_ms) {
-            Ok(None)
+            Ok(Edit::Declined)
         } else if stored_kind != kind {
             Err(DataError::WrongType)
         } else {

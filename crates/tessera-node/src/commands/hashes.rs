@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use bytes::Bytes;
 use tessera_wire::{Protocol, Request};
 
-use super::sets::{scan_hashed, with_hashed};
+use super::sets::{insert_entries, scan_hashed, with_hashed};
 use super::{integer_arg, is, wrong_arity, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 use crate::hashed::{Hashed, Layout};
@@ -52,14 +52,9 @@ fn set_fields(context: &mut Context, request: &Request) -> CommandResult<i64> {
     if !request.len().is_multiple_of(2) {
         return Err(wrong_arity(request));
     }
-    change_hash(context, request.arg(1), |hash| {
-        let mut added = 0;
-        for index in (2..request.len()).step_by(2) {
-            let value = Bytes::copy_from_slice(request.arg(index + 1));
-            added += i64::from(hash.insert(request.arg(index), value)?);
-        }
-        Ok(added)
-    })
+    let entries: Vec<(&[u8], &[u8])> =
+        (2..request.len()).step_by(2).map(|index| (request.arg(index), request.arg(index + 1))).collect();
+    insert_entries(context, Layout::Hash, request.arg(1), &entries)
 }
 
 fn hset(context: &mut Context, request: &Request) -> CommandResult {

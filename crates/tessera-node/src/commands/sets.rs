@@ -52,18 +52,31 @@ pub(super) fn with_hashed<T>(
     Ok(answer)
 }
 
+/// Sets each field to its value (a set's members to nothing), where the
+/// value lies when it can: how many fields are new.
+pub(super) fn insert_entries(
+    context: &mut Context,
+    layout: Layout,
+    key: &[u8],
+    entries: &[(&[u8], &[u8])],
+) -> CommandResult<i64> {
+    let _lock = context.lock_key(key)?;
+    let (engine, reserved) = (context.engine(key), &context.table(key).reserved);
+    if let Some(added) = hashed::insert_in_place(layout, engine, key, entries, context.now_ms, reserved)? {
+        return Ok(added as i64);
+    }
+    let mut value = Hashed::open_or_new(layout, engine, key, context.now_ms)?;
+    let mut added = 0;
+    for (field, entry) in entries {
+        added += i64::from(value.insert(field, Bytes::copy_from_slice(entry))?);
+    }
+    value.commit(reserved)?;
+    Ok(added)
+}
+
 fn sadd(context: &mut Context, request: &Request) -> CommandResult {
-    let key = request.arg(1);
-    let added = {
-        let _lock = context.lock_key(key)?;
-        let mut set = Hashed::open_or_new(Layout::Set, context.engine(key), key, context.now_ms)?;
-        let mut added = 0;
-        for member in request.args().skip(2) {
-            added += i64::from(set.add(member)?);
-        }
-        set.commit(&context.table(key).reserved)?;
-        added
-    };
+    let members: Vec<(&[u8], &[u8])> = request.args().skip(2).map(|member| (member, &b""[..])).collect();
+    let added = insert_entries(context, Layout::Set, request.arg(1), &members)?;
     context.out.integer(added);
     Ok(())
 }
@@ -142,6 +155,15 @@ fn spop(context: &mut Context, request: &Request) -> CommandResult {
         ),
         _ => return Err(CommandError::Syntax),
     };
+    if count.is_none() {
+        let key = request.arg(1);
+        let _lock = context.lock_key(key)?;
+        let (engine, reserved) = (context.engine(key), &context.table(key).reserved);
+        if let Some(member) = hashed::pop_random_in_place(engine, key, context.now_ms, reserved)? {
+            context.out.bulk(&member);
+            return Ok(());
+        }
+    }
     let popped = with_hashed(context, Layout::Set, request.arg(1), |set| {
         let Some(set) = set else { return Ok(Vec::new()) };
         let mut popped = Vec::new();
