@@ -20,8 +20,8 @@ use std::collections::{BTreeMap, HashMap};
 use bytes::{BufMut, Bytes, BytesMut};
 use tessera_engine::Engine;
 
-use crate::collection::{corrupt, entry_key, put_bytes, Changes, Reader};
-use crate::typed::{self, read_kind, Kind, ReservedEntries};
+use crate::collection::{corrupt, entry_key, put_bytes, stored_bytes, Changes, Reader};
+use crate::typed::{self, read_kind, Edit, Kind, ReservedEntries};
 use crate::{DataError, DataResult};
 
 /// Entries per page; a page that grows past it splits in two.
@@ -767,6 +767,188 @@ impl<'a> SortedSet<'a> {
     }
 }
 
+/// The entry stored at `at` in a page: its score, where its member lies,
+/// and where it ends.
+fn page_entry_at(raw: &[u8], at: usize) -> DataResult<(f64, std::ops::Range<usize>, usize)> {
+    let score = raw.get(at..at + 8).ok_or_else(corrupt)?;
+    let score = f64::from_bits(u64::from_le_bytes(score.try_into().expect("8 bytes")));
+    let member = stored_bytes(raw, at + 8)?;
+    let end = member.end;
+    Ok((score, member, end))
+}
+
+/// Where (score, member) belongs in a stored page: the offset of the first
+/// entry after it, whether the entry itself is there (its range), and how
+/// many entries the page holds.
+fn page_slot(
+    raw: &[u8],
+    score: f64,
+    member: &[u8],
+) -> DataResult<(usize, Option<std::ops::Range<usize>>, usize)> {
+    let (mut at, mut held, mut slot, mut found) = (0, 0, None, None);
+    while at < raw.len() {
+        let (stored_score, stored_member, end) = page_entry_at(raw, at)?;
+        match compare((stored_score, &raw[stored_member]), (score, member)) {
+            Ordering::Less => {}
+            Ordering::Equal => found = Some(at..end),
+            Ordering::Greater => {
+                slot.get_or_insert(at);
+            }
+        }
+        held += 1;
+        at = end;
+    }
+    Ok((slot.unwrap_or(raw.len()), found, held))
+}
+
+/// The set's header, when there is a live set at `key`.
+fn read_meta(engine: &dyn Engine, key: &[u8], now_ms: u64) -> DataResult<Option<Meta>> {
+    read_kind(engine, key, Kind::SortedSet, now_ms)?
+        .map(|stored| Meta::decode(&stored.payload, stored.expires_at_ms))
+        .transpose()
+}
+
+/// Adds `delta` to the set's stored number of members, where it lies.
+fn adjust_len(engine: &dyn Engine, key: &[u8], delta: i64, now_ms: u64) -> DataResult<()> {
+    typed::edit_live(engine, key, Kind::SortedSet, now_ms, |value, start| {
+        let stored = value.get_mut(start + 8..start + 16).ok_or_else(corrupt)?;
+        let len = u64::from_le_bytes((&*stored).try_into().expect("8 bytes"));
+        stored.copy_from_slice(&len.wrapping_add_signed(delta).to_le_bytes());
+        Ok(Edit::Changed(()))
+    })?
+    .ok_or_else(corrupt)
+}
+
+/// The page a (score, member) entry belongs in.
+fn page_for(directory: &Directory, score: f64, member: &[u8]) -> DataResult<u64> {
+    let after =
+        directory.partition_point(|bound| compare((bound.score, &bound.member), (score, member)).is_le())?;
+    Ok(directory.bound(after.saturating_sub(1))?.page)
+}
+
+/// ZADD of one member where the set lies ([`typed::edits_in_place`]): the
+/// member's page (and the page it leaves), its score entry and the header's
+/// count, changed in place; `allows` says whether the member may take
+/// `score` given its present one. The member's previous score, or `None`
+/// when the change needs the general path ([`SortedSet`]): no set yet, or a
+/// page that would split or empty (which changes the directory).
+pub fn insert_in_place(
+    engine: &dyn Engine,
+    key: &[u8],
+    member: &[u8],
+    score: f64,
+    allows: impl Fn(Option<f64>) -> bool,
+    now_ms: u64,
+    reserved: &ReservedEntries,
+) -> DataResult<Option<Option<f64>>> {
+    if !typed::edits_in_place(engine) {
+        return Ok(None);
+    }
+    let Some(meta) = read_meta(engine, key, now_ms)? else { return Ok(None) };
+    let name = |tag: u8, suffix: &[u8]| entry_key(key, meta.id, tag, suffix);
+    let member_key = name(MEMBER, member);
+    let previous = match engine.get(&member_key)? {
+        Some(raw) => Some(Reader::new(&raw).f64()?),
+        None => None,
+    };
+    if !allows(previous) || previous == Some(score) {
+        return Ok(Some(previous));
+    }
+    let directory = Directory::from_stored(engine.get(&name(DIRECTORY, &[]))?.ok_or_else(corrupt)?)?;
+    let target = page_for(&directory, score, member)?;
+    let source = previous.map(|old| page_for(&directory, old, member)).transpose()?;
+    let moving_pages = source.is_some_and(|source| source != target);
+    if moving_pages {
+        let mut held = Ok(0);
+        engine.get_with(&name(PAGE, &source.expect("moving").to_be_bytes()), &mut |raw| {
+            held = raw.ok_or_else(corrupt).and_then(|raw| Ok(page_slot(raw, score, member)?.2));
+        })?;
+        if held? < 2 {
+            return Ok(None);
+        }
+    }
+    let inserted = typed::edit_value(engine, &name(PAGE, &target.to_be_bytes()), |stored| {
+        let raw = stored.as_mut().ok_or_else(corrupt)?;
+        if let (Some(old), false) = (previous, moving_pages) {
+            let (_, found, _) = page_slot(raw, old, member)?;
+            raw.drain(found.ok_or_else(corrupt)?);
+        }
+        let (at, _, held) = page_slot(raw, score, member)?;
+        if held >= PAGE_MAX {
+            return Ok(Edit::Declined); // only when moving in: a page that loses one first never fills
+        }
+        let mut entry = BytesMut::with_capacity(12 + member.len());
+        entry.put_u64_le(score.to_bits());
+        put_bytes(&mut entry, member);
+        raw.splice(at..at, entry.iter().copied());
+        Ok(Edit::Changed(()))
+    })?;
+    if inserted.is_none() {
+        return Ok(None);
+    }
+    if let (Some(old), Some(source), true) = (previous, source, moving_pages) {
+        typed::edit_value(engine, &name(PAGE, &source.to_be_bytes()), |stored| {
+            let raw = stored.as_mut().ok_or_else(corrupt)?;
+            let (_, found, _) = page_slot(raw, old, member)?;
+            raw.drain(found.ok_or_else(corrupt)?);
+            Ok(Edit::Changed(()))
+        })?;
+    }
+    reserved.change(|| {
+        engine.put(&member_key, Bytes::copy_from_slice(&score.to_bits().to_le_bytes()))?;
+        Ok(((), i64::from(previous.is_none())))
+    })?;
+    if previous.is_none() {
+        adjust_len(engine, key, 1, now_ms)?;
+    }
+    Ok(Some(previous))
+}
+
+/// ZPOPMIN and ZPOPMAX of one member where the set lies, as
+/// [`insert_in_place`] adds: the (score, member) taken, or `None` when the
+/// pop needs the general path (no set, or one that would empty a page).
+pub fn pop_in_place(
+    engine: &dyn Engine,
+    key: &[u8],
+    max: bool,
+    now_ms: u64,
+    reserved: &ReservedEntries,
+) -> DataResult<Option<(f64, Bytes)>> {
+    if !typed::edits_in_place(engine) {
+        return Ok(None);
+    }
+    let Some(meta) = read_meta(engine, key, now_ms)? else { return Ok(None) };
+    if meta.len < 2 {
+        return Ok(None);
+    }
+    let name = |tag: u8, suffix: &[u8]| entry_key(key, meta.id, tag, suffix);
+    let directory = Directory::from_stored(engine.get(&name(DIRECTORY, &[]))?.ok_or_else(corrupt)?)?;
+    let page = directory.bound(if max { directory.len() - 1 } else { 0 })?.page;
+    let popped = typed::edit_value(engine, &name(PAGE, &page.to_be_bytes()), |stored| {
+        let raw = stored.as_mut().ok_or_else(corrupt)?;
+        // The first entry, or walked to the last.
+        let mut taken = 0..page_entry_at(raw, 0)?.2;
+        while max && taken.end < raw.len() {
+            taken = taken.end..page_entry_at(raw, taken.end)?.2;
+        }
+        // A page left empty changes the directory: the general path.
+        if taken.start == 0 && taken.end == raw.len() {
+            return Ok(Edit::Declined);
+        }
+        let (score, member, _) = page_entry_at(raw, taken.start)?;
+        let member = Bytes::copy_from_slice(&raw[member]);
+        raw.drain(taken);
+        Ok(Edit::Changed((score, member)))
+    })?;
+    let Some((score, member)) = popped else { return Ok(None) };
+    reserved.change(|| {
+        let removed = engine.delete(&name(MEMBER, &member))?;
+        Ok(((), -i64::from(removed)))
+    })?;
+    adjust_len(engine, key, -1, now_ms)?;
+    Ok(Some((score, member)))
+}
+
 /// The id of the set whose stored value (payload) this is.
 pub fn id_of(payload: &[u8]) -> DataResult<u64> {
     Ok(Meta::decode(payload, None)?.id)
@@ -779,6 +961,7 @@ mod tests {
 
     const ID_OF: IdOf =
         |kind, payload| if kind == Kind::SortedSet { id_of(payload).map(Some) } else { Ok(None) };
+    use rand::{Rng, SeedableRng};
     use std::collections::BTreeSet;
     use tessera_engine::MemoryEngine;
 
@@ -787,6 +970,90 @@ mod tests {
             model.iter().map(|(member, score)| (*score, Bytes::from(member.clone()))).collect();
         entries.sort_by(|a, b| compare((a.0, &a.1), (b.0, &b.1)));
         entries
+    }
+
+    /// ZADDs and pops where the set lies, falling back to the general path
+    /// as the commands do, mixed with general removals: held to a model
+    /// through page splits and pages emptied, with every member's score
+    /// entry and the count of reserved entries kept exact.
+    #[test]
+    fn changes_in_place_match_a_model() {
+        let engine = MemoryEngine::new();
+        let reserved = ReservedEntries::default();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let mut model: BTreeMap<Vec<u8>, f64> = BTreeMap::new();
+        let (mut in_place, mut general) = (0, 0);
+        for round in 0..12_000 {
+            let growing = (round / 3000) % 2 == 0;
+            match rng.gen_range(0..10) {
+                0..=5 if growing || rng.gen_bool(0.3) => {
+                    let member = format!("m{}", rng.gen_range(0..2000)).into_bytes();
+                    let score = rng.gen_range(0..300) as f64;
+                    let only_greater = rng.gen_bool(0.2);
+                    let allows = |old: Option<f64>| !only_greater || old.is_none_or(|old| score > old);
+                    let old = model.get(&member).copied();
+                    if allows(old) {
+                        model.insert(member.clone(), score);
+                    }
+                    match insert_in_place(&engine, b"z", &member, score, allows, 0, &reserved).unwrap() {
+                        Some(previous) => {
+                            in_place += 1;
+                            assert_eq!(previous, old, "round {round}");
+                        }
+                        None => {
+                            general += 1;
+                            let mut set = SortedSet::open_or_new(&engine, b"z", 0).unwrap();
+                            if allows(set.score(&member).unwrap()) {
+                                set.insert(&member, score).unwrap();
+                            }
+                            set.commit(&reserved).unwrap();
+                        }
+                    }
+                }
+                0..=8 => {
+                    let max = rng.gen_bool(0.5);
+                    let expected = model_entries(&model);
+                    let expected = if max { expected.last() } else { expected.first() }.cloned();
+                    let popped = match pop_in_place(&engine, b"z", max, 0, &reserved).unwrap() {
+                        Some(popped) => Some(popped),
+                        None => SortedSet::open(&engine, b"z", 0).unwrap().and_then(|mut set| {
+                            let taken = set.range_by_rank(0, 0, max).unwrap().pop()?;
+                            set.remove(&taken.1).unwrap();
+                            set.commit(&reserved).unwrap();
+                            Some(taken)
+                        }),
+                    };
+                    assert_eq!(popped, expected, "round {round}");
+                    if let Some((_, member)) = popped {
+                        model.remove(&member[..]);
+                    }
+                }
+                _ => {
+                    let member = format!("m{}", rng.gen_range(0..2000)).into_bytes();
+                    if let Some(mut set) = SortedSet::open(&engine, b"z", 0).unwrap() {
+                        assert_eq!(set.remove(&member).unwrap(), model.remove(&member));
+                        set.commit(&reserved).unwrap();
+                    }
+                }
+            }
+            if round % 89 == 0 || round == 11_999 {
+                let mut set = SortedSet::open_or_new(&engine, b"z", 0).unwrap();
+                assert_eq!(set.len(), model.len() as u64, "round {round}");
+                let entries = if model.is_empty() {
+                    Vec::new()
+                } else {
+                    set.range_by_rank(0, set.len() - 1, false).unwrap()
+                };
+                assert_eq!(entries, model_entries(&model), "round {round}");
+                for (member, score) in &model {
+                    assert_eq!(set.score(member).unwrap(), Some(*score), "round {round}");
+                }
+                let mut stored = 0;
+                for_each_reserved(&engine, |_, _| stored += 1).unwrap();
+                assert_eq!(reserved.count(), stored, "round {round}: reserved entries counted");
+            }
+        }
+        assert!(in_place > 4000 && general > 40, "{in_place} in place, {general} general");
     }
 
     #[test]
@@ -807,7 +1074,6 @@ mod tests {
     /// every commit, on a volatile and a persistent engine.
     #[test]
     fn changes_match_a_model() {
-        use rand::{Rng, SeedableRng};
         let dir = tempfile::tempdir().unwrap();
         let log = tessera_engine::LogEngine::open(dir.path(), Default::default()).unwrap();
         let engines: [&dyn Engine; 2] = [&MemoryEngine::new(), &log];

@@ -13,7 +13,7 @@ use crate::glob::glob_match;
 use crate::hashed::{Hashed, Layout};
 use crate::node_state::ScanPosition;
 use crate::typed::parse_i64;
-use crate::zset::{parse_score, LexBound, ScoreBound, SortedSet};
+use crate::zset::{self, parse_score, LexBound, ScoreBound, SortedSet};
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
@@ -154,6 +154,21 @@ fn zadd(context: &mut Context, request: &Request) -> CommandResult {
         }
         return Ok(());
     }
+    let counts =
+        |old: Option<f64>, score: f64| old.is_none() || (options.count_changed && old != Some(score));
+    if let ([score], [_, member]) = (&scores[..], &pairs[..]) {
+        let key = request.arg(1);
+        let _lock = context.lock_key(key)?;
+        let (engine, reserved) = (context.engine(key), &context.table(key).reserved);
+        let allows = |old| options.allows(old, *score);
+        if let Some(old) =
+            zset::insert_in_place(engine, key, member, *score, allows, context.now_ms, reserved)?
+        {
+            context.node.waiters.signal(key);
+            context.out.integer(i64::from(allows(old) && counts(old, *score)));
+            return Ok(());
+        }
+    }
     let counted = update_set(context, request.arg(1), |set| {
         let mut counted = 0;
         for (score, member) in scores.iter().zip(pairs.iter().skip(1).step_by(2)) {
@@ -162,9 +177,7 @@ fn zadd(context: &mut Context, request: &Request) -> CommandResult {
                 continue;
             }
             set.insert(member, *score)?;
-            if old.is_none() || (options.count_changed && old != Some(*score)) {
-                counted += 1;
-            }
+            counted += i64::from(counts(old, *score));
         }
         Ok(counted)
     })?;
@@ -569,6 +582,12 @@ fn pop_some(
     count: u64,
 ) -> CommandResult<Option<Vec<(f64, Bytes)>>> {
     let _lock = context.lock_key(key)?;
+    if count == 1 {
+        let (engine, reserved) = (context.engine(key), &context.table(key).reserved);
+        if let Some(popped) = zset::pop_in_place(engine, key, max, context.now_ms, reserved)? {
+            return Ok(Some(vec![popped]));
+        }
+    }
     let Some(mut set) = SortedSet::open(context.engine(key), key, context.now_ms)? else { return Ok(None) };
     if count == 0 || set.is_empty() {
         return Ok(Some(Vec::new()));
