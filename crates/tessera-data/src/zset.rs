@@ -778,12 +778,13 @@ fn page_entry_at(raw: &[u8], at: usize) -> DataResult<(f64, std::ops::Range<usiz
 }
 
 /// Where (score, member) belongs in a stored page: the offset of the first
-/// entry after it, whether the entry itself is there (its range), and how
-/// many entries the page holds.
+/// entry after it, and whether the entry itself is there (its range). The
+/// walk stops there unless `count_all`, which also counts the entries.
 fn page_slot(
     raw: &[u8],
     score: f64,
     member: &[u8],
+    count_all: bool,
 ) -> DataResult<(usize, Option<std::ops::Range<usize>>, usize)> {
     let (mut at, mut held, mut slot, mut found) = (0, 0, None, None);
     while at < raw.len() {
@@ -791,6 +792,7 @@ fn page_slot(
         match compare((stored_score, &raw[stored_member]), (score, member)) {
             Ordering::Less => {}
             Ordering::Equal => found = Some(at..end),
+            Ordering::Greater if !count_all => return Ok((at, found, held)),
             Ordering::Greater => {
                 slot.get_or_insert(at);
             }
@@ -861,7 +863,7 @@ pub fn insert_in_place(
     if moving_pages {
         let mut held = Ok(0);
         engine.get_with(&name(PAGE, &source.expect("moving").to_be_bytes()), &mut |raw| {
-            held = raw.ok_or_else(corrupt).and_then(|raw| Ok(page_slot(raw, score, member)?.2));
+            held = raw.ok_or_else(corrupt).and_then(|raw| Ok(page_slot(raw, score, member, true)?.2));
         })?;
         if held? < 2 {
             return Ok(None);
@@ -870,12 +872,14 @@ pub fn insert_in_place(
     let inserted = typed::edit_value(engine, &name(PAGE, &target.to_be_bytes()), |stored| {
         let raw = stored.as_mut().ok_or_else(corrupt)?;
         if let (Some(old), false) = (previous, moving_pages) {
-            let (_, found, _) = page_slot(raw, old, member)?;
+            let (_, found, _) = page_slot(raw, old, member, false)?;
             raw.drain(found.ok_or_else(corrupt)?);
         }
-        let (at, _, held) = page_slot(raw, score, member)?;
-        if held >= PAGE_MAX {
-            return Ok(Edit::Declined); // only when moving in: a page that loses one first never fills
+        // Only an entry moving in can fill the page: one that loses an entry first never does.
+        let moving_in = previous.is_none() || moving_pages;
+        let (at, _, held) = page_slot(raw, score, member, moving_in)?;
+        if moving_in && held >= PAGE_MAX {
+            return Ok(Edit::Declined);
         }
         let mut entry = BytesMut::with_capacity(12 + member.len());
         entry.put_u64_le(score.to_bits());
@@ -889,7 +893,7 @@ pub fn insert_in_place(
     if let (Some(old), Some(source), true) = (previous, source, moving_pages) {
         typed::edit_value(engine, &name(PAGE, &source.to_be_bytes()), |stored| {
             let raw = stored.as_mut().ok_or_else(corrupt)?;
-            let (_, found, _) = page_slot(raw, old, member)?;
+            let (_, found, _) = page_slot(raw, old, member, false)?;
             raw.drain(found.ok_or_else(corrupt)?);
             Ok(Edit::Changed(()))
         })?;
