@@ -364,7 +364,7 @@ struct PagedHeader {
     len: u64,
     level: u32,
     split: u64,
-    /// Where `len` lies in the stored value.
+    /// Where `len` lies in the payload.
     len_at: usize,
 }
 
@@ -411,31 +411,13 @@ fn edit_form(
             Ok(u64::from_le_bytes(bytes.try_into().expect("8 bytes")))
         };
         let (id, len, level, split) = (word(0)?, word(1)?, word(2)?, word(3)?);
-        let len_at = base + 8;
+        let len_at = at + 8;
         let level = u32::try_from(level).ok().filter(|level| *level < 63).ok_or_else(corrupt)?;
         if split >= 1 << level {
             return Err(corrupt());
         }
         Ok(Edit::Unchanged(Form::Paged(PagedHeader { id, len, level, split, len_at })))
     })
-}
-
-/// Adds `delta` to a paged value's stored number of entries.
-fn adjust_len(
-    layout: Layout,
-    engine: &dyn Engine,
-    key: &[u8],
-    header: &PagedHeader,
-    delta: i64,
-    now_ms: u64,
-) -> DataResult<()> {
-    typed::edit_live(engine, key, layout.kind(), now_ms, |value, _| {
-        let stored = value.get_mut(header.len_at..header.len_at + 8).ok_or_else(corrupt)?;
-        let len = u64::from_le_bytes((&*stored).try_into().expect("8 bytes"));
-        stored.copy_from_slice(&len.wrapping_add_signed(delta).to_le_bytes());
-        Ok(Edit::Changed(()))
-    })?
-    .ok_or_else(corrupt)
 }
 
 /// SADD, HSET and HMSET where the value lies ([`typed::edits_in_place`]):
@@ -454,16 +436,6 @@ pub fn insert_in_place(
     if !typed::edits_in_place(engine) {
         return Ok(None);
     }
-    let set_all = |stored: &mut Vec<u8>, base: usize| -> DataResult<Edit<u64>> {
-        let (mut added, mut changed) = (0, false);
-        for (field, value) in entries {
-            if let Some(new) = set_stored(layout, stored, base, field, value)? {
-                changed = true;
-                added += u64::from(new);
-            }
-        }
-        Ok(if changed { Edit::Changed(added) } else { Edit::Unchanged(0) })
-    };
     // At most what the entries add, whether their fields are new or not.
     let added_bytes: usize = entries.iter().map(|(field, value)| 8 + field.len() + value.len()).sum();
     let form = edit_form(layout, engine, key, now_ms, |value, base, held| {
@@ -472,7 +444,14 @@ pub fn insert_in_place(
         if !fits {
             return Ok(Edit::Declined);
         }
-        set_all(value, base)
+        let (mut added, mut changed) = (0, false);
+        for (field, entry) in entries {
+            if let Some(new) = set_stored(layout, value, base, field, entry)? {
+                changed = true;
+                added += u64::from(new);
+            }
+        }
+        Ok(if changed { Edit::Changed(added) } else { Edit::Unchanged(0) })
     })?;
     let header = match form {
         None => return Ok(None),
@@ -504,7 +483,7 @@ pub fn insert_in_place(
         Ok((added, created))
     })?;
     if added > 0 {
-        adjust_len(layout, engine, key, &header, added as i64, now_ms)?;
+        typed::add_to_count(engine, key, layout.kind(), now_ms, header.len_at, added as i64)?;
     }
     Ok(Some(added))
 }
@@ -575,7 +554,7 @@ pub fn pop_random_in_place(
         Ok(((), -removed))
     })?;
     if popped.is_some() {
-        adjust_len(layout, engine, key, &header, -1, now_ms)?;
+        typed::add_to_count(engine, key, layout.kind(), now_ms, header.len_at, -1)?;
     }
     Ok(popped)
 }

@@ -345,18 +345,6 @@ enum Form {
     Paged(PagedHeader),
 }
 
-/// Adds `delta` to a paged list's stored length, where it lies.
-fn adjust_length(engine: &dyn Engine, key: &[u8], delta: i64, now_ms: u64) -> DataResult<()> {
-    typed::edit_live(engine, key, Kind::List, now_ms, |value, start| {
-        let at = start + PagedHeader::LEN_AT;
-        let stored = value.get_mut(at..at + 8).ok_or_else(corrupt)?;
-        let len = u64::from_le_bytes((&*stored).try_into().expect("8 bytes"));
-        stored.copy_from_slice(&len.wrapping_add_signed(delta).to_le_bytes());
-        Ok(Edit::Changed(()))
-    })?
-    .ok_or_else(corrupt)
-}
-
 /// Edits the inline list's value or, for a paged list, its stored length
 /// by `delta` then its page at `end`; undoes the length if the page's edit
 /// declines or fails. `inline` and `page` get the value and where the
@@ -405,7 +393,7 @@ fn edit_end<T>(
         Ok(page(value, 16, held)?.into())
     });
     if !matches!(edited, Ok(Some(_))) {
-        adjust_length(engine, key, -delta, now_ms)?;
+        typed::add_to_count(engine, key, Kind::List, now_ms, PagedHeader::LEN_AT, -delta)?;
     }
     Ok(edited?.map(|done| (header.len, done)))
 }

@@ -216,6 +216,26 @@ pub fn edit_live<T>(
     })
 }
 
+/// Adds `delta` to the count a collection's header keeps as a u64 at `at`
+/// in the payload of the live value of `kind` at `key`, where it lies.
+pub fn add_to_count(
+    engine: &dyn Engine,
+    key: &[u8],
+    kind: Kind,
+    now_ms: u64,
+    at: usize,
+    delta: i64,
+) -> DataResult<()> {
+    use crate::collection::corrupt;
+    edit_live(engine, key, kind, now_ms, |value, start| {
+        let stored = value.get_mut(start + at..start + at + 8).ok_or_else(corrupt)?;
+        let count = u64::from_le_bytes((&*stored).try_into().expect("8 bytes"));
+        stored.copy_from_slice(&count.wrapping_add_signed(delta).to_le_bytes());
+        Ok(Edit::Changed(()))
+    })?
+    .ok_or_else(corrupt)
+}
+
 /// Writes a value, checking the size limit.
 pub fn write(
     engine: &dyn Engine,

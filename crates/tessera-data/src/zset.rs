@@ -180,6 +180,9 @@ struct Meta {
 }
 
 impl Meta {
+    /// Where `len` lies in the payload.
+    const LEN_AT: usize = 8;
+
     fn encode(&self) -> Bytes {
         let mut payload = [0u8; 24];
         payload[..8].copy_from_slice(&self.id.to_le_bytes());
@@ -810,17 +813,6 @@ fn read_meta(engine: &dyn Engine, key: &[u8], now_ms: u64) -> DataResult<Option<
         .transpose()
 }
 
-/// Adds `delta` to the set's stored number of members, where it lies.
-fn adjust_len(engine: &dyn Engine, key: &[u8], delta: i64, now_ms: u64) -> DataResult<()> {
-    typed::edit_live(engine, key, Kind::SortedSet, now_ms, |value, start| {
-        let stored = value.get_mut(start + 8..start + 16).ok_or_else(corrupt)?;
-        let len = u64::from_le_bytes((&*stored).try_into().expect("8 bytes"));
-        stored.copy_from_slice(&len.wrapping_add_signed(delta).to_le_bytes());
-        Ok(Edit::Changed(()))
-    })?
-    .ok_or_else(corrupt)
-}
-
 /// The page a (score, member) entry belongs in.
 fn page_for(directory: &Directory, score: f64, member: &[u8]) -> DataResult<u64> {
     let after =
@@ -903,7 +895,7 @@ pub fn insert_in_place(
         Ok(((), i64::from(previous.is_none())))
     })?;
     if previous.is_none() {
-        adjust_len(engine, key, 1, now_ms)?;
+        typed::add_to_count(engine, key, Kind::SortedSet, now_ms, Meta::LEN_AT, 1)?;
     }
     Ok(Some(previous))
 }
@@ -949,7 +941,7 @@ pub fn pop_in_place(
         let removed = engine.delete(&name(MEMBER, &member))?;
         Ok(((), -i64::from(removed)))
     })?;
-    adjust_len(engine, key, -1, now_ms)?;
+    typed::add_to_count(engine, key, Kind::SortedSet, now_ms, Meta::LEN_AT, -1)?;
     Ok(Some((score, member)))
 }
 
