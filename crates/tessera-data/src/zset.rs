@@ -250,19 +250,47 @@ impl Directory {
         }
     }
 
+    /// Bound `index`'s (score, member), borrowed: a search decodes and
+    /// copies nothing.
+    fn bound_key(&self, index: usize) -> DataResult<(f64, &[u8])> {
+        match self {
+            Self::Stored(raw) => {
+                let at = 4 + 4 * index;
+                let offset = raw.get(at..at + 4).ok_or_else(corrupt)?;
+                let offset = u32::from_le_bytes(offset.try_into().expect("4 bytes")) as usize;
+                let score = raw.get(offset..offset + 8).ok_or_else(corrupt)?;
+                let score = f64::from_bits(u64::from_le_bytes(score.try_into().expect("8 bytes")));
+                Ok((score, &raw[stored_bytes(raw, offset + 8)?]))
+            }
+            Self::Changed(bounds) => {
+                bounds.get(index).map(|bound| (bound.score, &bound.member[..])).ok_or_else(corrupt)
+            }
+        }
+    }
+
     /// The number of leading bounds for which `before` holds (it must hold for
     /// a prefix of the directory, as for `slice::partition_point`).
-    fn partition_point(&self, before: impl Fn(&PageBound) -> bool) -> DataResult<usize> {
+    fn partition_point(&self, before: impl Fn(f64, &[u8]) -> bool) -> DataResult<usize> {
         let (mut low, mut high) = (0, self.len());
         while low < high {
             let middle = low + (high - low) / 2;
-            if before(&self.bound(middle)?) {
+            let (score, member) = self.bound_key(middle)?;
+            if before(score, member) {
                 low = middle + 1;
             } else {
                 high = middle;
             }
         }
         Ok(low)
+    }
+
+    /// The index of the page that holds (or would hold) an entry: the last
+    /// whose bound is at or below it.
+    fn index_for(&self, score: f64, member: &[u8]) -> DataResult<usize> {
+        let after = self.partition_point(|bound_score, bound_member| {
+            compare((bound_score, bound_member), (score, member)).is_le()
+        })?;
+        Ok(after.saturating_sub(1))
     }
 
     fn changed(&mut self) -> DataResult<&mut Vec<PageBound>> {
@@ -419,10 +447,7 @@ impl<'a> SortedSet<'a> {
 
     /// The index in the directory of the page that holds (or would hold) an entry.
     fn page_index_for(&mut self, score: f64, member: &[u8]) -> DataResult<usize> {
-        let directory = self.directory()?;
-        let after = directory
-            .partition_point(|bound| compare((bound.score, &bound.member), (score, member)).is_le())?;
-        Ok(after.saturating_sub(1))
+        self.directory()?.index_for(score, member)
     }
 
     pub fn score(&mut self, member: &[u8]) -> DataResult<Option<f64>> {
@@ -547,8 +572,8 @@ impl<'a> SortedSet<'a> {
         let directory = self.directory()?;
         let end = match to {
             Some(bound) => directory
-                .partition_point(|page| {
-                    page.score < bound.score || (!bound.exclusive && page.score == bound.score)
+                .partition_point(|page_score, _| {
+                    page_score < bound.score || (!bound.exclusive && page_score == bound.score)
                 })?
                 .max(1),
             None => directory.len(),
@@ -815,9 +840,7 @@ fn read_meta(engine: &dyn Engine, key: &[u8], now_ms: u64) -> DataResult<Option<
 
 /// The page a (score, member) entry belongs in.
 fn page_for(directory: &Directory, score: f64, member: &[u8]) -> DataResult<u64> {
-    let after =
-        directory.partition_point(|bound| compare((bound.score, &bound.member), (score, member)).is_le())?;
-    Ok(directory.bound(after.saturating_sub(1))?.page)
+    directory.bound(directory.index_for(score, member)?).map(|bound| bound.page)
 }
 
 /// ZADD of one member where the set lies ([`typed::edits_in_place`]): the
