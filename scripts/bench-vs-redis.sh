@@ -3,7 +3,11 @@
 # Redis's own redis-benchmark:  -t $TESTS -n N -r 1000000 -c 50, at -P 1 and -P 16
 # (TESTS: redis-benchmark's test names, set,get unless given).
 # Rounds alternate the order of the servers; the report gives medians and the
-# Tessera/Redis ratio. Usage: scripts/bench-vs-redis.sh [ROUNDS] [REQUESTS]
+# Tessera/Redis ratio. It also gives each server's CPU time per request (user +
+# system, from /proc, over one test's run): on a shared machine a neighbour's
+# load moves requests per second far more than it moves the CPU a server spends
+# on a request, and a saturated single-threaded server's throughput is one over
+# that time. Usage: scripts/bench-vs-redis.sh [ROUNDS] [REQUESTS]
 # TLS=1 runs every server on a TLS port only (certificates from `tessera
 # tls-certs`, client certificates required) and redis-benchmark with --tls.
 set -euo pipefail
@@ -42,8 +46,10 @@ fi
 plain_or_tls() { if [ "$tls" = 1 ]; then echo "$2"; else echo "$1"; fi; }
 
 redis_port=$(plain_or_tls 7601 7611)
+declare -A server_pids
 redis-server --port 7601 "${redis_tls[@]}" --bind 127.0.0.1 --save "" --appendonly no --logfile "" >/dev/null &
 pids+=($!)
+server_pids[redis]=$!
 # Two Tessera configurations: one worker per core (the default), and one worker,
 # which leaves the second core to redis-benchmark as Redis's single thread does.
 declare -A ports=([redis]=$redis_port [tessera]=$(plain_or_tls 7602 7612) [tessera-1thread]=$(plain_or_tls 7603 7613))
@@ -51,14 +57,20 @@ tls_port() { if [ "$tls" = 1 ]; then echo --tls-port "$1" "${tessera_tls[@]}"; f
 # shellcheck disable=SC2046
 target/release/tessera serve --port 7602 $(tls_port 7612) --dir "$data/a" --log warn &
 pids+=($!)
+server_pids[tessera]=$!
 # shellcheck disable=SC2046
 target/release/tessera serve --port 7603 $(tls_port 7613) --dir "$data/b" --log warn --threads 1 &
 pids+=($!)
+server_pids[tessera-1thread]=$!
 for port in "${ports[@]}"; do
     for _ in $(seq 100); do redis-cli -p "$port" "${client_tls[@]}" ping >/dev/null 2>&1 && break; sleep 0.1; done
 done
 
-echo "round,pipeline,server,test,rps" >"$results"
+# A process's CPU time so far, in clock ticks (user + system).
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+ticks_per_second=$(getconf CLK_TCK)
+
+echo "round,pipeline,server,test,rps,cpu_us_per_request" >"$results"
 servers=(redis tessera tessera-1thread)
 for round in $(seq "$rounds"); do
     # Rotate the order so no server always runs first.
@@ -66,9 +78,18 @@ for round in $(seq "$rounds"); do
     for pipeline in 1 16; do
         for server in "${order[@]}"; do
             redis-cli -p "${ports[$server]}" "${client_tls[@]}" flushall >/dev/null
-            redis-benchmark -p "${ports[$server]}" "${client_tls[@]}" -t "$tests" -n "$requests" -r 1000000 -c 50 -P "$pipeline" --csv -q 2>/dev/null |
-                grep -v '^"test"' | tr -d '"' |
-                awk -F, -v r="$round" -v p="$pipeline" -v s="$server" '{print r "," p "," s "," $1 "," $2}' >>"$results"
+            for test in ${tests//,/ }; do
+                before=$(cpu_ticks "${server_pids[$server]}")
+                lines=$(redis-benchmark -p "${ports[$server]}" "${client_tls[@]}" -t "$test" -n "$requests" -r 1000000 -c 50 -P "$pipeline" --csv -q 2>/dev/null |
+                    grep -v '^"test"' | tr -d '"')
+                after=$(cpu_ticks "${server_pids[$server]}")
+                # A test that prints two results (LRANGE fills its list first) has no CPU time of its own.
+                cpu=""
+                if [ "$(echo "$lines" | wc -l)" = 1 ]; then
+                    cpu=$(awk -v t=$((after - before)) -v hz="$ticks_per_second" -v n="$requests" 'BEGIN {printf "%.3f", t * 1e6 / hz / n}')
+                fi
+                echo "$lines" | awk -F, -v r="$round" -v p="$pipeline" -v s="$server" -v c="$cpu" '{print r "," p "," s "," $1 "," $2 "," c}' >>"$results"
+            done
         done
         echo "round $round, -P $pipeline done" >&2
     done
@@ -77,16 +98,16 @@ done
 python3 - "$results" <<'PY'
 import csv, statistics, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
-median = {}
-for key in {(r["pipeline"], r["server"], r["test"]) for r in rows}:
-    median[key] = statistics.median(float(r["rps"]) for r in rows if (r["pipeline"], r["server"], r["test"]) == key)
-print("| pipeline | test | Redis ops/s | Tessera ops/s | ratio | Tessera 1 thread ops/s | ratio |")
-print("|---|---|---:|---:|---:|---:|---:|")
+def median(pipeline, server, test, column):
+    values = [float(r[column]) for r in rows if (r["pipeline"], r["server"], r["test"]) == (pipeline, server, test) and r[column]]
+    return statistics.median(values) if values else None
+print("| pipeline | test | Redis ops/s | Tessera ops/s | ratio | Tessera 1 thread ops/s | ratio | CPU µs/request: Redis | Tessera 1 thread | Redis / Tessera |")
+print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 tests = list(dict.fromkeys(r["test"] for r in rows))  # in redis-benchmark's order
 for pipeline in ("1", "16"):
     for test in tests:
-        redis = median[(pipeline, "redis", test)]
-        tessera = median[(pipeline, "tessera", test)]
-        single = median[(pipeline, "tessera-1thread", test)]
-        print(f"| -P {pipeline} | {test} | {redis:,.0f} | {tessera:,.0f} | {tessera / redis:.2f}x | {single:,.0f} | {single / redis:.2f}x |")
+        redis, tessera, single = (median(pipeline, server, test, "rps") for server in ("redis", "tessera", "tessera-1thread"))
+        redis_cpu, single_cpu = (median(pipeline, server, test, "cpu_us_per_request") for server in ("redis", "tessera-1thread"))
+        cpu = f"{redis_cpu:.2f} | {single_cpu:.2f} | {redis_cpu / single_cpu:.2f}x" if redis_cpu and single_cpu else "– | – | –"
+        print(f"| -P {pipeline} | {test} | {redis:,.0f} | {tessera:,.0f} | {tessera / redis:.2f}x | {single:,.0f} | {single / redis:.2f}x | {cpu} |")
 PY
