@@ -950,8 +950,7 @@ fn simulate(args: SimArgs) -> Result<(), String> {
     }
     let workload: tessera_sim::Workload = args.workload.parse()?;
     let transition_to = args.transition_to.as_deref().map(sim_protocol).transpose()?;
-    let quorum = protocol.quorum || transition_to.is_some_and(|target| target.quorum);
-    let default = tessera_sim::RunTiming::for_workload(workload, quorum);
+    let default = tessera_sim::RunTiming::for_run(workload, protocol, transition_to);
     let config = tessera_sim::SimConfig {
         faults: tessera_sim::FaultKind::parse_list(&args.faults)?,
         workload,

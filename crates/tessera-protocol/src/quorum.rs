@@ -1352,7 +1352,8 @@ impl QuorumRegister {
         }
     }
 
-    /// Starts `step` on each of `keys` of batch run `run`.
+    /// Moves batch run `run` to `stage`, starting the stage's step on each
+    /// of its keys at `indexes`.
     fn batch_steps(&mut self, run: u64, stage: Stage, indexes: Vec<usize>, fx: &mut Effects) {
         let Some(batch_run) = self.runs.get_mut(&run) else { return };
         batch_run.stage = stage;

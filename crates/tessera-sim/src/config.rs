@@ -132,11 +132,13 @@ impl Default for RunTiming {
 }
 
 impl RunTiming {
-    /// The timing of a run of `workload`: the batches workload reads back
-    /// twelve keys, each through a quorum's round trips (and waits for the
-    /// batches still writing it), which under the runs' message delays
-    /// takes twice the window.
-    pub fn for_workload(workload: Workload, quorum: bool) -> Self {
+    /// The timing of a run of `workload` on `protocol` (switching to
+    /// `transition_to`): the batches workload on a quorum reads back twelve
+    /// keys, each through a quorum's round trips (and waits for the batches
+    /// still writing it), which under the runs' message delays takes twice
+    /// the window.
+    pub fn for_run(workload: Workload, protocol: Mode, transition_to: Option<Mode>) -> Self {
+        let quorum = protocol.quorum || transition_to.is_some_and(|target| target.quorum);
         let mut timing = Self::default();
         if workload == Workload::Batches && quorum {
             timing.liveness_ms *= 2;

@@ -593,9 +593,7 @@ async fn run_on_quorum(
                 (key, expected, write)
             })
             .collect();
-        let operation = Operation::BatchIf { writes };
-        let pending = cluster.agent.begin_all(shard, vec![operation]).pop().expect("one operation");
-        let changed = match pending.answer().await {
+        let changed = match cluster.agent.submit(shard, Operation::BatchIf { writes }).await {
             ClientReply::Written | ClientReply::Value(_) => false,
             // Nothing was written: a key changed, or another batch held one.
             ClientReply::Changed | ClientReply::Retry(_) => true,
