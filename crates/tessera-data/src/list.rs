@@ -315,18 +315,26 @@ struct PagedHeader {
     len: u64,
     head: u64,
     tail: u64,
+    next_page: u64,
 }
 
 impl PagedHeader {
     /// Where the length lies in the payload.
     const LEN_AT: usize = 9;
 
+    /// The header of a paged list's payload (its first byte `PAGED`).
     fn read(payload: &[u8]) -> DataResult<Self> {
         let word = |at: usize| -> DataResult<u64> {
             let bytes = payload.get(at..at + 8).ok_or_else(corrupt)?;
             Ok(u64::from_le_bytes(bytes.try_into().expect("8 bytes")))
         };
-        Ok(Self { id: word(1)?, len: word(Self::LEN_AT)?, head: word(17)?, tail: word(25)? })
+        Ok(Self {
+            id: word(1)?,
+            len: word(Self::LEN_AT)?,
+            head: word(17)?,
+            tail: word(25)?,
+            next_page: word(33)?,
+        })
     }
 
     fn outer(&self, end: End) -> u64 {
@@ -337,37 +345,43 @@ impl PagedHeader {
     }
 }
 
+/// How much an inline list or a page may hold.
+struct Room {
+    elements: usize,
+    bytes: usize,
+}
+
+const INLINE_ROOM: Room = Room { elements: INLINE_ELEMENTS_MAX, bytes: INLINE_BYTES_MAX };
+const PAGE_ROOM: Room = Room { elements: PAGE_ELEMENTS_MAX, bytes: PAGE_BYTES_MAX };
+
 /// What the in-place paths found at a list's key.
-enum Form {
-    /// An inline list, already changed: its new length.
-    Inline(u64),
+enum Form<T> {
+    /// An inline list, already changed: its new length, and the edit's answer.
+    Inline(u64, T),
     /// A paged list, its length already changed.
     Paged(PagedHeader),
 }
 
-/// Edits the inline list's value or, for a paged list, its stored length
-/// by `delta` then its page at `end`; undoes the length if the page's edit
-/// declines or fails. `inline` and `page` get the value and where the
-/// stored elements begin, with how many it holds.
+/// Changes a list's length by `delta` at `end`, where it lies: `edit` gets
+/// the inline list's value, or the paged list's end page (its stored
+/// length changed first, and changed back if the page's edit declines or
+/// fails), with where the stored elements begin, how many it holds and how
+/// many it may. The new length and the edit's answer; `None` when it
+/// declined, or the list would empty.
 fn edit_end<T>(
     engine: &dyn Engine,
     key: &[u8],
     end: End,
     delta: i64,
     now_ms: u64,
-    mut inline: impl FnMut(&mut Vec<u8>, usize, usize) -> DataResult<Option<(u64, T)>>,
-    mut page: impl FnMut(&mut Vec<u8>, usize, usize) -> DataResult<Option<T>>,
+    mut edit: impl FnMut(&mut Vec<u8>, usize, usize, &Room) -> DataResult<Option<T>>,
 ) -> DataResult<Option<(u64, T)>> {
-    let mut answer = None;
     let form = typed::edit_live(engine, key, Kind::List, now_ms, |value, start| {
         match *value.get(start).ok_or_else(corrupt)? {
             INLINE => {
                 let held = count_stored(&value[start + 1..])?;
-                let edited = inline(value, start + 1, held)?.map(|(len, done)| {
-                    answer = Some(done);
-                    Form::Inline(len)
-                });
-                Ok(edited.into())
+                let len = (held as u64).wrapping_add_signed(delta);
+                Ok(edit(value, start + 1, held, &INLINE_ROOM)?.map(|answer| Form::Inline(len, answer)).into())
             }
             PAGED => {
                 let mut header = PagedHeader::read(&value[start..])?;
@@ -383,19 +397,19 @@ fn edit_end<T>(
     })?;
     let header = match form {
         None => return Ok(None),
-        Some(Form::Inline(len)) => return Ok(answer.map(|done| (len, done))),
+        Some(Form::Inline(len, answer)) => return Ok(Some((len, answer))),
         Some(Form::Paged(header)) => header,
     };
     let name = entry_key(key, header.id, PAGE, &header.outer(end).to_be_bytes());
     let edited = typed::edit_value(engine, &name, |value| {
         let value = value.as_mut().ok_or_else(corrupt)?;
         let held = count_stored(value.get(16..).ok_or_else(corrupt)?)?;
-        Ok(page(value, 16, held)?.into())
+        Ok(edit(value, 16, held, &PAGE_ROOM)?.into())
     });
     if !matches!(edited, Ok(Some(_))) {
         typed::add_to_count(engine, key, Kind::List, now_ms, PagedHeader::LEN_AT, -delta)?;
     }
-    Ok(edited?.map(|done| (header.len, done)))
+    Ok(edited?.map(|answer| (header.len, answer)))
 }
 
 /// LPUSH and RPUSH where the list lies ([`typed::edits_in_place`]): the
@@ -413,32 +427,14 @@ pub fn push_in_place(
     if !typed::edits_in_place(engine) {
         return Ok(None);
     }
-    let count = elements.len();
     let bytes: usize = elements.iter().map(|element| 4 + element.len()).sum();
-    let fits = |value: &Vec<u8>, base: usize, held: usize, elements_max: usize, bytes_max: usize| {
-        held + count <= elements_max && value.len() - base + bytes <= bytes_max
-    };
-    let pushed = edit_end(
-        engine,
-        key,
-        end,
-        count as i64,
-        now_ms,
-        |value, base, held| {
-            if !fits(value, base, held, INLINE_ELEMENTS_MAX, INLINE_BYTES_MAX) {
-                return Ok(None);
-            }
+    let pushed = edit_end(engine, key, end, elements.len() as i64, now_ms, |value, base, held, room| {
+        let fits = held + elements.len() <= room.elements && value.len() - base + bytes <= room.bytes;
+        if fits {
             insert_stored(value, base, end, elements);
-            Ok(Some(((held + count) as u64, ())))
-        },
-        |value, base, held| {
-            if !fits(value, base, held, PAGE_ELEMENTS_MAX, PAGE_BYTES_MAX) {
-                return Ok(None);
-            }
-            insert_stored(value, base, end, elements);
-            Ok(Some(()))
-        },
-    )?;
+        }
+        Ok(fits.then_some(()))
+    })?;
     Ok(pushed.map(|(len, ())| len))
 }
 
@@ -456,19 +452,11 @@ pub fn pop_in_place(
         return Ok(None);
     }
     let count = usize::try_from(count).unwrap_or(usize::MAX);
-    let take = |value: &mut Vec<u8>, base: usize, held: usize| match count < held {
+    let delta = -(count.min(i64::MAX as usize) as i64);
+    let popped = edit_end(engine, key, end, delta, now_ms, |value, base, held, _| match count < held {
         true => take_stored(value, base, end, count, held).map(Some),
         false => Ok(None),
-    };
-    let popped = edit_end(
-        engine,
-        key,
-        end,
-        -(count.min(i64::MAX as usize) as i64),
-        now_ms,
-        |value, base, held| Ok(take(value, base, held)?.map(|popped| ((held - count) as u64, popped))),
-        take,
-    )?;
+    })?;
     Ok(popped.map(|(_, popped)| popped))
 }
 
@@ -505,10 +493,9 @@ impl<'a> List<'a> {
     /// The list at `key`, if there is one; `WRONGTYPE` for another kind of value.
     pub fn open(engine: &'a dyn Engine, key: &'a [u8], now_ms: u64) -> DataResult<Option<Self>> {
         let Some(stored) = read_kind(engine, key, Kind::List, now_ms)? else { return Ok(None) };
-        let mut reader = Reader::new(&stored.payload);
         let mut list = Self::empty(engine, key);
         list.expires_at_ms = stored.expires_at_ms;
-        match reader.u8()? {
+        match *stored.payload.first().ok_or_else(corrupt)? {
             INLINE => {
                 let mut page = Page::new(NONE, NONE);
                 page.elements = Elements::encoded(stored.payload.slice(1..))?;
@@ -517,11 +504,12 @@ impl<'a> List<'a> {
                 list.pages.insert(NONE, page);
             }
             PAGED => {
-                list.paged_id = Some(reader.u64()?);
-                list.len = reader.u64()?;
-                list.head = reader.u64()?;
-                list.tail = reader.u64()?;
-                list.next_page = reader.u64()?;
+                let header = PagedHeader::read(&stored.payload)?;
+                list.paged_id = Some(header.id);
+                list.len = header.len;
+                list.head = header.head;
+                list.tail = header.tail;
+                list.next_page = header.next_page;
             }
             _ => return Err(corrupt()),
         }
