@@ -118,7 +118,7 @@ pub fn stored_bytes(raw: &[u8], at: usize) -> DataResult<std::ops::Range<usize>>
     Ok(at + 4..end)
 }
 
-pub fn put_bytes(out: &mut BytesMut, bytes: &[u8]) {
+pub fn put_bytes(out: &mut impl BufMut, bytes: &[u8]) {
     out.put_u32_le(bytes.len() as u32);
     out.put_slice(bytes);
 }

@@ -73,10 +73,15 @@ impl Layout {
 
     fn put_entries<'e>(self, out: &mut BytesMut, entries: impl IntoIterator<Item = &'e (Bytes, Bytes)>) {
         for (field, value) in entries {
-            put_bytes(out, field);
-            if self == Layout::Hash {
-                put_bytes(out, value);
-            }
+            self.put_entry(out, field, value);
+        }
+    }
+
+    /// Stores one entry: its field, and a hash's value.
+    fn put_entry(self, out: &mut impl BufMut, field: &[u8], value: &[u8]) {
+        put_bytes(out, field);
+        if self == Layout::Hash {
+            put_bytes(out, value);
         }
     }
 
@@ -102,13 +107,6 @@ impl Layout {
             Layout::Hash if payload.starts_with(&HASH_PAGED) => Ok((true, HASH_PAGED.len())),
             Layout::Hash => Ok((false, 0)),
         }
-    }
-
-    /// Whether a stored value (payload) is paged, reading past the marker.
-    fn read_paged_marker(self, reader: &mut Reader, payload: &[u8]) -> DataResult<bool> {
-        let (paged, at) = self.marker(payload)?;
-        reader.at = at;
-        Ok(paged)
     }
 
     fn put_paged_marker(self, out: &mut BytesMut) {
@@ -230,7 +228,7 @@ impl Entries {
             Entries::Encoded { layout, raw, count } => {
                 let mut grown = BytesMut::with_capacity(raw.len() + field.len() + value.len() + 8);
                 grown.extend_from_slice(raw);
-                layout.put_entries(&mut grown, [&(Bytes::copy_from_slice(field), value)]);
+                layout.put_entry(&mut grown, field, &value);
                 *raw = grown.freeze();
                 *count += 1;
             }
@@ -339,9 +337,7 @@ fn set_stored(
             Ok(Some(false))
         }
         None => {
-            let mut entry = BytesMut::new();
-            layout.put_entries(&mut entry, [&(Bytes::copy_from_slice(field), Bytes::copy_from_slice(value))]);
-            stored.extend_from_slice(&entry);
+            layout.put_entry(stored, field, value);
             Ok(Some(true))
         }
     }
@@ -369,6 +365,20 @@ struct PagedHeader {
 }
 
 impl PagedHeader {
+    /// The header of a paged payload, from `at` (past the marker).
+    fn read(payload: &[u8], at: usize) -> DataResult<Self> {
+        let word = |index: usize| -> DataResult<u64> {
+            let bytes = payload.get(at + 8 * index..at + 8 * index + 8).ok_or_else(corrupt)?;
+            Ok(u64::from_le_bytes(bytes.try_into().expect("8 bytes")))
+        };
+        let (id, len, level, split) = (word(0)?, word(1)?, word(2)?, word(3)?);
+        let level = u32::try_from(level).ok().filter(|level| *level < 63).ok_or_else(corrupt)?;
+        if split >= 1 << level {
+            return Err(corrupt());
+        }
+        Ok(Self { id, len, level, split, len_at: at + 8 })
+    }
+
     fn bucket_count(&self) -> u64 {
         (1 << self.level) + self.split
     }
@@ -379,44 +389,30 @@ impl PagedHeader {
 }
 
 /// What the in-place paths found at a set's or hash's key.
-enum Form {
-    /// An inline value, already changed; the fields it added.
-    Inline(u64),
+enum Form<T> {
+    /// An inline value, already edited: the edit's answer.
+    Inline(T),
     Paged(PagedHeader),
 }
 
 /// Reads the value at `key` for an edit in place: `inline` edits an inline
 /// value (given the value, where its entries begin, and how many it holds);
-/// a paged one is only read.
-fn edit_form(
+/// a paged one's header is only read.
+fn edit_form<T>(
     layout: Layout,
     engine: &dyn Engine,
     key: &[u8],
     now_ms: u64,
-    mut inline: impl FnMut(&mut Vec<u8>, usize, usize) -> DataResult<Edit<u64>>,
-) -> DataResult<Option<Form>> {
+    mut inline: impl FnMut(&mut Vec<u8>, usize, usize) -> DataResult<Edit<T>>,
+) -> DataResult<Option<Form<T>>> {
     typed::edit_live(engine, key, layout.kind(), now_ms, |value, start| {
         let (paged, at) = layout.marker(&value[start..])?;
+        if paged {
+            return Ok(Edit::Unchanged(Form::Paged(PagedHeader::read(&value[start..], at)?)));
+        }
         let base = start + at;
-        if !paged {
-            let held = count_stored(layout, &value[base..])?;
-            return Ok(match inline(value, base, held)? {
-                Edit::Declined => Edit::Declined,
-                Edit::Unchanged(added) => Edit::Unchanged(Form::Inline(added)),
-                Edit::Changed(added) => Edit::Changed(Form::Inline(added)),
-            });
-        }
-        let word = |index: usize| -> DataResult<u64> {
-            let bytes = value.get(base + 8 * index..base + 8 * index + 8).ok_or_else(corrupt)?;
-            Ok(u64::from_le_bytes(bytes.try_into().expect("8 bytes")))
-        };
-        let (id, len, level, split) = (word(0)?, word(1)?, word(2)?, word(3)?);
-        let len_at = at + 8;
-        let level = u32::try_from(level).ok().filter(|level| *level < 63).ok_or_else(corrupt)?;
-        if split >= 1 << level {
-            return Err(corrupt());
-        }
-        Ok(Edit::Unchanged(Form::Paged(PagedHeader { id, len, level, split, len_at })))
+        let held = count_stored(layout, &value[base..])?;
+        Ok(inline(value, base, held)?.map(Form::Inline))
     })
 }
 
@@ -504,31 +500,29 @@ pub fn pop_random_in_place(
     }
     // Takes a random one of the `held` entries stored from `base`.
     let take = |stored: &mut Vec<u8>, base: usize, held: usize| -> DataResult<Bytes> {
-        let mut at = base;
+        let entries = &stored[base..];
+        let mut at = 0;
         for _ in 0..rand::random::<usize>() % held {
-            at = base + next_entry(layout, &stored[base..], at - base)?.2;
+            at = next_entry(layout, entries, at)?.2;
         }
-        let (member, _, end) = next_entry(layout, &stored[base..], at - base)?;
-        let member = Bytes::copy_from_slice(&stored[base + member.start..base + member.end]);
-        stored.drain(at..base + end);
+        let (member, _, end) = next_entry(layout, entries, at)?;
+        let member = Bytes::copy_from_slice(&entries[member]);
+        stored.drain(base + at..base + end);
         Ok(member)
     };
-    let mut popped = None;
-    let form = edit_form(layout, engine, key, now_ms, |value, base, held| {
-        if held < 2 {
-            return Ok(Edit::Declined);
-        }
-        popped = Some(take(value, base, held)?);
-        Ok(Edit::Changed(0))
+    let form = edit_form(layout, engine, key, now_ms, |value, base, held| match held {
+        0 | 1 => Ok(Edit::Declined),
+        _ => Ok(Edit::Changed(take(value, base, held)?)),
     })?;
     let header = match form {
         None => return Ok(None),
-        Some(Form::Inline(_)) => return Ok(popped),
+        Some(Form::Inline(member)) => return Ok(Some(member)),
         Some(Form::Paged(header)) => header,
     };
     if header.len < 2 {
         return Ok(None);
     }
+    let mut popped = None;
     reserved.change(|| {
         let mut removed = 0;
         for _ in 0..DRAWS {
@@ -563,10 +557,12 @@ pub fn pop_random_in_place(
 /// (payload); none for an inline one or another type.
 pub fn id_of(kind: Kind, payload: &Bytes) -> DataResult<Option<u64>> {
     let Some(layout) = Layout::of(kind) else { return Ok(None) };
-    let mut reader = Reader::new(payload);
-    match layout.read_paged_marker(&mut reader, payload)? {
-        true => Ok(Some(reader.u64()?)),
-        false => Ok(None),
+    match layout.marker(payload)? {
+        (true, at) => {
+            let id = payload.get(at..at + 8).ok_or_else(corrupt)?;
+            Ok(Some(u64::from_le_bytes(id.try_into().expect("8 bytes"))))
+        }
+        (false, _) => Ok(None),
     }
 }
 
@@ -596,17 +592,15 @@ impl<'a> Hashed<'a> {
         let Some(stored) = read_kind(engine, key, layout.kind(), now_ms)? else { return Ok(None) };
         let mut value = Self::empty(layout, engine, key);
         value.expires_at_ms = stored.expires_at_ms;
-        let mut reader = Reader::new(&stored.payload);
-        if layout.read_paged_marker(&mut reader, &stored.payload)? {
-            value.paged_id = Some(reader.u64()?);
-            value.len = reader.u64()?;
-            value.level = u32::try_from(reader.u64()?).map_err(|_| corrupt())?;
-            value.split = reader.u64()?;
-            if value.level >= 63 || value.split >= 1 << value.level {
-                return Err(corrupt());
-            }
+        let (paged, at) = layout.marker(&stored.payload)?;
+        if paged {
+            let header = PagedHeader::read(&stored.payload, at)?;
+            value.paged_id = Some(header.id);
+            value.len = header.len;
+            value.level = header.level;
+            value.split = header.split;
         } else {
-            let entries = Entries::encoded(layout, stored.payload.slice(reader.at..))?;
+            let entries = Entries::encoded(layout, stored.payload.slice(at..))?;
             value.len = entries.len() as u64;
             value.buckets.insert(0, Bucket::new(entries, false));
         }

@@ -168,6 +168,16 @@ pub enum Edit<T> {
     Changed(T),
 }
 
+impl<T> Edit<T> {
+    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Edit<U> {
+        match self {
+            Edit::Declined => Edit::Declined,
+            Edit::Unchanged(answer) => Edit::Unchanged(f(answer)),
+            Edit::Changed(answer) => Edit::Changed(f(answer)),
+        }
+    }
+}
+
 /// An edit that changes the value whenever it does not decline.
 impl<T> From<Option<T>> for Edit<T> {
     fn from(answer: Option<T>) -> Self {
