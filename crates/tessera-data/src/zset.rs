@@ -805,6 +805,16 @@ fn page_entry_at(raw: &[u8], at: usize) -> DataResult<(f64, std::ops::Range<usiz
     Ok((score, member, end))
 }
 
+/// How many entries a stored page holds.
+fn page_len(raw: &[u8]) -> DataResult<usize> {
+    let (mut at, mut held) = (0, 0);
+    while at < raw.len() {
+        at = page_entry_at(raw, at)?.2;
+        held += 1;
+    }
+    Ok(held)
+}
+
 /// Where (score, member) belongs in a stored page: the offset of the first
 /// entry after it, and whether the entry itself is there (its range). The
 /// walk stops there unless `count_all`, which also counts the entries.
@@ -876,9 +886,10 @@ pub fn insert_in_place(
     let source = previous.map(|old| page_for(&directory, old, member)).transpose()?;
     let moving_pages = source.is_some_and(|source| source != target);
     if moving_pages {
+        // A page the member leaves empty changes the directory.
         let mut held = Ok(0);
         engine.get_with(&name(PAGE, &source.expect("moving").to_be_bytes()), &mut |raw| {
-            held = raw.ok_or_else(corrupt).and_then(|raw| Ok(page_slot(raw, score, member, true)?.2));
+            held = raw.ok_or_else(corrupt).and_then(page_len);
         })?;
         if held? < 2 {
             return Ok(None);
@@ -896,10 +907,9 @@ pub fn insert_in_place(
         if moving_in && held >= PAGE_MAX {
             return Ok(Edit::Declined);
         }
-        let mut entry = BytesMut::with_capacity(12 + member.len());
-        entry.put_u64_le(score.to_bits());
-        put_bytes(&mut entry, member);
-        raw.splice(at..at, entry.iter().copied());
+        let length = (member.len() as u32).to_le_bytes();
+        let entry = score.to_bits().to_le_bytes().into_iter().chain(length).chain(member.iter().copied());
+        raw.splice(at..at, entry);
         Ok(Edit::Changed(()))
     })?;
     if inserted.is_none() {
