@@ -1085,6 +1085,37 @@ mod tests {
         assert!(in_place > 4000 && general > 40, "{in_place} in place, {general} general");
     }
 
+    /// A member that would leave its page empty takes the general path,
+    /// which drops the page from the directory: no empty page is left for
+    /// a later pop to meet.
+    #[test]
+    fn a_move_that_would_empty_a_page_takes_the_general_path() {
+        let engine = MemoryEngine::new();
+        let reserved = ReservedEntries::default();
+        let mut set = SortedSet::open_or_new(&engine, b"z", 0).unwrap();
+        for n in 0..=PAGE_MAX {
+            set.insert(format!("m{n:03}").as_bytes(), n as f64).unwrap();
+        }
+        set.commit(&reserved).unwrap();
+        // Leave the lowest page with one member, m000.
+        let mut set = SortedSet::open(&engine, b"z", 0).unwrap().unwrap();
+        let lowest_page = set.page_id(0).unwrap();
+        let lowest_page_len = set.page(lowest_page).unwrap().entries.len();
+        assert!(lowest_page_len > 1 && set.directory().unwrap().len() == 2, "the set split once");
+        for n in 1..lowest_page_len {
+            set.remove(format!("m{n:03}").as_bytes()).unwrap();
+        }
+        set.commit(&reserved).unwrap();
+        let allows = |_: Option<f64>| true;
+        assert_eq!(insert_in_place(&engine, b"z", b"m000", 1000.0, allows, 0, &reserved).unwrap(), None);
+        let mut set = SortedSet::open(&engine, b"z", 0).unwrap().unwrap();
+        set.insert(b"m000", 1000.0).unwrap();
+        set.commit(&reserved).unwrap();
+        let lowest = format!("m{lowest_page_len:03}");
+        let popped = pop_in_place(&engine, b"z", false, 0, &reserved).unwrap();
+        assert_eq!(popped, Some((lowest_page_len as f64, Bytes::from(lowest))));
+    }
+
     #[test]
     fn scores_parse_like_redis() {
         assert_eq!(parse_score(b"1.5").unwrap(), 1.5);
