@@ -14,8 +14,10 @@
 //! A rejected prepare retries with a higher ballot after a backoff (nothing was
 //! written). A rejected or unanswered accept round may have left its record at
 //! a minority, where a later proposer can find and finish it: a read looks
-//! again; a write answers `Unknown` (writing it again after a later write could
-//! apply it twice). A member that missed an accept (or holds such a
+//! again; a write prepares again and finds out: the newest record is its own
+//! (it writes that back and answers as planned), or still the one it planned
+//! on (it writes again), or another's, when it answers `Unknown` (writing it
+//! again after a later write could apply it twice). A member that missed an accept (or holds such a
 //! minority record) is brought level by the key's next strong operation.
 //!
 //! Membership: a learner merges a snapshot from every member (every
@@ -65,6 +67,10 @@ pub struct QuorumOptions {
     /// to commit for aborted.
     #[cfg(feature = "broken")]
     pub broken_parallel_locks: bool,
+    /// For tests of the checkers: a write whose accept round was
+    /// interrupted writes again over whatever it finds.
+    #[cfg(feature = "broken")]
+    pub broken_rewrite_interrupted: bool,
 }
 
 impl Default for QuorumOptions {
@@ -80,6 +86,8 @@ impl Default for QuorumOptions {
             broken_quorum_of_one: false,
             #[cfg(feature = "broken")]
             broken_parallel_locks: false,
+            #[cfg(feature = "broken")]
+            broken_rewrite_interrupted: false,
         }
     }
 }
@@ -330,6 +338,8 @@ enum Phase {
     Accept {
         record: Record,
         outcome: Outcome,
+        /// The ballot of the record it planned on.
+        base: Option<Ballot>,
     },
     /// Waiting out a backoff before preparing again.
     Backoff {
@@ -479,6 +489,18 @@ struct Proposal {
     /// A batch whose intent this proposal met on its key, as its primary
     /// decided it.
     resolved: Option<(BatchId, BatchStatus)>,
+    /// A client's write whose accept round was interrupted.
+    interrupted: Option<Interrupted>,
+}
+
+/// What a client's write whose accept round was interrupted needs to find
+/// out whether it took effect: the ballot of the record it planned on, the
+/// ballots its record went out at (a majority may hold one), and its answer
+/// had it been chosen.
+struct Interrupted {
+    base: Option<Ballot>,
+    accepted: Vec<Ballot>,
+    outcome: Outcome,
 }
 
 impl Proposal {
@@ -492,6 +514,7 @@ impl Proposal {
             deadline: 0,
             attempt: 0,
             resolved: None,
+            interrupted: None,
         }
     }
 
@@ -519,8 +542,9 @@ impl Proposal {
     /// Whether an interrupted accept round may simply start over: a read's
     /// write-back, and the batch steps that only settle what is decided. A
     /// write's record may already have been seen, and writing it again after
-    /// a later write would apply it twice; a lock taken again after a
-    /// resolver dropped it could let its batch commit without that key.
+    /// a later write would apply it twice (it finds out instead,
+    /// `Interrupted`); a lock taken again after a resolver dropped it could
+    /// let its batch commit without that key.
     fn restartable(&self) -> bool {
         match &self.step {
             Step::Client(operation) => matches!(operation, Operation::Get { .. } | Operation::Fetch { .. }),
@@ -931,11 +955,22 @@ impl QuorumRegister {
         if let Err(error) = self.hlc.observe_remote(outbid, fx.now()) {
             tracing::warn!(replica = %self.me, %error, "a refusal's version ignored");
         }
-        let Some(proposal) = self.proposals.get(&op) else { return };
+        let Some(proposal) = self.proposals.get_mut(&op) else { return };
         let accepting = matches!(proposal.phase, Phase::Accept { .. });
         if accepting && !proposal.restartable() {
-            let reason = "a concurrent proposal or a lost majority interrupted the write";
-            return self.finish(op, Outcome::Reply(ClientReply::Unknown(reason)), fx);
+            let Phase::Accept { record, outcome, base } = &proposal.phase else { unreachable!("accepting") };
+            if !matches!(proposal.step, Step::Client(_)) {
+                let reason = "a concurrent proposal or a lost majority interrupted the write";
+                return self.finish(op, Outcome::Reply(ClientReply::Unknown(reason)), fx);
+            }
+            // It finds out, preparing again, whether its record was chosen.
+            let ballot = ballot_of(record);
+            let interrupted = proposal.interrupted.get_or_insert_with(|| Interrupted {
+                base: *base,
+                accepted: Vec::new(),
+                outcome: outcome.clone(),
+            });
+            interrupted.accepted.push(ballot);
         }
         let reply = if accepting {
             ClientReply::Unknown("no majority accepted the write")
@@ -1028,10 +1063,13 @@ impl QuorumRegister {
                     })
                     .max_by_key(ballot_of);
                 let proposal = self.proposals.get(&op).expect("looked up above");
+                let base = newest.as_ref().map(ballot_of);
                 match self.plan(proposal, newest, ballot, fx.now()) {
                     Plan::Write(record, outcome) => {
                         let proposal = self.proposals.get_mut(&op).expect("looked up above");
-                        proposal.phase = Phase::Accept { record, outcome };
+                        // A write again after an interruption plans on the same record.
+                        let base = proposal.interrupted.as_ref().map_or(base, |interrupted| interrupted.base);
+                        proposal.phase = Phase::Accept { record, outcome, base };
                         self.send_phase(op, fx);
                     }
                     Plan::Answer(outcome) => self.finish(op, outcome, fx),
@@ -1108,6 +1146,25 @@ impl QuorumRegister {
     /// a majority promised with, under its own `ballot`.
     fn plan(&self, proposal: &Proposal, newest: Option<Record>, ballot: Ballot, now: Time) -> Plan {
         let found = newest.as_ref().map(ballot_of);
+        // An interrupted write: its own record is written back (a majority
+        // may not hold it yet) and it answers as planned; the record it
+        // planned on, and it plans again; another's, and its fate is unknown.
+        if let Some(interrupted) = &proposal.interrupted {
+            if let Some(own) =
+                newest.as_ref().filter(|_| found.is_some_and(|found| interrupted.accepted.contains(&found)))
+            {
+                let mut record = own.clone();
+                (record.version, record.origin) = ballot;
+                return Plan::Write(record, interrupted.outcome.clone());
+            }
+            #[cfg(feature = "broken")]
+            let found = if self.options.broken_rewrite_interrupted { interrupted.base } else { found };
+            if found != interrupted.base {
+                let reason =
+                    "a concurrent proposal interrupted the write, and the key has been written since";
+                return Plan::Answer(Outcome::Reply(ClientReply::Unknown(reason)));
+            }
+        }
         // A conditional write checks the record as it found it, first. One
         // with another batch's intent is not as fetched either: a fetch
         // settles intents, and the value under one may not be the key's.

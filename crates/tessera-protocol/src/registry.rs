@@ -449,6 +449,20 @@ static BROKEN: &[ProtocolSpec] = &[
         offered: false,
         ..QUORUM
     },
+    // Writes whose accept round was interrupted write again over anything.
+    ProtocolSpec {
+        name: "broken-quorum-rewrite-interrupted",
+        build: |me, engine, start, tuning| {
+            quorum_register(
+                me,
+                engine,
+                start,
+                QuorumOptions { broken_rewrite_interrupted: true, ..quorum_options(tuning) },
+            )
+        },
+        offered: false,
+        ..QUORUM
+    },
 ];
 
 #[cfg(test)]
