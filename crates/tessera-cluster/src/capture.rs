@@ -14,19 +14,35 @@ use tessera_protocol::{Record, Write};
 pub struct CapturingView {
     engine: Arc<dyn Engine>,
     captured: Mutex<Vec<(Bytes, Write)>>,
-    /// Values some keys are read as instead of the local copy's.
-    pins: HashMap<Bytes, Option<Bytes>>,
+    /// On a shard running a quorum protocol: the records the command runs on.
+    reads: Option<Mutex<ReadSet>>,
+}
+
+/// The keys a command on a quorum shard touched (read or wrote), with the
+/// record it ran on for each: what its conditional batch checks.
+#[derive(Debug, Default)]
+pub struct ReadSet {
+    /// Each key's record as fetched through the quorum, or as this member
+    /// holds it (a guess the batch checks); `None`: no record.
+    pub records: HashMap<Bytes, Option<Record>>,
+    /// Keys touched that have no record here yet (and, when guessing, those
+    /// whose own record carries a batch's intent, which only the quorum
+    /// settles): the command must run again once they are fetched. It ran
+    /// on this member's values of them meanwhile.
+    pub missing: Vec<Bytes>,
+    /// Whether a key without a record takes this member's own as a guess.
+    pub guess_locally: bool,
 }
 
 impl CapturingView {
     pub fn new(engine: Arc<dyn Engine>) -> Self {
-        Self::pinned(engine, HashMap::new())
+        Self { engine, captured: Mutex::new(Vec::new()), reads: None }
     }
 
-    /// A view whose reads of the pinned keys see the given values (what a
-    /// quorum read answered) rather than this replica's copy.
-    pub fn pinned(engine: Arc<dyn Engine>, pins: HashMap<Bytes, Option<Bytes>>) -> Self {
-        Self { engine, captured: Mutex::new(Vec::new()), pins }
+    /// A view for a quorum shard: reads see `reads`' records rather than
+    /// this member's copy, and every key touched joins the read set.
+    pub fn over_records(engine: Arc<dyn Engine>, reads: ReadSet) -> Self {
+        Self { engine, captured: Mutex::new(Vec::new()), reads: Some(Mutex::new(reads)) }
     }
 
     /// The writes made through the view, leaving it empty: each key's last
@@ -42,12 +58,44 @@ impl CapturingView {
         last.reverse();
         last
     }
+
+    /// The read set, leaving an empty one; `None` outside a quorum shard.
+    pub fn take_reads(&self) -> Option<ReadSet> {
+        self.reads.as_ref().map(|reads| std::mem::take(&mut *reads.lock()))
+    }
+
+    /// The record `key` is read as on a quorum shard, noting the key in the
+    /// read set: `None` outside one, or while the key's record is missing.
+    fn record_read(&self, key: &[u8]) -> Result<Option<Option<Bytes>>> {
+        let Some(reads) = &self.reads else { return Ok(None) };
+        let mut reads = reads.lock();
+        if let Some(record) = reads.records.get(key) {
+            return Ok(Some(record.as_ref().and_then(|record| record.visible().cloned())));
+        }
+        if reads.missing.iter().any(|missing| missing.as_ref() == key) {
+            return Ok(None);
+        }
+        let key = Bytes::copy_from_slice(key);
+        if reads.guess_locally {
+            let record = self.engine.get(&key)?.map(decode).transpose()?;
+            if record.as_ref().is_none_or(|record| record.intent.is_none()) {
+                let value = record.as_ref().and_then(|record| record.visible().cloned());
+                reads.records.insert(key, record);
+                return Ok(Some(value));
+            }
+        }
+        reads.missing.push(key);
+        Ok(None)
+    }
+}
+
+fn decode(raw: Bytes) -> Result<Record> {
+    Record::decode(raw).map_err(|error| EngineError::Corrupt(error.to_string()))
 }
 
 /// The value a reader sees in a stored record: none for a tombstone.
 fn visible(raw: Bytes) -> Result<Option<Bytes>> {
-    let record = Record::decode(raw).map_err(|error| EngineError::Corrupt(error.to_string()))?;
-    Ok(record.visible().cloned())
+    Ok(decode(raw)?.visible().cloned())
 }
 
 impl Engine for CapturingView {
@@ -67,13 +115,19 @@ impl Engine for CapturingView {
                 Write::Delete => None,
             },
         );
-        match own.or_else(|| self.pins.get(key).cloned()) {
+        if let Some(value) = own {
+            return Ok(value);
+        }
+        match self.record_read(key)? {
             Some(value) => Ok(value),
             None => Ok(self.engine.get(key)?.map(visible).transpose()?.flatten()),
         }
     }
 
+    /// A write joins the read set too: its conditional batch checks the
+    /// record it replaces.
     fn put(&self, key: &[u8], value: Bytes) -> Result<()> {
+        self.record_read(key)?;
         self.captured.lock().push((Bytes::copy_from_slice(key), Write::Put(value)));
         Ok(())
     }
@@ -116,7 +170,7 @@ impl Engine for CapturingView {
 mod tests {
     use super::*;
     use tessera_engine::MemoryEngine;
-    use tessera_protocol::{NodeId, Version};
+    use tessera_protocol::{Intent, NodeId, Version};
 
     #[test]
     fn reads_see_records_and_own_writes_and_writes_are_captured() {
@@ -146,5 +200,42 @@ mod tests {
         assert!(view.take().is_empty());
         assert!(engine.get(b"a").unwrap().is_some(), "nothing was stored behind the protocol's back");
         assert!(view.clear().is_err());
+    }
+
+    #[test]
+    fn on_a_quorum_shard_every_key_touched_joins_the_read_set() {
+        let engine: Arc<dyn Engine> = Arc::new(MemoryEngine::new());
+        let record =
+            |value: &'static str| Record::value(Version(7), NodeId(1), Bytes::from_static(value.as_bytes()));
+        engine.put(b"local", record("mine").encode()).unwrap();
+        let mut locked = record("under");
+        locked.intent = Some(Box::new(Intent {
+            batch: (Version(8), NodeId(2)),
+            primary: Bytes::from_static(b"other"),
+            value: Some(Bytes::from_static(b"over")),
+        }));
+        engine.put(b"locked", locked.encode()).unwrap();
+
+        // Fetched records first; keys without one are missing, read as here.
+        let mut fetched = ReadSet::default();
+        fetched.records.insert(Bytes::from_static(b"local"), Some(record("fetched")));
+        let view = CapturingView::over_records(engine.clone(), fetched);
+        assert_eq!(view.get(b"local").unwrap(), Some(Bytes::from_static(b"fetched")));
+        assert_eq!(view.get(b"locked").unwrap(), Some(Bytes::from_static(b"under")));
+        view.put(b"blind", Bytes::from_static(b"x")).unwrap();
+        let reads = view.take_reads().unwrap();
+        assert_eq!(reads.missing, vec![Bytes::from_static(b"locked"), Bytes::from_static(b"blind")]);
+        assert_eq!(reads.records.len(), 1);
+
+        // Guessing: this member's records join, except one under an intent.
+        let view = CapturingView::over_records(engine, ReadSet { guess_locally: true, ..ReadSet::default() });
+        assert_eq!(view.get(b"local").unwrap(), Some(Bytes::from_static(b"mine")));
+        assert!(view.delete(b"absent").is_ok());
+        view.get(b"locked").unwrap();
+        let reads = view.take_reads().unwrap();
+        assert_eq!(reads.records[&Bytes::from_static(b"local")], Some(record("mine")));
+        assert_eq!(reads.records[&Bytes::from_static(b"absent")], None);
+        assert_eq!(reads.missing, vec![Bytes::from_static(b"locked")]);
+        assert!(CapturingView::new(Arc::new(MemoryEngine::new())).take_reads().is_none());
     }
 }

@@ -7,10 +7,11 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use tessera_cluster::agent::{outcome, Agent, Completion};
-use tessera_cluster::capture::CapturingView;
+use tessera_cluster::capture::{CapturingView, ReadSet};
 use tessera_engine::Engine;
 use tessera_protocol::{
-    writes_bytes, ClientReply, ConditionalWrites, Operation, Record, Write, WritePosition, UNIT_BYTES_MAX,
+    writes_bytes, ClientReply, ConditionalWrites, NodeId, Operation, Record, Version, Write, WritePosition,
+    UNIT_BYTES_MAX,
 };
 use tessera_wire::{encode_command, ReplyWriter, Request};
 
@@ -19,7 +20,7 @@ use super::placement::Placement;
 use super::ClusterNode;
 use crate::commands::consistency::{level_got, parse_level, wrapped_read};
 use crate::commands::scripting::{self, is_script, Call, ScriptOutcome};
-use crate::commands::transactions;
+use crate::commands::transactions::{self, Watched};
 use crate::commands::{
     admit, dispatch, dispatch_admitted, is, lookup, refuse_if_busy, CommandSpec, Context, Scope,
 };
@@ -75,8 +76,12 @@ pub async fn serve(
             dispatch_admitted(context, spec, request); // EXEC without MULTI
             return None;
         };
-        let keys = transaction.keys();
-        let held = serve_keyed(cluster, context, spec, request, raw, forwarder, Some(keys)).await;
+        // Keys watched through a quorum place EXEC too: its batch checks them.
+        let (mut keys, write) = transaction.keys();
+        if let Some(watched) = &context.session.watched {
+            keys.extend(watched.records.keys().cloned());
+        }
+        let held = serve_keyed(cluster, context, spec, request, raw, forwarder, Some((keys, write))).await;
         // Not run (MOVED, CROSSSLOT, a shard settling): the transaction is gone.
         context.session.transaction = None;
         context.session.watched = None;
@@ -340,16 +345,26 @@ async fn serve_keyed(
                 .write(context.out);
             None
         }
-        // WATCH compares this node's own versions of the keys, which writes
-        // through the other members do not move.
-        Placement::Quorum { .. } if transaction.is_some() && context.session.watched.is_some() => {
+        // Versions of this node's, which writes through the quorum do not move.
+        Placement::Quorum { .. }
+            if transaction.is_some()
+                && context.session.watched.as_ref().is_some_and(Watched::has_versions) =>
+        {
             context.session.transaction = None;
             context.session.watched = None;
             CommandError::Other(
-                "WATCH is not served on active-active strong tables yet (MULTI/EXEC alone is atomic there)"
+                "this transaction watched keys of a table that is not active-active strong; on such a table, watch only the keys of the transaction's slot"
                     .into(),
             )
             .write(context.out);
+            None
+        }
+        Placement::Quorum { shard, .. } if spec.name == "watch" && context.session.transaction.is_none() => {
+            let keys: Vec<Bytes> = keys().map(Bytes::copy_from_slice).collect();
+            match fetch_records(cluster, shard, &keys).await {
+                Ok(records) => transactions::watch_records(context, records),
+                Err(error) => error.write(context.out),
+            }
             None
         }
         Placement::Quorum { shard, engine } => {
@@ -530,14 +545,26 @@ fn evalsha_as_eval(context: &Context<'_>, request: &Request<'_>) -> Option<Vec<u
 /// declared too busy.
 const QUORUM_ATTEMPTS: usize = 8;
 
+/// How many times, within one attempt, a command runs again because it
+/// touched keys it had no record of (a large collection's pages, found
+/// through its header: a few levels at most).
+const DISCOVERY_ROUNDS: usize = 16;
+
 /// A command (or a transaction's EXEC) on a shard running a quorum protocol
-/// (AA+SC): it runs on its keys' records, and what it wrote is written only
-/// if each key's newest record is still the one it ran on, all its keys at
-/// once (a conditional batch, docs/PROTOCOLS.md "Batches on AA+SC"); if one
-/// changed, the command runs again on records fetched through the quorum. A
-/// write first tries this member's own records (its proposals keep them
-/// current, so a key written through one member commits in a prepare and an
-/// accept); a read always fetches.
+/// (AA+SC). It runs on the records of the keys it touches, fetched through
+/// the quorum, and commits as one conditional batch (docs/PROTOCOLS.md,
+/// "Batches on AA+SC") that takes effect only if none of those records
+/// changed: what it wrote, and what it only read rewritten as it was, so
+/// the command takes effect at one point with everything it read. A key it
+/// touches without a record yet (a collection's page, found through the
+/// header) is fetched and the command runs again. If a record changed, the
+/// command runs again on fetched records. A write first tries this member's
+/// own records (its proposals keep them current, so a key written through
+/// one member commits in a prepare and an accept). A command that turns out
+/// to write nothing answers once a second fetch finds every record it read
+/// unchanged (so all held their values at one moment between the two),
+/// unless it read a single fetched key. EXEC also checks the records WATCH
+/// fetched: a watched key whose record moved makes it answer nil.
 async fn run_on_quorum(
     cluster: &ClusterNode,
     context: &mut Context<'_>,
@@ -547,90 +574,132 @@ async fn run_on_quorum(
     engine: &Arc<dyn Engine>,
 ) {
     let start = context.out.len();
-    // EXEC takes the transaction it runs: each attempt runs it anew, and
-    // the session is out of MULTI however EXEC ends.
+    // EXEC takes the transaction it runs and what was watched: each attempt
+    // runs it anew, and the session is out of MULTI however EXEC ends.
     let transaction = context.session.transaction.take();
-    for attempt in 0..QUORUM_ATTEMPTS {
-        context.out.truncate(start);
-        let local =
-            (write && attempt == 0).then(|| local_records(engine.as_ref(), keys).transpose()).flatten();
-        let records = match local {
-            Some(records) => records,
-            None => fetch_records(cluster, shard, keys).await,
-        };
-        let fetched = match records {
-            Ok(fetched) => fetched,
-            Err(error) => return error.write(context.out),
-        };
-        let pins = fetched
-            .iter()
-            .map(|(key, record)| (key.clone(), record.as_ref().and_then(|record| record.visible().cloned())))
-            .collect();
-        let view = CapturingView::pinned(engine.clone(), pins);
-        context.session.transaction = transaction.clone();
-        dispatch_admitted(&mut context.over(&view, false), spec, request);
-        let writes = view.take();
-        if writes.is_empty() {
-            return;
-        }
-        if let Some((key, _)) = writes.iter().find(|(key, _)| !fetched.contains_key(key)) {
+    let watched = match transaction {
+        Some(_) => context.session.watched.take().map(|watched| watched.records).unwrap_or_default(),
+        None => HashMap::new(),
+    };
+    let mut reads = if write {
+        ReadSet { records: watched.clone(), guess_locally: true, ..ReadSet::default() }
+    } else {
+        ReadSet { missing: keys.iter().chain(watched.keys()).cloned().collect(), ..ReadSet::default() }
+    };
+    for _ in 0..QUORUM_ATTEMPTS {
+        let mut rounds = 0;
+        let writes = loop {
+            if !reads.missing.is_empty() {
+                match fetch_records(cluster, shard, &std::mem::take(&mut reads.missing)).await {
+                    Ok(fetched) if moved(&watched, &fetched) => {
+                        context.out.truncate(start);
+                        return context.out.null_array();
+                    }
+                    Ok(fetched) => reads.records.extend(fetched),
+                    Err(error) => {
+                        context.out.truncate(start);
+                        return error.write(context.out);
+                    }
+                }
+            }
             context.out.truncate(start);
-            return CommandError::Other(format!(
-                "this command writes {:?}, which it does not name; active–active strong tables take commands that write only their own keys",
-                String::from_utf8_lossy(key)
-            ))
-            .write(context.out);
+            let view = CapturingView::over_records(engine.clone(), reads);
+            context.session.transaction = transaction.clone();
+            dispatch_admitted(&mut context.over(&view, false), spec, request);
+            reads = view.take_reads().expect("a view over records");
+            if reads.missing.is_empty() {
+                break view.take();
+            }
+            rounds += 1;
+            if rounds == DISCOVERY_ROUNDS {
+                context.out.truncate(start);
+                return CommandError::TryAgain("the command's keys kept changing shape under it".into())
+                    .write(context.out);
+            }
+        };
+        // Each record it ran on, as fetched or guessed, to check.
+        let ran_on: Vec<(Bytes, Option<Ballot>)> = reads
+            .records
+            .iter()
+            .map(|(key, record)| (key.clone(), record.as_ref().map(|record| (record.version, record.origin))))
+            .collect();
+        if writes.is_empty() {
+            if !reads.guess_locally && watched.is_empty() && ran_on.len() <= 1 {
+                return;
+            }
+            let keys: Vec<Bytes> = ran_on.iter().map(|(key, _)| key.clone()).collect();
+            let fetched = match fetch_records(cluster, shard, &keys).await {
+                Ok(fetched) => fetched,
+                Err(error) => {
+                    context.out.truncate(start);
+                    return error.write(context.out);
+                }
+            };
+            if moved(&watched, &fetched) {
+                context.out.truncate(start);
+                return context.out.null_array();
+            }
+            if ran_on.iter().all(|(key, ballot)| fetched[key].as_ref().map(ballot_of) == *ballot) {
+                return;
+            }
+            reads = ReadSet { records: fetched, ..ReadSet::default() };
+            continue;
         }
-        if let Err(error) = fits_one_unit(&writes) {
+        // What it only read is rewritten as it was, under the same condition.
+        let mut all = writes;
+        for (key, record) in &reads.records {
+            if !all.iter().any(|(written, _)| written == key) {
+                let value = record.as_ref().and_then(|record| record.visible().cloned());
+                all.push((key.clone(), value.map_or(Write::Delete, Write::Put)));
+            }
+        }
+        if let Err(error) = fits_one_unit(&all) {
             context.out.truncate(start);
             return error.write(context.out);
         }
         // The protocol runs a batch of one key as that key's conditional write.
-        let writes: ConditionalWrites = writes
+        let writes: ConditionalWrites = all
             .into_iter()
             .map(|(key, write)| {
-                let expected = fetched[&key].as_ref().map(|record| (record.version, record.origin));
+                let expected = reads.records[&key].as_ref().map(ballot_of);
                 (key, expected, write)
             })
             .collect();
-        let changed = match cluster.agent.submit(shard, Operation::BatchIf { writes }).await {
-            ClientReply::Written | ClientReply::Value(_) => false,
-            // Nothing was written: a key changed, or another batch held one.
-            ClientReply::Changed | ClientReply::Retry(_) => true,
+        match cluster.agent.submit(shard, Operation::BatchIf { writes }).await {
+            ClientReply::Written | ClientReply::Value(_) => {
+                if let Some(position) = cluster.agent.write_position(shard) {
+                    context.session.note_write(shard, position);
+                }
+                return;
+            }
+            // Nothing was written: a record changed, or another batch held
+            // one. Run again on every key's newest record.
+            ClientReply::Changed | ClientReply::Retry(_) => {
+                let missing = ran_on.into_iter().map(|(key, _)| key).collect();
+                reads = ReadSet { missing, ..ReadSet::default() };
+            }
             other => {
                 context.out.truncate(start);
                 return failure(&other).write(context.out);
             }
-        };
-        if !changed {
-            if let Some(position) = cluster.agent.write_position(shard) {
-                context.session.note_write(shard, position);
-            }
-            return;
         }
     }
     context.out.truncate(start);
     CommandError::TryAgain("the keys kept changing under concurrent writes".into()).write(context.out);
 }
 
-/// Each key's record as this member holds it: a guess a conditional write
-/// checks. None when one carries a batch's intent, which only the quorum
-/// settles (a fetch does).
-fn local_records(
-    engine: &dyn Engine,
-    keys: &[Bytes],
-) -> CommandResult<Option<HashMap<Bytes, Option<Record>>>> {
-    let mut records = HashMap::new();
-    for key in keys {
-        let raw = engine.get(key)?;
-        let record =
-            raw.map(Record::decode).transpose().map_err(|error| CommandError::Other(error.to_string()))?;
-        if record.as_ref().is_some_and(|record| record.intent.is_some()) {
-            return Ok(None);
-        }
-        records.insert(key.clone(), record);
-    }
-    Ok(Some(records))
+/// A record's ballot: what a conditional write expects.
+type Ballot = (Version, NodeId);
+
+fn ballot_of(record: &Record) -> Ballot {
+    (record.version, record.origin)
+}
+
+/// Whether a key WATCH fetched has a record other than it had then.
+fn moved(watched: &HashMap<Bytes, Option<Record>>, fetched: &HashMap<Bytes, Option<Record>>) -> bool {
+    fetched.iter().any(|(key, record)| {
+        watched.get(key).is_some_and(|then| then.as_ref().map(ballot_of) != record.as_ref().map(ballot_of))
+    })
 }
 
 /// Each key's newest record, read through the quorum.

@@ -266,7 +266,7 @@ pub const DIFFERENCES: &[(&str, &str)] = &[
     ("memory", "`USAGE` estimates Tessera's own layout from a sample of elements; `STATS` reports a subset of Redis's fields; `DOCTOR` and `MALLOC-STATS` have no report."),
     ("latency", "`LATEST`, `HISTORY`, `RESET` and `DOCTOR`; no `GRAPH` or `HISTOGRAM`."),
     ("slowlog", "A transaction is logged as its EXEC (Redis logs the commands inside it)."),
-    ("watch", "Not yet served before an EXEC on an AA+SC table (MULTI/EXEC alone is atomic there): the EXEC is refused, nothing run."),
+    ("watch", "On an AA+SC table: each key's record is fetched through the quorum and EXEC's conditional batch checks it; a watched key places EXEC with the transaction's keys, so it must be in their slot (CROSSSLOT otherwise). A read of the key through another member can move its record and abort the EXEC needlessly."),
     ("eval", "A script that touches a key it did not declare, while another client holds that key, may fail: declare every key, as Redis asks. Not yet served on AA+SC tables."),
     ("evalsha", "As EVAL."),
     ("eval_ro", "As EVAL."),

@@ -12,13 +12,17 @@
 //! Redis, a command that changes nothing (HDEL of a missing field) moves
 //! nothing. Versions are kept per stripe of keys, so a write to another key
 //! of the same stripe (one in 65,536) aborts an EXEC that need not have.
+//! On a shard running a quorum protocol WATCH notes each key's record
+//! instead, and EXEC's conditional batch checks them (`cluster::serve`).
 
+use std::collections::HashMap;
 use std::ops::Range;
 
 use bytes::Bytes;
+use tessera_protocol::Record;
 use tessera_wire::Request;
 
-use super::{execute, CommandSpec, Context, Scope};
+use super::{execute, CommandSpec, Context, Scope, Session};
 use crate::error::{CommandError, CommandResult};
 use crate::watch::KeyVersions;
 
@@ -73,6 +77,29 @@ impl Queued {
 pub struct Watched {
     versions: Vec<(usize, u64)>,
     flushes: u64,
+    /// Keys of a shard running a quorum protocol (AA+SC), which this node's
+    /// versions do not follow, with the record each had, fetched through
+    /// the quorum; EXEC checks them there (`cluster::serve`).
+    pub records: HashMap<Bytes, Option<Record>>,
+}
+
+impl Watched {
+    /// Whether WATCH noted keys by this node's versions.
+    pub fn has_versions(&self) -> bool {
+        !self.versions.is_empty()
+    }
+}
+
+/// The session's watched keys, started if none were.
+fn watched<'s>(session: &'s mut Session, versions: &KeyVersions) -> &'s mut Watched {
+    session.watched.get_or_insert_with(|| Watched { flushes: versions.flushes(), ..Watched::default() })
+}
+
+/// WATCH of keys on a shard running a quorum protocol: their records, as
+/// fetched through it.
+pub fn watch_records(context: &mut Context, records: HashMap<Bytes, Option<Record>>) {
+    watched(context.session, &context.node.versions).records.extend(records);
+    context.out.ok();
 }
 
 /// The commands a connection in MULTI runs at once rather than queueing.
@@ -146,10 +173,7 @@ fn watch(context: &mut Context, request: &Request) -> CommandResult {
         return Err(CommandError::Other("WATCH inside MULTI is not allowed".into()));
     }
     let versions = &context.node.versions;
-    let watched = context
-        .session
-        .watched
-        .get_or_insert_with(|| Watched { versions: Vec::new(), flushes: versions.flushes() });
+    let watched = watched(context.session, versions);
     for key in request.args().skip(1) {
         let stripe = KeyVersions::stripe(key);
         watched.versions.push((stripe, versions.version(stripe)));
@@ -193,7 +217,10 @@ fn exec(context: &mut Context, _request: &Request) -> CommandResult {
     };
     if let Some(watched) = watched {
         let versions = &node.versions;
-        let moved = watched.flushes != versions.flushes()
+        // Records of a quorum shard that runs here now: it has switched
+        // modes since, and what it held then is no longer followed.
+        let moved = !watched.records.is_empty()
+            || watched.flushes != versions.flushes()
             || watched.versions.iter().any(|&(stripe, version)| versions.version(stripe) != version);
         if moved {
             context.out.null_array();
