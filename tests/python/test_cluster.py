@@ -1728,6 +1728,36 @@ def test_active_active_strong_watch_and_reads_of_several_keys_see_one_moment(clu
     assert third.scard("{bank}set") == 3000 and first.sismember("{bank}set", 2999)
     assert second.sunionstore("{bank}union", ["{bank}set"]) == 3000 and first.scard("{bank}union") == 3000
 
+    # Scripts: a read-modify-write in Lua from every member at once loses
+    # no update; one that reads a key it did not declare sees it too.
+    add = first.register_script("local v = tonumber(redis.call('GET', KEYS[1]) or '0') + tonumber(ARGV[1]) "
+                                "redis.call('SET', KEYS[1], v) return v")
+    added, unsure = [0], [0]
+
+    def scripted(seed):
+        connection = connect(members[seed % len(members)])
+        for _ in range(20):
+            try:
+                add(keys=["{bank}scripted"], args=[1], client=connection)
+                outcome = added
+            except redis.ResponseError as error:
+                if not settled(error):
+                    continue  # busy keys: nothing ran
+                outcome = unsure
+            with lock:
+                outcome[0] += 1
+
+    scripters = [threading.Thread(target=scripted, args=(seed,)) for seed in range(3)]
+    for thread in scripters:
+        thread.start()
+    for thread in scripters:
+        thread.join(timeout=120)
+    total = int(third.get("{bank}scripted"))
+    assert added[0] > 30 and added[0] <= total <= added[0] + unsure[0], (total, added, unsure)
+    undeclared = third.eval("return redis.call('GET', '{bank}' .. ARGV[1])", 1, "{bank}scripted", "counter")
+    assert undeclared == str(counter).encode(), undeclared
+    assert third.eval_ro("return redis.call('LLEN', KEYS[1])", 1, "{bank}list") == 2997
+
 
 @pytest.mark.parametrize("consistency,topology", [("strong", "ms"), ("eventual", "ms"), ("eventual", "aa"),
                                                    ("strong", "aa")])

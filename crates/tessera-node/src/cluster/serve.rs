@@ -340,9 +340,16 @@ async fn serve_keyed(
             }
             None
         }
-        Placement::Quorum { .. } if is_script(spec) => {
-            CommandError::Other("scripts are not served on active-active strong tables yet".into())
-                .write(context.out);
+        Placement::Quorum { shard, engine } if is_script(spec) => {
+            let by_sha = spec.name.starts_with("evalsha");
+            match Call::parse(context, request, by_sha, spec.name.ends_with("_ro")) {
+                Ok(call) => {
+                    let keys: Vec<Bytes> = keys().map(Bytes::copy_from_slice).collect();
+                    let work = QuorumWork::Script(Arc::new(call));
+                    run_on_quorum(cluster, context, (work, write), &keys, shard, &engine).await;
+                }
+                Err(error) => error.write(context.out),
+            }
             None
         }
         // Versions of this node's, which writes through the quorum do not move.
@@ -371,7 +378,15 @@ async fn serve_keyed(
             let start = context.out.len();
             level_header(context.out);
             let keys: Vec<Bytes> = keys().map(Bytes::copy_from_slice).collect();
-            run_on_quorum(cluster, context, (spec, request, write), &keys, shard, &engine).await;
+            run_on_quorum(
+                cluster,
+                context,
+                (QuorumWork::Command(spec, request), write),
+                &keys,
+                shard,
+                &engine,
+            )
+            .await;
             cluster.traffic.record(&keys[0], raw.len(), context.out.len() - start);
             None
         }
@@ -541,6 +556,13 @@ fn evalsha_as_eval(context: &Context<'_>, request: &Request<'_>) -> Option<Vec<u
     Some(raw)
 }
 
+/// What runs on a shard running a quorum protocol: a command (EXEC with
+/// its transaction) or a script, which runs on a script thread each time.
+enum QuorumWork<'r> {
+    Command(&'static CommandSpec, &'r Request<'r>),
+    Script(Arc<Call>),
+}
+
 /// How many times a command on a shard running a quorum protocol runs before its keys are
 /// declared too busy.
 const QUORUM_ATTEMPTS: usize = 8;
@@ -564,11 +586,12 @@ const DISCOVERY_ROUNDS: usize = 16;
 /// to write nothing answers once a second fetch finds every record it read
 /// unchanged (so all held their values at one moment between the two),
 /// unless it read a single fetched key. EXEC also checks the records WATCH
-/// fetched: a watched key whose record moved makes it answer nil.
+/// fetched: a watched key whose record moved makes it answer nil. A script
+/// runs the same way, each run on a script thread.
 async fn run_on_quorum(
     cluster: &ClusterNode,
     context: &mut Context<'_>,
-    (spec, request, write): (&CommandSpec, &Request<'_>, bool),
+    (work, write): (QuorumWork<'_>, bool),
     keys: &[Bytes],
     shard: u32,
     engine: &Arc<dyn Engine>,
@@ -603,9 +626,28 @@ async fn run_on_quorum(
                 }
             }
             context.out.truncate(start);
-            let view = CapturingView::over_records(engine.clone(), reads);
-            context.session.transaction = transaction.clone();
-            dispatch_admitted(&mut context.over(&view, false), spec, request);
+            let view = Arc::new(CapturingView::over_records(engine.clone(), reads));
+            match &work {
+                QuorumWork::Command(spec, request) => {
+                    context.session.transaction = transaction.clone();
+                    dispatch_admitted(&mut context.over(view.as_ref(), false), spec, request);
+                }
+                QuorumWork::Script(call) => {
+                    let (call, on_view) = (call.clone(), view.clone());
+                    let run = scripting::detach(context, move |mut detached| {
+                        detached.run(Some(on_view.as_ref()), false, |context| {
+                            scripting::answer_run(context, &call)
+                        })
+                    });
+                    match run.await {
+                        Ok(reply) => context.out.raw(&reply),
+                        Err(_) => {
+                            return CommandError::Other("the script's thread ended before it answered".into())
+                                .write(context.out)
+                        }
+                    }
+                }
+            }
             reads = view.take_reads().expect("a view over records");
             if reads.missing.is_empty() {
                 break view.take();

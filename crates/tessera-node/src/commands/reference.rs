@@ -267,7 +267,7 @@ pub const DIFFERENCES: &[(&str, &str)] = &[
     ("latency", "`LATEST`, `HISTORY`, `RESET` and `DOCTOR`; no `GRAPH` or `HISTOGRAM`."),
     ("slowlog", "A transaction is logged as its EXEC (Redis logs the commands inside it)."),
     ("watch", "On an AA+SC table: each key's record is fetched through the quorum and EXEC's conditional batch checks it; a watched key places EXEC with the transaction's keys, so it must be in their slot (CROSSSLOT otherwise). A read of the key through another member can move its record and abort the EXEC needlessly."),
-    ("eval", "A script that touches a key it did not declare, while another client holds that key, may fail: declare every key, as Redis asks. Not yet served on AA+SC tables."),
+    ("eval", "A script that touches a key it did not declare, while another client holds that key, may fail: declare every key, as Redis asks."),
     ("evalsha", "As EVAL."),
     ("eval_ro", "As EVAL."),
     ("evalsha_ro", "As EVAL."),

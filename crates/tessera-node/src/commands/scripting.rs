@@ -219,6 +219,15 @@ impl Detached {
 /// Runs `job` on a script thread over a copy of the client's context; the
 /// connection waits for what it answers (`Session::script`).
 pub fn spawn(context: &mut Context, job: impl FnOnce(Detached) -> ScriptOutcome + Send + 'static) {
+    context.session.script = Some(detach(context, job));
+}
+
+/// Runs `job` on a script thread over a copy of the client's context, for
+/// a caller that awaits what it answers.
+pub fn detach<T: Send + 'static>(
+    context: &mut Context,
+    job: impl FnOnce(Detached) -> T + Send + 'static,
+) -> oneshot::Receiver<T> {
     let detached = Detached {
         node: context.node.clone(),
         tables: context.tables.clone(),
@@ -232,7 +241,7 @@ pub fn spawn(context: &mut Context, job: impl FnOnce(Detached) -> ScriptOutcome 
     context.node.scripts.spawn(move || {
         let _ = sender.send(job(detached));
     });
-    context.session.script = Some(receiver);
+    receiver
 }
 
 /// Which keys a script's commands may name.
