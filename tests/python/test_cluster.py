@@ -1414,6 +1414,24 @@ def test_a_job_queue_on_lists_serves_each_job_once_across_a_cluster(cluster_fact
     assert producer.lrange("{log}done", 0, -1) == jobs[:1]
 
 
+def watched_transfer(connection, rng, accounts):
+    """Moves an amount between two of `accounts` with WATCH, GET and
+    MULTI/EXEC, as optimistic clients do: whether it committed (False: a
+    watched key changed, nothing ran)."""
+    source, target = rng.sample(accounts, 2)
+    with connection.pipeline(transaction=True) as pipe:
+        try:
+            pipe.watch(source)
+            amount = min(int(pipe.get(source)), rng.randint(1, 50))
+            pipe.multi()
+            pipe.decrby(source, amount)
+            pipe.incrby(target, amount)
+            pipe.execute()
+            return True
+        except redis.WatchError:
+            return False
+
+
 def test_transactions_run_whole_on_the_slots_head_and_refuse_two_slots(cluster_factory):
     """Transfers between two accounts of one slot, by clients on the slot's
     head with WATCH and MULTI/EXEC, keep the total; a transaction over two
@@ -1431,19 +1449,9 @@ def test_transactions_run_whole_on_the_slots_head_and_refuse_two_slots(cluster_f
         rng = random.Random(seed)
         plain = redis.Redis(host=head.host, port=head.port, socket_timeout=10, protocol=2)
         for _ in range(100):
-            source, target = rng.sample(accounts, 2)
-            with plain.pipeline(transaction=True) as pipe:
-                try:
-                    pipe.watch(source)
-                    amount = min(int(pipe.get(source)), rng.randint(1, 50))
-                    pipe.multi()
-                    pipe.decrby(source, amount)
-                    pipe.incrby(target, amount)
-                    pipe.execute()
-                    with lock:
-                        committed[0] += 1
-                except redis.WatchError:
-                    pass
+            if watched_transfer(plain, rng, accounts):
+                with lock:
+                    committed[0] += 1
 
     threads = [threading.Thread(target=transfer, args=(seed,)) for seed in range(4)]
     for thread in threads:
@@ -1595,21 +1603,11 @@ def test_active_active_strong_watch_and_reads_of_several_keys_see_one_moment(clu
         rng = random.Random(seed)
         connection = connect(members[seed % len(members)])
         while not stop.is_set():
-            source, target = rng.sample(accounts, 2)
-            with connection.pipeline(transaction=True) as pipe:
-                try:
-                    pipe.watch(source)
-                    amount = min(int(pipe.get(source)), rng.randint(1, 50))
-                    pipe.multi()
-                    pipe.decrby(source, amount)
-                    pipe.incrby(target, amount)
-                    pipe.execute()
-                    outcome = committed
-                except redis.WatchError:
-                    outcome = aborted
-                except redis.ResponseError as error:
-                    settled(error)
-                    continue
+            try:
+                outcome = committed if watched_transfer(connection, rng, accounts) else aborted
+            except redis.ResponseError as error:
+                settled(error)
+                continue
             with lock:
                 outcome[0] += 1
 
