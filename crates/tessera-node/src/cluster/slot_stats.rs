@@ -113,10 +113,12 @@ impl ClusterNode {
         let mut owned = vec![false; SLOTS];
         let mut engines = Vec::new();
         for shard in map.slot_shards().filter(|shard| shard.is_headed_by(me)) {
+            let mut own = vec![false; SLOTS];
             for (first, last) in &shard.slots {
+                own[usize::from(*first)..=usize::from(*last)].fill(true);
                 owned[usize::from(*first)..=usize::from(*last)].fill(true);
             }
-            engines.extend(self.agent.engine(shard.id));
+            engines.extend(self.agent.engine(shard.id).map(|engine| (engine, own)));
         }
         let scanned = tokio::task::spawn_blocking(move || count_keys(&engines, now_ms))
             .await
@@ -157,9 +159,15 @@ impl ClusterNode {
 
 /// Live keys and the bytes they take (an internal key's in its owner's
 /// slot) per slot, over `engines`.
-fn count_keys(engines: &[std::sync::Arc<dyn Engine>], now_ms: u64) -> CommandResult<Vec<SlotFigures>> {
+/// Each slot's figures over the shards' engines, each counted in its own
+/// shard's slots only: a shard that gave a slot away may still hold its
+/// keys until they are swept.
+fn count_keys(
+    engines: &[(std::sync::Arc<dyn Engine>, Vec<bool>)],
+    now_ms: u64,
+) -> CommandResult<Vec<SlotFigures>> {
     let mut figures = vec![SlotFigures::default(); SLOTS];
-    for engine in engines {
+    for (engine, own) in engines {
         let view = CapturingView::new(engine.clone());
         let mut cursor = ScanCursor::start();
         loop {
@@ -170,7 +178,11 @@ fn count_keys(engines: &[std::sync::Arc<dyn Engine>], now_ms: u64) -> CommandRes
                     None if reserved::is_reserved(&key) => continue,
                     None => &key,
                 };
-                let slot = &mut figures[key_slot(owner)].0;
+                let slot = key_slot(owner);
+                if !own[slot] {
+                    continue;
+                }
+                let slot = &mut figures[slot].0;
                 slot[1] += (key.len() + raw.len()) as u64;
                 if live_kind(&key, raw, now_ms).is_some() {
                     slot[0] += 1;
