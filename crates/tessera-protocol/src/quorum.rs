@@ -493,6 +493,13 @@ struct Proposal {
     interrupted: Option<Interrupted>,
 }
 
+/// What a proposal does when its accept round is interrupted.
+enum Interruption {
+    StartOver,
+    FindOut,
+    GiveUp,
+}
+
 /// What a client's write whose accept round was interrupted needs to find
 /// out whether it took effect: the ballot of the record it planned on, the
 /// ballots its record went out at (a majority may hold one), and its answer
@@ -539,20 +546,23 @@ impl Proposal {
         }
     }
 
-    /// Whether an interrupted accept round may simply start over: a read's
-    /// write-back, and the batch steps that only settle what is decided. A
-    /// write's record may already have been seen, and writing it again after
-    /// a later write would apply it twice (it finds out instead,
-    /// `Interrupted`); a lock taken again after a resolver dropped it could
-    /// let its batch commit without that key.
-    fn restartable(&self) -> bool {
+    /// What it does when its accept round is interrupted. A read's
+    /// write-back, and the batch steps that only settle what is decided,
+    /// start over. A client's write may already have been seen, and writing
+    /// it again after a later write would apply it twice: it finds out
+    /// instead (`Interrupted`). A lock taken again after a resolver dropped
+    /// it could let its batch commit without that key, and a commit found
+    /// out the same way broke atomicity in the simulator (docs/PROTOCOLS.md,
+    /// "AA+SC"): they give up, their outcome unknown.
+    fn on_interruption(&self) -> Interruption {
         match &self.step {
-            Step::Client(operation) => matches!(operation, Operation::Get { .. } | Operation::Fetch { .. }),
-            Step::Lock { .. } | Step::Commit { .. } => false,
-            Step::RollForward { .. }
+            Step::Client(Operation::Get { .. } | Operation::Fetch { .. })
+            | Step::RollForward { .. }
             | Step::Unlock { .. }
             | Step::ClearMarker { .. }
-            | Step::Status { .. } => true,
+            | Step::Status { .. } => Interruption::StartOver,
+            Step::Client(_) => Interruption::FindOut,
+            Step::Lock { .. } | Step::Commit { .. } => Interruption::GiveUp,
         }
     }
 }
@@ -957,20 +967,24 @@ impl QuorumRegister {
         }
         let Some(proposal) = self.proposals.get_mut(&op) else { return };
         let accepting = matches!(proposal.phase, Phase::Accept { .. });
-        if accepting && !proposal.restartable() {
-            let Phase::Accept { record, outcome, base } = &proposal.phase else { unreachable!("accepting") };
-            if !matches!(proposal.step, Step::Client(_)) {
-                let reason = "a concurrent proposal or a lost majority interrupted the write";
-                return self.finish(op, Outcome::Reply(ClientReply::Unknown(reason)), fx);
+        if let Phase::Accept { record, outcome, base } = &proposal.phase {
+            match proposal.on_interruption() {
+                Interruption::StartOver => {}
+                Interruption::GiveUp => {
+                    let reason = "a concurrent proposal or a lost majority interrupted the write";
+                    return self.finish(op, Outcome::Reply(ClientReply::Unknown(reason)), fx);
+                }
+                Interruption::FindOut => {
+                    // Preparing again, it finds out whether its record was chosen.
+                    let ballot = ballot_of(record);
+                    let interrupted = proposal.interrupted.get_or_insert_with(|| Interrupted {
+                        base: *base,
+                        accepted: Vec::new(),
+                        outcome: outcome.clone(),
+                    });
+                    interrupted.accepted.push(ballot);
+                }
             }
-            // It finds out, preparing again, whether its record was chosen.
-            let ballot = ballot_of(record);
-            let interrupted = proposal.interrupted.get_or_insert_with(|| Interrupted {
-                base: *base,
-                accepted: Vec::new(),
-                outcome: outcome.clone(),
-            });
-            interrupted.accepted.push(ballot);
         }
         let reply = if accepting {
             ClientReply::Unknown("no majority accepted the write")
@@ -987,6 +1001,14 @@ impl QuorumRegister {
         let Some(proposal) = self.proposals.get_mut(&op) else { return };
         proposal.attempt += 1;
         if proposal.attempt >= self.options.attempts_max {
+            // A write whose record went out may have taken effect: giving
+            // up, it cannot say it did not.
+            let reply = match proposal.interrupted {
+                Some(_) => {
+                    ClientReply::Unknown("the write was interrupted, and its outcome could not be found out")
+                }
+                None => reply,
+            };
             return self.finish(op, Outcome::Reply(reply), fx);
         }
         // A spread that grows with the attempt keeps proposers of one key apart.
