@@ -660,11 +660,8 @@ async fn run_on_quorum(
             }
         };
         // Each record it ran on, as fetched or guessed, to check.
-        let ran_on: Vec<(Bytes, Option<Ballot>)> = reads
-            .records
-            .iter()
-            .map(|(key, record)| (key.clone(), record.as_ref().map(|record| (record.version, record.origin))))
-            .collect();
+        let ran_on: Vec<(Bytes, Option<Ballot>)> =
+            reads.records.iter().map(|(key, record)| (key.clone(), record.as_ref().map(ballot_of))).collect();
         if writes.is_empty() {
             if !reads.guess_locally && watched.is_empty() && ran_on.len() <= 1 {
                 return;
