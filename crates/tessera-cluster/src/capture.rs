@@ -3,7 +3,7 @@
 //! instead of stored. The command layer runs unchanged on top; what it wrote
 //! goes through replication as values, so replicas stay byte-identical.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -29,7 +29,7 @@ pub struct ReadSet {
     /// whose own record carries a batch's intent, which only the quorum
     /// settles): the command must run again once they are fetched. It ran
     /// on this member's values of them meanwhile.
-    pub missing: Vec<Bytes>,
+    pub missing: BTreeSet<Bytes>,
     /// Whether a key without a record takes this member's own as a guess.
     pub guess_locally: bool,
 }
@@ -72,7 +72,7 @@ impl CapturingView {
         if let Some(record) = reads.records.get(key) {
             return Ok(Some(record.as_ref().and_then(|record| record.visible().cloned())));
         }
-        if reads.missing.iter().any(|missing| missing.as_ref() == key) {
+        if reads.missing.contains(key) {
             return Ok(None);
         }
         let key = Bytes::copy_from_slice(key);
@@ -84,7 +84,7 @@ impl CapturingView {
                 return Ok(Some(value));
             }
         }
-        reads.missing.push(key);
+        reads.missing.insert(key);
         Ok(None)
     }
 }
@@ -224,7 +224,10 @@ mod tests {
         assert_eq!(view.get(b"locked").unwrap(), Some(Bytes::from_static(b"under")));
         view.put(b"blind", Bytes::from_static(b"x")).unwrap();
         let reads = view.take_reads().unwrap();
-        assert_eq!(reads.missing, vec![Bytes::from_static(b"locked"), Bytes::from_static(b"blind")]);
+        assert_eq!(
+            reads.missing,
+            BTreeSet::from([Bytes::from_static(b"locked"), Bytes::from_static(b"blind")])
+        );
         assert_eq!(reads.records.len(), 1);
 
         // Guessing: this member's records join, except one under an intent.
@@ -235,7 +238,7 @@ mod tests {
         let reads = view.take_reads().unwrap();
         assert_eq!(reads.records[&Bytes::from_static(b"local")], Some(record("mine")));
         assert_eq!(reads.records[&Bytes::from_static(b"absent")], None);
-        assert_eq!(reads.missing, vec![Bytes::from_static(b"locked")]);
+        assert_eq!(reads.missing, BTreeSet::from([Bytes::from_static(b"locked")]));
         assert!(CapturingView::new(Arc::new(MemoryEngine::new())).take_reads().is_none());
     }
 }

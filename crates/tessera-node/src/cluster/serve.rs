@@ -2,7 +2,7 @@
 //! its keys live (here, through a quorum, or at another node), over the
 //! shards this node heads, or through the coordinator.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -20,7 +20,7 @@ use super::placement::Placement;
 use super::ClusterNode;
 use crate::commands::consistency::{level_got, parse_level, wrapped_read};
 use crate::commands::scripting::{self, is_script, Call, ScriptOutcome};
-use crate::commands::transactions::{self, Watched};
+use crate::commands::transactions::{self, Transaction, Watched};
 use crate::commands::{
     admit, dispatch, dispatch_admitted, is, lookup, refuse_if_busy, CommandSpec, Context, Scope,
 };
@@ -367,8 +367,7 @@ async fn serve_keyed(
             None
         }
         Placement::Quorum { shard, .. } if spec.name == "watch" && context.session.transaction.is_none() => {
-            let keys: Vec<Bytes> = keys().map(Bytes::copy_from_slice).collect();
-            match fetch_records(cluster, shard, &keys).await {
+            match fetch_records(cluster, shard, keys().map(Bytes::copy_from_slice).collect()).await {
                 Ok(records) => transactions::watch_records(context, records),
                 Err(error) => error.write(context.out),
             }
@@ -591,7 +590,7 @@ const DISCOVERY_ROUNDS: usize = 16;
 async fn run_on_quorum(
     cluster: &ClusterNode,
     context: &mut Context<'_>,
-    (work, write): (QuorumWork<'_>, bool),
+    work: (QuorumWork<'_>, bool),
     keys: &[Bytes],
     shard: u32,
     engine: &Arc<dyn Engine>,
@@ -604,6 +603,38 @@ async fn run_on_quorum(
         Some(_) => context.session.watched.take().map(|watched| watched.records).unwrap_or_default(),
         None => HashMap::new(),
     };
+    let ran = try_on_quorum(cluster, context, work, (transaction, &watched), keys, shard, engine).await;
+    let answer = match ran {
+        Ok(Ran::Answered) => return,
+        Ok(Ran::WatchedMoved) => None,
+        Err(error) => Some(error),
+    };
+    context.out.truncate(start);
+    match answer {
+        None => context.out.null_array(),
+        Some(error) => error.write(context.out),
+    }
+}
+
+/// How a command on a quorum shard ended, short of an error.
+enum Ran {
+    /// Its reply is written.
+    Answered,
+    /// EXEC found a watched key's record moved: it answers nil.
+    WatchedMoved,
+}
+
+/// `run_on_quorum`'s attempts, each writing its reply over the last one's.
+async fn try_on_quorum(
+    cluster: &ClusterNode,
+    context: &mut Context<'_>,
+    (work, write): (QuorumWork<'_>, bool),
+    (transaction, watched): (Option<Transaction>, &HashMap<Bytes, Option<Record>>),
+    keys: &[Bytes],
+    shard: u32,
+    engine: &Arc<dyn Engine>,
+) -> CommandResult<Ran> {
+    let start = context.out.len();
     let mut reads = if write {
         ReadSet { records: watched.clone(), guess_locally: true, ..ReadSet::default() }
     } else {
@@ -613,17 +644,11 @@ async fn run_on_quorum(
         let mut rounds = 0;
         let writes = loop {
             if !reads.missing.is_empty() {
-                match fetch_records(cluster, shard, &std::mem::take(&mut reads.missing)).await {
-                    Ok(fetched) if moved(&watched, &fetched) => {
-                        context.out.truncate(start);
-                        return context.out.null_array();
-                    }
-                    Ok(fetched) => reads.records.extend(fetched),
-                    Err(error) => {
-                        context.out.truncate(start);
-                        return error.write(context.out);
-                    }
+                let fetched = fetch_records(cluster, shard, std::mem::take(&mut reads.missing)).await?;
+                if moved(watched, &fetched) {
+                    return Ok(Ran::WatchedMoved);
                 }
+                reads.records.extend(fetched);
             }
             context.out.truncate(start);
             let view = Arc::new(CapturingView::over_records(engine.clone(), reads));
@@ -639,13 +664,10 @@ async fn run_on_quorum(
                             scripting::answer_run(context, &call)
                         })
                     });
-                    match run.await {
-                        Ok(reply) => context.out.raw(&reply),
-                        Err(_) => {
-                            return CommandError::Other("the script's thread ended before it answered".into())
-                                .write(context.out)
-                        }
-                    }
+                    let reply = run.await.map_err(|_| {
+                        CommandError::Other("the script's thread ended before it answered".into())
+                    })?;
+                    context.out.raw(&reply);
                 }
             }
             reads = view.take_reads().expect("a view over records");
@@ -654,48 +676,32 @@ async fn run_on_quorum(
             }
             rounds += 1;
             if rounds == DISCOVERY_ROUNDS {
-                context.out.truncate(start);
-                return CommandError::TryAgain("the command's keys kept changing shape under it".into())
-                    .write(context.out);
+                return Err(CommandError::TryAgain("the command's keys kept changing shape under it".into()));
             }
         };
-        // Each record it ran on, as fetched or guessed, to check.
-        let ran_on: Vec<(Bytes, Option<Ballot>)> =
-            reads.records.iter().map(|(key, record)| (key.clone(), record.as_ref().map(ballot_of))).collect();
         if writes.is_empty() {
-            if !reads.guess_locally && watched.is_empty() && ran_on.len() <= 1 {
-                return;
+            if !reads.guess_locally && watched.is_empty() && reads.records.len() <= 1 {
+                return Ok(Ran::Answered);
             }
-            let keys: Vec<Bytes> = ran_on.iter().map(|(key, _)| key.clone()).collect();
-            let fetched = match fetch_records(cluster, shard, &keys).await {
-                Ok(fetched) => fetched,
-                Err(error) => {
-                    context.out.truncate(start);
-                    return error.write(context.out);
-                }
-            };
-            if moved(&watched, &fetched) {
-                context.out.truncate(start);
-                return context.out.null_array();
+            let fetched = fetch_records(cluster, shard, reads.records.keys().cloned().collect()).await?;
+            if moved(watched, &fetched) {
+                return Ok(Ran::WatchedMoved);
             }
-            if ran_on.iter().all(|(key, ballot)| fetched[key].as_ref().map(ballot_of) == *ballot) {
-                return;
+            if reads.records.iter().all(|(key, record)| same_ballot(record, &fetched[key])) {
+                return Ok(Ran::Answered);
             }
             reads = ReadSet { records: fetched, ..ReadSet::default() };
             continue;
         }
         // What it only read is rewritten as it was, under the same condition.
-        let mut all = writes;
-        for (key, record) in &reads.records {
-            if !all.iter().any(|(written, _)| written == key) {
+        let written: HashSet<Bytes> = writes.iter().map(|(key, _)| key.clone()).collect();
+        let rewrites =
+            reads.records.iter().filter(|(key, _)| !written.contains(*key)).map(|(key, record)| {
                 let value = record.as_ref().and_then(|record| record.visible().cloned());
-                all.push((key.clone(), value.map_or(Write::Delete, Write::Put)));
-            }
-        }
-        if let Err(error) = fits_one_unit(&all) {
-            context.out.truncate(start);
-            return error.write(context.out);
-        }
+                (key.clone(), value.map_or(Write::Delete, Write::Put))
+            });
+        let all: Vec<(Bytes, Write)> = writes.into_iter().chain(rewrites).collect();
+        fits_one_unit(&all)?;
         // The protocol runs a batch of one key as that key's conditional write.
         let writes: ConditionalWrites = all
             .into_iter()
@@ -709,47 +715,42 @@ async fn run_on_quorum(
                 if let Some(position) = cluster.agent.write_position(shard) {
                     context.session.note_write(shard, position);
                 }
-                return;
+                return Ok(Ran::Answered);
             }
             // Nothing was written: a record changed, or another batch held
             // one. Run again on every key's newest record.
             ClientReply::Changed | ClientReply::Retry(_) => {
-                let missing = ran_on.into_iter().map(|(key, _)| key).collect();
-                reads = ReadSet { missing, ..ReadSet::default() };
+                reads = ReadSet { missing: reads.records.into_keys().collect(), ..ReadSet::default() };
             }
-            other => {
-                context.out.truncate(start);
-                return failure(&other).write(context.out);
-            }
+            other => return Err(failure(&other)),
         }
     }
-    context.out.truncate(start);
-    CommandError::TryAgain("the keys kept changing under concurrent writes".into()).write(context.out);
+    Err(CommandError::TryAgain("the keys kept changing under concurrent writes".into()))
 }
 
-/// A record's ballot: what a conditional write expects.
-type Ballot = (Version, NodeId);
-
-fn ballot_of(record: &Record) -> Ballot {
+fn ballot_of(record: &Record) -> (Version, NodeId) {
     (record.version, record.origin)
+}
+
+/// Whether two reads of a key found the same record (or none both times).
+fn same_ballot(first: &Option<Record>, second: &Option<Record>) -> bool {
+    first.as_ref().map(ballot_of) == second.as_ref().map(ballot_of)
 }
 
 /// Whether a key WATCH fetched has a record other than it had then.
 fn moved(watched: &HashMap<Bytes, Option<Record>>, fetched: &HashMap<Bytes, Option<Record>>) -> bool {
-    fetched.iter().any(|(key, record)| {
-        watched.get(key).is_some_and(|then| then.as_ref().map(ballot_of) != record.as_ref().map(ballot_of))
-    })
+    fetched.iter().any(|(key, record)| watched.get(key).is_some_and(|then| !same_ballot(then, record)))
 }
 
 /// Each key's newest record, read through the quorum.
 async fn fetch_records(
     cluster: &ClusterNode,
     shard: u32,
-    keys: &[Bytes],
+    keys: BTreeSet<Bytes>,
 ) -> CommandResult<HashMap<Bytes, Option<Record>>> {
     let operations = keys.iter().map(|key| Operation::Fetch { key: key.clone() }).collect();
     let mut fetched = HashMap::new();
-    for (key, pending) in keys.iter().zip(cluster.agent.begin_all(shard, operations)) {
+    for (key, pending) in keys.into_iter().zip(cluster.agent.begin_all(shard, operations)) {
         let record = match pending.answer().await {
             ClientReply::Value(None) => None,
             ClientReply::Value(Some(raw)) => Some(
@@ -758,7 +759,7 @@ async fn fetch_records(
             ),
             other => return Err(failure(&other)),
         };
-        fetched.insert(key.clone(), record);
+        fetched.insert(key, record);
     }
     Ok(fetched)
 }
