@@ -4,6 +4,7 @@
 //! `tessera cluster rebalance --by keys|bytes|load` weighs slots by.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use tessera_cluster::capture::CapturingView;
 use tessera_engine::{reserved, Engine, KeyRange, ScanCursor};
@@ -110,21 +111,22 @@ impl ClusterNode {
         let selection = parse(request)?;
         let map = self.map()?;
         let me = self.agent.node_id();
-        let mut owned = vec![false; SLOTS];
+        // Each slot's shard, where this node heads it.
+        let mut shard_of_slot = vec![None; SLOTS];
         let mut engines = Vec::new();
         for shard in map.slot_shards().filter(|shard| shard.is_headed_by(me)) {
-            let mut own = vec![false; SLOTS];
             for (first, last) in &shard.slots {
-                own[usize::from(*first)..=usize::from(*last)].fill(true);
-                owned[usize::from(*first)..=usize::from(*last)].fill(true);
+                shard_of_slot[usize::from(*first)..=usize::from(*last)].fill(Some(shard.id));
             }
-            engines.extend(self.agent.engine(shard.id).map(|engine| (engine, own)));
+            engines.extend(self.agent.engine(shard.id).map(|engine| (shard.id, engine)));
         }
-        let scanned = tokio::task::spawn_blocking(move || count_keys(&engines, now_ms))
+        let shard_of_slot = Arc::new(shard_of_slot);
+        let counted = shard_of_slot.clone();
+        let scanned = tokio::task::spawn_blocking(move || count_keys(&engines, &counted, now_ms))
             .await
             .map_err(|error| CommandError::Other(format!("counting keys failed: {error}")))??;
         let mut slots: Vec<(u16, SlotFigures)> = (0..SLOTS)
-            .filter(|slot| owned[*slot])
+            .filter(|slot| shard_of_slot[*slot].is_some())
             .map(|slot| {
                 let mut figures = scanned[slot];
                 figures.0[2] = self.traffic.bytes_in[slot].load(Ordering::Relaxed);
@@ -158,16 +160,16 @@ impl ClusterNode {
 }
 
 /// Live keys and the bytes they take (an internal key's in its owner's
-/// slot) per slot, over `engines`.
-/// Each slot's figures over the shards' engines, each counted in its own
-/// shard's slots only: a shard that gave a slot away may still hold its
-/// keys until they are swept.
+/// slot) per slot, over each shard's engine. A shard's keys count only in
+/// its own slots (`shard_of_slot`): a shard that gave a slot away may still
+/// hold its keys until they are swept.
 fn count_keys(
-    engines: &[(std::sync::Arc<dyn Engine>, Vec<bool>)],
+    engines: &[(u32, Arc<dyn Engine>)],
+    shard_of_slot: &[Option<u32>],
     now_ms: u64,
 ) -> CommandResult<Vec<SlotFigures>> {
     let mut figures = vec![SlotFigures::default(); SLOTS];
-    for (engine, own) in engines {
+    for (shard, engine) in engines {
         let view = CapturingView::new(engine.clone());
         let mut cursor = ScanCursor::start();
         loop {
@@ -179,7 +181,7 @@ fn count_keys(
                     None => &key,
                 };
                 let slot = key_slot(owner);
-                if !own[slot] {
+                if shard_of_slot[slot] != Some(*shard) {
                     continue;
                 }
                 let slot = &mut figures[slot].0;
