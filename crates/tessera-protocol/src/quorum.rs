@@ -17,8 +17,9 @@
 //! again; a write prepares again and finds out: the newest record is its own
 //! (it writes that back and answers as planned), or still the one it planned
 //! on (it writes again), or another's, when it answers `Unknown` (writing it
-//! again after a later write could apply it twice). A member that missed an accept (or holds such a
-//! minority record) is brought level by the key's next strong operation.
+//! again after a later write could apply it twice). A member that missed an
+//! accept (or holds such a minority record) is brought level by the key's
+//! next strong operation.
 //!
 //! Membership: a learner merges a snapshot from every member (every
 //! majority-accepted record is at one of them when views change one member at a
@@ -338,7 +339,8 @@ enum Phase {
     Accept {
         record: Record,
         outcome: Outcome,
-        /// The ballot of the record it planned on.
+        /// The ballot of the record it planned on (after an interruption,
+        /// `Interrupted` keeps the first).
         base: Option<Ballot>,
     },
     /// Waiting out a backoff before preparing again.
@@ -1089,8 +1091,6 @@ impl QuorumRegister {
                 match self.plan(proposal, newest, ballot, fx.now()) {
                     Plan::Write(record, outcome) => {
                         let proposal = self.proposals.get_mut(&op).expect("looked up above");
-                        // A write again after an interruption plans on the same record.
-                        let base = proposal.interrupted.as_ref().map_or(base, |interrupted| interrupted.base);
                         proposal.phase = Phase::Accept { record, outcome, base };
                         self.send_phase(op, fx);
                     }
