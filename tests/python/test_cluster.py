@@ -1414,6 +1414,31 @@ def test_a_job_queue_on_lists_serves_each_job_once_across_a_cluster(cluster_fact
     assert producer.lrange("{log}done", 0, -1) == jobs[:1]
 
 
+def start_threads(target, seeds):
+    """Runs `target(seed)` on a thread per seed; returns a function that waits
+    up to `timeout` seconds for each and raises the first exception one of
+    them raised, so an assertion in a thread fails its test."""
+    errors = []
+
+    def guarded(seed):
+        try:
+            target(seed)
+        except BaseException as error:  # noqa: BLE001 - handed to the test's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=guarded, args=(seed,)) for seed in seeds]
+    for thread in threads:
+        thread.start()
+
+    def join(timeout):
+        for thread in threads:
+            thread.join(timeout=timeout)
+        if errors:
+            raise errors[0]
+
+    return join
+
+
 def watched_transfer(connection, rng, accounts):
     """Moves an amount between two of `accounts` with WATCH, GET and
     MULTI/EXEC, as optimistic clients do: whether it committed (False: a
@@ -1453,11 +1478,7 @@ def test_transactions_run_whole_on_the_slots_head_and_refuse_two_slots(cluster_f
                 with lock:
                     committed[0] += 1
 
-    threads = [threading.Thread(target=transfer, args=(seed,)) for seed in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
+    start_threads(transfer, range(4))(timeout=120)
     assert committed[0] > 50, committed
     balances = [int(client.get(account)) for account in accounts]
     assert sum(balances) == 5000 and balances != [1000] * 5, balances
@@ -1670,23 +1691,15 @@ def test_active_active_strong_watch_and_reads_of_several_keys_see_one_moment(clu
                 with lock:
                     copied.append(replies[-1])
 
-    workers = ([threading.Thread(target=transfers, args=(seed,)) for seed in range(4)]
-               + [threading.Thread(target=readers, args=(seed,)) for seed in range(3)]
-               + [threading.Thread(target=pairs, args=(seed,)) for seed in range(3)])
-    counters = [threading.Thread(target=lost_update_free_counter, args=(seed,)) for seed in range(3)]
-    for thread in workers + counters:
-        thread.start()
-    for thread in counters:
-        thread.join(timeout=180)
+    workers = [start_threads(transfers, range(4)), start_threads(readers, range(3)), start_threads(pairs, range(3))]
+    start_threads(lost_update_free_counter, range(3))(timeout=180)
     time.sleep(1)
     stop.set()
-    for thread in workers:
-        thread.join(timeout=60)
+    for join in workers:
+        join(timeout=60)
     counter = int(client.get("{bank}counter"))
     assert increments[0] + unknown[0] == 45 and increments[0] <= counter <= 45, (counter, increments, unknown)
     assert unknown[0] <= 5, unknown
-    print(f"transfers {committed[0]} committed, {aborted[0]} aborted; {len(seen)} totals read; "
-          f"{increments[0]} increments, {unknown[0]} unknown")
     assert committed[0] > 20 and aborted[0] > 0, (committed, aborted)
     balances = [int(client.get(account)) for account in accounts]
     assert sum(balances) == 4000 and balances != [1000] * 4, balances
@@ -1745,11 +1758,7 @@ def test_active_active_strong_watch_and_reads_of_several_keys_see_one_moment(clu
             with lock:
                 outcome[0] += 1
 
-    scripters = [threading.Thread(target=scripted, args=(seed,)) for seed in range(3)]
-    for thread in scripters:
-        thread.start()
-    for thread in scripters:
-        thread.join(timeout=120)
+    start_threads(scripted, range(3))(timeout=120)
     total = int(third.get("{bank}scripted"))
     assert added[0] > 30 and added[0] <= total <= added[0] + unsure[0], (total, added, unsure)
     undeclared = third.eval("return redis.call('GET', '{bank}' .. ARGV[1])", 1, "{bank}scripted", "counter")
