@@ -314,7 +314,7 @@ enum TableCommand {
         name: String,
         #[arg(long)]
         prefix: String,
-        /// memory, ordered, log, lsm or redis.
+        /// memory, ordered, log, lsm, hybrid or redis.
         #[arg(long)]
         engine: String,
         /// Engine options as NAME=VALUE (e.g. fsync=always, addr=127.0.0.1:6379).
@@ -354,7 +354,7 @@ struct ServeArgs {
     /// Data directory: table catalog and persistent engines' files [default: ./tessera-data].
     #[arg(long)]
     dir: Option<PathBuf>,
-    /// Engine of the default table: memory, ordered, log, lsm or redis [default: memory].
+    /// Engine of the default table: memory, ordered, log, lsm, hybrid or redis [default: memory].
     #[arg(long)]
     engine: Option<String>,
     /// Option of the default table's engine, NAME=VALUE (repeatable), e.g. fsync=always.

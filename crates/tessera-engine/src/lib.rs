@@ -6,6 +6,7 @@
 
 mod background;
 mod error;
+mod hybrid;
 mod key;
 mod log;
 mod lsm;
@@ -19,12 +20,13 @@ mod spec;
 use bytes::Bytes;
 
 pub use error::{EngineError, Result};
+pub use hybrid::{HybridEngine, HybridOptions};
 pub use log::{repair as repair_log, FsyncPolicy, LogEngine, LogOptions, SegmentRepair};
 pub use lsm::LsmEngine;
 pub use memory::MemoryEngine;
 pub use ordered::OrderedEngine;
 pub use remote::{RedisEngine, RedisOptions};
-pub use spec::{EngineKind, EngineSpec};
+pub use spec::{parse_size, EngineKind, EngineSpec};
 
 /// What an engine can do beyond the common operations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::{
-    Capabilities, Engine, EngineError, FsyncPolicy, LogEngine, LogOptions, LsmEngine, MemoryEngine,
-    OrderedEngine,
+    Capabilities, Engine, EngineError, FsyncPolicy, HybridEngine, HybridOptions, LogEngine, LogOptions,
+    LsmEngine, MemoryEngine, OrderedEngine,
 };
 use crate::{RedisEngine, RedisOptions, Result};
 
@@ -18,11 +18,13 @@ pub enum EngineKind {
     Ordered,
     Log,
     Lsm,
+    Hybrid,
     Redis,
 }
 
 impl EngineKind {
-    pub const ALL: [EngineKind; 5] = [Self::Memory, Self::Ordered, Self::Log, Self::Lsm, Self::Redis];
+    pub const ALL: [EngineKind; 6] =
+        [Self::Memory, Self::Ordered, Self::Log, Self::Lsm, Self::Hybrid, Self::Redis];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -30,6 +32,7 @@ impl EngineKind {
             Self::Ordered => "ordered",
             Self::Log => "log",
             Self::Lsm => "lsm",
+            Self::Hybrid => "hybrid",
             Self::Redis => "redis",
         }
     }
@@ -42,6 +45,7 @@ impl EngineKind {
             Self::Ordered => OrderedEngine::CAPABILITIES,
             Self::Log => LogEngine::CAPABILITIES,
             Self::Lsm => LsmEngine::CAPABILITIES,
+            Self::Hybrid => HybridEngine::CAPABILITIES,
             Self::Redis => RedisEngine::CAPABILITIES,
         }
     }
@@ -52,6 +56,7 @@ impl EngineKind {
             Self::Memory | Self::Ordered => &[],
             Self::Log => &["fsync", "segment-bytes"],
             Self::Lsm => &["fsync"],
+            Self::Hybrid => &["fsync", "memory-bytes"],
             Self::Redis => &["addr", "db", "password", "pool", "timeout-ms", "owns-database"],
         }
     }
@@ -63,7 +68,7 @@ impl std::str::FromStr for EngineKind {
     fn from_str(name: &str) -> Result<Self> {
         Self::ALL.into_iter().find(|kind| kind.name().eq_ignore_ascii_case(name)).ok_or_else(|| {
             EngineError::InvalidOption(format!(
-                "unknown engine {name:?}; choose one of memory, ordered, log, lsm, redis"
+                "unknown engine {name:?}; choose one of memory, ordered, log, lsm, hybrid, redis"
             ))
         })
     }
@@ -87,6 +92,25 @@ fn parse_option<T: std::str::FromStr>(options: &BTreeMap<String, String>, name: 
         .transpose()
 }
 
+/// Parses a size as Redis's config does: bytes, or with a unit (`kb`, `mb`,
+/// `gb` are 1024-based; `k`, `m`, `g` 1000-based), any case.
+pub fn parse_size(text: &str) -> Option<u64> {
+    let lower = text.trim().to_ascii_lowercase();
+    let digits_end = lower.find(|c: char| !c.is_ascii_digit()).unwrap_or(lower.len());
+    let (number, unit) = lower.split_at(digits_end);
+    let multiplier: u64 = match unit {
+        "" | "b" => 1,
+        "k" => 1_000,
+        "kb" => 1 << 10,
+        "m" => 1_000_000,
+        "mb" => 1 << 20,
+        "g" => 1_000_000_000,
+        "gb" => 1 << 30,
+        _ => return None,
+    };
+    number.parse::<u64>().ok()?.checked_mul(multiplier)
+}
+
 impl EngineSpec {
     pub fn new(kind: EngineKind, options: BTreeMap<String, String>) -> Result<Self> {
         let options: BTreeMap<String, String> =
@@ -100,6 +124,7 @@ impl EngineSpec {
         }
         let spec = Self { kind, options };
         spec.log_options()?;
+        spec.hybrid_options()?;
         spec.redis_options()?;
         Ok(spec)
     }
@@ -116,6 +141,25 @@ impl EngineSpec {
                 .unwrap_or(defaults.segment_bytes_max),
             ..defaults
         })
+    }
+
+    fn hybrid_options(&self) -> Result<HybridOptions> {
+        let defaults = HybridOptions::default();
+        let memory_bytes = match self.options.get("memory-bytes") {
+            None => defaults.memory_bytes,
+            Some(text) => parse_size(text).ok_or_else(|| {
+                EngineError::InvalidOption(format!(
+                    "option memory-bytes: cannot use {text:?} (a size such as 64mb or 2gb)"
+                ))
+            })?,
+        };
+        if memory_bytes < HybridOptions::MEMORY_BYTES_MIN {
+            return Err(EngineError::InvalidOption(format!(
+                "option memory-bytes: {memory_bytes} is below the minimum of {} (512kb)",
+                HybridOptions::MEMORY_BYTES_MIN
+            )));
+        }
+        Ok(HybridOptions { memory_bytes, fsync: self.fsync()? })
     }
 
     fn redis_options(&self) -> Result<RedisOptions> {
@@ -148,6 +192,7 @@ impl EngineSpec {
             EngineKind::Ordered => Arc::new(OrderedEngine::new()),
             EngineKind::Log => Arc::new(LogEngine::open(dir, self.log_options()?)?),
             EngineKind::Lsm => Arc::new(LsmEngine::open(dir, self.fsync()?)?),
+            EngineKind::Hybrid => Arc::new(HybridEngine::open(dir, self.hybrid_options()?)?),
             EngineKind::Redis => Arc::new(RedisEngine::open(self.redis_options()?)?),
         })
     }

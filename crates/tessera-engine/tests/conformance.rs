@@ -69,6 +69,18 @@ fn subjects() -> Vec<Subject> {
             open: Box::new(|dir| spec(EngineKind::Lsm, &[("fsync", "never")]).open(dir.unwrap()).unwrap()),
             _server: None,
         },
+        Subject {
+            name: "hybrid",
+            dir: Some(tempfile::tempdir().unwrap()),
+            // A budget of 256 MiB holds the 64 MiB value; the tests of the
+            // hybrid engine's own (tests/hybrid.rs) use small budgets.
+            open: Box::new(|dir| {
+                spec(EngineKind::Hybrid, &[("fsync", "never"), ("memory-bytes", "256mb")])
+                    .open(dir.unwrap())
+                    .unwrap()
+            }),
+            _server: None,
+        },
     ];
     if let Some(server) = RedisServer::start() {
         let address = server.address();

@@ -17,7 +17,7 @@ pub struct Config {
     pub port: u16,
     /// Data directory: table catalog and persistent engines' files.
     pub dir: PathBuf,
-    /// Engine of the default table (memory, ordered, log, lsm, redis).
+    /// Engine of the default table (memory, ordered, log, lsm, hybrid, redis).
     pub engine: String,
     /// Options of the default table's engine (e.g. fsync = "always").
     pub engine_options: BTreeMap<String, String>,

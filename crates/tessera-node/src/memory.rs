@@ -182,24 +182,7 @@ impl AccessClock {
     }
 }
 
-/// Parses a size as Redis's config does: bytes, or with a unit (`kb`, `mb`,
-/// `gb` are 1024-based; `k`, `m`, `g` 1000-based), any case.
-pub fn parse_size(text: &str) -> Option<u64> {
-    let lower = text.trim().to_ascii_lowercase();
-    let digits_end = lower.find(|c: char| !c.is_ascii_digit()).unwrap_or(lower.len());
-    let (number, unit) = lower.split_at(digits_end);
-    let multiplier: u64 = match unit {
-        "" | "b" => 1,
-        "k" => 1_000,
-        "kb" => 1 << 10,
-        "m" => 1_000_000,
-        "mb" => 1 << 20,
-        "g" => 1_000_000_000,
-        "gb" => 1 << 30,
-        _ => return None,
-    };
-    number.parse::<u64>().ok()?.checked_mul(multiplier)
-}
+pub use tessera_engine::parse_size;
 
 /// The settings CONFIG SET may change while the node serves (the rest of
 /// [`crate::Config`] is fixed at start): read on every use.

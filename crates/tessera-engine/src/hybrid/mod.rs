@@ -1,0 +1,640 @@
+//! `hybrid`: FASTER's hybrid log (Chandramouli et al., SIGMOD 2018), the
+//! engine Shadowfax (Kulkarni, Chandramouli and Stutsman, VLDB 2021) stands
+//! on. A hash index over one log whose newest part is in memory: records in
+//! the mutable region are changed where they lie, older in-memory ones are
+//! copied to the tail when changed, and the oldest live only in segment
+//! files, so the data set can grow past the memory budget while the hot
+//! records are served at memory speed. docs/ARCHITECTURE.md, "The hybrid
+//! engine", has the design.
+//!
+//! - `record.rs`: a record's header, key and value;
+//! - `index.rs`: the lock-free hash index of tagged entries;
+//! - `log.rs`: the log's memory frames, boundaries, flushing and segments;
+//! - here: the engine's operations and recovery.
+
+mod index;
+mod log;
+mod record;
+
+use std::fs;
+use std::hash::BuildHasher;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use crossbeam_epoch as epoch;
+use parking_lot::Mutex;
+
+use self::index::Index;
+use self::log::{decode_header, sequence, Geometry, Log, Segments};
+use self::record::{checksum, Header, ADDRESS_LIMIT, FIRST_ADDRESS, HEADER_BYTES, INCOMPLETE, TOMBSTONE};
+use crate::background::{spawn_periodic, PeriodicTask};
+use crate::{Capabilities, Engine, EngineError, FsyncPolicy, KeyRange, Result, ScanCursor, ScanPage};
+
+/// How a `hybrid` engine is configured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HybridOptions {
+    /// Memory for the log's in-memory pages (the index comes on top).
+    pub memory_bytes: u64,
+    pub fsync: FsyncPolicy,
+}
+
+impl HybridOptions {
+    /// The smallest budget: eight pages of 64 KiB.
+    pub const MEMORY_BYTES_MIN: u64 = 512 << 10;
+}
+
+impl Default for HybridOptions {
+    fn default() -> Self {
+        Self { memory_bytes: 256 << 20, fsync: FsyncPolicy::EveryMs(1000) }
+    }
+}
+
+const META_FILE: &str = "hybrid.meta";
+const META_MAGIC: &[u8; 8] = b"TSHYBRD1";
+/// How often the background task flushes what has become read-only.
+const FLUSH_INTERVAL: Duration = Duration::from_millis(10);
+
+/// What the engine keeps beside the log: the hash seed (so that a rebuilt
+/// index has the same chains as the one the records were written under) and
+/// where the log begins.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Meta {
+    seed: u64,
+    begin: u64,
+}
+
+impl Meta {
+    fn encode(&self) -> Vec<u8> {
+        let mut bytes = META_MAGIC.to_vec();
+        bytes.extend_from_slice(&self.seed.to_le_bytes());
+        bytes.extend_from_slice(&self.begin.to_le_bytes());
+        let crc = crc32fast::hash(&bytes);
+        bytes.extend_from_slice(&crc.to_le_bytes());
+        bytes
+    }
+
+    fn decode(bytes: &[u8]) -> Result<Self> {
+        let corrupt = || EngineError::Corrupt(format!("hybrid engine: {META_FILE} is damaged"));
+        if bytes.len() != 28 || &bytes[..8] != META_MAGIC {
+            return Err(corrupt());
+        }
+        let crc = u32::from_le_bytes(bytes[24..28].try_into().expect("four bytes"));
+        if crc32fast::hash(&bytes[..24]) != crc {
+            return Err(corrupt());
+        }
+        let word = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("eight bytes"));
+        Ok(Self { seed: word(8), begin: word(16) })
+    }
+
+    fn load(dir: &Path) -> Result<Option<Self>> {
+        match fs::read(dir.join(META_FILE)) {
+            Ok(bytes) => Self::decode(&bytes).map(Some),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(error) => Err(error.into()),
+        }
+    }
+
+    /// Replaces the file atomically: write, sync, rename, sync the directory.
+    fn store(&self, dir: &Path) -> Result<()> {
+        let temporary = dir.join(format!("{META_FILE}.tmp"));
+        let mut file = fs::File::create(&temporary)?;
+        file.write_all(&self.encode())?;
+        file.sync_all()?;
+        fs::rename(&temporary, dir.join(META_FILE))?;
+        fs::File::open(dir)?.sync_all()?;
+        Ok(())
+    }
+}
+
+struct Shared {
+    dir: PathBuf,
+    options: HybridOptions,
+    log: Log,
+    index: Index,
+    hasher: foldhash::quality::FixedState,
+    seed: u64,
+    /// Keys present (live records the index leads to).
+    live: AtomicI64,
+    last_sync: Mutex<Instant>,
+    /// Serializes `clear`.
+    clearing: Mutex<()>,
+}
+
+pub struct HybridEngine {
+    shared: Arc<Shared>,
+    _background: PeriodicTask,
+}
+
+/// The newest record of a key, where it lies.
+enum Found {
+    Memory { address: u64, header: Header },
+    Disk { address: u64, header: Header, body: Vec<u8> },
+}
+
+impl Found {
+    fn address(&self) -> u64 {
+        match self {
+            Found::Memory { address, .. } | Found::Disk { address, .. } => *address,
+        }
+    }
+}
+
+/// What a write does to a key's value.
+enum Write<'a> {
+    Put(&'a [u8]),
+    Delete,
+    Change(&'a mut dyn FnMut(&mut Option<Vec<u8>>) -> bool),
+}
+
+impl HybridEngine {
+    pub const CAPABILITIES: Capabilities = Capabilities { ordered: false, persistent: true };
+
+    /// Opens the engine in `dir`, recovering what its log holds.
+    pub fn open(dir: &Path, options: HybridOptions) -> Result<Self> {
+        if options.memory_bytes < HybridOptions::MEMORY_BYTES_MIN {
+            return Err(EngineError::InvalidOption(format!(
+                "memory-bytes {} is below the hybrid engine's minimum of {}",
+                options.memory_bytes,
+                HybridOptions::MEMORY_BYTES_MIN
+            )));
+        }
+        fs::create_dir_all(dir)?;
+        let meta = match Meta::load(dir)? {
+            Some(meta) => meta,
+            None => {
+                let meta = Meta { seed: rand_seed(), begin: FIRST_ADDRESS };
+                meta.store(dir)?;
+                meta
+            }
+        };
+        let geometry = Geometry::for_budget(options.memory_bytes);
+        let segments = Segments::new(dir, geometry.segment_bytes);
+        let hasher = foldhash::quality::FixedState::with_seed(meta.seed);
+        // About one bucket (seven entries) per KiB of budget to begin with.
+        let index = Index::new((options.memory_bytes / 1024) as usize);
+        let (end, live) = recover(&segments, &index, &hasher, geometry, meta.begin)?;
+        let log = Log::new(geometry, segments, meta.begin, end);
+        let shared = Arc::new(Shared {
+            dir: dir.to_path_buf(),
+            options,
+            log,
+            index,
+            hasher,
+            seed: meta.seed,
+            live: AtomicI64::new(live),
+            last_sync: Mutex::new(Instant::now()),
+            clearing: Mutex::new(()),
+        });
+        let background = spawn_periodic(
+            "tessera-hybrid",
+            Arc::downgrade(&shared),
+            FLUSH_INTERVAL,
+            |shared| {
+                if let Err(error) = shared.background() {
+                    tracing::error!(%error, dir = %shared.dir.display(), "hybrid engine: background flush failed");
+                }
+            },
+        )?;
+        Ok(Self { shared, _background: background })
+    }
+}
+
+fn rand_seed() -> u64 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one(std::time::SystemTime::now())
+}
+
+/// Replays the log from `begin`: every whole record whose CRC holds joins the
+/// index in address order, which rebuilds each chain as it was. The log is
+/// cut after the last whole record. Returns the log's end and the number of
+/// live keys.
+fn recover(
+    segments: &Segments,
+    index: &Index,
+    hasher: &foldhash::quality::FixedState,
+    geometry: Geometry,
+    begin: u64,
+) -> Result<(u64, i64)> {
+    let limit = geometry.record_bytes_max();
+    let mut reader = SequentialReader::new(segments, begin);
+    let mut live = 0i64;
+    loop {
+        let at = reader.address;
+        let Some(header_bytes) = reader.peek(HEADER_BYTES as usize)? else { break };
+        let header = decode_header(header_bytes);
+        if !header.is_plausible(limit) || at + header.record_bytes() >= ADDRESS_LIMIT {
+            break;
+        }
+        let size = header.record_bytes() as usize;
+        let Some(record) = reader.peek(size)? else { break };
+        if checksum(record) != header.check {
+            break;
+        }
+        let key_end = HEADER_BYTES as usize + header.key_len as usize;
+        let key = record[HEADER_BYTES as usize..key_end].to_vec();
+        reader.advance(size);
+        if header.is_incomplete() {
+            continue;
+        }
+        let slot = index.find_or_create(hasher.hash_one(&key));
+        let lock = slot.lock();
+        let before = find_on_disk(segments, limit, lock.head(), begin, &key)?;
+        let was_live = before.is_some_and(|header| !header.is_tombstone());
+        live += i64::from(!header.is_tombstone()) - i64::from(was_live);
+        lock.set_head(at);
+    }
+    let end = reader.address;
+    segments.truncate(end)?;
+    Ok((end, live))
+}
+
+/// The newest record of `key` among on-disk records, following a chain.
+fn find_on_disk(
+    segments: &Segments,
+    limit: u64,
+    mut at: u64,
+    begin: u64,
+    key: &[u8],
+) -> Result<Option<Header>> {
+    while at >= begin && at != 0 {
+        let (header, body) = read_record(segments, limit, at)?;
+        if &body[..header.key_len as usize] == key {
+            return Ok(Some(header));
+        }
+        at = header.previous();
+    }
+    Ok(None)
+}
+
+/// A whole on-disk record: its header, and its key followed by its value.
+fn read_record(segments: &Segments, limit: u64, address: u64) -> Result<(Header, Vec<u8>)> {
+    let mut header_bytes = [0u8; HEADER_BYTES as usize];
+    segments.read_at(address, &mut header_bytes)?;
+    let header = decode_header(&header_bytes);
+    if !header.is_plausible(limit) {
+        return Err(EngineError::Corrupt(format!("hybrid log: a malformed record at address {address}")));
+    }
+    let mut body = vec![0u8; (header.key_len + header.value_len) as usize];
+    segments.read_at(address + HEADER_BYTES, &mut body)?;
+    Ok((header, body))
+}
+
+/// Reads the segment files front to back through a buffer.
+struct SequentialReader<'a> {
+    segments: &'a Segments,
+    /// The log address of `buffer[consumed]`.
+    address: u64,
+    buffer: Vec<u8>,
+    consumed: usize,
+}
+
+impl<'a> SequentialReader<'a> {
+    fn new(segments: &'a Segments, address: u64) -> Self {
+        Self { segments, address, buffer: Vec::new(), consumed: 0 }
+    }
+
+    /// The next `len` bytes, or `None` when the log ends before them.
+    fn peek(&mut self, len: usize) -> Result<Option<&[u8]>> {
+        if self.buffer.len() - self.consumed < len {
+            self.buffer.drain(..self.consumed);
+            self.consumed = 0;
+            let have = self.buffer.len();
+            let want = len.max(1 << 20);
+            self.buffer.resize(want, 0);
+            let read = self.segments.read_some(self.address + have as u64, &mut self.buffer[have..])?;
+            self.buffer.truncate(have + read);
+            if self.buffer.len() < len {
+                return Ok(None);
+            }
+        }
+        Ok(Some(&self.buffer[self.consumed..self.consumed + len]))
+    }
+
+    fn advance(&mut self, len: usize) {
+        self.consumed += len;
+        self.address += len as u64;
+    }
+}
+
+impl Shared {
+    fn hash(&self, key: &[u8]) -> u64 {
+        self.hasher.hash_one(key)
+    }
+
+    fn syncs(&self) -> bool {
+        self.options.fsync != FsyncPolicy::Never
+    }
+
+    /// Flushes what has become read-only, and on the interval policy makes
+    /// everything durable when the interval has passed.
+    fn background(&self) -> Result<()> {
+        epoch::pin().flush();
+        self.log.flush_ready()?;
+        if let FsyncPolicy::EveryMs(ms) = self.options.fsync {
+            let mut last = self.last_sync.lock();
+            if last.elapsed() >= Duration::from_millis(ms) {
+                *last = Instant::now();
+                drop(last);
+                self.log.make_durable(self.log.tail.load(Ordering::Acquire), true)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The newest record of `key` in the chain from `head`. The caller is pinned.
+    fn find(&self, mut at: u64, key: &[u8]) -> Result<Option<Found>> {
+        let begin = self.log.begin.load(Ordering::Acquire);
+        while at >= begin && at != 0 {
+            if at >= self.log.head.load(Ordering::Acquire) {
+                let header = self.log.header(at);
+                if header.key_len as usize == key.len() && self.log.bytes_equal(at + HEADER_BYTES, key) {
+                    return Ok(Some(Found::Memory { address: at, header }));
+                }
+                at = header.previous();
+            } else {
+                let (header, body) =
+                    read_record(&self.log.segments, self.log.geometry.record_bytes_max(), at)?;
+                if &body[..header.key_len as usize] == key {
+                    return Ok(Some(Found::Disk { address: at, header, body }));
+                }
+                at = header.previous();
+            }
+        }
+        Ok(None)
+    }
+
+    /// The value of an in-memory record, read between changes (`None` for a
+    /// tombstone).
+    fn memory_value(&self, address: u64, header: &Header) -> Option<Vec<u8>> {
+        sequence::read_consistent(&self.log, address, |word2| {
+            if self.log.load(address, Ordering::Acquire) & TOMBSTONE != 0 {
+                return None;
+            }
+            let mut value = Vec::new();
+            self.log.read_bytes(address + header.value_offset(), u64::from(word2 as u32), &mut value);
+            Some(value)
+        })
+    }
+
+    fn value_of(&self, found: &Found) -> Option<Vec<u8>> {
+        match found {
+            Found::Memory { address, header } => self.memory_value(*address, header),
+            Found::Disk { header, body, .. } => {
+                (!header.is_tombstone()).then(|| body[header.key_len as usize..].to_vec())
+            }
+        }
+    }
+
+    fn read(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        let _guard = epoch::pin();
+        let Some(slot) = self.index.find(self.hash(key)) else { return Ok(None) };
+        Ok(self.find(slot.head(), key)?.and_then(|found| self.value_of(&found)))
+    }
+
+    /// Applies `write` to `key`; returns whether the key was present before.
+    fn write(&self, key: &[u8], write: Write<'_>) -> Result<bool> {
+        let hash = self.hash(key);
+        let slot = match write {
+            Write::Delete => match self.index.find(hash) {
+                Some(slot) => slot,
+                None => return Ok(false),
+            },
+            _ => self.index.find_or_create(hash),
+        };
+        let lock = slot.lock();
+        let mut guard = epoch::pin();
+        let head = lock.head();
+        let found = self.find(head, key)?;
+        let current = found.as_ref().and_then(|found| self.value_of(found));
+        let existed = current.is_some();
+        let changed;
+        let new: Option<&[u8]> = match write {
+            Write::Put(value) => Some(value),
+            Write::Delete => None,
+            Write::Change(change) => {
+                let mut value = current;
+                if !change(&mut value) {
+                    return Ok(existed);
+                }
+                changed = value;
+                changed.as_deref()
+            }
+        };
+        if new.is_none() && !existed {
+            return Ok(false);
+        }
+        let live_change = i64::from(new.is_some()) - i64::from(existed);
+        if let Some(Found::Memory { address, header }) = found {
+            if address >= self.log.read_only.load(Ordering::Acquire)
+                && new.is_none_or(|value| value.len() <= header.capacity as usize)
+            {
+                self.change_in_place(address, &header, new);
+                self.live.fetch_add(live_change, Ordering::Relaxed);
+                drop(guard);
+                drop(lock);
+                return self.after_write(address + header.record_bytes()).map(|()| existed);
+            }
+        }
+        let header = Header::new(head, key.len(), new.map(<[u8]>::len));
+        let limit = self.log.geometry.record_bytes_max();
+        if header.record_bytes() > limit {
+            return Err(EngineError::TooLarge(
+                key.len() + new.map_or(0, <[u8]>::len),
+                (limit - HEADER_BYTES) as usize,
+            ));
+        }
+        let address = loop {
+            if let Some(address) = self.log.allocate(&header) {
+                break address;
+            }
+            drop(guard);
+            self.log.wait_for_room()?;
+            guard = epoch::pin();
+        };
+        self.log.write_bytes(address + HEADER_BYTES, key);
+        if let Some(value) = new {
+            self.log.write_bytes(address + header.value_offset(), value);
+        }
+        self.log.store(address, header.word0 & !INCOMPLETE, Ordering::Release);
+        lock.set_head(address);
+        self.live.fetch_add(live_change, Ordering::Relaxed);
+        drop(guard);
+        drop(lock);
+        self.after_write(address + header.record_bytes()).map(|()| existed)
+    }
+
+    /// Changes a mutable record where it lies: a new value that fits its
+    /// room, or a tombstone. The caller holds the key's entry and is pinned.
+    fn change_in_place(&self, address: u64, header: &Header, new: Option<&[u8]>) {
+        let before = sequence::begin_change(&self.log, address);
+        let word0 = self.log.load(address, Ordering::Relaxed);
+        let length = match new {
+            Some(value) => {
+                self.log.write_bytes(address + header.value_offset(), value);
+                self.log.store(address, word0 & !TOMBSTONE, Ordering::Relaxed);
+                value.len() as u32
+            }
+            None => {
+                self.log.store(address, word0 | TOMBSTONE, Ordering::Relaxed);
+                0
+            }
+        };
+        sequence::end_change(&self.log, address, before, length);
+    }
+
+    /// What the fsync policy asks of a write that ends at `end`.
+    fn after_write(&self, end: u64) -> Result<()> {
+        if self.options.fsync == FsyncPolicy::Always {
+            self.log.make_durable(end, true)?;
+        }
+        Ok(())
+    }
+
+    fn cursor(&self, address: u64) -> ScanCursor {
+        let mut bytes = address.to_le_bytes().to_vec();
+        bytes.extend_from_slice(&self.cursor_check(address).to_le_bytes());
+        ScanCursor(Bytes::from(bytes))
+    }
+
+    /// Ties a cursor to this engine's log, so that no other bytes pass for one.
+    fn cursor_check(&self, address: u64) -> u32 {
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(&self.seed.to_le_bytes());
+        hasher.update(&address.to_le_bytes());
+        hasher.finalize()
+    }
+
+    fn decode_cursor(&self, cursor: &ScanCursor) -> Result<u64> {
+        if cursor.is_start() {
+            return Ok(FIRST_ADDRESS);
+        }
+        let bytes = &cursor.0;
+        if bytes.len() != 12 {
+            return Err(EngineError::InvalidCursor);
+        }
+        let address = u64::from_le_bytes(bytes[..8].try_into().expect("eight bytes"));
+        let check = u32::from_le_bytes(bytes[8..].try_into().expect("four bytes"));
+        if check != self.cursor_check(address) {
+            return Err(EngineError::InvalidCursor);
+        }
+        Ok(address)
+    }
+
+    /// Walks the log from the cursor: a record is returned when the index
+    /// still leads to it, or, when its key's newest record lies beyond the
+    /// tail this page started at, that newest one (a key changed during the
+    /// scan is still seen).
+    fn scan(&self, range: &KeyRange, cursor: &ScanCursor, limit: usize) -> Result<ScanPage> {
+        let start = self.decode_cursor(cursor)?.max(self.log.begin.load(Ordering::Acquire));
+        let end = self.log.tail.load(Ordering::Acquire);
+        let examine_max = limit.max(1).saturating_mul(64).saturating_add(1024);
+        let record_limit = self.log.geometry.record_bytes_max();
+        let mut entries = Vec::new();
+        let mut at = start;
+        let mut examined = 0;
+        let _guard = epoch::pin();
+        while at < end && entries.len() < limit.max(1) && examined < examine_max {
+            examined += 1;
+            let (header, key) = if at >= self.log.head.load(Ordering::Acquire) {
+                let header = self.log.header(at);
+                let mut key = Vec::new();
+                self.log.read_bytes(at + HEADER_BYTES, u64::from(header.key_len), &mut key);
+                (header, key)
+            } else {
+                let (header, mut body) = read_record(&self.log.segments, record_limit, at)?;
+                body.truncate(header.key_len as usize);
+                (header, body)
+            };
+            let size = header.record_bytes();
+            if !header.is_incomplete() && range.contains(&key) {
+                if let Some(slot) = self.index.find(self.hash(&key)) {
+                    let newest = self.find(slot.head(), &key)?;
+                    let report =
+                        newest.as_ref().is_some_and(|found| found.address() == at || found.address() >= end);
+                    if report {
+                        if let Some(value) = newest.as_ref().and_then(|found| self.value_of(found)) {
+                            entries.push((Bytes::from(key), Bytes::from(value)));
+                        }
+                    }
+                }
+            }
+            at += size;
+        }
+        let next = (at < end).then(|| self.cursor(at));
+        Ok(ScanPage { entries, next })
+    }
+
+    fn clear(&self) -> Result<()> {
+        let _clearing = self.clearing.lock();
+        let tail = self.log.tail.load(Ordering::Acquire);
+        self.log.make_durable(tail, self.syncs())?;
+        Meta { seed: self.seed, begin: tail }.store(&self.dir)?;
+        self.log.set_begin(tail);
+        self.index.clear();
+        self.live.store(0, Ordering::Relaxed);
+        self.log.segments.remove_below(tail)?;
+        Ok(())
+    }
+}
+
+impl Drop for HybridEngine {
+    fn drop(&mut self) {
+        let tail = self.shared.log.tail.load(Ordering::Acquire);
+        if let Err(error) = self.shared.log.make_durable(tail, self.shared.syncs()) {
+            tracing::error!(%error, dir = %self.shared.dir.display(), "hybrid engine: final flush failed");
+        }
+    }
+}
+
+impl Engine for HybridEngine {
+    fn name(&self) -> &'static str {
+        "hybrid"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Self::CAPABILITIES
+    }
+
+    fn get(&self, key: &[u8]) -> Result<Option<Bytes>> {
+        Ok(self.shared.read(key)?.map(Bytes::from))
+    }
+
+    fn get_with(&self, key: &[u8], visit: &mut dyn FnMut(Option<&[u8]>)) -> Result<()> {
+        let value = self.shared.read(key)?;
+        visit(value.as_deref());
+        Ok(())
+    }
+
+    fn put(&self, key: &[u8], value: Bytes) -> Result<()> {
+        self.shared.write(key, Write::Put(&value)).map(drop)
+    }
+
+    fn delete(&self, key: &[u8]) -> Result<bool> {
+        self.shared.write(key, Write::Delete)
+    }
+
+    fn update(&self, key: &[u8], change: &mut dyn FnMut(&mut Option<Vec<u8>>) -> bool) -> Result<()> {
+        self.shared.write(key, Write::Change(change)).map(drop)
+    }
+
+    fn scan(&self, range: &KeyRange, cursor: &ScanCursor, limit: usize) -> Result<ScanPage> {
+        self.shared.scan(range, cursor, limit)
+    }
+
+    fn len(&self) -> Result<u64> {
+        Ok(self.shared.live.load(Ordering::Relaxed).max(0) as u64)
+    }
+
+    fn clear(&self) -> Result<()> {
+        self.shared.clear()
+    }
+
+    fn flush(&self) -> Result<()> {
+        let tail = self.shared.log.tail.load(Ordering::Acquire);
+        self.shared.log.make_durable(tail, self.shared.syncs())
+    }
+}
