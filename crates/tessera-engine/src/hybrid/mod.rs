@@ -224,19 +224,7 @@ fn recover(
     let mut live = 0i64;
     loop {
         let at = reader.address;
-        let Some(header_bytes) = reader.peek(HEADER_BYTES as usize)? else { break };
-        let header = decode_header(header_bytes);
-        if !header.is_plausible(limit) || at + header.record_bytes() >= ADDRESS_LIMIT {
-            break;
-        }
-        let size = header.record_bytes() as usize;
-        let Some(record) = reader.peek(size)? else { break };
-        if checksum(record) != header.check {
-            break;
-        }
-        let key_end = HEADER_BYTES as usize + header.key_len as usize;
-        let key = record[HEADER_BYTES as usize..key_end].to_vec();
-        reader.advance(size);
+        let Some((header, key)) = reader.next_record(limit)? else { break };
         if header.is_incomplete() {
             continue;
         }
@@ -246,6 +234,17 @@ fn recover(
         let was_live = before.is_some_and(|header| !header.is_tombstone());
         live += i64::from(!header.is_tombstone()) - i64::from(was_live);
         lock.set_head(at);
+    }
+    // What follows is a torn tail, unless a whole record lies beyond the
+    // damage: then cutting would lose it, and the engine refuses to open.
+    if let Some(good) = reader.find_record_after(limit)? {
+        let segment = reader.address / geometry.segment_bytes;
+        return Err(EngineError::Corrupt(format!(
+            "hybrid log: the record at address {} in {} is damaged and good records follow it (the \
+             first at address {good}); the log is left as it is",
+            reader.address,
+            segments.path(segment).display()
+        )));
     }
     let end = reader.address;
     segments.truncate(end)?;
@@ -317,6 +316,49 @@ impl<'a> SequentialReader<'a> {
     fn advance(&mut self, len: usize) {
         self.consumed += len;
         self.address += len as u64;
+    }
+
+    /// The whole record at the reader's address if its header is plausible
+    /// and its CRC holds: its size, header and key.
+    fn record_here(&mut self, limit: u64) -> Result<Option<(usize, Header, Vec<u8>)>> {
+        let at = self.address;
+        let Some(header_bytes) = self.peek(HEADER_BYTES as usize)? else { return Ok(None) };
+        let header = decode_header(header_bytes);
+        if !header.is_plausible(limit) || at + header.record_bytes() >= ADDRESS_LIMIT {
+            return Ok(None);
+        }
+        let size = header.record_bytes() as usize;
+        let Some(record) = self.peek(size)? else { return Ok(None) };
+        if checksum(record) != header.check {
+            return Ok(None);
+        }
+        let key = record[HEADER_BYTES as usize..HEADER_BYTES as usize + header.key_len as usize].to_vec();
+        Ok(Some((size, header, key)))
+    }
+
+    /// The next whole record, moving past it.
+    fn next_record(&mut self, limit: u64) -> Result<Option<(Header, Vec<u8>)>> {
+        Ok(self.record_here(limit)?.map(|(size, header, key)| {
+            self.advance(size);
+            (header, key)
+        }))
+    }
+
+    /// The address of a whole record somewhere after the reader's address,
+    /// looking at every word to the end of the log; the reader is left where
+    /// it was.
+    fn find_record_after(&mut self, limit: u64) -> Result<Option<u64>> {
+        let start = self.address;
+        let mut found = None;
+        while self.peek(HEADER_BYTES as usize)?.is_some() {
+            self.advance(8);
+            if self.record_here(limit)?.is_some() {
+                found = Some(self.address);
+                break;
+            }
+        }
+        *self = Self::new(self.segments, start);
+        Ok(found)
     }
 }
 

@@ -1,0 +1,262 @@
+//! The hybrid engine's own tests: a data set larger than its memory budget,
+//! changes racing the boundaries as they move, readers racing changes in
+//! place, and recovery from a cut or damaged log. The conformance suite
+//! (tests/conformance.rs) covers the rest.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use proptest::test_runner::{Config, TestRunner};
+use tessera_engine::{Engine, FsyncPolicy, HybridEngine, HybridOptions, KeyRange, ScanCursor};
+
+fn options(memory_bytes: u64) -> HybridOptions {
+    HybridOptions { memory_bytes, fsync: FsyncPolicy::Never }
+}
+
+fn segment_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.extension().is_some_and(|extension| extension == "log"))
+        .collect();
+    files.sort();
+    files
+}
+
+fn scan_all(engine: &dyn Engine) -> BTreeMap<Vec<u8>, Vec<u8>> {
+    let mut cursor = ScanCursor::start();
+    let mut all = BTreeMap::new();
+    loop {
+        let page = engine.scan(&KeyRange::all(), &cursor, 100).unwrap();
+        for (key, value) in page.entries {
+            all.insert(key.to_vec(), value.to_vec());
+        }
+        match page.next {
+            Some(next) => cursor = next,
+            None => return all,
+        }
+    }
+}
+
+fn assert_holds(engine: &dyn Engine, model: &BTreeMap<Vec<u8>, Vec<u8>>, context: &str) {
+    for (key, value) in model {
+        let got = engine.get(key).unwrap();
+        assert!(got.as_deref() == Some(value.as_slice()), "{context}: {}", String::from_utf8_lossy(key));
+    }
+    assert_eq!(engine.len().unwrap(), model.len() as u64, "{context}: len");
+    assert!(scan_all(engine) == *model, "{context}: a scan differs from the model");
+}
+
+fn value_for(i: u32, round: u32, len: usize) -> Vec<u8> {
+    let mut value = format!("{i}:{round}:").into_bytes();
+    value.resize(len, b'a' + (i % 26) as u8);
+    value
+}
+
+#[test]
+fn a_data_set_eight_times_the_budget_reads_back_and_survives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let budget = 1 << 20;
+    let mut model = BTreeMap::new();
+    {
+        let engine = HybridEngine::open(dir.path(), options(budget)).unwrap();
+        for i in 0..16_000u32 {
+            let key = format!("key:{i:06}").into_bytes();
+            let value = value_for(i, 0, 500);
+            engine.put(&key, Bytes::from(value.clone())).unwrap();
+            model.insert(key, value);
+        }
+        let on_disk: u64 = segment_files(dir.path()).iter().map(|path| path.metadata().unwrap().len()).sum();
+        assert!(on_disk > 6 * budget, "most of the data went to disk: {on_disk} bytes");
+        // Changes of records on disk, in the read-only region and in the
+        // mutable one: appends through update, replacements, deletes.
+        for i in (0..16_000u32).step_by(7) {
+            let key = format!("key:{i:06}").into_bytes();
+            match i % 3 {
+                0 => {
+                    engine
+                        .update(&key, &mut |value| {
+                            value.as_mut().unwrap().extend_from_slice(b"+more");
+                            true
+                        })
+                        .unwrap();
+                    model.get_mut(&key).unwrap().extend_from_slice(b"+more");
+                }
+                1 => {
+                    let value = value_for(i, 1, 20);
+                    engine.put(&key, Bytes::from(value.clone())).unwrap();
+                    model.insert(key, value);
+                }
+                _ => {
+                    assert!(engine.delete(&key).unwrap());
+                    model.remove(&key);
+                }
+            }
+        }
+        assert_holds(&engine, &model, "before the restart");
+    }
+    let engine = HybridEngine::open(dir.path(), options(budget)).unwrap();
+    assert_holds(&engine, &model, "after the restart");
+}
+
+#[test]
+fn increments_through_update_lose_nothing_while_the_boundaries_move() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Arc::new(HybridEngine::open(dir.path(), options(1 << 20)).unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    // A filler pushes the log past the budget over and over, so the counters
+    // keep moving from the mutable region to the read-only one and to disk.
+    let filler = {
+        let (engine, stop) = (engine.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                engine.put(format!("filler:{}", i % 3000).as_bytes(), Bytes::from(vec![b'f'; 700])).unwrap();
+                i += 1;
+            }
+        })
+    };
+    let threads: Vec<_> = (0..4)
+        .map(|_| {
+            let engine = engine.clone();
+            std::thread::spawn(move || {
+                for i in 0..3000u32 {
+                    let key = format!("counter:{}", i % 20);
+                    engine
+                        .update(key.as_bytes(), &mut |value| {
+                            let count: u64 = value
+                                .as_deref()
+                                .map_or(0, |bytes| std::str::from_utf8(bytes).unwrap().parse().unwrap());
+                            *value = Some((count + 1).to_string().into_bytes());
+                            true
+                        })
+                        .unwrap();
+                }
+            })
+        })
+        .collect();
+    for thread in threads {
+        thread.join().unwrap();
+    }
+    stop.store(true, Ordering::Relaxed);
+    filler.join().unwrap();
+    let total: u64 = (0..20)
+        .map(|n| {
+            let value = engine.get(format!("counter:{n}").as_bytes()).unwrap().unwrap();
+            std::str::from_utf8(&value).unwrap().parse::<u64>().unwrap()
+        })
+        .sum();
+    assert_eq!(total, 4 * 3000, "every increment counted once");
+}
+
+#[test]
+fn readers_never_see_a_value_torn_by_a_change_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Arc::new(HybridEngine::open(dir.path(), options(64 << 20)).unwrap());
+    engine.put(b"k", Bytes::from(vec![0u8; 64])).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let readers: Vec<_> = (0..3)
+        .map(|_| {
+            let (engine, stop) = (engine.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut reads = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let value = engine.get(b"k").unwrap().unwrap();
+                    assert!(
+                        !value.is_empty() && value.iter().all(|byte| *byte == value[0]),
+                        "a torn value: {value:?}"
+                    );
+                    reads += 1;
+                }
+                reads
+            })
+        })
+        .collect();
+    // Values of different lengths within the record's room, all one byte.
+    for i in 0..200_000u32 {
+        engine.put(b"k", Bytes::from(vec![(i % 251) as u8; 40 + (i % 25) as usize])).unwrap();
+    }
+    stop.store(true, Ordering::Relaxed);
+    let reads: u64 = readers.into_iter().map(|reader| reader.join().unwrap()).sum();
+    assert!(reads > 0);
+}
+
+/// Writes records of one size to one segment; returns the segment's bytes
+/// and the size of each record.
+fn write_fixed_records(dir: &Path, count: u32) -> (Vec<u8>, u64) {
+    {
+        let engine = HybridEngine::open(dir, options(16 << 20)).unwrap();
+        for i in 0..count {
+            engine.put(format!("k{i:04}").as_bytes(), Bytes::from(value_for(i, 0, 27))).unwrap();
+        }
+        engine.flush().unwrap();
+    }
+    let files = segment_files(dir);
+    assert_eq!(files.len(), 1);
+    // A header of 24 bytes, a key of 5 and a value of 27: 56 bytes.
+    (std::fs::read(&files[0]).unwrap(), 56)
+}
+
+#[test]
+fn recovery_keeps_every_whole_record_after_a_cut_anywhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let (original, record_bytes) = write_fixed_records(dir.path(), 200);
+    let meta = std::fs::read(dir.path().join("hybrid.meta")).unwrap();
+    let mut runner = TestRunner::new(Config { cases: 64, failure_persistence: None, ..Config::default() });
+    runner
+        .run(&(0..=original.len()), |cut| {
+            let copy = tempfile::tempdir().unwrap();
+            std::fs::write(copy.path().join("hybrid.meta"), &meta).unwrap();
+            std::fs::write(copy.path().join("hybrid-00000000.log"), &original[..cut]).unwrap();
+            let engine = HybridEngine::open(copy.path(), options(16 << 20)).unwrap();
+            let whole = (cut as u64).saturating_sub(8) / record_bytes;
+            let model: BTreeMap<_, _> =
+                (0..whole as u32).map(|i| (format!("k{i:04}").into_bytes(), value_for(i, 0, 27))).collect();
+            assert_holds(&engine, &model, &format!("cut at {cut}"));
+            // The torn tail is gone: a new write lands after the good records.
+            engine.put(b"after", Bytes::from_static(b"crash")).unwrap();
+            drop(engine);
+            let engine = HybridEngine::open(copy.path(), options(16 << 20)).unwrap();
+            assert_eq!(engine.get(b"after").unwrap().as_deref(), Some(&b"crash"[..]));
+            assert_eq!(engine.len().unwrap(), whole + 1);
+            Ok(())
+        })
+        .unwrap();
+}
+
+#[test]
+fn damage_before_good_records_is_refused_and_damage_at_the_end_is_cut() {
+    let dir = tempfile::tempdir().unwrap();
+    let (original, _) = write_fixed_records(dir.path(), 100);
+    let path = segment_files(dir.path()).pop().unwrap();
+
+    let mut damaged = original.clone();
+    damaged[original.len() / 2] ^= 0x40;
+    std::fs::write(&path, &damaged).unwrap();
+    let error = HybridEngine::open(dir.path(), options(16 << 20)).err().expect("damage before good records");
+    let message = error.to_string();
+    assert!(message.contains("good records follow") && message.contains("hybrid-00000000.log"), "{message}");
+    assert_eq!(std::fs::read(&path).unwrap(), damaged, "a refused log is left as it was");
+
+    let mut damaged = original.clone();
+    let last = original.len() - 2;
+    damaged[last] ^= 0x55;
+    std::fs::write(&path, &damaged).unwrap();
+    let engine = HybridEngine::open(dir.path(), options(16 << 20)).unwrap();
+    assert_eq!(engine.len().unwrap(), 99, "only the damaged last record is lost");
+    assert_eq!(engine.get(b"k0099").unwrap(), None);
+    assert_eq!(engine.get(b"k0098").unwrap().as_deref(), Some(value_for(98, 0, 27).as_slice()));
+}
+
+#[test]
+fn options_out_of_range_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    assert!(HybridEngine::open(dir.path(), options(1000)).is_err());
+    let engine = HybridEngine::open(dir.path(), options(1 << 20)).unwrap();
+    let error = engine.put(b"big", Bytes::from(vec![0u8; 1 << 20])).unwrap_err();
+    assert!(error.to_string().contains("exceeds"), "{error}");
+    assert_eq!(engine.get(b"big").unwrap(), None);
+}
