@@ -107,6 +107,12 @@ impl Stored {
 /// Encodes a value for the engine: one allocation, one copy of the payload.
 pub fn encode(kind: Kind, expires_at_ms: Option<u64>, payload: &[u8]) -> Bytes {
     let mut out = BytesMut::with_capacity(payload.len() + 9);
+    put_header(&mut out, kind, expires_at_ms);
+    out.put_slice(payload);
+    out.freeze()
+}
+
+fn put_header(out: &mut impl BufMut, kind: Kind, expires_at_ms: Option<u64>) {
     match expires_at_ms {
         Some(deadline) => {
             out.put_u8(kind.tag() | EXPIRES_FLAG);
@@ -114,8 +120,6 @@ pub fn encode(kind: Kind, expires_at_ms: Option<u64>, payload: &[u8]) -> Bytes {
         }
         None => out.put_u8(kind.tag()),
     }
-    out.put_slice(payload);
-    out.freeze()
 }
 
 /// Parses a Redis integer argument: optional '-', no spaces or '+', no leading
@@ -224,6 +228,43 @@ pub fn edit_live<T>(
             edit(raw, payload_start)
         }
     })
+}
+
+/// Changes the live string at `key` in one read-modify-write of the engine
+/// ([`Engine::update`]: in place where the engine can). `change` is handed
+/// the payload (`None` when the key is absent or expired) and a buffer for
+/// the new payload, and answers. The value keeps its deadline (a new one has
+/// none). `WRONGTYPE` for another kind; nothing is written when `change`
+/// fails or the new payload is over `bytes_max`.
+pub fn change_string<T>(
+    engine: &dyn Engine,
+    key: &[u8],
+    now_ms: u64,
+    bytes_max: usize,
+    mut change: impl FnMut(Option<&[u8]>, &mut Vec<u8>) -> DataResult<T>,
+) -> DataResult<T> {
+    let answer = edit_value(engine, key, |value| {
+        let (payload_start, deadline) = match value.as_deref() {
+            Some(raw) => match decode_header(raw)? {
+                (_, Some(deadline), _) if deadline <= now_ms => (None, None),
+                (Kind::String, deadline, start) => (Some(start), deadline),
+                _ => return Err(DataError::WrongType),
+            },
+            None => (None, None),
+        };
+        let mut payload = Vec::new();
+        let answer =
+            change(payload_start.and_then(|start| value.as_deref().map(|raw| &raw[start..])), &mut payload)?;
+        if payload.len() > bytes_max {
+            return Err(DataError::TooLarge);
+        }
+        let raw = value.get_or_insert_with(Vec::new);
+        raw.clear();
+        put_header(raw, Kind::String, deadline);
+        raw.extend_from_slice(&payload);
+        Ok(Edit::Changed(answer))
+    })?;
+    Ok(answer.expect("a change of a string is never declined"))
 }
 
 /// Adds `delta` to the count a collection's header keeps as a u64 at `at`

@@ -1,13 +1,14 @@
 //! String commands: GET, SET and friends, counters, APPEND, ranges and bits.
 
 use bytes::Bytes;
+use tessera_data::DataError;
 use tessera_wire::Request;
 
 use super::{integer_arg, is, wrong_arity, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 use crate::long_double::LongDouble;
+use crate::typed::{change_string, read_kind, read_live, write};
 use crate::typed::{decode_header, parse_i64, Kind};
-use crate::typed::{read_kind, read_live, write};
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
@@ -257,15 +258,14 @@ fn mset(context: &mut Context, request: &Request) -> CommandResult {
 fn add(context: &mut Context, key: &[u8], delta: i64) -> CommandResult {
     let engine = context.engine(key);
     let _lock = context.lock_key(key)?;
-    let old = read_kind(engine, key, Kind::String, context.now_ms)?;
-    let current = match &old {
-        Some(old) => parse_i64(&old.payload)?,
-        None => 0,
-    };
-    let updated = current.checked_add(delta).ok_or(CommandError::Overflow)?;
-    let mut digits = itoa::Buffer::new();
-    let expires_at_ms = old.and_then(|old| old.expires_at_ms);
-    write(engine, key, Kind::String, expires_at_ms, digits.format(updated).as_bytes(), usize::MAX)?;
+    let updated = change_string(engine, key, context.now_ms, usize::MAX, |payload, new| {
+        let current = payload.map_or(Ok(0), parse_i64)?;
+        let updated = current
+            .checked_add(delta)
+            .ok_or_else(|| DataError::Invalid("increment or decrement would overflow".into()))?;
+        new.extend_from_slice(itoa::Buffer::new().format(updated).as_bytes());
+        Ok(updated)
+    })?;
     context.out.integer(updated);
     Ok(())
 }
@@ -292,15 +292,12 @@ fn append(context: &mut Context, request: &Request) -> CommandResult {
     let (key, suffix) = (request.arg(1), request.arg(2));
     let engine = context.engine(key);
     let _lock = context.lock_key(key)?;
-    let old = read_kind(engine, key, Kind::String, context.now_ms)?;
-    let mut value = old.as_ref().map(|old| old.payload.to_vec()).unwrap_or_default();
-    if value.len() + suffix.len() > context.bulk_bytes_max() {
-        return Err(CommandError::TooLarge);
-    }
-    value.extend_from_slice(suffix);
-    let expires_at_ms = old.and_then(|old| old.expires_at_ms);
-    write(engine, key, Kind::String, expires_at_ms, &value, context.bulk_bytes_max())?;
-    context.out.integer(value.len() as i64);
+    let length = change_string(engine, key, context.now_ms, context.bulk_bytes_max(), |payload, new| {
+        new.extend_from_slice(payload.unwrap_or_default());
+        new.extend_from_slice(suffix);
+        Ok(new.len())
+    })?;
+    context.out.integer(length as i64);
     Ok(())
 }
 
@@ -579,24 +576,25 @@ fn setrange(context: &mut Context, request: &Request) -> CommandResult {
     let (key, patch) = (request.arg(1), request.arg(3));
     let engine = context.engine(key);
     let _lock = context.lock_key(key)?;
-    let old = read_kind(engine, key, Kind::String, context.now_ms)?;
-    let old_length = old.as_ref().map_or(0, |old| old.payload.len());
     if patch.is_empty() {
         // Nothing to write: a missing key stays missing.
-        context.out.integer(old_length as i64);
+        let old = read_kind(engine, key, Kind::String, context.now_ms)?;
+        context.out.integer(old.map_or(0, |old| old.payload.len()) as i64);
         return Ok(());
     }
     let offset = offset as usize;
     if offset.saturating_add(patch.len()) > context.bulk_bytes_max() {
         return Err(CommandError::TooLarge);
     }
-    let mut value = old.as_ref().map(|old| old.payload.to_vec()).unwrap_or_default();
-    if value.len() < offset + patch.len() {
-        value.resize(offset + patch.len(), 0);
-    }
-    value[offset..offset + patch.len()].copy_from_slice(patch);
-    write(engine, key, Kind::String, old.and_then(|old| old.expires_at_ms), &value, usize::MAX)?;
-    context.out.integer(value.len() as i64);
+    let length = change_string(engine, key, context.now_ms, usize::MAX, |payload, new| {
+        new.extend_from_slice(payload.unwrap_or_default());
+        if new.len() < offset + patch.len() {
+            new.resize(offset + patch.len(), 0);
+        }
+        new[offset..offset + patch.len()].copy_from_slice(patch);
+        Ok(new.len())
+    })?;
+    context.out.integer(length as i64);
     Ok(())
 }
 
@@ -624,13 +622,14 @@ fn incrbyfloat(context: &mut Context, request: &Request) -> CommandResult {
     let key = request.arg(1);
     let engine = context.engine(key);
     let _lock = context.lock_key(key)?;
-    let old = read_kind(engine, key, Kind::String, context.now_ms)?;
-    let current = match &old {
-        Some(old) => LongDouble::parse(&old.payload)?,
-        None => LongDouble::parse(b"0")?,
-    };
-    let updated = current.checked_add(LongDouble::parse(request.arg(2))?)?.to_human();
-    write(engine, key, Kind::String, old.and_then(|old| old.expires_at_ms), updated.as_bytes(), usize::MAX)?;
+    let updated = change_string(engine, key, context.now_ms, usize::MAX, |payload, new| {
+        // The kind is checked first, then the increment, as Redis does.
+        let increment = LongDouble::parse(request.arg(2))?;
+        let current = LongDouble::parse(payload.unwrap_or(b"0"))?;
+        let updated = current.checked_add(increment)?.to_human();
+        new.extend_from_slice(updated.as_bytes());
+        Ok(updated)
+    })?;
     context.out.bulk(updated.as_bytes());
     Ok(())
 }
