@@ -260,3 +260,82 @@ fn options_out_of_range_are_refused() {
     assert!(error.to_string().contains("exceeds"), "{error}");
     assert_eq!(engine.get(b"big").unwrap(), None);
 }
+
+/// The index's size as `hybrid.meta` records it.
+fn index_buckets(dir: &Path) -> u64 {
+    let meta = std::fs::read(dir.join("hybrid.meta")).unwrap();
+    u64::from_le_bytes(meta[24..32].try_into().unwrap())
+}
+
+/// What the doubling test's writer leaves under key `i`: every eleventh
+/// changed through `update`.
+fn doubling_value(writer: u32, i: u32) -> Vec<u8> {
+    let mut value = value_for(i, writer, 24);
+    if i % 11 == 0 {
+        value[0] = b'#';
+    }
+    value
+}
+
+#[test]
+fn the_index_doubles_while_readers_and_writers_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Arc::new(HybridEngine::open(dir.path(), options(8 << 20)).unwrap());
+    let first_size = index_buckets(dir.path());
+    let writers: Vec<_> = (0..3u32)
+        .map(|writer| {
+            let engine = engine.clone();
+            std::thread::spawn(move || {
+                for i in 0..40_000u32 {
+                    let key = format!("w{writer}:{i}");
+                    engine.put(key.as_bytes(), Bytes::from(value_for(i, writer, 24))).unwrap();
+                    if i % 11 == 0 {
+                        engine
+                            .update(key.as_bytes(), &mut |value| {
+                                value.as_mut().unwrap()[0] = b'#';
+                                true
+                            })
+                            .unwrap();
+                    }
+                    // Every key written so far stays readable while chunks move.
+                    if i % 7 == 0 {
+                        let earlier = format!("w{writer}:{}", i / 2);
+                        let got = engine.get(earlier.as_bytes()).unwrap();
+                        assert_eq!(
+                            got.as_deref(),
+                            Some(doubling_value(writer, i / 2).as_slice()),
+                            "{earlier}"
+                        );
+                    }
+                }
+            })
+        })
+        .collect();
+    for writer in writers {
+        writer.join().unwrap();
+    }
+    for writer in 0..3u32 {
+        for i in 0..40_000u32 {
+            let got = engine.get(format!("w{writer}:{i}").as_bytes()).unwrap();
+            assert_eq!(got.as_deref(), Some(doubling_value(writer, i).as_slice()), "w{writer}:{i}");
+        }
+    }
+    assert_eq!(engine.len().unwrap(), 120_000);
+    // Let the background task finish the last doubling it started.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let grown = index_buckets(dir.path());
+    assert!(grown >= first_size * 8, "the index grew from {first_size} to {grown} buckets");
+    drop(engine);
+    let engine = HybridEngine::open(dir.path(), options(8 << 20)).unwrap();
+    assert_eq!(engine.len().unwrap(), 120_000);
+    for writer in 0..3u32 {
+        for i in (0..40_000u32).step_by(13) {
+            let got = engine.get(format!("w{writer}:{i}").as_bytes()).unwrap();
+            assert_eq!(
+                got.as_deref(),
+                Some(doubling_value(writer, i).as_slice()),
+                "after reopening: w{writer}:{i}"
+            );
+        }
+    }
+}

@@ -28,7 +28,7 @@ use bytes::Bytes;
 use crossbeam_epoch as epoch;
 use parking_lot::Mutex;
 
-use self::index::Index;
+use self::index::{Index, Moved, SlotLock};
 use self::log::{decode_header, sequence, Geometry, Log, Segments};
 use self::record::{checksum, Header, ADDRESS_LIMIT, FIRST_ADDRESS, HEADER_BYTES, INCOMPLETE, TOMBSTONE};
 use crate::background::{spawn_periodic, PeriodicTask};
@@ -57,14 +57,22 @@ const META_FILE: &str = "hybrid.meta";
 const META_MAGIC: &[u8; 8] = b"TSHYBRD1";
 /// How often the background task flushes what has become read-only.
 const FLUSH_INTERVAL: Duration = Duration::from_millis(10);
+/// The index's first size, and the most it grows to (2^32 buckets hold
+/// tens of billions of keys).
+const INDEX_BUCKETS_FIRST: u64 = 4096;
+const INDEX_BUCKETS_MAX: u64 = 1 << 32;
+/// The index doubles once there are this many keys per bucket (of seven slots).
+const KEYS_PER_BUCKET: u64 = 4;
 
-/// What the engine keeps beside the log: the hash seed (so that a rebuilt
-/// index has the same chains as the one the records were written under) and
-/// where the log begins.
+/// What the engine keeps beside the log: the hash seed and the index's
+/// largest size (so that a rebuilt index has chains that hold those the
+/// records were written under: a chain of a smaller table holds those of a
+/// larger one) and where the log begins.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Meta {
     seed: u64,
     begin: u64,
+    index_buckets: u64,
 }
 
 impl Meta {
@@ -72,6 +80,7 @@ impl Meta {
         let mut bytes = META_MAGIC.to_vec();
         bytes.extend_from_slice(&self.seed.to_le_bytes());
         bytes.extend_from_slice(&self.begin.to_le_bytes());
+        bytes.extend_from_slice(&self.index_buckets.to_le_bytes());
         let crc = crc32fast::hash(&bytes);
         bytes.extend_from_slice(&crc.to_le_bytes());
         bytes
@@ -79,15 +88,19 @@ impl Meta {
 
     fn decode(bytes: &[u8]) -> Result<Self> {
         let corrupt = || EngineError::Corrupt(format!("hybrid engine: {META_FILE} is damaged"));
-        if bytes.len() != 28 || &bytes[..8] != META_MAGIC {
+        if bytes.len() != 36 || &bytes[..8] != META_MAGIC {
             return Err(corrupt());
         }
-        let crc = u32::from_le_bytes(bytes[24..28].try_into().expect("four bytes"));
-        if crc32fast::hash(&bytes[..24]) != crc {
+        let crc = u32::from_le_bytes(bytes[32..36].try_into().expect("four bytes"));
+        if crc32fast::hash(&bytes[..32]) != crc {
             return Err(corrupt());
         }
         let word = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("eight bytes"));
-        Ok(Self { seed: word(8), begin: word(16) })
+        let meta = Self { seed: word(8), begin: word(16), index_buckets: word(24) };
+        if !meta.index_buckets.is_power_of_two() || meta.index_buckets > INDEX_BUCKETS_MAX {
+            return Err(corrupt());
+        }
+        Ok(meta)
     }
 
     fn load(dir: &Path) -> Result<Option<Self>> {
@@ -116,7 +129,8 @@ struct Shared {
     log: Log,
     index: Index,
     hasher: foldhash::quality::FixedState,
-    seed: u64,
+    /// What `hybrid.meta` holds, changed under its lock.
+    meta: Mutex<Meta>,
     /// Keys present (live records the index leads to).
     live: AtomicI64,
     last_sync: Mutex<Instant>,
@@ -166,7 +180,8 @@ impl HybridEngine {
         let meta = match Meta::load(dir)? {
             Some(meta) => meta,
             None => {
-                let meta = Meta { seed: rand_seed(), begin: FIRST_ADDRESS };
+                let meta =
+                    Meta { seed: rand_seed(), begin: FIRST_ADDRESS, index_buckets: INDEX_BUCKETS_FIRST };
                 meta.store(dir)?;
                 meta
             }
@@ -174,8 +189,7 @@ impl HybridEngine {
         let geometry = Geometry::for_budget(options.memory_bytes);
         let segments = Segments::new(dir, geometry.segment_bytes);
         let hasher = foldhash::quality::FixedState::with_seed(meta.seed);
-        // About one bucket (seven entries) per KiB of budget to begin with.
-        let index = Index::new((options.memory_bytes / 1024) as usize);
+        let index = Index::new(meta.index_buckets as usize);
         let (end, live) = recover(&segments, &index, &hasher, geometry, meta.begin)?;
         let log = Log::new(geometry, segments, meta.begin, end);
         let shared = Arc::new(Shared {
@@ -184,7 +198,7 @@ impl HybridEngine {
             log,
             index,
             hasher,
-            seed: meta.seed,
+            meta: Mutex::new(meta),
             live: AtomicI64::new(live),
             last_sync: Mutex::new(Instant::now()),
             clearing: Mutex::new(()),
@@ -228,8 +242,11 @@ fn recover(
         if header.is_incomplete() {
             continue;
         }
-        let slot = index.find_or_create(hasher.hash_one(&key));
-        let lock = slot.lock();
+        // Nothing doubles the index while it is rebuilt, so nothing moves.
+        let hash = hasher.hash_one(&key);
+        let view = index.view(hash, &|head, _| [head, head]);
+        let slot = view.find_or_create(hash).expect("the index does not double during recovery");
+        let lock = slot.lock().expect("the index does not double during recovery");
         let before = find_on_disk(segments, limit, lock.head(), begin, &key)?;
         let was_live = before.is_some_and(|header| !header.is_tombstone());
         live += i64::from(!header.is_tombstone()) - i64::from(was_live);
@@ -376,6 +393,7 @@ impl Shared {
     fn background(&self) -> Result<()> {
         epoch::pin().flush();
         self.log.flush_ready()?;
+        self.grow_index()?;
         if let FsyncPolicy::EveryMs(ms) = self.options.fsync {
             let mut last = self.last_sync.lock();
             if last.elapsed() >= Duration::from_millis(ms) {
@@ -384,6 +402,26 @@ impl Shared {
                 self.log.make_durable(self.log.tail.load(Ordering::Acquire), true)?;
             }
         }
+        Ok(())
+    }
+
+    /// Doubles the index when it holds more than `KEYS_PER_BUCKET` keys a
+    /// bucket, moving every chunk no reader or writer has moved. The new
+    /// size is recorded first: recovery rebuilds the index at it.
+    fn grow_index(&self) -> Result<()> {
+        let buckets = self.index.buckets() as u64;
+        let live = self.live.load(Ordering::Relaxed).max(0) as u64;
+        if live > KEYS_PER_BUCKET * buckets && buckets * 2 <= INDEX_BUCKETS_MAX {
+            let mut meta = self.meta.lock();
+            if meta.index_buckets < buckets * 2 {
+                let grown = Meta { index_buckets: buckets * 2, ..*meta };
+                grown.store(&self.dir)?;
+                *meta = grown;
+            }
+            drop(meta);
+            self.index.start_doubling();
+        }
+        self.index.finish_doubling(&|head, bit| self.split_chain(head, bit));
         Ok(())
     }
 
@@ -431,23 +469,71 @@ impl Shared {
         }
     }
 
-    fn read(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+    /// The newest address of `key`'s chain (0 when none). Called unpinned.
+    fn chain_head(&self, hash: u64) -> u64 {
+        loop {
+            let view = self.index.view(hash, &|head, bit| self.split_chain(head, bit));
+            match view.find(hash).and_then(|slot| slot.map_or(Ok(0), |slot| slot.head())) {
+                Ok(head) => return head,
+                Err(Moved) => continue,
+            }
+        }
+    }
+
+    /// A chain's newest record for each half of a doubled index: the halves
+    /// are told apart by `bit` of the key's hash. In memory the chain is
+    /// walked until both are found; a half not found before the chain goes
+    /// to disk gets the rest of the chain.
+    fn split_chain(&self, head: u64, bit: u64) -> [u64; 2] {
         let _guard = epoch::pin();
-        let Some(slot) = self.index.find(self.hash(key)) else { return Ok(None) };
-        Ok(self.find(slot.head(), key)?.and_then(|found| self.value_of(&found)))
+        let begin = self.log.begin.load(Ordering::Acquire);
+        let mut halves = [0, 0];
+        let mut at = head;
+        let mut key = Vec::new();
+        while at >= begin && at != 0 && halves.contains(&0) {
+            if at < self.log.head.load(Ordering::Acquire) {
+                halves.iter_mut().filter(|half| **half == 0).for_each(|half| *half = at);
+                break;
+            }
+            let header = self.log.header(at);
+            key.clear();
+            self.log.read_bytes(at + HEADER_BYTES, u64::from(header.key_len), &mut key);
+            let half = usize::from(self.hash(&key) & bit != 0);
+            if halves[half] == 0 {
+                halves[half] = at;
+            }
+            at = header.previous();
+        }
+        halves
+    }
+
+    fn read(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        let head = self.chain_head(self.hash(key));
+        let _guard = epoch::pin();
+        Ok(self.find(head, key)?.and_then(|found| self.value_of(&found)))
     }
 
     /// Applies `write` to `key`; returns whether the key was present before.
     fn write(&self, key: &[u8], write: Write<'_>) -> Result<bool> {
         let hash = self.hash(key);
-        let slot = match write {
-            Write::Delete => match self.index.find(hash) {
-                Some(slot) => slot,
-                None => return Ok(false),
-            },
-            _ => self.index.find_or_create(hash),
-        };
-        let lock = slot.lock();
+        loop {
+            let view = self.index.view(hash, &|head, bit| self.split_chain(head, bit));
+            let slot = match (&write, view.find(hash)) {
+                (_, Err(Moved)) => continue,
+                (_, Ok(Some(slot))) => slot,
+                (Write::Delete, Ok(None)) => return Ok(false),
+                (_, Ok(None)) => match view.find_or_create(hash) {
+                    Ok(slot) => slot,
+                    Err(Moved) => continue,
+                },
+            };
+            let Ok(lock) = slot.lock() else { continue };
+            return self.write_locked(&lock, key, write);
+        }
+    }
+
+    /// `write`, holding the key's entry.
+    fn write_locked(&self, lock: &SlotLock<'_>, key: &[u8], write: Write<'_>) -> Result<bool> {
         let mut guard = epoch::pin();
         let head = lock.head();
         let found = self.find(head, key)?;
@@ -477,7 +563,6 @@ impl Shared {
                 self.change_in_place(address, &header, new);
                 self.live.fetch_add(live_change, Ordering::Relaxed);
                 drop(guard);
-                drop(lock);
                 return self.after_write(address + header.record_bytes()).map(|()| existed);
             }
         }
@@ -505,7 +590,6 @@ impl Shared {
         lock.set_head(address);
         self.live.fetch_add(live_change, Ordering::Relaxed);
         drop(guard);
-        drop(lock);
         self.after_write(address + header.record_bytes()).map(|()| existed)
     }
 
@@ -545,7 +629,7 @@ impl Shared {
     /// Ties a cursor to this engine's log, so that no other bytes pass for one.
     fn cursor_check(&self, address: u64) -> u32 {
         let mut hasher = crc32fast::Hasher::new();
-        hasher.update(&self.seed.to_le_bytes());
+        hasher.update(&self.meta.lock().seed.to_le_bytes());
         hasher.update(&address.to_le_bytes());
         hasher.finalize()
     }
@@ -578,9 +662,9 @@ impl Shared {
         let mut entries = Vec::new();
         let mut at = start;
         let mut examined = 0;
-        let _guard = epoch::pin();
         while at < end && entries.len() < limit.max(1) && examined < examine_max {
             examined += 1;
+            let guard = epoch::pin();
             let (header, key) = if at >= self.log.head.load(Ordering::Acquire) {
                 let header = self.log.header(at);
                 let mut key = Vec::new();
@@ -591,17 +675,17 @@ impl Shared {
                 body.truncate(header.key_len as usize);
                 (header, body)
             };
+            drop(guard);
             let size = header.record_bytes();
             if !header.is_incomplete() && range.contains(&key) {
-                if let Some(slot) = self.index.find(self.hash(&key)) {
-                    let newest = self.find(slot.head(), &key)?;
-                    let report =
-                        newest.as_ref().is_some_and(|found| found.address() == at || found.address() >= end);
-                    if report {
-                        if let Some(value) = newest.as_ref().and_then(|found| self.value_of(found)) {
-                            entries.push((Bytes::from(key), Bytes::from(value)));
-                        }
-                    }
+                // The index is looked up unpinned (it may wait for a doubling).
+                let head = self.chain_head(self.hash(&key));
+                let _guard = epoch::pin();
+                let newest = self.find(head, &key)?;
+                let report =
+                    newest.as_ref().is_some_and(|found| found.address() == at || found.address() >= end);
+                if let Some(value) = newest.filter(|_| report).and_then(|found| self.value_of(&found)) {
+                    entries.push((Bytes::from(key), Bytes::from(value)));
                 }
             }
             at += size;
@@ -614,7 +698,12 @@ impl Shared {
         let _clearing = self.clearing.lock();
         let tail = self.log.tail.load(Ordering::Acquire);
         self.log.make_durable(tail, self.syncs())?;
-        Meta { seed: self.seed, begin: tail }.store(&self.dir)?;
+        {
+            let mut meta = self.meta.lock();
+            let cleared = Meta { begin: tail, ..*meta };
+            cleared.store(&self.dir)?;
+            *meta = cleared;
+        }
         self.log.set_begin(tail);
         self.index.clear();
         self.live.store(0, Ordering::Relaxed);
