@@ -271,7 +271,7 @@ fn index_buckets(dir: &Path) -> u64 {
 /// changed through `update`.
 fn doubling_value(writer: u32, i: u32) -> Vec<u8> {
     let mut value = value_for(i, writer, 24);
-    if i % 11 == 0 {
+    if i.is_multiple_of(11) {
         value[0] = b'#';
     }
     value
@@ -289,7 +289,7 @@ fn the_index_doubles_while_readers_and_writers_run() {
                 for i in 0..40_000u32 {
                     let key = format!("w{writer}:{i}");
                     engine.put(key.as_bytes(), Bytes::from(value_for(i, writer, 24))).unwrap();
-                    if i % 11 == 0 {
+                    if i.is_multiple_of(11) {
                         engine
                             .update(key.as_bytes(), &mut |value| {
                                 value.as_mut().unwrap()[0] = b'#';
@@ -298,7 +298,7 @@ fn the_index_doubles_while_readers_and_writers_run() {
                             .unwrap();
                     }
                     // Every key written so far stays readable while chunks move.
-                    if i % 7 == 0 {
+                    if i.is_multiple_of(7) {
                         let earlier = format!("w{writer}:{}", i / 2);
                         let got = engine.get(earlier.as_bytes()).unwrap();
                         assert_eq!(
