@@ -196,8 +196,8 @@ fn write_fixed_records(dir: &Path, count: u32) -> (Vec<u8>, u64) {
     }
     let files = segment_files(dir);
     assert_eq!(files.len(), 1);
-    // A header of 24 bytes, a key of 5 and a value of 27: 56 bytes.
-    (std::fs::read(&files[0]).unwrap(), 56)
+    // A header of 16 bytes, a key of 5 and a value of 27: 48 bytes.
+    (std::fs::read(&files[0]).unwrap(), 48)
 }
 
 #[test]

@@ -30,7 +30,7 @@ use std::sync::{Arc, OnceLock};
 use crossbeam_epoch as epoch;
 use parking_lot::Mutex;
 
-use super::record::{checksum, Header, INCOMPLETE};
+use super::record::{checksum, Header, CHECK_BYTES, INCOMPLETE, SEQUENCE_WORD};
 use crate::{EngineError, Result};
 
 /// The log's geometry, fixed when it is opened.
@@ -275,11 +275,12 @@ impl Log {
     }
 
     pub(crate) fn header(&self, address: u64) -> Header {
-        Header::decode([
+        Header::decode(
             self.load(address, Ordering::Acquire),
             self.load(address + 8, Ordering::Acquire),
-            self.load(address + 16, Ordering::Acquire),
-        ])
+            || Some(self.load(address + SEQUENCE_WORD, Ordering::Acquire)),
+        )
+        .expect("a record in memory was written with a whole header")
     }
 
     /// Appends the in-memory bytes `[address, address + len)` to `out`.
@@ -373,10 +374,11 @@ impl Log {
                 unsafe { frame.assume_init() }
             });
         }
-        let words = header.encode();
-        self.store(start, words[0] | INCOMPLETE, Ordering::Relaxed);
-        self.store(start + 8, words[1], Ordering::Relaxed);
-        self.store(start + 16, words[2], Ordering::Relaxed);
+        let (words, count) = header.words();
+        for (index, word) in words[..count].iter().enumerate() {
+            let word = if index == 0 { word | INCOMPLETE } else { *word };
+            self.store(start + 8 * index as u64, word, Ordering::Relaxed);
+        }
         self.tail.store(end, Ordering::Release);
         let mutable_start = end.saturating_sub(self.geometry.mutable_bytes) & !self.page_mask;
         self.move_read_only(mutable_start);
@@ -416,7 +418,8 @@ impl Log {
             let record_start = buffer.len();
             self.read_bytes(at, size, &mut buffer);
             let crc = checksum(&buffer[record_start..]);
-            buffer[record_start + 20..record_start + 24].copy_from_slice(&crc.to_le_bytes());
+            let check = record_start + CHECK_BYTES.start..record_start + CHECK_BYTES.end;
+            buffer[check].copy_from_slice(&crc.to_le_bytes());
             at += size;
             if buffer.len() >= 4 << 20 {
                 self.segments.write_at(at - buffer.len() as u64, &buffer)?;
@@ -464,11 +467,6 @@ impl Log {
     }
 }
 
-pub(crate) fn decode_header(bytes: &[u8]) -> Header {
-    let word = |i: usize| u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().expect("eight bytes"));
-    Header::decode([word(0), word(1), word(2)])
-}
-
 /// Raises `boundary` to `value` once every thread pinned now has unpinned.
 fn defer_max(boundary: &Arc<AtomicU64>, value: u64) {
     let guard = epoch::pin();
@@ -479,7 +477,7 @@ fn defer_max(boundary: &Arc<AtomicU64>, value: u64) {
     guard.flush();
 }
 
-/// Sequence count helpers: the high half of a record's third word.
+/// Sequence count helpers: the high half of a record's second word.
 pub(crate) mod sequence {
     use super::*;
 
@@ -489,8 +487,10 @@ pub(crate) mod sequence {
     /// the word as it was.
     pub(crate) fn begin_change(log: &Log, address: u64) -> u64 {
         loop {
-            let word = log.load(address + 16, Ordering::Relaxed);
-            if (word >> 32).is_multiple_of(2) && log.compare_exchange(address + 16, word, word + ONE) {
+            let word = log.load(address + SEQUENCE_WORD, Ordering::Relaxed);
+            if (word >> 32).is_multiple_of(2)
+                && log.compare_exchange(address + SEQUENCE_WORD, word, word + ONE)
+            {
                 fence(Ordering::Release);
                 return word;
             }
@@ -501,21 +501,21 @@ pub(crate) mod sequence {
     /// Ends a change begun from `before`, with the value's new length.
     pub(crate) fn end_change(log: &Log, address: u64, before: u64, value_len: u32) {
         let count = (before >> 32) + 2;
-        log.store(address + 16, count << 32 | u64::from(value_len), Ordering::Release);
+        log.store(address + SEQUENCE_WORD, count << 32 | u64::from(value_len), Ordering::Release);
     }
 
     /// Runs `read` until it saw the record between changes; `read` is handed
-    /// the third word (with the value's length) it read under.
+    /// the second word (with the value's length) it read under.
     pub(crate) fn read_consistent<T>(log: &Log, address: u64, mut read: impl FnMut(u64) -> T) -> T {
         loop {
-            let before = log.load(address + 16, Ordering::Acquire);
+            let before = log.load(address + SEQUENCE_WORD, Ordering::Acquire);
             if !(before >> 32).is_multiple_of(2) {
                 std::hint::spin_loop();
                 continue;
             }
             let result = read(before);
             fence(Ordering::Acquire);
-            if log.load(address + 16, Ordering::Relaxed) == before {
+            if log.load(address + SEQUENCE_WORD, Ordering::Relaxed) == before {
                 return result;
             }
         }

@@ -29,7 +29,7 @@ use crossbeam_epoch as epoch;
 use parking_lot::Mutex;
 
 use self::index::{Index, Moved, SlotLock};
-use self::log::{decode_header, sequence, Geometry, Log, Segments};
+use self::log::{sequence, Geometry, Log, Segments};
 use self::record::{checksum, Header, ADDRESS_LIMIT, FIRST_ADDRESS, HEADER_BYTES, INCOMPLETE, TOMBSTONE};
 use crate::background::{spawn_periodic, PeriodicTask};
 use crate::{Capabilities, Engine, EngineError, FsyncPolicy, KeyRange, Result, ScanCursor, ScanPage};
@@ -288,14 +288,21 @@ fn find_on_disk(
 
 /// A whole on-disk record: its header, and its key followed by its value.
 fn read_record(segments: &Segments, limit: u64, address: u64) -> Result<(Header, Vec<u8>)> {
-    let mut header_bytes = [0u8; HEADER_BYTES as usize];
-    segments.read_at(address, &mut header_bytes)?;
-    let header = decode_header(&header_bytes);
+    let malformed = || EngineError::Corrupt(format!("hybrid log: a malformed record at address {address}"));
+    let mut header_bytes = [0u8; HEADER_BYTES as usize + 8];
+    segments.read_at(address, &mut header_bytes[..HEADER_BYTES as usize])?;
+    let header = match Header::parse(&header_bytes[..HEADER_BYTES as usize]) {
+        Some(header) => header,
+        None => {
+            segments.read_at(address, &mut header_bytes)?;
+            Header::parse(&header_bytes).ok_or_else(malformed)?
+        }
+    };
     if !header.is_plausible(limit) {
-        return Err(EngineError::Corrupt(format!("hybrid log: a malformed record at address {address}")));
+        return Err(malformed());
     }
-    let mut body = vec![0u8; (header.key_len + header.value_len) as usize];
-    segments.read_at(address + HEADER_BYTES, &mut body)?;
+    let mut body = vec![0u8; header.key_len as usize + header.value_len as usize];
+    segments.read_at(address + header.key_offset(), &mut body)?;
     Ok((header, body))
 }
 
@@ -340,7 +347,13 @@ impl<'a> SequentialReader<'a> {
     fn record_here(&mut self, limit: u64) -> Result<Option<(usize, Header, Vec<u8>)>> {
         let at = self.address;
         let Some(header_bytes) = self.peek(HEADER_BYTES as usize)? else { return Ok(None) };
-        let header = decode_header(header_bytes);
+        let header = match Header::parse(header_bytes) {
+            Some(header) => header,
+            None => match self.peek(HEADER_BYTES as usize + 8)?.and_then(Header::parse) {
+                Some(header) => header,
+                None => return Ok(None),
+            },
+        };
         if !header.is_plausible(limit) || at + header.record_bytes() >= ADDRESS_LIMIT {
             return Ok(None);
         }
@@ -349,7 +362,7 @@ impl<'a> SequentialReader<'a> {
         if checksum(record) != header.check {
             return Ok(None);
         }
-        let key = record[HEADER_BYTES as usize..HEADER_BYTES as usize + header.key_len as usize].to_vec();
+        let key = record[header.key_offset() as usize..header.value_offset() as usize].to_vec();
         Ok(Some((size, header, key)))
     }
 
@@ -431,7 +444,8 @@ impl Shared {
         while at >= begin && at != 0 {
             if at >= self.log.head.load(Ordering::Acquire) {
                 let header = self.log.header(at);
-                if header.key_len as usize == key.len() && self.log.bytes_equal(at + HEADER_BYTES, key) {
+                if header.key_len as usize == key.len() && self.log.bytes_equal(at + header.key_offset(), key)
+                {
                     return Ok(Some(Found::Memory { address: at, header }));
                 }
                 at = header.previous();
@@ -450,12 +464,12 @@ impl Shared {
     /// The value of an in-memory record, read between changes (`None` for a
     /// tombstone).
     fn memory_value(&self, address: u64, header: &Header) -> Option<Vec<u8>> {
-        sequence::read_consistent(&self.log, address, |word2| {
+        sequence::read_consistent(&self.log, address, |word1| {
             if self.log.load(address, Ordering::Acquire) & TOMBSTONE != 0 {
                 return None;
             }
             let mut value = Vec::new();
-            self.log.read_bytes(address + header.value_offset(), u64::from(word2 as u32), &mut value);
+            self.log.read_bytes(address + header.value_offset(), u64::from(word1 as u32), &mut value);
             Some(value)
         })
     }
@@ -497,7 +511,7 @@ impl Shared {
             }
             let header = self.log.header(at);
             key.clear();
-            self.log.read_bytes(at + HEADER_BYTES, u64::from(header.key_len), &mut key);
+            self.log.read_bytes(at + header.key_offset(), u64::from(header.key_len), &mut key);
             let half = usize::from(self.hash(&key) & bit != 0);
             if halves[half] == 0 {
                 halves[half] = at;
@@ -558,7 +572,7 @@ impl Shared {
         let live_change = i64::from(new.is_some()) - i64::from(existed);
         if let Some(Found::Memory { address, header }) = found {
             if address >= self.log.read_only.load(Ordering::Acquire)
-                && new.is_none_or(|value| value.len() <= header.capacity as usize)
+                && new.is_none_or(|value| header.fits_in_place(value.len()))
             {
                 self.change_in_place(address, &header, new);
                 self.live.fetch_add(live_change, Ordering::Relaxed);
@@ -582,11 +596,12 @@ impl Shared {
             self.log.wait_for_room()?;
             guard = epoch::pin();
         };
-        self.log.write_bytes(address + HEADER_BYTES, key);
+        self.log.write_bytes(address + header.key_offset(), key);
         if let Some(value) = new {
             self.log.write_bytes(address + header.value_offset(), value);
         }
-        self.log.store(address, header.word0 & !INCOMPLETE, Ordering::Release);
+        let first_word = header.words().0[0];
+        self.log.store(address, first_word & !INCOMPLETE, Ordering::Release);
         lock.set_head(address);
         self.live.fetch_add(live_change, Ordering::Relaxed);
         drop(guard);
@@ -605,8 +620,9 @@ impl Shared {
                 value.len() as u32
             }
             None => {
+                // The length stays: the record's size follows from it.
                 self.log.store(address, word0 | TOMBSTONE, Ordering::Relaxed);
-                0
+                before as u32
             }
         };
         sequence::end_change(&self.log, address, before, length);
@@ -668,7 +684,7 @@ impl Shared {
             let (header, key) = if at >= self.log.head.load(Ordering::Acquire) {
                 let header = self.log.header(at);
                 let mut key = Vec::new();
-                self.log.read_bytes(at + HEADER_BYTES, u64::from(header.key_len), &mut key);
+                self.log.read_bytes(at + header.key_offset(), u64::from(header.key_len), &mut key);
                 (header, key)
             } else {
                 let (header, mut body) = read_record(&self.log.segments, record_limit, at)?;
