@@ -339,3 +339,31 @@ fn the_index_doubles_while_readers_and_writers_run() {
         }
     }
 }
+
+#[test]
+fn keys_longer_than_the_header_field_round_trip_on_disk_and_in_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let long_key: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
+    {
+        let engine = HybridEngine::open(dir.path(), options(1 << 20)).unwrap();
+        engine.put(&long_key, Bytes::from_static(b"first")).unwrap();
+        engine
+            .update(&long_key, &mut |value| {
+                value.as_mut().unwrap().extend_from_slice(b"+more");
+                true
+            })
+            .unwrap();
+        // Push it to disk, then read it back from there.
+        for i in 0..4000u32 {
+            engine.put(format!("filler:{i}").as_bytes(), Bytes::from(vec![b'f'; 500])).unwrap();
+        }
+        assert_eq!(engine.get(&long_key).unwrap().as_deref(), Some(&b"first+more"[..]));
+        let scanned = scan_all(&engine);
+        assert_eq!(scanned.get(&long_key).map(Vec::as_slice), Some(&b"first+more"[..]));
+    }
+    let engine = HybridEngine::open(dir.path(), options(1 << 20)).unwrap();
+    assert_eq!(engine.get(&long_key).unwrap().as_deref(), Some(&b"first+more"[..]));
+    assert!(engine.delete(&long_key).unwrap());
+    assert_eq!(engine.get(&long_key).unwrap(), None);
+    assert_eq!(engine.len().unwrap(), 4000);
+}

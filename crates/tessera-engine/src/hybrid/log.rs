@@ -30,7 +30,7 @@ use std::sync::{Arc, OnceLock};
 use crossbeam_epoch as epoch;
 use parking_lot::Mutex;
 
-use super::record::{checksum, Header, CHECK_BYTES, INCOMPLETE, SEQUENCE_WORD};
+use super::record::{checksum, Header, CHECK_BYTES, HEADER_BYTES, INCOMPLETE, SEQUENCE_WORD};
 use crate::{EngineError, Result};
 
 /// The log's geometry, fixed when it is opened.
@@ -278,7 +278,7 @@ impl Log {
         Header::decode(
             self.load(address, Ordering::Acquire),
             self.load(address + 8, Ordering::Acquire),
-            || Some(self.load(address + SEQUENCE_WORD, Ordering::Acquire)),
+            || Some(self.load(address + HEADER_BYTES, Ordering::Acquire)),
         )
         .expect("a record in memory was written with a whole header")
     }
