@@ -126,6 +126,12 @@ pub trait Engine: Send + Sync + 'static {
     /// Makes every write that has returned durable (a no-op for volatile engines).
     fn flush(&self) -> Result<()>;
 
+    /// Figures the engine keeps about itself, by name, for TABLE.INFO (the
+    /// hybrid engine's reads served from memory and from disk, say).
+    fn stats(&self) -> Vec<(&'static str, u64)> {
+        Vec::new()
+    }
+
     /// Reads several keys; engines that can batch (a remote server) override it.
     fn get_many(&self, keys: &[&[u8]]) -> Result<Vec<Option<Bytes>>> {
         keys.iter().map(|key| self.get(key)).collect()

@@ -20,7 +20,7 @@ use std::fs;
 use std::hash::BuildHasher;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -131,6 +131,9 @@ struct Shared {
     hasher: foldhash::quality::FixedState,
     /// What `hybrid.meta` holds, changed under its lock.
     meta: Mutex<Meta>,
+    /// Reads whose record was found in memory, and on disk.
+    reads_in_memory: AtomicU64,
+    reads_from_disk: AtomicU64,
     /// Keys present (live records the index leads to).
     live: AtomicI64,
     last_sync: Mutex<Instant>,
@@ -199,6 +202,8 @@ impl HybridEngine {
             index,
             hasher,
             meta: Mutex::new(meta),
+            reads_in_memory: AtomicU64::new(0),
+            reads_from_disk: AtomicU64::new(0),
             live: AtomicI64::new(live),
             last_sync: Mutex::new(Instant::now()),
             clearing: Mutex::new(()),
@@ -522,9 +527,50 @@ impl Shared {
     }
 
     fn read(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        let head = self.chain_head(self.hash(key));
+        let hash = self.hash(key);
+        let head = self.chain_head(hash);
+        let guard = epoch::pin();
+        let found = self.find(head, key)?;
+        drop(guard);
+        let value = found.as_ref().and_then(|found| self.value_of(found));
+        if let Some(Found::Disk { .. }) = found {
+            self.reads_from_disk.fetch_add(1, Ordering::Relaxed);
+            if let Some(value) = &value {
+                self.copy_to_tail(hash, head, key, value);
+            }
+        } else {
+            self.reads_in_memory.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(value)
+    }
+
+    /// Copies a record read from disk to the tail, so that the keys a
+    /// workload reads often come to be served from memory (FASTER's copy of
+    /// reads to the tail). Only when nothing has written the key's chain since
+    /// it was read, and never waiting for room: it is an optimization.
+    /// Called unpinned.
+    fn copy_to_tail(&self, hash: u64, head: u64, key: &[u8], value: &[u8]) {
+        let view = self.index.view(hash, &|head, bit| self.split_chain(head, bit));
+        let Ok(Some(slot)) = view.find(hash) else { return };
+        let Ok(lock) = slot.lock() else { return };
+        if lock.head() != head {
+            return;
+        }
+        let header = Header::new(head, key.len(), Some(value.len()));
         let _guard = epoch::pin();
-        Ok(self.find(head, key)?.and_then(|found| self.value_of(&found)))
+        let Some(address) = self.log.allocate(&header) else { return };
+        self.fill(address, &header, key, Some(value));
+        lock.set_head(address);
+    }
+
+    /// Writes a record allocated at `address` and marks it complete. The
+    /// caller is pinned and holds the key's entry.
+    fn fill(&self, address: u64, header: &Header, key: &[u8], value: Option<&[u8]>) {
+        self.log.write_bytes(address + header.key_offset(), key);
+        if let Some(value) = value {
+            self.log.write_bytes(address + header.value_offset(), value);
+        }
+        self.log.store(address, header.words().0[0] & !INCOMPLETE, Ordering::Release);
     }
 
     /// Applies `write` to `key`; returns whether the key was present before.
@@ -596,12 +642,7 @@ impl Shared {
             self.log.wait_for_room()?;
             guard = epoch::pin();
         };
-        self.log.write_bytes(address + header.key_offset(), key);
-        if let Some(value) = new {
-            self.log.write_bytes(address + header.value_offset(), value);
-        }
-        let first_word = header.words().0[0];
-        self.log.store(address, first_word & !INCOMPLETE, Ordering::Release);
+        self.fill(address, &header, key, new);
         lock.set_head(address);
         self.live.fetch_add(live_change, Ordering::Relaxed);
         drop(guard);
@@ -783,5 +824,17 @@ impl Engine for HybridEngine {
     fn flush(&self) -> Result<()> {
         let tail = self.shared.log.tail.load(Ordering::Acquire);
         self.shared.log.make_durable(tail, self.shared.syncs())
+    }
+
+    fn stats(&self) -> Vec<(&'static str, u64)> {
+        let log = &self.shared.log;
+        let tail = log.tail.load(Ordering::Acquire);
+        vec![
+            ("reads-in-memory", self.shared.reads_in_memory.load(Ordering::Relaxed)),
+            ("reads-from-disk", self.shared.reads_from_disk.load(Ordering::Relaxed)),
+            ("log-bytes", tail - log.begin.load(Ordering::Acquire)),
+            ("log-bytes-in-memory", tail - log.head.load(Ordering::Acquire)),
+            ("index-buckets", self.shared.index.buckets() as u64),
+        ]
     }
 }

@@ -216,6 +216,7 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
         context.tables.get(&name).ok_or_else(|| CommandError::Other(format!("no such table '{name}'")))?;
     let capabilities = table.engine.capabilities();
     let keys = table.engine.len()?;
+    let stats = table.engine.stats();
     let options: Vec<String> = table
         .def
         .options
@@ -224,7 +225,7 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
         .map(|(option, value)| format!("{option}={value}"))
         .collect();
     let out = &mut *context.out;
-    out.map(7);
+    out.map(7 + stats.len());
     out.bulk(b"name");
     out.bulk(table.def.name.as_bytes());
     out.bulk(b"prefix");
@@ -239,5 +240,9 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
     out.boolean(capabilities.ordered);
     out.bulk(b"persistent");
     out.boolean(capabilities.persistent);
+    for (name, value) in stats {
+        out.bulk(name.as_bytes());
+        out.integer(value as i64);
+    }
     Ok(())
 }
