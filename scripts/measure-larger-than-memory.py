@@ -14,31 +14,25 @@ reference throughput.
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import tempfile
-import time
+from importlib import import_module
 from pathlib import Path
 
 import redis
 
-ROOT = Path(__file__).resolve().parent.parent
-BINARY = ROOT / "target" / "release" / "tessera"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+latency = import_module("measure-collection-latency")
+BINARY, free_port, wait_listening = latency.BINARY, latency.free_port, latency.wait_listening
 # A record of a key "user<n>" and a 100-byte string: 16 + 112 bytes in the log.
 RECORD_BYTES = 128
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def table_stats(client):
     reply = client.execute_command("TABLE.INFO", "default")
-    fields = dict(zip(reply[::2], reply[1::2]))
-    return {key.decode(): value for key, value in fields.items()}
+    fields = reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2]))
+    return {key.decode() if isinstance(key, bytes) else key: value for key, value in fields.items()}
 
 
 def bench(port, records, phase, distribution, duration, report):
@@ -60,13 +54,8 @@ def measure(engine, args, directory):
                                 "--log", "warn", "--threads", "1", *options],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
+        wait_listening(port)
         client = redis.Redis(port=port)
-        for _ in range(200):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
         records = 4 * (args.budget_mb << 20) // RECORD_BYTES
         bench(port, records, "load", "uniform", 0, None)
         rows = []

@@ -10,34 +10,18 @@ ratio is Tessera's over Redis's.
 """
 
 import argparse
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+from importlib import import_module
 from pathlib import Path
 
 import redis
 
-ROOT = Path(__file__).resolve().parent.parent
-BINARY = ROOT / "target" / "release" / "tessera"
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for(port):
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        try:
-            redis.Redis(port=port).ping()
-            return
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing answers on port {port}")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+latency = import_module("measure-collection-latency")
+BINARY, free_port, wait_for = latency.BINARY, latency.free_port, latency.wait_listening
 
 
 def start(server, directory):

@@ -8,7 +8,7 @@ import redis
 
 from conftest import Node
 
-PERSISTENT_ENGINES = ["log", "lsm"]
+PERSISTENT_ENGINES = ["log", "lsm", "hybrid"]
 
 
 def test_tables_route_by_longest_prefix(node, r):
@@ -101,16 +101,48 @@ def test_data_survives_a_restart(data_dir, engine):
     node.stop()
 
 
-def test_fsync_always_survives_kill_9(data_dir):
+@pytest.mark.parametrize("engine", ["log", "hybrid"])
+def test_fsync_always_survives_kill_9(data_dir, engine):
     """With fsync=always, every acknowledged write is on disk the moment it is acknowledged."""
-    node = Node(data_dir, "--engine", "log", "--engine-option", "fsync=always").start()
+    node = Node(data_dir, "--engine", engine, "--engine-option", "fsync=always").start()
     r = node.client()
     for i in range(300):
         r.set(f"k{i}", i)
+        r.incr("counter")
     node.stop(signal.SIGKILL)
-    node = Node(data_dir, "--engine", "log").start()
+    node = Node(data_dir, "--engine", engine).start()
     r = node.client()
     assert [r.get(f"k{i}") for i in range(300)] == [str(i).encode() for i in range(300)]
+    assert r.get("counter") == b"300"
+    node.stop()
+
+
+def test_a_hybrid_table_larger_than_its_memory_serves_and_survives_kill_9(data_dir):
+    """A table four times its memory budget: old keys are read from disk and
+    then copied back to memory; everything survives kill -9 after a flush."""
+    node = Node(data_dir).start()
+    r = node.client()
+    r.execute_command("TABLE.CREATE", "big", "PREFIX", "big:", "ENGINE", "hybrid", "memory-bytes", "1mb")
+    value = b"x" * 500
+    pipe = r.pipeline(transaction=False)
+    for i in range(8000):
+        pipe.set(f"big:{i}", value + str(i).encode())
+    pipe.execute()
+    info = lambda: r.execute_command("TABLE.INFO", "big")  # noqa: E731
+    assert info()[b"log-bytes"] > 4 * (1 << 20) > info()[b"log-bytes-in-memory"]
+    before = info()
+    assert r.get("big:0") == value + b"0"
+    assert info()[b"reads-from-disk"] == before[b"reads-from-disk"] + 1
+    assert r.get("big:0") == value + b"0"
+    assert info()[b"reads-in-memory"] == before[b"reads-in-memory"] + 1, "a read from disk is copied to memory"
+    assert r.incr("big:counter") == 1
+    time.sleep(1.5)  # fsync everysec
+    node.stop(signal.SIGKILL)
+    node = Node(data_dir).start()
+    r = node.client()
+    assert [r.get(f"big:{i}") for i in range(0, 8000, 97)] == [value + str(i).encode() for i in range(0, 8000, 97)]
+    assert r.get("big:counter") == b"1"
+    assert r.execute_command("TABLE.INFO", "big")[b"keys"] == 8001
     node.stop()
 
 

@@ -122,6 +122,10 @@ impl<E: Engine + ?Sized> Engine for Touching<E> {
         self.inner.len()
     }
 
+    fn stats(&self) -> Vec<(&'static str, u64)> {
+        self.inner.stats()
+    }
+
     fn clear(&self) -> tessera_engine::Result<()> {
         self.versions.flushes.fetch_add(1, Ordering::SeqCst);
         self.inner.clear()
