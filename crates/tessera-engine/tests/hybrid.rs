@@ -367,3 +367,21 @@ fn keys_longer_than_the_header_field_round_trip_on_disk_and_in_memory() {
     assert_eq!(engine.get(&long_key).unwrap(), None);
     assert_eq!(engine.len().unwrap(), 4000);
 }
+
+#[test]
+fn a_smaller_budget_still_reads_the_larger_records_written_before() {
+    let dir = tempfile::tempdir().unwrap();
+    let big = Bytes::from(vec![b'b'; 3 << 20]);
+    {
+        let engine = HybridEngine::open(dir.path(), options(8 << 20)).unwrap();
+        engine.put(b"small", Bytes::from_static(b"s")).unwrap();
+        engine.put(b"big", big.clone()).unwrap();
+    }
+    // A 1 MiB budget writes records of at most half a MiB, but reads all.
+    let engine = HybridEngine::open(dir.path(), options(1 << 20)).unwrap();
+    assert!(engine.get(b"big").unwrap() == Some(big.clone()), "the last record is kept, not cut");
+    assert_eq!(engine.get(b"small").unwrap().as_deref(), Some(&b"s"[..]));
+    assert_eq!(engine.len().unwrap(), 2);
+    assert!(engine.put(b"big", big).unwrap_err().to_string().contains("exceeds"));
+    assert!(engine.delete(b"big").unwrap());
+}

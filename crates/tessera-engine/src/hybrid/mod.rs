@@ -30,7 +30,9 @@ use parking_lot::Mutex;
 
 use self::index::{Index, Moved, SlotLock};
 use self::log::{sequence, Geometry, Log, Segments};
-use self::record::{checksum, Header, ADDRESS_LIMIT, FIRST_ADDRESS, HEADER_BYTES, INCOMPLETE, TOMBSTONE};
+use self::record::{
+    checksum, Header, ADDRESS_LIMIT, FIRST_ADDRESS, HEADER_BYTES, INCOMPLETE, RECORD_BYTES_LIMIT, TOMBSTONE,
+};
 use crate::background::{spawn_periodic, PeriodicTask};
 use crate::{Capabilities, Engine, EngineError, FsyncPolicy, KeyRange, Result, ScanCursor, ScanPage};
 
@@ -193,7 +195,7 @@ impl HybridEngine {
         let segments = Segments::new(dir, geometry.segment_bytes);
         let hasher = foldhash::quality::FixedState::with_seed(meta.seed);
         let index = Index::new(meta.index_buckets as usize);
-        let (end, live) = recover(&segments, &index, &hasher, geometry, meta.begin)?;
+        let (end, live) = recover(&segments, &index, &hasher, meta.begin)?;
         let log = Log::new(geometry, segments, meta.begin, end);
         let shared = Arc::new(Shared {
             dir: dir.to_path_buf(),
@@ -235,10 +237,9 @@ fn recover(
     segments: &Segments,
     index: &Index,
     hasher: &foldhash::quality::FixedState,
-    geometry: Geometry,
     begin: u64,
 ) -> Result<(u64, i64)> {
-    let limit = geometry.record_bytes_max();
+    let limit = RECORD_BYTES_LIMIT;
     let mut reader = SequentialReader::new(segments, begin);
     let mut live = 0i64;
     loop {
@@ -455,8 +456,7 @@ impl Shared {
                 }
                 at = header.previous();
             } else {
-                let (header, body) =
-                    read_record(&self.log.segments, self.log.geometry.record_bytes_max(), at)?;
+                let (header, body) = read_record(&self.log.segments, RECORD_BYTES_LIMIT, at)?;
                 if &body[..header.key_len as usize] == key {
                     return Ok(Some(Found::Disk { address: at, header, body }));
                 }
@@ -531,8 +531,9 @@ impl Shared {
         let head = self.chain_head(hash);
         let guard = epoch::pin();
         let found = self.find(head, key)?;
-        drop(guard);
         let value = found.as_ref().and_then(|found| self.value_of(found));
+        // Unpinned from here: copying to the tail may wait on the index.
+        drop(guard);
         if let Some(Found::Disk { .. }) = found {
             self.reads_from_disk.fetch_add(1, Ordering::Relaxed);
             if let Some(value) = &value {
@@ -557,6 +558,9 @@ impl Shared {
             return;
         }
         let header = Header::new(head, key.len(), Some(value.len()));
+        if header.record_bytes() > self.log.geometry.record_bytes_max() {
+            return; // written under a larger budget: it stays where it is
+        }
         let _guard = epoch::pin();
         let Some(address) = self.log.allocate(&header) else { return };
         self.fill(address, &header, key, Some(value));
@@ -715,7 +719,6 @@ impl Shared {
         let start = self.decode_cursor(cursor)?.max(self.log.begin.load(Ordering::Acquire));
         let end = self.log.tail.load(Ordering::Acquire);
         let examine_max = limit.max(1).saturating_mul(64).saturating_add(1024);
-        let record_limit = self.log.geometry.record_bytes_max();
         let mut entries = Vec::new();
         let mut at = start;
         let mut examined = 0;
@@ -728,7 +731,7 @@ impl Shared {
                 self.log.read_bytes(at + header.key_offset(), u64::from(header.key_len), &mut key);
                 (header, key)
             } else {
-                let (header, mut body) = read_record(&self.log.segments, record_limit, at)?;
+                let (header, mut body) = read_record(&self.log.segments, RECORD_BYTES_LIMIT, at)?;
                 body.truncate(header.key_len as usize);
                 (header, body)
             };

@@ -29,6 +29,12 @@ const KEY_LEN_SHIFT: u32 = 50;
 /// The key length field's value for a key whose length has its own word.
 const LONG_KEY: u64 = (1 << 14) - 1;
 
+/// The largest record a log may hold, whatever budget wrote it: what a
+/// header read back from disk is checked against. (A budget limits the
+/// records it writes to half its memory; reopening with a smaller budget
+/// must still read the larger records written before.)
+pub(crate) const RECORD_BYTES_LIMIT: u64 = 1 << 30;
+
 /// Logical addresses are 48 bits. Address 0 is "none"; the log starts after it.
 pub(crate) const FIRST_ADDRESS: u64 = 8;
 pub(crate) const ADDRESS_LIMIT: u64 = 1 << 48;
