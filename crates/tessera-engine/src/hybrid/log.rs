@@ -82,6 +82,11 @@ impl Segments {
         Self { dir: dir.to_path_buf(), segment_bytes, open: Mutex::new(BTreeMap::new()) }
     }
 
+    /// The file that holds `address`.
+    pub(crate) fn path_of(&self, address: u64) -> PathBuf {
+        self.path(address / self.segment_bytes)
+    }
+
     pub(crate) fn path(&self, segment: u64) -> PathBuf {
         self.dir.join(format!("hybrid-{segment:08}.log"))
     }

@@ -261,12 +261,11 @@ fn recover(
     // What follows is a torn tail, unless a whole record lies beyond the
     // damage: then cutting would lose it, and the engine refuses to open.
     if let Some(good) = reader.find_record_after(limit)? {
-        let segment = reader.address / geometry.segment_bytes;
         return Err(EngineError::Corrupt(format!(
             "hybrid log: the record at address {} in {} is damaged and good records follow it (the \
              first at address {good}); the log is left as it is",
             reader.address,
-            segments.path(segment).display()
+            segments.path_of(reader.address).display()
         )));
     }
     let end = reader.address;
