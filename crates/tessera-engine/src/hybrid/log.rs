@@ -82,6 +82,23 @@ impl Segments {
         Self { dir: dir.to_path_buf(), segment_bytes, open: Mutex::new(BTreeMap::new()) }
     }
 
+    /// The address just past the last byte of the files (where a log read
+    /// back from them ends at the latest).
+    pub(crate) fn end(&self) -> Result<u64> {
+        let mut last = None;
+        for entry in std::fs::read_dir(&self.dir)? {
+            let name = entry?.file_name();
+            let number = name
+                .to_str()
+                .and_then(|name| name.strip_prefix("hybrid-")?.strip_suffix(".log")?.parse().ok());
+            last = last.max(number);
+        }
+        Ok(match last {
+            Some(segment) => segment * self.segment_bytes + std::fs::metadata(self.path(segment))?.len(),
+            None => 0,
+        })
+    }
+
     /// The file that holds `address`.
     pub(crate) fn path_of(&self, address: u64) -> PathBuf {
         self.path(address / self.segment_bytes)

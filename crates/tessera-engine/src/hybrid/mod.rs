@@ -31,7 +31,7 @@ use parking_lot::Mutex;
 use self::index::{Index, Moved, SlotLock};
 use self::log::{sequence, Geometry, Log, Segments};
 use self::record::{
-    checksum, Header, ADDRESS_LIMIT, FIRST_ADDRESS, HEADER_BYTES, INCOMPLETE, RECORD_BYTES_LIMIT, TOMBSTONE,
+    checksum, Header, FIRST_ADDRESS, HEADER_BYTES, INCOMPLETE, RECORD_BYTES_LIMIT, TOMBSTONE,
 };
 use crate::background::{spawn_periodic, PeriodicTask};
 use crate::{Capabilities, Engine, EngineError, FsyncPolicy, KeyRange, Result, ScanCursor, ScanPage};
@@ -240,7 +240,7 @@ fn recover(
     begin: u64,
 ) -> Result<(u64, i64)> {
     let limit = RECORD_BYTES_LIMIT;
-    let mut reader = SequentialReader::new(segments, begin);
+    let mut reader = SequentialReader::new(segments, begin)?;
     let mut live = 0i64;
     loop {
         let at = reader.address;
@@ -316,13 +316,15 @@ struct SequentialReader<'a> {
     segments: &'a Segments,
     /// The log address of `buffer[consumed]`.
     address: u64,
+    /// Where the files end: no record read back goes past it.
+    end: u64,
     buffer: Vec<u8>,
     consumed: usize,
 }
 
 impl<'a> SequentialReader<'a> {
-    fn new(segments: &'a Segments, address: u64) -> Self {
-        Self { segments, address, buffer: Vec::new(), consumed: 0 }
+    fn new(segments: &'a Segments, address: u64) -> Result<Self> {
+        Ok(Self { segments, address, end: segments.end()?, buffer: Vec::new(), consumed: 0 })
     }
 
     /// The next `len` bytes, or `None` when the log ends before them.
@@ -359,7 +361,7 @@ impl<'a> SequentialReader<'a> {
                 None => return Ok(None),
             },
         };
-        if !header.is_plausible(limit) || at + header.record_bytes() >= ADDRESS_LIMIT {
+        if !header.is_plausible(limit) || at + header.record_bytes() > self.end {
             return Ok(None);
         }
         let size = header.record_bytes() as usize;
@@ -392,7 +394,7 @@ impl<'a> SequentialReader<'a> {
                 break;
             }
         }
-        *self = Self::new(self.segments, start);
+        *self = Self::new(self.segments, start)?;
         Ok(found)
     }
 }

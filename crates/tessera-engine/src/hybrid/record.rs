@@ -37,7 +37,6 @@ pub(crate) const RECORD_BYTES_LIMIT: u64 = 1 << 30;
 
 /// Logical addresses are 48 bits. Address 0 is "none"; the log starts after it.
 pub(crate) const FIRST_ADDRESS: u64 = 8;
-pub(crate) const ADDRESS_LIMIT: u64 = 1 << 48;
 
 pub(crate) fn align8(bytes: u64) -> u64 {
     (bytes + 7) & !7
