@@ -153,13 +153,9 @@ impl EngineSpec {
                 ))
             })?,
         };
-        if memory_bytes < HybridOptions::MEMORY_BYTES_MIN {
-            return Err(EngineError::InvalidOption(format!(
-                "option memory-bytes: {memory_bytes} is below the minimum of {} (512kb)",
-                HybridOptions::MEMORY_BYTES_MIN
-            )));
-        }
-        Ok(HybridOptions { memory_bytes, fsync: self.fsync()? })
+        let options = HybridOptions { memory_bytes, fsync: self.fsync()? };
+        options.check()?;
+        Ok(options)
     }
 
     fn redis_options(&self) -> Result<RedisOptions> {

@@ -358,24 +358,21 @@ impl Index {
         View { state, in_next: true }
     }
 
-    /// Starts doubling the index, unless it is already doubling. Returns the
-    /// new number of buckets.
-    pub(crate) fn start_doubling(&self) -> Option<usize> {
+    /// Starts doubling the index, unless it is already doubling.
+    pub(crate) fn start_doubling(&self) {
         let mut state = self.state.write();
         if state.next.is_some() {
-            return None;
+            return;
         }
         let current = state.current.clone();
         let next = Table::new(current.len() * 2);
         let chunks = current.len() / CHUNK_BUCKETS;
-        let buckets = next.len();
         *state = Arc::new(State {
             current,
             next: Some(Arc::new(next)),
             chunks: (0..chunks).map(|_| AtomicU8::new(CHUNK_WAITING)).collect(),
             chunks_left: AtomicUsize::new(chunks),
         });
-        Some(buckets)
     }
 
     /// Moves every chunk that has not moved (the background task's share of
@@ -420,7 +417,7 @@ impl Index {
                         new.insert_moved(index + old.len(), tag, high);
                     }
                 }
-                match freeze_link(old, bucket) {
+                match freeze_link(bucket) {
                     Some(next) => bucket = next,
                     None => break,
                 }
@@ -467,7 +464,7 @@ fn freeze(entry: &AtomicU64) -> Option<u64> {
 }
 
 /// Freezes an old bucket's overflow link: the overflow bucket, if any.
-fn freeze_link<'a>(_owner: &'a Table, bucket: &'a Bucket) -> Option<&'a Bucket> {
+fn freeze_link(bucket: &Bucket) -> Option<&Bucket> {
     loop {
         match bucket.overflow.load(Ordering::Acquire) {
             0 => {
@@ -480,7 +477,8 @@ fn freeze_link<'a>(_owner: &'a Table, bucket: &'a Bucket) -> Option<&'a Bucket> 
                 }
             }
             FROZEN_LINK => unreachable!("one thread moves a chunk"),
-            // SAFETY: as in `Table::next`: the owner outlives the borrow.
+            // SAFETY: as in `Table::next`: the table that owns both buckets
+            // outlives the borrow of the one linking.
             pointer => return Some(unsafe { &*(pointer as *const Bucket) }),
         }
     }

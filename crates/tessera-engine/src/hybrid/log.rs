@@ -40,8 +40,11 @@ pub(crate) struct Geometry {
     pub(crate) frames: u64,
     /// How far `read_only` trails `tail`, in bytes (whole pages).
     pub(crate) mutable_bytes: u64,
-    pub(crate) segment_bytes: u64,
 }
+
+/// The address space each segment file holds: a whole number of pages of
+/// any budget (pages are at most 4 MiB).
+const SEGMENT_BYTES: u64 = 64 << 20;
 
 impl Geometry {
     /// Pages of at most 4 MiB, at least eight frames, nine tenths mutable (at
@@ -51,12 +54,7 @@ impl Geometry {
         let page_shift = 63 - page_bytes.leading_zeros();
         let frames = (memory_bytes >> page_shift).max(8);
         let mutable_pages = (frames * 9 / 10).min(frames - 2);
-        Self {
-            page_shift,
-            frames,
-            mutable_bytes: mutable_pages << page_shift,
-            segment_bytes: (64u64 << 20).max(1 << page_shift),
-        }
+        Self { page_shift, frames, mutable_bytes: mutable_pages << page_shift }
     }
 
     pub(crate) fn page_bytes(&self) -> u64 {
@@ -70,16 +68,15 @@ impl Geometry {
     }
 }
 
-/// The segment files, each holding `segment_bytes` of the address space.
+/// The segment files, each holding `SEGMENT_BYTES` of the address space.
 pub(crate) struct Segments {
     dir: PathBuf,
-    segment_bytes: u64,
     open: Mutex<BTreeMap<u64, Arc<File>>>,
 }
 
 impl Segments {
-    pub(crate) fn new(dir: &Path, segment_bytes: u64) -> Self {
-        Self { dir: dir.to_path_buf(), segment_bytes, open: Mutex::new(BTreeMap::new()) }
+    pub(crate) fn new(dir: &Path) -> Self {
+        Self { dir: dir.to_path_buf(), open: Mutex::new(BTreeMap::new()) }
     }
 
     /// The address just past the last byte of the files (where a log read
@@ -94,14 +91,14 @@ impl Segments {
             last = last.max(number);
         }
         Ok(match last {
-            Some(segment) => segment * self.segment_bytes + std::fs::metadata(self.path(segment))?.len(),
+            Some(segment) => segment * SEGMENT_BYTES + std::fs::metadata(self.path(segment))?.len(),
             None => 0,
         })
     }
 
     /// The file that holds `address`.
     pub(crate) fn path_of(&self, address: u64) -> PathBuf {
-        self.path(address / self.segment_bytes)
+        self.path(address / SEGMENT_BYTES)
     }
 
     pub(crate) fn path(&self, segment: u64) -> PathBuf {
@@ -130,9 +127,9 @@ impl Segments {
         let mut at = address;
         std::iter::from_fn(move || {
             (at < end).then(|| {
-                let segment = at / self.segment_bytes;
-                let offset = at % self.segment_bytes;
-                let piece = (self.segment_bytes - offset).min(end - at);
+                let segment = at / SEGMENT_BYTES;
+                let offset = at % SEGMENT_BYTES;
+                let piece = (SEGMENT_BYTES - offset).min(end - at);
                 let done = (at - address) as usize;
                 at += piece;
                 (segment, offset, piece, done)
@@ -200,9 +197,9 @@ impl Segments {
     /// Cuts the log at `address`: the segment holding it is truncated there,
     /// later ones removed.
     pub(crate) fn truncate(&self, address: u64) -> Result<()> {
-        let segment = address / self.segment_bytes;
+        let segment = address / SEGMENT_BYTES;
         if let Some(file) = self.file(segment, true)? {
-            file.set_len(address % self.segment_bytes)?;
+            file.set_len(address % SEGMENT_BYTES)?;
         }
         let mut later = segment + 1;
         while self.path(later).exists() {
@@ -215,7 +212,7 @@ impl Segments {
 
     /// Removes every segment wholly below `address`.
     pub(crate) fn remove_below(&self, address: u64) -> Result<()> {
-        let last = address / self.segment_bytes;
+        let last = address / SEGMENT_BYTES;
         for segment in 0..last {
             self.open.lock().remove(&segment);
             match std::fs::remove_file(self.path(segment)) {
@@ -290,10 +287,6 @@ impl Log {
 
     pub(crate) fn store(&self, address: u64, value: u64, order: Ordering) {
         self.word(address).store(value, order)
-    }
-
-    pub(crate) fn compare_exchange(&self, address: u64, current: u64, new: u64) -> bool {
-        self.word(address).compare_exchange(current, new, Ordering::AcqRel, Ordering::Relaxed).is_ok()
     }
 
     pub(crate) fn header(&self, address: u64) -> Header {
@@ -483,9 +476,16 @@ impl Log {
         Ok(())
     }
 
-    /// Moves `begin` (a cleared log) and forgets the segments below it.
-    pub(crate) fn set_begin(&self, address: u64) {
+    /// Drops every record below `address` (a cleared log): `begin` moves
+    /// there, and what was not yet written out never will be, so the pages
+    /// below it may be evicted at once. The caller has recorded the new
+    /// `begin` durably first.
+    pub(crate) fn discard_below(&self, address: u64) {
+        let _flushing = self.flushing.lock();
         self.begin.fetch_max(address, Ordering::AcqRel);
+        self.move_read_only(address);
+        self.flushed.fetch_max(address, Ordering::AcqRel);
+        self.durable.fetch_max(address, Ordering::AcqRel);
     }
 }
 
@@ -505,19 +505,14 @@ pub(crate) mod sequence {
 
     const ONE: u64 = 1 << 32;
 
-    /// Makes the count odd (waiting while another writer holds it); returns
-    /// the word as it was.
+    /// Makes the count odd; returns the word as it was. The caller holds the
+    /// key's entry, so no other writer changes the record meanwhile.
     pub(crate) fn begin_change(log: &Log, address: u64) -> u64 {
-        loop {
-            let word = log.load(address + SEQUENCE_WORD, Ordering::Relaxed);
-            if (word >> 32).is_multiple_of(2)
-                && log.compare_exchange(address + SEQUENCE_WORD, word, word + ONE)
-            {
-                fence(Ordering::Release);
-                return word;
-            }
-            std::hint::spin_loop();
-        }
+        let word = log.load(address + SEQUENCE_WORD, Ordering::Relaxed);
+        debug_assert!((word >> 32).is_multiple_of(2), "one writer at a time changes a record");
+        log.store(address + SEQUENCE_WORD, word + ONE, Ordering::Relaxed);
+        fence(Ordering::Release);
+        word
     }
 
     /// Ends a change begun from `before`, with the value's new length.

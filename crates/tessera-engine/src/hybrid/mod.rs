@@ -28,7 +28,7 @@ use bytes::Bytes;
 use crossbeam_epoch as epoch;
 use parking_lot::Mutex;
 
-use self::index::{Index, Moved, SlotLock};
+use self::index::{Index, Moved, SlotLock, View};
 use self::log::{sequence, Geometry, Log, Segments};
 use self::record::{
     checksum, Header, FIRST_ADDRESS, HEADER_BYTES, INCOMPLETE, RECORD_BYTES_LIMIT, TOMBSTONE,
@@ -47,6 +47,18 @@ pub struct HybridOptions {
 impl HybridOptions {
     /// The smallest budget: eight pages of 64 KiB.
     pub const MEMORY_BYTES_MIN: u64 = 512 << 10;
+
+    /// Refuses a budget below the minimum.
+    pub fn check(&self) -> Result<()> {
+        if self.memory_bytes < Self::MEMORY_BYTES_MIN {
+            return Err(EngineError::InvalidOption(format!(
+                "memory-bytes {} is below the hybrid engine's minimum of {} (512kb)",
+                self.memory_bytes,
+                Self::MEMORY_BYTES_MIN
+            )));
+        }
+        Ok(())
+    }
 }
 
 impl Default for HybridOptions {
@@ -174,13 +186,7 @@ impl HybridEngine {
 
     /// Opens the engine in `dir`, recovering what its log holds.
     pub fn open(dir: &Path, options: HybridOptions) -> Result<Self> {
-        if options.memory_bytes < HybridOptions::MEMORY_BYTES_MIN {
-            return Err(EngineError::InvalidOption(format!(
-                "memory-bytes {} is below the hybrid engine's minimum of {}",
-                options.memory_bytes,
-                HybridOptions::MEMORY_BYTES_MIN
-            )));
-        }
+        options.check()?;
         fs::create_dir_all(dir)?;
         let meta = match Meta::load(dir)? {
             Some(meta) => meta,
@@ -192,7 +198,7 @@ impl HybridEngine {
             }
         };
         let geometry = Geometry::for_budget(options.memory_bytes);
-        let segments = Segments::new(dir, geometry.segment_bytes);
+        let segments = Segments::new(dir);
         let hasher = foldhash::quality::FixedState::with_seed(meta.seed);
         let index = Index::new(meta.index_buckets as usize);
         let (end, live) = recover(&segments, &index, &hasher, meta.begin)?;
@@ -489,10 +495,16 @@ impl Shared {
         }
     }
 
+    /// The index's table for `hash` (moving its chunk first while the index
+    /// doubles). Called unpinned.
+    fn view(&self, hash: u64) -> View {
+        self.index.view(hash, &|head, bit| self.split_chain(head, bit))
+    }
+
     /// The newest address of `key`'s chain (0 when none). Called unpinned.
     fn chain_head(&self, hash: u64) -> u64 {
         loop {
-            let view = self.index.view(hash, &|head, bit| self.split_chain(head, bit));
+            let view = self.view(hash);
             match view.find(hash).and_then(|slot| slot.map_or(Ok(0), |slot| slot.head())) {
                 Ok(head) => return head,
                 Err(Moved) => continue,
@@ -552,7 +564,7 @@ impl Shared {
     /// it was read, and never waiting for room: it is an optimization.
     /// Called unpinned.
     fn copy_to_tail(&self, hash: u64, head: u64, key: &[u8], value: &[u8]) {
-        let view = self.index.view(hash, &|head, bit| self.split_chain(head, bit));
+        let view = self.view(hash);
         let Ok(Some(slot)) = view.find(hash) else { return };
         let Ok(lock) = slot.lock() else { return };
         if lock.head() != head {
@@ -582,7 +594,7 @@ impl Shared {
     fn write(&self, key: &[u8], write: Write<'_>) -> Result<bool> {
         let hash = self.hash(key);
         loop {
-            let view = self.index.view(hash, &|head, bit| self.split_chain(head, bit));
+            let view = self.view(hash);
             let slot = match (&write, view.find(hash)) {
                 (_, Err(Moved)) => continue,
                 (_, Ok(Some(slot))) => slot,
@@ -755,17 +767,18 @@ impl Shared {
         Ok(ScanPage { entries, next })
     }
 
+    /// Moves `begin` to the tail: recorded durably first, then the records
+    /// below are dropped without being written out.
     fn clear(&self) -> Result<()> {
         let _clearing = self.clearing.lock();
         let tail = self.log.tail.load(Ordering::Acquire);
-        self.log.make_durable(tail, self.syncs())?;
         {
             let mut meta = self.meta.lock();
             let cleared = Meta { begin: tail, ..*meta };
             cleared.store(&self.dir)?;
             *meta = cleared;
         }
-        self.log.set_begin(tail);
+        self.log.discard_below(tail);
         self.index.clear();
         self.live.store(0, Ordering::Relaxed);
         self.log.segments.remove_below(tail)?;
@@ -775,8 +788,7 @@ impl Shared {
 
 impl Drop for HybridEngine {
     fn drop(&mut self) {
-        let tail = self.shared.log.tail.load(Ordering::Acquire);
-        if let Err(error) = self.shared.log.make_durable(tail, self.shared.syncs()) {
+        if let Err(error) = self.flush() {
             tracing::error!(%error, dir = %self.shared.dir.display(), "hybrid engine: final flush failed");
         }
     }
@@ -793,12 +805,6 @@ impl Engine for HybridEngine {
 
     fn get(&self, key: &[u8]) -> Result<Option<Bytes>> {
         Ok(self.shared.read(key)?.map(Bytes::from))
-    }
-
-    fn get_with(&self, key: &[u8], visit: &mut dyn FnMut(Option<&[u8]>)) -> Result<()> {
-        let value = self.shared.read(key)?;
-        visit(value.as_deref());
-        Ok(())
     }
 
     fn put(&self, key: &[u8], value: Bytes) -> Result<()> {
