@@ -22,6 +22,8 @@ pub enum DataError {
     NotInteger,
     #[error("ERR string exceeds maximum allowed size (proto-max-bulk-len)")]
     TooLarge,
+    #[error("ERR increment or decrement would overflow")]
+    Overflow,
     /// Any other refusal, in Redis's words (after `ERR `).
     #[error("ERR {0}")]
     Invalid(String),

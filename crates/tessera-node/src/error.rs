@@ -103,6 +103,7 @@ impl From<tessera_data::DataError> for CommandError {
             DataError::WrongType => CommandError::WrongType,
             DataError::NotInteger => CommandError::NotInteger,
             DataError::TooLarge => CommandError::TooLarge,
+            DataError::Overflow => CommandError::Overflow,
             DataError::Invalid(message) => CommandError::Other(message),
             DataError::Engine(error) => CommandError::Engine(error),
         }

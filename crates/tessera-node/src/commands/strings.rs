@@ -260,9 +260,7 @@ fn add(context: &mut Context, key: &[u8], delta: i64) -> CommandResult {
     let _lock = context.lock_key(key)?;
     let updated = change_string(engine, key, context.now_ms, usize::MAX, |payload, new| {
         let current = payload.map_or(Ok(0), parse_i64)?;
-        let updated = current
-            .checked_add(delta)
-            .ok_or_else(|| DataError::Invalid("increment or decrement would overflow".into()))?;
+        let updated = current.checked_add(delta).ok_or(DataError::Overflow)?;
         new.extend_from_slice(itoa::Buffer::new().format(updated).as_bytes());
         Ok(updated)
     })?;
