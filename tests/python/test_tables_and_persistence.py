@@ -139,7 +139,10 @@ def test_a_hybrid_table_larger_than_its_memory_serves_and_survives_kill_9(data_d
     assert r.get("big:0") == value + b"0"
     assert info()[b"reads-in-memory"] == before[b"reads-in-memory"] + 1, "a read from disk is copied to memory"
     assert r.incr("big:counter") == 1
-    time.sleep(1.5)  # fsync everysec
+    deadline = time.time() + 10  # fsync everysec: wait for the fold-over that takes the counter
+    while info()[b"log-bytes-durable"] < info()[b"log-bytes"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert info()[b"log-bytes-durable"] == info()[b"log-bytes"]
     node.stop(signal.SIGKILL)
     node = Node(data_dir).start()
     r = node.client()

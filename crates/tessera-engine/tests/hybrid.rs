@@ -321,8 +321,11 @@ fn the_index_doubles_while_readers_and_writers_run() {
         }
     }
     assert_eq!(engine.len().unwrap(), 120_000);
-    // Let the background task finish the last doubling it started.
-    std::thread::sleep(std::time::Duration::from_millis(200));
+    // The background task records each doubling as it starts it.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while index_buckets(dir.path()) < first_size * 8 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     let grown = index_buckets(dir.path());
     assert!(grown >= first_size * 8, "the index grew from {first_size} to {grown} buckets");
     drop(engine);

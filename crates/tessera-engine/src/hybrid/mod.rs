@@ -843,6 +843,10 @@ impl Engine for HybridEngine {
             ("reads-in-memory", self.shared.reads_in_memory.load(Ordering::Relaxed)),
             ("reads-from-disk", self.shared.reads_from_disk.load(Ordering::Relaxed)),
             ("log-bytes", tail - log.begin.load(Ordering::Acquire)),
+            (
+                "log-bytes-durable",
+                log.durable.load(Ordering::Acquire).saturating_sub(log.begin.load(Ordering::Acquire)),
+            ),
             ("log-bytes-in-memory", tail - log.head.load(Ordering::Acquire)),
             ("index-buckets", self.shared.index.buckets() as u64),
         ]
