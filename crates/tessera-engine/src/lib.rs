@@ -5,6 +5,7 @@
 //! value. Every engine passes the same conformance suite (`tests/conformance.rs`).
 
 mod background;
+mod counter;
 mod error;
 mod hybrid;
 mod key;

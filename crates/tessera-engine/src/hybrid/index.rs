@@ -24,7 +24,10 @@
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use parking_lot::{Mutex, RwLock};
+use arc_swap::{ArcSwap, Guard};
+use parking_lot::Mutex;
+
+use super::memory::{Zeroable, ZeroedArray};
 
 const SLOTS: usize = 7;
 const TAG_SHIFT: u32 = 48;
@@ -56,7 +59,7 @@ struct Bucket {
 
 /// One table of buckets; overflow buckets are owned by the table.
 struct Table {
-    buckets: Box<[Bucket]>,
+    buckets: ZeroedArray<Bucket>,
     mask: u64,
     /// Boxed one by one: links hold their addresses, which must not move as
     /// the list grows.
@@ -68,16 +71,13 @@ fn tag_of(hash: u64) -> u64 {
     (hash >> 50) << TAG_SHIFT & TAG_MASK
 }
 
-fn zeroed_buckets(count: usize) -> Box<[Bucket]> {
-    let buckets: Box<[std::mem::MaybeUninit<Bucket>]> = Box::new_zeroed_slice(count);
-    // SAFETY: a bucket is atomic words only; all zero is every slot empty.
-    unsafe { buckets.assume_init() }
-}
+// SAFETY: a bucket is atomic words only; all zero is every slot empty.
+unsafe impl Zeroable for Bucket {}
 
 impl Table {
     fn new(count: usize) -> Self {
         debug_assert!(count.is_power_of_two());
-        Self { buckets: zeroed_buckets(count), mask: count as u64 - 1, overflow: Mutex::new(Vec::new()) }
+        Self { buckets: ZeroedArray::new(count), mask: count as u64 - 1, overflow: Mutex::new(Vec::new()) }
     }
 
     fn len(&self) -> usize {
@@ -229,7 +229,9 @@ struct State {
 }
 
 pub(crate) struct Index {
-    state: RwLock<Arc<State>>,
+    /// Loaded on every operation: `ArcSwap` lends it without touching a
+    /// shared counter, so threads do not contend on the index's header.
+    state: ArcSwap<State>,
 }
 
 /// Splits a chain for the doubled table: given the chain's newest address
@@ -239,7 +241,7 @@ pub(crate) type Split<'a> = &'a dyn Fn(u64, u64) -> [u64; 2];
 
 /// The table a hash is looked up in, held for as long as the caller needs.
 pub(crate) struct View {
-    state: Arc<State>,
+    state: Guard<Arc<State>>,
     in_next: bool,
 }
 
@@ -336,12 +338,12 @@ impl Index {
             chunks: Box::new([]),
             chunks_left: AtomicUsize::new(0),
         };
-        Self { state: RwLock::new(Arc::new(state)) }
+        Self { state: ArcSwap::from_pointee(state) }
     }
 
     /// Buckets of the newest table.
     pub(crate) fn buckets(&self) -> usize {
-        let state = self.state.read();
+        let state = self.state.load();
         state.next.as_ref().unwrap_or(&state.current).len()
     }
 
@@ -349,7 +351,7 @@ impl Index {
     /// `hash` belongs to is moved first. Called unpinned: it may wait for
     /// another thread moving that chunk.
     pub(crate) fn view(&self, hash: u64, split: Split<'_>) -> View {
-        let state = self.state.read().clone();
+        let state = self.state.load();
         if state.next.is_none() {
             return View { state, in_next: false };
         }
@@ -360,25 +362,27 @@ impl Index {
 
     /// Starts doubling the index, unless it is already doubling.
     pub(crate) fn start_doubling(&self) {
-        let mut state = self.state.write();
+        let state = self.state.load_full();
         if state.next.is_some() {
             return;
         }
         let current = state.current.clone();
         let next = Table::new(current.len() * 2);
         let chunks = current.len() / CHUNK_BUCKETS;
-        *state = Arc::new(State {
+        let doubling = Arc::new(State {
             current,
             next: Some(Arc::new(next)),
             chunks: (0..chunks).map(|_| AtomicU8::new(CHUNK_WAITING)).collect(),
             chunks_left: AtomicUsize::new(chunks),
         });
+        // Another thread that started first wins; its doubling stands.
+        self.state.compare_and_swap(&state, doubling);
     }
 
     /// Moves every chunk that has not moved (the background task's share of
     /// a doubling). Called unpinned.
     pub(crate) fn finish_doubling(&self, split: Split<'_>) {
-        let state = self.state.read().clone();
+        let state = self.state.load();
         if state.next.is_some() {
             for chunk in 0..state.chunks.len() {
                 self.move_chunk(&state, chunk, split);
@@ -425,20 +429,20 @@ impl Index {
         }
         status.store(CHUNK_MOVED, Ordering::Release);
         if state.chunks_left.fetch_sub(1, Ordering::AcqRel) == 1 {
-            let mut current = self.state.write();
-            debug_assert!(Arc::ptr_eq(&current, state));
-            *current = Arc::new(State {
+            // The last chunk moved: the new table is the only one.
+            let previous = self.state.swap(Arc::new(State {
                 current: new.clone(),
                 next: None,
                 chunks: Box::new([]),
                 chunks_left: AtomicUsize::new(0),
-            });
+            }));
+            debug_assert!(Arc::ptr_eq(&previous, state));
         }
     }
 
     /// Every entry back to empty (a cleared engine).
     pub(crate) fn clear(&self) {
-        let state = self.state.read().clone();
+        let state = self.state.load();
         state.current.clear();
         if let Some(next) = &state.next {
             next.clear();

@@ -30,6 +30,7 @@ use std::sync::{Arc, OnceLock};
 use crossbeam_epoch as epoch;
 use parking_lot::Mutex;
 
+use super::memory::ZeroedArray;
 use super::record::{checksum, Header, CHECK_BYTES, HEADER_BYTES, INCOMPLETE, SEQUENCE_WORD};
 use crate::{EngineError, Result};
 
@@ -228,7 +229,9 @@ impl Segments {
 pub(crate) struct Log {
     pub(crate) geometry: Geometry,
     page_mask: u64,
-    frames: Box<[OnceLock<Box<[AtomicU64]>>]>,
+    /// `u64::MAX / frames + 1`, for `frame_of`.
+    frames_magic: u64,
+    frames: Box<[OnceLock<ZeroedArray<AtomicU64>>]>,
     pub(crate) begin: AtomicU64,
     pub(crate) head: AtomicU64,
     safe_head: Arc<AtomicU64>,
@@ -252,6 +255,7 @@ impl Log {
         Self {
             geometry,
             page_mask: geometry.page_bytes() - 1,
+            frames_magic: u64::MAX / geometry.frames + 1,
             frames: (0..geometry.frames).map(|_| OnceLock::new()).collect(),
             begin: AtomicU64::new(begin),
             head: AtomicU64::new(end),
@@ -271,13 +275,26 @@ impl Log {
         address >> self.geometry.page_shift
     }
 
+    /// The frame that holds `page`: `page % frames`, computed with
+    /// multiplications (Lemire, Kaser and Kurz, "Faster remainder by direct
+    /// computation", 2019) because every word read goes through it and a
+    /// division costs tens of cycles. Exact for page numbers and frame
+    /// counts below 2^32, which addresses of 48 bits and pages of at least
+    /// 64 KiB guarantee.
+    fn frame_of(&self, page: u64) -> usize {
+        debug_assert!(page < 1 << 32 && self.geometry.frames < 1 << 32);
+        let fraction = self.frames_magic.wrapping_mul(page);
+        let frame = ((u128::from(fraction) * u128::from(self.geometry.frames)) >> 64) as usize;
+        debug_assert_eq!(frame as u64, page % self.geometry.frames);
+        frame
+    }
+
     /// The word at an in-memory address (8-aligned, at or above `head` while
     /// the caller is pinned, or between `head` and `tail` for the flusher).
     fn word(&self, address: u64) -> &AtomicU64 {
         debug_assert_eq!(address % 8, 0);
-        let frame = self.frames[(self.page(address) % self.geometry.frames) as usize]
-            .get()
-            .expect("an in-memory page has a frame");
+        let frame =
+            self.frames[self.frame_of(self.page(address))].get().expect("an in-memory page has a frame");
         &frame[((address & self.page_mask) >> 3) as usize]
     }
 
@@ -381,13 +398,8 @@ impl Log {
             return None;
         }
         for page in self.page(start)..=last_page {
-            self.frames[(page % self.geometry.frames) as usize].get_or_init(|| {
-                // Zeroed memory that the OS gives page by page as it is touched.
-                let words = (self.geometry.page_bytes() / 8) as usize;
-                let frame: Box<[std::mem::MaybeUninit<AtomicU64>]> = Box::new_zeroed_slice(words);
-                // SAFETY: an all-zero bit pattern is a valid AtomicU64.
-                unsafe { frame.assume_init() }
-            });
+            self.frames[self.frame_of(page)]
+                .get_or_init(|| ZeroedArray::new((self.geometry.page_bytes() / 8) as usize));
         }
         let (words, count) = header.words();
         for (index, word) in words[..count].iter().enumerate() {

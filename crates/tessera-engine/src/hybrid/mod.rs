@@ -14,13 +14,14 @@
 
 mod index;
 mod log;
+mod memory;
 mod record;
 
 use std::fs;
 use std::hash::BuildHasher;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -34,6 +35,7 @@ use self::record::{
     checksum, Header, FIRST_ADDRESS, HEADER_BYTES, INCOMPLETE, RECORD_BYTES_LIMIT, TOMBSTONE,
 };
 use crate::background::{spawn_periodic, PeriodicTask};
+use crate::counter::StripedCounter;
 use crate::{Capabilities, Engine, EngineError, FsyncPolicy, KeyRange, Result, ScanCursor, ScanPage};
 
 /// How a `hybrid` engine is configured.
@@ -77,6 +79,8 @@ const INDEX_BUCKETS_FIRST: u64 = 4096;
 const INDEX_BUCKETS_MAX: u64 = 1 << 32;
 /// The index doubles once there are this many keys per bucket (of seven slots).
 const KEYS_PER_BUCKET: u64 = 4;
+/// The largest read buffer a thread keeps for its next read.
+const READ_BUFFER_KEPT: usize = 64 << 10;
 
 /// What the engine keeps beside the log: the hash seed and the index's
 /// largest size (so that a rebuilt index has chains that hold those the
@@ -145,11 +149,11 @@ struct Shared {
     hasher: foldhash::quality::FixedState,
     /// What `hybrid.meta` holds, changed under its lock.
     meta: Mutex<Meta>,
-    /// Reads whose record was found in memory, and on disk.
-    reads_in_memory: AtomicU64,
-    reads_from_disk: AtomicU64,
+    /// Reads answered from memory (present or absent), and from disk.
+    reads_in_memory: StripedCounter,
+    reads_from_disk: StripedCounter,
     /// Keys present (live records the index leads to).
-    live: AtomicI64,
+    live: StripedCounter,
     last_sync: Mutex<Instant>,
     /// Serializes `clear`.
     clearing: Mutex<()>,
@@ -210,9 +214,9 @@ impl HybridEngine {
             index,
             hasher,
             meta: Mutex::new(meta),
-            reads_in_memory: AtomicU64::new(0),
-            reads_from_disk: AtomicU64::new(0),
-            live: AtomicI64::new(live),
+            reads_in_memory: StripedCounter::new(0),
+            reads_from_disk: StripedCounter::new(0),
+            live: StripedCounter::new(live),
             last_sync: Mutex::new(Instant::now()),
             clearing: Mutex::new(()),
         });
@@ -436,7 +440,7 @@ impl Shared {
     /// size is recorded first: recovery rebuilds the index at it.
     fn grow_index(&self) -> Result<()> {
         let buckets = self.index.buckets() as u64;
-        let live = self.live.load(Ordering::Relaxed).max(0) as u64;
+        let live = self.live.sum().max(0) as u64;
         if live > KEYS_PER_BUCKET * buckets && buckets * 2 <= INDEX_BUCKETS_MAX {
             let mut meta = self.meta.lock();
             if meta.index_buckets < buckets * 2 {
@@ -473,25 +477,32 @@ impl Shared {
         Ok(None)
     }
 
-    /// The value of an in-memory record, read between changes (`None` for a
-    /// tombstone).
-    fn memory_value(&self, address: u64, header: &Header) -> Option<Vec<u8>> {
-        sequence::read_consistent(&self.log, address, |word1| {
-            if self.log.load(address, Ordering::Acquire) & TOMBSTONE != 0 {
-                return None;
+    /// Puts the record's value in `out`; false for a tombstone. An
+    /// in-memory value is read between changes.
+    fn value_of(&self, found: &Found, out: &mut Vec<u8>) -> bool {
+        out.clear();
+        match found {
+            Found::Memory { address, header } => sequence::read_consistent(&self.log, *address, |word1| {
+                out.clear();
+                if self.log.load(*address, Ordering::Acquire) & TOMBSTONE != 0 {
+                    return false;
+                }
+                self.log.read_bytes(address + header.value_offset(), u64::from(word1 as u32), out);
+                true
+            }),
+            Found::Disk { header, body, .. } => {
+                out.extend_from_slice(&body[header.key_len as usize..]);
+                !header.is_tombstone()
             }
-            let mut value = Vec::new();
-            self.log.read_bytes(address + header.value_offset(), u64::from(word1 as u32), &mut value);
-            Some(value)
-        })
+        }
     }
 
-    fn value_of(&self, found: &Found) -> Option<Vec<u8>> {
+    /// Whether the record is a live value rather than a tombstone. The
+    /// caller holds the key's entry, so no writer changes the record.
+    fn is_live(&self, found: &Found) -> bool {
         match found {
-            Found::Memory { address, header } => self.memory_value(*address, header),
-            Found::Disk { header, body, .. } => {
-                (!header.is_tombstone()).then(|| body[header.key_len as usize..].to_vec())
-            }
+            Found::Memory { address, .. } => self.log.load(*address, Ordering::Acquire) & TOMBSTONE == 0,
+            Found::Disk { header, .. } => !header.is_tombstone(),
         }
     }
 
@@ -539,23 +550,39 @@ impl Shared {
         halves
     }
 
-    fn read(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+    /// Calls `visit` with `key`'s value, read into a buffer the thread
+    /// keeps between reads (so a read allocates nothing).
+    fn read_with<T>(&self, key: &[u8], visit: impl FnOnce(Option<&[u8]>) -> T) -> Result<T> {
+        thread_local! {
+            static BUFFER: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+        }
+        let mut buffer = BUFFER.take();
+        let present = self.read_into(key, &mut buffer);
+        let result = present.map(|present| visit(present.then_some(&buffer[..])));
+        if buffer.capacity() <= READ_BUFFER_KEPT {
+            BUFFER.set(buffer);
+        }
+        result
+    }
+
+    /// Puts `key`'s value in `out`; false when the key is absent.
+    fn read_into(&self, key: &[u8], out: &mut Vec<u8>) -> Result<bool> {
         let hash = self.hash(key);
         let head = self.chain_head(hash);
         let guard = epoch::pin();
         let found = self.find(head, key)?;
-        let value = found.as_ref().and_then(|found| self.value_of(found));
+        let present = found.as_ref().is_some_and(|found| self.value_of(found, out));
         // Unpinned from here: copying to the tail may wait on the index.
         drop(guard);
         if let Some(Found::Disk { .. }) = found {
-            self.reads_from_disk.fetch_add(1, Ordering::Relaxed);
-            if let Some(value) = &value {
-                self.copy_to_tail(hash, head, key, value);
+            self.reads_from_disk.add_statistic(1);
+            if present {
+                self.copy_to_tail(hash, head, key, out);
             }
         } else {
-            self.reads_in_memory.fetch_add(1, Ordering::Relaxed);
+            self.reads_in_memory.add_statistic(1);
         }
-        Ok(value)
+        Ok(present)
     }
 
     /// Copies a record read from disk to the tail, so that the keys a
@@ -614,14 +641,15 @@ impl Shared {
         let mut guard = epoch::pin();
         let head = lock.head();
         let found = self.find(head, key)?;
-        let current = found.as_ref().and_then(|found| self.value_of(found));
-        let existed = current.is_some();
+        let existed = found.as_ref().is_some_and(|found| self.is_live(found));
         let changed;
         let new: Option<&[u8]> = match write {
             Write::Put(value) => Some(value),
             Write::Delete => None,
             Write::Change(change) => {
-                let mut value = current;
+                let mut value = Vec::new();
+                let mut value =
+                    found.as_ref().is_some_and(|found| self.value_of(found, &mut value)).then_some(value);
                 if !change(&mut value) {
                     return Ok(existed);
                 }
@@ -638,7 +666,7 @@ impl Shared {
                 && new.is_none_or(|value| header.fits_in_place(value.len()))
             {
                 self.change_in_place(address, &header, new);
-                self.live.fetch_add(live_change, Ordering::Relaxed);
+                self.count_live(live_change);
                 drop(guard);
                 return self.after_write(address + header.record_bytes()).map(|()| existed);
             }
@@ -661,9 +689,15 @@ impl Shared {
         };
         self.fill(address, &header, key, new);
         lock.set_head(address);
-        self.live.fetch_add(live_change, Ordering::Relaxed);
+        self.count_live(live_change);
         drop(guard);
         self.after_write(address + header.record_bytes()).map(|()| existed)
+    }
+
+    fn count_live(&self, change: i64) {
+        if change != 0 {
+            self.live.add(change);
+        }
     }
 
     /// Changes a mutable record where it lies: a new value that fits its
@@ -757,7 +791,8 @@ impl Shared {
                 let newest = self.find(head, &key)?;
                 let report =
                     newest.as_ref().is_some_and(|found| found.address() == at || found.address() >= end);
-                if let Some(value) = newest.filter(|_| report).and_then(|found| self.value_of(&found)) {
+                let mut value = Vec::new();
+                if newest.filter(|_| report).is_some_and(|found| self.value_of(&found, &mut value)) {
                     entries.push((Bytes::from(key), Bytes::from(value)));
                 }
             }
@@ -780,7 +815,7 @@ impl Shared {
         }
         self.log.discard_below(tail);
         self.index.clear();
-        self.live.store(0, Ordering::Relaxed);
+        self.live.reset(0);
         self.log.segments.remove_below(tail)?;
         Ok(())
     }
@@ -804,7 +839,11 @@ impl Engine for HybridEngine {
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Bytes>> {
-        Ok(self.shared.read(key)?.map(Bytes::from))
+        self.shared.read_with(key, |value| value.map(Bytes::copy_from_slice))
+    }
+
+    fn get_with(&self, key: &[u8], visit: &mut dyn FnMut(Option<&[u8]>)) -> Result<()> {
+        self.shared.read_with(key, visit)
     }
 
     fn put(&self, key: &[u8], value: Bytes) -> Result<()> {
@@ -824,7 +863,7 @@ impl Engine for HybridEngine {
     }
 
     fn len(&self) -> Result<u64> {
-        Ok(self.shared.live.load(Ordering::Relaxed).max(0) as u64)
+        Ok(self.shared.live.sum().max(0) as u64)
     }
 
     fn clear(&self) -> Result<()> {
@@ -840,8 +879,8 @@ impl Engine for HybridEngine {
         let log = &self.shared.log;
         let tail = log.tail.load(Ordering::Acquire);
         vec![
-            ("reads-in-memory", self.shared.reads_in_memory.load(Ordering::Relaxed)),
-            ("reads-from-disk", self.shared.reads_from_disk.load(Ordering::Relaxed)),
+            ("reads-in-memory", self.shared.reads_in_memory.sum() as u64),
+            ("reads-from-disk", self.shared.reads_from_disk.sum() as u64),
             ("log-bytes", tail - log.begin.load(Ordering::Acquire)),
             (
                 "log-bytes-durable",
