@@ -388,3 +388,122 @@ fn a_smaller_budget_still_reads_the_larger_records_written_before() {
     assert!(engine.put(b"big", big).unwrap_err().to_string().contains("exceeds"));
     assert!(engine.delete(b"big").unwrap());
 }
+
+fn stat(engine: &dyn Engine, name: &str) -> u64 {
+    engine.stats().into_iter().find(|(stat, _)| *stat == name).unwrap_or_else(|| panic!("no stat {name}")).1
+}
+
+#[test]
+fn compaction_keeps_the_newest_value_of_every_key_and_gives_the_files_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut model = BTreeMap::new();
+    {
+        let engine = HybridEngine::open(dir.path(), options(1 << 20)).unwrap();
+        // 2,000 keys written 100 times over (about 200 MB of log, several
+        // segment files), a tenth deleted at the end: most of the log is dead.
+        for round in 0..100 {
+            for i in 0..2_000u32 {
+                let key = format!("key:{i}").into_bytes();
+                if i % 10 == 3 && round == 99 {
+                    engine.delete(&key).unwrap();
+                    model.remove(&key);
+                } else {
+                    let value = value_for(i, round, 1000);
+                    engine.put(&key, Bytes::from(value.clone())).unwrap();
+                    model.insert(key, value);
+                }
+            }
+        }
+        // The engine compacts by itself once half its log is dead (it may
+        // have begun already); `compact` finishes the job at once.
+        let written = 2_000 * 100 * 1_000;
+        engine.compact().unwrap();
+        let log_bytes = stat(&engine, "log-bytes");
+        assert!(log_bytes < written / 20, "{log_bytes} bytes of log left of {written} written");
+        assert!(stat(&engine, "log-bytes-compacted") > written * 9 / 10);
+        assert!(stat(&engine, "log-bytes-dead") < log_bytes, "the dead bytes left are counted");
+        assert!(
+            segment_files(dir.path()).len() <= 2,
+            "whole segment files are removed: {:?}",
+            segment_files(dir.path())
+        );
+        assert_holds(&engine, &model, "after compaction");
+    }
+    let engine = HybridEngine::open(dir.path(), options(1 << 20)).unwrap();
+    assert_holds(&engine, &model, "reopened after compaction");
+}
+
+/// A writer's value: its key's round, so that a reader can tell an older
+/// value from a newer one.
+fn round_of(value: &[u8]) -> u32 {
+    let text =
+        std::str::from_utf8(&value[..value.iter().position(|b| *b == b'a').unwrap_or(value.len())]).unwrap();
+    text.split(':').nth(1).unwrap().parse().unwrap()
+}
+
+#[test]
+fn compaction_running_beside_writers_and_readers_loses_no_write_and_brings_back_no_old_value() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Arc::new(HybridEngine::open(dir.path(), options(1 << 20)).unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    const KEYS: u32 = 500;
+    let writers: Vec<_> = (0..2u32)
+        .map(|writer| {
+            let (engine, stop) = (engine.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut round = 0;
+                let mut last = BTreeMap::new();
+                while !stop.load(Ordering::Relaxed) || round < 20 {
+                    for i in (writer..KEYS).step_by(2) {
+                        // Lengths that change, so that updates go to the tail.
+                        let value = value_for(i, round, 300 + (round as usize % 4) * 16);
+                        engine.put(format!("key:{i}").as_bytes(), Bytes::from(value.clone())).unwrap();
+                        last.insert(i, value);
+                    }
+                    round += 1;
+                }
+                last
+            })
+        })
+        .collect();
+    let reader = {
+        let (engine, stop) = (engine.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut seen: Vec<Option<u32>> = vec![None; KEYS as usize];
+            let mut i = 0;
+            while !stop.load(Ordering::Relaxed) {
+                i = (i + 7) % KEYS;
+                let seen = &mut seen[i as usize];
+                match engine.get(format!("key:{i}").as_bytes()).unwrap() {
+                    Some(value) => {
+                        let round = round_of(&value);
+                        assert!(
+                            seen.is_none_or(|before| round >= before),
+                            "key:{i} went back to round {round}"
+                        );
+                        *seen = Some(round);
+                    }
+                    None => assert!(seen.is_none(), "key:{i} disappeared"),
+                }
+            }
+        })
+    };
+    let mut compacted = 0;
+    for _ in 0..30 {
+        compacted += engine.compact().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut model = BTreeMap::new();
+    for writer in writers {
+        for (i, value) in writer.join().unwrap() {
+            model.insert(format!("key:{i}").into_bytes(), value);
+        }
+    }
+    reader.join().unwrap();
+    assert!(compacted > 0, "compaction ran while the writers wrote");
+    assert_holds(engine.as_ref(), &model, "after compacting beside writers");
+    drop(engine);
+    let engine = HybridEngine::open(dir.path(), options(1 << 20)).unwrap();
+    assert_holds(&engine, &model, "reopened");
+}

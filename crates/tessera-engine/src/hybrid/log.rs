@@ -214,12 +214,21 @@ impl Segments {
     /// Removes every segment wholly below `address`.
     pub(crate) fn remove_below(&self, address: u64) -> Result<()> {
         let last = address / SEGMENT_BYTES;
-        for segment in 0..last {
-            self.open.lock().remove(&segment);
-            match std::fs::remove_file(self.path(segment)) {
-                Ok(()) => {}
-                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
-                Err(error) => return Err(error.into()),
+        for entry in std::fs::read_dir(&self.dir)? {
+            let name = entry?.file_name();
+            let Some(segment) = name
+                .to_str()
+                .and_then(|name| name.strip_prefix("hybrid-")?.strip_suffix(".log")?.parse().ok())
+            else {
+                continue;
+            };
+            if segment < last {
+                self.open.lock().remove(&segment);
+                match std::fs::remove_file(self.path(segment)) {
+                    Ok(()) => {}
+                    Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(error) => return Err(error.into()),
+                }
             }
         }
         Ok(())
@@ -233,6 +242,9 @@ pub(crate) struct Log {
     frames_magic: u64,
     frames: Box<[OnceLock<ZeroedArray<AtomicU64>>]>,
     pub(crate) begin: AtomicU64,
+    /// `begin` once no reader can still be following a chain below it: the
+    /// segment files below may go.
+    safe_begin: Arc<AtomicU64>,
     pub(crate) head: AtomicU64,
     safe_head: Arc<AtomicU64>,
     pub(crate) read_only: AtomicU64,
@@ -258,6 +270,7 @@ impl Log {
             frames_magic: u64::MAX / geometry.frames + 1,
             frames: (0..geometry.frames).map(|_| OnceLock::new()).collect(),
             begin: AtomicU64::new(begin),
+            safe_begin: Arc::new(AtomicU64::new(begin)),
             head: AtomicU64::new(end),
             safe_head: Arc::new(AtomicU64::new(end)),
             read_only: AtomicU64::new(end),
@@ -492,9 +505,29 @@ impl Log {
     /// there, and what was not yet written out never will be, so the pages
     /// below it may be evicted at once. The caller has recorded the new
     /// `begin` durably first.
+    /// Makes the records below `address` unreachable (compaction has copied
+    /// what was live among them); `remove_unreachable` removes their files
+    /// once every reader pinned now has unpinned.
+    pub(crate) fn advance_begin(&self, address: u64) {
+        if self.begin.fetch_max(address, Ordering::AcqRel) < address {
+            defer_max(&self.safe_begin, address);
+        }
+    }
+
+    /// Removes the segment files no reader can reach any more. Called unpinned.
+    pub(crate) fn remove_unreachable(&self) -> Result<()> {
+        epoch::pin().flush();
+        self.segments.remove_below(self.safe_begin.load(Ordering::Acquire))
+    }
+
+    /// Whether every segment file below `address` may be removed.
+    pub(crate) fn unreachable_below(&self, address: u64) -> bool {
+        self.safe_begin.load(Ordering::Acquire) >= address
+    }
+
     pub(crate) fn discard_below(&self, address: u64) {
         let _flushing = self.flushing.lock();
-        self.begin.fetch_max(address, Ordering::AcqRel);
+        self.advance_begin(address);
         self.move_read_only(address);
         self.flushed.fetch_max(address, Ordering::AcqRel);
         self.durable.fetch_max(address, Ordering::AcqRel);

@@ -79,6 +79,11 @@ const INDEX_BUCKETS_FIRST: u64 = 4096;
 const INDEX_BUCKETS_MAX: u64 = 1 << 32;
 /// The index doubles once there are this many keys per bucket (of seven slots).
 const KEYS_PER_BUCKET: u64 = 4;
+/// How often the compaction task looks at the log.
+const COMPACTION_INTERVAL: Duration = Duration::from_secs(1);
+/// Compaction starts once the on-disk region is at least this large and at
+/// least half of the log is dead records.
+const COMPACTION_MIN_BYTES: u64 = 64 << 20;
 /// The largest read buffer a thread keeps for its next read.
 const READ_BUFFER_KEPT: usize = 64 << 10;
 
@@ -154,14 +159,20 @@ struct Shared {
     reads_from_disk: StripedCounter,
     /// Keys present (live records the index leads to).
     live: StripedCounter,
+    /// Bytes of records no key leads to any more (replaced or deleted): an
+    /// estimate kept by the writers, which starts compaction.
+    dead_bytes: StripedCounter,
+    /// Bytes of the log compaction has removed.
+    compacted_bytes: StripedCounter,
     last_sync: Mutex<Instant>,
-    /// Serializes `clear`.
-    clearing: Mutex<()>,
+    /// Serializes `clear` and compaction.
+    maintenance: Mutex<()>,
 }
 
 pub struct HybridEngine {
     shared: Arc<Shared>,
     _background: PeriodicTask,
+    _compaction: PeriodicTask,
 }
 
 /// The newest record of a key, where it lies.
@@ -174,6 +185,12 @@ impl Found {
     fn address(&self) -> u64 {
         match self {
             Found::Memory { address, .. } | Found::Disk { address, .. } => *address,
+        }
+    }
+
+    fn header(&self) -> &Header {
+        match self {
+            Found::Memory { header, .. } | Found::Disk { header, .. } => header,
         }
     }
 }
@@ -205,8 +222,8 @@ impl HybridEngine {
         let segments = Segments::new(dir);
         let hasher = foldhash::quality::FixedState::with_seed(meta.seed);
         let index = Index::new(meta.index_buckets as usize);
-        let (end, live) = recover(&segments, &index, &hasher, meta.begin)?;
-        let log = Log::new(geometry, segments, meta.begin, end);
+        let recovered = recover(&segments, &index, &hasher, meta.begin)?;
+        let log = Log::new(geometry, segments, meta.begin, recovered.end);
         let shared = Arc::new(Shared {
             dir: dir.to_path_buf(),
             options,
@@ -216,9 +233,11 @@ impl HybridEngine {
             meta: Mutex::new(meta),
             reads_in_memory: StripedCounter::new(0),
             reads_from_disk: StripedCounter::new(0),
-            live: StripedCounter::new(live),
+            live: StripedCounter::new(recovered.live),
+            dead_bytes: StripedCounter::new(recovered.dead_bytes),
+            compacted_bytes: StripedCounter::new(0),
             last_sync: Mutex::new(Instant::now()),
-            clearing: Mutex::new(()),
+            maintenance: Mutex::new(()),
         });
         let background = spawn_periodic(
             "tessera-hybrid",
@@ -230,7 +249,24 @@ impl HybridEngine {
                 }
             },
         )?;
-        Ok(Self { shared, _background: background })
+        let compaction = spawn_periodic(
+            "tessera-hybrid-compact",
+            Arc::downgrade(&shared),
+            COMPACTION_INTERVAL,
+            |shared| {
+                if let Err(error) = shared.compact_if_worthwhile() {
+                    tracing::error!(%error, dir = %shared.dir.display(), "hybrid engine: compaction failed");
+                }
+            },
+        )?;
+        Ok(Self { shared, _background: background, _compaction: compaction })
+    }
+
+    /// Compacts the on-disk region now, all of it (the engine does it by
+    /// itself once half of that region is dead records). Returns the bytes
+    /// of log no longer kept.
+    pub fn compact(&self) -> Result<u64> {
+        self.shared.compact(u64::MAX)
     }
 }
 
@@ -239,19 +275,28 @@ fn rand_seed() -> u64 {
     RandomState::new().hash_one(std::time::SystemTime::now())
 }
 
+/// What recovery found in the log.
+struct Recovered {
+    /// Where the log ends.
+    end: u64,
+    /// Keys present.
+    live: i64,
+    /// Bytes of records that a later record replaced, and of tombstones.
+    dead_bytes: i64,
+}
+
 /// Replays the log from `begin`: every whole record whose CRC holds joins the
 /// index in address order, which rebuilds each chain as it was. The log is
-/// cut after the last whole record. Returns the log's end and the number of
-/// live keys.
+/// cut after the last whole record.
 fn recover(
     segments: &Segments,
     index: &Index,
     hasher: &foldhash::quality::FixedState,
     begin: u64,
-) -> Result<(u64, i64)> {
+) -> Result<Recovered> {
     let limit = RECORD_BYTES_LIMIT;
     let mut reader = SequentialReader::new(segments, begin)?;
-    let mut live = 0i64;
+    let (mut live, mut dead_bytes) = (0i64, 0i64);
     loop {
         let at = reader.address;
         let Some((header, key)) = reader.next_record(limit)? else { break };
@@ -266,6 +311,10 @@ fn recover(
         let before = find_on_disk(segments, limit, lock.head(), begin, &key)?;
         let was_live = before.is_some_and(|header| !header.is_tombstone());
         live += i64::from(!header.is_tombstone()) - i64::from(was_live);
+        dead_bytes += before.map_or(0, |before| before.record_bytes() as i64);
+        if header.is_tombstone() {
+            dead_bytes += header.record_bytes() as i64;
+        }
         lock.set_head(at);
     }
     // What follows is a torn tail, unless a whole record lies beyond the
@@ -280,7 +329,7 @@ fn recover(
     }
     let end = reader.address;
     segments.truncate(end)?;
-    Ok((end, live))
+    Ok(Recovered { end, live, dead_bytes })
 }
 
 /// The newest record of `key` among on-disk records, following a chain.
@@ -605,6 +654,19 @@ impl Shared {
         let Some(address) = self.log.allocate(&header) else { return };
         self.fill(address, &header, key, Some(value));
         lock.set_head(address);
+        // The record read from disk has the same size as its copy.
+        self.dead_bytes.add(header.record_bytes() as i64);
+    }
+
+    /// Allocates `header`'s record at the tail, waiting unpinned for room
+    /// when the frames are full. The caller holds the key's entry.
+    fn allocate(&self, header: &Header, guard: &mut epoch::Guard) -> Result<u64> {
+        loop {
+            if let Some(address) = self.log.allocate(header) {
+                return Ok(address);
+            }
+            guard.repin_after(|| self.log.wait_for_room())?;
+        }
     }
 
     /// Writes a record allocated at `address` and marks it complete. The
@@ -679,17 +741,13 @@ impl Shared {
                 (limit - HEADER_BYTES) as usize,
             ));
         }
-        let address = loop {
-            if let Some(address) = self.log.allocate(&header) {
-                break address;
-            }
-            drop(guard);
-            self.log.wait_for_room()?;
-            guard = epoch::pin();
-        };
+        let address = self.allocate(&header, &mut guard)?;
         self.fill(address, &header, key, new);
         lock.set_head(address);
         self.count_live(live_change);
+        let replaced = found.as_ref().map_or(0, |found| found.header().record_bytes());
+        let tombstone = if new.is_none() { header.record_bytes() } else { 0 };
+        self.dead_bytes.add((replaced + tombstone) as i64);
         drop(guard);
         self.after_write(address + header.record_bytes()).map(|()| existed)
     }
@@ -805,7 +863,7 @@ impl Shared {
     /// Moves `begin` to the tail: recorded durably first, then the records
     /// below are dropped without being written out.
     fn clear(&self) -> Result<()> {
-        let _clearing = self.clearing.lock();
+        let _maintenance = self.maintenance.lock();
         let tail = self.log.tail.load(Ordering::Acquire);
         {
             let mut meta = self.meta.lock();
@@ -816,8 +874,125 @@ impl Shared {
         self.log.discard_below(tail);
         self.index.clear();
         self.live.reset(0);
-        self.log.segments.remove_below(tail)?;
+        self.dead_bytes.reset(0);
+        self.remove_files_below(tail)
+    }
+
+    /// Removes the segment files below `address` once no reader can reach
+    /// them, waiting a little for readers to move on (the compaction task
+    /// removes what is left). Called unpinned.
+    fn remove_files_below(&self, address: u64) -> Result<()> {
+        for _ in 0..100 {
+            epoch::pin().flush();
+            if self.log.unreachable_below(address) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.log.remove_unreachable()
+    }
+
+    /// Compacts the oldest half of the on-disk region once half of the log
+    /// is dead records (replaced, deleted) and that region is large enough
+    /// for the work to give whole segment files back.
+    fn compact_if_worthwhile(&self) -> Result<()> {
+        self.log.remove_unreachable()?;
+        let begin = self.log.begin.load(Ordering::Acquire);
+        let on_disk = self.log.head.load(Ordering::Acquire).saturating_sub(begin);
+        let log_bytes = self.log.tail.load(Ordering::Acquire).saturating_sub(begin);
+        let dead = self.dead_bytes.sum().max(0) as u64;
+        if on_disk >= COMPACTION_MIN_BYTES && dead * 2 >= log_bytes {
+            self.compact(begin + on_disk / 2)?;
+        }
         Ok(())
+    }
+
+    /// Compaction (FASTER's "shift begin address" with a scan of what lies
+    /// below it): walks the on-disk records from `begin` to at most `until`,
+    /// copies each one that is still its key's newest live record to the
+    /// tail, then moves `begin` past them, durably and only once the copies
+    /// are as durable as the fsync policy makes anything; the files below
+    /// go once no reader can reach them. Writers and readers carry on
+    /// meanwhile: a copy is made under the key's entry lock, so a write
+    /// that lands first wins and the stale record is not copied. Returns the
+    /// bytes of log no longer kept.
+    fn compact(&self, until: u64) -> Result<u64> {
+        let _maintenance = self.maintenance.lock();
+        let begin = self.log.begin.load(Ordering::Acquire);
+        let until = until.min(self.log.head.load(Ordering::Acquire));
+        let mut reader = SequentialReader::new(&self.log.segments, begin)?;
+        let mut copied = 0;
+        while reader.address < until {
+            let at = reader.address;
+            let Some((size, header, key)) = reader.record_here(RECORD_BYTES_LIMIT)? else {
+                return Err(EngineError::Corrupt(format!(
+                    "hybrid log: compaction found a damaged record at address {at} in {}",
+                    self.log.segments.path_of(at).display()
+                )));
+            };
+            if !header.is_incomplete() && !header.is_tombstone() {
+                match self.relocate(at, &key)? {
+                    Some(bytes) => copied += bytes,
+                    // Too large to copy under this budget: compaction stops before it.
+                    None => break,
+                }
+            }
+            reader.advance(size);
+        }
+        let end = reader.address;
+        if end == begin {
+            return Ok(0);
+        }
+        self.log.make_durable(self.log.tail.load(Ordering::Acquire), self.syncs())?;
+        {
+            let mut meta = self.meta.lock();
+            let moved = Meta { begin: end, ..*meta };
+            moved.store(&self.dir)?;
+            *meta = moved;
+        }
+        self.log.advance_begin(end);
+        let reclaimed = end - begin;
+        self.dead_bytes.add(-((reclaimed - copied) as i64));
+        self.compacted_bytes.add(reclaimed as i64);
+        self.remove_files_below(end)?;
+        Ok(reclaimed)
+    }
+
+    /// Copies the on-disk record at `at` to the tail if it is still its
+    /// key's newest record: the bytes copied (0 when it is not), or `None`
+    /// when it is too large for this budget's pages. Called unpinned.
+    fn relocate(&self, at: u64, key: &[u8]) -> Result<Option<u64>> {
+        let hash = self.hash(key);
+        loop {
+            let view = self.view(hash);
+            let slot = match view.find(hash) {
+                Err(Moved) => continue,
+                Ok(None) => return Ok(Some(0)),
+                Ok(Some(slot)) => slot,
+            };
+            let Ok(lock) = slot.lock() else { continue };
+            let head = lock.head();
+            let mut guard = epoch::pin();
+            let found = self.find(head, key)?;
+            let mut value = Vec::new();
+            let Some(found) = found.filter(|found| found.address() == at) else { return Ok(Some(0)) };
+            if !self.value_of(&found, &mut value) {
+                return Ok(Some(0));
+            }
+            let header = Header::new(head, key.len(), Some(value.len()));
+            if header.record_bytes() > self.log.geometry.record_bytes_max() {
+                tracing::warn!(
+                    address = at,
+                    dir = %self.dir.display(),
+                    "hybrid engine: a record written under a larger memory budget holds compaction back"
+                );
+                return Ok(None);
+            }
+            let address = self.allocate(&header, &mut guard)?;
+            self.fill(address, &header, key, Some(&value));
+            lock.set_head(address);
+            return Ok(Some(header.record_bytes()));
+        }
     }
 }
 
@@ -888,6 +1063,8 @@ impl Engine for HybridEngine {
             ),
             ("log-bytes-in-memory", tail - log.head.load(Ordering::Acquire)),
             ("index-buckets", self.shared.index.buckets() as u64),
+            ("log-bytes-dead", self.shared.dead_bytes.sum().max(0) as u64),
+            ("log-bytes-compacted", self.shared.compacted_bytes.sum() as u64),
         ]
     }
 }
