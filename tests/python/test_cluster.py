@@ -1148,7 +1148,7 @@ def test_a_hybrid_table_larger_than_its_memory_replicates_in_every_mode_and_surv
     steps = [("ms", "strong"), ("aa", "eventual"), ("ms", "eventual"), ("aa", "strong")]
     for step, (topology, consistency) in enumerate(steps):
         assert admin.execute_command("TABLE.ALTER", "cold", "TOPOLOGY", topology, "CONSISTENCY", consistency) == b"OK"
-        for index in range(300):
+        for index in range(700):
             key = f"cold:{step}:{index}"
             written[key] = (f"{step}:{index}:".encode() + bytes([97 + index % 26]) * 2000)
             client.set(key, written[key])
@@ -1165,6 +1165,10 @@ def test_a_hybrid_table_larger_than_its_memory_replicates_in_every_mode_and_surv
             cluster.wait_for_full_shards(timeout=60)
     info = dict(zip(*[iter(admin.execute_command("TABLE.INFO", "cold"))] * 2))
     assert info[b"engine"] == b"hybrid" and info[b"mode"] == b"aa+sc", info
+    # Every node's logs of the table hold more than the budget: reads went to disk.
+    for node in range(3):
+        logs = list((cluster.dir / "nodes" / str(node) / "shards").rglob("hybrid-*.log"))
+        assert logs and max(path.stat().st_size for path in logs) > 1 << 20, logs
     missing = [key for key, value in written.items() if client.get(key) != value]
     assert not missing, f"{len(missing)} of {len(written)} acknowledged writes lost, e.g. {missing[:3]}"
     assert client.get("cold:counter") == b"4"
