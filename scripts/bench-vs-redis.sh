@@ -10,6 +10,8 @@
 # that time. Usage: scripts/bench-vs-redis.sh [ROUNDS] [REQUESTS]
 # TLS=1 runs every server on a TLS port only (certificates from `tessera
 # tls-certs`, client certificates required) and redis-benchmark with --tls.
+# ENGINES="memory hybrid" runs a pair of Tessera servers per engine (hybrid
+# with memory-bytes 2gb, so that the data set stays in memory).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-5}
@@ -18,7 +20,10 @@ out=${BENCH_OUT:-bench-results}
 mkdir -p "$out"
 tls=${TLS:-0}
 tests=${TESTS:-set,get}
-results="$out/vs-redis$([ "$tls" = 1 ] && echo -tls)$([ "$tests" != set,get ] && echo -many).csv"
+engines=${ENGINES:-memory}
+# Prints $3 when $1 differs from $2 (and succeeds either way, as `set -e` needs).
+unless_equal() { if [ "$1" != "$2" ]; then echo "$3"; fi; }
+results="$out/vs-redis$(unless_equal "$tls" 0 -tls)$(unless_equal "$tests" set,get -many)$(unless_equal "$engines" memory -engines).csv"
 
 command -v redis-server >/dev/null && command -v redis-benchmark >/dev/null || {
     echo "needs redis-server and redis-benchmark (apt-get install redis-server redis-tools)" >&2
@@ -50,18 +55,32 @@ declare -A server_pids
 redis-server --port 7601 "${redis_tls[@]}" --bind 127.0.0.1 --save "" --appendonly no --logfile "" >/dev/null &
 pids+=($!)
 server_pids[redis]=$!
-# Two Tessera configurations: one worker per core (the default), and one worker,
-# which leaves the second core to redis-benchmark as Redis's single thread does.
-declare -A ports=([redis]=$redis_port [tessera]=$(plain_or_tls 7602 7612) [tessera-1thread]=$(plain_or_tls 7603 7613))
+# Two Tessera configurations per engine: one worker per core (the default), and
+# one worker, which leaves the second core to redis-benchmark as Redis's single
+# thread does. The memory engine's servers are "tessera" and "tessera-1thread";
+# another engine's carry its name ("tessera-hybrid", "tessera-hybrid-1thread").
+declare -A ports=([redis]=$redis_port)
+servers=(redis)
 tls_port() { if [ "$tls" = 1 ]; then echo --tls-port "$1" "${tessera_tls[@]}"; fi; }
-# shellcheck disable=SC2046
-target/release/tessera serve --port 7602 $(tls_port 7612) --dir "$data/a" --log warn &
-pids+=($!)
-server_pids[tessera]=$!
-# shellcheck disable=SC2046
-target/release/tessera serve --port 7603 $(tls_port 7613) --dir "$data/b" --log warn --threads 1 &
-pids+=($!)
-server_pids[tessera-1thread]=$!
+port=7602
+for engine in $engines; do
+    name=tessera$(unless_equal "$engine" memory "-$engine")
+    engine_args=(--engine "$engine")
+    if [ "$engine" = hybrid ]; then
+        engine_args+=(--engine-option memory-bytes=2gb --engine-option fsync=everysec)
+    fi
+    for threads in 2 1; do
+        server=$name$(unless_equal "$threads" 2 -1thread)
+        # shellcheck disable=SC2046
+        target/release/tessera serve --port "$port" $(tls_port $((port + 10))) --dir "$data/$server" --log warn \
+            --threads "$threads" "${engine_args[@]}" &
+        pids+=($!)
+        server_pids[$server]=$!
+        ports[$server]=$(plain_or_tls "$port" $((port + 10)))
+        servers+=("$server")
+        port=$((port + 1))
+    done
+done
 for port in "${ports[@]}"; do
     for _ in $(seq 100); do redis-cli -p "$port" "${client_tls[@]}" ping >/dev/null 2>&1 && break; sleep 0.1; done
 done
@@ -71,10 +90,10 @@ cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 ticks_per_second=$(getconf CLK_TCK)
 
 echo "round,pipeline,server,test,rps,cpu_us_per_request" >"$results"
-servers=(redis tessera tessera-1thread)
 for round in $(seq "$rounds"); do
     # Rotate the order so no server always runs first.
-    order=("${servers[@]:$((round % 3))}" "${servers[@]:0:$((round % 3))}")
+    shift_by=$((round % ${#servers[@]}))
+    order=("${servers[@]:$shift_by}" "${servers[@]:0:$shift_by}")
     for pipeline in 1 16; do
         for server in "${order[@]}"; do
             redis-cli -p "${ports[$server]}" "${client_tls[@]}" flushall >/dev/null
@@ -95,19 +114,23 @@ for round in $(seq "$rounds"); do
     done
 done
 
-python3 - "$results" <<'PY'
+python3 - "$results" $engines <<'PY'
 import csv, statistics, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
+engines = sys.argv[2:]
 def median(pipeline, server, test, column):
     values = [float(r[column]) for r in rows if (r["pipeline"], r["server"], r["test"]) == (pipeline, server, test) and r[column]]
     return statistics.median(values) if values else None
-print("| pipeline | test | Redis ops/s | Tessera ops/s | ratio | Tessera 1 thread ops/s | ratio | CPU µs/request: Redis | Tessera 1 thread | Redis / Tessera |")
-print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 tests = list(dict.fromkeys(r["test"] for r in rows))  # in redis-benchmark's order
-for pipeline in ("1", "16"):
-    for test in tests:
-        redis, tessera, single = (median(pipeline, server, test, "rps") for server in ("redis", "tessera", "tessera-1thread"))
-        redis_cpu, single_cpu = (median(pipeline, server, test, "cpu_us_per_request") for server in ("redis", "tessera-1thread"))
-        cpu = f"{redis_cpu:.2f} | {single_cpu:.2f} | {redis_cpu / single_cpu:.2f}x" if redis_cpu and single_cpu else "– | – | –"
-        print(f"| -P {pipeline} | {test} | {redis:,.0f} | {tessera:,.0f} | {tessera / redis:.2f}x | {single:,.0f} | {single / redis:.2f}x | {cpu} |")
+for engine in engines:
+    name = "tessera" if engine == "memory" else f"tessera-{engine}"
+    print(f"\nEngine {engine}:\n")
+    print("| pipeline | test | Redis ops/s | Tessera ops/s | ratio | Tessera 1 thread ops/s | ratio | CPU µs/request: Redis | Tessera 1 thread | Redis / Tessera |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for pipeline in ("1", "16"):
+        for test in tests:
+            redis, tessera, single = (median(pipeline, server, test, "rps") for server in ("redis", name, f"{name}-1thread"))
+            redis_cpu, single_cpu = (median(pipeline, server, test, "cpu_us_per_request") for server in ("redis", f"{name}-1thread"))
+            cpu = f"{redis_cpu:.2f} | {single_cpu:.2f} | {redis_cpu / single_cpu:.2f}x" if redis_cpu and single_cpu else "– | – | –"
+            print(f"| -P {pipeline} | {test} | {redis:,.0f} | {tessera:,.0f} | {tessera / redis:.2f}x | {single:,.0f} | {single / redis:.2f}x | {cpu} |")
 PY

@@ -311,7 +311,8 @@ fn recover(
         let before = find_on_disk(segments, limit, lock.head(), begin, &key)?;
         let was_live = before.is_some_and(|header| !header.is_tombstone());
         live += i64::from(!header.is_tombstone()) - i64::from(was_live);
-        dead_bytes += before.map_or(0, |before| before.record_bytes() as i64);
+        // A tombstone replaced was counted when it was replayed.
+        dead_bytes += before.filter(|_| was_live).map_or(0, |before| before.record_bytes() as i64);
         if header.is_tombstone() {
             dead_bytes += header.record_bytes() as i64;
         }
@@ -729,6 +730,8 @@ impl Shared {
             {
                 self.change_in_place(address, &header, new);
                 self.count_live(live_change);
+                // A record deleted in place is dead; one brought back is not.
+                self.dead_bytes.add(-live_change * header.record_bytes() as i64);
                 drop(guard);
                 return self.after_write(address + header.record_bytes()).map(|()| existed);
             }
@@ -745,7 +748,8 @@ impl Shared {
         self.fill(address, &header, key, new);
         lock.set_head(address);
         self.count_live(live_change);
-        let replaced = found.as_ref().map_or(0, |found| found.header().record_bytes());
+        // A tombstone replaced was counted when it was written.
+        let replaced = found.as_ref().filter(|_| existed).map_or(0, |found| found.header().record_bytes());
         let tombstone = if new.is_none() { header.record_bytes() } else { 0 };
         self.dead_bytes.add((replaced + tombstone) as i64);
         drop(guard);
