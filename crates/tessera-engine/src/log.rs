@@ -36,12 +36,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use hashbrown::HashMap;
 use parking_lot::{Mutex, RwLock};
 
 use crate::background::{spawn_periodic, PeriodicTask};
 use crate::key::StoredKey;
 use crate::sharded::ShardedMap;
 use crate::{Capabilities, Engine, EngineError, KeyRange, Result, ScanCursor, ScanPage};
+
+/// Where each key's newest record lies.
+type Index = ShardedMap<HashMap<StoredKey, Location>>;
 
 const HEADER_BYTES: u64 = 12;
 const TOMBSTONE: u32 = u32::MAX;
@@ -136,7 +140,7 @@ struct Writer {
 struct Inner {
     dir: PathBuf,
     options: LogOptions,
-    index: ShardedMap<Location>,
+    index: Index,
     segments: RwLock<std::collections::BTreeMap<u64, Arc<Segment>>>,
     writer: Mutex<Writer>,
     /// Serialises compactions with each other (never with reads or writes).
@@ -371,7 +375,7 @@ impl LogEngine {
     pub fn open(dir: impl AsRef<Path>, options: LogOptions) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
         fs::create_dir_all(&dir)?;
-        let index = ShardedMap::new();
+        let index = Index::new();
         let mut segments = std::collections::BTreeMap::new();
         let (mut live_bytes, mut dead_bytes) = (0u64, 0u64);
         let ids = list_segments(&dir)?;
@@ -685,12 +689,11 @@ impl Engine for LogEngine {
 
     fn scan(&self, range: &KeyRange, cursor: &ScanCursor, limit: usize) -> Result<ScanPage> {
         let mut keys = Vec::new();
-        let next = self.inner.index.scan_buckets(cursor, limit, |key, _| {
-            let wanted = range.contains(key);
-            if wanted {
-                keys.push(Bytes::copy_from_slice(key));
-            }
-            Ok(wanted)
+        let next = self.inner.index.scan_buckets(cursor, limit, |bucket| {
+            let before = keys.len();
+            let wanted = bucket.keys().map(StoredKey::as_slice).filter(|key| range.contains(key));
+            keys.extend(wanted.map(Bytes::copy_from_slice));
+            Ok(keys.len() - before)
         })?;
         // Values are read outside the index locks; a key deleted meanwhile is skipped.
         let mut entries = Vec::with_capacity(keys.len());
@@ -703,7 +706,7 @@ impl Engine for LogEngine {
     }
 
     fn len(&self) -> Result<u64> {
-        Ok(self.inner.index.len())
+        Ok(self.inner.index.sum(HashMap::len))
     }
 
     fn clear(&self) -> Result<()> {
@@ -711,9 +714,9 @@ impl Engine for LogEngine {
         let mut cursor = ScanCursor::start();
         loop {
             let mut keys = Vec::new();
-            let next = self.inner.index.scan_buckets(&cursor, 1024, |key, _| {
-                keys.push(Bytes::copy_from_slice(key));
-                Ok(true)
+            let next = self.inner.index.scan_buckets(&cursor, 1024, |bucket| {
+                keys.extend(bucket.keys().map(|key| Bytes::copy_from_slice(key.as_slice())));
+                Ok(bucket.len())
             })?;
             for key in keys {
                 self.delete(&key)?;

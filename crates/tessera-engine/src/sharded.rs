@@ -1,65 +1,75 @@
-//! A hash map split into buckets, each behind its own reader–writer lock: no global
-//! lock on the hot path. The bucket index doubles as a scan cursor, which gives
-//! Redis's SCAN guarantee without ordering keys: a scan walks whole buckets, so a
-//! key present for the whole scan is seen once.
+//! A hash table split into buckets, each behind its own reader–writer lock: no
+//! global lock on the hot path. The bucket index doubles as a scan cursor, which
+//! gives Redis's SCAN guarantee without ordering keys: a scan walks whole
+//! buckets, so a key present for the whole scan is seen once. The table inside
+//! a bucket is the engine's choice (a map of keys to locations for `log`, thin
+//! entries for `memory`).
 
 use std::hash::BuildHasher;
 
 use bytes::Bytes;
-use hashbrown::{DefaultHashBuilder, HashMap};
 use parking_lot::RwLock;
 
-use crate::key::StoredKey;
 use crate::{EngineError, Result, ScanCursor};
 
 pub(crate) const BUCKET_COUNT: usize = 4096;
 
-pub(crate) struct ShardedMap<V> {
-    buckets: Box<[RwLock<HashMap<StoredKey, V>>]>,
-    bucket_hasher: DefaultHashBuilder,
+pub(crate) struct ShardedMap<T> {
+    buckets: Box<[RwLock<T>]>,
+    hasher: foldhash::quality::RandomState,
 }
 
-impl<V> ShardedMap<V> {
+impl<T: Default> ShardedMap<T> {
     pub(crate) fn new() -> Self {
         Self {
-            buckets: (0..BUCKET_COUNT).map(|_| RwLock::new(HashMap::new())).collect(),
-            bucket_hasher: DefaultHashBuilder::default(),
+            buckets: (0..BUCKET_COUNT).map(|_| RwLock::new(T::default())).collect(),
+            hasher: foldhash::quality::RandomState::default(),
         }
     }
 
-    pub(crate) fn bucket(&self, key: &[u8]) -> &RwLock<HashMap<StoredKey, V>> {
-        // The top bits pick the bucket; the map inside hashes with its own seed.
-        let hash = self.bucket_hasher.hash_one(key);
-        &self.buckets[(hash >> 52) as usize % BUCKET_COUNT]
+    pub(crate) fn bucket(&self, key: &[u8]) -> &RwLock<T> {
+        self.locate(key).0
     }
 
-    pub(crate) fn len(&self) -> u64 {
-        self.buckets.iter().map(|bucket| bucket.read().len() as u64).sum()
+    /// The key's bucket, and the hash its table files the key under. The
+    /// top bits pick the bucket; the table's hash is the rest, turned so
+    /// that its own top bits (hashbrown's tag) and low bits (its position)
+    /// are not the bits every key of the bucket shares.
+    pub(crate) fn locate(&self, key: &[u8]) -> (&RwLock<T>, u64) {
+        let hash = self.hasher.hash_one(key);
+        (&self.buckets[(hash >> 52) as usize % BUCKET_COUNT], hash.rotate_right(12))
+    }
+
+    /// The hash `locate` gives the key's table, for a table that grows.
+    pub(crate) fn hash_in_bucket(&self, key: &[u8]) -> u64 {
+        self.hasher.hash_one(key).rotate_right(12)
+    }
+
+    /// The sum of `count` over the buckets' tables.
+    pub(crate) fn sum(&self, count: impl Fn(&T) -> usize) -> u64 {
+        self.buckets.iter().map(|bucket| count(&bucket.read()) as u64).sum()
     }
 
     pub(crate) fn clear(&self) {
         for bucket in self.buckets.iter() {
-            // Replace rather than clear so that a large map gives its memory back.
-            *bucket.write() = HashMap::new();
+            // Replace rather than clear so that a large table gives its memory back.
+            *bucket.write() = T::default();
         }
     }
 
-    /// Visits whole buckets from `cursor` until `visit` has accepted at least
-    /// `limit` entries; returns the cursor of the next unvisited bucket.
+    /// Hands whole buckets' tables to `visit` from `cursor` until it has
+    /// accepted at least `limit` entries (`visit` returns how many it took
+    /// from a table); returns the cursor of the next unvisited bucket.
     pub(crate) fn scan_buckets(
         &self,
         cursor: &ScanCursor,
         limit: usize,
-        mut visit: impl FnMut(&[u8], &V) -> Result<bool>,
+        mut visit: impl FnMut(&T) -> Result<usize>,
     ) -> Result<Option<ScanCursor>> {
         let mut index = decode_bucket_cursor(cursor)?;
         let mut accepted = 0;
         while index < BUCKET_COUNT && accepted < limit.max(1) {
-            for (key, value) in self.buckets[index].read().iter() {
-                if visit(key.as_slice(), value)? {
-                    accepted += 1;
-                }
-            }
+            accepted += visit(&self.buckets[index].read())?;
             index += 1;
         }
         Ok((index < BUCKET_COUNT).then(|| ScanCursor(Bytes::copy_from_slice(&(index as u16).to_be_bytes()))))
