@@ -69,6 +69,11 @@ impl Geometry {
     }
 }
 
+/// The number of a segment file's name (`hybrid-NNNNNNNN.log`).
+fn segment_number(name: &std::ffi::OsStr) -> Option<u64> {
+    name.to_str()?.strip_prefix("hybrid-")?.strip_suffix(".log")?.parse().ok()
+}
+
 /// The segment files, each holding `SEGMENT_BYTES` of the address space.
 pub(crate) struct Segments {
     dir: PathBuf,
@@ -85,11 +90,7 @@ impl Segments {
     pub(crate) fn end(&self) -> Result<u64> {
         let mut last = None;
         for entry in std::fs::read_dir(&self.dir)? {
-            let name = entry?.file_name();
-            let number = name
-                .to_str()
-                .and_then(|name| name.strip_prefix("hybrid-")?.strip_suffix(".log")?.parse().ok());
-            last = last.max(number);
+            last = last.max(segment_number(&entry?.file_name()));
         }
         Ok(match last {
             Some(segment) => segment * SEGMENT_BYTES + std::fs::metadata(self.path(segment))?.len(),
@@ -215,13 +216,7 @@ impl Segments {
     pub(crate) fn remove_below(&self, address: u64) -> Result<()> {
         let last = address / SEGMENT_BYTES;
         for entry in std::fs::read_dir(&self.dir)? {
-            let name = entry?.file_name();
-            let Some(segment) = name
-                .to_str()
-                .and_then(|name| name.strip_prefix("hybrid-")?.strip_suffix(".log")?.parse().ok())
-            else {
-                continue;
-            };
+            let Some(segment) = segment_number(&entry?.file_name()) else { continue };
             if segment < last {
                 self.open.lock().remove(&segment);
                 match std::fs::remove_file(self.path(segment)) {
