@@ -496,10 +496,6 @@ impl Log {
         Ok(())
     }
 
-    /// Drops every record below `address` (a cleared log): `begin` moves
-    /// there, and what was not yet written out never will be, so the pages
-    /// below it may be evicted at once. The caller has recorded the new
-    /// `begin` durably first.
     /// Makes the records below `address` unreachable (compaction has copied
     /// what was live among them); `remove_unreachable` removes their files
     /// once every reader pinned now has unpinned.
@@ -520,6 +516,10 @@ impl Log {
         self.safe_begin.load(Ordering::Acquire) >= address
     }
 
+    /// Drops every record below `address` (a cleared log): `begin` moves
+    /// there, and what was not yet written out never will be, so the pages
+    /// below it may be evicted at once. The caller has recorded the new
+    /// `begin` durably first.
     pub(crate) fn discard_below(&self, address: u64) {
         let _flushing = self.flushing.lock();
         self.advance_begin(address);

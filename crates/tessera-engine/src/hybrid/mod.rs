@@ -506,9 +506,13 @@ impl Shared {
     }
 
     /// The newest record of `key` in the chain from `head`. The caller is pinned.
-    fn find(&self, mut at: u64, key: &[u8]) -> Result<Option<Found>> {
-        let begin = self.log.begin.load(Ordering::Acquire);
-        while at >= begin && at != 0 {
+    fn find(&self, head: u64, key: &[u8]) -> Result<Option<Found>> {
+        self.find_down_to(head, key, self.log.begin.load(Ordering::Acquire))
+    }
+
+    /// `find`, looking only at the records at or above `lowest`.
+    fn find_down_to(&self, mut at: u64, key: &[u8], lowest: u64) -> Result<Option<Found>> {
+        while at >= lowest && at != 0 {
             if at >= self.log.head.load(Ordering::Acquire) {
                 let header = self.log.header(at);
                 if header.key_len as usize == key.len() && self.log.bytes_equal(at + header.key_offset(), key)
@@ -869,17 +873,22 @@ impl Shared {
     fn clear(&self) -> Result<()> {
         let _maintenance = self.maintenance.lock();
         let tail = self.log.tail.load(Ordering::Acquire);
-        {
-            let mut meta = self.meta.lock();
-            let cleared = Meta { begin: tail, ..*meta };
-            cleared.store(&self.dir)?;
-            *meta = cleared;
-        }
+        self.store_begin(tail)?;
         self.log.discard_below(tail);
         self.index.clear();
         self.live.reset(0);
         self.dead_bytes.reset(0);
         self.remove_files_below(tail)
+    }
+
+    /// Records where the log begins in `hybrid.meta`, durably: recovery
+    /// starts there.
+    fn store_begin(&self, begin: u64) -> Result<()> {
+        let mut meta = self.meta.lock();
+        let moved = Meta { begin, ..*meta };
+        moved.store(&self.dir)?;
+        *meta = moved;
+        Ok(())
     }
 
     /// Removes the segment files below `address` once no reader can reach
@@ -935,7 +944,10 @@ impl Shared {
                 )));
             };
             if !header.is_incomplete() && !header.is_tombstone() {
-                match self.relocate(at, &key)? {
+                // The value as the reader has it: the record is not read again.
+                let record = reader.peek(size)?.expect("the record just read is in the reader's buffer");
+                let value = &record[header.value_offset() as usize..][..header.value_len as usize];
+                match self.relocate(at, &key, value)? {
                     Some(bytes) => copied += bytes,
                     // Too large to copy under this budget: compaction stops before it.
                     None => break,
@@ -948,12 +960,7 @@ impl Shared {
             return Ok(0);
         }
         self.log.make_durable(self.log.tail.load(Ordering::Acquire), self.syncs())?;
-        {
-            let mut meta = self.meta.lock();
-            let moved = Meta { begin: end, ..*meta };
-            moved.store(&self.dir)?;
-            *meta = moved;
-        }
+        self.store_begin(end)?;
         self.log.advance_begin(end);
         let reclaimed = end - begin;
         self.dead_bytes.add(-((reclaimed - copied) as i64));
@@ -962,10 +969,11 @@ impl Shared {
         Ok(reclaimed)
     }
 
-    /// Copies the on-disk record at `at` to the tail if it is still its
-    /// key's newest record: the bytes copied (0 when it is not), or `None`
-    /// when it is too large for this budget's pages. Called unpinned.
-    fn relocate(&self, at: u64, key: &[u8]) -> Result<Option<u64>> {
+    /// Copies the on-disk record of `key` and `value` at `at` to the tail if
+    /// it is still its key's newest record: the bytes copied (0 when it is
+    /// not), or `None` when it is too large for this budget's pages. Called
+    /// unpinned.
+    fn relocate(&self, at: u64, key: &[u8], value: &[u8]) -> Result<Option<u64>> {
         let hash = self.hash(key);
         loop {
             let view = self.view(hash);
@@ -977,10 +985,8 @@ impl Shared {
             let Ok(lock) = slot.lock() else { continue };
             let head = lock.head();
             let mut guard = epoch::pin();
-            let found = self.find(head, key)?;
-            let mut value = Vec::new();
-            let Some(found) = found.filter(|found| found.address() == at) else { return Ok(Some(0)) };
-            if !self.value_of(&found, &mut value) {
+            // A record of `key` above `at` replaced the one there.
+            if self.find_down_to(head, key, at + 1)?.is_some() {
                 return Ok(Some(0));
             }
             let header = Header::new(head, key.len(), Some(value.len()));
@@ -993,7 +999,7 @@ impl Shared {
                 return Ok(None);
             }
             let address = self.allocate(&header, &mut guard)?;
-            self.fill(address, &header, key, Some(&value));
+            self.fill(address, &header, key, Some(value));
             lock.set_head(address);
             return Ok(Some(header.record_bytes()));
         }
