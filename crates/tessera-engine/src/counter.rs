@@ -56,12 +56,11 @@ impl StripedCounter {
         self.stripes.iter().map(|stripe| stripe.0.load(Ordering::Relaxed)).sum()
     }
 
-    /// Starts again from `value`; adds racing with it may be lost.
-    pub(crate) fn reset(&self, value: i64) {
-        for stripe in &self.stripes[1..] {
+    /// Starts again from zero; adds racing with it may be lost.
+    pub(crate) fn reset(&self) {
+        for stripe in &self.stripes {
             stripe.0.store(0, Ordering::Relaxed);
         }
-        self.stripes[0].0.store(value, Ordering::Relaxed);
     }
 }
 
@@ -80,7 +79,7 @@ mod tests {
         assert_eq!(counter.sum(), 80_005);
         counter.add(-6);
         assert_eq!(counter.sum(), 79_999);
-        counter.reset(0);
+        counter.reset();
         assert_eq!(counter.sum(), 0);
         std::thread::scope(|scope| {
             for _ in 0..4 {

@@ -436,9 +436,8 @@ fn compaction_keeps_the_newest_value_of_every_key_and_gives_the_files_back() {
 /// A writer's value: its key's round, so that a reader can tell an older
 /// value from a newer one.
 fn round_of(value: &[u8]) -> u32 {
-    let text =
-        std::str::from_utf8(&value[..value.iter().position(|b| *b == b'a').unwrap_or(value.len())]).unwrap();
-    text.split(':').nth(1).unwrap().parse().unwrap()
+    let round = value.split(|byte| *byte == b':').nth(1).unwrap();
+    std::str::from_utf8(round).unwrap().parse().unwrap()
 }
 
 #[test]

@@ -21,7 +21,7 @@ use std::fs;
 use std::hash::BuildHasher;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -162,8 +162,8 @@ struct Shared {
     /// Bytes of records no key leads to any more (replaced or deleted): an
     /// estimate kept by the writers, which starts compaction.
     dead_bytes: StripedCounter,
-    /// Bytes of the log compaction has removed.
-    compacted_bytes: StripedCounter,
+    /// Bytes of the log compaction has removed (one compaction at a time adds).
+    compacted_bytes: AtomicU64,
     last_sync: Mutex<Instant>,
     /// Serializes `clear` and compaction.
     maintenance: Mutex<()>,
@@ -235,7 +235,7 @@ impl HybridEngine {
             reads_from_disk: StripedCounter::new(0),
             live: StripedCounter::new(recovered.live),
             dead_bytes: StripedCounter::new(recovered.dead_bytes),
-            compacted_bytes: StripedCounter::new(0),
+            compacted_bytes: AtomicU64::new(0),
             last_sync: Mutex::new(Instant::now()),
             maintenance: Mutex::new(()),
         });
@@ -876,8 +876,8 @@ impl Shared {
         self.store_begin(tail)?;
         self.log.discard_below(tail);
         self.index.clear();
-        self.live.reset(0);
-        self.dead_bytes.reset(0);
+        self.live.reset();
+        self.dead_bytes.reset();
         self.remove_files_below(tail)
     }
 
@@ -964,7 +964,7 @@ impl Shared {
         self.log.advance_begin(end);
         let reclaimed = end - begin;
         self.dead_bytes.add(-((reclaimed - copied) as i64));
-        self.compacted_bytes.add(reclaimed as i64);
+        self.compacted_bytes.fetch_add(reclaimed, Ordering::Relaxed);
         self.remove_files_below(end)?;
         Ok(reclaimed)
     }
@@ -1074,7 +1074,7 @@ impl Engine for HybridEngine {
             ("log-bytes-in-memory", tail - log.head.load(Ordering::Acquire)),
             ("index-buckets", self.shared.index.buckets() as u64),
             ("log-bytes-dead", self.shared.dead_bytes.sum().max(0) as u64),
-            ("log-bytes-compacted", self.shared.compacted_bytes.sum() as u64),
+            ("log-bytes-compacted", self.shared.compacted_bytes.load(Ordering::Relaxed)),
         ]
     }
 }
