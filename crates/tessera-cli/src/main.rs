@@ -430,6 +430,11 @@ struct ServeArgs {
     /// KILL may stop it, in ms [default: 5000].
     #[arg(long)]
     busy_reply_threshold_ms: Option<u64>,
+    /// Reads of the disk that commands would wait for, made ahead of them
+    /// off the serving threads, at most this many at once; 0: commands read
+    /// the disk where they run [default: 64].
+    #[arg(long)]
+    disk_reads_in_flight: Option<usize>,
     /// How often expired keys are swept, in ms [default: 100].
     #[arg(long)]
     expiry_sweep_interval_ms: Option<u64>,
@@ -499,7 +504,8 @@ impl ServeArgs {
             maxmemory_policy,
             maxmemory_samples,
             shutdown_timeout_ms,
-            busy_reply_threshold_ms
+            busy_reply_threshold_ms,
+            disk_reads_in_flight
         );
         if self.password.is_some() {
             config.password = self.password.clone();

@@ -36,6 +36,8 @@ pub struct Capabilities {
     pub ordered: bool,
     /// Data survives a restart of the process.
     pub persistent: bool,
+    /// A read may wait for the disk, and `read_would_wait` says when.
+    pub reads_may_wait: bool,
 }
 
 /// A half-open key range `[start, end)`; `None` is unbounded on that side.
@@ -131,6 +133,21 @@ pub trait Engine: Send + Sync + 'static {
     /// hybrid engine's reads served from memory and from disk, say).
     fn stats(&self) -> Vec<(&'static str, u64)> {
         Vec::new()
+    }
+
+    /// Whether a read of `key` now would wait for the disk (a record neither
+    /// in the engine's memory nor in the OS's page cache). Never waits
+    /// itself: the serving thread asks, and hands the keys that would wait
+    /// to `fetch` elsewhere. Engines that never wait answer false.
+    fn read_would_wait(&self, _key: &[u8]) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Waits for the disk so that a read of `key` right after does not (it
+    /// reads the records the read would meet into the OS's cache). Called
+    /// off the serving thread, for keys `read_would_wait` named.
+    fn fetch(&self, _key: &[u8]) -> Result<()> {
+        Ok(())
     }
 
     /// Reads several keys; engines that can batch (a remote server) override it.

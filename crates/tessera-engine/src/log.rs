@@ -369,7 +369,8 @@ fn open_segment_file(path: &Path) -> io::Result<File> {
 }
 
 impl LogEngine {
-    pub const CAPABILITIES: Capabilities = Capabilities { ordered: false, persistent: true };
+    pub const CAPABILITIES: Capabilities =
+        Capabilities { ordered: false, persistent: true, reads_may_wait: false };
 
     /// Opens (or creates) the log in `dir`, replaying every segment.
     pub fn open(dir: impl AsRef<Path>, options: LogOptions) -> Result<Self> {

@@ -48,7 +48,8 @@ fn to_bytes(slice: fjall::Slice) -> Bytes {
 }
 
 impl LsmEngine {
-    pub const CAPABILITIES: Capabilities = Capabilities { ordered: true, persistent: true };
+    pub const CAPABILITIES: Capabilities =
+        Capabilities { ordered: true, persistent: true, reads_may_wait: false };
 
     pub fn open(dir: impl AsRef<Path>, fsync: FsyncPolicy) -> Result<Self> {
         std::fs::create_dir_all(dir.as_ref())?;

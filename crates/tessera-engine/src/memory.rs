@@ -166,7 +166,8 @@ impl Default for MemoryEngine {
 }
 
 impl MemoryEngine {
-    pub const CAPABILITIES: Capabilities = Capabilities { ordered: false, persistent: false };
+    pub const CAPABILITIES: Capabilities =
+        Capabilities { ordered: false, persistent: false, reads_may_wait: false };
 
     pub fn new() -> Self {
         Self { map: ShardedMap::new() }

@@ -14,7 +14,8 @@ pub struct OrderedEngine {
 }
 
 impl OrderedEngine {
-    pub const CAPABILITIES: Capabilities = Capabilities { ordered: true, persistent: false };
+    pub const CAPABILITIES: Capabilities =
+        Capabilities { ordered: true, persistent: false, reads_may_wait: false };
 
     pub fn new() -> Self {
         Self::default()

@@ -69,7 +69,8 @@ fn bulk_or_nil(value: Value) -> Result<Option<Bytes>> {
 }
 
 impl RedisEngine {
-    pub const CAPABILITIES: Capabilities = Capabilities { ordered: false, persistent: true };
+    pub const CAPABILITIES: Capabilities =
+        Capabilities { ordered: false, persistent: true, reads_may_wait: false };
 
     /// Connects once to check that the server is there and the options work.
     pub fn open(options: RedisOptions) -> Result<Self> {

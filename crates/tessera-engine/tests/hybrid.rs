@@ -506,3 +506,54 @@ fn compaction_running_beside_writers_and_readers_loses_no_write_and_brings_back_
     let engine = HybridEngine::open(dir.path(), options(1 << 20)).unwrap();
     assert_holds(&engine, &model, "reopened");
 }
+
+/// Drops the log's pages from the OS's page cache (clean once synced), so
+/// that reading them waits for the device.
+fn evict_from_page_cache(dir: &Path) {
+    use std::os::fd::AsRawFd;
+    for path in segment_files(dir) {
+        let file = std::fs::File::open(&path).unwrap();
+        file.sync_all().unwrap();
+        // SAFETY: advice on a descriptor that `file` keeps open.
+        let result = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        assert_eq!(result, 0, "posix_fadvise {}", path.display());
+    }
+}
+
+#[test]
+fn a_read_that_would_wait_for_the_disk_is_told_without_waiting_and_a_fetch_ends_the_wait() {
+    // Under the build's own directory: a RAM-backed /tmp would keep every
+    // page cached whatever the advice.
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let engine = HybridEngine::open(dir.path(), options(1 << 20)).unwrap();
+    let key = |i: u32| format!("key:{i:06}").into_bytes();
+    for i in 0..8_000u32 {
+        engine.put(&key(i), Bytes::from(value_for(i, 0, 500))).unwrap();
+    }
+    engine.flush().unwrap();
+    evict_from_page_cache(dir.path());
+
+    assert!(engine.read_would_wait(&key(0)).unwrap(), "the oldest record is on disk and not cached");
+    assert!(!engine.read_would_wait(&key(7_999)).unwrap(), "the newest record is in memory");
+    assert_eq!(stat(&engine, "reads-from-disk"), 0, "asking reads nothing");
+
+    engine.fetch(&key(0)).unwrap();
+    assert_eq!(stat(&engine, "disk-fetches"), 1);
+    assert!(!engine.read_would_wait(&key(0)).unwrap(), "fetched: in the page cache");
+    assert_eq!(engine.get(&key(0)).unwrap().as_deref(), Some(&value_for(0, 0, 500)[..]));
+    assert_eq!(stat(&engine, "reads-from-disk"), 1);
+    evict_from_page_cache(dir.path());
+    assert!(!engine.read_would_wait(&key(0)).unwrap(), "the read copied the record to the tail");
+
+    // Every key, fetched when it would wait, reads back; none waits after.
+    let mut fetched = 0;
+    for i in 0..8_000u32 {
+        if engine.read_would_wait(&key(i)).unwrap() {
+            engine.fetch(&key(i)).unwrap();
+            fetched += 1;
+            assert!(!engine.read_would_wait(&key(i)).unwrap(), "key {i} still waits after its fetch");
+        }
+        assert_eq!(engine.get(&key(i)).unwrap().as_deref(), Some(&value_for(i, 0, 500)[..]), "key {i}");
+    }
+    assert!(fetched > 0, "some records were still to be read from the device");
+}

@@ -59,6 +59,10 @@ pub struct Config {
     /// SCRIPT KILL may stop it (Redis's busy-reply-threshold, or
     /// lua-time-limit).
     pub busy_reply_threshold_ms: u64,
+    /// Reads of the disk that commands would wait for, made ahead of them
+    /// off the serving threads, at most this many at once node-wide; 0: a
+    /// command reads the disk on its serving thread.
+    pub disk_reads_in_flight: usize,
     /// How often expired keys are swept, and how many entries per table each sweep reads.
     pub expiry_sweep_interval_ms: u64,
     pub expiry_sweep_entries: usize,
@@ -161,6 +165,7 @@ impl Default for Config {
             maxmemory_samples: 5,
             shutdown_timeout_ms: 5_000,
             busy_reply_threshold_ms: 5_000,
+            disk_reads_in_flight: 64,
             expiry_sweep_interval_ms: 100,
             expiry_sweep_entries: 256,
             tls_port: 0,

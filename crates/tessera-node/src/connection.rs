@@ -311,6 +311,9 @@ impl Connection {
                             self.node.pause.wait(crate::node_state::now_ms()).await;
                         }
                     }
+                    if self.cluster.is_none() && self.session.authenticated {
+                        self.node.disk_reads.prepare_request(&self.tables, &request).await;
+                    }
                     let (started, reply_mark) = (Instant::now(), self.out.len());
                     let mut context = Context {
                         node: &self.node,

@@ -14,6 +14,7 @@ pub mod commands;
 pub mod config;
 pub mod connection;
 pub mod diagnostics;
+pub mod disk_reads;
 pub mod error;
 pub mod glob;
 pub mod lua_libs;

@@ -7,6 +7,7 @@
 //! stripes, taken in index order so that two of them cannot deadlock.
 
 use crate::diagnostics::{ClientPause, LatencyMonitor, SlowLog};
+use crate::disk_reads::DiskReads;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -126,6 +127,8 @@ pub struct NodeState {
     pub slowlog: SlowLog,
     pub latency: LatencyMonitor,
     pub pause: ClientPause,
+    /// Reads of the disk made ahead of the commands that need them.
+    pub disk_reads: DiskReads,
     worker_stats: Mutex<Vec<Arc<WorkerStats>>>,
     pub started: Instant,
     pub next_client_id: AtomicU64,
@@ -205,6 +208,7 @@ impl NodeState {
         let tables = catalogue.load(&config.engine, &config.engine_options)?;
         let acl = Acl::open(&config.dir, config.password.as_deref(), commands)?;
         let scripts = Scripts::new(config.busy_reply_threshold_ms, config.worker_threads());
+        let disk_reads = DiskReads::new(config.disk_reads_in_flight);
         Ok(Self {
             settings: Settings::new(&config),
             acl,
@@ -228,6 +232,7 @@ impl NodeState {
             slowlog: SlowLog::default(),
             latency: LatencyMonitor::default(),
             pause: ClientPause::default(),
+            disk_reads,
             worker_stats: Mutex::new(Vec::new()),
             started: Instant::now(),
             next_client_id: AtomicU64::new(1),
@@ -253,6 +258,7 @@ impl NodeState {
             &self.stats.connections_rejected,
             &self.stats.expired_keys,
             &self.stats.evicted_keys,
+            &self.disk_reads.fetched,
         ] {
             counter.store(0, Ordering::Relaxed);
         }

@@ -79,12 +79,19 @@ pub struct Table {
 /// builds a new set, so a connection can keep using the one it holds.
 pub struct TableSet {
     tables: Vec<Arc<Table>>,
+    /// Whether some table's reads may wait for the disk.
+    reads_may_wait: bool,
 }
 
 impl TableSet {
     pub fn new(mut tables: Vec<Arc<Table>>) -> Self {
         tables.sort_by(|a, b| b.prefix.len().cmp(&a.prefix.len()).then_with(|| a.def.name.cmp(&b.def.name)));
-        Self { tables }
+        let reads_may_wait = tables.iter().any(|table| table.engine.capabilities().reads_may_wait);
+        Self { tables, reads_may_wait }
+    }
+
+    pub fn reads_may_wait(&self) -> bool {
+        self.reads_may_wait
     }
 
     /// The table that owns `key`.

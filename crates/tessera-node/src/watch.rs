@@ -85,6 +85,14 @@ impl<E: Engine + ?Sized> Engine for Touching<E> {
         self.inner.get_with(key, visit)
     }
 
+    fn read_would_wait(&self, key: &[u8]) -> tessera_engine::Result<bool> {
+        self.inner.read_would_wait(key)
+    }
+
+    fn fetch(&self, key: &[u8]) -> tessera_engine::Result<()> {
+        self.inner.fetch(key)
+    }
+
     fn put(&self, key: &[u8], value: Bytes) -> tessera_engine::Result<()> {
         self.versions.moved(key);
         self.inner.put(key, value)

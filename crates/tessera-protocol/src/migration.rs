@@ -555,6 +555,14 @@ impl Engine for ObservedEngine {
         self.inner.get_with(key, visit)
     }
 
+    fn read_would_wait(&self, key: &[u8]) -> tessera_engine::Result<bool> {
+        self.inner.read_would_wait(key)
+    }
+
+    fn fetch(&self, key: &[u8]) -> tessera_engine::Result<()> {
+        self.inner.fetch(key)
+    }
+
     fn put(&self, key: &[u8], value: Bytes) -> tessera_engine::Result<()> {
         self.inner.put(key, value.clone())?;
         self.log(|| Change::Put(Bytes::copy_from_slice(key), value));

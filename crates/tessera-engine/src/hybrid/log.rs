@@ -22,6 +22,7 @@
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
@@ -163,6 +164,43 @@ impl Segments {
             })?;
         }
         Ok(())
+    }
+
+    /// `read_at`, but only from the OS's page cache: false, with nothing
+    /// waited for, when some of the bytes would have to come from the disk
+    /// (`preadv2` with `RWF_NOWAIT`; a miss starts the kernel's read-ahead).
+    /// A file system that cannot tell answers false too.
+    pub(crate) fn read_at_without_waiting(&self, address: u64, buffer: &mut [u8]) -> Result<bool> {
+        for (segment, offset, piece, done) in self.pieces(address, buffer.len() as u64) {
+            let file = self
+                .file(segment, false)?
+                .ok_or_else(|| EngineError::Corrupt(format!("hybrid log: segment {segment} is missing")))?;
+            let piece = &mut buffer[done..done + piece as usize];
+            let vector = libc::iovec { iov_base: piece.as_mut_ptr().cast(), iov_len: piece.len() };
+            let read = loop {
+                // SAFETY: the vector points into `piece`, which outlives the
+                // call; the descriptor is open while `file` is held.
+                let read = unsafe {
+                    libc::preadv2(file.as_raw_fd(), &vector, 1, offset as libc::off_t, libc::RWF_NOWAIT)
+                };
+                if read >= 0 {
+                    break read as usize;
+                }
+                match std::io::Error::last_os_error() {
+                    error if error.kind() == std::io::ErrorKind::Interrupted => continue,
+                    error if matches!(error.raw_os_error(), Some(libc::EAGAIN | libc::EOPNOTSUPP)) => {
+                        return Ok(false)
+                    }
+                    error => return Err(error.into()),
+                }
+            };
+            // Part of it cached (or past the end, which the waiting read
+            // reports as corruption): the rest would wait.
+            if read < piece.len() {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Reads up to `buffer.len()` bytes at `address`, stopping at the end of

@@ -157,6 +157,8 @@ struct Shared {
     /// Reads answered from memory (present or absent), and from disk.
     reads_in_memory: StripedCounter,
     reads_from_disk: StripedCounter,
+    /// Reads of the disk made ahead of a read, off the serving thread.
+    disk_fetches: StripedCounter,
     /// Keys present (live records the index leads to).
     live: StripedCounter,
     /// Bytes of records no key leads to any more (replaced or deleted): an
@@ -203,7 +205,8 @@ enum Write<'a> {
 }
 
 impl HybridEngine {
-    pub const CAPABILITIES: Capabilities = Capabilities { ordered: false, persistent: true };
+    pub const CAPABILITIES: Capabilities =
+        Capabilities { ordered: false, persistent: true, reads_may_wait: true };
 
     /// Opens the engine in `dir`, recovering what its log holds.
     pub fn open(dir: &Path, options: HybridOptions) -> Result<Self> {
@@ -233,6 +236,7 @@ impl HybridEngine {
             meta: Mutex::new(meta),
             reads_in_memory: StripedCounter::new(0),
             reads_from_disk: StripedCounter::new(0),
+            disk_fetches: StripedCounter::new(0),
             live: StripedCounter::new(recovered.live),
             dead_bytes: StripedCounter::new(recovered.dead_bytes),
             compacted_bytes: AtomicU64::new(0),
@@ -351,15 +355,48 @@ fn find_on_disk(
     Ok(None)
 }
 
+/// How a lookup reads the records it meets on disk.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Disk {
+    Wait,
+    /// Only from the OS's page cache, never waiting for the device.
+    OnlyCached,
+}
+
+/// What a lookup that may not wait found.
+enum Lookup {
+    Done(Option<Found>),
+    WouldWait,
+}
+
 /// A whole on-disk record: its header, and its key followed by its value.
 fn read_record(segments: &Segments, limit: u64, address: u64) -> Result<(Header, Vec<u8>)> {
+    let record = read_record_from(segments, limit, address, Disk::Wait)?;
+    Ok(record.expect("a read that may wait always returns the record"))
+}
+
+/// `read_record`; `None` when reading only cached bytes and some are not.
+fn read_record_from(
+    segments: &Segments,
+    limit: u64,
+    address: u64,
+    disk: Disk,
+) -> Result<Option<(Header, Vec<u8>)>> {
+    let read = |address: u64, buffer: &mut [u8]| match disk {
+        Disk::Wait => segments.read_at(address, buffer).map(|()| true),
+        Disk::OnlyCached => segments.read_at_without_waiting(address, buffer),
+    };
     let malformed = || EngineError::Corrupt(format!("hybrid log: a malformed record at address {address}"));
     let mut header_bytes = [0u8; HEADER_BYTES as usize + 8];
-    segments.read_at(address, &mut header_bytes[..HEADER_BYTES as usize])?;
+    if !read(address, &mut header_bytes[..HEADER_BYTES as usize])? {
+        return Ok(None);
+    }
     let header = match Header::parse(&header_bytes[..HEADER_BYTES as usize]) {
         Some(header) => header,
         None => {
-            segments.read_at(address, &mut header_bytes)?;
+            if !read(address, &mut header_bytes)? {
+                return Ok(None);
+            }
             Header::parse(&header_bytes).ok_or_else(malformed)?
         }
     };
@@ -367,8 +404,10 @@ fn read_record(segments: &Segments, limit: u64, address: u64) -> Result<(Header,
         return Err(malformed());
     }
     let mut body = vec![0u8; header.key_len as usize + header.value_len as usize];
-    segments.read_at(address + header.key_offset(), &mut body)?;
-    Ok((header, body))
+    if !read(address + header.key_offset(), &mut body)? {
+        return Ok(None);
+    }
+    Ok(Some((header, body)))
 }
 
 /// Reads the segment files front to back through a buffer.
@@ -511,24 +550,61 @@ impl Shared {
     }
 
     /// `find`, looking only at the records at or above `lowest`.
-    fn find_down_to(&self, mut at: u64, key: &[u8], lowest: u64) -> Result<Option<Found>> {
+    fn find_down_to(&self, at: u64, key: &[u8], lowest: u64) -> Result<Option<Found>> {
+        match self.look_up(at, key, lowest, Disk::Wait)? {
+            Lookup::Done(found) => Ok(found),
+            Lookup::WouldWait => unreachable!("a lookup that may wait never answers that it would"),
+        }
+    }
+
+    /// Walks the chain from `at` down to `lowest` for `key`'s newest record,
+    /// reading the records on disk as `disk` allows. The caller is pinned.
+    fn look_up(&self, mut at: u64, key: &[u8], lowest: u64, disk: Disk) -> Result<Lookup> {
         while at >= lowest && at != 0 {
             if at >= self.log.head.load(Ordering::Acquire) {
                 let header = self.log.header(at);
                 if header.key_len as usize == key.len() && self.log.bytes_equal(at + header.key_offset(), key)
                 {
-                    return Ok(Some(Found::Memory { address: at, header }));
+                    return Ok(Lookup::Done(Some(Found::Memory { address: at, header })));
                 }
                 at = header.previous();
             } else {
-                let (header, body) = read_record(&self.log.segments, RECORD_BYTES_LIMIT, at)?;
+                let Some((header, body)) =
+                    read_record_from(&self.log.segments, RECORD_BYTES_LIMIT, at, disk)?
+                else {
+                    return Ok(Lookup::WouldWait);
+                };
                 if &body[..header.key_len as usize] == key {
-                    return Ok(Some(Found::Disk { address: at, header, body }));
+                    return Ok(Lookup::Done(Some(Found::Disk { address: at, header, body })));
                 }
                 at = header.previous();
             }
         }
-        Ok(None)
+        Ok(Lookup::Done(None))
+    }
+
+    /// Whether reading `key` now would wait for the disk: its chain meets a
+    /// record that is neither in memory nor in the OS's page cache before it
+    /// finds the key or ends. Never waits itself.
+    fn read_would_wait(&self, key: &[u8]) -> Result<bool> {
+        if self.log.head.load(Ordering::Acquire) <= self.log.begin.load(Ordering::Acquire) {
+            return Ok(false); // nothing is on disk
+        }
+        let head = self.chain_head(self.hash(key));
+        let _guard = epoch::pin();
+        let begin = self.log.begin.load(Ordering::Acquire);
+        Ok(matches!(self.look_up(head, key, begin, Disk::OnlyCached)?, Lookup::WouldWait))
+    }
+
+    /// Reads `key`'s chain, waiting for the disk, so that the OS caches the
+    /// records a read of it meets (the read itself, and its copy to the
+    /// tail, come after: the command's).
+    fn fetch(&self, key: &[u8]) -> Result<()> {
+        let head = self.chain_head(self.hash(key));
+        let _guard = epoch::pin();
+        self.find(head, key)?;
+        self.disk_fetches.add_statistic(1);
+        Ok(())
     }
 
     /// Puts the record's value in `out`; false for a tombstone. An
@@ -1043,6 +1119,14 @@ impl Engine for HybridEngine {
         self.shared.write(key, Write::Change(change)).map(drop)
     }
 
+    fn read_would_wait(&self, key: &[u8]) -> Result<bool> {
+        self.shared.read_would_wait(key)
+    }
+
+    fn fetch(&self, key: &[u8]) -> Result<()> {
+        self.shared.fetch(key)
+    }
+
     fn scan(&self, range: &KeyRange, cursor: &ScanCursor, limit: usize) -> Result<ScanPage> {
         self.shared.scan(range, cursor, limit)
     }
@@ -1066,6 +1150,7 @@ impl Engine for HybridEngine {
         vec![
             ("reads-in-memory", self.shared.reads_in_memory.sum() as u64),
             ("reads-from-disk", self.shared.reads_from_disk.sum() as u64),
+            ("disk-fetches", self.shared.disk_fetches.sum() as u64),
             ("log-bytes", tail - log.begin.load(Ordering::Acquire)),
             (
                 "log-bytes-durable",

@@ -291,6 +291,7 @@ async fn serve_keyed(
     }
     match placement {
         Placement::Local => {
+            context.node.disk_reads.prepare_request(context.tables, request).await;
             level_header(context.out);
             dispatch_admitted(context, spec, request);
             None
@@ -405,6 +406,7 @@ async fn serve_keyed(
             if write {
                 cluster.agent.wait_for_room().await;
             }
+            context.node.disk_reads.prepare(keys().map(|key| (&engine, key))).await;
             let start = context.out.len();
             level_header(context.out);
             let mut waits: Vec<Completion> = barrier.into_iter().collect();

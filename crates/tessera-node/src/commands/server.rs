@@ -79,7 +79,8 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
             text,
             "# Stats\r\ntotal_connections_received:{}\r\ntotal_commands_processed:{}\r\n\
              total_net_input_bytes:{}\r\ntotal_net_output_bytes:{}\r\nrejected_connections:{}\r\n\
-             expired_keys:{}\r\nevicted_keys:{}\r\nkeyspace_hits:{}\r\nkeyspace_misses:{}\r\n\r\n",
+             expired_keys:{}\r\nevicted_keys:{}\r\nkeyspace_hits:{}\r\nkeyspace_misses:{}\r\n\
+             disk_reads_fetched:{}\r\ndisk_reads_in_flight:{}\r\n\r\n",
             stats.connections_received.load(Ordering::Relaxed),
             node.worker_total(|worker| &worker.commands),
             node.worker_total(|worker| &worker.net_input_bytes),
@@ -89,6 +90,8 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
             stats.evicted_keys.load(Ordering::Relaxed),
             node.worker_total(|worker| &worker.keyspace_hits),
             node.worker_total(|worker| &worker.keyspace_misses),
+            node.disk_reads.fetched.load(Ordering::Relaxed),
+            node.disk_reads.in_flight(),
         );
     }
     if include("cluster") {
