@@ -1,7 +1,10 @@
 """Tables, engines and restarts of a real node."""
 
+import os
 import signal
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -149,6 +152,51 @@ def test_a_hybrid_table_larger_than_its_memory_serves_and_survives_kill_9(data_d
     assert [r.get(f"big:{i}") for i in range(0, 8000, 97)] == [value + str(i).encode() for i in range(0, 8000, 97)]
     assert r.get("big:counter") == b"1"
     assert info()[b"keys"] == 8001
+    node.stop()
+
+
+def evict_from_page_cache(directory):
+    """Drops the hybrid logs' pages from the OS's cache: reading them waits for the disk."""
+    for path in Path(directory).rglob("hybrid-*.log"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def test_reads_that_would_wait_for_the_disk_are_fetched_off_the_serving_thread(data_dir):
+    """One worker thread, eight clients reading keys whose records are on disk
+    and out of the page cache: each such read is fetched ahead of its command
+    on an I/O thread, and every value comes back right."""
+    node = Node(data_dir, "--threads", "1", "--disk-reads-in-flight", "4").start()
+    r = node.client()
+    r.execute_command("TABLE.CREATE", "big", "PREFIX", "big:", "ENGINE", "hybrid", "memory-bytes", "1mb")
+    pipe = r.pipeline(transaction=False)
+    for i in range(8000):
+        pipe.set(f"big:{i}", f"{i}:".encode() + b"v" * 500)
+    pipe.execute()
+    evict_from_page_cache(data_dir)
+
+    def read_share(share, errors):
+        client = node.client()
+        for i in range(share, 8000, 8):
+            if client.get(f"big:{i}") != f"{i}:".encode() + b"v" * 500:
+                errors.append(i)
+
+    errors = []
+    readers = [threading.Thread(target=read_share, args=(share, errors)) for share in range(8)]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join()
+    assert errors == []
+    stats = r.info("stats")
+    assert stats["disk_reads_fetched"] > 0 and stats["disk_reads_in_flight"] == 0
+    reply = r.execute_command("TABLE.INFO", "big")
+    table = reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2]))
+    assert table[b"disk-fetches"] == stats["disk_reads_fetched"]
     node.stop()
 
 
