@@ -116,7 +116,14 @@ impl Segments {
         let path = self.path(segment);
         let file = match OpenOptions::new().read(true).write(true).create(create).truncate(false).open(&path)
         {
-            Ok(file) => Arc::new(file),
+            Ok(file) => {
+                // Point reads of records: read-ahead would only fill the
+                // page cache with records nobody asked for (the sequential
+                // reader reads in large blocks of its own).
+                // SAFETY: advice on a descriptor that `file` keeps open.
+                unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
+                Arc::new(file)
+            }
             Err(error) if error.kind() == std::io::ErrorKind::NotFound && !create => return Ok(None),
             Err(error) => return Err(error.into()),
         };
