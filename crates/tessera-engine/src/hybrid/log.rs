@@ -175,7 +175,7 @@ impl Segments {
 
     /// `read_at`, but only from the OS's page cache: false, with nothing
     /// waited for, when some of the bytes would have to come from the disk
-    /// (`preadv2` with `RWF_NOWAIT`; a miss starts the kernel's read-ahead).
+    /// (`preadv2` with `RWF_NOWAIT`; a miss starts reading the pages in).
     /// A file system that cannot tell answers false too.
     pub(crate) fn read_at_without_waiting(&self, address: u64, buffer: &mut [u8]) -> Result<bool> {
         for (segment, offset, piece, done) in self.pieces(address, buffer.len() as u64) {
