@@ -230,11 +230,25 @@ fn recovery_keeps_every_whole_record_after_a_cut_anywhere() {
 #[test]
 fn damage_before_good_records_is_refused_and_damage_at_the_end_is_cut() {
     let dir = tempfile::tempdir().unwrap();
-    let (original, _) = write_fixed_records(dir.path(), 100);
+    let (original, record_bytes) = write_fixed_records(dir.path(), 100);
     let path = segment_files(dir.path()).pop().unwrap();
-
     let mut damaged = original.clone();
     damaged[original.len() / 2] ^= 0x40;
+    std::fs::write(&path, &damaged).unwrap();
+
+    // Below the checkpoint the close took, recovery reads nothing back: the
+    // damage shows when the record is read, and the others read as before.
+    let damaged_key = format!("k{:04}", (original.len() as u64 / 2 - 8) / record_bytes);
+    {
+        let engine = HybridEngine::open(dir.path(), options(16 << 20)).unwrap();
+        assert_eq!(engine.len().unwrap(), 100);
+        let error = engine.get(damaged_key.as_bytes()).unwrap_err().to_string();
+        assert!(error.contains("damaged") && error.contains("hybrid-00000000.log"), "{error}");
+        assert_eq!(engine.get(b"k0098").unwrap().as_deref(), Some(value_for(98, 0, 27).as_slice()));
+    }
+
+    // Replayed from the log's begin, the same damage is found at once.
+    std::fs::remove_file(dir.path().join("hybrid.checkpoint")).unwrap();
     std::fs::write(&path, &damaged).unwrap();
     let error = HybridEngine::open(dir.path(), options(16 << 20)).err().expect("damage before good records");
     let message = error.to_string();
@@ -245,6 +259,7 @@ fn damage_before_good_records_is_refused_and_damage_at_the_end_is_cut() {
     let last = original.len() - 2;
     damaged[last] ^= 0x55;
     std::fs::write(&path, &damaged).unwrap();
+    let _ = std::fs::remove_file(dir.path().join("hybrid.checkpoint"));
     let engine = HybridEngine::open(dir.path(), options(16 << 20)).unwrap();
     assert_eq!(engine.len().unwrap(), 99, "only the damaged last record is lost");
     assert_eq!(engine.get(b"k0099").unwrap(), None);
@@ -556,4 +571,163 @@ fn a_read_that_would_wait_for_the_disk_is_told_without_waiting_and_a_fetch_ends_
         assert_eq!(engine.get(&key(i)).unwrap().as_deref(), Some(&value_for(i, 0, 500)[..]), "key {i}");
     }
     assert!(fetched > 0, "some records were still to be read from the device");
+}
+
+/// A copy of the engine's files as they stand: what a crash would leave.
+fn crash_image(dir: &Path) -> tempfile::TempDir {
+    let image = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_file() {
+            std::fs::copy(&path, image.path().join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    image
+}
+
+/// Overwrites (same size, so some change in place), deletes, updates and
+/// new keys over `keys`, for `round`, kept in `model`.
+fn churn(engine: &HybridEngine, model: &mut BTreeMap<Vec<u8>, Vec<u8>>, keys: u32, round: u32) {
+    for i in 0..keys {
+        let key = format!("key:{i:06}").into_bytes();
+        match (i + round) % 5 {
+            0 => {
+                engine.delete(&key).unwrap();
+                model.remove(&key);
+            }
+            1 => {
+                engine
+                    .update(&key, &mut |value| {
+                        value.get_or_insert_with(Vec::new).extend_from_slice(b"+");
+                        true
+                    })
+                    .unwrap();
+                model.entry(key).or_default().extend_from_slice(b"+");
+            }
+            _ => {
+                let value = value_for(i, round, 200);
+                engine.put(&key, Bytes::from(value.clone())).unwrap();
+                model.insert(key, value);
+            }
+        }
+    }
+}
+
+#[test]
+fn recovery_from_a_checkpoint_replays_only_the_log_after_it_and_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut model = BTreeMap::new();
+    let engine = HybridEngine::open(dir.path(), options(1 << 20)).unwrap();
+    for round in 0..3 {
+        churn(&engine, &mut model, 6_000, round);
+    }
+    let start = engine.checkpoint().unwrap().expect("the index is not doubling");
+    assert_eq!(stat(&engine, "checkpoint-start"), start);
+    let log_at_checkpoint = stat(&engine, "log-bytes");
+    for round in 3..5 {
+        churn(&engine, &mut model, 4_000, round);
+    }
+    engine.flush().unwrap();
+    let written_after = stat(&engine, "log-bytes") - log_at_checkpoint;
+    let image = crash_image(dir.path());
+    {
+        let recovered = HybridEngine::open(image.path(), options(1 << 20)).unwrap();
+        assert_eq!(stat(&recovered, "checkpoint-start"), start);
+        assert_eq!(stat(&recovered, "recovery-replayed-bytes"), written_after);
+        assert_holds(&recovered, &model, "a crash after the checkpoint");
+    }
+    drop(engine);
+    let reopened = HybridEngine::open(dir.path(), options(1 << 20)).unwrap();
+    assert_eq!(stat(&reopened, "recovery-replayed-bytes"), 0, "closing took a checkpoint at the tail");
+    assert_holds(&reopened, &model, "reopened after a clean close");
+}
+
+#[test]
+fn checkpoints_taken_while_writers_run_recover_every_acknowledged_write_and_the_exact_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Arc::new(HybridEngine::open(dir.path(), options(1 << 20)).unwrap());
+    let checkpoints_done = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = (0..2u32)
+        .map(|writer| {
+            let (engine, checkpoints_done) = (engine.clone(), checkpoints_done.clone());
+            std::thread::spawn(move || {
+                // Each writer has keys of its own, so its model is exact.
+                let mut model = BTreeMap::new();
+                let mut round = 0;
+                let mut rounds_after = 0;
+                while rounds_after < 2 && round < 1_000 {
+                    rounds_after += u32::from(checkpoints_done.load(Ordering::Acquire));
+                    for i in 0..3_000u32 {
+                        // The old keys come and go; new ones keep the count
+                        // growing for 40 rounds (and the index below the size
+                        // at which it doubles, which would make the
+                        // checkpoints of no more use).
+                        let key = match i % 30 {
+                            0 => format!("w{writer}:{}:{i:05}", round % 40).into_bytes(),
+                            _ => format!("w{writer}:{i:05}").into_bytes(),
+                        };
+                        if (i + round) % 4 == 0 {
+                            engine.delete(&key).unwrap();
+                            model.remove(&key);
+                        } else {
+                            let value = value_for(i, round, 100);
+                            engine.put(&key, Bytes::from(value.clone())).unwrap();
+                            model.insert(key, value);
+                        }
+                    }
+                    round += 1;
+                }
+                model
+            })
+        })
+        .collect();
+    let mut starts = Vec::new();
+    while starts.len() < 20 && !writers.iter().any(|writer| writer.is_finished()) {
+        starts.extend(engine.checkpoint().unwrap());
+    }
+    assert_eq!(starts.len(), 20, "the writers ran out of rounds first");
+    checkpoints_done.store(true, Ordering::Release);
+    let mut model = BTreeMap::new();
+    for writer in writers {
+        model.extend(writer.join().unwrap());
+    }
+    assert!(starts.windows(2).all(|pair| pair[0] <= pair[1]));
+    engine.flush().unwrap();
+    let image = crash_image(dir.path());
+    let recovered = HybridEngine::open(image.path(), options(1 << 20)).unwrap();
+    assert!(stat(&recovered, "recovery-replayed-bytes") < stat(&recovered, "log-bytes"));
+    assert_holds(&recovered, &model, "recovered from a checkpoint taken while writers ran");
+}
+
+#[test]
+fn a_checkpoint_that_no_longer_matches_the_log_or_is_damaged_is_passed_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut model = BTreeMap::new();
+    let engine = HybridEngine::open(dir.path(), options(1 << 20)).unwrap();
+    for round in 0..4 {
+        churn(&engine, &mut model, 5_000, round);
+    }
+    engine.checkpoint().unwrap().expect("the index is not doubling");
+    engine.flush().unwrap();
+
+    // Damaged: a flipped byte in the middle of the entries.
+    let image = crash_image(dir.path());
+    let path = image.path().join("hybrid.checkpoint");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x10;
+    std::fs::write(&path, bytes).unwrap();
+    {
+        let recovered = HybridEngine::open(image.path(), options(1 << 20)).unwrap();
+        assert_eq!(stat(&recovered, "recovery-replayed-bytes"), stat(&recovered, "log-bytes"));
+        assert_holds(&recovered, &model, "a damaged checkpoint");
+    }
+
+    // Stale: compaction moved the log's begin past it.
+    engine.compact().unwrap();
+    engine.flush().unwrap();
+    let image = crash_image(dir.path());
+    let recovered = HybridEngine::open(image.path(), options(1 << 20)).unwrap();
+    assert_eq!(stat(&recovered, "recovery-replayed-bytes"), stat(&recovered, "log-bytes"));
+    assert_holds(&recovered, &model, "a checkpoint from before a compaction");
 }

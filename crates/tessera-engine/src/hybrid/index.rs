@@ -440,6 +440,50 @@ impl Index {
         }
     }
 
+    /// Calls `visit` with the bucket, tag and newest address of every entry
+    /// that leads to records (a writer's lock aside; a claim not yet kept
+    /// left out). False, visiting nothing, while the index doubles.
+    pub(crate) fn for_each_entry(&self, mut visit: impl FnMut(u64, u64, u64)) -> bool {
+        let state = self.state.load();
+        if state.next.is_some() {
+            return false;
+        }
+        let table = &state.current;
+        for (index, first) in table.buckets.iter().enumerate() {
+            let mut bucket = first;
+            loop {
+                for entry in &bucket.slots {
+                    let value = entry.load(Ordering::Acquire);
+                    debug_assert_ne!(value, FROZEN, "only a doubling freezes entries");
+                    if value & TENTATIVE == 0 && value & ADDRESS_MASK != 0 {
+                        visit(index as u64, value & TAG_MASK, value & ADDRESS_MASK);
+                    }
+                }
+                match table.next(bucket) {
+                    Ok(Some(next)) => bucket = next,
+                    Ok(None) | Err(Moved) => break,
+                }
+            }
+        }
+        true
+    }
+
+    /// Puts back an entry a checkpoint kept, before the index serves: false
+    /// when it does not fit this index (a damaged checkpoint).
+    pub(crate) fn restore_entry(&self, bucket: u64, tag: u64, head: u64) -> bool {
+        let state = self.state.load();
+        let table = &state.current;
+        if state.next.is_some()
+            || bucket >= table.len() as u64
+            || tag & !TAG_MASK != 0
+            || head & !ADDRESS_MASK != 0
+        {
+            return false;
+        }
+        table.insert_moved(bucket as usize, tag, head);
+        true
+    }
+
     /// Every entry back to empty (a cleared engine).
     pub(crate) fn clear(&self) {
         let state = self.state.load();

@@ -465,6 +465,13 @@ impl Log {
         Some(start)
     }
 
+    /// Runs `at_tail` with the tail as it stands while no record is being
+    /// allocated: every record allocated after lies at or above it.
+    pub(crate) fn at_tail<T>(&self, at_tail: impl FnOnce(u64) -> T) -> T {
+        let _allocation = self.allocation.lock();
+        at_tail(self.tail.load(Ordering::Relaxed))
+    }
+
     /// Makes everything below `address` read-only (never moving backwards).
     pub(crate) fn move_read_only(&self, address: u64) {
         if self.read_only.fetch_max(address, Ordering::AcqRel) < address {

@@ -10,8 +10,10 @@
 //! - `record.rs`: a record's header, key and value;
 //! - `index.rs`: the lock-free hash index of tagged entries;
 //! - `log.rs`: the log's memory frames, boundaries, flushing and segments;
+//! - `checkpoint.rs`: the checkpoint file and the live-key count by era;
 //! - here: the engine's operations and recovery.
 
+mod checkpoint;
 mod index;
 mod log;
 mod memory;
@@ -29,6 +31,7 @@ use bytes::Bytes;
 use crossbeam_epoch as epoch;
 use parking_lot::Mutex;
 
+use self::checkpoint::{CheckpointHeader, Entry, LiveKeys};
 use self::index::{Index, Moved, SlotLock, View};
 use self::log::{sequence, Geometry, Log, Segments};
 use self::record::{
@@ -84,6 +87,9 @@ const COMPACTION_INTERVAL: Duration = Duration::from_secs(1);
 /// Compaction starts once the on-disk region is at least this large and at
 /// least half of the log is dead records.
 const COMPACTION_MIN_BYTES: u64 = 64 << 20;
+/// A checkpoint is taken once the log has grown by a quarter since the
+/// last, and by at least this much.
+const CHECKPOINT_MIN_BYTES: u64 = 64 << 20;
 /// The largest read buffer a thread keeps for its next read.
 const READ_BUFFER_KEPT: usize = 64 << 10;
 
@@ -160,7 +166,11 @@ struct Shared {
     /// Reads of the disk made ahead of a read, off the serving thread.
     disk_fetches: StripedCounter,
     /// Keys present (live records the index leads to).
-    live: StripedCounter,
+    live: LiveKeys,
+    /// Where the last checkpoint that recovery could use starts (0: none).
+    checkpointed: AtomicU64,
+    /// Bytes of log the last recovery replayed.
+    replayed_bytes: u64,
     /// Bytes of records no key leads to any more (replaced or deleted): an
     /// estimate kept by the writers, which starts compaction.
     dead_bytes: StripedCounter,
@@ -225,7 +235,7 @@ impl HybridEngine {
         let segments = Segments::new(dir);
         let hasher = foldhash::quality::FixedState::with_seed(meta.seed);
         let index = Index::new(meta.index_buckets as usize);
-        let recovered = recover(&segments, &index, &hasher, meta.begin)?;
+        let recovered = recover(dir, &segments, &index, &hasher, &meta)?;
         let log = Log::new(geometry, segments, meta.begin, recovered.end);
         let shared = Arc::new(Shared {
             dir: dir.to_path_buf(),
@@ -237,7 +247,9 @@ impl HybridEngine {
             reads_in_memory: StripedCounter::new(0),
             reads_from_disk: StripedCounter::new(0),
             disk_fetches: StripedCounter::new(0),
-            live: StripedCounter::new(recovered.live),
+            live: LiveKeys::new(recovered.live, recovered.end),
+            checkpointed: AtomicU64::new(recovered.checkpoint_start),
+            replayed_bytes: recovered.end - recovered.replayed_from,
             dead_bytes: StripedCounter::new(recovered.dead_bytes),
             compacted_bytes: AtomicU64::new(0),
             last_sync: Mutex::new(Instant::now()),
@@ -266,6 +278,13 @@ impl HybridEngine {
         Ok(Self { shared, _background: background, _compaction: compaction })
     }
 
+    /// Takes a checkpoint now (the engine takes them by itself as its log
+    /// grows, and when it closes): its start, or `None` while the index
+    /// doubles.
+    pub fn checkpoint(&self) -> Result<Option<u64>> {
+        self.shared.checkpoint()
+    }
+
     /// Compacts the on-disk region now, all of it (the engine does it by
     /// itself once half of that region is dead records). Returns the bytes
     /// of log no longer kept.
@@ -287,20 +306,31 @@ struct Recovered {
     live: i64,
     /// Bytes of records that a later record replaced, and of tombstones.
     dead_bytes: i64,
+    /// Where the replay began, and the start of the checkpoint it began
+    /// at (0 when there was none to use).
+    replayed_from: u64,
+    checkpoint_start: u64,
 }
 
-/// Replays the log from `begin`: every whole record whose CRC holds joins the
-/// index in address order, which rebuilds each chain as it was. The log is
-/// cut after the last whole record.
+/// Rebuilds the index from the last checkpoint, if there is one that
+/// matches the log, and replays the log from its start (or from `begin`):
+/// every whole record whose CRC holds joins the index in address order,
+/// which rebuilds each chain as it was. The log is cut after the last whole
+/// record.
 fn recover(
+    dir: &Path,
     segments: &Segments,
     index: &Index,
     hasher: &foldhash::quality::FixedState,
-    begin: u64,
+    meta: &Meta,
 ) -> Result<Recovered> {
+    let begin = meta.begin;
     let limit = RECORD_BYTES_LIMIT;
-    let mut reader = SequentialReader::new(segments, begin)?;
-    let (mut live, mut dead_bytes) = (0i64, 0i64);
+    let checkpoint = restore_checkpoint(dir, index, meta, segments.end()?);
+    let replayed_from = checkpoint.map_or(begin, |checkpoint| checkpoint.start);
+    let mut reader = SequentialReader::new(segments, replayed_from)?;
+    let (mut live, mut dead_bytes) =
+        checkpoint.map_or((0, 0), |checkpoint| (checkpoint.live, checkpoint.dead_bytes));
     loop {
         let at = reader.address;
         let Some((header, key)) = reader.next_record(limit)? else { break };
@@ -334,7 +364,42 @@ fn recover(
     }
     let end = reader.address;
     segments.truncate(end)?;
-    Ok(Recovered { end, live, dead_bytes })
+    let checkpoint_start = checkpoint.map_or(0, |checkpoint| checkpoint.start);
+    Ok(Recovered { end, live, dead_bytes, replayed_from, checkpoint_start })
+}
+
+/// Fills the empty `index` from the checkpoint file, if there is one taken
+/// under this log's `meta` whose start lies within the log's files (`end`).
+/// One that does not match, or is damaged, is passed over (the index left
+/// empty): the whole log is replayed instead.
+fn restore_checkpoint(dir: &Path, index: &Index, meta: &Meta, end: u64) -> Option<CheckpointHeader> {
+    let buckets = index.buckets() as u64;
+    let start = std::cell::Cell::new(0);
+    let matches = |header: &CheckpointHeader| {
+        start.set(header.start);
+        header.seed == meta.seed
+            && header.begin == meta.begin
+            && header.buckets == buckets
+            && (meta.begin..=end).contains(&header.start)
+    };
+    let restore = |entry: Entry| {
+        if (meta.begin..start.get()).contains(&entry.head)
+            && index.restore_entry(entry.bucket, entry.tag, entry.head)
+        {
+            Ok(())
+        } else {
+            Err(EngineError::Corrupt(format!("{entry:?} does not fit the index or the log")))
+        }
+    };
+    match checkpoint::load(dir, matches, restore) {
+        Ok(Some(header)) => Some(header),
+        Ok(None) => None,
+        Err(error) => {
+            tracing::warn!(%error, dir = %dir.display(), "hybrid engine: the checkpoint is passed over; replaying the whole log");
+            index.clear();
+            None
+        }
+    }
 }
 
 /// The newest record of `key` among on-disk records, following a chain.
@@ -403,11 +468,22 @@ fn read_record_from(
     if !header.is_plausible(limit) {
         return Err(malformed());
     }
-    let mut body = vec![0u8; header.key_len as usize + header.value_len as usize];
-    if !read(address + header.key_offset(), &mut body)? {
+    // The whole record, to check its CRC: a record below a checkpoint was
+    // not read back by recovery, so damage to it shows here.
+    let mut record = vec![0u8; header.record_bytes() as usize];
+    if !read(address, &mut record)? {
         return Ok(None);
     }
-    Ok(Some((header, body)))
+    if checksum(&record) != header.check {
+        return Err(EngineError::Corrupt(format!(
+            "hybrid log: the record at address {address} in {} is damaged (its CRC does not hold)",
+            segments.path_of(address).display()
+        )));
+    }
+    let body_start = header.key_offset() as usize;
+    record.truncate(body_start + header.key_len as usize + header.value_len as usize);
+    record.drain(..body_start);
+    Ok(Some((header, record)))
 }
 
 /// Reads the segment files front to back through a buffer.
@@ -513,6 +589,7 @@ impl Shared {
         epoch::pin().flush();
         self.log.flush_ready()?;
         self.grow_index()?;
+        self.checkpoint_if_due()?;
         if let FsyncPolicy::EveryMs(ms) = self.options.fsync {
             let mut last = self.last_sync.lock();
             if last.elapsed() >= Duration::from_millis(ms) {
@@ -522,6 +599,82 @@ impl Shared {
             }
         }
         Ok(())
+    }
+
+    /// Takes a checkpoint once the log has grown by a quarter, and by at
+    /// least `CHECKPOINT_MIN_BYTES`, since the last one recovery could use.
+    fn checkpoint_if_due(&self) -> Result<()> {
+        let begin = self.log.begin.load(Ordering::Acquire);
+        let tail = self.log.tail.load(Ordering::Acquire);
+        let last = self.checkpointed.load(Ordering::Acquire).max(begin);
+        if tail - last >= CHECKPOINT_MIN_BYTES.max((tail - begin) / 4) {
+            self.checkpoint()?;
+        }
+        Ok(())
+    }
+
+    /// Takes a checkpoint (docs/ARCHITECTURE.md, "The hybrid engine",
+    /// Checkpoints): its start, or `None` while the index doubles. Readers
+    /// and writers carry on throughout. Called unpinned.
+    fn checkpoint(&self) -> Result<Option<u64>> {
+        let _maintenance = self.maintenance.lock();
+        // The era before the current one must be finished before its
+        // counter serves the next era (it is, unless the last checkpoint
+        // failed before its fold-over).
+        self.log.make_durable(self.live.current_start(), true)?;
+        let (start, carried) = self.log.at_tail(|tail| (tail, self.live.begin_era(tail)));
+        // Past the fold-over, every record below `start` is complete, in the
+        // index, immutable and durable, and counted in a finished era.
+        self.log.make_durable(start, true)?;
+        let live = self.live.below_current_era(carried);
+        let dead_bytes = self.dead_bytes.sum();
+        let meta = *self.meta.lock();
+        let mut entries = Vec::new();
+        let mut failure = None;
+        let whole = self.index.for_each_entry(|bucket, tag, head| {
+            let head = match head < start {
+                true => Ok(head),
+                false => self.newest_below(head, start),
+            };
+            match head {
+                Ok(head) if head >= meta.begin => entries.push(Entry { bucket, tag, head }),
+                Ok(_) => {} // nothing of the entry's chain below `start` (or left in the log)
+                Err(error) => failure = failure.take().or(Some(error)),
+            }
+        });
+        if let Some(error) = failure {
+            return Err(error);
+        }
+        if !whole {
+            return Ok(None);
+        }
+        let header = CheckpointHeader {
+            seed: meta.seed,
+            begin: meta.begin,
+            buckets: self.index.buckets() as u64,
+            start,
+            live,
+            dead_bytes,
+            entries: entries.len() as u64,
+        };
+        checkpoint::store(&self.dir, &header, &entries)?;
+        self.checkpointed.store(start, Ordering::Release);
+        Ok(Some(start))
+    }
+
+    /// The newest record below `start` of the chain from `at` (0 when none).
+    fn newest_below(&self, mut at: u64, start: u64) -> Result<u64> {
+        let _guard = epoch::pin();
+        let begin = self.log.begin.load(Ordering::Acquire);
+        while at >= start {
+            let header = if at >= self.log.head.load(Ordering::Acquire) {
+                self.log.header(at)
+            } else {
+                read_record(&self.log.segments, RECORD_BYTES_LIMIT, at)?.0
+            };
+            at = header.previous();
+        }
+        Ok(if at >= begin { at } else { 0 })
     }
 
     /// Doubles the index when it holds more than `KEYS_PER_BUCKET` keys a
@@ -536,6 +689,8 @@ impl Shared {
                 let grown = Meta { index_buckets: buckets * 2, ..*meta };
                 grown.store(&self.dir)?;
                 *meta = grown;
+                // Taken under the smaller index: no more use.
+                self.checkpointed.store(0, Ordering::Release);
             }
             drop(meta);
             self.index.start_doubling();
@@ -809,7 +964,7 @@ impl Shared {
                 && new.is_none_or(|value| header.fits_in_place(value.len()))
             {
                 self.change_in_place(address, &header, new);
-                self.count_live(live_change);
+                self.live.add(address, live_change);
                 // A record deleted in place is dead; one brought back is not.
                 self.dead_bytes.add(-live_change * header.record_bytes() as i64);
                 drop(guard);
@@ -827,19 +982,13 @@ impl Shared {
         let address = self.allocate(&header, &mut guard)?;
         self.fill(address, &header, key, new);
         lock.set_head(address);
-        self.count_live(live_change);
+        self.live.add(address, live_change);
         // A tombstone replaced was counted when it was written.
         let replaced = found.as_ref().filter(|_| existed).map_or(0, |found| found.header().record_bytes());
         let tombstone = if new.is_none() { header.record_bytes() } else { 0 };
         self.dead_bytes.add((replaced + tombstone) as i64);
         drop(guard);
         self.after_write(address + header.record_bytes()).map(|()| existed)
-    }
-
-    fn count_live(&self, change: i64) {
-        if change != 0 {
-            self.live.add(change);
-        }
     }
 
     /// Changes a mutable record where it lies: a new value that fits its
@@ -952,8 +1101,10 @@ impl Shared {
         self.store_begin(tail)?;
         self.log.discard_below(tail);
         self.index.clear();
-        self.live.reset();
+        self.live.reset(tail);
         self.dead_bytes.reset();
+        self.checkpointed.store(0, Ordering::Release);
+        checkpoint::remove(&self.dir)?;
         self.remove_files_below(tail)
     }
 
@@ -1037,6 +1188,8 @@ impl Shared {
         }
         self.log.make_durable(self.log.tail.load(Ordering::Acquire), self.syncs())?;
         self.store_begin(end)?;
+        // The last checkpoint was taken under the old begin: no more use.
+        self.checkpointed.store(0, Ordering::Release);
         self.log.advance_begin(end);
         let reclaimed = end - begin;
         self.dead_bytes.add(-((reclaimed - copied) as i64));
@@ -1083,9 +1236,21 @@ impl Shared {
 }
 
 impl Drop for HybridEngine {
+    /// Makes everything durable, and takes a checkpoint if the log grew
+    /// since the last, so that the next open replays little.
     fn drop(&mut self) {
-        if let Err(error) = self.flush() {
-            tracing::error!(%error, dir = %self.shared.dir.display(), "hybrid engine: final flush failed");
+        let shared = &self.shared;
+        let closing = self.flush().and_then(|()| {
+            let tail = shared.log.tail.load(Ordering::Acquire);
+            match tail
+                > shared.checkpointed.load(Ordering::Acquire).max(shared.log.begin.load(Ordering::Acquire))
+            {
+                true => shared.checkpoint().map(drop),
+                false => Ok(()),
+            }
+        });
+        if let Err(error) = closing {
+            tracing::error!(%error, dir = %shared.dir.display(), "hybrid engine: closing flush or checkpoint failed");
         }
     }
 }
@@ -1160,6 +1325,8 @@ impl Engine for HybridEngine {
             ("index-buckets", self.shared.index.buckets() as u64),
             ("log-bytes-dead", self.shared.dead_bytes.sum().max(0) as u64),
             ("log-bytes-compacted", self.shared.compacted_bytes.load(Ordering::Relaxed)),
+            ("checkpoint-start", self.shared.checkpointed.load(Ordering::Acquire)),
+            ("recovery-replayed-bytes", self.shared.replayed_bytes),
         ]
     }
 }
