@@ -311,8 +311,13 @@ impl Connection {
                             self.node.pause.wait(crate::node_state::now_ms()).await;
                         }
                     }
-                    if self.cluster.is_none() && self.session.authenticated {
-                        self.node.disk_reads.prepare_request(&self.tables, &request).await;
+                    if self.cluster.is_none() && self.session.authenticated && self.tables.reads_may_wait() {
+                        if let Some(spec) = lookup(request.arg(0)).filter(|spec| spec.arity_ok(request.len()))
+                        {
+                            let keys = spec.key_positions(request.len(), |index| request.arg(index));
+                            let keys = keys.map(|index| request.arg(index));
+                            self.node.disk_reads.prepare_in_tables(&self.tables, keys).await;
+                        }
                     }
                     let (started, reply_mark) = (Instant::now(), self.out.len());
                     let mut context = Context {

@@ -9,10 +9,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use tessera_engine::Engine;
-use tessera_wire::Request;
 use tokio::sync::Semaphore;
 
-use crate::commands::lookup;
 use crate::tables::TableSet;
 
 pub struct DiskReads {
@@ -65,19 +63,13 @@ impl DiskReads {
         }
     }
 
-    /// `prepare` for the keys `request` names, each in the table that owns
-    /// it; nothing when no table's engine may wait, or the request is not a
-    /// well-formed command.
-    pub async fn prepare_request(&self, tables: &TableSet, request: &Request<'_>) {
+    /// `prepare` for `keys`, each in the table that owns it; nothing when no
+    /// table's engine may wait.
+    pub async fn prepare_in_tables<'k>(&self, tables: &TableSet, keys: impl Iterator<Item = &'k [u8]>) {
         if self.permits.is_none() || !tables.reads_may_wait() {
             return;
         }
-        let Some(spec) = lookup(request.arg(0)).filter(|spec| spec.arity_ok(request.len())) else { return };
-        let keys = spec.key_positions(request.len(), |index| request.arg(index)).map(|index| {
-            let key = request.arg(index);
-            (&tables.route(key).engine, key)
-        });
-        self.prepare(keys).await;
+        self.prepare(keys.map(|key| (&tables.route(key).engine, key))).await;
     }
 }
 

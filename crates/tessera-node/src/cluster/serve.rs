@@ -291,7 +291,7 @@ async fn serve_keyed(
     }
     match placement {
         Placement::Local => {
-            context.node.disk_reads.prepare_request(context.tables, request).await;
+            context.node.disk_reads.prepare_in_tables(context.tables, keys()).await;
             level_header(context.out);
             dispatch_admitted(context, spec, request);
             None
