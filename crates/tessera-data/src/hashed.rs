@@ -416,9 +416,9 @@ fn edit_form<T>(
     })
 }
 
-/// SADD, HSET and HMSET where the value lies ([`typed::edits_in_place`]):
-/// an inline value's entries, or each field's bucket and then the header's
-/// count, changed in place. How many fields are new, or `None` when the
+/// SADD, HSET and HMSET where the value lies: an inline value's entries
+/// (on every engine), or each field's bucket and then the header's count
+/// (where [`typed::edits_in_place`]), changed in place. How many fields are new, or `None` when the
 /// change needs the general path ([`Hashed`]): no value yet, an inline one
 /// that may outgrow its form, or a paged one due to split a bucket.
 pub fn insert_in_place(
@@ -429,9 +429,6 @@ pub fn insert_in_place(
     now_ms: u64,
     reserved: &ReservedEntries,
 ) -> DataResult<Option<u64>> {
-    if !typed::edits_in_place(engine) {
-        return Ok(None);
-    }
     // At most what the entries add, whether their fields are new or not.
     let added_bytes: usize = entries.iter().map(|(field, value)| 8 + field.len() + value.len()).sum();
     let form = edit_form(layout, engine, key, now_ms, |value, base, held| {
@@ -452,6 +449,7 @@ pub fn insert_in_place(
     let header = match form {
         None => return Ok(None),
         Some(Form::Inline(added)) => return Ok(Some(added)),
+        Some(Form::Paged(_)) if !typed::edits_in_place(engine) => return Ok(None),
         Some(Form::Paged(header)) => header,
     };
     if header.len + entries.len() as u64 > BUCKET_LOAD * header.bucket_count() {
@@ -495,9 +493,6 @@ pub fn pop_random_in_place(
 ) -> DataResult<Option<Bytes>> {
     const DRAWS: usize = 16;
     let layout = Layout::Set;
-    if !typed::edits_in_place(engine) {
-        return Ok(None);
-    }
     // Takes a random one of the `held` entries stored from `base`.
     let take = |stored: &mut Vec<u8>, base: usize, held: usize| -> DataResult<Bytes> {
         let entries = &stored[base..];
@@ -517,6 +512,7 @@ pub fn pop_random_in_place(
     let header = match form {
         None => return Ok(None),
         Some(Form::Inline(member)) => return Ok(Some(member)),
+        Some(Form::Paged(_)) if !typed::edits_in_place(engine) => return Ok(None),
         Some(Form::Paged(header)) => header,
     };
     if header.len < 2 {

@@ -383,6 +383,8 @@ fn edit_end<T>(
                 let len = (held as u64).wrapping_add_signed(delta);
                 Ok(edit(value, start + 1, held, &INLINE_ROOM)?.map(|answer| Form::Inline(len, answer)).into())
             }
+            // The header and an end page: two entries.
+            PAGED if !typed::edits_in_place(engine) => Ok(Edit::Declined),
             PAGED => {
                 let mut header = PagedHeader::read(&value[start..])?;
                 let len = header.len.checked_add_signed(delta).filter(|len| *len > 0);
@@ -412,9 +414,9 @@ fn edit_end<T>(
     Ok(edited?.map(|answer| (header.len, answer)))
 }
 
-/// LPUSH and RPUSH where the list lies ([`typed::edits_in_place`]): the
-/// inline list's value, or the header's length and the end page, changed
-/// in place. The new length, or `None` when the push needs the general
+/// LPUSH and RPUSH where the list lies: the inline list's value (on every
+/// engine), or the header's length and the end page (where
+/// [`typed::edits_in_place`]), changed in place. The new length, or `None` when the push needs the general
 /// path ([`List`]): no list yet, an inline list outgrowing its form, or an
 /// end page without room.
 pub fn push_in_place(
@@ -424,9 +426,6 @@ pub fn push_in_place(
     elements: &[&[u8]],
     now_ms: u64,
 ) -> DataResult<Option<u64>> {
-    if !typed::edits_in_place(engine) {
-        return Ok(None);
-    }
     let bytes: usize = elements.iter().map(|element| 4 + element.len()).sum();
     let pushed = edit_end(engine, key, end, elements.len() as i64, now_ms, |value, base, held, room| {
         let fits = held + elements.len() <= room.elements && value.len() - base + bytes <= room.bytes;
@@ -448,7 +447,7 @@ pub fn pop_in_place(
     count: u64,
     now_ms: u64,
 ) -> DataResult<Option<Vec<Bytes>>> {
-    if !typed::edits_in_place(engine) || count == 0 {
+    if count == 0 {
         return Ok(None);
     }
     let count = usize::try_from(count).unwrap_or(usize::MAX);
@@ -1059,14 +1058,26 @@ mod tests {
     }
 
     #[test]
-    fn a_persistent_engine_never_changes_a_list_in_place() {
+    fn a_persistent_engine_changes_an_inline_list_in_place_and_never_a_paged_one() {
         let dir = tempfile::tempdir().unwrap();
         let log = tessera_engine::LogEngine::open(dir.path(), Default::default()).unwrap();
         let mut list = List::open_or_new(&log, b"l", 0).unwrap();
         list.push(End::Back, Bytes::from_static(b"a")).unwrap();
         list.commit(&ReservedEntries::default()).unwrap();
-        assert_eq!(push_in_place(&log, b"l", End::Back, &[b"b"], 0).unwrap(), None);
-        assert_eq!(pop_in_place(&log, b"l", End::Back, 1, 0).unwrap(), None);
+        assert_eq!(push_in_place(&log, b"l", End::Back, &[b"b"], 0).unwrap(), Some(2));
+        assert_eq!(pop_in_place(&log, b"l", End::Back, 1, 0).unwrap(), Some(vec![Bytes::from_static(b"b")]));
+
+        // Past the inline form: a header and pages, which change together
+        // only through the general path's intent on a persistent engine.
+        let mut list = List::open_or_new(&log, b"p", 0).unwrap();
+        for _ in 0..INLINE_ELEMENTS_MAX + 1 {
+            list.push(End::Back, Bytes::from_static(b"element")).unwrap();
+        }
+        list.commit(&ReservedEntries::default()).unwrap();
+        let stored = typed::read_kind(&log, b"p", Kind::List, 0).unwrap().unwrap();
+        assert!(id_of(&stored.payload).unwrap().is_some(), "the list is paged");
+        assert_eq!(push_in_place(&log, b"p", End::Back, &[b"b"], 0).unwrap(), None);
+        assert_eq!(pop_in_place(&log, b"p", End::Back, 1, 0).unwrap(), None);
     }
 
     #[test]

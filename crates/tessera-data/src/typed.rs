@@ -153,12 +153,14 @@ pub fn read_kind(engine: &dyn Engine, key: &[u8], kind: Kind, now: u64) -> DataR
     read_live(engine, key, now)?.map(|stored| stored.expect(kind)).transpose()
 }
 
-/// Whether the collections change `engine`'s entries where they lie
-/// ([`Engine::update`]) for the commands that touch one end or one bucket
-/// (a push, a pop, an addition). A persistent engine takes the general
-/// path instead, whose change of several entries goes through an intent
-/// ([`crate::collection::Changes`]) so that a crash half-way is finished
-/// on recovery.
+/// Whether the collections change several of `engine`'s entries where they
+/// lie ([`Engine::update`]) for the commands that touch one end or one
+/// bucket (a push, a pop, an addition to a paged collection). A persistent
+/// engine takes the general path instead, whose change of several entries
+/// goes through an intent ([`crate::collection::Changes`]) so that a crash
+/// half-way is finished on recovery. A collection held inline is one entry,
+/// changed where it lies on every engine: one entry's update is as atomic
+/// as a put.
 pub fn edits_in_place(engine: &dyn Engine) -> bool {
     !engine.capabilities().persistent
 }
