@@ -112,3 +112,15 @@ def r(node):
     client = node.client()
     yield client
     client.close()
+
+
+def evict_from_page_cache(directory):
+    """Drops the hybrid logs' pages under `directory` from the OS's cache:
+    reading them then waits for the disk."""
+    for path in Path(directory).rglob("hybrid-*.log"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

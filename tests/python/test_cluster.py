@@ -23,7 +23,7 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
-from conftest import BINARY
+from conftest import BINARY, evict_from_page_cache
 
 LEASE_MS = 400
 FAILURE_TIMEOUT_MS = 700
@@ -1166,11 +1166,7 @@ def test_a_hybrid_table_larger_than_its_memory_replicates_in_every_mode_and_surv
         if step == 2:
             # Out of the page cache, the heads' records are fetched ahead of
             # the reads, off their serving threads.
-            for path in cluster.dir.rglob("hybrid-*.log"):
-                fd = os.open(path, os.O_RDONLY)
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
+            evict_from_page_cache(cluster.dir)
             missing = [key for key, value in written.items() if client.get(key) != value]
             assert not missing, f"{len(missing)} of {len(written)} acknowledged writes lost, e.g. {missing[:3]}"
             fetched = sum(redis.Redis(port=cluster.port(node)).info("stats")["disk_reads_fetched"] for node in range(3))

@@ -1,15 +1,13 @@
 """Tables, engines and restarts of a real node."""
 
-import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import redis
 
-from conftest import Node
+from conftest import Node, evict_from_page_cache
 
 PERSISTENT_ENGINES = ["log", "lsm", "hybrid"]
 
@@ -153,17 +151,6 @@ def test_a_hybrid_table_larger_than_its_memory_serves_and_survives_kill_9(data_d
     assert r.get("big:counter") == b"1"
     assert info()[b"keys"] == 8001
     node.stop()
-
-
-def evict_from_page_cache(directory):
-    """Drops the hybrid logs' pages from the OS's cache: reading them waits for the disk."""
-    for path in Path(directory).rglob("hybrid-*.log"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def test_reads_that_would_wait_for_the_disk_are_fetched_off_the_serving_thread(data_dir):
