@@ -639,7 +639,9 @@ impl Shared {
             match head {
                 Ok(head) if head >= meta.begin => entries.push(Entry { bucket, tag, head }),
                 Ok(_) => {} // nothing of the entry's chain below `start` (or left in the log)
-                Err(error) => failure = failure.take().or(Some(error)),
+                Err(error) => {
+                    failure.get_or_insert(error);
+                }
             }
         });
         if let Some(error) = failure {
@@ -665,7 +667,6 @@ impl Shared {
     /// The newest record below `start` of the chain from `at` (0 when none).
     fn newest_below(&self, mut at: u64, start: u64) -> Result<u64> {
         let _guard = epoch::pin();
-        let begin = self.log.begin.load(Ordering::Acquire);
         while at >= start {
             let header = if at >= self.log.head.load(Ordering::Acquire) {
                 self.log.header(at)
@@ -674,7 +675,7 @@ impl Shared {
             };
             at = header.previous();
         }
-        Ok(if at >= begin { at } else { 0 })
+        Ok(at)
     }
 
     /// Doubles the index when it holds more than `KEYS_PER_BUCKET` keys a
