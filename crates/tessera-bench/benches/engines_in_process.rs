@@ -14,12 +14,16 @@
 //!
 //! `--larger-than-memory` runs zipfian A, B and C over a data set four times
 //! the `hybrid` budget, against the persistent `lsm` and `log` engines.
+//! `--batch N` hands runs of up to N consecutive reads to a subject at once
+//! (`Engine::get_many_with`, which `hybrid` overlaps by prefetching; the
+//! others read them one by one), as a node does with a pipeline of GETs.
 //!
 //! ```text
 //! cargo bench -p tessera-bench --bench engines_in_process -- \
 //!     [--keys 10000000] [--seconds 3] [--threads 1,2] [--shapes 8x8,16x100] \
 //!     [--workloads a,b,c,f] [--distributions uniform,zipfian] \
-//!     [--subjects hybrid,memory,dashmap,papaya,oxifaster] [--larger-than-memory]
+//!     [--subjects hybrid,memory,dashmap,papaya,oxifaster] [--larger-than-memory] \
+//!     [--batch 16]
 //! ```
 
 use std::collections::BTreeMap;
@@ -75,6 +79,11 @@ trait Worker {
     /// Reads `key`'s value and returns its first byte (0 when absent), so
     /// that the read cannot be optimized away.
     fn read(&mut self, key: &[u8]) -> u64;
+    /// Reads several keys (`--batch`), summing what `read` returns; one at
+    /// a time unless the subject can overlap them.
+    fn read_batch(&mut self, keys: &[&[u8]]) -> u64 {
+        keys.iter().map(|key| self.read(key)).fold(0, u64::wrapping_add)
+    }
     /// Stores a value chosen by `n`.
     fn upsert(&mut self, key: &[u8], n: u64);
     /// Adds one to the first eight bytes of the value.
@@ -126,6 +135,17 @@ impl Worker for EngineWorker<'_> {
             .get_with(key, &mut |value| first = value.map_or(0, |value| u64::from(value[0])))
             .expect("read");
         first
+    }
+
+    fn read_batch(&mut self, keys: &[&[u8]]) -> u64 {
+        let mut sum = 0u64;
+        self.subject
+            .engine
+            .get_many_with(keys, &mut |_, value| {
+                sum = sum.wrapping_add(value.map_or(0, |value| u64::from(value[0])))
+            })
+            .expect("read");
+        sum
     }
 
     fn upsert(&mut self, key: &[u8], n: u64) {
@@ -357,8 +377,13 @@ fn load(subject: &dyn Subject, shape: Shape, keys: u64, threads: u64) -> f64 {
     started.elapsed().as_secs_f64()
 }
 
-/// Runs the streams, one per thread, for `seconds`; returns operations per second.
-fn run(subject: &dyn Subject, shape: Shape, streams: &[Vec<u64>], seconds: f64) -> f64 {
+/// The most reads `--batch` hands over at once.
+const BATCH_MAX: usize = 64;
+
+/// Runs the streams, one per thread, for `seconds`; returns operations per
+/// second. With `batch` above 1, runs of consecutive reads go to the
+/// subject up to `batch` at a time (a write ends a run).
+fn run(subject: &dyn Subject, shape: Shape, streams: &[Vec<u64>], seconds: f64, batch: usize) -> f64 {
     let stop = AtomicBool::new(false);
     let done = AtomicU64::new(0);
     let start = Barrier::new(streams.len() + 1);
@@ -368,16 +393,32 @@ fn run(subject: &dyn Subject, shape: Shape, streams: &[Vec<u64>], seconds: f64) 
             scope.spawn(move || {
                 let mut worker = subject.worker();
                 let mut key = [0u8; 16];
+                let mut pending = vec![[0u8; 16]; batch];
+                let mut pending_len = 0;
                 let mut checksum = 0u64;
                 let mut count = 0u64;
                 start.wait();
                 'run: loop {
                     for chunk in requests.chunks(1024) {
-                        for &request in chunk {
+                        for (at, &request) in chunk.iter().enumerate() {
                             let record = request & ((1 << 62) - 1);
                             let len = shape.key(record, &mut key);
                             let key = &key[..len];
                             match request >> 62 {
+                                0 if batch > 1 => {
+                                    pending[pending_len][..len].copy_from_slice(key);
+                                    pending_len += 1;
+                                    let next_reads = chunk.get(at + 1).is_some_and(|next| next >> 62 == 0);
+                                    if pending_len == batch || !next_reads {
+                                        let mut keys: [&[u8]; BATCH_MAX] = [&[]; BATCH_MAX];
+                                        for (slot, key) in keys.iter_mut().zip(&pending[..pending_len]) {
+                                            *slot = &key[..len];
+                                        }
+                                        checksum =
+                                            checksum.wrapping_add(worker.read_batch(&keys[..pending_len]));
+                                        pending_len = 0;
+                                    }
+                                }
                                 0 => checksum = checksum.wrapping_add(worker.read(key)),
                                 1 => worker.upsert(key, count),
                                 _ => worker.read_modify_write(key),
@@ -411,6 +452,8 @@ struct Options {
     distributions: Vec<(&'static str, Distribution)>,
     subjects: Vec<String>,
     larger_than_memory: bool,
+    /// Consecutive reads handed to a subject at once (1: one by one).
+    batch: usize,
 }
 
 fn parse_options() -> Options {
@@ -426,6 +469,7 @@ fn parse_options() -> Options {
         ],
         subjects: ["hybrid", "memory", "dashmap", "papaya", "oxifaster"].map(String::from).to_vec(),
         larger_than_memory: false,
+        batch: 1,
     };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
@@ -471,6 +515,10 @@ fn parse_options() -> Options {
             }
             "--subjects" => options.subjects = list(value()),
             "--larger-than-memory" => options.larger_than_memory = true,
+            "--batch" => {
+                options.batch = value().parse().expect("--batch: a number");
+                assert!((1..=BATCH_MAX).contains(&options.batch), "--batch: 1 to {BATCH_MAX}");
+            }
             // What `cargo bench` passes to every bench target.
             "--bench" => {}
             other => panic!("unknown option {other}"),
@@ -541,7 +589,13 @@ fn in_memory(options: &Options) {
                         );
                         continue;
                     }
-                    let ops = run(subject.as_ref(), shape, &per_thread[..threads as usize], options.seconds);
+                    let ops = run(
+                        subject.as_ref(),
+                        shape,
+                        &per_thread[..threads as usize],
+                        options.seconds,
+                        options.batch,
+                    );
                     let cell = format!("{} {workload} {distribution} {threads}t", shape.name());
                     println!("  {cell:<28} {name:<10} {:>8.2} M ops/s", ops / 1e6);
                     rows.entry(cell).or_default().insert(name.clone(), ops);
@@ -579,7 +633,7 @@ fn larger_than_memory(options: &Options) {
             let streams =
                 (0..threads).map(|t| stream(*workload, zipfian, options.keys, t + 1)).collect::<Vec<_>>();
             let before = stats(engine.as_ref());
-            let ops = run(&subject, shape, &streams, options.seconds);
+            let ops = run(&subject, shape, &streams, options.seconds, options.batch);
             let after = stats(engine.as_ref());
             let cell = format!("{} {} zipfian {threads}t", shape.name(), workload.name);
             let hit = hit_rate(&before, &after)

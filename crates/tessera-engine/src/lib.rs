@@ -150,6 +150,16 @@ pub trait Engine: Send + Sync + 'static {
         Ok(())
     }
 
+    /// Calls `visit` with each key's index in `keys` and its value, as
+    /// `get_with` does, in order; engines that overlap the reads of a batch
+    /// (the hybrid engine prefetches them) override it.
+    fn get_many_with(&self, keys: &[&[u8]], visit: &mut dyn FnMut(usize, Option<&[u8]>)) -> Result<()> {
+        for (at, key) in keys.iter().enumerate() {
+            self.get_with(key, &mut |value| visit(at, value))?;
+        }
+        Ok(())
+    }
+
     /// Reads several keys; engines that can batch (a remote server) override it.
     fn get_many(&self, keys: &[&[u8]]) -> Result<Vec<Option<Bytes>>> {
         keys.iter().map(|key| self.get(key)).collect()

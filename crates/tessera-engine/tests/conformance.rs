@@ -128,6 +128,17 @@ fn assert_matches_model(engine: &dyn Engine, model: &BTreeMap<Vec<u8>, Vec<u8>>,
     for (key, value) in model {
         assert_eq!(engine.get(key).unwrap().as_deref(), Some(value.as_slice()), "{context}: get");
     }
+    // A batch of every key, each followed by one that is absent, in more
+    // than one of the hybrid engine's batches.
+    let absent: Vec<Vec<u8>> = model.keys().map(|key| [key.as_slice(), b"\xffabsent"].concat()).collect();
+    let keys: Vec<&[u8]> =
+        model.keys().zip(&absent).flat_map(|(key, absent)| [&key[..], &absent[..]]).collect();
+    let expected: Vec<Option<Bytes>> =
+        model.values().flat_map(|value| [Some(Bytes::from(value.clone())), None]).collect();
+    let mut batched = vec![None; keys.len()];
+    engine.get_many_with(&keys, &mut |at, value| batched[at] = value.map(Bytes::copy_from_slice)).unwrap();
+    assert_eq!(batched, expected, "{context}: get_many_with");
+    assert_eq!(engine.get_many(&keys).unwrap(), expected, "{context}: get_many");
 }
 
 #[derive(Clone, Debug)]

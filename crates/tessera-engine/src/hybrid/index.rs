@@ -360,6 +360,13 @@ impl Index {
         View { state, in_next: true }
     }
 
+    /// Asks the processor to bring `hash`'s bucket in ahead of a lookup
+    /// (only a hint: in the current table, even while the index doubles).
+    pub(crate) fn prefetch(&self, hash: u64) {
+        let state = self.state.load();
+        super::memory::prefetch(&state.current.buckets[(hash & state.current.mask) as usize]);
+    }
+
     /// Starts doubling the index, unless it is already doubling.
     pub(crate) fn start_doubling(&self) {
         let state = self.state.load_full();

@@ -351,6 +351,13 @@ impl Log {
         &frame[((address & self.page_mask) >> 3) as usize]
     }
 
+    /// Asks the processor to bring the cache line of an in-memory address
+    /// in ahead of its use (the caller is pinned, the address at or above
+    /// `head`).
+    pub(crate) fn prefetch(&self, address: u64) {
+        super::memory::prefetch(self.word(address & !7));
+    }
+
     pub(crate) fn load(&self, address: u64, order: Ordering) -> u64 {
         self.word(address).load(order)
     }

@@ -293,6 +293,20 @@ impl HybridEngine {
     }
 }
 
+/// Runs `read` with a buffer the thread keeps between reads (so that a read
+/// allocates nothing), unless `read` grew it past `READ_BUFFER_KEPT`.
+fn with_read_buffer<T>(read: impl FnOnce(&mut Vec<u8>) -> Result<T>) -> Result<T> {
+    thread_local! {
+        static BUFFER: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+    }
+    let mut buffer = BUFFER.take();
+    let result = read(&mut buffer);
+    if buffer.capacity() <= READ_BUFFER_KEPT {
+        BUFFER.set(buffer);
+    }
+    result
+}
+
 fn rand_seed() -> u64 {
     use std::hash::{BuildHasher, RandomState};
     RandomState::new().hash_one(std::time::SystemTime::now())
@@ -428,9 +442,15 @@ enum Disk {
     OnlyCached,
 }
 
-/// What a lookup that may not wait found.
+/// What a walk down a chain found.
 enum Lookup {
-    Done(Option<Found>),
+    Found(Found),
+    /// No record of the key; `cut` when the chain goes on below where the
+    /// walk had to stop.
+    Missing {
+        cut: bool,
+    },
+    /// Reading on would wait for the disk (only when that is not allowed).
     WouldWait,
 }
 
@@ -708,7 +728,8 @@ impl Shared {
     /// `find`, looking only at the records at or above `lowest`.
     fn find_down_to(&self, at: u64, key: &[u8], lowest: u64) -> Result<Option<Found>> {
         match self.look_up(at, key, lowest, Disk::Wait)? {
-            Lookup::Done(found) => Ok(found),
+            Lookup::Found(found) => Ok(Some(found)),
+            Lookup::Missing { .. } => Ok(None),
             Lookup::WouldWait => unreachable!("a lookup that may wait never answers that it would"),
         }
     }
@@ -721,7 +742,7 @@ impl Shared {
                 let header = self.log.header(at);
                 if header.key_len as usize == key.len() && self.log.bytes_equal(at + header.key_offset(), key)
                 {
-                    return Ok(Lookup::Done(Some(Found::Memory { address: at, header })));
+                    return Ok(Lookup::Found(Found::Memory { address: at, header }));
                 }
                 at = header.previous();
             } else {
@@ -731,12 +752,12 @@ impl Shared {
                     return Ok(Lookup::WouldWait);
                 };
                 if &body[..header.key_len as usize] == key {
-                    return Ok(Lookup::Done(Some(Found::Disk { address: at, header, body })));
+                    return Ok(Lookup::Found(Found::Disk { address: at, header, body }));
                 }
                 at = header.previous();
             }
         }
-        Ok(Lookup::Done(None))
+        Ok(Lookup::Missing { cut: at != 0 })
     }
 
     /// Whether reading `key` now would wait for the disk: its chain meets a
@@ -839,27 +860,76 @@ impl Shared {
     /// Calls `visit` with `key`'s value, read into a buffer the thread
     /// keeps between reads (so a read allocates nothing).
     fn read_with<T>(&self, key: &[u8], visit: impl FnOnce(Option<&[u8]>) -> T) -> Result<T> {
-        thread_local! {
-            static BUFFER: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
-        }
-        let mut buffer = BUFFER.take();
-        let present = self.read_into(key, &mut buffer);
-        let result = present.map(|present| visit(present.then_some(&buffer[..])));
-        if buffer.capacity() <= READ_BUFFER_KEPT {
-            BUFFER.set(buffer);
-        }
-        result
+        with_read_buffer(|buffer| {
+            let present = self.read_into(key, buffer)?;
+            Ok(visit(present.then_some(&buffer[..])))
+        })
+    }
+
+    /// Reads `keys` as a batch, calling `visit` with each one's index and
+    /// value: the index's buckets of a batch are prefetched first, then the
+    /// in-memory records their entries lead to, so that the batch's cache
+    /// misses overlap instead of following one another.
+    fn read_many(&self, keys: &[&[u8]], visit: &mut dyn FnMut(usize, Option<&[u8]>)) -> Result<()> {
+        const BATCH: usize = 16;
+        with_read_buffer(|buffer| {
+            for (batch, keys) in keys.chunks(BATCH).enumerate() {
+                let mut hashes = [0u64; BATCH];
+                for (hash, key) in hashes.iter_mut().zip(keys) {
+                    *hash = self.hash(key);
+                    self.index.prefetch(*hash);
+                }
+                let mut heads = [0u64; BATCH];
+                for (head, hash) in heads.iter_mut().zip(&hashes) {
+                    *head = self.chain_head(*hash);
+                }
+                {
+                    let _guard = epoch::pin();
+                    let in_memory = self.log.head.load(Ordering::Acquire);
+                    heads.iter().filter(|head| **head >= in_memory).for_each(|head| self.log.prefetch(*head));
+                }
+                for (at, key) in keys.iter().enumerate() {
+                    let present = self.read_from(hashes[at], heads[at], key, buffer)?;
+                    visit(batch * BATCH + at, present.then_some(&buffer[..]));
+                }
+            }
+            Ok(())
+        })
     }
 
     /// Puts `key`'s value in `out`; false when the key is absent.
     fn read_into(&self, key: &[u8], out: &mut Vec<u8>) -> Result<bool> {
         let hash = self.hash(key);
-        let head = self.chain_head(hash);
-        let guard = epoch::pin();
-        let found = self.find(head, key)?;
-        let present = found.as_ref().is_some_and(|found| self.value_of(found, out));
+        self.read_from(hash, self.chain_head(hash), key, out)
+    }
+
+    /// `read_into`, given the key's hash and the head its index entry had.
+    /// A head read a while ago may lead to nothing of the key because
+    /// compaction has since copied the key's record up and moved the log's
+    /// begin past the old one, cutting the chain: the read then looks at the
+    /// index again.
+    fn read_from(&self, hash: u64, mut head: u64, key: &[u8], out: &mut Vec<u8>) -> Result<bool> {
+        let (found, present) = loop {
+            let guard = epoch::pin();
+            let lookup = self.look_up(head, key, self.log.begin.load(Ordering::Acquire), Disk::Wait)?;
+            let found = match lookup {
+                Lookup::Found(found) => Some(found),
+                Lookup::Missing { cut: true } => {
+                    drop(guard);
+                    let fresh = self.chain_head(hash);
+                    if fresh != head {
+                        head = fresh;
+                        continue;
+                    }
+                    None
+                }
+                Lookup::Missing { cut: false } => None,
+                Lookup::WouldWait => unreachable!("a lookup that may wait never answers that it would"),
+            };
+            let present = found.as_ref().is_some_and(|found| self.value_of(found, out));
+            break (found, present);
+        };
         // Unpinned from here: copying to the tail may wait on the index.
-        drop(guard);
         if let Some(Found::Disk { .. }) = found {
             self.reads_from_disk.add_statistic(1);
             if present {
@@ -1271,6 +1341,16 @@ impl Engine for HybridEngine {
 
     fn get_with(&self, key: &[u8], visit: &mut dyn FnMut(Option<&[u8]>)) -> Result<()> {
         self.shared.read_with(key, visit)
+    }
+
+    fn get_many_with(&self, keys: &[&[u8]], visit: &mut dyn FnMut(usize, Option<&[u8]>)) -> Result<()> {
+        self.shared.read_many(keys, visit)
+    }
+
+    fn get_many(&self, keys: &[&[u8]]) -> Result<Vec<Option<Bytes>>> {
+        let mut values = vec![None; keys.len()];
+        self.shared.read_many(keys, &mut |at, value| values[at] = value.map(Bytes::copy_from_slice))?;
+        Ok(values)
     }
 
     fn put(&self, key: &[u8], value: Bytes) -> Result<()> {

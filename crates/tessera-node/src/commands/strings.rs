@@ -7,6 +7,7 @@ use tessera_wire::Request;
 use super::{integer_arg, is, wrong_arity, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 use crate::long_double::LongDouble;
+use crate::node_state::WorkerStats;
 use crate::typed::{change_string, read_kind, read_live, write};
 use crate::typed::{decode_header, parse_i64, Kind};
 
@@ -228,16 +229,48 @@ fn getdel(context: &mut Context, request: &Request) -> CommandResult {
     Ok(())
 }
 
+/// MGET: the keys' values as one batch where they share an engine (the
+/// hybrid engine overlaps a batch's reads), straight from the engine's
+/// memory into the reply. A key of another type answers nil rather than
+/// failing, as in Redis.
 fn mget(context: &mut Context, request: &Request) -> CommandResult {
-    context.out.array(request.len() - 1);
-    for key in request.args().skip(1) {
-        // MGET answers nil for a key of another type rather than failing.
-        let stored =
-            read_live(context.engine(key), key, context.now_ms)?.filter(|stored| stored.kind == Kind::String);
-        context.count_lookup(stored.is_some());
-        context.out.bulk_or_null(stored.as_ref().map(|stored| stored.payload.as_ref()));
+    let keys: Vec<&[u8]> = request.args().skip(1).collect();
+    let engine = context.engine(keys[0]);
+    if !keys.iter().all(|key| std::ptr::addr_eq(context.engine(key), engine)) {
+        context.out.array(keys.len());
+        for key in keys {
+            let stored = read_live(context.engine(key), key, context.now_ms)?
+                .filter(|stored| stored.kind == Kind::String);
+            context.count_lookup(stored.is_some());
+            context.out.bulk_or_null(stored.as_ref().map(|stored| stored.payload.as_ref()));
+        }
+        return Ok(());
     }
-    Ok(())
+    let (now_ms, stats) = (context.now_ms, context.stats);
+    let mark = context.out.len();
+    let out = &mut *context.out;
+    out.array(keys.len());
+    let mut failure = None;
+    let read = engine.get_many_with(&keys, &mut |_, raw| match raw.map(decode_header).transpose() {
+        Ok(Some((Kind::String, deadline, start))) if deadline.is_none_or(|deadline| deadline > now_ms) => {
+            out.bulk(&raw.unwrap_or_default()[start..]);
+            WorkerStats::add(&stats.keyspace_hits, 1);
+        }
+        Ok(_) => {
+            out.null();
+            WorkerStats::add(&stats.keyspace_misses, 1);
+        }
+        Err(error) => {
+            out.null();
+            failure.get_or_insert(error);
+        }
+    });
+    let answered =
+        read.map_err(CommandError::from).and_then(|()| failure.map_or(Ok(()), |error| Err(error.into())));
+    if answered.is_err() {
+        context.out.truncate(mark);
+    }
+    answered
 }
 
 fn mset(context: &mut Context, request: &Request) -> CommandResult {
