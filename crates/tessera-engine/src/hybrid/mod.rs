@@ -472,26 +472,30 @@ fn read_record_from(
         Disk::OnlyCached => segments.read_at_without_waiting(address, buffer),
     };
     let malformed = || EngineError::Corrupt(format!("hybrid log: a malformed record at address {address}"));
+    let short = HEADER_BYTES as usize;
     let mut header_bytes = [0u8; HEADER_BYTES as usize + 8];
-    if !read(address, &mut header_bytes[..HEADER_BYTES as usize])? {
+    if !read(address, &mut header_bytes[..short])? {
         return Ok(None);
     }
-    let header = match Header::parse(&header_bytes[..HEADER_BYTES as usize]) {
-        Some(header) => header,
+    let (header, header_len) = match Header::parse(&header_bytes[..short]) {
+        Some(header) => (header, short),
         None => {
-            if !read(address, &mut header_bytes)? {
+            // A long key's length is in one more word.
+            if !read(address + HEADER_BYTES, &mut header_bytes[short..])? {
                 return Ok(None);
             }
-            Header::parse(&header_bytes).ok_or_else(malformed)?
+            (Header::parse(&header_bytes).ok_or_else(malformed)?, header_bytes.len())
         }
     };
     if !header.is_plausible(limit) {
         return Err(malformed());
     }
     // The whole record, to check its CRC: a record below a checkpoint was
-    // not read back by recovery, so damage to it shows here.
+    // not read back by recovery, so damage to it shows here. The header
+    // read already is not read again.
     let mut record = vec![0u8; header.record_bytes() as usize];
-    if !read(address, &mut record)? {
+    record[..header_len].copy_from_slice(&header_bytes[..header_len]);
+    if !read(address + header_len as u64, &mut record[header_len..])? {
         return Ok(None);
     }
     if checksum(&record) != header.check {
