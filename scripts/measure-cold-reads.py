@@ -16,7 +16,6 @@ serving thread (disk_reads_in_flight 0).
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -27,18 +26,10 @@ from pathlib import Path
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "python"))
 latency = import_module("measure-collection-latency")
+from conftest import evict_from_page_cache  # noqa: E402  (the tests' own helper)
 BINARY, free_port, wait_listening = latency.BINARY, latency.free_port, latency.wait_listening
-
-
-def evict_from_page_cache(directory):
-    for path in Path(directory).rglob("hybrid-*.log"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def bench(port, args, phase, report=None):

@@ -2,6 +2,7 @@
 
 use bytes::Bytes;
 use tessera_data::DataError;
+use tessera_engine::Engine;
 use tessera_wire::Request;
 
 use super::{integer_arg, is, wrong_arity, CommandSpec, Context, Scope};
@@ -235,23 +236,14 @@ fn getdel(context: &mut Context, request: &Request) -> CommandResult {
 /// failing, as in Redis.
 fn mget(context: &mut Context, request: &Request) -> CommandResult {
     let keys: Vec<&[u8]> = request.args().skip(1).collect();
-    let engine = context.engine(keys[0]);
-    if !keys.iter().all(|key| std::ptr::addr_eq(context.engine(key), engine)) {
-        context.out.array(keys.len());
-        for key in keys {
-            let stored = read_live(context.engine(key), key, context.now_ms)?
-                .filter(|stored| stored.kind == Kind::String);
-            context.count_lookup(stored.is_some());
-            context.out.bulk_or_null(stored.as_ref().map(|stored| stored.payload.as_ref()));
-        }
-        return Ok(());
-    }
+    let engines: Vec<&dyn Engine> = keys.iter().map(|key| context.engine(key)).collect();
+    let one_engine = engines.iter().all(|engine| std::ptr::addr_eq(*engine, engines[0]));
     let (now_ms, stats) = (context.now_ms, context.stats);
     let mark = context.out.len();
     let out = &mut *context.out;
     out.array(keys.len());
     let mut failure = None;
-    let read = engine.get_many_with(&keys, &mut |_, raw| match raw.map(decode_header).transpose() {
+    let mut answer = |raw: Option<&[u8]>| match raw.map(decode_header).transpose() {
         Ok(Some((Kind::String, deadline, start))) if deadline.is_none_or(|deadline| deadline > now_ms) => {
             out.bulk(&raw.unwrap_or_default()[start..]);
             WorkerStats::add(&stats.keyspace_hits, 1);
@@ -264,7 +256,11 @@ fn mget(context: &mut Context, request: &Request) -> CommandResult {
             out.null();
             failure.get_or_insert(error);
         }
-    });
+    };
+    let read = match one_engine {
+        true => engines[0].get_many_with(&keys, &mut |_, raw| answer(raw)),
+        false => keys.iter().zip(&engines).try_for_each(|(key, engine)| engine.get_with(key, &mut answer)),
+    };
     let answered =
         read.map_err(CommandError::from).and_then(|()| failure.map_or(Ok(()), |error| Err(error.into())));
     if answered.is_err() {
