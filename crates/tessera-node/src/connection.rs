@@ -2,6 +2,7 @@
 //! it, write all the replies in one go. Pipelined requests therefore cost one
 //! read and one write per batch, and nothing hops threads on the way.
 
+use std::cell::Cell;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -55,6 +56,34 @@ pub struct Connection {
     registration: Registration,
     /// The last command run, as CLIENT LIST names it.
     last_command: String,
+    on_worker: OnWorker,
+}
+
+thread_local! {
+    /// How many connections this worker thread serves.
+    static WORKER_CONNECTIONS: Cell<usize> = const { Cell::new(0) };
+}
+
+/// A connection's place in its worker's count of connections. A connection
+/// lives on one worker's thread, from its start to its end.
+struct OnWorker;
+
+impl OnWorker {
+    fn join() -> Self {
+        WORKER_CONNECTIONS.with(|count| count.set(count.get() + 1));
+        OnWorker
+    }
+
+    /// Whether the worker serves other connections as well.
+    fn has_company(&self) -> bool {
+        WORKER_CONNECTIONS.with(Cell::get) > 1
+    }
+}
+
+impl Drop for OnWorker {
+    fn drop(&mut self) {
+        WORKER_CONNECTIONS.with(|count| count.set(count.get() - 1));
+    }
 }
 
 /// One connection's part of the node's query-buffer total, given back when
@@ -144,6 +173,7 @@ impl Connection {
             wait: None,
             registration,
             last_command: String::new(),
+            on_worker: OnWorker::join(),
         }
     }
 
@@ -486,6 +516,14 @@ impl Connection {
         self.settle().await;
         if self.out.is_empty() {
             return Ok(());
+        }
+        if self.on_worker.has_company() {
+            // The worker's other ready connections run their batches first,
+            // so that the replies leave in one burst: a client that reads
+            // many connections then finds them all ready and sleeps once for
+            // them, where it woke for each (Redis, too, writes every reply
+            // before it waits for more).
+            tokio::task::yield_now().await;
         }
         let result = self.stream.write_all(self.out.as_bytes()).await;
         WorkerStats::add(&self.stats.net_output_bytes, self.out.len() as u64);
