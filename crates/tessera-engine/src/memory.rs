@@ -8,6 +8,7 @@
 //! A read is a miss on the table and one on the entry.
 
 use std::alloc::Layout;
+use std::cell::Cell;
 use std::ptr::NonNull;
 
 use bytes::Bytes;
@@ -19,6 +20,8 @@ use crate::{Capabilities, Engine, KeyRange, Result, ScanCursor, ScanPage};
 /// Values longer than this are kept as the `Bytes` they came in, so that a
 /// read shares a large value instead of copying it.
 const SHARED_VALUE_BYTES: usize = 512;
+/// The most an update keeps of its buffer for the thread's next one.
+const EDIT_BUFFER_KEEP_BYTES: usize = 4 * SHARED_VALUE_BYTES;
 /// The key's length and the value's (or `SHARED`), four bytes each.
 const HEADER_BYTES: usize = 8;
 const SHARED: u32 = u32::MAX;
@@ -108,6 +111,20 @@ impl Entry {
         }
     }
 
+    /// An inline value's bytes, to change where they lie; `None` for a
+    /// shared value.
+    fn inline_value_mut(&mut self) -> Option<&mut [u8]> {
+        let (key_len, value_len) = self.header();
+        // SAFETY: an inline value's bytes follow the key's, and `&mut self`
+        // is the only access to them.
+        (value_len != SHARED).then(|| unsafe {
+            std::slice::from_raw_parts_mut(
+                self.pointer.as_ptr().add(HEADER_BYTES + key_len),
+                value_len as usize,
+            )
+        })
+    }
+
     fn to_bytes(&self) -> Bytes {
         match self.shared() {
             Some(bytes) => bytes.clone(),
@@ -154,6 +171,13 @@ impl Drop for Entry {
 }
 
 type Table = HashTable<Entry>;
+
+thread_local! {
+    /// Where an update edits an inline value: one buffer a thread, so that an
+    /// edit allocates nothing. A nested update (there is none) would find it
+    /// empty, not shared.
+    static EDIT_BUFFER: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
+}
 
 pub struct MemoryEngine {
     map: ShardedMap<Table>,
@@ -227,6 +251,35 @@ impl Engine for MemoryEngine {
                     if let Some(value) = value {
                         table.insert_unique(hash, Entry::new(key, Bytes::from(value)), self.rehash());
                     }
+                }
+            }
+            Ok(mut found) if found.get().shared().is_none() => {
+                // An inline value is edited in a copy kept for the next edit,
+                // and goes back where it lay when its length is unchanged.
+                let mut buffer = EDIT_BUFFER.take();
+                buffer.clear();
+                buffer.extend_from_slice(found.get().value());
+                let mut value = Some(buffer);
+                if change(&mut value) {
+                    match value.take() {
+                        None => drop(found.remove()),
+                        Some(edited) => match found.get_mut().inline_value_mut() {
+                            Some(stored) if stored.len() == edited.len() => {
+                                stored.copy_from_slice(&edited);
+                                value = Some(edited);
+                            }
+                            _ if edited.len() > SHARED_VALUE_BYTES => {
+                                *found.get_mut() = Entry::new(key, Bytes::from(edited));
+                            }
+                            _ => {
+                                *found.get_mut() = Entry::new(key, Bytes::copy_from_slice(&edited));
+                                value = Some(edited);
+                            }
+                        },
+                    }
+                }
+                if let Some(buffer) = value.filter(|buffer| buffer.capacity() <= EDIT_BUFFER_KEEP_BYTES) {
+                    EDIT_BUFFER.set(buffer);
                 }
             }
             Ok(found) => {

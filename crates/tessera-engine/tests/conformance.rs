@@ -160,6 +160,9 @@ enum Edit {
     Append(Vec<u8>),
     /// Drops the first byte in place, or replaces a missing value with nothing.
     DropFirst,
+    /// Changes every byte, keeping the length (an edit that fits where the
+    /// value lies), or replaces a missing value with nothing.
+    Flip,
     Remove,
     /// Reads and reports no change.
     Leave,
@@ -174,6 +177,7 @@ impl Edit {
                 Some(bytes) if !bytes.is_empty() => drop(bytes.remove(0)),
                 _ => *value = Some(Vec::new()),
             },
+            Edit::Flip => value.get_or_insert_with(Vec::new).iter_mut().for_each(|byte| *byte ^= 0x5a),
             Edit::Remove => *value = None,
             Edit::Leave => return false,
         }
@@ -184,7 +188,10 @@ impl Edit {
 fn edit_strategy() -> impl Strategy<Value = Edit> {
     prop_oneof![
         3 => proptest::collection::vec(any::<u8>(), 0..24).prop_map(Edit::Append),
+        // Past the size at which `memory` shares a value rather than copy it.
+        1 => proptest::collection::vec(any::<u8>(), 500..700).prop_map(Edit::Append),
         1 => Just(Edit::DropFirst),
+        2 => Just(Edit::Flip),
         1 => Just(Edit::Remove),
         1 => Just(Edit::Leave),
     ]
