@@ -14,9 +14,10 @@
 //!
 //! `--larger-than-memory` runs zipfian A, B and C over a data set four times
 //! the `hybrid` budget, against the persistent `lsm` and `log` engines.
-//! `--batch N` hands runs of up to N consecutive reads to a subject at once
-//! (`Engine::get_many_with`, which `hybrid` overlaps by prefetching; the
-//! others read them one by one), as a node does with a pipeline of GETs.
+//! `--batch N` shows a subject each run of N consecutive requests before it
+//! runs them one by one (`Engine::prefetch`, with which `hybrid` overlaps
+//! their cache misses; the others have no such hint), as a node does with
+//! a pipeline.
 //!
 //! ```text
 //! cargo bench -p tessera-bench --bench engines_in_process -- \
@@ -79,11 +80,9 @@ trait Worker {
     /// Reads `key`'s value and returns its first byte (0 when absent), so
     /// that the read cannot be optimized away.
     fn read(&mut self, key: &[u8]) -> u64;
-    /// Reads several keys (`--batch`), summing what `read` returns; one at
-    /// a time unless the subject can overlap them.
-    fn read_batch(&mut self, keys: &[&[u8]]) -> u64 {
-        keys.iter().map(|key| self.read(key)).fold(0, u64::wrapping_add)
-    }
+    /// Told the keys of the next few requests (`--batch`); most subjects
+    /// have no use for it.
+    fn prefetch(&mut self, _keys: &[&[u8]]) {}
     /// Stores a value chosen by `n`.
     fn upsert(&mut self, key: &[u8], n: u64);
     /// Adds one to the first eight bytes of the value.
@@ -137,15 +136,8 @@ impl Worker for EngineWorker<'_> {
         first
     }
 
-    fn read_batch(&mut self, keys: &[&[u8]]) -> u64 {
-        let mut sum = 0u64;
-        self.subject
-            .engine
-            .get_many_with(keys, &mut |_, value| {
-                sum = sum.wrapping_add(value.map_or(0, |value| u64::from(value[0])))
-            })
-            .expect("read");
-        sum
+    fn prefetch(&mut self, keys: &[&[u8]]) {
+        self.subject.engine.prefetch(keys);
     }
 
     fn upsert(&mut self, key: &[u8], n: u64) {
@@ -377,12 +369,12 @@ fn load(subject: &dyn Subject, shape: Shape, keys: u64, threads: u64) -> f64 {
     started.elapsed().as_secs_f64()
 }
 
-/// The most reads `--batch` hands over at once.
+/// The longest run of requests `--batch` shows a subject at once.
 const BATCH_MAX: usize = 64;
 
 /// Runs the streams, one per thread, for `seconds`; returns operations per
-/// second. With `batch` above 1, runs of consecutive reads go to the
-/// subject up to `batch` at a time (a write ends a run).
+/// second. With `batch` above 1, the subject is told the keys of each run
+/// of `batch` requests before it runs them.
 fn run(subject: &dyn Subject, shape: Shape, streams: &[Vec<u64>], seconds: f64, batch: usize) -> f64 {
     let stop = AtomicBool::new(false);
     let done = AtomicU64::new(0);
@@ -392,38 +384,33 @@ fn run(subject: &dyn Subject, shape: Shape, streams: &[Vec<u64>], seconds: f64, 
             let (stop, done, start) = (&stop, &done, &start);
             scope.spawn(move || {
                 let mut worker = subject.worker();
-                let mut key = [0u8; 16];
-                let mut pending = vec![[0u8; 16]; batch];
-                let mut pending_len = 0;
+                let mut keys = [[0u8; 16]; BATCH_MAX];
                 let mut checksum = 0u64;
                 let mut count = 0u64;
                 start.wait();
                 'run: loop {
                     for chunk in requests.chunks(1024) {
-                        for (at, &request) in chunk.iter().enumerate() {
-                            let record = request & ((1 << 62) - 1);
-                            let len = shape.key(record, &mut key);
-                            let key = &key[..len];
-                            match request >> 62 {
-                                0 if batch > 1 => {
-                                    pending[pending_len][..len].copy_from_slice(key);
-                                    pending_len += 1;
-                                    let next_reads = chunk.get(at + 1).is_some_and(|next| next >> 62 == 0);
-                                    if pending_len == batch || !next_reads {
-                                        let mut keys: [&[u8]; BATCH_MAX] = [&[]; BATCH_MAX];
-                                        for (slot, key) in keys.iter_mut().zip(&pending[..pending_len]) {
-                                            *slot = &key[..len];
-                                        }
-                                        checksum =
-                                            checksum.wrapping_add(worker.read_batch(&keys[..pending_len]));
-                                        pending_len = 0;
-                                    }
-                                }
-                                0 => checksum = checksum.wrapping_add(worker.read(key)),
-                                1 => worker.upsert(key, count),
-                                _ => worker.read_modify_write(key),
+                        for run in chunk.chunks(batch) {
+                            let mut len = 0;
+                            for (key, &request) in keys.iter_mut().zip(run) {
+                                len = shape.key(request & ((1 << 62) - 1), key);
                             }
-                            count += 1;
+                            if batch > 1 {
+                                let mut shown: [&[u8]; BATCH_MAX] = [&[]; BATCH_MAX];
+                                for (slot, key) in shown.iter_mut().zip(&keys[..run.len()]) {
+                                    *slot = &key[..len];
+                                }
+                                worker.prefetch(&shown[..run.len()]);
+                            }
+                            for (key, &request) in keys.iter().zip(run) {
+                                let key = &key[..len];
+                                match request >> 62 {
+                                    0 => checksum = checksum.wrapping_add(worker.read(key)),
+                                    1 => worker.upsert(key, count),
+                                    _ => worker.read_modify_write(key),
+                                }
+                                count += 1;
+                            }
                         }
                         if stop.load(Ordering::Relaxed) {
                             break 'run;

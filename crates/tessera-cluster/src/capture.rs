@@ -124,6 +124,10 @@ impl Engine for CapturingView {
         }
     }
 
+    fn prefetch(&self, keys: &[&[u8]]) {
+        self.engine.prefetch(keys)
+    }
+
     /// A write joins the read set too: its conditional batch checks the
     /// record it replaces.
     fn put(&self, key: &[u8], value: Bytes) -> Result<()> {

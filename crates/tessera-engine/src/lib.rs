@@ -38,7 +38,14 @@ pub struct Capabilities {
     pub persistent: bool,
     /// A read may wait for the disk, and `read_would_wait` says when.
     pub reads_may_wait: bool,
+    /// `prefetch` does something: the node looks ahead in a pipeline.
+    pub prefetches: bool,
 }
+
+/// How many keys a caller hands [`Engine::prefetch`] at once: enough for
+/// their cache misses to overlap, few enough that the first are still in
+/// the cache when their turn comes.
+pub const PREFETCH_BATCH: usize = 16;
 
 /// A half-open key range `[start, end)`; `None` is unbounded on that side.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -150,12 +157,22 @@ pub trait Engine: Send + Sync + 'static {
         Ok(())
     }
 
+    /// A hint that `keys` are about to be read or written, a few at a time
+    /// ([`PREFETCH_BATCH`]): an engine may start bringing what their
+    /// operations will touch into the processor's cache, so that the cache
+    /// misses of a batch overlap instead of following one another. The
+    /// hybrid engine prefetches the keys' index buckets and then their
+    /// in-memory records; the others do nothing.
+    fn prefetch(&self, _keys: &[&[u8]]) {}
+
     /// Calls `visit` with each key's index in `keys` and its value, as
-    /// `get_with` does, in order; engines that overlap the reads of a batch
-    /// (the hybrid engine prefetches them) override it.
+    /// `get_with` does, in order, prefetching each batch of keys first.
     fn get_many_with(&self, keys: &[&[u8]], visit: &mut dyn FnMut(usize, Option<&[u8]>)) -> Result<()> {
-        for (at, key) in keys.iter().enumerate() {
-            self.get_with(key, &mut |value| visit(at, value))?;
+        for (batch, keys) in keys.chunks(PREFETCH_BATCH).enumerate() {
+            self.prefetch(keys);
+            for (at, key) in keys.iter().enumerate() {
+                self.get_with(key, &mut |value| visit(batch * PREFETCH_BATCH + at, value))?;
+            }
         }
         Ok(())
     }

@@ -370,7 +370,7 @@ fn open_segment_file(path: &Path) -> io::Result<File> {
 
 impl LogEngine {
     pub const CAPABILITIES: Capabilities =
-        Capabilities { ordered: false, persistent: true, reads_may_wait: false };
+        Capabilities { ordered: false, persistent: true, reads_may_wait: false, prefetches: false };
 
     /// Opens (or creates) the log in `dir`, replaying every segment.
     pub fn open(dir: impl AsRef<Path>, options: LogOptions) -> Result<Self> {

@@ -49,7 +49,7 @@ fn to_bytes(slice: fjall::Slice) -> Bytes {
 
 impl LsmEngine {
     pub const CAPABILITIES: Capabilities =
-        Capabilities { ordered: true, persistent: true, reads_may_wait: false };
+        Capabilities { ordered: true, persistent: true, reads_may_wait: false, prefetches: false };
 
     pub fn open(dir: impl AsRef<Path>, fsync: FsyncPolicy) -> Result<Self> {
         std::fs::create_dir_all(dir.as_ref())?;

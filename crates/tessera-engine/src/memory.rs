@@ -191,7 +191,7 @@ impl Default for MemoryEngine {
 
 impl MemoryEngine {
     pub const CAPABILITIES: Capabilities =
-        Capabilities { ordered: false, persistent: false, reads_may_wait: false };
+        Capabilities { ordered: false, persistent: false, reads_may_wait: false, prefetches: false };
 
     pub fn new() -> Self {
         Self { map: ShardedMap::new() }

@@ -15,7 +15,7 @@ pub struct OrderedEngine {
 
 impl OrderedEngine {
     pub const CAPABILITIES: Capabilities =
-        Capabilities { ordered: true, persistent: false, reads_may_wait: false };
+        Capabilities { ordered: true, persistent: false, reads_may_wait: false, prefetches: false };
 
     pub fn new() -> Self {
         Self::default()

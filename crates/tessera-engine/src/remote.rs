@@ -70,7 +70,7 @@ fn bulk_or_nil(value: Value) -> Result<Option<Bytes>> {
 
 impl RedisEngine {
     pub const CAPABILITIES: Capabilities =
-        Capabilities { ordered: false, persistent: true, reads_may_wait: false };
+        Capabilities { ordered: false, persistent: true, reads_may_wait: false, prefetches: false };
 
     /// Connects once to check that the server is there and the options work.
     pub fn open(options: RedisOptions) -> Result<Self> {

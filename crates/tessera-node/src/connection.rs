@@ -3,11 +3,13 @@
 //! read and one write per batch, and nothing hops threads on the way.
 
 use std::cell::Cell;
+use std::ops::Range;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tessera_engine::PREFETCH_BATCH;
 use tessera_wire::{Parsed, Protocol, ReplyWriter, Request, RequestParser};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::sync::{oneshot, watch};
@@ -37,6 +39,8 @@ pub struct Connection {
     stream: ClientStream,
     input: Vec<u8>,
     parser: RequestParser,
+    /// Reads ahead of `parser` for the keys to prefetch.
+    lookahead: RequestParser,
     out: ReplyWriter,
     session: Session,
     /// The counters of the worker thread this connection runs on.
@@ -158,6 +162,7 @@ impl Connection {
         let node_for_share = node.clone();
         Self {
             parser: RequestParser::new(node.config.limits()),
+            lookahead: RequestParser::new(node.config.limits()),
             tables: node.tables(),
             tables_generation,
             node,
@@ -329,7 +334,11 @@ impl Connection {
         let now_ms = now_ms();
         let mut start = 0;
         let mut keep_open = true;
+        let mut prefetched_to = 0;
         loop {
+            if start >= prefetched_to && self.session.authenticated && self.tables.prefetches() {
+                prefetched_to = self.prefetch_ahead(start);
+            }
             match self.parser.parse(&self.input, start) {
                 Ok(Parsed::Complete { end }) => {
                     let request = Request::new(&self.input, self.parser.args());
@@ -427,6 +436,7 @@ impl Connection {
         }
         self.input.drain(..start);
         self.parser.discard_front(start);
+        self.lookahead.discard_front(start);
         let mut state = self.registration.entry.state.lock();
         refresh_client_state(&mut state, &self.session, self.out.protocol(), &self.last_command, now_ms);
         (state.query_buffer, state.output_buffer) = (self.input.len(), self.out.len());
@@ -443,6 +453,38 @@ impl Connection {
             self.query_buffer.set(self.input.capacity().saturating_sub(READ_CHUNK_BYTES));
         }
         keep_open
+    }
+
+    /// Shows the engines the keys of the next few whole commands from
+    /// `start` ([`PREFETCH_BATCH`] commands and keys at most), so that a
+    /// pipeline's cache misses overlap; returns where the commands looked at
+    /// end. A command that does not parse is left for the parser proper.
+    fn prefetch_ahead(&mut self, start: usize) -> usize {
+        let mut key_ranges: Vec<Range<usize>> = Vec::with_capacity(PREFETCH_BATCH);
+        let mut at = start;
+        for _ in 0..PREFETCH_BATCH {
+            if key_ranges.len() == PREFETCH_BATCH {
+                break;
+            }
+            match self.lookahead.parse(&self.input, at) {
+                Ok(Parsed::Complete { end }) => {
+                    let args = self.lookahead.args();
+                    let request = Request::new(&self.input, args);
+                    if let Some(spec) = lookup(request.arg(0)).filter(|spec| spec.arity_ok(request.len())) {
+                        let keys = spec.key_positions(request.len(), |index| request.arg(index));
+                        let room = PREFETCH_BATCH - key_ranges.len();
+                        key_ranges.extend(keys.take(room).map(|index| args[index].clone()));
+                    }
+                    at = end;
+                }
+                Ok(Parsed::Empty { end }) => at = end,
+                Ok(Parsed::Incomplete) | Err(_) => break,
+            }
+        }
+        let keys: Vec<&[u8]> = key_ranges.into_iter().map(|range| &self.input[range]).collect();
+        self.tables.prefetch(&keys);
+        // Past `start` even when nothing parsed, so that a command is looked at once.
+        at.max(start + 1)
     }
 
     /// Puts a command that took `duration` in the slow log and the latency

@@ -81,17 +81,36 @@ pub struct TableSet {
     tables: Vec<Arc<Table>>,
     /// Whether some table's reads may wait for the disk.
     reads_may_wait: bool,
+    /// Whether some table's engine has a use for `prefetch`.
+    prefetches: bool,
 }
 
 impl TableSet {
     pub fn new(mut tables: Vec<Arc<Table>>) -> Self {
         tables.sort_by(|a, b| b.prefix.len().cmp(&a.prefix.len()).then_with(|| a.def.name.cmp(&b.def.name)));
         let reads_may_wait = tables.iter().any(|table| table.engine.capabilities().reads_may_wait);
-        Self { tables, reads_may_wait }
+        let prefetches = tables.iter().any(|table| table.engine.capabilities().prefetches);
+        Self { tables, reads_may_wait, prefetches }
     }
 
     pub fn reads_may_wait(&self) -> bool {
         self.reads_may_wait
+    }
+
+    pub fn prefetches(&self) -> bool {
+        self.prefetches
+    }
+
+    /// Hands each engine that prefetches the keys it owns among `keys`, at
+    /// once ([`tessera_engine::Engine::prefetch`]).
+    pub fn prefetch(&self, keys: &[&[u8]]) {
+        for table in self.tables.iter().filter(|table| table.engine.capabilities().prefetches) {
+            let owned: Vec<&[u8]> =
+                keys.iter().copied().filter(|key| Arc::ptr_eq(self.route(key), table)).collect();
+            if !owned.is_empty() {
+                table.engine.prefetch(&owned);
+            }
+        }
     }
 
     /// The table that owns `key`.

@@ -555,6 +555,10 @@ impl Engine for ObservedEngine {
         self.inner.get_with(key, visit)
     }
 
+    fn prefetch(&self, keys: &[&[u8]]) {
+        self.inner.prefetch(keys)
+    }
+
     fn read_would_wait(&self, key: &[u8]) -> tessera_engine::Result<bool> {
         self.inner.read_would_wait(key)
     }

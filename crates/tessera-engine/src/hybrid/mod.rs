@@ -39,7 +39,9 @@ use self::record::{
 };
 use crate::background::{spawn_periodic, PeriodicTask};
 use crate::counter::StripedCounter;
-use crate::{Capabilities, Engine, EngineError, FsyncPolicy, KeyRange, Result, ScanCursor, ScanPage};
+use crate::{
+    Capabilities, Engine, EngineError, FsyncPolicy, KeyRange, Result, ScanCursor, ScanPage, PREFETCH_BATCH,
+};
 
 /// How a `hybrid` engine is configured.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -163,6 +165,8 @@ struct Shared {
     /// Reads answered from memory (present or absent), and from disk.
     reads_in_memory: StripedCounter,
     reads_from_disk: StripedCounter,
+    /// Keys handed to `prefetch`.
+    prefetched: StripedCounter,
     /// Reads of the disk made ahead of a read, off the serving thread.
     disk_fetches: StripedCounter,
     /// Keys present (live records the index leads to).
@@ -216,7 +220,7 @@ enum Write<'a> {
 
 impl HybridEngine {
     pub const CAPABILITIES: Capabilities =
-        Capabilities { ordered: false, persistent: true, reads_may_wait: true };
+        Capabilities { ordered: false, persistent: true, reads_may_wait: true, prefetches: true };
 
     /// Opens the engine in `dir`, recovering what its log holds.
     pub fn open(dir: &Path, options: HybridOptions) -> Result<Self> {
@@ -246,6 +250,7 @@ impl HybridEngine {
             meta: Mutex::new(meta),
             reads_in_memory: StripedCounter::new(0),
             reads_from_disk: StripedCounter::new(0),
+            prefetched: StripedCounter::new(0),
             disk_fetches: StripedCounter::new(0),
             live: LiveKeys::new(recovered.live, recovered.end),
             checkpointed: AtomicU64::new(recovered.checkpoint_start),
@@ -870,35 +875,28 @@ impl Shared {
         })
     }
 
-    /// Reads `keys` as a batch, calling `visit` with each one's index and
-    /// value: the index's buckets of a batch are prefetched first, then the
-    /// in-memory records their entries lead to, so that the batch's cache
-    /// misses overlap instead of following one another.
-    fn read_many(&self, keys: &[&[u8]], visit: &mut dyn FnMut(usize, Option<&[u8]>)) -> Result<()> {
-        const BATCH: usize = 16;
-        with_read_buffer(|buffer| {
-            for (batch, keys) in keys.chunks(BATCH).enumerate() {
-                let mut hashes = [0u64; BATCH];
-                for (hash, key) in hashes.iter_mut().zip(keys) {
-                    *hash = self.hash(key);
-                    self.index.prefetch(*hash);
-                }
-                let mut heads = [0u64; BATCH];
-                for (head, hash) in heads.iter_mut().zip(&hashes) {
-                    *head = self.chain_head(*hash);
-                }
-                {
-                    let _guard = epoch::pin();
-                    let in_memory = self.log.head.load(Ordering::Acquire);
-                    heads.iter().filter(|head| **head >= in_memory).for_each(|head| self.log.prefetch(*head));
-                }
-                for (at, key) in keys.iter().enumerate() {
-                    let present = self.read_from(hashes[at], heads[at], key, buffer)?;
-                    visit(batch * BATCH + at, present.then_some(&buffer[..]));
-                }
+    /// Brings the index buckets of `keys` into the cache, and then the
+    /// in-memory records their entries lead to, so that the misses of a
+    /// batch overlap ([`Engine::prefetch`]).
+    fn prefetch(&self, keys: &[&[u8]]) {
+        self.prefetched.add_statistic(keys.len() as i64);
+        let mut hashes = [0u64; PREFETCH_BATCH];
+        for keys in keys.chunks(PREFETCH_BATCH) {
+            for (hash, key) in hashes.iter_mut().zip(keys) {
+                *hash = self.hash(key);
+                self.index.prefetch(*hash);
             }
-            Ok(())
-        })
+            let mut heads = [0u64; PREFETCH_BATCH];
+            for (head, hash) in heads.iter_mut().zip(&hashes[..keys.len()]) {
+                *head = self.chain_head(*hash);
+            }
+            let _guard = epoch::pin();
+            let in_memory = self.log.head.load(Ordering::Acquire);
+            heads[..keys.len()]
+                .iter()
+                .filter(|head| **head >= in_memory)
+                .for_each(|head| self.log.prefetch(*head));
+        }
     }
 
     /// Puts `key`'s value in `out`; false when the key is absent.
@@ -1347,13 +1345,13 @@ impl Engine for HybridEngine {
         self.shared.read_with(key, visit)
     }
 
-    fn get_many_with(&self, keys: &[&[u8]], visit: &mut dyn FnMut(usize, Option<&[u8]>)) -> Result<()> {
-        self.shared.read_many(keys, visit)
+    fn prefetch(&self, keys: &[&[u8]]) {
+        self.shared.prefetch(keys)
     }
 
     fn get_many(&self, keys: &[&[u8]]) -> Result<Vec<Option<Bytes>>> {
         let mut values = vec![None; keys.len()];
-        self.shared.read_many(keys, &mut |at, value| values[at] = value.map(Bytes::copy_from_slice))?;
+        self.get_many_with(keys, &mut |at, value| values[at] = value.map(Bytes::copy_from_slice))?;
         Ok(values)
     }
 
@@ -1401,6 +1399,7 @@ impl Engine for HybridEngine {
             ("reads-in-memory", self.shared.reads_in_memory.sum() as u64),
             ("reads-from-disk", self.shared.reads_from_disk.sum() as u64),
             ("disk-fetches", self.shared.disk_fetches.sum() as u64),
+            ("prefetched-keys", self.shared.prefetched.sum() as u64),
             ("log-bytes", tail - log.begin.load(Ordering::Acquire)),
             (
                 "log-bytes-durable",
