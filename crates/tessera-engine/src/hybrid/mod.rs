@@ -92,6 +92,12 @@ const COMPACTION_MIN_BYTES: u64 = 64 << 20;
 /// A checkpoint is taken once the log has grown by a quarter since the
 /// last, and by at least this much.
 const CHECKPOINT_MIN_BYTES: u64 = 64 << 20;
+/// At most one checkpoint this often, unless the log has grown by half
+/// since the last: each folds the log over, so that every update of a
+/// record below it copies the record to the tail, and those copies grow
+/// the log towards the next checkpoint. Redis's most frequent default
+/// snapshot is as far apart.
+const CHECKPOINT_INTERVAL: Duration = Duration::from_secs(60);
 /// The largest read buffer a thread keeps for its next read.
 const READ_BUFFER_KEPT: usize = 64 << 10;
 
@@ -181,6 +187,8 @@ struct Shared {
     /// Bytes of the log compaction has removed (one compaction at a time adds).
     compacted_bytes: AtomicU64,
     last_sync: Mutex<Instant>,
+    /// When the engine took its last checkpoint (or opened).
+    last_checkpoint: Mutex<Instant>,
     /// Serializes `clear` and compaction.
     maintenance: Mutex<()>,
 }
@@ -258,6 +266,7 @@ impl HybridEngine {
             dead_bytes: StripedCounter::new(recovered.dead_bytes),
             compacted_bytes: AtomicU64::new(0),
             last_sync: Mutex::new(Instant::now()),
+            last_checkpoint: Mutex::new(Instant::now()),
             maintenance: Mutex::new(()),
         });
         let background = spawn_periodic(
@@ -631,12 +640,16 @@ impl Shared {
     }
 
     /// Takes a checkpoint once the log has grown by a quarter, and by at
-    /// least `CHECKPOINT_MIN_BYTES`, since the last one recovery could use.
+    /// least `CHECKPOINT_MIN_BYTES`, since the last one recovery could use,
+    /// and `CHECKPOINT_INTERVAL` has passed since the last one taken or the
+    /// log has grown by half: so a recovery replays at most half the log.
     fn checkpoint_if_due(&self) -> Result<()> {
         let begin = self.log.begin.load(Ordering::Acquire);
         let tail = self.log.tail.load(Ordering::Acquire);
-        let last = self.checkpointed.load(Ordering::Acquire).max(begin);
-        if tail - last >= CHECKPOINT_MIN_BYTES.max((tail - begin) / 4) {
+        let grown = tail - self.checkpointed.load(Ordering::Acquire).max(begin);
+        let log_bytes = tail - begin;
+        let waited = self.last_checkpoint.lock().elapsed() >= CHECKPOINT_INTERVAL;
+        if grown >= CHECKPOINT_MIN_BYTES.max(log_bytes / 4) && (waited || grown >= log_bytes / 2) {
             self.checkpoint()?;
         }
         Ok(())
@@ -690,6 +703,7 @@ impl Shared {
         };
         checkpoint::store(&self.dir, &header, &entries)?;
         self.checkpointed.store(start, Ordering::Release);
+        *self.last_checkpoint.lock() = Instant::now();
         Ok(Some(start))
     }
 
