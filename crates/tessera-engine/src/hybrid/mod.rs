@@ -23,13 +23,13 @@ use std::fs;
 use std::hash::BuildHasher;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use crossbeam_epoch as epoch;
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use self::checkpoint::{CheckpointHeader, Entry, LiveKeys};
 use self::index::{Index, Moved, SlotLock, View};
@@ -89,6 +89,13 @@ const COMPACTION_INTERVAL: Duration = Duration::from_secs(1);
 /// Compaction starts once the on-disk region is at least this large and at
 /// least half of the log is dead records.
 const COMPACTION_MIN_BYTES: u64 = 64 << 20;
+/// Compaction has fallen behind the writers once the on-disk region is at
+/// least this large and three quarters of the log are dead records: writes
+/// then wait for it (RocksDB's write stall), or the disk would fill.
+const STALL_ON_DISK_BYTES: u64 = 2 * COMPACTION_MIN_BYTES;
+/// The longest a write waits for compaction before it goes ahead anyway: a
+/// compaction that keeps failing slows writes down but does not stop them.
+const STALL_WAIT_MAX: Duration = Duration::from_millis(100);
 /// A checkpoint is taken once the log has grown by a quarter since the
 /// last, and by at least this much.
 const CHECKPOINT_MIN_BYTES: u64 = 64 << 20;
@@ -191,6 +198,16 @@ struct Shared {
     last_checkpoint: Mutex<Instant>,
     /// Serializes `clear` and compaction.
     maintenance: Mutex<()>,
+    /// Whether writes wait for compaction, set and cleared by the
+    /// compaction task; waiters sleep on `stall_ended`.
+    stalled: AtomicBool,
+    stall: Mutex<()>,
+    stall_ended: Condvar,
+    /// Writes that waited for compaction.
+    write_stalls: StripedCounter,
+    /// Tests hold compaction back with it, so that it falls behind.
+    #[cfg(test)]
+    compaction_held: AtomicBool,
 }
 
 pub struct HybridEngine {
@@ -268,6 +285,12 @@ impl HybridEngine {
             last_sync: Mutex::new(Instant::now()),
             last_checkpoint: Mutex::new(Instant::now()),
             maintenance: Mutex::new(()),
+            stalled: AtomicBool::new(false),
+            stall: Mutex::new(()),
+            stall_ended: Condvar::new(),
+            write_stalls: StripedCounter::new(0),
+            #[cfg(test)]
+            compaction_held: AtomicBool::new(false),
         });
         let background = spawn_periodic(
             "tessera-hybrid",
@@ -627,6 +650,7 @@ impl Shared {
         epoch::pin().flush();
         self.log.flush_ready()?;
         self.grow_index()?;
+        self.update_stall();
         self.checkpoint_if_due()?;
         if let FsyncPolicy::EveryMs(ms) = self.options.fsync {
             let mut last = self.last_sync.lock();
@@ -1004,6 +1028,7 @@ impl Shared {
 
     /// Applies `write` to `key`; returns whether the key was present before.
     fn write(&self, key: &[u8], write: Write<'_>) -> Result<bool> {
+        self.wait_for_compaction();
         let hash = self.hash(key);
         loop {
             let view = self.view(hash);
@@ -1224,14 +1249,50 @@ impl Shared {
     /// for the work to give whole segment files back.
     fn compact_if_worthwhile(&self) -> Result<()> {
         self.log.remove_unreachable()?;
+        let (on_disk, log_bytes, dead) = self.log_shares();
+        let worthwhile = on_disk >= COMPACTION_MIN_BYTES && dead * 2 >= log_bytes;
+        #[cfg(test)]
+        let worthwhile = worthwhile && !self.compaction_held.load(Ordering::Acquire);
+        if worthwhile {
+            self.compact(self.log.begin.load(Ordering::Acquire) + on_disk / 2)?;
+            self.update_stall();
+        }
+        Ok(())
+    }
+
+    /// The on-disk region's bytes, the log's, and the dead records'.
+    fn log_shares(&self) -> (u64, u64, u64) {
         let begin = self.log.begin.load(Ordering::Acquire);
         let on_disk = self.log.head.load(Ordering::Acquire).saturating_sub(begin);
         let log_bytes = self.log.tail.load(Ordering::Acquire).saturating_sub(begin);
-        let dead = self.dead_bytes.sum().max(0) as u64;
-        if on_disk >= COMPACTION_MIN_BYTES && dead * 2 >= log_bytes {
-            self.compact(begin + on_disk / 2)?;
+        (on_disk, log_bytes, self.dead_bytes.sum().max(0) as u64)
+    }
+
+    /// Makes writes wait while compaction is behind them, and lets them go
+    /// once it is not.
+    fn update_stall(&self) {
+        let (on_disk, log_bytes, dead) = self.log_shares();
+        let behind = on_disk >= STALL_ON_DISK_BYTES && dead * 4 >= log_bytes * 3;
+        if self.stalled.swap(behind, Ordering::AcqRel) && !behind {
+            let _stall = self.stall.lock();
+            self.stall_ended.notify_all();
         }
-        Ok(())
+    }
+
+    /// While compaction has fallen behind, waits for it to catch up, at
+    /// most `STALL_WAIT_MAX`. Called by writers before they take anything.
+    fn wait_for_compaction(&self) {
+        if !self.stalled.load(Ordering::Acquire) {
+            return;
+        }
+        self.write_stalls.add_statistic(1);
+        let deadline = Instant::now() + STALL_WAIT_MAX;
+        let mut stall = self.stall.lock();
+        while self.stalled.load(Ordering::Acquire) {
+            if self.stall_ended.wait_until(&mut stall, deadline).timed_out() {
+                break;
+            }
+        }
     }
 
     /// Compaction (FASTER's "shift begin address" with a scan of what lies
@@ -1414,6 +1475,7 @@ impl Engine for HybridEngine {
             ("reads-from-disk", self.shared.reads_from_disk.sum() as u64),
             ("disk-fetches", self.shared.disk_fetches.sum() as u64),
             ("prefetched-keys", self.shared.prefetched.sum() as u64),
+            ("write-stalls", self.shared.write_stalls.sum() as u64),
             ("log-bytes", tail - log.begin.load(Ordering::Acquire)),
             (
                 "log-bytes-durable",
@@ -1426,5 +1488,67 @@ impl Engine for HybridEngine {
             ("checkpoint-start", self.shared.checkpointed.load(Ordering::Acquire)),
             ("recovery-replayed-bytes", self.shared.replayed_bytes),
         ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stat(engine: &HybridEngine, name: &str) -> u64 {
+        engine.stats().into_iter().find(|(stat, _)| *stat == name).map(|(_, value)| value).unwrap()
+    }
+
+    #[test]
+    fn writes_wait_for_a_compaction_that_has_fallen_behind_and_go_on_once_it_catches_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = HybridOptions { memory_bytes: 4 << 20, fsync: FsyncPolicy::Never };
+        let engine = HybridEngine::open(dir.path(), options).unwrap();
+        engine.shared.compaction_held.store(true, Ordering::Release);
+        let value_of = |round: u32| Bytes::from([round.to_le_bytes().as_slice(), &[7; 4092]].concat());
+        // Four times the budget, so that each round's records are past the
+        // mutable region by the next and every overwrite goes to the tail.
+        let keys: Vec<Vec<u8>> = (0..4096).map(|key| format!("key:{key}").into_bytes()).collect();
+        // Overwrites make most of the log dead; compaction, held back,
+        // removes none of it.
+        let mut round = 0;
+        let mut written = 0;
+        'writing: loop {
+            round += 1;
+            for key in &keys {
+                engine.put(key, value_of(round)).unwrap();
+                written += 4096;
+                if stat(&engine, "write-stalls") > 0 {
+                    break 'writing;
+                }
+                assert!(written < 4 * STALL_ON_DISK_BYTES, "{written} bytes written and no write waited");
+            }
+        }
+        let stalled_at = stat(&engine, "log-bytes");
+        // Behind, each write waits its longest.
+        let waited = Instant::now();
+        (0..5).for_each(|n| engine.put(&keys[n], value_of(round)).unwrap());
+        assert!(waited.elapsed() >= STALL_WAIT_MAX * 4, "writes went on while compaction was behind");
+        assert!(stat(&engine, "log-bytes") < stalled_at + (64 << 20), "the log grew on while writes waited");
+        // Let go, compaction catches up, and writes run freely again.
+        engine.shared.compaction_held.store(false, Ordering::Release);
+        let released = Instant::now();
+        while engine.shared.stalled.load(Ordering::Acquire) {
+            assert!(released.elapsed() < Duration::from_secs(60), "compaction never caught up");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(stat(&engine, "log-bytes-compacted") > 0);
+        // A megabyte of writes after it, none of them waiting, and every
+        // key's newest value kept.
+        let stalls = stat(&engine, "write-stalls");
+        keys[..256].iter().for_each(|key| engine.put(key, value_of(round + 1)).unwrap());
+        assert_eq!(stat(&engine, "write-stalls"), stalls, "writes waited after compaction caught up");
+        for (at, key) in keys.iter().enumerate() {
+            // The round that stalled stopped at some key: those after it hold the round before.
+            let newest = engine.get(key).unwrap().unwrap();
+            let newest_round = u32::from_le_bytes(newest[..4].try_into().unwrap());
+            let rounds = if at < 256 { round + 1..=round + 1 } else { round - 1..=round };
+            assert!(rounds.contains(&newest_round) && newest[4..].iter().all(|byte| *byte == 7), "key {at}");
+        }
     }
 }
