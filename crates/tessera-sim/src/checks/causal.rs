@@ -1,0 +1,497 @@
+//! Causal consistency (the causal modes, docs/PROTOCOLS.md, "Causal
+//! consistency across datacenters"), checked on what sessions did and saw.
+//!
+//! Every put writes a value no other put writes, so a get names the write it
+//! saw. A write's causal past is what its session had done and seen before
+//! it: its session's earlier writes, the writes its session's gets returned,
+//! and, transitively, their pasts. Two checks follow:
+//! - **Per session**: a get of key `k` returns neither nothing nor a write
+//!   `w` when its session's past holds a write `x` of `k` that `w` precedes
+//!   (`w ≺ x`). Named read-your-writes when `x` is the session's own write,
+//!   monotonic reads when the session read `x` earlier, and causal
+//!   visibility otherwise (which covers monotonic writes and
+//!   writes-follow-reads: a session that saw `x` depends on `x`'s past).
+//! - **Per datacenter**: once a get at datacenter `d` has returned `w`, or
+//!   a put at `d` has been acknowledged, `w` and its past are visible at
+//!   `d`. A get at `d` begun after that must not return what they replaced,
+//!   whichever session issues it.
+//!
+//! A get that returns a value no put wrote, or whose write follows the get in
+//! causal order (a value from its own future), is reported too. Puts whose
+//! outcome is unknown may be read or not; gets whose outcome is unknown are
+//! left out of the history.
+
+use std::collections::HashMap;
+
+use bytes::Bytes;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CausalCall {
+    /// `acknowledged` is false when the client never heard back.
+    Put { value: Bytes, acknowledged: bool },
+    /// The value read (`None`: the key was absent).
+    Get { read: Option<Bytes> },
+}
+
+/// One operation of a session. A session issues one at a time; a history
+/// lists each session's operations in the order they were issued.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CausalOperation {
+    pub session: usize,
+    pub datacenter: usize,
+    pub key: Bytes,
+    pub call: CausalCall,
+    pub invoked_at: u64,
+    /// For a put whose outcome is unknown, when the client gave up.
+    pub completed_at: u64,
+}
+
+/// A set of writes, by index.
+#[derive(Clone, Default)]
+struct Writes(Vec<u64>);
+
+impl Writes {
+    fn with_room(writes: usize) -> Self {
+        Self(vec![0; writes.div_ceil(64)])
+    }
+
+    fn insert(&mut self, write: usize) {
+        self.0[write / 64] |= 1 << (write % 64);
+    }
+
+    fn contains(&self, write: usize) -> bool {
+        self.0[write / 64] & (1 << (write % 64)) != 0
+    }
+
+    fn union(&mut self, other: &Writes) {
+        self.0.iter_mut().zip(&other.0).for_each(|(word, other)| *word |= other);
+    }
+}
+
+/// The most writes a history may hold: each write keeps its past as a set of
+/// them, so memory grows with the square.
+pub const WRITES_MAX: usize = 20_000;
+
+/// Violations of causal consistency in `operations`.
+pub fn check(operations: &[CausalOperation]) -> Vec<String> {
+    let mut violations = Vec::new();
+    // The writes, and which one wrote each value.
+    let writes: Vec<usize> =
+        (0..operations.len()).filter(|&at| matches!(operations[at].call, CausalCall::Put { .. })).collect();
+    assert!(
+        writes.len() <= WRITES_MAX,
+        "{} writes: the causal checker takes at most {WRITES_MAX}",
+        writes.len()
+    );
+    let mut writer_of: HashMap<&Bytes, usize> = HashMap::new();
+    for (write, &at) in writes.iter().enumerate() {
+        let CausalCall::Put { value, .. } = &operations[at].call else { unreachable!("a write is a put") };
+        if writer_of.insert(value, write).is_some() {
+            violations.push(format!("causal: the value {value:?} was written twice; values must be unique"));
+        }
+    }
+    let mut writes_of_key: HashMap<&Bytes, Vec<usize>> = HashMap::new();
+    for (write, &at) in writes.iter().enumerate() {
+        writes_of_key.entry(&operations[at].key).or_default().push(write);
+    }
+    // A write's causal past, itself included.
+    let mut closure: Vec<Option<Writes>> = vec![None; writes.len()];
+    let write_index: HashMap<usize, usize> =
+        writes.iter().enumerate().map(|(write, &at)| (at, write)).collect();
+    let mut sessions: HashMap<usize, Vec<usize>> = HashMap::new();
+    for (at, operation) in operations.iter().enumerate() {
+        sessions.entry(operation.session).or_default().push(at);
+    }
+    let mut sessions: Vec<(usize, Vec<usize>)> = sessions.into_iter().collect();
+    sessions.sort();
+    // Each session's past so far, how far it has got, and what it saw of each key itself.
+    let mut pasts: Vec<Writes> = sessions.iter().map(|_| Writes::with_room(writes.len())).collect();
+    let mut next = vec![0; sessions.len()];
+    let mut read_before: Vec<HashMap<&Bytes, Vec<usize>>> = vec![HashMap::new(); sessions.len()];
+    // The write each get saw, and the gets found wrong, for the per-datacenter check.
+    let mut seen: HashMap<usize, usize> = HashMap::new();
+    let mut flagged: Vec<usize> = Vec::new();
+    // Sessions advance in causal order: a get waits for the write it read.
+    loop {
+        let mut advanced = false;
+        for (index, (session, ops)) in sessions.iter().enumerate() {
+            while let Some(&at) = ops.get(next[index]) {
+                let operation = &operations[at];
+                match &operation.call {
+                    CausalCall::Put { .. } => {
+                        let write = write_index[&at];
+                        pasts[index].insert(write);
+                        closure[write] = Some(pasts[index].clone());
+                    }
+                    CausalCall::Get { read } => {
+                        let read_write = match read {
+                            None => None,
+                            Some(value) => match writer_of.get(value) {
+                                None => {
+                                    violations.push(format!(
+                                        "causal: session {session} read {value:?} from key {:?}, which no put wrote",
+                                        operation.key
+                                    ));
+                                    None
+                                }
+                                Some(&write) if operations[writes[write]].key != operation.key => {
+                                    violations.push(format!(
+                                        "causal: session {session} read {value:?} from key {:?}; it was written to key {:?}",
+                                        operation.key,
+                                        operations[writes[write]].key
+                                    ));
+                                    None
+                                }
+                                Some(&write) if closure[write].is_none() => break, // not yet written
+                                Some(&write) => Some(write),
+                            },
+                        };
+                        let kind = |shadowing: usize| {
+                            if sessions[index].1.contains(&writes[shadowing]) {
+                                "read-your-writes"
+                            } else if read_before[index]
+                                .get(&operation.key)
+                                .is_some_and(|seen| seen.contains(&shadowing))
+                            {
+                                "monotonic reads"
+                            } else {
+                                "causal visibility"
+                            }
+                        };
+                        if let Some(shadowing) =
+                            shadowed(&writes_of_key, &closure, &pasts[index], &operation.key, read_write)
+                        {
+                            flagged.push(at);
+                            violations.push(format!(
+                                "causal: {}: session {session} at datacenter {} read {read:?} from key {:?}, \
+                                 though it had seen the later write {:?}",
+                                kind(shadowing),
+                                operation.datacenter,
+                                operation.key,
+                                written_value(operations, &writes, shadowing)
+                            ));
+                        }
+                        if let Some(write) = read_write {
+                            let past = closure[write].clone().expect("a write read has its past");
+                            pasts[index].union(&past);
+                            read_before[index].entry(&operation.key).or_default().push(write);
+                            seen.insert(at, write);
+                        }
+                    }
+                }
+                next[index] += 1;
+                advanced = true;
+            }
+        }
+        if !advanced {
+            break;
+        }
+    }
+    for (index, (session, ops)) in sessions.iter().enumerate() {
+        if let Some(&at) = ops.get(next[index]) {
+            violations.push(format!(
+                "causal: session {session} read {:?} from key {:?}, a value from its own future (causality has a cycle)",
+                operations[at].call, operations[at].key
+            ));
+        }
+    }
+    let judged = Judged { seen, flagged };
+    violations.extend(check_datacenters(
+        operations,
+        &writes,
+        &write_index,
+        &writes_of_key,
+        &closure,
+        &judged,
+    ));
+    violations
+}
+
+/// What the per-session check found of each get.
+struct Judged {
+    /// The write each get saw.
+    seen: HashMap<usize, usize>,
+    /// The gets it reported (not reported again for their datacenter).
+    flagged: Vec<usize>,
+}
+
+/// A write of `key` in `past` that `read` (a write, or `None` for nothing)
+/// precedes: what a get that saw `past` must not have read past.
+fn shadowed(
+    writes_of_key: &HashMap<&Bytes, Vec<usize>>,
+    closure: &[Option<Writes>],
+    past: &Writes,
+    key: &Bytes,
+    read: Option<usize>,
+) -> Option<usize> {
+    writes_of_key.get(key)?.iter().copied().find(|&write| {
+        past.contains(write)
+            && Some(write) != read
+            && read.is_none_or(|read| closure[write].as_ref().is_some_and(|closure| closure.contains(read)))
+    })
+}
+
+fn written_value(operations: &[CausalOperation], writes: &[usize], write: usize) -> Bytes {
+    match &operations[writes[write]].call {
+        CausalCall::Put { value, .. } => value.clone(),
+        CausalCall::Get { .. } => unreachable!("a write is a put"),
+    }
+}
+
+/// The per-datacenter check: what a datacenter has shown (a get's answer) or
+/// acknowledged (a put), with its past, stays visible there to every get
+/// begun after.
+fn check_datacenters(
+    operations: &[CausalOperation],
+    writes: &[usize],
+    write_index: &HashMap<usize, usize>,
+    writes_of_key: &HashMap<&Bytes, Vec<usize>>,
+    closure: &[Option<Writes>],
+    judged: &Judged,
+) -> Vec<String> {
+    let seen = &judged.seen;
+    let mut violations = Vec::new();
+    let datacenters = operations.iter().map(|operation| operation.datacenter).max().map_or(0, |max| max + 1);
+    for datacenter in 0..datacenters {
+        // What became visible at the datacenter, by when.
+        let mut shown: Vec<(u64, usize)> = Vec::new();
+        let mut gets: Vec<usize> = Vec::new();
+        for (at, operation) in
+            operations.iter().enumerate().filter(|(_, operation)| operation.datacenter == datacenter)
+        {
+            match &operation.call {
+                CausalCall::Put { acknowledged: true, .. } => {
+                    shown.push((operation.completed_at, write_index[&at]))
+                }
+                CausalCall::Put { acknowledged: false, .. } => {}
+                CausalCall::Get { .. } => {
+                    if let Some(&write) = seen.get(&at) {
+                        shown.push((operation.completed_at, write));
+                    }
+                    gets.push(at);
+                }
+            }
+        }
+        shown.sort_unstable();
+        gets.sort_by_key(|&at| operations[at].invoked_at);
+        let mut visible = Writes::with_room(writes.len());
+        let mut shown = shown.into_iter().peekable();
+        for at in gets {
+            let operation = &operations[at];
+            while let Some((_, write)) = shown.next_if(|(when, _)| *when < operation.invoked_at) {
+                if let Some(past) = &closure[write] {
+                    visible.union(past);
+                }
+            }
+            let CausalCall::Get { read } = &operation.call else { unreachable!("gets only") };
+            if (read.is_some() && !seen.contains_key(&at)) || judged.flagged.contains(&at) {
+                continue; // reported already
+            }
+            if let Some(shadowing) =
+                shadowed(writes_of_key, closure, &visible, &operation.key, seen.get(&at).copied())
+            {
+                violations.push(format!(
+                    "causal: visibility at datacenter {datacenter}: session {} read {read:?} from key {:?} \
+                     after the datacenter had shown the later write {:?}",
+                    operation.session,
+                    operation.key,
+                    written_value(operations, writes, shadowing)
+                ));
+            }
+        }
+    }
+    violations
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A history from a compact script: `(session, datacenter, "k=v")` puts
+    /// and `(session, datacenter, "k?v")` gets (`k?` reads nothing), one
+    /// time unit apart in the order given.
+    fn history(script: &[(usize, usize, &str)]) -> Vec<CausalOperation> {
+        script
+            .iter()
+            .enumerate()
+            .map(|(time, &(session, datacenter, step))| {
+                let (key, call) = match step.split_once('=') {
+                    Some((key, value)) => {
+                        (key, CausalCall::Put { value: Bytes::from(value.to_owned()), acknowledged: true })
+                    }
+                    None => {
+                        let (key, value) = step.split_once('?').expect("k=v or k?v");
+                        let read = (!value.is_empty()).then(|| Bytes::from(value.to_owned()));
+                        (key, CausalCall::Get { read })
+                    }
+                };
+                let time = 2 * time as u64;
+                CausalOperation {
+                    session,
+                    datacenter,
+                    key: Bytes::from(key.to_owned()),
+                    call,
+                    invoked_at: time,
+                    completed_at: time + 1,
+                }
+            })
+            .collect()
+    }
+
+    fn kinds(violations: &[String]) -> Vec<&str> {
+        violations.iter().map(|violation| violation.split(':').nth(1).unwrap_or("").trim()).collect()
+    }
+
+    #[test]
+    fn histories_a_causal_store_may_give_pass() {
+        // A post, a comment that read it, and a reader in the other
+        // datacenter that sees the comment and then the post; concurrent
+        // writes of one key read in either order by different sessions.
+        let good = history(&[
+            (0, 0, "post=p1"),
+            (1, 0, "post?p1"),
+            (1, 0, "comment=c1"),
+            (2, 1, "comment?c1"),
+            (2, 1, "post?p1"),
+            (3, 0, "x=a"),
+            (4, 1, "x=b"),
+            (5, 0, "x?b"),
+            (6, 1, "x?a"),
+            (7, 1, "never?"),
+        ]);
+        assert_eq!(check(&good), Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_session_that_reads_past_its_own_write_breaks_read_your_writes() {
+        let violations = check(&history(&[(0, 0, "k=v1"), (1, 1, "k?v1"), (1, 1, "k=v2"), (1, 1, "k?v1")]));
+        assert_eq!(kinds(&violations), ["read-your-writes"], "{violations:?}");
+        let violations = check(&history(&[(0, 0, "k=v1"), (0, 0, "k?")]));
+        assert_eq!(kinds(&violations), ["read-your-writes"], "{violations:?}");
+    }
+
+    #[test]
+    fn a_session_that_reads_an_older_value_after_a_newer_one_breaks_monotonic_reads() {
+        let violations = check(&history(&[(0, 0, "k=v1"), (0, 0, "k=v2"), (1, 1, "k?v2"), (1, 1, "k?v1")]));
+        assert!(kinds(&violations).contains(&"monotonic reads"), "{violations:?}");
+    }
+
+    #[test]
+    fn a_comment_seen_before_its_post_is_visible_breaks_causal_visibility() {
+        // The reader sees the comment, whose writer had read the post, and
+        // then finds no post.
+        let violations = check(&history(&[
+            (0, 0, "post=p1"),
+            (1, 0, "post?p1"),
+            (1, 0, "comment=c1"),
+            (2, 1, "comment?c1"),
+            (2, 1, "post?"),
+        ]));
+        assert!(kinds(&violations).contains(&"causal visibility"), "{violations:?}");
+        // Writes-follow-reads through an older version: the post was edited
+        // before the comment's writer read it.
+        let violations = check(&history(&[
+            (0, 0, "post=p1"),
+            (0, 0, "post=p2"),
+            (1, 0, "post?p2"),
+            (1, 0, "comment=c1"),
+            (2, 1, "comment?c1"),
+            (2, 1, "post?p1"),
+        ]));
+        assert!(kinds(&violations).contains(&"causal visibility"), "{violations:?}");
+    }
+
+    #[test]
+    fn another_session_at_the_datacenter_must_not_see_what_the_datacenter_showed_undone() {
+        // Session 2 saw the comment at datacenter 1; session 3, later and at
+        // the same datacenter, finds no post, which the comment depends on.
+        let violations = check(&history(&[
+            (0, 0, "post=p1"),
+            (1, 0, "post?p1"),
+            (1, 0, "comment=c1"),
+            (2, 1, "comment?c1"),
+            (3, 1, "post?"),
+        ]));
+        assert_eq!(kinds(&violations), ["visibility at datacenter 1"], "{violations:?}");
+        // At the other datacenter nothing was shown yet: no violation there.
+        let fine =
+            check(&history(&[(0, 0, "post=p1"), (1, 0, "post?p1"), (1, 0, "comment=c1"), (3, 1, "post?")]));
+        assert_eq!(fine, Vec::<String>::new());
+    }
+
+    #[test]
+    fn values_from_nowhere_or_from_the_future_are_reported() {
+        let violations = check(&history(&[(0, 0, "k?ghost")]));
+        assert!(violations[0].contains("which no put wrote"), "{violations:?}");
+        let violations = check(&history(&[(0, 0, "a=v"), (1, 0, "b?v")]));
+        assert!(violations[0].contains("it was written to key"), "{violations:?}");
+        // Each session reads the other's write before making its own.
+        let violations = check(&history(&[(0, 0, "b?b1"), (0, 0, "a=a1"), (1, 1, "a?a1"), (1, 1, "b=b1")]));
+        assert_eq!(
+            violations.iter().filter(|violation| violation.contains("own future")).count(),
+            2,
+            "{violations:?}"
+        );
+    }
+
+    /// A history from a small store of two datacenters: each applies its
+    /// own writes at once and ships them to the other, which applies what
+    /// arrives in order (causal, with sessions that keep to one
+    /// datacenter), or, when `broken`, in any order.
+    fn two_datacenter_store(seed: u64, broken: bool) -> Vec<CausalOperation> {
+        let mut rng = crate::rng::Rng::new(seed);
+        let keys = ["post", "comment", "reply"];
+        let mut stores: [HashMap<&str, Bytes>; 2] = [HashMap::new(), HashMap::new()];
+        // Writes in flight to each datacenter: (key, value).
+        let mut in_flight: [Vec<(&str, Bytes)>; 2] = [Vec::new(), Vec::new()];
+        let mut operations = Vec::new();
+        for time in 0..400u64 {
+            for datacenter in 0..2 {
+                if !in_flight[datacenter].is_empty() && rng.chance(0.3) {
+                    let next =
+                        if broken { rng.below(in_flight[datacenter].len() as u64) as usize } else { 0 };
+                    let (key, value) = in_flight[datacenter].remove(next);
+                    stores[datacenter].insert(key, value);
+                }
+            }
+            let session = rng.below(6) as usize;
+            let datacenter = session % 2;
+            let key = *rng.pick(&keys);
+            let call = if rng.chance(0.4) {
+                let value = Bytes::from(format!("{key}-{time}"));
+                stores[datacenter].insert(key, value.clone());
+                in_flight[1 - datacenter].push((key, value.clone()));
+                CausalCall::Put { value, acknowledged: true }
+            } else {
+                CausalCall::Get { read: stores[datacenter].get(key).cloned() }
+            };
+            let key = Bytes::from_static(key.as_bytes());
+            operations.push(CausalOperation {
+                session,
+                datacenter,
+                key,
+                call,
+                invoked_at: 2 * time,
+                completed_at: 2 * time + 1,
+            });
+        }
+        operations
+    }
+
+    #[test]
+    fn a_store_that_applies_remote_writes_in_order_passes_and_one_that_does_not_is_caught() {
+        for seed in 0..200 {
+            let violations = check(&two_datacenter_store(seed, false));
+            assert!(violations.is_empty(), "seed {seed}: {violations:?}");
+        }
+        let caught = (0..200).filter(|&seed| !check(&two_datacenter_store(seed, true)).is_empty()).count();
+        assert!(caught > 100, "the checker caught the broken store in only {caught} of 200 runs");
+    }
+
+    #[test]
+    fn unacknowledged_puts_may_be_read_or_not() {
+        let mut operations = history(&[(0, 0, "k=v1"), (1, 0, "k?"), (2, 1, "k?v1")]);
+        operations[0].call = CausalCall::Put { value: Bytes::from_static(b"v1"), acknowledged: false };
+        assert_eq!(check(&operations), Vec::<String>::new());
+    }
+}
