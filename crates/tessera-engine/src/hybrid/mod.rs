@@ -198,8 +198,8 @@ struct Shared {
     last_checkpoint: Mutex<Instant>,
     /// Serializes `clear` and compaction.
     maintenance: Mutex<()>,
-    /// Whether writes wait for compaction, set and cleared by the
-    /// compaction task; waiters sleep on `stall_ended`.
+    /// Whether writes wait for compaction, set and cleared by the flush
+    /// and compaction tasks (`update_stall`); waiters sleep on `stall_ended`.
     stalled: AtomicBool,
     stall: Mutex<()>,
     stall_ended: Condvar,
