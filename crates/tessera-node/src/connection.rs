@@ -351,12 +351,8 @@ impl Connection {
                         }
                     }
                     if self.cluster.is_none() && self.session.authenticated && self.tables.reads_may_wait() {
-                        if let Some(spec) = lookup(request.arg(0)).filter(|spec| spec.arity_ok(request.len()))
-                        {
-                            let keys = spec.key_positions(request.len(), |index| request.arg(index));
-                            let keys = keys.map(|index| request.arg(index));
-                            self.node.disk_reads.prepare_in_tables(&self.tables, keys).await;
-                        }
+                        let keys = key_positions(&request).map(|index| request.arg(index));
+                        self.node.disk_reads.prepare_in_tables(&self.tables, keys).await;
                     }
                     let (started, reply_mark) = (Instant::now(), self.out.len());
                     let mut context = Context {
@@ -470,11 +466,8 @@ impl Connection {
                 Ok(Parsed::Complete { end }) => {
                     let args = self.lookahead.args();
                     let request = Request::new(&self.input, args);
-                    if let Some(spec) = lookup(request.arg(0)).filter(|spec| spec.arity_ok(request.len())) {
-                        let keys = spec.key_positions(request.len(), |index| request.arg(index));
-                        let room = PREFETCH_BATCH - key_ranges.len();
-                        key_ranges.extend(keys.take(room).map(|index| args[index].clone()));
-                    }
+                    let room = PREFETCH_BATCH - key_ranges.len();
+                    key_ranges.extend(key_positions(&request).take(room).map(|index| args[index].clone()));
                     at = end;
                 }
                 Ok(Parsed::Empty { end }) => at = end,
@@ -573,6 +566,13 @@ impl Connection {
         self.out.shrink_to(BUFFER_KEEP_BYTES);
         result
     }
+}
+
+/// Where the keys of `request` stand, when it is a command of the right
+/// arity (none otherwise: the command's own run answers the error).
+fn key_positions<'r>(request: &'r Request<'r>) -> impl Iterator<Item = usize> + 'r {
+    let spec = lookup(request.arg(0)).filter(|spec| spec.arity_ok(request.len()));
+    spec.into_iter().flat_map(|spec| spec.key_positions(request.len(), |index| request.arg(index)))
 }
 
 /// Notes a command's name as CLIENT LIST shows it: lower case, with the
