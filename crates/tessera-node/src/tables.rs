@@ -104,13 +104,18 @@ impl TableSet {
     /// Hands each engine that prefetches the keys it owns among `keys`, at
     /// once ([`tessera_engine::Engine::prefetch`]).
     pub fn prefetch(&self, keys: &[&[u8]]) {
-        for table in self.tables.iter().filter(|table| table.engine.capabilities().prefetches) {
-            let owned: Vec<&[u8]> =
-                keys.iter().copied().filter(|key| Arc::ptr_eq(self.route(key), table)).collect();
-            if !owned.is_empty() {
-                table.engine.prefetch(&owned);
+        let mut owned: Vec<(&Arc<Table>, Vec<&[u8]>)> = Vec::new();
+        for &key in keys {
+            let table = self.route(key);
+            if !table.engine.capabilities().prefetches {
+                continue;
+            }
+            match owned.iter_mut().find(|(owner, _)| Arc::ptr_eq(owner, table)) {
+                Some((_, keys)) => keys.push(key),
+                None => owned.push((table, vec![key])),
             }
         }
+        owned.iter().for_each(|(table, keys)| table.engine.prefetch(keys));
     }
 
     /// The table that owns `key`.
