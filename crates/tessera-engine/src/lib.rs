@@ -17,6 +17,7 @@ mod remote;
 pub mod reserved;
 mod sharded;
 mod spec;
+mod thread_buffer;
 
 use bytes::Bytes;
 

@@ -8,20 +8,18 @@
 //! A read is a miss on the table and one on the entry.
 
 use std::alloc::Layout;
-use std::cell::Cell;
 use std::ptr::NonNull;
 
 use bytes::Bytes;
 use hashbrown::hash_table::{Entry as Slot, HashTable};
 
 use crate::sharded::ShardedMap;
+use crate::thread_buffer::with_thread_buffer;
 use crate::{Capabilities, Engine, KeyRange, Result, ScanCursor, ScanPage};
 
 /// Values longer than this are kept as the `Bytes` they came in, so that a
 /// read shares a large value instead of copying it.
 const SHARED_VALUE_BYTES: usize = 512;
-/// The most an update keeps of its buffer for the thread's next one.
-const EDIT_BUFFER_KEEP_BYTES: usize = 4 * SHARED_VALUE_BYTES;
 /// The key's length and the value's (or `SHARED`), four bytes each.
 const HEADER_BYTES: usize = 8;
 const SHARED: u32 = u32::MAX;
@@ -172,13 +170,6 @@ impl Drop for Entry {
 
 type Table = HashTable<Entry>;
 
-thread_local! {
-    /// Where an update edits an inline value: one buffer a thread, so that an
-    /// edit allocates nothing. A nested update (there is none) would find it
-    /// empty, not shared.
-    static EDIT_BUFFER: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
-}
-
 pub struct MemoryEngine {
     map: ShardedMap<Table>,
 }
@@ -253,13 +244,11 @@ impl Engine for MemoryEngine {
                     }
                 }
             }
-            Ok(mut found) if found.get().shared().is_none() => {
-                // An inline value is edited in a copy kept for the next edit,
+            Ok(mut found) if found.get().shared().is_none() => with_thread_buffer(|buffer| {
+                // An inline value is edited in a copy in the thread's buffer,
                 // and goes back where it lay when its length is unchanged.
-                let mut buffer = EDIT_BUFFER.take();
-                buffer.clear();
                 buffer.extend_from_slice(found.get().value());
-                let mut value = Some(buffer);
+                let mut value = Some(std::mem::take(buffer));
                 if change(&mut value) {
                     match value.take() {
                         None => drop(found.remove()),
@@ -278,10 +267,9 @@ impl Engine for MemoryEngine {
                         },
                     }
                 }
-                if let Some(buffer) = value.filter(|buffer| buffer.capacity() <= EDIT_BUFFER_KEEP_BYTES) {
-                    EDIT_BUFFER.set(buffer);
-                }
-            }
+                // The allocation back for the next edit.
+                *buffer = value.unwrap_or_default();
+            }),
             Ok(found) => {
                 let (entry, vacant) = found.remove();
                 let mut value = Some(entry.into_value());

@@ -39,6 +39,7 @@ use self::record::{
 };
 use crate::background::{spawn_periodic, PeriodicTask};
 use crate::counter::StripedCounter;
+use crate::thread_buffer::with_thread_buffer;
 use crate::{
     Capabilities, Engine, EngineError, FsyncPolicy, KeyRange, Result, ScanCursor, ScanPage, PREFETCH_BATCH,
 };
@@ -105,8 +106,6 @@ const CHECKPOINT_MIN_BYTES: u64 = 64 << 20;
 /// the log towards the next checkpoint. Redis's most frequent default
 /// snapshot is as far apart.
 const CHECKPOINT_INTERVAL: Duration = Duration::from_secs(60);
-/// The largest read buffer a thread keeps for its next read.
-const READ_BUFFER_KEPT: usize = 64 << 10;
 
 /// What the engine keeps beside the log: the hash seed and the index's
 /// largest size (so that a rebuilt index has chains that hold those the
@@ -328,20 +327,6 @@ impl HybridEngine {
     pub fn compact(&self) -> Result<u64> {
         self.shared.compact(u64::MAX)
     }
-}
-
-/// Runs `read` with a buffer the thread keeps between reads (so that a read
-/// allocates nothing), unless `read` grew it past `READ_BUFFER_KEPT`.
-fn with_read_buffer<T>(read: impl FnOnce(&mut Vec<u8>) -> Result<T>) -> Result<T> {
-    thread_local! {
-        static BUFFER: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
-    }
-    let mut buffer = BUFFER.take();
-    let result = read(&mut buffer);
-    if buffer.capacity() <= READ_BUFFER_KEPT {
-        BUFFER.set(buffer);
-    }
-    result
 }
 
 fn rand_seed() -> u64 {
@@ -907,7 +892,7 @@ impl Shared {
     /// Calls `visit` with `key`'s value, read into a buffer the thread
     /// keeps between reads (so a read allocates nothing).
     fn read_with<T>(&self, key: &[u8], visit: impl FnOnce(Option<&[u8]>) -> T) -> Result<T> {
-        with_read_buffer(|buffer| {
+        with_thread_buffer(|buffer| {
             let present = self.read_into(key, buffer)?;
             Ok(visit(present.then_some(&buffer[..])))
         })
