@@ -5,13 +5,16 @@
 //!
 //! - [`LiveKeys`] counts the keys present in eras split at the checkpoints'
 //!   starts, so that the count below a start is exact while writers go on;
-//! - [`Checkpoint`] is the file: a header, the index's entries, a CRC.
+//! - [`store`] and [`load`] write and read the file: a header
+//!   ([`CheckpointHeader`]), the index's entries (the tag above the
+//!   address in one word, as the index keeps them), a CRC.
 
 use std::fs;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::path::Path;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
+use super::record::ADDRESS_MASK;
 use crate::counter::StripedCounter;
 use crate::{EngineError, Result};
 
@@ -125,9 +128,6 @@ pub(crate) struct Entry {
     pub(crate) head: u64,
 }
 
-/// Addresses are 48 bits; the tag sits above them in the same word.
-const ADDRESS_MASK: u64 = (1 << 48) - 1;
-
 /// Writes `header` and `entries` to the checkpoint file: aside, synced,
 /// then renamed over the last one, and the directory synced.
 pub(crate) fn store(dir: &Path, header: &CheckpointHeader, entries: &[Entry]) -> Result<()> {
@@ -170,13 +170,14 @@ pub(crate) fn remove(dir: &Path) -> Result<()> {
 }
 
 /// Reads the checkpoint file: its header, handed to `accept`, then (if
-/// accepted) each entry handed to `entry`, then the CRC checked. `Ok(None)`
-/// when there is none or it is not accepted; an error when it is damaged,
-/// in which case `entry` may have seen entries the caller must forget.
+/// accepted) each entry handed to `entry` with the header, then the CRC
+/// checked. `Ok(None)` when there is none or it is not accepted; an error
+/// when it is damaged, in which case `entry` may have seen entries the
+/// caller must forget.
 pub(crate) fn load(
     dir: &Path,
     accept: impl FnOnce(&CheckpointHeader) -> bool,
-    mut entry: impl FnMut(Entry) -> Result<()>,
+    mut entry: impl FnMut(&CheckpointHeader, Entry) -> Result<()>,
 ) -> Result<Option<CheckpointHeader>> {
     let file = match fs::File::open(dir.join(CHECKPOINT_FILE)) {
         Ok(file) => file,
@@ -218,7 +219,7 @@ pub(crate) fn load(
         crc.update(&pair);
         let bucket = u64::from_le_bytes(pair[..8].try_into().expect("8"));
         let word = u64::from_le_bytes(pair[8..].try_into().expect("8"));
-        entry(Entry { bucket, tag: word & !ADDRESS_MASK, head: word & ADDRESS_MASK })?;
+        entry(&header, Entry { bucket, tag: word & !ADDRESS_MASK, head: word & ADDRESS_MASK })?;
     }
     let mut stored = [0u8; 4];
     input.read_exact(&mut stored).map_err(|_| damaged("cut short"))?;
@@ -270,13 +271,13 @@ mod tests {
         let loaded = load(
             dir.path(),
             |_| true,
-            |entry| {
+            |_, entry| {
                 read.push(entry);
                 Ok(())
             },
         );
         assert_eq!(loaded.unwrap(), Some(header));
-        assert_eq!(load(dir.path(), |_| false, |_| panic!("not accepted")).unwrap(), None);
+        assert_eq!(load(dir.path(), |_| false, |_, _| panic!("not accepted")).unwrap(), None);
         assert_eq!(read, entries);
         let path = dir.path().join(CHECKPOINT_FILE);
         let good = fs::read(&path).unwrap();
@@ -284,12 +285,15 @@ mod tests {
             let mut bad = good.clone();
             bad[at] ^= 0x40;
             fs::write(&path, &bad).unwrap();
-            assert!(load(dir.path(), |_| true, |_| Ok(())).is_err(), "a flipped byte at {at} went unnoticed");
+            assert!(
+                load(dir.path(), |_| true, |_, _| Ok(())).is_err(),
+                "a flipped byte at {at} went unnoticed"
+            );
         }
         fs::write(&path, &good[..good.len() - 5]).unwrap();
-        assert!(load(dir.path(), |_| true, |_| Ok(())).is_err());
+        assert!(load(dir.path(), |_| true, |_, _| Ok(())).is_err());
         remove(dir.path()).unwrap();
-        assert_eq!(load(dir.path(), |_| true, |_| Ok(())).unwrap(), None);
+        assert_eq!(load(dir.path(), |_| true, |_, _| Ok(())).unwrap(), None);
     }
 
     #[test]

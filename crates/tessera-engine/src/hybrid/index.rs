@@ -28,6 +28,7 @@ use arc_swap::{ArcSwap, Guard};
 use parking_lot::Mutex;
 
 use super::memory::{Zeroable, ZeroedArray};
+use super::record::ADDRESS_MASK;
 
 const SLOTS: usize = 7;
 const TAG_SHIFT: u32 = 48;
@@ -36,7 +37,6 @@ const LOCKED: u64 = 1 << 62;
 const TENTATIVE: u64 = 1 << 63;
 /// An old table's entry once its chain has moved to the new table.
 const FROZEN: u64 = LOCKED | TENTATIVE;
-const ADDRESS_MASK: u64 = (1 << 48) - 1;
 /// An old table's overflow link once its bucket has moved.
 const FROZEN_LINK: u64 = 1;
 

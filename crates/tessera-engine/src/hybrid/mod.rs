@@ -410,16 +410,14 @@ fn recover(
 /// empty): the whole log is replayed instead.
 fn restore_checkpoint(dir: &Path, index: &Index, meta: &Meta, end: u64) -> Option<CheckpointHeader> {
     let buckets = index.buckets() as u64;
-    let start = std::cell::Cell::new(0);
     let matches = |header: &CheckpointHeader| {
-        start.set(header.start);
         header.seed == meta.seed
             && header.begin == meta.begin
             && header.buckets == buckets
             && (meta.begin..=end).contains(&header.start)
     };
-    let restore = |entry: Entry| {
-        if (meta.begin..start.get()).contains(&entry.head)
+    let restore = |header: &CheckpointHeader, entry: Entry| {
+        if (meta.begin..header.start).contains(&entry.head)
             && index.restore_entry(entry.bucket, entry.tag, entry.head)
         {
             Ok(())

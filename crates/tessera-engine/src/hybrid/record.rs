@@ -24,7 +24,8 @@ pub(crate) const TOMBSTONE: u64 = 1 << 48;
 /// Allocated, but its key and value are not written yet. Scans skip it.
 pub(crate) const INCOMPLETE: u64 = 1 << 49;
 
-const ADDRESS_MASK: u64 = (1 << 48) - 1;
+/// Logical addresses are 48 bits, in every word that holds one.
+pub(crate) const ADDRESS_MASK: u64 = (1 << 48) - 1;
 const KEY_LEN_SHIFT: u32 = 50;
 /// The key length field's value for a key whose length has its own word.
 const LONG_KEY: u64 = (1 << 14) - 1;
