@@ -651,15 +651,21 @@ impl Shared {
     /// and `CHECKPOINT_INTERVAL` has passed since the last one taken or the
     /// log has grown by half: so a recovery replays at most half the log.
     fn checkpoint_if_due(&self) -> Result<()> {
-        let begin = self.log.begin.load(Ordering::Acquire);
-        let tail = self.log.tail.load(Ordering::Acquire);
-        let grown = tail - self.checkpointed.load(Ordering::Acquire).max(begin);
-        let log_bytes = tail - begin;
+        let grown = self.log_since_checkpoint();
+        let log_bytes = self.log.tail.load(Ordering::Acquire) - self.log.begin.load(Ordering::Acquire);
         let waited = self.last_checkpoint.lock().elapsed() >= CHECKPOINT_INTERVAL;
         if grown >= CHECKPOINT_MIN_BYTES.max(log_bytes / 4) && (waited || grown >= log_bytes / 2) {
             self.checkpoint()?;
         }
         Ok(())
+    }
+
+    /// Bytes of log written since the last checkpoint recovery could use
+    /// (the whole log, without one): what a recovery would replay.
+    fn log_since_checkpoint(&self) -> u64 {
+        let begin = self.log.begin.load(Ordering::Acquire);
+        let since = self.checkpointed.load(Ordering::Acquire).max(begin);
+        self.log.tail.load(Ordering::Acquire).saturating_sub(since)
     }
 
     /// Takes a checkpoint (docs/ARCHITECTURE.md, "The hybrid engine",
@@ -1372,13 +1378,10 @@ impl Drop for HybridEngine {
     fn drop(&mut self) {
         let shared = &self.shared;
         let closing = self.flush().and_then(|()| {
-            let tail = shared.log.tail.load(Ordering::Acquire);
-            match tail
-                > shared.checkpointed.load(Ordering::Acquire).max(shared.log.begin.load(Ordering::Acquire))
-            {
-                true => shared.checkpoint().map(drop),
-                false => Ok(()),
+            if shared.log_since_checkpoint() > 0 {
+                shared.checkpoint()?;
             }
+            Ok(())
         });
         if let Err(error) = closing {
             tracing::error!(%error, dir = %shared.dir.display(), "hybrid engine: closing flush or checkpoint failed");
