@@ -439,7 +439,7 @@ struct Options {
     distributions: Vec<(&'static str, Distribution)>,
     subjects: Vec<String>,
     larger_than_memory: bool,
-    /// Consecutive reads handed to a subject at once (1: one by one).
+    /// Consecutive requests a subject is shown before it runs them (1: none).
     batch: usize,
 }
 

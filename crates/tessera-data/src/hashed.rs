@@ -418,9 +418,10 @@ fn edit_form<T>(
 
 /// SADD, HSET and HMSET where the value lies: an inline value's entries
 /// (on every engine), or each field's bucket and then the header's count
-/// (where [`typed::edits_in_place`]), changed in place. How many fields are new, or `None` when the
-/// change needs the general path ([`Hashed`]): no value yet, an inline one
-/// that may outgrow its form, or a paged one due to split a bucket.
+/// (where [`typed::edits_in_place`]), changed in place. How many fields
+/// are new, or `None` when the change needs the general path ([`Hashed`]):
+/// no value yet, an inline one that may outgrow its form, or a paged one
+/// due to split a bucket.
 pub fn insert_in_place(
     layout: Layout,
     engine: &dyn Engine,

@@ -416,9 +416,9 @@ fn edit_end<T>(
 
 /// LPUSH and RPUSH where the list lies: the inline list's value (on every
 /// engine), or the header's length and the end page (where
-/// [`typed::edits_in_place`]), changed in place. The new length, or `None` when the push needs the general
-/// path ([`List`]): no list yet, an inline list outgrowing its form, or an
-/// end page without room.
+/// [`typed::edits_in_place`]), changed in place. The new length, or `None`
+/// when the push needs the general path ([`List`]): no list yet, an inline
+/// list outgrowing its form, or an end page without room.
 pub fn push_in_place(
     engine: &dyn Engine,
     key: &[u8],
