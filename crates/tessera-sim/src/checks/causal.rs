@@ -21,7 +21,7 @@
 //! outcome is unknown may be read or not; gets whose outcome is unknown are
 //! left out of the history.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use bytes::Bytes;
 
@@ -110,7 +110,7 @@ pub fn check(operations: &[CausalOperation]) -> Vec<String> {
     let mut read_before: Vec<HashMap<&Bytes, Vec<usize>>> = vec![HashMap::new(); sessions.len()];
     // The write each get saw, and the gets found wrong, for the per-datacenter check.
     let mut seen: HashMap<usize, usize> = HashMap::new();
-    let mut flagged: Vec<usize> = Vec::new();
+    let mut flagged: HashSet<usize> = HashSet::new();
     // Sessions advance in causal order: a get waits for the write it read.
     loop {
         let mut advanced = false;
@@ -161,7 +161,7 @@ pub fn check(operations: &[CausalOperation]) -> Vec<String> {
                         if let Some(shadowing) =
                             shadowed(&writes_of_key, &closure, &pasts[index], &operation.key, read_write)
                         {
-                            flagged.push(at);
+                            flagged.insert(at);
                             violations.push(format!(
                                 "causal: {}: session {session} at datacenter {} read {read:?} from key {:?}, \
                                  though it had seen the later write {:?}",
@@ -212,7 +212,7 @@ struct Judged {
     /// The write each get saw.
     seen: HashMap<usize, usize>,
     /// The gets it reported (not reported again for their datacenter).
-    flagged: Vec<usize>,
+    flagged: HashSet<usize>,
 }
 
 /// A write of `key` in `past` that `read` (a write, or `None` for nothing)
@@ -307,6 +307,19 @@ fn check_datacenters(
 mod tests {
     use super::*;
 
+    /// The `step`th operation of a test history: each takes one time unit,
+    /// and the next begins a unit after.
+    fn operation(
+        step: u64,
+        session: usize,
+        datacenter: usize,
+        key: &str,
+        call: CausalCall,
+    ) -> CausalOperation {
+        let key = Bytes::from(key.to_owned());
+        CausalOperation { session, datacenter, key, call, invoked_at: 2 * step, completed_at: 2 * step + 1 }
+    }
+
     /// A history from a compact script: `(session, datacenter, "k=v")` puts
     /// and `(session, datacenter, "k?v")` gets (`k?` reads nothing), one
     /// time unit apart in the order given.
@@ -325,17 +338,18 @@ mod tests {
                         (key, CausalCall::Get { read })
                     }
                 };
-                let time = 2 * time as u64;
-                CausalOperation {
-                    session,
-                    datacenter,
-                    key: Bytes::from(key.to_owned()),
-                    call,
-                    invoked_at: time,
-                    completed_at: time + 1,
-                }
+                operation(time as u64, session, datacenter, key, call)
             })
             .collect()
+    }
+
+    /// A post, and a comment on it by a session that read it, at datacenter 0.
+    const POST_AND_COMMENT: [(usize, usize, &str); 3] =
+        [(0, 0, "post=p1"), (1, 0, "post?p1"), (1, 0, "comment=c1")];
+
+    /// `POST_AND_COMMENT`, then `after`.
+    fn after_post_and_comment(after: &[(usize, usize, &str)]) -> Vec<CausalOperation> {
+        history(&[POST_AND_COMMENT.as_slice(), after].concat())
     }
 
     fn kinds(violations: &[String]) -> Vec<&str> {
@@ -347,10 +361,7 @@ mod tests {
         // A post, a comment that read it, and a reader in the other
         // datacenter that sees the comment and then the post; concurrent
         // writes of one key read in either order by different sessions.
-        let good = history(&[
-            (0, 0, "post=p1"),
-            (1, 0, "post?p1"),
-            (1, 0, "comment=c1"),
+        let good = after_post_and_comment(&[
             (2, 1, "comment?c1"),
             (2, 1, "post?p1"),
             (3, 0, "x=a"),
@@ -373,21 +384,15 @@ mod tests {
     #[test]
     fn a_session_that_reads_an_older_value_after_a_newer_one_breaks_monotonic_reads() {
         let violations = check(&history(&[(0, 0, "k=v1"), (0, 0, "k=v2"), (1, 1, "k?v2"), (1, 1, "k?v1")]));
-        assert!(kinds(&violations).contains(&"monotonic reads"), "{violations:?}");
+        assert_eq!(kinds(&violations), ["monotonic reads"], "{violations:?}");
     }
 
     #[test]
     fn a_comment_seen_before_its_post_is_visible_breaks_causal_visibility() {
         // The reader sees the comment, whose writer had read the post, and
         // then finds no post.
-        let violations = check(&history(&[
-            (0, 0, "post=p1"),
-            (1, 0, "post?p1"),
-            (1, 0, "comment=c1"),
-            (2, 1, "comment?c1"),
-            (2, 1, "post?"),
-        ]));
-        assert!(kinds(&violations).contains(&"causal visibility"), "{violations:?}");
+        let violations = check(&after_post_and_comment(&[(2, 1, "comment?c1"), (2, 1, "post?")]));
+        assert_eq!(kinds(&violations), ["causal visibility"], "{violations:?}");
         // Writes-follow-reads through an older version: the post was edited
         // before the comment's writer read it.
         let violations = check(&history(&[
@@ -398,25 +403,17 @@ mod tests {
             (2, 1, "comment?c1"),
             (2, 1, "post?p1"),
         ]));
-        assert!(kinds(&violations).contains(&"causal visibility"), "{violations:?}");
+        assert_eq!(kinds(&violations), ["causal visibility"], "{violations:?}");
     }
 
     #[test]
     fn another_session_at_the_datacenter_must_not_see_what_the_datacenter_showed_undone() {
         // Session 2 saw the comment at datacenter 1; session 3, later and at
         // the same datacenter, finds no post, which the comment depends on.
-        let violations = check(&history(&[
-            (0, 0, "post=p1"),
-            (1, 0, "post?p1"),
-            (1, 0, "comment=c1"),
-            (2, 1, "comment?c1"),
-            (3, 1, "post?"),
-        ]));
+        let violations = check(&after_post_and_comment(&[(2, 1, "comment?c1"), (3, 1, "post?")]));
         assert_eq!(kinds(&violations), ["visibility at datacenter 1"], "{violations:?}");
         // At the other datacenter nothing was shown yet: no violation there.
-        let fine =
-            check(&history(&[(0, 0, "post=p1"), (1, 0, "post?p1"), (1, 0, "comment=c1"), (3, 1, "post?")]));
-        assert_eq!(fine, Vec::<String>::new());
+        assert_eq!(check(&after_post_and_comment(&[(3, 1, "post?")])), Vec::<String>::new());
     }
 
     #[test]
@@ -465,15 +462,7 @@ mod tests {
             } else {
                 CausalCall::Get { read: stores[datacenter].get(key).cloned() }
             };
-            let key = Bytes::from_static(key.as_bytes());
-            operations.push(CausalOperation {
-                session,
-                datacenter,
-                key,
-                call,
-                invoked_at: 2 * time,
-                completed_at: 2 * time + 1,
-            });
+            operations.push(operation(time, session, datacenter, key, call));
         }
         operations
     }
