@@ -124,3 +124,9 @@ def evict_from_page_cache(directory):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def table_info(client, name):
+    """TABLE.INFO of table `name` as a dict (bytes keys), over RESP2 or RESP3."""
+    reply = client.execute_command("TABLE.INFO", name)
+    return reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2]))

@@ -23,7 +23,7 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
-from conftest import BINARY, evict_from_page_cache
+from conftest import BINARY, evict_from_page_cache, table_info
 
 LEASE_MS = 400
 FAILURE_TIMEOUT_MS = 700
@@ -1109,7 +1109,7 @@ def test_tables_switch_modes_while_clients_keep_working(cluster_factory):
     for topology, consistency in steps:
         time.sleep(0.7)
         assert admin.execute_command("TABLE.ALTER", "default", "TOPOLOGY", topology, "CONSISTENCY", consistency) == b"OK"
-        info = dict(zip(*[iter(admin.execute_command("TABLE.INFO", "default"))] * 2))
+        info = table_info(admin, "default")
         expected = {"ms": "ms", "aa": "aa"}[topology] + "+" + {"strong": "sc", "eventual": "ec"}[consistency]
         assert info[b"mode"] == expected.encode(), info
     time.sleep(0.7)
@@ -1171,7 +1171,7 @@ def test_a_hybrid_table_larger_than_its_memory_replicates_in_every_mode_and_surv
             assert not missing, f"{len(missing)} of {len(written)} acknowledged writes lost, e.g. {missing[:3]}"
             fetched = sum(redis.Redis(port=cluster.port(node)).info("stats")["disk_reads_fetched"] for node in range(3))
             assert fetched > 0
-    info = dict(zip(*[iter(admin.execute_command("TABLE.INFO", "cold"))] * 2))
+    info = table_info(admin, "cold")
     assert info[b"engine"] == b"hybrid" and info[b"mode"] == b"aa+sc", info
     # Every node's logs of the table hold more than the budget: reads went to disk.
     for node in range(3):

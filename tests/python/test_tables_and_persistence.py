@@ -9,7 +9,7 @@ import time
 import pytest
 import redis
 
-from conftest import Node, evict_from_page_cache
+from conftest import Node, evict_from_page_cache, table_info
 
 PERSISTENT_ENGINES = ["log", "lsm", "hybrid"]
 
@@ -132,8 +132,7 @@ def test_a_hybrid_table_larger_than_its_memory_serves_and_survives_kill_9(data_d
         pipe.set(f"big:{i}", value + str(i).encode())
     pipe.execute()
     def info():
-        reply = r.execute_command("TABLE.INFO", "big")
-        return reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2]))
+        return table_info(r, "big")
 
     assert info()[b"log-bytes"] > 4 * (1 << 20) > info()[b"log-bytes-in-memory"]
     before = info()
@@ -183,9 +182,7 @@ def test_reads_that_would_wait_for_the_disk_are_fetched_off_the_serving_thread(d
     assert errors == []
     stats = r.info("stats")
     assert stats["disk_reads_fetched"] > 0 and stats["disk_reads_in_flight"] == 0
-    reply = r.execute_command("TABLE.INFO", "big")
-    table = reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2]))
-    assert table[b"disk-fetches"] == stats["disk_reads_fetched"]
+    assert table_info(r, "big")[b"disk-fetches"] == stats["disk_reads_fetched"]
     node.stop()
 
 
@@ -232,9 +229,7 @@ def test_a_pipeline_on_a_prefetching_engine_answers_as_on_memory_however_it_arri
         return received
 
     assert replies_for("h:") == replies_for("m:")
-    reply = r.execute_command("TABLE.INFO", "hot")
-    table = reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2]))
-    assert table[b"prefetched-keys"] > 0
+    assert table_info(r, "hot")[b"prefetched-keys"] > 0
     node.stop()
 
 
