@@ -178,9 +178,17 @@ pub trait Engine: Send + Sync + 'static {
         Ok(())
     }
 
-    /// Reads several keys; engines that can batch (a remote server) override it.
+    /// Reads several keys, prefetching each batch of them first; engines
+    /// that can batch otherwise (a remote server) override it.
     fn get_many(&self, keys: &[&[u8]]) -> Result<Vec<Option<Bytes>>> {
-        keys.iter().map(|key| self.get(key)).collect()
+        let mut values = Vec::with_capacity(keys.len());
+        for keys in keys.chunks(PREFETCH_BATCH) {
+            self.prefetch(keys);
+            for key in keys {
+                values.push(self.get(key)?);
+            }
+        }
+        Ok(values)
     }
 
     /// Writes several entries; not atomic across keys.

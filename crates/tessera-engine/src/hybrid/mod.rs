@@ -1410,12 +1410,6 @@ impl Engine for HybridEngine {
         self.shared.prefetch(keys)
     }
 
-    fn get_many(&self, keys: &[&[u8]]) -> Result<Vec<Option<Bytes>>> {
-        let mut values = vec![None; keys.len()];
-        self.get_many_with(keys, &mut |at, value| values[at] = value.map(Bytes::copy_from_slice))?;
-        Ok(values)
-    }
-
     fn put(&self, key: &[u8], value: Bytes) -> Result<()> {
         self.shared.write(key, Write::Put(&value)).map(drop)
     }
