@@ -714,6 +714,70 @@ def test_large_hashes_match_redis(both):
         assert state_of(ours) == state_of(theirs), f"seed {seed}: final state"
 
 
+def test_large_sets_and_hashes_as_keys_match_redis(both, node, redis_server):
+    """What a large set or hash shares with every key, on Redis and on a
+    Tessera node whose memory engine keeps it as a native table: deadlines
+    through changes, WATCH moved by a change and not by a no-op, RENAME,
+    COPY, DUMP and RESTORE, and SPOP to the last member."""
+    ours, theirs = both
+    others = node.client(), redis.Redis(port=redis_server, protocol=2)
+    members = [f"member-{n}" for n in range(400)]
+    pairs = [part for n in range(400) for part in (f"field-{n}", n)]
+
+    def run(*command):
+        expected, got = reply_of(theirs, command), reply_of(ours, command)
+        assert got == expected, f"{command[:4]}: Tessera {got!r}, Redis {expected!r}"
+        return got
+
+    for client in (ours, theirs):
+        client.execute_command("FLUSHALL")
+    run("SADD", "s", *members)
+    run("HSET", "h", *pairs)
+    for command in (["EXPIRE", "s", 100], ["SADD", "s", "one more"], ["SREM", "s", "member-1"], ["TTL", "s"],
+                    ["SCARD", "s"], ["PERSIST", "s"], ["TTL", "s"], ["PEXPIRE", "h", 100000], ["HSET", "h", "x", 1],
+                    ["HDEL", "h", "field-3"], ["PTTL", "h"], ["HLEN", "h"]):
+        run(*command)
+    # A transaction watching the set: a member already there moves nothing,
+    # a new one aborts it.
+    for added, key in (("member-5", "s"), ("brand new", "s"), ("field-9", "h")):
+        run("WATCH", key)
+        for other in others:
+            other.execute_command(*(["SADD", key, added] if key == "s" else ["HSET", key, added, 9]))
+        run("MULTI")
+        run("SCARD" if key == "s" else "HLEN", key)
+        assert comparable(["EXEC"], ours.execute_command("EXEC"), [["SCARD", key]]) == comparable(
+            ["EXEC"], theirs.execute_command("EXEC"), [["SCARD", key]])
+    run("RENAME", "s", "s2")
+    run("COPY", "s2", "s3")
+    run("SADD", "s3", "only in the copy")
+    run("SISMEMBER", "s2", "only in the copy")
+    run("COPY", "h", "h2")
+    run("HDEL", "h2", "field-7")
+    run("HEXISTS", "h", "field-7")
+    for key in ("s2", "h"):
+        payload = theirs.execute_command("DUMP", key)
+        run("RESTORE", f"{key}:restored", 0, payload)
+        payload = ours.execute_command("DUMP", key)
+        run("RESTORE", f"{key}:ours", 0, payload)
+    assert state_of(ours) == state_of(theirs)
+    # A set popped to its last member, and past it (which members is each
+    # server's own draw).
+    card = run("SCARD", "s3")
+    for pops in (card - 1, 1):
+        assert len(ours.execute_command("SPOP", "s3", pops)) == len(theirs.execute_command("SPOP", "s3", pops))
+        run("SCARD", "s3")
+    run("EXISTS", "s3")
+    # A deadline that passes takes the whole value.
+    run("PEXPIRE", "s2", 20)
+    time.sleep(0.1)
+    run("SCARD", "s2")
+    run("SADD", "s2", "after")
+    run("SMEMBERS", "s2")
+    assert state_of(ours) == state_of(theirs)
+    for other in others:
+        other.close()
+
+
 def test_large_sorted_sets_by_member_match_redis(both):
     """Sorted sets of thousands of members of one score, paged on Tessera:
     lexicographic ranges, counts, removals and stores, and a whole ZSCAN."""

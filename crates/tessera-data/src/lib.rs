@@ -9,6 +9,7 @@ pub mod collection;
 pub mod hashed;
 pub mod list;
 pub mod long_double;
+pub mod native_hashed;
 pub mod typed;
 pub mod zset;
 

@@ -269,6 +269,21 @@ pub fn change_string<T>(
     Ok(answer.expect("a change of a string is never declined"))
 }
 
+/// Gives the value at `key` the deadline `expires_at_ms` (none: it lives
+/// until deleted), where it lies, so that a value the engine keeps native
+/// keeps its table. The caller has read the value live.
+pub fn set_deadline(engine: &dyn Engine, key: &[u8], expires_at_ms: Option<u64>) -> DataResult<()> {
+    edit_value(engine, key, |value| {
+        let Some(raw) = value else { return Ok(Edit::Declined) };
+        let (kind, _, payload_start) = decode_header(raw)?;
+        let mut header = Vec::with_capacity(9);
+        put_header(&mut header, kind, expires_at_ms);
+        raw.splice(..payload_start, header);
+        Ok(Edit::Changed(()))
+    })?
+    .ok_or_else(crate::collection::corrupt)
+}
+
 /// Adds `delta` to the count a collection's header keeps as a u64 at `at`
 /// in the payload of the live value of `kind` at `key`, where it lies.
 pub fn add_to_count(

@@ -43,6 +43,22 @@ pub struct Capabilities {
     pub prefetches: bool,
 }
 
+/// A value the layer above keeps as a structure of its own (a large set's
+/// hash table) rather than as bytes, on an engine that can hold one
+/// ([`Engine::keeps_native`]). It is attached to a short stored value, its
+/// stub, which is what `get`, `update` and `scan` see: the layer above keeps
+/// the type and deadline there as for any value, and reaches the structure
+/// through [`Engine::with_native`]. A `put` or `delete` of the key drops it;
+/// an `update` of the stub keeps it attached.
+pub trait Native: std::any::Any + Send + Sync {}
+
+/// What [`Engine::with_native`] calls: with the stub and the native value
+/// at a key, if it holds one.
+pub type ReadNative<'a> = dyn FnMut(Option<(&[u8], &dyn Native)>) + 'a;
+/// What [`Engine::with_native_mut`] calls; it returns whether it changed
+/// the native value.
+pub type WriteNative<'a> = dyn FnMut(Option<(&[u8], &mut dyn Native)>) -> bool + 'a;
+
 /// How many keys a caller hands [`Engine::prefetch`] at once: enough for
 /// their cache misses to overlap, few enough that the first are still in
 /// the cache when their turn comes.
@@ -194,6 +210,34 @@ pub trait Engine: Send + Sync + 'static {
     /// Writes several entries; not atomic across keys.
     fn put_many(&self, entries: &[(&[u8], Bytes)]) -> Result<()> {
         entries.iter().try_for_each(|(key, value)| self.put(key, value.clone()))
+    }
+
+    /// Whether this engine, seen through this handle, keeps native values
+    /// ([`Native`]): `memory` does; an engine that stores its values on disk
+    /// cannot, and neither can a view that must see every change as bytes
+    /// (replication's capture), so the default is no.
+    fn keeps_native(&self) -> bool {
+        false
+    }
+
+    /// Stores `stub` with `native` attached at `key`, replacing what it held.
+    fn put_native(&self, _key: &[u8], _stub: Bytes, _native: Box<dyn Native>) -> Result<()> {
+        Err(EngineError::Unsupported("this engine keeps no native values"))
+    }
+
+    /// Calls `access` with the stub and the native value at `key` (`None`
+    /// when the key is absent or holds bytes only), under the engine's
+    /// shared lock of the key. `access` must be quick.
+    fn with_native(&self, _key: &[u8], access: &mut ReadNative<'_>) -> Result<()> {
+        access(None);
+        Ok(())
+    }
+
+    /// As [`Engine::with_native`], under the engine's exclusive lock of the
+    /// key, to change the native value; `access` returns whether it did.
+    fn with_native_mut(&self, _key: &[u8], access: &mut WriteNative<'_>) -> Result<()> {
+        access(None);
+        Ok(())
     }
 
     /// Reads the value at `key` and changes it where it lies: `change` is

@@ -5,7 +5,9 @@
 //! reader–writer locks (`ShardedMap`). A key costs its bytes, its value's,
 //! an eight-byte header, and a table slot of eight bytes and a control byte:
 //! less than Redis spends on a key (docs/BENCHMARKS.md, "Memory per key").
-//! A read is a miss on the table and one on the entry.
+//! A read is a miss on the table and one on the entry. An entry may also
+//! carry a native value (`Native`: a large set's hash table, say) after its
+//! stub.
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
@@ -15,7 +17,7 @@ use hashbrown::hash_table::{Entry as Slot, HashTable};
 
 use crate::sharded::ShardedMap;
 use crate::thread_buffer::with_thread_buffer;
-use crate::{Capabilities, Engine, KeyRange, Result, ScanCursor, ScanPage};
+use crate::{Capabilities, Engine, KeyRange, Native, ReadNative, Result, ScanCursor, ScanPage, WriteNative};
 
 /// Values longer than this are kept as the `Bytes` they came in, so that a
 /// read shares a large value instead of copying it.
@@ -23,10 +25,14 @@ const SHARED_VALUE_BYTES: usize = 512;
 /// The key's length and the value's (or `SHARED`), four bytes each.
 const HEADER_BYTES: usize = 8;
 const SHARED: u32 = u32::MAX;
+/// Set in the key's length when a native value follows the value's bytes
+/// (keys are far shorter than 2 GiB).
+const NATIVE: u32 = 1 << 31;
 
 /// A key and its value in one allocation: the header, the key, then the
 /// value's bytes, or (for a shared value) its `Bytes` at the next aligned
-/// offset.
+/// offset; with a native value, the value's bytes (its stub, never shared)
+/// and then the native value's `Box` at the next aligned offset.
 struct Entry {
     pointer: NonNull<u8>,
 }
@@ -39,9 +45,10 @@ unsafe impl Sync for Entry {}
 
 impl Entry {
     fn new(key: &[u8], value: Bytes) -> Self {
-        let key_len = u32::try_from(key.len()).expect("a key shorter than 4 GiB");
+        let key_len =
+            u32::try_from(key.len()).ok().filter(|len| len & NATIVE == 0).expect("a key shorter than 2 GiB");
         let shared = value.len() > SHARED_VALUE_BYTES;
-        let layout = Self::layout(key.len(), (!shared).then_some(value.len()));
+        let layout = Self::layout(key.len(), (!shared).then_some(value.len()), false);
         // SAFETY: the layout's size is at least the header's.
         let raw = unsafe { std::alloc::alloc(layout) };
         let Some(pointer) = NonNull::new(raw) else { std::alloc::handle_alloc_error(layout) };
@@ -61,9 +68,34 @@ impl Entry {
         Self { pointer }
     }
 
-    /// `value_len` is `None` for a shared value.
-    fn layout(key_len: usize, value_len: Option<usize>) -> Layout {
+    fn new_native(key: &[u8], stub: &[u8], native: Box<dyn Native>) -> Self {
+        let key_len =
+            u32::try_from(key.len()).ok().filter(|len| len & NATIVE == 0).expect("a key shorter than 2 GiB");
+        let stub_len =
+            u32::try_from(stub.len()).ok().filter(|&len| len != SHARED).expect("a stub shorter than 4 GiB");
+        let layout = Self::layout(key.len(), Some(stub.len()), true);
+        // SAFETY: the layout's size is at least the header's.
+        let raw = unsafe { std::alloc::alloc(layout) };
+        let Some(pointer) = NonNull::new(raw) else { std::alloc::handle_alloc_error(layout) };
+        // SAFETY: as in `new`; `native_offset` aligns the `Box`, and the
+        // layout counts it.
+        unsafe {
+            raw.cast::<u32>().write(key_len | NATIVE);
+            raw.add(4).cast::<u32>().write(stub_len);
+            std::ptr::copy_nonoverlapping(key.as_ptr(), raw.add(HEADER_BYTES), key.len());
+            std::ptr::copy_nonoverlapping(stub.as_ptr(), raw.add(HEADER_BYTES + key.len()), stub.len());
+            raw.add(Self::native_offset(key.len(), stub.len())).cast::<Box<dyn Native>>().write(native);
+        }
+        Self { pointer }
+    }
+
+    /// `value_len` is `None` for a shared value; `native` when a native value
+    /// follows an inline one.
+    fn layout(key_len: usize, value_len: Option<usize>, native: bool) -> Layout {
         let size = match value_len {
+            Some(value_len) if native => {
+                Self::native_offset(key_len, value_len) + size_of::<Box<dyn Native>>()
+            }
             Some(value_len) => HEADER_BYTES + key_len + value_len,
             None => Self::shared_offset(key_len) + size_of::<Bytes>(),
         };
@@ -74,11 +106,61 @@ impl Entry {
         (HEADER_BYTES + key_len).next_multiple_of(align_of::<Bytes>())
     }
 
-    fn header(&self) -> (usize, u32) {
+    fn native_offset(key_len: usize, value_len: usize) -> usize {
+        (HEADER_BYTES + key_len + value_len).next_multiple_of(align_of::<Box<dyn Native>>())
+    }
+
+    /// The key's length, the value's (or `SHARED`), and whether a native
+    /// value follows.
+    fn header_words(&self) -> (usize, u32, bool) {
         // SAFETY: the header was written in `new` and lives as long as `self`.
-        unsafe {
+        let (key_word, value_len) = unsafe {
             let raw = self.pointer.as_ptr();
-            (raw.cast::<u32>().read() as usize, raw.add(4).cast::<u32>().read())
+            (raw.cast::<u32>().read(), raw.add(4).cast::<u32>().read())
+        };
+        ((key_word & !NATIVE) as usize, value_len, key_word & NATIVE != 0)
+    }
+
+    fn header(&self) -> (usize, u32) {
+        let (key_len, value_len, _) = self.header_words();
+        (key_len, value_len)
+    }
+
+    fn native_pointer(&self) -> Option<*mut Box<dyn Native>> {
+        let (key_len, value_len, native) = self.header_words();
+        // SAFETY: a native value's `Box` was written at its offset in `new_native`.
+        native.then(|| unsafe {
+            self.pointer
+                .as_ptr()
+                .add(Self::native_offset(key_len, value_len as usize))
+                .cast::<Box<dyn Native>>()
+        })
+    }
+
+    fn native(&self) -> Option<&dyn Native> {
+        // SAFETY: the `Box` lives as long as `self`.
+        self.native_pointer().map(|pointer| unsafe { &**pointer })
+    }
+
+    fn native_mut(&mut self) -> Option<&mut dyn Native> {
+        // SAFETY: as above, and `&mut self` is the only access to it.
+        self.native_pointer().map(|pointer| unsafe { &mut **pointer })
+    }
+
+    /// The native value, taken out: the entry is given back without it.
+    fn into_native(self) -> Option<Box<dyn Native>> {
+        let pointer = self.native_pointer()?;
+        let (key_len, value_len, _) = self.header_words();
+        let entry = std::mem::ManuallyDrop::new(self);
+        // SAFETY: the `Box` is moved out once and the memory given back with
+        // its layout; `ManuallyDrop` keeps `drop` from doing either again.
+        unsafe {
+            let native = pointer.read();
+            std::alloc::dealloc(
+                entry.pointer.as_ptr(),
+                Self::layout(key_len, Some(value_len as usize), true),
+            );
+            Some(native)
         }
     }
 
@@ -143,7 +225,7 @@ impl Entry {
         let bytes = unsafe {
             let raw = entry.pointer.as_ptr();
             let bytes = raw.add(Self::shared_offset(key_len)).cast::<Bytes>().read();
-            std::alloc::dealloc(raw, Self::layout(key_len, None));
+            std::alloc::dealloc(raw, Self::layout(key_len, None, false));
             bytes
         };
         Vec::from(bytes)
@@ -152,17 +234,21 @@ impl Entry {
 
 impl Drop for Entry {
     fn drop(&mut self) {
-        let (key_len, value_len) = self.header();
+        let (key_len, value_len, native) = self.header_words();
         let shared = value_len == SHARED;
-        // SAFETY: a shared value's `Bytes` is dropped once, then the memory
-        // is given back with the layout it was allocated with.
+        // SAFETY: a shared value's `Bytes` or a native value's `Box` is
+        // dropped once, then the memory is given back with the layout it
+        // was allocated with.
         unsafe {
             if shared {
                 std::ptr::drop_in_place(
                     self.pointer.as_ptr().add(Self::shared_offset(key_len)).cast::<Bytes>(),
                 );
             }
-            let layout = Self::layout(key_len, (!shared).then_some(value_len as usize));
+            if let Some(pointer) = self.native_pointer() {
+                std::ptr::drop_in_place(pointer);
+            }
+            let layout = Self::layout(key_len, (!shared).then_some(value_len as usize), native);
             std::alloc::dealloc(self.pointer.as_ptr(), layout);
         }
     }
@@ -249,12 +335,19 @@ impl Engine for MemoryEngine {
                 // and goes back where it lay when its length is unchanged.
                 buffer.extend_from_slice(found.get().value());
                 let mut value = Some(std::mem::take(buffer));
+                let keeps_native = found.get().native().is_some();
                 if change(&mut value) {
                     match value.take() {
                         None => drop(found.remove()),
                         Some(edited) => match found.get_mut().inline_value_mut() {
                             Some(stored) if stored.len() == edited.len() => {
                                 stored.copy_from_slice(&edited);
+                                value = Some(edited);
+                            }
+                            _ if keeps_native => {
+                                let (entry, vacant) = found.remove();
+                                let native = entry.into_native().expect("a native value");
+                                vacant.insert(Entry::new_native(key, &edited, native));
                                 value = Some(edited);
                             }
                             _ if edited.len() > SHARED_VALUE_BYTES => {
@@ -278,6 +371,55 @@ impl Engine for MemoryEngine {
                 if let Some(value) = value {
                     vacant.insert(Entry::new(key, Bytes::from(value)));
                 }
+            }
+        }
+        Ok(())
+    }
+
+    fn keeps_native(&self) -> bool {
+        true
+    }
+
+    fn put_native(&self, key: &[u8], stub: Bytes, native: Box<dyn Native>) -> Result<()> {
+        let (bucket, hash) = self.map.locate(key);
+        let entry = Entry::new_native(key, &stub, native);
+        match bucket.write().entry(hash, |entry| entry.key() == key, self.rehash()) {
+            Slot::Occupied(mut occupied) => *occupied.get_mut() = entry,
+            Slot::Vacant(vacant) => {
+                vacant.insert(entry);
+            }
+        }
+        Ok(())
+    }
+
+    fn with_native(&self, key: &[u8], access: &mut ReadNative<'_>) -> Result<()> {
+        let (bucket, hash) = self.map.locate(key);
+        let table = bucket.read();
+        let found = table.find(hash, |entry| entry.key() == key);
+        access(found.and_then(|entry| Some((entry.value(), entry.native()?))));
+        Ok(())
+    }
+
+    fn with_native_mut(&self, key: &[u8], access: &mut WriteNative<'_>) -> Result<()> {
+        let (bucket, hash) = self.map.locate(key);
+        let mut table = bucket.write();
+        match table.find_mut(hash, |entry| entry.key() == key) {
+            Some(entry) if entry.native().is_some() => {
+                // The stub and the native value are separate parts of the
+                // entry: the stub is only read.
+                let (key_len, value_len, _) = entry.header_words();
+                // SAFETY: the stub's bytes follow the key's and do not
+                // overlap the native value's `Box`.
+                let stub = unsafe {
+                    std::slice::from_raw_parts(
+                        entry.pointer.as_ptr().add(HEADER_BYTES + key_len),
+                        value_len as usize,
+                    )
+                };
+                access(Some((stub, entry.native_mut().expect("checked above"))));
+            }
+            _ => {
+                access(None);
             }
         }
         Ok(())
@@ -324,5 +466,67 @@ mod tests {
             assert_eq!(entry.shared().is_some(), value_len > SHARED_VALUE_BYTES);
             assert_eq!(entry.into_value(), value.to_vec());
         }
+    }
+
+    /// A native value whose `Arc` counts how many of its kind are alive.
+    struct Counted(#[allow(dead_code)] std::sync::Arc<()>, u64);
+    impl Native for Counted {}
+
+    fn counted(native: &dyn Native) -> u64 {
+        (native as &dyn std::any::Any).downcast_ref::<Counted>().expect("a Counted").1
+    }
+
+    #[test]
+    fn a_native_value_stays_with_its_stub_until_a_put_or_delete_replaces_it() {
+        let engine = MemoryEngine::new();
+        let alive = std::sync::Arc::new(());
+        let native = |n| Box::new(Counted(alive.clone(), n)) as Box<dyn Native>;
+        engine.put_native(b"k", Bytes::from_static(b"stub"), native(1)).unwrap();
+        assert_eq!(engine.get(b"k").unwrap().as_deref(), Some(&b"stub"[..]));
+        let page = engine.scan(&KeyRange::all(), &ScanCursor::start(), 10).unwrap();
+        assert_eq!(page.entries, vec![(Bytes::from_static(b"k"), Bytes::from_static(b"stub"))]);
+
+        let mut seen = None;
+        engine
+            .with_native_mut(b"k", &mut |found| {
+                let (stub, native) = found.expect("attached");
+                assert_eq!(stub, b"stub");
+                let any: &mut dyn std::any::Any = native;
+                any.downcast_mut::<Counted>().unwrap().1 = 2;
+                true
+            })
+            .unwrap();
+        // An update of the stub, same length or not, keeps the native value.
+        for stub in [&b"STUB"[..], b"a longer stub", b"s"] {
+            engine
+                .update(b"k", &mut |value| {
+                    *value = Some(stub.to_vec());
+                    true
+                })
+                .unwrap();
+            engine
+                .with_native(b"k", &mut |found| {
+                    seen = found.map(|(stub, native)| (stub.to_vec(), counted(native)))
+                })
+                .unwrap();
+            assert_eq!(seen, Some((stub.to_vec(), 2)));
+        }
+        assert_eq!(std::sync::Arc::strong_count(&alive), 2);
+
+        engine.put(b"k", Bytes::from_static(b"bytes")).unwrap();
+        engine.with_native(b"k", &mut |found| assert!(found.is_none())).unwrap();
+        assert_eq!(std::sync::Arc::strong_count(&alive), 1, "a put drops the native value");
+
+        engine.put_native(b"k", Bytes::from_static(b"stub"), native(3)).unwrap();
+        engine
+            .update(b"k", &mut |value| {
+                *value = None;
+                true
+            })
+            .unwrap();
+        engine.put_native(b"j", Bytes::new(), native(4)).unwrap();
+        assert!(engine.delete(b"j").unwrap());
+        assert_eq!(std::sync::Arc::strong_count(&alive), 1, "a delete drops the native value");
+        engine.with_native(b"missing", &mut |found| assert!(found.is_none())).unwrap();
     }
 }

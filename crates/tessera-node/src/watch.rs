@@ -5,7 +5,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use tessera_engine::{reserved, Capabilities, Engine, KeyRange, ScanCursor, ScanPage};
+use tessera_engine::{
+    reserved, Capabilities, Engine, KeyRange, Native, ReadNative, ScanCursor, ScanPage, WriteNative,
+};
 
 /// Stripes of WATCH's key versions.
 const VERSION_STRIPES: usize = 1 << 16;
@@ -37,10 +39,12 @@ impl KeyVersions {
         self.stripes[stripe].load(Ordering::SeqCst)
     }
 
-    /// A collection's own entries move nothing: every change to them writes
-    /// the value at its key too, and the sweep's removal of a replaced
-    /// collection's entries changes no key.
-    fn moved(&self, key: &[u8]) {
+    /// Moves `key`'s version: a write did, or a command that Redis counts
+    /// as a change whatever it changed (HSET). A collection's own entries
+    /// move nothing: every change to them writes the value at its key too,
+    /// and the sweep's removal of a replaced collection's entries changes
+    /// no key.
+    pub fn moved(&self, key: &[u8]) {
         if !reserved::is_reserved(key) {
             self.stripes[Self::stripe(key)].fetch_add(1, Ordering::SeqCst);
         }
@@ -118,6 +122,31 @@ impl<E: Engine + ?Sized> Engine for Touching<E> {
         let mut changed = false;
         self.inner.update(key, &mut |value| {
             changed = change(value);
+            changed
+        })?;
+        if changed {
+            self.versions.moved(key);
+        }
+        Ok(())
+    }
+
+    fn keeps_native(&self) -> bool {
+        self.inner.keeps_native()
+    }
+
+    fn put_native(&self, key: &[u8], stub: Bytes, native: Box<dyn Native>) -> tessera_engine::Result<()> {
+        self.versions.moved(key);
+        self.inner.put_native(key, stub, native)
+    }
+
+    fn with_native(&self, key: &[u8], access: &mut ReadNative<'_>) -> tessera_engine::Result<()> {
+        self.inner.with_native(key, access)
+    }
+
+    fn with_native_mut(&self, key: &[u8], access: &mut WriteNative<'_>) -> tessera_engine::Result<()> {
+        let mut changed = false;
+        self.inner.with_native_mut(key, &mut |found| {
+            changed = access(found);
             changed
         })?;
         if changed {

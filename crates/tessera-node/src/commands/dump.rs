@@ -15,7 +15,7 @@ use crate::error::{CommandError, CommandResult};
 use crate::hashed::{self, Hashed, Layout};
 use crate::list::{End, List};
 use crate::rdb::{self, Value};
-use crate::typed::{encode, read_live, write, Kind};
+use crate::typed::{read_live, set_deadline, write, Kind};
 use crate::zset::SortedSet;
 
 /// The value at `key` as the format carries it, and its deadline.
@@ -82,9 +82,8 @@ pub fn store_value(context: &Context, key: &[u8], value: Value, expires_at_ms: O
         }
     }
     // A collection's deadline is in the value at its key, as EXPIRE sets it.
-    if let Some(deadline) = expires_at_ms {
-        let stored = read_live(engine, key, now)?.ok_or_else(crate::collection::corrupt)?;
-        engine.put(key, encode(stored.kind, Some(deadline), &stored.payload))?;
+    if expires_at_ms.is_some() {
+        set_deadline(engine, key, expires_at_ms)?;
     }
     context.node.waiters.signal(key);
     Ok(())

@@ -11,8 +11,8 @@ use crate::error::{CommandError, CommandResult};
 use crate::glob::glob_match;
 use crate::hashed::{Hashed, Layout};
 use crate::node_state::ScanPosition;
-use crate::typed::read_live;
-use crate::typed::{encode, Kind, Stored};
+use crate::typed::{read_live, set_deadline};
+use crate::typed::{Kind, Stored};
 use crate::{list, zset};
 
 #[rustfmt::skip]
@@ -125,7 +125,7 @@ fn set_expiry(
     if deadline_ms <= context.now_ms as i64 {
         engine.delete(key)?;
     } else {
-        engine.put(key, encode(stored.kind, Some(deadline_ms as u64), &stored.payload))?;
+        set_deadline(engine, key, Some(deadline_ms as u64))?;
     }
     context.out.integer(1);
     Ok(())
@@ -268,7 +268,7 @@ fn persist(context: &mut Context, request: &Request) -> CommandResult {
     let _lock = context.lock_key(key)?;
     let changed = match read_live(engine, key, context.now_ms)? {
         Some(stored) if stored.expires_at_ms.is_some() => {
-            engine.put(key, encode(stored.kind, None, &stored.payload))?;
+            set_deadline(engine, key, None)?;
             true
         }
         _ => false,
