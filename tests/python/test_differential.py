@@ -714,9 +714,9 @@ def test_large_hashes_match_redis(both):
         assert state_of(ours) == state_of(theirs), f"seed {seed}: final state"
 
 
-def test_large_sets_and_hashes_as_keys_match_redis(both, node, redis_server):
-    """What a large set or hash shares with every key, on Redis and on a
-    Tessera node whose memory engine keeps it as a native table: deadlines
+def test_large_collections_as_keys_match_redis(both, node, redis_server):
+    """What a large set, hash or list shares with every key, on Redis and on
+    a Tessera node whose memory engine keeps it native: deadlines
     through changes, WATCH moved by a change and not by a no-op, RENAME,
     COPY, DUMP and RESTORE, and SPOP to the last member."""
     ours, theirs = both
@@ -733,9 +733,12 @@ def test_large_sets_and_hashes_as_keys_match_redis(both, node, redis_server):
         client.execute_command("FLUSHALL")
     run("SADD", "s", *members)
     run("HSET", "h", *pairs)
+    run("RPUSH", "l", *members)
     for command in (["EXPIRE", "s", 100], ["SADD", "s", "one more"], ["SREM", "s", "member-1"], ["TTL", "s"],
                     ["SCARD", "s"], ["PERSIST", "s"], ["TTL", "s"], ["PEXPIRE", "h", 100000], ["HSET", "h", "x", 1],
-                    ["HDEL", "h", "field-3"], ["PTTL", "h"], ["HLEN", "h"]):
+                    ["HDEL", "h", "field-3"], ["PTTL", "h"], ["HLEN", "h"], ["EXPIRE", "l", 100],
+                    ["LPUSH", "l", "first"], ["RPOP", "l"], ["TTL", "l"], ["OBJECT", "ENCODING", "l"],
+                    ["LINDEX", "l", 200], ["LLEN", "l"]):
         run(*command)
     # A transaction watching the set: a member already there moves nothing,
     # a new one aborts it.
@@ -754,7 +757,11 @@ def test_large_sets_and_hashes_as_keys_match_redis(both, node, redis_server):
     run("COPY", "h", "h2")
     run("HDEL", "h2", "field-7")
     run("HEXISTS", "h", "field-7")
-    for key in ("s2", "h"):
+    run("RENAME", "l", "l2")
+    run("COPY", "l2", "l3")
+    run("LSET", "l3", 5, "only in the copy")
+    run("LRANGE", "l2", 0, 10)
+    for key in ("s2", "h", "l2"):
         payload = theirs.execute_command("DUMP", key)
         run("RESTORE", f"{key}:restored", 0, payload)
         payload = ours.execute_command("DUMP", key)

@@ -34,12 +34,13 @@
 use std::collections::HashMap;
 
 use bytes::{BufMut, Bytes, BytesMut};
-use tessera_engine::{Engine, Native};
+use tessera_engine::Engine;
 
 use crate::collection::{corrupt, entry_key, put_bytes, stored_bytes, Changes, Reader};
+use crate::native::{edit_native, Held};
 use crate::native_hashed::NativeHashed;
-use crate::typed::{self, decode_header, read_kind, Edit, Kind, ReservedEntries};
-use crate::{DataError, DataResult};
+use crate::typed::{self, read_kind, Edit, Kind, ReservedEntries};
+use crate::DataResult;
 
 /// The most entries and bytes a set or hash keeps in its value (Redis's
 /// listpack limits are near).
@@ -440,55 +441,11 @@ fn edit_form<T>(
                 let held = count_stored(layout, &value[base..])?;
                 Ok(inline(value, base, held)?.map(Found::Inline))
             }
-            // A native value's edit in place ([`edit_native`]) declined: the
-            // general path takes it.
+            // A native value's edit in place declined: the general path
+            // takes it.
             Form::Native => Ok(Edit::Declined),
         }
     })
-}
-
-/// The native table in `native`, which a set's or hash's stub marks.
-fn as_table(native: &dyn Native) -> DataResult<&NativeHashed> {
-    (native as &dyn std::any::Any).downcast_ref().ok_or_else(corrupt)
-}
-
-fn as_table_mut(native: &mut dyn Native) -> DataResult<&mut NativeHashed> {
-    (native as &mut dyn std::any::Any).downcast_mut().ok_or_else(corrupt)
-}
-
-/// Runs `edit` on the native table at `key` where it lies, if the live
-/// value there is one (of `layout`'s kind: `WRONGTYPE` otherwise); `None`
-/// when it is not, or when `edit` declined.
-fn edit_native<T>(
-    layout: Layout,
-    engine: &dyn Engine,
-    key: &[u8],
-    now_ms: u64,
-    edit: impl FnOnce(&mut NativeHashed) -> Edit<T>,
-) -> DataResult<Option<T>> {
-    if !engine.keeps_native() {
-        return Ok(None);
-    }
-    let mut edit = Some(edit);
-    let mut outcome = Ok(Edit::Declined);
-    engine.with_native_mut(key, &mut |found| {
-        let Some((stub, native)) = found else { return false };
-        outcome = (|| {
-            let (kind, deadline, _) = decode_header(stub)?;
-            if deadline.is_some_and(|deadline| deadline <= now_ms) {
-                return Ok(Edit::Declined);
-            }
-            if kind != layout.kind() {
-                return Err(DataError::WrongType);
-            }
-            Ok(edit.take().expect("called once")(as_table_mut(native)?))
-        })();
-        matches!(outcome, Ok(Edit::Changed(_)))
-    })?;
-    match outcome? {
-        Edit::Declined => Ok(None),
-        Edit::Unchanged(answer) | Edit::Changed(answer) => Ok(Some(answer)),
-    }
 }
 
 /// SADD, HSET and HMSET where the value lies: an inline value's entries
@@ -505,7 +462,7 @@ pub fn insert_in_place(
     now_ms: u64,
     reserved: &ReservedEntries,
 ) -> DataResult<Option<u64>> {
-    let native = edit_native(layout, engine, key, now_ms, |table| {
+    let native = edit_native(engine, key, layout.kind(), now_ms, |table: &mut NativeHashed| {
         let (mut added, mut changed) = (0, false);
         for (field, value) in entries {
             if let Some(new) = table.insert(field, value) {
@@ -586,10 +543,11 @@ pub fn pop_random_in_place(
 ) -> DataResult<Option<Bytes>> {
     const DRAWS: usize = 16;
     let layout = Layout::Set;
-    let native = edit_native(layout, engine, key, now_ms, |table| match table.len() {
-        0 | 1 => Edit::Declined,
-        _ => table.pop_random().map_or(Edit::Declined, |(member, _)| Edit::Changed(member)),
-    })?;
+    let native =
+        edit_native(engine, key, layout.kind(), now_ms, |table: &mut NativeHashed| match table.len() {
+            0 | 1 => Edit::Declined,
+            _ => table.pop_random().map_or(Edit::Declined, |(member, _)| Edit::Changed(member)),
+        })?;
     if native.is_some() {
         return Ok(native);
     }
@@ -662,15 +620,6 @@ pub fn id_of(kind: Kind, payload: &Bytes) -> DataResult<Option<u64>> {
     }
 }
 
-/// Where a native value's table is, for a [`Hashed`] over one.
-enum NativeTable {
-    /// In the engine, attached at the key: each operation reaches it there
-    /// and changes it at once.
-    Attached,
-    /// Built by this change (an inline value outgrown), stored by `commit`.
-    Built(Box<NativeHashed>),
-}
-
 /// One set or hash, read lazily and changed in memory until
 /// [`Hashed::commit`] (a native one is changed where it lies). The caller
 /// holds the key's lock for as long as it lives.
@@ -684,7 +633,7 @@ pub struct Hashed<'a> {
     level: u32,
     split: u64,
     buckets: HashMap<u64, Bucket>,
-    native: Option<NativeTable>,
+    native: Option<Held<NativeHashed>>,
     changed: bool,
 }
 
@@ -714,7 +663,7 @@ impl<'a> Hashed<'a> {
             }
             Form::Native if !engine.keeps_native() => return Err(corrupt()),
             Form::Native => {
-                value.native = Some(NativeTable::Attached);
+                value.native = Some(Held::Attached);
                 value.len = value.read_native(NativeHashed::len)?.expect("native") as u64;
             }
         }
@@ -754,25 +703,9 @@ impl<'a> Hashed<'a> {
         }
     }
 
-    /// Runs `read` on the native table, if the value is one. A reader
-    /// holds no lock of the key: a table deleted since `open` reads as
-    /// empty, as the value now is.
+    /// Runs `read` on the native table, if the value is one.
     fn read_native<T>(&self, read: impl FnOnce(&NativeHashed) -> T) -> DataResult<Option<T>> {
-        match &self.native {
-            None => Ok(None),
-            Some(NativeTable::Built(table)) => Ok(Some(read(table))),
-            Some(NativeTable::Attached) => {
-                let (mut read, mut answer) = (Some(read), None);
-                self.engine.with_native(self.key, &mut |found| {
-                    let read = read.take().expect("called once");
-                    answer = Some(match found.and_then(|(_, native)| as_table(native).ok()) {
-                        Some(table) => read(table),
-                        None => read(&NativeHashed::default()),
-                    });
-                })?;
-                Ok(answer)
-            }
-        }
+        self.native.as_ref().map(|held| held.read(self.engine, self.key, read)).transpose()
     }
 
     /// Runs `write` on the native table, if the value is one; `write`
@@ -781,19 +714,8 @@ impl<'a> Hashed<'a> {
         &mut self,
         write: impl FnOnce(&mut NativeHashed) -> (T, bool),
     ) -> DataResult<Option<T>> {
-        match &mut self.native {
-            None => Ok(None),
-            Some(NativeTable::Built(table)) => Ok(Some(write(table).0)),
-            Some(NativeTable::Attached) => {
-                let (mut write, mut answer) = (Some(write), Err(corrupt()));
-                self.engine.with_native_mut(self.key, &mut |found| {
-                    let Some((_, native)) = found else { return false };
-                    answer = as_table_mut(native).map(|table| write.take().expect("called once")(table));
-                    answer.as_ref().is_ok_and(|(_, changed)| *changed)
-                })?;
-                Ok(Some(answer?.0))
-            }
-        }
+        let (engine, key) = (self.engine, self.key);
+        self.native.as_mut().map(|held| held.write(engine, key, write)).transpose()
     }
 
     pub fn len(&self) -> u64 {
@@ -994,10 +916,9 @@ impl<'a> Hashed<'a> {
         match self.native {
             None => {}
             Some(_) if self.len == 0 => return Ok(self.engine.delete(self.key).map(drop)?),
-            Some(NativeTable::Attached) => return Ok(()),
-            Some(NativeTable::Built(table)) => {
+            Some(held) => {
                 let stub = typed::encode(kind, self.expires_at_ms, self.layout.native_marker());
-                return Ok(self.engine.put_native(self.key, stub, table)?);
+                return held.store(self.engine, self.key, stub);
             }
         }
         if self.len == 0 {
@@ -1053,7 +974,7 @@ impl<'a> Hashed<'a> {
         let entries = std::mem::take(self.bucket(0)?.entries.decoded()?);
         if self.engine.keeps_native() {
             self.buckets.clear();
-            self.native = Some(NativeTable::Built(Box::new(NativeHashed::from_entries(entries))));
+            self.native = Some(Held::Built(Box::new(NativeHashed::from_entries(entries))));
             return Ok(());
         }
         self.paged_id = Some(rand::random());

@@ -9,7 +9,9 @@ pub mod collection;
 pub mod hashed;
 pub mod list;
 pub mod long_double;
+pub mod native;
 pub mod native_hashed;
+pub mod native_list;
 pub mod typed;
 pub mod zset;
 

@@ -7,12 +7,17 @@
 //! ```text
 //! key   'l' value, inline: 0 | (len u32, element) × n
 //!       'l' value, paged:  1 | id u64 | length u64 | head page u64 | tail page u64 | next page id u64
+//!       'l' value, native: 2
 //! R | key_len u32 | key | id | 'p' | page id u64 BE    prev u64 | next u64 | (len u32, element) × n
 //! ```
 //!
 //! Page ids start at 1; 0 links to nothing. The pages are named and collected
 //! as every collection's entries are ([`crate::collection`]). An inline list
 //! is handled as a chain of one page (id 0) kept inside the value.
+//!
+//! On an engine that keeps native values ([`Engine::keeps_native`]) a list
+//! that outgrows its inline form becomes a deque in the engine's memory
+//! instead ([`NativeList`]), attached to a value that only marks it.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -20,6 +25,8 @@ use bytes::{BufMut, Bytes, BytesMut};
 use tessera_engine::Engine;
 
 use crate::collection::{corrupt, entry_key, put_bytes, stored_bytes, Changes, Reader};
+use crate::native::{edit_native, Held};
+use crate::native_list::NativeList;
 use crate::typed::{self, read_kind, Edit, Kind, ReservedEntries};
 use crate::DataResult;
 
@@ -33,6 +40,7 @@ const PAGE_BYTES_MAX: usize = 32 << 10;
 
 const INLINE: u8 = 0;
 const PAGED: u8 = 1;
+const NATIVE: u8 = 2;
 const PAGE: u8 = b'p';
 /// The page id of an inline list's elements, and the end of a chain.
 const NONE: u64 = 0;
@@ -394,6 +402,8 @@ fn edit_end<T>(
                     .copy_from_slice(&len.to_le_bytes());
                 Ok(Edit::Changed(Form::Paged(header)))
             }
+            // A native list's edit in place declined: the general path takes it.
+            NATIVE => Ok(Edit::Declined),
             _ => Err(corrupt()),
         }
     })?;
@@ -426,6 +436,15 @@ pub fn push_in_place(
     elements: &[&[u8]],
     now_ms: u64,
 ) -> DataResult<Option<u64>> {
+    let native = edit_native(engine, key, Kind::List, now_ms, |list: &mut NativeList| {
+        for element in elements {
+            list.push(end, element);
+        }
+        Edit::Changed(list.len() as u64)
+    })?;
+    if native.is_some() {
+        return Ok(native);
+    }
     let bytes: usize = elements.iter().map(|element| 4 + element.len()).sum();
     let pushed = edit_end(engine, key, end, elements.len() as i64, now_ms, |value, base, held, room| {
         let fits = held + elements.len() <= room.elements && value.len() - base + bytes <= room.bytes;
@@ -451,6 +470,14 @@ pub fn pop_in_place(
         return Ok(None);
     }
     let count = usize::try_from(count).unwrap_or(usize::MAX);
+    let native =
+        edit_native(engine, key, Kind::List, now_ms, |list: &mut NativeList| match count < list.len() {
+            true => Edit::Changed((0..count).filter_map(|_| list.pop(end)).collect()),
+            false => Edit::Declined, // it would empty: the general path deletes it
+        })?;
+    if native.is_some() {
+        return Ok(native);
+    }
     let delta = -(count.min(i64::MAX as usize) as i64);
     let popped = edit_end(engine, key, end, delta, now_ms, |value, base, held, _| match count < held {
         true => take_stored(value, base, end, count, held).map(Some),
@@ -467,7 +494,16 @@ pub fn id_of(payload: &[u8]) -> DataResult<Option<u64>> {
             let id = payload.get(1..9).ok_or_else(corrupt)?;
             Ok(Some(u64::from_le_bytes(id.try_into().expect("8 bytes"))))
         }
-        Some(&INLINE) => Ok(None),
+        Some(&INLINE | &NATIVE) => Ok(None),
+        _ => Err(corrupt()),
+    }
+}
+
+/// Whether a stored list (payload) is small enough to be one value.
+pub fn is_inline(payload: &[u8]) -> DataResult<bool> {
+    match payload.first() {
+        Some(&INLINE) => Ok(true),
+        Some(&PAGED | &NATIVE) => Ok(false),
         _ => Err(corrupt()),
     }
 }
@@ -485,6 +521,7 @@ pub struct List<'a> {
     tail: u64,
     next_page: u64,
     pages: HashMap<u64, Page>,
+    native: Option<Held<NativeList>>,
     changed: bool,
 }
 
@@ -509,6 +546,10 @@ impl<'a> List<'a> {
                 list.head = header.head;
                 list.tail = header.tail;
                 list.next_page = header.next_page;
+            }
+            NATIVE if engine.keeps_native() => {
+                list.native = Some(Held::Attached);
+                list.len = list.read_native(NativeList::len)?.expect("native") as u64;
             }
             _ => return Err(corrupt()),
         }
@@ -538,8 +579,27 @@ impl<'a> List<'a> {
             tail: NONE,
             next_page: 1,
             pages: HashMap::new(),
+            native: None,
             changed: false,
         }
+    }
+
+    /// Runs `read` on the native deque, if the list is one.
+    fn read_native<T>(&self, read: impl FnOnce(&NativeList) -> T) -> DataResult<Option<T>> {
+        self.native.as_ref().map(|held| held.read(self.engine, self.key, read)).transpose()
+    }
+
+    /// Runs `write` on the native deque, if the list is one; `write`
+    /// answers, and says whether it changed the deque.
+    fn write_native<T>(&mut self, write: impl FnOnce(&mut NativeList) -> (T, bool)) -> DataResult<Option<T>> {
+        let (engine, key) = (self.engine, self.key);
+        let Some(held) = self.native.as_mut() else { return Ok(None) };
+        let (answer, len) = held.write(engine, key, |list| {
+            let (answer, changed) = write(list);
+            ((answer, list.len()), changed)
+        })?;
+        self.len = len as u64;
+        Ok(Some(answer))
     }
 
     pub fn len(&self) -> u64 {
@@ -603,6 +663,10 @@ impl<'a> List<'a> {
     }
 
     pub fn push(&mut self, end: End, element: Bytes) -> DataResult<()> {
+        if self.write_native(|list| (list.push(end, &element), true))?.is_some() {
+            self.changed = true;
+            return Ok(());
+        }
         let mut outer = self.outer(end);
         if self.paged_id.is_some() && self.page(outer)?.full() {
             outer = match end {
@@ -619,6 +683,10 @@ impl<'a> List<'a> {
     pub fn pop(&mut self, end: End) -> DataResult<Option<Bytes>> {
         if self.len == 0 {
             return Ok(None);
+        }
+        if let Some(element) = self.write_native(|list| (list.pop(end), true))? {
+            self.changed = true;
+            return Ok(element);
         }
         let outer = self.outer(end);
         let element = self.page(outer)?.changing()?.pop(end)?.ok_or_else(corrupt)?;
@@ -657,6 +725,9 @@ impl<'a> List<'a> {
         if index >= self.len {
             return Ok(None);
         }
+        if let Some(element) = self.read_native(|list| list.get(index))? {
+            return Ok(element);
+        }
         let (id, offset) = self.locate(index)?;
         Ok(self.page(id)?.elements.decoded()?.get(offset).cloned())
     }
@@ -666,8 +737,14 @@ impl<'a> List<'a> {
         if index >= self.len {
             return Ok(false);
         }
-        let (id, offset) = self.locate(index)?;
         self.changed = true;
+        if let Some(set) = self.write_native(|list| {
+            let set = list.set(index, &element);
+            (set, set)
+        })? {
+            return Ok(set);
+        }
+        let (id, offset) = self.locate(index)?;
         let page = self.page(id)?;
         page.elements.decoded()?[offset] = element;
         page.dirty = true;
@@ -681,6 +758,9 @@ impl<'a> List<'a> {
     pub fn range(&mut self, start: u64, end: u64) -> DataResult<Vec<Bytes>> {
         if start > end || start >= self.len {
             return Ok(Vec::new());
+        }
+        if let Some(elements) = self.read_native(|list| list.range(start, end))? {
+            return Ok(elements);
         }
         let wanted = (end.min(self.len - 1) - start + 1) as usize;
         let mut out = Vec::with_capacity(wanted.min(1 << 16));
@@ -701,6 +781,9 @@ impl<'a> List<'a> {
     /// Calls `visit` with each element's index and value from `from`'s end
     /// inward, until it returns false.
     pub fn walk(&mut self, from: End, mut visit: impl FnMut(u64, &Bytes) -> bool) -> DataResult<()> {
+        if self.read_native(|list| list.walk(from, &mut visit))?.is_some() {
+            return Ok(());
+        }
         let mut id = self.outer(from);
         let mut index = match from {
             End::Front => 0i64,
@@ -731,6 +814,13 @@ impl<'a> List<'a> {
     /// Removes up to `limit` elements equal to `element` (0: all), from
     /// `from`'s end inward: how many it removed.
     pub fn remove(&mut self, element: &[u8], limit: u64, from: End) -> DataResult<u64> {
+        if let Some(removed) = self.write_native(|list| {
+            let removed = list.remove(element, limit, from);
+            (removed, removed > 0)
+        })? {
+            self.changed |= removed > 0;
+            return Ok(removed);
+        }
         let mut removed = 0;
         let mut id = self.outer(from);
         while self.len > 0 && (limit == 0 || removed < limit) {
@@ -772,6 +862,13 @@ impl<'a> List<'a> {
     /// Inserts `element` before or after the first `pivot` from the front:
     /// false when there is no pivot.
     pub fn insert(&mut self, pivot: &[u8], element: Bytes, after: bool) -> DataResult<bool> {
+        if let Some(inserted) = self.write_native(|list| {
+            let inserted = list.insert(pivot, &element, after);
+            (inserted, inserted)
+        })? {
+            self.changed |= inserted;
+            return Ok(inserted);
+        }
         let mut found = None;
         self.walk(End::Front, |index, candidate| {
             if candidate.as_ref() == pivot {
@@ -809,6 +906,11 @@ impl<'a> List<'a> {
 
     /// Keeps elements `start..=end` only (indexes below `len`, `start <= end`).
     pub fn trim(&mut self, start: u64, end: u64) -> DataResult<()> {
+        let trimmed = start > 0 || end + 1 < self.len;
+        if self.write_native(|list| (list.trim(start, end), trimmed))?.is_some() {
+            self.changed |= trimmed;
+            return Ok(());
+        }
         let drop_back = self.len - 1 - end;
         for _ in 0..start {
             self.pop(End::Front)?;
@@ -832,6 +934,14 @@ impl<'a> List<'a> {
             return Ok(());
         }
         let mut changes = Changes::default();
+        match self.native.take() {
+            None => {}
+            Some(_) if self.len == 0 => return Ok(self.engine.delete(self.key).map(drop)?),
+            Some(held) => {
+                let stub = typed::encode(Kind::List, self.expires_at_ms, &[NATIVE]);
+                return held.store(self.engine, self.key, stub);
+            }
+        }
         if self.len == 0 {
             if let Some(id) = self.paged_id {
                 for (page_id, page) in &self.pages {
@@ -852,7 +962,16 @@ impl<'a> List<'a> {
                 return changes.commit(self.engine, self.key, 0, Some(main), reserved);
             }
             let mut elements = page.elements;
-            self.page_out(std::mem::take(elements.decoded()?))?;
+            let elements = std::mem::take(elements.decoded()?);
+            if self.engine.keeps_native() {
+                let stub = typed::encode(Kind::List, self.expires_at_ms, &[NATIVE]);
+                return Held::Built(Box::new(NativeList::from_elements(elements))).store(
+                    self.engine,
+                    self.key,
+                    stub,
+                );
+            }
+            self.page_out(elements)?;
         }
         let id = self.paged_id.expect("paged above");
         for (page_id, page) in &self.pages {
@@ -899,7 +1018,7 @@ mod tests {
 
     const ID_OF: IdOf = |kind, payload| if kind == Kind::List { id_of(payload) } else { Ok(None) };
     use rand::{Rng, SeedableRng};
-    use tessera_engine::MemoryEngine;
+    use tessera_engine::{MemoryEngine, OrderedEngine};
 
     fn contents(engine: &dyn Engine) -> Vec<Bytes> {
         match List::open(engine, b"l", 0).unwrap() {
@@ -909,12 +1028,14 @@ mod tests {
     }
 
     /// Random changes held to a VecDeque after every commit, through the
-    /// inline form, paging out and many pages, on a volatile and a persistent engine.
+    /// inline form, paging out and many pages (or a native deque), on an
+    /// engine that keeps native values, a volatile one that does not, and a
+    /// persistent one.
     #[test]
     fn changes_match_a_model() {
         let dir = tempfile::tempdir().unwrap();
         let log = tessera_engine::LogEngine::open(dir.path(), Default::default()).unwrap();
-        let engines: [&dyn Engine; 2] = [&MemoryEngine::new(), &log];
+        let engines: [&dyn Engine; 3] = [&MemoryEngine::new(), &OrderedEngine::new(), &log];
         for engine in engines {
             let reserved = ReservedEntries::default();
             let mut rng = rand::rngs::StdRng::seed_from_u64(11);
@@ -969,7 +1090,7 @@ mod tests {
                 }
                 list.commit(&reserved).unwrap();
                 assert_eq!(contents(engine), Vec::from(model.clone()));
-                if round == 199 {
+                if round == 199 && !engine.keeps_native() {
                     let mut pages = 0;
                     for_each_reserved(engine, |entry, _| {
                         pages += u32::from(!is_orphan(engine, entry, 0, ID_OF).unwrap())
@@ -987,7 +1108,13 @@ mod tests {
     /// the list emptying.
     #[test]
     fn pushes_and_pops_in_place_match_a_model() {
-        let engine = MemoryEngine::new();
+        let engines: [&dyn Engine; 2] = [&MemoryEngine::new(), &OrderedEngine::new()];
+        for engine in engines {
+            pushes_and_pops_in_place_match_a_model_on(engine);
+        }
+    }
+
+    fn pushes_and_pops_in_place_match_a_model_on(engine: &dyn Engine) {
         let reserved = ReservedEntries::default();
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
         let mut model: VecDeque<Bytes> = VecDeque::new();
@@ -1001,14 +1128,14 @@ mod tests {
                         .map(|_| Bytes::from("x".repeat(rng.gen_range(0..40))))
                         .collect();
                     let borrowed: Vec<&[u8]> = elements.iter().map(|element| element.as_ref()).collect();
-                    match push_in_place(&engine, b"l", end, &borrowed, 0).unwrap() {
+                    match push_in_place(engine, b"l", end, &borrowed, 0).unwrap() {
                         Some(len) => {
                             in_place += 1;
                             assert_eq!(len, (model.len() + elements.len()) as u64);
                         }
                         None => {
                             general += 1;
-                            let mut list = List::open_or_new(&engine, b"l", 0).unwrap();
+                            let mut list = List::open_or_new(engine, b"l", 0).unwrap();
                             for element in &elements {
                                 list.push(end, element.clone()).unwrap();
                             }
@@ -1030,9 +1157,9 @@ mod tests {
                             End::Back => model.pop_back(),
                         })
                         .collect();
-                    let popped = match pop_in_place(&engine, b"l", end, count, 0).unwrap() {
+                    let popped = match pop_in_place(engine, b"l", end, count, 0).unwrap() {
                         Some(popped) => popped,
-                        None => match List::open(&engine, b"l", 0).unwrap() {
+                        None => match List::open(engine, b"l", 0).unwrap() {
                             Some(mut list) => {
                                 let popped = (0..count).map_while(|_| list.pop(end).unwrap()).collect();
                                 list.commit(&reserved).unwrap();
@@ -1045,16 +1172,22 @@ mod tests {
                 }
                 _ if !model.is_empty() => {
                     let index = rng.gen_range(0..model.len());
-                    let mut list = List::open(&engine, b"l", 0).unwrap().unwrap();
+                    let mut list = List::open(engine, b"l", 0).unwrap().unwrap();
                     list.set(index as u64, Bytes::from_static(b"set")).unwrap();
                     list.commit(&reserved).unwrap();
                     model[index] = Bytes::from_static(b"set");
                 }
                 _ => {}
             }
-            assert_eq!(contents(&engine), Vec::from(model.clone()), "round {round}");
+            assert_eq!(contents(engine), Vec::from(model.clone()), "round {round}");
         }
-        assert!(in_place > 1000 && general > 50, "both paths ran: {in_place} in place, {general} general");
+        // A native list takes the general path only to be made and emptied;
+        // a paged one also to page out and at full or emptied end pages.
+        let general_least = if engine.keeps_native() { 5 } else { 50 };
+        assert!(
+            in_place > 1000 && general > general_least,
+            "both paths ran: {in_place} in place, {general} general"
+        );
     }
 
     #[test]
@@ -1101,7 +1234,7 @@ mod tests {
 
     #[test]
     fn a_push_to_a_long_list_writes_one_page_and_the_header() {
-        let engine = MemoryEngine::new();
+        let engine = OrderedEngine::new();
         let reserved = ReservedEntries::default();
         let mut list = List::open_or_new(&engine, b"l", 0).unwrap();
         for n in 0..10_000 {

@@ -319,8 +319,8 @@ fn object(context: &mut Context, request: &Request) -> CommandResult {
         "encoding" => {
             let encoding = match stored.kind {
                 Kind::String => string_encoding(&stored.payload).0,
-                Kind::List if list::id_of(&stored.payload)?.is_some() => "quicklist",
-                Kind::List => "listpack",
+                Kind::List if list::is_inline(&stored.payload)? => "listpack",
+                Kind::List => "quicklist",
                 Kind::Hash | Kind::Set => {
                     let layout = Layout::of(stored.kind).expect("a set or a hash");
                     let mut value = Hashed::open(layout, engine, key, context.now_ms)?.expect("read above");
