@@ -778,6 +778,17 @@ impl<'a> List<'a> {
         Ok(out)
     }
 
+    /// Calls `visit` with elements `start..=end` (indexes below `len`),
+    /// front to back, where a native list's lie: how many it visited.
+    pub fn visit_range(&mut self, start: u64, end: u64, mut visit: impl FnMut(&[u8])) -> DataResult<usize> {
+        if let Some(count) = self.read_native(|list| list.visit_range(start, end, &mut visit))? {
+            return Ok(count);
+        }
+        let elements = self.range(start, end)?;
+        elements.iter().for_each(|element| visit(element));
+        Ok(elements.len())
+    }
+
     /// Calls `visit` with each element's index and value from `from`'s end
     /// inward, until it returns false.
     pub fn walk(&mut self, from: End, mut visit: impl FnMut(u64, &Bytes) -> bool) -> DataResult<()> {

@@ -66,14 +66,22 @@ impl NativeList {
     /// Elements `start..=end`, front to back (an end past the last element
     /// stops at it).
     pub fn range(&self, start: u64, end: u64) -> Vec<Bytes> {
+        let mut elements = Vec::new();
+        self.visit_range(start, end, |element| elements.push(Bytes::copy_from_slice(element)));
+        elements
+    }
+
+    /// Calls `visit` with elements `start..=end` where they lie, front to
+    /// back: how many it visited.
+    pub fn visit_range(&self, start: u64, end: u64, mut visit: impl FnMut(&[u8])) -> usize {
         if start > end || start >= self.elements.len() as u64 {
-            return Vec::new();
+            return 0;
         }
         let end = end.min(self.elements.len() as u64 - 1);
-        self.elements
-            .range(start as usize..=end as usize)
-            .map(|element| Bytes::copy_from_slice(element))
-            .collect()
+        let range = self.elements.range(start as usize..=end as usize);
+        let count = range.len();
+        range.for_each(|element| visit(element));
+        count
     }
 
     /// Calls `visit` with each element's index and value from `from`'s end

@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tessera_wire::Request;
+use tessera_wire::{ReplyWriter, Request};
 
 use super::{integer_arg, is, CommandSpec, Context, Scope};
 use crate::blocking::Blocked;
@@ -225,17 +225,18 @@ fn clamp(start: i64, end: i64, length: u64) -> Option<(u64, u64)> {
 
 fn lrange(context: &mut Context, request: &Request) -> CommandResult {
     let (start, end) = (integer_arg(request, 2)?, integer_arg(request, 3)?);
-    let elements = with_list(context, request.arg(1), |list| match list {
+    // The elements are written as they are visited, where a native list's
+    // lie, into a reply of their own (the list holds the context).
+    let mut elements = ReplyWriter::new(context.out.protocol());
+    let count = with_list(context, request.arg(1), |list| match list {
         Some(list) => match clamp(start, end, list.len()) {
-            Some((start, end)) => Ok(list.range(start, end)?),
-            None => Ok(Vec::new()),
+            Some((start, end)) => Ok(list.visit_range(start, end, |element| elements.bulk(element))?),
+            None => Ok(0),
         },
-        None => Ok(Vec::new()),
+        None => Ok(0),
     })?;
-    context.out.array(elements.len());
-    for element in &elements {
-        context.out.bulk(element);
-    }
+    context.out.array(count);
+    context.out.raw(elements.as_bytes());
     Ok(())
 }
 
