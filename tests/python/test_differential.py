@@ -715,8 +715,8 @@ def test_large_hashes_match_redis(both):
 
 
 def test_large_collections_as_keys_match_redis(both, node, redis_server):
-    """What a large set, hash or list shares with every key, on Redis and on
-    a Tessera node whose memory engine keeps it native: deadlines
+    """What a large set, hash, list or sorted set shares with every key, on
+    Redis and on a Tessera node whose memory engine keeps it native: deadlines
     through changes, WATCH moved by a change and not by a no-op, RENAME,
     COPY, DUMP and RESTORE, and SPOP to the last member."""
     ours, theirs = both
@@ -734,11 +734,14 @@ def test_large_collections_as_keys_match_redis(both, node, redis_server):
     run("SADD", "s", *members)
     run("HSET", "h", *pairs)
     run("RPUSH", "l", *members)
+    run("ZADD", "z", *[part for n in range(400) for part in (n % 37, f"member-{n}")])
     for command in (["EXPIRE", "s", 100], ["SADD", "s", "one more"], ["SREM", "s", "member-1"], ["TTL", "s"],
                     ["SCARD", "s"], ["PERSIST", "s"], ["TTL", "s"], ["PEXPIRE", "h", 100000], ["HSET", "h", "x", 1],
                     ["HDEL", "h", "field-3"], ["PTTL", "h"], ["HLEN", "h"], ["EXPIRE", "l", 100],
                     ["LPUSH", "l", "first"], ["RPOP", "l"], ["TTL", "l"], ["OBJECT", "ENCODING", "l"],
-                    ["LINDEX", "l", 200], ["LLEN", "l"]):
+                    ["LINDEX", "l", 200], ["LLEN", "l"], ["EXPIRE", "z", 100], ["ZADD", "z", 5, "new"],
+                    ["ZPOPMIN", "z"], ["ZPOPMAX", "z", 2], ["TTL", "z"], ["ZRANK", "z", "member-77"],
+                    ["ZRANGE", "z", 10, 20, "WITHSCORES"], ["ZCARD", "z"], ["OBJECT", "ENCODING", "z"]):
         run(*command)
     # A transaction watching the set: a member already there moves nothing,
     # a new one aborts it.
@@ -761,7 +764,11 @@ def test_large_collections_as_keys_match_redis(both, node, redis_server):
     run("COPY", "l2", "l3")
     run("LSET", "l3", 5, "only in the copy")
     run("LRANGE", "l2", 0, 10)
-    for key in ("s2", "h", "l2"):
+    run("RENAME", "z", "z2")
+    run("COPY", "z2", "z3")
+    run("ZINCRBY", "z3", 100, "member-9")
+    run("ZSCORE", "z2", "member-9")
+    for key in ("s2", "h", "l2", "z2"):
         payload = theirs.execute_command("DUMP", key)
         run("RESTORE", f"{key}:restored", 0, payload)
         payload = ours.execute_command("DUMP", key)
@@ -774,6 +781,8 @@ def test_large_collections_as_keys_match_redis(both, node, redis_server):
         assert len(ours.execute_command("SPOP", "s3", pops)) == len(theirs.execute_command("SPOP", "s3", pops))
         run("SCARD", "s3")
     run("EXISTS", "s3")
+    run("ZPOPMIN", "z3", 1000)
+    run("EXISTS", "z3")
     # A deadline that passes takes the whole value.
     run("PEXPIRE", "s2", 20)
     time.sleep(0.1)

@@ -12,6 +12,7 @@ pub mod long_double;
 pub mod native;
 pub mod native_hashed;
 pub mod native_list;
+pub mod native_zset;
 pub mod typed;
 pub mod zset;
 

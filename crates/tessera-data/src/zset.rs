@@ -13,6 +13,11 @@
 //!
 //! The entries live in the engine of the table that owns `key`, named and
 //! collected as every collection's are ([`crate::collection`]).
+//!
+//! On an engine that keeps native values ([`Engine::keeps_native`]) a sorted
+//! set is held in the engine's memory instead ([`NativeSortedSet`]), from its
+//! first member, attached to a value whose payload is the one byte
+//! [`NATIVE`] (a paged set's is 24).
 
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, HashMap};
@@ -21,11 +26,16 @@ use bytes::{BufMut, Bytes, BytesMut};
 use tessera_engine::Engine;
 
 use crate::collection::{corrupt, entry_key, put_bytes, stored_bytes, Changes, Reader};
+use crate::native::{edit_native, Held};
+use crate::native_zset::NativeSortedSet;
 use crate::typed::{self, read_kind, Edit, Kind, ReservedEntries};
 use crate::{DataError, DataResult};
 
 /// Entries per page; a page that grows past it splits in two.
 const PAGE_MAX: usize = 128;
+
+/// The payload of a native set's stub.
+const NATIVE: &[u8] = &[2];
 
 const DIRECTORY: u8 = b'd';
 const PAGE: u8 = b'p';
@@ -46,11 +56,11 @@ impl Window {
     }
 
     /// Takes an entry in range; whether the walk should go on.
-    fn take(&mut self, score: f64, member: &Bytes) -> bool {
+    fn take(&mut self, score: f64, member: &[u8]) -> bool {
         if self.skipped < self.offset {
             self.skipped += 1;
         } else {
-            self.out.push((score, member.clone()));
+            self.out.push((score, Bytes::copy_from_slice(member)));
         }
         self.out.len() < self.limit
     }
@@ -372,12 +382,22 @@ pub struct SortedSet<'a> {
     directory_dirty: bool,
     pages: HashMap<u64, CachedPage>,
     members: HashMap<Bytes, MemberState>,
+    native: Option<Held<NativeSortedSet>>,
 }
 
 impl<'a> SortedSet<'a> {
     /// The set at `key`, if there is one; `WRONGTYPE` for another kind of value.
     pub fn open(engine: &'a dyn Engine, key: &'a [u8], now_ms: u64) -> DataResult<Option<Self>> {
         let Some(stored) = read_kind(engine, key, Kind::SortedSet, now_ms)? else { return Ok(None) };
+        if stored.payload == NATIVE {
+            if !engine.keeps_native() {
+                return Err(corrupt());
+            }
+            let mut set = Self::native(engine, key, Held::Attached);
+            set.meta.expires_at_ms = stored.expires_at_ms;
+            set.meta.len = set.read_native(NativeSortedSet::len)?.expect("native") as u64;
+            return Ok(Some(set));
+        }
         let meta = Meta::decode(&stored.payload, stored.expires_at_ms)?;
         Ok(Some(Self::with_meta(engine, key, meta, true)))
     }
@@ -386,6 +406,7 @@ impl<'a> SortedSet<'a> {
     pub fn open_or_new(engine: &'a dyn Engine, key: &'a [u8], now_ms: u64) -> DataResult<Self> {
         Ok(match Self::open(engine, key, now_ms)? {
             Some(set) => set,
+            None if engine.keeps_native() => Self::native(engine, key, Held::Built(Box::default())),
             None => {
                 let meta = Meta { id: rand::random(), len: 0, next_page: 1, expires_at_ms: None };
                 let mut set = Self::with_meta(engine, key, meta, false);
@@ -409,7 +430,35 @@ impl<'a> SortedSet<'a> {
             directory_dirty: false,
             pages: HashMap::new(),
             members: HashMap::new(),
+            native: None,
         }
+    }
+
+    fn native(engine: &'a dyn Engine, key: &'a [u8], held: Held<NativeSortedSet>) -> Self {
+        let meta = Meta { id: 0, len: 0, next_page: 0, expires_at_ms: None };
+        let in_engine = matches!(held, Held::Attached);
+        Self { native: Some(held), ..Self::with_meta(engine, key, meta, in_engine) }
+    }
+
+    /// Runs `read` on the native set, if the set is one.
+    fn read_native<T>(&self, read: impl FnOnce(&NativeSortedSet) -> T) -> DataResult<Option<T>> {
+        self.native.as_ref().map(|held| held.read(self.engine, self.key, read)).transpose()
+    }
+
+    /// Runs `write` on the native set, if the set is one; `write` answers,
+    /// and says whether it changed the set.
+    fn write_native<T>(
+        &mut self,
+        write: impl FnOnce(&mut NativeSortedSet) -> (T, bool),
+    ) -> DataResult<Option<T>> {
+        let (engine, key) = (self.engine, self.key);
+        let Some(held) = self.native.as_mut() else { return Ok(None) };
+        let (answer, len) = held.write(engine, key, |set| {
+            let (answer, changed) = write(set);
+            ((answer, set.len()), changed)
+        })?;
+        self.meta.len = len as u64;
+        Ok(Some(answer))
     }
 
     pub fn len(&self) -> u64 {
@@ -451,6 +500,9 @@ impl<'a> SortedSet<'a> {
     }
 
     pub fn score(&mut self, member: &[u8]) -> DataResult<Option<f64>> {
+        if let Some(score) = self.read_native(|set| set.score(member))? {
+            return Ok(score);
+        }
         if let Some(state) = self.members.get(member) {
             return Ok(state.current);
         }
@@ -468,6 +520,12 @@ impl<'a> SortedSet<'a> {
 
     /// Sets a member's score; returns its previous score.
     pub fn insert(&mut self, member: &[u8], score: f64) -> DataResult<Option<f64>> {
+        if let Some(previous) = self.write_native(|set| {
+            let previous = set.insert(member, score);
+            (previous, previous != Some(score))
+        })? {
+            return Ok(previous);
+        }
         let previous = self.score(member)?;
         if previous == Some(score) {
             return Ok(previous);
@@ -503,6 +561,12 @@ impl<'a> SortedSet<'a> {
 
     /// Removes a member; returns its score if it was there.
     pub fn remove(&mut self, member: &[u8]) -> DataResult<Option<f64>> {
+        if let Some(previous) = self.write_native(|set| {
+            let previous = set.remove(member);
+            (previous, previous.is_some())
+        })? {
+            return Ok(previous);
+        }
         let previous = self.score(member)?;
         if let Some(old) = previous {
             self.remove_from_page(member, old)?;
@@ -541,8 +605,11 @@ impl<'a> SortedSet<'a> {
     fn walk_forward(
         &mut self,
         from: Option<(f64, &[u8])>,
-        mut visit: impl FnMut(f64, &Bytes) -> bool,
+        mut visit: impl FnMut(f64, &[u8]) -> bool,
     ) -> DataResult<()> {
+        if self.read_native(|set| set.walk_forward(from, &mut visit))?.is_some() {
+            return Ok(());
+        }
         let start = match from {
             Some((score, member)) => self.page_index_for(score, member)?,
             None => 0,
@@ -567,8 +634,12 @@ impl<'a> SortedSet<'a> {
     fn walk_backward(
         &mut self,
         to: Option<ScoreBound>,
-        mut visit: impl FnMut(f64, &Bytes) -> bool,
+        mut visit: impl FnMut(f64, &[u8]) -> bool,
     ) -> DataResult<()> {
+        let admits = |score: f64| to.is_none_or(|bound| bound.admits_from_above(score));
+        if self.read_native(|set| set.walk_backward(admits, &mut visit))?.is_some() {
+            return Ok(());
+        }
         let directory = self.directory()?;
         let end = match to {
             Some(bound) => directory
@@ -663,7 +734,7 @@ impl<'a> SortedSet<'a> {
             }
         };
         let mut started = false;
-        let mut visit = |score: f64, member: &Bytes| -> bool {
+        let mut visit = |score: f64, member: &[u8]| -> bool {
             if !started {
                 if !near(member) {
                     return true;
@@ -700,7 +771,7 @@ impl<'a> SortedSet<'a> {
             if after.is_some_and(|after| compare((score, member), after).is_le()) {
                 return true;
             }
-            out.push((score, member.clone()));
+            out.push((score, Bytes::copy_from_slice(member)));
             out.len() < count
         })?;
         Ok(out)
@@ -710,9 +781,9 @@ impl<'a> SortedSet<'a> {
     pub fn range_by_rank(&mut self, start: u64, stop: u64, reverse: bool) -> DataResult<Vec<(f64, Bytes)>> {
         let mut out = Vec::new();
         let mut rank = 0u64;
-        let mut take = |score: f64, member: &Bytes| {
+        let mut take = |score: f64, member: &[u8]| {
             if rank >= start {
-                out.push((score, member.clone()));
+                out.push((score, Bytes::copy_from_slice(member)));
             }
             rank += 1;
             rank <= stop
@@ -760,6 +831,15 @@ impl<'a> SortedSet<'a> {
     /// Writes the changes; an emptied set is deleted, as in Redis. `reserved`
     /// counts the table's reserved entries (DBSIZE leaves them out).
     pub fn commit(mut self, reserved: &ReservedEntries) -> DataResult<()> {
+        match self.native.take() {
+            None => {}
+            Some(Held::Built(_)) if self.meta.len == 0 => return Ok(()),
+            Some(_) if self.meta.len == 0 => return Ok(self.engine.delete(self.key).map(drop)?),
+            Some(held) => {
+                let stub = typed::encode(Kind::SortedSet, self.meta.expires_at_ms, NATIVE);
+                return held.store(self.engine, self.key, stub);
+            }
+        }
         let mut changes = Changes::default();
         let emptied = self.meta.len == 0;
         for (member, state) in std::mem::take(&mut self.members) {
@@ -841,9 +921,10 @@ fn page_slot(
     Ok((slot.unwrap_or(raw.len()), found, held))
 }
 
-/// The set's header, when there is a live set at `key`.
+/// The set's header, when there is a live paged set at `key`.
 fn read_meta(engine: &dyn Engine, key: &[u8], now_ms: u64) -> DataResult<Option<Meta>> {
     read_kind(engine, key, Kind::SortedSet, now_ms)?
+        .filter(|stored| stored.payload != NATIVE)
         .map(|stored| Meta::decode(&stored.payload, stored.expires_at_ms))
         .transpose()
 }
@@ -868,6 +949,17 @@ pub fn insert_in_place(
     now_ms: u64,
     reserved: &ReservedEntries,
 ) -> DataResult<Option<Option<f64>>> {
+    let native = edit_native(engine, key, Kind::SortedSet, now_ms, |set: &mut NativeSortedSet| {
+        let previous = set.score(member);
+        if !allows(previous) || previous == Some(score) {
+            return Edit::Unchanged(previous);
+        }
+        set.insert(member, score);
+        Edit::Changed(previous)
+    })?;
+    if native.is_some() {
+        return Ok(native);
+    }
     if !typed::edits_in_place(engine) {
         return Ok(None);
     }
@@ -943,6 +1035,17 @@ pub fn pop_in_place(
     now_ms: u64,
     reserved: &ReservedEntries,
 ) -> DataResult<Option<(f64, Bytes)>> {
+    let native =
+        edit_native(engine, key, Kind::SortedSet, now_ms, |set: &mut NativeSortedSet| match set.len() {
+            // The last member: the general path deletes the set.
+            0 | 1 => Edit::Declined,
+            _ => set
+                .pop(max)
+                .map_or(Edit::Declined, |(score, member)| Edit::Changed((score, Bytes::from(member)))),
+        })?;
+    if native.is_some() {
+        return Ok(native);
+    }
     if !typed::edits_in_place(engine) {
         return Ok(None);
     }
@@ -978,9 +1081,13 @@ pub fn pop_in_place(
     Ok(Some((score, member)))
 }
 
-/// The id of the set whose stored value (payload) this is.
-pub fn id_of(payload: &[u8]) -> DataResult<u64> {
-    Ok(Meta::decode(payload, None)?.id)
+/// The id of the paged set whose stored value (payload) this is; a native
+/// set has none.
+pub fn id_of(payload: &[u8]) -> DataResult<Option<u64>> {
+    if payload == NATIVE {
+        return Ok(None);
+    }
+    Ok(Some(Meta::decode(payload, None)?.id))
 }
 
 #[cfg(test)]
@@ -988,11 +1095,10 @@ mod tests {
     use super::*;
     use crate::collection::{for_each_reserved, is_orphan, parse_entry_key, IdOf};
 
-    const ID_OF: IdOf =
-        |kind, payload| if kind == Kind::SortedSet { id_of(payload).map(Some) } else { Ok(None) };
+    const ID_OF: IdOf = |kind, payload| if kind == Kind::SortedSet { id_of(payload) } else { Ok(None) };
     use rand::{Rng, SeedableRng};
     use std::collections::BTreeSet;
-    use tessera_engine::MemoryEngine;
+    use tessera_engine::{MemoryEngine, OrderedEngine};
 
     fn model_entries(model: &BTreeMap<Vec<u8>, f64>) -> Vec<(f64, Bytes)> {
         let mut entries: Vec<(f64, Bytes)> =
@@ -1007,7 +1113,13 @@ mod tests {
     /// entry and the count of reserved entries kept exact.
     #[test]
     fn changes_in_place_match_a_model() {
-        let engine = MemoryEngine::new();
+        let engines: [&dyn Engine; 2] = [&MemoryEngine::new(), &OrderedEngine::new()];
+        for engine in engines {
+            changes_in_place_match_a_model_on(engine);
+        }
+    }
+
+    fn changes_in_place_match_a_model_on(engine: &dyn Engine) {
         let reserved = ReservedEntries::default();
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
         let mut model: BTreeMap<Vec<u8>, f64> = BTreeMap::new();
@@ -1024,14 +1136,14 @@ mod tests {
                     if allows(old) {
                         model.insert(member.clone(), score);
                     }
-                    match insert_in_place(&engine, b"z", &member, score, allows, 0, &reserved).unwrap() {
+                    match insert_in_place(engine, b"z", &member, score, allows, 0, &reserved).unwrap() {
                         Some(previous) => {
                             in_place += 1;
                             assert_eq!(previous, old, "round {round}");
                         }
                         None => {
                             general += 1;
-                            let mut set = SortedSet::open_or_new(&engine, b"z", 0).unwrap();
+                            let mut set = SortedSet::open_or_new(engine, b"z", 0).unwrap();
                             if allows(set.score(&member).unwrap()) {
                                 set.insert(&member, score).unwrap();
                             }
@@ -1043,9 +1155,9 @@ mod tests {
                     let max = rng.gen_bool(0.5);
                     let expected = model_entries(&model);
                     let expected = if max { expected.last() } else { expected.first() }.cloned();
-                    let popped = match pop_in_place(&engine, b"z", max, 0, &reserved).unwrap() {
+                    let popped = match pop_in_place(engine, b"z", max, 0, &reserved).unwrap() {
                         Some(popped) => Some(popped),
-                        None => SortedSet::open(&engine, b"z", 0).unwrap().and_then(|mut set| {
+                        None => SortedSet::open(engine, b"z", 0).unwrap().and_then(|mut set| {
                             let taken = set.range_by_rank(0, 0, max).unwrap().pop()?;
                             set.remove(&taken.1).unwrap();
                             set.commit(&reserved).unwrap();
@@ -1059,14 +1171,14 @@ mod tests {
                 }
                 _ => {
                     let member = format!("m{}", rng.gen_range(0..2000)).into_bytes();
-                    if let Some(mut set) = SortedSet::open(&engine, b"z", 0).unwrap() {
+                    if let Some(mut set) = SortedSet::open(engine, b"z", 0).unwrap() {
                         assert_eq!(set.remove(&member).unwrap(), model.remove(&member));
                         set.commit(&reserved).unwrap();
                     }
                 }
             }
             if round % 89 == 0 || round == 11_999 {
-                let mut set = SortedSet::open_or_new(&engine, b"z", 0).unwrap();
+                let mut set = SortedSet::open_or_new(engine, b"z", 0).unwrap();
                 assert_eq!(set.len(), model.len() as u64, "round {round}");
                 let entries = if model.is_empty() {
                     Vec::new()
@@ -1078,11 +1190,13 @@ mod tests {
                     assert_eq!(set.score(member).unwrap(), Some(*score), "round {round}");
                 }
                 let mut stored = 0;
-                for_each_reserved(&engine, |_, _| stored += 1).unwrap();
+                for_each_reserved(engine, |_, _| stored += 1).unwrap();
                 assert_eq!(reserved.count(), stored, "round {round}: reserved entries counted");
             }
         }
-        assert!(in_place > 4000 && general > 40, "{in_place} in place, {general} general");
+        // A native set takes the general path only to be made and emptied.
+        let general_least = if engine.keeps_native() { 1 } else { 40 };
+        assert!(in_place > 4000 && general > general_least, "{in_place} in place, {general} general");
     }
 
     /// A member that would leave its page empty takes the general path,
@@ -1090,7 +1204,7 @@ mod tests {
     /// a later pop to meet.
     #[test]
     fn a_move_that_would_empty_a_page_takes_the_general_path() {
-        let engine = MemoryEngine::new();
+        let engine = OrderedEngine::new();
         let reserved = ReservedEntries::default();
         let mut set = SortedSet::open_or_new(&engine, b"z", 0).unwrap();
         for n in 0..=PAGE_MAX {
@@ -1136,7 +1250,7 @@ mod tests {
     fn changes_match_a_model() {
         let dir = tempfile::tempdir().unwrap();
         let log = tessera_engine::LogEngine::open(dir.path(), Default::default()).unwrap();
-        let engines: [&dyn Engine; 2] = [&MemoryEngine::new(), &log];
+        let engines: [&dyn Engine; 3] = [&MemoryEngine::new(), &OrderedEngine::new(), &log];
         for engine in engines {
             let reserved = ReservedEntries::default();
             let mut rng = rand::rngs::StdRng::seed_from_u64(7);
@@ -1198,13 +1312,17 @@ mod tests {
             .unwrap();
             assert_eq!(reserved.count(), live.len() as u64);
             let pages = live.iter().filter(|key| parse_entry_key(key).is_some_and(|(_, _, tag)| tag == PAGE));
-            assert!(pages.count() >= 3, "the set spans several pages");
+            if engine.keeps_native() {
+                assert_eq!(pages.count(), 0, "a native set has no entries of its own");
+            } else {
+                assert!(pages.count() >= 3, "the set spans several pages");
+            }
         }
     }
 
     #[test]
     fn replaced_sets_leave_orphans_for_the_sweep() {
-        let engine = MemoryEngine::new();
+        let engine = OrderedEngine::new();
         let reserved = ReservedEntries::default();
         let mut set = SortedSet::open_or_new(&engine, b"z", 0).unwrap();
         set.insert(b"a", 1.0).unwrap();

@@ -137,7 +137,7 @@ pub struct NodeState {
 /// The id of the collection a stored value heads, whatever its type.
 fn collection_id(kind: Kind, payload: &Bytes) -> tessera_data::DataResult<Option<u64>> {
     match kind {
-        Kind::SortedSet => crate::zset::id_of(payload).map(Some),
+        Kind::SortedSet => crate::zset::id_of(payload),
         Kind::List => crate::list::id_of(payload),
         Kind::Set | Kind::Hash => crate::hashed::id_of(kind, payload),
         Kind::String => Ok(None),
