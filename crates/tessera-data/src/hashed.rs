@@ -913,13 +913,9 @@ impl<'a> Hashed<'a> {
         }
         let kind = self.layout.kind();
         let mut changes = Changes::default();
-        match self.native {
-            None => {}
-            Some(_) if self.len == 0 => return Ok(self.engine.delete(self.key).map(drop)?),
-            Some(held) => {
-                let stub = typed::encode(kind, self.expires_at_ms, self.layout.native_marker());
-                return held.store(self.engine, self.key, stub);
-            }
+        if let Some(held) = self.native {
+            let stub = || typed::encode(kind, self.expires_at_ms, self.layout.native_marker());
+            return held.commit(self.engine, self.key, self.len, stub);
         }
         if self.len == 0 {
             if let Some(id) = self.paged_id {

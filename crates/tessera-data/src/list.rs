@@ -945,13 +945,9 @@ impl<'a> List<'a> {
             return Ok(());
         }
         let mut changes = Changes::default();
-        match self.native.take() {
-            None => {}
-            Some(_) if self.len == 0 => return Ok(self.engine.delete(self.key).map(drop)?),
-            Some(held) => {
-                let stub = typed::encode(Kind::List, self.expires_at_ms, &[NATIVE]);
-                return held.store(self.engine, self.key, stub);
-            }
+        let stub = |expires_at_ms| move || typed::encode(Kind::List, expires_at_ms, &[NATIVE]);
+        if let Some(held) = self.native.take() {
+            return held.commit(self.engine, self.key, self.len, stub(self.expires_at_ms));
         }
         if self.len == 0 {
             if let Some(id) = self.paged_id {
@@ -975,12 +971,8 @@ impl<'a> List<'a> {
             let mut elements = page.elements;
             let elements = std::mem::take(elements.decoded()?);
             if self.engine.keeps_native() {
-                let stub = typed::encode(Kind::List, self.expires_at_ms, &[NATIVE]);
-                return Held::Built(Box::new(NativeList::from_elements(elements))).store(
-                    self.engine,
-                    self.key,
-                    stub,
-                );
+                let list = Held::Built(Box::new(NativeList::from_elements(elements)));
+                return list.commit(self.engine, self.key, self.len, stub(self.expires_at_ms));
             }
             self.page_out(elements)?;
         }

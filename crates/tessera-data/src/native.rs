@@ -70,11 +70,23 @@ impl<N: Native + Default> Held<N> {
         }
     }
 
-    /// Stores a built value behind `stub`; an attached one is stored already.
-    pub fn store(self, engine: &dyn Engine, key: &[u8], stub: Bytes) -> DataResult<()> {
+    /// Ends a change of the value, which holds `len` entries: an emptied
+    /// value is deleted (as Redis deletes an emptied collection), a built
+    /// one stored behind its stub; an attached one is stored already.
+    pub fn commit(
+        self,
+        engine: &dyn Engine,
+        key: &[u8],
+        len: u64,
+        stub: impl FnOnce() -> Bytes,
+    ) -> DataResult<()> {
+        if len == 0 {
+            engine.delete(key)?;
+            return Ok(());
+        }
         match self {
             Held::Attached => Ok(()),
-            Held::Built(value) => Ok(engine.put_native(key, stub, value)?),
+            Held::Built(value) => Ok(engine.put_native(key, stub(), value)?),
         }
     }
 }

@@ -111,10 +111,6 @@ impl NativeHashed {
         self.position(hash, bucket, field).map(|at| self.buckets[bucket][at].value())
     }
 
-    pub fn contains(&self, field: &[u8]) -> bool {
-        self.get(field).is_some()
-    }
-
     /// Sets `field` to `value`: whether the field is new, or `None` when
     /// it held that value already (a set's members always do).
     pub fn insert(&mut self, field: &[u8], value: &[u8]) -> Option<bool> {

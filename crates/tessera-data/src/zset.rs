@@ -831,14 +831,9 @@ impl<'a> SortedSet<'a> {
     /// Writes the changes; an emptied set is deleted, as in Redis. `reserved`
     /// counts the table's reserved entries (DBSIZE leaves them out).
     pub fn commit(mut self, reserved: &ReservedEntries) -> DataResult<()> {
-        match self.native.take() {
-            None => {}
-            Some(Held::Built(_)) if self.meta.len == 0 => return Ok(()),
-            Some(_) if self.meta.len == 0 => return Ok(self.engine.delete(self.key).map(drop)?),
-            Some(held) => {
-                let stub = typed::encode(Kind::SortedSet, self.meta.expires_at_ms, NATIVE);
-                return held.store(self.engine, self.key, stub);
-            }
+        if let Some(held) = self.native.take() {
+            let stub = || typed::encode(Kind::SortedSet, self.meta.expires_at_ms, NATIVE);
+            return held.commit(self.engine, self.key, self.meta.len, stub);
         }
         let mut changes = Changes::default();
         let emptied = self.meta.len == 0;
