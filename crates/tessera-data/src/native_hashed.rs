@@ -8,9 +8,18 @@
 //! ([`crate::hashed`]): there are `2^level + split` buckets; when the
 //! entries pass [`LOAD`] a bucket on average, bucket `split` splits into
 //! itself and `split + 2^level`, so the table grows one bucket at a time,
-//! with no pause to rehash, and an entry only ever moves to a higher
-//! bucket: SSCAN's and HSCAN's cursor is a bucket number, and a scan in
-//! bucket order sees every entry present throughout, as in the paged form.
+//! with no pause to rehash. Unlike the paged form it also shrinks, a merge
+//! undoing the last split, when pops or removals leave fewer than
+//! half an entry per bucket, so that SPOP and SRANDMEMBER keep
+//! finding an entry in a draw or two as a set drains, as Redis's
+//! dictionary does by resizing.
+//!
+//! A bucket holds the entries whose hashes end in the same `level` or
+//! `level + 1` bits. Read those bits backwards and each bucket is an
+//! aligned interval of one line, which splits and merges only cut finer or
+//! coarser; an entry's place on it never moves. SSCAN's and HSCAN's cursor
+//! is a place on that line (Redis's reverse-binary cursor), so a scan sees
+//! every entry present throughout while the table grows and shrinks.
 //! The hash is seeded per table, so that no one can choose fields that
 //! share a bucket.
 
@@ -21,6 +30,11 @@ use tessera_engine::Native;
 
 /// Entries a bucket holds on average before one splits.
 const LOAD: usize = 2;
+
+/// Entries a bucket holds on average, as a fraction `1 / MIN_LOAD_INVERSE`,
+/// below which the last split is undone: far enough under [`LOAD`] that a
+/// table at its edge does not split and merge in turn.
+const MIN_LOAD_INVERSE: usize = 2;
 
 /// One field and its value in one allocation.
 struct Slot {
@@ -97,6 +111,16 @@ impl NativeHashed {
         }
     }
 
+    /// How many of a hash's low bits pick `bucket`: `level + 1` for a
+    /// bucket split at this level or made by a split, `level` for the rest.
+    fn bits_of(&self, bucket: usize) -> u32 {
+        if bucket < self.split || bucket >= 1 << self.level {
+            self.level + 1
+        } else {
+            self.level
+        }
+    }
+
     fn locate(&self, field: &[u8]) -> (u64, usize) {
         let hash = self.hasher.hash_one(field);
         (hash, self.index(hash))
@@ -139,8 +163,17 @@ impl NativeHashed {
         let (hash, bucket) = self.locate(field);
         let at = self.position(hash, bucket, field)?;
         let slot = self.buckets[bucket].swap_remove(at);
-        self.len -= 1;
+        self.removed();
         Some(Bytes::copy_from_slice(slot.value()))
+    }
+
+    /// Counts an entry gone, and merges the last split when the table has
+    /// grown sparse.
+    fn removed(&mut self) {
+        self.len -= 1;
+        while self.buckets.len() > 1 && self.len * MIN_LOAD_INVERSE < self.buckets.len() {
+            self.merge_last();
+        }
     }
 
     /// Splits bucket `split` into itself and `split + 2^level`.
@@ -159,16 +192,48 @@ impl NativeHashed {
         }
     }
 
+    /// Undoes the last split: bucket `split + 2^level`, the last, goes back
+    /// into bucket `split`, the one it came from.
+    fn merge_last(&mut self) {
+        if self.split == 0 {
+            debug_assert!(self.level > 0, "a table of one bucket does not merge");
+            self.level -= 1;
+            self.split = 1 << self.level;
+        }
+        self.split -= 1;
+        let last = self.buckets.pop().expect("more than one bucket");
+        debug_assert_eq!(
+            self.buckets.len(),
+            self.split + (1 << self.level),
+            "the last bucket came from split"
+        );
+        self.buckets[self.split].extend(last);
+        if self.buckets.len() * 4 < self.buckets.capacity() {
+            self.buckets.shrink_to(self.buckets.len() * 2);
+        }
+    }
+
     /// SSCAN and HSCAN: the entries of the buckets from `cursor` on, until
     /// at least `count`, and the cursor to go on from, 0 at the end.
+    ///
+    /// The cursor holds hash bits low bit first; reversed, it is a place
+    /// on the line the buckets divide. Each step takes the bucket the
+    /// place falls in and moves to the end of that bucket's interval: the
+    /// cursor's bits above the bucket's are set and the cursor is
+    /// incremented from its high end, as Redis's SCAN does.
     pub fn scan(&self, cursor: u64, count: u64) -> (u64, Vec<(Bytes, Bytes)>) {
         let mut entries = Vec::new();
-        let mut bucket = usize::try_from(cursor).unwrap_or(usize::MAX);
-        while bucket < self.buckets.len() && (entries.len() as u64) < count {
+        let mut cursor = cursor;
+        loop {
+            let bucket = self.index(cursor);
             entries.extend(self.buckets[bucket].iter().map(Slot::entry));
-            bucket += 1;
+            let bits = self.bits_of(bucket);
+            let above = u64::MAX.checked_shl(bits).unwrap_or(0);
+            cursor = (cursor | above).reverse_bits().wrapping_add(1).reverse_bits();
+            if cursor == 0 || entries.len() as u64 >= count {
+                return (cursor, entries);
+            }
         }
-        (if bucket >= self.buckets.len() { 0 } else { bucket as u64 }, entries)
     }
 
     /// Every entry, by bucket.
@@ -206,7 +271,7 @@ impl NativeHashed {
         let bucket = self.random_bucket()?;
         let slots = &mut self.buckets[bucket];
         let slot = slots.swap_remove(rand::random::<u64>() as usize % slots.len());
-        self.len -= 1;
+        self.removed();
         Some(slot.entry())
     }
 }
@@ -279,29 +344,52 @@ mod tests {
     }
 
     /// A scan in steps sees every entry present throughout once at least,
-    /// while the table grows under it.
+    /// while the table grows and then shrinks under it.
     #[test]
-    fn a_scan_sees_every_entry_present_throughout_while_the_table_grows() {
+    fn a_scan_sees_every_entry_present_throughout_while_the_table_grows_and_shrinks() {
+        let stable = 0..1000u16;
         let mut table =
-            NativeHashed::from_entries((0..1000u16).map(|n| (Bytes::from(field(n)), Bytes::new())));
-        let mut seen = BTreeSet::new();
-        let (mut cursor, mut next_new) = (0, 1000u16);
+            NativeHashed::from_entries(stable.clone().map(|n| (Bytes::from(field(n)), Bytes::new())));
+        let (mut seen, mut sizes) = (BTreeSet::new(), Vec::new());
+        let (mut cursor, mut steps) = (0, 0u16);
+        let transient = |step: u16, k: u16| field(1000 + step * 100 + k);
         loop {
             let (next, entries) = table.scan(cursor, 10);
             seen.extend(entries.into_iter().map(|(field, _)| field.to_vec()));
-            for _ in 0..40 {
-                table.insert(&field(next_new), b"");
-                next_new += 1;
+            // The first 100 steps add 100 fields each; the next ones take
+            // them away again, the latest first.
+            if steps < 100 {
+                (0..100).for_each(|k| assert_eq!(table.insert(&transient(steps, k), b""), Some(true)));
+            } else if steps < 200 {
+                (0..100).for_each(|k| assert!(table.remove(&transient(199 - steps, k)).is_some()));
             }
+            sizes.push(table.bucket_count());
+            steps += 1;
             if next == 0 {
                 break;
             }
             cursor = next;
         }
-        assert!(table.bucket_count() > 1000 / LOAD * 2, "the table grew during the scan");
-        for n in 0..1000 {
+        assert!(steps > 200, "the scan outlasted both phases");
+        let largest = *sizes.iter().max().unwrap();
+        assert!(largest > 10_000 / LOAD, "the table grew during the scan");
+        assert!(*sizes.last().unwrap() < largest / 2, "and shrank again");
+        for n in stable {
             assert!(seen.contains(&field(n)), "field {n} was present throughout");
         }
+    }
+
+    #[test]
+    fn popping_a_table_empty_shrinks_it_to_one_bucket() {
+        let mut table =
+            NativeHashed::from_entries((0..10_000u16).map(|n| (Bytes::from(field(n)), Bytes::new())));
+        assert!(table.bucket_count() >= 10_000 / LOAD);
+        let mut popped = BTreeSet::new();
+        while let Some((field, _)) = table.pop_random() {
+            assert!(popped.insert(field), "each entry pops once");
+            assert!(table.bucket_count() <= (table.len() * MIN_LOAD_INVERSE).max(1), "the table stays dense");
+        }
+        assert_eq!((popped.len(), table.bucket_count()), (10_000, 1));
     }
 
     #[test]
