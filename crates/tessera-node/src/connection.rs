@@ -558,13 +558,32 @@ impl Connection {
             // many connections then finds them all ready and sleeps once for
             // them, where it woke for each (Redis, too, writes every reply
             // before it waits for more).
-            tokio::task::yield_now().await;
+            RunOthersFirst(false).await;
         }
         let result = self.stream.write_all(self.out.as_bytes()).await;
         WorkerStats::add(&self.stats.net_output_bytes, self.out.len() as u64);
         self.out.clear();
         self.out.shrink_to(BUFFER_KEEP_BYTES);
         result
+    }
+}
+
+/// Puts the task at the back of its worker's run queue once, behind the
+/// connections ready now. tokio's `yield_now` instead waits for the next
+/// poll of the I/O driver, an `epoll_wait` of its own whenever nothing else
+/// is queued: one request in three paid one at `-P 1`.
+struct RunOthersFirst(bool);
+
+impl std::future::Future for RunOthersFirst {
+    type Output = ();
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        if self.0 {
+            return std::task::Poll::Ready(());
+        }
+        self.0 = true;
+        cx.waker().wake_by_ref();
+        std::task::Poll::Pending
     }
 }
 
