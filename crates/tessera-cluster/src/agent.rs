@@ -161,7 +161,7 @@ pub enum ShardError {
 /// error to tell it.
 pub fn outcome(reply: &ClientReply) -> Result<(), ShardError> {
     match reply {
-        ClientReply::Value(_) | ClientReply::Written => Ok(()),
+        ClientReply::Value(_) | ClientReply::Written | ClientReply::Causal { .. } => Ok(()),
         ClientReply::Retry(reason) | ClientReply::Elsewhere(reason) => Err(ShardError::Retry(reason)),
         ClientReply::Changed => Err(ShardError::Retry("the key changed while the command ran")),
         ClientReply::Failed(error) => Err(ShardError::Failed(error.clone())),
@@ -985,6 +985,7 @@ fn parse_grants(reply: Value) -> Option<(u64, Vec<Grant>)> {
             learners: nodes(fields.get(3)?)?,
             lease_until: 0,
             draining: fields.get(4)?.as_integer()? != 0,
+            geo: None,
         };
         let mode = match fields.get(5)? {
             Value::Bulk(name) => Mode::named(std::str::from_utf8(name).ok()?)?,

@@ -142,6 +142,7 @@ impl Shard {
             learners: self.learners.iter().copied().map(NodeId).collect(),
             lease_until: 0,
             draining: self.next_mode.is_some(),
+            geo: None,
         }
     }
 

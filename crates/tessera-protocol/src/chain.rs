@@ -634,8 +634,11 @@ impl ChainReplication {
             Operation::Get { .. }
             | Operation::Fetch { .. }
             | Operation::WriteIf { .. }
-            | Operation::BatchIf { .. } => {
-                unreachable!("reads are handled by on_read; conditional writes are refused before")
+            | Operation::BatchIf { .. }
+            | Operation::Causal { .. } => {
+                unreachable!(
+                    "reads are handled by on_read; conditional and causal operations are refused before"
+                )
             }
         };
         #[cfg(feature = "broken")]

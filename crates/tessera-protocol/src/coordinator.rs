@@ -531,6 +531,7 @@ mod tests {
             learners: vec![],
             lease_until: 0,
             draining: false,
+            geo: None,
         };
         let config = CoordinatorConfig { lease_ms: 200, failure_timeout_ms: 150, admission };
         ShardCoordinator::new(config, view, (0..3).map(|id| (NodeId(id), 0)).collect(), 0)
@@ -600,6 +601,7 @@ mod tests {
             learners: vec![],
             lease_until: 0,
             draining: false,
+            geo: None,
         };
         let config =
             CoordinatorConfig { lease_ms: 200, failure_timeout_ms: 150, admission: Admission::Learner };
@@ -617,6 +619,7 @@ mod tests {
             learners: vec![],
             lease_until: 0,
             draining: false,
+            geo: None,
         };
         let config =
             CoordinatorConfig { lease_ms: 200, failure_timeout_ms: 150, admission: Admission::Learner };

@@ -6,6 +6,7 @@
 //! sockets, threads, clocks or global randomness, so the same code runs in the
 //! node and in the deterministic simulator. Engine calls are made directly.
 
+pub mod causal;
 pub mod chain;
 pub mod codec;
 pub mod coordinator;
@@ -24,6 +25,7 @@ pub mod transition;
 use bytes::Bytes;
 use tessera_engine::Engine;
 
+pub use causal::{CausalContext, GeoPlace};
 pub use chain::{ChainOptions, ChainReplication};
 pub use codec::{Message, PeerMessage};
 pub use multi_master::{MultiMaster, MultiMasterOptions};
@@ -118,6 +120,15 @@ pub enum Operation {
     BatchIf {
         writes: ConditionalWrites,
     },
+    /// A get (`write` is `None`) or a write in a causal session, with the
+    /// session's context; the reply, [`ClientReply::Causal`], carries it
+    /// back, merged. Causal protocols only (docs/PROTOCOLS.md, "Causal
+    /// consistency across datacenters").
+    Causal {
+        key: Bytes,
+        write: Option<Write>,
+        context: CausalContext,
+    },
 }
 
 /// The writes of one replicated entry: one key's, or a batch's.
@@ -136,13 +147,18 @@ impl Operation {
             | Operation::Delete { key }
             | Operation::Increment { key, .. }
             | Operation::Fetch { key }
-            | Operation::WriteIf { key, .. } => Some(key),
+            | Operation::WriteIf { key, .. }
+            | Operation::Causal { key, .. } => Some(key),
             Operation::Batch { .. } | Operation::BatchIf { .. } => None,
         }
     }
 
     pub fn is_write(&self) -> bool {
-        !matches!(self, Operation::Get { .. } | Operation::Fetch { .. })
+        match self {
+            Operation::Get { .. } | Operation::Fetch { .. } => false,
+            Operation::Causal { write, .. } => write.is_some(),
+            _ => true,
+        }
     }
 
     /// Whether only a quorum protocol can run it.
@@ -176,6 +192,9 @@ pub enum ClientReply {
     /// The operation failed and did not take effect (an increment of a value
     /// that is not an integer, an engine error).
     Failed(OperationError),
+    /// A causal get's value (`None` for a write) and the session's context
+    /// after the operation.
+    Causal { value: Option<Bytes>, context: CausalContext },
     /// The operation may or may not have taken effect, now or later (a quorum
     /// write interrupted after some replicas accepted it): not to be retried
     /// blindly unless it is idempotent.
@@ -222,6 +241,9 @@ pub enum OperationError {
     Overflow,
     #[error("conditional writes need a shard running a quorum protocol")]
     NeedsQuorum,
+    /// What a causal session asked for that its table's mode cannot give.
+    #[error("{0}")]
+    Causal(&'static str),
 }
 
 impl From<tessera_engine::EngineError> for OperationError {
@@ -292,6 +314,8 @@ pub struct ShardView {
     /// The shard is switching protocols: the old one finishes what it has in
     /// flight and starts nothing new (see [`transition`]).
     pub draining: bool,
+    /// For a causal protocol, the partition's place across datacenters.
+    pub geo: Option<GeoPlace>,
 }
 
 impl ShardView {
@@ -449,15 +473,20 @@ pub trait Protocol: Send {
 }
 
 /// Answers an operation only quorum protocols run (a conditional write's
-/// halves) with a failure, for the protocols that are not; returns whether it
-/// did.
+/// halves) or only causal ones do with a failure, for the protocols that are
+/// not; returns whether it did.
 pub(crate) fn refused_without_quorum(request: &ClientRequest, fx: &mut Effects) -> bool {
-    let refused = request.operation.needs_quorum();
-    if refused {
-        fx.reply(request.id, ClientReply::Failed(OperationError::NeedsQuorum));
-    }
-    refused
+    let refusal = match request.operation {
+        Operation::Causal { .. } => OperationError::Causal(CAUSAL_ONLY),
+        _ if request.operation.needs_quorum() => OperationError::NeedsQuorum,
+        _ => return false,
+    };
+    fx.reply(request.id, ClientReply::Failed(refusal));
+    true
 }
+
+/// Why a protocol that is not causal refuses a causal session's operation.
+pub(crate) const CAUSAL_ONLY: &str = "causal sessions need a table in a causal mode";
 
 /// The value a reader sees for `key`: the record's value, or none for a
 /// missing key or a tombstone.

@@ -509,8 +509,11 @@ impl MultiMaster {
             Operation::Get { .. }
             | Operation::Fetch { .. }
             | Operation::WriteIf { .. }
-            | Operation::BatchIf { .. } => {
-                unreachable!("reads are handled separately; conditional writes are refused before")
+            | Operation::BatchIf { .. }
+            | Operation::Causal { .. } => {
+                unreachable!(
+                    "reads are handled separately; conditional and causal operations are refused before"
+                )
             }
         };
         // One version for the whole batch, so that wherever its records

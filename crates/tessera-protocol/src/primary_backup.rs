@@ -337,8 +337,11 @@ impl PrimaryBackup {
             Operation::Get { .. }
             | Operation::Fetch { .. }
             | Operation::WriteIf { .. }
-            | Operation::BatchIf { .. } => {
-                unreachable!("reads are handled separately; conditional writes are refused before")
+            | Operation::BatchIf { .. }
+            | Operation::Causal { .. } => {
+                unreachable!(
+                    "reads are handled separately; conditional and causal operations are refused before"
+                )
             }
         };
         let entry = LogEntry { seq: self.applied + 1, epoch: self.view_number(), origin: self.me, writes };

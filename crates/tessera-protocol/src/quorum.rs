@@ -1261,6 +1261,7 @@ impl QuorumRegister {
                     Operation::Batch { .. } | Operation::BatchIf { .. } => {
                         unreachable!("a batch runs as steps on its keys")
                     }
+                    Operation::Causal { .. } => unreachable!("causal operations are refused before"),
                 };
                 let record = write(value);
                 // A fetch answers the record as written back, at its new ballot.
@@ -1606,6 +1607,9 @@ impl Protocol for QuorumRegister {
         self.check_invariants();
         if !self.is_member() {
             return fx.reply(request.id, ClientReply::Elsewhere("not a replica of this shard"));
+        }
+        if let Operation::Causal { .. } = request.operation {
+            return fx.reply(request.id, ClientReply::Failed(OperationError::Causal(crate::CAUSAL_ONLY)));
         }
         if let Operation::Get { key, consistency: Consistency::Eventual } = &request.operation {
             let reply = match self.accepted(key) {

@@ -153,6 +153,7 @@ impl Replica {
             learners: Vec::new(),
             lease_until: 0,
             draining: false,
+            geo: None,
         };
         Self {
             config,

@@ -12,6 +12,7 @@ pub(crate) fn view(number: u64, replicas: &[u32]) -> ShardView {
         learners: Vec::new(),
         lease_until: 1_000,
         draining: false,
+        geo: None,
     }
 }
 

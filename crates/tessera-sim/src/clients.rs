@@ -303,6 +303,7 @@ impl Simulation {
         let outcome = match reply {
             ClientReply::Value(value) => Outcome::Value(value),
             ClientReply::Written => Outcome::Written,
+            ClientReply::Causal { .. } => unreachable!("these runs make no causal requests"),
             ClientReply::Elsewhere(_)
             | ClientReply::Retry(_)
             | ClientReply::Changed

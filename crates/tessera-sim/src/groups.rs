@@ -790,6 +790,7 @@ impl GroupsSimulation {
                 self.timeline.schedule(self.now + 1, Event::ClientWake(client));
                 return;
             }
+            ClientReply::Causal { .. } => unreachable!("these runs make no causal requests"),
             ClientReply::Elsewhere(_)
             | ClientReply::Retry(_)
             | ClientReply::Changed

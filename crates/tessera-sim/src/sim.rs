@@ -162,6 +162,7 @@ impl Simulation {
                 learners: Vec::new(),
                 lease_until: 0,
                 draining: false,
+                geo: None,
             },
             (0..config.replicas).map(|id| (NodeId(id), 0)).collect(),
             0,

@@ -1,0 +1,313 @@
+//! COPS (Lloyd, Freedman, Kaminsky and Andersen, SOSP 2011): causal+
+//! consistency from explicit dependencies, following the paper's section 5
+//! (the client library's context and the `put_after` replication; no
+//! transactions and no garbage collection of dependencies, as DKVF builds
+//! it).
+//!
+//! - The session's context is its nearest dependencies: the version of each
+//!   key it read, and after a put only that put (which depends on them).
+//! - A put is stamped by a Lamport clock (a hybrid logical clock here) past
+//!   every dependency, stored, answered at once, and shipped to the other
+//!   datacenters with its dependencies.
+//! - There, the partition asks each dependency's owner in its own
+//!   datacenter (`dep_check`: [`GeoMessage::CheckDependency`]) whether it
+//!   holds that version or a newer one; the owner answers once it does. The
+//!   write becomes visible when every dependency is met.
+//!
+//! A write waiting on its dependencies does not hold up the others.
+//! Checks and their answers are resent until answered.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tessera_engine::Engine;
+
+use super::{call_of, read, reply_for, store, Call, GeoMessage, Partition, Replicated, Stored, RESEND_MS};
+use crate::{
+    CausalContext, ClientReply, ClientRequest, Effects, NodeId, OperationError, PeerMessage, Progress,
+    Protocol, ShardView, Time, Version,
+};
+
+/// This protocol's message family.
+pub const FAMILY: u8 = 23;
+
+/// Checks from siblings this partition keeps waiting for a version it does
+/// not hold yet; past it, a check is dropped and answered when resent.
+const WAITING_CHECKS_MAX: usize = 100_000;
+
+/// A write from elsewhere waiting for its dependencies.
+struct Waiting {
+    write: Replicated,
+    /// Dependencies on keys of this partition, not yet held.
+    local: Vec<(Bytes, Version)>,
+    /// Checks sent to other partitions, not yet answered.
+    checks: usize,
+}
+
+/// A check sent for a waiting write, kept until answered.
+struct Check {
+    waiting: u64,
+    owner: NodeId,
+    key: Bytes,
+    version: Version,
+}
+
+pub struct Cops {
+    partition: Partition,
+    waiting: BTreeMap<u64, Waiting>,
+    checks: HashMap<u64, Check>,
+    next_id: u64,
+    /// Checks from siblings for versions not held yet: who asked, its check.
+    asked: Vec<(NodeId, u64, Bytes, Version)>,
+    last_resend: Time,
+    /// A deliberately broken variant for the checker's tests: writes from
+    /// elsewhere are visible without their dependency checks.
+    #[cfg(feature = "broken")]
+    broken_skip_dependency_checks: bool,
+}
+
+/// Whether `key` holds `version` or a newer one.
+fn holds(engine: &dyn Engine, key: &[u8], version: Version) -> Result<bool, OperationError> {
+    Ok(read(engine, key)?.is_some_and(|held| held.version >= version))
+}
+
+impl Cops {
+    pub fn new(me: NodeId, engine: Arc<dyn Engine>) -> Self {
+        Self {
+            partition: Partition::new(me, engine),
+            waiting: BTreeMap::new(),
+            checks: HashMap::new(),
+            next_id: 0,
+            asked: Vec::new(),
+            last_resend: 0,
+            #[cfg(feature = "broken")]
+            broken_skip_dependency_checks: false,
+        }
+    }
+
+    #[cfg(feature = "broken")]
+    pub fn broken_skip_dependency_checks(me: NodeId, engine: Arc<dyn Engine>) -> Self {
+        Self { broken_skip_dependency_checks: true, ..Self::new(me, engine) }
+    }
+
+    fn dependencies_of(context: Option<CausalContext>) -> Result<Vec<(Bytes, Version)>, OperationError> {
+        match context {
+            None | Some(CausalContext::Empty) => Ok(Vec::new()),
+            Some(CausalContext::Dependencies(dependencies)) => Ok(dependencies),
+            Some(_) => Err(OperationError::Causal(super::FOREIGN_CONTEXT)),
+        }
+    }
+
+    fn serve(&mut self, request: ClientRequest, fx: &mut Effects) -> Result<ClientReply, OperationError> {
+        let (key, call, context) = call_of(request.operation)?;
+        let causal = context.is_some();
+        let mut dependencies = Self::dependencies_of(context)?;
+        match call {
+            Call::Get => {
+                // get: the session now depends on the version it read.
+                let held = read(&*self.partition.engine, &key)?;
+                if let Some(held) = &held {
+                    match dependencies.iter_mut().find(|(known, _)| *known == key) {
+                        Some((_, version)) => *version = (*version).max(held.version),
+                        None => dependencies.push((key.clone(), held.version)),
+                    }
+                }
+                let value = held.and_then(|held| held.value);
+                Ok(reply_for(&call, causal, value, CausalContext::Dependencies(dependencies)))
+            }
+            Call::Write(ref value) => {
+                // put: stamped past its dependencies, shipped with them.
+                if self.partition.streams.backlogged(self.partition.place.as_ref().expect("placed")) {
+                    return Ok(ClientReply::Retry("the copies in other datacenters are far behind"));
+                }
+                let newest = dependencies.iter().map(|(_, version)| *version).max().unwrap_or_default();
+                let version = self.partition.clock.observe(newest, fx.now());
+                let write = Replicated {
+                    key: key.clone(),
+                    version,
+                    origin: self.partition.me,
+                    value: value.clone(),
+                    vector: Vec::new(),
+                    dependencies,
+                };
+                self.partition.write_here::<FAMILY>(write, fx)?;
+                self.answer_asked(&key, fx)?;
+                // The put is the session's one nearest dependency now.
+                Ok(reply_for(&call, causal, None, CausalContext::Dependencies(vec![(key, version)])))
+            }
+        }
+    }
+
+    /// Takes a write from another datacenter: checks its dependencies, here
+    /// and at their owners, and applies it once they are met.
+    fn arrived(&mut self, write: Replicated, fx: &mut Effects) -> Result<(), OperationError> {
+        let place = self.partition.place.clone().expect("placed");
+        let id = self.next_id;
+        self.next_id += 1;
+        let mut waiting = Waiting { write, local: Vec::new(), checks: 0 };
+        #[cfg(feature = "broken")]
+        let dependencies = match self.broken_skip_dependency_checks {
+            true => Vec::new(),
+            false => waiting.write.dependencies.clone(),
+        };
+        #[cfg(not(feature = "broken"))]
+        let dependencies = waiting.write.dependencies.clone();
+        for (key, version) in dependencies {
+            let owner = place.partition_of(&key);
+            if owner == place.partition {
+                waiting.local.push((key, version));
+            } else {
+                let check = self.next_id;
+                self.next_id += 1;
+                let owner = place.siblings[owner];
+                let message = GeoMessage::CheckDependency { check, key: key.clone(), version };
+                Partition::send::<FAMILY>(fx, vec![(owner, message)]);
+                self.checks.insert(check, Check { waiting: id, owner, key, version });
+                waiting.checks += 1;
+            }
+        }
+        self.waiting.insert(id, waiting);
+        self.apply_ready(fx)
+    }
+
+    /// Applies every waiting write whose dependencies are all met; each
+    /// applied may meet others'.
+    fn apply_ready(&mut self, fx: &mut Effects) -> Result<(), OperationError> {
+        let engine = self.partition.engine.clone();
+        loop {
+            let mut ready = None;
+            for (id, waiting) in &mut self.waiting {
+                let mut unmet = Vec::new();
+                for (key, version) in waiting.local.drain(..) {
+                    if !holds(&*engine, &key, version)? {
+                        unmet.push((key, version));
+                    }
+                }
+                waiting.local = unmet;
+                if waiting.local.is_empty() && waiting.checks == 0 {
+                    ready = Some(*id);
+                    break;
+                }
+            }
+            let Some(id) = ready else { return Ok(()) };
+            let write = self.waiting.remove(&id).expect("found above").write;
+            store(&*engine, &write.key, &Stored::of(&write))?;
+            self.answer_asked(&write.key, fx)?;
+        }
+    }
+
+    /// Answers the siblings' checks of `key` that what it holds now meets.
+    fn answer_asked(&mut self, key: &Bytes, fx: &mut Effects) -> Result<(), OperationError> {
+        let engine = self.partition.engine.clone();
+        let mut index = 0;
+        while index < self.asked.len() {
+            let (from, check, asked_key, version) = &self.asked[index];
+            if asked_key == key && holds(&*engine, key, *version)? {
+                Partition::send::<FAMILY>(fx, vec![(*from, GeoMessage::DependencyMet { check: *check })]);
+                self.asked.swap_remove(index);
+            } else {
+                index += 1;
+            }
+        }
+        Ok(())
+    }
+
+    fn engine_failed(&self, error: OperationError) {
+        tracing::error!(replica = %self.partition.me, %error, "a causal partition could not store a write");
+    }
+}
+
+impl Protocol for Cops {
+    fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
+        if self.partition.place.is_none() {
+            return fx.reply(request.id, ClientReply::Retry("this partition has no place yet"));
+        }
+        let id = request.id;
+        let reply = self.serve(request, fx).unwrap_or_else(ClientReply::Failed);
+        fx.reply(id, reply);
+    }
+
+    fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
+        if self.partition.place.is_none() {
+            return;
+        }
+        let Some(message) = self.partition.open::<FAMILY>(from, &message) else { return };
+        let place = self.partition.place.clone().expect("placed");
+        let outcome = match message {
+            GeoMessage::Writes { first, writes } => {
+                self.partition.receive::<FAMILY>(from, first, writes, fx).into_iter().try_for_each(|write| {
+                    let _ = self.partition.clock.observe_remote(write.version, fx.now());
+                    self.arrived(write, fx)
+                })
+            }
+            GeoMessage::Ack { through } => {
+                self.partition.streams.acknowledged(&place, from, through);
+                Ok(())
+            }
+            GeoMessage::CheckDependency { check, key, version } => {
+                // dep_check: answer now if held, else once it is.
+                if !place.siblings.contains(&from) || place.partition_of(&key) != place.partition {
+                    return;
+                }
+                match holds(&*self.partition.engine, &key, version) {
+                    Ok(true) => {
+                        Partition::send::<FAMILY>(fx, vec![(from, GeoMessage::DependencyMet { check })])
+                    }
+                    Ok(false) => {
+                        let known =
+                            self.asked.iter().any(|(asker, asked, ..)| *asker == from && *asked == check);
+                        if !known && self.asked.len() < WAITING_CHECKS_MAX {
+                            self.asked.push((from, check, key, version));
+                        }
+                    }
+                    Err(error) => self.engine_failed(error),
+                }
+                Ok(())
+            }
+            GeoMessage::DependencyMet { check } => match self.checks.get(&check) {
+                Some(sent) if sent.owner == from => {
+                    let sent = self.checks.remove(&check).expect("found above");
+                    if let Some(waiting) = self.waiting.get_mut(&sent.waiting) {
+                        waiting.checks -= 1;
+                    }
+                    self.apply_ready(fx)
+                }
+                _ => Ok(()),
+            },
+            GeoMessage::Heartbeat { .. } | GeoMessage::Stable { .. } => Ok(()),
+        };
+        if let Err(error) = outcome {
+            self.engine_failed(error);
+        }
+    }
+
+    fn on_tick(&mut self, fx: &mut Effects) {
+        let Some(place) = self.partition.place.clone() else { return };
+        let sends = self.partition.streams.on_tick(&place, None, fx.now());
+        Partition::send::<FAMILY>(fx, sends);
+        if fx.now() >= self.last_resend + RESEND_MS {
+            self.last_resend = fx.now();
+            for (check, sent) in &self.checks {
+                let message = GeoMessage::CheckDependency {
+                    check: *check,
+                    key: sent.key.clone(),
+                    version: sent.version,
+                };
+                Partition::send::<FAMILY>(fx, vec![(sent.owner, message)]);
+            }
+        }
+    }
+
+    fn on_view(&mut self, view: &ShardView, _fx: &mut Effects) {
+        self.partition.placed_by(view);
+    }
+
+    fn progress(&self) -> Progress {
+        Progress::default()
+    }
+
+    fn quiescent(&self) -> bool {
+        self.waiting.is_empty() && self.partition.streams.drained()
+    }
+}

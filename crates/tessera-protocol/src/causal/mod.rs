@@ -1,0 +1,832 @@
+//! Causal consistency across datacenters (docs/PROTOCOLS.md, "Causal
+//! consistency across datacenters"): the layout, the session's causal
+//! context, and what the four protocols share — the message they exchange,
+//! a reliable FIFO stream between a partition's copies, and how a version
+//! is stored.
+//!
+//! A table replicated across R datacenters keeps a whole copy in each,
+//! partitioned over that datacenter's nodes (DKVF's replicas × partitions,
+//! Roohitavaf and Kulkarni, ASE 2018). An instance serves one partition in
+//! one datacenter: it replicates to the same partition in the other
+//! datacenters ([`GeoPlace::replicas`]) and talks to the other partitions of
+//! its own datacenter ([`GeoPlace::siblings`]) to stabilize (GentleRain,
+//! CausalSpartan) or to check dependencies (COPS). Each protocol is one file:
+//! [`eventual`], [`cops`], [`gentle_rain`], [`spartan`].
+
+pub mod cops;
+pub mod eventual;
+pub mod gentle_rain;
+pub mod spartan;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+
+use bytes::{BufMut, Bytes};
+use tessera_engine::Engine;
+use tessera_wire::slot::{key_slot, SLOTS};
+
+use crate::codec::{put_bytes, put_optional, put_u64s, CodecError, Family, Message, Reader};
+use crate::{
+    ClientReply, Effects, Hlc, NodeId, Operation, OperationError, PeerMessage, Record, ShardView, Time,
+    Version, Write,
+};
+
+/// Where a causal instance stands: its datacenter and partition, and the
+/// nodes it talks to.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GeoPlace {
+    pub datacenter: usize,
+    pub partition: usize,
+    /// This partition's copy in each datacenter, by datacenter (this node
+    /// at `datacenter`).
+    pub replicas: Vec<NodeId>,
+    /// Every partition of this datacenter, by partition (this node at
+    /// `partition`).
+    pub siblings: Vec<NodeId>,
+}
+
+impl GeoPlace {
+    pub fn datacenters(&self) -> usize {
+        self.replicas.len()
+    }
+
+    pub fn partitions(&self) -> usize {
+        self.siblings.len()
+    }
+
+    /// The partition that holds `key`: partitions split the slots evenly, in
+    /// order.
+    pub fn partition_of(&self, key: &[u8]) -> usize {
+        key_slot(key) * self.partitions() / SLOTS
+    }
+
+    /// The same node at its own place in both lists, and no node twice.
+    pub fn is_well_formed(&self) -> bool {
+        let me = self.replicas.get(self.datacenter);
+        let mut nodes: Vec<NodeId> = self.replicas.iter().chain(&self.siblings).copied().collect();
+        nodes.sort_unstable();
+        nodes.dedup();
+        me.is_some()
+            && me == self.siblings.get(self.partition)
+            && nodes.len() == self.replicas.len() + self.siblings.len() - 1
+    }
+
+    fn datacenter_of(&self, node: NodeId) -> Option<usize> {
+        self.replicas.iter().position(|replica| *replica == node).filter(|&at| at != self.datacenter)
+    }
+
+    fn partition_of_node(&self, node: NodeId) -> Option<usize> {
+        self.siblings.iter().position(|sibling| *sibling == node).filter(|&at| at != self.partition)
+    }
+}
+
+/// What a causal session has done and seen, kept by the node per
+/// connection and passed with each of its operations; the reply carries it
+/// back, merged. Each protocol keeps its own kind.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum CausalContext {
+    /// A session that has done nothing yet, or runs under `eventual`.
+    #[default]
+    Empty,
+    /// COPS: the nearest dependencies, the newest version of each key.
+    Dependencies(Vec<(Bytes, Version)>),
+    /// GentleRain: the newest version the session depends on, and the
+    /// newest global stable time it has seen.
+    Time { dependency: Version, stable: Version },
+    /// CausalSpartan: per datacenter, the newest version the session
+    /// depends on, and the newest stable time it has seen.
+    Vector { dependency: Vec<Version>, stable: Vec<Version> },
+}
+
+/// How far apart a stream resends what was not acknowledged, and an idle
+/// partition sends its clock.
+pub(crate) const RESEND_MS: Time = 50;
+/// Records a stream keeps unacknowledged for one datacenter before the
+/// partition refuses writes (the copy there is cut off or far behind).
+const OUTBOX_MAX: usize = 100_000;
+/// Records a stream holds that arrived ahead of one it still waits for.
+const EARLY_MAX: usize = 4096;
+/// Records one message resends at once.
+const RESEND_BATCH: usize = 64;
+/// Stable times are gossiped to the partition's siblings this often.
+const STABILIZE_MS: Time = 10;
+
+/// A write as a partition ships it to its copies in the other datacenters.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Replicated {
+    pub key: Bytes,
+    pub version: Version,
+    /// The node that took the write.
+    pub origin: NodeId,
+    /// `None`: a delete.
+    pub value: Option<Bytes>,
+    /// CausalSpartan: the write's dependency vector.
+    pub vector: Vec<Version>,
+    /// COPS: the write's nearest dependencies.
+    pub dependencies: Vec<(Bytes, Version)>,
+}
+
+/// Every causal protocol's messages; each protocol sends them under its own
+/// family ([`Tagged`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GeoMessage {
+    /// Writes `first..` of the sender's stream to this partition.
+    Writes {
+        first: u64,
+        writes: Vec<Replicated>,
+    },
+    /// Every write of the stream through `through` arrived.
+    Ack {
+        through: u64,
+    },
+    /// The sender will stamp no write at or below `clock`, and sent its
+    /// stream through `through` before it said so.
+    Heartbeat {
+        clock: Version,
+        through: u64,
+    },
+    /// A sibling's newest time received from each datacenter.
+    Stable {
+        received: Vec<Version>,
+    },
+    /// COPS: answer `DependencyMet { check }` once `key` holds `version` or
+    /// newer.
+    CheckDependency {
+        check: u64,
+        key: Bytes,
+        version: Version,
+    },
+    DependencyMet {
+        check: u64,
+    },
+}
+
+const WRITES: u8 = 1;
+const ACK: u8 = 2;
+const HEARTBEAT: u8 = 3;
+const STABLE: u8 = 4;
+const CHECK_DEPENDENCY: u8 = 5;
+const DEPENDENCY_MET: u8 = 6;
+
+fn put_versioned_keys(out: &mut Vec<u8>, keys: &[(Bytes, Version)]) {
+    out.put_u32_le(keys.len() as u32);
+    for (key, version) in keys {
+        put_bytes(out, key);
+        out.put_u64_le(version.0);
+    }
+}
+
+fn versioned_keys(reader: &mut Reader) -> Result<Vec<(Bytes, Version)>, CodecError> {
+    let count = reader.count(12)?;
+    (0..count).map(|_| Ok((reader.bytes()?, Version(reader.u64()?)))).collect()
+}
+
+fn put_versions(out: &mut Vec<u8>, versions: &[Version]) {
+    put_u64s(out, &versions.iter().map(|version| version.0).collect::<Vec<_>>());
+}
+
+fn versions(reader: &mut Reader) -> Result<Vec<Version>, CodecError> {
+    Ok(reader.u64s()?.into_iter().map(Version).collect())
+}
+
+impl GeoMessage {
+    fn encode(&self, out: &mut Vec<u8>) {
+        match self {
+            GeoMessage::Writes { first, writes } => {
+                out.put_u8(WRITES);
+                out.put_u64_le(*first);
+                out.put_u32_le(writes.len() as u32);
+                for write in writes {
+                    put_bytes(out, &write.key);
+                    out.put_u64_le(write.version.0);
+                    out.put_u32_le(write.origin.0);
+                    put_optional(out, &write.value);
+                    put_versions(out, &write.vector);
+                    put_versioned_keys(out, &write.dependencies);
+                }
+            }
+            GeoMessage::Ack { through } => {
+                out.put_u8(ACK);
+                out.put_u64_le(*through);
+            }
+            GeoMessage::Heartbeat { clock, through } => {
+                out.put_u8(HEARTBEAT);
+                out.put_u64_le(clock.0);
+                out.put_u64_le(*through);
+            }
+            GeoMessage::Stable { received } => {
+                out.put_u8(STABLE);
+                put_versions(out, received);
+            }
+            GeoMessage::CheckDependency { check, key, version } => {
+                out.put_u8(CHECK_DEPENDENCY);
+                out.put_u64_le(*check);
+                put_bytes(out, key);
+                out.put_u64_le(version.0);
+            }
+            GeoMessage::DependencyMet { check } => {
+                out.put_u8(DEPENDENCY_MET);
+                out.put_u64_le(*check);
+            }
+        }
+    }
+
+    fn decode(reader: &mut Reader) -> Result<Self, CodecError> {
+        Ok(match reader.u8()? {
+            WRITES => {
+                let first = reader.u64()?;
+                // A key's length, version, origin, a flag, two counts.
+                let count = reader.count(4 + 8 + 4 + 1 + 4 + 4)?;
+                let writes = (0..count)
+                    .map(|_| {
+                        Ok(Replicated {
+                            key: reader.bytes()?,
+                            version: Version(reader.u64()?),
+                            origin: reader.node()?,
+                            value: reader.optional()?,
+                            vector: versions(reader)?,
+                            dependencies: versioned_keys(reader)?,
+                        })
+                    })
+                    .collect::<Result<_, CodecError>>()?;
+                GeoMessage::Writes { first, writes }
+            }
+            ACK => GeoMessage::Ack { through: reader.u64()? },
+            HEARTBEAT => GeoMessage::Heartbeat { clock: Version(reader.u64()?), through: reader.u64()? },
+            STABLE => GeoMessage::Stable { received: versions(reader)? },
+            CHECK_DEPENDENCY => GeoMessage::CheckDependency {
+                check: reader.u64()?,
+                key: reader.bytes()?,
+                version: Version(reader.u64()?),
+            },
+            DEPENDENCY_MET => GeoMessage::DependencyMet { check: reader.u64()? },
+            _ => return Err(CodecError("unknown causal message")),
+        })
+    }
+}
+
+/// A [`GeoMessage`] under one protocol's family.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tagged<const FAMILY: u8>(pub GeoMessage);
+
+impl<const FAMILY: u8> Message for Tagged<FAMILY> {
+    const FAMILY: Family = Family(FAMILY);
+
+    fn encode(&self, out: &mut Vec<u8>) {
+        self.0.encode(out);
+    }
+
+    fn decode(reader: &mut Reader) -> Result<Self, CodecError> {
+        GeoMessage::decode(reader).map(Tagged)
+    }
+}
+
+/// The writes a partition ships to its copy in one other datacenter,
+/// numbered from 1, kept until acknowledged and resent until then: the
+/// protocols count on each copy receiving a partition's writes once and in
+/// order (DKVF's communication component gives its protocols the same), on
+/// a network that loses, repeats and reorders.
+#[derive(Debug, Default)]
+struct Outbox {
+    unacked: VecDeque<Replicated>,
+    /// The number of `unacked`'s first write.
+    first: u64,
+    last_sent: Time,
+}
+
+impl Outbox {
+    /// The number the next write pushed will get.
+    fn next(&self) -> u64 {
+        self.first.max(1) + self.unacked.len() as u64
+    }
+
+    fn is_full(&self) -> bool {
+        self.unacked.len() >= OUTBOX_MAX
+    }
+
+    /// Queues `write`; the message that sends it now.
+    fn push(&mut self, write: Replicated, now: Time) -> GeoMessage {
+        self.first = self.first.max(1);
+        let number = self.next();
+        self.unacked.push_back(write.clone());
+        self.last_sent = now;
+        GeoMessage::Writes { first: number, writes: vec![write] }
+    }
+
+    fn acknowledged(&mut self, through: u64) {
+        while self.first <= through && self.unacked.pop_front().is_some() {
+            self.first += 1;
+        }
+    }
+
+    /// The oldest unacknowledged writes, when they have waited long enough.
+    fn resend(&mut self, now: Time) -> Option<GeoMessage> {
+        if self.unacked.is_empty() || now < self.last_sent + RESEND_MS {
+            return None;
+        }
+        self.last_sent = now;
+        let writes = self.unacked.iter().take(RESEND_BATCH).cloned().collect();
+        Some(GeoMessage::Writes { first: self.first, writes })
+    }
+
+    /// The last write this stream has sent.
+    fn sent_through(&self) -> u64 {
+        self.next() - 1
+    }
+}
+
+/// The writes a partition receives from its copy in one other datacenter,
+/// handed on once each, in order.
+#[derive(Debug, Default)]
+struct Inbox {
+    delivered: u64,
+    early: BTreeMap<u64, Replicated>,
+}
+
+impl Inbox {
+    /// Takes writes `first..`; the writes now deliverable, in order.
+    fn receive(&mut self, first: u64, writes: Vec<Replicated>) -> Vec<Replicated> {
+        for (number, write) in (first..).zip(writes) {
+            if number > self.delivered && (self.early.len() < EARLY_MAX || number == self.delivered + 1) {
+                self.early.entry(number).or_insert(write);
+            }
+        }
+        let mut ready = Vec::new();
+        while let Some(write) = self.early.remove(&(self.delivered + 1)) {
+            self.delivered += 1;
+            ready.push(write);
+        }
+        ready
+    }
+}
+
+/// The streams of one partition to and from its copies in the other
+/// datacenters, and the newest time received from each: what GentleRain
+/// calls the version vector.
+#[derive(Debug, Default)]
+struct Streams {
+    outboxes: Vec<Outbox>,
+    inboxes: Vec<Inbox>,
+    /// By datacenter: every write from there up to this version has
+    /// arrived (this datacenter's entry is unused).
+    received: Vec<Version>,
+}
+
+impl Streams {
+    fn new(datacenters: usize) -> Self {
+        Self {
+            outboxes: (0..datacenters).map(|_| Outbox::default()).collect(),
+            inboxes: (0..datacenters).map(|_| Inbox::default()).collect(),
+            received: vec![Version::default(); datacenters],
+        }
+    }
+
+    /// Whether a write would overflow some datacenter's outbox.
+    fn backlogged(&self, place: &GeoPlace) -> bool {
+        self.outboxes.iter().enumerate().any(|(at, outbox)| at != place.datacenter && outbox.is_full())
+    }
+
+    /// Ships `write` to every other datacenter.
+    fn ship(&mut self, place: &GeoPlace, write: Replicated, now: Time) -> Vec<(NodeId, GeoMessage)> {
+        let mut sends = Vec::new();
+        for (datacenter, outbox) in self.outboxes.iter_mut().enumerate() {
+            if datacenter != place.datacenter {
+                sends.push((place.replicas[datacenter], outbox.push(write.clone(), now)));
+            }
+        }
+        sends
+    }
+
+    /// Takes the writes a message from `from` carries: the writes now
+    /// delivered in order, and the acknowledgement to send back.
+    fn receive(
+        &mut self,
+        place: &GeoPlace,
+        from: NodeId,
+        first: u64,
+        writes: Vec<Replicated>,
+    ) -> Option<(Vec<Replicated>, GeoMessage)> {
+        let datacenter = place.datacenter_of(from)?;
+        let inbox = &mut self.inboxes[datacenter];
+        let ready = inbox.receive(first, writes);
+        if let Some(last) = ready.last() {
+            self.received[datacenter] = self.received[datacenter].max(last.version);
+        }
+        Some((ready, GeoMessage::Ack { through: inbox.delivered }))
+    }
+
+    fn acknowledged(&mut self, place: &GeoPlace, from: NodeId, through: u64) {
+        if let Some(datacenter) = place.datacenter_of(from) {
+            self.outboxes[datacenter].acknowledged(through);
+        }
+    }
+
+    /// A peer's heartbeat: its clock counts as received once its stream
+    /// has arrived through what it had sent by then.
+    fn heartbeat(&mut self, place: &GeoPlace, from: NodeId, clock: Version, through: u64) {
+        if let Some(datacenter) = place.datacenter_of(from) {
+            if self.inboxes[datacenter].delivered >= through {
+                self.received[datacenter] = self.received[datacenter].max(clock);
+            }
+        }
+    }
+
+    /// On a tick: what to resend, and, given a `clock`, a heartbeat with it
+    /// for each other datacenter (sent every tick: it is what lets the
+    /// stable time pass an idle partition).
+    fn on_tick(&mut self, place: &GeoPlace, clock: Option<Version>, now: Time) -> Vec<(NodeId, GeoMessage)> {
+        let mut sends = Vec::new();
+        for (datacenter, outbox) in self.outboxes.iter_mut().enumerate() {
+            if datacenter == place.datacenter {
+                continue;
+            }
+            let to = place.replicas[datacenter];
+            sends.extend(outbox.resend(now).map(|message| (to, message)));
+            if let Some(clock) = clock {
+                sends.push((to, GeoMessage::Heartbeat { clock, through: outbox.sent_through() }));
+            }
+        }
+        sends
+    }
+
+    /// Whether every write shipped has been acknowledged.
+    fn drained(&self) -> bool {
+        self.outboxes.iter().all(|outbox| outbox.unacked.is_empty())
+    }
+}
+
+/// The newest times each sibling partition has said it received from each
+/// datacenter, and the minimum over them: the datacenter's stable times.
+#[derive(Debug, Default)]
+struct Stabilizer {
+    /// By partition, by datacenter.
+    siblings: Vec<Vec<Version>>,
+    last_sent: Time,
+}
+
+impl Stabilizer {
+    fn new(place: &GeoPlace) -> Self {
+        Self {
+            siblings: vec![vec![Version::default(); place.datacenters()]; place.partitions()],
+            last_sent: 0,
+        }
+    }
+
+    fn heard(&mut self, place: &GeoPlace, from: NodeId, received: Vec<Version>) {
+        let Some(partition) = place.partition_of_node(from) else { return };
+        if received.len() != place.datacenters() {
+            tracing::warn!(%from, "dropped a stable-time message for another number of datacenters");
+            return;
+        }
+        for (known, heard) in self.siblings[partition].iter_mut().zip(received) {
+            *known = (*known).max(heard);
+        }
+    }
+
+    /// By datacenter, the newest time every partition of this datacenter
+    /// has received from there (this datacenter's entry is unused).
+    fn stable(&mut self, place: &GeoPlace, own: &[Version]) -> Vec<Version> {
+        self.siblings[place.partition] = own.to_vec();
+        (0..place.datacenters())
+            .map(|datacenter| {
+                self.siblings.iter().map(|received| received[datacenter]).min().unwrap_or_default()
+            })
+            .collect()
+    }
+
+    /// The messages that tell the siblings this partition's received times,
+    /// when it is time to.
+    fn gossip(&mut self, place: &GeoPlace, own: &[Version], now: Time) -> Vec<(NodeId, GeoMessage)> {
+        if now < self.last_sent + STABILIZE_MS {
+            return Vec::new();
+        }
+        self.last_sent = now;
+        let message = GeoMessage::Stable { received: own.to_vec() };
+        place
+            .siblings
+            .iter()
+            .enumerate()
+            .filter(|(partition, _)| *partition != place.partition)
+            .map(|(_, sibling)| (*sibling, message.clone()))
+            .collect()
+    }
+}
+
+/// A version as a causal partition stores it: the record codec's header
+/// (version, origin, tombstone), then, for CausalSpartan, the write's
+/// dependency vector ahead of the value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Stored {
+    version: Version,
+    origin: NodeId,
+    value: Option<Bytes>,
+    vector: Vec<Version>,
+}
+
+/// The most datacenters a stored dependency vector names.
+const DATACENTERS_MAX: usize = 255;
+
+impl Stored {
+    fn of(write: &Replicated) -> Self {
+        Self {
+            version: write.version,
+            origin: write.origin,
+            value: write.value.clone(),
+            vector: write.vector.clone(),
+        }
+    }
+
+    fn encode(&self) -> Bytes {
+        assert!(self.vector.len() <= DATACENTERS_MAX, "a vector entry per datacenter");
+        let mut body =
+            Vec::with_capacity(1 + 8 * self.vector.len() + self.value.as_ref().map_or(0, Bytes::len));
+        body.put_u8(self.vector.len() as u8);
+        for entry in &self.vector {
+            body.put_u64_le(entry.0);
+        }
+        if let Some(value) = &self.value {
+            body.put_slice(value);
+        }
+        let record = match self.value {
+            Some(_) => Record::value(self.version, self.origin, Bytes::from(body)),
+            None => Record { tombstone: true, ..Record::value(self.version, self.origin, Bytes::from(body)) },
+        };
+        record.encode()
+    }
+
+    fn decode(raw: Bytes) -> Result<Self, OperationError> {
+        let record = Record::decode(raw)?;
+        let body = record.value;
+        let count = *body.first().ok_or(crate::RecordError)? as usize;
+        let value_at = 1 + 8 * count;
+        if body.len() < value_at {
+            return Err(crate::RecordError.into());
+        }
+        let vector = (0..count)
+            .map(|at| Version(u64::from_le_bytes(body[1 + 8 * at..9 + 8 * at].try_into().expect("8 bytes"))))
+            .collect();
+        let value = (!record.tombstone).then(|| body.slice(value_at..));
+        Ok(Self { version: record.version, origin: record.origin, value, vector })
+    }
+
+    /// Whether this version wins over `other` (last writer wins, the origin
+    /// breaking ties).
+    fn outranks(&self, other: &Stored) -> bool {
+        (self.version, self.origin) > (other.version, other.origin)
+    }
+}
+
+/// The version `key` holds, if any.
+fn read(engine: &dyn Engine, key: &[u8]) -> Result<Option<Stored>, OperationError> {
+    engine.get(key)?.map(Stored::decode).transpose()
+}
+
+/// Stores `version` at `key` unless what it holds outranks it; whether it
+/// did.
+fn store(engine: &dyn Engine, key: &Bytes, version: &Stored) -> Result<bool, OperationError> {
+    if read(engine, key)?.is_some_and(|held| held.outranks(version) || held == *version) {
+        return Ok(false);
+    }
+    engine.put(key, version.encode())?;
+    Ok(true)
+}
+
+/// What a client's operation asks of a causal partition.
+enum Call {
+    Get,
+    /// A set, or a delete (`None`).
+    Write(Option<Bytes>),
+}
+
+/// Why a causal partition refuses the operations it does not take.
+const SINGLE_KEYS_ONLY: &str =
+    "the causal modes take gets, sets and deletes of one key; batches, read-modify-writes and conditional writes are not built for them";
+
+/// An operation's key, what it asks, and its session's context (`None`
+/// outside a causal session: it runs with an empty context and gets a
+/// plain reply).
+fn call_of(operation: Operation) -> Result<(Bytes, Call, Option<CausalContext>), OperationError> {
+    match operation {
+        Operation::Causal { key, write, context } => {
+            let call = match write {
+                None => Call::Get,
+                Some(Write::Put(value)) => Call::Write(Some(value)),
+                Some(Write::Delete) => Call::Write(None),
+            };
+            Ok((key, call, Some(context)))
+        }
+        Operation::Get { key, .. } => Ok((key, Call::Get, None)),
+        Operation::Put { key, value } => Ok((key, Call::Write(Some(value)), None)),
+        Operation::Delete { key } => Ok((key, Call::Write(None), None)),
+        _ => Err(OperationError::Causal(SINGLE_KEYS_ONLY)),
+    }
+}
+
+/// A causal session gets its context back with the value; others get the
+/// plain reply.
+fn reply_for(call: &Call, causal: bool, value: Option<Bytes>, context: CausalContext) -> ClientReply {
+    match (causal, call) {
+        (true, _) => ClientReply::Causal { value, context },
+        (false, Call::Get) => ClientReply::Value(value),
+        (false, Call::Write(_)) => ClientReply::Written,
+    }
+}
+
+/// Why a partition refuses a context of another protocol's kind (a token
+/// made under another mode).
+const FOREIGN_CONTEXT: &str = "the causal context was made by another causal mode";
+
+/// What every causal partition keeps: who it is, its engine, its place once
+/// a view gave it, its streams to the other datacenters and its clock.
+struct Partition {
+    me: NodeId,
+    engine: Arc<dyn Engine>,
+    place: Option<GeoPlace>,
+    streams: Streams,
+    clock: Hlc,
+}
+
+impl Partition {
+    fn new(me: NodeId, engine: Arc<dyn Engine>) -> Self {
+        Self { me, engine, place: None, streams: Streams::default(), clock: Hlc::default() }
+    }
+
+    /// Takes the place a view gives, the first time: whether it was new.
+    /// A partition does not move (a layout change is not built).
+    fn placed_by(&mut self, view: &ShardView) -> bool {
+        let Some(place) = view.geo.as_ref() else { return false };
+        if !place.is_well_formed()
+            || place.siblings[place.partition] != self.me
+            || place.datacenters() > DATACENTERS_MAX
+        {
+            tracing::warn!(replica = %self.me, "ignored a causal place that does not name this node once");
+            return false;
+        }
+        match &self.place {
+            Some(held) if held != place => {
+                tracing::warn!(replica = %self.me, "ignored a new causal place: partitions do not move");
+                false
+            }
+            Some(_) => false,
+            None => {
+                self.streams = Streams::new(place.datacenters());
+                self.place = Some(place.clone());
+                true
+            }
+        }
+    }
+
+    fn send<const FAMILY: u8>(fx: &mut Effects, sends: Vec<(NodeId, GeoMessage)>) {
+        for (to, message) in sends {
+            fx.send(to, PeerMessage::new(&Tagged::<FAMILY>(message)));
+        }
+    }
+
+    /// The message `from` sent, if it is this protocol's and well formed.
+    fn open<const FAMILY: u8>(&self, from: NodeId, message: &PeerMessage) -> Option<GeoMessage> {
+        crate::open::<Tagged<FAMILY>>(self.me, from, message).map(|tagged| tagged.0)
+    }
+
+    /// Stores a write taken here and ships it to the other datacenters.
+    fn write_here<const FAMILY: u8>(
+        &mut self,
+        write: Replicated,
+        fx: &mut Effects,
+    ) -> Result<(), OperationError> {
+        let place = self.place.as_ref().expect("placed");
+        store(&*self.engine, &write.key, &Stored::of(&write))?;
+        let sends = self.streams.ship(place, write, fx.now());
+        Self::send::<FAMILY>(fx, sends);
+        Ok(())
+    }
+
+    /// Takes a message of writes from another datacenter: acknowledges it
+    /// and returns the writes now delivered in order.
+    fn receive<const FAMILY: u8>(
+        &mut self,
+        from: NodeId,
+        first: u64,
+        writes: Vec<Replicated>,
+        fx: &mut Effects,
+    ) -> Vec<Replicated> {
+        let place = self.place.as_ref().expect("placed");
+        let Some((ready, ack)) = self.streams.receive(place, from, first, writes) else { return Vec::new() };
+        Self::send::<FAMILY>(fx, vec![(from, ack)]);
+        ready
+    }
+
+    /// The datacenter whose copy of this partition took `origin`'s writes.
+    fn datacenter_of_origin(&self, origin: NodeId) -> Option<usize> {
+        self.place.as_ref()?.replicas.iter().position(|replica| *replica == origin)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::codec::{check_codec, strategies};
+
+    fn version() -> impl Strategy<Value = Version> {
+        any::<u64>().prop_map(Version)
+    }
+
+    fn replicated() -> impl Strategy<Value = Replicated> {
+        (
+            strategies::bytes(),
+            version(),
+            any::<u32>(),
+            proptest::option::of(strategies::bytes()),
+            proptest::collection::vec(version(), 0..4),
+            proptest::collection::vec((strategies::bytes(), version()), 0..4),
+        )
+            .prop_map(|(key, version, origin, value, vector, dependencies)| Replicated {
+                key,
+                version,
+                origin: NodeId(origin),
+                value,
+                vector,
+                dependencies,
+            })
+    }
+
+    fn message() -> impl Strategy<Value = GeoMessage> {
+        prop_oneof![
+            (any::<u64>(), proptest::collection::vec(replicated(), 0..4))
+                .prop_map(|(first, writes)| GeoMessage::Writes { first, writes }),
+            any::<u64>().prop_map(|through| GeoMessage::Ack { through }),
+            (version(), any::<u64>()).prop_map(|(clock, through)| GeoMessage::Heartbeat { clock, through }),
+            proptest::collection::vec(version(), 0..4).prop_map(|received| GeoMessage::Stable { received }),
+            (any::<u64>(), strategies::bytes(), version())
+                .prop_map(|(check, key, version)| GeoMessage::CheckDependency { check, key, version }),
+            any::<u64>().prop_map(|check| GeoMessage::DependencyMet { check }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn messages_survive_the_wire(message in message(), cut in any::<usize>()) {
+            check_codec(&Tagged::<20>(message), cut);
+        }
+
+        #[test]
+        fn stored_versions_survive_the_engine(
+            version in version(),
+            origin in any::<u32>(),
+            value in proptest::option::of(strategies::bytes()),
+            vector in proptest::collection::vec(version(), 0..4),
+        ) {
+            let stored = Stored { version, origin: NodeId(origin), value, vector };
+            prop_assert_eq!(Stored::decode(stored.encode()).unwrap(), stored);
+        }
+
+        /// Whatever order and repetition the network gives, a stream hands
+        /// each write on once, in order.
+        #[test]
+        fn a_stream_delivers_each_write_once_in_order(deliveries in proptest::collection::vec((1u64..40, 1usize..4), 1..200)) {
+            let mut inbox = Inbox::default();
+            let write = |number: u64| Replicated {
+                key: Bytes::from(number.to_string()),
+                version: Version(number),
+                origin: NodeId(1),
+                value: None,
+                vector: Vec::new(),
+                dependencies: Vec::new(),
+            };
+            let mut delivered = Vec::new();
+            for (first, count) in deliveries {
+                let writes = (first..first + count as u64).map(write).collect();
+                delivered.extend(inbox.receive(first, writes).into_iter().map(|write| write.version.0));
+            }
+            let expected: Vec<u64> = (1..=delivered.len() as u64).collect();
+            prop_assert_eq!(delivered, expected);
+        }
+    }
+
+    #[test]
+    fn an_outbox_resends_until_acknowledged() {
+        let write = Replicated {
+            key: Bytes::from_static(b"k"),
+            version: Version(1),
+            origin: NodeId(1),
+            value: None,
+            vector: Vec::new(),
+            dependencies: Vec::new(),
+        };
+        let mut outbox = Outbox::default();
+        assert!(matches!(outbox.push(write.clone(), 0), GeoMessage::Writes { first: 1, .. }));
+        assert!(matches!(outbox.push(write, 0), GeoMessage::Writes { first: 2, .. }));
+        assert_eq!(outbox.resend(RESEND_MS - 1), None);
+        assert!(
+            matches!(outbox.resend(RESEND_MS), Some(GeoMessage::Writes { first: 1, ref writes }) if writes.len() == 2)
+        );
+        outbox.acknowledged(1);
+        assert!(
+            matches!(outbox.resend(2 * RESEND_MS), Some(GeoMessage::Writes { first: 2, ref writes }) if writes.len() == 1)
+        );
+        outbox.acknowledged(2);
+        assert_eq!(outbox.resend(3 * RESEND_MS), None);
+        assert_eq!(outbox.sent_through(), 2);
+    }
+}

@@ -1,0 +1,233 @@
+//! CausalSpartan (Roohitavaf, Demirbas and Kulkarni, SoCC 2017): GentleRain
+//! with two changes, following the paper's Algorithms 2 and 3 (section 4).
+//!
+//! - Writes are stamped by a hybrid logical clock, moved past the session's
+//!   dependencies, so a put never waits for clock skew (GentleRain's waits
+//!   until the physical clock passes them).
+//! - Dependencies are a vector with an entry per datacenter, and the single
+//!   global stable time becomes a datacenter stable vector (DSV): entry `i`
+//!   is the newest time every partition here has received from datacenter
+//!   `i`. A write from elsewhere, which carries its session's dependency
+//!   vector, becomes visible once each of its entries for another
+//!   datacenter is at most the DSV's: a write waits only for the
+//!   datacenters it depends on.
+//!
+//! A get returns the newest visible version and adds it, and the vector it
+//! was written with, to the session's dependencies. Same assumptions of the
+//! network as [`super::gentle_rain`].
+
+use std::sync::Arc;
+
+use tessera_engine::Engine;
+
+use super::{call_of, read, reply_for, store, Call, GeoMessage, Partition, Replicated, Stabilizer, Stored};
+use crate::{
+    CausalContext, ClientReply, ClientRequest, Effects, NodeId, OperationError, PeerMessage, Progress,
+    Protocol, ShardView, Version,
+};
+
+/// This protocol's message family.
+pub const FAMILY: u8 = 22;
+
+pub struct CausalSpartan {
+    partition: Partition,
+    stabilizer: Stabilizer,
+    /// The datacenter stable vector.
+    stable: Vec<Version>,
+    /// Writes from other datacenters not yet visible, in arrival order.
+    pending: Vec<Replicated>,
+    /// A deliberately broken variant for the checker's tests: writes from
+    /// elsewhere are visible without the DSV check.
+    #[cfg(feature = "broken")]
+    broken_visible_on_arrival: bool,
+}
+
+/// The entry-wise maximum of two vectors into `into`.
+fn merge(into: &mut [Version], from: &[Version]) {
+    into.iter_mut().zip(from).for_each(|(into, from)| *into = (*into).max(*from));
+}
+
+impl CausalSpartan {
+    pub fn new(me: NodeId, engine: Arc<dyn Engine>) -> Self {
+        Self {
+            partition: Partition::new(me, engine),
+            stabilizer: Stabilizer::default(),
+            stable: Vec::new(),
+            pending: Vec::new(),
+            #[cfg(feature = "broken")]
+            broken_visible_on_arrival: false,
+        }
+    }
+
+    #[cfg(feature = "broken")]
+    pub fn broken_visible_on_arrival(me: NodeId, engine: Arc<dyn Engine>) -> Self {
+        Self { broken_visible_on_arrival: true, ..Self::new(me, engine) }
+    }
+
+    /// The session's dependency vector and the DSV it has seen, an entry per
+    /// datacenter.
+    fn context_of(
+        &self,
+        context: Option<CausalContext>,
+    ) -> Result<(Vec<Version>, Vec<Version>), OperationError> {
+        let datacenters = self.stable.len();
+        match context {
+            None | Some(CausalContext::Empty) => {
+                Ok((vec![Version::default(); datacenters], vec![Version::default(); datacenters]))
+            }
+            Some(CausalContext::Vector { dependency, stable })
+                if dependency.len() == datacenters && stable.len() == datacenters =>
+            {
+                Ok((dependency, stable))
+            }
+            Some(_) => Err(OperationError::Causal(super::FOREIGN_CONTEXT)),
+        }
+    }
+
+    fn serve(&mut self, request: ClientRequest, fx: &mut Effects) -> Result<ClientReply, OperationError> {
+        let (key, call, context) = call_of(request.operation)?;
+        let causal = context.is_some();
+        let (mut dependency, stable) = self.context_of(context)?;
+        let here = self.partition.place.as_ref().expect("placed").datacenter;
+        match call {
+            Call::Get => {
+                // GET: adopt the client's DSV, then read the newest visible
+                // version; the session now depends on it and on its past.
+                merge(&mut self.stable, &stable);
+                self.make_visible()?;
+                let held = read(&*self.partition.engine, &key)?;
+                if let Some(held) = &held {
+                    if let Some(origin) = self.partition.datacenter_of_origin(held.origin) {
+                        dependency[origin] = dependency[origin].max(held.version);
+                    }
+                    merge(&mut dependency, &held.vector);
+                }
+                let context = CausalContext::Vector { dependency, stable: self.stable.clone() };
+                Ok(reply_for(&call, causal, held.and_then(|held| held.value), context))
+            }
+            Call::Write(ref value) => {
+                // PUT: the clock moves past every dependency, no waiting.
+                if self.partition.streams.backlogged(self.partition.place.as_ref().expect("placed")) {
+                    return Ok(ClientReply::Retry("the copies in other datacenters are far behind"));
+                }
+                let newest = dependency.iter().copied().max().unwrap_or_default();
+                let version = self.partition.clock.observe(newest, fx.now());
+                let write = Replicated {
+                    key,
+                    version,
+                    origin: self.partition.me,
+                    value: value.clone(),
+                    vector: dependency.clone(),
+                    dependencies: Vec::new(),
+                };
+                self.partition.write_here::<FAMILY>(write, fx)?;
+                dependency[here] = version;
+                let mut seen = stable;
+                merge(&mut seen, &self.stable);
+                Ok(reply_for(&call, causal, None, CausalContext::Vector { dependency, stable: seen }))
+            }
+        }
+    }
+
+    /// Whether a write from elsewhere is visible: every datacenter it
+    /// depends on, but this one, is stable up to its entry.
+    fn visible(&self, write: &Replicated, here: usize) -> bool {
+        #[cfg(feature = "broken")]
+        if self.broken_visible_on_arrival {
+            return true;
+        }
+        write.vector.iter().enumerate().all(|(at, entry)| at == here || *entry <= self.stable[at])
+    }
+
+    fn make_visible(&mut self) -> Result<(), OperationError> {
+        let here = self.partition.place.as_ref().expect("placed").datacenter;
+        let mut index = 0;
+        while index < self.pending.len() {
+            if self.visible(&self.pending[index], here) {
+                let write = self.pending.remove(index);
+                store(&*self.partition.engine, &write.key, &Stored::of(&write))?;
+            } else {
+                index += 1;
+            }
+        }
+        Ok(())
+    }
+
+    fn engine_failed(&self, error: OperationError) {
+        tracing::error!(replica = %self.partition.me, %error, "a causal partition could not store a write");
+    }
+}
+
+impl Protocol for CausalSpartan {
+    fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
+        if self.partition.place.is_none() {
+            return fx.reply(request.id, ClientReply::Retry("this partition has no place yet"));
+        }
+        let id = request.id;
+        let reply = self.serve(request, fx).unwrap_or_else(ClientReply::Failed);
+        fx.reply(id, reply);
+    }
+
+    fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
+        if self.partition.place.is_none() {
+            return;
+        }
+        let Some(message) = self.partition.open::<FAMILY>(from, &message) else { return };
+        let place = self.partition.place.as_ref().expect("placed");
+        match message {
+            GeoMessage::Writes { first, writes } => {
+                let datacenters = place.datacenters();
+                for write in self.partition.receive::<FAMILY>(from, first, writes, fx) {
+                    if write.vector.len() != datacenters {
+                        tracing::warn!(%from, "dropped a causal write whose vector names another number of datacenters");
+                        continue;
+                    }
+                    // The clock keeps up with the writes it sees, unless one
+                    // comes from a clock far ahead.
+                    let _ = self.partition.clock.observe_remote(write.version, fx.now());
+                    self.pending.push(write);
+                }
+                if let Err(error) = self.make_visible() {
+                    self.engine_failed(error);
+                }
+            }
+            GeoMessage::Ack { through } => self.partition.streams.acknowledged(place, from, through),
+            GeoMessage::Heartbeat { clock, through } => {
+                self.partition.streams.heartbeat(place, from, clock, through)
+            }
+            GeoMessage::Stable { received } => self.stabilizer.heard(place, from, received),
+            GeoMessage::CheckDependency { .. } | GeoMessage::DependencyMet { .. } => {}
+        }
+    }
+
+    fn on_tick(&mut self, fx: &mut Effects) {
+        let Some(place) = self.partition.place.clone() else { return };
+        let clock = self.partition.clock.tick(fx.now());
+        let sends = self.partition.streams.on_tick(&place, Some(clock), fx.now());
+        Partition::send::<FAMILY>(fx, sends);
+        let received = self.partition.streams.received.clone();
+        let sends = self.stabilizer.gossip(&place, &received, fx.now());
+        Partition::send::<FAMILY>(fx, sends);
+        let stable = self.stabilizer.stable(&place, &received);
+        merge(&mut self.stable, &stable);
+        if let Err(error) = self.make_visible() {
+            self.engine_failed(error);
+        }
+    }
+
+    fn on_view(&mut self, view: &ShardView, _fx: &mut Effects) {
+        if self.partition.placed_by(view) {
+            let place = self.partition.place.as_ref().expect("placed");
+            self.stabilizer = Stabilizer::new(place);
+            self.stable = vec![Version::default(); place.datacenters()];
+        }
+    }
+
+    fn progress(&self) -> Progress {
+        Progress::default()
+    }
+
+    fn quiescent(&self) -> bool {
+        self.pending.is_empty() && self.partition.streams.drained()
+    }
+}
