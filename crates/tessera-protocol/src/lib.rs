@@ -25,7 +25,7 @@ pub mod transition;
 use bytes::Bytes;
 use tessera_engine::Engine;
 
-pub use causal::{CausalContext, GeoPlace};
+pub use causal::{CausalContext, Dependency, GeoPlace};
 pub use chain::{ChainOptions, ChainReplication};
 pub use codec::{Message, PeerMessage};
 pub use multi_master::{MultiMaster, MultiMasterOptions};

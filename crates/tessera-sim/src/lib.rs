@@ -8,6 +8,7 @@
 pub mod checks;
 mod clients;
 pub mod config;
+pub mod geo;
 pub mod groups;
 pub mod history;
 mod network;

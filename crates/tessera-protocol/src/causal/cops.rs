@@ -4,29 +4,41 @@
 //! transactions and no garbage collection of dependencies, as DKVF builds
 //! it).
 //!
-//! - The session's context is its nearest dependencies: the version of each
-//!   key it read, and after a put only that put (which depends on them).
+//! - The session's context is its nearest dependencies: each version it
+//!   read, and after a put only that put (which depends on them).
 //! - A put is stamped by a Lamport clock (a hybrid logical clock here) past
 //!   every dependency, stored, answered at once, and shipped to the other
 //!   datacenters with its dependencies.
 //! - There, the partition asks each dependency's owner in its own
-//!   datacenter (`dep_check`: [`GeoMessage::CheckDependency`]) whether it
-//!   holds that version or a newer one; the owner answers once it does. The
+//!   datacenter (`dep_check`: [`GeoMessage::CheckDependency`]) whether the
+//!   write it names is committed there; the owner answers once it is. The
 //!   write becomes visible when every dependency is met.
 //!
+//! The paper's owner answers once it holds the version *or a newer one*.
+//! Under last-writer-wins a newer version can be a concurrent write, and
+//! then the dependency's own past may still be missing: the simulator's
+//! causal checker found a session that read a write, then an older value of
+//! a key in that write's past. Here a dependency is met once the write
+//! itself is committed at the owner: taken there, or arrived from its
+//! datacenter (the stream from there has delivered past its version) and
+//! no longer waiting on dependencies of its own, whether it then won or was
+//! superseded. A dependency therefore names the node that took the write.
+//!
 //! A write waiting on its dependencies does not hold up the others.
-//! Checks and their answers are resent until answered.
+//! Checks are resent until answered.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use tessera_engine::Engine;
 
-use super::{call_of, read, reply_for, store, Call, GeoMessage, Partition, Replicated, Stored, RESEND_MS};
+use super::{
+    call_of, read, reply_for, store, Call, Dependency, GeoMessage, Partition, Replicated, Stored, RESEND_MS,
+};
 use crate::{
     CausalContext, ClientReply, ClientRequest, Effects, NodeId, OperationError, PeerMessage, Progress,
-    Protocol, ShardView, Time, Version,
+    Protocol, ShardView, Time,
 };
 
 /// This protocol's message family.
@@ -39,8 +51,8 @@ const WAITING_CHECKS_MAX: usize = 100_000;
 /// A write from elsewhere waiting for its dependencies.
 struct Waiting {
     write: Replicated,
-    /// Dependencies on keys of this partition, not yet held.
-    local: Vec<(Bytes, Version)>,
+    /// Dependencies on keys of this partition, not yet committed.
+    local: Vec<Dependency>,
     /// Checks sent to other partitions, not yet answered.
     checks: usize,
 }
@@ -49,17 +61,17 @@ struct Waiting {
 struct Check {
     waiting: u64,
     owner: NodeId,
-    key: Bytes,
-    version: Version,
+    dependency: Dependency,
 }
 
 pub struct Cops {
     partition: Partition,
     waiting: BTreeMap<u64, Waiting>,
-    checks: HashMap<u64, Check>,
+    checks: BTreeMap<u64, Check>,
     next_id: u64,
-    /// Checks from siblings for versions not held yet: who asked, its check.
-    asked: Vec<(NodeId, u64, Bytes, Version)>,
+    /// Checks from siblings for writes not committed yet: who asked, its
+    /// check, the write.
+    asked: Vec<(NodeId, u64, Dependency)>,
     last_resend: Time,
     /// A deliberately broken variant for the checker's tests: writes from
     /// elsewhere are visible without their dependency checks.
@@ -67,17 +79,12 @@ pub struct Cops {
     broken_skip_dependency_checks: bool,
 }
 
-/// Whether `key` holds `version` or a newer one.
-fn holds(engine: &dyn Engine, key: &[u8], version: Version) -> Result<bool, OperationError> {
-    Ok(read(engine, key)?.is_some_and(|held| held.version >= version))
-}
-
 impl Cops {
     pub fn new(me: NodeId, engine: Arc<dyn Engine>) -> Self {
         Self {
             partition: Partition::new(me, engine),
             waiting: BTreeMap::new(),
-            checks: HashMap::new(),
+            checks: BTreeMap::new(),
             next_id: 0,
             asked: Vec::new(),
             last_resend: 0,
@@ -91,7 +98,7 @@ impl Cops {
         Self { broken_skip_dependency_checks: true, ..Self::new(me, engine) }
     }
 
-    fn dependencies_of(context: Option<CausalContext>) -> Result<Vec<(Bytes, Version)>, OperationError> {
+    fn dependencies_of(context: Option<CausalContext>) -> Result<Vec<Dependency>, OperationError> {
         match context {
             None | Some(CausalContext::Empty) => Ok(Vec::new()),
             Some(CausalContext::Dependencies(dependencies)) => Ok(dependencies),
@@ -108,9 +115,13 @@ impl Cops {
                 // get: the session now depends on the version it read.
                 let held = read(&*self.partition.engine, &key)?;
                 if let Some(held) = &held {
-                    match dependencies.iter_mut().find(|(known, _)| *known == key) {
-                        Some((_, version)) => *version = (*version).max(held.version),
-                        None => dependencies.push((key.clone(), held.version)),
+                    // Each write read stays a dependency of its own, even of
+                    // a key already named: a newer version read can be a
+                    // concurrent write, which does not carry the past of
+                    // the one it superseded.
+                    let read = Dependency { key: key.clone(), version: held.version, origin: held.origin };
+                    if !dependencies.contains(&read) {
+                        dependencies.push(read);
                     }
                 }
                 let value = held.and_then(|held| held.value);
@@ -121,7 +132,8 @@ impl Cops {
                 if self.partition.streams.backlogged(self.partition.place.as_ref().expect("placed")) {
                     return Ok(ClientReply::Retry("the copies in other datacenters are far behind"));
                 }
-                let newest = dependencies.iter().map(|(_, version)| *version).max().unwrap_or_default();
+                let newest =
+                    dependencies.iter().map(|dependency| dependency.version).max().unwrap_or_default();
                 let version = self.partition.clock.observe(newest, fx.now());
                 let write = Replicated {
                     key: key.clone(),
@@ -134,7 +146,8 @@ impl Cops {
                 self.partition.write_here::<FAMILY>(write, fx)?;
                 self.answer_asked(&key, fx)?;
                 // The put is the session's one nearest dependency now.
-                Ok(reply_for(&call, causal, None, CausalContext::Dependencies(vec![(key, version)])))
+                let own = Dependency { key, version, origin: self.partition.me };
+                Ok(reply_for(&call, causal, None, CausalContext::Dependencies(vec![own])))
             }
         }
     }
@@ -153,17 +166,17 @@ impl Cops {
         };
         #[cfg(not(feature = "broken"))]
         let dependencies = waiting.write.dependencies.clone();
-        for (key, version) in dependencies {
-            let owner = place.partition_of(&key);
+        for dependency in dependencies {
+            let owner = place.partition_of(&dependency.key);
             if owner == place.partition {
-                waiting.local.push((key, version));
+                waiting.local.push(dependency);
             } else {
                 let check = self.next_id;
                 self.next_id += 1;
                 let owner = place.siblings[owner];
-                let message = GeoMessage::CheckDependency { check, key: key.clone(), version };
+                let message = GeoMessage::CheckDependency { check, dependency: dependency.clone() };
                 Partition::send::<FAMILY>(fx, vec![(owner, message)]);
-                self.checks.insert(check, Check { waiting: id, owner, key, version });
+                self.checks.insert(check, Check { waiting: id, owner, dependency });
                 waiting.checks += 1;
             }
         }
@@ -176,20 +189,11 @@ impl Cops {
     fn apply_ready(&mut self, fx: &mut Effects) -> Result<(), OperationError> {
         let engine = self.partition.engine.clone();
         loop {
-            let mut ready = None;
-            for (id, waiting) in &mut self.waiting {
-                let mut unmet = Vec::new();
-                for (key, version) in waiting.local.drain(..) {
-                    if !holds(&*engine, &key, version)? {
-                        unmet.push((key, version));
-                    }
-                }
-                waiting.local = unmet;
-                if waiting.local.is_empty() && waiting.checks == 0 {
-                    ready = Some(*id);
-                    break;
-                }
-            }
+            let ready = self.waiting.iter().find_map(|(id, waiting)| {
+                let met =
+                    waiting.checks == 0 && waiting.local.iter().all(|dependency| self.committed(dependency));
+                met.then_some(*id)
+            });
             let Some(id) = ready else { return Ok(()) };
             let write = self.waiting.remove(&id).expect("found above").write;
             store(&*engine, &write.key, &Stored::of(&write))?;
@@ -197,13 +201,31 @@ impl Cops {
         }
     }
 
-    /// Answers the siblings' checks of `key` that what it holds now meets.
+    /// Whether the write `dependency` names is committed here: taken here,
+    /// or arrived from its datacenter and no longer waiting.
+    fn committed(&self, dependency: &Dependency) -> bool {
+        let place = self.partition.place.as_ref().expect("placed");
+        match self.partition.datacenter_of_origin(dependency.origin) {
+            Some(datacenter) if datacenter == place.datacenter => true,
+            Some(datacenter) => {
+                self.partition.streams.received[datacenter] >= dependency.version
+                    && !self.waiting.values().any(|waiting| {
+                        waiting.write.origin == dependency.origin
+                            && waiting.write.version == dependency.version
+                    })
+            }
+            // No copy of this partition took it: a dependency that cannot be
+            // met (and a write that waits on it forever).
+            None => false,
+        }
+    }
+
+    /// Answers the siblings' checks of `key` that are now met.
     fn answer_asked(&mut self, key: &Bytes, fx: &mut Effects) -> Result<(), OperationError> {
-        let engine = self.partition.engine.clone();
         let mut index = 0;
         while index < self.asked.len() {
-            let (from, check, asked_key, version) = &self.asked[index];
-            if asked_key == key && holds(&*engine, key, *version)? {
+            let (from, check, dependency) = &self.asked[index];
+            if dependency.key == *key && self.committed(dependency) {
                 Partition::send::<FAMILY>(fx, vec![(*from, GeoMessage::DependencyMet { check: *check })]);
                 self.asked.swap_remove(index);
             } else {
@@ -245,23 +267,18 @@ impl Protocol for Cops {
                 self.partition.streams.acknowledged(&place, from, through);
                 Ok(())
             }
-            GeoMessage::CheckDependency { check, key, version } => {
-                // dep_check: answer now if held, else once it is.
-                if !place.siblings.contains(&from) || place.partition_of(&key) != place.partition {
+            GeoMessage::CheckDependency { check, dependency } => {
+                // dep_check: answer now if committed, else once it is.
+                if !place.siblings.contains(&from) || place.partition_of(&dependency.key) != place.partition {
                     return;
                 }
-                match holds(&*self.partition.engine, &key, version) {
-                    Ok(true) => {
-                        Partition::send::<FAMILY>(fx, vec![(from, GeoMessage::DependencyMet { check })])
+                if self.committed(&dependency) {
+                    Partition::send::<FAMILY>(fx, vec![(from, GeoMessage::DependencyMet { check })]);
+                } else {
+                    let known = self.asked.iter().any(|(asker, asked, _)| *asker == from && *asked == check);
+                    if !known && self.asked.len() < WAITING_CHECKS_MAX {
+                        self.asked.push((from, check, dependency));
                     }
-                    Ok(false) => {
-                        let known =
-                            self.asked.iter().any(|(asker, asked, ..)| *asker == from && *asked == check);
-                        if !known && self.asked.len() < WAITING_CHECKS_MAX {
-                            self.asked.push((from, check, key, version));
-                        }
-                    }
-                    Err(error) => self.engine_failed(error),
                 }
                 Ok(())
             }
@@ -289,11 +306,8 @@ impl Protocol for Cops {
         if fx.now() >= self.last_resend + RESEND_MS {
             self.last_resend = fx.now();
             for (check, sent) in &self.checks {
-                let message = GeoMessage::CheckDependency {
-                    check: *check,
-                    key: sent.key.clone(),
-                    version: sent.version,
-                };
+                let message =
+                    GeoMessage::CheckDependency { check: *check, dependency: sent.dependency.clone() };
                 Partition::send::<FAMILY>(fx, vec![(sent.owner, message)]);
             }
         }

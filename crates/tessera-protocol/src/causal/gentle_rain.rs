@@ -106,6 +106,10 @@ impl GentleRain {
                             "the copies in other datacenters are far behind",
                         )));
                     }
+                    // The session's GST is adopted here too, before the
+                    // write is visible: a session that reads the write
+                    // then carries a GST that covers what it depends on.
+                    self.raise_stable(stable)?;
                     let version = self.partition.clock.tick(fx.now());
                     debug_assert!(version > dependency, "a write is stamped after what it depends on");
                     let write = Replicated {

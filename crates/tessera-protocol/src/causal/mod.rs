@@ -88,14 +88,23 @@ pub enum CausalContext {
     /// A session that has done nothing yet, or runs under `eventual`.
     #[default]
     Empty,
-    /// COPS: the nearest dependencies, the newest version of each key.
-    Dependencies(Vec<(Bytes, Version)>),
+    /// COPS: the nearest dependencies: each write read since the last put, or that put.
+    Dependencies(Vec<Dependency>),
     /// GentleRain: the newest version the session depends on, and the
     /// newest global stable time it has seen.
     Time { dependency: Version, stable: Version },
     /// CausalSpartan: per datacenter, the newest version the session
     /// depends on, and the newest stable time it has seen.
     Vector { dependency: Vec<Version>, stable: Vec<Version> },
+}
+
+/// A version of a key a COPS session or write depends on, and the node
+/// that took it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Dependency {
+    pub key: Bytes,
+    pub version: Version,
+    pub origin: NodeId,
 }
 
 /// How far apart a stream resends what was not acknowledged, and an idle
@@ -123,7 +132,7 @@ pub struct Replicated {
     /// CausalSpartan: the write's dependency vector.
     pub vector: Vec<Version>,
     /// COPS: the write's nearest dependencies.
-    pub dependencies: Vec<(Bytes, Version)>,
+    pub dependencies: Vec<Dependency>,
 }
 
 /// Every causal protocol's messages; each protocol sends them under its own
@@ -149,12 +158,11 @@ pub enum GeoMessage {
     Stable {
         received: Vec<Version>,
     },
-    /// COPS: answer `DependencyMet { check }` once `key` holds `version` or
-    /// newer.
+    /// COPS: answer `DependencyMet { check }` once the write `dependency`
+    /// names is visible (or superseded) at the receiving partition.
     CheckDependency {
         check: u64,
-        key: Bytes,
-        version: Version,
+        dependency: Dependency,
     },
     DependencyMet {
         check: u64,
@@ -168,17 +176,24 @@ const STABLE: u8 = 4;
 const CHECK_DEPENDENCY: u8 = 5;
 const DEPENDENCY_MET: u8 = 6;
 
-fn put_versioned_keys(out: &mut Vec<u8>, keys: &[(Bytes, Version)]) {
-    out.put_u32_le(keys.len() as u32);
-    for (key, version) in keys {
-        put_bytes(out, key);
-        out.put_u64_le(version.0);
-    }
+fn put_dependency(out: &mut Vec<u8>, dependency: &Dependency) {
+    put_bytes(out, &dependency.key);
+    out.put_u64_le(dependency.version.0);
+    out.put_u32_le(dependency.origin.0);
 }
 
-fn versioned_keys(reader: &mut Reader) -> Result<Vec<(Bytes, Version)>, CodecError> {
-    let count = reader.count(12)?;
-    (0..count).map(|_| Ok((reader.bytes()?, Version(reader.u64()?)))).collect()
+fn dependency(reader: &mut Reader) -> Result<Dependency, CodecError> {
+    Ok(Dependency { key: reader.bytes()?, version: Version(reader.u64()?), origin: reader.node()? })
+}
+
+fn put_dependencies(out: &mut Vec<u8>, dependencies: &[Dependency]) {
+    out.put_u32_le(dependencies.len() as u32);
+    dependencies.iter().for_each(|each| put_dependency(out, each));
+}
+
+fn dependencies(reader: &mut Reader) -> Result<Vec<Dependency>, CodecError> {
+    let count = reader.count(4 + 8 + 4)?;
+    (0..count).map(|_| dependency(reader)).collect()
 }
 
 fn put_versions(out: &mut Vec<u8>, versions: &[Version]) {
@@ -202,7 +217,7 @@ impl GeoMessage {
                     out.put_u32_le(write.origin.0);
                     put_optional(out, &write.value);
                     put_versions(out, &write.vector);
-                    put_versioned_keys(out, &write.dependencies);
+                    put_dependencies(out, &write.dependencies);
                 }
             }
             GeoMessage::Ack { through } => {
@@ -218,11 +233,10 @@ impl GeoMessage {
                 out.put_u8(STABLE);
                 put_versions(out, received);
             }
-            GeoMessage::CheckDependency { check, key, version } => {
+            GeoMessage::CheckDependency { check, dependency } => {
                 out.put_u8(CHECK_DEPENDENCY);
                 out.put_u64_le(*check);
-                put_bytes(out, key);
-                out.put_u64_le(version.0);
+                put_dependency(out, dependency);
             }
             GeoMessage::DependencyMet { check } => {
                 out.put_u8(DEPENDENCY_MET);
@@ -245,7 +259,7 @@ impl GeoMessage {
                             origin: reader.node()?,
                             value: reader.optional()?,
                             vector: versions(reader)?,
-                            dependencies: versioned_keys(reader)?,
+                            dependencies: dependencies(reader)?,
                         })
                     })
                     .collect::<Result<_, CodecError>>()?;
@@ -254,11 +268,9 @@ impl GeoMessage {
             ACK => GeoMessage::Ack { through: reader.u64()? },
             HEARTBEAT => GeoMessage::Heartbeat { clock: Version(reader.u64()?), through: reader.u64()? },
             STABLE => GeoMessage::Stable { received: versions(reader)? },
-            CHECK_DEPENDENCY => GeoMessage::CheckDependency {
-                check: reader.u64()?,
-                key: reader.bytes()?,
-                version: Version(reader.u64()?),
-            },
+            CHECK_DEPENDENCY => {
+                GeoMessage::CheckDependency { check: reader.u64()?, dependency: dependency(reader)? }
+            }
             DEPENDENCY_MET => GeoMessage::DependencyMet { check: reader.u64()? },
             _ => return Err(CodecError("unknown causal message")),
         })
@@ -732,6 +744,14 @@ mod tests {
         any::<u64>().prop_map(Version)
     }
 
+    fn dependency() -> impl Strategy<Value = Dependency> {
+        (strategies::bytes(), version(), any::<u32>()).prop_map(|(key, version, origin)| Dependency {
+            key,
+            version,
+            origin: NodeId(origin),
+        })
+    }
+
     fn replicated() -> impl Strategy<Value = Replicated> {
         (
             strategies::bytes(),
@@ -739,7 +759,7 @@ mod tests {
             any::<u32>(),
             proptest::option::of(strategies::bytes()),
             proptest::collection::vec(version(), 0..4),
-            proptest::collection::vec((strategies::bytes(), version()), 0..4),
+            proptest::collection::vec(dependency(), 0..4),
         )
             .prop_map(|(key, version, origin, value, vector, dependencies)| Replicated {
                 key,
@@ -758,8 +778,8 @@ mod tests {
             any::<u64>().prop_map(|through| GeoMessage::Ack { through }),
             (version(), any::<u64>()).prop_map(|(clock, through)| GeoMessage::Heartbeat { clock, through }),
             proptest::collection::vec(version(), 0..4).prop_map(|received| GeoMessage::Stable { received }),
-            (any::<u64>(), strategies::bytes(), version())
-                .prop_map(|(check, key, version)| GeoMessage::CheckDependency { check, key, version }),
+            (any::<u64>(), dependency())
+                .prop_map(|(check, dependency)| GeoMessage::CheckDependency { check, dependency }),
             any::<u64>().prop_map(|check| GeoMessage::DependencyMet { check }),
         ]
     }

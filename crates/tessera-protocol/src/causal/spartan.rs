@@ -110,6 +110,10 @@ impl CausalSpartan {
                 if self.partition.streams.backlogged(self.partition.place.as_ref().expect("placed")) {
                     return Ok(ClientReply::Retry("the copies in other datacenters are far behind"));
                 }
+                // The session's DSV is adopted before the write is visible,
+                // as for a get (see gentle_rain).
+                merge(&mut self.stable, &stable);
+                self.make_visible()?;
                 let newest = dependency.iter().copied().max().unwrap_or_default();
                 let version = self.partition.clock.observe(newest, fx.now());
                 let write = Replicated {
@@ -122,9 +126,12 @@ impl CausalSpartan {
                 };
                 self.partition.write_here::<FAMILY>(write, fx)?;
                 dependency[here] = version;
-                let mut seen = stable;
-                merge(&mut seen, &self.stable);
-                Ok(reply_for(&call, causal, None, CausalContext::Vector { dependency, stable: seen }))
+                Ok(reply_for(
+                    &call,
+                    causal,
+                    None,
+                    CausalContext::Vector { dependency, stable: self.stable.clone() },
+                ))
             }
         }
     }

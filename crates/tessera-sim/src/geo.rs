@@ -1,0 +1,558 @@
+//! Causal protocols across datacenters in simulation (docs/PROTOCOLS.md,
+//! "Causal consistency across datacenters"): R datacenters × P partitions,
+//! each partition an instance of the protocol under test on its own engine,
+//! and sessions that each keep to one datacenter, carry their causal
+//! context from one operation to the next and write causally related
+//! chains (a post, a comment, a reply). Virtual milliseconds, every choice
+//! from one seed.
+//!
+//! Each seed draws its faults: clock skew per node, one-way delay between
+//! datacenters with jitter (so messages overtake each other), loss and
+//! duplication, datacenters cut off from each other for a while, and nodes
+//! that pause (a process stopped, its state kept). After the run the
+//! network heals and writes stop; the history goes to
+//! [`crate::checks::causal`], and every datacenter must then show each key
+//! at the same value (convergence) with nothing left in flight.
+//!
+//! The instances are driven directly: the node's replica driver does not
+//! run causal protocols yet (the protocols have no registry row).
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tessera_engine::{Engine, OrderedEngine};
+use tessera_protocol::{
+    CausalContext, ClientReply, ClientRequest, Effect, Effects, GeoPlace, NodeId, Operation, PeerMessage,
+    Protocol, RequestId, ShardView, Write,
+};
+
+use crate::checks::causal::{self, CausalCall, CausalOperation, Scope};
+use crate::rng::Rng;
+
+/// Makes the instance for a node over its engine.
+pub type Maker = fn(NodeId, Arc<dyn Engine>) -> Box<dyn Protocol>;
+
+#[derive(Clone, Copy)]
+pub struct GeoConfig {
+    pub seed: u64,
+    pub datacenters: usize,
+    pub partitions: usize,
+    pub sessions_per_datacenter: usize,
+    /// How long sessions issue operations, faults included.
+    pub run_ms: u64,
+    /// How long the healed network runs before the copies are compared.
+    pub quiet_ms: u64,
+    /// What to check the history for: causal consistency in this scope, or
+    /// (`None`, the eventual baseline) only convergence.
+    pub check_causal: Option<Scope>,
+    pub make: Maker,
+}
+
+impl GeoConfig {
+    pub fn new(seed: u64, make: Maker) -> Self {
+        Self {
+            seed,
+            datacenters: 2,
+            partitions: 3,
+            sessions_per_datacenter: 3,
+            run_ms: 2_000,
+            quiet_ms: 3_000,
+            check_causal: Some(Scope::Sessions),
+            make,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct GeoReport {
+    pub operations: usize,
+    pub writes: usize,
+    /// Peer messages sent.
+    pub messages: usize,
+    pub faults: Vec<String>,
+    pub violations: Vec<String>,
+}
+
+/// How often each node ticks.
+const TICK_MS: u64 = 5;
+/// The keys sessions write: three chains of a post, a comment and a reply.
+const KEYS: [&str; 9] =
+    ["post:1", "comment:1", "reply:1", "post:2", "comment:2", "reply:2", "post:3", "comment:3", "reply:3"];
+
+enum Event {
+    Deliver {
+        to: usize,
+        from: usize,
+        message: PeerMessage,
+    },
+    Request {
+        to: usize,
+        request: ClientRequest,
+    },
+    Tick(usize),
+    /// A session issues its next operation.
+    Wake(usize),
+    Reply {
+        session: usize,
+        request: RequestId,
+        reply: ClientReply,
+    },
+}
+
+struct Session {
+    datacenter: usize,
+    context: CausalContext,
+    /// The operation in flight: its index in the history and its request.
+    in_flight: Option<(usize, RequestId)>,
+    writes: u64,
+}
+
+struct Faults {
+    /// Per node, the offset of its clock.
+    skew: Vec<u64>,
+    /// One-way delay between datacenters and its jitter.
+    delay_ms: u64,
+    jitter_ms: u64,
+    loss: f64,
+    duplication: f64,
+    /// Windows in which the datacenters are cut off from each other.
+    cuts: Vec<(u64, u64)>,
+    /// Per node, windows in which it is paused.
+    pauses: Vec<Vec<(u64, u64)>>,
+}
+
+impl Faults {
+    fn draw(rng: &mut Rng, nodes: usize, run_ms: u64) -> Self {
+        let max_skew = *rng.pick(&[0, 2, 10, 50]);
+        let skew = (0..nodes).map(|_| rng.below(max_skew + 1)).collect();
+        let delay_ms = rng.between(1, 60);
+        let jitter_ms = rng.below(delay_ms + 1);
+        let loss = *rng.pick(&[0.0, 0.01, 0.1]);
+        let duplication = *rng.pick(&[0.0, 0.02]);
+        let cuts = (0..rng.below(3))
+            .map(|_| {
+                let start = rng.below(run_ms);
+                (start, start + rng.between(100, 800))
+            })
+            .collect();
+        let pauses = (0..nodes)
+            .map(|_| match rng.chance(0.2) {
+                true => {
+                    let start = rng.below(run_ms);
+                    vec![(start, start + rng.between(20, 400))]
+                }
+                false => Vec::new(),
+            })
+            .collect();
+        Self { skew, delay_ms, jitter_ms, loss, duplication, cuts, pauses }
+    }
+
+    fn describe(&self) -> Vec<String> {
+        let mut faults = vec![
+            format!("clock skew up to {} ms", self.skew.iter().max().unwrap_or(&0)),
+            format!("delay between datacenters {} ms ± {}", self.delay_ms, self.jitter_ms),
+            format!("loss {}, duplication {}", self.loss, self.duplication),
+        ];
+        faults.extend(self.cuts.iter().map(|(from, to)| format!("datacenters cut off {from}..{to} ms")));
+        for (node, pauses) in self.pauses.iter().enumerate() {
+            faults.extend(pauses.iter().map(|(from, to)| format!("node {node} paused {from}..{to} ms")));
+        }
+        faults
+    }
+
+    /// When a node paused at `at` resumes (`at` itself when it runs).
+    fn resumes(&self, node: usize, at: u64) -> u64 {
+        self.pauses[node].iter().find(|(from, to)| (*from..*to).contains(&at)).map_or(at, |(_, to)| *to)
+    }
+}
+
+struct Geo {
+    config: GeoConfig,
+    rng: Rng,
+    now: u64,
+    sequence: u64,
+    events: BinaryHeap<Reverse<(u64, u64, usize)>>,
+    /// Events by the number the heap orders them with.
+    bodies: std::collections::HashMap<usize, Event>,
+    next_body: usize,
+    nodes: Vec<Box<dyn Protocol>>,
+    places: Vec<GeoPlace>,
+    sessions: Vec<Session>,
+    /// Every operation issued; `None` once it is known to have had no
+    /// effect (refused, or a get never answered).
+    history: Vec<Option<CausalOperation>>,
+    faults: Faults,
+    healed: bool,
+    next_request: u64,
+    report: GeoReport,
+}
+
+impl Geo {
+    fn node(&self, datacenter: usize, partition: usize) -> usize {
+        datacenter * self.config.partitions + partition
+    }
+
+    fn datacenter_of(&self, node: usize) -> usize {
+        node / self.config.partitions
+    }
+
+    fn schedule(&mut self, at: u64, event: Event) {
+        let body = self.next_body;
+        self.next_body += 1;
+        self.bodies.insert(body, event);
+        self.sequence += 1;
+        self.events.push(Reverse((at, self.sequence, body)));
+    }
+
+    fn local_time(&self, node: usize) -> u64 {
+        self.now + self.faults.skew[node]
+    }
+
+    /// Runs `handler` on `node` and carries out what it asks.
+    fn handle(&mut self, node: usize, handler: impl FnOnce(&mut dyn Protocol, &mut Effects)) {
+        let mut fx = Effects::new(self.local_time(node));
+        handler(&mut *self.nodes[node], &mut fx);
+        for effect in fx.take() {
+            match effect {
+                Effect::Send { to, message } => self.send(node, to.0 as usize, message),
+                Effect::SendToShard { .. } => {
+                    self.report.violations.push("a causal protocol sent to a shard".into())
+                }
+                Effect::Reply { request, reply } => {
+                    let session = (request.0 >> 32) as usize;
+                    self.schedule(self.now, Event::Reply { session, request, reply });
+                }
+            }
+        }
+    }
+
+    fn send(&mut self, from: usize, to: usize, message: PeerMessage) {
+        self.report.messages += 1;
+        let across = self.datacenter_of(from) != self.datacenter_of(to);
+        let cut = across
+            && !self.healed
+            && self.faults.cuts.iter().any(|(start, end)| (*start..*end).contains(&self.now));
+        if cut || (!self.healed && self.rng.chance(self.faults.loss)) {
+            return;
+        }
+        let copies = if !self.healed && self.rng.chance(self.faults.duplication) { 2 } else { 1 };
+        for _ in 0..copies {
+            let delay = match across {
+                true => self.faults.delay_ms + self.rng.below(self.faults.jitter_ms + 1),
+                false => self.rng.below(3),
+            };
+            self.schedule(self.now + delay, Event::Deliver { to, from, message: message.clone() });
+        }
+    }
+
+    /// A session's next operation: a read or a write of one of the chains.
+    fn issue(&mut self, session: usize) {
+        let key = Bytes::from_static(self.rng.pick(&KEYS).as_bytes());
+        let state = &mut self.sessions[session];
+        let datacenter = state.datacenter;
+        let write = match self.rng.chance(0.4) {
+            true => {
+                state.writes += 1;
+                Some(Write::Put(Bytes::from(format!("s{session}w{}", state.writes))))
+            }
+            false => None,
+        };
+        let call = match &write {
+            Some(Write::Put(value)) => CausalCall::Put { value: value.clone(), acknowledged: false },
+            _ => CausalCall::Get { read: None },
+        };
+        self.next_request += 1;
+        let request = RequestId(((session as u64) << 32) | self.next_request);
+        state.in_flight = Some((self.history.len(), request));
+        let operation = Operation::Causal { key: key.clone(), write, context: state.context.clone() };
+        self.history.push(Some(CausalOperation {
+            session,
+            datacenter,
+            key: key.clone(),
+            call,
+            invoked_at: self.now,
+            completed_at: u64::MAX,
+        }));
+        let to = self.node(datacenter, self.places[0].partition_of(&key));
+        self.schedule(self.now, Event::Request { to, request: ClientRequest { id: request, operation } });
+    }
+
+    fn on_reply(&mut self, session: usize, request: RequestId, reply: ClientReply) {
+        let Some((at, expected)) = self.sessions[session].in_flight else { return };
+        if expected != request {
+            return;
+        }
+        match reply {
+            ClientReply::Causal { value, context } => {
+                self.sessions[session].context = context;
+                let operation = self.history[at].as_mut().expect("in flight");
+                operation.completed_at = self.now;
+                match &mut operation.call {
+                    CausalCall::Put { acknowledged, .. } => *acknowledged = true,
+                    CausalCall::Get { read } => *read = value,
+                }
+                self.report.operations += 1;
+            }
+            ClientReply::Retry(_) => {
+                // No effect: the operation leaves the history.
+                self.history[at] = None;
+            }
+            other => {
+                self.report.violations.push(format!("session {session} was answered {other:?}"));
+                self.history[at] = None;
+            }
+        }
+        self.sessions[session].in_flight = None;
+        let think = self.rng.below(5);
+        self.schedule(self.now + think, Event::Wake(session));
+    }
+
+    fn run(mut self) -> GeoReport {
+        let GeoConfig { datacenters, partitions, .. } = self.config;
+        for node in 0..datacenters * partitions {
+            let view = ShardView {
+                number: 1,
+                replicas: vec![NodeId(node as u32)],
+                learners: Vec::new(),
+                lease_until: 0,
+                draining: false,
+                geo: Some(self.places[node].clone()),
+            };
+            self.handle(node, |protocol, fx| protocol.on_view(&view, fx));
+            let first = self.rng.below(TICK_MS);
+            self.schedule(first, Event::Tick(node));
+        }
+        for session in 0..self.sessions.len() {
+            self.schedule(0, Event::Wake(session));
+        }
+        let end = self.config.run_ms + self.config.quiet_ms;
+        while let Some(Reverse((at, _, body))) = self.events.pop() {
+            if at > end {
+                break;
+            }
+            self.now = at;
+            if !self.healed && self.now >= self.config.run_ms {
+                self.healed = true;
+            }
+            let event = self.bodies.remove(&body).expect("scheduled");
+            // A paused node takes nothing until it resumes.
+            let node = match &event {
+                Event::Deliver { to, .. } | Event::Request { to, .. } => Some(*to),
+                Event::Tick(node) => Some(*node),
+                _ => None,
+            };
+            if let Some(node) = node {
+                let resumes = self.faults.resumes(node, self.now);
+                if resumes > self.now {
+                    self.schedule(resumes, event);
+                    continue;
+                }
+            }
+            match event {
+                Event::Deliver { to, from, message } => {
+                    self.handle(to, |protocol, fx| protocol.on_peer(NodeId(from as u32), message, fx))
+                }
+                Event::Request { to, request } => {
+                    self.handle(to, |protocol, fx| protocol.on_client(request, fx))
+                }
+                Event::Tick(node) => {
+                    self.handle(node, |protocol, fx| protocol.on_tick(fx));
+                    self.schedule(self.now + TICK_MS, Event::Tick(node));
+                }
+                Event::Wake(session) if self.now < self.config.run_ms => self.issue(session),
+                Event::Wake(_) => {}
+                Event::Reply { session, request, reply } => self.on_reply(session, request, reply),
+            }
+        }
+        self.finish()
+    }
+
+    /// Checks the history, then that every datacenter shows each key alike
+    /// with nothing in flight.
+    fn finish(mut self) -> GeoReport {
+        // Operations still in flight: a put may have taken effect, a get
+        // tells nothing.
+        for session in 0..self.sessions.len() {
+            if let Some((at, _)) = self.sessions[session].in_flight.take() {
+                if matches!(&self.history[at], Some(CausalOperation { call: CausalCall::Get { .. }, .. })) {
+                    self.history[at] = None;
+                }
+            }
+        }
+        let history: Vec<CausalOperation> = self.history.drain(..).flatten().collect();
+        self.report.writes = history.iter().filter(|op| matches!(op.call, CausalCall::Put { .. })).count();
+        if let Some(scope) = self.config.check_causal {
+            self.report.violations.extend(causal::check_in(&history, scope));
+        }
+        for (node, protocol) in self.nodes.iter().enumerate() {
+            if !protocol.quiescent() {
+                self.report.violations.push(format!("node {node} still has work in flight after healing"));
+            }
+        }
+        for key in KEYS {
+            let mut seen = Vec::new();
+            for datacenter in 0..self.config.datacenters {
+                let node = self.node(datacenter, self.places[0].partition_of(key.as_bytes()));
+                let operation = Operation::Get {
+                    key: Bytes::from_static(key.as_bytes()),
+                    consistency: tessera_protocol::Consistency::Eventual,
+                };
+                let mut fx = Effects::new(self.local_time(node));
+                self.nodes[node].on_client(ClientRequest { id: RequestId(0), operation }, &mut fx);
+                match fx.take().pop() {
+                    Some(Effect::Reply { reply: ClientReply::Value(value), .. }) => seen.push(value),
+                    other => self.report.violations.push(format!("a final read of {key} answered {other:?}")),
+                }
+            }
+            if seen.windows(2).any(|pair| pair[0] != pair[1]) {
+                self.report
+                    .violations
+                    .push(format!("convergence: {key} differs between datacenters: {seen:?}"));
+            }
+        }
+        self.report.faults = self.faults.describe();
+        self.report
+    }
+}
+
+/// Runs one seed.
+pub fn run(config: GeoConfig) -> GeoReport {
+    let mut rng = Rng::new(config.seed);
+    let nodes = config.datacenters * config.partitions;
+    let faults = Faults::draw(&mut rng.fork(), nodes, config.run_ms);
+    let places: Vec<GeoPlace> = (0..nodes)
+        .map(|node| {
+            let (datacenter, partition) = (node / config.partitions, node % config.partitions);
+            GeoPlace {
+                datacenter,
+                partition,
+                replicas: (0..config.datacenters)
+                    .map(|d| NodeId((d * config.partitions + partition) as u32))
+                    .collect(),
+                siblings: (0..config.partitions)
+                    .map(|p| NodeId((datacenter * config.partitions + p) as u32))
+                    .collect(),
+            }
+        })
+        .collect();
+    let instances =
+        (0..nodes).map(|node| (config.make)(NodeId(node as u32), Arc::new(OrderedEngine::new()))).collect();
+    let sessions = (0..config.datacenters * config.sessions_per_datacenter)
+        .map(|session| Session {
+            datacenter: session % config.datacenters,
+            context: CausalContext::Empty,
+            in_flight: None,
+            writes: 0,
+        })
+        .collect();
+    Geo {
+        config,
+        rng,
+        now: 0,
+        sequence: 0,
+        events: BinaryHeap::new(),
+        bodies: Default::default(),
+        next_body: 0,
+        nodes: instances,
+        places,
+        sessions,
+        history: Vec::new(),
+        faults,
+        healed: false,
+        next_request: 0,
+        report: GeoReport::default(),
+    }
+    .run()
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_protocol::causal::{
+        cops::Cops, eventual::Eventual, gentle_rain::GentleRain, spartan::CausalSpartan,
+    };
+
+    use super::*;
+
+    fn cops(me: NodeId, engine: Arc<dyn Engine>) -> Box<dyn Protocol> {
+        Box::new(Cops::new(me, engine))
+    }
+
+    fn gentle_rain(me: NodeId, engine: Arc<dyn Engine>) -> Box<dyn Protocol> {
+        Box::new(GentleRain::new(me, engine))
+    }
+
+    fn spartan(me: NodeId, engine: Arc<dyn Engine>) -> Box<dyn Protocol> {
+        Box::new(CausalSpartan::new(me, engine))
+    }
+
+    fn eventual(me: NodeId, engine: Arc<dyn Engine>) -> Box<dyn Protocol> {
+        Box::new(Eventual::new(me, engine))
+    }
+
+    fn failing_seeds(
+        make: Maker,
+        seeds: std::ops::Range<u64>,
+        check_causal: Option<Scope>,
+    ) -> Vec<(u64, Vec<String>)> {
+        seeds
+            .filter_map(|seed| {
+                let report = run(GeoConfig { check_causal, ..GeoConfig::new(seed, make) });
+                assert!(report.operations > 100, "seed {seed}: only {} operations", report.operations);
+                (!report.violations.is_empty()).then_some((seed, report.violations))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_causal_protocols_pass_their_seeds() {
+        let mut failures = Vec::new();
+        let protocols = [
+            ("cops", cops as Maker, Scope::SessionsAndDatacenters),
+            ("gentle-rain", gentle_rain, Scope::Sessions),
+            ("causal-spartan", spartan, Scope::Sessions),
+        ];
+        for (name, make, scope) in protocols {
+            let failing = failing_seeds(make, 0..40, Some(scope));
+            if !failing.is_empty() {
+                failures.push((name, failing));
+            }
+        }
+        assert!(failures.is_empty(), "{failures:?}");
+    }
+
+    /// Each protocol without the rule that delays visibility (the
+    /// dependency checks, the wait for the stable time) is caught.
+    #[test]
+    fn broken_variants_are_caught() {
+        let broken: [(&str, Maker, Scope); 3] = [
+            (
+                "cops without dependency checks",
+                |me, engine| Box::new(Cops::broken_skip_dependency_checks(me, engine)),
+                Scope::SessionsAndDatacenters,
+            ),
+            (
+                "gentle-rain visible on arrival",
+                |me, engine| Box::new(GentleRain::broken_visible_on_arrival(me, engine)),
+                Scope::Sessions,
+            ),
+            (
+                "causal-spartan visible on arrival",
+                |me, engine| Box::new(CausalSpartan::broken_visible_on_arrival(me, engine)),
+                Scope::Sessions,
+            ),
+        ];
+        for (name, make, scope) in broken {
+            let caught = failing_seeds(make, 0..40, Some(scope)).len();
+            assert!(caught >= 4, "{name} was caught in only {caught} of 40 runs");
+        }
+    }
+
+    #[test]
+    fn eventual_converges_and_the_causal_checker_catches_it() {
+        assert_eq!(failing_seeds(eventual, 0..40, None), Vec::new());
+        let caught = failing_seeds(eventual, 0..40, Some(Scope::Sessions)).len();
+        assert!(caught > 0, "the checker caught eventual consistency in none of 40 runs");
+    }
+}
