@@ -263,9 +263,16 @@ enum BenchAction {
 
 #[derive(Args)]
 struct SimArgs {
-    /// chain, chain-craq, primary-backup, multi-master or quorum.
+    /// chain, chain-craq, primary-backup, multi-master or quorum; or, across
+    /// datacenters, eventual, cops, gentle-rain or causal-spartan.
     #[arg(long)]
     protocol: String,
+    /// Across datacenters: how many, and partitions in each (--clients
+    /// sessions in each).
+    #[arg(long, default_value_t = 2)]
+    datacenters: usize,
+    #[arg(long, default_value_t = 3)]
+    partitions: usize,
     /// Switch each run to this protocol at a random time while it serves
     /// (an online transition), checked under both protocols' guarantees.
     #[arg(long)]
@@ -944,12 +951,16 @@ fn bench(args: BenchArgs, password: Option<String>) -> Result<(), String> {
 /// A protocol of the registry, by name.
 fn sim_protocol(name: &str) -> Result<tessera_protocol::Mode, String> {
     tessera_protocol::Mode::named(name).ok_or_else(|| {
-        let names: Vec<&str> = tessera_protocol::Mode::all().map(|mode| mode.name).collect();
+        let names: Vec<&str> =
+            tessera_protocol::Mode::all().map(|mode| mode.name).chain(tessera_sim::geo::PROTOCOLS).collect();
         format!("unknown protocol {name:?}; choose one of {}", names.join(", "))
     })
 }
 
 fn simulate(args: SimArgs) -> Result<(), String> {
+    if let Some((make, scope)) = tessera_sim::geo::protocol(&args.protocol) {
+        return simulate_geo(&args, make, scope);
+    }
     let protocol = sim_protocol(&args.protocol)?;
     if args.groups > 1 {
         return simulate_groups(&args, protocol);
@@ -1100,6 +1111,61 @@ fn run_seeds(
         totals.failed
     );
     totals
+}
+
+/// `tessera sim --protocol cops` (or another causal protocol): datacenters
+/// of partitions under faults, the history checked for causal consistency
+/// (docs/PROTOCOLS.md, "Causal consistency across datacenters").
+fn simulate_geo(
+    args: &SimArgs,
+    make: tessera_sim::geo::Maker,
+    scope: Option<tessera_sim::checks::causal::Scope>,
+) -> Result<(), String> {
+    if args.datacenters < 2 || args.partitions == 0 || args.clients == 0 {
+        return Err("--datacenters must be at least 2, --partitions and --clients at least 1".into());
+    }
+    let seeds = match args.seed {
+        Some(seed) => seed..seed + 1,
+        None => args.first_seed..args.first_seed + args.seeds,
+    };
+    let started = std::time::Instant::now();
+    let (mut runs, mut failed, mut operations, mut writes) = (0u64, 0u64, 0usize, 0usize);
+    for seed in seeds {
+        let defaults = tessera_sim::geo::GeoConfig::new(seed, make);
+        let config = tessera_sim::geo::GeoConfig {
+            datacenters: args.datacenters,
+            partitions: args.partitions,
+            sessions_per_datacenter: args.clients,
+            run_ms: args.safety_ms.unwrap_or(defaults.run_ms),
+            quiet_ms: args.liveness_ms.unwrap_or(defaults.quiet_ms),
+            check_causal: scope,
+            ..defaults
+        };
+        let report = tessera_sim::geo::run(config);
+        runs += 1;
+        operations += report.operations;
+        writes += report.writes;
+        if args.seed.is_some() {
+            println!("seed {seed}: faults {}", report.faults.join("; "));
+        }
+        if !report.violations.is_empty() {
+            failed += 1;
+            println!("FAIL seed {seed} faults {}", report.faults.join("; "));
+            for violation in &report.violations {
+                println!("  {violation}");
+            }
+            println!("  replay: tessera sim --protocol {} --seed {seed}", args.protocol);
+        }
+    }
+    println!(
+        "{}: {runs} seeds in {:.1}s, {failed} failed; operations completed {operations}, writes {writes}",
+        args.protocol,
+        started.elapsed().as_secs_f64()
+    );
+    match failed {
+        0 => Ok(()),
+        failed => Err(format!("{failed} of {runs} seeds violated a checked property")),
+    }
 }
 
 /// `tessera sim --groups G`: slot migrations between groups under faults

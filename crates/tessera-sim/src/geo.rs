@@ -417,6 +417,24 @@ impl Geo {
     }
 }
 
+/// The causal protocols by name, each with what its history is checked for.
+pub fn protocol(name: &str) -> Option<(Maker, Option<Scope>)> {
+    use tessera_protocol::causal::{
+        cops::Cops, eventual::Eventual, gentle_rain::GentleRain, spartan::CausalSpartan,
+    };
+    let found: (Maker, Option<Scope>) = match name {
+        "eventual" => (|me, engine| Box::new(Eventual::new(me, engine)), None),
+        "cops" => (|me, engine| Box::new(Cops::new(me, engine)), Some(Scope::SessionsAndDatacenters)),
+        "gentle-rain" => (|me, engine| Box::new(GentleRain::new(me, engine)), Some(Scope::Sessions)),
+        "causal-spartan" => (|me, engine| Box::new(CausalSpartan::new(me, engine)), Some(Scope::Sessions)),
+        _ => return None,
+    };
+    Some(found)
+}
+
+/// The names [`protocol`] knows.
+pub const PROTOCOLS: [&str; 4] = ["eventual", "cops", "gentle-rain", "causal-spartan"];
+
 /// Runs one seed.
 pub fn run(config: GeoConfig) -> GeoReport {
     let mut rng = Rng::new(config.seed);
@@ -475,22 +493,6 @@ mod tests {
 
     use super::*;
 
-    fn cops(me: NodeId, engine: Arc<dyn Engine>) -> Box<dyn Protocol> {
-        Box::new(Cops::new(me, engine))
-    }
-
-    fn gentle_rain(me: NodeId, engine: Arc<dyn Engine>) -> Box<dyn Protocol> {
-        Box::new(GentleRain::new(me, engine))
-    }
-
-    fn spartan(me: NodeId, engine: Arc<dyn Engine>) -> Box<dyn Protocol> {
-        Box::new(CausalSpartan::new(me, engine))
-    }
-
-    fn eventual(me: NodeId, engine: Arc<dyn Engine>) -> Box<dyn Protocol> {
-        Box::new(Eventual::new(me, engine))
-    }
-
     fn failing_seeds(
         make: Maker,
         seeds: std::ops::Range<u64>,
@@ -508,11 +510,10 @@ mod tests {
     #[test]
     fn the_causal_protocols_pass_their_seeds() {
         let mut failures = Vec::new();
-        let protocols = [
-            ("cops", cops as Maker, Scope::SessionsAndDatacenters),
-            ("gentle-rain", gentle_rain, Scope::Sessions),
-            ("causal-spartan", spartan, Scope::Sessions),
-        ];
+        let protocols = PROTOCOLS[1..].iter().map(|name| {
+            let (make, scope) = protocol(name).expect("known");
+            (*name, make, scope.expect("a causal protocol"))
+        });
         for (name, make, scope) in protocols {
             let failing = failing_seeds(make, 0..40, Some(scope));
             if !failing.is_empty() {
@@ -551,6 +552,8 @@ mod tests {
 
     #[test]
     fn eventual_converges_and_the_causal_checker_catches_it() {
+        let (eventual, scope) = protocol("eventual").expect("known");
+        assert_eq!(scope, None, "eventual is checked for convergence only");
         assert_eq!(failing_seeds(eventual, 0..40, None), Vec::new());
         let caught = failing_seeds(eventual, 0..40, Some(Scope::Sessions)).len();
         assert!(caught > 0, "the checker caught eventual consistency in none of 40 runs");
