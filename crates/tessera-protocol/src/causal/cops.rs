@@ -264,7 +264,7 @@ impl Protocol for Cops {
                 })
             }
             GeoMessage::Ack { through } => {
-                self.partition.streams.acknowledged(&place, from, through);
+                self.partition.streams.acknowledged(&place, from, through, fx.now());
                 Ok(())
             }
             GeoMessage::CheckDependency { check, dependency } => {

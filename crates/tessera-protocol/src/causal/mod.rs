@@ -107,9 +107,10 @@ pub struct Dependency {
     pub origin: NodeId,
 }
 
-/// How far apart a stream resends what was not acknowledged, and an idle
-/// partition sends its clock.
-pub(crate) const RESEND_MS: Time = 50;
+/// How long a stream waits for the acknowledgement of its oldest write
+/// before it resends from there (above a round trip between datacenters,
+/// or it resends what is on its way), and COPS for the answer to a check.
+pub(crate) const RESEND_MS: Time = 250;
 /// Records a stream keeps unacknowledged for one datacenter before the
 /// partition refuses writes (the copy there is cut off or far behind).
 const OUTBOX_MAX: usize = 100_000;
@@ -303,7 +304,9 @@ struct Outbox {
     unacked: VecDeque<Replicated>,
     /// The number of `unacked`'s first write.
     first: u64,
-    last_sent: Time,
+    /// When the first unacknowledged write was last sent (or became the
+    /// first).
+    first_sent: Time,
 }
 
 impl Outbox {
@@ -320,23 +323,31 @@ impl Outbox {
     fn push(&mut self, write: Replicated, now: Time) -> GeoMessage {
         self.first = self.first.max(1);
         let number = self.next();
+        if self.unacked.is_empty() {
+            self.first_sent = now;
+        }
         self.unacked.push_back(write.clone());
-        self.last_sent = now;
         GeoMessage::Writes { first: number, writes: vec![write] }
     }
 
-    fn acknowledged(&mut self, through: u64) {
+    fn acknowledged(&mut self, through: u64, now: Time) {
+        let first = self.first;
         while self.first <= through && self.unacked.pop_front().is_some() {
             self.first += 1;
         }
+        if self.first != first {
+            self.first_sent = now;
+        }
     }
 
-    /// The oldest unacknowledged writes, when they have waited long enough.
+    /// The oldest unacknowledged writes, once the first has waited long
+    /// enough for its acknowledgement (a steady stream of new writes does
+    /// not put it off).
     fn resend(&mut self, now: Time) -> Option<GeoMessage> {
-        if self.unacked.is_empty() || now < self.last_sent + RESEND_MS {
+        if self.unacked.is_empty() || now < self.first_sent + RESEND_MS {
             return None;
         }
-        self.last_sent = now;
+        self.first_sent = now;
         let writes = self.unacked.iter().take(RESEND_BATCH).cloned().collect();
         Some(GeoMessage::Writes { first: self.first, writes })
     }
@@ -427,9 +438,9 @@ impl Streams {
         Some((ready, GeoMessage::Ack { through: inbox.delivered }))
     }
 
-    fn acknowledged(&mut self, place: &GeoPlace, from: NodeId, through: u64) {
+    fn acknowledged(&mut self, place: &GeoPlace, from: NodeId, through: u64, now: Time) {
         if let Some(datacenter) = place.datacenter_of(from) {
-            self.outboxes[datacenter].acknowledged(through);
+            self.outboxes[datacenter].acknowledged(through, now);
         }
     }
 
@@ -836,17 +847,17 @@ mod tests {
         };
         let mut outbox = Outbox::default();
         assert!(matches!(outbox.push(write.clone(), 0), GeoMessage::Writes { first: 1, .. }));
-        assert!(matches!(outbox.push(write, 0), GeoMessage::Writes { first: 2, .. }));
+        // New writes keep coming; the first still comes due.
+        assert!(matches!(outbox.push(write, RESEND_MS - 1), GeoMessage::Writes { first: 2, .. }));
         assert_eq!(outbox.resend(RESEND_MS - 1), None);
-        assert!(
-            matches!(outbox.resend(RESEND_MS), Some(GeoMessage::Writes { first: 1, ref writes }) if writes.len() == 2)
-        );
-        outbox.acknowledged(1);
-        assert!(
-            matches!(outbox.resend(2 * RESEND_MS), Some(GeoMessage::Writes { first: 2, ref writes }) if writes.len() == 1)
-        );
-        outbox.acknowledged(2);
-        assert_eq!(outbox.resend(3 * RESEND_MS), None);
+        let resent = outbox.resend(RESEND_MS);
+        assert!(matches!(resent, Some(GeoMessage::Writes { first: 1, ref writes }) if writes.len() == 2));
+        outbox.acknowledged(1, RESEND_MS + 1);
+        assert_eq!(outbox.resend(2 * RESEND_MS), None, "the new first was just sent");
+        let resent = outbox.resend(2 * RESEND_MS + 1);
+        assert!(matches!(resent, Some(GeoMessage::Writes { first: 2, ref writes }) if writes.len() == 1));
+        outbox.acknowledged(2, 2 * RESEND_MS + 2);
+        assert_eq!(outbox.resend(4 * RESEND_MS), None);
         assert_eq!(outbox.sent_through(), 2);
     }
 }
