@@ -487,9 +487,7 @@ pub fn run(config: GeoConfig) -> GeoReport {
 
 #[cfg(test)]
 mod tests {
-    use tessera_protocol::causal::{
-        cops::Cops, eventual::Eventual, gentle_rain::GentleRain, spartan::CausalSpartan,
-    };
+    use tessera_protocol::causal::{cops::Cops, gentle_rain::GentleRain, spartan::CausalSpartan};
 
     use super::*;
 
