@@ -273,6 +273,16 @@ struct SimArgs {
     datacenters: usize,
     #[arg(long, default_value_t = 3)]
     partitions: usize,
+    /// Across datacenters: measure how long a write takes to be seen in the
+    /// other datacenters, at each clock skew of --skews (ms, half the nodes
+    /// that far ahead) with a fixed one-way --delay-ms between datacenters
+    /// and no other fault, over --seeds seeds each.
+    #[arg(long)]
+    visibility: bool,
+    #[arg(long, default_value = "0,2,5,10")]
+    skews: String,
+    #[arg(long, default_value_t = 50)]
+    delay_ms: u64,
     /// Switch each run to this protocol at a random time while it serves
     /// (an online transition), checked under both protocols' guarantees.
     #[arg(long)]
@@ -1124,6 +1134,9 @@ fn simulate_geo(
     if args.datacenters < 2 || args.partitions == 0 || args.clients == 0 {
         return Err("--datacenters must be at least 2, --partitions and --clients at least 1".into());
     }
+    if args.visibility {
+        return measure_visibility(args, make, scope);
+    }
     let seeds = match args.seed {
         Some(seed) => seed..seed + 1,
         None => args.first_seed..args.first_seed + args.seeds,
@@ -1166,6 +1179,53 @@ fn simulate_geo(
         0 => Ok(()),
         failed => Err(format!("{failed} of {runs} seeds violated a checked property")),
     }
+}
+
+/// `tessera sim --protocol P --visibility`: the virtual milliseconds from a
+/// write's acknowledgement to its sight in the other datacenters, by skew.
+fn measure_visibility(
+    args: &SimArgs,
+    make: tessera_sim::geo::Maker,
+    scope: Option<tessera_sim::checks::causal::Scope>,
+) -> Result<(), String> {
+    let skews: Vec<u64> = args
+        .skews
+        .split(',')
+        .map(|skew| skew.trim().parse().map_err(|_| format!("--skews: {skew:?} is not a number of ms")))
+        .collect::<Result<_, _>>()?;
+    println!("{}: one-way delay {} ms, {} seeds per skew", args.protocol, args.delay_ms, args.seeds);
+    for skew_ms in skews {
+        let mut samples = Vec::new();
+        let mut operations = 0;
+        for seed in args.first_seed..args.first_seed + args.seeds {
+            let defaults = tessera_sim::geo::GeoConfig::new(seed, make);
+            let config = tessera_sim::geo::GeoConfig {
+                datacenters: args.datacenters,
+                partitions: args.partitions,
+                sessions_per_datacenter: args.clients,
+                chains: 100,
+                check_causal: scope,
+                measure: Some(tessera_sim::geo::Measure { skew_ms, delay_ms: args.delay_ms }),
+                ..defaults
+            };
+            let report = tessera_sim::geo::run(config);
+            if !report.violations.is_empty() {
+                return Err(format!("seed {seed} at skew {skew_ms} ms: {:?}", report.violations));
+            }
+            operations += report.operations;
+            samples.extend(report.visibility_ms);
+        }
+        samples.sort_unstable();
+        let at = |fraction: f64| samples.get(((samples.len() as f64 - 1.0) * fraction) as usize).copied();
+        match (at(0.5), at(0.9), at(0.99)) {
+            (Some(median), Some(p90), Some(p99)) => println!(
+                "  skew {skew_ms:>3} ms: visible after median {median} ms, p90 {p90}, p99 {p99} ({} writes seen, {operations} operations)",
+                samples.len()
+            ),
+            _ => println!("  skew {skew_ms:>3} ms: no write seen"),
+        }
+    }
+    Ok(())
 }
 
 /// `tessera sim --groups G`: slot migrations between groups under faults

@@ -47,7 +47,21 @@ pub struct GeoConfig {
     /// What to check the history for: causal consistency in this scope, or
     /// (`None`, the eventual baseline) only convergence.
     pub check_causal: Option<Scope>,
+    /// How many chains of keys (a post, a comment and a reply each)
+    /// sessions write.
+    pub chains: usize,
+    /// A measurement rather than a test: half the nodes' clocks run this
+    /// far ahead, the delay between datacenters is this fixed (no jitter),
+    /// and nothing else goes wrong.
+    pub measure: Option<Measure>,
     pub make: Maker,
+}
+
+/// The settings of a measuring run ([`GeoConfig::measure`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Measure {
+    pub skew_ms: u64,
+    pub delay_ms: u64,
 }
 
 impl GeoConfig {
@@ -60,6 +74,8 @@ impl GeoConfig {
             run_ms: 2_000,
             quiet_ms: 3_000,
             check_causal: Some(Scope::Sessions),
+            chains: 3,
+            measure: None,
             make,
         }
     }
@@ -71,15 +87,23 @@ pub struct GeoReport {
     pub writes: usize,
     /// Peer messages sent.
     pub messages: usize,
+    /// In a measuring run, virtual milliseconds from a write's
+    /// acknowledgement to its value's first sight in each other
+    /// datacenter's copy (a write superseded there before it is seen counts
+    /// nothing; runs that measure use many keys so that few are).
+    pub visibility_ms: Vec<u64>,
     pub faults: Vec<String>,
     pub violations: Vec<String>,
 }
 
 /// How often each node ticks.
 const TICK_MS: u64 = 5;
-/// The keys sessions write: three chains of a post, a comment and a reply.
-const KEYS: [&str; 9] =
-    ["post:1", "comment:1", "reply:1", "post:2", "comment:2", "reply:2", "post:3", "comment:3", "reply:3"];
+/// The keys sessions write: `chains` chains of a post, a comment and a reply.
+fn keys(chains: usize) -> Vec<Bytes> {
+    (1..=chains)
+        .flat_map(|chain| ["post", "comment", "reply"].map(|kind| Bytes::from(format!("{kind}:{chain}"))))
+        .collect()
+}
 
 enum Event {
     Deliver {
@@ -124,6 +148,19 @@ struct Faults {
 }
 
 impl Faults {
+    /// A measuring run's: fixed skew and delay, nothing else.
+    fn fixed(measure: Measure, nodes: usize) -> Self {
+        Self {
+            skew: (0..nodes).map(|node| if node % 2 == 0 { measure.skew_ms } else { 0 }).collect(),
+            delay_ms: measure.delay_ms,
+            jitter_ms: 0,
+            loss: 0.0,
+            duplication: 0.0,
+            cuts: Vec::new(),
+            pauses: vec![Vec::new(); nodes],
+        }
+    }
+
     fn draw(rng: &mut Rng, nodes: usize, run_ms: u64) -> Self {
         let max_skew = *rng.pick(&[0, 2, 10, 50]);
         let skew = (0..nodes).map(|_| rng.below(max_skew + 1)).collect();
@@ -180,6 +217,12 @@ struct Geo {
     nodes: Vec<Box<dyn Protocol>>,
     places: Vec<GeoPlace>,
     sessions: Vec<Session>,
+    keys: Vec<Bytes>,
+    /// Each node's engine, to see what it shows.
+    engines: Vec<Arc<dyn Engine>>,
+    /// In a measuring run, acknowledged writes not yet seen at a node of
+    /// another datacenter: the node, the key, the value, when acknowledged.
+    unseen: Vec<(usize, Bytes, Bytes, u64)>,
     /// Every operation issued; `None` once it is known to have had no
     /// effect (refused, or a get never answered).
     history: Vec<Option<CausalOperation>>,
@@ -249,7 +292,7 @@ impl Geo {
 
     /// A session's next operation: a read or a write of one of the chains.
     fn issue(&mut self, session: usize) {
-        let key = Bytes::from_static(self.rng.pick(&KEYS).as_bytes());
+        let key = self.rng.pick(&self.keys).clone();
         let state = &mut self.sessions[session];
         let datacenter = state.datacenter;
         let write = match self.rng.chance(0.4) {
@@ -290,7 +333,17 @@ impl Geo {
                 let operation = self.history[at].as_mut().expect("in flight");
                 operation.completed_at = self.now;
                 match &mut operation.call {
-                    CausalCall::Put { acknowledged, .. } => *acknowledged = true,
+                    CausalCall::Put { acknowledged, value } => {
+                        *acknowledged = true;
+                        if self.config.measure.is_some() {
+                            let (key, value) = (operation.key.clone(), value.clone());
+                            let (here, partition) = (operation.datacenter, self.places[0].partition_of(&key));
+                            for other in (0..self.config.datacenters).filter(|&other| other != here) {
+                                let node = self.node(other, partition);
+                                self.unseen.push((node, key.clone(), value.clone(), self.now));
+                            }
+                        }
+                    }
                     CausalCall::Get { read } => *read = value,
                 }
                 self.report.operations += 1;
@@ -359,6 +412,7 @@ impl Geo {
                 }
                 Event::Tick(node) => {
                     self.handle(node, |protocol, fx| protocol.on_tick(fx));
+                    self.look_for_unseen(node);
                     self.schedule(self.now + TICK_MS, Event::Tick(node));
                 }
                 Event::Wake(session) if self.now < self.config.run_ms => self.issue(session),
@@ -367,6 +421,20 @@ impl Geo {
             }
         }
         self.finish()
+    }
+
+    /// Records the acknowledged writes whose value `node` now shows.
+    fn look_for_unseen(&mut self, node: usize) {
+        let (engine, now) = (self.engines[node].clone(), self.now);
+        let report = &mut self.report;
+        self.unseen.retain(|(at, key, value, acknowledged)| {
+            let seen =
+                *at == node && tessera_protocol::causal::held_value(&*engine, key).as_ref() == Some(value);
+            if seen {
+                report.visibility_ms.push(now - acknowledged);
+            }
+            !seen
+        });
     }
 
     /// Checks the history, then that every datacenter shows each key alike
@@ -391,25 +459,25 @@ impl Geo {
                 self.report.violations.push(format!("node {node} still has work in flight after healing"));
             }
         }
-        for key in KEYS {
+        for key in self.keys.clone() {
             let mut seen = Vec::new();
             for datacenter in 0..self.config.datacenters {
-                let node = self.node(datacenter, self.places[0].partition_of(key.as_bytes()));
-                let operation = Operation::Get {
-                    key: Bytes::from_static(key.as_bytes()),
-                    consistency: tessera_protocol::Consistency::Eventual,
-                };
+                let node = self.node(datacenter, self.places[0].partition_of(&key));
+                let operation =
+                    Operation::Get { key: key.clone(), consistency: tessera_protocol::Consistency::Eventual };
                 let mut fx = Effects::new(self.local_time(node));
                 self.nodes[node].on_client(ClientRequest { id: RequestId(0), operation }, &mut fx);
                 match fx.take().pop() {
                     Some(Effect::Reply { reply: ClientReply::Value(value), .. }) => seen.push(value),
-                    other => self.report.violations.push(format!("a final read of {key} answered {other:?}")),
+                    other => {
+                        self.report.violations.push(format!("a final read of {key:?} answered {other:?}"))
+                    }
                 }
             }
             if seen.windows(2).any(|pair| pair[0] != pair[1]) {
                 self.report
                     .violations
-                    .push(format!("convergence: {key} differs between datacenters: {seen:?}"));
+                    .push(format!("convergence: {key:?} differs between datacenters: {seen:?}"));
             }
         }
         self.report.faults = self.faults.describe();
@@ -439,7 +507,10 @@ pub const PROTOCOLS: [&str; 4] = ["eventual", "cops", "gentle-rain", "causal-spa
 pub fn run(config: GeoConfig) -> GeoReport {
     let mut rng = Rng::new(config.seed);
     let nodes = config.datacenters * config.partitions;
-    let faults = Faults::draw(&mut rng.fork(), nodes, config.run_ms);
+    let faults = match config.measure {
+        Some(measure) => Faults::fixed(measure, nodes),
+        None => Faults::draw(&mut rng.fork(), nodes, config.run_ms),
+    };
     let places: Vec<GeoPlace> = (0..nodes)
         .map(|node| {
             let (datacenter, partition) = (node / config.partitions, node % config.partitions);
@@ -455,8 +526,13 @@ pub fn run(config: GeoConfig) -> GeoReport {
             }
         })
         .collect();
-    let instances =
-        (0..nodes).map(|node| (config.make)(NodeId(node as u32), Arc::new(OrderedEngine::new()))).collect();
+    let engines: Vec<Arc<dyn Engine>> =
+        (0..nodes).map(|_| Arc::new(OrderedEngine::new()) as Arc<dyn Engine>).collect();
+    let instances = engines
+        .iter()
+        .enumerate()
+        .map(|(node, engine)| (config.make)(NodeId(node as u32), engine.clone()))
+        .collect();
     let sessions = (0..config.datacenters * config.sessions_per_datacenter)
         .map(|session| Session {
             datacenter: session % config.datacenters,
@@ -476,6 +552,9 @@ pub fn run(config: GeoConfig) -> GeoReport {
         nodes: instances,
         places,
         sessions,
+        keys: keys(config.chains),
+        engines,
+        unseen: Vec::new(),
         history: Vec::new(),
         faults,
         healed: false,

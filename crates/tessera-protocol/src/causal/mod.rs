@@ -604,6 +604,12 @@ fn read(engine: &dyn Engine, key: &[u8]) -> Result<Option<Stored>, OperationErro
     engine.get(key)?.map(Stored::decode).transpose()
 }
 
+/// The value a causal partition shows a reader of `key` (`None`: none, a
+/// delete, or no causal record): for measurements.
+pub fn held_value(engine: &dyn Engine, key: &[u8]) -> Option<Bytes> {
+    read(engine, key).ok().flatten().and_then(|held| held.value)
+}
+
 /// Stores `version` at `key` unless what it holds outranks it; whether it
 /// did.
 fn store(engine: &dyn Engine, key: &Bytes, version: &Stored) -> Result<bool, OperationError> {
