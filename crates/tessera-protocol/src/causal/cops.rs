@@ -27,7 +27,7 @@
 //! A write waiting on its dependencies does not hold up the others.
 //! Checks are resent until answered.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -38,7 +38,7 @@ use super::{
 };
 use crate::{
     CausalContext, ClientReply, ClientRequest, Effects, NodeId, OperationError, PeerMessage, Progress,
-    Protocol, ShardView, Time,
+    Protocol, ShardView, Time, Version,
 };
 
 /// This protocol's message family.
@@ -67,6 +67,8 @@ struct Check {
 pub struct Cops {
     partition: Partition,
     waiting: BTreeMap<u64, Waiting>,
+    /// The writes `waiting` holds, by origin and version.
+    uncommitted: HashSet<(NodeId, Version)>,
     checks: BTreeMap<u64, Check>,
     next_id: u64,
     /// Checks from siblings for writes not committed yet: who asked, its
@@ -84,6 +86,7 @@ impl Cops {
         Self {
             partition: Partition::new(me, engine),
             waiting: BTreeMap::new(),
+            uncommitted: HashSet::new(),
             checks: BTreeMap::new(),
             next_id: 0,
             asked: Vec::new(),
@@ -180,6 +183,7 @@ impl Cops {
                 waiting.checks += 1;
             }
         }
+        self.uncommitted.insert((waiting.write.origin, waiting.write.version));
         self.waiting.insert(id, waiting);
         self.apply_ready(fx)
     }
@@ -196,6 +200,7 @@ impl Cops {
             });
             let Some(id) = ready else { return Ok(()) };
             let write = self.waiting.remove(&id).expect("found above").write;
+            self.uncommitted.remove(&(write.origin, write.version));
             store(&*engine, &write.key, &Stored::of(&write))?;
             self.answer_asked(&write.key, fx)?;
         }
@@ -209,10 +214,7 @@ impl Cops {
             Some(datacenter) if datacenter == place.datacenter => true,
             Some(datacenter) => {
                 self.partition.streams.received[datacenter] >= dependency.version
-                    && !self.waiting.values().any(|waiting| {
-                        waiting.write.origin == dependency.origin
-                            && waiting.write.version == dependency.version
-                    })
+                    && !self.uncommitted.contains(&(dependency.origin, dependency.version))
             }
             // No copy of this partition took it: a dependency that cannot be
             // met (and a write that waits on it forever).
@@ -264,7 +266,7 @@ impl Protocol for Cops {
                 })
             }
             GeoMessage::Ack { through } => {
-                self.partition.streams.acknowledged(&place, from, through, fx.now());
+                self.partition.streams.acknowledged(&place, from, through);
                 Ok(())
             }
             GeoMessage::CheckDependency { check, dependency } => {

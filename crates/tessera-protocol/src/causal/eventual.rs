@@ -77,7 +77,7 @@ impl Protocol for Eventual {
             }
             GeoMessage::Ack { through } => {
                 let place = self.partition.place.as_ref().expect("placed");
-                self.partition.streams.acknowledged(place, from, through, fx.now());
+                self.partition.streams.acknowledged(place, from, through);
             }
             _ => {}
         }

@@ -27,8 +27,8 @@ use tessera_wire::slot::{key_slot, SLOTS};
 
 use crate::codec::{put_bytes, put_optional, put_u64s, CodecError, Family, Message, Reader};
 use crate::{
-    ClientReply, Effects, Hlc, NodeId, Operation, OperationError, PeerMessage, Record, ShardView, Time,
-    Version, Write,
+    BatchBytes, ClientReply, Effects, Hlc, NodeId, Operation, OperationError, PeerMessage, Record, ShardView,
+    Time, Version, Write,
 };
 
 /// Where a causal instance stands: its datacenter and partition, and the
@@ -116,8 +116,12 @@ pub(crate) const RESEND_MS: Time = 250;
 const OUTBOX_MAX: usize = 100_000;
 /// Records a stream holds that arrived ahead of one it still waits for.
 const EARLY_MAX: usize = 4096;
-/// Records one message resends at once.
-const RESEND_BATCH: usize = 64;
+/// How far into its unacknowledged writes a stream looks for one due to be
+/// resent.
+const RESEND_SCAN: usize = 4096;
+/// The most writes one resent message carries (well inside what a
+/// receiver keeps of writes that arrive early).
+const RESEND_COUNT_MAX: usize = 1024;
 /// Stable times are gossiped to the partition's siblings this often.
 const STABILIZE_MS: Time = 10;
 
@@ -295,18 +299,17 @@ impl<const FAMILY: u8> Message for Tagged<FAMILY> {
 }
 
 /// The writes a partition ships to its copy in one other datacenter,
-/// numbered from 1, kept until acknowledged and resent until then: the
-/// protocols count on each copy receiving a partition's writes once and in
-/// order (DKVF's communication component gives its protocols the same), on
-/// a network that loses, repeats and reorders.
+/// numbered from 1, kept until acknowledged and each resent once it has
+/// waited [`RESEND_MS`] since it was last sent: the protocols count on each
+/// copy receiving a partition's writes once and in order (DKVF's
+/// communication component gives its protocols the same), on a network
+/// that loses, repeats and reorders.
 #[derive(Debug, Default)]
 struct Outbox {
-    unacked: VecDeque<Replicated>,
+    /// Each write and when it was last sent.
+    unacked: VecDeque<(Replicated, Time)>,
     /// The number of `unacked`'s first write.
     first: u64,
-    /// When the first unacknowledged write was last sent (or became the
-    /// first).
-    first_sent: Time,
 }
 
 impl Outbox {
@@ -323,33 +326,33 @@ impl Outbox {
     fn push(&mut self, write: Replicated, now: Time) -> GeoMessage {
         self.first = self.first.max(1);
         let number = self.next();
-        if self.unacked.is_empty() {
-            self.first_sent = now;
-        }
-        self.unacked.push_back(write.clone());
+        self.unacked.push_back((write.clone(), now));
         GeoMessage::Writes { first: number, writes: vec![write] }
     }
 
-    fn acknowledged(&mut self, through: u64, now: Time) {
-        let first = self.first;
+    fn acknowledged(&mut self, through: u64) {
         while self.first <= through && self.unacked.pop_front().is_some() {
             self.first += 1;
         }
-        if self.first != first {
-            self.first_sent = now;
-        }
     }
 
-    /// The oldest unacknowledged writes, once the first has waited long
-    /// enough for its acknowledgement (a steady stream of new writes does
-    /// not put it off).
+    /// The first run of writes that have waited long enough, as much of it
+    /// as one message carries: called every tick, so a backlog (after a
+    /// cut-off) drains a message a tick, not a message a round trip.
     fn resend(&mut self, now: Time) -> Option<GeoMessage> {
-        if self.unacked.is_empty() || now < self.first_sent + RESEND_MS {
-            return None;
+        let due = |sent: Time| sent + RESEND_MS <= now;
+        let start = self.unacked.iter().take(RESEND_SCAN).position(|(_, sent)| due(*sent))?;
+        let mut batch = BatchBytes::default();
+        let mut writes = Vec::new();
+        for (write, sent) in self.unacked.iter_mut().skip(start) {
+            let bytes = write.key.len() + write.value.as_ref().map_or(0, Bytes::len);
+            if !due(*sent) || writes.len() == RESEND_COUNT_MAX || !batch.admits(bytes) {
+                break;
+            }
+            *sent = now;
+            writes.push(write.clone());
         }
-        self.first_sent = now;
-        let writes = self.unacked.iter().take(RESEND_BATCH).cloned().collect();
-        Some(GeoMessage::Writes { first: self.first, writes })
+        Some(GeoMessage::Writes { first: self.first + start as u64, writes })
     }
 
     /// The last write this stream has sent.
@@ -438,9 +441,9 @@ impl Streams {
         Some((ready, GeoMessage::Ack { through: inbox.delivered }))
     }
 
-    fn acknowledged(&mut self, place: &GeoPlace, from: NodeId, through: u64, now: Time) {
+    fn acknowledged(&mut self, place: &GeoPlace, from: NodeId, through: u64) {
         if let Some(datacenter) = place.datacenter_of(from) {
-            self.outboxes[datacenter].acknowledged(through, now);
+            self.outboxes[datacenter].acknowledged(through);
         }
     }
 
@@ -853,17 +856,20 @@ mod tests {
         };
         let mut outbox = Outbox::default();
         assert!(matches!(outbox.push(write.clone(), 0), GeoMessage::Writes { first: 1, .. }));
-        // New writes keep coming; the first still comes due.
-        assert!(matches!(outbox.push(write, RESEND_MS - 1), GeoMessage::Writes { first: 2, .. }));
+        assert!(matches!(outbox.push(write.clone(), 10), GeoMessage::Writes { first: 2, .. }));
+        assert!(matches!(outbox.push(write, 20), GeoMessage::Writes { first: 3, .. }));
         assert_eq!(outbox.resend(RESEND_MS - 1), None);
+        // The first has waited long enough; the others not yet.
         let resent = outbox.resend(RESEND_MS);
-        assert!(matches!(resent, Some(GeoMessage::Writes { first: 1, ref writes }) if writes.len() == 2));
-        outbox.acknowledged(1, RESEND_MS + 1);
-        assert_eq!(outbox.resend(2 * RESEND_MS), None, "the new first was just sent");
-        let resent = outbox.resend(2 * RESEND_MS + 1);
-        assert!(matches!(resent, Some(GeoMessage::Writes { first: 2, ref writes }) if writes.len() == 1));
-        outbox.acknowledged(2, 2 * RESEND_MS + 2);
-        assert_eq!(outbox.resend(4 * RESEND_MS), None);
-        assert_eq!(outbox.sent_through(), 2);
+        assert!(matches!(resent, Some(GeoMessage::Writes { first: 1, ref writes }) if writes.len() == 1));
+        let resent = outbox.resend(RESEND_MS + 20);
+        assert!(matches!(resent, Some(GeoMessage::Writes { first: 2, ref writes }) if writes.len() == 2));
+        outbox.acknowledged(2);
+        assert_eq!(outbox.resend(2 * RESEND_MS + 19), None, "the third was resent since");
+        let resent = outbox.resend(2 * RESEND_MS + 20);
+        assert!(matches!(resent, Some(GeoMessage::Writes { first: 3, ref writes }) if writes.len() == 1));
+        outbox.acknowledged(3);
+        assert_eq!(outbox.resend(10 * RESEND_MS), None);
+        assert_eq!(outbox.sent_through(), 3);
     }
 }

@@ -198,9 +198,7 @@ impl Protocol for CausalSpartan {
                     self.engine_failed(error);
                 }
             }
-            GeoMessage::Ack { through } => {
-                self.partition.streams.acknowledged(place, from, through, fx.now())
-            }
+            GeoMessage::Ack { through } => self.partition.streams.acknowledged(place, from, through),
             GeoMessage::Heartbeat { clock, through } => {
                 self.partition.streams.heartbeat(place, from, clock, through)
             }
