@@ -27,8 +27,8 @@ use tessera_wire::slot::{key_slot, SLOTS};
 
 use crate::codec::{put_bytes, put_optional, put_u64s, CodecError, Family, Message, Reader};
 use crate::{
-    BatchBytes, ClientReply, Effects, Hlc, NodeId, Operation, OperationError, PeerMessage, Record, ShardView,
-    Time, Version, Write,
+    BatchBytes, ClientReply, Consistency, Effects, Hlc, NodeId, Operation, OperationError, PeerMessage,
+    Record, ShardView, Time, Version, Write,
 };
 
 /// Where a causal instance stands: its datacenter and partition, and the
@@ -630,6 +630,10 @@ enum Call {
     Write(Option<Bytes>),
 }
 
+/// Why a causal partition refuses a strong read: no copy here is
+/// linearizable.
+const NOT_STRONG: &str = "the causal modes serve no strong reads; ask for eventual or causal ones";
+
 /// Why a causal partition refuses the operations it does not take.
 const SINGLE_KEYS_ONLY: &str =
     "the causal modes take gets, sets and deletes of one key; batches, read-modify-writes and conditional writes are not built for them";
@@ -647,7 +651,8 @@ fn call_of(operation: Operation) -> Result<(Bytes, Call, Option<CausalContext>),
             };
             Ok((key, call, Some(context)))
         }
-        Operation::Get { key, .. } => Ok((key, Call::Get, None)),
+        Operation::Get { key, consistency: Consistency::Eventual } => Ok((key, Call::Get, None)),
+        Operation::Get { consistency: Consistency::Strong, .. } => Err(OperationError::Causal(NOT_STRONG)),
         Operation::Put { key, value } => Ok((key, Call::Write(Some(value)), None)),
         Operation::Delete { key } => Ok((key, Call::Write(None), None)),
         _ => Err(OperationError::Causal(SINGLE_KEYS_ONLY)),
@@ -842,6 +847,81 @@ mod tests {
             let expected: Vec<u64> = (1..=delivered.len() as u64).collect();
             prop_assert_eq!(delivered, expected);
         }
+    }
+
+    /// One partition alone in one datacenter, placed.
+    fn placed(protocol: &mut dyn crate::Protocol) {
+        let place =
+            GeoPlace { datacenter: 0, partition: 0, replicas: vec![NodeId(0)], siblings: vec![NodeId(0)] };
+        let view = ShardView {
+            number: 1,
+            replicas: vec![NodeId(0)],
+            learners: Vec::new(),
+            lease_until: 0,
+            draining: false,
+            geo: Some(place),
+        };
+        protocol.on_view(&view, &mut Effects::new(0));
+    }
+
+    fn ask(protocol: &mut dyn crate::Protocol, operation: Operation) -> ClientReply {
+        let mut fx = Effects::new(100);
+        protocol.on_client(crate::ClientRequest { id: crate::RequestId(1), operation }, &mut fx);
+        match fx.take().pop() {
+            Some(crate::Effect::Reply { reply, .. }) => reply,
+            other => panic!("no reply: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_causal_partition_serves_single_keys_and_refuses_the_rest_with_reasons() {
+        let engine: Arc<dyn Engine> = Arc::new(tessera_engine::OrderedEngine::new());
+        let mut partition = gentle_rain::GentleRain::new(NodeId(0), engine);
+        let key = Bytes::from_static(b"k");
+        let get = |consistency| Operation::Get { key: key.clone(), consistency };
+        assert_eq!(
+            ask(&mut partition, get(Consistency::Eventual)),
+            ClientReply::Retry("this partition has no place yet")
+        );
+        placed(&mut partition);
+        let put = Operation::Put { key: key.clone(), value: Bytes::from_static(b"v") };
+        assert_eq!(ask(&mut partition, put), ClientReply::Written);
+        assert_eq!(
+            ask(&mut partition, get(Consistency::Eventual)),
+            ClientReply::Value(Some(Bytes::from_static(b"v")))
+        );
+        let causal = Operation::Causal { key: key.clone(), write: None, context: CausalContext::Empty };
+        assert!(matches!(
+            ask(&mut partition, causal),
+            ClientReply::Causal { value: Some(_), context: CausalContext::Time { .. } }
+        ));
+        let refused = [
+            (get(Consistency::Strong), NOT_STRONG),
+            (Operation::Increment { key: key.clone(), delta: 1 }, SINGLE_KEYS_ONLY),
+            (Operation::Batch { writes: Vec::new() }, SINGLE_KEYS_ONLY),
+            (
+                Operation::Causal {
+                    key: key.clone(),
+                    write: None,
+                    context: CausalContext::Dependencies(Vec::new()),
+                },
+                FOREIGN_CONTEXT,
+            ),
+        ];
+        for (operation, reason) in refused {
+            assert_eq!(ask(&mut partition, operation), ClientReply::Failed(OperationError::Causal(reason)));
+        }
+    }
+
+    #[test]
+    fn a_protocol_that_is_not_causal_refuses_causal_sessions() {
+        let engine: Arc<dyn Engine> = Arc::new(tessera_engine::OrderedEngine::new());
+        let mut chain = crate::ChainReplication::new(NodeId(0), engine, crate::ChainOptions::default());
+        let view = crate::test_support::view(1, &[0]);
+        crate::Protocol::on_view(&mut chain, &view, &mut Effects::new(0));
+        let causal =
+            Operation::Causal { key: Bytes::from_static(b"k"), write: None, context: CausalContext::Empty };
+        assert_eq!(ask(&mut chain, causal), ClientReply::Failed(OperationError::Causal(crate::CAUSAL_ONLY)));
     }
 
     #[test]
