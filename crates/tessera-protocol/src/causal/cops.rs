@@ -236,26 +236,14 @@ impl Cops {
         }
         Ok(())
     }
-
-    fn engine_failed(&self, error: OperationError) {
-        tracing::error!(replica = %self.partition.me, %error, "a causal partition could not store a write");
-    }
 }
 
 impl Protocol for Cops {
     fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
-        if self.partition.place.is_none() {
-            return fx.reply(request.id, ClientReply::Retry("this partition has no place yet"));
-        }
-        let id = request.id;
-        let reply = self.serve(request, fx).unwrap_or_else(ClientReply::Failed);
-        fx.reply(id, reply);
+        Partition::answer(self.partition.place.is_some(), request, fx, |request, fx| self.serve(request, fx));
     }
 
     fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
-        if self.partition.place.is_none() {
-            return;
-        }
         let Some(message) = self.partition.open::<FAMILY>(from, &message) else { return };
         let place = self.partition.place.clone().expect("placed");
         let outcome = match message {
@@ -297,7 +285,7 @@ impl Protocol for Cops {
             GeoMessage::Heartbeat { .. } | GeoMessage::Stable { .. } => Ok(()),
         };
         if let Err(error) = outcome {
-            self.engine_failed(error);
+            self.partition.engine_failed(error);
         }
     }
 

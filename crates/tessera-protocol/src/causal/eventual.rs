@@ -53,25 +53,17 @@ impl Eventual {
 
 impl Protocol for Eventual {
     fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
-        if self.partition.place.is_none() {
-            return fx.reply(request.id, ClientReply::Retry("this partition has no place yet"));
-        }
-        let id = request.id;
-        let reply = self.serve(request, fx).unwrap_or_else(ClientReply::Failed);
-        fx.reply(id, reply);
+        Partition::answer(self.partition.place.is_some(), request, fx, |request, fx| self.serve(request, fx));
     }
 
     fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
-        if self.partition.place.is_none() {
-            return;
-        }
         let Some(message) = self.partition.open::<FAMILY>(from, &message) else { return };
         match message {
             GeoMessage::Writes { first, writes } => {
                 for write in self.partition.receive::<FAMILY>(from, first, writes, fx) {
                     let _ = self.partition.clock.observe_remote(write.version, fx.now());
                     if let Err(error) = store(&*self.partition.engine, &write.key, &Stored::of(&write)) {
-                        tracing::error!(replica = %self.partition.me, %error, "a partition could not store a write");
+                        self.partition.engine_failed(error);
                     }
                 }
             }

@@ -159,16 +159,12 @@ impl GentleRain {
         }
         Ok(())
     }
-
-    fn engine_failed(&self, error: OperationError) {
-        tracing::error!(replica = %self.partition.me, %error, "a causal partition could not store a write");
-    }
 }
 
 impl Protocol for GentleRain {
     fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
         if self.partition.place.is_none() {
-            return fx.reply(request.id, ClientReply::Retry("this partition has no place yet"));
+            return fx.reply(request.id, ClientReply::Retry(super::UNPLACED));
         }
         if self.waiting.is_empty() || !request.operation.is_write() {
             self.serve(request, fx);
@@ -179,9 +175,6 @@ impl Protocol for GentleRain {
     }
 
     fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
-        if self.partition.place.is_none() {
-            return;
-        }
         let Some(message) = self.partition.open::<FAMILY>(from, &message) else { return };
         let place = self.partition.place.as_ref().expect("placed");
         match message {
@@ -191,7 +184,7 @@ impl Protocol for GentleRain {
                     self.pending.insert((write.version, write.origin), write);
                 }
                 if let Err(error) = self.raise_stable(self.global_stable) {
-                    self.engine_failed(error);
+                    self.partition.engine_failed(error);
                 }
             }
             GeoMessage::Ack { through } => self.partition.streams.acknowledged(place, from, through),
@@ -214,18 +207,12 @@ impl Protocol for GentleRain {
             }
         }
         self.waiting.extend(waiting);
-        // HEARTBEAT: no later write is stamped at or below this clock.
-        let clock = self.partition.clock.tick(fx.now());
-        let sends = self.partition.streams.on_tick(&place, Some(clock), fx.now());
-        Partition::send::<FAMILY>(fx, sends);
-        // The GST: the minimum over partitions and other datacenters.
-        let received = self.partition.streams.received.clone();
-        let sends = self.stabilizer.gossip(&place, &received, fx.now());
-        Partition::send::<FAMILY>(fx, sends);
-        let stable = self.stabilizer.stable(&place, &received);
+        // HEARTBEAT, and the GST: the minimum over partitions and other
+        // datacenters.
+        let stable = self.partition.stabilize::<FAMILY>(&mut self.stabilizer, fx);
         let global = (0..place.datacenters()).filter(|&at| at != place.datacenter).map(|at| stable[at]).min();
         if let Err(error) = self.raise_stable(global.unwrap_or(self.global_stable)) {
-            self.engine_failed(error);
+            self.partition.engine_failed(error);
         }
     }
 

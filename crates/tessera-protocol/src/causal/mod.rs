@@ -27,8 +27,8 @@ use tessera_wire::slot::{key_slot, SLOTS};
 
 use crate::codec::{put_bytes, put_optional, put_u64s, CodecError, Family, Message, Reader};
 use crate::{
-    BatchBytes, ClientReply, Consistency, Effects, Hlc, NodeId, Operation, OperationError, PeerMessage,
-    Record, ShardView, Time, Version, Write,
+    BatchBytes, ClientReply, ClientRequest, Consistency, Effects, Hlc, NodeId, Operation, OperationError,
+    PeerMessage, Record, ShardView, Time, Version, Write,
 };
 
 /// Where a causal instance stands: its datacenter and partition, and the
@@ -630,6 +630,9 @@ enum Call {
     Write(Option<Bytes>),
 }
 
+/// Why a partition asks a client to retry before a view has placed it.
+const UNPLACED: &str = "this partition has no place yet";
+
 /// Why a causal partition refuses a strong read: no copy here is
 /// linearizable.
 const NOT_STRONG: &str = "the causal modes serve no strong reads; ask for eventual or causal ones";
@@ -719,9 +722,44 @@ impl Partition {
         }
     }
 
-    /// The message `from` sent, if it is this protocol's and well formed.
+    /// The message `from` sent, if this partition has its place and the
+    /// message is this protocol's and well formed.
     fn open<const FAMILY: u8>(&self, from: NodeId, message: &PeerMessage) -> Option<GeoMessage> {
+        self.place.as_ref()?;
         crate::open::<Tagged<FAMILY>>(self.me, from, message).map(|tagged| tagged.0)
+    }
+
+    /// Answers a client: `serve`'s reply or failure, once this partition
+    /// has its place.
+    fn answer(
+        placed: bool,
+        request: ClientRequest,
+        fx: &mut Effects,
+        serve: impl FnOnce(ClientRequest, &mut Effects) -> Result<ClientReply, OperationError>,
+    ) {
+        let id = request.id;
+        let reply = match placed {
+            false => ClientReply::Retry(UNPLACED),
+            true => serve(request, fx).unwrap_or_else(ClientReply::Failed),
+        };
+        fx.reply(id, reply);
+    }
+
+    /// On a tick of GentleRain or CausalSpartan: resends, heartbeats with a
+    /// fresh clock (no later write is stamped at or below it), gossip of the
+    /// times received; returns the datacenter's stable times, by datacenter.
+    fn stabilize<const FAMILY: u8>(&mut self, stabilizer: &mut Stabilizer, fx: &mut Effects) -> Vec<Version> {
+        let place = self.place.as_ref().expect("placed");
+        let clock = self.clock.tick(fx.now());
+        let sends = self.streams.on_tick(place, Some(clock), fx.now());
+        Self::send::<FAMILY>(fx, sends);
+        let sends = stabilizer.gossip(place, &self.streams.received, fx.now());
+        Self::send::<FAMILY>(fx, sends);
+        stabilizer.stable(place, &self.streams.received)
+    }
+
+    fn engine_failed(&self, error: OperationError) {
+        tracing::error!(replica = %self.me, %error, "a causal partition could not store a write");
     }
 
     /// Stores a write taken here and ships it to the other datacenters.
@@ -879,10 +917,7 @@ mod tests {
         let mut partition = gentle_rain::GentleRain::new(NodeId(0), engine);
         let key = Bytes::from_static(b"k");
         let get = |consistency| Operation::Get { key: key.clone(), consistency };
-        assert_eq!(
-            ask(&mut partition, get(Consistency::Eventual)),
-            ClientReply::Retry("this partition has no place yet")
-        );
+        assert_eq!(ask(&mut partition, get(Consistency::Eventual)), ClientReply::Retry(UNPLACED));
         placed(&mut partition);
         let put = Operation::Put { key: key.clone(), value: Bytes::from_static(b"v") };
         assert_eq!(ask(&mut partition, put), ClientReply::Written);

@@ -159,26 +159,14 @@ impl CausalSpartan {
         }
         Ok(())
     }
-
-    fn engine_failed(&self, error: OperationError) {
-        tracing::error!(replica = %self.partition.me, %error, "a causal partition could not store a write");
-    }
 }
 
 impl Protocol for CausalSpartan {
     fn on_client(&mut self, request: ClientRequest, fx: &mut Effects) {
-        if self.partition.place.is_none() {
-            return fx.reply(request.id, ClientReply::Retry("this partition has no place yet"));
-        }
-        let id = request.id;
-        let reply = self.serve(request, fx).unwrap_or_else(ClientReply::Failed);
-        fx.reply(id, reply);
+        Partition::answer(self.partition.place.is_some(), request, fx, |request, fx| self.serve(request, fx));
     }
 
     fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
-        if self.partition.place.is_none() {
-            return;
-        }
         let Some(message) = self.partition.open::<FAMILY>(from, &message) else { return };
         let place = self.partition.place.as_ref().expect("placed");
         match message {
@@ -195,7 +183,7 @@ impl Protocol for CausalSpartan {
                     self.pending.push(write);
                 }
                 if let Err(error) = self.make_visible() {
-                    self.engine_failed(error);
+                    self.partition.engine_failed(error);
                 }
             }
             GeoMessage::Ack { through } => self.partition.streams.acknowledged(place, from, through),
@@ -208,17 +196,13 @@ impl Protocol for CausalSpartan {
     }
 
     fn on_tick(&mut self, fx: &mut Effects) {
-        let Some(place) = self.partition.place.clone() else { return };
-        let clock = self.partition.clock.tick(fx.now());
-        let sends = self.partition.streams.on_tick(&place, Some(clock), fx.now());
-        Partition::send::<FAMILY>(fx, sends);
-        let received = self.partition.streams.received.clone();
-        let sends = self.stabilizer.gossip(&place, &received, fx.now());
-        Partition::send::<FAMILY>(fx, sends);
-        let stable = self.stabilizer.stable(&place, &received);
+        if self.partition.place.is_none() {
+            return;
+        }
+        let stable = self.partition.stabilize::<FAMILY>(&mut self.stabilizer, fx);
         merge(&mut self.stable, &stable);
         if let Err(error) = self.make_visible() {
-            self.engine_failed(error);
+            self.partition.engine_failed(error);
         }
     }
 
