@@ -155,9 +155,9 @@ impl Cops {
         }
     }
 
-    /// Takes a write from another datacenter: checks its dependencies, here
-    /// and at their owners, and applies it once they are met.
-    fn arrived(&mut self, write: Replicated, fx: &mut Effects) -> Result<(), OperationError> {
+    /// Takes a write from another datacenter: it waits, and its
+    /// dependencies are checked, here and at their owners.
+    fn arrived(&mut self, write: Replicated, fx: &mut Effects) {
         let place = self.partition.place.clone().expect("placed");
         let id = self.next_id;
         self.next_id += 1;
@@ -185,7 +185,6 @@ impl Cops {
         }
         self.uncommitted.insert((waiting.write.origin, waiting.write.version));
         self.waiting.insert(id, waiting);
-        self.apply_ready(fx)
     }
 
     /// Applies every waiting write whose dependencies are all met; each
@@ -248,10 +247,14 @@ impl Protocol for Cops {
         let place = self.partition.place.clone().expect("placed");
         let outcome = match message {
             GeoMessage::Writes { first, writes } => {
-                self.partition.receive::<FAMILY>(from, first, writes, fx).into_iter().try_for_each(|write| {
+                // Every write delivered waits before any is applied: the
+                // stream counts them all received at once, and a write
+                // received and not waiting counts as committed.
+                for write in self.partition.receive::<FAMILY>(from, first, writes, fx) {
                     let _ = self.partition.clock.observe_remote(write.version, fx.now());
-                    self.arrived(write, fx)
-                })
+                    self.arrived(write, fx);
+                }
+                self.apply_ready(fx)
             }
             GeoMessage::Ack { through } => {
                 self.partition.streams.acknowledged(&place, from, through);
