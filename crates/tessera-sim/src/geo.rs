@@ -2,9 +2,10 @@
 //! "Causal consistency across datacenters"): R datacenters × P partitions,
 //! each partition an instance of the protocol under test on its own engine,
 //! and sessions that each keep to one datacenter, carry their causal
-//! context from one operation to the next and write causally related
-//! chains (a post, a comment, a reply). Virtual milliseconds, every choice
-//! from one seed.
+//! context from one operation to the next, and read and write at random the
+//! keys of a few chains (a post, a comment, a reply), so that each write
+//! follows what its session read. Virtual milliseconds, every choice from
+//! one seed.
 //!
 //! Each seed draws its faults: clock skew per node, one-way delay between
 //! datacenters with jitter (so messages overtake each other), loss and
