@@ -147,7 +147,6 @@ impl Cops {
                     dependencies,
                 };
                 self.partition.write_here::<FAMILY>(write, fx)?;
-                self.answer_asked(&key, fx)?;
                 // The put is the session's one nearest dependency now.
                 let own = Dependency { key, version, origin: self.partition.me };
                 Ok(reply_for(&call, causal, None, CausalContext::Dependencies(vec![own])))
