@@ -110,7 +110,7 @@ impl Cops {
     }
 
     fn serve(&mut self, request: ClientRequest, fx: &mut Effects) -> Result<ClientReply, OperationError> {
-        let (key, call, context) = call_of(request.operation)?;
+        let (key, call, context) = call_of(request.operation, fx.now())?;
         let causal = context.is_some();
         let mut dependencies = Self::dependencies_of(context)?;
         match call {

@@ -28,7 +28,7 @@ impl Eventual {
     }
 
     fn serve(&mut self, request: ClientRequest, fx: &mut Effects) -> Result<ClientReply, OperationError> {
-        let (key, call, context) = call_of(request.operation)?;
+        let (key, call, context) = call_of(request.operation, fx.now())?;
         let causal = context.is_some();
         match call {
             Call::Get => {

@@ -82,7 +82,7 @@ impl GentleRain {
     fn serve(&mut self, request: ClientRequest, fx: &mut Effects) -> bool {
         let id = request.id;
         let outcome = (|| {
-            let (key, call, context) = call_of(request.operation.clone())?;
+            let (key, call, context) = call_of(request.operation.clone(), fx.now())?;
             let causal = context.is_some();
             let (dependency, stable) = Self::context_of(context)?;
             let engine = self.partition.engine.clone();

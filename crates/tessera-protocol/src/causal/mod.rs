@@ -26,6 +26,7 @@ use tessera_engine::Engine;
 use tessera_wire::slot::{key_slot, SLOTS};
 
 use crate::codec::{put_bytes, put_optional, put_u64s, CodecError, Family, Message, Reader};
+use crate::record::VERSION_AHEAD_MAX_MS;
 use crate::{
     BatchBytes, ClientReply, ClientRequest, Consistency, Effects, Hlc, NodeId, Operation, OperationError,
     PeerMessage, Record, ShardView, Time, Version, Write,
@@ -641,11 +642,35 @@ const NOT_STRONG: &str = "the causal modes serve no strong reads; ask for eventu
 const SINGLE_KEYS_ONLY: &str =
     "the causal modes take gets, sets and deletes of one key; batches, read-modify-writes and conditional writes are not built for them";
 
+/// Why a partition refuses a context that names a time far ahead of its
+/// clock: taking it would move the partition's clock, and every version it
+/// stamps, that far.
+const CONTEXT_AHEAD: &str = "the causal context names a time further ahead of this clock than clocks drift";
+
+impl CausalContext {
+    /// The newest time the context names.
+    fn newest(&self) -> Version {
+        match self {
+            CausalContext::Empty => Version::default(),
+            CausalContext::Dependencies(dependencies) => {
+                dependencies.iter().map(|dependency| dependency.version).max().unwrap_or_default()
+            }
+            CausalContext::Time { dependency, stable } => (*dependency).max(*stable),
+            CausalContext::Vector { dependency, stable } => {
+                dependency.iter().chain(stable).copied().max().unwrap_or_default()
+            }
+        }
+    }
+}
+
 /// An operation's key, what it asks, and its session's context (`None`
 /// outside a causal session: it runs with an empty context and gets a
-/// plain reply).
-fn call_of(operation: Operation) -> Result<(Bytes, Call, Option<CausalContext>), OperationError> {
+/// plain reply), checked against the partition's clock at `now`.
+fn call_of(operation: Operation, now: Time) -> Result<(Bytes, Call, Option<CausalContext>), OperationError> {
     match operation {
+        Operation::Causal { context, .. } if context.newest().physical_ms() > now + VERSION_AHEAD_MAX_MS => {
+            Err(OperationError::Causal(CONTEXT_AHEAD))
+        }
         Operation::Causal { key, write, context } => {
             let call = match write {
                 None => Call::Get,
@@ -943,6 +968,13 @@ mod tests {
                 FOREIGN_CONTEXT,
             ),
         ];
+        let ahead = CausalContext::Time {
+            dependency: Version::new(100 + VERSION_AHEAD_MAX_MS + 1, 0),
+            stable: Version::default(),
+        };
+        let refused = refused
+            .into_iter()
+            .chain([(Operation::Causal { key: key.clone(), write: None, context: ahead }, CONTEXT_AHEAD)]);
         for (operation, reason) in refused {
             assert_eq!(ask(&mut partition, operation), ClientReply::Failed(OperationError::Causal(reason)));
         }

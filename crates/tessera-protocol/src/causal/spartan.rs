@@ -85,7 +85,7 @@ impl CausalSpartan {
     }
 
     fn serve(&mut self, request: ClientRequest, fx: &mut Effects) -> Result<ClientReply, OperationError> {
-        let (key, call, context) = call_of(request.operation)?;
+        let (key, call, context) = call_of(request.operation, fx.now())?;
         let causal = context.is_some();
         let (mut dependency, stable) = self.context_of(context)?;
         let here = self.partition.place.as_ref().expect("placed").datacenter;
