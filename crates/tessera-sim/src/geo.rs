@@ -86,8 +86,6 @@ impl GeoConfig {
 pub struct GeoReport {
     pub operations: usize,
     pub writes: usize,
-    /// Peer messages sent.
-    pub messages: usize,
     /// In a measuring run, virtual milliseconds from a write's
     /// acknowledgement to its value's first sight in each other
     /// datacenter's copy (a write superseded there before it is seen counts
@@ -273,7 +271,6 @@ impl Geo {
     }
 
     fn send(&mut self, from: usize, to: usize, message: PeerMessage) {
-        self.report.messages += 1;
         let across = self.datacenter_of(from) != self.datacenter_of(to);
         let cut = across
             && !self.healed
