@@ -571,7 +571,7 @@ impl Connection {
 /// Puts the task at the back of its worker's run queue once, behind the
 /// connections ready now. tokio's `yield_now` instead waits for the next
 /// poll of the I/O driver, an `epoll_wait` of its own whenever nothing else
-/// is queued: one request in three paid one at `-P 1`.
+/// is queued: at `-P 1` that made 1.28 a request where Redis makes 0.68.
 struct RunOthersFirst(bool);
 
 impl std::future::Future for RunOthersFirst {
