@@ -961,17 +961,16 @@ fn bench(args: BenchArgs, password: Option<String>) -> Result<(), String> {
 /// A protocol of the registry, by name.
 fn sim_protocol(name: &str) -> Result<tessera_protocol::Mode, String> {
     tessera_protocol::Mode::named(name).ok_or_else(|| {
-        let names: Vec<&str> =
-            tessera_protocol::Mode::all().map(|mode| mode.name).chain(tessera_sim::geo::PROTOCOLS).collect();
+        let names: Vec<&str> = tessera_protocol::Mode::all().map(|mode| mode.name).collect();
         format!("unknown protocol {name:?}; choose one of {}", names.join(", "))
     })
 }
 
 fn simulate(args: SimArgs) -> Result<(), String> {
-    if let Some((make, scope)) = tessera_sim::geo::protocol(&args.protocol) {
-        return simulate_geo(&args, make, scope);
-    }
     let protocol = sim_protocol(&args.protocol)?;
+    if protocol.geo {
+        return simulate_geo(&args, protocol);
+    }
     if args.groups > 1 {
         return simulate_groups(&args, protocol);
     }
@@ -1126,16 +1125,13 @@ fn run_seeds(
 /// `tessera sim --protocol cops` (or another causal protocol): datacenters
 /// of partitions under faults, the history checked for causal consistency
 /// (docs/PROTOCOLS.md, "Causal consistency across datacenters").
-fn simulate_geo(
-    args: &SimArgs,
-    make: tessera_sim::geo::Maker,
-    scope: Option<tessera_sim::checks::causal::Scope>,
-) -> Result<(), String> {
+fn simulate_geo(args: &SimArgs, mode: tessera_protocol::Mode) -> Result<(), String> {
+    let scope = tessera_sim::geo::scope_of(mode);
     if args.datacenters < 2 || args.partitions == 0 || args.clients == 0 {
         return Err("--datacenters must be at least 2, --partitions and --clients at least 1".into());
     }
     if args.visibility {
-        return measure_visibility(args, make, scope);
+        return measure_visibility(args, mode);
     }
     let seeds = match args.seed {
         Some(seed) => seed..seed + 1,
@@ -1144,7 +1140,7 @@ fn simulate_geo(
     let started = std::time::Instant::now();
     let (mut runs, mut failed, mut operations, mut writes) = (0u64, 0u64, 0usize, 0usize);
     for seed in seeds {
-        let defaults = tessera_sim::geo::GeoConfig::new(seed, make);
+        let defaults = tessera_sim::geo::GeoConfig::new(seed, mode);
         let config = tessera_sim::geo::GeoConfig {
             datacenters: args.datacenters,
             partitions: args.partitions,
@@ -1183,11 +1179,8 @@ fn simulate_geo(
 
 /// `tessera sim --protocol P --visibility`: the virtual milliseconds from a
 /// write's acknowledgement to its sight in the other datacenters, by skew.
-fn measure_visibility(
-    args: &SimArgs,
-    make: tessera_sim::geo::Maker,
-    scope: Option<tessera_sim::checks::causal::Scope>,
-) -> Result<(), String> {
+fn measure_visibility(args: &SimArgs, mode: tessera_protocol::Mode) -> Result<(), String> {
+    let scope = tessera_sim::geo::scope_of(mode);
     let skews: Vec<u64> = args
         .skews
         .split(',')
@@ -1198,7 +1191,7 @@ fn measure_visibility(
         let mut samples = Vec::new();
         let mut operations = 0;
         for seed in args.first_seed..args.first_seed + args.seeds {
-            let defaults = tessera_sim::geo::GeoConfig::new(seed, make);
+            let defaults = tessera_sim::geo::GeoConfig::new(seed, mode);
             let config = tessera_sim::geo::GeoConfig {
                 datacenters: args.datacenters,
                 partitions: args.partitions,

@@ -300,6 +300,9 @@ pub struct Routing {
     range_shards: Arc<HashMap<String, TableRanges>>,
     /// The tables' key prefixes, longest first.
     prefixes: Arc<Vec<(Vec<u8>, String)>>,
+    /// The datacenter of the node that routes by this (a causal layout
+    /// sends its clients to the copies there).
+    datacenter: usize,
 }
 
 impl Routing {
@@ -339,7 +342,15 @@ impl Routing {
             slot_shards: Arc::new(slot_shards),
             range_shards: Arc::new(range_shards),
             prefixes: Arc::new(prefixes),
+            datacenter: 0,
         }
+    }
+
+    /// Routing for a node of the map: in a causal layout, to the copies of
+    /// its own datacenter.
+    pub fn at_node(map: ClusterMap, node: u32) -> Self {
+        let datacenter = map.node(node).map_or(0, |info| info.datacenter as usize);
+        Self { datacenter, ..Self::new(map) }
     }
 
     /// The table that owns `key`: the longest prefix it starts with.
@@ -364,9 +375,11 @@ impl Routing {
         self.range_shards.get(table)
     }
 
-    /// A shard's head.
+    /// A shard's head: in a causal layout, its copy in this datacenter.
     pub fn head(&self, shard: u32) -> Option<&NodeInfo> {
-        self.map.node(*self.map.shard(shard)?.members.first()?)
+        let members = &self.map.shard(shard)?.members;
+        let at = if self.map.mode.geo { self.datacenter } else { 0 };
+        self.map.node(*members.get(at)?)
     }
 
     /// The client address of a shard's head.
@@ -926,7 +939,7 @@ impl Agent {
         for watcher in watchers.iter() {
             watcher(&map);
         }
-        *self.routing.write() = Some(Routing::new(map));
+        *self.routing.write() = Some(Routing::at_node(map, self.config.node));
         drop(watchers);
         self.placement_changed();
     }

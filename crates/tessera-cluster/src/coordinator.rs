@@ -831,7 +831,13 @@ impl ClusterCoordinator {
         let id = self.map.nodes.iter().map(|node| node.id + 1).max().unwrap_or(0);
         self.change_validated(|map| {
             let address = address.to_string();
-            map.nodes.push(NodeInfo { id, address, tls_address: None, role: NodeRole::Standby });
+            map.nodes.push(NodeInfo {
+                id,
+                address,
+                tls_address: None,
+                role: NodeRole::Standby,
+                datacenter: 0,
+            });
         })?;
         Ok(id)
     }

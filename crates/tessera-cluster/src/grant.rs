@@ -36,9 +36,6 @@ impl GrantedReplica {
     /// empty.
     pub fn kept(&self, map: &ClusterMap, shard: u32, granted: bool) -> bool {
         let view = self.replica.view();
-        if std::env::var_os("OLD_KEEP").is_some() {
-            return granted;
-        }
         granted
             || map.shard(shard).is_some_and(|entry| {
                 entry.view_number == view.number && entry.members.contains(&self.replica.me().0)
@@ -59,7 +56,10 @@ impl GrantedReplica {
         fx: &mut Effects,
     ) {
         let replica = &mut self.replica;
-        replica.on_grant(asked_at, view, mode, fx);
+        // A causal partition's place comes from the map, which knows the
+        // datacenters and the other partitions.
+        let geo = map.geo_place(shard, replica.me().0);
+        replica.on_grant(asked_at, ShardView { geo, ..view }, mode, fx);
         let (outgoing, incoming) = migrations_of(map, shard);
         replica.set_migrations(outgoing, incoming, fx.now());
         let first = replica.view().position(replica.me()) == Some(0);

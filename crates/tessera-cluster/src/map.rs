@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 use tessera_engine::{EngineError, EngineSpec};
+use tessera_protocol::causal::GeoPlace;
 use tessera_protocol::{Mode, NodeId, ShardView};
 use tessera_wire::prefix::{unescape_prefix, valid_table_name};
 use tessera_wire::slot::SLOTS;
@@ -42,6 +43,14 @@ pub struct NodeInfo {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls_address: Option<String>,
     pub role: NodeRole,
+    /// The datacenter it stands in, in a cluster laid out across
+    /// datacenters ([`ClusterMap::place_datacenters`]); 0 otherwise.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub datacenter: u32,
+}
+
+fn is_zero(value: &u32) -> bool {
+    *value == 0
 }
 
 impl NodeInfo {
@@ -307,6 +316,7 @@ impl ClusterMap {
                 address: address.clone(),
                 tls_address: None,
                 role: if index < members { NodeRole::Member } else { NodeRole::Standby },
+                datacenter: 0,
             })
             .collect();
         let shards = (0..groups)
@@ -348,6 +358,101 @@ impl ClusterMap {
         };
         map.validate()?;
         Ok(map)
+    }
+
+    /// A new cluster across `datacenters` datacenters for a causal mode
+    /// (docs/PROTOCOLS.md, "Causal consistency across datacenters"): the
+    /// nodes split into that many datacenters, consecutively and evenly;
+    /// each datacenter's nodes hold one partition each, the slots split
+    /// evenly and in order; shard `p` is partition `p`, with one member per
+    /// datacenter, in datacenter order.
+    pub fn place_datacenters(
+        cluster_id: &str,
+        mode: Mode,
+        addresses: &[String],
+        datacenters: usize,
+    ) -> Result<Self, MapError> {
+        if !mode.geo {
+            return Err(MapError::Invalid(format!("{mode} does not replicate across datacenters")));
+        }
+        if datacenters == 0 || addresses.is_empty() || !addresses.len().is_multiple_of(datacenters) {
+            return Err(MapError::Invalid(format!(
+                "{} nodes do not split evenly into {datacenters} datacenters",
+                addresses.len()
+            )));
+        }
+        let partitions = addresses.len() / datacenters;
+        if partitions > SLOTS {
+            return Err(MapError::Invalid(format!("{partitions} partitions: at most {SLOTS}")));
+        }
+        let mut map = Self::place_groups(cluster_id, mode, 1, addresses, addresses.len(), partitions)?;
+        map.replicas = datacenters;
+        for node in &mut map.nodes {
+            node.datacenter = node.id / partitions as u32;
+        }
+        for shard in &mut map.shards {
+            shard.members =
+                (0..datacenters).map(|datacenter| (datacenter * partitions) as u32 + shard.id).collect();
+        }
+        map.validate()?;
+        Ok(map)
+    }
+
+    /// Where `node`'s replica of `shard` stands in a cluster laid out across
+    /// datacenters: its datacenter and partition, the partition's copies by
+    /// datacenter, and the datacenter's partitions (`None` outside such a
+    /// cluster, or for a node not in the shard).
+    pub fn geo_place(&self, shard: u32, node: u32) -> Option<GeoPlace> {
+        if !self.mode.geo {
+            return None;
+        }
+        let datacenter = self.node(node)?.datacenter as usize;
+        let entry = self.shard(shard)?;
+        if entry.members.get(datacenter) != Some(&node) {
+            return None;
+        }
+        let partitions = self.partitions();
+        Some(GeoPlace {
+            datacenter,
+            partition: partitions.iter().position(|each| each.id == shard)?,
+            replicas: entry.members.iter().copied().map(NodeId).collect(),
+            siblings: partitions
+                .iter()
+                .map(|each| each.members.get(datacenter).copied().map(NodeId))
+                .collect::<Option<_>>()?,
+            shards: partitions.iter().map(|each| each.id).collect(),
+        })
+    }
+
+    /// The cluster as the clients of `node` see it: in a causal layout,
+    /// only its datacenter's nodes, each shard's copy there its only member
+    /// (clients stay in their datacenter); otherwise the whole map.
+    pub fn seen_from(&self, node: u32) -> std::borrow::Cow<'_, ClusterMap> {
+        let Some(datacenter) = self.node(node).map(|info| info.datacenter).filter(|_| self.mode.geo) else {
+            return std::borrow::Cow::Borrowed(self);
+        };
+        let mut local = self.clone();
+        local.nodes.retain(|info| info.datacenter == datacenter);
+        for shard in &mut local.shards {
+            shard.members = shard.members.get(datacenter as usize).copied().into_iter().collect();
+        }
+        std::borrow::Cow::Owned(local)
+    }
+
+    /// The shards in slot order: a causal layout's partitions.
+    fn partitions(&self) -> Vec<&Shard> {
+        let mut shards: Vec<&Shard> = self.shards.iter().collect();
+        shards.sort_by_key(|shard| shard.slots.first().copied());
+        shards
+    }
+
+    /// How many datacenters the cluster spans (1 unless laid out across them).
+    pub fn datacenters(&self) -> usize {
+        if self.mode.geo {
+            self.replicas
+        } else {
+            1
+        }
     }
 
     pub fn node(&self, id: u32) -> Option<&NodeInfo> {
@@ -612,6 +717,14 @@ impl ClusterMap {
                 ));
             }
         }
+        if self.mode.geo {
+            self.validate_datacenters()?;
+        } else if let Some(node) = self.nodes.iter().find(|node| node.datacenter != 0) {
+            return invalid(format!(
+                "node {} stands in datacenter {}, but {} does not replicate across datacenters",
+                node.id, node.datacenter, self.mode
+            ));
+        }
         for (table, owner) in owners {
             let range_partitioned = self.table(table).is_some_and(|table| table.split_keys.is_some());
             if let Some(index) = owner.iter().position(Option::is_none) {
@@ -620,6 +733,65 @@ impl ClusterMap {
                     _ if range_partitioned => invalid(format!("range {index} of table {table} has no shard")),
                     _ => invalid(format!("slot {index} of table {table} has no shard")),
                 };
+            }
+        }
+        Ok(())
+    }
+
+    /// A causal layout: one member per datacenter in each shard, in
+    /// datacenter order; one partition per node; the slots split evenly in
+    /// order; and nothing that moves slots, replicas or modes, which a causal
+    /// layout does not do yet.
+    fn validate_datacenters(&self) -> Result<(), MapError> {
+        let invalid = |message: String| Err(MapError::Invalid(message));
+        if !self.tables.is_empty()
+            || !self.migrations.is_empty()
+            || !self.open_slots.is_empty()
+            || !self.replica_moves.is_empty()
+        {
+            return invalid(format!(
+                "{}: a cluster across datacenters has no tables, slot migrations or replica moves yet",
+                self.mode
+            ));
+        }
+        if let Some(node) = self.nodes.iter().find(|node| node.datacenter as usize >= self.replicas) {
+            return invalid(format!(
+                "node {} stands in datacenter {} of {}",
+                node.id, node.datacenter, self.replicas
+            ));
+        }
+        let partitions = self.partitions();
+        let mut placed = BTreeSet::new();
+        for (partition, shard) in partitions.iter().enumerate() {
+            let count = partitions.len();
+            let slots = ((SLOTS * partition / count) as u16, (SLOTS * (partition + 1) / count - 1) as u16);
+            if shard.slots != [slots] {
+                return invalid(format!(
+                    "shard {} must hold slots {}-{}, partition {partition} of {count}",
+                    shard.id, slots.0, slots.1
+                ));
+            }
+            if shard.mode.is_some_and(|mode| !mode.geo)
+                || shard.next_mode.is_some()
+                || !shard.learners.is_empty()
+            {
+                return invalid(format!(
+                    "shard {} must run the cluster's causal mode, with no learners",
+                    shard.id
+                ));
+            }
+            let in_order = shard.members.len() == self.replicas
+                && shard.members.iter().enumerate().all(|(datacenter, member)| {
+                    self.node(*member).is_some_and(|node| node.datacenter as usize == datacenter)
+                });
+            if !in_order {
+                return invalid(format!(
+                    "shard {} must have one member in each datacenter, in order",
+                    shard.id
+                ));
+            }
+            if let Some(twice) = shard.members.iter().find(|member| !placed.insert(**member)) {
+                return invalid(format!("node {twice} holds two partitions"));
             }
         }
         Ok(())
@@ -655,6 +827,48 @@ mod tests {
 
     fn primary_backup() -> Mode {
         Mode::named("primary-backup").unwrap()
+    }
+
+    /// Two datacenters of three nodes: partition p is shard p, on node p in
+    /// the first datacenter and node 3 + p in the second; each node's place
+    /// names its copies and its siblings; its clients see its datacenter.
+    #[test]
+    fn a_causal_layout_places_one_partition_per_node_in_each_datacenter() {
+        let addresses: Vec<String> = (0..6).map(|n| format!("127.0.0.1:{}", 7001 + n)).collect();
+        let cops = Mode::named("cops").unwrap();
+        let map = ClusterMap::place_datacenters("c1", cops, &addresses, 2).unwrap();
+        assert_eq!((map.replicas, map.datacenters(), map.shards.len()), (2, 2, 3));
+        assert_eq!(map.shards[1].members, vec![1, 4]);
+        let place = map.geo_place(1, 4).unwrap();
+        assert_eq!((place.datacenter, place.partition), (1, 1));
+        assert_eq!(place.replicas, vec![NodeId(1), NodeId(4)]);
+        assert_eq!(place.siblings, vec![NodeId(3), NodeId(4), NodeId(5)]);
+        assert_eq!(place.shards, vec![0, 1, 2]);
+        assert!(place.is_well_formed());
+        assert_eq!(map.geo_place(1, 2), None, "node 2 holds partition 2, not 1");
+        let seen = map.seen_from(5);
+        assert_eq!(seen.nodes.iter().map(|node| node.id).collect::<Vec<_>>(), vec![3, 4, 5]);
+        assert_eq!(
+            seen.shards.iter().map(|shard| shard.members.clone()).collect::<Vec<_>>(),
+            [[3], [4], [5]]
+        );
+        assert!(ClusterMap::from_json(&map.to_json()).is_ok());
+
+        assert!(ClusterMap::place_datacenters("c1", cops, &addresses[..5], 2).is_err(), "5 nodes into 2");
+        assert!(ClusterMap::place_datacenters("c1", chain(), &addresses, 2).is_err(), "not a causal mode");
+        let mut swapped = map.clone();
+        swapped.shards[0].members.reverse();
+        assert!(swapped.validate().is_err(), "members out of datacenter order");
+        let mut doubled = map.clone();
+        doubled.shards[0].members = vec![1, 4];
+        assert!(doubled.validate().is_err(), "a node with two partitions");
+        let mut moving = map.clone();
+        moving.shards[0].slots = vec![(0, 5000)];
+        moving.shards[1].slots = vec![(5001, 10922)];
+        assert!(moving.validate().is_err(), "slots not split evenly");
+        let mut tagged = ClusterMap::place("c1", chain(), 3, &addresses, 6).unwrap();
+        tagged.nodes[2].datacenter = 1;
+        assert!(tagged.validate().is_err(), "a datacenter outside a causal layout");
     }
 
     #[test]

@@ -50,6 +50,10 @@ pub enum Admission {
     /// ready (quorum protocols); members are removed only while `min_members`
     /// remain, so that consecutive views' majorities keep intersecting.
     Quorum { min_members: usize },
+    /// No one: each member is its place's only copy (a causal partition's
+    /// copy in its datacenter), never removed or replaced; one that fails
+    /// is waited for.
+    Fixed,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -388,6 +392,7 @@ impl ShardCoordinator {
                 self.change_view(now, |view| view.learners.push(node), "learner added");
             }
             Admission::Learner | Admission::Quorum { .. } => {} // one learner at a time
+            Admission::Fixed => {}
         }
     }
 
@@ -414,7 +419,8 @@ impl ShardCoordinator {
         members.sort_by_key(|node| self.last_heard.get(node).copied().unwrap_or(0));
         let min_members = match self.config.admission {
             Admission::Quorum { min_members } => min_members.max(1),
-            _ => 1,
+            Admission::Fixed => usize::MAX,
+            Admission::Learner | Admission::Backup => 1,
         };
         let removable = |this: &Self, node: NodeId| {
             let failed = this.silent(node, now) || this.suspected.contains(&node);

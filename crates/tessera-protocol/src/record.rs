@@ -2,14 +2,16 @@
 //! codec shared by every protocol:
 //!
 //! ```text
-//! format (1 byte = 1) | version (u64 LE) | origin replica (u32 LE) | flags (1 byte) | [intent] | [markers] | value
-//! flags: 1 = tombstone, 2 = an intent follows, 4 = commit markers follow
+//! format (1 byte = 1) | version (u64 LE) | origin replica (u32 LE) | flags (1 byte) | [intent] | [markers] | [vector] | value
+//! flags: 1 = tombstone, 2 = an intent follows, 4 = commit markers follow, 8 = a dependency vector follows
 //! intent:  batch version u64 | batch origin u32 | primary (len u32, bytes) | 0 (a delete) or 1 (len u32, value)
 //! markers: count u32 | (batch version u64, batch origin u32) × count
+//! vector:  count u8 | version u64 × count
 //! ```
 //!
 //! Intents and markers are AA+SC's, for batches (docs/PROTOCOLS.md, "Batches
-//! on AA+SC"); a record without them is the header and the value.
+//! on AA+SC"); the vector is CausalSpartan's, one entry per datacenter. A
+//! record without them is the header and the value.
 
 use bytes::{BufMut, Bytes, BytesMut};
 
@@ -20,6 +22,9 @@ const HEADER_BYTES: usize = 1 + 8 + 4 + 1;
 const TOMBSTONE: u8 = 1;
 const HAS_INTENT: u8 = 2;
 const HAS_MARKERS: u8 = 4;
+const HAS_VECTOR: u8 = 8;
+/// The most entries a dependency vector has (one per datacenter).
+pub const VECTOR_MAX: usize = u8::MAX as usize;
 /// More markers than a record ever needs (one per batch whose roll-forward
 /// is under way or was cut short): a record claiming more is corrupt.
 const MARKERS_MAX: usize = 1 << 16;
@@ -121,6 +126,9 @@ pub struct Record {
     /// Batches committed with this key as their primary whose other keys
     /// may still hold their intents.
     pub markers: Vec<BatchId>,
+    /// CausalSpartan: the write's dependency vector, by datacenter (at most
+    /// [`VECTOR_MAX`] entries).
+    pub vector: Vec<Version>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -129,11 +137,27 @@ pub struct RecordError;
 
 impl Record {
     pub fn value(version: Version, origin: NodeId, value: Bytes) -> Self {
-        Self { version, origin, tombstone: false, value, intent: None, markers: Vec::new() }
+        Self {
+            version,
+            origin,
+            tombstone: false,
+            value,
+            intent: None,
+            markers: Vec::new(),
+            vector: Vec::new(),
+        }
     }
 
     pub fn tombstone(version: Version, origin: NodeId) -> Self {
-        Self { version, origin, tombstone: true, value: Bytes::new(), intent: None, markers: Vec::new() }
+        Self {
+            version,
+            origin,
+            tombstone: true,
+            value: Bytes::new(),
+            intent: None,
+            markers: Vec::new(),
+            vector: Vec::new(),
+        }
     }
 
     /// A record of `value` (`None`: a tombstone).
@@ -156,6 +180,9 @@ impl Record {
         if !self.markers.is_empty() {
             flags |= HAS_MARKERS;
         }
+        if !self.vector.is_empty() {
+            flags |= HAS_VECTOR;
+        }
         out.put_u8(flags);
         if let Some(intent) = &self.intent {
             put_batch(&mut out, intent.batch);
@@ -176,6 +203,13 @@ impl Record {
                 put_batch(&mut out, *batch);
             }
         }
+        if !self.vector.is_empty() {
+            assert!(self.vector.len() <= VECTOR_MAX, "a vector entry per datacenter");
+            out.put_u8(self.vector.len() as u8);
+            for entry in &self.vector {
+                out.put_u64_le(entry.0);
+            }
+        }
         out.put_slice(&self.value);
         out.freeze()
     }
@@ -187,7 +221,7 @@ impl Record {
         let version = Version(u64::from_le_bytes(raw[1..9].try_into().expect("8 bytes")));
         let origin = NodeId(u32::from_le_bytes(raw[9..13].try_into().expect("4 bytes")));
         let flags = raw[13];
-        if flags & !(TOMBSTONE | HAS_INTENT | HAS_MARKERS) != 0 {
+        if flags & !(TOMBSTONE | HAS_INTENT | HAS_MARKERS | HAS_VECTOR) != 0 {
             return Err(RecordError);
         }
         let mut at = HEADER_BYTES;
@@ -213,6 +247,17 @@ impl Record {
                 markers.push(take_batch(&raw, &mut at)?);
             }
         }
+        let mut vector = Vec::new();
+        if flags & HAS_VECTOR != 0 {
+            let count = take(&raw, &mut at, 1)?[0] as usize;
+            if count == 0 {
+                return Err(RecordError);
+            }
+            for _ in 0..count {
+                vector
+                    .push(Version(u64::from_le_bytes(take(&raw, &mut at, 8)?.try_into().expect("8 bytes"))));
+            }
+        }
         Ok(Self {
             version,
             origin,
@@ -220,6 +265,7 @@ impl Record {
             value: raw.slice(at..),
             intent,
             markers,
+            vector,
         })
     }
 
@@ -270,7 +316,7 @@ mod tests {
     }
 
     #[test]
-    fn intents_and_markers_round_trip_and_cut_records_are_errors() {
+    fn intents_markers_and_vectors_round_trip_and_cut_records_are_errors() {
         let batch = (Version::new(5, 1), NodeId(2));
         let mut record = Record::value(Version::new(9, 0), NodeId(3), Bytes::from_static(b"committed"));
         record.intent = Some(Box::new(Intent {
@@ -279,14 +325,15 @@ mod tests {
             value: Some(Bytes::from_static(b"new")),
         }));
         record.markers = vec![batch, (Version(1), NodeId(1))];
+        record.vector = vec![Version(11), Version(0), Version(13)];
         let raw = record.encode();
         assert_eq!(Record::decode(raw.clone()).unwrap(), record);
         assert_eq!(Record::decode(raw.clone()).unwrap().visible(), Some(&Bytes::from_static(b"committed")));
         let mut deleting = Record::tombstone(Version(4), NodeId(1));
         deleting.intent = Some(Box::new(Intent { batch, primary: Bytes::new(), value: None }));
         assert_eq!(Record::decode(deleting.encode()).unwrap(), deleting);
-        // Every cut inside the intent or the markers is caught (a cut in the
-        // value is only a shorter value).
+        // Every cut inside the intent, the markers or the vector is caught (a
+        // cut in the value is only a shorter value).
         let value_starts = raw.len() - b"committed".len();
         for cut in HEADER_BYTES..value_starts {
             assert!(Record::decode(raw.slice(..cut)).is_err(), "cut at {cut}");

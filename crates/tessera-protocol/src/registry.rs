@@ -9,6 +9,10 @@ use std::sync::Arc;
 
 use tessera_engine::Engine;
 
+use crate::causal::cops::{self, Cops};
+use crate::causal::eventual::{self, Eventual};
+use crate::causal::gentle_rain::{self, GentleRain};
+use crate::causal::spartan::{self, CausalSpartan};
 use crate::codec::{Family, Message};
 use crate::coordinator::Admission;
 use crate::{
@@ -82,8 +86,12 @@ pub struct ProtocolSpec {
     /// node serves them from the first member's copy.
     pub quorum: bool,
     /// A table can be given this mode (`TABLE.ALTER`, `cluster up`); the
-    /// other rows are variants for the simulator.
+    /// other rows are variants for the simulator, or causal.
     pub offered: bool,
+    /// Replicates across datacenters, a copy of each shard in each: its
+    /// instances need their place ([`crate::ShardView::geo`]), which only a
+    /// cluster laid out in datacenters gives (`cluster up --datacenters`).
+    pub geo: bool,
     pub strong_reads: StrongReads,
     /// The family its messages carry; unique per protocol.
     pub family: Family,
@@ -106,7 +114,7 @@ impl ProtocolSpec {
     pub fn copies_needed(&self, replicas: usize) -> usize {
         match self.admission(replicas) {
             Admission::Quorum { min_members } => min_members,
-            Admission::Learner | Admission::Backup => 1,
+            Admission::Learner | Admission::Backup | Admission::Fixed => 1,
         }
     }
 
@@ -122,8 +130,11 @@ impl ProtocolSpec {
     }
 
     /// Master–slave or active–active, strong or eventual, as operators read
-    /// it: `ms+sc`, `aa+ec`, ...
+    /// it: `ms+sc`, `aa+ec`, ...; a causal protocol by its name.
     pub fn label(&self) -> &'static str {
+        if self.geo {
+            return self.name;
+        }
         match (self.active_active, self.strong) {
             (false, true) => "ms+sc",
             (false, false) => "ms+ec",
@@ -256,6 +267,10 @@ fn backup(_replicas: usize) -> Admission {
     Admission::Backup
 }
 
+fn fixed(_replicas: usize) -> Admission {
+    Admission::Fixed
+}
+
 fn majority(replicas: usize) -> Admission {
     Admission::Quorum { min_members: replicas / 2 + 1 }
 }
@@ -292,8 +307,19 @@ fn quorum_register(
     }
 }
 
-/// The registry. The four offered rows give the four table modes.
-static PROTOCOLS: &[ProtocolSpec] = &[CHAIN, CHAIN_CRAQ, PRIMARY_BACKUP, MULTI_MASTER, QUORUM];
+/// The registry. The four offered rows give the four table modes; the last
+/// four replicate across datacenters.
+static PROTOCOLS: &[ProtocolSpec] = &[
+    CHAIN,
+    CHAIN_CRAQ,
+    PRIMARY_BACKUP,
+    MULTI_MASTER,
+    QUORUM,
+    GEO_EVENTUAL,
+    COPS,
+    GENTLE_RAIN,
+    CAUSAL_SPARTAN,
+];
 
 /// MS+SC (BespoKV, Anwar et al., SC 2018, IV-A): chain replication, strong
 /// reads at the tail.
@@ -303,6 +329,7 @@ const CHAIN: ProtocolSpec = ProtocolSpec {
     active_active: false,
     quorum: false,
     offered: true,
+    geo: false,
     strong_reads: StrongReads::Last,
     family: chain::ChainMessage::FAMILY,
     admission: learner,
@@ -317,6 +344,7 @@ const CHAIN_CRAQ: ProtocolSpec = ProtocolSpec {
     active_active: false,
     quorum: false,
     offered: false,
+    geo: false,
     strong_reads: StrongReads::Any,
     family: chain::ChainMessage::FAMILY,
     admission: learner,
@@ -336,6 +364,7 @@ const PRIMARY_BACKUP: ProtocolSpec = ProtocolSpec {
     active_active: false,
     quorum: false,
     offered: true,
+    geo: false,
     strong_reads: StrongReads::First,
     family: primary_backup::BackupMessage::FAMILY,
     admission: backup,
@@ -349,6 +378,7 @@ const MULTI_MASTER: ProtocolSpec = ProtocolSpec {
     active_active: true,
     quorum: false,
     offered: true,
+    geo: false,
     strong_reads: StrongReads::Any,
     family: multi_master::MultiMessage::FAMILY,
     admission: backup,
@@ -362,10 +392,56 @@ const QUORUM: ProtocolSpec = ProtocolSpec {
     active_active: true,
     quorum: true,
     offered: true,
+    geo: false,
     strong_reads: StrongReads::Any,
     family: quorum::QuorumMessage::FAMILY,
     admission: majority,
     build: |me, engine, start, tuning| quorum_register(me, engine, start, quorum_options(tuning)),
+};
+
+/// The causal protocols' baseline, last writer wins across datacenters
+/// (DKVF, Roohitavaf and Kulkarni, ASE 2018); what every causal row shares:
+/// active–active (each datacenter takes writes), not strong, and a fixed
+/// view: a copy is its datacenter's only one, so none joins or is replaced
+/// (copies fed by a snapshot are not built for the causal modes).
+const GEO_EVENTUAL: ProtocolSpec = ProtocolSpec {
+    name: "geo-eventual",
+    strong: false,
+    active_active: true,
+    quorum: false,
+    offered: false,
+    geo: true,
+    strong_reads: StrongReads::Any,
+    family: Family(eventual::FAMILY),
+    admission: fixed,
+    build: |me, engine, _, _| Box::new(Eventual::new(me, engine)),
+};
+
+/// COPS (Lloyd et al., SOSP 2011): explicit dependencies, checked before a
+/// write from elsewhere becomes visible.
+const COPS: ProtocolSpec = ProtocolSpec {
+    name: "cops",
+    family: Family(cops::FAMILY),
+    build: |me, engine, _, _| Box::new(Cops::new(me, engine)),
+    ..GEO_EVENTUAL
+};
+
+/// GentleRain (Du et al., SoCC 2014): a global stable time from physical
+/// clocks.
+const GENTLE_RAIN: ProtocolSpec = ProtocolSpec {
+    name: "gentle-rain",
+    family: Family(gentle_rain::FAMILY),
+    build: |me, engine, _, _| Box::new(GentleRain::new(me, engine)),
+    ..GEO_EVENTUAL
+};
+
+/// CausalSpartan (Roohitavaf et al., SoCC 2017): hybrid logical clocks and
+/// datacenter stable vectors.
+const CAUSAL_SPARTAN: ProtocolSpec = ProtocolSpec {
+    name: "causal-spartan",
+    family: Family(spartan::FAMILY),
+    build: |me, engine, _, _| Box::new(CausalSpartan::new(me, engine)),
+    ..GEO_EVENTUAL
 };
 
 /// Variants that break a protocol's guarantee on purpose, to show that the
@@ -462,6 +538,25 @@ static BROKEN: &[ProtocolSpec] = &[
         },
         offered: false,
         ..QUORUM
+    },
+    // COPS without its dependency checks: a write from elsewhere is visible
+    // on arrival.
+    ProtocolSpec {
+        name: "broken-cops-no-dependency-checks",
+        build: |me, engine, _, _| Box::new(Cops::broken_skip_dependency_checks(me, engine)),
+        ..COPS
+    },
+    // GentleRain without the wait for the global stable time.
+    ProtocolSpec {
+        name: "broken-gentle-rain-visible-on-arrival",
+        build: |me, engine, _, _| Box::new(GentleRain::broken_visible_on_arrival(me, engine)),
+        ..GENTLE_RAIN
+    },
+    // CausalSpartan without the wait for the datacenter stable vector.
+    ProtocolSpec {
+        name: "broken-causal-spartan-visible-on-arrival",
+        build: |me, engine, _, _| Box::new(CausalSpartan::broken_visible_on_arrival(me, engine)),
+        ..CAUSAL_SPARTAN
     },
 ];
 

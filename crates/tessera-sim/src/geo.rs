@@ -15,8 +15,9 @@
 //! [`crate::checks::causal`], and every datacenter must then show each key
 //! at the same value (convergence) with nothing left in flight.
 //!
-//! The instances are driven directly: the node's replica driver does not
-//! run causal protocols yet (the protocols have no registry row).
+//! The instances are made from their registry rows but driven directly, not
+//! through the node's replica driver, which a cluster laid out across
+//! datacenters runs them in.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -24,16 +25,14 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use tessera_engine::{Engine, OrderedEngine};
+use tessera_protocol::causal::{cops, eventual};
 use tessera_protocol::{
-    CausalContext, ClientReply, ClientRequest, Effect, Effects, GeoPlace, NodeId, Operation, PeerMessage,
-    Protocol, RequestId, ShardView, Write,
+    CausalContext, ClientReply, ClientRequest, Effect, Effects, GeoPlace, Mode, NodeId, Operation,
+    PeerMessage, Protocol, RequestId, ShardView, Start, Tuning, Write,
 };
 
 use crate::checks::causal::{self, CausalCall, CausalOperation, Scope};
 use crate::rng::Rng;
-
-/// Makes the instance for a node over its engine.
-pub type Maker = fn(NodeId, Arc<dyn Engine>) -> Box<dyn Protocol>;
 
 #[derive(Clone, Copy)]
 pub struct GeoConfig {
@@ -55,7 +54,8 @@ pub struct GeoConfig {
     /// far ahead, the delay between datacenters is this fixed (no jitter),
     /// and nothing else goes wrong.
     pub measure: Option<Measure>,
-    pub make: Maker,
+    /// A causal row of the registry.
+    pub mode: Mode,
 }
 
 /// The settings of a measuring run ([`GeoConfig::measure`]).
@@ -66,7 +66,7 @@ pub struct Measure {
 }
 
 impl GeoConfig {
-    pub fn new(seed: u64, make: Maker) -> Self {
+    pub fn new(seed: u64, mode: Mode) -> Self {
         Self {
             seed,
             datacenters: 2,
@@ -77,7 +77,7 @@ impl GeoConfig {
             check_causal: Some(Scope::Sessions),
             chains: 3,
             measure: None,
-            make,
+            mode,
         }
     }
 }
@@ -259,8 +259,16 @@ impl Geo {
         for effect in fx.take() {
             match effect {
                 Effect::Send { to, message } => self.send(node, to.0 as usize, message),
-                Effect::SendToShard { .. } => {
-                    self.report.violations.push("a causal protocol sent to a shard".into())
+                // Partition p is shard p: a message to a sibling names its shard.
+                Effect::SendToShard { shard, to, message } => {
+                    let to = to.0 as usize;
+                    if shard as usize == to % self.config.partitions {
+                        self.send(node, to, message)
+                    } else {
+                        self.report
+                            .violations
+                            .push(format!("node {node} sent node {to} a message for shard {shard}"))
+                    }
                 }
                 Effect::Reply { request, reply } => {
                     let session = (request.0 >> 32) as usize;
@@ -483,23 +491,17 @@ impl Geo {
     }
 }
 
-/// The causal protocols by name, each with what its history is checked for.
-pub fn protocol(name: &str) -> Option<(Maker, Option<Scope>)> {
-    use tessera_protocol::causal::{
-        cops::Cops, eventual::Eventual, gentle_rain::GentleRain, spartan::CausalSpartan,
-    };
-    let found: (Maker, Option<Scope>) = match name {
-        "eventual" => (|me, engine| Box::new(Eventual::new(me, engine)), None),
-        "cops" => (|me, engine| Box::new(Cops::new(me, engine)), Some(Scope::SessionsAndDatacenters)),
-        "gentle-rain" => (|me, engine| Box::new(GentleRain::new(me, engine)), Some(Scope::Sessions)),
-        "causal-spartan" => (|me, engine| Box::new(CausalSpartan::new(me, engine)), Some(Scope::Sessions)),
-        _ => return None,
-    };
-    Some(found)
+/// What a causal protocol's history is checked for: causal consistency in
+/// this scope, or (`None`, the eventual baseline) only convergence
+/// (docs/PROTOCOLS.md, "What the checker asks of each").
+pub fn scope_of(mode: Mode) -> Option<Scope> {
+    assert!(mode.geo, "{mode} does not replicate across datacenters");
+    match mode.family.0 {
+        eventual::FAMILY => None,
+        cops::FAMILY => Some(Scope::SessionsAndDatacenters),
+        _ => Some(Scope::Sessions),
+    }
 }
-
-/// The names [`protocol`] knows.
-pub const PROTOCOLS: [&str; 4] = ["eventual", "cops", "gentle-rain", "causal-spartan"];
 
 /// Runs one seed.
 pub fn run(config: GeoConfig) -> GeoReport {
@@ -521,6 +523,7 @@ pub fn run(config: GeoConfig) -> GeoReport {
                 siblings: (0..config.partitions)
                     .map(|p| NodeId((datacenter * config.partitions + p) as u32))
                     .collect(),
+                shards: (0..config.partitions as u32).collect(),
             }
         })
         .collect();
@@ -529,7 +532,9 @@ pub fn run(config: GeoConfig) -> GeoReport {
     let instances = engines
         .iter()
         .enumerate()
-        .map(|(node, engine)| (config.make)(NodeId(node as u32), engine.clone()))
+        .map(|(node, engine)| {
+            config.mode.instance(NodeId(node as u32), engine.clone(), Start::Open, &Tuning::default())
+        })
         .collect();
     let sessions = (0..config.datacenters * config.sessions_per_datacenter)
         .map(|session| Session {
@@ -564,35 +569,33 @@ pub fn run(config: GeoConfig) -> GeoReport {
 
 #[cfg(test)]
 mod tests {
-    use tessera_protocol::causal::{cops::Cops, gentle_rain::GentleRain, spartan::CausalSpartan};
-
     use super::*;
 
     fn failing_seeds(
-        make: Maker,
+        mode: Mode,
         seeds: std::ops::Range<u64>,
         check_causal: Option<Scope>,
     ) -> Vec<(u64, Vec<String>)> {
         seeds
             .filter_map(|seed| {
-                let report = run(GeoConfig { check_causal, ..GeoConfig::new(seed, make) });
+                let report = run(GeoConfig { check_causal, ..GeoConfig::new(seed, mode) });
                 assert!(report.operations > 100, "seed {seed}: only {} operations", report.operations);
                 (!report.violations.is_empty()).then_some((seed, report.violations))
             })
             .collect()
     }
 
+    fn named(name: &str) -> Mode {
+        Mode::named(name).filter(|mode| mode.geo).expect("a causal row")
+    }
+
     #[test]
     fn the_causal_protocols_pass_their_seeds() {
         let mut failures = Vec::new();
-        let protocols = PROTOCOLS[1..].iter().map(|name| {
-            let (make, scope) = protocol(name).expect("known");
-            (*name, make, scope.expect("a causal protocol"))
-        });
-        for (name, make, scope) in protocols {
-            let failing = failing_seeds(make, 0..40, Some(scope));
+        for mode in ["cops", "gentle-rain", "causal-spartan"].map(named) {
+            let failing = failing_seeds(mode, 0..40, scope_of(mode));
             if !failing.is_empty() {
-                failures.push((name, failing));
+                failures.push((mode, failing));
             }
         }
         assert!(failures.is_empty(), "{failures:?}");
@@ -602,33 +605,18 @@ mod tests {
     /// dependency checks, the wait for the stable time) is caught.
     #[test]
     fn broken_variants_are_caught() {
-        let broken: [(&str, Maker, Scope); 3] = [
-            (
-                "cops without dependency checks",
-                |me, engine| Box::new(Cops::broken_skip_dependency_checks(me, engine)),
-                Scope::SessionsAndDatacenters,
-            ),
-            (
-                "gentle-rain visible on arrival",
-                |me, engine| Box::new(GentleRain::broken_visible_on_arrival(me, engine)),
-                Scope::Sessions,
-            ),
-            (
-                "causal-spartan visible on arrival",
-                |me, engine| Box::new(CausalSpartan::broken_visible_on_arrival(me, engine)),
-                Scope::Sessions,
-            ),
-        ];
-        for (name, make, scope) in broken {
-            let caught = failing_seeds(make, 0..40, Some(scope)).len();
-            assert!(caught >= 4, "{name} was caught in only {caught} of 40 runs");
+        let broken = Mode::broken().filter(|mode| mode.geo).collect::<Vec<_>>();
+        assert_eq!(broken.len(), 3, "{broken:?}");
+        for mode in broken {
+            let caught = failing_seeds(mode, 0..40, scope_of(mode)).len();
+            assert!(caught >= 4, "{mode} was caught in only {caught} of 40 runs");
         }
     }
 
     #[test]
     fn eventual_converges_and_the_causal_checker_catches_it() {
-        let (eventual, scope) = protocol("eventual").expect("known");
-        assert_eq!(scope, None, "eventual is checked for convergence only");
+        let eventual = named("geo-eventual");
+        assert_eq!(scope_of(eventual), None, "eventual is checked for convergence only");
         assert_eq!(failing_seeds(eventual, 0..40, None), Vec::new());
         let caught = failing_seeds(eventual, 0..40, Some(Scope::Sessions)).len();
         assert!(caught > 0, "the checker caught eventual consistency in none of 40 runs");

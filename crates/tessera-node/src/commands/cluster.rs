@@ -72,8 +72,9 @@ fn cluster(context: &mut Context, request: &Request) -> CommandResult {
         context.out.integer(key_slot(request.arg(2)) as i64);
         return Ok(());
     }
-    let map = node.map()?;
     let me = node.agent.node_id();
+    let whole = node.map()?;
+    let map = whole.seen_from(me);
     match () {
         _ if is(subcommand, "slots") && request.len() == 2 => slots(context, &map),
         _ if is(subcommand, "shards") && request.len() == 2 => shards(context, &map),

@@ -177,7 +177,7 @@ impl Cops {
                 self.next_id += 1;
                 let owner = place.siblings[owner];
                 let message = GeoMessage::CheckDependency { check, dependency: dependency.clone() };
-                Partition::send::<FAMILY>(fx, vec![(owner, message)]);
+                self.partition.send::<FAMILY>(fx, vec![(owner, message)]);
                 self.checks.insert(check, Check { waiting: id, owner, dependency });
                 waiting.checks += 1;
             }
@@ -226,7 +226,7 @@ impl Cops {
         while index < self.asked.len() {
             let (from, check, dependency) = &self.asked[index];
             if dependency.key == *key && self.committed(dependency) {
-                Partition::send::<FAMILY>(fx, vec![(*from, GeoMessage::DependencyMet { check: *check })]);
+                self.partition.send::<FAMILY>(fx, vec![(*from, GeoMessage::DependencyMet { check: *check })]);
                 self.asked.swap_remove(index);
             } else {
                 index += 1;
@@ -265,7 +265,7 @@ impl Protocol for Cops {
                     return;
                 }
                 if self.committed(&dependency) {
-                    Partition::send::<FAMILY>(fx, vec![(from, GeoMessage::DependencyMet { check })]);
+                    self.partition.send::<FAMILY>(fx, vec![(from, GeoMessage::DependencyMet { check })]);
                 } else {
                     let known = self.asked.iter().any(|(asker, asked, _)| *asker == from && *asked == check);
                     if !known && self.asked.len() < WAITING_CHECKS_MAX {
@@ -294,13 +294,13 @@ impl Protocol for Cops {
     fn on_tick(&mut self, fx: &mut Effects) {
         let Some(place) = self.partition.place.clone() else { return };
         let sends = self.partition.streams.on_tick(&place, None, fx.now());
-        Partition::send::<FAMILY>(fx, sends);
+        self.partition.send::<FAMILY>(fx, sends);
         if fx.now() >= self.last_resend + RESEND_MS {
             self.last_resend = fx.now();
             for (check, sent) in &self.checks {
                 let message =
                     GeoMessage::CheckDependency { check: *check, dependency: sent.dependency.clone() };
-                Partition::send::<FAMILY>(fx, vec![(sent.owner, message)]);
+                self.partition.send::<FAMILY>(fx, vec![(sent.owner, message)]);
             }
         }
     }

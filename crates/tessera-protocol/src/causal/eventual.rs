@@ -78,7 +78,7 @@ impl Protocol for Eventual {
     fn on_tick(&mut self, fx: &mut Effects) {
         let Some(place) = self.partition.place.clone() else { return };
         let sends = self.partition.streams.on_tick(&place, None, fx.now());
-        Partition::send::<FAMILY>(fx, sends);
+        self.partition.send::<FAMILY>(fx, sends);
     }
 
     fn on_view(&mut self, view: &ShardView, _fx: &mut Effects) {

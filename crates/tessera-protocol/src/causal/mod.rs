@@ -44,6 +44,9 @@ pub struct GeoPlace {
     /// Every partition of this datacenter, by partition (this node at
     /// `partition`).
     pub siblings: Vec<NodeId>,
+    /// The shard each partition is, by partition: a message to a sibling
+    /// goes to its shard, not this one.
+    pub shards: Vec<u32>,
 }
 
 impl GeoPlace {
@@ -56,9 +59,10 @@ impl GeoPlace {
     }
 
     /// The partition that holds `key`: partitions split the slots evenly, in
-    /// order.
+    /// order, partition `p` from slot `SLOTS * p / partitions` (rounded
+    /// down) on, as a cluster's shards split them.
     pub fn partition_of(&self, key: &[u8]) -> usize {
-        key_slot(key) * self.partitions() / SLOTS
+        ((key_slot(key) + 1) * self.partitions() - 1) / SLOTS
     }
 
     /// The same node at its own place in both lists, and no node twice.
@@ -69,6 +73,7 @@ impl GeoPlace {
         nodes.dedup();
         me.is_some()
             && me == self.siblings.get(self.partition)
+            && self.shards.len() == self.siblings.len()
             && nodes.len() == self.replicas.len() + self.siblings.len() - 1
     }
 
@@ -539,9 +544,9 @@ impl Stabilizer {
     }
 }
 
-/// A version as a causal partition stores it: the record codec's header
-/// (version, origin, tombstone), then, for CausalSpartan, the write's
-/// dependency vector ahead of the value.
+/// A version as a causal partition stores it: a record of the shared codec
+/// (version, origin, tombstone, and CausalSpartan's dependency vector), so
+/// that the node reads a causal table's values as any other's.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Stored {
     version: Version,
@@ -550,8 +555,8 @@ struct Stored {
     vector: Vec<Version>,
 }
 
-/// The most datacenters a stored dependency vector names.
-const DATACENTERS_MAX: usize = 255;
+/// The most datacenters a dependency vector names.
+const DATACENTERS_MAX: usize = crate::record::VECTOR_MAX;
 
 impl Stored {
     fn of(write: &Replicated) -> Self {
@@ -564,36 +569,15 @@ impl Stored {
     }
 
     fn encode(&self) -> Bytes {
-        assert!(self.vector.len() <= DATACENTERS_MAX, "a vector entry per datacenter");
-        let mut body =
-            Vec::with_capacity(1 + 8 * self.vector.len() + self.value.as_ref().map_or(0, Bytes::len));
-        body.put_u8(self.vector.len() as u8);
-        for entry in &self.vector {
-            body.put_u64_le(entry.0);
-        }
-        if let Some(value) = &self.value {
-            body.put_slice(value);
-        }
-        let record = match self.value {
-            Some(_) => Record::value(self.version, self.origin, Bytes::from(body)),
-            None => Record { tombstone: true, ..Record::value(self.version, self.origin, Bytes::from(body)) },
-        };
+        let mut record = Record::new(self.version, self.origin, self.value.clone());
+        record.vector = self.vector.clone();
         record.encode()
     }
 
     fn decode(raw: Bytes) -> Result<Self, OperationError> {
         let record = Record::decode(raw)?;
-        let body = record.value;
-        let count = *body.first().ok_or(crate::RecordError)? as usize;
-        let value_at = 1 + 8 * count;
-        if body.len() < value_at {
-            return Err(crate::RecordError.into());
-        }
-        let vector = (0..count)
-            .map(|at| Version(u64::from_le_bytes(body[1 + 8 * at..9 + 8 * at].try_into().expect("8 bytes"))))
-            .collect();
-        let value = (!record.tombstone).then(|| body.slice(value_at..));
-        Ok(Self { version: record.version, origin: record.origin, value, vector })
+        let value = record.visible().cloned();
+        Ok(Self { version: record.version, origin: record.origin, value, vector: record.vector })
     }
 
     /// Whether this version wins over `other` (last writer wins, the origin
@@ -741,9 +725,16 @@ impl Partition {
         }
     }
 
-    fn send<const FAMILY: u8>(fx: &mut Effects, sends: Vec<(NodeId, GeoMessage)>) {
+    /// Sends each message: to a copy in another datacenter as a message of
+    /// this shard, to a sibling as one of the sibling's shard.
+    fn send<const FAMILY: u8>(&self, fx: &mut Effects, sends: Vec<(NodeId, GeoMessage)>) {
+        let place = self.place.as_ref().expect("placed");
         for (to, message) in sends {
-            fx.send(to, PeerMessage::new(&Tagged::<FAMILY>(message)));
+            let message = PeerMessage::new(&Tagged::<FAMILY>(message));
+            match place.partition_of_node(to) {
+                Some(partition) => fx.send_to_shard(place.shards[partition], to, message),
+                None => fx.send(to, message),
+            }
         }
     }
 
@@ -777,9 +768,9 @@ impl Partition {
         let place = self.place.as_ref().expect("placed");
         let clock = self.clock.tick(fx.now());
         let sends = self.streams.on_tick(place, Some(clock), fx.now());
-        Self::send::<FAMILY>(fx, sends);
+        self.send::<FAMILY>(fx, sends);
         let sends = stabilizer.gossip(place, &self.streams.received, fx.now());
-        Self::send::<FAMILY>(fx, sends);
+        self.send::<FAMILY>(fx, sends);
         stabilizer.stable(place, &self.streams.received)
     }
 
@@ -796,7 +787,7 @@ impl Partition {
         let place = self.place.as_ref().expect("placed");
         store(&*self.engine, &write.key, &Stored::of(&write))?;
         let sends = self.streams.ship(place, write, fx.now());
-        Self::send::<FAMILY>(fx, sends);
+        self.send::<FAMILY>(fx, sends);
         Ok(())
     }
 
@@ -811,7 +802,7 @@ impl Partition {
     ) -> Vec<Replicated> {
         let place = self.place.as_ref().expect("placed");
         let Some((ready, ack)) = self.streams.receive(place, from, first, writes) else { return Vec::new() };
-        Self::send::<FAMILY>(fx, vec![(from, ack)]);
+        self.send::<FAMILY>(fx, vec![(from, ack)]);
         ready
     }
 
@@ -912,10 +903,49 @@ mod tests {
         }
     }
 
+    /// A key's partition is the one whose slots a cluster's evenly split
+    /// shards give it, whatever the number of partitions.
+    #[test]
+    fn partitions_split_the_slots_as_a_clusters_shards_do() {
+        let mut key_of_slot = vec![None; SLOTS];
+        let mut found = 0;
+        for n in 0u32.. {
+            let key = n.to_string();
+            let slot = &mut key_of_slot[key_slot(key.as_bytes())];
+            if slot.is_none() {
+                *slot = Some(key);
+                found += 1;
+                if found == SLOTS {
+                    break;
+                }
+            }
+        }
+        for partitions in [1usize, 2, 3, 5, 7, 1000] {
+            let place = GeoPlace {
+                siblings: (0..partitions as u32).map(NodeId).collect(),
+                shards: (0..partitions as u32).collect(),
+                ..GeoPlace::default()
+            };
+            for partition in 0..partitions {
+                let (first, last) =
+                    (SLOTS * partition / partitions, SLOTS * (partition + 1) / partitions - 1);
+                for slot in [first, last] {
+                    let key = key_of_slot[slot].as_ref().expect("every slot has a key");
+                    assert_eq!(place.partition_of(key.as_bytes()), partition, "slot {slot} of {partitions}");
+                }
+            }
+        }
+    }
+
     /// One partition alone in one datacenter, placed.
     fn placed(protocol: &mut dyn crate::Protocol) {
-        let place =
-            GeoPlace { datacenter: 0, partition: 0, replicas: vec![NodeId(0)], siblings: vec![NodeId(0)] };
+        let place = GeoPlace {
+            datacenter: 0,
+            partition: 0,
+            replicas: vec![NodeId(0)],
+            siblings: vec![NodeId(0)],
+            shards: vec![0],
+        };
         let view = ShardView {
             number: 1,
             replicas: vec![NodeId(0)],
