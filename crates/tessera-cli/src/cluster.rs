@@ -161,9 +161,15 @@ pub struct UpArgs {
     #[arg(long, default_value = "ms")]
     topology: String,
     /// strong or eventual (ms: chain replication or primary–backup; aa:
-    /// multi-master, last writer wins).
+    /// multi-master, last writer wins); with --datacenters, a causal
+    /// protocol: geo-eventual, cops, gentle-rain or causal-spartan.
     #[arg(long, default_value = "strong")]
     consistency: String,
+    /// Lay the nodes out across this many datacenters, each a whole copy
+    /// partitioned over its nodes (--nodes must split evenly; --replicas and
+    /// --groups do not apply): clients of a node stay in its datacenter.
+    #[arg(long)]
+    datacenters: Option<usize>,
     /// Each node's engine: memory, ordered, log or lsm.
     #[arg(long, default_value = "memory")]
     engine: String,
@@ -208,6 +214,9 @@ struct Layout {
     #[serde(default = "master_slave")]
     topology: String,
     consistency: String,
+    /// Laid out across datacenters (`up --datacenters`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    datacenters: Option<usize>,
     engine: String,
     threads: usize,
     lease_ms: u64,
@@ -321,18 +330,30 @@ fn up(args: UpArgs) -> Result<(), String> {
             layout
         }
         Err(_) => {
-            tessera_protocol::Mode::for_table(&args.topology, &args.consistency)?;
+            let replicas = match args.datacenters {
+                Some(datacenters) => {
+                    tessera_protocol::Mode::causal(&args.consistency)?;
+                    if datacenters < 2 || !(args.nodes as usize).is_multiple_of(datacenters) {
+                        return Err(format!(
+                            "--datacenters {datacenters}: at least 2, and --nodes ({}) must split evenly into them",
+                            args.nodes
+                        ));
+                    }
+                    datacenters
+                }
+                None => {
+                    tessera_protocol::Mode::for_table(&args.topology, &args.consistency)?;
+                    args.replicas
+                }
+            };
             if !["memory", "ordered", "log", "lsm"].contains(&args.engine.as_str()) {
                 return Err(format!(
                     "engine {:?} cannot back a cluster; choose memory, ordered, log or lsm",
                     args.engine
                 ));
             }
-            if args.nodes == 0 || args.replicas == 0 || (args.nodes as usize) < args.replicas {
-                return Err(format!(
-                    "{} nodes cannot keep {} replicas of each shard",
-                    args.nodes, args.replicas
-                ));
+            if args.nodes == 0 || replicas == 0 || (args.nodes as usize) < replicas {
+                return Err(format!("{} nodes cannot keep {replicas} replicas of each shard", args.nodes));
             }
             if args.groups.is_some_and(|groups| groups == 0 || groups > tessera_wire::slot::SLOTS) {
                 return Err(format!("--groups: between 1 and {}", tessera_wire::slot::SLOTS));
@@ -351,10 +372,11 @@ fn up(args: UpArgs) -> Result<(), String> {
                 host: "127.0.0.1".into(),
                 coordinator_port: args.base_port,
                 nodes: (0..args.nodes).map(|id| (id, args.base_port + 1 + id as u16)).collect(),
-                replicas: args.replicas,
-                groups: args.groups,
+                replicas,
+                groups: args.groups.filter(|_| args.datacenters.is_none()),
                 topology: args.topology.clone(),
                 consistency: args.consistency.clone(),
+                datacenters: args.datacenters,
                 engine: args.engine.clone(),
                 threads: args.threads,
                 lease_ms: args.lease_ms,
@@ -444,12 +466,21 @@ fn demo(layout: &Layout, map: &ClusterMap) -> Result<(), String> {
     let started = Instant::now();
     let commands: Vec<Vec<String>> =
         (0..count).map(|index| vec!["GET".into(), format!("demo:{index}")]).collect();
-    let replies = reader.pipeline(&commands).map_err(|error| error.to_string())?;
-    let matching = replies
-        .iter()
-        .enumerate()
-        .filter(|(index, reply)| reply.as_bytes() == Some(format!("value-{index}").as_bytes()))
-        .count();
+    // Across datacenters the last node reads its own datacenter's copy,
+    // which the writes reach a moment later.
+    let patience = if map.mode.geo { Duration::from_secs(5) } else { Duration::ZERO };
+    let matching = loop {
+        let replies = reader.pipeline(&commands).map_err(|error| error.to_string())?;
+        let matching = replies
+            .iter()
+            .enumerate()
+            .filter(|(index, reply)| reply.as_bytes() == Some(format!("value-{index}").as_bytes()))
+            .count();
+        if matching == count || started.elapsed() >= patience {
+            break matching;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
     println!(
         "demo: {written}/{count} SETs through node on port {first} in {:.0} ms, {matching}/{count} read back through port {last} in {:.0} ms",
         write_time.as_secs_f64() * 1e3,
@@ -464,8 +495,13 @@ fn demo(layout: &Layout, map: &ClusterMap) -> Result<(), String> {
         }
     }
     for (shard, keys) in shards.iter().zip(per_shard) {
-        let chain: Vec<String> = shard.members.iter().map(|node| format!("n{node}")).collect();
-        println!("  shard {} (slots {:?}): {keys} keys on {}", shard.id, shard.slots, chain.join(" → "));
+        let copies: Vec<String> = shard.members.iter().map(|node| format!("n{node}")).collect();
+        println!(
+            "  shard {} (slots {:?}): {keys} keys on {}",
+            shard.id,
+            shard.slots,
+            copies.join(members_joiner(map))
+        );
     }
     if written != count || matching != count {
         return Err("the demo's writes did not all read back".into());
@@ -498,11 +534,16 @@ fn wait_until_served(layout: &Layout, dir: &Path, timeout: Duration) -> Result<C
     ))
 }
 
+/// Whether every shard takes a write at its head (in a layout across
+/// datacenters, at its copy in each datacenter).
 fn probe(dir: &Path, layout: &Layout) -> Result<ClusterMap, String> {
     let map = fetch_map(dir, layout)?;
     for shard in map.slot_shards() {
-        let head = shard.members.first().ok_or(format!("shard {} has no members", shard.id))?;
-        let address = &map.node(*head).ok_or("a head that is not in the map")?.address;
+        let writers =
+            if map.mode.geo { &shard.members[..] } else { &shard.members[..1.min(shard.members.len())] };
+        if writers.is_empty() {
+            return Err(format!("shard {} has no members", shard.id));
+        }
         if shard.slots.is_empty() {
             return Err(format!("shard {} owns no slots", shard.id));
         }
@@ -510,11 +551,14 @@ fn probe(dir: &Path, layout: &Layout) -> Result<ClusterMap, String> {
             .map(|index| format!("tessera:probe:{index}"))
             .find(|key| shard.owns(key_slot(key.as_bytes()) as u16))
             .expect("some key hashes into any slot");
-        let mut client = Client::connect(address.as_str(), Duration::from_secs(1))
-            .map_err(|error| format!("{address}: {error}"))?;
-        match client.command(&["SET", key.as_str(), "1"]).map_err(|error| error.to_string())? {
-            Value::Simple(_) => {}
-            other => return Err(format!("shard {} answers {other:?}", shard.id)),
+        for writer in writers {
+            let address = &map.node(*writer).ok_or("a head that is not in the map")?.address;
+            let mut client = Client::connect(address.as_str(), Duration::from_secs(1))
+                .map_err(|error| format!("{address}: {error}"))?;
+            match client.command(&["SET", key.as_str(), "1"]).map_err(|error| error.to_string())? {
+                Value::Simple(_) => {}
+                other => return Err(format!("shard {} answers {other:?} at node {writer}", shard.id)),
+            }
         }
     }
     Ok(map)
@@ -575,7 +619,7 @@ fn status(dir: &Path) -> Result<(), String> {
                     shard.table,
                     format!("{:?}", shard.slots),
                     shard.view_number,
-                    chain.join(" → "),
+                    chain.join(members_joiner(map)),
                     map.mode_label(shard),
                     if learners.is_empty() {
                         String::new()
@@ -590,12 +634,26 @@ fn status(dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// How a shard's members are listed: a chain in order, or a causal
+/// partition's copies, one per datacenter.
+fn members_joiner(map: &ClusterMap) -> &'static str {
+    if map.mode.geo {
+        " + "
+    } else {
+        " → "
+    }
+}
+
 fn roles_of(map: &ClusterMap, node: u32) -> String {
     let roles: Vec<String> = map
         .shards
         .iter()
         .filter_map(|shard| {
-            let role = match shard.members.iter().position(|member| *member == node) {
+            let position = shard.members.iter().position(|member| *member == node);
+            if let (true, Some(datacenter)) = (map.mode.geo, position) {
+                return Some(format!("dc{datacenter} copy of {}", shard.id));
+            }
+            let role = match position {
                 Some(0) => "head",
                 Some(position) if position + 1 == shard.members.len() => "tail",
                 Some(_) => "middle",
@@ -1246,6 +1304,9 @@ fn start(dir: &Path, layout: &Layout, name: &str) -> Result<(), String> {
             }
             args.extend(["--topology".into(), layout.topology.clone()]);
             args.extend(["--consistency".into(), layout.consistency.clone()]);
+            if let Some(datacenters) = layout.datacenters {
+                args.extend(["--datacenters".into(), datacenters.to_string()]);
+            }
         }
     } else {
         let id: u32 = name.trim_start_matches("node-").parse().map_err(|_| format!("no process {name}"))?;

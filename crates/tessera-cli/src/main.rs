@@ -205,9 +205,16 @@ struct CoordinatorArgs {
     #[arg(long, default_value = "ms")]
     topology: String,
     /// strong or eventual: with ms, chain replication or primary–backup; with
-    /// aa, eventual is multi-master last-writer-wins.
+    /// aa, eventual is multi-master last-writer-wins. With --datacenters, a
+    /// causal protocol: geo-eventual, cops, gentle-rain or causal-spartan.
     #[arg(long, default_value = "strong")]
     consistency: String,
+    /// To start a new cluster across this many datacenters: --nodes split
+    /// into that many consecutive, equal shares, each holding a whole copy
+    /// partitioned over its nodes, replicated by the causal protocol
+    /// --consistency names (--replicas, --groups and --topology do not apply).
+    #[arg(long)]
+    datacenters: Option<usize>,
     /// A replica acts alone (tail reads, acknowledgements) for this long after
     /// each heartbeat it sends.
     #[arg(long, default_value_t = 1000)]
@@ -562,6 +569,14 @@ fn coordinator(args: CoordinatorArgs) -> Result<(), String> {
         return Err("--failure-timeout-ms must be longer than --lease-ms".into());
     }
     let initial = match (&args.cluster_id, args.nodes.is_empty()) {
+        (Some(id), false) if args.datacenters.is_some() => {
+            let mode = tessera_protocol::Mode::causal(&args.consistency)?;
+            let datacenters = args.datacenters.unwrap_or_default();
+            Some(
+                ClusterMap::place_datacenters(id, mode, &args.nodes, datacenters)
+                    .map_err(|error| error.to_string())?,
+            )
+        }
         (Some(id), false) => {
             let mode = tessera_protocol::Mode::for_table(&args.topology, &args.consistency)?;
             let members = args.members.unwrap_or(args.nodes.len());

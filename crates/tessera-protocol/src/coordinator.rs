@@ -413,14 +413,17 @@ impl ShardCoordinator {
                 "learner silent",
             );
         }
+        if self.config.admission == Admission::Fixed {
+            // Each member is its place's only copy: it stays, failed or not.
+            return kept;
+        }
         // The longest silent first: when several fail at once, the one heard
         // from last is the one kept.
         let mut members = self.view.replicas.clone();
         members.sort_by_key(|node| self.last_heard.get(node).copied().unwrap_or(0));
         let min_members = match self.config.admission {
             Admission::Quorum { min_members } => min_members.max(1),
-            Admission::Fixed => usize::MAX,
-            Admission::Learner | Admission::Backup => 1,
+            Admission::Learner | Admission::Backup | Admission::Fixed => 1,
         };
         let removable = |this: &Self, node: NodeId| {
             let failed = this.silent(node, now) || this.suspected.contains(&node);
@@ -586,6 +589,28 @@ mod tests {
         chain.on_tick(10);
         assert_eq!(chain.view().replicas, vec![NodeId(1), NodeId(2)], "never granted, so removed at once");
         assert!(chain.take_changes()[0].primary_changed);
+    }
+
+    /// A causal partition's copies: one that falls silent, or comes back
+    /// having lost its state, stays in the view (refused a lease in the
+    /// second case), and no other node joins in its place.
+    #[test]
+    fn a_fixed_view_keeps_its_members_and_takes_no_one() {
+        let mut copies = coordinator(Admission::Fixed);
+        for node in 0..3 {
+            assert!(beat(&mut copies, 100, node).is_some());
+        }
+        for now in (150..=1_000).step_by(50) {
+            beat(&mut copies, now, 0);
+            copies.on_tick(now);
+        }
+        assert!(copies.on_heartbeat(1_000, NodeId(2), 7, &Progress::default()).is_none(), "lost its state");
+        assert!(beat(&mut copies, 1_000, 5).is_none(), "a newcomer");
+        copies.on_tick(1_050);
+        assert_eq!(copies.view().replicas, vec![NodeId(0), NodeId(1), NodeId(2)]);
+        assert!(copies.view().learners.is_empty());
+        assert!(copies.take_changes().is_empty());
+        assert!(beat(&mut copies, 1_100, 1).is_some(), "a silent member that comes back serves again");
     }
 
     #[test]

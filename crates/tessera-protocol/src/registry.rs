@@ -241,6 +241,18 @@ impl Mode {
             .expect("every topology and consistency has an offered mode"))
     }
 
+    /// A causal protocol by its name, as a layout across datacenters takes
+    /// it (`cluster up --datacenters 2 --consistency cops`).
+    pub fn causal(name: &str) -> Result<Mode, String> {
+        Self::all().find(|mode| mode.geo && mode.name.eq_ignore_ascii_case(name)).ok_or_else(|| {
+            let names: Vec<&str> = Self::all().filter(|mode| mode.geo).map(|mode| mode.name).collect();
+            format!(
+                "across datacenters, the consistency is a causal protocol: {}; not {name:?}",
+                names.join(", ")
+            )
+        })
+    }
+
     /// The topology and consistency, as [`Mode::for_table`] takes them.
     pub fn parts(self) -> (&'static str, &'static str) {
         (if self.active_active { "aa" } else { "ms" }, if self.strong { "strong" } else { "eventual" })
