@@ -114,6 +114,70 @@ impl ClusterSecret {
     }
 }
 
+impl ClusterSecret {
+    fn token_seal(&self, datacenter: u32, context: &[u8]) -> Hmac<Sha256> {
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes a key of any length");
+        mac.update(CAUSAL_TOKEN);
+        mac.update(&[TOKEN_FORMAT]);
+        mac.update(&datacenter.to_le_bytes());
+        mac.update(context);
+        mac
+    }
+
+    /// A causal session's context (as [`tessera_protocol::CausalContext::encode`]
+    /// writes it) sealed for the clients of `datacenter`, whose stable times
+    /// it names: hex of format | datacenter | context | seal.
+    pub fn seal_token(&self, datacenter: u32, context: &[u8]) -> String {
+        let seal = self.token_seal(datacenter, context).finalize().into_bytes();
+        let mut token = vec![TOKEN_FORMAT];
+        token.extend_from_slice(&datacenter.to_le_bytes());
+        token.extend_from_slice(context);
+        token.extend_from_slice(&seal[..TOKEN_SEAL_BYTES]);
+        to_hex(&token)
+    }
+
+    /// The context a token sealed for `datacenter` carries: one this
+    /// cluster's secret did not seal, or sealed for another datacenter, is
+    /// refused.
+    pub fn open_token(&self, datacenter: u32, token: &[u8]) -> Result<Vec<u8>, TokenError> {
+        if token.len() > 2 * TOKEN_BYTES_MAX {
+            return Err(TokenError::Malformed);
+        }
+        let raw = hex_to_bytes(token).ok_or(TokenError::Malformed)?;
+        if raw.len() < 1 + 4 + TOKEN_SEAL_BYTES || raw[0] != TOKEN_FORMAT {
+            return Err(TokenError::Malformed);
+        }
+        let (sealed, seal) = raw.split_at(raw.len() - TOKEN_SEAL_BYTES);
+        let sealed_for = u32::from_le_bytes(sealed[1..5].try_into().expect("4 bytes"));
+        let context = &sealed[5..];
+        if self.token_seal(sealed_for, context).verify_truncated_left(seal).is_err() {
+            return Err(TokenError::Forged);
+        }
+        if sealed_for != datacenter {
+            return Err(TokenError::OtherDatacenter(sealed_for));
+        }
+        Ok(context.to_vec())
+    }
+}
+
+/// Why a causal token is refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum TokenError {
+    #[error("not a causal token")]
+    Malformed,
+    #[error("a causal token this cluster did not make")]
+    Forged,
+    #[error("a causal token from datacenter {0}, whose stable times mean nothing here")]
+    OtherDatacenter(u32),
+}
+
+const CAUSAL_TOKEN: &[u8] = b"tessera causal token";
+const TOKEN_FORMAT: u8 = 1;
+/// Bytes of a token's seal: a truncated HMAC-SHA256.
+const TOKEN_SEAL_BYTES: usize = 16;
+/// The longest token taken, in bytes before hex.
+pub const TOKEN_BYTES_MAX: usize = 1 << 20;
+
 const ACCEPTING: &[u8] = b"tessera cluster plane: accepting side";
 const CONNECTING: &[u8] = b"tessera cluster plane: connecting side";
 
@@ -265,24 +329,47 @@ pub fn to_hex(bytes: &[u8]) -> String {
 /// The bytes of `N` written as lowercase hex (as [`to_hex`] writes them), if
 /// that is exactly what `text` is.
 pub fn from_hex<const N: usize>(text: &[u8]) -> Option<[u8; N]> {
+    hex_to_bytes(text)?.try_into().ok()
+}
+
+/// The bytes `text` writes in lowercase hex, if that is what it is.
+fn hex_to_bytes(text: &[u8]) -> Option<Vec<u8>> {
     let digit = |byte: u8| match byte {
         b'0'..=b'9' => Some(byte - b'0'),
         b'a'..=b'f' => Some(byte - b'a' + 10),
         _ => None,
     };
-    if text.len() != 2 * N {
+    if text.len() % 2 != 0 {
         return None;
     }
-    let mut bytes = [0; N];
-    for (byte, pair) in bytes.iter_mut().zip(text.chunks(2)) {
-        *byte = digit(pair[0])? << 4 | digit(pair[1])?;
-    }
-    Some(bytes)
+    text.chunks(2).map(|pair| Some(digit(pair[0])? << 4 | digit(pair[1])?)).collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tokens_open_only_with_the_secret_and_in_their_datacenter() {
+        let (secret, other) = (ClusterSecret::generate(), ClusterSecret::generate());
+        let token = secret.seal_token(1, b"context");
+        assert_eq!(secret.open_token(1, token.as_bytes()), Ok(b"context".to_vec()));
+        assert_eq!(secret.open_token(0, token.as_bytes()), Err(TokenError::OtherDatacenter(1)));
+        assert_eq!(other.open_token(1, token.as_bytes()), Err(TokenError::Forged));
+        let mut raw = hex_to_bytes(token.as_bytes()).unwrap();
+        raw[6] ^= 1;
+        assert_eq!(
+            secret.open_token(1, to_hex(&raw).as_bytes()),
+            Err(TokenError::Forged),
+            "a changed context"
+        );
+        raw[6] ^= 1;
+        raw[1] = 0;
+        assert_eq!(secret.open_token(0, to_hex(&raw).as_bytes()), Err(TokenError::Forged), "a moved token");
+        for malformed in [&b""[..], b"zz", b"01", token[..token.len() - 1].as_bytes()] {
+            assert_eq!(secret.open_token(1, malformed), Err(TokenError::Malformed), "{malformed:?}");
+        }
+    }
 
     fn transcript() -> Transcript {
         Transcript {

@@ -631,7 +631,87 @@ const SINGLE_KEYS_ONLY: &str =
 /// stamps, that far.
 const CONTEXT_AHEAD: &str = "the causal context names a time further ahead of this clock than clocks drift";
 
+/// The most dependencies a COPS context carried in a token names.
+pub const TOKEN_DEPENDENCIES_MAX: usize = 4096;
+
 impl CausalContext {
+    /// The context of a session that did what both did: each dependency of
+    /// either, the newer of each time. Contexts of two protocols do not mix.
+    pub fn merged(self, other: CausalContext) -> Result<CausalContext, &'static str> {
+        use CausalContext::*;
+        Ok(match (self, other) {
+            (Empty, other) | (other, Empty) => other,
+            (Dependencies(mut mine), Dependencies(theirs)) => {
+                for dependency in theirs {
+                    if !mine.contains(&dependency) {
+                        mine.push(dependency);
+                    }
+                }
+                Dependencies(mine)
+            }
+            (Time { dependency, stable }, Time { dependency: other_dependency, stable: other_stable }) => {
+                Time { dependency: dependency.max(other_dependency), stable: stable.max(other_stable) }
+            }
+            (Vector { mut dependency, mut stable }, Vector { dependency: theirs, stable: their_stable })
+                if dependency.len() == theirs.len() && stable.len() == their_stable.len() =>
+            {
+                dependency.iter_mut().zip(theirs).for_each(|(mine, theirs)| *mine = (*mine).max(theirs));
+                stable.iter_mut().zip(their_stable).for_each(|(mine, theirs)| *mine = (*mine).max(theirs));
+                Vector { dependency, stable }
+            }
+            _ => return Err(FOREIGN_CONTEXT),
+        })
+    }
+
+    /// The context as a token carries it (before the token's seal).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        match self {
+            CausalContext::Empty => out.put_u8(0),
+            CausalContext::Dependencies(dependencies) => {
+                out.put_u8(1);
+                put_dependencies(&mut out, dependencies);
+            }
+            CausalContext::Time { dependency, stable } => {
+                out.put_u8(2);
+                out.put_u64_le(dependency.0);
+                out.put_u64_le(stable.0);
+            }
+            CausalContext::Vector { dependency, stable } => {
+                out.put_u8(3);
+                put_versions(&mut out, dependency);
+                put_versions(&mut out, stable);
+            }
+        }
+        out
+    }
+
+    /// A context [`Self::encode`] wrote: bounded, and whole.
+    pub fn decode(bytes: Bytes) -> Result<CausalContext, CodecError> {
+        let mut reader = Reader::new(bytes);
+        let context = match reader.u8()? {
+            0 => CausalContext::Empty,
+            1 => {
+                let dependencies = dependencies(&mut reader)?;
+                if dependencies.len() > TOKEN_DEPENDENCIES_MAX {
+                    return Err(CodecError("a causal context with too many dependencies"));
+                }
+                CausalContext::Dependencies(dependencies)
+            }
+            2 => CausalContext::Time { dependency: Version(reader.u64()?), stable: Version(reader.u64()?) },
+            3 => {
+                let (dependency, stable) = (versions(&mut reader)?, versions(&mut reader)?);
+                if dependency.len() > DATACENTERS_MAX || stable.len() > DATACENTERS_MAX {
+                    return Err(CodecError("a causal context with too many datacenters"));
+                }
+                CausalContext::Vector { dependency, stable }
+            }
+            _ => return Err(CodecError("an unknown kind of causal context")),
+        };
+        reader.finish()?;
+        Ok(context)
+    }
+
     /// The newest time the context names.
     fn newest(&self) -> Version {
         match self {
@@ -878,6 +958,37 @@ mod tests {
         ) {
             let stored = Stored { version, origin: NodeId(origin), value, vector };
             prop_assert_eq!(Stored::decode(stored.encode()).unwrap(), stored);
+        }
+
+        #[test]
+        fn contexts_survive_a_token_and_merge_with_their_own_kind(
+            dependencies in proptest::collection::vec(dependency(), 0..4),
+            more in proptest::collection::vec(dependency(), 0..4),
+            times in proptest::collection::vec(version(), 4),
+            cut in any::<usize>(),
+        ) {
+            let contexts = [
+                CausalContext::Empty,
+                CausalContext::Dependencies(dependencies.clone()),
+                CausalContext::Time { dependency: times[0], stable: times[1] },
+                CausalContext::Vector { dependency: times[..2].to_vec(), stable: times[2..].to_vec() },
+            ];
+            for context in &contexts {
+                let encoded = Bytes::from(context.encode());
+                prop_assert_eq!(&CausalContext::decode(encoded.clone()).unwrap(), context);
+                let cut = cut % encoded.len();
+                prop_assert!(CausalContext::decode(encoded.slice(..cut)).is_err(), "cut at {}", cut);
+                prop_assert_eq!(&context.clone().merged(CausalContext::Empty).unwrap(), context);
+            }
+            let merged = contexts[1].clone().merged(CausalContext::Dependencies(more.clone())).unwrap();
+            let CausalContext::Dependencies(merged) = merged else { unreachable!() };
+            prop_assert!(dependencies.iter().chain(&more).all(|dependency| merged.contains(dependency)));
+            let later = CausalContext::Time { dependency: times[2], stable: times[3] };
+            prop_assert_eq!(
+                contexts[2].clone().merged(later).unwrap(),
+                CausalContext::Time { dependency: times[0].max(times[2]), stable: times[1].max(times[3]) }
+            );
+            prop_assert!(contexts[1].clone().merged(contexts[2].clone()).is_err());
         }
 
         /// Whatever order and repetition the network gives, a stream hands
