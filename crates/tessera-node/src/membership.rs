@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use tessera_cluster::agent::Agent;
 use tessera_cluster::ClusterMap;
+use tessera_protocol::Mode;
 
 use crate::error::{CommandError, CommandResult};
 
@@ -21,6 +22,15 @@ impl Membership {
     /// The map this node routes by.
     pub fn map(&self) -> CommandResult<Arc<ClusterMap>> {
         self.agent.routing().map(|routing| routing.map).ok_or_else(CommandError::no_map_yet)
+    }
+
+    /// The causal protocol the cluster runs across datacenters, if it is
+    /// laid out across them, and this node's datacenter.
+    pub fn causal(&self) -> Option<(Mode, u32)> {
+        let routing = self.agent.routing()?;
+        let map = &routing.map;
+        let datacenter = map.node(self.agent.node_id())?.datacenter;
+        map.mode.geo.then_some((map.mode, datacenter))
     }
 
     /// Whether a read asking for strong consistency gets it: unless some

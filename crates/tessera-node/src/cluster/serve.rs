@@ -10,15 +10,15 @@ use tessera_cluster::agent::{outcome, Agent, Completion};
 use tessera_cluster::capture::{CapturingView, ReadSet};
 use tessera_engine::Engine;
 use tessera_protocol::{
-    writes_bytes, ClientReply, ConditionalWrites, NodeId, Operation, Record, Version, Write, WritePosition,
-    UNIT_BYTES_MAX,
+    writes_bytes, CausalContext, ClientReply, ConditionalWrites, NodeId, Operation, Record, Version, Write,
+    WritePosition, UNIT_BYTES_MAX,
 };
-use tessera_wire::{encode_command, ReplyWriter, Request};
+use tessera_wire::{encode_command, parse_value, ReplyWriter, Request, Value};
 
 use super::forward::Forwarder;
 use super::placement::Placement;
 use super::ClusterNode;
-use crate::commands::consistency::{level_got, parse_level, wrapped_read};
+use crate::commands::consistency::{check_level, level_got, parse_level, session_level, wrapped_read, Level};
 use crate::commands::scripting::{self, is_script, Call, ScriptOutcome};
 use crate::commands::transactions::{self, Transaction, Watched};
 use crate::commands::{
@@ -243,8 +243,11 @@ async fn serve_keyed(
     transaction: Option<(Vec<Bytes>, bool)>,
 ) -> Option<Held> {
     let wrapped = if spec.scope == Scope::WrappedRead {
-        match parse_level(request.arg(1)).and_then(|strong| Ok((strong, wrapped_read(request)?))) {
-            Ok((strong, (inner_spec, inner))) => Some((strong, inner_spec, inner)),
+        let parsed = parse_level(request.arg(1))
+            .and_then(|level| check_level(Some(&cluster.membership), level).map(|()| level))
+            .and_then(|level| Ok((level, wrapped_read(request)?)));
+        match parsed {
+            Ok((level, (inner_spec, inner))) => Some((level, inner_spec, inner)),
             Err(error) => {
                 error.write(context.out);
                 return None;
@@ -253,25 +256,37 @@ async fn serve_keyed(
     } else {
         None
     };
-    let (spec, request, write, strong) = match &wrapped {
-        Some((strong, inner_spec, inner)) => {
+    let (spec, request, write, level) = match &wrapped {
+        Some((level, inner_spec, inner)) => {
             if let Err(error) = admit(context, inner_spec, inner) {
                 error.write(context.out);
                 return None;
             }
-            (*inner_spec, inner, false, *strong)
+            (*inner_spec, inner, false, *level)
         }
         None => {
             let write = transaction.as_ref().map_or(spec.flags.contains(&"write"), |(_, write)| *write);
-            (spec, request, write, write || !context.session.readonly)
+            let level = match session_level(context) {
+                Level::Eventual if write => Level::Strong,
+                level => level,
+            };
+            (spec, request, write, level)
         }
     };
+    let (strong, causal) = (level == Level::Strong, level == Level::Causal);
     let level_header = |out: &mut ReplyWriter| {
         if wrapped.is_some() {
             out.array(2);
-            out.bulk(level_got(Some(&cluster.membership), strong).as_bytes());
+            out.bulk(level_got(Some(&cluster.membership), level).as_bytes());
         }
     };
+    if causal && (transaction.is_some() || is_script(spec) || spec.flags.contains(&"blocking")) {
+        CommandError::Other(
+            "a causal session runs single commands: no transactions, scripts or blocking commands".into(),
+        )
+        .write(context.out);
+        return None;
+    }
     let named: Vec<&[u8]> = match &transaction {
         Some((keys, _)) => keys.iter().map(|key| &key[..]).collect(),
         None => spec
@@ -281,6 +296,27 @@ async fn serve_keyed(
     };
     let keys = || named.iter().copied();
     let placement = cluster.place_when_settled(keys, write, strong).await;
+    // A causal session's context lives on this connection: its commands run
+    // here or are forwarded with it, never redirected.
+    let placement = match placement {
+        Placement::Shard { shard, engine, .. } if causal => {
+            let start = context.out.len();
+            level_header(context.out);
+            let keys: Vec<Bytes> = keys().map(Bytes::copy_from_slice).collect();
+            if let Err(error) = run_on_causal(cluster, context, (spec, request), &keys, shard, engine).await {
+                context.out.truncate(start);
+                error.write(context.out);
+            }
+            return None;
+        }
+        Placement::Elsewhere { head, .. } if causal => {
+            if let Err(error) = forward_causal(cluster, context, forwarder, head.address, raw).await {
+                error.write(context.out);
+            }
+            return None;
+        }
+        placement => placement,
+    };
     if matches!(placement, Placement::Shard { .. } | Placement::Quorum { .. })
         && spec.flags.contains(&"denyoom")
     {
@@ -745,6 +781,111 @@ fn moved(watched: &HashMap<Bytes, Option<Record>>, fetched: &HashMap<Bytes, Opti
 }
 
 /// Each key's newest record, read through the quorum.
+/// A causal session's command on this node's copy of its keys' partition:
+/// it runs over the values the protocol shows the session (each read
+/// carries the session's context and brings it back), and its one write,
+/// if any, goes through the protocol with the context too (docs/PROTOCOLS.md,
+/// "Causal consistency across datacenters").
+async fn run_on_causal(
+    cluster: &ClusterNode,
+    context: &mut Context<'_>,
+    (spec, request): (&'static CommandSpec, &Request<'_>),
+    keys: &[Bytes],
+    shard: u32,
+    engine: Arc<dyn Engine>,
+) -> CommandResult<()> {
+    let start = context.out.len();
+    let mut session = context.session.causal.clone().unwrap_or_default();
+    let mut reads = ReadSet { missing: keys.iter().cloned().collect(), ..ReadSet::default() };
+    let mut rounds = 0;
+    let mut writes = loop {
+        for key in std::mem::take(&mut reads.missing) {
+            let read = Operation::Causal { key: key.clone(), write: None, context: session };
+            let reply = cluster.agent.submit(shard, read).await;
+            let ClientReply::Causal { value, context: after } = reply else { return Err(failure(&reply)) };
+            session = after;
+            // The view reads records; the version is the protocol's business.
+            let record = value.map(|value| Record::value(Version::default(), NodeId(0), value));
+            reads.records.insert(key, record);
+        }
+        context.out.truncate(start);
+        let view = CapturingView::over_records(engine.clone(), reads);
+        dispatch_admitted(&mut context.over(&view, false), spec, request);
+        reads = view.take_reads().expect("a view over records");
+        if reads.missing.is_empty() {
+            break view.take();
+        }
+        rounds += 1;
+        if rounds == DISCOVERY_ROUNDS {
+            return Err(CommandError::TryAgain("the command's keys kept changing shape under it".into()));
+        }
+    };
+    if writes.len() > 1 {
+        return Err(CommandError::Other(
+            "a causal session's command writes one key (a collection past its inline size spreads over several)"
+                .into(),
+        ));
+    }
+    if let Some((key, write)) = writes.pop() {
+        fits_one_unit(&[(key.clone(), write.clone())])?;
+        cluster.agent.wait_for_room().await;
+        let reply = cluster
+            .agent
+            .submit(shard, Operation::Causal { key, write: Some(write), context: session })
+            .await;
+        let ClientReply::Causal { context: after, .. } = reply else { return Err(failure(&reply)) };
+        session = after;
+    }
+    context.session.causal = Some(session);
+    Ok(())
+}
+
+/// A causal session's command at `owner`, the node of this datacenter that
+/// holds its keys: the session's context goes with it in a token, and comes
+/// back with what the command did and saw.
+async fn forward_causal(
+    cluster: &ClusterNode,
+    context: &mut Context<'_>,
+    forwarder: &mut Forwarder,
+    owner: String,
+    raw: &[u8],
+) -> CommandResult<()> {
+    let (_, datacenter) =
+        cluster.membership.causal().ok_or_else(|| CommandError::Other("not across datacenters".into()))?;
+    let secret = &cluster.agent.config().secret;
+    let held = context.session.causal.clone().unwrap_or_default();
+    let mut set = Vec::new();
+    encode_command(
+        &[&b"CAUSAL.TOKEN"[..], b"SET", secret.seal_token(datacenter, &held.encode()).as_bytes()],
+        &mut set,
+    );
+    let answer = forwarder.forward(&cluster.agent, owner.clone(), &set).await?;
+    if !answer.starts_with(b"+OK") {
+        return Err(CommandError::Other(format!(
+            "the owner {owner} refused the session's context: {}",
+            String::from_utf8_lossy(&answer).trim_end()
+        )));
+    }
+    let reply = forwarder.forward(&cluster.agent, owner.clone(), raw).await?;
+    let mut get = Vec::new();
+    encode_command(&[&b"CAUSAL.TOKEN"[..]], &mut get);
+    let answer = forwarder.forward(&cluster.agent, owner.clone(), &get).await?;
+    let token = match parse_value(&answer) {
+        Ok(Some((Value::Bulk(token), _))) => token,
+        _ => return Err(CommandError::Other(format!("the owner {owner} sent no causal token back"))),
+    };
+    let taken = secret
+        .open_token(datacenter, &token)
+        .ok()
+        .and_then(|sealed| CausalContext::decode(Bytes::from(sealed)).ok())
+        .ok_or_else(|| {
+            CommandError::Other(format!("the owner {owner} sent a causal token this node cannot open"))
+        })?;
+    context.session.causal = Some(taken);
+    context.out.raw(&reply);
+    Ok(())
+}
+
 async fn fetch_records(
     cluster: &ClusterNode,
     shard: u32,

@@ -100,6 +100,10 @@ pub struct Session {
     /// EXEC is running the connection's commands: none may block (WAIT
     /// answers at once).
     pub deny_blocking: bool,
+    /// Since CONSISTENCY CAUSAL or CAUSAL.TOKEN SET, on a cluster across
+    /// datacenters: what the session has done and seen, which its commands
+    /// carry and their replies bring back.
+    pub causal: Option<tessera_protocol::CausalContext>,
 }
 
 impl Session {
