@@ -339,7 +339,7 @@ fn hex_to_bytes(text: &[u8]) -> Option<Vec<u8>> {
         b'a'..=b'f' => Some(byte - b'a' + 10),
         _ => None,
     };
-    if text.len() % 2 != 0 {
+    if !text.len().is_multiple_of(2) {
         return None;
     }
     text.chunks(2).map(|pair| Some(digit(pair[0])? << 4 | digit(pair[1])?)).collect()
@@ -366,7 +366,7 @@ mod tests {
         raw[6] ^= 1;
         raw[1] = 0;
         assert_eq!(secret.open_token(0, to_hex(&raw).as_bytes()), Err(TokenError::Forged), "a moved token");
-        for malformed in [&b""[..], b"zz", b"01", token[..token.len() - 1].as_bytes()] {
+        for malformed in [&b""[..], b"zz", b"01", &token.as_bytes()[..token.len() - 1]] {
             assert_eq!(secret.open_token(1, malformed), Err(TokenError::Malformed), "{malformed:?}");
         }
     }
