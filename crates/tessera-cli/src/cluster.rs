@@ -170,6 +170,10 @@ pub struct UpArgs {
     /// --groups do not apply): clients of a node stay in its datacenter.
     #[arg(long)]
     datacenters: Option<usize>,
+    /// With --datacenters, a test and benchmark option: messages between
+    /// nodes of different datacenters arrive this much later (one way).
+    #[arg(long, default_value_t = 0, requires = "datacenters")]
+    datacenter_delay_ms: u64,
     /// Each node's engine: memory, ordered, log or lsm.
     #[arg(long, default_value = "memory")]
     engine: String,
@@ -217,6 +221,9 @@ struct Layout {
     /// Laid out across datacenters (`up --datacenters`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     datacenters: Option<usize>,
+    /// The delay injected between datacenters (`up --datacenter-delay-ms`).
+    #[serde(default)]
+    datacenter_delay_ms: u64,
     engine: String,
     threads: usize,
     lease_ms: u64,
@@ -377,6 +384,7 @@ fn up(args: UpArgs) -> Result<(), String> {
                 topology: args.topology.clone(),
                 consistency: args.consistency.clone(),
                 datacenters: args.datacenters,
+                datacenter_delay_ms: args.datacenter_delay_ms,
                 engine: args.engine.clone(),
                 threads: args.threads,
                 lease_ms: args.lease_ms,
@@ -1338,6 +1346,9 @@ fn start(dir: &Path, layout: &Layout, name: &str) -> Result<(), String> {
         }
         if let Some(policy) = &layout.maxmemory_policy {
             args.extend(["--maxmemory-policy".into(), policy.clone()]);
+        }
+        if layout.datacenter_delay_ms > 0 {
+            args.extend(["--datacenter-delay-ms".into(), layout.datacenter_delay_ms.to_string()]);
         }
     }
     let log_path = dir.join("logs").join(format!("{name}.log"));

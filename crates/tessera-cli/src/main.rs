@@ -68,6 +68,15 @@ enum Command {
     /// Check a history recorded from real clients (JSON lines, see
     /// docs/OPERATIONS.md) for linearizability, with the simulator's checker.
     CheckHistory { file: PathBuf },
+    /// Check a history of causal sessions recorded from real clients (JSON
+    /// lines) for causal consistency, with the simulator's checker: per
+    /// session, and with --datacenters also per datacenter (what COPS
+    /// promises; see docs/PROTOCOLS.md, "What the checker asks of each").
+    CheckCausal {
+        file: PathBuf,
+        #[arg(long)]
+        datacenters: bool,
+    },
     /// Salvage the `log` engine's data under a stopped node's directory that
     /// refused to open over damage: every record that passes its checksum is
     /// kept, only the damaged bytes are dropped.
@@ -479,6 +488,10 @@ struct ServeArgs {
     /// `cluster up` writes one).
     #[arg(long)]
     cluster_secret_file: Option<PathBuf>,
+    /// A test and benchmark option: hold messages from peers in other
+    /// datacenters this long before handling them (WAN latency on one machine).
+    #[arg(long)]
+    datacenter_delay_ms: Option<u64>,
     /// host:port of Redis servers a table on the redis engine may be created
     /// over (the default table's own server is always allowed).
     #[arg(long, value_delimiter = ',')]
@@ -555,6 +568,9 @@ impl ServeArgs {
                 .unwrap_or_else(|| tessera_node::config::ClusterConfig::new(id, node, coordinator, secret));
             (cluster.id, cluster.node, cluster.coordinator, cluster.secret_file) =
                 (id.clone(), node, coordinator.clone(), secret.clone());
+            if let Some(delay) = self.datacenter_delay_ms {
+                cluster.datacenter_delay_ms = delay;
+            }
             config.cluster = Some(cluster);
         }
         config.validate().map_err(|error| error.to_string())?;
@@ -746,6 +762,22 @@ fn check_history(file: &std::path::Path) -> Result<(), String> {
     }
 }
 
+fn check_causal(file: &std::path::Path, datacenters: bool) -> Result<(), String> {
+    use tessera_sim::checks::causal::{check_in, from_json_lines, CausalCall, Scope};
+    let text = std::fs::read_to_string(file).map_err(|error| format!("{}: {error}", file.display()))?;
+    let operations = from_json_lines(&text)?;
+    let puts = operations.iter().filter(|operation| matches!(operation.call, CausalCall::Put { .. })).count();
+    let summary = format!("{} operations, {puts} puts", operations.len());
+    let scope = if datacenters { Scope::SessionsAndDatacenters } else { Scope::Sessions };
+    match check_in(&operations, scope).as_slice() {
+        [] => {
+            println!("causal: {summary}");
+            Ok(())
+        }
+        violations => Err(format!("NOT causal ({summary}):\n  {}", violations.join("\n  "))),
+    }
+}
+
 fn init_logging(filter: &str) -> Result<(), String> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(filter).map_err(|error| error.to_string())?)
@@ -798,7 +830,8 @@ fn client_command(connection: &ConnectionArgs, command: Command) -> Result<(), S
         | Command::Cluster(_)
         | Command::Repair { .. }
         | Command::TlsCerts { .. }
-        | Command::CheckHistory { .. } => {
+        | Command::CheckHistory { .. }
+        | Command::CheckCausal { .. } => {
             unreachable!("handled by main")
         }
         Command::Get { key } => match run_command(connection, &["GET", &key])? {
@@ -1352,6 +1385,7 @@ fn main() -> ExitCode {
         Command::Coordinator(args) => coordinator(*args),
         Command::Cluster(command) => cluster::run(command),
         Command::CheckHistory { file } => check_history(&file),
+        Command::CheckCausal { file, datacenters } => check_causal(&file, datacenters),
         Command::Repair { dir } => repair(&dir),
         Command::TlsCerts { dir, hosts } => tessera_cluster::tls::write_certificates(&dir, &hosts),
         Command::Bench(args) => bench(*args, cli.connection.password.clone()),

@@ -92,6 +92,9 @@ pub struct AgentConfig {
     pub tls: Option<PeerTls>,
     /// The node's TLS client port, announced in the map for TLS clients (0: none).
     pub tls_client_port: u16,
+    /// A test and benchmark option: messages from peers in other datacenters
+    /// wait this long before they are handled (WAN latency on loopback).
+    pub datacenter_delay: Option<Duration>,
 }
 
 impl AgentConfig {
@@ -493,6 +496,7 @@ impl Agent {
             tls: config.tls.clone(),
         });
         let (incoming_sender, incoming) = mpsc::channel(INCOMING_BATCHES_MAX);
+        let (delayed_sender, delayed) = mpsc::channel(INCOMING_BATCHES_MAX);
         let peers = tokio::spawn(serve_incoming(listener, links.config(), incoming_sender));
         let agent = Arc::new(Self {
             config,
@@ -512,7 +516,8 @@ impl Agent {
         agent.tasks.lock().extend([
             tokio::spawn(heartbeat_loop(Arc::downgrade(&agent), coordinator)),
             tokio::spawn(tick_loop(Arc::downgrade(&agent))),
-            tokio::spawn(peer_loop(Arc::downgrade(&agent), incoming)),
+            tokio::spawn(peer_loop(Arc::downgrade(&agent), incoming, delayed_sender)),
+            tokio::spawn(delayed_peer_loop(Arc::downgrade(&agent), delayed)),
         ]);
         Ok(agent)
     }
@@ -1126,29 +1131,65 @@ async fn tick_loop(agent: std::sync::Weak<Agent>) {
 }
 
 /// Peer messages, a batch per read from a link: consecutive messages for one
-/// shard are handled under one hold of its lock.
-async fn peer_loop(agent: std::sync::Weak<Agent>, mut incoming: mpsc::Receiver<Vec<Incoming>>) {
-    while let Some(batch) = incoming.recv().await {
+/// shard are handled under one hold of its lock. With a datacenter delay,
+/// those from another datacenter go to [`delayed_peer_loop`] first.
+async fn peer_loop(
+    agent: std::sync::Weak<Agent>,
+    mut incoming: mpsc::Receiver<Vec<Incoming>>,
+    delayed: mpsc::Sender<(Instant, Vec<Incoming>)>,
+) {
+    while let Some(mut batch) = incoming.recv().await {
         let Some(agent) = agent.upgrade() else { return };
-        let mut batch = batch.into_iter().peekable();
-        while let Some(first) = batch.next() {
-            let shard = first.shard;
-            let Some(local) = agent.local_shard(shard) else { continue };
-            let mut state = local.state.lock();
-            let mut fx = Effects::new(agent.now());
-            let mut next = Some(first);
-            while let Some(Incoming { from, message, .. }) = next {
-                let heard = state.granted.replica.on_peer(from, message, &mut fx);
-                if heard.drained {
-                    tracing::info!(shard, "shard drained; waiting for the view that ends the transition");
-                }
-                if heard.drained || heard.newer_view {
-                    agent.hurry.notify_one();
-                }
-                next = batch.next_if(|incoming| incoming.shard == shard);
+        if let Some(delay) = agent.config.datacenter_delay {
+            let routing = agent.routing();
+            let datacenter_of = |node: NodeId| {
+                routing.as_ref().and_then(|routing| routing.map.node(node.0)).map(|info| info.datacenter)
+            };
+            let here = datacenter_of(NodeId(agent.config.node));
+            let (far, near): (Vec<Incoming>, Vec<Incoming>) =
+                batch.into_iter().partition(|incoming| datacenter_of(incoming.from) != here);
+            batch = near;
+            // A full queue holds this loop back, as a full link does.
+            if !far.is_empty() && delayed.send((Instant::now() + delay, far)).await.is_err() {
+                return;
             }
-            agent.run_effects(shard, &mut state, fx);
         }
+        deliver(&agent, batch);
+    }
+}
+
+/// Messages from other datacenters, each handled once its delay is up, in
+/// the order they arrived.
+async fn delayed_peer_loop(
+    agent: std::sync::Weak<Agent>,
+    mut delayed: mpsc::Receiver<(Instant, Vec<Incoming>)>,
+) {
+    while let Some((due, batch)) = delayed.recv().await {
+        tokio::time::sleep_until(due.into()).await;
+        let Some(agent) = agent.upgrade() else { return };
+        deliver(&agent, batch);
+    }
+}
+
+fn deliver(agent: &Agent, batch: Vec<Incoming>) {
+    let mut batch = batch.into_iter().peekable();
+    while let Some(first) = batch.next() {
+        let shard = first.shard;
+        let Some(local) = agent.local_shard(shard) else { continue };
+        let mut state = local.state.lock();
+        let mut fx = Effects::new(agent.now());
+        let mut next = Some(first);
+        while let Some(Incoming { from, message, .. }) = next {
+            let heard = state.granted.replica.on_peer(from, message, &mut fx);
+            if heard.drained {
+                tracing::info!(shard, "shard drained; waiting for the view that ends the transition");
+            }
+            if heard.drained || heard.newer_view {
+                agent.hurry.notify_one();
+            }
+            next = batch.next_if(|incoming| incoming.shard == shard);
+        }
+        agent.run_effects(shard, &mut state, fx);
     }
 }
 

@@ -107,6 +107,11 @@ pub struct ClusterConfig {
     /// joining replica; 0: as fast as the receiver takes them.
     #[serde(default = "ClusterConfig::default_snapshot_bytes_per_sec")]
     pub snapshot_bytes_per_sec: u64,
+    /// A test and benchmark option: messages from peers in other
+    /// datacenters are held this long before they are handled, so that WAN
+    /// latency can be studied on one machine (0: none).
+    #[serde(default)]
+    pub datacenter_delay_ms: u64,
 }
 
 impl ClusterConfig {
@@ -120,6 +125,7 @@ impl ClusterConfig {
             tick_ms: Self::default_tick_ms(),
             max_uncommitted_writes: Self::default_max_uncommitted_writes(),
             snapshot_bytes_per_sec: Self::default_snapshot_bytes_per_sec(),
+            datacenter_delay_ms: 0,
         }
     }
 

@@ -106,6 +106,8 @@ impl ClusterNode {
             snapshot_bytes_per_sec: Some(settings.snapshot_bytes_per_sec).filter(|rate| *rate > 0),
             tls,
             tls_client_port: config.tls_port,
+            datacenter_delay: Some(Duration::from_millis(settings.datacenter_delay_ms))
+                .filter(|delay| !delay.is_zero()),
         };
         let agent = runtime.block_on(Agent::start(agent_config))?;
         let address = format!("{}:{}", config.bind, client_address.port());

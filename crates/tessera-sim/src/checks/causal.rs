@@ -85,6 +85,52 @@ pub enum Scope {
     SessionsAndDatacenters,
 }
 
+/// A history recorded from real clients, one JSON object a line, in each
+/// session's order: `session`, `datacenter`, `key`, `call` (`put` with
+/// `value` and `acknowledged`, or `get` with `read`, a string or null),
+/// `invoked` and `completed` (microseconds). Gets that failed are left out.
+pub fn from_json_lines(text: &str) -> Result<Vec<CausalOperation>, String> {
+    let mut operations = Vec::new();
+    for (index, line) in text.lines().enumerate().filter(|(_, line)| !line.trim().is_empty()) {
+        let at = |message: String| format!("line {}: {message}", index + 1);
+        let record: serde_json::Value = serde_json::from_str(line).map_err(|error| at(error.to_string()))?;
+        let field = |name: &str| record.get(name).ok_or_else(|| at(format!("no {name:?}")));
+        let text_of = |name: &str| -> Result<Bytes, String> {
+            let text = field(name)?.as_str().ok_or_else(|| at(format!("{name:?} is not a string")))?;
+            Ok(Bytes::from(text.to_string()))
+        };
+        let number_of = |name: &str| -> Result<u64, String> {
+            field(name)?.as_u64().ok_or_else(|| at(format!("{name:?} is not a whole number")))
+        };
+        let call = match field("call")?.as_str() {
+            Some("put") => CausalCall::Put {
+                value: text_of("value")?,
+                acknowledged: field("acknowledged")?
+                    .as_bool()
+                    .ok_or_else(|| at("\"acknowledged\" is not a boolean".into()))?,
+            },
+            Some("get") => {
+                CausalCall::Get { read: if field("read")?.is_null() { None } else { Some(text_of("read")?) } }
+            }
+            other => return Err(at(format!("unknown call {other:?}"))),
+        };
+        operations.push(CausalOperation {
+            session: number_of("session")? as usize,
+            datacenter: number_of("datacenter")? as usize,
+            key: text_of("key")?,
+            call,
+            invoked_at: number_of("invoked")?,
+            completed_at: number_of("completed")?,
+        });
+    }
+    let writes =
+        operations.iter().filter(|operation| matches!(operation.call, CausalCall::Put { .. })).count();
+    if writes > WRITES_MAX {
+        return Err(format!("{writes} writes; the checker takes at most {WRITES_MAX}"));
+    }
+    Ok(operations)
+}
+
 /// Violations of causal consistency in `operations`, per session and per
 /// datacenter.
 pub fn check(operations: &[CausalOperation]) -> Vec<String> {
