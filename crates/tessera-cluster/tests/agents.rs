@@ -112,6 +112,7 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
         snapshot_bytes_per_sec: None,
         tls: Some(tls.clone()),
         tls_client_port: 0,
+        datacenter_delay: None,
     };
     let refused = Agent::start(wrong.clone()).await.err();
     let login_refused = |error: &Option<AgentError>, expected: fn(&LoginError) -> bool| match error {
