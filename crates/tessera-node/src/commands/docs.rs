@@ -36,8 +36,9 @@ pub struct Doc {
 
 /// Tessera's own commands, which Redis does not record.
 const TESSERA: &[(&str, &str)] = &[
-    ("consistency", "Sets the consistency this connection's reads ask for (STRONG or EVENTUAL)"),
+    ("consistency", "Sets the consistency this connection's reads ask for (STRONG, EVENTUAL or CAUSAL)"),
     ("consistency.read", "Runs one read at the consistency it names, and says which one it got"),
+    ("causal.token", "Returns the connection's causal context as a sealed token, or with SET takes one up"),
     ("relay.hello", "Between a cluster's nodes only: opens a forwarding link"),
     ("relay.auth", "Between a cluster's nodes only: proves a forwarding link knows the cluster secret"),
     ("relay.publish", "Between a cluster's nodes only: delivers a message published on another node"),

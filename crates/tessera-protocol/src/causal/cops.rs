@@ -245,18 +245,18 @@ impl Protocol for Cops {
         let Some(message) = self.partition.open::<FAMILY>(from, &message) else { return };
         let place = self.partition.place.clone().expect("placed");
         let outcome = match message {
-            GeoMessage::Writes { first, writes } => {
+            GeoMessage::Writes { epoch, oldest, first, writes } => {
                 // Every write delivered waits before any is applied: the
                 // stream counts them all received at once, and a write
                 // received and not waiting counts as committed.
-                for write in self.partition.receive::<FAMILY>(from, first, writes, fx) {
+                for write in self.partition.receive::<FAMILY>(from, (epoch, oldest, first), writes, fx) {
                     let _ = self.partition.clock.observe_remote(write.version, fx.now());
                     self.arrived(write, fx);
                 }
                 self.apply_ready(fx)
             }
-            GeoMessage::Ack { through } => {
-                self.partition.streams.acknowledged(&place, from, through);
+            GeoMessage::Ack { epoch, through } => {
+                self.partition.streams.acknowledged(&place, from, epoch, through);
                 Ok(())
             }
             GeoMessage::CheckDependency { check, dependency } => {
@@ -305,8 +305,8 @@ impl Protocol for Cops {
         }
     }
 
-    fn on_view(&mut self, view: &ShardView, _fx: &mut Effects) {
-        self.partition.placed_by(view);
+    fn on_view(&mut self, view: &ShardView, fx: &mut Effects) {
+        self.partition.placed_by(view, fx.now());
     }
 
     fn progress(&self) -> Progress {

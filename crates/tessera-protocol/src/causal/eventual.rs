@@ -59,17 +59,17 @@ impl Protocol for Eventual {
     fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
         let Some(message) = self.partition.open::<FAMILY>(from, &message) else { return };
         match message {
-            GeoMessage::Writes { first, writes } => {
-                for write in self.partition.receive::<FAMILY>(from, first, writes, fx) {
+            GeoMessage::Writes { epoch, oldest, first, writes } => {
+                for write in self.partition.receive::<FAMILY>(from, (epoch, oldest, first), writes, fx) {
                     let _ = self.partition.clock.observe_remote(write.version, fx.now());
                     if let Err(error) = store(&*self.partition.engine, &write.key, &Stored::of(&write)) {
                         self.partition.engine_failed(error);
                     }
                 }
             }
-            GeoMessage::Ack { through } => {
+            GeoMessage::Ack { epoch, through } => {
                 let place = self.partition.place.as_ref().expect("placed");
-                self.partition.streams.acknowledged(place, from, through);
+                self.partition.streams.acknowledged(place, from, epoch, through);
             }
             _ => {}
         }
@@ -81,8 +81,8 @@ impl Protocol for Eventual {
         self.partition.send::<FAMILY>(fx, sends);
     }
 
-    fn on_view(&mut self, view: &ShardView, _fx: &mut Effects) {
-        self.partition.placed_by(view);
+    fn on_view(&mut self, view: &ShardView, fx: &mut Effects) {
+        self.partition.placed_by(view, fx.now());
     }
 
     fn progress(&self) -> Progress {

@@ -178,18 +178,20 @@ impl Protocol for GentleRain {
         let Some(message) = self.partition.open::<FAMILY>(from, &message) else { return };
         let place = self.partition.place.as_ref().expect("placed");
         match message {
-            GeoMessage::Writes { first, writes } => {
+            GeoMessage::Writes { epoch, oldest, first, writes } => {
                 // REPLICATE: keep the write; it becomes visible once stable.
-                for write in self.partition.receive::<FAMILY>(from, first, writes, fx) {
+                for write in self.partition.receive::<FAMILY>(from, (epoch, oldest, first), writes, fx) {
                     self.pending.insert((write.version, write.origin), write);
                 }
                 if let Err(error) = self.raise_stable(self.global_stable) {
                     self.partition.engine_failed(error);
                 }
             }
-            GeoMessage::Ack { through } => self.partition.streams.acknowledged(place, from, through),
-            GeoMessage::Heartbeat { clock, through } => {
-                self.partition.streams.heartbeat(place, from, clock, through)
+            GeoMessage::Ack { epoch, through } => {
+                self.partition.streams.acknowledged(place, from, epoch, through)
+            }
+            GeoMessage::Heartbeat { epoch, clock, through } => {
+                self.partition.streams.heartbeat(place, from, epoch, clock, through)
             }
             GeoMessage::Stable { received } => self.stabilizer.heard(place, from, received),
             GeoMessage::CheckDependency { .. } | GeoMessage::DependencyMet { .. } => {}
@@ -216,8 +218,8 @@ impl Protocol for GentleRain {
         }
     }
 
-    fn on_view(&mut self, view: &ShardView, _fx: &mut Effects) {
-        if self.partition.placed_by(view) {
+    fn on_view(&mut self, view: &ShardView, fx: &mut Effects) {
+        if self.partition.placed_by(view, fx.now()) {
             self.stabilizer = Stabilizer::new(self.partition.place.as_ref().expect("placed"));
         }
     }

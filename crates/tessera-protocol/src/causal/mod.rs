@@ -150,18 +150,24 @@ pub struct Replicated {
 /// family ([`Tagged`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum GeoMessage {
-    /// Writes `first..` of the sender's stream to this partition.
+    /// Writes `first..` of the sender's stream `epoch` to this partition;
+    /// the stream holds every write from `oldest` on that is not yet
+    /// acknowledged.
     Writes {
+        epoch: Version,
+        oldest: u64,
         first: u64,
         writes: Vec<Replicated>,
     },
-    /// Every write of the stream through `through` arrived.
+    /// Every write of stream `epoch` through `through` arrived.
     Ack {
+        epoch: Version,
         through: u64,
     },
     /// The sender will stamp no write at or below `clock`, and sent its
-    /// stream through `through` before it said so.
+    /// stream `epoch` through `through` before it said so.
     Heartbeat {
+        epoch: Version,
         clock: Version,
         through: u64,
     },
@@ -218,8 +224,10 @@ fn versions(reader: &mut Reader) -> Result<Vec<Version>, CodecError> {
 impl GeoMessage {
     fn encode(&self, out: &mut Vec<u8>) {
         match self {
-            GeoMessage::Writes { first, writes } => {
+            GeoMessage::Writes { epoch, oldest, first, writes } => {
                 out.put_u8(WRITES);
+                out.put_u64_le(epoch.0);
+                out.put_u64_le(*oldest);
                 out.put_u64_le(*first);
                 out.put_u32_le(writes.len() as u32);
                 for write in writes {
@@ -231,12 +239,14 @@ impl GeoMessage {
                     put_dependencies(out, &write.dependencies);
                 }
             }
-            GeoMessage::Ack { through } => {
+            GeoMessage::Ack { epoch, through } => {
                 out.put_u8(ACK);
+                out.put_u64_le(epoch.0);
                 out.put_u64_le(*through);
             }
-            GeoMessage::Heartbeat { clock, through } => {
+            GeoMessage::Heartbeat { epoch, clock, through } => {
                 out.put_u8(HEARTBEAT);
+                out.put_u64_le(epoch.0);
                 out.put_u64_le(clock.0);
                 out.put_u64_le(*through);
             }
@@ -259,7 +269,7 @@ impl GeoMessage {
     fn decode(reader: &mut Reader) -> Result<Self, CodecError> {
         Ok(match reader.u8()? {
             WRITES => {
-                let first = reader.u64()?;
+                let (epoch, oldest, first) = (Version(reader.u64()?), reader.u64()?, reader.u64()?);
                 // A key's length, version, origin, a flag, two counts.
                 let count = reader.count(4 + 8 + 4 + 1 + 4 + 4)?;
                 let writes = (0..count)
@@ -274,10 +284,14 @@ impl GeoMessage {
                         })
                     })
                     .collect::<Result<_, CodecError>>()?;
-                GeoMessage::Writes { first, writes }
+                GeoMessage::Writes { epoch, oldest, first, writes }
             }
-            ACK => GeoMessage::Ack { through: reader.u64()? },
-            HEARTBEAT => GeoMessage::Heartbeat { clock: Version(reader.u64()?), through: reader.u64()? },
+            ACK => GeoMessage::Ack { epoch: Version(reader.u64()?), through: reader.u64()? },
+            HEARTBEAT => GeoMessage::Heartbeat {
+                epoch: Version(reader.u64()?),
+                clock: Version(reader.u64()?),
+                through: reader.u64()?,
+            },
             STABLE => GeoMessage::Stable { received: versions(reader)? },
             CHECK_DEPENDENCY => {
                 GeoMessage::CheckDependency { check: reader.u64()?, dependency: dependency(reader)? }
@@ -309,9 +323,13 @@ impl<const FAMILY: u8> Message for Tagged<FAMILY> {
 /// waited [`RESEND_MS`] since it was last sent: the protocols count on each
 /// copy receiving a partition's writes once and in order (DKVF's
 /// communication component gives its protocols the same), on a network
-/// that loses, repeats and reorders.
+/// that loses, repeats and reorders. A stream is named by its epoch, the
+/// sender's clock when it began: a partition that starts again (a process
+/// restarted over its data) begins a new stream, which the receiver takes
+/// from its oldest unacknowledged write rather than for repeats of the old.
 #[derive(Debug, Default)]
 struct Outbox {
+    epoch: Version,
     /// Each write and when it was last sent.
     unacked: VecDeque<(Replicated, Time)>,
     /// The number of `unacked`'s first write.
@@ -333,10 +351,13 @@ impl Outbox {
         self.first = self.first.max(1);
         let number = self.next();
         self.unacked.push_back((write.clone(), now));
-        GeoMessage::Writes { first: number, writes: vec![write] }
+        GeoMessage::Writes { epoch: self.epoch, oldest: self.first, first: number, writes: vec![write] }
     }
 
-    fn acknowledged(&mut self, through: u64) {
+    fn acknowledged(&mut self, epoch: Version, through: u64) {
+        if epoch != self.epoch {
+            return; // an acknowledgement of an earlier stream of this partition
+        }
         while self.first <= through && self.unacked.pop_front().is_some() {
             self.first += 1;
         }
@@ -358,7 +379,12 @@ impl Outbox {
             *sent = now;
             writes.push(write.clone());
         }
-        Some(GeoMessage::Writes { first: self.first + start as u64, writes })
+        Some(GeoMessage::Writes {
+            epoch: self.epoch,
+            oldest: self.first,
+            first: self.first + start as u64,
+            writes,
+        })
     }
 
     /// The last write this stream has sent.
@@ -371,13 +397,31 @@ impl Outbox {
 /// handed on once each, in order.
 #[derive(Debug, Default)]
 struct Inbox {
+    /// The stream it takes (a message of an earlier one is ignored).
+    epoch: Version,
     delivered: u64,
     early: BTreeMap<u64, Replicated>,
 }
 
 impl Inbox {
-    /// Takes writes `first..`; the writes now deliverable, in order.
-    fn receive(&mut self, first: u64, writes: Vec<Replicated>) -> Vec<Replicated> {
+    /// Takes writes `first..` of stream `epoch`, which holds every write
+    /// from `oldest` on not yet acknowledged; the writes now deliverable, in
+    /// order, or `None` for a message of an earlier stream.
+    fn receive(
+        &mut self,
+        epoch: Version,
+        oldest: u64,
+        first: u64,
+        writes: Vec<Replicated>,
+    ) -> Option<Vec<Replicated>> {
+        if epoch < self.epoch {
+            return None;
+        }
+        if epoch > self.epoch {
+            // A new stream (the sender, or this partition, started again):
+            // what it still holds starts at `oldest`.
+            *self = Inbox { epoch, delivered: oldest.saturating_sub(1), early: BTreeMap::new() };
+        }
         for (number, write) in (first..).zip(writes) {
             if number > self.delivered && (self.early.len() < EARLY_MAX || number == self.delivered + 1) {
                 self.early.entry(number).or_insert(write);
@@ -388,7 +432,7 @@ impl Inbox {
             self.delivered += 1;
             ready.push(write);
         }
-        ready
+        Some(ready)
     }
 }
 
@@ -405,9 +449,11 @@ struct Streams {
 }
 
 impl Streams {
-    fn new(datacenters: usize) -> Self {
+    /// Streams to and from `datacenters` datacenters, this partition's own
+    /// named `epoch`.
+    fn new(datacenters: usize, epoch: Version) -> Self {
         Self {
-            outboxes: (0..datacenters).map(|_| Outbox::default()).collect(),
+            outboxes: (0..datacenters).map(|_| Outbox { epoch, ..Outbox::default() }).collect(),
             inboxes: (0..datacenters).map(|_| Inbox::default()).collect(),
             received: vec![Version::default(); datacenters],
         }
@@ -435,29 +481,30 @@ impl Streams {
         &mut self,
         place: &GeoPlace,
         from: NodeId,
-        first: u64,
+        (epoch, oldest, first): (Version, u64, u64),
         writes: Vec<Replicated>,
     ) -> Option<(Vec<Replicated>, GeoMessage)> {
         let datacenter = place.datacenter_of(from)?;
         let inbox = &mut self.inboxes[datacenter];
-        let ready = inbox.receive(first, writes);
+        let ready = inbox.receive(epoch, oldest, first, writes)?;
         if let Some(last) = ready.last() {
             self.received[datacenter] = self.received[datacenter].max(last.version);
         }
-        Some((ready, GeoMessage::Ack { through: inbox.delivered }))
+        Some((ready, GeoMessage::Ack { epoch, through: inbox.delivered }))
     }
 
-    fn acknowledged(&mut self, place: &GeoPlace, from: NodeId, through: u64) {
+    fn acknowledged(&mut self, place: &GeoPlace, from: NodeId, epoch: Version, through: u64) {
         if let Some(datacenter) = place.datacenter_of(from) {
-            self.outboxes[datacenter].acknowledged(through);
+            self.outboxes[datacenter].acknowledged(epoch, through);
         }
     }
 
     /// A peer's heartbeat: its clock counts as received once its stream
     /// has arrived through what it had sent by then.
-    fn heartbeat(&mut self, place: &GeoPlace, from: NodeId, clock: Version, through: u64) {
+    fn heartbeat(&mut self, place: &GeoPlace, from: NodeId, epoch: Version, clock: Version, through: u64) {
         if let Some(datacenter) = place.datacenter_of(from) {
-            if self.inboxes[datacenter].delivered >= through {
+            let inbox = &self.inboxes[datacenter];
+            if inbox.epoch == epoch && inbox.delivered >= through {
                 self.received[datacenter] = self.received[datacenter].max(clock);
             }
         }
@@ -475,7 +522,8 @@ impl Streams {
             let to = place.replicas[datacenter];
             sends.extend(outbox.resend(now).map(|message| (to, message)));
             if let Some(clock) = clock {
-                sends.push((to, GeoMessage::Heartbeat { clock, through: outbox.sent_through() }));
+                let (epoch, through) = (outbox.epoch, outbox.sent_through());
+                sends.push((to, GeoMessage::Heartbeat { epoch, clock, through }));
             }
         }
         sends
@@ -782,7 +830,7 @@ impl Partition {
 
     /// Takes the place a view gives, the first time: whether it was new.
     /// A partition does not move (a layout change is not built).
-    fn placed_by(&mut self, view: &ShardView) -> bool {
+    fn placed_by(&mut self, view: &ShardView, now: Time) -> bool {
         let Some(place) = view.geo.as_ref() else { return false };
         if !place.is_well_formed()
             || place.siblings[place.partition] != self.me
@@ -798,7 +846,7 @@ impl Partition {
             }
             Some(_) => false,
             None => {
-                self.streams = Streams::new(place.datacenters());
+                self.streams = Streams::new(place.datacenters(), self.clock.tick(now));
                 self.place = Some(place.clone());
                 true
             }
@@ -871,17 +919,18 @@ impl Partition {
         Ok(())
     }
 
-    /// Takes a message of writes from another datacenter: acknowledges it
-    /// and returns the writes now delivered in order.
+    /// Takes a message of writes from another datacenter (its stream's
+    /// epoch, oldest write held and first write sent): acknowledges it and
+    /// returns the writes now delivered in order.
     fn receive<const FAMILY: u8>(
         &mut self,
         from: NodeId,
-        first: u64,
+        stream: (Version, u64, u64),
         writes: Vec<Replicated>,
         fx: &mut Effects,
     ) -> Vec<Replicated> {
         let place = self.place.as_ref().expect("placed");
-        let Some((ready, ack)) = self.streams.receive(place, from, first, writes) else { return Vec::new() };
+        let Some((ready, ack)) = self.streams.receive(place, from, stream, writes) else { return Vec::new() };
         self.send::<FAMILY>(fx, vec![(from, ack)]);
         ready
     }
@@ -932,10 +981,15 @@ mod tests {
 
     fn message() -> impl Strategy<Value = GeoMessage> {
         prop_oneof![
-            (any::<u64>(), proptest::collection::vec(replicated(), 0..4))
-                .prop_map(|(first, writes)| GeoMessage::Writes { first, writes }),
-            any::<u64>().prop_map(|through| GeoMessage::Ack { through }),
-            (version(), any::<u64>()).prop_map(|(clock, through)| GeoMessage::Heartbeat { clock, through }),
+            (version(), any::<u64>(), any::<u64>(), proptest::collection::vec(replicated(), 0..4)).prop_map(
+                |(epoch, oldest, first, writes)| GeoMessage::Writes { epoch, oldest, first, writes }
+            ),
+            (version(), any::<u64>()).prop_map(|(epoch, through)| GeoMessage::Ack { epoch, through }),
+            (version(), version(), any::<u64>()).prop_map(|(epoch, clock, through)| GeoMessage::Heartbeat {
+                epoch,
+                clock,
+                through
+            }),
             proptest::collection::vec(version(), 0..4).prop_map(|received| GeoMessage::Stable { received }),
             (any::<u64>(), dependency())
                 .prop_map(|(check, dependency)| GeoMessage::CheckDependency { check, dependency }),
@@ -1007,11 +1061,43 @@ mod tests {
             let mut delivered = Vec::new();
             for (first, count) in deliveries {
                 let writes = (first..first + count as u64).map(write).collect();
-                delivered.extend(inbox.receive(first, writes).into_iter().map(|write| write.version.0));
+                let ready = inbox.receive(Version(1), 1, first, writes).expect("one stream");
+                delivered.extend(ready.into_iter().map(|write| write.version.0));
             }
             let expected: Vec<u64> = (1..=delivered.len() as u64).collect();
             prop_assert_eq!(delivered, expected);
         }
+    }
+
+    /// A partition that starts again over its data begins a new stream: its
+    /// copies take it from its first write rather than for repeats, and
+    /// drop what is left of the old one. A copy that starts again takes its
+    /// peer's stream from the oldest write not yet acknowledged.
+    #[test]
+    fn streams_that_start_again_are_taken_from_their_oldest_write() {
+        let write = |number: u64| Replicated {
+            key: Bytes::from(number.to_string()),
+            version: Version(number),
+            origin: NodeId(1),
+            value: None,
+            vector: Vec::new(),
+            dependencies: Vec::new(),
+        };
+        let numbers = |ready: Option<Vec<Replicated>>| -> Option<Vec<u64>> {
+            ready.map(|ready| ready.iter().map(|write| write.version.0).collect())
+        };
+        let mut inbox = Inbox::default();
+        assert_eq!(numbers(inbox.receive(Version(10), 1, 1, vec![write(1), write(2)])), Some(vec![1, 2]));
+        // The sender restarted: its new stream numbers from 1 again.
+        assert_eq!(numbers(inbox.receive(Version(20), 1, 1, vec![write(7)])), Some(vec![7]));
+        assert_eq!(numbers(inbox.receive(Version(10), 1, 3, vec![write(3)])), None, "the old stream is over");
+        // This copy restarted: the sender's stream is far along.
+        let mut fresh = Inbox::default();
+        assert_eq!(numbers(fresh.receive(Version(20), 40, 42, vec![write(42)])), Some(vec![]));
+        assert_eq!(
+            numbers(fresh.receive(Version(20), 40, 40, vec![write(40), write(41)])),
+            Some(vec![40, 41, 42])
+        );
     }
 
     /// A key's partition is the one whose slots a cluster's evenly split
@@ -1149,14 +1235,16 @@ mod tests {
         assert_eq!(outbox.resend(RESEND_MS - 1), None);
         // The first has waited long enough; the others not yet.
         let resent = outbox.resend(RESEND_MS);
-        assert!(matches!(resent, Some(GeoMessage::Writes { first: 1, ref writes }) if writes.len() == 1));
+        assert!(matches!(resent, Some(GeoMessage::Writes { first: 1, ref writes, .. }) if writes.len() == 1));
         let resent = outbox.resend(RESEND_MS + 20);
-        assert!(matches!(resent, Some(GeoMessage::Writes { first: 2, ref writes }) if writes.len() == 2));
-        outbox.acknowledged(2);
+        assert!(matches!(resent, Some(GeoMessage::Writes { first: 2, ref writes, .. }) if writes.len() == 2));
+        outbox.acknowledged(Version(7), 3);
+        assert_eq!(outbox.unacked.len(), 3, "an earlier stream's acknowledgement counts nothing");
+        outbox.acknowledged(Version::default(), 2);
         assert_eq!(outbox.resend(2 * RESEND_MS + 19), None, "the third was resent since");
         let resent = outbox.resend(2 * RESEND_MS + 20);
-        assert!(matches!(resent, Some(GeoMessage::Writes { first: 3, ref writes }) if writes.len() == 1));
-        outbox.acknowledged(3);
+        assert!(matches!(resent, Some(GeoMessage::Writes { first: 3, ref writes, .. }) if writes.len() == 1));
+        outbox.acknowledged(Version::default(), 3);
         assert_eq!(outbox.resend(10 * RESEND_MS), None);
         assert_eq!(outbox.sent_through(), 3);
     }

@@ -170,9 +170,9 @@ impl Protocol for CausalSpartan {
         let Some(message) = self.partition.open::<FAMILY>(from, &message) else { return };
         let place = self.partition.place.as_ref().expect("placed");
         match message {
-            GeoMessage::Writes { first, writes } => {
+            GeoMessage::Writes { epoch, oldest, first, writes } => {
                 let datacenters = place.datacenters();
-                for write in self.partition.receive::<FAMILY>(from, first, writes, fx) {
+                for write in self.partition.receive::<FAMILY>(from, (epoch, oldest, first), writes, fx) {
                     if write.vector.len() != datacenters {
                         tracing::warn!(%from, "dropped a causal write whose vector names another number of datacenters");
                         continue;
@@ -186,9 +186,11 @@ impl Protocol for CausalSpartan {
                     self.partition.engine_failed(error);
                 }
             }
-            GeoMessage::Ack { through } => self.partition.streams.acknowledged(place, from, through),
-            GeoMessage::Heartbeat { clock, through } => {
-                self.partition.streams.heartbeat(place, from, clock, through)
+            GeoMessage::Ack { epoch, through } => {
+                self.partition.streams.acknowledged(place, from, epoch, through)
+            }
+            GeoMessage::Heartbeat { epoch, clock, through } => {
+                self.partition.streams.heartbeat(place, from, epoch, clock, through)
             }
             GeoMessage::Stable { received } => self.stabilizer.heard(place, from, received),
             GeoMessage::CheckDependency { .. } | GeoMessage::DependencyMet { .. } => {}
@@ -206,8 +208,8 @@ impl Protocol for CausalSpartan {
         }
     }
 
-    fn on_view(&mut self, view: &ShardView, _fx: &mut Effects) {
-        if self.partition.placed_by(view) {
+    fn on_view(&mut self, view: &ShardView, fx: &mut Effects) {
+        if self.partition.placed_by(view, fx.now()) {
             let place = self.partition.place.as_ref().expect("placed");
             self.stabilizer = Stabilizer::new(place);
             self.stable = vec![Version::default(); place.datacenters()];
