@@ -198,3 +198,38 @@ def test_causal_levels_are_refused_without_datacenters(cluster_factory):
     for command in (("CONSISTENCY", "CAUSAL"), ("CONSISTENCY.READ", "causal", "GET", "k"), ("CAUSAL.TOKEN",)):
         with pytest.raises(redis.ResponseError, match="across datacenters"):
             client.execute_command(*command)
+
+
+def test_a_copy_restarted_over_its_data_catches_up_and_is_caught_up_with(tmp_path):
+    """On the log engine, a datacenter-1 copy killed with kill -9 misses the
+    writes datacenter 0 takes meanwhile, gets them once it is back, and its
+    own writes after the restart (a new stream, numbered from the start
+    again) reach datacenter 0 rather than being taken for repeats."""
+    cluster = LocalCluster(tmp_path, "causal-spartan", topology="aa", options=[
+        "--datacenters", str(DATACENTERS), "--engine", "log"])
+    cluster.up(NODES)
+    try:
+        first = redis.Redis(port=cluster.port(0), protocol=2)
+        tag = next(tag for tag in "abcdefghij" if first.cluster("keyslot", f"{{{tag}}}") < 16384 // 3)
+        copy = NODES // DATACENTERS  # datacenter 1's copy of partition 0
+        restarted = redis.Redis(port=cluster.port(copy), protocol=2, socket_timeout=5)
+
+        def eventually(check):
+            deadline = time.time() + 10
+            while not check():
+                assert time.time() < deadline
+                time.sleep(0.05)
+
+        restarted.set(f"{{{tag}}}before", "b")
+        eventually(lambda: first.get(f"{{{tag}}}before") == b"b")
+        cluster.cli("kill", str(copy))
+        for index in range(20):
+            first.set(f"{{{tag}}}while-down-{index}", index)
+        cluster.cli("restart", str(copy))
+        eventually(lambda: restarted.get(f"{{{tag}}}while-down-19") == b"19")
+        assert [restarted.get(f"{{{tag}}}while-down-{index}") for index in range(20)] == [
+            str(index).encode() for index in range(20)]
+        eventually(lambda: restarted.set(f"{{{tag}}}after", "a"))
+        eventually(lambda: first.get(f"{{{tag}}}after") == b"a")
+    finally:
+        cluster.down()
