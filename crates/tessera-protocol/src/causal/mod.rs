@@ -1050,17 +1050,9 @@ mod tests {
         #[test]
         fn a_stream_delivers_each_write_once_in_order(deliveries in proptest::collection::vec((1u64..40, 1usize..4), 1..200)) {
             let mut inbox = Inbox::default();
-            let write = |number: u64| Replicated {
-                key: Bytes::from(number.to_string()),
-                version: Version(number),
-                origin: NodeId(1),
-                value: None,
-                vector: Vec::new(),
-                dependencies: Vec::new(),
-            };
             let mut delivered = Vec::new();
             for (first, count) in deliveries {
-                let writes = (first..first + count as u64).map(write).collect();
+                let writes = (first..first + count as u64).map(numbered).collect();
                 let ready = inbox.receive(Version(1), 1, first, writes).expect("one stream");
                 delivered.extend(ready.into_iter().map(|write| write.version.0));
             }
@@ -1069,33 +1061,37 @@ mod tests {
         }
     }
 
-    /// A partition that starts again over its data begins a new stream: its
-    /// copies take it from its first write rather than for repeats, and
-    /// drop what is left of the old one. A copy that starts again takes its
-    /// peer's stream from the oldest write not yet acknowledged.
-    #[test]
-    fn streams_that_start_again_are_taken_from_their_oldest_write() {
-        let write = |number: u64| Replicated {
+    /// Write number `number` of a stream, as its version too.
+    fn numbered(number: u64) -> Replicated {
+        Replicated {
             key: Bytes::from(number.to_string()),
             version: Version(number),
             origin: NodeId(1),
             value: None,
             vector: Vec::new(),
             dependencies: Vec::new(),
-        };
+        }
+    }
+
+    /// A partition that starts again over its data begins a new stream: its
+    /// copies take it from its first write rather than for repeats, and
+    /// drop what is left of the old one. A copy that starts again takes its
+    /// peer's stream from the oldest write not yet acknowledged.
+    #[test]
+    fn streams_that_start_again_are_taken_from_their_oldest_numbered() {
         let numbers = |ready: Option<Vec<Replicated>>| -> Option<Vec<u64>> {
             ready.map(|ready| ready.iter().map(|write| write.version.0).collect())
         };
         let mut inbox = Inbox::default();
-        assert_eq!(numbers(inbox.receive(Version(10), 1, 1, vec![write(1), write(2)])), Some(vec![1, 2]));
+        assert_eq!(numbers(inbox.receive(Version(10), 1, 1, vec![numbered(1), numbered(2)])), Some(vec![1, 2]));
         // The sender restarted: its new stream numbers from 1 again.
-        assert_eq!(numbers(inbox.receive(Version(20), 1, 1, vec![write(7)])), Some(vec![7]));
-        assert_eq!(numbers(inbox.receive(Version(10), 1, 3, vec![write(3)])), None, "the old stream is over");
+        assert_eq!(numbers(inbox.receive(Version(20), 1, 1, vec![numbered(7)])), Some(vec![7]));
+        assert_eq!(numbers(inbox.receive(Version(10), 1, 3, vec![numbered(3)])), None, "the old stream is over");
         // This copy restarted: the sender's stream is far along.
         let mut fresh = Inbox::default();
-        assert_eq!(numbers(fresh.receive(Version(20), 40, 42, vec![write(42)])), Some(vec![]));
+        assert_eq!(numbers(fresh.receive(Version(20), 40, 42, vec![numbered(42)])), Some(vec![]));
         assert_eq!(
-            numbers(fresh.receive(Version(20), 40, 40, vec![write(40), write(41)])),
+            numbers(fresh.receive(Version(20), 40, 40, vec![numbered(40), numbered(41)])),
             Some(vec![40, 41, 42])
         );
     }
