@@ -1083,10 +1083,17 @@ mod tests {
             ready.map(|ready| ready.iter().map(|write| write.version.0).collect())
         };
         let mut inbox = Inbox::default();
-        assert_eq!(numbers(inbox.receive(Version(10), 1, 1, vec![numbered(1), numbered(2)])), Some(vec![1, 2]));
+        assert_eq!(
+            numbers(inbox.receive(Version(10), 1, 1, vec![numbered(1), numbered(2)])),
+            Some(vec![1, 2])
+        );
         // The sender restarted: its new stream numbers from 1 again.
         assert_eq!(numbers(inbox.receive(Version(20), 1, 1, vec![numbered(7)])), Some(vec![7]));
-        assert_eq!(numbers(inbox.receive(Version(10), 1, 3, vec![numbered(3)])), None, "the old stream is over");
+        assert_eq!(
+            numbers(inbox.receive(Version(10), 1, 3, vec![numbered(3)])),
+            None,
+            "the old stream is over"
+        );
         // This copy restarted: the sender's stream is far along.
         let mut fresh = Inbox::default();
         assert_eq!(numbers(fresh.receive(Version(20), 40, 42, vec![numbered(42)])), Some(vec![]));
