@@ -155,10 +155,13 @@ async fn the_coordinator_obeys_only_sessions_that_prove_the_secret_and_a_node_on
     let mut endless = Client::connect(address, Duration::from_secs(5)).unwrap();
     let many: Vec<Vec<u8>> = (0..400).map(|_| vec![b'y'; 60 << 10]).collect();
     // The coordinator closes while this side still writes: the error reply
-    // may be lost to the reset.
+    // may be lost to the reset, or the write meet the closed socket.
     match endless.command(&many) {
         Ok(reply) => assert!(refused(reply, "ERR a request to the coordinator is over")),
-        Err(error) => assert!(error.to_string().contains("reset"), "{error}"),
+        Err(error) => {
+            let error = error.to_string();
+            assert!(error.contains("reset") || error.contains("Broken pipe"), "{error}")
+        }
     }
     assert!(endless.command(&["PING"]).is_err(), "closed after the error");
     for forged in [
