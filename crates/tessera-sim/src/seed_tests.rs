@@ -63,10 +63,11 @@ fn assert_no_failures(protocol: Mode, seeds: std::ops::Range<u64>) {
 }
 
 /// Every protocol in the registry, with every fault type: a new protocol is
-/// checked as soon as it has its row.
+/// checked as soon as it has its row (the causal rows run across
+/// datacenters in `geo`).
 #[test]
 fn every_registered_protocol_passes_the_fixed_seeds() {
-    for protocol in Mode::all() {
+    for protocol in Mode::all().filter(|mode| !mode.geo) {
         assert_no_failures(protocol, 0..300);
     }
 }
@@ -126,7 +127,7 @@ fn a_broken_invariant_fails_the_run_loudly_with_its_seed() {
 /// linearizable registers.
 #[test]
 fn every_ordering_protocol_applies_batches_whole() {
-    for protocol in Mode::all().filter(|mode| !mode.quorum) {
+    for protocol in Mode::all().filter(|mode| !mode.quorum && !mode.geo) {
         let config = batches(protocol, None);
         for seed in 0..150 {
             let report = run(seed, &config);
