@@ -33,9 +33,7 @@ impl Forwarder {
         request: &[u8],
     ) -> CommandResult<Vec<u8>> {
         for _ in 0..FORWARD_HOPS_MAX {
-            let reply = self.exchange(agent, &address, request).await.inspect_err(|_| {
-                self.links.remove(&address);
-            })?;
+            let reply = self.exchange(agent, &address, request, 1).await?.pop().expect("one answer");
             match moved_to(&reply) {
                 Some(next) => address = next,
                 None => return Ok(reply),
@@ -44,7 +42,42 @@ impl Forwarder {
         Err(CommandError::TryAgain(format!("the owner kept moving (last asked {address})")))
     }
 
-    async fn exchange(&mut self, agent: &Agent, address: &str, request: &[u8]) -> CommandResult<Vec<u8>> {
+    /// Sends `count` encoded requests to `address` in one write and returns
+    /// their encoded answers, in order; a `MOVED` among them is an answer
+    /// like any other.
+    pub async fn forward_pipelined(
+        &mut self,
+        agent: &Agent,
+        address: &str,
+        requests: &[u8],
+        count: usize,
+    ) -> CommandResult<Vec<Vec<u8>>> {
+        self.exchange(agent, address, requests, count).await
+    }
+
+    /// Writes `requests` to `address` and reads `count` answers; a link
+    /// that fails is dropped, to be opened again by the next request.
+    async fn exchange(
+        &mut self,
+        agent: &Agent,
+        address: &str,
+        requests: &[u8],
+        count: usize,
+    ) -> CommandResult<Vec<Vec<u8>>> {
+        let answers = self.exchange_on_link(agent, address, requests, count).await;
+        if answers.is_err() {
+            self.links.remove(address);
+        }
+        answers
+    }
+
+    async fn exchange_on_link(
+        &mut self,
+        agent: &Agent,
+        address: &str,
+        requests: &[u8],
+        count: usize,
+    ) -> CommandResult<Vec<Vec<u8>>> {
         let unreachable = |error: std::io::Error| {
             CommandError::TryAgain(format!("cannot reach the owner {address}: {error}"))
         };
@@ -66,8 +99,12 @@ impl Forwarder {
             self.links.insert(address.to_string(), link);
         }
         let link = self.links.get_mut(address).expect("inserted above");
-        link.0.write_all(request).await.map_err(unreachable)?;
-        read_reply(link).await.map_err(unreachable)
+        link.0.write_all(requests).await.map_err(unreachable)?;
+        let mut answers = Vec::with_capacity(count);
+        for _ in 0..count {
+            answers.push(read_reply(link).await.map_err(unreachable)?);
+        }
+        Ok(answers)
     }
 }
 

@@ -609,6 +609,16 @@ const QUORUM_ATTEMPTS: usize = 8;
 /// through its header: a few levels at most).
 const DISCOVERY_ROUNDS: usize = 16;
 
+/// Counts a round of a command that touched keys it had no record of; past
+/// [`DISCOVERY_ROUNDS`], its keys are declared too busy.
+fn another_round(rounds: &mut usize) -> CommandResult<()> {
+    *rounds += 1;
+    if *rounds == DISCOVERY_ROUNDS {
+        return Err(CommandError::TryAgain("the command's keys kept changing shape under it".into()));
+    }
+    Ok(())
+}
+
 /// A command (or a transaction's EXEC) on a shard running a quorum protocol
 /// (AA+SC). It runs on the records of the keys it touches, fetched through
 /// the quorum, and commits as one conditional batch (docs/PROTOCOLS.md,
@@ -712,10 +722,7 @@ async fn try_on_quorum(
             if reads.missing.is_empty() {
                 break view.take();
             }
-            rounds += 1;
-            if rounds == DISCOVERY_ROUNDS {
-                return Err(CommandError::TryAgain("the command's keys kept changing shape under it".into()));
-            }
+            another_round(&mut rounds)?;
         };
         if writes.is_empty() {
             if !reads.guess_locally && watched.is_empty() && reads.records.len() <= 1 {
@@ -780,7 +787,6 @@ fn moved(watched: &HashMap<Bytes, Option<Record>>, fetched: &HashMap<Bytes, Opti
     fetched.iter().any(|(key, record)| watched.get(key).is_some_and(|then| !same_ballot(then, record)))
 }
 
-/// Each key's newest record, read through the quorum.
 /// A causal session's command on this node's copy of its keys' partition:
 /// it runs over the values the protocol shows the session (each read
 /// carries the session's context and brings it back), and its one write,
@@ -815,10 +821,7 @@ async fn run_on_causal(
         if reads.missing.is_empty() {
             break view.take();
         }
-        rounds += 1;
-        if rounds == DISCOVERY_ROUNDS {
-            return Err(CommandError::TryAgain("the command's keys kept changing shape under it".into()));
-        }
+        another_round(&mut rounds)?;
     };
     if writes.len() > 1 {
         return Err(CommandError::Other(
@@ -842,7 +845,9 @@ async fn run_on_causal(
 
 /// A causal session's command at `owner`, the node of this datacenter that
 /// holds its keys: the session's context goes with it in a token, and comes
-/// back with what the command did and saw.
+/// back with what the command did and saw, all in one exchange (CAUSAL.TOKEN
+/// SET, the command, CAUSAL.TOKEN). A causal layout's slots never move, so
+/// the owner answers rather than redirects.
 async fn forward_causal(
     cluster: &ClusterNode,
     context: &mut Context<'_>,
@@ -854,38 +859,35 @@ async fn forward_causal(
         cluster.membership.causal().ok_or_else(|| CommandError::Other("not across datacenters".into()))?;
     let secret = &cluster.agent.config().secret;
     let held = context.session.causal.clone().unwrap_or_default();
-    let mut set = Vec::new();
-    encode_command(
-        &[&b"CAUSAL.TOKEN"[..], b"SET", secret.seal_token(datacenter, &held.encode()).as_bytes()],
-        &mut set,
-    );
-    let answer = forwarder.forward(&cluster.agent, owner.clone(), &set).await?;
-    if !answer.starts_with(b"+OK") {
+    let mut requests = Vec::new();
+    let token = secret.seal_token(datacenter, &held.encode());
+    encode_command(&[&b"CAUSAL.TOKEN"[..], b"SET", token.as_bytes()], &mut requests);
+    requests.extend_from_slice(raw);
+    encode_command(&[&b"CAUSAL.TOKEN"[..]], &mut requests);
+    let answers = forwarder.forward_pipelined(&cluster.agent, &owner, &requests, 3).await?;
+    let [taken, reply, token] = <[Vec<u8>; 3]>::try_from(answers).expect("three answers");
+    if !taken.starts_with(b"+OK") {
         return Err(CommandError::Other(format!(
-            "the owner {owner} refused the session's context: {}",
-            String::from_utf8_lossy(&answer).trim_end()
+            "the owner {owner} refused the session's context ({}), and ran the command without it",
+            String::from_utf8_lossy(&taken).trim_end()
         )));
     }
-    let reply = forwarder.forward(&cluster.agent, owner.clone(), raw).await?;
-    let mut get = Vec::new();
-    encode_command(&[&b"CAUSAL.TOKEN"[..]], &mut get);
-    let answer = forwarder.forward(&cluster.agent, owner.clone(), &get).await?;
-    let token = match parse_value(&answer) {
-        Ok(Some((Value::Bulk(token), _))) => token,
-        _ => return Err(CommandError::Other(format!("the owner {owner} sent no causal token back"))),
+    let Ok(Some((Value::Bulk(token), _))) = parse_value(&token) else {
+        return Err(CommandError::Other(format!("the owner {owner} sent no causal token back")));
     };
-    let taken = secret
+    let after = secret
         .open_token(datacenter, &token)
         .ok()
         .and_then(|sealed| CausalContext::decode(Bytes::from(sealed)).ok())
         .ok_or_else(|| {
             CommandError::Other(format!("the owner {owner} sent a causal token this node cannot open"))
         })?;
-    context.session.causal = Some(taken);
+    context.session.causal = Some(after);
     context.out.raw(&reply);
     Ok(())
 }
 
+/// Each key's newest record, read through the quorum.
 async fn fetch_records(
     cluster: &ClusterNode,
     shard: u32,
