@@ -129,6 +129,12 @@ impl ProtocolSpec {
         (self.build)(me, engine, start, tuning)
     }
 
+    /// Whether a causal session on it gets causal consistency: every row
+    /// across datacenters but their eventual baseline.
+    pub fn is_causal(&self) -> bool {
+        self.geo && self.family != GEO_EVENTUAL.family
+    }
+
     /// Master–slave or active–active, strong or eventual, as operators read
     /// it: `ms+sc`, `aa+ec`, ...; a causal protocol by its name.
     pub fn label(&self) -> &'static str {

@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use tessera_engine::{Engine, OrderedEngine};
-use tessera_protocol::causal::{cops, eventual};
+use tessera_protocol::causal::cops;
 use tessera_protocol::{
     CausalContext, ClientReply, ClientRequest, Effect, Effects, GeoPlace, Mode, NodeId, Operation,
     PeerMessage, Protocol, RequestId, ShardView, Start, Tuning, Write,
@@ -497,7 +497,7 @@ impl Geo {
 pub fn scope_of(mode: Mode) -> Option<Scope> {
     assert!(mode.geo, "{mode} does not replicate across datacenters");
     match mode.family.0 {
-        eventual::FAMILY => None,
+        _ if !mode.is_causal() => None,
         cops::FAMILY => Some(Scope::SessionsAndDatacenters),
         _ => Some(Scope::Sessions),
     }

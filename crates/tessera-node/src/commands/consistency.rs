@@ -94,7 +94,7 @@ pub fn level_got(cluster: Option<&Membership>, level: Level) -> &'static str {
     match (cluster, level) {
         (None, _) => STRONG,
         (Some(node), Level::Causal) => match node.causal() {
-            Some((mode, _)) if mode.name != "geo-eventual" => CAUSAL,
+            Some((mode, _)) if mode.is_causal() => CAUSAL,
             _ => EVENTUAL,
         },
         (Some(node), Level::Strong) if node.strong_reads() => STRONG,
