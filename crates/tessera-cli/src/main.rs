@@ -585,9 +585,8 @@ fn coordinator(args: CoordinatorArgs) -> Result<(), String> {
         return Err("--failure-timeout-ms must be longer than --lease-ms".into());
     }
     let initial = match (&args.cluster_id, args.nodes.is_empty()) {
-        (Some(id), false) if args.datacenters.is_some() => {
+        (Some(id), false) if let Some(datacenters) = args.datacenters => {
             let mode = tessera_protocol::Mode::causal(&args.consistency)?;
-            let datacenters = args.datacenters.unwrap_or_default();
             Some(
                 ClusterMap::place_datacenters(id, mode, &args.nodes, datacenters)
                     .map_err(|error| error.to_string())?,

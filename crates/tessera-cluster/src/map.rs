@@ -446,15 +446,6 @@ impl ClusterMap {
         shards
     }
 
-    /// How many datacenters the cluster spans (1 unless laid out across them).
-    pub fn datacenters(&self) -> usize {
-        if self.mode.geo {
-            self.replicas
-        } else {
-            1
-        }
-    }
-
     pub fn node(&self, id: u32) -> Option<&NodeInfo> {
         self.nodes.iter().find(|node| node.id == id)
     }
@@ -837,7 +828,8 @@ mod tests {
         let addresses: Vec<String> = (0..6).map(|n| format!("127.0.0.1:{}", 7001 + n)).collect();
         let cops = Mode::named("cops").unwrap();
         let map = ClusterMap::place_datacenters("c1", cops, &addresses, 2).unwrap();
-        assert_eq!((map.replicas, map.datacenters(), map.shards.len()), (2, 2, 3));
+        assert_eq!((map.replicas, map.shards.len()), (2, 3));
+        assert_eq!(map.nodes.iter().map(|node| node.datacenter).collect::<Vec<_>>(), [0, 0, 0, 1, 1, 1]);
         assert_eq!(map.shards[1].members, vec![1, 4]);
         let place = map.geo_place(1, 4).unwrap();
         assert_eq!((place.datacenter, place.partition), (1, 1));
