@@ -119,48 +119,84 @@ impl History {
 /// `completed`). Times are in any one unit, from one clock.
 pub fn from_json_lines(text: &str) -> Result<History, String> {
     let mut operations = Vec::new();
-    for (index, line) in text.lines().enumerate().filter(|(_, line)| !line.trim().is_empty()) {
-        let at = |message: String| format!("line {}: {message}", index + 1);
-        let record: serde_json::Value = serde_json::from_str(line).map_err(|error| at(error.to_string()))?;
-        let field = |name: &str| record.get(name).ok_or_else(|| at(format!("no {name:?}")));
-        let text_of = |name: &str| -> Result<Bytes, String> {
-            field(name)?
-                .as_str()
-                .map(|text| Bytes::from(text.to_string()))
-                .ok_or_else(|| at(format!("{name:?} is not a string")))
-        };
-        let number_of = |name: &str| -> Result<i64, String> {
-            field(name)?.as_i64().ok_or_else(|| at(format!("{name:?} is not an integer")))
-        };
-        let call = match field("call")?.as_str() {
+    for line in json_lines(text) {
+        let line = line?;
+        let call = match line.field("call")?.as_str() {
             Some("get") => Call::Get,
-            Some("set") => Call::Put(text_of("value")?),
+            Some("set") => Call::Put(line.text("value")?),
             Some("del") => Call::Delete,
-            Some("incr") => Call::Increment(number_of("delta")?),
-            other => return Err(at(format!("unknown call {other:?}"))),
+            Some("incr") => Call::Increment(line.integer("delta")?),
+            other => return Err(line.error(format!("unknown call {other:?}"))),
         };
-        let (outcome, completed_at) = match field("outcome")?.as_str() {
-            Some("value") => {
-                let result = match field("result")? {
-                    serde_json::Value::Null => None,
-                    _ => Some(text_of("result")?),
-                };
-                (Outcome::Value(result), Some(number_of("completed")? as u64))
-            }
-            Some("written") => (Outcome::Written, Some(number_of("completed")? as u64)),
+        let (outcome, completed_at) = match line.field("outcome")?.as_str() {
+            Some("value") => (Outcome::Value(line.optional_text("result")?), Some(line.whole("completed")?)),
+            Some("written") => (Outcome::Written, Some(line.whole("completed")?)),
             Some("unknown") => (Outcome::Unknown, None),
-            other => return Err(at(format!("unknown outcome {other:?}"))),
+            other => return Err(line.error(format!("unknown outcome {other:?}"))),
         };
         operations.push(Operation {
-            client: number_of("client")? as usize,
-            key: text_of("key")?,
+            client: line.whole("client")? as usize,
+            key: line.text("key")?,
             call,
             outcome,
-            invoked_at: number_of("invoked")? as u64,
+            invoked_at: line.whole("invoked")?,
             completed_at,
         });
     }
     Ok(History { operations })
+}
+
+/// One record of a history written as JSON lines, whose fields are read
+/// with errors that name the line.
+pub(crate) struct JsonLine {
+    number: usize,
+    record: serde_json::Value,
+}
+
+/// Each record of `text`, one JSON object a line (blank lines skipped).
+pub(crate) fn json_lines(text: &str) -> impl Iterator<Item = Result<JsonLine, String>> + '_ {
+    text.lines().enumerate().filter(|(_, line)| !line.trim().is_empty()).map(|(index, line)| {
+        let number = index + 1;
+        serde_json::from_str(line)
+            .map(|record| JsonLine { number, record })
+            .map_err(|error| format!("line {number}: {error}"))
+    })
+}
+
+impl JsonLine {
+    pub(crate) fn error(&self, message: String) -> String {
+        format!("line {}: {message}", self.number)
+    }
+
+    pub(crate) fn field(&self, name: &str) -> Result<&serde_json::Value, String> {
+        self.record.get(name).ok_or_else(|| self.error(format!("no {name:?}")))
+    }
+
+    pub(crate) fn text(&self, name: &str) -> Result<Bytes, String> {
+        let text =
+            self.field(name)?.as_str().ok_or_else(|| self.error(format!("{name:?} is not a string")))?;
+        Ok(Bytes::from(text.to_string()))
+    }
+
+    /// A string, or null for none.
+    pub(crate) fn optional_text(&self, name: &str) -> Result<Option<Bytes>, String> {
+        match self.field(name)? {
+            serde_json::Value::Null => Ok(None),
+            _ => self.text(name).map(Some),
+        }
+    }
+
+    pub(crate) fn integer(&self, name: &str) -> Result<i64, String> {
+        self.field(name)?.as_i64().ok_or_else(|| self.error(format!("{name:?} is not an integer")))
+    }
+
+    pub(crate) fn whole(&self, name: &str) -> Result<u64, String> {
+        self.field(name)?.as_u64().ok_or_else(|| self.error(format!("{name:?} is not a whole number")))
+    }
+
+    pub(crate) fn flag(&self, name: &str) -> Result<bool, String> {
+        self.field(name)?.as_bool().ok_or_else(|| self.error(format!("{name:?} is not a boolean")))
+    }
 }
 
 #[cfg(test)]

@@ -91,36 +91,22 @@ pub enum Scope {
 /// `invoked` and `completed` (microseconds). Gets that failed are left out.
 pub fn from_json_lines(text: &str) -> Result<Vec<CausalOperation>, String> {
     let mut operations = Vec::new();
-    for (index, line) in text.lines().enumerate().filter(|(_, line)| !line.trim().is_empty()) {
-        let at = |message: String| format!("line {}: {message}", index + 1);
-        let record: serde_json::Value = serde_json::from_str(line).map_err(|error| at(error.to_string()))?;
-        let field = |name: &str| record.get(name).ok_or_else(|| at(format!("no {name:?}")));
-        let text_of = |name: &str| -> Result<Bytes, String> {
-            let text = field(name)?.as_str().ok_or_else(|| at(format!("{name:?} is not a string")))?;
-            Ok(Bytes::from(text.to_string()))
-        };
-        let number_of = |name: &str| -> Result<u64, String> {
-            field(name)?.as_u64().ok_or_else(|| at(format!("{name:?} is not a whole number")))
-        };
-        let call = match field("call")?.as_str() {
-            Some("put") => CausalCall::Put {
-                value: text_of("value")?,
-                acknowledged: field("acknowledged")?
-                    .as_bool()
-                    .ok_or_else(|| at("\"acknowledged\" is not a boolean".into()))?,
-            },
-            Some("get") => {
-                CausalCall::Get { read: if field("read")?.is_null() { None } else { Some(text_of("read")?) } }
+    for line in crate::history::json_lines(text) {
+        let line = line?;
+        let call = match line.field("call")?.as_str() {
+            Some("put") => {
+                CausalCall::Put { value: line.text("value")?, acknowledged: line.flag("acknowledged")? }
             }
-            other => return Err(at(format!("unknown call {other:?}"))),
+            Some("get") => CausalCall::Get { read: line.optional_text("read")? },
+            other => return Err(line.error(format!("unknown call {other:?}"))),
         };
         operations.push(CausalOperation {
-            session: number_of("session")? as usize,
-            datacenter: number_of("datacenter")? as usize,
-            key: text_of("key")?,
+            session: line.whole("session")? as usize,
+            datacenter: line.whole("datacenter")? as usize,
+            key: line.text("key")?,
             call,
-            invoked_at: number_of("invoked")?,
-            completed_at: number_of("completed")?,
+            invoked_at: line.whole("invoked")?,
+            completed_at: line.whole("completed")?,
         });
     }
     let writes =
