@@ -1,8 +1,8 @@
 //! COPS (Lloyd, Freedman, Kaminsky and Andersen, SOSP 2011): causal+
 //! consistency from explicit dependencies, following the paper's section 5
-//! (the client library's context and the `put_after` replication; no
-//! transactions and no garbage collection of dependencies, as DKVF builds
-//! it).
+//! (the client library's context and the `put_after` replication, without
+//! transactions) and its garbage collection of client metadata (which
+//! DKVF's build leaves out).
 //!
 //! - The session's context is its nearest dependencies: each version it
 //!   read, and after a put only that put (which depends on them).
@@ -26,6 +26,18 @@
 //!
 //! A write waiting on its dependencies does not hold up the others.
 //! Checks are resent until answered.
+//!
+//! Sessions' contexts are kept small by the paper's garbage collection of
+//! client metadata, on its global checkpoint time: each copy of a partition
+//! tells the others how far it has committed the writes from elsewhere
+//! ([`GeoMessage::Committed`]), the partitions of a datacenter take the
+//! minimum over every copy of every partition ([`super::Stabilizer`]), and a
+//! dependency stamped at or below it is met in every datacenter, so it is
+//! dropped from contexts and from the writes shipped. Copies send
+//! heartbeats, as GentleRain's do, so that an idle datacenter does not hold
+//! the checkpoint back. While another datacenter is cut off the checkpoint
+//! stops, and a session whose reads would take its context past
+//! [`CONTEXT_DEPENDENCIES_MAX`] is asked to retry (a put resets it).
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -34,7 +46,8 @@ use bytes::Bytes;
 use tessera_engine::Engine;
 
 use super::{
-    call_of, read, reply_for, store, Call, Dependency, GeoMessage, Partition, Replicated, Stored, RESEND_MS,
+    call_of, read, reply_for, store, Call, Dependency, GeoMessage, GeoPlace, Partition, Replicated,
+    Stabilizer, Stored, CONTEXT_DEPENDENCIES_MAX, RESEND_MS, STABILIZE_MS,
 };
 use crate::{
     CausalContext, ClientReply, ClientRequest, Effects, NodeId, OperationError, PeerMessage, Progress,
@@ -47,6 +60,10 @@ pub const FAMILY: u8 = 23;
 /// Checks from siblings this partition keeps waiting for a version it does
 /// not hold yet; past it, a check is dropped and answered when resent.
 const WAITING_CHECKS_MAX: usize = 100_000;
+
+/// Why a read is asked to retry.
+const CONTEXT_FULL: &str =
+    "the session depends on more writes than a context holds until the other datacenters confirm them";
 
 /// A write from elsewhere waiting for its dependencies.
 struct Waiting {
@@ -75,6 +92,17 @@ pub struct Cops {
     /// check, the write.
     asked: Vec<(NodeId, u64, Dependency)>,
     last_resend: Time,
+    /// By datacenter, how far that copy of this partition (this one's own
+    /// entry included) has committed the writes of the others: every write
+    /// stamped at or below it.
+    committed_through: Vec<Version>,
+    /// The minimum of `committed_through` over every partition of this
+    /// datacenter, by datacenter.
+    stabilizer: Stabilizer,
+    /// The global checkpoint: every write stamped at or below it is
+    /// committed in every datacenter.
+    checkpoint: Version,
+    last_told: Time,
     /// A deliberately broken variant for the checker's tests: writes from
     /// elsewhere are visible without their dependency checks.
     #[cfg(feature = "broken")]
@@ -91,6 +119,10 @@ impl Cops {
             next_id: 0,
             asked: Vec::new(),
             last_resend: 0,
+            committed_through: Vec::new(),
+            stabilizer: Stabilizer::default(),
+            checkpoint: Version::default(),
+            last_told: 0,
             #[cfg(feature = "broken")]
             broken_skip_dependency_checks: false,
         }
@@ -113,17 +145,22 @@ impl Cops {
         let (key, call, context) = call_of(request.operation, fx.now())?;
         let causal = context.is_some();
         let mut dependencies = Self::dependencies_of(context)?;
+        // Met everywhere: nothing to check, nothing to carry.
+        dependencies.retain(|dependency| dependency.version > self.checkpoint);
         match call {
             Call::Get => {
                 // get: the session now depends on the version it read.
                 let held = read(&*self.partition.engine, &key)?;
-                if let Some(held) = &held {
+                if let Some(held) = held.as_ref().filter(|held| held.version > self.checkpoint) {
                     // Each write read stays a dependency of its own, even of
                     // a key already named: a newer version read can be a
                     // concurrent write, which does not carry the past of
                     // the one it superseded.
                     let read = Dependency { key: key.clone(), version: held.version, origin: held.origin };
                     if !dependencies.contains(&read) {
+                        if dependencies.len() == CONTEXT_DEPENDENCIES_MAX {
+                            return Ok(ClientReply::Retry(CONTEXT_FULL));
+                        }
                         dependencies.push(read);
                     }
                 }
@@ -220,6 +257,50 @@ impl Cops {
         }
     }
 
+    /// Every write from another datacenter stamped at or below the result
+    /// is committed here: arrived (the stream has delivered past it, or a
+    /// heartbeat says none is left below it) and not waiting.
+    fn committed_here(&self, place: &GeoPlace) -> Version {
+        let received = &self.partition.streams.received;
+        (0..place.datacenters())
+            .filter(|&datacenter| datacenter != place.datacenter)
+            .map(|datacenter| {
+                let origin = place.replicas[datacenter];
+                let oldest_waiting = self
+                    .waiting
+                    .values()
+                    .filter(|waiting| waiting.write.origin == origin)
+                    .map(|waiting| waiting.write.version)
+                    .min();
+                match oldest_waiting {
+                    Some(version) => received[datacenter].min(Version(version.0.saturating_sub(1))),
+                    None => received[datacenter],
+                }
+            })
+            .min()
+            .unwrap_or(Version(u64::MAX))
+    }
+
+    /// On a tick: this copy's committed time to the others, the
+    /// datacenter's to the siblings, and the checkpoint raised to the
+    /// minimum over all.
+    fn collect_garbage(&mut self, place: &GeoPlace, fx: &mut Effects) {
+        self.committed_through[place.datacenter] = self.committed_here(place);
+        if fx.now() >= self.last_told + STABILIZE_MS {
+            self.last_told = fx.now();
+            let told = GeoMessage::Committed { through: self.committed_through[place.datacenter] };
+            let sends = (0..place.datacenters())
+                .filter(|&datacenter| datacenter != place.datacenter)
+                .map(|datacenter| (place.replicas[datacenter], told.clone()))
+                .collect();
+            self.partition.send::<FAMILY>(fx, sends);
+        }
+        let sends = self.stabilizer.gossip(place, &self.committed_through, fx.now());
+        self.partition.send::<FAMILY>(fx, sends);
+        let stable = self.stabilizer.stable(place, &self.committed_through);
+        self.checkpoint = self.checkpoint.max(stable.into_iter().min().unwrap_or_default());
+    }
+
     /// Answers the siblings' checks of `key` that are now met.
     fn answer_asked(&mut self, key: &Bytes, fx: &mut Effects) -> Result<(), OperationError> {
         let mut index = 0;
@@ -284,7 +365,21 @@ impl Protocol for Cops {
                 }
                 _ => Ok(()),
             },
-            GeoMessage::Heartbeat { .. } | GeoMessage::Stable { .. } => Ok(()),
+            GeoMessage::Heartbeat { epoch, oldest, clock, through } => {
+                self.partition.streams.heartbeat(&place, from, (epoch, oldest, through), clock);
+                Ok(())
+            }
+            GeoMessage::Committed { through } => {
+                if let Some(datacenter) = place.datacenter_of(from) {
+                    let known = &mut self.committed_through[datacenter];
+                    *known = (*known).max(through);
+                }
+                Ok(())
+            }
+            GeoMessage::Stable { received } => {
+                self.stabilizer.heard(&place, from, received);
+                Ok(())
+            }
         };
         if let Err(error) = outcome {
             self.partition.engine_failed(error);
@@ -293,8 +388,10 @@ impl Protocol for Cops {
 
     fn on_tick(&mut self, fx: &mut Effects) {
         let Some(place) = self.partition.place.clone() else { return };
-        let sends = self.partition.streams.on_tick(&place, None, fx.now());
+        let clock = self.partition.clock.tick(fx.now());
+        let sends = self.partition.streams.on_tick(&place, Some(clock), fx.now());
         self.partition.send::<FAMILY>(fx, sends);
+        self.collect_garbage(&place, fx);
         if fx.now() >= self.last_resend + RESEND_MS {
             self.last_resend = fx.now();
             for (check, sent) in &self.checks {
@@ -306,7 +403,11 @@ impl Protocol for Cops {
     }
 
     fn on_view(&mut self, view: &ShardView, fx: &mut Effects) {
-        self.partition.placed_by(view, fx.now());
+        if self.partition.placed_by(view, fx.now()) {
+            let place = self.partition.place.as_ref().expect("placed");
+            self.stabilizer = Stabilizer::new(place);
+            self.committed_through = vec![Version::default(); place.datacenters()];
+        }
     }
 
     fn progress(&self) -> Progress {
@@ -315,5 +416,154 @@ impl Protocol for Cops {
 
     fn quiescent(&self) -> bool {
         self.waiting.is_empty() && self.partition.streams.drained()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_engine::OrderedEngine;
+
+    use super::*;
+    use crate::{ClientRequest, Effect, Operation, RequestId, Write};
+
+    /// Two datacenters of two partitions: node `2 * datacenter + partition`.
+    struct Network {
+        nodes: Vec<Cops>,
+        now: Time,
+        /// Messages to datacenter 1 are lost while it is cut off.
+        cut_off: bool,
+    }
+
+    impl Network {
+        fn new() -> Self {
+            let mut nodes: Vec<Cops> =
+                (0..4).map(|node| Cops::new(NodeId(node), Arc::new(OrderedEngine::new()))).collect();
+            for (node, partition) in nodes.iter_mut().enumerate() {
+                let (datacenter, at) = (node / 2, node % 2);
+                let place = GeoPlace {
+                    datacenter,
+                    partition: at,
+                    replicas: (0..2).map(|dc| NodeId((2 * dc + at) as u32)).collect(),
+                    siblings: (0..2).map(|p| NodeId((2 * datacenter + p) as u32)).collect(),
+                    shards: vec![0, 1],
+                };
+                let view = ShardView {
+                    number: 1,
+                    replicas: vec![NodeId(node as u32)],
+                    learners: Vec::new(),
+                    lease_until: 0,
+                    draining: false,
+                    geo: Some(place),
+                };
+                partition.on_view(&view, &mut Effects::new(0));
+            }
+            Self { nodes, now: 1, cut_off: false }
+        }
+
+        /// Runs `handler` on `node` and delivers what it sends, and what
+        /// that sends, at once; the reply to a client, if any.
+        fn handle(
+            &mut self,
+            node: usize,
+            handler: impl FnOnce(&mut Cops, &mut Effects),
+        ) -> Option<ClientReply> {
+            let mut fx = Effects::new(self.now);
+            handler(&mut self.nodes[node], &mut fx);
+            let mut reply = None;
+            let mut queue: Vec<(usize, Effect)> =
+                fx.take().into_iter().map(|effect| (node, effect)).collect();
+            while let Some((from, effect)) = queue.pop() {
+                let (to, message) = match effect {
+                    Effect::Reply { reply: answer, .. } => {
+                        reply = Some(answer);
+                        continue;
+                    }
+                    Effect::Send { to, message } | Effect::SendToShard { to, message, .. } => (to, message),
+                };
+                if self.cut_off && (to.0 >= 2) != (from >= 2) {
+                    continue;
+                }
+                let mut fx = Effects::new(self.now);
+                self.nodes[to.0 as usize].on_peer(NodeId(from as u32), message, &mut fx);
+                queue.extend(fx.take().into_iter().map(|effect| (to.0 as usize, effect)));
+            }
+            reply
+        }
+
+        /// Every node ticks, `times` times, 5 ms apart.
+        fn tick(&mut self, times: usize) {
+            for _ in 0..times {
+                self.now += 5;
+                for node in 0..4 {
+                    self.handle(node, |cops, fx| cops.on_tick(fx));
+                }
+            }
+        }
+
+        /// A session's operation at the node of `key`'s partition in `datacenter`.
+        fn ask(
+            &mut self,
+            datacenter: usize,
+            key: &str,
+            write: Option<&str>,
+            context: CausalContext,
+        ) -> ClientReply {
+            let key = Bytes::copy_from_slice(key.as_bytes());
+            let partition = self.nodes[0].partition.place.as_ref().expect("placed").partition_of(&key);
+            let write = write.map(|value| Write::Put(Bytes::copy_from_slice(value.as_bytes())));
+            let request =
+                ClientRequest { id: RequestId(1), operation: Operation::Causal { key, write, context } };
+            self.handle(2 * datacenter + partition, |cops, fx| cops.on_client(request, fx)).expect("a reply")
+        }
+    }
+
+    fn dependencies(reply: ClientReply) -> Vec<Dependency> {
+        match reply {
+            ClientReply::Causal { context: CausalContext::Dependencies(dependencies), .. } => dependencies,
+            other => panic!("not a COPS session's reply: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn dependencies_committed_in_every_datacenter_leave_contexts_and_no_sooner() {
+        let mut network = Network::new();
+        network.cut_off = true;
+        let written = dependencies(network.ask(0, "post", Some("hello"), CausalContext::Empty));
+        assert_eq!(written.len(), 1);
+        // Datacenter 1 has not got the write: the session keeps depending on it.
+        network.tick(40);
+        let context = CausalContext::Dependencies(written.clone());
+        let read = dependencies(network.ask(0, "comment", None, context.clone()));
+        assert_eq!(read, written, "a dependency datacenter 1 has not committed is kept");
+        assert_eq!(dependencies(network.ask(0, "post", None, context.clone())), written);
+
+        // Once it has, every partition drops it, and a read of it adds none.
+        network.cut_off = false;
+        network.tick(80);
+        assert!(network.nodes.iter().all(|cops| cops.checkpoint >= written[0].version));
+        assert_eq!(dependencies(network.ask(0, "comment", None, context.clone())), Vec::new());
+        assert_eq!(dependencies(network.ask(0, "post", None, context)), Vec::new());
+        assert_eq!(dependencies(network.ask(1, "post", None, CausalContext::Empty)), Vec::new());
+    }
+
+    #[test]
+    fn a_full_context_asks_reads_to_retry_and_a_put_resets_it() {
+        let mut network = Network::new();
+        network.cut_off = true;
+        network.ask(0, "post", Some("hello"), CausalContext::Empty);
+        let full: Vec<Dependency> = (0..CONTEXT_DEPENDENCIES_MAX)
+            .map(|at| Dependency {
+                key: Bytes::from(format!("k{at}")),
+                version: Version::new(1, 0),
+                origin: NodeId(2),
+            })
+            .collect();
+        let context = CausalContext::Dependencies(full);
+        assert_eq!(network.ask(0, "post", None, context.clone()), ClientReply::Retry(CONTEXT_FULL));
+        assert_eq!(
+            dependencies(network.ask(0, "nothing-here", None, context.clone())).len(),
+            CONTEXT_DEPENDENCIES_MAX
+        );
+        assert_eq!(dependencies(network.ask(0, "post", Some("again"), context)).len(), 1);
     }
 }

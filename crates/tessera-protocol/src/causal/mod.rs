@@ -165,9 +165,11 @@ pub enum GeoMessage {
         through: u64,
     },
     /// The sender will stamp no write at or below `clock`, and sent its
-    /// stream `epoch` through `through` before it said so.
+    /// stream `epoch` through `through` before it said so; the stream
+    /// holds every write from `oldest` on that is not yet acknowledged.
     Heartbeat {
         epoch: Version,
+        oldest: u64,
         clock: Version,
         through: u64,
     },
@@ -184,6 +186,11 @@ pub enum GeoMessage {
     DependencyMet {
         check: u64,
     },
+    /// COPS: the sending copy of this partition has committed every write
+    /// from the other datacenters stamped at or below `through`.
+    Committed {
+        through: Version,
+    },
 }
 
 const WRITES: u8 = 1;
@@ -192,6 +199,7 @@ const HEARTBEAT: u8 = 3;
 const STABLE: u8 = 4;
 const CHECK_DEPENDENCY: u8 = 5;
 const DEPENDENCY_MET: u8 = 6;
+const COMMITTED: u8 = 7;
 
 fn put_dependency(out: &mut Vec<u8>, dependency: &Dependency) {
     put_bytes(out, &dependency.key);
@@ -244,9 +252,10 @@ impl GeoMessage {
                 out.put_u64_le(epoch.0);
                 out.put_u64_le(*through);
             }
-            GeoMessage::Heartbeat { epoch, clock, through } => {
+            GeoMessage::Heartbeat { epoch, oldest, clock, through } => {
                 out.put_u8(HEARTBEAT);
                 out.put_u64_le(epoch.0);
+                out.put_u64_le(*oldest);
                 out.put_u64_le(clock.0);
                 out.put_u64_le(*through);
             }
@@ -262,6 +271,10 @@ impl GeoMessage {
             GeoMessage::DependencyMet { check } => {
                 out.put_u8(DEPENDENCY_MET);
                 out.put_u64_le(*check);
+            }
+            GeoMessage::Committed { through } => {
+                out.put_u8(COMMITTED);
+                out.put_u64_le(through.0);
             }
         }
     }
@@ -289,6 +302,7 @@ impl GeoMessage {
             ACK => GeoMessage::Ack { epoch: Version(reader.u64()?), through: reader.u64()? },
             HEARTBEAT => GeoMessage::Heartbeat {
                 epoch: Version(reader.u64()?),
+                oldest: reader.u64()?,
                 clock: Version(reader.u64()?),
                 through: reader.u64()?,
             },
@@ -297,6 +311,7 @@ impl GeoMessage {
                 GeoMessage::CheckDependency { check: reader.u64()?, dependency: dependency(reader)? }
             }
             DEPENDENCY_MET => GeoMessage::DependencyMet { check: reader.u64()? },
+            COMMITTED => GeoMessage::Committed { through: Version(reader.u64()?) },
             _ => return Err(CodecError("unknown causal message")),
         })
     }
@@ -414,13 +429,8 @@ impl Inbox {
         first: u64,
         writes: Vec<Replicated>,
     ) -> Option<Vec<Replicated>> {
-        if epoch < self.epoch {
+        if !self.take_up(epoch, oldest) {
             return None;
-        }
-        if epoch > self.epoch {
-            // A new stream (the sender, or this partition, started again):
-            // what it still holds starts at `oldest`.
-            *self = Inbox { epoch, delivered: oldest.saturating_sub(1), early: BTreeMap::new() };
         }
         for (number, write) in (first..).zip(writes) {
             if number > self.delivered && (self.early.len() < EARLY_MAX || number == self.delivered + 1) {
@@ -433,6 +443,18 @@ impl Inbox {
             ready.push(write);
         }
         Some(ready)
+    }
+
+    /// Whether a message of stream `epoch`, which holds every write from
+    /// `oldest` on not yet acknowledged, is of the stream this inbox takes:
+    /// a new stream (the sender, or this partition, started again, or
+    /// nothing of it has arrived yet) is taken up from `oldest`, one of an
+    /// earlier stream is not.
+    fn take_up(&mut self, epoch: Version, oldest: u64) -> bool {
+        if epoch > self.epoch {
+            *self = Inbox { epoch, delivered: oldest.saturating_sub(1), early: BTreeMap::new() };
+        }
+        epoch == self.epoch
     }
 }
 
@@ -500,11 +522,19 @@ impl Streams {
     }
 
     /// A peer's heartbeat: its clock counts as received once its stream
-    /// has arrived through what it had sent by then.
-    fn heartbeat(&mut self, place: &GeoPlace, from: NodeId, epoch: Version, clock: Version, through: u64) {
+    /// has arrived through what it had sent by then (a stream none of whose
+    /// writes has arrived yet is taken up from its oldest held, so that an
+    /// idle copy does not hold the stable times back).
+    fn heartbeat(
+        &mut self,
+        place: &GeoPlace,
+        from: NodeId,
+        (epoch, oldest, through): (Version, u64, u64),
+        clock: Version,
+    ) {
         if let Some(datacenter) = place.datacenter_of(from) {
-            let inbox = &self.inboxes[datacenter];
-            if inbox.epoch == epoch && inbox.delivered >= through {
+            let inbox = &mut self.inboxes[datacenter];
+            if inbox.take_up(epoch, oldest) && inbox.delivered >= through {
                 self.received[datacenter] = self.received[datacenter].max(clock);
             }
         }
@@ -522,8 +552,8 @@ impl Streams {
             let to = place.replicas[datacenter];
             sends.extend(outbox.resend(now).map(|message| (to, message)));
             if let Some(clock) = clock {
-                let (epoch, through) = (outbox.epoch, outbox.sent_through());
-                sends.push((to, GeoMessage::Heartbeat { epoch, clock, through }));
+                let (epoch, oldest, through) = (outbox.epoch, outbox.first.max(1), outbox.sent_through());
+                sends.push((to, GeoMessage::Heartbeat { epoch, oldest, clock, through }));
             }
         }
         sends
@@ -679,8 +709,14 @@ const SINGLE_KEYS_ONLY: &str =
 /// stamps, that far.
 const CONTEXT_AHEAD: &str = "the causal context names a time further ahead of this clock than clocks drift";
 
-/// The most dependencies a COPS context carried in a token names.
-pub const TOKEN_DEPENDENCIES_MAX: usize = 4096;
+/// The most dependencies a COPS context holds, and so a token carries: a
+/// read that would take a session past it is asked to retry until the
+/// other datacenters confirm enough of them to drop (only while they are
+/// cut off: they are dropped within a round trip otherwise).
+pub const CONTEXT_DEPENDENCIES_MAX: usize = 4096;
+
+/// Why two COPS contexts cannot be merged.
+const CONTEXTS_TOO_LARGE: &str = "the two contexts together depend on more writes than a context holds";
 
 impl CausalContext {
     /// The context of a session that did what both did: each dependency of
@@ -694,6 +730,9 @@ impl CausalContext {
                     if !mine.contains(&dependency) {
                         mine.push(dependency);
                     }
+                }
+                if mine.len() > CONTEXT_DEPENDENCIES_MAX {
+                    return Err(CONTEXTS_TOO_LARGE);
                 }
                 Dependencies(mine)
             }
@@ -741,7 +780,7 @@ impl CausalContext {
             0 => CausalContext::Empty,
             1 => {
                 let dependencies = dependencies(&mut reader)?;
-                if dependencies.len() > TOKEN_DEPENDENCIES_MAX {
+                if dependencies.len() > CONTEXT_DEPENDENCIES_MAX {
                     return Err(CodecError("a causal context with too many dependencies"));
                 }
                 CausalContext::Dependencies(dependencies)
@@ -985,15 +1024,14 @@ mod tests {
                 |(epoch, oldest, first, writes)| GeoMessage::Writes { epoch, oldest, first, writes }
             ),
             (version(), any::<u64>()).prop_map(|(epoch, through)| GeoMessage::Ack { epoch, through }),
-            (version(), version(), any::<u64>()).prop_map(|(epoch, clock, through)| GeoMessage::Heartbeat {
-                epoch,
-                clock,
-                through
+            (version(), any::<u64>(), version(), any::<u64>()).prop_map(|(epoch, oldest, clock, through)| {
+                GeoMessage::Heartbeat { epoch, oldest, clock, through }
             }),
             proptest::collection::vec(version(), 0..4).prop_map(|received| GeoMessage::Stable { received }),
             (any::<u64>(), dependency())
                 .prop_map(|(check, dependency)| GeoMessage::CheckDependency { check, dependency }),
             any::<u64>().prop_map(|check| GeoMessage::DependencyMet { check }),
+            version().prop_map(|through| GeoMessage::Committed { through }),
         ]
     }
 

@@ -189,11 +189,13 @@ impl Protocol for CausalSpartan {
             GeoMessage::Ack { epoch, through } => {
                 self.partition.streams.acknowledged(place, from, epoch, through)
             }
-            GeoMessage::Heartbeat { epoch, clock, through } => {
-                self.partition.streams.heartbeat(place, from, epoch, clock, through)
+            GeoMessage::Heartbeat { epoch, oldest, clock, through } => {
+                self.partition.streams.heartbeat(place, from, (epoch, oldest, through), clock)
             }
             GeoMessage::Stable { received } => self.stabilizer.heard(place, from, received),
-            GeoMessage::CheckDependency { .. } | GeoMessage::DependencyMet { .. } => {}
+            GeoMessage::CheckDependency { .. }
+            | GeoMessage::DependencyMet { .. }
+            | GeoMessage::Committed { .. } => {}
         }
     }
 
