@@ -115,6 +115,11 @@ pub struct DriverConfig {
     /// Cluster mode: the share of reads sent to the slot's master; the others
     /// go to a replica on a READONLY connection (eventual reads).
     pub strong_reads: Option<f64>,
+    /// Each worker is one causal session (CONSISTENCY CAUSAL) on one target,
+    /// worker i on target i mod n, which runs all its requests (forwarding
+    /// what other nodes of its datacenter hold), as DKVF's clients each keep
+    /// one context.
+    pub causal: bool,
     pub seed: u64,
     pub password: Option<String>,
     pub connect_timeout: Duration,
@@ -145,6 +150,7 @@ impl DriverConfig {
             key_bytes: None,
             amplify: 1,
             strong_reads: None,
+            causal: false,
             seed: 1,
             password: None,
             connect_timeout: Duration::from_secs(5),
@@ -166,6 +172,11 @@ impl DriverConfig {
         }
         if self.target_rate.is_some_and(|rate| !(rate > 0.0 && rate.is_finite())) {
             return Err("--rate must be a positive number of operations per second".into());
+        }
+        if self.causal && self.cluster {
+            return Err("--causal keeps each worker's session on one target, which runs all its keys: \
+                        drop --cluster"
+                .into());
         }
         if let Some(share) = self.strong_reads {
             if !(0.0..=1.0).contains(&share) {
@@ -227,6 +238,9 @@ impl Connection {
         }
         if readonly {
             connection.setup(address, &[b"READONLY"]).await?;
+        }
+        if config.causal {
+            connection.setup(address, &[b"CONSISTENCY", b"CAUSAL"]).await?;
         }
         Ok(connection)
     }
@@ -323,6 +337,8 @@ struct Worker {
     shared: Arc<Shared>,
     /// With a slot map, endpoints are its addresses; without, the targets.
     slots: Option<SlotMap>,
+    /// A causal session's one endpoint, which every request goes to.
+    session: Option<u16>,
     connections: Vec<Option<Connection>>,
     index: bool,
     rng: SmallRng,
@@ -339,6 +355,9 @@ impl Worker {
     }
 
     fn route(&self, key: &[u8], eventual: bool) -> u16 {
+        if let Some(endpoint) = self.session {
+            return endpoint;
+        }
         match &self.slots {
             Some(map) => {
                 let slot = key_slot(key);
@@ -571,8 +590,13 @@ impl Worker {
     }
 
     async fn run(mut self, index: usize, load: bool, started: Instant) -> Result<Recorder, String> {
-        for endpoint in 0..self.endpoint_count() {
-            self.connect(endpoint as u16).await?;
+        match self.session {
+            Some(endpoint) => self.connect(endpoint).await?,
+            None => {
+                for endpoint in 0..self.endpoint_count() {
+                    self.connect(endpoint as u16).await?;
+                }
+            }
         }
         let config = self.config.clone();
         let mut recorder = Recorder::default();
@@ -674,6 +698,7 @@ async fn run_phase(config: &DriverConfig, workload: &Workload, load: bool) -> Re
                 chooser: chooser.clone(),
                 shared: shared.clone(),
                 slots: slots.clone(),
+                session: config.causal.then(|| (index % config.targets.len()) as u16),
                 connections: Vec::new(),
                 index: workload.mix.share(OperationKind::Scan) > 0.0,
                 rng: SmallRng::seed_from_u64(

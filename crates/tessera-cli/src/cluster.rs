@@ -174,6 +174,10 @@ pub struct UpArgs {
     /// nodes of different datacenters arrive this much later (one way).
     #[arg(long, default_value_t = 0, requires = "datacenters")]
     datacenter_delay_ms: u64,
+    /// A test and benchmark option: the clocks of odd-numbered nodes run
+    /// this many milliseconds ahead of the others' (clock skew on one machine).
+    #[arg(long, default_value_t = 0)]
+    clock_skew_ms: u64,
     /// Each node's engine: memory, ordered, log or lsm.
     #[arg(long, default_value = "memory")]
     engine: String,
@@ -224,6 +228,9 @@ struct Layout {
     /// The delay injected between datacenters (`up --datacenter-delay-ms`).
     #[serde(default)]
     datacenter_delay_ms: u64,
+    /// How far the clocks of odd-numbered nodes run ahead (`up --clock-skew-ms`).
+    #[serde(default)]
+    clock_skew_ms: u64,
     engine: String,
     threads: usize,
     lease_ms: u64,
@@ -362,6 +369,9 @@ fn up(args: UpArgs) -> Result<(), String> {
             if args.nodes == 0 || replicas == 0 || (args.nodes as usize) < replicas {
                 return Err(format!("{} nodes cannot keep {replicas} replicas of each shard", args.nodes));
             }
+            if args.clock_skew_ms > tessera_node::config::CLOCK_AHEAD_MAX_MS {
+                return Err(format!("--clock-skew-ms: at most {}", tessera_node::config::CLOCK_AHEAD_MAX_MS));
+            }
             if args.groups.is_some_and(|groups| groups == 0 || groups > tessera_wire::slot::SLOTS) {
                 return Err(format!("--groups: between 1 and {}", tessera_wire::slot::SLOTS));
             }
@@ -385,6 +395,7 @@ fn up(args: UpArgs) -> Result<(), String> {
                 consistency: args.consistency.clone(),
                 datacenters: args.datacenters,
                 datacenter_delay_ms: args.datacenter_delay_ms,
+                clock_skew_ms: args.clock_skew_ms,
                 engine: args.engine.clone(),
                 threads: args.threads,
                 lease_ms: args.lease_ms,
@@ -1349,6 +1360,9 @@ fn start(dir: &Path, layout: &Layout, name: &str) -> Result<(), String> {
         }
         if layout.datacenter_delay_ms > 0 {
             args.extend(["--datacenter-delay-ms".into(), layout.datacenter_delay_ms.to_string()]);
+        }
+        if layout.clock_skew_ms > 0 && id % 2 == 1 {
+            args.extend(["--clock-ahead-ms".into(), layout.clock_skew_ms.to_string()]);
         }
     }
     let log_path = dir.join("logs").join(format!("{name}.log"));

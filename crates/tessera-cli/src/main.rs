@@ -156,6 +156,10 @@ struct BenchArgs {
     /// go to replicas on READONLY connections (eventual reads, reported apart).
     #[arg(long)]
     strong_reads: Option<f64>,
+    /// Each connection is a causal session (CONSISTENCY CAUSAL) kept on one
+    /// target, which runs all its keys: list a datacenter's nodes, not --cluster.
+    #[arg(long)]
+    causal: bool,
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Open loop at this many operations per second in total; latencies are
@@ -492,6 +496,10 @@ struct ServeArgs {
     /// datacenters this long before handling them (WAN latency on one machine).
     #[arg(long)]
     datacenter_delay_ms: Option<u64>,
+    /// A test and benchmark option: run this node's clock this many
+    /// milliseconds ahead of the wall clock (clock skew on one machine).
+    #[arg(long)]
+    clock_ahead_ms: Option<u64>,
     /// host:port of Redis servers a table on the redis engine may be created
     /// over (the default table's own server is always allowed).
     #[arg(long, value_delimiter = ',')]
@@ -570,6 +578,9 @@ impl ServeArgs {
                 (id.clone(), node, coordinator.clone(), secret.clone());
             if let Some(delay) = self.datacenter_delay_ms {
                 cluster.datacenter_delay_ms = delay;
+            }
+            if let Some(ahead) = self.clock_ahead_ms {
+                cluster.clock_ahead_ms = ahead;
             }
             config.cluster = Some(cluster);
         }
@@ -956,6 +967,7 @@ fn bench(args: BenchArgs, password: Option<String>) -> Result<(), String> {
             .map_err(|error| format!("--key-bytes: {error}"))?,
         amplify: args.amplify,
         strong_reads: args.strong_reads,
+        causal: args.causal,
         seed: args.seed,
         password,
         connect_timeout: Duration::from_secs(5),

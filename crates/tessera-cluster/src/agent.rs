@@ -49,10 +49,12 @@ struct Clock {
 }
 
 impl Clock {
-    fn start() -> Self {
+    /// `ahead`: how far this clock runs ahead of the wall clock (zero but in
+    /// tests and benchmarks of clock skew).
+    fn start(ahead: Duration) -> Self {
         let since_epoch =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-        Self { started: Instant::now(), origin_ms: since_epoch.as_millis() as u64 }
+        Self { started: Instant::now(), origin_ms: (since_epoch + ahead).as_millis() as u64 }
     }
 
     fn now(&self) -> u64 {
@@ -95,6 +97,9 @@ pub struct AgentConfig {
     /// A test and benchmark option: messages from peers in other datacenters
     /// wait this long before they are handled (WAN latency on loopback).
     pub datacenter_delay: Option<Duration>,
+    /// A test and benchmark option: this node's clock runs this far ahead of
+    /// the wall clock (clock skew on one machine).
+    pub clock_ahead: Duration,
 }
 
 impl AgentConfig {
@@ -498,13 +503,14 @@ impl Agent {
         let (incoming_sender, incoming) = mpsc::channel(INCOMING_BATCHES_MAX);
         let (delayed_sender, delayed) = mpsc::channel(INCOMING_BATCHES_MAX);
         let peers = tokio::spawn(serve_incoming(listener, links.config(), incoming_sender));
+        let clock = Clock::start(config.clock_ahead);
         let agent = Arc::new(Self {
             config,
             local_shards: RwLock::new(Arc::new(BTreeMap::new())),
             routing: RwLock::new(None),
             uncommitted: AtomicUsize::new(0),
             links,
-            clock: Clock::start(),
+            clock,
             lease_ms,
             tasks: Mutex::new(vec![peers]),
             room: Notify::new(),

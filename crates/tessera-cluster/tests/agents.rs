@@ -94,6 +94,7 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
             tls: Some(tls.clone()),
             tls_client_port: 0,
             datacenter_delay: None,
+            clock_ahead: Duration::ZERO,
         };
         agents.push(Some(Agent::start(config).await.unwrap()));
     }
@@ -113,6 +114,7 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
         tls: Some(tls.clone()),
         tls_client_port: 0,
         datacenter_delay: None,
+        clock_ahead: Duration::ZERO,
     };
     let refused = Agent::start(wrong.clone()).await.err();
     let login_refused = |error: &Option<AgentError>, expected: fn(&LoginError) -> bool| match error {

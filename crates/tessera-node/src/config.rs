@@ -9,6 +9,10 @@ use tessera_wire::Limits;
 
 use crate::memory::EvictionPolicy;
 
+/// How far ahead `cluster.clock_ahead_ms` may set a clock: skew worth
+/// studying is milliseconds; peers refuse versions from ten seconds ahead.
+pub const CLOCK_AHEAD_MAX_MS: u64 = 1000;
+
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
@@ -112,6 +116,10 @@ pub struct ClusterConfig {
     /// latency can be studied on one machine (0: none).
     #[serde(default)]
     pub datacenter_delay_ms: u64,
+    /// A test and benchmark option: this node's clock runs this far ahead of
+    /// the wall clock, so that clock skew can be studied on one machine.
+    #[serde(default)]
+    pub clock_ahead_ms: u64,
 }
 
 impl ClusterConfig {
@@ -126,6 +134,7 @@ impl ClusterConfig {
             max_uncommitted_writes: Self::default_max_uncommitted_writes(),
             snapshot_bytes_per_sec: Self::default_snapshot_bytes_per_sec(),
             datacenter_delay_ms: 0,
+            clock_ahead_ms: 0,
         }
     }
 
@@ -240,6 +249,9 @@ impl Config {
             }
             if cluster.heartbeat_ms == 0 || cluster.tick_ms == 0 {
                 return invalid("cluster.heartbeat_ms and cluster.tick_ms must be at least 1");
+            }
+            if cluster.clock_ahead_ms > CLOCK_AHEAD_MAX_MS {
+                return invalid(&format!("cluster.clock_ahead_ms is at most {CLOCK_AHEAD_MAX_MS}"));
             }
             if self.port > u16::MAX - 10_000 {
                 return invalid("a cluster node's port must leave room for its peer port (port + 10000)");

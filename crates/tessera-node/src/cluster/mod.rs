@@ -108,6 +108,7 @@ impl ClusterNode {
             tls_client_port: config.tls_port,
             datacenter_delay: Some(Duration::from_millis(settings.datacenter_delay_ms))
                 .filter(|delay| !delay.is_zero()),
+            clock_ahead: Duration::from_millis(settings.clock_ahead_ms),
         };
         let agent = runtime.block_on(Agent::start(agent_config))?;
         let address = format!("{}:{}", config.bind, client_address.port());
