@@ -227,6 +227,9 @@ struct ShardState {
     barrier: Option<(RequestId, Completion)>,
     /// The node left the shard: nothing more is submitted to it.
     left: bool,
+    /// The local time the driver asked to be ticked at, ahead of the
+    /// regular ticks ([`Effects::wake_at`]).
+    wake_at: Option<u64>,
 }
 
 impl ShardState {
@@ -433,6 +436,8 @@ pub struct Agent {
     /// Wakes the heartbeat loop early: a peer is in a view this node has not
     /// been granted yet (a transition started), or a shard just drained.
     hurry: Arc<Notify>,
+    /// Tells the tick loop a shard asked for an early tick.
+    woken: Arc<Notify>,
     /// Told every new map before this node reports routing by it.
     map_watchers: Mutex<Vec<MapWatcher>>,
     /// Told whenever where requests go may have changed here: a new map in
@@ -516,6 +521,7 @@ impl Agent {
             room: Notify::new(),
             switched: Notify::new(),
             hurry: Arc::new(Notify::new()),
+            woken: Arc::new(Notify::new()),
             map_watchers: Mutex::new(Vec::new()),
             placement_watchers: Mutex::new(Vec::new()),
         });
@@ -806,6 +812,12 @@ impl Agent {
     /// Carries out a driver's effects: messages to the links, answers to
     /// whoever waits for them.
     fn run_effects(&self, shard: u32, state: &mut ShardState, mut fx: Effects) {
+        if let Some(at) = fx.wake_time() {
+            if state.wake_at.is_none_or(|held| at < held) {
+                state.wake_at = Some(at);
+                self.woken.notify_one();
+            }
+        }
         let mut answered = 0;
         for effect in fx.take() {
             match effect {
@@ -850,6 +862,7 @@ impl Agent {
             in_flight: HashMap::new(),
             barrier: None,
             left: false,
+            wake_at: None,
         };
         Ok(LocalShard { id: shard, state: Mutex::new(state) })
     }
@@ -1120,19 +1133,40 @@ async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: Coordina
 /// transition.
 const TRANSITION_HEARTBEAT: Duration = Duration::from_millis(20);
 
+/// Ticks every shard every `tick_ms`, and a shard that asked for an early
+/// tick ([`Effects::wake_at`]) at the time it asked for.
 async fn tick_loop(agent: std::sync::Weak<Agent>) {
+    let mut next_regular = tokio::time::Instant::now();
     loop {
         let Some(agent) = agent.upgrade() else { return };
-        let interval = Duration::from_millis(agent.config.tick_ms);
+        let regular = tokio::time::Instant::now() >= next_regular;
+        if regular {
+            next_regular = tokio::time::Instant::now() + Duration::from_millis(agent.config.tick_ms);
+        }
+        let now = agent.now();
+        let mut earliest_wake: Option<u64> = None;
         for local in agent.local_shards().values() {
             let mut state = local.state.lock();
-            let mut fx = Effects::new(agent.now());
-            state.granted.replica.on_tick(&mut fx);
-            agent.run_effects(local.id, &mut state, fx);
-            state.in_flight.retain(|_, (_, completion)| !completion.is_done());
+            if regular || state.wake_at.is_some_and(|at| at <= now) {
+                state.wake_at = None;
+                let mut fx = Effects::new(now);
+                state.granted.replica.on_tick(&mut fx);
+                agent.run_effects(local.id, &mut state, fx);
+                state.in_flight.retain(|_, (_, completion)| !completion.is_done());
+            }
+            if let Some(at) = state.wake_at {
+                earliest_wake = Some(earliest_wake.map_or(at, |earliest| earliest.min(at)));
+            }
         }
+        let woken = agent.woken.clone();
         drop(agent);
-        tokio::time::sleep(interval).await;
+        let wake = earliest_wake
+            .map(|at| tokio::time::Instant::now() + Duration::from_millis(at.saturating_sub(now)));
+        let until = wake.map_or(next_regular, |wake| wake.min(next_regular));
+        tokio::select! {
+            _ = tokio::time::sleep_until(until) => {}
+            _ = woken.notified() => {}
+        }
     }
 }
 

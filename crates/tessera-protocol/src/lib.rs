@@ -365,11 +365,24 @@ pub enum Effect {
 pub struct Effects {
     now: Time,
     effects: Vec<Effect>,
+    wake_at: Option<Time>,
 }
 
 impl Effects {
     pub fn new(now: Time) -> Self {
-        Self { now, effects: Vec::new() }
+        Self { now, effects: Vec::new(), wake_at: None }
+    }
+
+    /// Asks the driver for a tick at local time `at` or soon after, ahead
+    /// of its regular ticks: for work that waits for the clock, which a
+    /// tick every few milliseconds would hold up that long.
+    pub fn wake_at(&mut self, at: Time) {
+        self.wake_at = Some(self.wake_at.map_or(at, |held| held.min(at)));
+    }
+
+    /// The earliest tick asked for with [`Self::wake_at`].
+    pub fn wake_time(&self) -> Option<Time> {
+        self.wake_at
     }
 
     /// The local time at which the event is handled.

@@ -115,6 +115,8 @@ enum Event {
         request: ClientRequest,
     },
     Tick(usize),
+    /// A tick a node asked for ahead of its regular ones.
+    EarlyTick(usize),
     /// A session issues its next operation.
     Wake(usize),
     Reply {
@@ -254,8 +256,12 @@ impl Geo {
 
     /// Runs `handler` on `node` and carries out what it asks.
     fn handle(&mut self, node: usize, handler: impl FnOnce(&mut dyn Protocol, &mut Effects)) {
-        let mut fx = Effects::new(self.local_time(node));
+        let local_now = self.local_time(node);
+        let mut fx = Effects::new(local_now);
         handler(&mut *self.nodes[node], &mut fx);
+        if let Some(at) = fx.wake_time() {
+            self.schedule(self.now + at.saturating_sub(local_now), Event::EarlyTick(node));
+        }
         for effect in fx.take() {
             match effect {
                 Effect::Send { to, message } => self.send(node, to.0 as usize, message),
@@ -399,7 +405,7 @@ impl Geo {
             // A paused node takes nothing until it resumes.
             let node = match &event {
                 Event::Deliver { to, .. } | Event::Request { to, .. } => Some(*to),
-                Event::Tick(node) => Some(*node),
+                Event::Tick(node) | Event::EarlyTick(node) => Some(*node),
                 _ => None,
             };
             if let Some(node) = node {
@@ -421,6 +427,7 @@ impl Geo {
                     self.look_for_unseen(node);
                     self.schedule(self.now + TICK_MS, Event::Tick(node));
                 }
+                Event::EarlyTick(node) => self.handle(node, |protocol, fx| protocol.on_tick(fx)),
                 Event::Wake(session) if self.now < self.config.run_ms => self.issue(session),
                 Event::Wake(_) => {}
                 Event::Reply { session, request, reply } => self.on_reply(session, request, reply),

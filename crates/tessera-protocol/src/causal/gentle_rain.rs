@@ -99,6 +99,7 @@ impl GentleRain {
                 Call::Write(ref value) => {
                     // PUT: wait until Clock > DT, then stamp with the clock.
                     if fx.now() <= dependency.physical_ms() {
+                        fx.wake_at(dependency.physical_ms() + 1);
                         return Ok(None);
                     }
                     if self.partition.streams.backlogged(self.partition.place.as_ref().expect("placed")) {

@@ -1249,6 +1249,30 @@ mod tests {
     }
 
     #[test]
+    fn a_gentle_rain_put_waiting_for_its_clock_asks_to_be_woken_when_it_passes() {
+        let engine: Arc<dyn Engine> = Arc::new(tessera_engine::OrderedEngine::new());
+        let mut partition = gentle_rain::GentleRain::new(NodeId(0), engine);
+        placed(&mut partition);
+        let context = CausalContext::Time { dependency: Version::new(100, 3), stable: Version::default() };
+        let write = Some(crate::Write::Put(Bytes::from_static(b"v")));
+        let put = Operation::Causal { key: Bytes::from_static(b"k"), write, context };
+        let mut fx = Effects::new(100);
+        crate::Protocol::on_client(
+            &mut partition,
+            crate::ClientRequest { id: crate::RequestId(1), operation: put },
+            &mut fx,
+        );
+        assert!(fx.take().is_empty(), "the put waits while the clock is at its dependency's millisecond");
+        assert_eq!(fx.wake_time(), Some(101));
+        let mut fx = Effects::new(101);
+        crate::Protocol::on_tick(&mut partition, &mut fx);
+        assert!(fx
+            .take()
+            .iter()
+            .any(|effect| matches!(effect, crate::Effect::Reply { reply: ClientReply::Causal { .. }, .. })));
+    }
+
+    #[test]
     fn a_protocol_that_is_not_causal_refuses_causal_sessions() {
         let engine: Arc<dyn Engine> = Arc::new(tessera_engine::OrderedEngine::new());
         let mut chain = crate::ChainReplication::new(NodeId(0), engine, crate::ChainOptions::default());
