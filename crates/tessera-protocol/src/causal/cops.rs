@@ -39,7 +39,7 @@
 //! stops, and a session whose reads would take its context past
 //! [`CONTEXT_DEPENDENCIES_MAX`] is asked to retry (a put resets it).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -68,8 +68,8 @@ const CONTEXT_FULL: &str =
 /// A write from elsewhere waiting for its dependencies.
 struct Waiting {
     write: Replicated,
-    /// Dependencies on keys of this partition, not yet committed.
-    local: Vec<Dependency>,
+    /// Dependencies on writes to keys of this partition not yet committed.
+    local: usize,
     /// Checks sent to other partitions, not yet answered.
     checks: usize,
 }
@@ -85,12 +85,18 @@ pub struct Cops {
     partition: Partition,
     waiting: BTreeMap<u64, Waiting>,
     /// The writes `waiting` holds, by origin and version.
-    uncommitted: HashSet<(NodeId, Version)>,
+    uncommitted: BTreeSet<(NodeId, Version)>,
+    /// The waiting writes each write of this partition not committed yet
+    /// holds up, by its origin and version.
+    blocked: HashMap<(NodeId, Version), Vec<u64>>,
+    /// Waiting writes whose dependencies are all met, to apply.
+    ready: Vec<u64>,
     checks: BTreeMap<u64, Check>,
     next_id: u64,
-    /// Checks from siblings for writes not committed yet: who asked, its
-    /// check, the write.
-    asked: Vec<(NodeId, u64, Dependency)>,
+    /// Checks from siblings for writes not committed yet, by the key they
+    /// name: who asked, its check, the write.
+    asked: HashMap<Bytes, Vec<(NodeId, u64, Dependency)>>,
+    asked_count: usize,
     last_resend: Time,
     /// By datacenter, how far that copy of this partition (this one's own
     /// entry included) has committed the writes of the others: every write
@@ -114,10 +120,13 @@ impl Cops {
         Self {
             partition: Partition::new(me, engine),
             waiting: BTreeMap::new(),
-            uncommitted: HashSet::new(),
+            uncommitted: BTreeSet::new(),
+            blocked: HashMap::new(),
+            ready: Vec::new(),
             checks: BTreeMap::new(),
             next_id: 0,
-            asked: Vec::new(),
+            asked: HashMap::new(),
+            asked_count: 0,
             last_resend: 0,
             committed_through: Vec::new(),
             stabilizer: Stabilizer::default(),
@@ -191,13 +200,25 @@ impl Cops {
         }
     }
 
-    /// Takes a write from another datacenter: it waits, and its
-    /// dependencies are checked, here and at their owners.
-    fn arrived(&mut self, write: Replicated, fx: &mut Effects) {
+    /// Takes writes delivered from another datacenter: each waits, and its
+    /// dependencies are checked, here and at their owners. All of them
+    /// count as uncommitted before any is looked at: the stream counts them
+    /// all received at once, and a write received and not waiting counts
+    /// as committed.
+    fn arrived(&mut self, writes: Vec<Replicated>, fx: &mut Effects) {
+        for write in &writes {
+            self.uncommitted.insert((write.origin, write.version));
+        }
+        for write in writes {
+            self.wait(write, fx);
+        }
+    }
+
+    fn wait(&mut self, write: Replicated, fx: &mut Effects) {
         let place = self.partition.place.clone().expect("placed");
         let id = self.next_id;
         self.next_id += 1;
-        let mut waiting = Waiting { write, local: Vec::new(), checks: 0 };
+        let mut waiting = Waiting { write, local: 0, checks: 0 };
         #[cfg(feature = "broken")]
         let dependencies = match self.broken_skip_dependency_checks {
             true => Vec::new(),
@@ -208,7 +229,10 @@ impl Cops {
         for dependency in dependencies {
             let owner = place.partition_of(&dependency.key);
             if owner == place.partition {
-                waiting.local.push(dependency);
+                if !self.committed(&dependency) {
+                    self.blocked.entry((dependency.origin, dependency.version)).or_default().push(id);
+                    waiting.local += 1;
+                }
             } else {
                 let check = self.next_id;
                 self.next_id += 1;
@@ -219,7 +243,9 @@ impl Cops {
                 waiting.checks += 1;
             }
         }
-        self.uncommitted.insert((waiting.write.origin, waiting.write.version));
+        if waiting.local == 0 && waiting.checks == 0 {
+            self.ready.push(id);
+        }
         self.waiting.insert(id, waiting);
     }
 
@@ -227,18 +253,20 @@ impl Cops {
     /// applied may meet others'.
     fn apply_ready(&mut self, fx: &mut Effects) -> Result<(), OperationError> {
         let engine = self.partition.engine.clone();
-        loop {
-            let ready = self.waiting.iter().find_map(|(id, waiting)| {
-                let met =
-                    waiting.checks == 0 && waiting.local.iter().all(|dependency| self.committed(dependency));
-                met.then_some(*id)
-            });
-            let Some(id) = ready else { return Ok(()) };
-            let write = self.waiting.remove(&id).expect("found above").write;
+        while let Some(id) = self.ready.pop() {
+            let write = self.waiting.remove(&id).expect("a ready write waits").write;
             self.uncommitted.remove(&(write.origin, write.version));
             store(&*engine, &write.key, &Stored::of(&write))?;
-            self.answer_asked(&write.key, fx)?;
+            for held_up in self.blocked.remove(&(write.origin, write.version)).unwrap_or_default() {
+                let waiting = self.waiting.get_mut(&held_up).expect("a blocked write waits");
+                waiting.local -= 1;
+                if waiting.local == 0 && waiting.checks == 0 {
+                    self.ready.push(held_up);
+                }
+            }
+            self.answer_asked(&write.key, fx);
         }
+        Ok(())
     }
 
     /// Whether the write `dependency` names is committed here: taken here,
@@ -267,11 +295,10 @@ impl Cops {
             .map(|datacenter| {
                 let origin = place.replicas[datacenter];
                 let oldest_waiting = self
-                    .waiting
-                    .values()
-                    .filter(|waiting| waiting.write.origin == origin)
-                    .map(|waiting| waiting.write.version)
-                    .min();
+                    .uncommitted
+                    .range((origin, Version(0))..=(origin, Version(u64::MAX)))
+                    .next()
+                    .map(|(_, version)| *version);
                 match oldest_waiting {
                     Some(version) => received[datacenter].min(Version(version.0.saturating_sub(1))),
                     None => received[datacenter],
@@ -302,18 +329,17 @@ impl Cops {
     }
 
     /// Answers the siblings' checks of `key` that are now met.
-    fn answer_asked(&mut self, key: &Bytes, fx: &mut Effects) -> Result<(), OperationError> {
-        let mut index = 0;
-        while index < self.asked.len() {
-            let (from, check, dependency) = &self.asked[index];
-            if dependency.key == *key && self.committed(dependency) {
-                self.partition.send::<FAMILY>(fx, vec![(*from, GeoMessage::DependencyMet { check: *check })]);
-                self.asked.swap_remove(index);
-            } else {
-                index += 1;
-            }
+    fn answer_asked(&mut self, key: &Bytes, fx: &mut Effects) {
+        let Some(asked) = self.asked.remove(key) else { return };
+        let (met, unmet): (Vec<_>, Vec<_>) =
+            asked.into_iter().partition(|(_, _, dependency)| self.committed(dependency));
+        self.asked_count -= met.len();
+        let answers =
+            met.into_iter().map(|(from, check, _)| (from, GeoMessage::DependencyMet { check })).collect();
+        self.partition.send::<FAMILY>(fx, answers);
+        if !unmet.is_empty() {
+            self.asked.insert(key.clone(), unmet);
         }
-        Ok(())
     }
 }
 
@@ -327,13 +353,11 @@ impl Protocol for Cops {
         let place = self.partition.place.clone().expect("placed");
         let outcome = match message {
             GeoMessage::Writes { epoch, oldest, first, writes } => {
-                // Every write delivered waits before any is applied: the
-                // stream counts them all received at once, and a write
-                // received and not waiting counts as committed.
-                for write in self.partition.receive::<FAMILY>(from, (epoch, oldest, first), writes, fx) {
+                let writes = self.partition.receive::<FAMILY>(from, (epoch, oldest, first), writes, fx);
+                for write in &writes {
                     let _ = self.partition.clock.observe_remote(write.version, fx.now());
-                    self.arrived(write, fx);
                 }
+                self.arrived(writes, fx);
                 self.apply_ready(fx)
             }
             GeoMessage::Ack { epoch, through } => {
@@ -348,9 +372,13 @@ impl Protocol for Cops {
                 if self.committed(&dependency) {
                     self.partition.send::<FAMILY>(fx, vec![(from, GeoMessage::DependencyMet { check })]);
                 } else {
-                    let known = self.asked.iter().any(|(asker, asked, _)| *asker == from && *asked == check);
-                    if !known && self.asked.len() < WAITING_CHECKS_MAX {
-                        self.asked.push((from, check, dependency));
+                    let asked = self.asked.entry(dependency.key.clone()).or_default();
+                    let known = asked.iter().any(|(asker, asked, _)| *asker == from && *asked == check);
+                    if !known && self.asked_count < WAITING_CHECKS_MAX {
+                        asked.push((from, check, dependency));
+                        self.asked_count += 1;
+                    } else if asked.is_empty() {
+                        self.asked.remove(&dependency.key);
                     }
                 }
                 Ok(())
@@ -360,6 +388,9 @@ impl Protocol for Cops {
                     let sent = self.checks.remove(&check).expect("found above");
                     if let Some(waiting) = self.waiting.get_mut(&sent.waiting) {
                         waiting.checks -= 1;
+                        if waiting.checks == 0 && waiting.local == 0 {
+                            self.ready.push(sent.waiting);
+                        }
                     }
                     self.apply_ready(fx)
                 }
