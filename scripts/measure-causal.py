@@ -157,15 +157,12 @@ def workload(args, work, protocols, delays):
                     print(f"{PROTOCOLS[protocol]:>13} delay {delay:3d} ms GET {share:.2f}: "
                           f"{row['throughput']:8.0f} ops/s, PUT {row.get('update_mean_ms', 0):6.2f} ms, "
                           f"GET {row.get('read_mean_ms', 0):6.2f} ms, errors {row['errors']}", flush=True)
-    print("\n| delay | protocol | " + " | ".join(f"{share} GET" for share in args.ratios.split(",")) + " |")
-    print("|---|---|" + "---|" * len(args.ratios.split(",")))
-    for delay in delays:
-        for protocol in protocols:
-            cells = [row for row in rows if row["protocol"] == protocol and row["delay"] == delay]
-            print(f"| {delay} ms | {PROTOCOLS[protocol]} | " + " | ".join(
-                f"{row['throughput']:.0f} / {row.get('update_mean_ms', 0):.2f} / {row.get('read_mean_ms', 0):.2f}"
-                for row in cells) + " |")
-    print("(ops/s / PUT mean ms / GET mean ms)\n", flush=True)
+    print_table(["delay", "protocol", *(f"{share} GET" for share in args.ratios.split(","))],
+                [[f"{delay} ms", PROTOCOLS[protocol], *(
+                    f"{row['throughput']:.0f} / {row.get('update_mean_ms', 0):.2f} / {row.get('read_mean_ms', 0):.2f}"
+                    for row in rows if row["protocol"] == protocol and row["delay"] == delay)]
+                 for delay in delays for protocol in protocols],
+                "(ops/s / PUT mean ms / GET mean ms)")
     return rows
 
 
@@ -182,14 +179,12 @@ def amplify(args, work, protocols, delays):
                     rows.append(row)
                     print(f"{PROTOCOLS[protocol]:>13} delay {delay:3d} ms x{factor:3d}: {row['throughput']:7.0f} "
                           f"requests/s, {row['insert_mean_ms']:7.2f} ms, errors {row['errors']}", flush=True)
-    print("\n| delay | protocol | " + " | ".join(f"x{factor}" for factor in factors) + " |")
-    print("|---|---|" + "---|" * len(factors))
-    for delay in delays:
-        for protocol in protocols:
-            cells = [row for row in rows if row["protocol"] == protocol and row["delay"] == delay]
-            print(f"| {delay} ms | {PROTOCOLS[protocol]} | "
-                  + " | ".join(f"{row['throughput']:.0f} / {row['insert_mean_ms']:.1f}" for row in cells) + " |")
-    print("(requests/s / request mean ms)\n", flush=True)
+    print_table(["delay", "protocol", *(f"x{factor}" for factor in factors)],
+                [[f"{delay} ms", PROTOCOLS[protocol], *(
+                    f"{row['throughput']:.0f} / {row['insert_mean_ms']:.1f}"
+                    for row in rows if row["protocol"] == protocol and row["delay"] == delay)]
+                 for delay in delays for protocol in protocols],
+                "(requests/s / request mean ms)")
     return rows
 
 
@@ -218,16 +213,22 @@ def visibility(args, work, protocols):
             rows.append(row)
             print(f"{PROTOCOLS[protocol]:>13} skew {skew:2d} ms: visible after {row['median_ms']:.1f} / "
                   f"{row['p90_ms']:.1f} / {row['p99_ms']:.1f} ms", flush=True)
-    print("\n| protocol | " + " | ".join(f"skew {skew} ms" for skew in skews) + " |")
-    print("|---|" + "---|" * len(skews))
-    for protocol in protocols:
-        cells = [row for row in rows if row["protocol"] == protocol]
-        print(f"| {PROTOCOLS[protocol]} | "
-              + " | ".join(f"{row['median_ms']:.0f} / {row['p90_ms']:.0f} / {row['p99_ms']:.0f}" for row in cells)
-              + " |")
-    print(f"(median / p90 / p99 ms from acknowledgement in datacenter 0 to sight in datacenter 1, "
-          f"{args.visibility_delay} ms one way)\n", flush=True)
+    print_table(["protocol", *(f"skew {skew} ms" for skew in skews)],
+                [[PROTOCOLS[protocol], *(f"{row['median_ms']:.0f} / {row['p90_ms']:.0f} / {row['p99_ms']:.0f}"
+                                         for row in rows if row["protocol"] == protocol)]
+                 for protocol in protocols],
+                f"(median / p90 / p99 ms from acknowledgement in datacenter 0 to sight in datacenter 1, "
+                f"{args.visibility_delay} ms one way)")
     return rows
+
+
+def print_table(columns, lines, caption):
+    """A markdown table, and its caption under it."""
+    print("\n| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for line in lines:
+        print("| " + " | ".join(line) + " |")
+    print(caption + "\n", flush=True)
 
 
 def probe(base, count):

@@ -319,6 +319,20 @@ pub struct ShardView {
 }
 
 impl ShardView {
+    /// The view of a causal partition at `place`, its one member, as the
+    /// simulator and tests place one (a cluster's grants carry the same).
+    pub fn of_partition(place: GeoPlace) -> Self {
+        let me = place.siblings[place.partition];
+        Self {
+            number: 1,
+            replicas: vec![me],
+            learners: Vec::new(),
+            lease_until: 0,
+            draining: false,
+            geo: Some(place),
+        }
+    }
+
     pub fn position(&self, node: NodeId) -> Option<usize> {
         self.replicas.iter().position(|replica| *replica == node)
     }

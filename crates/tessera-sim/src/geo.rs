@@ -377,14 +377,7 @@ impl Geo {
     fn run(mut self) -> GeoReport {
         let GeoConfig { datacenters, partitions, .. } = self.config;
         for node in 0..datacenters * partitions {
-            let view = ShardView {
-                number: 1,
-                replicas: vec![NodeId(node as u32)],
-                learners: Vec::new(),
-                lease_until: 0,
-                draining: false,
-                geo: Some(self.places[node].clone()),
-            };
+            let view = ShardView::of_partition(self.places[node].clone());
             self.handle(node, |protocol, fx| protocol.on_view(&view, fx));
             let first = self.rng.below(TICK_MS);
             self.schedule(first, Event::Tick(node));

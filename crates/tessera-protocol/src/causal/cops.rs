@@ -478,15 +478,7 @@ mod tests {
                     siblings: (0..2).map(|p| NodeId((2 * datacenter + p) as u32)).collect(),
                     shards: vec![0, 1],
                 };
-                let view = ShardView {
-                    number: 1,
-                    replicas: vec![NodeId(node as u32)],
-                    learners: Vec::new(),
-                    lease_until: 0,
-                    draining: false,
-                    geo: Some(place),
-                };
-                partition.on_view(&view, &mut Effects::new(0));
+                partition.on_view(&ShardView::of_partition(place), &mut Effects::new(0));
             }
             Self { nodes, now: 1, cut_off: false }
         }

@@ -1184,15 +1184,7 @@ mod tests {
             siblings: vec![NodeId(0)],
             shards: vec![0],
         };
-        let view = ShardView {
-            number: 1,
-            replicas: vec![NodeId(0)],
-            learners: Vec::new(),
-            lease_until: 0,
-            draining: false,
-            geo: Some(place),
-        };
-        protocol.on_view(&view, &mut Effects::new(0));
+        protocol.on_view(&ShardView::of_partition(place), &mut Effects::new(0));
     }
 
     fn ask(protocol: &mut dyn crate::Protocol, operation: Operation) -> ClientReply {
