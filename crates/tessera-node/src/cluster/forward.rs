@@ -33,7 +33,7 @@ impl Forwarder {
         request: &[u8],
     ) -> CommandResult<Vec<u8>> {
         for _ in 0..FORWARD_HOPS_MAX {
-            let reply = self.exchange(agent, &address, request, 1).await?.pop().expect("one answer");
+            let reply = self.forward_pipelined(agent, &address, request, 1).await?.pop().expect("one answer");
             match moved_to(&reply) {
                 Some(next) => address = next,
                 None => return Ok(reply),
@@ -44,7 +44,8 @@ impl Forwarder {
 
     /// Sends `count` encoded requests to `address` in one write and returns
     /// their encoded answers, in order; a `MOVED` among them is an answer
-    /// like any other.
+    /// like any other. A link that fails is dropped, to be opened again by
+    /// the next request.
     pub async fn forward_pipelined(
         &mut self,
         agent: &Agent,
@@ -52,26 +53,14 @@ impl Forwarder {
         requests: &[u8],
         count: usize,
     ) -> CommandResult<Vec<Vec<u8>>> {
-        self.exchange(agent, address, requests, count).await
-    }
-
-    /// Writes `requests` to `address` and reads `count` answers; a link
-    /// that fails is dropped, to be opened again by the next request.
-    async fn exchange(
-        &mut self,
-        agent: &Agent,
-        address: &str,
-        requests: &[u8],
-        count: usize,
-    ) -> CommandResult<Vec<Vec<u8>>> {
-        let answers = self.exchange_on_link(agent, address, requests, count).await;
+        let answers = self.exchange(agent, address, requests, count).await;
         if answers.is_err() {
             self.links.remove(address);
         }
         answers
     }
 
-    async fn exchange_on_link(
+    async fn exchange(
         &mut self,
         agent: &Agent,
         address: &str,
