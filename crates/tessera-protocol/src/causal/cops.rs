@@ -322,9 +322,7 @@ impl Cops {
                 .collect();
             self.partition.send::<FAMILY>(fx, sends);
         }
-        let sends = self.stabilizer.gossip(place, &self.committed_through, fx.now());
-        self.partition.send::<FAMILY>(fx, sends);
-        let stable = self.stabilizer.stable(place, &self.committed_through);
+        let stable = self.partition.stabilize::<FAMILY>(&mut self.stabilizer, &self.committed_through, fx);
         self.checkpoint = self.checkpoint.max(stable.into_iter().min().unwrap_or_default());
     }
 
@@ -372,13 +370,12 @@ impl Protocol for Cops {
                 if self.committed(&dependency) {
                     self.partition.send::<FAMILY>(fx, vec![(from, GeoMessage::DependencyMet { check })]);
                 } else {
-                    let asked = self.asked.entry(dependency.key.clone()).or_default();
-                    let known = asked.iter().any(|(asker, asked, _)| *asker == from && *asked == check);
+                    let known = self.asked.get(&dependency.key).is_some_and(|asked| {
+                        asked.iter().any(|(asker, asked, _)| *asker == from && *asked == check)
+                    });
                     if !known && self.asked_count < WAITING_CHECKS_MAX {
-                        asked.push((from, check, dependency));
+                        self.asked.entry(dependency.key.clone()).or_default().push((from, check, dependency));
                         self.asked_count += 1;
-                    } else if asked.is_empty() {
-                        self.asked.remove(&dependency.key);
                     }
                 }
                 Ok(())
@@ -419,9 +416,7 @@ impl Protocol for Cops {
 
     fn on_tick(&mut self, fx: &mut Effects) {
         let Some(place) = self.partition.place.clone() else { return };
-        let clock = self.partition.clock.tick(fx.now());
-        let sends = self.partition.streams.on_tick(&place, Some(clock), fx.now());
-        self.partition.send::<FAMILY>(fx, sends);
+        self.partition.heartbeat::<FAMILY>(fx);
         self.collect_garbage(&place, fx);
         if fx.now() >= self.last_resend + RESEND_MS {
             self.last_resend = fx.now();

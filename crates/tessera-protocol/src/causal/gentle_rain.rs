@@ -214,7 +214,9 @@ impl Protocol for GentleRain {
         self.waiting.extend(waiting);
         // HEARTBEAT, and the GST: the minimum over partitions and other
         // datacenters.
-        let stable = self.partition.stabilize::<FAMILY>(&mut self.stabilizer, fx);
+        self.partition.heartbeat::<FAMILY>(fx);
+        let stable =
+            self.partition.stabilize::<FAMILY>(&mut self.stabilizer, &self.partition.streams.received, fx);
         let global = (0..place.datacenters()).filter(|&at| at != place.datacenter).map(|at| stable[at]).min();
         if let Err(error) = self.raise_stable(global.unwrap_or(self.global_stable)) {
             self.partition.engine_failed(error);

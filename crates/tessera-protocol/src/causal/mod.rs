@@ -552,7 +552,7 @@ impl Streams {
             let to = place.replicas[datacenter];
             sends.extend(outbox.resend(now).map(|message| (to, message)));
             if let Some(clock) = clock {
-                let (epoch, oldest, through) = (outbox.epoch, outbox.first.max(1), outbox.sent_through());
+                let (epoch, oldest, through) = (outbox.epoch, outbox.first, outbox.sent_through());
                 sends.push((to, GeoMessage::Heartbeat { epoch, oldest, clock, through }));
             }
         }
@@ -928,17 +928,28 @@ impl Partition {
         fx.reply(id, reply);
     }
 
-    /// On a tick of GentleRain or CausalSpartan: resends, heartbeats with a
-    /// fresh clock (no later write is stamped at or below it), gossip of the
-    /// times received; returns the datacenter's stable times, by datacenter.
-    fn stabilize<const FAMILY: u8>(&mut self, stabilizer: &mut Stabilizer, fx: &mut Effects) -> Vec<Version> {
+    /// On a tick: resends, and heartbeats with a fresh clock (no later
+    /// write is stamped at or below it).
+    fn heartbeat<const FAMILY: u8>(&mut self, fx: &mut Effects) {
         let place = self.place.as_ref().expect("placed");
         let clock = self.clock.tick(fx.now());
         let sends = self.streams.on_tick(place, Some(clock), fx.now());
         self.send::<FAMILY>(fx, sends);
-        let sends = stabilizer.gossip(place, &self.streams.received, fx.now());
+    }
+
+    /// On a tick: gossips this partition's times `own` (by datacenter) to
+    /// its siblings when due; returns their minimum over the datacenter's
+    /// partitions, by datacenter.
+    fn stabilize<const FAMILY: u8>(
+        &self,
+        stabilizer: &mut Stabilizer,
+        own: &[Version],
+        fx: &mut Effects,
+    ) -> Vec<Version> {
+        let place = self.place.as_ref().expect("placed");
+        let sends = stabilizer.gossip(place, own, fx.now());
         self.send::<FAMILY>(fx, sends);
-        stabilizer.stable(place, &self.streams.received)
+        stabilizer.stable(place, own)
     }
 
     fn engine_failed(&self, error: OperationError) {

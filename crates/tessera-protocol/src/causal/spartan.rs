@@ -203,7 +203,9 @@ impl Protocol for CausalSpartan {
         if self.partition.place.is_none() {
             return;
         }
-        let stable = self.partition.stabilize::<FAMILY>(&mut self.stabilizer, fx);
+        self.partition.heartbeat::<FAMILY>(fx);
+        let stable =
+            self.partition.stabilize::<FAMILY>(&mut self.stabilizer, &self.partition.streams.received, fx);
         merge(&mut self.stable, &stable);
         if let Err(error) = self.make_visible() {
             self.partition.engine_failed(error);
