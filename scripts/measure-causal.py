@@ -144,47 +144,43 @@ def run_both(base, args, work, name, *options):
 
 
 def workload(args, work, protocols, delays):
-    rows = []
-    for delay in delays:
-        for protocol in protocols:
-            with geo_cluster(work, f"workload-{protocol}-{delay}", protocol, delay_ms=delay) as base:
-                load(base, args)
-                for share in [float(share) for share in args.ratios.split(",")]:
-                    mix = f"read={share},update={round(1 - share, 6)}"
-                    row = run_both(base, args, work, f"workload-{protocol}-{delay}-{share}", "--mix", mix)
-                    row.update(protocol=protocol, delay=delay, get_share=share)
-                    rows.append(row)
-                    print(f"{PROTOCOLS[protocol]:>13} delay {delay:3d} ms GET {share:.2f}: "
-                          f"{row['throughput']:8.0f} ops/s, PUT {row.get('update_mean_ms', 0):6.2f} ms, "
-                          f"GET {row.get('read_mean_ms', 0):6.2f} ms, errors {row['errors']}", flush=True)
-    print_table(["delay", "protocol", *(f"{share} GET" for share in args.ratios.split(","))],
-                [[f"{delay} ms", PROTOCOLS[protocol], *(
-                    f"{row['throughput']:.0f} / {row.get('update_mean_ms', 0):.2f} / {row.get('read_mean_ms', 0):.2f}"
-                    for row in rows if row["protocol"] == protocol and row["delay"] == delay)]
-                 for delay in delays for protocol in protocols],
-                "(ops/s / PUT mean ms / GET mean ms)")
-    return rows
+    shares = [float(share) for share in args.ratios.split(",")]
+    return sweep(args, work, protocols, delays, "workload", shares,
+                 options=lambda share: ["--mix", f"read={share},update={round(1 - share, 6)}"],
+                 cell=lambda row: f"{row['throughput']:.0f} / {row.get('update_mean_ms', 0):.2f} / "
+                                  f"{row.get('read_mean_ms', 0):.2f}",
+                 caption="(ops/s / PUT mean ms / GET mean ms; columns: the GET share)")
 
 
 def amplify(args, work, protocols, delays):
-    rows = []
     factors = [int(factor) for factor in args.amplify.split(",")]
+    return sweep(args, work, protocols, delays, "amplify", factors,
+                 options=lambda factor: ["--mix", "insert=1", "--amplify", str(factor)],
+                 cell=lambda row: f"{row['throughput']:.0f} / {row['insert_mean_ms']:.1f}",
+                 caption="(requests/s / request mean ms; columns: inserts per request)")
+
+
+def sweep(args, work, protocols, delays, name, points, options, cell, caption):
+    """Each protocol at each delay on a cluster of its own (records loaded
+    first), both datacenters' clients run at each point with `options(point)`;
+    the rows, each with its `point`, printed as they come and as a table of
+    `cell(row)`."""
+    rows = []
     for delay in delays:
         for protocol in protocols:
-            with geo_cluster(work, f"amplify-{protocol}-{delay}", protocol, delay_ms=delay) as base:
-                for factor in factors:
-                    row = run_both(base, args, work, f"amplify-{protocol}-{delay}-{factor}", "--mix", "insert=1",
-                                   "--amplify", str(factor))
-                    row.update(protocol=protocol, delay=delay, amplify=factor)
+            with geo_cluster(work, f"{name}-{protocol}-{delay}", protocol, delay_ms=delay) as base:
+                load(base, args)
+                for point in points:
+                    row = run_both(base, args, work, f"{name}-{protocol}-{delay}-{point}", *options(point))
+                    row.update(protocol=protocol, delay=delay, point=point)
                     rows.append(row)
-                    print(f"{PROTOCOLS[protocol]:>13} delay {delay:3d} ms x{factor:3d}: {row['throughput']:7.0f} "
-                          f"requests/s, {row['insert_mean_ms']:7.2f} ms, errors {row['errors']}", flush=True)
-    print_table(["delay", "protocol", *(f"x{factor}" for factor in factors)],
-                [[f"{delay} ms", PROTOCOLS[protocol], *(
-                    f"{row['throughput']:.0f} / {row['insert_mean_ms']:.1f}"
-                    for row in rows if row["protocol"] == protocol and row["delay"] == delay)]
+                    print(f"{PROTOCOLS[protocol]:>13} delay {delay:3d} ms at {point}: {cell(row)}, "
+                          f"errors {row['errors']}", flush=True)
+    print_table(["delay", "protocol", *map(str, points)],
+                [[f"{delay} ms", PROTOCOLS[protocol],
+                  *(cell(row) for row in rows if row["protocol"] == protocol and row["delay"] == delay)]
                  for delay in delays for protocol in protocols],
-                "(requests/s / request mean ms)")
+                caption)
     return rows
 
 
@@ -278,11 +274,11 @@ COLORS = {"geo-eventual": "#1f77b4", "cops": "#d62728", "gentle-rain": "#2ca02c"
 
 def draw_all(results, directory):
     directory.mkdir(parents=True, exist_ok=True)
-    for experiment, x_field, x_label, figures in [
-        ("workload", "get_share", "GET share of requests",
+    for experiment, x_label, figures in [
+        ("workload", "GET share of requests",
          [("throughput", "operations per second", "a"), ("update_mean_ms", "PUT response time, mean ms", "b"),
           ("read_mean_ms", "GET response time, mean ms", "c")]),
-        ("amplify", "amplify", "amplification factor (inserts per request)",
+        ("amplify", "amplification factor (inserts per request)",
          [("throughput", "requests per second", "d"), ("insert_mean_ms", "request response time, mean ms", "e")]),
     ]:
         rows = results.get(experiment)
@@ -292,7 +288,7 @@ def draw_all(results, directory):
             series = []
             for delay in sorted({row["delay"] for row in rows}):
                 for protocol in PROTOCOLS:
-                    points = [(row[x_field], row[field]) for row in rows
+                    points = [(row["point"], row[field]) for row in rows
                               if row["protocol"] == protocol and row["delay"] == delay and field in row]
                     if points:
                         series.append((f"{PROTOCOLS[protocol]}, {delay} ms", COLORS[protocol], delay > 0, points))
