@@ -794,6 +794,9 @@ mod tests {
         config.strong_reads = Some(1.5);
         assert!(config.validate().is_err());
         config.strong_reads = None;
+        config.causal = true;
+        assert!(config.validate().unwrap_err().contains("drop --cluster"));
+        config.causal = false;
         config.amplify = 0;
         assert!(config.validate().is_err());
     }
