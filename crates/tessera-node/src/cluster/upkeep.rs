@@ -17,9 +17,10 @@ use tessera_cluster::agent::Agent;
 use tessera_cluster::capture::CapturingView;
 use tessera_cluster::DEFAULT_TABLE;
 use tessera_engine::{reserved, Engine};
-use tessera_protocol::{Operation, Record, Write};
+use tessera_protocol::{NodeId, Operation, Record, Version, Write};
 
 use super::ClusterNode;
+use crate::collection;
 use crate::error::{CommandError, CommandResult};
 use crate::memory::EvictionPolicy;
 use crate::node_state::{Keyspace, NodeState};
@@ -53,17 +54,37 @@ impl Keyspace for ShardKeyspace<'_> {
 
     /// Ordered behind the key's earlier writes while the caller holds its
     /// lock, so a later write of the key is never undone: the head is the
-    /// only writer. Under a quorum protocol other members write too, so the
-    /// delete is conditional on the record the head saw still being the
-    /// newest. The delete commits on its own; nobody waits for it.
+    /// only writer. Under a quorum protocol other members write too, and the
+    /// head's copy reaches it key by key, so the delete is conditional on
+    /// every record the decision read still being the newest: the key's,
+    /// and for a collection's entry its owner's, whose id made it an orphan
+    /// (a collection paged out elsewhere can show its new entries here
+    /// before its new header). The delete commits on its own; nobody waits
+    /// for it.
     fn remove(&self, key: &[u8]) -> CommandResult<()> {
         let key = Bytes::copy_from_slice(key);
         if self.quorum {
-            let Some(raw) = self.records.get(&key)? else { return Ok(()) };
-            let seen = Record::decode(raw).map_err(|error| CommandError::Other(error.to_string()))?;
-            let delete =
-                Operation::WriteIf { key, expected: Some((seen.version, seen.origin)), write: Write::Delete };
-            // A key changed meanwhile answers that it changed: nothing to do.
+            let Some(seen) = self.seen(&key)? else { return Ok(()) };
+            let owner = collection::owner_key(&key).map(Bytes::copy_from_slice);
+            let delete = match owner {
+                None => Operation::WriteIf { key, expected: Some(ballot_of(&seen)), write: Write::Delete },
+                Some(owner) => {
+                    let owner_seen = self.seen(&owner)?;
+                    // The owner is written back as it was, under the same condition.
+                    let rewrite = owner_seen
+                        .as_ref()
+                        .and_then(Record::visible)
+                        .cloned()
+                        .map_or(Write::Delete, Write::Put);
+                    Operation::BatchIf {
+                        writes: vec![
+                            (key, Some(ballot_of(&seen)), Write::Delete),
+                            (owner, owner_seen.as_ref().map(ballot_of), rewrite),
+                        ],
+                    }
+                }
+            };
+            // A record changed meanwhile answers that it changed: nothing to do.
             drop(self.agent.begin_all(self.shard, vec![delete]));
             return Ok(());
         }
@@ -75,6 +96,18 @@ impl Keyspace for ShardKeyspace<'_> {
         }
         Ok(())
     }
+}
+
+impl ShardKeyspace<'_> {
+    /// The record this member holds at `key`.
+    fn seen(&self, key: &[u8]) -> CommandResult<Option<Record>> {
+        let Some(raw) = self.records.get(key)? else { return Ok(None) };
+        Record::decode(raw).map(Some).map_err(|error| CommandError::Other(error.to_string()))
+    }
+}
+
+fn ballot_of(record: &Record) -> (Version, NodeId) {
+    (record.version, record.origin)
 }
 
 impl ClusterNode {
