@@ -763,9 +763,17 @@ async fn try_on_quorum(
                 return Ok(Ran::Answered);
             }
             // Nothing was written: a record changed, or another batch held
-            // one. Run again on every key's newest record.
+            // one. Run again on every key's newest record. Keys it meets
+            // for the first time are guessed from this member's copy as on
+            // the first attempt: a collection the command writes anew takes
+            // a new id, and so new page keys, on every run, which fetching
+            // first would chase for ever.
             ClientReply::Changed | ClientReply::Retry(_) => {
-                reads = ReadSet { missing: reads.records.into_keys().collect(), ..ReadSet::default() };
+                reads = ReadSet {
+                    missing: reads.records.into_keys().collect(),
+                    guess_locally: true,
+                    ..ReadSet::default()
+                };
             }
             other => return Err(failure(&other)),
         }
