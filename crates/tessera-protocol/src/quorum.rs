@@ -103,10 +103,6 @@ const RESTART_PROMISE_MARGIN_MS: u64 = VERSION_AHEAD_MAX_MS;
 /// records it becomes.
 pub type Ballot = (Version, NodeId);
 
-fn ballot_of(record: &Record) -> Ballot {
-    (record.version, record.origin)
-}
-
 /// Commits the record's intent: its value becomes the record's.
 fn roll_forward(record: &mut Record) {
     if let Some(intent) = record.intent.take() {
@@ -816,7 +812,7 @@ impl QuorumRegister {
             return Answer::Refused(Version(0));
         }
         let promised = self.promises.get(key).copied().max(self.floor(now));
-        let floor = accepted.as_ref().map(ballot_of).max(promised);
+        let floor = accepted.as_ref().map(Record::ballot).max(promised);
         if floor.is_some_and(|floor| ballot <= floor) {
             return Answer::Refused(floor.map_or(Version(0), |(version, _)| version));
         }
@@ -825,7 +821,7 @@ impl QuorumRegister {
     }
 
     fn on_accept(&mut self, key: &Bytes, record: Record, now: Time) -> Answer {
-        let ballot = ballot_of(&record);
+        let ballot = record.ballot();
         let current = match self.accepted(key) {
             Ok(current) => current,
             Err(error) => {
@@ -837,7 +833,7 @@ impl QuorumRegister {
             tracing::warn!(replica = %self.me, proposer = %ballot.1, %error, "accept refused");
             return Answer::Refused(Version(0));
         }
-        let accepted = current.as_ref().map(ballot_of);
+        let accepted = current.as_ref().map(Record::ballot);
         let promised = self.promises.get(key).copied().max(self.floor(now));
         if accepted == Some(ballot) {
             // The same accept again (a resend): one ballot is one record.
@@ -978,7 +974,7 @@ impl QuorumRegister {
                 }
                 Interruption::FindOut => {
                     // Preparing again, it finds out whether its record was chosen.
-                    let ballot = ballot_of(record);
+                    let ballot = record.ballot();
                     let interrupted = proposal.interrupted.get_or_insert_with(|| Interrupted {
                         base: *base,
                         accepted: Vec::new(),
@@ -1085,9 +1081,9 @@ impl QuorumRegister {
                         Answer::Promised(record) => record,
                         _ => None,
                     })
-                    .max_by_key(ballot_of);
+                    .max_by_key(Record::ballot);
                 let proposal = self.proposals.get(&op).expect("looked up above");
-                let base = newest.as_ref().map(ballot_of);
+                let base = newest.as_ref().map(Record::ballot);
                 match self.plan(proposal, newest, ballot, fx.now()) {
                     Plan::Write(record, outcome) => {
                         let proposal = self.proposals.get_mut(&op).expect("looked up above");
@@ -1167,7 +1163,7 @@ impl QuorumRegister {
     /// What a proposal writes over `newest`, the record of the highest ballot
     /// a majority promised with, under its own `ballot`.
     fn plan(&self, proposal: &Proposal, newest: Option<Record>, ballot: Ballot, now: Time) -> Plan {
-        let found = newest.as_ref().map(ballot_of);
+        let found = newest.as_ref().map(Record::ballot);
         // An interrupted write: its own record is written back (a majority
         // may not hold it yet) and it answers as planned; the record it
         // planned on, and it plans again; another's, and its fate is unknown.
@@ -1594,7 +1590,7 @@ impl QuorumRegister {
                 continue;
             }
             let current = self.accepted(&key)?;
-            if current.as_ref().is_none_or(|current| ballot_of(current) < ballot_of(&record)) {
+            if current.as_ref().is_none_or(|current| current.ballot() < record.ballot()) {
                 self.store(&key, current.as_ref(), &record, raw)?;
             }
         }
@@ -1985,7 +1981,7 @@ mod tests {
         client(&mut replicas, 0, put(1, "a", "1"), None);
         client(&mut replicas, 0, put(2, "b", "1"), None);
         let ballot = |replica: &QuorumRegister, key: &str| {
-            replica.accepted(key.as_bytes()).unwrap().map(|r| ballot_of(&r))
+            replica.accepted(key.as_bytes()).unwrap().map(|r| r.ballot())
         };
         let (a, b) = (ballot(&replicas[0], "a"), ballot(&replicas[0], "b"));
         client(&mut replicas, 2, put(3, "b", "2"), None);
@@ -2143,14 +2139,14 @@ mod tests {
         assert_eq!(fetched.value, Bytes::from_static(b"first"));
         // Another member writes meanwhile: the write based on the old fetch is refused.
         client(&mut replicas, 2, put(4, "k", "other"), None);
-        let stale = write_if(5, Some(ballot_of(&fetched)), "second");
+        let stale = write_if(5, Some(fetched.ballot()), "second");
         assert!(matches!(client(&mut replicas, 1, stale, None).0[..], [ClientReply::Changed]));
         assert_eq!(replicas[0].accepted(b"k").unwrap().unwrap().value, Bytes::from_static(b"other"));
         let (replies, _) = client(&mut replicas, 1, fetch(6), None);
         let [ClientReply::Value(Some(raw))] = &replies[..] else { panic!("a record") };
         let current = Record::decode(raw.clone()).unwrap();
         assert_eq!(
-            client(&mut replicas, 1, write_if(7, Some(ballot_of(&current)), "second"), None).0,
+            client(&mut replicas, 1, write_if(7, Some(current.ballot()), "second"), None).0,
             vec![ClientReply::Written]
         );
     }

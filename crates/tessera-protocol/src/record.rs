@@ -274,6 +274,12 @@ impl Record {
     pub fn visible(&self) -> Option<&Bytes> {
         (!self.tombstone).then_some(&self.value)
     }
+
+    /// Its version and origin: under a quorum protocol, the ballot it was
+    /// accepted at, which tells one record of a key from another.
+    pub fn ballot(&self) -> (Version, NodeId) {
+        (self.version, self.origin)
+    }
 }
 
 fn put_batch(out: &mut BytesMut, batch: BatchId) {

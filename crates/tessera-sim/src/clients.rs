@@ -266,9 +266,7 @@ impl Simulation {
     fn on_fetched(&mut self, client: usize, pending: Pending, reply: ClientReply) {
         let fetched = match reply {
             ClientReply::Value(None) => Some(None),
-            ClientReply::Value(Some(raw)) => {
-                Record::decode(raw).ok().map(|record| Some((record.version, record.origin)))
-            }
+            ClientReply::Value(Some(raw)) => Record::decode(raw).ok().map(|record| Some(record.ballot())),
             _ => None,
         };
         let Some(expected) = fetched else {

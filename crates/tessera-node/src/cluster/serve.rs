@@ -751,7 +751,7 @@ async fn try_on_quorum(
         let writes: ConditionalWrites = all
             .into_iter()
             .map(|(key, write)| {
-                let expected = reads.records[&key].as_ref().map(ballot_of);
+                let expected = reads.records[&key].as_ref().map(Record::ballot);
                 (key, expected, write)
             })
             .collect();
@@ -781,13 +781,9 @@ async fn try_on_quorum(
     Err(CommandError::TryAgain("the keys kept changing under concurrent writes".into()))
 }
 
-fn ballot_of(record: &Record) -> (Version, NodeId) {
-    (record.version, record.origin)
-}
-
 /// Whether two reads of a key found the same record (or none both times).
 fn same_ballot(first: &Option<Record>, second: &Option<Record>) -> bool {
-    first.as_ref().map(ballot_of) == second.as_ref().map(ballot_of)
+    first.as_ref().map(Record::ballot) == second.as_ref().map(Record::ballot)
 }
 
 /// Whether a key WATCH fetched has a record other than it had then.

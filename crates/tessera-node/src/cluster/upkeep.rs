@@ -17,7 +17,7 @@ use tessera_cluster::agent::Agent;
 use tessera_cluster::capture::CapturingView;
 use tessera_cluster::DEFAULT_TABLE;
 use tessera_engine::{reserved, Engine};
-use tessera_protocol::{NodeId, Operation, Record, Version, Write};
+use tessera_protocol::{Operation, Record, Write};
 
 use super::ClusterNode;
 use crate::collection;
@@ -67,7 +67,7 @@ impl Keyspace for ShardKeyspace<'_> {
             let Some(seen) = self.seen(&key)? else { return Ok(()) };
             let owner = collection::owner_key(&key).map(Bytes::copy_from_slice);
             let delete = match owner {
-                None => Operation::WriteIf { key, expected: Some(ballot_of(&seen)), write: Write::Delete },
+                None => Operation::WriteIf { key, expected: Some(seen.ballot()), write: Write::Delete },
                 Some(owner) => {
                     let owner_seen = self.seen(&owner)?;
                     // The owner is written back as it was, under the same condition.
@@ -78,8 +78,8 @@ impl Keyspace for ShardKeyspace<'_> {
                         .map_or(Write::Delete, Write::Put);
                     Operation::BatchIf {
                         writes: vec![
-                            (key, Some(ballot_of(&seen)), Write::Delete),
-                            (owner, owner_seen.as_ref().map(ballot_of), rewrite),
+                            (key, Some(seen.ballot()), Write::Delete),
+                            (owner, owner_seen.as_ref().map(Record::ballot), rewrite),
                         ],
                     }
                 }
@@ -104,10 +104,6 @@ impl ShardKeyspace<'_> {
         let Some(raw) = self.records.get(key)? else { return Ok(None) };
         Record::decode(raw).map(Some).map_err(|error| CommandError::Other(error.to_string()))
     }
-}
-
-fn ballot_of(record: &Record) -> (Version, NodeId) {
-    (record.version, record.origin)
 }
 
 impl ClusterNode {
