@@ -288,6 +288,12 @@ pub enum Write {
 }
 
 impl Write {
+    /// The write that leaves a key as `record` shows it (a conditional
+    /// batch rewrites what it only read, so that it is checked too).
+    pub fn restoring(record: Option<&Record>) -> Self {
+        record.and_then(Record::visible).cloned().map_or(Write::Delete, Write::Put)
+    }
+
     /// The bytes of value it carries.
     pub fn value_bytes(&self) -> usize {
         match self {

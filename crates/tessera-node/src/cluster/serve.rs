@@ -740,11 +740,11 @@ async fn try_on_quorum(
         }
         // What it only read is rewritten as it was, under the same condition.
         let written: HashSet<Bytes> = writes.iter().map(|(key, _)| key.clone()).collect();
-        let rewrites =
-            reads.records.iter().filter(|(key, _)| !written.contains(*key)).map(|(key, record)| {
-                let value = record.as_ref().and_then(|record| record.visible().cloned());
-                (key.clone(), value.map_or(Write::Delete, Write::Put))
-            });
+        let rewrites = reads
+            .records
+            .iter()
+            .filter(|(key, _)| !written.contains(*key))
+            .map(|(key, record)| (key.clone(), Write::restoring(record.as_ref())));
         let all: Vec<(Bytes, Write)> = writes.into_iter().chain(rewrites).collect();
         fits_one_unit(&all)?;
         // The protocol runs a batch of one key as that key's conditional write.

@@ -70,12 +70,7 @@ impl Keyspace for ShardKeyspace<'_> {
                 None => Operation::WriteIf { key, expected: Some(seen.ballot()), write: Write::Delete },
                 Some(owner) => {
                     let owner_seen = self.seen(&owner)?;
-                    // The owner is written back as it was, under the same condition.
-                    let rewrite = owner_seen
-                        .as_ref()
-                        .and_then(Record::visible)
-                        .cloned()
-                        .map_or(Write::Delete, Write::Put);
+                    let rewrite = Write::restoring(owner_seen.as_ref());
                     Operation::BatchIf {
                         writes: vec![
                             (key, Some(seen.ballot()), Write::Delete),
