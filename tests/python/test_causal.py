@@ -8,7 +8,9 @@ shows catching each protocol's broken variant (`tessera sim --protocol
 broken-cops-no-dependency-checks`, crates/tessera-sim/src/geo.rs)."""
 
 import json
+import os
 import random
+import signal
 import subprocess
 import threading
 import time
@@ -213,6 +215,58 @@ def test_causal_levels_are_refused_without_datacenters(cluster_factory):
     for command in (("CONSISTENCY", "CAUSAL"), ("CONSISTENCY.READ", "causal", "GET", "k"), ("CAUSAL.TOKEN",)):
         with pytest.raises(redis.ResponseError, match="across datacenters"):
             client.execute_command(*command)
+
+
+def test_writes_a_copy_held_unseen_when_killed_are_sent_again(tmp_path):
+    """GentleRain keeps a write from elsewhere in memory until every
+    partition of its datacenter has received up to its time. With one
+    datacenter-1 partition stopped (SIGSTOP), that time stalls there, so
+    datacenter-1's copy of partition 0 holds what datacenter 0 writes to
+    it, unseen. Killed with kill -9 and started again over its data, it gets
+    those writes once more: its sender kept them, since the copy had
+    acknowledged them as delivered, not as stored."""
+    cluster = LocalCluster(tmp_path, "gentle-rain", topology="aa", options=[
+        "--datacenters", str(DATACENTERS), "--engine", "log"])
+    cluster.up(NODES)
+    stopped = None
+    try:
+        writer = redis.Redis(port=cluster.port(0), protocol=2)
+        tag = next(tag for tag in "abcdefghij" if writer.cluster("keyslot", f"{{{tag}}}") < 16384 // 3)
+        copy, stalling = NODES // DATACENTERS, NODES // DATACENTERS + 1
+        writer.set(f"{{{tag}}}before", "b")
+        copy_client = redis.Redis(port=cluster.port(copy), protocol=2, socket_timeout=5)
+        deadline = time.time() + 10
+        while copy_client.get(f"{{{tag}}}before") != b"b":
+            assert time.time() < deadline
+            time.sleep(0.05)
+
+        stopped = cluster.pid(f"node-{stalling}")
+        os.kill(stopped, signal.SIGSTOP)
+        time.sleep(0.5)  # past the stable time's last gossip
+        for index in range(20):
+            writer.set(f"{{{tag}}}held-{index}", index)
+        time.sleep(1)
+        assert copy_client.get(f"{{{tag}}}held-19") is None, "the copy's stable time did not stall: nothing is held"
+
+        cluster.cli("kill", str(copy))
+        cluster.cli("restart", str(copy))
+        os.kill(stopped, signal.SIGCONT)
+        stopped = None
+        restarted = redis.Redis(port=cluster.port(copy), protocol=2, socket_timeout=5)
+        deadline = time.time() + 20
+        while True:
+            try:
+                shown = [restarted.get(f"{{{tag}}}held-{index}") for index in range(20)]
+            except (redis.ConnectionError, redis.exceptions.TryAgainError):
+                shown = None
+            if shown == [str(index).encode() for index in range(20)]:
+                break
+            assert time.time() < deadline, shown
+            time.sleep(0.1)
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        cluster.down()
 
 
 def test_a_copy_restarted_over_its_data_catches_up_and_is_caught_up_with(tmp_path):

@@ -46,8 +46,8 @@ use bytes::Bytes;
 use tessera_engine::Engine;
 
 use super::{
-    call_of, read, reply_for, store, Call, Dependency, GeoMessage, GeoPlace, Partition, Replicated,
-    Stabilizer, Stored, CONTEXT_DEPENDENCIES_MAX, RESEND_MS, STABILIZE_MS,
+    call_of, read, reply_for, Call, Dependency, GeoMessage, GeoPlace, Partition, Receipt, Replicated,
+    Stabilizer, CONTEXT_DEPENDENCIES_MAX, RESEND_MS, STABILIZE_MS,
 };
 use crate::{
     CausalContext, ClientReply, ClientRequest, Effects, NodeId, OperationError, PeerMessage, Progress,
@@ -68,6 +68,7 @@ const CONTEXT_FULL: &str =
 /// A write from elsewhere waiting for its dependencies.
 struct Waiting {
     write: Replicated,
+    receipt: Receipt,
     /// Dependencies on writes to keys of this partition not yet committed.
     local: usize,
     /// Checks sent to other partitions, not yet answered.
@@ -205,20 +206,20 @@ impl Cops {
     /// count as uncommitted before any is looked at: the stream counts them
     /// all received at once, and a write received and not waiting counts
     /// as committed.
-    fn arrived(&mut self, writes: Vec<Replicated>, fx: &mut Effects) {
-        for write in &writes {
+    fn arrived(&mut self, writes: Vec<(Receipt, Replicated)>, fx: &mut Effects) {
+        for (_, write) in &writes {
             self.uncommitted.insert((write.origin, write.version));
         }
-        for write in writes {
-            self.wait(write, fx);
+        for (receipt, write) in writes {
+            self.wait(receipt, write, fx);
         }
     }
 
-    fn wait(&mut self, write: Replicated, fx: &mut Effects) {
+    fn wait(&mut self, receipt: Receipt, write: Replicated, fx: &mut Effects) {
         let place = self.partition.place.clone().expect("placed");
         let id = self.next_id;
         self.next_id += 1;
-        let mut waiting = Waiting { write, local: 0, checks: 0 };
+        let mut waiting = Waiting { write, receipt, local: 0, checks: 0 };
         #[cfg(feature = "broken")]
         let dependencies = match self.broken_skip_dependency_checks {
             true => Vec::new(),
@@ -252,11 +253,10 @@ impl Cops {
     /// Applies every waiting write whose dependencies are all met; each
     /// applied may meet others'.
     fn apply_ready(&mut self, fx: &mut Effects) -> Result<(), OperationError> {
-        let engine = self.partition.engine.clone();
         while let Some(id) = self.ready.pop() {
-            let write = self.waiting.remove(&id).expect("a ready write waits").write;
+            let Waiting { write, receipt, .. } = self.waiting.remove(&id).expect("a ready write waits");
             self.uncommitted.remove(&(write.origin, write.version));
-            store(&*engine, &write.key, &Stored::of(&write))?;
+            self.partition.store_delivered(receipt, &write)?;
             for held_up in self.blocked.remove(&(write.origin, write.version)).unwrap_or_default() {
                 let waiting = self.waiting.get_mut(&held_up).expect("a blocked write waits");
                 waiting.local -= 1;
@@ -352,14 +352,14 @@ impl Protocol for Cops {
         let outcome = match message {
             GeoMessage::Writes { epoch, oldest, first, writes } => {
                 let writes = self.partition.receive::<FAMILY>(from, (epoch, oldest, first), writes, fx);
-                for write in &writes {
+                for (_, write) in &writes {
                     let _ = self.partition.clock.observe_remote(write.version, fx.now());
                 }
                 self.arrived(writes, fx);
                 self.apply_ready(fx)
             }
-            GeoMessage::Ack { epoch, through } => {
-                self.partition.streams.acknowledged(&place, from, epoch, through);
+            GeoMessage::Ack { epoch, copy, delivered, stored } => {
+                self.partition.streams.acknowledged(&place, from, (epoch, copy, delivered, stored));
                 Ok(())
             }
             GeoMessage::CheckDependency { check, dependency } => {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use tessera_engine::Engine;
 
-use super::{call_of, read, reply_for, store, Call, GeoMessage, Partition, Replicated, Stored};
+use super::{call_of, read, reply_for, Call, GeoMessage, Partition, Replicated};
 use crate::{
     CausalContext, ClientReply, ClientRequest, Effects, NodeId, OperationError, PeerMessage, Progress,
     Protocol, ShardView,
@@ -60,16 +60,18 @@ impl Protocol for Eventual {
         let Some(message) = self.partition.open::<FAMILY>(from, &message) else { return };
         match message {
             GeoMessage::Writes { epoch, oldest, first, writes } => {
-                for write in self.partition.receive::<FAMILY>(from, (epoch, oldest, first), writes, fx) {
+                for (receipt, write) in
+                    self.partition.receive::<FAMILY>(from, (epoch, oldest, first), writes, fx)
+                {
                     let _ = self.partition.clock.observe_remote(write.version, fx.now());
-                    if let Err(error) = store(&*self.partition.engine, &write.key, &Stored::of(&write)) {
+                    if let Err(error) = self.partition.store_delivered(receipt, &write) {
                         self.partition.engine_failed(error);
                     }
                 }
             }
-            GeoMessage::Ack { epoch, through } => {
+            GeoMessage::Ack { epoch, copy, delivered, stored } => {
                 let place = self.partition.place.as_ref().expect("placed");
-                self.partition.streams.acknowledged(place, from, epoch, through);
+                self.partition.streams.acknowledged(place, from, (epoch, copy, delivered, stored));
             }
             _ => {}
         }

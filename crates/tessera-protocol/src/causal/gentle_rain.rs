@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use tessera_engine::Engine;
 
-use super::{call_of, read, reply_for, store, Call, GeoMessage, Partition, Replicated, Stabilizer, Stored};
+use super::{call_of, read, reply_for, Call, GeoMessage, Partition, Receipt, Replicated, Stabilizer};
 use crate::{
     CausalContext, ClientReply, ClientRequest, Effects, NodeId, OperationError, PeerMessage, Progress,
     Protocol, ShardView, Version,
@@ -41,7 +41,7 @@ pub struct GentleRain {
     /// received every write from elsewhere stamped up to it.
     global_stable: Version,
     /// Writes from other datacenters not yet visible, by time.
-    pending: BTreeMap<(Version, NodeId), Replicated>,
+    pending: BTreeMap<(Version, NodeId), (Receipt, Replicated)>,
     /// Puts waiting for the clock to pass their session's dependency time.
     waiting: Vec<ClientRequest>,
     /// A deliberately broken variant for the checker's tests: writes from
@@ -155,8 +155,8 @@ impl GentleRain {
             if !visible {
                 break;
             }
-            let write = entry.remove();
-            store(&*self.partition.engine, &write.key, &Stored::of(&write))?;
+            let (receipt, write) = entry.remove();
+            self.partition.store_delivered(receipt, &write)?;
         }
         Ok(())
     }
@@ -181,15 +181,17 @@ impl Protocol for GentleRain {
         match message {
             GeoMessage::Writes { epoch, oldest, first, writes } => {
                 // REPLICATE: keep the write; it becomes visible once stable.
-                for write in self.partition.receive::<FAMILY>(from, (epoch, oldest, first), writes, fx) {
-                    self.pending.insert((write.version, write.origin), write);
+                for (receipt, write) in
+                    self.partition.receive::<FAMILY>(from, (epoch, oldest, first), writes, fx)
+                {
+                    self.pending.insert((write.version, write.origin), (receipt, write));
                 }
                 if let Err(error) = self.raise_stable(self.global_stable) {
                     self.partition.engine_failed(error);
                 }
             }
-            GeoMessage::Ack { epoch, through } => {
-                self.partition.streams.acknowledged(place, from, epoch, through)
+            GeoMessage::Ack { epoch, copy, delivered, stored } => {
+                self.partition.streams.acknowledged(place, from, (epoch, copy, delivered, stored))
             }
             GeoMessage::Heartbeat { epoch, oldest, clock, through } => {
                 self.partition.streams.heartbeat(place, from, (epoch, oldest, through), clock)

@@ -18,7 +18,7 @@ pub mod eventual;
 pub mod gentle_rain;
 pub mod spartan;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use bytes::{BufMut, Bytes};
@@ -159,10 +159,16 @@ pub enum GeoMessage {
         first: u64,
         writes: Vec<Replicated>,
     },
-    /// Every write of stream `epoch` through `through` arrived.
+    /// The copy that started at `copy` (its own epoch) has delivered
+    /// stream `epoch` through `delivered` (send no more of those) and
+    /// stored it through `stored` (drop those): a write delivered and not
+    /// yet visible is held in memory, and is resent if the copy starts
+    /// again before it stores it.
     Ack {
         epoch: Version,
-        through: u64,
+        copy: Version,
+        delivered: u64,
+        stored: u64,
     },
     /// The sender will stamp no write at or below `clock`, and sent its
     /// stream `epoch` through `through` before it said so; the stream
@@ -247,10 +253,12 @@ impl GeoMessage {
                     put_dependencies(out, &write.dependencies);
                 }
             }
-            GeoMessage::Ack { epoch, through } => {
+            GeoMessage::Ack { epoch, copy, delivered, stored } => {
                 out.put_u8(ACK);
                 out.put_u64_le(epoch.0);
-                out.put_u64_le(*through);
+                out.put_u64_le(copy.0);
+                out.put_u64_le(*delivered);
+                out.put_u64_le(*stored);
             }
             GeoMessage::Heartbeat { epoch, oldest, clock, through } => {
                 out.put_u8(HEARTBEAT);
@@ -299,7 +307,12 @@ impl GeoMessage {
                     .collect::<Result<_, CodecError>>()?;
                 GeoMessage::Writes { epoch, oldest, first, writes }
             }
-            ACK => GeoMessage::Ack { epoch: Version(reader.u64()?), through: reader.u64()? },
+            ACK => GeoMessage::Ack {
+                epoch: Version(reader.u64()?),
+                copy: Version(reader.u64()?),
+                delivered: reader.u64()?,
+                stored: reader.u64()?,
+            },
             HEARTBEAT => GeoMessage::Heartbeat {
                 epoch: Version(reader.u64()?),
                 oldest: reader.u64()?,
@@ -345,10 +358,17 @@ impl<const FAMILY: u8> Message for Tagged<FAMILY> {
 #[derive(Debug, Default)]
 struct Outbox {
     epoch: Version,
-    /// Each write and when it was last sent.
+    /// Each write not yet stored by the copy, and when it was last sent.
     unacked: VecDeque<(Replicated, Time)>,
     /// The number of `unacked`'s first write.
     first: u64,
+    /// The copy has delivered every write through this one: they are kept
+    /// but not resent.
+    delivered: u64,
+    /// The copy's own epoch, as its acknowledgements name it: a newer one
+    /// (it started again and lost what it held) has everything from
+    /// `first` resent.
+    copy: Version,
 }
 
 impl Outbox {
@@ -369,13 +389,21 @@ impl Outbox {
         GeoMessage::Writes { epoch: self.epoch, oldest: self.first, first: number, writes: vec![write] }
     }
 
-    fn acknowledged(&mut self, epoch: Version, through: u64) {
-        if epoch != self.epoch {
-            return; // an acknowledgement of an earlier stream of this partition
+    /// The copy `copy` has delivered this stream through `delivered` and
+    /// stored it through `stored`.
+    fn acknowledged(&mut self, epoch: Version, copy: Version, delivered: u64, stored: u64) {
+        if epoch != self.epoch || copy < self.copy {
+            return; // of an earlier stream of this partition, or of the copy before it started again
         }
-        while self.first <= through && self.unacked.pop_front().is_some() {
+        if copy > self.copy {
+            // What the copy held and had not stored is lost with it.
+            self.copy = copy;
+            self.delivered = 0;
+        }
+        while self.first <= stored && self.unacked.pop_front().is_some() {
             self.first += 1;
         }
+        self.delivered = self.delivered.max(delivered.max(stored));
     }
 
     /// The first run of writes that have waited long enough, as much of it
@@ -383,7 +411,10 @@ impl Outbox {
     /// cut-off) drains a message a tick, not a message a round trip.
     fn resend(&mut self, now: Time) -> Option<GeoMessage> {
         let due = |sent: Time| sent + RESEND_MS <= now;
-        let start = self.unacked.iter().take(RESEND_SCAN).position(|(_, sent)| due(*sent))?;
+        // Writes the copy has delivered are held there, not lost.
+        let undelivered = (self.delivered + 1).saturating_sub(self.first) as usize;
+        let start = undelivered
+            + self.unacked.iter().skip(undelivered).take(RESEND_SCAN).position(|(_, sent)| due(*sent))?;
         let mut batch = BatchBytes::default();
         let mut writes = Vec::new();
         for (write, sent) in self.unacked.iter_mut().skip(start) {
@@ -409,13 +440,21 @@ impl Outbox {
 }
 
 /// The writes a partition receives from its copy in one other datacenter,
-/// handed on once each, in order.
+/// handed on once each, in order, and the ones handed on that the
+/// protocol has not stored yet.
 #[derive(Debug, Default)]
 struct Inbox {
     /// The stream it takes (a message of an earlier one is ignored).
     epoch: Version,
     delivered: u64,
     early: BTreeMap<u64, Replicated>,
+    /// The numbers of the writes delivered and not yet stored (COPS stores
+    /// them out of order, each once its dependencies are met).
+    held: BTreeSet<u64>,
+    /// What the last acknowledgement said, (delivered, stored), and when
+    /// (`None`: nothing yet of this stream, acknowledged at the next tick).
+    acked: Option<(u64, u64)>,
+    acked_at: Time,
 }
 
 impl Inbox {
@@ -428,7 +467,7 @@ impl Inbox {
         oldest: u64,
         first: u64,
         writes: Vec<Replicated>,
-    ) -> Option<Vec<Replicated>> {
+    ) -> Option<Vec<(u64, Replicated)>> {
         if !self.take_up(epoch, oldest) {
             return None;
         }
@@ -440,9 +479,34 @@ impl Inbox {
         let mut ready = Vec::new();
         while let Some(write) = self.early.remove(&(self.delivered + 1)) {
             self.delivered += 1;
-            ready.push(write);
+            self.held.insert(self.delivered);
+            ready.push((self.delivered, write));
         }
         Some(ready)
+    }
+
+    /// Every write of the stream through this one is stored.
+    fn stored_through(&self) -> u64 {
+        self.held.first().map_or(self.delivered, |oldest_held| oldest_held - 1)
+    }
+
+    /// The acknowledgement of what this inbox has delivered and stored, on
+    /// behalf of the copy that started at `copy`.
+    fn acknowledge(&mut self, copy: Version, now: Time) -> GeoMessage {
+        let (delivered, stored) = (self.delivered, self.stored_through());
+        self.acked = Some((delivered, stored));
+        self.acked_at = now;
+        GeoMessage::Ack { epoch: self.epoch, copy, delivered, stored }
+    }
+
+    /// Whether to acknowledge on a tick: what the inbox has delivered or
+    /// stored moved since it last said, or a while has passed (an
+    /// acknowledgement lost is not resent otherwise: the sender does not
+    /// resend what was delivered).
+    fn acknowledgement_due(&self, now: Time) -> bool {
+        self.epoch != Version::default()
+            && (self.acked != Some((self.delivered, self.stored_through()))
+                || now >= self.acked_at + RESEND_MS)
     }
 
     /// Whether a message of stream `epoch`, which holds every write from
@@ -452,10 +516,20 @@ impl Inbox {
     /// earlier stream is not.
     fn take_up(&mut self, epoch: Version, oldest: u64) -> bool {
         if epoch > self.epoch {
-            *self = Inbox { epoch, delivered: oldest.saturating_sub(1), early: BTreeMap::new() };
+            *self = Inbox { epoch, delivered: oldest.saturating_sub(1), ..Inbox::default() };
         }
         epoch == self.epoch
     }
+}
+
+/// Where a write delivered to a partition sits in the stream it came by:
+/// handed back to [`Streams::stored`] once the write is stored, so that
+/// the copy that sent it may drop it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Receipt {
+    datacenter: usize,
+    epoch: Version,
+    number: u64,
 }
 
 /// The streams of one partition to and from its copies in the other
@@ -463,6 +537,9 @@ impl Inbox {
 /// calls the version vector.
 #[derive(Debug, Default)]
 struct Streams {
+    /// This partition's start: its own streams' epoch, and the name its
+    /// acknowledgements give it.
+    epoch: Version,
     outboxes: Vec<Outbox>,
     inboxes: Vec<Inbox>,
     /// By datacenter: every write from there up to this version has
@@ -475,6 +552,7 @@ impl Streams {
     /// named `epoch`.
     fn new(datacenters: usize, epoch: Version) -> Self {
         Self {
+            epoch,
             outboxes: (0..datacenters).map(|_| Outbox { epoch, ..Outbox::default() }).collect(),
             inboxes: (0..datacenters).map(|_| Inbox::default()).collect(),
             received: vec![Version::default(); datacenters],
@@ -498,26 +576,41 @@ impl Streams {
     }
 
     /// Takes the writes a message from `from` carries: the writes now
-    /// delivered in order, and the acknowledgement to send back.
+    /// delivered in order, each with the receipt to hand back once it is
+    /// stored, and the acknowledgement to send back.
     fn receive(
         &mut self,
         place: &GeoPlace,
         from: NodeId,
         (epoch, oldest, first): (Version, u64, u64),
         writes: Vec<Replicated>,
-    ) -> Option<(Vec<Replicated>, GeoMessage)> {
+        now: Time,
+    ) -> Option<(Vec<(Receipt, Replicated)>, GeoMessage)> {
         let datacenter = place.datacenter_of(from)?;
         let inbox = &mut self.inboxes[datacenter];
         let ready = inbox.receive(epoch, oldest, first, writes)?;
-        if let Some(last) = ready.last() {
+        if let Some((_, last)) = ready.last() {
             self.received[datacenter] = self.received[datacenter].max(last.version);
         }
-        Some((ready, GeoMessage::Ack { epoch, through: inbox.delivered }))
+        let ack = inbox.acknowledge(self.epoch, now);
+        let receipts =
+            ready.into_iter().map(|(number, write)| (Receipt { datacenter, epoch, number }, write)).collect();
+        Some((receipts, ack))
     }
 
-    fn acknowledged(&mut self, place: &GeoPlace, from: NodeId, epoch: Version, through: u64) {
+    /// The write `receipt` names is stored: its sender may drop it once
+    /// every earlier one is too.
+    fn stored(&mut self, receipt: Receipt) {
+        let inbox = &mut self.inboxes[receipt.datacenter];
+        if inbox.epoch == receipt.epoch {
+            inbox.held.remove(&receipt.number);
+        }
+    }
+
+    fn acknowledged(&mut self, place: &GeoPlace, from: NodeId, ack: (Version, Version, u64, u64)) {
+        let (epoch, copy, delivered, stored) = ack;
         if let Some(datacenter) = place.datacenter_of(from) {
-            self.outboxes[datacenter].acknowledged(epoch, through);
+            self.outboxes[datacenter].acknowledged(epoch, copy, delivered, stored);
         }
     }
 
@@ -542,10 +635,11 @@ impl Streams {
 
     /// On a tick: what to resend, and, given a `clock`, a heartbeat with it
     /// for each other datacenter (sent every tick: it is what lets the
-    /// stable time pass an idle partition).
+    /// stable time pass an idle partition); and what has been stored since
+    /// the last acknowledgement.
     fn on_tick(&mut self, place: &GeoPlace, clock: Option<Version>, now: Time) -> Vec<(NodeId, GeoMessage)> {
         let mut sends = Vec::new();
-        for (datacenter, outbox) in self.outboxes.iter_mut().enumerate() {
+        for (datacenter, (outbox, inbox)) in self.outboxes.iter_mut().zip(&mut self.inboxes).enumerate() {
             if datacenter == place.datacenter {
                 continue;
             }
@@ -555,11 +649,14 @@ impl Streams {
                 let (epoch, oldest, through) = (outbox.epoch, outbox.first, outbox.sent_through());
                 sends.push((to, GeoMessage::Heartbeat { epoch, oldest, clock, through }));
             }
+            if inbox.acknowledgement_due(now) {
+                sends.push((to, inbox.acknowledge(self.epoch, now)));
+            }
         }
         sends
     }
 
-    /// Whether every write shipped has been acknowledged.
+    /// Whether every write shipped has been stored by the copies.
     fn drained(&self) -> bool {
         self.outboxes.iter().all(|outbox| outbox.unacked.is_empty())
     }
@@ -971,18 +1068,29 @@ impl Partition {
 
     /// Takes a message of writes from another datacenter (its stream's
     /// epoch, oldest write held and first write sent): acknowledges it and
-    /// returns the writes now delivered in order.
+    /// returns the writes now delivered in order, each with the receipt
+    /// to hand to [`Partition::stored`] once it is stored.
     fn receive<const FAMILY: u8>(
         &mut self,
         from: NodeId,
         stream: (Version, u64, u64),
         writes: Vec<Replicated>,
         fx: &mut Effects,
-    ) -> Vec<Replicated> {
+    ) -> Vec<(Receipt, Replicated)> {
         let place = self.place.as_ref().expect("placed");
-        let Some((ready, ack)) = self.streams.receive(place, from, stream, writes) else { return Vec::new() };
+        let Some((ready, ack)) = self.streams.receive(place, from, stream, writes, fx.now()) else {
+            return Vec::new();
+        };
         self.send::<FAMILY>(fx, vec![(from, ack)]);
         ready
+    }
+
+    /// Stores a write delivered from another datacenter (if it outranks
+    /// what the key holds) and tells its stream.
+    fn store_delivered(&mut self, receipt: Receipt, write: &Replicated) -> Result<(), OperationError> {
+        store(&*self.engine, &write.key, &Stored::of(write))?;
+        self.streams.stored(receipt);
+        Ok(())
     }
 
     /// The datacenter whose copy of this partition took `origin`'s writes.
@@ -1034,7 +1142,9 @@ mod tests {
             (version(), any::<u64>(), any::<u64>(), proptest::collection::vec(replicated(), 0..4)).prop_map(
                 |(epoch, oldest, first, writes)| GeoMessage::Writes { epoch, oldest, first, writes }
             ),
-            (version(), any::<u64>()).prop_map(|(epoch, through)| GeoMessage::Ack { epoch, through }),
+            (version(), version(), any::<u64>(), any::<u64>()).prop_map(
+                |(epoch, copy, delivered, stored)| GeoMessage::Ack { epoch, copy, delivered, stored }
+            ),
             (version(), any::<u64>(), version(), any::<u64>()).prop_map(|(epoch, oldest, clock, through)| {
                 GeoMessage::Heartbeat { epoch, oldest, clock, through }
             }),
@@ -1103,7 +1213,10 @@ mod tests {
             for (first, count) in deliveries {
                 let writes = (first..first + count as u64).map(numbered).collect();
                 let ready = inbox.receive(Version(1), 1, first, writes).expect("one stream");
-                delivered.extend(ready.into_iter().map(|write| write.version.0));
+                for (number, write) in ready {
+                    prop_assert_eq!(number, write.version.0);
+                    delivered.push(number);
+                }
             }
             let expected: Vec<u64> = (1..=delivered.len() as u64).collect();
             prop_assert_eq!(delivered, expected);
@@ -1128,8 +1241,8 @@ mod tests {
     /// peer's stream from the oldest write not yet acknowledged.
     #[test]
     fn streams_that_start_again_are_taken_from_their_oldest_numbered() {
-        let numbers = |ready: Option<Vec<Replicated>>| -> Option<Vec<u64>> {
-            ready.map(|ready| ready.iter().map(|write| write.version.0).collect())
+        let numbers = |ready: Option<Vec<(u64, Replicated)>>| -> Option<Vec<u64>> {
+            ready.map(|ready| ready.iter().map(|(_, write)| write.version.0).collect())
         };
         let mut inbox = Inbox::default();
         assert_eq!(
@@ -1306,14 +1419,86 @@ mod tests {
         assert!(matches!(resent, Some(GeoMessage::Writes { first: 1, ref writes, .. }) if writes.len() == 1));
         let resent = outbox.resend(RESEND_MS + 20);
         assert!(matches!(resent, Some(GeoMessage::Writes { first: 2, ref writes, .. }) if writes.len() == 2));
-        outbox.acknowledged(Version(7), 3);
+        let copy = Version(5);
+        outbox.acknowledged(Version(7), copy, 3, 3);
         assert_eq!(outbox.unacked.len(), 3, "an earlier stream's acknowledgement counts nothing");
-        outbox.acknowledged(Version::default(), 2);
+        outbox.acknowledged(Version::default(), copy, 2, 2);
         assert_eq!(outbox.resend(2 * RESEND_MS + 19), None, "the third was resent since");
         let resent = outbox.resend(2 * RESEND_MS + 20);
         assert!(matches!(resent, Some(GeoMessage::Writes { first: 3, ref writes, .. }) if writes.len() == 1));
-        outbox.acknowledged(Version::default(), 3);
+        outbox.acknowledged(Version::default(), copy, 3, 3);
         assert_eq!(outbox.resend(10 * RESEND_MS), None);
         assert_eq!(outbox.sent_through(), 3);
+    }
+
+    /// A write the copy has delivered but not stored (held until it is
+    /// visible) is kept and not resent; once stored it is dropped; if the
+    /// copy starts again before storing it, it is sent again.
+    #[test]
+    fn an_outbox_keeps_what_a_copy_holds_until_it_is_stored() {
+        let (stream, before, after) = (Version(3), Version(10), Version(20));
+        let mut outbox = Outbox { epoch: stream, ..Outbox::default() };
+        for number in 1..=4 {
+            outbox.push(numbered(number), 0);
+        }
+        outbox.acknowledged(stream, before, 4, 1);
+        assert_eq!(outbox.first, 2, "the stored one is dropped");
+        assert_eq!(outbox.resend(10 * RESEND_MS), None, "delivered ones wait where they are held");
+        outbox.acknowledged(stream, before, 4, 2);
+        assert_eq!(outbox.first, 3);
+        // An acknowledgement from the copy before it started again, late.
+        outbox.acknowledged(stream, Version(9), 1, 1);
+        assert_eq!((outbox.first, outbox.resend(10 * RESEND_MS)), (3, None));
+        // The copy starts again: what it held is gone, so it is resent.
+        outbox.acknowledged(stream, after, 2, 2);
+        let resent = outbox.resend(10 * RESEND_MS);
+        assert!(
+            matches!(resent, Some(GeoMessage::Writes { oldest: 3, first: 3, ref writes, .. }) if writes.len() == 2)
+        );
+        outbox.acknowledged(stream, after, 4, 4);
+        assert!(outbox.unacked.is_empty());
+    }
+
+    /// COPS stores writes out of order: an inbox acknowledges as stored the
+    /// run below the oldest it still holds, says so on a tick once that
+    /// moves, and again after a while in case it was lost.
+    #[test]
+    fn an_inbox_acknowledges_the_run_it_has_stored() {
+        let place = GeoPlace {
+            datacenter: 0,
+            partition: 0,
+            replicas: vec![NodeId(0), NodeId(1)],
+            siblings: vec![NodeId(0)],
+            shards: vec![0],
+        };
+        let (copy, stream) = (Version(1), Version(2));
+        let mut streams = Streams::new(2, copy);
+        let writes = (1..=3).map(numbered).collect();
+        let (ready, ack) = streams.receive(&place, NodeId(1), (stream, 1, 1), writes, 0).expect("delivered");
+        assert_eq!(ack, GeoMessage::Ack { epoch: stream, copy, delivered: 3, stored: 0 });
+        let acks = |streams: &mut Streams, now| -> Vec<GeoMessage> {
+            let sends = streams.on_tick(&place, None, now);
+            sends
+                .into_iter()
+                .map(|(_, message)| message)
+                .filter(|message| matches!(message, GeoMessage::Ack { .. }))
+                .collect()
+        };
+        assert_eq!(acks(&mut streams, 1), vec![], "nothing new to say");
+        streams.stored(ready[1].0);
+        streams.stored(Receipt { epoch: Version(1), ..ready[0].0 }); // of an earlier stream
+        assert_eq!(acks(&mut streams, 2), vec![], "the first is still held");
+        streams.stored(ready[0].0);
+        assert_eq!(
+            acks(&mut streams, 3),
+            vec![GeoMessage::Ack { epoch: stream, copy, delivered: 3, stored: 2 }]
+        );
+        streams.stored(ready[2].0);
+        assert_eq!(
+            acks(&mut streams, 4),
+            vec![GeoMessage::Ack { epoch: stream, copy, delivered: 3, stored: 3 }]
+        );
+        assert_eq!(acks(&mut streams, 4 + RESEND_MS - 1), vec![]);
+        assert_eq!(acks(&mut streams, 4 + RESEND_MS).len(), 1, "said again in case it was lost");
     }
 }

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use tessera_engine::Engine;
 
-use super::{call_of, read, reply_for, store, Call, GeoMessage, Partition, Replicated, Stabilizer, Stored};
+use super::{call_of, read, reply_for, Call, GeoMessage, Partition, Receipt, Replicated, Stabilizer};
 use crate::{
     CausalContext, ClientReply, ClientRequest, Effects, NodeId, OperationError, PeerMessage, Progress,
     Protocol, ShardView, Version,
@@ -35,7 +35,7 @@ pub struct CausalSpartan {
     /// The datacenter stable vector.
     stable: Vec<Version>,
     /// Writes from other datacenters not yet visible, in arrival order.
-    pending: Vec<Replicated>,
+    pending: Vec<(Receipt, Replicated)>,
     /// A deliberately broken variant for the checker's tests: writes from
     /// elsewhere are visible without the DSV check.
     #[cfg(feature = "broken")]
@@ -150,9 +150,9 @@ impl CausalSpartan {
         let here = self.partition.place.as_ref().expect("placed").datacenter;
         let mut index = 0;
         while index < self.pending.len() {
-            if self.visible(&self.pending[index], here) {
-                let write = self.pending.remove(index);
-                store(&*self.partition.engine, &write.key, &Stored::of(&write))?;
+            if self.visible(&self.pending[index].1, here) {
+                let (receipt, write) = self.pending.remove(index);
+                self.partition.store_delivered(receipt, &write)?;
             } else {
                 index += 1;
             }
@@ -172,22 +172,26 @@ impl Protocol for CausalSpartan {
         match message {
             GeoMessage::Writes { epoch, oldest, first, writes } => {
                 let datacenters = place.datacenters();
-                for write in self.partition.receive::<FAMILY>(from, (epoch, oldest, first), writes, fx) {
+                for (receipt, write) in
+                    self.partition.receive::<FAMILY>(from, (epoch, oldest, first), writes, fx)
+                {
                     if write.vector.len() != datacenters {
                         tracing::warn!(%from, "dropped a causal write whose vector names another number of datacenters");
+                        // Sent again it would be dropped again.
+                        self.partition.streams.stored(receipt);
                         continue;
                     }
                     // The clock keeps up with the writes it sees, unless one
                     // comes from a clock far ahead.
                     let _ = self.partition.clock.observe_remote(write.version, fx.now());
-                    self.pending.push(write);
+                    self.pending.push((receipt, write));
                 }
                 if let Err(error) = self.make_visible() {
                     self.partition.engine_failed(error);
                 }
             }
-            GeoMessage::Ack { epoch, through } => {
-                self.partition.streams.acknowledged(place, from, epoch, through)
+            GeoMessage::Ack { epoch, copy, delivered, stored } => {
+                self.partition.streams.acknowledged(place, from, (epoch, copy, delivered, stored))
             }
             GeoMessage::Heartbeat { epoch, oldest, clock, through } => {
                 self.partition.streams.heartbeat(place, from, (epoch, oldest, through), clock)
