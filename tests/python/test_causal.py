@@ -269,6 +269,42 @@ def test_writes_a_copy_held_unseen_when_killed_are_sent_again(tmp_path):
         cluster.down()
 
 
+def test_writes_a_killed_partition_had_not_shipped_reach_the_other_datacenter(tmp_path):
+    """With datacenter 1's copy of partition 0 down, datacenter 0's
+    partition 0 takes writes it cannot ship; killed with kill -9 before the
+    copy is back, it finds them in its engine when it starts again (past the
+    horizon it keeps: what every copy has stored) and ships them, so the
+    copy gets them once both are back."""
+    cluster = LocalCluster(tmp_path, "cops", topology="aa", options=[
+        "--datacenters", str(DATACENTERS), "--engine", "log"])
+    cluster.up(NODES)
+    try:
+        writer = redis.Redis(port=cluster.port(0), protocol=2, socket_timeout=5)
+        tag = next(tag for tag in "abcdefghij" if writer.cluster("keyslot", f"{{{tag}}}") < 16384 // 3)
+        copy = NODES // DATACENTERS
+        cluster.cli("kill", str(copy))
+        for index in range(20):
+            writer.set(f"{{{tag}}}unshipped-{index}", index)
+        cluster.cli("kill", "0")
+        cluster.cli("restart", "0")
+        cluster.cli("restart", str(copy))
+        restarted = redis.Redis(port=cluster.port(copy), protocol=2, socket_timeout=5)
+        expected = [str(index).encode() for index in range(20)]
+        deadline = time.time() + 20
+        while True:
+            try:
+                shown = [restarted.get(f"{{{tag}}}unshipped-{index}") for index in range(20)]
+            except (redis.ConnectionError, redis.exceptions.TryAgainError):
+                shown = None
+            if shown == expected:
+                break
+            assert time.time() < deadline, shown
+            time.sleep(0.1)
+        assert "ships again the writes it took past its horizon" in cluster.log("node-0")
+    finally:
+        cluster.down()
+
+
 def test_a_copy_restarted_over_its_data_catches_up_and_is_caught_up_with(tmp_path):
     """On the log engine, a datacenter-1 copy killed with kill -9 misses the
     writes datacenter 0 takes meanwhile, gets them once it is back, and its

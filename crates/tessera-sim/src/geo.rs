@@ -9,8 +9,11 @@
 //!
 //! Each seed draws its faults: clock skew per node, one-way delay between
 //! datacenters with jitter (so messages overtake each other), loss and
-//! duplication, datacenters cut off from each other for a while, and nodes
-//! that pause (a process stopped, its state kept). After the run the
+//! duplication, datacenters cut off from each other for a while, nodes
+//! that pause (a process stopped, its state kept), and nodes that restart
+//! over their data (a process killed and started again on a persistent
+//! engine: its protocol's memory lost, its engine kept; the requests it had
+//! taken go unanswered, as to a client whose connection broke). After the run the
 //! network heals and writes stop; the history goes to
 //! [`crate::checks::causal`], and every datacenter must then show each key
 //! at the same value (convergence) with nothing left in flight.
@@ -110,8 +113,11 @@ enum Event {
         from: usize,
         message: PeerMessage,
     },
+    /// A session's request, sent to the node's `incarnation`: one that
+    /// restarted since never takes it (the connection it came by broke).
     Request {
         to: usize,
+        incarnation: u32,
         request: ClientRequest,
     },
     Tick(usize),
@@ -119,6 +125,8 @@ enum Event {
     EarlyTick(usize),
     /// A session issues its next operation.
     Wake(usize),
+    /// A node is killed and started again over its engine.
+    Restart(usize),
     Reply {
         session: usize,
         request: RequestId,
@@ -146,6 +154,8 @@ struct Faults {
     cuts: Vec<(u64, u64)>,
     /// Per node, windows in which it is paused.
     pauses: Vec<Vec<(u64, u64)>>,
+    /// When each node restarts, if it does.
+    restarts: Vec<Option<u64>>,
 }
 
 impl Faults {
@@ -159,6 +169,7 @@ impl Faults {
             duplication: 0.0,
             cuts: Vec::new(),
             pauses: vec![Vec::new(); nodes],
+            restarts: vec![None; nodes],
         }
     }
 
@@ -184,7 +195,8 @@ impl Faults {
                 false => Vec::new(),
             })
             .collect();
-        Self { skew, delay_ms, jitter_ms, loss, duplication, cuts, pauses }
+        let restarts = (0..nodes).map(|_| rng.chance(0.15).then(|| rng.between(50, run_ms))).collect();
+        Self { skew, delay_ms, jitter_ms, loss, duplication, cuts, pauses, restarts }
     }
 
     fn describe(&self) -> Vec<String> {
@@ -196,6 +208,9 @@ impl Faults {
         faults.extend(self.cuts.iter().map(|(from, to)| format!("datacenters cut off {from}..{to} ms")));
         for (node, pauses) in self.pauses.iter().enumerate() {
             faults.extend(pauses.iter().map(|(from, to)| format!("node {node} paused {from}..{to} ms")));
+        }
+        for (node, at) in self.restarts.iter().enumerate() {
+            faults.extend(at.map(|at| format!("node {node} restarted over its data at {at} ms")));
         }
         faults
     }
@@ -216,6 +231,8 @@ struct Geo {
     bodies: std::collections::HashMap<usize, Event>,
     next_body: usize,
     nodes: Vec<Box<dyn Protocol>>,
+    /// How many times each node has restarted.
+    incarnations: Vec<u32>,
     places: Vec<GeoPlace>,
     sessions: Vec<Session>,
     keys: Vec<Bytes>,
@@ -331,7 +348,9 @@ impl Geo {
             completed_at: u64::MAX,
         }));
         let to = self.node(datacenter, self.places[0].partition_of(&key));
-        self.schedule(self.now, Event::Request { to, request: ClientRequest { id: request, operation } });
+        let incarnation = self.incarnations[to];
+        let request = ClientRequest { id: request, operation };
+        self.schedule(self.now, Event::Request { to, incarnation, request });
     }
 
     fn on_reply(&mut self, session: usize, request: RequestId, reply: ClientReply) {
@@ -385,6 +404,11 @@ impl Geo {
         for session in 0..self.sessions.len() {
             self.schedule(0, Event::Wake(session));
         }
+        for (node, at) in self.faults.restarts.clone().into_iter().enumerate() {
+            if let Some(at) = at {
+                self.schedule(at, Event::Restart(node));
+            }
+        }
         let end = self.config.run_ms + self.config.quiet_ms;
         while let Some(Reverse((at, _, body))) = self.events.pop() {
             if at > end {
@@ -412,8 +436,10 @@ impl Geo {
                 Event::Deliver { to, from, message } => {
                     self.handle(to, |protocol, fx| protocol.on_peer(NodeId(from as u32), message, fx))
                 }
-                Event::Request { to, request } => {
-                    self.handle(to, |protocol, fx| protocol.on_client(request, fx))
+                Event::Request { to, incarnation, request } => {
+                    if incarnation == self.incarnations[to] {
+                        self.handle(to, |protocol, fx| protocol.on_client(request, fx))
+                    }
                 }
                 Event::Tick(node) => {
                     self.handle(node, |protocol, fx| protocol.on_tick(fx));
@@ -424,9 +450,38 @@ impl Geo {
                 Event::Wake(session) if self.now < self.config.run_ms => self.issue(session),
                 Event::Wake(_) => {}
                 Event::Reply { session, request, reply } => self.on_reply(session, request, reply),
+                Event::Restart(node) => self.restart(node),
             }
         }
         self.finish()
+    }
+
+    /// Kills `node` and starts it again over its engine. The operations its
+    /// sessions had in flight there are never answered: a put may have
+    /// taken effect, a get tells nothing; the sessions go on with the
+    /// context they hold (a client carrying its causal token).
+    fn restart(&mut self, node: usize) {
+        self.incarnations[node] += 1;
+        self.nodes[node] = self.config.mode.instance(
+            NodeId(node as u32),
+            self.engines[node].clone(),
+            Start::Open,
+            &Tuning::default(),
+        );
+        let view = ShardView::of_partition(self.places[node].clone());
+        self.handle(node, |protocol, fx| protocol.on_view(&view, fx));
+        for session in 0..self.sessions.len() {
+            let Some((at, _)) = self.sessions[session].in_flight else { continue };
+            let Some(operation) = &self.history[at] else { continue };
+            if self.node(operation.datacenter, self.places[0].partition_of(&operation.key)) != node {
+                continue;
+            }
+            if matches!(operation.call, CausalCall::Get { .. }) {
+                self.history[at] = None;
+            }
+            self.sessions[session].in_flight = None;
+            self.schedule(self.now + 1, Event::Wake(session));
+        }
     }
 
     /// Records the acknowledged writes whose value `node` now shows.
@@ -553,6 +608,7 @@ pub fn run(config: GeoConfig) -> GeoReport {
         bodies: Default::default(),
         next_body: 0,
         nodes: instances,
+        incarnations: vec![0; nodes],
         places,
         sessions,
         keys: keys(config.chains),

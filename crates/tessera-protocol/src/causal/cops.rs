@@ -92,6 +92,11 @@ pub struct Cops {
     blocked: HashMap<(NodeId, Version), Vec<u64>>,
     /// Waiting writes whose dependencies are all met, to apply.
     ready: Vec<u64>,
+    /// Waiting writes shipped again by a partition that started over its
+    /// data, without their dependencies, by version: each waits (as one of
+    /// its `local` dependencies) until every partition here has committed
+    /// every write stamped before it.
+    recovered: BTreeSet<(Version, u64)>,
     checks: BTreeMap<u64, Check>,
     next_id: u64,
     /// Checks from siblings for writes not committed yet, by the key they
@@ -124,6 +129,7 @@ impl Cops {
             uncommitted: BTreeSet::new(),
             blocked: HashMap::new(),
             ready: Vec::new(),
+            recovered: BTreeSet::new(),
             checks: BTreeMap::new(),
             next_id: 0,
             asked: HashMap::new(),
@@ -192,6 +198,7 @@ impl Cops {
                     value: value.clone(),
                     vector: Vec::new(),
                     dependencies,
+                    recovered: false,
                 };
                 self.partition.write_here::<FAMILY>(write, fx)?;
                 // The put is the session's one nearest dependency now.
@@ -243,6 +250,10 @@ impl Cops {
                 self.checks.insert(check, Check { waiting: id, owner, dependency });
                 waiting.checks += 1;
             }
+        }
+        if waiting.write.recovered {
+            self.recovered.insert((waiting.write.version, id));
+            waiting.local += 1;
         }
         if waiting.local == 0 && waiting.checks == 0 {
             self.ready.push(id);
@@ -323,6 +334,18 @@ impl Cops {
             self.partition.send::<FAMILY>(fx, sends);
         }
         let stable = self.partition.stabilize::<FAMILY>(&mut self.stabilizer, &self.committed_through, fx);
+        // Recovered writes whose past has been committed here.
+        while let Some(&(version, id)) = self.recovered.first() {
+            if Version(version.0.saturating_sub(1)) > stable[place.datacenter] {
+                break;
+            }
+            self.recovered.pop_first();
+            let waiting = self.waiting.get_mut(&id).expect("a recovered write waits");
+            waiting.local -= 1;
+            if waiting.local == 0 && waiting.checks == 0 {
+                self.ready.push(id);
+            }
+        }
         self.checkpoint = self.checkpoint.max(stable.into_iter().min().unwrap_or_default());
     }
 
@@ -416,8 +439,11 @@ impl Protocol for Cops {
 
     fn on_tick(&mut self, fx: &mut Effects) {
         let Some(place) = self.partition.place.clone() else { return };
-        self.partition.heartbeat::<FAMILY>(fx);
+        self.partition.tick::<FAMILY>(fx, true);
         self.collect_garbage(&place, fx);
+        if let Err(error) = self.apply_ready(fx) {
+            self.partition.engine_failed(error);
+        }
         if fx.now() >= self.last_resend + RESEND_MS {
             self.last_resend = fx.now();
             for (check, sent) in &self.checks {

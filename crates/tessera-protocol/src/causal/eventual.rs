@@ -42,8 +42,15 @@ impl Eventual {
                 let version = self.partition.clock.tick(fx.now());
                 let origin = self.partition.me;
                 let value = value.clone();
-                let write =
-                    Replicated { key, version, origin, value, vector: Vec::new(), dependencies: Vec::new() };
+                let write = Replicated {
+                    key,
+                    version,
+                    origin,
+                    value,
+                    vector: Vec::new(),
+                    dependencies: Vec::new(),
+                    recovered: false,
+                };
                 self.partition.write_here::<FAMILY>(write, fx)?;
                 Ok(reply_for(&call, causal, None, CausalContext::Empty))
             }
@@ -78,9 +85,9 @@ impl Protocol for Eventual {
     }
 
     fn on_tick(&mut self, fx: &mut Effects) {
-        let Some(place) = self.partition.place.clone() else { return };
-        let sends = self.partition.streams.on_tick(&place, None, fx.now());
-        self.partition.send::<FAMILY>(fx, sends);
+        if self.partition.place.is_some() {
+            self.partition.tick::<FAMILY>(fx, false);
+        }
     }
 
     fn on_view(&mut self, view: &ShardView, fx: &mut Effects) {

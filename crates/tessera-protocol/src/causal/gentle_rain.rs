@@ -88,6 +88,9 @@ impl GentleRain {
             let engine = self.partition.engine.clone();
             match call {
                 Call::Get => {
+                    if !self.partition.caught_up() {
+                        return Ok(Some(ClientReply::Retry(super::CATCHING_UP)));
+                    }
                     // GET (Algorithm 2): adopt the client's GST, then read
                     // the newest version that is local or stable.
                     self.raise_stable(stable)?;
@@ -120,6 +123,7 @@ impl GentleRain {
                         value: value.clone(),
                         vector: Vec::new(),
                         dependencies: Vec::new(),
+                        recovered: false,
                     };
                     self.partition.write_here::<FAMILY>(write, fx)?;
                     let context =
@@ -216,7 +220,7 @@ impl Protocol for GentleRain {
         self.waiting.extend(waiting);
         // HEARTBEAT, and the GST: the minimum over partitions and other
         // datacenters.
-        self.partition.heartbeat::<FAMILY>(fx);
+        self.partition.tick::<FAMILY>(fx, true);
         let stable =
             self.partition.stabilize::<FAMILY>(&mut self.stabilizer, &self.partition.streams.received, fx);
         let global = (0..place.datacenters()).filter(|&at| at != place.datacenter).map(|at| stable[at]).min();

@@ -22,7 +22,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use bytes::{BufMut, Bytes};
-use tessera_engine::Engine;
+use tessera_engine::{Engine, KeyRange, ScanCursor};
 use tessera_wire::slot::{key_slot, SLOTS};
 
 use crate::codec::{put_bytes, put_optional, put_u64s, CodecError, Family, Message, Reader};
@@ -144,6 +144,11 @@ pub struct Replicated {
     pub vector: Vec<Version>,
     /// COPS: the write's nearest dependencies.
     pub dependencies: Vec<Dependency>,
+    /// Shipped again from the engine by a partition that started over its
+    /// data ([`Partition::placed_by`]): a stored record does not keep COPS's
+    /// dependencies, so a COPS copy waits until its datacenter has
+    /// committed every write stamped before this one.
+    pub recovered: bool,
 }
 
 /// Every causal protocol's messages; each protocol sends them under its own
@@ -251,6 +256,7 @@ impl GeoMessage {
                     put_optional(out, &write.value);
                     put_versions(out, &write.vector);
                     put_dependencies(out, &write.dependencies);
+                    out.put_u8(u8::from(write.recovered));
                 }
             }
             GeoMessage::Ack { epoch, copy, delivered, stored } => {
@@ -291,8 +297,8 @@ impl GeoMessage {
         Ok(match reader.u8()? {
             WRITES => {
                 let (epoch, oldest, first) = (Version(reader.u64()?), reader.u64()?, reader.u64()?);
-                // A key's length, version, origin, a flag, two counts.
-                let count = reader.count(4 + 8 + 4 + 1 + 4 + 4)?;
+                // A key's length, version, origin, a flag, two counts, a flag.
+                let count = reader.count(4 + 8 + 4 + 1 + 4 + 4 + 1)?;
                 let writes = (0..count)
                     .map(|_| {
                         Ok(Replicated {
@@ -302,6 +308,7 @@ impl GeoMessage {
                             value: reader.optional()?,
                             vector: versions(reader)?,
                             dependencies: dependencies(reader)?,
+                            recovered: reader.u8()? != 0,
                         })
                     })
                     .collect::<Result<_, CodecError>>()?;
@@ -358,8 +365,9 @@ impl<const FAMILY: u8> Message for Tagged<FAMILY> {
 #[derive(Debug, Default)]
 struct Outbox {
     epoch: Version,
-    /// Each write not yet stored by the copy, and when it was last sent.
-    unacked: VecDeque<(Replicated, Time)>,
+    /// Each write not yet stored by the copy, and when it was last sent
+    /// (`None`: queued, not sent yet).
+    unacked: VecDeque<(Replicated, Option<Time>)>,
     /// The number of `unacked`'s first write.
     first: u64,
     /// The copy has delivered every write through this one: they are kept
@@ -369,6 +377,10 @@ struct Outbox {
     /// (it started again and lost what it held) has everything from
     /// `first` resent.
     copy: Version,
+    /// The newest write pushed, or the horizon a partition that started
+    /// again recovered from: writes are pushed in the order they are
+    /// stamped.
+    last_pushed: Version,
 }
 
 impl Outbox {
@@ -383,10 +395,31 @@ impl Outbox {
 
     /// Queues `write`; the message that sends it now.
     fn push(&mut self, write: Replicated, now: Time) -> GeoMessage {
+        let number = self.queue(write.clone());
+        self.unacked.back_mut().expect("just queued").1 = Some(now);
+        GeoMessage::Writes { epoch: self.epoch, oldest: self.first, first: number, writes: vec![write] }
+    }
+
+    /// Queues `write` to be sent on the next ticks; its number.
+    fn queue(&mut self, write: Replicated) -> u64 {
+        assert!(
+            write.version > self.last_pushed,
+            "a stream carries its writes in the order they were stamped"
+        );
         self.first = self.first.max(1);
         let number = self.next();
-        self.unacked.push_back((write.clone(), now));
-        GeoMessage::Writes { epoch: self.epoch, oldest: self.first, first: number, writes: vec![write] }
+        self.last_pushed = write.version;
+        self.unacked.push_back((write, None));
+        number
+    }
+
+    /// Every write of this partition's stamped up to the result is stored
+    /// by the copy.
+    fn stored_up_to(&self) -> Version {
+        match self.unacked.front() {
+            Some((oldest, _)) => Version(oldest.version.0.saturating_sub(1)),
+            None => self.last_pushed,
+        }
     }
 
     /// The copy `copy` has delivered this stream through `delivered` and
@@ -409,12 +442,29 @@ impl Outbox {
     /// The first run of writes that have waited long enough, as much of it
     /// as one message carries: called every tick, so a backlog (after a
     /// cut-off) drains a message a tick, not a message a round trip.
+    /// Writes the copy has delivered are held there, not resent; while it
+    /// holds them, an empty message asks every [`RESEND_MS`] for an
+    /// acknowledgement, so that a copy that started again (and lost them)
+    /// says so even when nothing else is sent to it.
     fn resend(&mut self, now: Time) -> Option<GeoMessage> {
-        let due = |sent: Time| sent + RESEND_MS <= now;
-        // Writes the copy has delivered are held there, not lost.
-        let undelivered = (self.delivered + 1).saturating_sub(self.first) as usize;
-        let start = undelivered
-            + self.unacked.iter().skip(undelivered).take(RESEND_SCAN).position(|(_, sent)| due(*sent))?;
+        let due = |sent: Option<Time>| sent.is_none_or(|sent| sent + RESEND_MS <= now);
+        let held_there = ((self.delivered + 1).saturating_sub(self.first) as usize).min(self.unacked.len());
+        let Some(position) =
+            self.unacked.iter().skip(held_there).take(RESEND_SCAN).position(|(_, sent)| due(*sent))
+        else {
+            let (_, oldest_sent) = self.unacked.front_mut().filter(|_| held_there > 0)?;
+            if !due(*oldest_sent) {
+                return None;
+            }
+            *oldest_sent = Some(now);
+            return Some(GeoMessage::Writes {
+                epoch: self.epoch,
+                oldest: self.first,
+                first: self.next(),
+                writes: Vec::new(),
+            });
+        };
+        let start = held_there + position;
         let mut batch = BatchBytes::default();
         let mut writes = Vec::new();
         for (write, sent) in self.unacked.iter_mut().skip(start) {
@@ -422,7 +472,7 @@ impl Outbox {
             if !due(*sent) || writes.len() == RESEND_COUNT_MAX || !batch.admits(bytes) {
                 break;
             }
-            *sent = now;
+            *sent = Some(now);
             writes.push(write.clone());
         }
         Some(GeoMessage::Writes {
@@ -510,15 +560,26 @@ impl Inbox {
     }
 
     /// Whether a message of stream `epoch`, which holds every write from
-    /// `oldest` on not yet acknowledged, is of the stream this inbox takes:
+    /// `oldest` on not yet stored here, is of the stream this inbox takes:
     /// a new stream (the sender, or this partition, started again, or
     /// nothing of it has arrived yet) is taken up from `oldest`, one of an
-    /// earlier stream is not.
+    /// earlier stream is not. Writes below `oldest` are in this engine
+    /// already (only this copy's acknowledgements drop them, and a copy
+    /// that started again has them from before), so the inbox moves past
+    /// them, holding and awaiting none of them.
     fn take_up(&mut self, epoch: Version, oldest: u64) -> bool {
         if epoch > self.epoch {
             *self = Inbox { epoch, delivered: oldest.saturating_sub(1), ..Inbox::default() };
         }
-        epoch == self.epoch
+        if epoch != self.epoch {
+            return false;
+        }
+        if oldest > self.delivered + 1 {
+            self.delivered = oldest - 1;
+            self.early = self.early.split_off(&oldest);
+        }
+        self.held = self.held.split_off(&oldest);
+        true
     }
 }
 
@@ -654,6 +715,13 @@ impl Streams {
             }
         }
         sends
+    }
+
+    /// Every write this partition took stamped up to the result is stored
+    /// in every other datacenter.
+    fn horizon(&self, place: &GeoPlace) -> Version {
+        let others = self.outboxes.iter().enumerate().filter(|(at, _)| *at != place.datacenter);
+        others.map(|(_, outbox)| outbox.stored_up_to()).min().unwrap_or_default()
     }
 
     /// Whether every write shipped has been stored by the copies.
@@ -792,6 +860,10 @@ enum Call {
 
 /// Why a partition asks a client to retry before a view has placed it.
 const UNPLACED: &str = "this partition has no place yet";
+
+/// Why a partition that started over its data asks readers to retry.
+const CATCHING_UP: &str =
+    "this partition restarted and is receiving again the writes from other datacenters it held unseen";
 
 /// Why a causal partition refuses a strong read: no copy here is
 /// linearizable.
@@ -957,15 +1029,47 @@ struct Partition {
     place: Option<GeoPlace>,
     streams: Streams,
     clock: Hlc,
+    /// The horizon last kept in the engine ([`horizon_key`]), and when.
+    horizon_kept: Version,
+    horizon_kept_at: Time,
+    /// Set when the partition started over data: the writes from elsewhere
+    /// it held unstored were lost with the process, so until every other
+    /// datacenter's stream has been received up to this time (the senders
+    /// resend them first), it serves no reads that count on a stable time.
+    catching_up_from: Option<Version>,
 }
+
+/// Where a partition keeps its horizon: every write it took stamped up to
+/// it is stored in every other datacenter, so a partition that starts
+/// again over its data ships again only what it took after.
+fn horizon_key() -> Bytes {
+    tessera_engine::reserved::named("causal-horizon")
+}
+
+/// How often a partition keeps its horizon, when it has moved.
+const HORIZON_KEEP_MS: Time = 1_000;
+/// Records a recovering partition reads from its engine at a time.
+const RECOVERY_PAGE: usize = 1024;
 
 impl Partition {
     fn new(me: NodeId, engine: Arc<dyn Engine>) -> Self {
-        Self { me, engine, place: None, streams: Streams::default(), clock: Hlc::default() }
+        Self {
+            me,
+            engine,
+            place: None,
+            streams: Streams::default(),
+            clock: Hlc::default(),
+            horizon_kept: Version::default(),
+            horizon_kept_at: 0,
+            catching_up_from: None,
+        }
     }
 
     /// Takes the place a view gives, the first time: whether it was new.
-    /// A partition does not move (a layout change is not built).
+    /// A partition does not move (a layout change is not built). A
+    /// partition that starts over its data queues for every other
+    /// datacenter the writes it took past its horizon, oldest first, before
+    /// it serves: its outboxes died with the process that held them.
     fn placed_by(&mut self, view: &ShardView, now: Time) -> bool {
         let Some(place) = view.geo.as_ref() else { return false };
         if !place.is_well_formed()
@@ -982,10 +1086,109 @@ impl Partition {
             }
             Some(_) => false,
             None => {
-                self.streams = Streams::new(place.datacenters(), self.clock.tick(now));
+                let (horizon, recovered, held_data) = match self.recover(place, now) {
+                    Ok(recovered) => recovered,
+                    Err(error) => {
+                        tracing::error!(replica = %self.me, %error, "a causal partition could not read back the writes it took; it stays unplaced");
+                        return false;
+                    }
+                };
+                let epoch = self.clock.tick(now);
+                self.streams = Streams::new(place.datacenters(), epoch);
+                self.catching_up_from = held_data.then_some(epoch);
+                for (datacenter, outbox) in self.streams.outboxes.iter_mut().enumerate() {
+                    if datacenter != place.datacenter {
+                        outbox.last_pushed = horizon;
+                        for write in &recovered {
+                            outbox.queue(write.clone());
+                        }
+                    }
+                }
+                if !recovered.is_empty() {
+                    tracing::info!(replica = %self.me, writes = recovered.len(), "a causal partition ships again the writes it took past its horizon");
+                }
+                (self.horizon_kept, self.horizon_kept_at) = (horizon, now);
                 self.place = Some(place.clone());
                 true
             }
+        }
+    }
+
+    /// The horizon kept in the engine, the writes of this partition's
+    /// engine that this node took past it, oldest first, and whether the
+    /// engine held any write of this partition; the clock moves past every
+    /// version read, so that no later write is stamped below one already
+    /// stored.
+    fn recover(
+        &mut self,
+        place: &GeoPlace,
+        now: Time,
+    ) -> Result<(Version, Vec<Replicated>, bool), OperationError> {
+        // A horizon that does not read as one ships everything again.
+        let horizon = self
+            .engine
+            .get(&horizon_key())?
+            .and_then(|raw| <[u8; 8]>::try_from(raw.as_ref()).ok())
+            .map_or(Version::default(), |raw| Version(u64::from_le_bytes(raw)));
+        self.clock.observe(horizon, now);
+        let mut recovered = Vec::new();
+        let mut held_data = false;
+        let mut cursor = ScanCursor::start();
+        loop {
+            let page = self.engine.scan(&KeyRange::all(), &cursor, RECOVERY_PAGE)?;
+            for (key, raw) in page.entries {
+                if tessera_engine::reserved::is_reserved(&key) || place.partition_of(&key) != place.partition
+                {
+                    continue;
+                }
+                let Ok(stored) = Stored::decode(raw) else { continue };
+                held_data = true;
+                self.clock.observe(stored.version, now);
+                if stored.origin == self.me && stored.version > horizon {
+                    recovered.push(Replicated {
+                        key,
+                        version: stored.version,
+                        origin: stored.origin,
+                        value: stored.value,
+                        vector: stored.vector,
+                        dependencies: Vec::new(),
+                        recovered: true,
+                    });
+                }
+            }
+            match page.next {
+                Some(next) => cursor = next,
+                None => break,
+            }
+        }
+        recovered.sort_by_key(|write| write.version);
+        Ok((horizon, recovered, held_data))
+    }
+
+    /// Whether the partition may serve reads that count on a stable time:
+    /// it did not start over data, or it has since received every other
+    /// datacenter's stream up to when it started.
+    fn caught_up(&mut self) -> bool {
+        let Some(from) = self.catching_up_from else { return true };
+        let place = self.place.as_ref().expect("placed");
+        let received = &self.streams.received;
+        if (0..place.datacenters()).any(|at| at != place.datacenter && received[at] < from) {
+            return false;
+        }
+        self.catching_up_from = None;
+        true
+    }
+
+    /// Keeps the horizon in the engine when it has moved and it is time.
+    fn keep_horizon(&mut self, now: Time) {
+        let place = self.place.as_ref().expect("placed");
+        let horizon = self.streams.horizon(place);
+        if horizon <= self.horizon_kept || now < self.horizon_kept_at + HORIZON_KEEP_MS {
+            return;
+        }
+        match self.engine.put(&horizon_key(), Bytes::copy_from_slice(&horizon.0.to_le_bytes())) {
+            Ok(()) => (self.horizon_kept, self.horizon_kept_at) = (horizon, now),
+            Err(error) => self.engine_failed(error.into()),
         }
     }
 
@@ -1025,13 +1228,15 @@ impl Partition {
         fx.reply(id, reply);
     }
 
-    /// On a tick: resends, and heartbeats with a fresh clock (no later
-    /// write is stamped at or below it).
-    fn heartbeat<const FAMILY: u8>(&mut self, fx: &mut Effects) {
+    /// On a tick: resends, acknowledgements, the horizon kept, and, if
+    /// `heartbeats`, heartbeats with a fresh clock (no later write is
+    /// stamped at or below it).
+    fn tick<const FAMILY: u8>(&mut self, fx: &mut Effects, heartbeats: bool) {
         let place = self.place.as_ref().expect("placed");
-        let clock = self.clock.tick(fx.now());
-        let sends = self.streams.on_tick(place, Some(clock), fx.now());
+        let clock = heartbeats.then(|| self.clock.tick(fx.now()));
+        let sends = self.streams.on_tick(place, clock, fx.now());
         self.send::<FAMILY>(fx, sends);
+        self.keep_horizon(fx.now());
     }
 
     /// On a tick: gossips this partition's times `own` (by datacenter) to
@@ -1126,14 +1331,16 @@ mod tests {
             proptest::option::of(strategies::bytes()),
             proptest::collection::vec(version(), 0..4),
             proptest::collection::vec(dependency(), 0..4),
+            any::<bool>(),
         )
-            .prop_map(|(key, version, origin, value, vector, dependencies)| Replicated {
+            .prop_map(|(key, version, origin, value, vector, dependencies, recovered)| Replicated {
                 key,
                 version,
                 origin: NodeId(origin),
                 value,
                 vector,
                 dependencies,
+                recovered,
             })
     }
 
@@ -1232,6 +1439,7 @@ mod tests {
             value: None,
             vector: Vec::new(),
             dependencies: Vec::new(),
+            recovered: false,
         }
     }
 
@@ -1401,18 +1609,10 @@ mod tests {
 
     #[test]
     fn an_outbox_resends_until_acknowledged() {
-        let write = Replicated {
-            key: Bytes::from_static(b"k"),
-            version: Version(1),
-            origin: NodeId(1),
-            value: None,
-            vector: Vec::new(),
-            dependencies: Vec::new(),
-        };
         let mut outbox = Outbox::default();
-        assert!(matches!(outbox.push(write.clone(), 0), GeoMessage::Writes { first: 1, .. }));
-        assert!(matches!(outbox.push(write.clone(), 10), GeoMessage::Writes { first: 2, .. }));
-        assert!(matches!(outbox.push(write, 20), GeoMessage::Writes { first: 3, .. }));
+        assert!(matches!(outbox.push(numbered(1), 0), GeoMessage::Writes { first: 1, .. }));
+        assert!(matches!(outbox.push(numbered(2), 10), GeoMessage::Writes { first: 2, .. }));
+        assert!(matches!(outbox.push(numbered(3), 20), GeoMessage::Writes { first: 3, .. }));
         assert_eq!(outbox.resend(RESEND_MS - 1), None);
         // The first has waited long enough; the others not yet.
         let resent = outbox.resend(RESEND_MS);
@@ -1442,21 +1642,43 @@ mod tests {
             outbox.push(numbered(number), 0);
         }
         outbox.acknowledged(stream, before, 4, 1);
-        assert_eq!(outbox.first, 2, "the stored one is dropped");
-        assert_eq!(outbox.resend(10 * RESEND_MS), None, "delivered ones wait where they are held");
+        assert_eq!((outbox.first, outbox.stored_up_to()), (2, Version(1)), "the stored one is dropped");
+        // Delivered ones wait where they are held: an empty message asks,
+        // once a while, whether the copy still holds them.
+        let probe = GeoMessage::Writes { epoch: stream, oldest: 2, first: 5, writes: Vec::new() };
+        assert_eq!(outbox.resend(10 * RESEND_MS), Some(probe));
+        assert_eq!(outbox.resend(11 * RESEND_MS - 1), None);
         outbox.acknowledged(stream, before, 4, 2);
         assert_eq!(outbox.first, 3);
         // An acknowledgement from the copy before it started again, late.
         outbox.acknowledged(stream, Version(9), 1, 1);
-        assert_eq!((outbox.first, outbox.resend(10 * RESEND_MS)), (3, None));
+        assert_eq!(outbox.first, 3);
         // The copy starts again: what it held is gone, so it is resent.
         outbox.acknowledged(stream, after, 2, 2);
-        let resent = outbox.resend(10 * RESEND_MS);
+        let resent = outbox.resend(12 * RESEND_MS);
         assert!(
             matches!(resent, Some(GeoMessage::Writes { oldest: 3, first: 3, ref writes, .. }) if writes.len() == 2)
         );
         outbox.acknowledged(stream, after, 4, 4);
         assert!(outbox.unacked.is_empty());
+        assert_eq!(outbox.stored_up_to(), Version(4), "every write pushed is stored");
+    }
+
+    /// A copy that started again takes a stream up past what its sender no
+    /// longer holds (the copy stored it before it stopped), and what it held
+    /// below that is not waited for.
+    #[test]
+    fn an_inbox_moves_past_what_its_sender_has_dropped() {
+        let mut inbox = Inbox::default();
+        let ready = inbox.receive(Version(5), 1, 1, (1..=3).map(numbered).collect()).expect("delivered");
+        assert_eq!(ready.len(), 3);
+        assert_eq!(inbox.stored_through(), 0);
+        // The sender dropped 1..=6 (stored here, by this copy before).
+        let ready = inbox.receive(Version(5), 7, 8, vec![numbered(8)]).expect("one stream");
+        assert!(ready.is_empty(), "7 is still to come");
+        assert_eq!((inbox.delivered, inbox.stored_through()), (6, 6));
+        let ready = inbox.receive(Version(5), 7, 7, vec![numbered(7)]).expect("one stream");
+        assert_eq!(ready.iter().map(|(number, _)| *number).collect::<Vec<_>>(), vec![7, 8]);
     }
 
     /// COPS stores writes out of order: an inbox acknowledges as stored the

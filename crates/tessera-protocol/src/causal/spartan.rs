@@ -91,6 +91,9 @@ impl CausalSpartan {
         let here = self.partition.place.as_ref().expect("placed").datacenter;
         match call {
             Call::Get => {
+                if !self.partition.caught_up() {
+                    return Ok(ClientReply::Retry(super::CATCHING_UP));
+                }
                 // GET: adopt the client's DSV, then read the newest visible
                 // version; the session now depends on it and on its past.
                 merge(&mut self.stable, &stable);
@@ -123,6 +126,7 @@ impl CausalSpartan {
                     value: value.clone(),
                     vector: dependency.clone(),
                     dependencies: Vec::new(),
+                    recovered: false,
                 };
                 self.partition.write_here::<FAMILY>(write, fx)?;
                 dependency[here] = version;
@@ -207,7 +211,7 @@ impl Protocol for CausalSpartan {
         if self.partition.place.is_none() {
             return;
         }
-        self.partition.heartbeat::<FAMILY>(fx);
+        self.partition.tick::<FAMILY>(fx, true);
         let stable =
             self.partition.stabilize::<FAMILY>(&mut self.stabilizer, &self.partition.streams.received, fx);
         merge(&mut self.stable, &stable);
