@@ -93,10 +93,11 @@ pub struct Cops {
     /// Waiting writes whose dependencies are all met, to apply.
     ready: Vec<u64>,
     /// Waiting writes shipped again by a partition that started over its
-    /// data, without their dependencies, by version: each waits (as one of
-    /// its `local` dependencies) until every partition here has committed
-    /// every write stamped before it.
-    recovered: BTreeSet<(Version, u64)>,
+    /// data, without their dependencies, by version, origin and id: each
+    /// waits (as one of its `local` dependencies) until every partition
+    /// here has committed every write stamped before it but the recovered
+    /// ones before it here, which are applied with it.
+    recovered: BTreeSet<(Version, NodeId, u64)>,
     checks: BTreeMap<u64, Check>,
     next_id: u64,
     /// Checks from siblings for writes not committed yet, by the key they
@@ -252,7 +253,7 @@ impl Cops {
             }
         }
         if waiting.write.recovered {
-            self.recovered.insert((waiting.write.version, id));
+            self.recovered.insert((waiting.write.version, waiting.write.origin, id));
             waiting.local += 1;
         }
         if waiting.local == 0 && waiting.checks == 0 {
@@ -283,12 +284,18 @@ impl Cops {
     /// Whether the write `dependency` names is committed here: taken here,
     /// or arrived from its datacenter and no longer waiting.
     fn committed(&self, dependency: &Dependency) -> bool {
+        self.committed_write(dependency.origin, dependency.version)
+    }
+
+    /// Whether the write `origin` stamped `version` is committed here (see
+    /// [`Self::committed`]).
+    fn committed_write(&self, origin: NodeId, version: Version) -> bool {
         let place = self.partition.place.as_ref().expect("placed");
-        match self.partition.datacenter_of_origin(dependency.origin) {
+        match self.partition.datacenter_of_origin(origin) {
             Some(datacenter) if datacenter == place.datacenter => true,
             Some(datacenter) => {
-                self.partition.streams.received[datacenter] >= dependency.version
-                    && !self.uncommitted.contains(&(dependency.origin, dependency.version))
+                self.partition.streams.received[datacenter] >= version
+                    && !self.uncommitted.contains(&(origin, version))
             }
             // No copy of this partition took it: a dependency that cannot be
             // met (and a write that waits on it forever).
@@ -300,6 +307,12 @@ impl Cops {
     /// is committed here: arrived (the stream has delivered past it, or a
     /// heartbeat says none is left below it) and not waiting.
     fn committed_here(&self, place: &GeoPlace) -> Version {
+        self.committed_here_but(place, |_, _| false)
+    }
+
+    /// [`Self::committed_here`], counting the waiting writes `skip` names
+    /// (by origin and version) as committed.
+    fn committed_here_but(&self, place: &GeoPlace, skip: impl Fn(NodeId, Version) -> bool) -> Version {
         let received = &self.partition.streams.received;
         (0..place.datacenters())
             .filter(|&datacenter| datacenter != place.datacenter)
@@ -308,8 +321,8 @@ impl Cops {
                 let oldest_waiting = self
                     .uncommitted
                     .range((origin, Version(0))..=(origin, Version(u64::MAX)))
-                    .next()
-                    .map(|(_, version)| *version);
+                    .map(|(_, version)| *version)
+                    .find(|version| !skip(origin, *version));
                 match oldest_waiting {
                     Some(version) => received[datacenter].min(Version(version.0.saturating_sub(1))),
                     None => received[datacenter],
@@ -334,9 +347,42 @@ impl Cops {
             self.partition.send::<FAMILY>(fx, sends);
         }
         let stable = self.partition.stabilize::<FAMILY>(&mut self.stabilizer, &self.committed_through, fx);
-        // Recovered writes whose past has been committed here.
-        while let Some(&(version, id)) = self.recovered.first() {
-            if Version(version.0.saturating_sub(1)) > stable[place.datacenter] {
+        // Writes held up by one of this partition's that is committed now
+        // without arriving again: stored before this partition restarted
+        // (its stream dropped it), and counted once received past it.
+        let committed: Vec<(NodeId, Version)> = self
+            .blocked
+            .keys()
+            .filter(|(origin, version)| self.committed_write(*origin, *version))
+            .copied()
+            .collect();
+        for write in committed {
+            for held_up in self.blocked.remove(&write).unwrap_or_default() {
+                let waiting = self.waiting.get_mut(&held_up).expect("a blocked write waits");
+                waiting.local -= 1;
+                if waiting.local == 0 && waiting.checks == 0 {
+                    self.ready.push(held_up);
+                }
+            }
+        }
+        // Recovered writes whose past has been committed here: by every
+        // other partition, and by this one but for the recovered run.
+        let is_recovered = |origin: NodeId, version: Version| {
+            self.recovered.range((version, origin, 0)..=(version, origin, u64::MAX)).next().is_some()
+        };
+        let others = self
+            .stabilizer
+            .siblings
+            .iter()
+            .enumerate()
+            .filter(|(partition, _)| *partition != place.partition);
+        let committed = others
+            .map(|(_, committed_through)| committed_through[place.datacenter])
+            .chain([self.committed_here_but(place, is_recovered)])
+            .min()
+            .unwrap_or_default();
+        while let Some(&(version, _, id)) = self.recovered.first() {
+            if Version(version.0.saturating_sub(1)) > committed {
                 break;
             }
             self.recovered.pop_first();

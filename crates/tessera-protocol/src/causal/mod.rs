@@ -1037,6 +1037,11 @@ struct Partition {
     /// datacenter's stream has been received up to this time (the senders
     /// resend them first), it serves no reads that count on a stable time.
     catching_up_from: Option<Version>,
+    /// Writes this partition took and then overwrote before every copy
+    /// had stored them, kept in the engine (under [`superseded_key`]) until
+    /// the horizon passes them, by version: a restart ships them again
+    /// too, so that the stream it rebuilds skips none of its writes.
+    superseded: BTreeMap<Version, Bytes>,
 }
 
 /// Where a partition keeps its horizon: every write it took stamped up to
@@ -1044,6 +1049,23 @@ struct Partition {
 /// again over its data ships again only what it took after.
 fn horizon_key() -> Bytes {
     tessera_engine::reserved::named("causal-horizon")
+}
+
+/// Where a partition keeps the version `version` of `key` it overwrote
+/// before every copy had stored it.
+fn superseded_key(key: &[u8], version: Version) -> Vec<u8> {
+    let mut suffix = SUPERSEDED_TAG.to_vec();
+    suffix.extend_from_slice(&version.0.to_be_bytes());
+    tessera_engine::reserved::owned(key, &suffix)
+}
+
+const SUPERSEDED_TAG: &[u8] = b"causal-superseded:";
+
+/// The key and version a [`superseded_key`] names.
+fn parse_superseded_key(key: &[u8]) -> Option<(&[u8], Version)> {
+    let (owner, suffix) = tessera_engine::reserved::owner(key)?;
+    let version = suffix.strip_prefix(SUPERSEDED_TAG)?;
+    Some((owner, Version(u64::from_be_bytes(version.try_into().ok()?))))
 }
 
 /// How often a partition keeps its horizon, when it has moved.
@@ -1062,6 +1084,7 @@ impl Partition {
             horizon_kept: Version::default(),
             horizon_kept_at: 0,
             catching_up_from: None,
+            superseded: BTreeMap::new(),
         }
     }
 
@@ -1133,33 +1156,50 @@ impl Partition {
         self.clock.observe(horizon, now);
         let mut recovered = Vec::new();
         let mut held_data = false;
+        let mut passed = Vec::new();
         let mut cursor = ScanCursor::start();
         loop {
             let page = self.engine.scan(&KeyRange::all(), &cursor, RECOVERY_PAGE)?;
             for (key, raw) in page.entries {
-                if tessera_engine::reserved::is_reserved(&key) || place.partition_of(&key) != place.partition
-                {
+                // A client key's record, or one this partition overwrote
+                // before it was shipped everywhere.
+                let (owner, superseded) = match parse_superseded_key(&key) {
+                    Some((owner, _)) => (Bytes::copy_from_slice(owner), true),
+                    None if tessera_engine::reserved::is_reserved(&key) => continue,
+                    None => (key.clone(), false),
+                };
+                if place.partition_of(&owner) != place.partition {
                     continue;
                 }
                 let Ok(stored) = Stored::decode(raw) else { continue };
                 held_data = true;
                 self.clock.observe(stored.version, now);
-                if stored.origin == self.me && stored.version > horizon {
-                    recovered.push(Replicated {
-                        key,
-                        version: stored.version,
-                        origin: stored.origin,
-                        value: stored.value,
-                        vector: stored.vector,
-                        dependencies: Vec::new(),
-                        recovered: true,
-                    });
+                if stored.origin != self.me || stored.version <= horizon {
+                    if superseded {
+                        passed.push(key);
+                    }
+                    continue;
                 }
+                if superseded {
+                    self.superseded.insert(stored.version, key);
+                }
+                recovered.push(Replicated {
+                    key: owner,
+                    version: stored.version,
+                    origin: stored.origin,
+                    value: stored.value,
+                    vector: stored.vector,
+                    dependencies: Vec::new(),
+                    recovered: true,
+                });
             }
             match page.next {
                 Some(next) => cursor = next,
                 None => break,
             }
+        }
+        for key in passed {
+            self.engine.delete(&key)?;
         }
         recovered.sort_by_key(|write| write.version);
         Ok((horizon, recovered, held_data))
@@ -1186,9 +1226,17 @@ impl Partition {
         if horizon <= self.horizon_kept || now < self.horizon_kept_at + HORIZON_KEEP_MS {
             return;
         }
-        match self.engine.put(&horizon_key(), Bytes::copy_from_slice(&horizon.0.to_le_bytes())) {
-            Ok(()) => (self.horizon_kept, self.horizon_kept_at) = (horizon, now),
-            Err(error) => self.engine_failed(error.into()),
+        if let Err(error) = self.engine.put(&horizon_key(), Bytes::copy_from_slice(&horizon.0.to_le_bytes()))
+        {
+            return self.engine_failed(error.into());
+        }
+        (self.horizon_kept, self.horizon_kept_at) = (horizon, now);
+        // Overwritten writes the horizon has passed are stored everywhere.
+        while let Some(entry) = self.superseded.first_entry().filter(|entry| *entry.key() <= horizon) {
+            if let Err(error) = self.engine.delete(entry.get()) {
+                return self.engine_failed(error.into());
+            }
+            entry.remove();
         }
     }
 
@@ -1265,6 +1313,15 @@ impl Partition {
         fx: &mut Effects,
     ) -> Result<(), OperationError> {
         let place = self.place.as_ref().expect("placed");
+        // The version this write replaces may not have reached every copy:
+        // kept until the horizon passes it, a restart ships it too.
+        if let Some(held) = read(&*self.engine, &write.key)?
+            .filter(|held| held.origin == self.me && held.version > self.horizon_kept)
+        {
+            let key = superseded_key(&write.key, held.version);
+            self.engine.put(&key, held.encode())?;
+            self.superseded.insert(held.version, Bytes::from(key));
+        }
         store(&*self.engine, &write.key, &Stored::of(&write))?;
         let sends = self.streams.ship(place, write, fx.now());
         self.send::<FAMILY>(fx, sends);
