@@ -217,6 +217,23 @@ def test_causal_levels_are_refused_without_datacenters(cluster_factory):
             client.execute_command(*command)
 
 
+def wait_until_shown(port, keys, timeout=20):
+    """Until the node on `port`, perhaps still starting, shows key i of
+    `keys` holding i."""
+    client = redis.Redis(port=port, protocol=2, socket_timeout=5)
+    expected = [str(index).encode() for index in range(len(keys))]
+    deadline = time.time() + timeout
+    while True:
+        try:
+            shown = [client.get(key) for key in keys]
+        except (redis.ConnectionError, redis.exceptions.TryAgainError):
+            shown = None
+        if shown == expected:
+            return
+        assert time.time() < deadline, shown
+        time.sleep(0.1)
+
+
 def test_writes_a_copy_held_unseen_when_killed_are_sent_again(tmp_path):
     """GentleRain keeps a write from elsewhere in memory until every
     partition of its datacenter has received up to its time. With one
@@ -252,17 +269,7 @@ def test_writes_a_copy_held_unseen_when_killed_are_sent_again(tmp_path):
         cluster.cli("restart", str(copy))
         os.kill(stopped, signal.SIGCONT)
         stopped = None
-        restarted = redis.Redis(port=cluster.port(copy), protocol=2, socket_timeout=5)
-        deadline = time.time() + 20
-        while True:
-            try:
-                shown = [restarted.get(f"{{{tag}}}held-{index}") for index in range(20)]
-            except (redis.ConnectionError, redis.exceptions.TryAgainError):
-                shown = None
-            if shown == [str(index).encode() for index in range(20)]:
-                break
-            assert time.time() < deadline, shown
-            time.sleep(0.1)
+        wait_until_shown(cluster.port(copy), [f"{{{tag}}}held-{index}" for index in range(20)])
     finally:
         if stopped is not None:
             os.kill(stopped, signal.SIGCONT)
@@ -288,18 +295,7 @@ def test_writes_a_killed_partition_had_not_shipped_reach_the_other_datacenter(tm
         cluster.cli("kill", "0")
         cluster.cli("restart", "0")
         cluster.cli("restart", str(copy))
-        restarted = redis.Redis(port=cluster.port(copy), protocol=2, socket_timeout=5)
-        expected = [str(index).encode() for index in range(20)]
-        deadline = time.time() + 20
-        while True:
-            try:
-                shown = [restarted.get(f"{{{tag}}}unshipped-{index}") for index in range(20)]
-            except (redis.ConnectionError, redis.exceptions.TryAgainError):
-                shown = None
-            if shown == expected:
-                break
-            assert time.time() < deadline, shown
-            time.sleep(0.1)
+        wait_until_shown(cluster.port(copy), [f"{{{tag}}}unshipped-{index}" for index in range(20)])
         assert "ships again the writes it took past its horizon" in cluster.log("node-0")
     finally:
         cluster.down()
