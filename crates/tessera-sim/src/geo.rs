@@ -396,8 +396,7 @@ impl Geo {
     fn run(mut self) -> GeoReport {
         let GeoConfig { datacenters, partitions, .. } = self.config;
         for node in 0..datacenters * partitions {
-            let view = ShardView::of_partition(self.places[node].clone());
-            self.handle(node, |protocol, fx| protocol.on_view(&view, fx));
+            self.place(node);
             let first = self.rng.below(TICK_MS);
             self.schedule(first, Event::Tick(node));
         }
@@ -456,6 +455,12 @@ impl Geo {
         self.finish()
     }
 
+    /// Gives `node` its place, as a view does.
+    fn place(&mut self, node: usize) {
+        let view = ShardView::of_partition(self.places[node].clone());
+        self.handle(node, |protocol, fx| protocol.on_view(&view, fx));
+    }
+
     /// Kills `node` and starts it again over its engine. The operations its
     /// sessions had in flight there are never answered: a put may have
     /// taken effect, a get tells nothing; the sessions go on with the
@@ -468,8 +473,7 @@ impl Geo {
             Start::Open,
             &Tuning::default(),
         );
-        let view = ShardView::of_partition(self.places[node].clone());
-        self.handle(node, |protocol, fx| protocol.on_view(&view, fx));
+        self.place(node);
         for session in 0..self.sessions.len() {
             let Some((at, _)) = self.sessions[session].in_flight else { continue };
             let Some(operation) = &self.history[at] else { continue };

@@ -269,16 +269,28 @@ impl Cops {
             let Waiting { write, receipt, .. } = self.waiting.remove(&id).expect("a ready write waits");
             self.uncommitted.remove(&(write.origin, write.version));
             self.partition.store_delivered(receipt, &write)?;
-            for held_up in self.blocked.remove(&(write.origin, write.version)).unwrap_or_default() {
-                let waiting = self.waiting.get_mut(&held_up).expect("a blocked write waits");
-                waiting.local -= 1;
-                if waiting.local == 0 && waiting.checks == 0 {
-                    self.ready.push(held_up);
-                }
-            }
+            self.unblock((write.origin, write.version));
             self.answer_asked(&write.key, fx);
         }
         Ok(())
+    }
+
+    /// The waiting writes the committed write `(origin, version)` of this
+    /// partition held up have one local dependency fewer.
+    fn unblock(&mut self, write: (NodeId, Version)) {
+        for held_up in self.blocked.remove(&write).unwrap_or_default() {
+            self.local_met(held_up);
+        }
+    }
+
+    /// Waiting write `id` has one local dependency fewer; ready once it
+    /// has none and no check is unanswered.
+    fn local_met(&mut self, id: u64) {
+        let waiting = self.waiting.get_mut(&id).expect("a write met waits");
+        waiting.local -= 1;
+        if waiting.local == 0 && waiting.checks == 0 {
+            self.ready.push(id);
+        }
     }
 
     /// Whether the write `dependency` names is committed here: taken here,
@@ -357,13 +369,7 @@ impl Cops {
             .copied()
             .collect();
         for write in committed {
-            for held_up in self.blocked.remove(&write).unwrap_or_default() {
-                let waiting = self.waiting.get_mut(&held_up).expect("a blocked write waits");
-                waiting.local -= 1;
-                if waiting.local == 0 && waiting.checks == 0 {
-                    self.ready.push(held_up);
-                }
-            }
+            self.unblock(write);
         }
         // Recovered writes whose past has been committed here: by every
         // other partition, and by this one but for the recovered run.
@@ -386,11 +392,7 @@ impl Cops {
                 break;
             }
             self.recovered.pop_first();
-            let waiting = self.waiting.get_mut(&id).expect("a recovered write waits");
-            waiting.local -= 1;
-            if waiting.local == 0 && waiting.checks == 0 {
-                self.ready.push(id);
-            }
+            self.local_met(id);
         }
         self.checkpoint = self.checkpoint.max(stable.into_iter().min().unwrap_or_default());
     }

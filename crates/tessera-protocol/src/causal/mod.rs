@@ -844,7 +844,17 @@ pub fn held_value(engine: &dyn Engine, key: &[u8]) -> Option<Bytes> {
 /// Stores `version` at `key` unless what it holds outranks it; whether it
 /// did.
 fn store(engine: &dyn Engine, key: &Bytes, version: &Stored) -> Result<bool, OperationError> {
-    if read(engine, key)?.is_some_and(|held| held.outranks(version) || held == *version) {
+    store_over(engine, key, version, read(engine, key)?)
+}
+
+/// [`store`], given what `key` holds.
+fn store_over(
+    engine: &dyn Engine,
+    key: &Bytes,
+    version: &Stored,
+    held: Option<Stored>,
+) -> Result<bool, OperationError> {
+    if held.is_some_and(|held| held.outranks(version) || held == *version) {
         return Ok(false);
     }
     engine.put(key, version.encode())?;
@@ -1315,14 +1325,15 @@ impl Partition {
         let place = self.place.as_ref().expect("placed");
         // The version this write replaces may not have reached every copy:
         // kept until the horizon passes it, a restart ships it too.
-        if let Some(held) = read(&*self.engine, &write.key)?
-            .filter(|held| held.origin == self.me && held.version > self.horizon_kept)
+        let held = read(&*self.engine, &write.key)?;
+        if let Some(held) =
+            held.as_ref().filter(|held| held.origin == self.me && held.version > self.horizon_kept)
         {
             let key = superseded_key(&write.key, held.version);
             self.engine.put(&key, held.encode())?;
             self.superseded.insert(held.version, Bytes::from(key));
         }
-        store(&*self.engine, &write.key, &Stored::of(&write))?;
+        store_over(&*self.engine, &write.key, &Stored::of(&write), held)?;
         let sends = self.streams.ship(place, write, fx.now());
         self.send::<FAMILY>(fx, sends);
         Ok(())
@@ -1331,7 +1342,7 @@ impl Partition {
     /// Takes a message of writes from another datacenter (its stream's
     /// epoch, oldest write held and first write sent): acknowledges it and
     /// returns the writes now delivered in order, each with the receipt
-    /// to hand to [`Partition::stored`] once it is stored.
+    /// to hand to [`Partition::store_delivered`] once it is stored.
     fn receive<const FAMILY: u8>(
         &mut self,
         from: NodeId,
