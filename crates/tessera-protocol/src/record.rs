@@ -2,16 +2,20 @@
 //! codec shared by every protocol:
 //!
 //! ```text
-//! format (1 byte = 1) | version (u64 LE) | origin replica (u32 LE) | flags (1 byte) | [intent] | [markers] | [vector] | value
-//! flags: 1 = tombstone, 2 = an intent follows, 4 = commit markers follow, 8 = a dependency vector follows
+//! format (1 byte = 1) | version (u64 LE) | origin replica (u32 LE) | flags (1 byte) | [intent] | [markers] | [vector] | [dependencies] | value
+//! flags: 1 = tombstone, 2 = an intent follows, 4 = commit markers follow, 8 = a dependency vector follows,
+//!        16 = dependencies follow
 //! intent:  batch version u64 | batch origin u32 | primary (len u32, bytes) | 0 (a delete) or 1 (len u32, value)
 //! markers: count u32 | (batch version u64, batch origin u32) × count
 //! vector:  count u8 | version u64 × count
+//! dependencies: count u16 | (key (len u32, bytes), version u64, origin u32) × count
 //! ```
 //!
 //! Intents and markers are AA+SC's, for batches (docs/PROTOCOLS.md, "Batches
-//! on AA+SC"); the vector is CausalSpartan's, one entry per datacenter. A
-//! record without them is the header and the value.
+//! on AA+SC"); the vector is CausalSpartan's, one entry per datacenter; the
+//! dependencies are COPS's, so that a partition that starts over its data
+//! ships its own writes again with them. A record without them is the
+//! header and the value.
 
 use bytes::{BufMut, Bytes, BytesMut};
 
@@ -23,8 +27,11 @@ const TOMBSTONE: u8 = 1;
 const HAS_INTENT: u8 = 2;
 const HAS_MARKERS: u8 = 4;
 const HAS_VECTOR: u8 = 8;
+const HAS_DEPENDENCIES: u8 = 16;
 /// The most entries a dependency vector has (one per datacenter).
 pub const VECTOR_MAX: usize = u8::MAX as usize;
+/// The most dependencies a record keeps.
+pub const DEPENDENCIES_MAX: usize = u16::MAX as usize;
 /// More markers than a record ever needs (one per batch whose roll-forward
 /// is under way or was cut short): a record claiming more is corrupt.
 const MARKERS_MAX: usize = 1 << 16;
@@ -126,9 +133,28 @@ pub struct Record {
     /// Batches committed with this key as their primary whose other keys
     /// may still hold their intents.
     pub markers: Vec<BatchId>,
+    /// The causal protocols' metadata, if any: out of line, since the
+    /// other protocols' records never carry it.
+    pub causal: Option<Box<CausalMetadata>>,
+}
+
+/// What a causal protocol keeps with a version.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CausalMetadata {
     /// CausalSpartan: the write's dependency vector, by datacenter (at most
     /// [`VECTOR_MAX`] entries).
     pub vector: Vec<Version>,
+    /// COPS: the write's nearest dependencies (at most [`DEPENDENCIES_MAX`]).
+    pub dependencies: Vec<Dependency>,
+}
+
+/// A version of a key a COPS session or write depends on, and the node
+/// that took it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Dependency {
+    pub key: Bytes,
+    pub version: Version,
+    pub origin: NodeId,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -137,15 +163,7 @@ pub struct RecordError;
 
 impl Record {
     pub fn value(version: Version, origin: NodeId, value: Bytes) -> Self {
-        Self {
-            version,
-            origin,
-            tombstone: false,
-            value,
-            intent: None,
-            markers: Vec::new(),
-            vector: Vec::new(),
-        }
+        Self { version, origin, tombstone: false, value, intent: None, markers: Vec::new(), causal: None }
     }
 
     pub fn tombstone(version: Version, origin: NodeId) -> Self {
@@ -156,7 +174,7 @@ impl Record {
             value: Bytes::new(),
             intent: None,
             markers: Vec::new(),
-            vector: Vec::new(),
+            causal: None,
         }
     }
 
@@ -180,8 +198,15 @@ impl Record {
         if !self.markers.is_empty() {
             flags |= HAS_MARKERS;
         }
-        if !self.vector.is_empty() {
+        let (vector, dependencies) = match self.causal.as_deref() {
+            Some(causal) => (&causal.vector[..], &causal.dependencies[..]),
+            None => (&[][..], &[][..]),
+        };
+        if !vector.is_empty() {
             flags |= HAS_VECTOR;
+        }
+        if !dependencies.is_empty() {
+            flags |= HAS_DEPENDENCIES;
         }
         out.put_u8(flags);
         if let Some(intent) = &self.intent {
@@ -203,11 +228,21 @@ impl Record {
                 put_batch(&mut out, *batch);
             }
         }
-        if !self.vector.is_empty() {
-            assert!(self.vector.len() <= VECTOR_MAX, "a vector entry per datacenter");
-            out.put_u8(self.vector.len() as u8);
-            for entry in &self.vector {
+        if !vector.is_empty() {
+            assert!(vector.len() <= VECTOR_MAX, "a vector entry per datacenter");
+            out.put_u8(vector.len() as u8);
+            for entry in vector {
                 out.put_u64_le(entry.0);
+            }
+        }
+        if !dependencies.is_empty() {
+            assert!(dependencies.len() <= DEPENDENCIES_MAX, "a write's context is bounded");
+            out.put_u16_le(dependencies.len() as u16);
+            for dependency in dependencies {
+                out.put_u32_le(dependency.key.len() as u32);
+                out.put_slice(&dependency.key);
+                out.put_u64_le(dependency.version.0);
+                out.put_u32_le(dependency.origin.0);
             }
         }
         out.put_slice(&self.value);
@@ -221,7 +256,7 @@ impl Record {
         let version = Version(u64::from_le_bytes(raw[1..9].try_into().expect("8 bytes")));
         let origin = NodeId(u32::from_le_bytes(raw[9..13].try_into().expect("4 bytes")));
         let flags = raw[13];
-        if flags & !(TOMBSTONE | HAS_INTENT | HAS_MARKERS | HAS_VECTOR) != 0 {
+        if flags & !(TOMBSTONE | HAS_INTENT | HAS_MARKERS | HAS_VECTOR | HAS_DEPENDENCIES) != 0 {
             return Err(RecordError);
         }
         let mut at = HEADER_BYTES;
@@ -258,6 +293,18 @@ impl Record {
                     .push(Version(u64::from_le_bytes(take(&raw, &mut at, 8)?.try_into().expect("8 bytes"))));
             }
         }
+        let mut dependencies = Vec::new();
+        if flags & HAS_DEPENDENCIES != 0 {
+            let count = u16::from_le_bytes(take(&raw, &mut at, 2)?.try_into().expect("2 bytes")) as usize;
+            if count == 0 {
+                return Err(RecordError);
+            }
+            for _ in 0..count {
+                let key = take_bytes(&raw, &mut at)?;
+                let (version, origin) = take_batch(&raw, &mut at)?;
+                dependencies.push(Dependency { key, version, origin });
+            }
+        }
         Ok(Self {
             version,
             origin,
@@ -265,7 +312,7 @@ impl Record {
             value: raw.slice(at..),
             intent,
             markers,
-            vector,
+            causal: CausalMetadata::of(vector, dependencies),
         })
     }
 
@@ -279,6 +326,13 @@ impl Record {
     /// accepted at, which tells one record of a key from another.
     pub fn ballot(&self) -> (Version, NodeId) {
         (self.version, self.origin)
+    }
+}
+
+impl CausalMetadata {
+    /// The metadata of `vector` and `dependencies`, if either is there.
+    pub fn of(vector: Vec<Version>, dependencies: Vec<Dependency>) -> Option<Box<Self>> {
+        (!vector.is_empty() || !dependencies.is_empty()).then(|| Box::new(Self { vector, dependencies }))
     }
 }
 
@@ -301,6 +355,8 @@ fn take_bytes(raw: &Bytes, at: &mut usize) -> Result<Bytes, RecordError> {
     Ok(raw.slice(start..*at))
 }
 
+/// A version and the node that stamped it: a batch's id, or a dependency's
+/// version and origin.
 fn take_batch(raw: &Bytes, at: &mut usize) -> Result<BatchId, RecordError> {
     let version = Version(u64::from_le_bytes(take(raw, at, 8)?.try_into().expect("8 bytes")));
     let origin = NodeId(u32::from_le_bytes(take(raw, at, 4)?.try_into().expect("4 bytes")));
@@ -322,7 +378,7 @@ mod tests {
     }
 
     #[test]
-    fn intents_markers_and_vectors_round_trip_and_cut_records_are_errors() {
+    fn intents_markers_vectors_and_dependencies_round_trip_and_cut_records_are_errors() {
         let batch = (Version::new(5, 1), NodeId(2));
         let mut record = Record::value(Version::new(9, 0), NodeId(3), Bytes::from_static(b"committed"));
         record.intent = Some(Box::new(Intent {
@@ -331,15 +387,21 @@ mod tests {
             value: Some(Bytes::from_static(b"new")),
         }));
         record.markers = vec![batch, (Version(1), NodeId(1))];
-        record.vector = vec![Version(11), Version(0), Version(13)];
+        record.causal = CausalMetadata::of(
+            vec![Version(11), Version(0), Version(13)],
+            vec![
+                Dependency { key: Bytes::from_static(b"post"), version: Version(8), origin: NodeId(4) },
+                Dependency { key: Bytes::new(), version: Version(2), origin: NodeId(0) },
+            ],
+        );
         let raw = record.encode();
         assert_eq!(Record::decode(raw.clone()).unwrap(), record);
         assert_eq!(Record::decode(raw.clone()).unwrap().visible(), Some(&Bytes::from_static(b"committed")));
         let mut deleting = Record::tombstone(Version(4), NodeId(1));
         deleting.intent = Some(Box::new(Intent { batch, primary: Bytes::new(), value: None }));
         assert_eq!(Record::decode(deleting.encode()).unwrap(), deleting);
-        // Every cut inside the intent, the markers or the vector is caught (a
-        // cut in the value is only a shorter value).
+        // Every cut inside the intent, the markers, the vector or the
+        // dependencies is caught (a cut in the value is only a shorter value).
         let value_starts = raw.len() - b"committed".len();
         for cut in HEADER_BYTES..value_starts {
             assert!(Record::decode(raw.slice(..cut)).is_err(), "cut at {cut}");

@@ -564,6 +564,13 @@ static BROKEN: &[ProtocolSpec] = &[
         build: |me, engine, _, _| Box::new(Cops::broken_skip_dependency_checks(me, engine)),
         ..COPS
     },
+    // COPS whose restarted partitions ship their writes again without
+    // their dependencies: visible on arrival.
+    ProtocolSpec {
+        name: "broken-cops-recovers-without-dependencies",
+        build: |me, engine, _, _| Box::new(Cops::broken_recover_without_dependencies(me, engine)),
+        ..COPS
+    },
     // GentleRain without the wait for the global stable time.
     ProtocolSpec {
         name: "broken-gentle-rain-visible-on-arrival",

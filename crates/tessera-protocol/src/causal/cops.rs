@@ -92,12 +92,6 @@ pub struct Cops {
     blocked: HashMap<(NodeId, Version), Vec<u64>>,
     /// Waiting writes whose dependencies are all met, to apply.
     ready: Vec<u64>,
-    /// Waiting writes shipped again by a partition that started over its
-    /// data, without their dependencies, by version, origin and id: each
-    /// waits (as one of its `local` dependencies) until every partition
-    /// here has committed every write stamped before it but the recovered
-    /// ones before it here, which are applied with it.
-    recovered: BTreeSet<(Version, NodeId, u64)>,
     checks: BTreeMap<u64, Check>,
     next_id: u64,
     /// Checks from siblings for writes not committed yet, by the key they
@@ -130,7 +124,6 @@ impl Cops {
             uncommitted: BTreeSet::new(),
             blocked: HashMap::new(),
             ready: Vec::new(),
-            recovered: BTreeSet::new(),
             checks: BTreeMap::new(),
             next_id: 0,
             asked: HashMap::new(),
@@ -148,6 +141,13 @@ impl Cops {
     #[cfg(feature = "broken")]
     pub fn broken_skip_dependency_checks(me: NodeId, engine: Arc<dyn Engine>) -> Self {
         Self { broken_skip_dependency_checks: true, ..Self::new(me, engine) }
+    }
+
+    #[cfg(feature = "broken")]
+    pub fn broken_recover_without_dependencies(me: NodeId, engine: Arc<dyn Engine>) -> Self {
+        let mut cops = Self::new(me, engine);
+        cops.partition.broken_recover_without_dependencies = true;
+        cops
     }
 
     fn dependencies_of(context: Option<CausalContext>) -> Result<Vec<Dependency>, OperationError> {
@@ -199,7 +199,6 @@ impl Cops {
                     value: value.clone(),
                     vector: Vec::new(),
                     dependencies,
-                    recovered: false,
                 };
                 self.partition.write_here::<FAMILY>(write, fx)?;
                 // The put is the session's one nearest dependency now.
@@ -251,10 +250,6 @@ impl Cops {
                 self.checks.insert(check, Check { waiting: id, owner, dependency });
                 waiting.checks += 1;
             }
-        }
-        if waiting.write.recovered {
-            self.recovered.insert((waiting.write.version, waiting.write.origin, id));
-            waiting.local += 1;
         }
         if waiting.local == 0 && waiting.checks == 0 {
             self.ready.push(id);
@@ -319,12 +314,6 @@ impl Cops {
     /// is committed here: arrived (the stream has delivered past it, or a
     /// heartbeat says none is left below it) and not waiting.
     fn committed_here(&self, place: &GeoPlace) -> Version {
-        self.committed_here_but(place, |_, _| false)
-    }
-
-    /// [`Self::committed_here`], counting the waiting writes `skip` names
-    /// (by origin and version) as committed.
-    fn committed_here_but(&self, place: &GeoPlace, skip: impl Fn(NodeId, Version) -> bool) -> Version {
         let received = &self.partition.streams.received;
         (0..place.datacenters())
             .filter(|&datacenter| datacenter != place.datacenter)
@@ -334,7 +323,7 @@ impl Cops {
                     .uncommitted
                     .range((origin, Version(0))..=(origin, Version(u64::MAX)))
                     .map(|(_, version)| *version)
-                    .find(|version| !skip(origin, *version));
+                    .next();
                 match oldest_waiting {
                     Some(version) => received[datacenter].min(Version(version.0.saturating_sub(1))),
                     None => received[datacenter],
@@ -370,29 +359,6 @@ impl Cops {
             .collect();
         for write in committed {
             self.unblock(write);
-        }
-        // Recovered writes whose past has been committed here: by every
-        // other partition, and by this one but for the recovered run.
-        let is_recovered = |origin: NodeId, version: Version| {
-            self.recovered.range((version, origin, 0)..=(version, origin, u64::MAX)).next().is_some()
-        };
-        let others = self
-            .stabilizer
-            .siblings
-            .iter()
-            .enumerate()
-            .filter(|(partition, _)| *partition != place.partition);
-        let committed = others
-            .map(|(_, committed_through)| committed_through[place.datacenter])
-            .chain([self.committed_here_but(place, is_recovered)])
-            .min()
-            .unwrap_or_default();
-        while let Some(&(version, _, id)) = self.recovered.first() {
-            if Version(version.0.saturating_sub(1)) > committed {
-                break;
-            }
-            self.recovered.pop_first();
-            self.local_met(id);
         }
         self.checkpoint = self.checkpoint.max(stable.into_iter().min().unwrap_or_default());
     }

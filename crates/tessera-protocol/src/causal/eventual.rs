@@ -42,15 +42,8 @@ impl Eventual {
                 let version = self.partition.clock.tick(fx.now());
                 let origin = self.partition.me;
                 let value = value.clone();
-                let write = Replicated {
-                    key,
-                    version,
-                    origin,
-                    value,
-                    vector: Vec::new(),
-                    dependencies: Vec::new(),
-                    recovered: false,
-                };
+                let write =
+                    Replicated { key, version, origin, value, vector: Vec::new(), dependencies: Vec::new() };
                 self.partition.write_here::<FAMILY>(write, fx)?;
                 Ok(reply_for(&call, causal, None, CausalContext::Empty))
             }

@@ -123,7 +123,6 @@ impl GentleRain {
                         value: value.clone(),
                         vector: Vec::new(),
                         dependencies: Vec::new(),
-                        recovered: false,
                     };
                     self.partition.write_here::<FAMILY>(write, fx)?;
                     let context =

@@ -26,7 +26,8 @@ use tessera_engine::{Engine, KeyRange, ScanCursor};
 use tessera_wire::slot::{key_slot, SLOTS};
 
 use crate::codec::{put_bytes, put_optional, put_u64s, CodecError, Family, Message, Reader};
-use crate::record::VERSION_AHEAD_MAX_MS;
+pub use crate::record::Dependency;
+use crate::record::{CausalMetadata, VERSION_AHEAD_MAX_MS};
 use crate::{
     BatchBytes, ClientReply, ClientRequest, Consistency, Effects, Hlc, NodeId, Operation, OperationError,
     PeerMessage, Record, ShardView, Time, Version, Write,
@@ -104,15 +105,6 @@ pub enum CausalContext {
     Vector { dependency: Vec<Version>, stable: Vec<Version> },
 }
 
-/// A version of a key a COPS session or write depends on, and the node
-/// that took it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Dependency {
-    pub key: Bytes,
-    pub version: Version,
-    pub origin: NodeId,
-}
-
 /// How long a stream waits for the acknowledgement of its oldest write
 /// before it resends from there (above a round trip between datacenters,
 /// or it resends what is on its way), and COPS for the answer to a check.
@@ -144,11 +136,6 @@ pub struct Replicated {
     pub vector: Vec<Version>,
     /// COPS: the write's nearest dependencies.
     pub dependencies: Vec<Dependency>,
-    /// Shipped again from the engine by a partition that started over its
-    /// data ([`Partition::placed_by`]): a stored record does not keep COPS's
-    /// dependencies, so a COPS copy waits until its datacenter has
-    /// committed every write stamped before this one.
-    pub recovered: bool,
 }
 
 /// Every causal protocol's messages; each protocol sends them under its own
@@ -229,6 +216,9 @@ fn put_dependencies(out: &mut Vec<u8>, dependencies: &[Dependency]) {
 
 fn dependencies(reader: &mut Reader) -> Result<Vec<Dependency>, CodecError> {
     let count = reader.count(4 + 8 + 4)?;
+    if count > CONTEXT_DEPENDENCIES_MAX {
+        return Err(CodecError("more dependencies than a context holds"));
+    }
     (0..count).map(|_| dependency(reader)).collect()
 }
 
@@ -256,7 +246,6 @@ impl GeoMessage {
                     put_optional(out, &write.value);
                     put_versions(out, &write.vector);
                     put_dependencies(out, &write.dependencies);
-                    out.put_u8(u8::from(write.recovered));
                 }
             }
             GeoMessage::Ack { epoch, copy, delivered, stored } => {
@@ -297,8 +286,8 @@ impl GeoMessage {
         Ok(match reader.u8()? {
             WRITES => {
                 let (epoch, oldest, first) = (Version(reader.u64()?), reader.u64()?, reader.u64()?);
-                // A key's length, version, origin, a flag, two counts, a flag.
-                let count = reader.count(4 + 8 + 4 + 1 + 4 + 4 + 1)?;
+                // A key's length, version, origin, a flag, two counts.
+                let count = reader.count(4 + 8 + 4 + 1 + 4 + 4)?;
                 let writes = (0..count)
                     .map(|_| {
                         Ok(Replicated {
@@ -308,7 +297,6 @@ impl GeoMessage {
                             value: reader.optional()?,
                             vector: versions(reader)?,
                             dependencies: dependencies(reader)?,
-                            recovered: reader.u8()? != 0,
                         })
                     })
                     .collect::<Result<_, CodecError>>()?;
@@ -788,14 +776,16 @@ impl Stabilizer {
 }
 
 /// A version as a causal partition stores it: a record of the shared codec
-/// (version, origin, tombstone, and CausalSpartan's dependency vector), so
-/// that the node reads a causal table's values as any other's.
+/// (version, origin, tombstone, CausalSpartan's dependency vector and, for
+/// a write taken here, COPS's dependencies), so that the node reads a
+/// causal table's values as any other's.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Stored {
     version: Version,
     origin: NodeId,
     value: Option<Bytes>,
     vector: Vec<Version>,
+    dependencies: Vec<Dependency>,
 }
 
 /// The most datacenters a dependency vector names.
@@ -808,19 +798,21 @@ impl Stored {
             origin: write.origin,
             value: write.value.clone(),
             vector: write.vector.clone(),
+            dependencies: write.dependencies.clone(),
         }
     }
 
     fn encode(&self) -> Bytes {
         let mut record = Record::new(self.version, self.origin, self.value.clone());
-        record.vector = self.vector.clone();
+        record.causal = CausalMetadata::of(self.vector.clone(), self.dependencies.clone());
         record.encode()
     }
 
     fn decode(raw: Bytes) -> Result<Self, OperationError> {
         let record = Record::decode(raw)?;
         let value = record.visible().cloned();
-        Ok(Self { version: record.version, origin: record.origin, value, vector: record.vector })
+        let CausalMetadata { vector, dependencies } = record.causal.map(|causal| *causal).unwrap_or_default();
+        Ok(Self { version: record.version, origin: record.origin, value, vector, dependencies })
     }
 
     /// Whether this version wins over `other` (last writer wins, the origin
@@ -1052,6 +1044,10 @@ struct Partition {
     /// the horizon passes them, by version: a restart ships them again
     /// too, so that the stream it rebuilds skips none of its writes.
     superseded: BTreeMap<Version, Bytes>,
+    /// A deliberately broken variant for the checker's tests: the writes a
+    /// restart ships again lose their COPS dependencies.
+    #[cfg(feature = "broken")]
+    broken_recover_without_dependencies: bool,
 }
 
 /// Where a partition keeps its horizon: every write it took stamped up to
@@ -1095,6 +1091,8 @@ impl Partition {
             horizon_kept_at: 0,
             catching_up_from: None,
             superseded: BTreeMap::new(),
+            #[cfg(feature = "broken")]
+            broken_recover_without_dependencies: false,
         }
     }
 
@@ -1193,14 +1191,18 @@ impl Partition {
                 if superseded {
                     self.superseded.insert(stored.version, key);
                 }
+                #[cfg(feature = "broken")]
+                let stored = match self.broken_recover_without_dependencies {
+                    true => Stored { dependencies: Vec::new(), ..stored },
+                    false => stored,
+                };
                 recovered.push(Replicated {
                     key: owner,
                     version: stored.version,
                     origin: stored.origin,
                     value: stored.value,
                     vector: stored.vector,
-                    dependencies: Vec::new(),
-                    recovered: true,
+                    dependencies: stored.dependencies,
                 });
             }
             match page.next {
@@ -1361,7 +1363,10 @@ impl Partition {
     /// Stores a write delivered from another datacenter (if it outranks
     /// what the key holds) and tells its stream.
     fn store_delivered(&mut self, receipt: Receipt, write: &Replicated) -> Result<(), OperationError> {
-        store(&*self.engine, &write.key, &Stored::of(write))?;
+        // Only a partition's own writes are shipped again from its engine,
+        // so only they keep their dependencies.
+        let stored = Stored { dependencies: Vec::new(), ..Stored::of(write) };
+        store(&*self.engine, &write.key, &stored)?;
         self.streams.stored(receipt);
         Ok(())
     }
@@ -1399,16 +1404,14 @@ mod tests {
             proptest::option::of(strategies::bytes()),
             proptest::collection::vec(version(), 0..4),
             proptest::collection::vec(dependency(), 0..4),
-            any::<bool>(),
         )
-            .prop_map(|(key, version, origin, value, vector, dependencies, recovered)| Replicated {
+            .prop_map(|(key, version, origin, value, vector, dependencies)| Replicated {
                 key,
                 version,
                 origin: NodeId(origin),
                 value,
                 vector,
                 dependencies,
-                recovered,
             })
     }
 
@@ -1443,8 +1446,9 @@ mod tests {
             origin in any::<u32>(),
             value in proptest::option::of(strategies::bytes()),
             vector in proptest::collection::vec(version(), 0..4),
+            dependencies in proptest::collection::vec(dependency(), 0..4),
         ) {
-            let stored = Stored { version, origin: NodeId(origin), value, vector };
+            let stored = Stored { version, origin: NodeId(origin), value, vector, dependencies };
             prop_assert_eq!(Stored::decode(stored.encode()).unwrap(), stored);
         }
 
@@ -1507,7 +1511,6 @@ mod tests {
             value: None,
             vector: Vec::new(),
             dependencies: Vec::new(),
-            recovered: false,
         }
     }
 

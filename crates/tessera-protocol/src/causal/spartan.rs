@@ -126,7 +126,6 @@ impl CausalSpartan {
                     value: value.clone(),
                     vector: dependency.clone(),
                     dependencies: Vec::new(),
-                    recovered: false,
                 };
                 self.partition.write_here::<FAMILY>(write, fx)?;
                 dependency[here] = version;
