@@ -1248,7 +1248,7 @@ fn measure_visibility(args: &SimArgs, mode: tessera_protocol::Mode) -> Result<()
     println!("{}: one-way delay {} ms, {} seeds per skew", args.protocol, args.delay_ms, args.seeds);
     for skew_ms in skews {
         let mut samples = Vec::new();
-        let mut operations = 0;
+        let (mut operations, mut writes, mut shipped) = (0, 0, 0);
         for seed in args.first_seed..args.first_seed + args.seeds {
             let defaults = tessera_sim::geo::GeoConfig::new(seed, mode);
             let config = tessera_sim::geo::GeoConfig {
@@ -1265,14 +1265,17 @@ fn measure_visibility(args: &SimArgs, mode: tessera_protocol::Mode) -> Result<()
                 return Err(format!("seed {seed} at skew {skew_ms} ms: {:?}", report.violations));
             }
             operations += report.operations;
+            writes += report.writes;
+            shipped += report.writes_shipped;
             samples.extend(report.visibility_ms);
         }
         samples.sort_unstable();
         let at = |fraction: f64| samples.get(((samples.len() as f64 - 1.0) * fraction) as usize).copied();
         match (at(0.5), at(0.9), at(0.99)) {
             (Some(median), Some(p90), Some(p99)) => println!(
-                "  skew {skew_ms:>3} ms: visible after median {median} ms, p90 {p90}, p99 {p99} ({} writes seen, {operations} operations)",
-                samples.len()
+                "  skew {skew_ms:>3} ms: visible after median {median} ms, p90 {p90}, p99 {p99} ({} writes seen, {operations} operations; each write sent {:.2} times to each other datacenter)",
+                samples.len(),
+                shipped as f64 / (writes * (args.datacenters - 1)).max(1) as f64
             ),
             _ => println!("  skew {skew_ms:>3} ms: no write seen"),
         }

@@ -94,6 +94,8 @@ pub struct GeoReport {
     /// datacenter's copy (a write superseded there before it is seen counts
     /// nothing; runs that measure use many keys so that few are).
     pub visibility_ms: Vec<u64>,
+    /// Writes sent to other datacenters, resent ones included.
+    pub writes_shipped: usize,
     pub faults: Vec<String>,
     pub violations: Vec<String>,
 }
@@ -303,6 +305,9 @@ impl Geo {
 
     fn send(&mut self, from: usize, to: usize, message: PeerMessage) {
         let across = self.datacenter_of(from) != self.datacenter_of(to);
+        if across {
+            self.report.writes_shipped += tessera_protocol::causal::writes_carried(&message);
+        }
         let cut = across
             && !self.healed
             && self.faults.cuts.iter().any(|(start, end)| (*start..*end).contains(&self.now));

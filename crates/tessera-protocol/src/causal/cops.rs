@@ -396,7 +396,7 @@ impl Protocol for Cops {
                 self.apply_ready(fx)
             }
             GeoMessage::Ack { epoch, copy, delivered, stored } => {
-                self.partition.streams.acknowledged(&place, from, (epoch, copy, delivered, stored));
+                self.partition.streams.acknowledged(&place, from, (epoch, copy, delivered, stored), fx.now());
                 Ok(())
             }
             GeoMessage::CheckDependency { check, dependency } => {

@@ -71,7 +71,7 @@ impl Protocol for Eventual {
             }
             GeoMessage::Ack { epoch, copy, delivered, stored } => {
                 let place = self.partition.place.as_ref().expect("placed");
-                self.partition.streams.acknowledged(place, from, (epoch, copy, delivered, stored));
+                self.partition.streams.acknowledged(place, from, (epoch, copy, delivered, stored), fx.now());
             }
             _ => {}
         }

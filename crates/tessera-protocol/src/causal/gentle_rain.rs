@@ -194,7 +194,7 @@ impl Protocol for GentleRain {
                 }
             }
             GeoMessage::Ack { epoch, copy, delivered, stored } => {
-                self.partition.streams.acknowledged(place, from, (epoch, copy, delivered, stored))
+                self.partition.streams.acknowledged(place, from, (epoch, copy, delivered, stored), fx.now())
             }
             GeoMessage::Heartbeat { epoch, oldest, clock, through } => {
                 self.partition.streams.heartbeat(place, from, (epoch, oldest, through), clock)

@@ -105,10 +105,15 @@ pub enum CausalContext {
     Vector { dependency: Vec<Version>, stable: Vec<Version> },
 }
 
-/// How long a stream waits for the acknowledgement of its oldest write
-/// before it resends from there (above a round trip between datacenters,
-/// or it resends what is on its way), and COPS for the answer to a check.
+/// How long COPS waits for the answer to a check within its datacenter
+/// before it asks again, and a stream for an acknowledgement before it has
+/// measured a round trip (then [`ResendTimer`] follows the round trip).
 pub(crate) const RESEND_MS: Time = 250;
+/// The bounds of a stream's resend interval: above a tick and a busy
+/// moment of a loopback round trip; below what leaves a lost write
+/// unnoticed for long.
+const RESEND_MIN_MS: Time = 50;
+const RESEND_MAX_MS: Time = 5_000;
 /// Records a stream keeps unacknowledged for one datacenter before the
 /// partition refuses writes (the copy there is cut off or far behind).
 const OUTBOX_MAX: usize = 100_000;
@@ -341,9 +346,82 @@ impl<const FAMILY: u8> Message for Tagged<FAMILY> {
     }
 }
 
+/// How many writes a causal protocol's `message` carries (0: another
+/// message, or not a causal protocol's): for measurements.
+pub fn writes_carried(message: &PeerMessage) -> usize {
+    fn carried<const FAMILY: u8>(message: &PeerMessage) -> Option<usize> {
+        match message.open::<Tagged<FAMILY>>()? {
+            Ok(Tagged(GeoMessage::Writes { writes, .. })) => Some(writes.len()),
+            _ => Some(0),
+        }
+    }
+    carried::<{ eventual::FAMILY }>(message)
+        .or_else(|| carried::<{ cops::FAMILY }>(message))
+        .or_else(|| carried::<{ gentle_rain::FAMILY }>(message))
+        .or_else(|| carried::<{ spartan::FAMILY }>(message))
+        .unwrap_or(0)
+}
+
+/// When a stream resends: once a write has waited a round trip and four
+/// times its deviation without being acknowledged, both smoothed over the
+/// round trips measured (RFC 6298's retransmission timer), and only from
+/// writes sent once (Karn's rule: the acknowledgement of a resent write
+/// may answer either sending). Each resend doubles the interval until a
+/// round trip is measured again, so that a round trip longer than the
+/// interval is measured at all.
+#[derive(Debug, Default)]
+struct ResendTimer {
+    smoothed: Option<Time>,
+    deviation: Time,
+    /// How many times the interval has doubled since the last measurement.
+    backoff: u32,
+}
+
+impl ResendTimer {
+    fn measured(&mut self, round_trip: Time) {
+        self.backoff = 0;
+        match self.smoothed {
+            None => (self.smoothed, self.deviation) = (Some(round_trip), round_trip / 2),
+            Some(smoothed) => {
+                self.deviation = (3 * self.deviation + smoothed.abs_diff(round_trip)) / 4;
+                self.smoothed = Some((7 * smoothed + round_trip) / 8);
+            }
+        }
+    }
+
+    /// A write waited the interval unacknowledged and is resent.
+    fn timed_out(&mut self) {
+        if self.interval() < RESEND_MAX_MS {
+            self.backoff += 1;
+        }
+    }
+
+    /// How long a write waits for its acknowledgement before it is resent.
+    fn interval(&self) -> Time {
+        let measured = match self.smoothed {
+            None => RESEND_MS,
+            Some(smoothed) => smoothed + 4 * self.deviation,
+        };
+        // Doubled from at least the lower bound, so that the upper one is
+        // reached in a few doublings.
+        (measured.max(RESEND_MIN_MS) << self.backoff).min(RESEND_MAX_MS)
+    }
+}
+
+/// A write a stream holds until the copy has stored it.
+#[derive(Debug)]
+struct Unacked {
+    write: Replicated,
+    /// When it was last sent (`None`: queued, not sent yet).
+    sent: Option<Time>,
+    /// Whether it has been sent more than once: its acknowledgement does
+    /// not measure a round trip.
+    resent: bool,
+}
+
 /// The writes a partition ships to its copy in one other datacenter,
 /// numbered from 1, kept until acknowledged and each resent once it has
-/// waited [`RESEND_MS`] since it was last sent: the protocols count on each
+/// waited a [`ResendTimer`] interval since it was last sent: the protocols count on each
 /// copy receiving a partition's writes once and in order (DKVF's
 /// communication component gives its protocols the same), on a network
 /// that loses, repeats and reorders. A stream is named by its epoch, the
@@ -353,9 +431,8 @@ impl<const FAMILY: u8> Message for Tagged<FAMILY> {
 #[derive(Debug, Default)]
 struct Outbox {
     epoch: Version,
-    /// Each write not yet stored by the copy, and when it was last sent
-    /// (`None`: queued, not sent yet).
-    unacked: VecDeque<(Replicated, Option<Time>)>,
+    /// Each write not yet stored by the copy.
+    unacked: VecDeque<Unacked>,
     /// The number of `unacked`'s first write.
     first: u64,
     /// The copy has delivered every write through this one: they are kept
@@ -369,6 +446,7 @@ struct Outbox {
     /// again recovered from: writes are pushed in the order they are
     /// stamped.
     last_pushed: Version,
+    timer: ResendTimer,
 }
 
 impl Outbox {
@@ -384,7 +462,7 @@ impl Outbox {
     /// Queues `write`; the message that sends it now.
     fn push(&mut self, write: Replicated, now: Time) -> GeoMessage {
         let number = self.queue(write.clone());
-        self.unacked.back_mut().expect("just queued").1 = Some(now);
+        self.unacked.back_mut().expect("just queued").sent = Some(now);
         GeoMessage::Writes { epoch: self.epoch, oldest: self.first, first: number, writes: vec![write] }
     }
 
@@ -397,7 +475,7 @@ impl Outbox {
         self.first = self.first.max(1);
         let number = self.next();
         self.last_pushed = write.version;
-        self.unacked.push_back((write, None));
+        self.unacked.push_back(Unacked { write, sent: None, resent: false });
         number
     }
 
@@ -405,14 +483,14 @@ impl Outbox {
     /// by the copy.
     fn stored_up_to(&self) -> Version {
         match self.unacked.front() {
-            Some((oldest, _)) => Version(oldest.version.0.saturating_sub(1)),
+            Some(oldest) => Version(oldest.write.version.0.saturating_sub(1)),
             None => self.last_pushed,
         }
     }
 
     /// The copy `copy` has delivered this stream through `delivered` and
-    /// stored it through `stored`.
-    fn acknowledged(&mut self, epoch: Version, copy: Version, delivered: u64, stored: u64) {
+    /// stored it through `stored`, as it says at `now`.
+    fn acknowledged(&mut self, epoch: Version, copy: Version, (delivered, stored): (u64, u64), now: Time) {
         if epoch != self.epoch || copy < self.copy {
             return; // of an earlier stream of this partition, or of the copy before it started again
         }
@@ -421,30 +499,45 @@ impl Outbox {
             self.copy = copy;
             self.delivered = 0;
         }
+        // The newest write this acknowledgement delivers measures the round
+        // trip, if none of those it delivers was resent (one resent may
+        // have held the others up at the copy).
+        let position = |number: u64| (number.saturating_sub(self.first) as usize).min(self.unacked.len());
+        let (from, through) = (self.delivered.saturating_add(1), delivered.max(stored).saturating_add(1));
+        // An acknowledgement that delivers nothing new (late, or repeated)
+        // makes an empty range.
+        let newly = self.unacked.range(position(from)..position(through).max(position(from)));
+        if let Some(Unacked { sent: Some(sent), .. }) = newly.clone().last() {
+            if newly.clone().all(|write| !write.resent) {
+                self.timer.measured(now.saturating_sub(*sent));
+            }
+        }
         while self.first <= stored && self.unacked.pop_front().is_some() {
             self.first += 1;
         }
-        self.delivered = self.delivered.max(delivered.max(stored));
+        // A copy cannot have delivered what was never sent.
+        self.delivered = self.delivered.max(delivered.max(stored).min(self.sent_through()));
     }
 
     /// The first run of writes that have waited long enough, as much of it
     /// as one message carries: called every tick, so a backlog (after a
     /// cut-off) drains a message a tick, not a message a round trip.
     /// Writes the copy has delivered are held there, not resent; while it
-    /// holds them, an empty message asks every [`RESEND_MS`] for an
+    /// holds them, an empty message asks every resend interval for an
     /// acknowledgement, so that a copy that started again (and lost them)
     /// says so even when nothing else is sent to it.
     fn resend(&mut self, now: Time) -> Option<GeoMessage> {
-        let due = |sent: Option<Time>| sent.is_none_or(|sent| sent + RESEND_MS <= now);
+        let interval = self.timer.interval();
+        let due = |sent: Option<Time>| sent.is_none_or(|sent| sent + interval <= now);
         let held_there = ((self.delivered + 1).saturating_sub(self.first) as usize).min(self.unacked.len());
         let Some(position) =
-            self.unacked.iter().skip(held_there).take(RESEND_SCAN).position(|(_, sent)| due(*sent))
+            self.unacked.iter().skip(held_there).take(RESEND_SCAN).position(|unacked| due(unacked.sent))
         else {
-            let (_, oldest_sent) = self.unacked.front_mut().filter(|_| held_there > 0)?;
-            if !due(*oldest_sent) {
+            let oldest = self.unacked.front_mut().filter(|_| held_there > 0)?;
+            if !due(oldest.sent) {
                 return None;
             }
-            *oldest_sent = Some(now);
+            (oldest.sent, oldest.resent) = (Some(now), true);
             return Some(GeoMessage::Writes {
                 epoch: self.epoch,
                 oldest: self.first,
@@ -455,13 +548,19 @@ impl Outbox {
         let start = held_there + position;
         let mut batch = BatchBytes::default();
         let mut writes = Vec::new();
-        for (write, sent) in self.unacked.iter_mut().skip(start) {
-            let bytes = write.key.len() + write.value.as_ref().map_or(0, Bytes::len);
-            if !due(*sent) || writes.len() == RESEND_COUNT_MAX || !batch.admits(bytes) {
+        let mut timed_out = false;
+        for unacked in self.unacked.iter_mut().skip(start) {
+            let bytes = unacked.write.key.len() + unacked.write.value.as_ref().map_or(0, Bytes::len);
+            if !due(unacked.sent) || writes.len() == RESEND_COUNT_MAX || !batch.admits(bytes) {
                 break;
             }
-            *sent = Some(now);
-            writes.push(write.clone());
+            timed_out |= unacked.sent.is_some();
+            unacked.resent |= unacked.sent.is_some();
+            unacked.sent = Some(now);
+            writes.push(unacked.write.clone());
+        }
+        if timed_out {
+            self.timer.timed_out();
         }
         Some(GeoMessage::Writes {
             epoch: self.epoch,
@@ -656,10 +755,10 @@ impl Streams {
         }
     }
 
-    fn acknowledged(&mut self, place: &GeoPlace, from: NodeId, ack: (Version, Version, u64, u64)) {
+    fn acknowledged(&mut self, place: &GeoPlace, from: NodeId, ack: (Version, Version, u64, u64), now: Time) {
         let (epoch, copy, delivered, stored) = ack;
         if let Some(datacenter) = place.datacenter_of(from) {
-            self.outboxes[datacenter].acknowledged(epoch, copy, delivered, stored);
+            self.outboxes[datacenter].acknowledged(epoch, copy, (delivered, stored), now);
         }
     }
 
@@ -1500,6 +1599,39 @@ mod tests {
             let expected: Vec<u64> = (1..=delivered.len() as u64).collect();
             prop_assert_eq!(delivered, expected);
         }
+
+        /// Whatever acknowledgements a peer sends (late, repeated, forged),
+        /// an outbox keeps its writes in order, resends within its bounds
+        /// and drops only what the copy says it stored.
+        #[test]
+        fn an_outbox_survives_any_acknowledgement(
+            steps in proptest::collection::vec((0u8..3, any::<u64>(), any::<u64>(), 0u64..3, 0u64..400), 1..200),
+        ) {
+            let mut outbox = Outbox::default();
+            let (mut now, mut pushed) = (0, 0);
+            for (step, delivered, stored, copy, elapsed) in steps {
+                now += elapsed;
+                match step {
+                    0 => {
+                        pushed += 1;
+                        outbox.push(numbered(pushed), now);
+                    }
+                    1 => {
+                        // Mostly numbers near the stream's, sometimes anything.
+                        let near = |number: u64| if number.is_multiple_of(4) { number } else { number % (pushed + 2) };
+                        outbox.acknowledged(Version::default(), Version(copy), (near(delivered), near(stored)), now);
+                    }
+                    _ => {
+                        outbox.resend(now);
+                    }
+                }
+                prop_assert!((RESEND_MIN_MS..=RESEND_MAX_MS).contains(&outbox.timer.interval()));
+                prop_assert!(outbox.delivered <= outbox.sent_through());
+                let held: Vec<u64> = outbox.unacked.iter().map(|unacked| unacked.write.version.0).collect();
+                let expected: Vec<u64> = (outbox.first.max(1)..=pushed).collect();
+                prop_assert_eq!(held, expected);
+            }
+        }
     }
 
     /// Write number `number` of a stream, as its version too.
@@ -1685,21 +1817,66 @@ mod tests {
         assert!(matches!(outbox.push(numbered(2), 10), GeoMessage::Writes { first: 2, .. }));
         assert!(matches!(outbox.push(numbered(3), 20), GeoMessage::Writes { first: 3, .. }));
         assert_eq!(outbox.resend(RESEND_MS - 1), None);
-        // The first has waited long enough; the others not yet.
+        // The first has waited long enough; the others not yet. Each resend
+        // doubles the interval.
         let resent = outbox.resend(RESEND_MS);
         assert!(matches!(resent, Some(GeoMessage::Writes { first: 1, ref writes, .. }) if writes.len() == 1));
-        let resent = outbox.resend(RESEND_MS + 20);
+        assert_eq!(outbox.timer.interval(), 2 * RESEND_MS);
+        assert_eq!(outbox.resend(2 * RESEND_MS + 9), None);
+        let resent = outbox.resend(2 * RESEND_MS + 20);
         assert!(matches!(resent, Some(GeoMessage::Writes { first: 2, ref writes, .. }) if writes.len() == 2));
         let copy = Version(5);
-        outbox.acknowledged(Version(7), copy, 3, 3);
+        outbox.acknowledged(Version(7), copy, (3, 3), 0);
         assert_eq!(outbox.unacked.len(), 3, "an earlier stream's acknowledgement counts nothing");
-        outbox.acknowledged(Version::default(), copy, 2, 2);
-        assert_eq!(outbox.resend(2 * RESEND_MS + 19), None, "the third was resent since");
-        let resent = outbox.resend(2 * RESEND_MS + 20);
+        outbox.acknowledged(Version::default(), copy, (2, 2), 0);
+        let next = 2 * RESEND_MS + 20 + outbox.timer.interval();
+        assert_eq!(outbox.resend(next - 1), None, "the third was resent since");
+        let resent = outbox.resend(next);
         assert!(matches!(resent, Some(GeoMessage::Writes { first: 3, ref writes, .. }) if writes.len() == 1));
-        outbox.acknowledged(Version::default(), copy, 3, 3);
-        assert_eq!(outbox.resend(10 * RESEND_MS), None);
+        outbox.acknowledged(Version::default(), copy, (3, 3), 0);
+        assert_eq!(outbox.resend(100 * RESEND_MS), None);
         assert_eq!(outbox.sent_through(), 3);
+    }
+
+    /// The resend interval follows the round trips measured, from writes
+    /// sent once only, within its bounds.
+    #[test]
+    fn an_outbox_resends_after_the_round_trip_it_measures() {
+        let copy = Version(5);
+        let mut outbox = Outbox::default();
+        assert_eq!(outbox.timer.interval(), RESEND_MS, "nothing measured yet");
+        for number in 1..=3 {
+            outbox.push(numbered(number), 0);
+        }
+        outbox.acknowledged(Version::default(), copy, (3, 0), 300);
+        assert_eq!(outbox.timer.interval(), 300 + 4 * 150);
+        outbox.acknowledged(Version::default(), copy, (1, 0), 310);
+        assert_eq!(outbox.timer.interval(), 300 + 4 * 150, "a late acknowledgement measures nothing");
+        // Round trips of 300 ms again and again: the deviation dies down.
+        for (number, now) in (4..=40).zip((1..).map(|at| 1_000 * at)) {
+            outbox.push(numbered(number), now);
+            outbox.acknowledged(Version::default(), copy, (number, 0), now + 300);
+        }
+        let interval = outbox.timer.interval();
+        assert!((300..=340).contains(&interval), "{interval}");
+        // A write resent measures nothing: its acknowledgement may answer
+        // either sending.
+        outbox.push(numbered(41), 100_000);
+        assert!(outbox.resend(100_000 + interval).is_some());
+        outbox.acknowledged(Version::default(), copy, (41, 41), 100_000 + interval + 5);
+        assert_eq!(outbox.timer.interval(), 2 * interval, "backed off, and nothing measured");
+        // A round trip longer than the interval is measured once the
+        // interval has doubled past it.
+        outbox.push(numbered(42), 200_000);
+        assert!(outbox.resend(200_000 + 2 * interval - 1).is_none());
+        outbox.acknowledged(Version::default(), copy, (42, 0), 200_000 + 500);
+        assert!(outbox.timer.interval() > interval, "500 ms measured");
+        // A loopback round trip is held at the lower bound, a cut-off at the upper.
+        let mut timer = ResendTimer::default();
+        timer.measured(0);
+        assert_eq!(timer.interval(), RESEND_MIN_MS);
+        timer.measured(60_000);
+        assert_eq!(timer.interval(), RESEND_MAX_MS);
     }
 
     /// A write the copy has delivered but not stored (held until it is
@@ -1712,25 +1889,25 @@ mod tests {
         for number in 1..=4 {
             outbox.push(numbered(number), 0);
         }
-        outbox.acknowledged(stream, before, 4, 1);
+        outbox.acknowledged(stream, before, (4, 1), 0);
         assert_eq!((outbox.first, outbox.stored_up_to()), (2, Version(1)), "the stored one is dropped");
         // Delivered ones wait where they are held: an empty message asks,
         // once a while, whether the copy still holds them.
         let probe = GeoMessage::Writes { epoch: stream, oldest: 2, first: 5, writes: Vec::new() };
         assert_eq!(outbox.resend(10 * RESEND_MS), Some(probe));
-        assert_eq!(outbox.resend(11 * RESEND_MS - 1), None);
-        outbox.acknowledged(stream, before, 4, 2);
+        assert_eq!(outbox.resend(10 * RESEND_MS + outbox.timer.interval() - 1), None);
+        outbox.acknowledged(stream, before, (4, 2), 0);
         assert_eq!(outbox.first, 3);
         // An acknowledgement from the copy before it started again, late.
-        outbox.acknowledged(stream, Version(9), 1, 1);
+        outbox.acknowledged(stream, Version(9), (1, 1), 0);
         assert_eq!(outbox.first, 3);
         // The copy starts again: what it held is gone, so it is resent.
-        outbox.acknowledged(stream, after, 2, 2);
+        outbox.acknowledged(stream, after, (2, 2), 0);
         let resent = outbox.resend(12 * RESEND_MS);
         assert!(
             matches!(resent, Some(GeoMessage::Writes { oldest: 3, first: 3, ref writes, .. }) if writes.len() == 2)
         );
-        outbox.acknowledged(stream, after, 4, 4);
+        outbox.acknowledged(stream, after, (4, 4), 0);
         assert!(outbox.unacked.is_empty());
         assert_eq!(outbox.stored_up_to(), Version(4), "every write pushed is stored");
     }
