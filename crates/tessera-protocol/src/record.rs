@@ -150,7 +150,7 @@ pub struct CausalMetadata {
 
 /// A version of a key a COPS session or write depends on, and the node
 /// that took it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Dependency {
     pub key: Bytes,
     pub version: Version,

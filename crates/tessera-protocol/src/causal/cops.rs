@@ -25,7 +25,11 @@
 //! superseded. A dependency therefore names the node that took the write.
 //!
 //! A write waiting on its dependencies does not hold up the others.
-//! Checks are resent until answered.
+//! Checks are resent until answered. A dependency several waiting writes
+//! share is checked once, one answered is remembered until the checkpoint
+//! passes it, and the checks of one arrival go to each owner in one
+//! message, as do the answers an owner gives at once: a read-heavy session
+//! ships many dependencies with each put.
 //!
 //! Sessions' contexts are kept small by the paper's garbage collection of
 //! client metadata, on its global checkpoint time: each copy of a partition
@@ -39,7 +43,7 @@
 //! stops, and a session whose reads would take its context past
 //! [`CONTEXT_DEPENDENCIES_MAX`] is asked to retry (a put resets it).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -47,7 +51,7 @@ use tessera_engine::Engine;
 
 use super::{
     call_of, read, reply_for, Call, Dependency, GeoMessage, GeoPlace, Partition, Receipt, Replicated,
-    Stabilizer, CONTEXT_DEPENDENCIES_MAX, RESEND_MS, STABILIZE_MS,
+    Stabilizer, CHECKS_PER_MESSAGE, CONTEXT_DEPENDENCIES_MAX, RESEND_MS, STABILIZE_MS,
 };
 use crate::{
     CausalContext, ClientReply, ClientRequest, Effects, NodeId, OperationError, PeerMessage, Progress,
@@ -60,6 +64,9 @@ pub const FAMILY: u8 = 23;
 /// Checks from siblings this partition keeps waiting for a version it does
 /// not hold yet; past it, a check is dropped and answered when resent.
 const WAITING_CHECKS_MAX: usize = 100_000;
+/// Dependencies answered that a partition remembers until the checkpoint
+/// passes them; past it, a dependency is checked again.
+const MET_MAX: usize = 100_000;
 
 /// Why a read is asked to retry.
 const CONTEXT_FULL: &str =
@@ -75,9 +82,10 @@ struct Waiting {
     checks: usize,
 }
 
-/// A check sent for a waiting write, kept until answered.
+/// A check sent for the waiting writes that share a dependency, kept
+/// until answered.
 struct Check {
-    waiting: u64,
+    waiters: Vec<u64>,
     owner: NodeId,
     dependency: Dependency,
 }
@@ -93,6 +101,11 @@ pub struct Cops {
     /// Waiting writes whose dependencies are all met, to apply.
     ready: Vec<u64>,
     checks: BTreeMap<u64, Check>,
+    /// The check under way for each dependency.
+    checking: HashMap<Dependency, u64>,
+    /// Dependencies on other partitions answered since the checkpoint last
+    /// passed them.
+    met: HashSet<Dependency>,
     next_id: u64,
     /// Checks from siblings for writes not committed yet, by the key they
     /// name: who asked, its check, the write.
@@ -125,6 +138,8 @@ impl Cops {
             blocked: HashMap::new(),
             ready: Vec::new(),
             checks: BTreeMap::new(),
+            checking: HashMap::new(),
+            met: HashSet::new(),
             next_id: 0,
             asked: HashMap::new(),
             asked_count: 0,
@@ -217,12 +232,31 @@ impl Cops {
         for (_, write) in &writes {
             self.uncommitted.insert((write.origin, write.version));
         }
+        let mut to_check = BTreeMap::new();
         for (receipt, write) in writes {
-            self.wait(receipt, write, fx);
+            self.wait(receipt, write, &mut to_check);
         }
+        self.send_checks(to_check, fx);
     }
 
-    fn wait(&mut self, receipt: Receipt, write: Replicated, fx: &mut Effects) {
+    /// Sends each owner its checks, as few messages as they fit in.
+    fn send_checks(&self, to_check: BTreeMap<NodeId, Vec<(u64, Dependency)>>, fx: &mut Effects) {
+        let sends = to_check.into_iter().flat_map(|(owner, checks)| {
+            let messages = checks.chunks(CHECKS_PER_MESSAGE).map(|checks| checks.to_vec());
+            messages.map(move |checks| (owner, GeoMessage::CheckDependencies { checks })).collect::<Vec<_>>()
+        });
+        self.partition.send::<FAMILY>(fx, sends.collect());
+    }
+
+    /// Takes a delivered write in to wait: its dependencies on this
+    /// partition are looked at here, those on others are added to
+    /// `to_check` by owner (unless already under way or answered).
+    fn wait(
+        &mut self,
+        receipt: Receipt,
+        write: Replicated,
+        to_check: &mut BTreeMap<NodeId, Vec<(u64, Dependency)>>,
+    ) {
         let place = self.partition.place.clone().expect("placed");
         let id = self.next_id;
         self.next_id += 1;
@@ -241,15 +275,26 @@ impl Cops {
                     self.blocked.entry((dependency.origin, dependency.version)).or_default().push(id);
                     waiting.local += 1;
                 }
-            } else {
-                let check = self.next_id;
-                self.next_id += 1;
-                let owner = place.siblings[owner];
-                let message = GeoMessage::CheckDependency { check, dependency: dependency.clone() };
-                self.partition.send::<FAMILY>(fx, vec![(owner, message)]);
-                self.checks.insert(check, Check { waiting: id, owner, dependency });
-                waiting.checks += 1;
+                continue;
             }
+            // Committed everywhere, or answered already.
+            if dependency.version <= self.checkpoint || self.met.contains(&dependency) {
+                continue;
+            }
+            let check = match self.checking.get(&dependency) {
+                Some(&check) => check,
+                None => {
+                    let check = self.next_id;
+                    self.next_id += 1;
+                    let owner = place.siblings[owner];
+                    to_check.entry(owner).or_default().push((check, dependency.clone()));
+                    self.checking.insert(dependency.clone(), check);
+                    self.checks.insert(check, Check { waiters: Vec::new(), owner, dependency });
+                    check
+                }
+            };
+            self.checks.get_mut(&check).expect("under way").waiters.push(id);
+            waiting.checks += 1;
         }
         if waiting.local == 0 && waiting.checks == 0 {
             self.ready.push(id);
@@ -361,6 +406,10 @@ impl Cops {
             self.unblock(write);
         }
         self.checkpoint = self.checkpoint.max(stable.into_iter().min().unwrap_or_default());
+        if !self.met.is_empty() {
+            let checkpoint = self.checkpoint;
+            self.met.retain(|dependency| dependency.version > checkpoint);
+        }
     }
 
     /// Answers the siblings' checks of `key` that are now met.
@@ -369,11 +418,75 @@ impl Cops {
         let (met, unmet): (Vec<_>, Vec<_>) =
             asked.into_iter().partition(|(_, _, dependency)| self.committed(dependency));
         self.asked_count -= met.len();
-        let answers =
-            met.into_iter().map(|(from, check, _)| (from, GeoMessage::DependencyMet { check })).collect();
-        self.partition.send::<FAMILY>(fx, answers);
+        let mut answers: BTreeMap<NodeId, Vec<u64>> = BTreeMap::new();
+        for (from, check, _) in met {
+            answers.entry(from).or_default().push(check);
+        }
+        self.answer(answers, fx);
         if !unmet.is_empty() {
             self.asked.insert(key.clone(), unmet);
+        }
+    }
+}
+
+impl Cops {
+    /// Tells each sibling which of its checks are met.
+    fn answer(&self, answers: BTreeMap<NodeId, Vec<u64>>, fx: &mut Effects) {
+        let sends = answers.into_iter().flat_map(|(to, checks)| {
+            let messages = checks.chunks(CHECKS_PER_MESSAGE).map(|checks| checks.to_vec());
+            messages.map(move |checks| (to, GeoMessage::DependenciesMet { checks })).collect::<Vec<_>>()
+        });
+        self.partition.send::<FAMILY>(fx, sends.collect());
+    }
+
+    /// A sibling's checks: each met is answered now, the others once met.
+    fn checked(&mut self, place: &GeoPlace, from: NodeId, checks: Vec<(u64, Dependency)>, fx: &mut Effects) {
+        if !place.siblings.contains(&from) {
+            return;
+        }
+        let mut met = Vec::new();
+        for (check, dependency) in checks {
+            if place.partition_of(&dependency.key) != place.partition {
+                continue;
+            }
+            if self.committed(&dependency) {
+                met.push(check);
+                continue;
+            }
+            let known = self
+                .asked
+                .get(&dependency.key)
+                .is_some_and(|asked| asked.iter().any(|(asker, asked, _)| *asker == from && *asked == check));
+            if !known && self.asked_count < WAITING_CHECKS_MAX {
+                self.asked.entry(dependency.key.clone()).or_default().push((from, check, dependency));
+                self.asked_count += 1;
+            }
+        }
+        if !met.is_empty() {
+            self.answer(BTreeMap::from([(from, met)]), fx);
+        }
+    }
+
+    /// A sibling's answers to this partition's checks: the writes waiting
+    /// on them have one check fewer each.
+    fn met(&mut self, from: NodeId, checks: Vec<u64>) {
+        for check in checks {
+            if self.checks.get(&check).is_none_or(|sent| sent.owner != from) {
+                continue;
+            }
+            let Check { waiters, dependency, .. } = self.checks.remove(&check).expect("found above");
+            self.checking.remove(&dependency);
+            if self.met.len() < MET_MAX {
+                self.met.insert(dependency);
+            }
+            for id in waiters {
+                if let Some(waiting) = self.waiting.get_mut(&id) {
+                    waiting.checks -= 1;
+                    if waiting.checks == 0 && waiting.local == 0 {
+                        self.ready.push(id);
+                    }
+                }
+            }
         }
     }
 }
@@ -387,49 +500,33 @@ impl Protocol for Cops {
         let Some(message) = self.partition.open::<FAMILY>(from, &message) else { return };
         let place = self.partition.place.clone().expect("placed");
         let outcome = match message {
-            GeoMessage::Writes { epoch, oldest, first, writes } => {
-                let writes = self.partition.receive::<FAMILY>(from, (epoch, oldest, first), writes, fx);
+            GeoMessage::Writes { epoch, oldest, first, sent_at, writes } => {
+                let writes =
+                    self.partition.receive::<FAMILY>(from, (epoch, oldest, first, sent_at), writes, fx);
                 for (_, write) in &writes {
                     let _ = self.partition.clock.observe_remote(write.version, fx.now());
                 }
                 self.arrived(writes, fx);
                 self.apply_ready(fx)
             }
-            GeoMessage::Ack { epoch, copy, delivered, stored } => {
-                self.partition.streams.acknowledged(&place, from, (epoch, copy, delivered, stored), fx.now());
+            GeoMessage::Ack { epoch, copy, delivered, stored, echo } => {
+                self.partition.streams.acknowledged(
+                    &place,
+                    from,
+                    (epoch, copy, delivered, stored, echo),
+                    fx.now(),
+                );
                 Ok(())
             }
-            GeoMessage::CheckDependency { check, dependency } => {
+            GeoMessage::CheckDependencies { checks } => {
                 // dep_check: answer now if committed, else once it is.
-                if !place.siblings.contains(&from) || place.partition_of(&dependency.key) != place.partition {
-                    return;
-                }
-                if self.committed(&dependency) {
-                    self.partition.send::<FAMILY>(fx, vec![(from, GeoMessage::DependencyMet { check })]);
-                } else {
-                    let known = self.asked.get(&dependency.key).is_some_and(|asked| {
-                        asked.iter().any(|(asker, asked, _)| *asker == from && *asked == check)
-                    });
-                    if !known && self.asked_count < WAITING_CHECKS_MAX {
-                        self.asked.entry(dependency.key.clone()).or_default().push((from, check, dependency));
-                        self.asked_count += 1;
-                    }
-                }
+                self.checked(&place, from, checks, fx);
                 Ok(())
             }
-            GeoMessage::DependencyMet { check } => match self.checks.get(&check) {
-                Some(sent) if sent.owner == from => {
-                    let sent = self.checks.remove(&check).expect("found above");
-                    if let Some(waiting) = self.waiting.get_mut(&sent.waiting) {
-                        waiting.checks -= 1;
-                        if waiting.checks == 0 && waiting.local == 0 {
-                            self.ready.push(sent.waiting);
-                        }
-                    }
-                    self.apply_ready(fx)
-                }
-                _ => Ok(()),
-            },
+            GeoMessage::DependenciesMet { checks } => {
+                self.met(from, checks);
+                self.apply_ready(fx)
+            }
             GeoMessage::Heartbeat { epoch, oldest, clock, through } => {
                 self.partition.streams.heartbeat(&place, from, (epoch, oldest, through), clock);
                 Ok(())
@@ -460,11 +557,11 @@ impl Protocol for Cops {
         }
         if fx.now() >= self.last_resend + RESEND_MS {
             self.last_resend = fx.now();
+            let mut to_check: BTreeMap<NodeId, Vec<(u64, Dependency)>> = BTreeMap::new();
             for (check, sent) in &self.checks {
-                let message =
-                    GeoMessage::CheckDependency { check: *check, dependency: sent.dependency.clone() };
-                self.partition.send::<FAMILY>(fx, vec![(sent.owner, message)]);
+                to_check.entry(sent.owner).or_default().push((*check, sent.dependency.clone()));
             }
+            self.send_checks(to_check, fx);
         }
     }
 
@@ -498,6 +595,8 @@ mod tests {
         now: Time,
         /// Messages to datacenter 1 are lost while it is cut off.
         cut_off: bool,
+        /// Every message delivered: from, to, what.
+        delivered: Vec<(usize, usize, GeoMessage)>,
     }
 
     impl Network {
@@ -515,7 +614,7 @@ mod tests {
                 };
                 partition.on_view(&ShardView::of_partition(place), &mut Effects::new(0));
             }
-            Self { nodes, now: 1, cut_off: false }
+            Self { nodes, now: 1, cut_off: false, delivered: Vec::new() }
         }
 
         /// Runs `handler` on `node` and delivers what it sends, and what
@@ -541,6 +640,9 @@ mod tests {
                 if self.cut_off && (to.0 >= 2) != (from >= 2) {
                     continue;
                 }
+                let opened =
+                    message.open::<super::super::Tagged<FAMILY>>().expect("COPS's").expect("well formed");
+                self.delivered.push((from, to.0 as usize, opened.0));
                 let mut fx = Effects::new(self.now);
                 self.nodes[to.0 as usize].on_peer(NodeId(from as u32), message, &mut fx);
                 queue.extend(fx.take().into_iter().map(|effect| (to.0 as usize, effect)));
@@ -602,6 +704,51 @@ mod tests {
         assert_eq!(dependencies(network.ask(0, "comment", None, context.clone())), Vec::new());
         assert_eq!(dependencies(network.ask(0, "post", None, context)), Vec::new());
         assert_eq!(dependencies(network.ask(1, "post", None, CausalContext::Empty)), Vec::new());
+    }
+
+    /// A put that depends on many writes to another partition has them
+    /// checked in one message, and the answers come in one; a dependency
+    /// answered is not checked again.
+    #[test]
+    fn dependencies_are_checked_in_one_message_and_once() {
+        let mut network = Network::new();
+        let place = network.nodes[0].partition.place.clone().expect("placed");
+        let keys_of = |partition: usize, count: usize| -> Vec<String> {
+            let keys = (0..).map(|n| format!("k{n}"));
+            keys.filter(|key| place.partition_of(key.as_bytes()) == partition).take(count).collect()
+        };
+        // Written in datacenter 1 and read in datacenter 0 (no tick moves
+        // the checkpoint past them).
+        let read_keys = keys_of(1, 20);
+        for key in &read_keys {
+            network.ask(1, key, Some("v"), CausalContext::Empty);
+        }
+        let mut context = CausalContext::Empty;
+        for key in &read_keys {
+            context = CausalContext::Dependencies(dependencies(network.ask(0, key, None, context)));
+        }
+        let CausalContext::Dependencies(read) = &context else { unreachable!() };
+        assert_eq!(read.len(), 20);
+        network.delivered.clear();
+        for key in keys_of(0, 2) {
+            network.ask(0, &key, Some("after"), context.clone());
+        }
+        let checks: Vec<usize> = network
+            .delivered
+            .iter()
+            .filter_map(|(from, to, message)| match message {
+                GeoMessage::CheckDependencies { checks } if (*from, *to) == (2, 3) => Some(checks.len()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(checks, vec![20], "two puts' twenty shared dependencies, checked once in one message");
+        let answers = network.delivered.iter().filter(|(from, to, message)| {
+            (*from, *to) == (3, 2)
+                && matches!(message, GeoMessage::DependenciesMet { checks } if checks.len() == 20)
+        });
+        assert_eq!(answers.count(), 1);
+        assert_eq!(network.nodes[2].met.len(), 20);
+        assert!(network.nodes[2].waiting.is_empty(), "both puts visible");
     }
 
     #[test]

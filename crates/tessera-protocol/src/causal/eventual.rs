@@ -59,9 +59,9 @@ impl Protocol for Eventual {
     fn on_peer(&mut self, from: NodeId, message: PeerMessage, fx: &mut Effects) {
         let Some(message) = self.partition.open::<FAMILY>(from, &message) else { return };
         match message {
-            GeoMessage::Writes { epoch, oldest, first, writes } => {
+            GeoMessage::Writes { epoch, oldest, first, sent_at, writes } => {
                 for (receipt, write) in
-                    self.partition.receive::<FAMILY>(from, (epoch, oldest, first), writes, fx)
+                    self.partition.receive::<FAMILY>(from, (epoch, oldest, first, sent_at), writes, fx)
                 {
                     let _ = self.partition.clock.observe_remote(write.version, fx.now());
                     if let Err(error) = self.partition.store_delivered(receipt, &write) {
@@ -69,9 +69,14 @@ impl Protocol for Eventual {
                     }
                 }
             }
-            GeoMessage::Ack { epoch, copy, delivered, stored } => {
+            GeoMessage::Ack { epoch, copy, delivered, stored, echo } => {
                 let place = self.partition.place.as_ref().expect("placed");
-                self.partition.streams.acknowledged(place, from, (epoch, copy, delivered, stored), fx.now());
+                self.partition.streams.acknowledged(
+                    place,
+                    from,
+                    (epoch, copy, delivered, stored, echo),
+                    fx.now(),
+                );
             }
             _ => {}
         }

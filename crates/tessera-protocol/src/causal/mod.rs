@@ -122,6 +122,8 @@ const EARLY_MAX: usize = 4096;
 /// How far into its unacknowledged writes a stream looks for one due to be
 /// resent.
 const RESEND_SCAN: usize = 4096;
+/// The most dependency checks, or answers, one COPS message carries.
+pub(crate) const CHECKS_PER_MESSAGE: usize = 4096;
 /// The most writes one resent message carries (well inside what a
 /// receiver keeps of writes that arrive early).
 const RESEND_COUNT_MAX: usize = 1024;
@@ -149,23 +151,26 @@ pub struct Replicated {
 pub enum GeoMessage {
     /// Writes `first..` of the sender's stream `epoch` to this partition;
     /// the stream holds every write from `oldest` on that is not yet
-    /// acknowledged.
+    /// acknowledged. `sent_at` is the sender's time, echoed back.
     Writes {
         epoch: Version,
         oldest: u64,
         first: u64,
+        sent_at: Time,
         writes: Vec<Replicated>,
     },
     /// The copy that started at `copy` (its own epoch) has delivered
     /// stream `epoch` through `delivered` (send no more of those) and
     /// stored it through `stored` (drop those): a write delivered and not
     /// yet visible is held in memory, and is resent if the copy starts
-    /// again before it stores it.
+    /// again before it stores it. `echo` is the `sent_at` of the message
+    /// this acknowledgement answers at once (0: none, a later one).
     Ack {
         epoch: Version,
         copy: Version,
         delivered: u64,
         stored: u64,
+        echo: Time,
     },
     /// The sender will stamp no write at or below `clock`, and sent its
     /// stream `epoch` through `through` before it said so; the stream
@@ -180,14 +185,14 @@ pub enum GeoMessage {
     Stable {
         received: Vec<Version>,
     },
-    /// COPS: answer `DependencyMet { check }` once the write `dependency`
-    /// names is visible (or superseded) at the receiving partition.
-    CheckDependency {
-        check: u64,
-        dependency: Dependency,
+    /// COPS: answer each check with [`GeoMessage::DependenciesMet`] once
+    /// the write its dependency names is committed at the receiving
+    /// partition (at most [`CHECKS_PER_MESSAGE`]).
+    CheckDependencies {
+        checks: Vec<(u64, Dependency)>,
     },
-    DependencyMet {
-        check: u64,
+    DependenciesMet {
+        checks: Vec<u64>,
     },
     /// COPS: the sending copy of this partition has committed every write
     /// from the other datacenters stamped at or below `through`.
@@ -200,8 +205,8 @@ const WRITES: u8 = 1;
 const ACK: u8 = 2;
 const HEARTBEAT: u8 = 3;
 const STABLE: u8 = 4;
-const CHECK_DEPENDENCY: u8 = 5;
-const DEPENDENCY_MET: u8 = 6;
+const CHECK_DEPENDENCIES: u8 = 5;
+const DEPENDENCIES_MET: u8 = 6;
 const COMMITTED: u8 = 7;
 
 fn put_dependency(out: &mut Vec<u8>, dependency: &Dependency) {
@@ -238,11 +243,12 @@ fn versions(reader: &mut Reader) -> Result<Vec<Version>, CodecError> {
 impl GeoMessage {
     fn encode(&self, out: &mut Vec<u8>) {
         match self {
-            GeoMessage::Writes { epoch, oldest, first, writes } => {
+            GeoMessage::Writes { epoch, oldest, first, sent_at, writes } => {
                 out.put_u8(WRITES);
                 out.put_u64_le(epoch.0);
                 out.put_u64_le(*oldest);
                 out.put_u64_le(*first);
+                out.put_u64_le(*sent_at);
                 out.put_u32_le(writes.len() as u32);
                 for write in writes {
                     put_bytes(out, &write.key);
@@ -253,12 +259,13 @@ impl GeoMessage {
                     put_dependencies(out, &write.dependencies);
                 }
             }
-            GeoMessage::Ack { epoch, copy, delivered, stored } => {
+            GeoMessage::Ack { epoch, copy, delivered, stored, echo } => {
                 out.put_u8(ACK);
                 out.put_u64_le(epoch.0);
                 out.put_u64_le(copy.0);
                 out.put_u64_le(*delivered);
                 out.put_u64_le(*stored);
+                out.put_u64_le(*echo);
             }
             GeoMessage::Heartbeat { epoch, oldest, clock, through } => {
                 out.put_u8(HEARTBEAT);
@@ -271,14 +278,17 @@ impl GeoMessage {
                 out.put_u8(STABLE);
                 put_versions(out, received);
             }
-            GeoMessage::CheckDependency { check, dependency } => {
-                out.put_u8(CHECK_DEPENDENCY);
-                out.put_u64_le(*check);
-                put_dependency(out, dependency);
+            GeoMessage::CheckDependencies { checks } => {
+                out.put_u8(CHECK_DEPENDENCIES);
+                out.put_u32_le(checks.len() as u32);
+                for (check, dependency) in checks {
+                    out.put_u64_le(*check);
+                    put_dependency(out, dependency);
+                }
             }
-            GeoMessage::DependencyMet { check } => {
-                out.put_u8(DEPENDENCY_MET);
-                out.put_u64_le(*check);
+            GeoMessage::DependenciesMet { checks } => {
+                out.put_u8(DEPENDENCIES_MET);
+                put_u64s(out, checks);
             }
             GeoMessage::Committed { through } => {
                 out.put_u8(COMMITTED);
@@ -291,6 +301,7 @@ impl GeoMessage {
         Ok(match reader.u8()? {
             WRITES => {
                 let (epoch, oldest, first) = (Version(reader.u64()?), reader.u64()?, reader.u64()?);
+                let sent_at = reader.u64()?;
                 // A key's length, version, origin, a flag, two counts.
                 let count = reader.count(4 + 8 + 4 + 1 + 4 + 4)?;
                 let writes = (0..count)
@@ -305,13 +316,14 @@ impl GeoMessage {
                         })
                     })
                     .collect::<Result<_, CodecError>>()?;
-                GeoMessage::Writes { epoch, oldest, first, writes }
+                GeoMessage::Writes { epoch, oldest, first, sent_at, writes }
             }
             ACK => GeoMessage::Ack {
                 epoch: Version(reader.u64()?),
                 copy: Version(reader.u64()?),
                 delivered: reader.u64()?,
                 stored: reader.u64()?,
+                echo: reader.u64()?,
             },
             HEARTBEAT => GeoMessage::Heartbeat {
                 epoch: Version(reader.u64()?),
@@ -320,10 +332,25 @@ impl GeoMessage {
                 through: reader.u64()?,
             },
             STABLE => GeoMessage::Stable { received: versions(reader)? },
-            CHECK_DEPENDENCY => {
-                GeoMessage::CheckDependency { check: reader.u64()?, dependency: dependency(reader)? }
+            CHECK_DEPENDENCIES => {
+                // A check's number, a key's length, a version, an origin.
+                let count = reader.count(8 + 4 + 8 + 4)?;
+                if count > CHECKS_PER_MESSAGE {
+                    return Err(CodecError("more dependency checks than a message carries"));
+                }
+                let checks =
+                    (0..count)
+                        .map(|_| Ok((reader.u64()?, dependency(reader)?)))
+                        .collect::<Result<_, CodecError>>()?;
+                GeoMessage::CheckDependencies { checks }
             }
-            DEPENDENCY_MET => GeoMessage::DependencyMet { check: reader.u64()? },
+            DEPENDENCIES_MET => {
+                let checks = reader.u64s()?;
+                if checks.len() > CHECKS_PER_MESSAGE {
+                    return Err(CodecError("more dependency checks than a message carries"));
+                }
+                GeoMessage::DependenciesMet { checks }
+            }
             COMMITTED => GeoMessage::Committed { through: Version(reader.u64()?) },
             _ => return Err(CodecError("unknown causal message")),
         })
@@ -364,22 +391,18 @@ pub fn writes_carried(message: &PeerMessage) -> usize {
 
 /// When a stream resends: once a write has waited a round trip and four
 /// times its deviation without being acknowledged, both smoothed over the
-/// round trips measured (RFC 6298's retransmission timer), and only from
-/// writes sent once (Karn's rule: the acknowledgement of a resent write
-/// may answer either sending). Each resend doubles the interval until a
-/// round trip is measured again, so that a round trip longer than the
-/// interval is measured at all.
+/// round trips measured (RFC 6298's retransmission timer). A round trip is
+/// measured from the time a message of writes carries and the copy's
+/// immediate acknowledgement echoes (RFC 7323's timestamps), so that an
+/// acknowledgement of a write sent twice still measures one sending.
 #[derive(Debug, Default)]
 struct ResendTimer {
     smoothed: Option<Time>,
     deviation: Time,
-    /// How many times the interval has doubled since the last measurement.
-    backoff: u32,
 }
 
 impl ResendTimer {
     fn measured(&mut self, round_trip: Time) {
-        self.backoff = 0;
         match self.smoothed {
             None => (self.smoothed, self.deviation) = (Some(round_trip), round_trip / 2),
             Some(smoothed) => {
@@ -389,22 +412,12 @@ impl ResendTimer {
         }
     }
 
-    /// A write waited the interval unacknowledged and is resent.
-    fn timed_out(&mut self) {
-        if self.interval() < RESEND_MAX_MS {
-            self.backoff += 1;
-        }
-    }
-
     /// How long a write waits for its acknowledgement before it is resent.
     fn interval(&self) -> Time {
-        let measured = match self.smoothed {
+        match self.smoothed {
             None => RESEND_MS,
-            Some(smoothed) => smoothed + 4 * self.deviation,
-        };
-        // Doubled from at least the lower bound, so that the upper one is
-        // reached in a few doublings.
-        (measured.max(RESEND_MIN_MS) << self.backoff).min(RESEND_MAX_MS)
+            Some(smoothed) => smoothed.saturating_add(4 * self.deviation).clamp(RESEND_MIN_MS, RESEND_MAX_MS),
+        }
     }
 }
 
@@ -414,9 +427,6 @@ struct Unacked {
     write: Replicated,
     /// When it was last sent (`None`: queued, not sent yet).
     sent: Option<Time>,
-    /// Whether it has been sent more than once: its acknowledgement does
-    /// not measure a round trip.
-    resent: bool,
 }
 
 /// The writes a partition ships to its copy in one other datacenter,
@@ -463,7 +473,13 @@ impl Outbox {
     fn push(&mut self, write: Replicated, now: Time) -> GeoMessage {
         let number = self.queue(write.clone());
         self.unacked.back_mut().expect("just queued").sent = Some(now);
-        GeoMessage::Writes { epoch: self.epoch, oldest: self.first, first: number, writes: vec![write] }
+        GeoMessage::Writes {
+            epoch: self.epoch,
+            oldest: self.first,
+            first: number,
+            sent_at: now,
+            writes: vec![write],
+        }
     }
 
     /// Queues `write` to be sent on the next ticks; its number.
@@ -475,7 +491,7 @@ impl Outbox {
         self.first = self.first.max(1);
         let number = self.next();
         self.last_pushed = write.version;
-        self.unacked.push_back(Unacked { write, sent: None, resent: false });
+        self.unacked.push_back(Unacked { write, sent: None });
         number
     }
 
@@ -489,8 +505,15 @@ impl Outbox {
     }
 
     /// The copy `copy` has delivered this stream through `delivered` and
-    /// stored it through `stored`, as it says at `now`.
-    fn acknowledged(&mut self, epoch: Version, copy: Version, (delivered, stored): (u64, u64), now: Time) {
+    /// stored it through `stored`; said at once on a message sent at
+    /// `echo` (0: later), it measures the round trip to `now`.
+    fn acknowledged(
+        &mut self,
+        epoch: Version,
+        copy: Version,
+        (delivered, stored, echo): (u64, u64, Time),
+        now: Time,
+    ) {
         if epoch != self.epoch || copy < self.copy {
             return; // of an earlier stream of this partition, or of the copy before it started again
         }
@@ -499,18 +522,8 @@ impl Outbox {
             self.copy = copy;
             self.delivered = 0;
         }
-        // The newest write this acknowledgement delivers measures the round
-        // trip, if none of those it delivers was resent (one resent may
-        // have held the others up at the copy).
-        let position = |number: u64| (number.saturating_sub(self.first) as usize).min(self.unacked.len());
-        let (from, through) = (self.delivered.saturating_add(1), delivered.max(stored).saturating_add(1));
-        // An acknowledgement that delivers nothing new (late, or repeated)
-        // makes an empty range.
-        let newly = self.unacked.range(position(from)..position(through).max(position(from)));
-        if let Some(Unacked { sent: Some(sent), .. }) = newly.clone().last() {
-            if newly.clone().all(|write| !write.resent) {
-                self.timer.measured(now.saturating_sub(*sent));
-            }
+        if echo != 0 {
+            self.timer.measured(now.saturating_sub(echo));
         }
         while self.first <= stored && self.unacked.pop_front().is_some() {
             self.first += 1;
@@ -537,35 +550,31 @@ impl Outbox {
             if !due(oldest.sent) {
                 return None;
             }
-            (oldest.sent, oldest.resent) = (Some(now), true);
+            oldest.sent = Some(now);
             return Some(GeoMessage::Writes {
                 epoch: self.epoch,
                 oldest: self.first,
                 first: self.next(),
+                sent_at: now,
                 writes: Vec::new(),
             });
         };
         let start = held_there + position;
         let mut batch = BatchBytes::default();
         let mut writes = Vec::new();
-        let mut timed_out = false;
         for unacked in self.unacked.iter_mut().skip(start) {
             let bytes = unacked.write.key.len() + unacked.write.value.as_ref().map_or(0, Bytes::len);
             if !due(unacked.sent) || writes.len() == RESEND_COUNT_MAX || !batch.admits(bytes) {
                 break;
             }
-            timed_out |= unacked.sent.is_some();
-            unacked.resent |= unacked.sent.is_some();
             unacked.sent = Some(now);
             writes.push(unacked.write.clone());
-        }
-        if timed_out {
-            self.timer.timed_out();
         }
         Some(GeoMessage::Writes {
             epoch: self.epoch,
             oldest: self.first,
             first: self.first + start as u64,
+            sent_at: now,
             writes,
         })
     }
@@ -592,6 +601,9 @@ struct Inbox {
     /// (`None`: nothing yet of this stream, acknowledged at the next tick).
     acked: Option<(u64, u64)>,
     acked_at: Time,
+    /// The sender's time on the message last received, echoed by the
+    /// acknowledgement that answers it at once.
+    echo: Time,
 }
 
 impl Inbox {
@@ -600,14 +612,13 @@ impl Inbox {
     /// order, or `None` for a message of an earlier stream.
     fn receive(
         &mut self,
-        epoch: Version,
-        oldest: u64,
-        first: u64,
+        (epoch, oldest, first, sent_at): (Version, u64, u64, Time),
         writes: Vec<Replicated>,
     ) -> Option<Vec<(u64, Replicated)>> {
         if !self.take_up(epoch, oldest) {
             return None;
         }
+        self.echo = sent_at;
         for (number, write) in (first..).zip(writes) {
             if number > self.delivered && (self.early.len() < EARLY_MAX || number == self.delivered + 1) {
                 self.early.entry(number).or_insert(write);
@@ -633,7 +644,8 @@ impl Inbox {
         let (delivered, stored) = (self.delivered, self.stored_through());
         self.acked = Some((delivered, stored));
         self.acked_at = now;
-        GeoMessage::Ack { epoch: self.epoch, copy, delivered, stored }
+        let echo = std::mem::take(&mut self.echo);
+        GeoMessage::Ack { epoch: self.epoch, copy, delivered, stored, echo }
     }
 
     /// Whether to acknowledge on a tick: what the inbox has delivered or
@@ -730,13 +742,13 @@ impl Streams {
         &mut self,
         place: &GeoPlace,
         from: NodeId,
-        (epoch, oldest, first): (Version, u64, u64),
+        (epoch, oldest, first, sent_at): (Version, u64, u64, Time),
         writes: Vec<Replicated>,
         now: Time,
     ) -> Option<(Vec<(Receipt, Replicated)>, GeoMessage)> {
         let datacenter = place.datacenter_of(from)?;
         let inbox = &mut self.inboxes[datacenter];
-        let ready = inbox.receive(epoch, oldest, first, writes)?;
+        let ready = inbox.receive((epoch, oldest, first, sent_at), writes)?;
         if let Some((_, last)) = ready.last() {
             self.received[datacenter] = self.received[datacenter].max(last.version);
         }
@@ -755,10 +767,16 @@ impl Streams {
         }
     }
 
-    fn acknowledged(&mut self, place: &GeoPlace, from: NodeId, ack: (Version, Version, u64, u64), now: Time) {
-        let (epoch, copy, delivered, stored) = ack;
+    fn acknowledged(
+        &mut self,
+        place: &GeoPlace,
+        from: NodeId,
+        ack: (Version, Version, u64, u64, Time),
+        now: Time,
+    ) {
+        let (epoch, copy, delivered, stored, echo) = ack;
         if let Some(datacenter) = place.datacenter_of(from) {
-            self.outboxes[datacenter].acknowledged(epoch, copy, (delivered, stored), now);
+            self.outboxes[datacenter].acknowledged(epoch, copy, (delivered, stored, echo), now);
         }
     }
 
@@ -1441,13 +1459,14 @@ impl Partition {
     }
 
     /// Takes a message of writes from another datacenter (its stream's
-    /// epoch, oldest write held and first write sent): acknowledges it and
+    /// epoch, oldest write held, first write sent and sending time):
+    /// acknowledges it and
     /// returns the writes now delivered in order, each with the receipt
     /// to hand to [`Partition::store_delivered`] once it is stored.
     fn receive<const FAMILY: u8>(
         &mut self,
         from: NodeId,
-        stream: (Version, u64, u64),
+        stream: (Version, u64, u64, Time),
         writes: Vec<Replicated>,
         fx: &mut Effects,
     ) -> Vec<(Receipt, Replicated)> {
@@ -1516,19 +1535,37 @@ mod tests {
 
     fn message() -> impl Strategy<Value = GeoMessage> {
         prop_oneof![
-            (version(), any::<u64>(), any::<u64>(), proptest::collection::vec(replicated(), 0..4)).prop_map(
-                |(epoch, oldest, first, writes)| GeoMessage::Writes { epoch, oldest, first, writes }
-            ),
-            (version(), version(), any::<u64>(), any::<u64>()).prop_map(
-                |(epoch, copy, delivered, stored)| GeoMessage::Ack { epoch, copy, delivered, stored }
+            (
+                version(),
+                any::<u64>(),
+                any::<u64>(),
+                any::<u64>(),
+                proptest::collection::vec(replicated(), 0..4)
+            )
+                .prop_map(|(epoch, oldest, first, sent_at, writes)| GeoMessage::Writes {
+                    epoch,
+                    oldest,
+                    first,
+                    sent_at,
+                    writes
+                }),
+            (version(), version(), any::<u64>(), any::<u64>(), any::<u64>()).prop_map(
+                |(epoch, copy, delivered, stored, echo)| GeoMessage::Ack {
+                    epoch,
+                    copy,
+                    delivered,
+                    stored,
+                    echo
+                }
             ),
             (version(), any::<u64>(), version(), any::<u64>()).prop_map(|(epoch, oldest, clock, through)| {
                 GeoMessage::Heartbeat { epoch, oldest, clock, through }
             }),
             proptest::collection::vec(version(), 0..4).prop_map(|received| GeoMessage::Stable { received }),
-            (any::<u64>(), dependency())
-                .prop_map(|(check, dependency)| GeoMessage::CheckDependency { check, dependency }),
-            any::<u64>().prop_map(|check| GeoMessage::DependencyMet { check }),
+            proptest::collection::vec((any::<u64>(), dependency()), 0..4)
+                .prop_map(|checks| GeoMessage::CheckDependencies { checks }),
+            proptest::collection::vec(any::<u64>(), 0..4)
+                .prop_map(|checks| GeoMessage::DependenciesMet { checks }),
             version().prop_map(|through| GeoMessage::Committed { through }),
         ]
     }
@@ -1590,7 +1627,7 @@ mod tests {
             let mut delivered = Vec::new();
             for (first, count) in deliveries {
                 let writes = (first..first + count as u64).map(numbered).collect();
-                let ready = inbox.receive(Version(1), 1, first, writes).expect("one stream");
+                let ready = inbox.receive((Version(1), 1, first, 0), writes).expect("one stream");
                 for (number, write) in ready {
                     prop_assert_eq!(number, write.version.0);
                     delivered.push(number);
@@ -1619,7 +1656,8 @@ mod tests {
                     1 => {
                         // Mostly numbers near the stream's, sometimes anything.
                         let near = |number: u64| if number.is_multiple_of(4) { number } else { number % (pushed + 2) };
-                        outbox.acknowledged(Version::default(), Version(copy), (near(delivered), near(stored)), now);
+                        let echo = now.saturating_sub(delivered % 500);
+                        outbox.acknowledged(Version::default(), Version(copy), (near(delivered), near(stored), echo), now);
                     }
                     _ => {
                         outbox.resend(now);
@@ -1657,21 +1695,21 @@ mod tests {
         };
         let mut inbox = Inbox::default();
         assert_eq!(
-            numbers(inbox.receive(Version(10), 1, 1, vec![numbered(1), numbered(2)])),
+            numbers(inbox.receive((Version(10), 1, 1, 0), vec![numbered(1), numbered(2)])),
             Some(vec![1, 2])
         );
         // The sender restarted: its new stream numbers from 1 again.
-        assert_eq!(numbers(inbox.receive(Version(20), 1, 1, vec![numbered(7)])), Some(vec![7]));
+        assert_eq!(numbers(inbox.receive((Version(20), 1, 1, 0), vec![numbered(7)])), Some(vec![7]));
         assert_eq!(
-            numbers(inbox.receive(Version(10), 1, 3, vec![numbered(3)])),
+            numbers(inbox.receive((Version(10), 1, 3, 0), vec![numbered(3)])),
             None,
             "the old stream is over"
         );
         // This copy restarted: the sender's stream is far along.
         let mut fresh = Inbox::default();
-        assert_eq!(numbers(fresh.receive(Version(20), 40, 42, vec![numbered(42)])), Some(vec![]));
+        assert_eq!(numbers(fresh.receive((Version(20), 40, 42, 0), vec![numbered(42)])), Some(vec![]));
         assert_eq!(
-            numbers(fresh.receive(Version(20), 40, 40, vec![numbered(40), numbered(41)])),
+            numbers(fresh.receive((Version(20), 40, 40, 0), vec![numbered(40), numbered(41)])),
             Some(vec![40, 41, 42])
         );
     }
@@ -1817,60 +1855,50 @@ mod tests {
         assert!(matches!(outbox.push(numbered(2), 10), GeoMessage::Writes { first: 2, .. }));
         assert!(matches!(outbox.push(numbered(3), 20), GeoMessage::Writes { first: 3, .. }));
         assert_eq!(outbox.resend(RESEND_MS - 1), None);
-        // The first has waited long enough; the others not yet. Each resend
-        // doubles the interval.
+        // The first has waited long enough; the others not yet.
         let resent = outbox.resend(RESEND_MS);
         assert!(matches!(resent, Some(GeoMessage::Writes { first: 1, ref writes, .. }) if writes.len() == 1));
-        assert_eq!(outbox.timer.interval(), 2 * RESEND_MS);
-        assert_eq!(outbox.resend(2 * RESEND_MS + 9), None);
-        let resent = outbox.resend(2 * RESEND_MS + 20);
+        let resent = outbox.resend(RESEND_MS + 20);
         assert!(matches!(resent, Some(GeoMessage::Writes { first: 2, ref writes, .. }) if writes.len() == 2));
         let copy = Version(5);
-        outbox.acknowledged(Version(7), copy, (3, 3), 0);
+        outbox.acknowledged(Version(7), copy, (3, 3, 0), 0);
         assert_eq!(outbox.unacked.len(), 3, "an earlier stream's acknowledgement counts nothing");
-        outbox.acknowledged(Version::default(), copy, (2, 2), 0);
-        let next = 2 * RESEND_MS + 20 + outbox.timer.interval();
-        assert_eq!(outbox.resend(next - 1), None, "the third was resent since");
-        let resent = outbox.resend(next);
+        outbox.acknowledged(Version::default(), copy, (2, 2, 0), 0);
+        assert_eq!(outbox.resend(2 * RESEND_MS + 19), None, "the third was resent since");
+        let resent = outbox.resend(2 * RESEND_MS + 20);
         assert!(matches!(resent, Some(GeoMessage::Writes { first: 3, ref writes, .. }) if writes.len() == 1));
-        outbox.acknowledged(Version::default(), copy, (3, 3), 0);
+        outbox.acknowledged(Version::default(), copy, (3, 3, 0), 0);
         assert_eq!(outbox.resend(100 * RESEND_MS), None);
         assert_eq!(outbox.sent_through(), 3);
     }
 
-    /// The resend interval follows the round trips measured, from writes
-    /// sent once only, within its bounds.
+    /// The resend interval follows the round trips the acknowledgements'
+    /// echoes measure, within its bounds.
     #[test]
     fn an_outbox_resends_after_the_round_trip_it_measures() {
         let copy = Version(5);
         let mut outbox = Outbox::default();
         assert_eq!(outbox.timer.interval(), RESEND_MS, "nothing measured yet");
-        for number in 1..=3 {
-            outbox.push(numbered(number), 0);
-        }
-        outbox.acknowledged(Version::default(), copy, (3, 0), 300);
+        outbox.push(numbered(1), 1_000);
+        outbox.acknowledged(Version::default(), copy, (1, 0, 1_000), 1_300);
         assert_eq!(outbox.timer.interval(), 300 + 4 * 150);
-        outbox.acknowledged(Version::default(), copy, (1, 0), 310);
-        assert_eq!(outbox.timer.interval(), 300 + 4 * 150, "a late acknowledgement measures nothing");
+        outbox.acknowledged(Version::default(), copy, (1, 0, 0), 1_900);
+        assert_eq!(outbox.timer.interval(), 300 + 4 * 150, "a later acknowledgement measures nothing");
         // Round trips of 300 ms again and again: the deviation dies down.
-        for (number, now) in (4..=40).zip((1..).map(|at| 1_000 * at)) {
+        for (number, now) in (2..=40).zip((2..).map(|at| 1_000 * at)) {
             outbox.push(numbered(number), now);
-            outbox.acknowledged(Version::default(), copy, (number, 0), now + 300);
+            outbox.acknowledged(Version::default(), copy, (number, 0, now), now + 300);
         }
         let interval = outbox.timer.interval();
         assert!((300..=340).contains(&interval), "{interval}");
-        // A write resent measures nothing: its acknowledgement may answer
-        // either sending.
+        // A round trip longer than the interval: the write is resent before
+        // its acknowledgement comes, and the echo of the resend measures it.
+        let resent_at = 100_000 + interval;
         outbox.push(numbered(41), 100_000);
-        assert!(outbox.resend(100_000 + interval).is_some());
-        outbox.acknowledged(Version::default(), copy, (41, 41), 100_000 + interval + 5);
-        assert_eq!(outbox.timer.interval(), 2 * interval, "backed off, and nothing measured");
-        // A round trip longer than the interval is measured once the
-        // interval has doubled past it.
-        outbox.push(numbered(42), 200_000);
-        assert!(outbox.resend(200_000 + 2 * interval - 1).is_none());
-        outbox.acknowledged(Version::default(), copy, (42, 0), 200_000 + 500);
-        assert!(outbox.timer.interval() > interval, "500 ms measured");
+        let Some(GeoMessage::Writes { sent_at, .. }) = outbox.resend(resent_at) else { panic!("due") };
+        assert_eq!(sent_at, resent_at);
+        outbox.acknowledged(Version::default(), copy, (41, 41, sent_at), resent_at + 900);
+        assert!(outbox.timer.interval() > interval + 100, "900 ms measured");
         // A loopback round trip is held at the lower bound, a cut-off at the upper.
         let mut timer = ResendTimer::default();
         timer.measured(0);
@@ -1889,25 +1917,31 @@ mod tests {
         for number in 1..=4 {
             outbox.push(numbered(number), 0);
         }
-        outbox.acknowledged(stream, before, (4, 1), 0);
+        outbox.acknowledged(stream, before, (4, 1, 0), 0);
         assert_eq!((outbox.first, outbox.stored_up_to()), (2, Version(1)), "the stored one is dropped");
         // Delivered ones wait where they are held: an empty message asks,
         // once a while, whether the copy still holds them.
-        let probe = GeoMessage::Writes { epoch: stream, oldest: 2, first: 5, writes: Vec::new() };
+        let probe = GeoMessage::Writes {
+            epoch: stream,
+            oldest: 2,
+            first: 5,
+            sent_at: 10 * RESEND_MS,
+            writes: Vec::new(),
+        };
         assert_eq!(outbox.resend(10 * RESEND_MS), Some(probe));
-        assert_eq!(outbox.resend(10 * RESEND_MS + outbox.timer.interval() - 1), None);
-        outbox.acknowledged(stream, before, (4, 2), 0);
+        assert_eq!(outbox.resend(11 * RESEND_MS - 1), None);
+        outbox.acknowledged(stream, before, (4, 2, 0), 0);
         assert_eq!(outbox.first, 3);
         // An acknowledgement from the copy before it started again, late.
-        outbox.acknowledged(stream, Version(9), (1, 1), 0);
+        outbox.acknowledged(stream, Version(9), (1, 1, 0), 0);
         assert_eq!(outbox.first, 3);
         // The copy starts again: what it held is gone, so it is resent.
-        outbox.acknowledged(stream, after, (2, 2), 0);
+        outbox.acknowledged(stream, after, (2, 2, 0), 0);
         let resent = outbox.resend(12 * RESEND_MS);
         assert!(
             matches!(resent, Some(GeoMessage::Writes { oldest: 3, first: 3, ref writes, .. }) if writes.len() == 2)
         );
-        outbox.acknowledged(stream, after, (4, 4), 0);
+        outbox.acknowledged(stream, after, (4, 4, 0), 0);
         assert!(outbox.unacked.is_empty());
         assert_eq!(outbox.stored_up_to(), Version(4), "every write pushed is stored");
     }
@@ -1918,14 +1952,14 @@ mod tests {
     #[test]
     fn an_inbox_moves_past_what_its_sender_has_dropped() {
         let mut inbox = Inbox::default();
-        let ready = inbox.receive(Version(5), 1, 1, (1..=3).map(numbered).collect()).expect("delivered");
+        let ready = inbox.receive((Version(5), 1, 1, 0), (1..=3).map(numbered).collect()).expect("delivered");
         assert_eq!(ready.len(), 3);
         assert_eq!(inbox.stored_through(), 0);
         // The sender dropped 1..=6 (stored here, by this copy before).
-        let ready = inbox.receive(Version(5), 7, 8, vec![numbered(8)]).expect("one stream");
+        let ready = inbox.receive((Version(5), 7, 8, 0), vec![numbered(8)]).expect("one stream");
         assert!(ready.is_empty(), "7 is still to come");
         assert_eq!((inbox.delivered, inbox.stored_through()), (6, 6));
-        let ready = inbox.receive(Version(5), 7, 7, vec![numbered(7)]).expect("one stream");
+        let ready = inbox.receive((Version(5), 7, 7, 0), vec![numbered(7)]).expect("one stream");
         assert_eq!(ready.iter().map(|(number, _)| *number).collect::<Vec<_>>(), vec![7, 8]);
     }
 
@@ -1944,8 +1978,9 @@ mod tests {
         let (copy, stream) = (Version(1), Version(2));
         let mut streams = Streams::new(2, copy);
         let writes = (1..=3).map(numbered).collect();
-        let (ready, ack) = streams.receive(&place, NodeId(1), (stream, 1, 1), writes, 0).expect("delivered");
-        assert_eq!(ack, GeoMessage::Ack { epoch: stream, copy, delivered: 3, stored: 0 });
+        let (ready, ack) =
+            streams.receive(&place, NodeId(1), (stream, 1, 1, 7), writes, 0).expect("delivered");
+        assert_eq!(ack, GeoMessage::Ack { epoch: stream, copy, delivered: 3, stored: 0, echo: 7 });
         let acks = |streams: &mut Streams, now| -> Vec<GeoMessage> {
             let sends = streams.on_tick(&place, None, now);
             sends
@@ -1961,12 +1996,12 @@ mod tests {
         streams.stored(ready[0].0);
         assert_eq!(
             acks(&mut streams, 3),
-            vec![GeoMessage::Ack { epoch: stream, copy, delivered: 3, stored: 2 }]
+            vec![GeoMessage::Ack { epoch: stream, copy, delivered: 3, stored: 2, echo: 0 }]
         );
         streams.stored(ready[2].0);
         assert_eq!(
             acks(&mut streams, 4),
-            vec![GeoMessage::Ack { epoch: stream, copy, delivered: 3, stored: 3 }]
+            vec![GeoMessage::Ack { epoch: stream, copy, delivered: 3, stored: 3, echo: 0 }]
         );
         assert_eq!(acks(&mut streams, 4 + RESEND_MS - 1), vec![]);
         assert_eq!(acks(&mut streams, 4 + RESEND_MS).len(), 1, "said again in case it was lost");

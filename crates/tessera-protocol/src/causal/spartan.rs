@@ -173,10 +173,10 @@ impl Protocol for CausalSpartan {
         let Some(message) = self.partition.open::<FAMILY>(from, &message) else { return };
         let place = self.partition.place.as_ref().expect("placed");
         match message {
-            GeoMessage::Writes { epoch, oldest, first, writes } => {
+            GeoMessage::Writes { epoch, oldest, first, sent_at, writes } => {
                 let datacenters = place.datacenters();
                 for (receipt, write) in
-                    self.partition.receive::<FAMILY>(from, (epoch, oldest, first), writes, fx)
+                    self.partition.receive::<FAMILY>(from, (epoch, oldest, first, sent_at), writes, fx)
                 {
                     if write.vector.len() != datacenters {
                         tracing::warn!(%from, "dropped a causal write whose vector names another number of datacenters");
@@ -193,15 +193,18 @@ impl Protocol for CausalSpartan {
                     self.partition.engine_failed(error);
                 }
             }
-            GeoMessage::Ack { epoch, copy, delivered, stored } => {
-                self.partition.streams.acknowledged(place, from, (epoch, copy, delivered, stored), fx.now())
-            }
+            GeoMessage::Ack { epoch, copy, delivered, stored, echo } => self.partition.streams.acknowledged(
+                place,
+                from,
+                (epoch, copy, delivered, stored, echo),
+                fx.now(),
+            ),
             GeoMessage::Heartbeat { epoch, oldest, clock, through } => {
                 self.partition.streams.heartbeat(place, from, (epoch, oldest, through), clock)
             }
             GeoMessage::Stable { received } => self.stabilizer.heard(place, from, received),
-            GeoMessage::CheckDependency { .. }
-            | GeoMessage::DependencyMet { .. }
+            GeoMessage::CheckDependencies { .. }
+            | GeoMessage::DependenciesMet { .. }
             | GeoMessage::Committed { .. } => {}
         }
     }
