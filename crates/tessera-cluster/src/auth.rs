@@ -323,7 +323,13 @@ pub fn nonce() -> [u8; NONCE_BYTES] {
 
 /// Lowercase hex, for nonces and proofs in RESP.
 pub fn to_hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut text = String::with_capacity(2 * bytes.len());
+    for byte in bytes {
+        text.push(DIGITS[usize::from(byte >> 4)] as char);
+        text.push(DIGITS[usize::from(byte & 0xf)] as char);
+    }
+    text
 }
 
 /// The bytes of `N` written as lowercase hex (as [`to_hex`] writes them), if
