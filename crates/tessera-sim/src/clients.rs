@@ -8,7 +8,8 @@
 use bytes::Bytes;
 use tessera_protocol::registry::StrongReads;
 use tessera_protocol::{
-    ClientReply, ClientRequest, Consistency, Operation as ProtocolOperation, Record, RequestId, Write,
+    ClientReply, ClientRequest, Consistency, NodeId, Operation as ProtocolOperation, Record, RequestId,
+    Version, Write,
 };
 
 /// Keys of each group in the batches workload.
@@ -41,9 +42,20 @@ pub(crate) struct Pending {
     pub strong: bool,
     pub invoked_at: u64,
     pub deadline: u64,
-    /// The request in flight fetches the key's record for a conditional
-    /// write of `call`, which follows.
-    pub fetching: bool,
+    /// The request in flight fetches a record for a conditional write of
+    /// `call`, which follows once every key it writes is fetched: the
+    /// records fetched so far (`None`: not conditional, or fetched).
+    pub fetching: Option<Vec<Option<(Version, NodeId)>>>,
+}
+
+impl Pending {
+    /// The keys `call` writes: the key, or each key of its group.
+    fn written_keys(&self, batches: bool) -> Vec<Bytes> {
+        match batches {
+            true => group_members(&self.key).collect(),
+            false => vec![self.key.clone()],
+        }
+    }
 }
 
 pub(crate) struct Client {
@@ -144,8 +156,8 @@ impl Client {
 /// an answer saying so): it may take effect at any moment after it was
 /// invoked.
 pub(crate) fn record_unknown(report: &mut Report, client: usize, pending: Pending) {
-    if pending.fetching {
-        return; // only the fetch was sent: the write never was
+    if pending.fetching.is_some() {
+        return; // only a fetch was sent: the write never was
     }
     report.unknown += 1;
     if pending.strong || pending.call != Call::Get {
@@ -202,15 +214,19 @@ impl Simulation {
         let request = state.next_id(client);
         // Only on quorum protocols, and only there does it take a draw from
         // the client's generator, so every other protocol's seeds run as before.
-        let conditional = config.workload == Workload::Registers
+        let conditional = matches!(config.workload, Workload::Registers | Workload::Batches)
             && matches!(call, Call::Put(_) | Call::Delete)
             && quorum
             && state.rng.chance(0.5);
+        let fetch_first = match config.workload {
+            Workload::Batches => group_members(&key).next().expect("a group's key"),
+            _ => key.clone(),
+        };
         let batch = |write: Write| ProtocolOperation::Batch {
             writes: group_members(&key).map(|member| (member, write.clone())).collect(),
         };
         let operation = match &call {
-            _ if conditional => ProtocolOperation::Fetch { key: key.clone() },
+            _ if conditional => ProtocolOperation::Fetch { key: fetch_first },
             Call::Put(value) if config.workload == Workload::Batches => batch(Write::Put(value.clone())),
             Call::Delete if config.workload == Workload::Batches => batch(Write::Delete),
             Call::Get => ProtocolOperation::Get {
@@ -230,7 +246,7 @@ impl Simulation {
             strong,
             invoked_at: self.now,
             deadline,
-            fetching: conditional,
+            fetching: conditional.then(Vec::new),
         });
         self.send(
             Address::Client(client),
@@ -260,10 +276,11 @@ impl Simulation {
         target.0
     }
 
-    /// The first half of a conditional write answered: the write follows,
-    /// conditioned on the record fetched; anything else leaves the write
-    /// without effect, to be tried again.
-    fn on_fetched(&mut self, client: usize, pending: Pending, reply: ClientReply) {
+    /// A fetch for a conditional write answered: the next key's fetch
+    /// follows, or, once every key the write names is fetched, the write,
+    /// conditioned on the records fetched (a batch's on each of its keys');
+    /// anything else leaves the write without effect, to be tried again.
+    fn on_fetched(&mut self, client: usize, mut pending: Pending, reply: ClientReply) {
         let fetched = match reply {
             ClientReply::Value(None) => Some(None),
             ClientReply::Value(Some(raw)) => Record::decode(raw).ok().map(|record| Some(record.ballot())),
@@ -280,11 +297,23 @@ impl Simulation {
             Call::Delete => Write::Delete,
             other => unreachable!("only puts and deletes are conditional: {other:?}"),
         };
+        let keys = pending.written_keys(self.config.workload == Workload::Batches);
+        let mut fetched = pending.fetching.take().expect("fetching");
+        fetched.push(expected);
+        let operation = if fetched.len() < keys.len() {
+            let next = ProtocolOperation::Fetch { key: keys[fetched.len()].clone() };
+            pending.fetching = Some(fetched);
+            next
+        } else if keys.len() == 1 {
+            ProtocolOperation::WriteIf { key: keys[0].clone(), expected: fetched[0], write }
+        } else {
+            let writes = keys.into_iter().zip(fetched).map(|(key, expected)| (key, expected, write.clone()));
+            ProtocolOperation::BatchIf { writes: writes.collect() }
+        };
         let request = self.clients[client].next_id(client);
-        let operation = ProtocolOperation::WriteIf { key: pending.key.clone(), expected, write };
         let target = self.route(client, &pending.call, true);
         let deadline = self.now + self.config.timing.client_timeout_ms;
-        self.clients[client].pending = Some(Pending { request, deadline, fetching: false, ..pending });
+        self.clients[client].pending = Some(Pending { request, deadline, ..pending });
         self.send(
             Address::Client(client),
             Address::Replica(target),
@@ -295,7 +324,7 @@ impl Simulation {
 
     pub(crate) fn on_response(&mut self, client: usize, request: RequestId, reply: ClientReply) {
         let Some(pending) = self.clients[client].answered(request) else { return };
-        if pending.fetching {
+        if pending.fetching.is_some() {
             return self.on_fetched(client, pending, reply);
         }
         let outcome = match reply {

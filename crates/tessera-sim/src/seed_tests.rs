@@ -18,7 +18,7 @@ const OPEN_CONVERGENCE: &[(&str, u64)] = &[("quorum", 162)];
 /// Seeds of the batches workload on a quorum that fail only the convergence
 /// check (the open problem above: a run ends with proposals of a key still
 /// under way, no majority holding one record).
-const OPEN_BATCH_CONVERGENCE: &[u64] = &[136];
+const OPEN_BATCH_CONVERGENCE: &[u64] = &[115];
 
 /// The batches workload on `protocol` (switching to `transition_to`), with
 /// the time its reads back take.
