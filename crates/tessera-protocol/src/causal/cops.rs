@@ -427,9 +427,7 @@ impl Cops {
             self.asked.insert(key.clone(), unmet);
         }
     }
-}
 
-impl Cops {
     /// Tells each sibling which of its checks are met.
     fn answer(&self, answers: BTreeMap<NodeId, Vec<u64>>, fx: &mut Effects) {
         let sends = answers.into_iter().flat_map(|(to, checks)| {

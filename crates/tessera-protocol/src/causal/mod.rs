@@ -431,8 +431,8 @@ struct Unacked {
 
 /// The writes a partition ships to its copy in one other datacenter,
 /// numbered from 1, kept until acknowledged and each resent once it has
-/// waited a [`ResendTimer`] interval since it was last sent: the protocols count on each
-/// copy receiving a partition's writes once and in order (DKVF's
+/// waited a [`ResendTimer`] interval since it was last sent: the protocols
+/// count on each copy receiving a partition's writes once and in order (DKVF's
 /// communication component gives its protocols the same), on a network
 /// that loses, repeats and reorders. A stream is named by its epoch, the
 /// sender's clock when it began: a partition that starts again (a process
