@@ -226,7 +226,8 @@ def wait_until_shown(port, keys, timeout=20):
     while True:
         try:
             shown = [client.get(key) for key in keys]
-        except (redis.ConnectionError, redis.exceptions.TryAgainError):
+        except (redis.ConnectionError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError):
+            # Starting: not listening yet, without its map, or catching up.
             shown = None
         if shown == expected:
             return
