@@ -59,7 +59,8 @@ def session(cluster, node):
 class Chains(threading.Thread):
     """One session: reads a chain's keys and writes the next one in the chain
     (a comment once it has read a post, a reply once it has read a comment),
-    or starts a new post; every value is unique. Records what it did."""
+    or starts a new post in a chain of its datacenter; every value is unique.
+    Records what it did."""
 
     def __init__(self, cluster, number, node, stop):
         super().__init__(daemon=True)
@@ -97,7 +98,14 @@ class Chains(threading.Thread):
             value = f"s{self.number}-{sequence}"
             step = rng.random()
             if step < 0.2:
-                self.put(post, value)
+                # Each chain's posts come from one datacenter, so that the
+                # other one's sessions read remote values whatever the load:
+                # a key every session rewrites every few milliseconds shows
+                # nothing older than the delay between datacenters.
+                if chain % DATACENTERS == self.datacenter:
+                    self.put(post, value)
+                else:
+                    self.get(post)
             elif step < 0.5:
                 if self.get(post) is not None:
                     self.put(comment, value)
