@@ -749,6 +749,27 @@ mod tests {
         assert!(network.nodes[2].waiting.is_empty(), "both puts visible");
     }
 
+    /// The horizon is kept as a record (the node's views of the table read
+    /// every value as one), and a partition that starts again over the
+    /// engine reads it back.
+    #[test]
+    fn the_horizon_is_kept_as_a_record_and_read_back() {
+        let mut network = Network::new();
+        let written = dependencies(network.ask(0, "post", Some("hello"), CausalContext::Empty));
+        network.tick(250);
+        let place = network.nodes[0].partition.place.clone().expect("placed");
+        let node = &network.nodes[place.partition_of(b"post")];
+        let raw = node.partition.engine.get(&super::super::horizon_key()).unwrap().expect("kept");
+        let kept = crate::Record::decode(raw).expect("a record").version;
+        assert!(kept >= written[0].version, "{kept:?} {written:?}");
+        let mut again = Cops::new(node.partition.me, node.partition.engine.clone());
+        again.on_view(
+            &ShardView::of_partition(node.partition.place.clone().unwrap()),
+            &mut Effects::new(2_000),
+        );
+        assert_eq!(again.partition.horizon_kept, kept);
+    }
+
     #[test]
     fn a_full_context_asks_reads_to_retry_and_a_put_resets_it() {
         let mut network = Network::new();

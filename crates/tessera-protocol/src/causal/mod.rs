@@ -1169,7 +1169,9 @@ struct Partition {
 
 /// Where a partition keeps its horizon: every write it took stamped up to
 /// it is stored in every other datacenter, so a partition that starts
-/// again over its data ships again only what it took after.
+/// again over its data ships again only what it took after. It is kept as
+/// a record of that version (an empty value), as every value of the
+/// engine is, so that the node's views of the table read it as one.
 fn horizon_key() -> Bytes {
     tessera_engine::reserved::named("causal-horizon")
 }
@@ -1276,8 +1278,8 @@ impl Partition {
         let horizon = self
             .engine
             .get(&horizon_key())?
-            .and_then(|raw| <[u8; 8]>::try_from(raw.as_ref()).ok())
-            .map_or(Version::default(), |raw| Version(u64::from_le_bytes(raw)));
+            .and_then(|raw| Record::decode(raw).ok())
+            .map_or(Version::default(), |record| record.version);
         self.clock.observe(horizon, now);
         let mut recovered = Vec::new();
         let mut held_data = false;
@@ -1355,7 +1357,8 @@ impl Partition {
         if horizon <= self.horizon_kept || now < self.horizon_kept_at + HORIZON_KEEP_MS {
             return;
         }
-        if let Err(error) = self.engine.put(&horizon_key(), Bytes::copy_from_slice(&horizon.0.to_le_bytes()))
+        if let Err(error) =
+            self.engine.put(&horizon_key(), Record::value(horizon, self.me, Bytes::new()).encode())
         {
             return self.engine_failed(error.into());
         }
