@@ -241,11 +241,8 @@ impl Cops {
 
     /// Sends each owner its checks, as few messages as they fit in.
     fn send_checks(&self, to_check: BTreeMap<NodeId, Vec<(u64, Dependency)>>, fx: &mut Effects) {
-        let sends = to_check.into_iter().flat_map(|(owner, checks)| {
-            let messages = checks.chunks(CHECKS_PER_MESSAGE).map(|checks| checks.to_vec());
-            messages.map(move |checks| (owner, GeoMessage::CheckDependencies { checks })).collect::<Vec<_>>()
-        });
-        self.partition.send::<FAMILY>(fx, sends.collect());
+        let sends = in_messages(to_check, |checks| GeoMessage::CheckDependencies { checks });
+        self.partition.send::<FAMILY>(fx, sends);
     }
 
     /// Takes a delivered write in to wait: its dependencies on this
@@ -430,11 +427,8 @@ impl Cops {
 
     /// Tells each sibling which of its checks are met.
     fn answer(&self, answers: BTreeMap<NodeId, Vec<u64>>, fx: &mut Effects) {
-        let sends = answers.into_iter().flat_map(|(to, checks)| {
-            let messages = checks.chunks(CHECKS_PER_MESSAGE).map(|checks| checks.to_vec());
-            messages.map(move |checks| (to, GeoMessage::DependenciesMet { checks })).collect::<Vec<_>>()
-        });
-        self.partition.send::<FAMILY>(fx, sends.collect());
+        let sends = in_messages(answers, |checks| GeoMessage::DependenciesMet { checks });
+        self.partition.send::<FAMILY>(fx, sends);
     }
 
     /// A sibling's checks: each met is answered now, the others once met.
@@ -487,6 +481,19 @@ impl Cops {
             }
         }
     }
+}
+
+/// Each node's checks (or answers), `message` of at most
+/// [`CHECKS_PER_MESSAGE`] at a time.
+fn in_messages<T: Clone>(
+    by_node: BTreeMap<NodeId, Vec<T>>,
+    message: impl Fn(Vec<T>) -> GeoMessage,
+) -> Vec<(NodeId, GeoMessage)> {
+    let mut sends = Vec::new();
+    for (to, items) in by_node {
+        sends.extend(items.chunks(CHECKS_PER_MESSAGE).map(|chunk| (to, message(chunk.to_vec()))));
+    }
+    sends
 }
 
 impl Protocol for Cops {

@@ -894,8 +894,9 @@ impl Stabilizer {
 
 /// A version as a causal partition stores it: a record of the shared codec
 /// (version, origin, tombstone, CausalSpartan's dependency vector and, for
-/// a write taken here, COPS's dependencies), so that the node reads a
-/// causal table's values as any other's.
+/// a write taken here, COPS's dependencies: only a partition's own writes
+/// are shipped again from its engine), so that the node reads a causal
+/// table's values as any other's.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Stored {
     version: Version,
@@ -909,13 +910,14 @@ struct Stored {
 const DATACENTERS_MAX: usize = crate::record::VECTOR_MAX;
 
 impl Stored {
+    /// `write` as a copy stores it, without its dependencies.
     fn of(write: &Replicated) -> Self {
         Self {
             version: write.version,
             origin: write.origin,
             value: write.value.clone(),
             vector: write.vector.clone(),
-            dependencies: write.dependencies.clone(),
+            dependencies: Vec::new(),
         }
     }
 
@@ -1455,7 +1457,8 @@ impl Partition {
             self.engine.put(&key, held.encode())?;
             self.superseded.insert(held.version, Bytes::from(key));
         }
-        store_over(&*self.engine, &write.key, &Stored::of(&write), held)?;
+        let stored = Stored { dependencies: write.dependencies.clone(), ..Stored::of(&write) };
+        store_over(&*self.engine, &write.key, &stored, held)?;
         let sends = self.streams.ship(place, write, fx.now());
         self.send::<FAMILY>(fx, sends);
         Ok(())
@@ -1484,10 +1487,7 @@ impl Partition {
     /// Stores a write delivered from another datacenter (if it outranks
     /// what the key holds) and tells its stream.
     fn store_delivered(&mut self, receipt: Receipt, write: &Replicated) -> Result<(), OperationError> {
-        // Only a partition's own writes are shipped again from its engine,
-        // so only they keep their dependencies.
-        let stored = Stored { dependencies: Vec::new(), ..Stored::of(write) };
-        store(&*self.engine, &write.key, &stored)?;
+        store(&*self.engine, &write.key, &Stored::of(write))?;
         self.streams.stored(receipt);
         Ok(())
     }
