@@ -48,13 +48,12 @@ pub(crate) struct Pending {
     pub fetching: Option<Vec<Option<(Version, NodeId)>>>,
 }
 
-impl Pending {
-    /// The keys `call` writes: the key, or each key of its group.
-    fn written_keys(&self, batches: bool) -> Vec<Bytes> {
-        match batches {
-            true => group_members(&self.key).collect(),
-            false => vec![self.key.clone()],
-        }
+/// The keys a write of `key` writes under `workload`: the key, or each key
+/// of its group.
+fn written_keys(workload: Workload, key: &Bytes) -> Vec<Bytes> {
+    match workload {
+        Workload::Batches => group_members(key).collect(),
+        _ => vec![key.clone()],
     }
 }
 
@@ -218,15 +217,12 @@ impl Simulation {
             && matches!(call, Call::Put(_) | Call::Delete)
             && quorum
             && state.rng.chance(0.5);
-        let fetch_first = match config.workload {
-            Workload::Batches => group_members(&key).next().expect("a group's key"),
-            _ => key.clone(),
-        };
+        let written = written_keys(config.workload, &key);
         let batch = |write: Write| ProtocolOperation::Batch {
-            writes: group_members(&key).map(|member| (member, write.clone())).collect(),
+            writes: written.iter().map(|member| (member.clone(), write.clone())).collect(),
         };
         let operation = match &call {
-            _ if conditional => ProtocolOperation::Fetch { key: fetch_first },
+            _ if conditional => ProtocolOperation::Fetch { key: written[0].clone() },
             Call::Put(value) if config.workload == Workload::Batches => batch(Write::Put(value.clone())),
             Call::Delete if config.workload == Workload::Batches => batch(Write::Delete),
             Call::Get => ProtocolOperation::Get {
@@ -297,7 +293,7 @@ impl Simulation {
             Call::Delete => Write::Delete,
             other => unreachable!("only puts and deletes are conditional: {other:?}"),
         };
-        let keys = pending.written_keys(self.config.workload == Workload::Batches);
+        let keys = written_keys(self.config.workload, &pending.key);
         let mut fetched = pending.fetching.take().expect("fetching");
         fetched.push(expected);
         let operation = if fetched.len() < keys.len() {
