@@ -402,9 +402,9 @@ impl Cops {
         for write in committed {
             self.unblock(write);
         }
-        self.checkpoint = self.checkpoint.max(stable.into_iter().min().unwrap_or_default());
-        if !self.met.is_empty() {
-            let checkpoint = self.checkpoint;
+        let checkpoint = stable.into_iter().min().unwrap_or_default();
+        if checkpoint > self.checkpoint {
+            self.checkpoint = checkpoint;
             self.met.retain(|dependency| dependency.version > checkpoint);
         }
     }
