@@ -165,6 +165,13 @@ async fn chains_commit_over_peer_links_and_survive_a_dead_middle_replica() {
     drop(middle_agent);
     agents[middle] = None;
     let died = Instant::now();
+    // Dropping an agent aborts its tasks, and a task in the middle of a poll
+    // on another thread finishes that poll first (it may still pass writes
+    // on): wait until its peer listener is gone.
+    while tokio::net::TcpStream::connect(("127.0.0.1", peers[middle])).await.is_ok() {
+        assert!(died.elapsed() < Duration::from_secs(5), "the middle replica's listener outlived it");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     // Meanwhile nothing commits: past 8 waiting writes, writers must wait.
     let stuck: Vec<_> = (0..8)
         .map(|index| {
