@@ -94,13 +94,16 @@ pub enum Operation {
         delta: i64,
     },
     /// A strong read that answers the key's whole record, encoded (or none):
-    /// the first half of a conditional write. Quorum protocols only.
+    /// the first half of a conditional write. Quorum protocols; multi-master
+    /// answers its own record, for a conditional delete.
     Fetch {
         key: Bytes,
     },
     /// Writes `write` if the key's newest record is still the one fetched
     /// (`expected`: its version and origin; `None`: there was none); answers
-    /// `Changed`, without effect, if it changed. Quorum protocols only.
+    /// `Changed`, without effect, if it changed. Quorum protocols; and
+    /// multi-master for a delete, which there retires the expected record
+    /// only, wherever it is still the newest (docs/PROTOCOLS.md, "AA+EC").
     WriteIf {
         key: Bytes,
         expected: Option<(Version, NodeId)>,

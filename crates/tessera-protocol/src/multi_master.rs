@@ -25,6 +25,12 @@
 //! Deletes are tombstones, collected after a grace period once every peer
 //! has acknowledged them.
 //!
+//! A conditional delete (`WriteIf` of a delete, after a `Fetch` of this
+//! replica's record) retires the record it names: its tombstone takes that
+//! record's version and origin, so it outranks that record and nothing
+//! newer, wherever it meets them. The expiry sweep deletes this way, since
+//! the member that sweeps may not have seen a later write taken elsewhere.
+//!
 //! Network assumptions: none beyond eventual delivery between live replicas.
 //! Messages from another view are ignored.
 
@@ -40,7 +46,7 @@ use crate::snapshot::SNAPSHOT_CHUNK_BYTES;
 use crate::{
     entries_bytes, for_each_entry, increment_value, refused_without_quorum, resend_due, BatchBytes,
     ClientReply, ClientRequest, Effects, NodeId, Operation, OperationError, PeerMessage, Progress, Protocol,
-    ShardView, Time, Write, UNIT_BYTES_MAX,
+    RequestId, ShardView, Time, Write, UNIT_BYTES_MAX,
 };
 
 /// The most bytes of records one anti-entropy exchange sends a peer.
@@ -468,10 +474,7 @@ impl MultiMaster {
             return Ok(false);
         }
         let current = self.stored(key)?;
-        if current
-            .as_ref()
-            .is_some_and(|current| (current.version, current.origin) >= (record.version, record.origin))
-        {
+        if current.as_ref().is_some_and(|current| current.rank() >= record.rank()) {
             return Ok(false);
         }
         if current.is_none() && record.tombstone && self.past_grace(record.version, now) {
@@ -512,7 +515,7 @@ impl MultiMaster {
             | Operation::BatchIf { .. }
             | Operation::Causal { .. } => {
                 unreachable!(
-                    "reads are handled separately; conditional and causal operations are refused before"
+                    "reads and conditional deletes are handled before; other conditional and causal operations are refused"
                 )
             }
         };
@@ -534,12 +537,46 @@ impl MultiMaster {
                 // records stay, as a failed command's earlier writes do.
                 return fx.reply(request.id, ClientReply::Failed(error));
             }
-            for peer in &peers {
-                let unsent = Unsent { raw: raw.clone(), write: self.accepted, batch: batch.clone() };
-                self.outboxes.entry(*peer).or_default().unsent.insert(key.clone(), unsent);
-            }
+            self.queue_for(&peers, key, raw, batch.clone());
         }
         fx.reply(request.id, reply);
+    }
+
+    /// A conditional delete, last writer wins' way: if this replica's record
+    /// of `key` is still the `expected` one, it is replaced by a tombstone of
+    /// the same version and origin ([`Record::rank`]), which outranks that
+    /// record wherever the two meet and loses to any later write of the key,
+    /// whether this replica has seen that write yet or not. A fresh version
+    /// would delete such a write too. The expiry sweep deletes this way.
+    fn retire(&mut self, id: RequestId, key: Bytes, expected: Option<(Version, NodeId)>, fx: &mut Effects) {
+        let reply = match self.stored(&key) {
+            Ok(current) if current.as_ref().map(Record::ballot) != expected => ClientReply::Changed,
+            Ok(None) => ClientReply::Written,
+            Ok(Some(current)) if current.tombstone => ClientReply::Written,
+            Ok(Some(current)) => {
+                let tombstone = Record::tombstone(current.version, current.origin);
+                let raw = tombstone.encode();
+                match self.merge(&key, tombstone, raw.clone(), fx.now()) {
+                    Ok(_) => {
+                        self.accepted += 1;
+                        self.queue_for(&self.peers(), key, raw, None);
+                        ClientReply::Written
+                    }
+                    Err(error) => ClientReply::Failed(error),
+                }
+            }
+            Err(error) => ClientReply::Failed(error),
+        };
+        fx.reply(id, reply);
+    }
+
+    /// Queues a record this replica took for `peers`; a batch's records name
+    /// the batch's keys, so that they travel in one message.
+    fn queue_for(&mut self, peers: &[NodeId], key: Bytes, raw: Bytes, batch: Option<Arc<[Bytes]>>) {
+        for peer in peers {
+            let unsent = Unsent { raw: raw.clone(), write: self.accepted, batch: batch.clone() };
+            self.outboxes.entry(*peer).or_default().unsent.insert(key.clone(), unsent);
+        }
     }
 
     /// Ships due batches to every peer: new ones while the window allows, and
@@ -708,17 +745,25 @@ impl Protocol for MultiMaster {
         if !self.is_member() {
             return fx.reply(request.id, ClientReply::Elsewhere("not a replica of this shard"));
         }
-        if refused_without_quorum(&request, fx) {
-            return;
-        }
-        match &request.operation {
-            Operation::Get { key, .. } => {
+        match request.operation {
+            Operation::Get { ref key, .. } => {
                 let reply = match self.stored(key) {
                     Ok(record) => ClientReply::Value(record.and_then(|record| record.visible().cloned())),
                     Err(error) => ClientReply::Failed(error),
                 };
                 fx.reply(request.id, reply);
             }
+            Operation::Fetch { ref key } => {
+                let reply = match self.engine.get(key) {
+                    Ok(raw) => ClientReply::Value(raw),
+                    Err(error) => ClientReply::Failed(error.into()),
+                };
+                fx.reply(request.id, reply);
+            }
+            Operation::WriteIf { key, expected, write: Write::Delete } => {
+                self.retire(request.id, key, expected, fx)
+            }
+            _ if refused_without_quorum(&request, fx) => {}
             _ => self.on_write(request, fx),
         }
     }
@@ -931,6 +976,79 @@ mod tests {
         }
         let roots: Vec<Vec<u64>> = replicas.iter().map(|replica| replica.tree.roots()).collect();
         assert!(roots.windows(2).all(|pair| pair[0] == pair[1]), "identical trees");
+    }
+
+    /// One request's answer.
+    fn ask(replica: &mut MultiMaster, id: u64, operation: Operation, now: Time) -> ClientReply {
+        let mut fx = Effects::new(now);
+        replica.on_client(ClientRequest { id: RequestId(id), operation }, &mut fx);
+        let replies: Vec<ClientReply> = fx
+            .take()
+            .into_iter()
+            .filter_map(|effect| match effect {
+                Effect::Reply { reply, .. } => Some(reply),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(replies.len(), 1, "{replies:?}");
+        replies.into_iter().next().unwrap()
+    }
+
+    /// The record `replica` answers a fetch of `key` with.
+    fn fetched(replica: &mut MultiMaster, key: &str) -> Option<Record> {
+        let fetch = Operation::Fetch { key: Bytes::copy_from_slice(key.as_bytes()) };
+        match ask(replica, 90, fetch, 150) {
+            ClientReply::Value(raw) => raw.map(|raw| Record::decode(raw).unwrap()),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// What the expiry sweep does on this mode: a member deletes a key it
+    /// judged from its own copy while another member has just taken a newer
+    /// write of it. Retiring the record judged keeps the newer write; a plain
+    /// delete, stamped later, loses it everywhere.
+    #[test]
+    fn a_retired_record_loses_to_a_later_write_taken_elsewhere() {
+        let mut fx = Effects::new(100);
+        let mut replicas = members(3, &mut fx);
+        replicas[0].on_client(put(1, "retired", "old"), &mut fx);
+        replicas[0].on_client(put(2, "deleted", "old"), &mut fx);
+        replicas[0].on_client(put(3, "alone", "old"), &mut fx);
+        settle(&mut replicas, Effects::new(110));
+        let judged = fetched(&mut replicas[1], "retired").expect("held");
+        let alone = fetched(&mut replicas[1], "alone").expect("held");
+        let mut later = Effects::new(200);
+        replicas[2].on_client(put(4, "retired", "new"), &mut later);
+        replicas[2].on_client(put(5, "deleted", "new"), &mut later);
+        let delete = |key: &str, expected: &Record| Operation::WriteIf {
+            key: Bytes::copy_from_slice(key.as_bytes()),
+            expected: Some(expected.ballot()),
+            write: Write::Delete,
+        };
+        assert_eq!(ask(&mut replicas[1], 6, delete("retired", &judged), 300), ClientReply::Written);
+        assert_eq!(ask(&mut replicas[1], 7, delete("alone", &alone), 300), ClientReply::Written);
+        let plain = Operation::Delete { key: Bytes::from_static(b"deleted") };
+        assert_eq!(ask(&mut replicas[1], 8, plain, 300), ClientReply::Written);
+        settle(&mut replicas, Effects::new(310));
+        for replica in &replicas {
+            assert_eq!(value(replica, "retired"), Some(Bytes::from_static(b"new")), "the later write stays");
+            assert_eq!(value(replica, "deleted"), None, "a fresh version outranks it");
+            assert_eq!(value(replica, "alone"), None, "retired everywhere");
+        }
+        let roots: Vec<Vec<u64>> = replicas.iter().map(|replica| replica.tree.roots()).collect();
+        assert!(roots.windows(2).all(|pair| pair[0] == pair[1]), "identical trees");
+        // The record judged is gone now: retiring it again changes nothing.
+        assert_eq!(ask(&mut replicas[0], 9, delete("retired", &judged), 320), ClientReply::Changed);
+        assert_eq!(value(&replicas[0], "retired"), Some(Bytes::from_static(b"new")));
+    }
+
+    #[test]
+    fn a_retiring_tombstone_outranks_its_record_and_nothing_newer() {
+        let record = Record::value(Version::new(5, 0), NodeId(2), Bytes::from_static(b"v"));
+        let retired = Record::tombstone(record.version, record.origin);
+        assert!(retired.rank() > record.rank());
+        let later = Record::value(Version::new(5, 1), NodeId(1), Bytes::from_static(b"w"));
+        assert!(later.rank() > retired.rank());
     }
 
     #[test]

@@ -327,6 +327,14 @@ impl Record {
     pub fn ballot(&self) -> (Version, NodeId) {
         (self.version, self.origin)
     }
+
+    /// Where last writer wins puts it among a key's records: by version,
+    /// then origin, and at one version and origin a tombstone above the
+    /// value, for a delete that retires exactly that record (multi-master's
+    /// conditional delete) and so loses to any later write of the key.
+    pub fn rank(&self) -> (Version, NodeId, bool) {
+        (self.version, self.origin, self.tombstone)
+    }
 }
 
 impl CausalMetadata {

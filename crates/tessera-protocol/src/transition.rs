@@ -278,7 +278,7 @@ impl Switchable {
         Ok(digests)
     }
 
-    /// Keeps, per key, the record of highest (version, origin).
+    /// Keeps, per key, the record that ranks highest ([`Record::rank`]).
     fn merge(&mut self, entries: Vec<(Bytes, Bytes)>) {
         for (key, raw) in entries {
             let Ok(incoming) = Record::decode(raw.clone()) else { continue };
@@ -289,9 +289,7 @@ impl Switchable {
                     continue;
                 }
             };
-            let newer = local
-                .as_ref()
-                .is_none_or(|local| (incoming.version, incoming.origin) > (local.version, local.origin));
+            let newer = local.as_ref().is_none_or(|local| incoming.rank() > local.rank());
             if newer {
                 match self.engine.put(&key, raw) {
                     Ok(()) => self.protocol.on_merged(&key, local.as_ref(), &incoming),

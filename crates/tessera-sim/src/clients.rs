@@ -179,7 +179,9 @@ impl Simulation {
     }
 
     fn issue(&mut self, client: usize) {
-        let quorum = self.mode().quorum;
+        let mode = self.mode();
+        let quorum = mode.quorum;
+        let last_writer_wins = mode.active_active && !mode.quorum && !mode.geo;
         let config = &self.config;
         let state = &mut self.clients[client];
         let (key, call, strong) = if let Some(key) = state.final_reads.last().cloned() {
@@ -211,11 +213,14 @@ impl Simulation {
             (key, call, strong)
         };
         let request = state.next_id(client);
-        // Only on quorum protocols, and only there does it take a draw from
+        // Only on quorum protocols, and deletes on last-writer-wins ones (as
+        // the expiry sweep deletes there); only there does it take a draw from
         // the client's generator, so every other protocol's seeds run as before.
         let conditional = matches!(config.workload, Workload::Registers | Workload::Batches)
-            && matches!(call, Call::Put(_) | Call::Delete)
-            && quorum
+            && (matches!(call, Call::Put(_) | Call::Delete) && quorum
+                || call == Call::Delete
+                    && last_writer_wins
+                    && written_keys(config.workload, &key).len() == 1)
             && state.rng.chance(0.5);
         let written = written_keys(config.workload, &key);
         let batch = |write: Write| ProtocolOperation::Batch {

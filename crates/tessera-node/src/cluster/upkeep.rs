@@ -17,17 +17,24 @@ use tessera_cluster::agent::Agent;
 use tessera_cluster::capture::CapturingView;
 use tessera_cluster::DEFAULT_TABLE;
 use tessera_engine::{reserved, Engine};
+use tessera_protocol::registry::Mode;
 use tessera_protocol::{Operation, Record, Write};
 
 use super::ClusterNode;
 use crate::collection;
 use crate::error::{CommandError, CommandResult};
 use crate::memory::EvictionPolicy;
-use crate::node_state::{Keyspace, NodeState};
+use crate::node_state::{now_ms, Keyspace, NodeState};
 
 /// How far past `maxmemory`, as a fraction (1/this), a head whose shards are
 /// small lets writes go before it evicts its own ([`ClusterNode::make_room`]).
 const SHARE_ALLOWANCE_DIVISOR: usize = 16;
+
+/// How long, on a last-writer-wins shard, a collection's page outlives the
+/// record of its owner key that orphaned it: a member that had not yet seen
+/// that record may still write the collection it replaced, and a header it
+/// writes then wins.
+const ORPHAN_SETTLE_MS: u64 = 10_000;
 
 /// A shard as expiry and eviction see it: its values, and deletes handed to
 /// its replication.
@@ -37,10 +44,48 @@ struct ShardKeyspace<'a> {
     /// The shard's records, and the values in them as commands see them.
     records: Arc<dyn Engine>,
     values: CapturingView,
-    /// The shard runs a quorum protocol: any member writes, so the head's
-    /// copy may be behind the newest record.
-    quorum: bool,
+    deletes: Deletes,
     agent: &'a Agent,
+}
+
+/// How the head deletes what it judged expired, evicted or orphaned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Deletes {
+    /// The head is the only writer: a delete ordered behind the key's
+    /// earlier writes never undoes a later one.
+    Ordered,
+    /// Any member writes through quorum rounds, and the head's copy may be
+    /// behind the newest record: the delete is conditional on every record
+    /// the decision read.
+    Conditional,
+    /// Any member writes, last writer wins: the delete retires the record
+    /// judged, at its own version, so a later write taken elsewhere
+    /// outranks it (docs/PROTOCOLS.md, "AA+EC").
+    Retire,
+}
+
+impl Deletes {
+    fn of(mode: Mode) -> Self {
+        match (mode.active_active, mode.quorum) {
+            (_, true) => Deletes::Conditional,
+            (true, false) if !mode.geo => Deletes::Retire,
+            _ => Deletes::Ordered,
+        }
+    }
+}
+
+/// Whether the head of a last-writer-wins shard may retire a collection's
+/// page its own copy shows orphaned. Only once its copy of the owner key is
+/// newer than the page (a collection written anew elsewhere can show its
+/// pages here before its header, as anti-entropy repairs key by key) and
+/// has settled; with no record of the owner at all (its tombstone
+/// collected, or its header not arrived), once the page itself has.
+fn orphan_settled(page: &Record, owner: Option<&Record>, now_ms: u64) -> bool {
+    let settled = |record: &Record| record.version.physical_ms() + ORPHAN_SETTLE_MS <= now_ms;
+    match owner {
+        Some(owner) => owner.ballot() > page.ballot() && settled(owner),
+        None => settled(page),
+    }
 }
 
 impl Keyspace for ShardKeyspace<'_> {
@@ -54,41 +99,47 @@ impl Keyspace for ShardKeyspace<'_> {
 
     /// Ordered behind the key's earlier writes while the caller holds its
     /// lock, so a later write of the key is never undone: the head is the
-    /// only writer. Under a quorum protocol other members write too, and the
-    /// head's copy reaches it key by key, so the delete is conditional on
-    /// every record the decision read still being the newest: the key's,
-    /// and for a collection's entry its owner's, whose id made it an orphan
-    /// (a collection paged out elsewhere can show its new entries here
-    /// before its new header). The delete commits on its own; nobody waits
-    /// for it.
+    /// only writer. Where other members write too, the head's copy reaches
+    /// it key by key: under a quorum protocol the delete is conditional on
+    /// every record the decision read still being the newest (the key's,
+    /// and for a collection's entry its owner's, whose id made it an
+    /// orphan: a collection paged out elsewhere can show its new entries
+    /// here before its new header); under last writer wins it retires the
+    /// record judged, and a collection's entry only as [`orphan_settled`]
+    /// allows. Such a delete commits on its own; nobody waits for it.
     fn remove(&self, key: &[u8]) -> CommandResult<()> {
         let key = Bytes::copy_from_slice(key);
-        if self.quorum {
-            let Some(seen) = self.seen(&key)? else { return Ok(()) };
-            let owner = collection::owner_key(&key).map(Bytes::copy_from_slice);
-            let delete = match owner {
-                None => Operation::WriteIf { key, expected: Some(seen.ballot()), write: Write::Delete },
-                Some(owner) => {
-                    let owner_seen = self.seen(&owner)?;
-                    let rewrite = Write::restoring(owner_seen.as_ref());
-                    Operation::BatchIf {
-                        writes: vec![
-                            (key, Some(seen.ballot()), Write::Delete),
-                            (owner, owner_seen.as_ref().map(Record::ballot), rewrite),
-                        ],
+        let owner = collection::owner_key(&key).map(Bytes::copy_from_slice);
+        let delete = match self.deletes {
+            Deletes::Ordered => return self.remove_ordered(key),
+            Deletes::Conditional => {
+                let Some(seen) = self.seen(&key)? else { return Ok(()) };
+                match owner {
+                    None => Operation::WriteIf { key, expected: Some(seen.ballot()), write: Write::Delete },
+                    Some(owner) => {
+                        let owner_seen = self.seen(&owner)?;
+                        let rewrite = Write::restoring(owner_seen.as_ref());
+                        Operation::BatchIf {
+                            writes: vec![
+                                (key, Some(seen.ballot()), Write::Delete),
+                                (owner, owner_seen.as_ref().map(Record::ballot), rewrite),
+                            ],
+                        }
                     }
                 }
-            };
-            // A record changed meanwhile answers that it changed: nothing to do.
-            drop(self.agent.begin_all(self.shard, vec![delete]));
-            return Ok(());
-        }
-        let client_key = (!reserved::is_reserved(&key)).then_some(key.as_ref());
-        let delete = Operation::Delete { key: key.clone() };
-        let (completion, _) = self.agent.begin_batch(self.shard, client_key.into_iter(), vec![delete]);
-        if completion.is_done() && !completion.succeeded() {
-            return Err(CommandError::Other(format!("{}: the shard refused the delete", self.name)));
-        }
+            }
+            Deletes::Retire => {
+                let Some(seen) = self.seen(&key)? else { return Ok(()) };
+                if let Some(owner) = owner {
+                    if !orphan_settled(&seen, self.seen(&owner)?.as_ref(), now_ms()) {
+                        return Ok(());
+                    }
+                }
+                Operation::WriteIf { key, expected: Some(seen.ballot()), write: Write::Delete }
+            }
+        };
+        // A record changed meanwhile answers that it changed: nothing to do.
+        drop(self.agent.begin_all(self.shard, vec![delete]));
         Ok(())
     }
 }
@@ -98,6 +149,16 @@ impl ShardKeyspace<'_> {
     fn seen(&self, key: &[u8]) -> CommandResult<Option<Record>> {
         let Some(raw) = self.records.get(key)? else { return Ok(None) };
         Record::decode(raw).map(Some).map_err(|error| CommandError::Other(error.to_string()))
+    }
+
+    fn remove_ordered(&self, key: Bytes) -> CommandResult<()> {
+        let client_key = (!reserved::is_reserved(&key)).then_some(key.as_ref());
+        let delete = Operation::Delete { key: key.clone() };
+        let (completion, _) = self.agent.begin_batch(self.shard, client_key.into_iter(), vec![delete]);
+        if completion.is_done() && !completion.succeeded() {
+            return Err(CommandError::Other(format!("{}: the shard refused the delete", self.name)));
+        }
+        Ok(())
     }
 }
 
@@ -162,10 +223,37 @@ impl ClusterNode {
                     shard,
                     records: snapshot.engine.clone(),
                     values: CapturingView::new(snapshot.engine),
-                    quorum: snapshot.mode.quorum,
+                    deletes: Deletes::of(snapshot.mode),
                     agent: &self.agent,
                 })
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_protocol::record::Version;
+    use tessera_protocol::NodeId;
+
+    use super::*;
+
+    fn record(physical_ms: u64, origin: u32) -> Record {
+        Record::value(Version::new(physical_ms, 0), NodeId(origin), Bytes::from_static(b"v"))
+    }
+
+    #[test]
+    fn a_page_is_retired_only_behind_a_newer_settled_owner_or_alone_and_settled() {
+        let page = record(1_000, 1);
+        let now = 1_000 + ORPHAN_SETTLE_MS + 5_000;
+        // The owner's new header has not arrived: its copy here is older.
+        assert!(!orphan_settled(&page, Some(&record(900, 2)), now));
+        // Replaced after the page, long enough ago.
+        assert!(orphan_settled(&page, Some(&record(2_000, 2)), now));
+        // Replaced a moment ago: a member may still write the old collection.
+        assert!(!orphan_settled(&page, Some(&record(now - 1, 2)), now));
+        // No record of the owner: the page's own age decides.
+        assert!(orphan_settled(&page, None, now));
+        assert!(!orphan_settled(&record(now - 1, 1), None, now));
     }
 }
