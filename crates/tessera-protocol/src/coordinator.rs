@@ -485,7 +485,8 @@ impl ShardCoordinator {
         // Every member holds the same records now: any of them may lead, and
         // any but the last may leave. A member that left meanwhile leaves the
         // order as it is.
-        let end = self.drain_end.take().filter(|end| match end {
+        let planned = self.drain_end.take();
+        let end = planned.filter(|end| match end {
             DrainEnd::HandOver(node) => self.view.position(*node).is_some(),
             DrainEnd::Retire(node) => self.view.position(*node).is_some() && self.view.replicas.len() > 1,
             DrainEnd::Promote(node) => self.view.learners.contains(node),
@@ -494,6 +495,9 @@ impl ShardCoordinator {
             Some(DrainEnd::HandOver(_)) => "head handed over",
             Some(DrainEnd::Retire(_)) => "replica retired",
             Some(DrainEnd::Promote(_)) => "learner promoted",
+            // A handover, retirement or promotion whose member is gone:
+            // not a transition, whose end switches the protocol.
+            None if planned.is_some() => "drain ended, its member gone",
             None => "transition complete",
         };
         self.change_view(
@@ -722,7 +726,7 @@ mod tests {
         }
         assert!(!pb.view().draining);
         assert_eq!(pb.view().replicas, vec![NodeId(0), NodeId(2)]);
-        assert_eq!(pb.take_changes().last().unwrap().reason, "transition complete");
+        assert_eq!(pb.take_changes().last().unwrap().reason, "drain ended, its member gone");
     }
 
     #[test]
@@ -773,5 +777,30 @@ mod tests {
         assert_eq!(quorum.view().replicas, vec![NodeId(1), NodeId(2), NodeId(3)]);
         assert!(quorum.view().learners.is_empty());
         assert_eq!(quorum.take_changes().last().unwrap().reason, "learner promoted");
+    }
+
+    /// The simulator switches protocols at the view that completes a
+    /// transition; a learner's drain that lost its learner is not one.
+    #[test]
+    fn a_drain_whose_learner_fell_silent_ends_without_completing_a_transition() {
+        let mut quorum = coordinator(Admission::Quorum { min_members: 2 });
+        beat(&mut quorum, 10, 3);
+        let ready =
+            Progress { learner_ready: Some((NodeId(3), quorum.view().number)), ..Progress::default() };
+        quorum.on_heartbeat(20, NodeId(3), 0, &ready);
+        assert!(quorum.view().draining);
+        for node in 0..3 {
+            beat(&mut quorum, 999, node);
+        }
+        quorum.on_tick(1_000);
+        assert!(quorum.view().learners.is_empty(), "the silent learner is dropped");
+        let drained = Progress { drained: Some(quorum.view().number), ..Progress::default() };
+        for node in 0..3 {
+            quorum.on_heartbeat(1_001, NodeId(node), 0, &drained);
+        }
+        assert!(!quorum.view().draining && !quorum.transitioning());
+        let reasons: Vec<&str> = quorum.take_changes().iter().map(|change| change.reason).collect();
+        assert_eq!(reasons.last(), Some(&"drain ended, its member gone"), "{reasons:?}");
+        assert!(!reasons.contains(&"transition complete"), "{reasons:?}");
     }
 }
