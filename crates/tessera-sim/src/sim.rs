@@ -566,6 +566,12 @@ impl Simulation {
 
     fn log_view_changes(&mut self) {
         for change in self.coordinator.take_changes() {
+            if change.reason == "transition complete" && self.report.transition_started_at.is_none() {
+                // The replicas would switch protocols without a drain.
+                self.report
+                    .violations
+                    .push(format!("view {}: a transition completed unstarted", change.view.number));
+            }
             if change.reason == "transition complete" && self.switched_in_view.is_none() {
                 self.switched_in_view = Some(change.view.number);
                 self.report.transition_completed_at = Some(change.at_ms);
