@@ -194,11 +194,18 @@ fn the_checkers_catch_a_chain_that_applies_a_batch_a_write_at_a_time() {
 
 #[test]
 fn the_checkers_catch_replicas_that_never_repair_what_propagation_missed() {
-    let failed = failures(mode("broken-multi-master-no-repair"), 0..100);
+    // Appends write every key once: a replica that restarted empty holds the
+    // keys written before only if anti-entropy brings them (on the registers
+    // workload every key is soon written again, which hides the gap: 1 of
+    // 100 seeds caught it, and none once half the deletes were conditional).
+    let config =
+        SimConfig { workload: Workload::Appends, ..SimConfig::new(mode("broken-multi-master-no-repair")) };
+    let caught = (0..100)
+        .map(|seed| run(seed, &config))
+        .filter(|report| report.violations.iter().any(|violation| violation.starts_with("convergence")))
+        .count();
     assert!(
-        failed
-            .iter()
-            .any(|report| report.violations.iter().any(|violation| violation.starts_with("convergence"))),
+        caught > 0,
         "100 seeds of multi-master without anti-entropy converged: the checker does not bite"
     );
 }
