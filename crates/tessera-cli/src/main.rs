@@ -1069,7 +1069,8 @@ fn simulate(args: SimArgs) -> Result<(), String> {
             if let (Some(started), Some(completed)) =
                 (report.transition_started_at, report.transition_completed_at)
             {
-                transition_ms.push(completed - started);
+                // One that completed before it started is a violation, reported.
+                transition_ms.extend(completed.checked_sub(started));
             }
             for (replica, count) in &report.strong_reads_by_replica {
                 *strong_reads.entry(*replica).or_default() += count;
