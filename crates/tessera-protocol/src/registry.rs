@@ -104,6 +104,13 @@ type Constructor =
     fn(me: NodeId, engine: Arc<dyn Engine>, start: Start, tuning: &Tuning) -> Box<dyn Protocol>;
 
 impl ProtocolSpec {
+    /// Every member of one datacenter's group accepts writes and keeps the
+    /// newest by version (AA+EC): a conditional delete there retires the
+    /// record it names (docs/PROTOCOLS.md, "AA+EC").
+    pub fn last_writer_wins(&self) -> bool {
+        self.active_active && !self.quorum && !self.geo
+    }
+
     /// How a node outside the view joins a shard of `replicas` replicas.
     pub fn admission(&self, replicas: usize) -> Admission {
         (self.admission)(replicas)

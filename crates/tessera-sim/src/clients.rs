@@ -180,8 +180,6 @@ impl Simulation {
 
     fn issue(&mut self, client: usize) {
         let mode = self.mode();
-        let quorum = mode.quorum;
-        let last_writer_wins = mode.active_active && !mode.quorum && !mode.geo;
         let config = &self.config;
         let state = &mut self.clients[client];
         let (key, call, strong) = if let Some(key) = state.final_reads.last().cloned() {
@@ -213,16 +211,15 @@ impl Simulation {
             (key, call, strong)
         };
         let request = state.next_id(client);
-        // Only on quorum protocols, and deletes on last-writer-wins ones (as
-        // the expiry sweep deletes there); only there does it take a draw from
-        // the client's generator, so every other protocol's seeds run as before.
-        let conditional = matches!(config.workload, Workload::Registers | Workload::Batches)
-            && (matches!(call, Call::Put(_) | Call::Delete) && quorum
-                || call == Call::Delete
-                    && last_writer_wins
-                    && written_keys(config.workload, &key).len() == 1)
-            && state.rng.chance(0.5);
         let written = written_keys(config.workload, &key);
+        // Only on quorum protocols, and single deletes on last-writer-wins
+        // ones (as the expiry sweep deletes there); only there does it take a
+        // draw from the client's generator, so every other protocol's seeds
+        // run as before.
+        let conditional = matches!(config.workload, Workload::Registers | Workload::Batches)
+            && (matches!(call, Call::Put(_) | Call::Delete) && mode.quorum
+                || call == Call::Delete && mode.last_writer_wins() && written.len() == 1)
+            && state.rng.chance(0.5);
         let batch = |write: Write| ProtocolOperation::Batch {
             writes: written.iter().map(|member| (member.clone(), write.clone())).collect(),
         };

@@ -66,10 +66,12 @@ enum Deletes {
 
 impl Deletes {
     fn of(mode: Mode) -> Self {
-        match (mode.active_active, mode.quorum) {
-            (_, true) => Deletes::Conditional,
-            (true, false) if !mode.geo => Deletes::Retire,
-            _ => Deletes::Ordered,
+        if mode.quorum {
+            Deletes::Conditional
+        } else if mode.last_writer_wins() {
+            Deletes::Retire
+        } else {
+            Deletes::Ordered
         }
     }
 }
