@@ -481,12 +481,24 @@ impl MultiMaster {
             // Collected everywhere by now: storing it would only bring it back.
             return Ok(false);
         }
+        self.replace(key, current.as_ref(), &record, raw)?;
+        Ok(true)
+    }
+
+    /// Stores `record` over `current`, what `key` holds, and indexes both.
+    fn replace(
+        &mut self,
+        key: &Bytes,
+        current: Option<&Record>,
+        record: &Record,
+        raw: Bytes,
+    ) -> Result<(), OperationError> {
         self.engine.put(key, raw)?;
-        if let Some(current) = &current {
+        if let Some(current) = current {
             self.index(key, current, false);
         }
-        self.index(key, &record, true);
-        Ok(true)
+        self.index(key, record, true);
+        Ok(())
     }
 
     fn past_grace(&self, version: Version, now: Time) -> bool {
@@ -554,10 +566,11 @@ impl MultiMaster {
             Ok(None) => ClientReply::Written,
             Ok(Some(current)) if current.tombstone => ClientReply::Written,
             Ok(Some(current)) => {
+                // It outranks `current` by construction: no merge to judge.
                 let tombstone = Record::tombstone(current.version, current.origin);
                 let raw = tombstone.encode();
-                match self.merge(&key, tombstone, raw.clone(), fx.now()) {
-                    Ok(_) => {
+                match self.replace(&key, Some(&current), &tombstone, raw.clone()) {
+                    Ok(()) => {
                         self.accepted += 1;
                         self.queue_for(&self.peers(), key, raw, None);
                         ClientReply::Written
