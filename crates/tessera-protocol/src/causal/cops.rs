@@ -485,13 +485,16 @@ impl Cops {
 
 /// Each node's checks (or answers), `message` of at most
 /// [`CHECKS_PER_MESSAGE`] at a time.
-fn in_messages<T: Clone>(
+fn in_messages<T>(
     by_node: BTreeMap<NodeId, Vec<T>>,
     message: impl Fn(Vec<T>) -> GeoMessage,
 ) -> Vec<(NodeId, GeoMessage)> {
     let mut sends = Vec::new();
     for (to, items) in by_node {
-        sends.extend(items.chunks(CHECKS_PER_MESSAGE).map(|chunk| (to, message(chunk.to_vec()))));
+        let mut items = items.into_iter().peekable();
+        while items.peek().is_some() {
+            sends.push((to, message(items.by_ref().take(CHECKS_PER_MESSAGE).collect())));
+        }
     }
     sends
 }
@@ -714,6 +717,29 @@ mod tests {
     /// A put that depends on many writes to another partition has them
     /// checked in one message, and the answers come in one; a dependency
     /// answered is not checked again.
+    #[test]
+    fn checks_past_a_message_go_in_more_and_each_once() {
+        let answers =
+            BTreeMap::from([(NodeId(1), (0..CHECKS_PER_MESSAGE as u64 + 1).collect()), (NodeId(2), vec![7])]);
+        let sends = in_messages(answers, |checks| GeoMessage::DependenciesMet { checks });
+        let shape: Vec<(NodeId, usize, Option<u64>)> = sends
+            .iter()
+            .map(|(to, message)| match message {
+                GeoMessage::DependenciesMet { checks } => (*to, checks.len(), checks.first().copied()),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        let last = CHECKS_PER_MESSAGE as u64;
+        assert_eq!(
+            shape,
+            vec![
+                (NodeId(1), CHECKS_PER_MESSAGE, Some(0)),
+                (NodeId(1), 1, Some(last)),
+                (NodeId(2), 1, Some(7))
+            ]
+        );
+    }
+
     #[test]
     fn dependencies_are_checked_in_one_message_and_once() {
         let mut network = Network::new();
