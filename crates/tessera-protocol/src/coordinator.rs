@@ -63,6 +63,10 @@ pub struct CoordinatorConfig {
     pub admission: Admission,
 }
 
+/// The reason of the view that ends a transition to another protocol: the
+/// view from which the shard runs it (the simulator switches there).
+pub const TRANSITION_COMPLETE: &str = "transition complete";
+
 /// A new view and why it was made.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ViewChange {
@@ -498,7 +502,7 @@ impl ShardCoordinator {
             // A handover, retirement or promotion whose member is gone:
             // not a transition, whose end switches the protocol.
             None if planned.is_some() => "drain ended, its member gone",
-            None => "transition complete",
+            None => TRANSITION_COMPLETE,
         };
         self.change_view(
             now,
@@ -801,6 +805,6 @@ mod tests {
         assert!(!quorum.view().draining && !quorum.transitioning());
         let reasons: Vec<&str> = quorum.take_changes().iter().map(|change| change.reason).collect();
         assert_eq!(reasons.last(), Some(&"drain ended, its member gone"), "{reasons:?}");
-        assert!(!reasons.contains(&"transition complete"), "{reasons:?}");
+        assert!(!reasons.contains(&TRANSITION_COMPLETE), "{reasons:?}");
     }
 }

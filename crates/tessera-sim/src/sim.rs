@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use bytes::Bytes;
 use tessera_engine::Engine;
-use tessera_protocol::coordinator::{CoordinatorConfig, ShardCoordinator};
+use tessera_protocol::coordinator::{CoordinatorConfig, ShardCoordinator, TRANSITION_COMPLETE};
 use tessera_protocol::{
     for_each_entry, Consistency, Effect, Effects, Mode, NodeId, Operation as ProtocolOperation, Progress,
     Record, Replica as Driver, RequestId, ShardView,
@@ -566,16 +566,17 @@ impl Simulation {
 
     fn log_view_changes(&mut self) {
         for change in self.coordinator.take_changes() {
-            if change.reason == "transition complete" && self.report.transition_started_at.is_none() {
-                // The replicas would switch protocols without a drain.
-                self.report
-                    .violations
-                    .push(format!("view {}: a transition completed unstarted", change.view.number));
-            }
-            if change.reason == "transition complete" && self.switched_in_view.is_none() {
-                self.switched_in_view = Some(change.view.number);
-                self.report.transition_completed_at = Some(change.at_ms);
-                self.switched_state = self.drained_state(&change.view);
+            if change.reason == TRANSITION_COMPLETE {
+                if self.report.transition_started_at.is_none() {
+                    // The replicas would switch protocols without a drain.
+                    let violation = format!("view {}: a transition completed unstarted", change.view.number);
+                    self.report.violations.push(violation);
+                }
+                if self.switched_in_view.is_none() {
+                    self.switched_in_view = Some(change.view.number);
+                    self.report.transition_completed_at = Some(change.at_ms);
+                    self.switched_state = self.drained_state(&change.view);
+                }
             }
             self.report.view_changes += 1;
             if change.primary_changed {
