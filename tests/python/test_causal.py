@@ -217,6 +217,47 @@ def test_tokens_carry_a_session_to_another_connection_and_refuse_forgeries(geo_c
     assert plain.execute_command("CONSISTENCY.READ", "eventual", "GET", "post:token") == [b"eventual", b"hello"]
 
 
+@pytest.mark.parametrize("protocol", ["cops", "gentle-rain", "causal-spartan", "geo-eventual"])
+def test_a_key_set_again_in_another_datacenter_as_it_expires_keeps_the_new_value(geo_cluster, protocol):
+    """Datacenter 0 writes keys with a time to live; once datacenter 1 shows
+    them, and just before they expire, datacenter 1 sets them again with no
+    time to live. Datacenter 0 expires its copies before those writes reach
+    it (the one-way delay is longer than the time left). Its sweep retires
+    the record it judged expired and no later one, so the new values win in
+    both datacenters; a delete stamped when it swept would have outranked
+    them and lost them everywhere."""
+    delay_ms, ttl_ms = 500, 6000
+    cluster = geo_cluster(protocol, delay_ms=delay_ms)
+    here = redis.Redis(port=cluster.port(0), protocol=2, socket_timeout=5)
+    copy = NODES // DATACENTERS
+    there = redis.Redis(port=cluster.port(copy), protocol=2, socket_timeout=5)
+    tag = next(tag for tag in "abcdefghij" if here.cluster("keyslot", f"{{{tag}}}") < 16384 // 3)
+    keys = [f"{{{tag}}}session:{index}" for index in range(200)]
+
+    written = time.time()
+    pipe = here.pipeline(transaction=False)
+    for key in keys:
+        pipe.set(key, "old", px=ttl_ms)
+    pipe.execute()
+    while [there.get(key) for key in keys] != [b"old"] * len(keys):
+        assert time.time() < written + (ttl_ms - 1000) / 1000, "datacenter 1 did not show the first values in time"
+        time.sleep(0.05)
+    # The new values leave datacenter 1 before the old ones expire, and
+    # reach datacenter 0 (at least `delay_ms` later) after its sweep.
+    time.sleep(max(0.0, written + (ttl_ms - 300) / 1000 - time.time()))
+    pipe = there.pipeline(transaction=False)
+    for key in keys:
+        pipe.set(key, "new")
+    pipe.execute()
+    assert time.time() < written + ttl_ms / 1000, "the second writes were not all taken before the expiry"
+
+    deadline = time.time() + 15
+    while (shown := [[client.get(key) for key in keys] for client in (here, there)]) != [[b"new"] * len(keys)] * 2:
+        assert time.time() < deadline, [sum(value == b"new" for value in copy) for copy in shown]
+        time.sleep(0.1)
+    assert int(here.info("stats")["expired_keys"]) > 0, "datacenter 0 expired nothing: the race was not run"
+
+
 def test_causal_levels_are_refused_without_datacenters(cluster_factory):
     cluster = cluster_factory("eventual", nodes=3, topology="aa")
     client = redis.Redis(port=cluster.port(0), protocol=2)

@@ -152,7 +152,27 @@ pub trait Keyspace {
     /// Its values, as commands see them.
     fn values(&self) -> &dyn Engine;
     /// Deletes `key`, whose lock the caller holds.
-    fn remove(&self, key: &[u8]) -> CommandResult<()>;
+    fn remove(&self, key: &[u8], why: Removal) -> CommandResult<()>;
+}
+
+/// Why the node deletes a key no client asked it to delete.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Removal {
+    /// Its expiry time has passed.
+    Expired,
+    /// A collection's entry whose collection is gone.
+    Orphaned,
+    /// To make room under `maxmemory`.
+    Evicted,
+}
+
+impl Removal {
+    /// Whether every copy of the key judges it the same from the record it
+    /// holds, so that each may delete its own (an eviction is one node's
+    /// choice).
+    pub fn judged_from_record(self) -> bool {
+        self != Removal::Evicted
+    }
 }
 
 impl Keyspace for Table {
@@ -164,7 +184,7 @@ impl Keyspace for Table {
         self.engine.as_ref()
     }
 
-    fn remove(&self, key: &[u8]) -> CommandResult<()> {
+    fn remove(&self, key: &[u8], _why: Removal) -> CommandResult<()> {
         if reserved::is_reserved(key) {
             Ok(self.reserved.change(|| Ok(((), -i64::from(self.engine.delete(key)?))))?)
         } else {
@@ -182,8 +202,8 @@ impl<K: Keyspace + ?Sized> Keyspace for &K {
         (**self).values()
     }
 
-    fn remove(&self, key: &[u8]) -> CommandResult<()> {
-        (**self).remove(key)
+    fn remove(&self, key: &[u8], why: Removal) -> CommandResult<()> {
+        (**self).remove(key, why)
     }
 }
 
@@ -570,7 +590,7 @@ impl NodeState {
             })
             .min_by_key(|(rank, _, _)| *rank)?;
         let _lock = self.lock_key(&key);
-        match keyspace.remove(&key) {
+        match keyspace.remove(&key, Removal::Evicted) {
             Ok(()) => {
                 self.stats.evicted_keys.fetch_add(1, Ordering::Relaxed);
                 Some(bytes)
@@ -589,7 +609,7 @@ impl NodeState {
         if !collection::is_orphan(keyspace.values(), entry, now, collection_id)? {
             return Ok(false);
         }
-        keyspace.remove(entry)?;
+        keyspace.remove(entry, Removal::Orphaned)?;
         Ok(true)
     }
 
@@ -597,7 +617,7 @@ impl NodeState {
     fn remove_if_expired<K: Keyspace>(&self, keyspace: &K, key: &[u8], now: u64) -> CommandResult<bool> {
         match keyspace.values().get(key)? {
             Some(raw) if Stored::decode(raw.clone()).is_ok_and(|stored| stored.is_expired(now)) => {
-                keyspace.remove(key)?;
+                keyspace.remove(key, Removal::Expired)?;
                 Ok(true)
             }
             _ => Ok(false),

@@ -24,7 +24,7 @@ use super::ClusterNode;
 use crate::collection;
 use crate::error::{CommandError, CommandResult};
 use crate::memory::EvictionPolicy;
-use crate::node_state::{now_ms, Keyspace, NodeState};
+use crate::node_state::{now_ms, Keyspace, NodeState, Removal};
 
 /// How far past `maxmemory`, as a fraction (1/this), a head whose shards are
 /// small lets writes go before it evicts its own ([`ClusterNode::make_room`]).
@@ -44,7 +44,8 @@ struct ShardKeyspace<'a> {
     /// The shard's records, and the values in them as commands see them.
     records: Arc<dyn Engine>,
     values: CapturingView,
-    deletes: Deletes,
+    /// How it replicates: it decides how a delete is made ([`Deletes::of`]).
+    mode: Mode,
     agent: &'a Agent,
 }
 
@@ -61,14 +62,19 @@ enum Deletes {
     /// Any member writes, last writer wins: the delete retires the record
     /// judged, at its own version, so a later write taken elsewhere
     /// outranks it (docs/PROTOCOLS.md, "AA+EC").
+    ///
+    /// Each datacenter's copy of a geo-replicated table retires what expired
+    /// or was orphaned in that copy alone, since every datacenter judges the
+    /// record it holds the same (docs/PROTOCOLS.md, "Causal consistency
+    /// across datacenters"); it evicts with a delete every datacenter takes.
     Retire,
 }
 
 impl Deletes {
-    fn of(mode: Mode) -> Self {
+    fn of(mode: Mode, why: Removal) -> Self {
         if mode.quorum {
             Deletes::Conditional
-        } else if mode.last_writer_wins() {
+        } else if mode.last_writer_wins() || (mode.geo && why.judged_from_record()) {
             Deletes::Retire
         } else {
             Deletes::Ordered
@@ -106,13 +112,15 @@ impl Keyspace for ShardKeyspace<'_> {
     /// every record the decision read still being the newest (the key's,
     /// and for a collection's entry its owner's, whose id made it an
     /// orphan: a collection paged out elsewhere can show its new entries
-    /// here before its new header); under last writer wins it retires the
-    /// record judged, and a collection's entry only as [`orphan_settled`]
-    /// allows. Such a delete commits on its own; nobody waits for it.
-    fn remove(&self, key: &[u8]) -> CommandResult<()> {
+    /// here before its new header); under last writer wins, and in each
+    /// datacenter's copy of a geo-replicated table for what expired or was
+    /// orphaned, it retires the record judged, and a collection's entry
+    /// only as [`orphan_settled`] allows. Such a delete commits on its own;
+    /// nobody waits for it.
+    fn remove(&self, key: &[u8], why: Removal) -> CommandResult<()> {
         let key = Bytes::copy_from_slice(key);
         let owner = collection::owner_key(&key).map(Bytes::copy_from_slice);
-        let delete = match self.deletes {
+        let delete = match Deletes::of(self.mode, why) {
             Deletes::Ordered => return self.remove_ordered(key),
             Deletes::Conditional => {
                 let Some(seen) = self.seen(&key)? else { return Ok(()) };
@@ -225,7 +233,7 @@ impl ClusterNode {
                     shard,
                     records: snapshot.engine.clone(),
                     values: CapturingView::new(snapshot.engine),
-                    deletes: Deletes::of(snapshot.mode),
+                    mode: snapshot.mode,
                     agent: &self.agent,
                 })
             })

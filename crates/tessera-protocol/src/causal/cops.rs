@@ -180,6 +180,7 @@ impl Cops {
         // Met everywhere: nothing to check, nothing to carry.
         dependencies.retain(|dependency| dependency.version > self.checkpoint);
         match call {
+            Call::Retire(expected) => self.partition.retire(&key, expected),
             Call::Get => {
                 // get: the session now depends on the version it read.
                 let held = read(&*self.partition.engine, &key)?;

@@ -31,6 +31,7 @@ impl Eventual {
         let (key, call, context) = call_of(request.operation, fx.now())?;
         let causal = context.is_some();
         match call {
+            Call::Retire(expected) => self.partition.retire(&key, expected),
             Call::Get => {
                 let value = read(&*self.partition.engine, &key)?.and_then(|held| held.value);
                 Ok(reply_for(&call, causal, value, CausalContext::Empty))

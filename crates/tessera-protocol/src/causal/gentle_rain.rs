@@ -87,6 +87,7 @@ impl GentleRain {
             let (dependency, stable) = Self::context_of(context)?;
             let engine = self.partition.engine.clone();
             match call {
+                Call::Retire(expected) => self.partition.retire(&key, expected).map(Some),
                 Call::Get => {
                     if !self.partition.caught_up() {
                         return Ok(Some(ClientReply::Retry(super::CATCHING_UP)));

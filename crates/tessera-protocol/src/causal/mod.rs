@@ -934,10 +934,16 @@ impl Stored {
         Ok(Self { version: record.version, origin: record.origin, value, vector, dependencies })
     }
 
-    /// Whether this version wins over `other` (last writer wins, the origin
-    /// breaking ties).
+    /// Whether this version wins over `other`: last writer wins, the
+    /// origin breaking ties, and at one version and origin a tombstone
+    /// over the value it retires ([`Partition::retire`]), as
+    /// [`Record::rank`] ranks them.
     fn outranks(&self, other: &Stored) -> bool {
-        (self.version, self.origin) > (other.version, other.origin)
+        self.rank() > other.rank()
+    }
+
+    fn rank(&self) -> (Version, NodeId, bool) {
+        (self.version, self.origin, self.value.is_none())
     }
 }
 
@@ -977,6 +983,9 @@ enum Call {
     Get,
     /// A set, or a delete (`None`).
     Write(Option<Bytes>),
+    /// A delete of the version (version, origin) only, if the key still
+    /// holds it: the expiry sweep's ([`Partition::retire`]).
+    Retire((Version, NodeId)),
 }
 
 /// Why a partition asks a client to retry before a view has placed it.
@@ -992,7 +1001,7 @@ const NOT_STRONG: &str = "the causal modes serve no strong reads; ask for eventu
 
 /// Why a causal partition refuses the operations it does not take.
 const SINGLE_KEYS_ONLY: &str =
-    "the causal modes take gets, sets and deletes of one key; batches, read-modify-writes and conditional writes are not built for them";
+    "the causal modes take gets, sets and deletes of one key; batches, read-modify-writes and conditional writes other than a retiring delete are not built for them";
 
 /// Why a partition refuses a context that names a time far ahead of its
 /// clock: taking it would move the partition's clock, and every version it
@@ -1124,6 +1133,9 @@ fn call_of(operation: Operation, now: Time) -> Result<(Bytes, Call, Option<Causa
         Operation::Get { consistency: Consistency::Strong, .. } => Err(OperationError::Causal(NOT_STRONG)),
         Operation::Put { key, value } => Ok((key, Call::Write(Some(value)), None)),
         Operation::Delete { key } => Ok((key, Call::Write(None), None)),
+        Operation::WriteIf { key, expected: Some(expected), write: Write::Delete } => {
+            Ok((key, Call::Retire(expected), None))
+        }
         _ => Err(OperationError::Causal(SINGLE_KEYS_ONLY)),
     }
 }
@@ -1134,7 +1146,7 @@ fn reply_for(call: &Call, causal: bool, value: Option<Bytes>, context: CausalCon
     match (causal, call) {
         (true, _) => ClientReply::Causal { value, context },
         (false, Call::Get) => ClientReply::Value(value),
-        (false, Call::Write(_)) => ClientReply::Written,
+        (false, Call::Write(_) | Call::Retire(_)) => ClientReply::Written,
     }
 }
 
@@ -1482,6 +1494,30 @@ impl Partition {
         };
         self.send::<FAMILY>(fx, vec![(from, ack)]);
         ready
+    }
+
+    /// Retires the version `expected` of `key` in this copy alone, if the
+    /// key still holds it: stores a tombstone at that version and origin,
+    /// which outranks it and loses to every later write of the key, taken
+    /// here or arriving from elsewhere. The expiry sweep judges a record
+    /// from what it holds (its expiry time, or for a collection's page the
+    /// owner key that replaced it), so every datacenter's sweep retires the
+    /// same record and the copies converge without shipping the tombstone;
+    /// a delete stamped now would instead outrank a write another
+    /// datacenter took meanwhile and lose it everywhere. After a restart a
+    /// tombstone of this partition's own write is shipped again in its
+    /// place, at its place in the stream: harmless, as every copy retires
+    /// that record.
+    fn retire(&mut self, key: &Bytes, expected: (Version, NodeId)) -> Result<ClientReply, OperationError> {
+        let Some(held) = read(&*self.engine, key)? else { return Ok(ClientReply::Written) };
+        if (held.version, held.origin) != expected {
+            return Ok(ClientReply::Changed);
+        }
+        if held.value.is_some() {
+            let tombstone = Stored { value: None, ..held.clone() };
+            store_over(&*self.engine, key, &tombstone, Some(held))?;
+        }
+        Ok(ClientReply::Written)
     }
 
     /// Stores a write delivered from another datacenter (if it outranks
@@ -1838,6 +1874,46 @@ mod tests {
             .take()
             .iter()
             .any(|effect| matches!(effect, crate::Effect::Reply { reply: ClientReply::Causal { .. }, .. })));
+    }
+
+    #[test]
+    fn a_retired_version_stays_retired_and_loses_to_every_later_write() {
+        type Constructor = fn(NodeId, Arc<dyn Engine>) -> Box<dyn crate::Protocol>;
+        let constructors: [Constructor; 4] = [
+            |me, engine| Box::new(eventual::Eventual::new(me, engine)),
+            |me, engine| Box::new(cops::Cops::new(me, engine)),
+            |me, engine| Box::new(gentle_rain::GentleRain::new(me, engine)),
+            |me, engine| Box::new(spartan::CausalSpartan::new(me, engine)),
+        ];
+        for new in constructors {
+            let engine: Arc<dyn Engine> = Arc::new(tessera_engine::OrderedEngine::new());
+            let mut partition = new(NodeId(0), engine.clone());
+            placed(&mut *partition);
+            let key = Bytes::from_static(b"k");
+            let put = Operation::Put { key: key.clone(), value: Bytes::from_static(b"v") };
+            assert_eq!(ask(&mut *partition, put), ClientReply::Written);
+            let held = read(&*engine, &key).unwrap().expect("stored");
+            let retire = |expected| Operation::WriteIf {
+                key: key.clone(),
+                expected: Some(expected),
+                write: Write::Delete,
+            };
+            let other = (held.version, NodeId(7));
+            assert_eq!(ask(&mut *partition, retire(other)), ClientReply::Changed);
+            assert_eq!(read(&*engine, &key).unwrap().as_ref(), Some(&held), "another version is not retired");
+            assert_eq!(ask(&mut *partition, retire((held.version, held.origin))), ClientReply::Written);
+            let tombstone = read(&*engine, &key).unwrap().expect("a tombstone");
+            assert_eq!(
+                (tombstone.version, tombstone.origin, tombstone.value),
+                (held.version, held.origin, None)
+            );
+            // The retired version delivered again (a stream resends after a
+            // restart) stays retired; a later write wins.
+            assert!(!store(&*engine, &key, &held).unwrap());
+            let later = Stored { version: Version(held.version.0 + 1), ..held.clone() };
+            assert!(store(&*engine, &key, &later).unwrap());
+            assert_eq!(held_value(&*engine, &key), Some(Bytes::from_static(b"v")));
+        }
     }
 
     #[test]

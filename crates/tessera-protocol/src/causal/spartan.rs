@@ -90,6 +90,7 @@ impl CausalSpartan {
         let (mut dependency, stable) = self.context_of(context)?;
         let here = self.partition.place.as_ref().expect("placed").datacenter;
         match call {
+            Call::Retire(expected) => self.partition.retire(&key, expected),
             Call::Get => {
                 if !self.partition.caught_up() {
                     return Ok(ClientReply::Retry(super::CATCHING_UP));
