@@ -1,7 +1,7 @@
 //! WATCH's key versions, and the engine wrapper that moves them
 //! ([`crate::commands::transactions`] says how EXEC uses them).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -16,6 +16,10 @@ const VERSION_STRIPES: usize = 1 << 16;
 pub struct KeyVersions {
     stripes: Box<[AtomicU64]>,
     flushes: AtomicU64,
+    /// Sessions that watch keys ([`Watching`]). While none does, writes
+    /// move no version, as Redis touches no watched key while none is
+    /// watched: a version is a cache miss and a locked add on every write.
+    watchers: AtomicUsize,
 }
 
 impl Default for KeyVersions {
@@ -23,7 +27,36 @@ impl Default for KeyVersions {
         Self {
             stripes: (0..VERSION_STRIPES).map(|_| AtomicU64::new(0)).collect(),
             flushes: AtomicU64::new(0),
+            watchers: AtomicUsize::new(0),
         }
+    }
+}
+
+/// A session counted among those that watch keys, until it is dropped.
+///
+/// A session counts itself in before it reads a key's version, and reads
+/// it holding the key's lock; a write checks the count holding that lock.
+/// So a write either is done before the version is read (the session reads
+/// what it wrote), or it sees the session counted and moves the version.
+#[derive(Debug)]
+pub struct Watching(Arc<KeyVersions>);
+
+impl Watching {
+    pub fn new(versions: &Arc<KeyVersions>) -> Self {
+        versions.watchers.fetch_add(1, Ordering::SeqCst);
+        Self(versions.clone())
+    }
+}
+
+impl Drop for Watching {
+    fn drop(&mut self) {
+        self.0.watchers.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl std::fmt::Debug for KeyVersions {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.debug_struct("KeyVersions").field("watchers", &self.watchers).finish_non_exhaustive()
     }
 }
 
@@ -45,7 +78,7 @@ impl KeyVersions {
     /// and the sweep's removal of a replaced collection's entries changes
     /// no key.
     pub fn moved(&self, key: &[u8]) {
-        if !reserved::is_reserved(key) {
+        if self.watchers.load(Ordering::SeqCst) > 0 && !reserved::is_reserved(key) {
             self.stripes[Self::stripe(key)].fetch_add(1, Ordering::SeqCst);
         }
     }
@@ -185,5 +218,27 @@ impl<E: Engine + ?Sized> Engine for Touching<E> {
             self.versions.moved(key);
         }
         self.inner.put_many(entries)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_move_versions_only_while_a_session_watches() {
+        let versions = Arc::new(KeyVersions::default());
+        let stripe = KeyVersions::stripe(b"k");
+        versions.moved(b"k");
+        assert_eq!(versions.version(stripe), 0, "nobody watches: nothing moves");
+        let first = Watching::new(&versions);
+        let second = Watching::new(&versions);
+        versions.moved(b"k");
+        drop(first);
+        versions.moved(b"k");
+        assert_eq!(versions.version(stripe), 2, "moved while either session watched");
+        drop(second);
+        versions.moved(b"k");
+        assert_eq!(versions.version(stripe), 2);
     }
 }

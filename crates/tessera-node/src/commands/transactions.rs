@@ -17,6 +17,7 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use tessera_protocol::Record;
@@ -24,7 +25,7 @@ use tessera_wire::Request;
 
 use super::{execute, CommandSpec, Context, Scope, Session};
 use crate::error::{CommandError, CommandResult};
-use crate::watch::KeyVersions;
+use crate::watch::{KeyVersions, Watching};
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
@@ -73,8 +74,10 @@ impl Queued {
 }
 
 /// The versions of the keys WATCH named, as they were then.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Watched {
+    /// Counts the session among those whose keys writes must move.
+    _watching: Watching,
     versions: Vec<(usize, u64)>,
     flushes: u64,
     /// Keys of a shard running a quorum protocol (AA+SC), which this node's
@@ -91,8 +94,13 @@ impl Watched {
 }
 
 /// The session's watched keys, started if none were.
-fn watched<'s>(session: &'s mut Session, versions: &KeyVersions) -> &'s mut Watched {
-    session.watched.get_or_insert_with(|| Watched { flushes: versions.flushes(), ..Watched::default() })
+fn watched<'s>(session: &'s mut Session, versions: &Arc<KeyVersions>) -> &'s mut Watched {
+    session.watched.get_or_insert_with(|| Watched {
+        _watching: Watching::new(versions),
+        versions: Vec::new(),
+        flushes: versions.flushes(),
+        records: HashMap::new(),
+    })
 }
 
 /// WATCH of keys on a shard running a quorum protocol: their records, as
@@ -173,10 +181,14 @@ fn watch(context: &mut Context, request: &Request) -> CommandResult {
         return Err(CommandError::Other("WATCH inside MULTI is not allowed".into()));
     }
     let versions = &context.node.versions;
-    let watched = watched(context.session, versions);
+    watched(context.session, versions);
     for key in request.args().skip(1) {
+        // Under the key's lock: a write under way finishes first (see
+        // `Watching`).
+        let _lock = context.lock_key(key)?;
         let stripe = KeyVersions::stripe(key);
-        watched.versions.push((stripe, versions.version(stripe)));
+        let version = versions.version(stripe);
+        watched(context.session, versions).versions.push((stripe, version));
     }
     context.out.ok();
     Ok(())
