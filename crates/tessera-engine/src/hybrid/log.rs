@@ -29,6 +29,7 @@ use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crossbeam_epoch as epoch;
+use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 
 use super::memory::ZeroedArray;
@@ -289,13 +290,17 @@ pub(crate) struct Log {
     safe_head: Arc<AtomicU64>,
     pub(crate) read_only: AtomicU64,
     safe_read_only: Arc<AtomicU64>,
+    // The fields above are read by every access and change a page at a
+    // time; the ones below change with every allocation or flush, each on
+    // a cache line of its own, so that a thread allocating does not take
+    // from the others the line their every read needs.
     /// Everything below is written to the segment files.
-    pub(crate) flushed: AtomicU64,
+    pub(crate) flushed: CachePadded<AtomicU64>,
     /// Everything below is synced to the disk.
-    pub(crate) durable: AtomicU64,
-    pub(crate) tail: AtomicU64,
+    pub(crate) durable: CachePadded<AtomicU64>,
+    pub(crate) tail: CachePadded<AtomicU64>,
     /// Serializes allocation at the tail (and the boundary moves it makes).
-    allocation: Mutex<()>,
+    allocation: CachePadded<Mutex<()>>,
     /// Serializes flushing.
     flushing: Mutex<()>,
     pub(crate) segments: Segments,
@@ -315,10 +320,10 @@ impl Log {
             safe_head: Arc::new(AtomicU64::new(end)),
             read_only: AtomicU64::new(end),
             safe_read_only: Arc::new(AtomicU64::new(end)),
-            flushed: AtomicU64::new(end),
-            durable: AtomicU64::new(end),
-            tail: AtomicU64::new(end),
-            allocation: Mutex::new(()),
+            flushed: CachePadded::new(AtomicU64::new(end)),
+            durable: CachePadded::new(AtomicU64::new(end)),
+            tail: CachePadded::new(AtomicU64::new(end)),
+            allocation: CachePadded::new(Mutex::new(())),
             flushing: Mutex::new(()),
             segments,
         }
@@ -480,7 +485,13 @@ impl Log {
     }
 
     /// Makes everything below `address` read-only (never moving backwards).
+    /// Every allocation asks, and the boundary moves a page at a time: it
+    /// is read first, so that asking writes nothing to the line every
+    /// reader and writer loads it from.
     pub(crate) fn move_read_only(&self, address: u64) {
+        if self.read_only.load(Ordering::Acquire) >= address {
+            return;
+        }
         if self.read_only.fetch_max(address, Ordering::AcqRel) < address {
             defer_max(&self.safe_read_only, address);
         }
