@@ -101,10 +101,10 @@ const STALL_WAIT_MAX: Duration = Duration::from_millis(100);
 /// last, and by at least this much.
 const CHECKPOINT_MIN_BYTES: u64 = 64 << 20;
 /// At most one checkpoint this often, unless the log has grown by half
-/// since the last: each folds the log over, so that every update of a
-/// record below it copies the record to the tail, and those copies grow
-/// the log towards the next checkpoint. Redis's most frequent default
-/// snapshot is as far apart.
+/// since the last, and by the mutable region's size: each folds the log
+/// over, so that every update of a record below it copies the record to
+/// the tail, and those copies grow the log towards the next checkpoint.
+/// Redis's most frequent default snapshot is as far apart.
 const CHECKPOINT_INTERVAL: Duration = Duration::from_secs(60);
 
 /// What the engine keeps beside the log: the hash seed and the index's
@@ -649,12 +649,19 @@ impl Shared {
     /// Takes a checkpoint once the log has grown by a quarter, and by at
     /// least `CHECKPOINT_MIN_BYTES`, since the last one recovery could use,
     /// and `CHECKPOINT_INTERVAL` has passed since the last one taken or the
-    /// log has grown by half: so a recovery replays at most half the log.
+    /// log has grown by half and by the mutable region's size: so a
+    /// recovery replays at most half the log, or the mutable region's worth
+    /// of it, plus a minute's writes. A fold-over makes the whole mutable
+    /// region read-only; this way the copies it causes never outnumber the
+    /// records written between two of them, and a log that fits in the
+    /// mutable region (a data set loaded into memory) is not folded over
+    /// at each doubling, which sent every update after the load to the tail.
     fn checkpoint_if_due(&self) -> Result<()> {
         let grown = self.log_since_checkpoint();
         let log_bytes = self.log.tail.load(Ordering::Acquire) - self.log.begin.load(Ordering::Acquire);
         let waited = self.last_checkpoint.lock().elapsed() >= CHECKPOINT_INTERVAL;
-        if grown >= CHECKPOINT_MIN_BYTES.max(log_bytes / 4) && (waited || grown >= log_bytes / 2) {
+        let doubled = grown >= (log_bytes / 2).max(self.log.geometry.mutable_bytes);
+        if grown >= CHECKPOINT_MIN_BYTES.max(log_bytes / 4) && (waited || doubled) {
             self.checkpoint()?;
         }
         Ok(())
