@@ -187,11 +187,16 @@ pub enum GeoMessage {
     },
     /// COPS: answer each check with [`GeoMessage::DependenciesMet`] once
     /// the write its dependency names is committed at the receiving
-    /// partition (at most [`CHECKS_PER_MESSAGE`]).
+    /// partition (at most [`CHECKS_PER_MESSAGE`]). `asker` is the asking
+    /// partition's epoch: a restarted partition numbers its checks afresh,
+    /// and an answer to a check of its previous life must not meet the
+    /// check of this one that has the same number.
     CheckDependencies {
+        asker: Version,
         checks: Vec<(u64, Dependency)>,
     },
     DependenciesMet {
+        asker: Version,
         checks: Vec<u64>,
     },
     /// COPS: the sending copy of this partition has committed every write
@@ -278,16 +283,18 @@ impl GeoMessage {
                 out.put_u8(STABLE);
                 put_versions(out, received);
             }
-            GeoMessage::CheckDependencies { checks } => {
+            GeoMessage::CheckDependencies { asker, checks } => {
                 out.put_u8(CHECK_DEPENDENCIES);
+                out.put_u64_le(asker.0);
                 out.put_u32_le(checks.len() as u32);
                 for (check, dependency) in checks {
                     out.put_u64_le(*check);
                     put_dependency(out, dependency);
                 }
             }
-            GeoMessage::DependenciesMet { checks } => {
+            GeoMessage::DependenciesMet { asker, checks } => {
                 out.put_u8(DEPENDENCIES_MET);
+                out.put_u64_le(asker.0);
                 put_u64s(out, checks);
             }
             GeoMessage::Committed { through } => {
@@ -333,6 +340,7 @@ impl GeoMessage {
             },
             STABLE => GeoMessage::Stable { received: versions(reader)? },
             CHECK_DEPENDENCIES => {
+                let asker = Version(reader.u64()?);
                 // A check's number, a key's length, a version, an origin.
                 let count = reader.count(8 + 4 + 8 + 4)?;
                 if count > CHECKS_PER_MESSAGE {
@@ -342,14 +350,15 @@ impl GeoMessage {
                     (0..count)
                         .map(|_| Ok((reader.u64()?, dependency(reader)?)))
                         .collect::<Result<_, CodecError>>()?;
-                GeoMessage::CheckDependencies { checks }
+                GeoMessage::CheckDependencies { asker, checks }
             }
             DEPENDENCIES_MET => {
+                let asker = Version(reader.u64()?);
                 let checks = reader.u64s()?;
                 if checks.len() > CHECKS_PER_MESSAGE {
                     return Err(CodecError("more dependency checks than a message carries"));
                 }
-                GeoMessage::DependenciesMet { checks }
+                GeoMessage::DependenciesMet { asker, checks }
             }
             COMMITTED => GeoMessage::Committed { through: Version(reader.u64()?) },
             _ => return Err(CodecError("unknown causal message")),
@@ -1601,10 +1610,10 @@ mod tests {
                 GeoMessage::Heartbeat { epoch, oldest, clock, through }
             }),
             proptest::collection::vec(version(), 0..4).prop_map(|received| GeoMessage::Stable { received }),
-            proptest::collection::vec((any::<u64>(), dependency()), 0..4)
-                .prop_map(|checks| GeoMessage::CheckDependencies { checks }),
-            proptest::collection::vec(any::<u64>(), 0..4)
-                .prop_map(|checks| GeoMessage::DependenciesMet { checks }),
+            (version(), proptest::collection::vec((any::<u64>(), dependency()), 0..4))
+                .prop_map(|(asker, checks)| GeoMessage::CheckDependencies { asker, checks }),
+            (version(), proptest::collection::vec(any::<u64>(), 0..4))
+                .prop_map(|(asker, checks)| GeoMessage::DependenciesMet { asker, checks }),
             version().prop_map(|through| GeoMessage::Committed { through }),
         ]
     }
