@@ -293,6 +293,13 @@ struct SimArgs {
     datacenters: usize,
     #[arg(long, default_value_t = 3)]
     partitions: usize,
+    /// Across datacenters: the chains of keys (a post, a comment and a
+    /// reply each) sessions write, and the share of puts whose value has a
+    /// time to live (each datacenter's expiry sweep retires it).
+    #[arg(long, default_value_t = 3)]
+    chains: usize,
+    #[arg(long, default_value_t = 0.3)]
+    expiring: f64,
     /// Across datacenters: measure how long a write takes to be seen in the
     /// other datacenters, at each clock skew of --skews (ms, half the nodes
     /// that far ahead) with a fixed one-way --delay-ms between datacenters
@@ -1190,6 +1197,9 @@ fn simulate_geo(args: &SimArgs, mode: tessera_protocol::Mode) -> Result<(), Stri
     if args.datacenters < 2 || args.partitions == 0 || args.clients == 0 {
         return Err("--datacenters must be at least 2, --partitions and --clients at least 1".into());
     }
+    if args.chains == 0 || !(0.0..=1.0).contains(&args.expiring) {
+        return Err("--chains must be at least 1 and --expiring between 0 and 1".into());
+    }
     if args.visibility {
         return measure_visibility(args, mode);
     }
@@ -1208,6 +1218,8 @@ fn simulate_geo(args: &SimArgs, mode: tessera_protocol::Mode) -> Result<(), Stri
             run_ms: args.safety_ms.unwrap_or(defaults.run_ms),
             quiet_ms: args.liveness_ms.unwrap_or(defaults.quiet_ms),
             check_causal: scope,
+            chains: args.chains,
+            expiring: args.expiring,
             ..defaults
         };
         let report = tessera_sim::geo::run(config);
@@ -1259,6 +1271,7 @@ fn measure_visibility(args: &SimArgs, mode: tessera_protocol::Mode) -> Result<()
                 chains: 100,
                 check_causal: scope,
                 measure: Some(tessera_sim::geo::Measure { skew_ms, delay_ms: args.delay_ms }),
+                expiring: 0.0,
                 ..defaults
             };
             let report = tessera_sim::geo::run(config);

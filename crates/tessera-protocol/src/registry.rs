@@ -578,6 +578,13 @@ static BROKEN: &[ProtocolSpec] = &[
         build: |me, engine, _, _| Box::new(Cops::broken_recover_without_dependencies(me, engine)),
         ..COPS
     },
+    // COPS whose expiry sweep deletes at a fresh version, shipped to every
+    // datacenter: a later write taken elsewhere meanwhile is lost.
+    ProtocolSpec {
+        name: "broken-cops-retires-with-a-delete",
+        build: |me, engine, _, _| Box::new(Cops::broken_retires_with_a_delete(me, engine)),
+        ..COPS
+    },
     // GentleRain without the wait for the global stable time.
     ProtocolSpec {
         name: "broken-gentle-rain-visible-on-arrival",

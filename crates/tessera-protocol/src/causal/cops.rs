@@ -178,6 +178,13 @@ impl Cops {
         cops
     }
 
+    #[cfg(feature = "broken")]
+    pub fn broken_retires_with_a_delete(me: NodeId, engine: Arc<dyn Engine>) -> Self {
+        let mut cops = Self::new(me, engine);
+        cops.partition.broken_retires_with_a_delete = true;
+        cops
+    }
+
     fn dependencies_of(context: Option<CausalContext>) -> Result<Vec<Dependency>, OperationError> {
         match context {
             None | Some(CausalContext::Empty) => Ok(Vec::new()),
@@ -188,6 +195,8 @@ impl Cops {
 
     fn serve(&mut self, request: ClientRequest, fx: &mut Effects) -> Result<ClientReply, OperationError> {
         let (key, call, context) = call_of(request.operation, fx.now())?;
+        #[cfg(feature = "broken")]
+        let call = self.partition.broken_retire_as_delete(&key, call)?;
         let causal = context.is_some();
         let mut dependencies = Self::dependencies_of(context)?;
         // Met everywhere: nothing to check, nothing to carry.

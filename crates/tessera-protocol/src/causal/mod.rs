@@ -1188,6 +1188,10 @@ struct Partition {
     /// restart ships again lose their COPS dependencies.
     #[cfg(feature = "broken")]
     broken_recover_without_dependencies: bool,
+    /// A deliberately broken variant for the checker's tests: the expiry
+    /// sweep's retire is a delete stamped now, and shipped.
+    #[cfg(feature = "broken")]
+    broken_retires_with_a_delete: bool,
 }
 
 /// Where a partition keeps its horizon: every write it took stamped up to
@@ -1235,6 +1239,8 @@ impl Partition {
             superseded: BTreeMap::new(),
             #[cfg(feature = "broken")]
             broken_recover_without_dependencies: false,
+            #[cfg(feature = "broken")]
+            broken_retires_with_a_delete: false,
         }
     }
 
@@ -1527,6 +1533,23 @@ impl Partition {
             store_over(&*self.engine, key, &tombstone, Some(held))?;
         }
         Ok(ClientReply::Written)
+    }
+
+    /// The broken variant's call for a retire of the version the key still
+    /// holds: a delete stamped now, as any client's, so that it outranks a
+    /// write another datacenter took meanwhile.
+    #[cfg(feature = "broken")]
+    fn broken_retire_as_delete(&self, key: &Bytes, call: Call) -> Result<Call, OperationError> {
+        Ok(match call {
+            Call::Retire(expected) if self.broken_retires_with_a_delete => {
+                let held = read(&*self.engine, key)?;
+                match held.is_some_and(|held| (held.version, held.origin) == expected) {
+                    true => Call::Write(None),
+                    false => Call::Retire(expected),
+                }
+            }
+            call => call,
+        })
     }
 
     /// Stores a write delivered from another datacenter (if it outranks

@@ -20,6 +20,11 @@
 //! causal order (a value from its own future), is reported too. Puts whose
 //! outcome is unknown may be read or not; gets whose outcome is unknown are
 //! left out of the history.
+//!
+//! A put may give its value a time to live (`expiring`): from then on a get
+//! that returns nothing may have read that write, expired (or retired by a
+//! datacenter's expiry sweep), and is judged as if it had returned it. Such
+//! a get adds nothing to its session's past.
 
 use std::collections::{HashMap, HashSet};
 
@@ -27,8 +32,9 @@ use bytes::Bytes;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CausalCall {
-    /// `acknowledged` is false when the client never heard back.
-    Put { value: Bytes, acknowledged: bool },
+    /// `acknowledged` is false when the client never heard back;
+    /// `expiring`, when the value has a time to live.
+    Put { value: Bytes, acknowledged: bool, expiring: bool },
     /// The value read (`None`: the key was absent).
     Get { read: Option<Bytes> },
 }
@@ -95,7 +101,8 @@ pub fn from_json_lines(text: &str) -> Result<Vec<CausalOperation>, String> {
         let line = line?;
         let call = match line.field("call")?.as_str() {
             Some("put") => {
-                CausalCall::Put { value: line.text("value")?, acknowledged: line.flag("acknowledged")? }
+                let (value, acknowledged) = (line.text("value")?, line.flag("acknowledged")?);
+                CausalCall::Put { value, acknowledged, expiring: false }
             }
             Some("get") => CausalCall::Get { read: line.optional_text("read")? },
             other => return Err(line.error(format!("unknown call {other:?}"))),
@@ -126,42 +133,36 @@ pub fn check(operations: &[CausalOperation]) -> Vec<String> {
 /// Violations of causal consistency in `operations`, in `scope`.
 pub fn check_in(operations: &[CausalOperation], scope: Scope) -> Vec<String> {
     let mut violations = Vec::new();
-    // The writes, and which one wrote each value.
-    let writes: Vec<usize> =
-        (0..operations.len()).filter(|&at| matches!(operations[at].call, CausalCall::Put { .. })).collect();
-    assert!(
-        writes.len() <= WRITES_MAX,
-        "{} writes: the causal checker takes at most {WRITES_MAX}",
-        writes.len()
-    );
+    let mut known = Known::of(operations);
+    let writes = known.writes.len();
+    assert!(writes <= WRITES_MAX, "{writes} writes: the causal checker takes at most {WRITES_MAX}");
     let mut writer_of: HashMap<&Bytes, usize> = HashMap::new();
-    for (write, &at) in writes.iter().enumerate() {
+    for (write, &at) in known.writes.iter().enumerate() {
         let CausalCall::Put { value, .. } = &operations[at].call else { unreachable!("a write is a put") };
         if writer_of.insert(value, write).is_some() {
             violations.push(format!("causal: the value {value:?} was written twice; values must be unique"));
         }
     }
-    let mut writes_of_key: HashMap<&Bytes, Vec<usize>> = HashMap::new();
-    for (write, &at) in writes.iter().enumerate() {
-        writes_of_key.entry(&operations[at].key).or_default().push(write);
-    }
-    // A write's causal past, itself included.
-    let mut closure: Vec<Option<Writes>> = vec![None; writes.len()];
     let write_index: HashMap<usize, usize> =
-        writes.iter().enumerate().map(|(write, &at)| (at, write)).collect();
+        known.writes.iter().enumerate().map(|(write, &at)| (at, write)).collect();
     let mut sessions: HashMap<usize, Vec<usize>> = HashMap::new();
     for (at, operation) in operations.iter().enumerate() {
         sessions.entry(operation.session).or_default().push(at);
     }
     let mut sessions: Vec<(usize, Vec<usize>)> = sessions.into_iter().collect();
     sessions.sort();
-    // Each session's past so far, how far it has got, and what it saw of each key itself.
-    let mut pasts: Vec<Writes> = sessions.iter().map(|_| Writes::with_room(writes.len())).collect();
+    // Each session's past so far, how far it has got, and what it saw of
+    // each key itself (the write, and the get that saw it).
+    let mut pasts: Vec<Writes> = sessions.iter().map(|_| Writes::with_room(writes)).collect();
     let mut next = vec![0; sessions.len()];
-    let mut read_before: Vec<HashMap<&Bytes, Vec<usize>>> = vec![HashMap::new(); sessions.len()];
+    let mut read_before: Vec<HashMap<&Bytes, Vec<(usize, usize)>>> = vec![HashMap::new(); sessions.len()];
     // The write each get saw, and the gets found wrong, for the per-datacenter check.
     let mut seen: HashMap<usize, usize> = HashMap::new();
     let mut flagged: HashSet<usize> = HashSet::new();
+    // Gets that returned nothing, with their session's past: judged once
+    // every write's past is known, since one may stand for an expiring
+    // write its session has not reached yet. They add nothing to the past.
+    let mut nothing_read: Vec<(usize, usize, Writes)> = Vec::new();
     // Sessions advance in causal order: a get waits for the write it read.
     loop {
         let mut advanced = false;
@@ -178,60 +179,42 @@ pub fn check_in(operations: &[CausalOperation], scope: Scope) -> Vec<String> {
                         if *acknowledged {
                             pasts[index] = past.clone();
                         }
-                        closure[write] = Some(past);
+                        known.closure[write] = Some(past);
                     }
-                    CausalCall::Get { read } => {
-                        let read_write = match read {
-                            None => None,
-                            Some(value) => match writer_of.get(value) {
-                                None => {
-                                    violations.push(format!(
-                                        "causal: session {session} read {value:?} from key {:?}, which no put wrote",
-                                        operation.key
-                                    ));
-                                    None
-                                }
-                                Some(&write) if operations[writes[write]].key != operation.key => {
-                                    violations.push(format!(
-                                        "causal: session {session} read {value:?} from key {:?}; it was written to key {:?}",
-                                        operation.key,
-                                        operations[writes[write]].key
-                                    ));
-                                    None
-                                }
-                                Some(&write) if closure[write].is_none() => break, // not yet written
-                                Some(&write) => Some(write),
-                            },
-                        };
-                        let kind = |shadowing: usize| {
-                            if sessions[index].1.contains(&writes[shadowing]) {
-                                "read-your-writes"
-                            } else if read_before[index]
-                                .get(&operation.key)
-                                .is_some_and(|seen| seen.contains(&shadowing))
-                            {
-                                "monotonic reads"
-                            } else {
-                                "causal visibility"
+                    CausalCall::Get { read: None } => nothing_read.push((index, at, pasts[index].clone())),
+                    CausalCall::Get { read: Some(value) } => {
+                        let read_write = match writer_of.get(value) {
+                            None => {
+                                violations.push(format!(
+                                    "causal: session {session} read {value:?} from key {:?}, which no put wrote",
+                                    operation.key
+                                ));
+                                None
                             }
+                            Some(&write) if operations[known.writes[write]].key != operation.key => {
+                                violations.push(format!(
+                                    "causal: session {session} read {value:?} from key {:?}; it was written to key {:?}",
+                                    operation.key,
+                                    operations[known.writes[write]].key
+                                ));
+                                None
+                            }
+                            Some(&write) if known.closure[write].is_none() => break, // not yet written
+                            Some(&write) => Some(write),
                         };
-                        if let Some(shadowing) =
-                            shadowed(&writes_of_key, &closure, &pasts[index], &operation.key, read_write)
-                        {
+                        if let Some(shadowing) = known.shadowed(&pasts[index], at, read_write) {
                             flagged.insert(at);
-                            violations.push(format!(
-                                "causal: {}: session {session} at datacenter {} read {read:?} from key {:?}, \
-                                 though it had seen the later write {:?}",
-                                kind(shadowing),
-                                operation.datacenter,
-                                operation.key,
-                                written_value(operations, &writes, shadowing)
+                            violations.push(known.session_violation(
+                                &sessions[index].1,
+                                &read_before[index],
+                                at,
+                                shadowing,
                             ));
                         }
                         if let Some(write) = read_write {
-                            let past = closure[write].clone().expect("a write read has its past");
+                            let past = known.closure[write].clone().expect("a write read has its past");
                             pasts[index].union(&past);
-                            read_before[index].entry(&operation.key).or_default().push(write);
+                            read_before[index].entry(&operation.key).or_default().push((write, at));
                             seen.insert(at, write);
                         }
                     }
@@ -252,18 +235,23 @@ pub fn check_in(operations: &[CausalOperation], scope: Scope) -> Vec<String> {
             ));
         }
     }
+    known.session_writes = sessions
+        .iter()
+        .map(|(_, ops)| ops.iter().filter_map(|at| write_index.get(at).map(|&write| (*at, write))).collect())
+        .collect();
+    known.session_index =
+        sessions.iter().enumerate().map(|(index, (session, _))| (*session, index)).collect();
+    for (index, at, past) in nothing_read {
+        if let Some(shadowing) = known.shadowed(&past, at, None) {
+            flagged.insert(at);
+            violations.push(known.session_violation(&sessions[index].1, &read_before[index], at, shadowing));
+        }
+    }
     let judged = Judged { seen, flagged };
     if scope == Scope::Sessions {
         return violations;
     }
-    violations.extend(check_datacenters(
-        operations,
-        &writes,
-        &write_index,
-        &writes_of_key,
-        &closure,
-        &judged,
-    ));
+    violations.extend(check_datacenters(&known, &write_index, &judged));
     violations
 }
 
@@ -275,40 +263,133 @@ struct Judged {
     flagged: HashSet<usize>,
 }
 
-/// A write of `key` in `past` that `read` (a write, or `None` for nothing)
-/// precedes: what a get that saw `past` must not have read past.
-fn shadowed(
-    writes_of_key: &HashMap<&Bytes, Vec<usize>>,
-    closure: &[Option<Writes>],
-    past: &Writes,
-    key: &Bytes,
-    read: Option<usize>,
-) -> Option<usize> {
-    writes_of_key.get(key)?.iter().copied().find(|&write| {
-        past.contains(write)
-            && Some(write) != read
-            && read.is_none_or(|read| closure[write].as_ref().is_some_and(|closure| closure.contains(read)))
-    })
+/// What the checks know of a history's writes.
+struct Known<'h> {
+    operations: &'h [CausalOperation],
+    /// Each write's operation.
+    writes: Vec<usize>,
+    /// Each key's writes.
+    of_key: HashMap<&'h Bytes, Vec<usize>>,
+    /// Each write's causal past, itself included, once its session has
+    /// got to it.
+    closure: Vec<Option<Writes>>,
+    /// Which writes gave their value a time to live.
+    expiring: Vec<bool>,
+    /// Once every session has advanced: each session's writes (operation,
+    /// write), by the sessions' index.
+    session_writes: Vec<Vec<(usize, usize)>>,
+    session_index: HashMap<usize, usize>,
 }
 
-fn written_value(operations: &[CausalOperation], writes: &[usize], write: usize) -> Bytes {
-    match &operations[writes[write]].call {
-        CausalCall::Put { value, .. } => value.clone(),
-        CausalCall::Get { .. } => unreachable!("a write is a put"),
+impl<'h> Known<'h> {
+    fn of(operations: &'h [CausalOperation]) -> Self {
+        let writes: Vec<usize> = (0..operations.len())
+            .filter(|&at| matches!(operations[at].call, CausalCall::Put { .. }))
+            .collect();
+        let mut of_key: HashMap<&Bytes, Vec<usize>> = HashMap::new();
+        for (write, &at) in writes.iter().enumerate() {
+            of_key.entry(&operations[at].key).or_default().push(write);
+        }
+        let expiring = writes
+            .iter()
+            .map(|&at| matches!(operations[at].call, CausalCall::Put { expiring: true, .. }))
+            .collect();
+        let closure = vec![None; writes.len()];
+        Self {
+            operations,
+            writes,
+            of_key,
+            closure,
+            expiring,
+            session_writes: Vec::new(),
+            session_index: HashMap::new(),
+        }
+    }
+
+    /// A write of the key the get at `get` read in `past` that `read` (a
+    /// write, or `None` for nothing) precedes: what a get that saw `past`
+    /// must not have read past. A get that returned nothing passes when
+    /// nothing would, or when some expiring write of the key would that was
+    /// made before the get ended and does not follow it.
+    fn shadowed(&self, past: &Writes, get: usize, read: Option<usize>) -> Option<usize> {
+        let key = &self.operations[get].key;
+        let read_past = |read: Option<usize>| {
+            self.of_key.get(key)?.iter().copied().find(|&write| {
+                past.contains(write)
+                    && Some(write) != read
+                    && read.is_none_or(|read| {
+                        self.closure[write].as_ref().is_some_and(|closure| closure.contains(read))
+                    })
+            })
+        };
+        let shadowing = read_past(read)?;
+        if read.is_some() || !matches!(self.operations[get].call, CausalCall::Get { read: None }) {
+            return Some(shadowing);
+        }
+        let expired = self.of_key[key].iter().any(|&write| {
+            self.expiring[write] && self.made_before(write, get) && read_past(Some(write)).is_none()
+        });
+        match expired {
+            true => None,
+            // Name the newest write read past: the one that tells why.
+            false => self.of_key[key].iter().rev().copied().find(|&write| past.contains(write)),
+        }
+    }
+
+    /// Whether `write` was made before the get at `get` ended and does not
+    /// causally follow it (its past holds no later write of the get's
+    /// session).
+    fn made_before(&self, write: usize, get: usize) -> bool {
+        let Some(past) = &self.closure[write] else { return false };
+        let session = self.session_index[&self.operations[get].session];
+        self.operations[self.writes[write]].invoked_at <= self.operations[get].completed_at
+            && !self.session_writes[session].iter().any(|&(at, later)| at > get && past.contains(later))
+    }
+
+    /// The violation of the get at `get`, which read past `shadowing`,
+    /// named by how its session came to see `shadowing`.
+    fn session_violation(
+        &self,
+        session_ops: &[usize],
+        read_before: &HashMap<&Bytes, Vec<(usize, usize)>>,
+        get: usize,
+        shadowing: usize,
+    ) -> String {
+        let operation = &self.operations[get];
+        let kind = if session_ops.contains(&self.writes[shadowing]) {
+            "read-your-writes"
+        } else if read_before
+            .get(&operation.key)
+            .is_some_and(|seen| seen.iter().any(|&(write, at)| write == shadowing && at < get))
+        {
+            "monotonic reads"
+        } else {
+            "causal visibility"
+        };
+        let CausalCall::Get { read } = &operation.call else { unreachable!("a get") };
+        format!(
+            "causal: {kind}: session {} at datacenter {} read {read:?} from key {:?}, \
+             though it had seen the later write {:?}",
+            operation.session,
+            operation.datacenter,
+            operation.key,
+            self.written_value(shadowing)
+        )
+    }
+
+    fn written_value(&self, write: usize) -> Bytes {
+        match &self.operations[self.writes[write]].call {
+            CausalCall::Put { value, .. } => value.clone(),
+            CausalCall::Get { .. } => unreachable!("a write is a put"),
+        }
     }
 }
 
 /// The per-datacenter check: what a datacenter has shown (a get's answer) or
 /// acknowledged (a put), with its past, stays visible there to every get
 /// begun after.
-fn check_datacenters(
-    operations: &[CausalOperation],
-    writes: &[usize],
-    write_index: &HashMap<usize, usize>,
-    writes_of_key: &HashMap<&Bytes, Vec<usize>>,
-    closure: &[Option<Writes>],
-    judged: &Judged,
-) -> Vec<String> {
+fn check_datacenters(known: &Known, write_index: &HashMap<usize, usize>, judged: &Judged) -> Vec<String> {
+    let operations = known.operations;
     let seen = &judged.seen;
     let mut violations = Vec::new();
     let datacenters = operations.iter().map(|operation| operation.datacenter).max().map_or(0, |max| max + 1);
@@ -334,12 +415,12 @@ fn check_datacenters(
         }
         shown.sort_unstable();
         gets.sort_by_key(|&at| operations[at].invoked_at);
-        let mut visible = Writes::with_room(writes.len());
+        let mut visible = Writes::with_room(known.writes.len());
         let mut shown = shown.into_iter().peekable();
         for at in gets {
             let operation = &operations[at];
             while let Some((_, write)) = shown.next_if(|(when, _)| *when < operation.invoked_at) {
-                if let Some(past) = &closure[write] {
+                if let Some(past) = &known.closure[write] {
                     visible.union(past);
                 }
             }
@@ -347,15 +428,13 @@ fn check_datacenters(
             if (read.is_some() && !seen.contains_key(&at)) || judged.flagged.contains(&at) {
                 continue; // reported already
             }
-            if let Some(shadowing) =
-                shadowed(writes_of_key, closure, &visible, &operation.key, seen.get(&at).copied())
-            {
+            if let Some(shadowing) = known.shadowed(&visible, at, seen.get(&at).copied()) {
                 violations.push(format!(
                     "causal: visibility at datacenter {datacenter}: session {} read {read:?} from key {:?} \
                      after the datacenter had shown the later write {:?}",
                     operation.session,
                     operation.key,
-                    written_value(operations, writes, shadowing)
+                    known.written_value(shadowing)
                 ));
             }
         }
@@ -380,17 +459,19 @@ mod tests {
         CausalOperation { session, datacenter, key, call, invoked_at: 2 * step, completed_at: 2 * step + 1 }
     }
 
-    /// A history from a compact script: `(session, datacenter, "k=v")` puts
-    /// and `(session, datacenter, "k?v")` gets (`k?` reads nothing), one
-    /// time unit apart in the order given.
+    /// A history from a compact script: `(session, datacenter, "k=v")` puts,
+    /// `"k~v"` puts with a time to live, and `(session, datacenter, "k?v")`
+    /// gets (`k?` reads nothing), one time unit apart in the order given.
     fn history(script: &[(usize, usize, &str)]) -> Vec<CausalOperation> {
         script
             .iter()
             .enumerate()
             .map(|(time, &(session, datacenter, step))| {
-                let (key, call) = match step.split_once('=') {
-                    Some((key, value)) => {
-                        (key, CausalCall::Put { value: Bytes::from(value.to_owned()), acknowledged: true })
+                let put = step.split_once('=').map(|put| (put, false));
+                let (key, call) = match put.or_else(|| step.split_once('~').map(|put| (put, true))) {
+                    Some(((key, value), expiring)) => {
+                        let value = Bytes::from(value.to_owned());
+                        (key, CausalCall::Put { value, acknowledged: true, expiring })
                     }
                     None => {
                         let (key, value) = step.split_once('?').expect("k=v or k?v");
@@ -491,6 +572,24 @@ mod tests {
         );
     }
 
+    #[test]
+    fn nothing_may_be_read_for_an_expiring_write_the_session_has_not_read_past() {
+        // Its own expiring write, or one another session made, may read as
+        // nothing, at its datacenter or at the other.
+        let expired = history(&[(0, 0, "k~v1"), (0, 0, "k?"), (1, 1, "k?v1"), (1, 1, "k?"), (2, 1, "k?")]);
+        assert_eq!(check(&expired), Vec::<String>::new());
+        // Not once the session wrote, or read, a later value that lives on.
+        let violations = check(&history(&[(0, 0, "k~v1"), (0, 0, "k=v2"), (0, 0, "k?")]));
+        assert_eq!(kinds(&violations), ["read-your-writes"], "{violations:?}");
+        let violations = check(&history(&[(0, 0, "k~v1"), (0, 0, "k=v2"), (1, 1, "k?v2"), (1, 1, "k?")]));
+        assert_eq!(kinds(&violations), ["monotonic reads"], "{violations:?}");
+        // Nor at a datacenter that has shown the later value, to any session.
+        let violations = check(&history(&[(0, 0, "k~v1"), (0, 0, "k=v2"), (1, 1, "k?v2"), (2, 1, "k?")]));
+        assert_eq!(kinds(&violations), ["visibility at datacenter 1"], "{violations:?}");
+        // A later write that expires too may itself read as nothing.
+        assert_eq!(check(&history(&[(0, 0, "k~v1"), (0, 0, "k~v2"), (0, 0, "k?")])), Vec::<String>::new());
+    }
+
     /// A history from a small store of two datacenters: each applies its
     /// own writes at once and ships them to the other, which applies what
     /// arrives in order (causal, with sessions that keep to one
@@ -518,7 +617,7 @@ mod tests {
                 let value = Bytes::from(format!("{key}-{time}"));
                 stores[datacenter].insert(key, value.clone());
                 in_flight[1 - datacenter].push((key, value.clone()));
-                CausalCall::Put { value, acknowledged: true }
+                CausalCall::Put { value, acknowledged: true, expiring: false }
             } else {
                 CausalCall::Get { read: stores[datacenter].get(key).cloned() }
             };
@@ -540,7 +639,8 @@ mod tests {
     #[test]
     fn unacknowledged_puts_may_be_read_or_not() {
         let mut operations = history(&[(0, 0, "k=v1"), (1, 0, "k?"), (2, 1, "k?v1")]);
-        operations[0].call = CausalCall::Put { value: Bytes::from_static(b"v1"), acknowledged: false };
+        operations[0].call =
+            CausalCall::Put { value: Bytes::from_static(b"v1"), acknowledged: false, expiring: false };
         assert_eq!(check(&operations), Vec::<String>::new());
     }
 
@@ -550,7 +650,8 @@ mod tests {
     fn a_session_goes_on_past_a_put_it_never_heard_back_from() {
         let mut operations = history(&[(0, 0, "k=v0"), (0, 0, "k=v1"), (0, 0, "k?v0")]);
         assert_eq!(kinds(&check(&operations)), ["read-your-writes"]);
-        operations[1].call = CausalCall::Put { value: Bytes::from_static(b"v1"), acknowledged: false };
+        operations[1].call =
+            CausalCall::Put { value: Bytes::from_static(b"v1"), acknowledged: false, expiring: false };
         assert_eq!(check(&operations), Vec::<String>::new());
     }
 }
