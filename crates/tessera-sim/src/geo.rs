@@ -602,6 +602,15 @@ impl Geo {
         });
     }
 
+    /// Reports each node with work still in flight `when`.
+    fn check_quiescent(&mut self, when: &str) {
+        for (node, protocol) in self.nodes.iter().enumerate() {
+            if !protocol.quiescent() {
+                self.report.violations.push(format!("node {node} still has work in flight {when}"));
+            }
+        }
+    }
+
     /// Checks the history, then that every datacenter shows each key alike
     /// with nothing in flight.
     fn finish(mut self) -> GeoReport {
@@ -619,11 +628,7 @@ impl Geo {
         if let Some(scope) = self.config.check_causal {
             self.report.violations.extend(causal::check_in(&history, scope));
         }
-        for (node, protocol) in self.nodes.iter().enumerate() {
-            if !protocol.quiescent() {
-                self.report.violations.push(format!("node {node} still has work in flight after healing"));
-            }
-        }
+        self.check_quiescent("after healing");
         // Every copy retires what expired, as the sweeps would in time.
         if self.config.expiring > 0.0 {
             for node in 0..self.nodes.len() {
@@ -639,13 +644,7 @@ impl Geo {
                     _ => {}
                 }
             }
-            for (node, protocol) in self.nodes.iter().enumerate() {
-                if !protocol.quiescent() {
-                    self.report
-                        .violations
-                        .push(format!("node {node} has work in flight after the last sweep"));
-                }
-            }
+            self.check_quiescent("after the last sweep");
         }
         for key in self.keys.clone() {
             let mut seen = Vec::new();
@@ -766,10 +765,18 @@ mod tests {
         seeds: impl IntoIterator<Item = u64>,
         check_causal: Option<Scope>,
     ) -> Vec<(u64, Vec<String>)> {
+        failing_runs(seeds, |seed| GeoConfig { check_causal, ..GeoConfig::new(seed, mode) })
+    }
+
+    /// The seeds whose run of `config` found violations, and what.
+    fn failing_runs(
+        seeds: impl IntoIterator<Item = u64>,
+        config: impl Fn(u64) -> GeoConfig,
+    ) -> Vec<(u64, Vec<String>)> {
         seeds
             .into_iter()
             .filter_map(|seed| {
-                let report = run(GeoConfig { check_causal, ..GeoConfig::new(seed, mode) });
+                let report = run(config(seed));
                 assert!(report.operations > 100, "seed {seed}: only {} operations", report.operations);
                 (!report.violations.is_empty()).then_some((seed, report.violations))
             })
@@ -799,16 +806,12 @@ mod tests {
     #[test]
     fn the_causal_protocols_pass_their_seeds_over_many_keys() {
         for mode in ["cops", "gentle-rain", "causal-spartan"].map(named) {
-            let failing: Vec<_> = (0..100)
-                .filter_map(|seed| {
-                    let report = run(GeoConfig {
-                        chains: 20,
-                        check_causal: scope_of(mode),
-                        ..GeoConfig::new(seed, mode)
-                    });
-                    (!report.violations.is_empty()).then_some((seed, report.violations))
-                })
-                .collect();
+            let check_causal = scope_of(mode);
+            let failing = failing_runs(0..100, |seed| GeoConfig {
+                chains: 20,
+                check_causal,
+                ..GeoConfig::new(seed, mode)
+            });
             assert!(failing.is_empty(), "{mode}: {failing:?}");
         }
     }
@@ -844,13 +847,13 @@ mod tests {
         let config = |seed, mode, expiring| GeoConfig { chains: 20, expiring, ..GeoConfig::new(seed, mode) };
         // By the causal checker (a write lost), not another check.
         let causal =
-            |violations: Vec<String>| violations.iter().any(|violation| violation.starts_with("causal:"));
-        let caught = (0..40).filter(|&seed| causal(run(config(seed, broken, 0.3)).violations)).count();
+            |violations: &Vec<String>| violations.iter().any(|violation| violation.starts_with("causal:"));
+        let failing = failing_runs(0..40, |seed| config(seed, broken, 0.3));
+        let caught = failing.into_iter().filter(|(_, violations)| causal(violations)).count();
         assert!(caught >= 4, "{broken} was caught in only {caught} of 40 runs");
         for (mode, expiring) in [(broken, 0.0), (cops, 0.3)] {
-            let violations =
-                (0..40).flat_map(|seed| run(config(seed, mode, expiring)).violations).collect::<Vec<_>>();
-            assert!(violations.is_empty(), "{mode} with {expiring} of puts expiring: {violations:?}");
+            let failing = failing_runs(0..40, |seed| config(seed, mode, expiring));
+            assert!(failing.is_empty(), "{mode} with {expiring} of puts expiring: {failing:?}");
         }
     }
 
