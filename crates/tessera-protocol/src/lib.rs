@@ -10,6 +10,7 @@ pub mod causal;
 pub mod chain;
 pub mod codec;
 pub mod coordinator;
+pub mod handoff;
 pub mod migration;
 pub mod multi_master;
 pub mod primary_backup;
@@ -498,6 +499,21 @@ pub trait Protocol: Send {
     /// live keys. A protocol that deletes outright holds none.
     fn tombstones(&self) -> u64 {
         0
+    }
+
+    /// The records this replica took or passed on that some peer has not
+    /// acknowledged, as messages that keep each batch whole: what a member
+    /// removed alive hands to those that remain ([`handoff`]). Only an
+    /// eventual active–active protocol acknowledges a write before a peer
+    /// holds it; the others owe nothing when they leave.
+    fn unshipped(&self) -> Vec<Vec<(Bytes, Bytes)>> {
+        Vec::new()
+    }
+    /// Records a member that left the view handed over ([`handoff`]):
+    /// stored where they outrank what is held and passed on to the peers.
+    /// Returns whether this replica took them (and so acknowledges them).
+    fn adopt(&mut self, _records: Vec<(Bytes, Bytes)>, _fx: &mut Effects) -> bool {
+        false
     }
 
     /// A drain's merge (an online transition, or a migration's cut, which

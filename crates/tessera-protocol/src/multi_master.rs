@@ -325,6 +325,37 @@ impl Outbox {
         unit
     }
 
+    /// Takes the next message's records out of `unsent`: at most
+    /// `records_max` of them (more if one batch has more), whole batches,
+    /// within [`BatchBytes`]. Returns them with the number of the earliest
+    /// write among them.
+    fn next_message(&mut self, records_max: usize) -> (Vec<(Bytes, Bytes)>, u64) {
+        let (mut entries, mut room, mut first_write) = (Vec::new(), BatchBytes::default(), u64::MAX);
+        while entries.len() < records_max {
+            // A batch's records go in one message, whatever its size.
+            let Some(first) = self.unsent.keys().next() else { break };
+            let mut unit = self.unit(first);
+            let bytes_of = |key: &Bytes| key.len() + self.unsent[key].raw.len();
+            let mut unit_bytes: usize = unit.iter().map(bytes_of).sum();
+            if unit_bytes > UNIT_BYTES_MAX {
+                // Batches chained by keys written again, past what one
+                // message carries: the first key goes alone.
+                unit.truncate(1);
+                unit_bytes = bytes_of(&unit[0]);
+            }
+            let too_many = !entries.is_empty() && entries.len() + unit.len() > records_max;
+            if too_many || !room.admits(unit_bytes) {
+                break;
+            }
+            for key in unit {
+                let unsent = self.unsent.remove(&key).expect("a unit's keys are unsent");
+                first_write = first_write.min(unsent.write);
+                entries.push((key, unsent.raw));
+            }
+        }
+        (entries, first_write)
+    }
+
     fn holds(&self, key: &[u8]) -> bool {
         self.unsent.contains_key(key)
             || self.in_flight.values().any(|sent| sent.records.iter().any(|(sent, _)| sent == key))
@@ -612,29 +643,7 @@ impl MultiMaster {
                 }
             }
             while !outbox.unsent.is_empty() && outbox.in_flight.len() < self.options.window_batches {
-                let (mut entries, mut room, mut first_write) = (Vec::new(), BatchBytes::default(), u64::MAX);
-                while entries.len() < self.options.batch_max {
-                    // A batch's records go in one message, whatever its size.
-                    let Some(first) = outbox.unsent.keys().next() else { break };
-                    let mut unit = outbox.unit(first);
-                    let bytes_of = |key: &Bytes| key.len() + outbox.unsent[key].raw.len();
-                    let mut unit_bytes: usize = unit.iter().map(bytes_of).sum();
-                    if unit_bytes > UNIT_BYTES_MAX {
-                        // Batches chained by keys written again, past what
-                        // one message carries: the first key goes alone.
-                        unit.truncate(1);
-                        unit_bytes = bytes_of(&unit[0]);
-                    }
-                    let too_many = !entries.is_empty() && entries.len() + unit.len() > self.options.batch_max;
-                    if too_many || !room.admits(unit_bytes) {
-                        break;
-                    }
-                    for key in unit {
-                        let unsent = outbox.unsent.remove(&key).expect("a unit's keys are unsent");
-                        first_write = first_write.min(unsent.write);
-                        entries.push((key, unsent.raw));
-                    }
-                }
+                let (entries, first_write) = outbox.next_message(self.options.batch_max);
                 let batch = self.next_batch;
                 self.next_batch += 1;
                 let records = entries.clone();
@@ -907,6 +916,79 @@ impl Protocol for MultiMaster {
         self.hlc.observe(record.version, 0);
     }
 
+    /// Every outbox's records, each key's newest once, regrouped into
+    /// messages that keep each batch whole (a batch sent and not
+    /// acknowledged counts as one).
+    fn unshipped(&self) -> Vec<Vec<(Bytes, Bytes)>> {
+        let rank = |raw: &Bytes| Record::decode(raw.clone()).ok().map(|record| record.rank());
+        let mut all = Outbox::default();
+        let mut keep = |key: &Bytes, unsent: Unsent| {
+            if all.unsent.get(key).is_none_or(|held| rank(&unsent.raw) > rank(&held.raw)) {
+                all.unsent.insert(key.clone(), unsent);
+            }
+        };
+        for outbox in self.outboxes.values() {
+            for sent in outbox.in_flight.values() {
+                let batch: Option<Arc<[Bytes]>> = (sent.records.len() > 1)
+                    .then(|| sent.records.iter().map(|(key, _)| key.clone()).collect());
+                for (key, raw) in &sent.records {
+                    keep(key, Unsent { raw: raw.clone(), write: sent.first_write, batch: batch.clone() });
+                }
+            }
+            for (key, unsent) in &outbox.unsent {
+                keep(
+                    key,
+                    Unsent { raw: unsent.raw.clone(), write: unsent.write, batch: unsent.batch.clone() },
+                );
+            }
+        }
+        let mut messages = Vec::new();
+        while !all.unsent.is_empty() {
+            messages.push(all.next_message(self.options.batch_max).0);
+        }
+        messages
+    }
+
+    /// Each record is merged and, unless this replica holds a newer one,
+    /// queued for every peer as one batch (the message kept the leaving
+    /// member's batches whole). A record past the tombstone grace is
+    /// refused: a delete of its key may have been collected since.
+    fn adopt(&mut self, records: Vec<(Bytes, Bytes)>, fx: &mut Effects) -> bool {
+        self.check_invariants();
+        if !self.is_member() {
+            return false;
+        }
+        let now = fx.now();
+        let mut taken = Vec::new();
+        for (key, raw) in records {
+            let Ok(record) = Record::decode(raw.clone()) else { continue };
+            if self.past_grace(record.version, now) {
+                continue;
+            }
+            let rank = record.rank();
+            let held_as_newest = match self.merge(&key, record, raw.clone(), now) {
+                Ok(true) => true,
+                Ok(false) => self.stored(&key).is_ok_and(|held| held.is_some_and(|held| held.rank() == rank)),
+                Err(error) => {
+                    // Unacknowledged: the leaving member sends it again.
+                    tracing::error!(replica = %self.me, %error, "cannot store a handed-over record");
+                    return false;
+                }
+            };
+            if held_as_newest {
+                taken.push((key, raw));
+            }
+        }
+        let batch: Option<Arc<[Bytes]>> =
+            (taken.len() > 1).then(|| taken.iter().map(|(key, _)| key.clone()).collect());
+        let peers = self.peers();
+        self.accepted += 1;
+        for (key, raw) in taken {
+            self.queue_for(&peers, key, raw, batch.clone());
+        }
+        true
+    }
+
     /// Every write accepted here was acknowledged by every peer of the view.
     fn quiescent(&self) -> bool {
         self.outboxes
@@ -968,6 +1050,64 @@ mod tests {
 
     fn value(replica: &MultiMaster, key: &str) -> Option<Bytes> {
         read_visible(replica.engine.as_ref(), key.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn a_member_removed_alive_hands_its_unshipped_writes_to_those_that_remain() {
+        use crate::handoff::{Handoff, HandoffMessage};
+        use crate::test_support::batch;
+
+        let mut fx = Effects::new(100);
+        let mut replicas = members(3, &mut fx);
+        // Replica 1 takes a batch and a write of k, then is dropped from the
+        // view before shipping them; replica 2 then writes k again.
+        replicas[0].on_client(batch(1, &["a", "b"], "x"), &mut fx);
+        replicas[0].on_client(put(2, "k", "old"), &mut fx);
+        for replica in &mut replicas[1..] {
+            replica.on_view(&view(2, &[2, 3]), &mut fx);
+        }
+        fx.take();
+        let mut later = Effects::new(110);
+        replicas[1].on_client(put(3, "k", "new"), &mut later);
+        let leaving = replicas.remove(0);
+        let mut fx = Effects::new(120);
+        let mut ignored = leaving;
+        ignored.on_tick(&mut fx);
+        for effect in fx.take() {
+            let Effect::Send { to, message } = effect else { continue };
+            let target = replicas.iter_mut().find(|replica| replica.me == to).unwrap();
+            target.on_peer(NodeId(1), message, &mut later);
+        }
+        later.take();
+        assert_eq!(value(&replicas[1], "a"), None, "what it ships in its old view is ignored");
+
+        let members = [NodeId(2), NodeId(3)];
+        let mut handoff =
+            Handoff::new(NodeId(1), 1, ignored.unshipped(), members.to_vec(), 50, 60_000).unwrap();
+        let mut fx = Effects::new(130);
+        handoff.on_tick(&mut fx);
+        for effect in fx.take() {
+            let Effect::Send { to, message } = effect else { continue };
+            let Some(Ok(HandoffMessage::Records { view, batch, records })) = message.open() else { continue };
+            assert_eq!(records.len(), 3, "the batch and the write, in one message");
+            let target = replicas.iter_mut().find(|replica| replica.me == to).unwrap();
+            assert!(target.adopt(records, &mut later));
+            handoff.on_acked(to, view, batch);
+        }
+        assert!(handoff.done());
+        settle(&mut replicas, Effects::new(140));
+        for replica in &replicas {
+            assert_eq!(value(replica, "a"), Some(Bytes::from_static(b"x")), "at {}", replica.me);
+            assert_eq!(value(replica, "b"), Some(Bytes::from_static(b"x")), "at {}", replica.me);
+            assert_eq!(value(replica, "k"), Some(Bytes::from_static(b"new")), "the later write still wins");
+        }
+        assert_eq!(replicas[0].tree.roots(), replicas[1].tree.roots());
+
+        // Past the tombstone grace, a handed-over record is refused.
+        let stale = Record::value(Version::new(140, 0), NodeId(1), Bytes::from_static(b"stale")).encode();
+        let mut past_grace = Effects::new(140 + MultiMasterOptions::default().tombstone_grace_ms);
+        assert!(replicas[0].adopt(vec![(Bytes::from_static(b"gone"), stale)], &mut past_grace));
+        assert_eq!(value(&replicas[0], "gone"), None);
     }
 
     #[test]

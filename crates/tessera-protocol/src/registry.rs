@@ -602,6 +602,8 @@ static BROKEN: &[ProtocolSpec] = &[
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::handoff::HandoffMessage;
+    use crate::migration::MigrationMessage;
     use crate::transition::TransitionMessage;
 
     #[test]
@@ -610,6 +612,8 @@ mod tests {
         for (index, mode) in modes.iter().enumerate() {
             assert_eq!(Mode::named(mode.name), Some(*mode));
             assert_ne!(mode.family, TransitionMessage::FAMILY, "{mode} uses the transitions' family");
+            assert_ne!(mode.family, HandoffMessage::FAMILY, "{mode} uses the handoffs' family");
+            assert_ne!(mode.family, MigrationMessage::FAMILY, "{mode} uses the migrations' family");
             for other in &modes[index + 1..] {
                 assert_ne!(mode.name, other.name);
             }

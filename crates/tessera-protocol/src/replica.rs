@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use tessera_engine::{reserved, Engine};
 
+use crate::handoff::{Handoff, HandoffMessage};
 use crate::migration::{
     Batches, Change, Incoming, KeyFilter, MigrationMessage, MigrationSource, MigrationTarget, ObservedEngine,
     Outgoing, Sweep,
@@ -26,8 +27,8 @@ use crate::registry::{Mode, Start, Tuning};
 use crate::snapshot::StreamNumbers;
 use crate::transition::TransitionMessage;
 use crate::{
-    ClientRequest, Effect, Effects, NodeId, Operation, PeerMessage, Progress, Protocol, RequestId, ShardView,
-    Switchable, Time, WritePosition,
+    ClientRequest, Effect, Effects, MultiMasterOptions, NodeId, Operation, PeerMessage, Progress, Protocol,
+    RequestId, ShardView, Switchable, Time, WritePosition,
 };
 
 #[derive(Clone, Debug)]
@@ -402,6 +403,20 @@ impl Replica {
             .flatten();
         let was_drained = transition_view.is_some() && self.drained().is_some();
         let mark = fx.as_slice().len();
+        if message.family() == <HandoffMessage as crate::Message>::FAMILY {
+            match message.open::<HandoffMessage>() {
+                Some(Ok(HandoffMessage::Records { view, batch, records })) => {
+                    if self.protocol.adopt(records, fx) {
+                        fx.send(from, PeerMessage::new(&HandoffMessage::Acked { view, batch }));
+                    }
+                }
+                // Acknowledgements go to the node's handoff, not to a replica.
+                Some(Ok(HandoffMessage::Acked { .. })) => {}
+                _ => tracing::warn!(replica = %self.config.me, %from, "dropped a malformed handoff message"),
+            }
+            self.after_event(mark, fx);
+            return Heard::default();
+        }
         if migration {
             match message.open::<MigrationMessage>() {
                 Some(Ok(message)) => self.on_migration_message(from, message, fx),
@@ -421,6 +436,20 @@ impl Replica {
                 drained: !was_drained && self.drained().is_some(),
             },
         }
+    }
+
+    /// This replica leaves its shard (the node's map no longer lists it):
+    /// what it took and never shipped, to be handed to `members`, the
+    /// members of the view that dropped it ([`Handoff`]).
+    pub fn depart(&self, members: &[NodeId]) -> Option<Handoff> {
+        Handoff::new(
+            self.config.me,
+            self.view.number,
+            self.protocol.unshipped(),
+            members.to_vec(),
+            MultiMasterOptions::default().retransmit_after_ms,
+            self.config.tuning.tombstone_grace_ms,
+        )
     }
 
     pub fn on_tick(&mut self, fx: &mut Effects) {

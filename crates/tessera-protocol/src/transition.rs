@@ -515,6 +515,16 @@ impl Protocol for Switchable {
         self.drain.is_none() && self.protocol.quiescent()
     }
 
+    fn unshipped(&self) -> Vec<Vec<(Bytes, Bytes)>> {
+        self.protocol.unshipped()
+    }
+
+    /// Not while draining: records merged beneath the old protocol now
+    /// would change what the members compared; the leaving member resends.
+    fn adopt(&mut self, records: Vec<(Bytes, Bytes)>, fx: &mut Effects) -> bool {
+        self.drain.is_none() && self.protocol.adopt(records, fx)
+    }
+
     fn peers_in_step(&self) -> bool {
         self.protocol.peers_in_step()
     }
