@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
 use tessera_engine::{Engine, EngineSpec};
+use tessera_protocol::handoff::HandoffMessage;
 use tessera_protocol::{
     ClientReply, Effect, Effects, Mode, NodeId, Operation, OperationError, Progress, ReadGate, Refusal,
     Replica, ReplicaConfig, RequestId, Role, ShardView, Tuning, WritePosition,
@@ -33,7 +34,7 @@ use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 
 use crate::auth::ClusterSecret;
-use crate::grant::GrantedReplica;
+use crate::grant::{misrouted_handoff, GrantedReplica, Handoffs};
 use crate::links::{serve_incoming, Incoming, LinkConfig, Links, INCOMING_BATCHES_MAX};
 use crate::map::{range_index, ClusterMap, NodeInfo, DEFAULT_TABLE};
 use crate::session::{CoordinatorSession, Credentials, SessionError};
@@ -438,6 +439,8 @@ pub struct Agent {
     hurry: Arc<Notify>,
     /// Tells the tick loop a shard asked for an early tick.
     woken: Arc<Notify>,
+    /// What shards this node left still owe their members.
+    handoffs: Mutex<Handoffs>,
     /// Told every new map before this node reports routing by it.
     map_watchers: Mutex<Vec<MapWatcher>>,
     /// Told whenever where requests go may have changed here: a new map in
@@ -520,6 +523,7 @@ impl Agent {
             tasks: Mutex::new(vec![peers]),
             room: Notify::new(),
             switched: Notify::new(),
+            handoffs: Mutex::new(Handoffs::default()),
             hurry: Arc::new(Notify::new()),
             woken: Arc::new(Notify::new()),
             map_watchers: Mutex::new(Vec::new()),
@@ -809,6 +813,15 @@ impl Agent {
         self.local_shard(shard)?.state.lock().granted.replica.role()
     }
 
+    /// Sends the handoffs' messages (they answer no one).
+    fn run_sends(&self, effects: Vec<Effect>) {
+        for effect in effects {
+            if let Effect::SendToShard { shard, to, message } = effect {
+                self.links.send(to, shard, &message);
+            }
+        }
+    }
+
     /// Carries out a driver's effects: messages to the links, answers to
     /// whoever waits for them.
     fn run_effects(&self, shard: u32, state: &mut ShardState, mut fx: Effects) {
@@ -905,6 +918,7 @@ impl Agent {
         for local in left {
             tracing::info!(shard = local.id, "no longer a member of this shard; leaving it");
             let mut state = local.state.lock();
+            self.handoffs.lock().start(state.granted.leave(&map, local.id));
             switched |= state.granted.replica.draining();
             state.left = true;
             let unanswered = state.abandon();
@@ -1158,6 +1172,10 @@ async fn tick_loop(agent: std::sync::Weak<Agent>) {
                 earliest_wake = Some(earliest_wake.map_or(at, |earliest| earliest.min(at)));
             }
         }
+        if let Some(routing) = agent.routing().filter(|_| regular) {
+            let sends = agent.handoffs.lock().on_tick(&routing.map, now);
+            agent.run_sends(sends);
+        }
         let woken = agent.woken.clone();
         drop(agent);
         let wake = earliest_wake
@@ -1237,10 +1255,25 @@ async fn delayed_peer_loop(
 /// links wait.
 const DELAYED_MAX: usize = 1 << 16;
 
+fn is_handoff(incoming: &Incoming) -> bool {
+    incoming.message.family() == <HandoffMessage as tessera_protocol::Message>::FAMILY
+}
+
 fn deliver(agent: &Agent, batch: Vec<Incoming>) {
     let mut batch = batch.into_iter().peekable();
     while let Some(first) = batch.next() {
         let shard = first.shard;
+        // Handoffs come one at a time: an acknowledgement goes to this
+        // node's handoffs, and records are taken only by a shard that keeps
+        // their keys.
+        if is_handoff(&first)
+            && (agent.handoffs.lock().on_peer(first.from, &first.message)
+                || agent
+                    .routing()
+                    .is_none_or(|routing| misrouted_handoff(&routing.map, shard, &first.message)))
+        {
+            continue;
+        }
         let Some(local) = agent.local_shard(shard) else { continue };
         let mut state = local.state.lock();
         let mut fx = Effects::new(agent.now());
@@ -1253,7 +1286,7 @@ fn deliver(agent: &Agent, batch: Vec<Incoming>) {
             if heard.drained || heard.newer_view {
                 agent.hurry.notify_one();
             }
-            next = batch.next_if(|incoming| incoming.shard == shard);
+            next = batch.next_if(|incoming| incoming.shard == shard && !is_handoff(incoming));
         }
         agent.run_effects(shard, &mut state, fx);
     }

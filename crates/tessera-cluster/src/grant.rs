@@ -2,14 +2,22 @@
 //! sockets and the simulator in virtual time both call [`apply_grant`], so the
 //! simulator checks the decisions the nodes make, not a copy of them.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use bytes::Bytes;
+
 use tessera_engine::reserved;
+use tessera_protocol::handoff::{self, Handoff, HandoffMessage};
 use tessera_protocol::migration::{self, KeyFilter};
-use tessera_protocol::{Effects, Mode, NodeId, Replica, ShardView};
+use tessera_protocol::{
+    Effect, Effects, Mode, MultiMasterOptions, NodeId, PeerMessage, Replica, ShardView, Time,
+};
 use tessera_wire::slot::{key_slot, SLOTS};
 
+use crate::agent::Routing;
 use crate::map::ClusterMap;
+use crate::DEFAULT_TABLE;
 
 /// A node's replica of a shard and what the node remembers about it between
 /// grants.
@@ -42,6 +50,37 @@ impl GrantedReplica {
             })
     }
 
+    /// The node leaves this replica (it is not [`kept`](Self::kept)): the
+    /// writes it never shipped, to go to the members of the shards that own
+    /// their keys (a migration may move them meanwhile), in messages that
+    /// each hold keys of one slot (or, in a range-partitioned table, of one
+    /// shard in `map`).
+    pub fn leave(&self, map: &ClusterMap, shard: u32) -> Option<Handoff> {
+        let table = map.shard(shard).map_or(DEFAULT_TABLE, |entry| entry.table.as_str());
+        let routing = Routing::new(map.clone());
+        let ranged = routing.ranges(table).is_some();
+        // A batch's keys share a slot, so a message splits only where
+        // separate batches went different ways.
+        let mut messages = Vec::new();
+        for message in self.replica.unshipped() {
+            let mut split: BTreeMap<u32, Vec<(Bytes, Bytes)>> = BTreeMap::new();
+            for (key, raw) in message {
+                let slot = key_slot(client_key(&key)) as u16;
+                let group = if ranged {
+                    routing.shard_of(table, client_key(&key), slot).unwrap_or(shard)
+                } else {
+                    slot as u32
+                };
+                split.entry(group).or_default().push((key, raw));
+            }
+            messages.extend(split.into_values());
+        }
+        let retransmit_after_ms = MultiMasterOptions::default().retransmit_after_ms;
+        let grace_ms = self.replica.tuning().tombstone_grace_ms;
+        let view = self.replica.view().number;
+        Handoff::new(self.replica.me(), shard, view, messages, retransmit_after_ms, grace_ms)
+    }
+
     /// A grant of `view` (in which the shard runs `mode`) for the heartbeat
     /// sent at `asked_at`, under `map` (the node's newest, at least as new
     /// as the grant): the view, then the migrations the map names, then, as
@@ -71,6 +110,89 @@ impl GrantedReplica {
         }
         self.swept_for = kept;
     }
+}
+
+/// The handoffs of the shards a node left, each until members hold every
+/// record it carries or the records are past the tombstone grace.
+#[derive(Debug, Default)]
+pub struct Handoffs {
+    under_way: Vec<Handoff>,
+    /// Records given up on, over every handoff this node ran.
+    abandoned: usize,
+}
+
+impl Handoffs {
+    pub fn start(&mut self, handoff: Option<Handoff>) {
+        self.under_way.extend(handoff);
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.under_way.is_empty()
+    }
+
+    /// Records given up on so far, over every handoff.
+    pub fn abandoned(&self) -> usize {
+        self.abandoned
+    }
+
+    /// Ticks every handoff, each batch sent to the shard that owns its keys
+    /// in `map`, the node's newest; returns the messages to send and forgets
+    /// the handoffs that are done.
+    pub fn on_tick(&mut self, map: &ClusterMap, now: Time) -> Vec<Effect> {
+        let routing = Routing::new(map.clone());
+        let route = |key: &[u8]| {
+            let key = client_key(key);
+            // Tables are routed by key prefix: the key names its table.
+            let table = routing.table_of(key);
+            let shard = routing.shard_of(table, key, key_slot(key) as u16)?;
+            Some((shard, map.shard(shard)?.members.iter().map(|node| NodeId(*node)).collect()))
+        };
+        let mut fx = Effects::new(now);
+        for handoff in &mut self.under_way {
+            handoff.on_tick(&route, &mut fx);
+        }
+        let abandoned = &mut self.abandoned;
+        self.under_way.retain(|handoff| {
+            if handoff.done() {
+                *abandoned += handoff.abandoned();
+            }
+            !handoff.done()
+        });
+        fx.take()
+    }
+
+    /// Whether `message`, from `from`, acknowledges a handoff (it is then
+    /// taken here, whichever handoff it names).
+    pub fn on_peer(&mut self, from: NodeId, message: &PeerMessage) -> bool {
+        let Some(acknowledged) = handoff::acknowledgement(message) else { return false };
+        for handoff in &mut self.under_way {
+            handoff.on_acked(from, acknowledged);
+        }
+        true
+    }
+}
+
+/// Whether `message` hands `shard` records of keys it does not keep under
+/// `map` (its own slots and those migrating in): the node that sent it
+/// routed by an older map, and sends it again by a newer one.
+pub fn misrouted_handoff(map: &ClusterMap, shard: u32, message: &PeerMessage) -> bool {
+    let Some(Ok(HandoffMessage::Records { records, .. })) = message.open::<HandoffMessage>() else {
+        return false;
+    };
+    let routing = Routing::new(map.clone());
+    let incoming = map.migration_of(shard).filter(|migration| migration.to == shard);
+    !records.iter().all(|(key, _)| {
+        let key = client_key(key);
+        let slot = key_slot(key) as u16;
+        routing.shard_of(routing.table_of(key), key, slot) == Some(shard)
+            || incoming.is_some_and(|migration| migration.moves(slot))
+    })
+}
+
+/// The client key an engine key belongs to: itself, or the key that owns an
+/// internal key.
+fn client_key(key: &[u8]) -> &[u8] {
+    reserved::owner(key).map_or(key, |(owner, _)| owner)
 }
 
 /// The migrations the map names for a shard, as its driver takes them.

@@ -1081,18 +1081,19 @@ mod tests {
         later.take();
         assert_eq!(value(&replicas[1], "a"), None, "what it ships in its old view is ignored");
 
-        let members = [NodeId(2), NodeId(3)];
-        let mut handoff =
-            Handoff::new(NodeId(1), 1, ignored.unshipped(), members.to_vec(), 50, 60_000).unwrap();
+        let mut handoff = Handoff::new(NodeId(1), 0, 1, ignored.unshipped(), 50, 60_000).unwrap();
         let mut fx = Effects::new(130);
-        handoff.on_tick(&mut fx);
+        handoff.on_tick(&|_: &[u8]| Some((0, vec![NodeId(2), NodeId(3)])), &mut fx);
         for effect in fx.take() {
-            let Effect::Send { to, message } = effect else { continue };
-            let Some(Ok(HandoffMessage::Records { view, batch, records })) = message.open() else { continue };
+            let Effect::SendToShard { to, message, .. } = effect else { continue };
+            let Some(Ok(HandoffMessage::Records { from_shard, view, batch, records })) = message.open()
+            else {
+                continue;
+            };
             assert_eq!(records.len(), 3, "the batch and the write, in one message");
             let target = replicas.iter_mut().find(|replica| replica.me == to).unwrap();
             assert!(target.adopt(records, &mut later));
-            handoff.on_acked(to, view, batch);
+            handoff.on_acked(to, (from_shard, view, batch));
         }
         assert!(handoff.done());
         settle(&mut replicas, Effects::new(140));

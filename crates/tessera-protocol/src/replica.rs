@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use tessera_engine::{reserved, Engine};
 
-use crate::handoff::{Handoff, HandoffMessage};
+use crate::handoff::HandoffMessage;
 use crate::migration::{
     Batches, Change, Incoming, KeyFilter, MigrationMessage, MigrationSource, MigrationTarget, ObservedEngine,
     Outgoing, Sweep,
@@ -27,8 +27,8 @@ use crate::registry::{Mode, Start, Tuning};
 use crate::snapshot::StreamNumbers;
 use crate::transition::TransitionMessage;
 use crate::{
-    ClientRequest, Effect, Effects, MultiMasterOptions, NodeId, Operation, PeerMessage, Progress, Protocol,
-    RequestId, ShardView, Switchable, Time, WritePosition,
+    ClientRequest, Effect, Effects, NodeId, Operation, PeerMessage, Progress, Protocol, RequestId, ShardView,
+    Switchable, Time, WritePosition,
 };
 
 #[derive(Clone, Debug)]
@@ -405,9 +405,9 @@ impl Replica {
         let mark = fx.as_slice().len();
         if message.family() == <HandoffMessage as crate::Message>::FAMILY {
             match message.open::<HandoffMessage>() {
-                Some(Ok(HandoffMessage::Records { view, batch, records })) => {
+                Some(Ok(HandoffMessage::Records { from_shard, view, batch, records })) => {
                     if self.protocol.adopt(records, fx) {
-                        fx.send(from, PeerMessage::new(&HandoffMessage::Acked { view, batch }));
+                        fx.send(from, PeerMessage::new(&HandoffMessage::Acked { from_shard, view, batch }));
                     }
                 }
                 // Acknowledgements go to the node's handoff, not to a replica.
@@ -438,18 +438,15 @@ impl Replica {
         }
     }
 
-    /// This replica leaves its shard (the node's map no longer lists it):
-    /// what it took and never shipped, to be handed to `members`, the
-    /// members of the view that dropped it ([`Handoff`]).
-    pub fn depart(&self, members: &[NodeId]) -> Option<Handoff> {
-        Handoff::new(
-            self.config.me,
-            self.view.number,
-            self.protocol.unshipped(),
-            members.to_vec(),
-            MultiMasterOptions::default().retransmit_after_ms,
-            self.config.tuning.tombstone_grace_ms,
-        )
+    /// What this replica took and never shipped, as messages that keep each
+    /// batch whole: the node hands it over when it leaves the shard alive
+    /// ([`Handoff`](crate::handoff::Handoff)).
+    pub fn unshipped(&self) -> Vec<Vec<(bytes::Bytes, bytes::Bytes)>> {
+        self.protocol.unshipped()
+    }
+
+    pub fn tuning(&self) -> &Tuning {
+        &self.config.tuning
     }
 
     pub fn on_tick(&mut self, fx: &mut Effects) {

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use tessera_cluster::agent::Routing;
-use tessera_cluster::grant::GrantedReplica;
+use tessera_cluster::grant::{misrouted_handoff, GrantedReplica, Handoffs};
 use tessera_cluster::{ClusterCoordinator, ClusterMap, Timing, DEFAULT_TABLE};
 use tessera_engine::OrderedEngine;
 use tessera_protocol::{
@@ -65,6 +65,9 @@ pub struct GroupsConfig {
     /// A coordinator that retires a moved replica without a drain.
     #[cfg(any(test, feature = "broken"))]
     pub broken_retire_without_drain: bool,
+    /// Nodes that leave a shard without handing over what they never shipped.
+    #[cfg(any(test, feature = "broken"))]
+    pub broken_leave_without_handoff: bool,
 }
 
 impl GroupsConfig {
@@ -92,6 +95,8 @@ impl GroupsConfig {
             broken_without_cut: false,
             #[cfg(any(test, feature = "broken"))]
             broken_retire_without_drain: false,
+            #[cfg(any(test, feature = "broken"))]
+            broken_leave_without_handoff: false,
         }
     }
 }
@@ -143,6 +148,8 @@ struct Node {
     incarnation: u64,
     routing: Option<Routing>,
     shards: BTreeMap<u32, GrantedReplica>,
+    /// What the shards it left still owe their members.
+    handoffs: Handoffs,
     /// Per shard, the driver's id of each client request, the client's,
     /// and the key a write changes.
     requests: HashMap<(u32, RequestId), (RequestId, Option<Bytes>)>,
@@ -234,6 +241,7 @@ impl GroupsSimulation {
                 in_flight: HashMap::new(),
                 next_heartbeat: 1,
                 heartbeats: BTreeMap::new(),
+                handoffs: Handoffs::default(),
             })
             .collect();
         let clients = (0..config.clients).map(|_| Client::new(rng.fork())).collect();
@@ -371,6 +379,7 @@ impl GroupsSimulation {
                     state.requests.clear();
                     state.in_flight.clear();
                     state.heartbeats.clear();
+                    state.handoffs = Handoffs::default();
                     self.report.log.push(format!("{}ms restart n{node} (empty)", self.now));
                 }
             }
@@ -536,6 +545,11 @@ impl GroupsSimulation {
             granted.replica.on_tick(&mut fx);
             effects.push((*shard, fx.take()));
         }
+        if let Some(routing) = &state.routing {
+            // Each names the shard it goes to: the shard here is unused.
+            let sends = state.handoffs.on_tick(&routing.map, now);
+            effects.push((u32::MAX, sends));
+        }
         let seq = state.next_heartbeat;
         state.next_heartbeat += 1;
         state.heartbeats.insert(seq, now);
@@ -609,6 +623,13 @@ impl GroupsSimulation {
                 }
                 Message::Peer { shard, message } => {
                     let Address::Replica(sender) = from else { return };
+                    let state = &mut self.nodes[node as usize];
+                    let map = state.routing.as_ref().map(|routing| &routing.map);
+                    if state.handoffs.on_peer(NodeId(sender), &message)
+                        || map.is_none_or(|map| misrouted_handoff(map, shard, &message))
+                    {
+                        return;
+                    }
                     let mut fx = Effects::new(self.now);
                     let Some(granted) = self.nodes[node as usize].shards.get_mut(&shard) else { return };
                     granted.replica.on_peer(NodeId(sender), message, &mut fx);
@@ -645,8 +666,17 @@ impl GroupsSimulation {
         }
         // Grants wait for a map, as the agent's do.
         let Some(map) = state.routing.as_ref().map(|routing| routing.map.clone()) else { return };
+        let handoffs = &mut state.handoffs;
+        #[cfg(any(test, feature = "broken"))]
+        let hand_over = !self.config.broken_leave_without_handoff;
+        #[cfg(not(any(test, feature = "broken")))]
+        let hand_over = true;
         state.shards.retain(|shard, replica| {
-            replica.kept(&map, *shard, grants.iter().any(|(granted, _, _)| granted == shard))
+            let kept = replica.kept(&map, *shard, grants.iter().any(|(granted, _, _)| granted == shard));
+            if !kept && hand_over {
+                handoffs.start(replica.leave(&map, *shard));
+            }
+            kept
         });
         let shards = &state.shards;
         state.requests.retain(|(shard, _), _| shards.contains_key(shard));
@@ -1013,6 +1043,28 @@ mod tests {
                 failures(&GroupsConfig { faults: no_member_lost.clone(), ..GroupsConfig::new(mode) }, 0..40);
             assert!(failed.is_empty(), "{protocol}: the real retirement fails too");
         }
+    }
+
+    #[test]
+    fn a_member_removed_alive_hands_over_what_it_never_shipped() {
+        // Partitions remove live members. A removed multi-master member that
+        // leaves with writes it never shipped loses them, unless it hands
+        // them over.
+        let faults: BTreeSet<FaultKind> = [FaultKind::Delay, FaultKind::Partition].into_iter().collect();
+        let mode = Mode::named("multi-master").expect("a registered protocol");
+        let lost = |broken_leave_without_handoff| -> (u64, usize) {
+            let config = GroupsConfig {
+                faults: faults.clone(),
+                broken_leave_without_handoff,
+                ..GroupsConfig::new(mode)
+            };
+            let reports: Vec<Report> = (0..60).map(|seed| run(seed, &config)).collect();
+            let lost = reports.iter().map(|report| report.lost_acknowledged_writes).sum();
+            (lost, reports.iter().filter(|report| report.lost_acknowledged_writes > 0).count())
+        };
+        let (with, without) = (lost(false), lost(true));
+        eprintln!("lost (writes, seeds): with the handoff {with:?}, without {without:?}");
+        assert!(without.0 >= 4 * with.0.max(1), "with the handoff {with:?}, without {without:?}");
     }
 
     #[test]
