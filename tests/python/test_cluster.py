@@ -1036,6 +1036,51 @@ def test_active_active_eventual_members_all_accept_writes_and_converge(cluster_f
     assert sum(node.dbsize() for node in nodes) == len(scanned) >= 400
 
 
+def test_an_active_active_member_removed_while_stopped_keeps_the_writes_it_took_on_waking(cluster_factory):
+    """A member stopped past the failure timeout is removed; on waking it
+    first answers the writes queued on its socket as a member of its old
+    view, then learns of the removal and leaves the shard. Those acknowledged
+    writes must reach the members that remain (the leaving node hands them
+    over) rather than leave with it."""
+    cluster = cluster_factory("eventual", nodes=3, topology="aa")
+    shard = cluster.shard(0)
+    first, last = shard["slots"][0]
+    keys = [key for key in (f"woke:{index}" for index in range(5000)) if first <= key_slot(key.encode())
+            <= last][:300]
+    victim = shard["members"][1]
+    connection = redis.Redis(port=cluster.port(victim), socket_timeout=30, protocol=2)
+    assert connection.ping()
+    pid = cluster.pid(f"node-{victim}")
+    replies = {}
+
+    def write_while_stopped():
+        pipeline = connection.pipeline(transaction=False)
+        for key in keys:
+            pipeline.set(key, f"taken-by-{victim}")
+        for key, reply in zip(keys, pipeline.execute(raise_on_error=False)):
+            replies[key] = reply
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        writer = threading.Thread(target=write_while_stopped)
+        writer.start()
+        deadline = time.time() + 30
+        while victim in cluster.shard(0)["members"]:
+            assert time.time() < deadline, "the stopped member was never removed"
+            time.sleep(0.1)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    writer.join(timeout=60)
+    assert not writer.is_alive()
+    acknowledged = [key for key, reply in replies.items() if reply is True]
+    assert acknowledged, f"the woken member answered no write as a member: {set(map(repr, replies.values()))}"
+    cluster.wait_for_full_shards(timeout=60)
+    assert_replicas_converge(cluster, acknowledged, timeout=20)
+    client = cluster.client()
+    missing = [key for key in acknowledged if client.get(key) != f"taken-by-{victim}".encode()]
+    assert not missing, f"{len(missing)} of {len(acknowledged)} acknowledged writes lost: {missing[:5]}"
+
+
 def test_active_active_strong_cluster_is_linearizable_through_kills_and_stops(cluster_factory, tmp_path):
     cluster = cluster_factory("strong", topology="aa")
     # Cluster clients send a key to its shard's first member; plain clients to
