@@ -527,6 +527,40 @@ def assert_replicas_converge(cluster, keys, timeout=10):
         time.sleep(0.2)
 
 
+def test_cluster_nodes_report_cluster_info_their_groups_and_the_keys_they_head(cluster_factory):
+    """What redis_exporter and other tools read from INFO on a cluster node:
+    cluster mode, a replication role with the groups behind it, and keys
+    counted once across the nodes (each at its group's head, as DBSIZE)."""
+    cluster = cluster_factory("strong", nodes=3)
+    client = cluster.client()
+    keys = [f"info:{index}" for index in range(300)]
+    for index, key in enumerate(keys):
+        client.set(key, "v", ex=10_000 if index % 3 == 0 else None)
+    nodes = [redis.Redis(port=cluster.port(node), socket_timeout=5) for node in range(3)]
+    cluster_map = cluster.map()
+    for node, connection in enumerate(nodes):
+        assert connection.info("server")["redis_mode"] == "cluster"
+        assert connection.info("cluster")["cluster_enabled"] == 1
+        replication = connection.info("replication")
+        heads = [shard for shard in cluster_map["shards"] if shard["members"][0] == node]
+        assert replication["role"] == ("master" if heads else "slave"), replication
+        for shard in cluster_map["shards"]:
+            if node in shard["members"]:
+                group = replication[f"group{shard['id']}"]
+                assert group["role"] == ("head" if shard["members"][0] == node else "member"), group
+                assert group["mode"] == "chain", group
+    # Besides these keys the cluster holds its readiness probes' (as DBSIZE shows).
+    assert sum(connection.dbsize() for connection in nodes) == len(list(client.scan_iter(count=1000))) >= 300
+    total = sum(connection.dbsize() for connection in nodes)
+    deadline = time.time() + 20
+    while True:
+        counted = [connection.info("keyspace").get("db0", {"keys": 0, "expires": 0}) for connection in nodes]
+        if (sum(db["keys"] for db in counted), sum(db["expires"] for db in counted)) == (total, 100):
+            break
+        assert time.time() < deadline, (counted, total)
+        time.sleep(0.2)
+
+
 def test_eventual_cluster_loses_only_the_last_moment_of_writes_on_primary_failover(cluster_factory):
     cluster = cluster_factory("eventual")
     client = cluster.client()

@@ -1192,3 +1192,70 @@ def test_a_slow_subscriber_is_closed_at_its_output_limit(tmp_path):
         assert publisher.ping()
     finally:
         node.stop()
+
+
+# What monitoring tools read from INFO (redis_exporter, redis-cli --stat,
+# RedisInsight's overview), by section: each must be in Redis's INFO and in
+# Tessera's, with a value of the same kind.
+INFO_FIELDS_TOOLS_READ = {
+    "server": ["redis_version", "redis_mode", "os", "arch_bits", "process_id", "run_id", "tcp_port",
+               "uptime_in_seconds", "uptime_in_days", "hz", "executable"],
+    "clients": ["connected_clients", "blocked_clients", "maxclients"],
+    "memory": ["used_memory", "used_memory_human", "used_memory_rss", "used_memory_peak", "total_system_memory",
+               "maxmemory", "maxmemory_policy", "mem_fragmentation_ratio"],
+    "persistence": ["loading", "rdb_changes_since_last_save", "rdb_bgsave_in_progress", "rdb_last_save_time",
+                    "rdb_last_bgsave_status", "aof_enabled", "aof_rewrite_in_progress", "aof_last_write_status"],
+    "stats": ["total_connections_received", "total_commands_processed", "instantaneous_ops_per_sec",
+              "total_net_input_bytes", "total_net_output_bytes", "instantaneous_input_kbps",
+              "instantaneous_output_kbps", "rejected_connections", "expired_keys", "evicted_keys", "keyspace_hits",
+              "keyspace_misses", "pubsub_channels", "pubsub_patterns", "latest_fork_usec"],
+    "replication": ["role", "connected_slaves", "master_replid", "master_repl_offset"],
+    "cpu": ["used_cpu_sys", "used_cpu_user", "used_cpu_sys_children", "used_cpu_user_children"],
+    "cluster": ["cluster_enabled"],
+}
+
+
+def test_info_has_what_tools_read_and_counts_as_redis_does(node, redis_server):
+    ours, theirs = node.client(), redis.Redis(port=redis_server)
+    for section, fields in INFO_FIELDS_TOOLS_READ.items():
+        mine, reference = ours.info(section), theirs.info(section)
+        for field in fields:
+            assert field in reference, f"{section}: {field} is not Redis's"
+            assert field in mine, f"{section}: {field} missing"
+            assert type(mine[field]) is type(reference[field]), (section, field, mine[field], reference[field])
+
+    # The same writes to both: keys, keys with a time to live and the
+    # changes since the last save are counted alike.
+    changes = {name: client.info("persistence")["rdb_changes_since_last_save"]
+               for name, client in (("ours", ours), ("theirs", theirs))}
+    for client in (ours, theirs):
+        client.flushall()
+        for index in range(40):
+            client.set(f"census:{index}", "v", ex=1000 + index if index % 4 == 0 else None)
+        client.hset("census:hash", mapping={"a": 1, "b": 2})
+        client.expire("census:hash", 500)
+    assert theirs.info("persistence")["rdb_changes_since_last_save"] - changes["theirs"] >= 42
+    assert ours.info("persistence")["rdb_changes_since_last_save"] - changes["ours"] == 43  # FLUSHALL, 40 SETs, HSET, EXPIRE
+    expected = theirs.info("keyspace")["db0"]
+    assert (expected["keys"], expected["expires"]) == (41, 11)
+    deadline = time.time() + 10
+    while (mine := ours.info("keyspace")["db0"]) and (mine["keys"], mine["expires"]) != (41, 11):
+        assert time.time() < deadline, f"keyspace {mine}, Redis {expected}"
+        time.sleep(0.1)
+    assert 500_000 <= mine["avg_ttl"] <= 1_010_000, mine
+
+    # Under load the instantaneous rate and the CPU time move.
+    cpu_before = ours.info("cpu")
+    pipeline = ours.pipeline(transaction=False)
+    stop = time.time() + 1.0
+    while time.time() < stop:
+        for _ in range(200):
+            pipeline.ping()
+        pipeline.execute()
+    stats, cpu = ours.info("stats"), ours.info("cpu")
+    assert stats["instantaneous_ops_per_sec"] > 1000, stats
+    assert stats["instantaneous_input_kbps"] > 0
+    assert cpu["used_cpu_user"] + cpu["used_cpu_sys"] > cpu_before["used_cpu_user"] + cpu_before["used_cpu_sys"]
+    assert ours.info("memory")["used_memory_peak"] >= ours.info("memory")["used_memory"] * 0.5
+    ours.close()
+    theirs.close()

@@ -16,6 +16,7 @@ pub mod connection;
 pub mod diagnostics;
 pub mod disk_reads;
 pub mod error;
+pub mod gauges;
 pub mod glob;
 pub mod lua_libs;
 pub mod membership;

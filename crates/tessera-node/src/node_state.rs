@@ -8,6 +8,7 @@
 
 use crate::diagnostics::{ClientPause, LatencyMonitor, SlowLog};
 use crate::disk_reads::DiskReads;
+use crate::gauges::{Census, Rates, Totals};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -67,6 +68,8 @@ pub struct Stats {
 #[repr(align(128))]
 pub struct WorkerStats {
     pub commands: AtomicU64,
+    /// Write commands that succeeded (INFO's rdb_changes_since_last_save).
+    pub writes: AtomicU64,
     pub keyspace_hits: AtomicU64,
     pub keyspace_misses: AtomicU64,
     pub net_input_bytes: AtomicU64,
@@ -130,7 +133,18 @@ pub struct NodeState {
     /// Reads of the disk made ahead of the commands that need them.
     pub disk_reads: DiskReads,
     worker_stats: Mutex<Vec<Arc<WorkerStats>>>,
+    /// INFO's instantaneous rates, sampled by the upkeep thread.
+    pub rates: Mutex<Rates>,
+    /// The most memory used at any sample or INFO.
+    pub peak_memory: AtomicUsize,
+    /// Each keyspace's keys and expiring keys, as the expiry sweep last
+    /// counted them.
+    pub census: Mutex<Census>,
+    /// Names this run of the node (INFO's run_id).
+    pub run_id: String,
     pub started: Instant,
+    /// When the node started, in seconds since the Unix epoch.
+    pub started_unix_secs: u64,
     pub next_client_id: AtomicU64,
 }
 
@@ -254,7 +268,12 @@ impl NodeState {
             pause: ClientPause::default(),
             disk_reads,
             worker_stats: Mutex::new(Vec::new()),
+            rates: Mutex::new(Rates::default()),
+            peak_memory: AtomicUsize::new(0),
+            census: Mutex::new(Census::default()),
+            run_id: (0..20).map(|_| format!("{:02x}", rand::random::<u8>())).collect(),
             started: Instant::now(),
+            started_unix_secs: now_ms() / 1000,
             next_client_id: AtomicU64::new(1),
         })
     }
@@ -285,6 +304,7 @@ impl NodeState {
         for stats in self.worker_stats.lock().iter() {
             for counter in [
                 &stats.commands,
+                &stats.writes,
                 &stats.keyspace_hits,
                 &stats.keyspace_misses,
                 &stats.net_input_bytes,
@@ -452,9 +472,14 @@ impl NodeState {
                 }
             };
             for (key, raw) in page.entries {
+                let stored = if reserved::is_reserved(&key) { None } else { Stored::decode(raw).ok() };
+                if let Some(stored) = stored.as_ref().filter(|stored| !stored.is_expired(now)) {
+                    let ttl_ms = stored.expires_at_ms.map(|at| at.saturating_sub(now));
+                    self.census.lock().count(name, ttl_ms);
+                }
                 let removed = if reserved::is_reserved(&key) {
                     self.remove_if_orphan(keyspace, &key, now)
-                } else if Stored::decode(raw).is_ok_and(|stored| stored.is_expired(now)) {
+                } else if stored.is_some_and(|stored| stored.is_expired(now)) {
                     let _lock = self.lock_key(&key);
                     let removed = self.remove_if_expired(keyspace, &key, now);
                     if let Ok(true) = removed {
@@ -468,10 +493,27 @@ impl NodeState {
                     tracing::warn!(keyspace = %name, %error, "expiry sweep cannot delete a key");
                 }
             }
-            if let Some(next) = page.next {
-                self.sweep_positions.lock().insert(name.to_string(), next);
+            match page.next {
+                Some(next) => {
+                    self.sweep_positions.lock().insert(name.to_string(), next);
+                }
+                None => self.census.lock().pass_done(name),
             }
         }
+        let names: Vec<&str> = keyspaces.iter().map(|keyspace| keyspace.name()).collect();
+        self.census.lock().keep_only(&names);
+    }
+
+    /// Samples the totals INFO's instantaneous rates and peak memory come
+    /// from; the upkeep thread calls it every 100 ms or so.
+    pub fn sample_gauges(&self) {
+        let totals = Totals {
+            commands: self.worker_total(|worker| &worker.commands),
+            input_bytes: self.worker_total(|worker| &worker.net_input_bytes),
+            output_bytes: self.worker_total(|worker| &worker.net_output_bytes),
+        };
+        self.rates.lock().sample(Instant::now(), totals);
+        self.peak_memory.fetch_max(used_memory(), Ordering::Relaxed);
     }
 
     /// Whether the node's memory, less `uncounted_bytes`, is over `maxmemory`.

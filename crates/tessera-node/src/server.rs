@@ -149,8 +149,8 @@ impl Server {
         let sweeper = {
             let (node, cluster, stop) = (node.clone(), cluster.clone(), sweeper_stop.clone());
             thread::Builder::new()
-                .name("tessera-expiry".into())
-                .spawn(move || sweep_expired(node, cluster, stop))
+                .name("tessera-upkeep".into())
+                .spawn(move || upkeep(node, cluster, stop))
                 .map_err(ServerError::Thread)?
         };
         Ok(Self { node, local_addr, stop, workers, sweeper_stop, sweeper: Some(sweeper) })
@@ -294,12 +294,13 @@ async fn reject(mut stream: TcpStream) {
     let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
 }
 
-/// Deletes expired keys now and then: a node's own tables, or, on a cluster
-/// node, the shards it heads.
-fn sweep_expired(node: Arc<NodeState>, cluster: Option<Arc<ClusterNode>>, stop: Arc<AtomicBool>) {
+/// Now and then: samples the totals behind INFO's rates, and deletes expired
+/// keys from a node's own tables, or, on a cluster node, the shards it heads.
+fn upkeep(node: Arc<NodeState>, cluster: Option<Arc<ClusterNode>>, stop: Arc<AtomicBool>) {
     let interval = Duration::from_millis(node.config.expiry_sweep_interval_ms);
     while !stop.load(Ordering::Relaxed) {
         thread::sleep(interval);
+        node.sample_gauges();
         match &cluster {
             Some(cluster) => cluster.sweep_expired(&node),
             None => node.sweep_expired(node.config.expiry_sweep_entries),

@@ -487,14 +487,19 @@ fn execute(context: &mut Context, spec: &CommandSpec, request: &Request) -> Comm
     let keys =
         || spec.key_positions(request.len(), |index| request.arg(index)).map(|index| request.arg(index));
     let may_lock = spec.flags.contains(&"readonly") && !context.locks_held && !scripting::is_script(spec);
-    if may_lock && keys().nth(1).is_some() {
+    let answer = if may_lock && keys().nth(1).is_some() {
         let _locks = context.node.lock_keys_unless_busy(keys())?;
         context.locks_held = true;
         let answer = (spec.handler)(context, request);
         context.locks_held = false;
-        return answer;
+        answer
+    } else {
+        (spec.handler)(context, request)
+    };
+    if answer.is_ok() && spec.flags.contains(&"write") {
+        WorkerStats::add(&context.stats.writes, 1);
     }
-    (spec.handler)(context, request)
+    answer
 }
 
 /// Whether the connection may run a command of the right arity (which the

@@ -3,11 +3,15 @@
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 
+use tessera_cluster::Shard;
+use tessera_protocol::Role;
 use tessera_wire::Request;
 
 use super::{all_commands, command_info, docs, is, lookup, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
+use crate::gauges::{cpu_seconds as total_cpu_seconds, total_system_memory};
 use crate::memory::{human_bytes, parse_size, resident_memory, used_memory, EvictionPolicy};
+use crate::pubsub::Kind;
 use crate::tables::escape_prefix;
 use crate::typed::parse_i64;
 use crate::REDIS_COMPATIBLE_VERSION;
@@ -24,8 +28,8 @@ pub const COMMANDS: &[CommandSpec] = &[
 /// How often a WAIT that is short of replicas looks again.
 const WAIT_RECHECK: std::time::Duration = std::time::Duration::from_millis(2);
 
-/// INFO [section ...]: the sections Redis tools read, in Redis's format, plus
-/// Tessera's tables.
+/// INFO [section ...]: the sections Redis tools read, in Redis's format and
+/// field names, plus Tessera's tables and replica groups.
 fn info(context: &mut Context, request: &Request) -> CommandResult {
     let wanted: Vec<String> =
         request.args().skip(1).map(|section| String::from_utf8_lossy(section).to_ascii_lowercase()).collect();
@@ -43,14 +47,16 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
         let _ = write!(
             text,
             "# Server\r\nredis_version:{REDIS_COMPATIBLE_VERSION}\r\ntessera_version:{}\r\nredis_mode:{}\r\n\
-             os:{}\r\narch_bits:64\r\nprocess_id:{}\r\ntcp_port:{}\r\nuptime_in_seconds:{uptime}\r\n\
-             uptime_in_days:{}\r\nexecutable:tessera\r\n\r\n",
+             os:{}\r\narch_bits:64\r\nprocess_id:{}\r\nrun_id:{}\r\ntcp_port:{}\r\nuptime_in_seconds:{uptime}\r\n\
+             uptime_in_days:{}\r\nhz:{}\r\nexecutable:tessera\r\n\r\n",
             env!("CARGO_PKG_VERSION"),
             if context.cluster.is_some() { "cluster" } else { "standalone" },
             std::env::consts::OS,
             std::process::id(),
+            node.run_id,
             node.config.port,
             uptime / 86400,
+            (1000 / node.config.expiry_sweep_interval_ms.max(1)).max(1),
         );
     }
     if include("clients") {
@@ -64,34 +70,72 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
     }
     if include("memory") {
         let (used, resident, limit) = (used_memory(), resident_memory(), node.settings.maxmemory());
+        let peak = node.peak_memory.fetch_max(used, Ordering::Relaxed).max(used);
+        let system = total_system_memory();
         let _ = write!(
             text,
             "# Memory\r\nused_memory:{used}\r\nused_memory_human:{}\r\nused_memory_rss:{resident}\r\n\
-             used_memory_rss_human:{}\r\nmaxmemory:{limit}\r\nmaxmemory_human:{}\r\nmaxmemory_policy:{}\r\n\r\n",
+             used_memory_rss_human:{}\r\nused_memory_peak:{peak}\r\nused_memory_peak_human:{}\r\n\
+             total_system_memory:{system}\r\ntotal_system_memory_human:{}\r\nmaxmemory:{limit}\r\n\
+             maxmemory_human:{}\r\nmaxmemory_policy:{}\r\nmem_fragmentation_ratio:{:.2}\r\n\r\n",
             human_bytes(used as u64),
             human_bytes(resident),
+            human_bytes(peak as u64),
+            human_bytes(system),
             human_bytes(limit),
             node.settings.maxmemory_policy().name(),
+            resident as f64 / used.max(1) as f64,
+        );
+    }
+    if include("persistence") {
+        // Tessera takes no RDB snapshots and keeps no AOF: what a persistent
+        // engine writes is its own log, counted in the Tables section.
+        let _ = write!(
+            text,
+            "# Persistence\r\nloading:0\r\nasync_loading:0\r\nrdb_changes_since_last_save:{}\r\n\
+             rdb_bgsave_in_progress:0\r\nrdb_last_save_time:{}\r\nrdb_last_bgsave_status:ok\r\n\
+             aof_enabled:0\r\naof_rewrite_in_progress:0\r\naof_last_write_status:ok\r\n\r\n",
+            node.worker_total(|worker| &worker.writes),
+            node.started_unix_secs,
         );
     }
     if include("stats") {
+        let rates = node.rates.lock().per_second();
         let _ = write!(
             text,
             "# Stats\r\ntotal_connections_received:{}\r\ntotal_commands_processed:{}\r\n\
-             total_net_input_bytes:{}\r\ntotal_net_output_bytes:{}\r\nrejected_connections:{}\r\n\
+             instantaneous_ops_per_sec:{}\r\ntotal_net_input_bytes:{}\r\ntotal_net_output_bytes:{}\r\n\
+             instantaneous_input_kbps:{:.2}\r\ninstantaneous_output_kbps:{:.2}\r\nrejected_connections:{}\r\n\
              expired_keys:{}\r\nevicted_keys:{}\r\nkeyspace_hits:{}\r\nkeyspace_misses:{}\r\n\
+             pubsub_channels:{}\r\npubsub_patterns:{}\r\nlatest_fork_usec:0\r\n\
              disk_reads_fetched:{}\r\ndisk_reads_in_flight:{}\r\n\r\n",
             stats.connections_received.load(Ordering::Relaxed),
             node.worker_total(|worker| &worker.commands),
+            rates.commands.round() as u64,
             node.worker_total(|worker| &worker.net_input_bytes),
             node.worker_total(|worker| &worker.net_output_bytes),
+            rates.input_bytes / 1024.0,
+            rates.output_bytes / 1024.0,
             stats.connections_rejected.load(Ordering::Relaxed),
             stats.expired_keys.load(Ordering::Relaxed),
             stats.evicted_keys.load(Ordering::Relaxed),
             node.worker_total(|worker| &worker.keyspace_hits),
             node.worker_total(|worker| &worker.keyspace_misses),
+            node.pubsub.channels(Kind::Channel, None).len(),
+            node.pubsub.patterns(),
             node.disk_reads.fetched.load(Ordering::Relaxed),
             node.disk_reads.in_flight(),
+        );
+    }
+    if include("replication") {
+        text.push_str(&replication(context));
+    }
+    if include("cpu") {
+        let (system, user) = total_cpu_seconds();
+        let _ = write!(
+            text,
+            "# CPU\r\nused_cpu_sys:{system:.6}\r\nused_cpu_user:{user:.6}\r\nused_cpu_sys_children:0.000000\r\n\
+             used_cpu_user_children:0.000000\r\n\r\n"
         );
     }
     if include("cluster") {
@@ -99,13 +143,25 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
     }
     let tables = context.tables.by_name();
     if include("keyspace") {
-        let mut keys = 0;
-        for table in &tables {
-            keys += table.engine.len()?;
-        }
+        // A cluster node counts the shards it heads (as DBSIZE does), by the
+        // expiry sweep's last pass over each; a node of its own counts its
+        // tables' keys now. Keys with a time to live are the sweep's count.
+        let census = node.census.lock().total();
+        let keys = match context.cluster {
+            Some(_) => census.keys,
+            None => {
+                let mut keys = 0u64;
+                for table in &tables {
+                    keys += table.reserved.keys_in(table.engine.as_ref())?;
+                }
+                keys
+            }
+        };
         text.push_str("# Keyspace\r\n");
         if keys > 0 {
-            let _ = write!(text, "db0:keys={keys},expires=0,avg_ttl=0\r\n");
+            let expires = census.expiring.min(keys);
+            let average_ttl = census.ttl_ms_sum.checked_div(u128::from(census.expiring)).unwrap_or(0);
+            let _ = write!(text, "db0:keys={keys},expires={expires},avg_ttl={average_ttl}\r\n");
         }
         text.push_str("\r\n");
     }
@@ -118,13 +174,96 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
                 table.def.name,
                 escape_prefix(&table.prefix),
                 table.spec.kind.name(),
-                table.engine.len()?
+                table.reserved.keys_in(table.engine.as_ref())?
             );
         }
         text.push_str("\r\n");
     }
     context.out.verbatim(&text);
     Ok(())
+}
+
+/// INFO's Replication section. A node of its own is a master with no
+/// replicas. A cluster node heads some groups and is a member of others: it
+/// reports `role:master` if it heads any (with their other members as its
+/// replicas), `role:slave` of the first group's head otherwise, and then a
+/// line per group it holds.
+fn replication(context: &Context) -> String {
+    let mut text = String::from("# Replication\r\n");
+    let Some(cluster) = context.cluster else {
+        let _ = write!(
+            text,
+            "role:master\r\nconnected_slaves:0\r\nmaster_replid:{}\r\nmaster_repl_offset:0\r\n\r\n",
+            context.node.run_id
+        );
+        return text;
+    };
+    let agent = &cluster.agent;
+    let me = agent.node_id();
+    let map = agent.routing().map(|routing| routing.map);
+    let held = agent.shards();
+    let groups: Vec<(&Shard, Option<Role>)> = map
+        .iter()
+        .flat_map(|map| map.shards.iter())
+        .filter(|shard| held.contains_key(&shard.id))
+        .map(|shard| (shard, agent.role(shard.id)))
+        .collect();
+    let heads = |role: &Option<Role>| matches!(role, Some(Role::Head | Role::Alone));
+    let offset: u64 = held.values().map(|progress| progress.applied).sum();
+    let address = |node: u32| {
+        map.as_ref().and_then(|map| map.node(node)).map(|info| info.address.clone()).unwrap_or_default()
+    };
+    if groups.iter().any(|(_, role)| heads(role)) || groups.is_empty() {
+        let replicas: Vec<u32> = groups
+            .iter()
+            .filter(|(_, role)| heads(role))
+            .flat_map(|(shard, _)| shard.members.iter().chain(&shard.learners).copied())
+            .filter(|member| *member != me)
+            .collect::<std::collections::BTreeSet<u32>>()
+            .into_iter()
+            .collect();
+        let _ = write!(text, "role:master\r\nconnected_slaves:{}\r\n", replicas.len());
+        for (index, replica) in replicas.iter().enumerate() {
+            let (ip, port) = split_address(&address(*replica));
+            let _ = write!(text, "slave{index}:ip={ip},port={port},state=online,offset={offset},lag=0\r\n");
+        }
+    } else {
+        let head = groups.first().and_then(|(shard, _)| shard.members.first().copied());
+        let (host, port) = split_address(&head.map(address).unwrap_or_default());
+        let _ = write!(
+            text,
+            "role:slave\r\nmaster_host:{host}\r\nmaster_port:{port}\r\nmaster_link_status:up\r\n\
+             slave_repl_offset:{offset}\r\nconnected_slaves:0\r\n"
+        );
+    }
+    let _ = write!(text, "master_replid:{}\r\nmaster_repl_offset:{offset}\r\n", context.node.run_id);
+    for (shard, role) in &groups {
+        let role = match role {
+            Some(Role::Head | Role::Alone) => "head",
+            Some(Role::Learner) => "learner",
+            Some(Role::Middle | Role::Tail) => "member",
+            None => "leaving",
+        };
+        let mode = map.as_ref().map(|map| map.mode_of(shard).to_string()).unwrap_or_default();
+        let members: Vec<String> = shard.members.iter().map(u32::to_string).collect();
+        let _ = write!(
+            text,
+            "group{}:table={},role={role},mode={mode},view={},members={},applied={}\r\n",
+            shard.id,
+            shard.table,
+            shard.view_number,
+            members.join("|"),
+            held.get(&shard.id).map_or(0, |progress| progress.applied),
+        );
+    }
+    text.push_str("\r\n");
+    text
+}
+
+/// A node's `host:port` as INFO's separate fields.
+fn split_address(address: &str) -> (String, String) {
+    let (host, port) = address.rsplit_once(':').unwrap_or((address, "0"));
+    (host.to_string(), port.to_string())
 }
 
 /// COMMAND, COMMAND COUNT / INFO / LIST / DOCS / GETKEYS.
