@@ -1,11 +1,14 @@
 """The command list against a real node, through redis-py (RESP2 and RESP3)."""
 
+import json
 import socket
 import threading
 import time
 
 import pytest
 import redis
+
+from conftest import Node
 
 
 def test_strings(r):
@@ -593,3 +596,21 @@ def test_client_reply_and_pause_behave_as_in_redis(node, redis_server):
     assert other.get("a") == b"3" and time.monotonic() - started >= 0.3, "under ALL, reads wait too"
     ours.execute_command("CLIENT", "NO-EVICT", "ON")
     assert b"flags=e" in ours.execute_command("CLIENT", "INFO")
+
+
+def test_a_node_logs_json_lines_with_levels_per_module(data_dir):
+    """`--log-format json` writes one JSON object per line (what log
+    collectors ingest); `--log` sets levels per module."""
+    node = Node(data_dir, "--log-format", "json", "--log", "warn,tessera_node::server=info").start()
+    try:
+        assert node.client().ping()
+    finally:
+        node.stop()
+    lines = [line for line in node.read_log().splitlines() if line.strip()]
+    events = [json.loads(line) for line in lines]
+    assert events, "nothing logged"
+    for event in events:
+        assert {"timestamp", "level", "message", "target"} <= set(event), event
+        # Only warnings, but the server module's information too.
+        assert event["level"] in ("WARN", "ERROR") or event["target"] == "tessera_node::server", event
+    assert any(event["message"] == "shutdown complete" for event in events), events

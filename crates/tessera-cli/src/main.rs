@@ -265,8 +265,8 @@ struct CoordinatorArgs {
     /// Seconds a leader's etcd lease lasts without renewal.
     #[arg(long, default_value_t = 2)]
     leader_ttl_secs: u64,
-    #[arg(long, default_value = "info")]
-    log: String,
+    #[command(flatten)]
+    log: LogArgs,
 }
 
 #[derive(Subcommand)]
@@ -511,9 +511,26 @@ struct ServeArgs {
     /// over (the default table's own server is always allowed).
     #[arg(long, value_delimiter = ',')]
     redis_engine_allow: Vec<String>,
-    /// Log filter, e.g. info or tessera_node=debug [default: info].
+    #[command(flatten)]
+    log: LogArgs,
+}
+
+/// How a long-running process (a node, a coordinator) logs, to stderr.
+#[derive(clap::Args, Clone, Debug)]
+struct LogArgs {
+    /// Log filter: a level, and levels per module, e.g.
+    /// `info,tessera_cluster=debug,tessera_protocol::quorum=trace`.
     #[arg(long, env = "TESSERA_LOG", default_value = "info")]
     log: String,
+    /// `text` for people, `json` (one object per line) for log collectors.
+    #[arg(long, env = "TESSERA_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 fn parse_pairs(pairs: &[String]) -> Result<BTreeMap<String, String>, String> {
@@ -795,11 +812,14 @@ fn check_causal(file: &std::path::Path, datacenters: bool) -> Result<(), String>
     }
 }
 
-fn init_logging(filter: &str) -> Result<(), String> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(filter).map_err(|error| error.to_string())?)
-        .with_writer(std::io::stderr)
-        .init();
+fn init_logging(args: &LogArgs) -> Result<(), String> {
+    let filter = tracing_subscriber::EnvFilter::try_new(&args.log)
+        .map_err(|error| format!("--log {:?}: {error}", args.log))?;
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match args.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().flatten_event(true).with_current_span(false).init(),
+    }
     Ok(())
 }
 
