@@ -1244,6 +1244,22 @@ def test_info_has_what_tools_read_and_counts_as_redis_does(node, redis_server):
         time.sleep(0.1)
     assert 500_000 <= mine["avg_ttl"] <= 1_010_000, mine
 
+    # Per-command counts, in Redis's form: 40 SETs each, one refused for its
+    # arity, one INCRBY (redis-py's incr) failed on a value that is no integer.
+    for client in (ours, theirs):
+        with pytest.raises(redis.ResponseError):
+            client.execute_command("SET", "census:0")
+        with pytest.raises(redis.ResponseError):
+            client.incr("census:1")
+    mine_set, their_set = ours.info("commandstats")["cmdstat_set"], theirs.info("commandstats")["cmdstat_set"]
+    assert set(mine_set) == set(their_set), (mine_set, their_set)
+    assert (mine_set["calls"], mine_set["rejected_calls"]) == (their_set["calls"], their_set["rejected_calls"]) == (40, 1)
+    mine_incr, their_incr = (client.info("commandstats")["cmdstat_incrby"] for client in (ours, theirs))
+    assert (mine_incr["calls"], mine_incr["failed_calls"]) == (their_incr["calls"], their_incr["failed_calls"]) == (1, 1)
+    mine_latency = ours.info("latencystats")["latency_percentiles_usec_set"]
+    assert set(mine_latency) == set(theirs.info("latencystats")["latency_percentiles_usec_set"]), mine_latency
+    assert "cmdstat_set" not in ours.info() and "cmdstat_set" in ours.info("all")
+
     # Under load the instantaneous rate and the CPU time move.
     cpu_before = ours.info("cpu")
     pipeline = ours.pipeline(transaction=False)

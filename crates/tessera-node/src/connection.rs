@@ -385,7 +385,13 @@ impl Connection {
                         // it waits no more.
                         self.session.blocked = None;
                     }
-                    self.observe(&request, started.elapsed());
+                    let took = started.elapsed();
+                    if let Some(counters) =
+                        self.session.executed.take().and_then(|index| self.stats.command(index))
+                    {
+                        counters.observe(took);
+                    }
+                    self.observe(&request, took);
                     if self.session.replies_off || self.session.replies_to_skip > 0 {
                         // CLIENT REPLY OFF or SKIP: the reply is dropped.
                         self.out.truncate(reply_mark);

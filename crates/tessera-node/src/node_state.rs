@@ -74,11 +74,74 @@ pub struct WorkerStats {
     pub keyspace_misses: AtomicU64,
     pub net_input_bytes: AtomicU64,
     pub net_output_bytes: AtomicU64,
+    /// By the command's place in the catalogue (`commands::command_index`).
+    pub by_command: Box<[CommandCounters]>,
 }
 
 impl WorkerStats {
     pub fn add(counter: &AtomicU64, amount: u64) {
         counter.fetch_add(amount, Ordering::Relaxed);
+    }
+
+    /// The counters of the command at `index` in the catalogue.
+    pub fn command(&self, index: usize) -> Option<&CommandCounters> {
+        self.by_command.get(index)
+    }
+}
+
+/// Latency buckets of a command: bucket `i` counts calls that took under
+/// 2^i microseconds and at least half that (bucket 0: under 1 µs); the last
+/// also counts every longer call.
+pub const LATENCY_BUCKETS: usize = 25;
+
+/// One command's calls on one worker (INFO commandstats and latencystats,
+/// and the metrics endpoint).
+#[derive(Debug, Default)]
+pub struct CommandCounters {
+    pub calls: AtomicU64,
+    /// Ran and answered with an error.
+    pub failed: AtomicU64,
+    /// Refused before it ran (arity, permissions, a busy script ...).
+    pub rejected: AtomicU64,
+    pub nanos: AtomicU64,
+    pub latency: [AtomicU64; LATENCY_BUCKETS],
+}
+
+impl CommandCounters {
+    pub fn observe(&self, duration: Duration) {
+        let nanos = duration.as_nanos().min(u128::from(u64::MAX)) as u64;
+        let micros = nanos / 1000;
+        let bucket = ((u64::BITS - micros.leading_zeros()) as usize).min(LATENCY_BUCKETS - 1);
+        WorkerStats::add(&self.nanos, nanos);
+        WorkerStats::add(&self.latency[bucket], 1);
+    }
+}
+
+/// One command's counters, summed over the workers.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CommandTotals {
+    pub calls: u64,
+    pub failed: u64,
+    pub rejected: u64,
+    pub nanos: u64,
+    pub latency: [u64; LATENCY_BUCKETS],
+}
+
+impl CommandTotals {
+    /// The upper bound, in microseconds, of the bucket the `quantile` of the
+    /// calls falls in (as Redis's latencystats, an estimate at the bucket's
+    /// resolution).
+    pub fn latency_quantile_micros(&self, quantile: f64) -> u64 {
+        let observed: u64 = self.latency.iter().sum();
+        let wanted = ((observed as f64) * quantile).ceil().max(1.0) as u64;
+        let mut seen = 0;
+        for (bucket, count) in self.latency.iter().enumerate() {
+            seen += count;
+            if seen >= wanted {
+                return 1 << bucket;
+            }
+        }
+        1 << (LATENCY_BUCKETS - 1)
     }
 }
 
@@ -278,11 +341,35 @@ impl NodeState {
         })
     }
 
-    /// Registers a worker thread's counters.
-    pub fn new_worker_stats(&self) -> Arc<WorkerStats> {
-        let stats = Arc::new(WorkerStats::default());
+    /// Registers a worker thread's counters, with room for `commands`
+    /// commands' own.
+    pub fn new_worker_stats(&self, commands: usize) -> Arc<WorkerStats> {
+        let by_command = (0..commands).map(|_| CommandCounters::default()).collect();
+        let stats = Arc::new(WorkerStats { by_command, ..WorkerStats::default() });
         self.worker_stats.lock().push(stats.clone());
         stats
+    }
+
+    /// Each command's counters summed over every worker, for the commands
+    /// called or refused at least once.
+    pub fn command_totals(&self) -> Vec<(usize, CommandTotals)> {
+        let workers = self.worker_stats.lock();
+        let commands = workers.iter().map(|worker| worker.by_command.len()).max().unwrap_or(0);
+        (0..commands)
+            .filter_map(|index| {
+                let mut total = CommandTotals::default();
+                for command in workers.iter().filter_map(|worker| worker.command(index)) {
+                    total.calls += command.calls.load(Ordering::Relaxed);
+                    total.failed += command.failed.load(Ordering::Relaxed);
+                    total.rejected += command.rejected.load(Ordering::Relaxed);
+                    total.nanos += command.nanos.load(Ordering::Relaxed);
+                    for (sum, bucket) in total.latency.iter_mut().zip(&command.latency) {
+                        *sum += bucket.load(Ordering::Relaxed);
+                    }
+                }
+                (total.calls + total.rejected > 0).then_some((index, total))
+            })
+            .collect()
     }
 
     /// One counter summed over every worker.
@@ -302,6 +389,14 @@ impl NodeState {
             counter.store(0, Ordering::Relaxed);
         }
         for stats in self.worker_stats.lock().iter() {
+            for command in stats.by_command.iter() {
+                for counter in [&command.calls, &command.failed, &command.rejected, &command.nanos]
+                    .into_iter()
+                    .chain(&command.latency)
+                {
+                    counter.store(0, Ordering::Relaxed);
+                }
+            }
             for counter in [
                 &stats.commands,
                 &stats.writes,

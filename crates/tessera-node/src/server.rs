@@ -221,7 +221,7 @@ async fn serve(
     tls: Option<(TcpListener, TlsAcceptor)>,
     mut stopping: watch::Receiver<bool>,
 ) {
-    let worker_stats = node.new_worker_stats();
+    let worker_stats = node.new_worker_stats(crate::commands::command_count());
     let mut connections = JoinSet::new();
     loop {
         let (accepted, secure) = tokio::select! {

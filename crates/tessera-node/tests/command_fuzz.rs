@@ -108,7 +108,7 @@ fn random_commands_never_panic_and_always_reply_once() {
     // Half the cases run as a user with some commands and keys only, so the
     // permission checks see every command too.
     node.acl.set_user("restricted", &["on", "nopass", "~k*", "%R~a*", "+@read", "+@string", "-get"]).unwrap();
-    let stats = node.new_worker_stats();
+    let stats = node.new_worker_stats(tessera_node::commands::command_count());
     let cases = tessera_testkit::fuzz_cases(2000);
     let mut runner =
         TestRunner::new(RunnerConfig { cases, failure_persistence: None, ..RunnerConfig::default() });

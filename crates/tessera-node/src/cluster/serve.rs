@@ -22,7 +22,8 @@ use crate::commands::consistency::{check_level, level_got, parse_level, session_
 use crate::commands::scripting::{self, is_script, Call, ScriptOutcome};
 use crate::commands::transactions::{self, Transaction, Watched};
 use crate::commands::{
-    admit, dispatch, dispatch_admitted, is, lookup, refuse_if_busy, CommandSpec, Context, Scope,
+    admit, count_rejected, dispatch, dispatch_admitted, is, lookup, refuse_if_busy, CommandSpec, Context,
+    Scope,
 };
 use crate::error::{CommandError, CommandResult};
 use crate::watch::Touching;
@@ -58,6 +59,7 @@ pub async fn serve(
     // Checked here, before the request goes anywhere: the coordinator, the
     // shards this node heads, or another node (which runs what a relay sends).
     if let Err(error) = refuse_if_busy(context, spec).and_then(|()| admit(context, spec, request)) {
+        count_rejected(context, spec);
         transactions::refuse(context);
         error.write(context.out);
         return None;

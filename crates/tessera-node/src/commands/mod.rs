@@ -46,6 +46,10 @@ use crate::typed::parse_i64;
 #[derive(Debug, Default)]
 pub struct Session {
     pub id: u64,
+    /// The command that ran last on this connection ([`command_index`]):
+    /// the connection times it. (A transaction's commands run before EXEC
+    /// ends, and EXEC is the one left here.)
+    pub executed: Option<usize>,
     pub name: Option<Bytes>,
     pub authenticated: bool,
     /// The user the connection acts as (`default` until AUTH names another).
@@ -241,6 +245,7 @@ pub enum Scope {
 
 /// One command: how it is called and where its keys are (for COMMAND, which
 /// cluster clients read to route requests).
+#[derive(Clone, Copy)]
 pub struct CommandSpec {
     pub name: &'static str,
     /// Redis's convention: `n` means exactly n arguments (with the name), `-n`
@@ -315,9 +320,38 @@ pub fn counted_keys_at(name: &str) -> Option<usize> {
     }
 }
 
-fn table() -> &'static HashMap<&'static [u8], &'static CommandSpec> {
-    static TABLE: OnceLock<HashMap<&'static [u8], &'static CommandSpec>> = OnceLock::new();
-    TABLE.get_or_init(|| all_commands().map(|spec| (spec.name.as_bytes(), spec)).collect())
+/// Every command, in one place: a command is known by where its spec stands
+/// here ([`command_index`]), which per-command counters go by.
+struct Catalog {
+    specs: Vec<CommandSpec>,
+    families: Vec<&'static str>,
+    by_name: HashMap<&'static [u8], usize>,
+}
+
+fn catalog() -> &'static Catalog {
+    static CATALOG: OnceLock<Catalog> = OnceLock::new();
+    CATALOG.get_or_init(|| {
+        let (families, specs): (Vec<&'static str>, Vec<CommandSpec>) = FAMILIES
+            .into_iter()
+            .flat_map(|(family, commands)| commands.iter().map(move |spec| (family, *spec)))
+            .unzip();
+        let by_name = specs.iter().enumerate().map(|(index, spec)| (spec.name.as_bytes(), index)).collect();
+        Catalog { specs, families, by_name }
+    })
+}
+
+/// How many commands there are: [`command_index`] is below it.
+pub fn command_count() -> usize {
+    catalog().specs.len()
+}
+
+/// Where a command stands among all commands, for a spec found through
+/// [`lookup`] or [`all_commands`] (every spec is the catalogue's).
+pub fn command_index(spec: &CommandSpec) -> Option<usize> {
+    let specs = &catalog().specs;
+    let offset = (spec as *const CommandSpec as usize).checked_sub(specs.as_ptr() as usize)?;
+    let index = offset / std::mem::size_of::<CommandSpec>();
+    (index < specs.len() && std::ptr::eq(&specs[index], spec)).then_some(index)
 }
 
 /// The commands, by family: the family is a command's ACL category beside
@@ -342,12 +376,13 @@ const FAMILIES: [(&str, &[CommandSpec]); 16] = [
 ];
 
 pub fn all_commands() -> impl Iterator<Item = &'static CommandSpec> {
-    commands_by_family().map(|(_, spec)| spec)
+    catalog().specs.iter()
 }
 
 /// Every command with its family.
 pub fn commands_by_family() -> impl Iterator<Item = (&'static str, &'static CommandSpec)> {
-    FAMILIES.into_iter().flat_map(|(family, commands)| commands.iter().map(move |spec| (family, spec)))
+    let catalog = catalog();
+    catalog.families.iter().copied().zip(catalog.specs.iter())
 }
 
 /// Finds a command by name, in any letter case.
@@ -357,7 +392,8 @@ pub fn lookup(name: &[u8]) -> Option<&'static CommandSpec> {
     for (target, byte) in lower.iter_mut().zip(name) {
         *target = byte.to_ascii_lowercase();
     }
-    table().get(&*lower).copied()
+    let catalog = catalog();
+    catalog.by_name.get(&*lower).map(|index| &catalog.specs[*index])
 }
 
 /// Runs one request and writes its reply (or error) to `context.out`.
@@ -407,15 +443,17 @@ fn check(context: &mut Context, request: &Request) -> CommandResult<&'static Com
             arguments.join(" "),
         ));
     };
-    if !context.session.authenticated && !spec.allowed_unauthenticated() {
-        return Err(CommandError::NoAuth);
+    let checked = if !context.session.authenticated && !spec.allowed_unauthenticated() {
+        Err(CommandError::NoAuth)
+    } else if !spec.arity_ok(request.len()) {
+        Err(CommandError::WrongArity(spec.name.into()))
+    } else {
+        refuse_if_busy(context, spec).and_then(|()| admit(context, spec, request))
+    };
+    if checked.is_err() {
+        count_rejected(context, spec);
     }
-    if !spec.arity_ok(request.len()) {
-        return Err(CommandError::WrongArity(spec.name.into()));
-    }
-    refuse_if_busy(context, spec)?;
-    admit(context, spec, request)?;
-    Ok(spec)
+    checked.map(|()| spec)
 }
 
 /// A container command's subcommands, each with its arity (Redis's): what
@@ -499,7 +537,21 @@ fn execute(context: &mut Context, spec: &CommandSpec, request: &Request) -> Comm
     if answer.is_ok() && spec.flags.contains(&"write") {
         WorkerStats::add(&context.stats.writes, 1);
     }
+    if let Some(index) = command_index(spec) {
+        context.session.executed = Some(index);
+        if let Some(counters) = context.stats.command(index) {
+            WorkerStats::add(&counters.calls, 1);
+            WorkerStats::add(&counters.failed, u64::from(answer.is_err()));
+        }
+    }
     answer
+}
+
+/// A command of `spec` was refused before it ran.
+pub fn count_rejected(context: &Context, spec: &CommandSpec) {
+    if let Some(counters) = command_index(spec).and_then(|index| context.stats.command(index)) {
+        WorkerStats::add(&counters.rejected, 1);
+    }
 }
 
 /// Whether the connection may run a command of the right arity (which the
@@ -605,7 +657,13 @@ mod tests {
         names.sort();
         names.dedup();
         assert_eq!(names.len(), count, "a command is registered twice");
-        assert_eq!(table().len(), count);
+        assert_eq!(catalog().by_name.len(), count);
+        for (index, spec) in all_commands().enumerate() {
+            assert_eq!(command_index(spec), Some(index), "{}", spec.name);
+            assert_eq!(lookup(spec.name.as_bytes()).and_then(command_index), Some(index));
+        }
+        let copy = *lookup(b"get").expect("served");
+        assert_eq!(command_index(&copy), None, "a spec from outside the catalogue has no index");
     }
 
     /// docs/COMMANDS.md lists the command table; `TESSERA_BLESS=1` rewrites it.

@@ -34,10 +34,10 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
     let wanted: Vec<String> =
         request.args().skip(1).map(|section| String::from_utf8_lossy(section).to_ascii_lowercase()).collect();
     let include = |section: &str| {
-        wanted.is_empty()
-            || wanted
-                .iter()
-                .any(|name| name == section || name == "all" || name == "everything" || name == "default")
+        // Per-command sections are left out of the default, as in Redis.
+        let by_default = !matches!(section, "commandstats" | "latencystats");
+        wanted.iter().any(|name| name == section || name == "all" || name == "everything")
+            || (by_default && (wanted.is_empty() || wanted.iter().any(|name| name == "default")))
     };
     let node = context.node;
     let stats = &node.stats;
@@ -137,6 +137,41 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
             "# CPU\r\nused_cpu_sys:{system:.6}\r\nused_cpu_user:{user:.6}\r\nused_cpu_sys_children:0.000000\r\n\
              used_cpu_user_children:0.000000\r\n\r\n"
         );
+    }
+    if include("commandstats") || include("latencystats") {
+        let totals = node.command_totals();
+        let names: Vec<&str> = all_commands().map(|spec| spec.name).collect();
+        if include("commandstats") {
+            text.push_str("# Commandstats\r\n");
+            for (index, total) in &totals {
+                let per_call = total.nanos as f64 / 1000.0 / total.calls.max(1) as f64;
+                let _ = write!(
+                    text,
+                    "cmdstat_{}:calls={},usec={},usec_per_call={per_call:.2},rejected_calls={},failed_calls={}\r\n",
+                    names[*index],
+                    total.calls,
+                    total.nanos / 1000,
+                    total.rejected,
+                    total.failed
+                );
+            }
+            text.push_str("\r\n");
+        }
+        if include("latencystats") {
+            text.push_str("# Latencystats\r\n");
+            for (index, total) in
+                totals.iter().filter(|(_, total)| total.latency.iter().any(|count| *count > 0))
+            {
+                let [p50, p99, p999] =
+                    [0.5, 0.99, 0.999].map(|quantile| total.latency_quantile_micros(quantile));
+                let _ = write!(
+                    text,
+                    "latency_percentiles_usec_{}:p50={p50}.000,p99={p99}.000,p99.9={p999}.000\r\n",
+                    names[*index]
+                );
+            }
+            text.push_str("\r\n");
+        }
     }
     if include("cluster") {
         let _ = write!(text, "# Cluster\r\ncluster_enabled:{}\r\n\r\n", u8::from(context.cluster.is_some()));
