@@ -1172,9 +1172,11 @@ async fn tick_loop(agent: std::sync::Weak<Agent>) {
                 earliest_wake = Some(earliest_wake.map_or(at, |earliest| earliest.min(at)));
             }
         }
-        if let Some(routing) = agent.routing().filter(|_| regular) {
-            let sends = agent.handoffs.lock().on_tick(&routing.map, now);
-            agent.run_sends(sends);
+        if regular && !agent.handoffs.lock().is_empty() {
+            if let Some(routing) = agent.routing() {
+                let sends = agent.handoffs.lock().on_tick(&routing, now);
+                agent.run_sends(sends);
+            }
         }
         let woken = agent.woken.clone();
         drop(agent);
@@ -1268,9 +1270,7 @@ fn deliver(agent: &Agent, batch: Vec<Incoming>) {
         // their keys.
         if is_handoff(&first)
             && (agent.handoffs.lock().on_peer(first.from, &first.message)
-                || agent
-                    .routing()
-                    .is_none_or(|routing| misrouted_handoff(&routing.map, shard, &first.message)))
+                || agent.routing().is_none_or(|routing| misrouted_handoff(&routing, shard, &first.message)))
         {
             continue;
         }

@@ -136,10 +136,10 @@ impl Handoffs {
     }
 
     /// Ticks every handoff, each batch sent to the shard that owns its keys
-    /// in `map`, the node's newest; returns the messages to send and forgets
-    /// the handoffs that are done.
-    pub fn on_tick(&mut self, map: &ClusterMap, now: Time) -> Vec<Effect> {
-        let routing = Routing::new(map.clone());
+    /// by `routing`, the node's newest; returns the messages to send and
+    /// forgets the handoffs that are done.
+    pub fn on_tick(&mut self, routing: &Routing, now: Time) -> Vec<Effect> {
+        let map = &routing.map;
         let route = |key: &[u8]| {
             let key = client_key(key);
             // Tables are routed by key prefix: the key names its table.
@@ -172,15 +172,14 @@ impl Handoffs {
     }
 }
 
-/// Whether `message` hands `shard` records of keys it does not keep under
-/// `map` (its own slots and those migrating in): the node that sent it
+/// Whether `message` hands `shard` records of keys it does not keep by
+/// `routing` (its own slots and those migrating in): the node that sent it
 /// routed by an older map, and sends it again by a newer one.
-pub fn misrouted_handoff(map: &ClusterMap, shard: u32, message: &PeerMessage) -> bool {
+pub fn misrouted_handoff(routing: &Routing, shard: u32, message: &PeerMessage) -> bool {
     let Some(Ok(HandoffMessage::Records { records, .. })) = message.open::<HandoffMessage>() else {
         return false;
     };
-    let routing = Routing::new(map.clone());
-    let incoming = map.migration_of(shard).filter(|migration| migration.to == shard);
+    let incoming = routing.map.migration_of(shard).filter(|migration| migration.to == shard);
     !records.iter().all(|(key, _)| {
         let key = client_key(key);
         let slot = key_slot(key) as u16;

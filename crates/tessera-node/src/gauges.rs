@@ -1,7 +1,7 @@
 //! What INFO reports that the node measures over time: instantaneous rates
 //! (as Redis takes them, from samples every 100 ms over the last 1.6 s), the
-//! peak of used memory, the process's CPU time, and a census of each
-//! keyspace that the expiry sweep takes as it passes over every key.
+//! process's CPU time, and a census of each keyspace that the expiry sweep
+//! takes as it passes over every key.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -139,16 +139,6 @@ pub fn cpu_seconds() -> (f64, f64) {
     (seconds(usage.ru_stime), seconds(usage.ru_utime))
 }
 
-/// The machine's memory, from /proc/meminfo (0 where it cannot be read).
-pub fn total_system_memory() -> u64 {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let kilobytes = meminfo
-        .lines()
-        .find_map(|line| line.strip_prefix("MemTotal:"))
-        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok());
-    kilobytes.unwrap_or(0) * 1024
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -194,6 +184,6 @@ mod tests {
         std::hint::black_box(spin);
         let (later_system, later_user) = cpu_seconds();
         assert!(later_system + later_user > system + user);
-        assert!(total_system_memory() > 0);
+        assert!(crate::memory::total_system_memory() > 0);
     }
 }

@@ -67,10 +67,20 @@ pub fn used_memory() -> usize {
 /// The process's resident set, in bytes (Redis's `used_memory_rss`); 0 where
 /// the system does not say.
 pub fn resident_memory() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let kilobytes = status
+    proc_bytes("/proc/self/status", "VmRSS:")
+}
+
+/// The machine's memory (0 where it cannot be read).
+pub fn total_system_memory() -> u64 {
+    proc_bytes("/proc/meminfo", "MemTotal:")
+}
+
+/// A `<field> <n> kB` line of a /proc file, in bytes (0 if it is not there).
+fn proc_bytes(path: &str, field: &str) -> u64 {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let kilobytes = text
         .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .find_map(|line| line.strip_prefix(field))
         .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok());
     kilobytes.unwrap_or(0) * 1024
 }

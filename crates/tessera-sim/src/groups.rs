@@ -545,9 +545,9 @@ impl GroupsSimulation {
             granted.replica.on_tick(&mut fx);
             effects.push((*shard, fx.take()));
         }
-        if let Some(routing) = &state.routing {
+        if let Some(routing) = state.routing.as_ref().filter(|_| !state.handoffs.is_empty()) {
             // Each names the shard it goes to: the shard here is unused.
-            let sends = state.handoffs.on_tick(&routing.map, now);
+            let sends = state.handoffs.on_tick(routing, now);
             effects.push((u32::MAX, sends));
         }
         let seq = state.next_heartbeat;
@@ -624,9 +624,9 @@ impl GroupsSimulation {
                 Message::Peer { shard, message } => {
                     let Address::Replica(sender) = from else { return };
                     let state = &mut self.nodes[node as usize];
-                    let map = state.routing.as_ref().map(|routing| &routing.map);
+                    let routing = state.routing.as_ref();
                     if state.handoffs.on_peer(NodeId(sender), &message)
-                        || map.is_none_or(|map| misrouted_handoff(map, shard, &message))
+                        || routing.is_none_or(|routing| misrouted_handoff(routing, shard, &message))
                     {
                         return;
                     }

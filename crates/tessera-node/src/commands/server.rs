@@ -9,8 +9,10 @@ use tessera_wire::Request;
 
 use super::{all_commands, command_info, docs, is, lookup, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
-use crate::gauges::{cpu_seconds as total_cpu_seconds, total_system_memory};
-use crate::memory::{human_bytes, parse_size, resident_memory, used_memory, EvictionPolicy};
+use crate::gauges::cpu_seconds as total_cpu_seconds;
+use crate::memory::{
+    human_bytes, parse_size, resident_memory, total_system_memory, used_memory, EvictionPolicy,
+};
 use crate::pubsub::Kind;
 use crate::tables::escape_prefix;
 use crate::typed::parse_i64;
