@@ -27,6 +27,7 @@ use tokio::net::TcpStream;
 
 use crate::cluster::{shard_hash, Redirect, SlotMap};
 use crate::generator::{fnv_hash_64, KeyChooser};
+use crate::progress::Progress;
 use crate::report::{Recorder, Report};
 use crate::workload::{OperationKind, Workload};
 
@@ -710,7 +711,12 @@ async fn run_phase(config: &DriverConfig, workload: &Workload, load: bool) -> Re
             tokio::spawn(worker.run(index, load, started))
         })
         .collect();
-    let progress = config.progress.then(|| tokio::spawn(show_progress(shared.clone(), started)));
+    let progress = config.progress.then(|| {
+        let phase = if load { "load" } else { "run" };
+        let total = (operations != u64::MAX).then_some(operations);
+        let progress = Arc::new(Progress::new(&format!("{} {phase}", workload.name), total));
+        (tokio::spawn(show_progress(shared.clone(), progress.clone())), progress)
+    });
     let mut total = Recorder::default();
     let mut failure = None;
     for worker in workers {
@@ -721,9 +727,13 @@ async fn run_phase(config: &DriverConfig, workload: &Workload, load: bool) -> Re
             }
         }
     }
-    if let Some(progress) = progress {
-        progress.abort();
-        eprintln!();
+    if let Some((task, progress)) = progress {
+        task.abort();
+        // Once the task has let go of it, the bar is cleared.
+        let _ = task.await;
+        if let Ok(progress) = Arc::try_unwrap(progress) {
+            progress.finish();
+        }
     }
     if let Some(error) = failure {
         return Err(error);
@@ -732,19 +742,16 @@ async fn run_phase(config: &DriverConfig, workload: &Workload, load: bool) -> Re
     Ok(total.report(&name, started.elapsed()))
 }
 
-/// Rewrites one status line on stderr every second until aborted.
-async fn show_progress(shared: Arc<Shared>, started: Instant) {
+/// Shows the operations answered and the rate of the last second, every
+/// second until aborted.
+async fn show_progress(shared: Arc<Shared>, progress: Arc<Progress>) {
     let mut ticker = tokio::time::interval(Duration::from_secs(1));
     ticker.tick().await;
     let mut previous = 0;
     loop {
         ticker.tick().await;
         let done = shared.completed.load(Ordering::Relaxed);
-        eprint!(
-            "\r{:>5.0} s  {done:>12} operations  {:>10} ops/s in the last second ",
-            started.elapsed().as_secs_f64(),
-            done - previous
-        );
+        progress.set(done, &format!("{} ops/s in the last second", done - previous));
         previous = done;
     }
 }

@@ -6,5 +6,6 @@ pub mod cluster;
 pub mod driver;
 pub mod generator;
 pub mod plot;
+pub mod progress;
 pub mod report;
 pub mod workload;

@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use tessera_bench::progress::Progress;
 use tessera_node::config::AuthClients;
 use tessera_node::memory::{parse_size, CountingAllocator, EvictionPolicy};
 use tessera_node::{Config, Server};
@@ -1175,12 +1176,20 @@ fn run_seeds(
         None => args.first_seed..args.first_seed + args.seeds,
     };
     let started = std::time::Instant::now();
+    let progress = args.seed.is_none().then(|| Progress::new(name, Some(seeds.end - seeds.start)));
+    let say = |line: String| match &progress {
+        Some(progress) => progress.println(&line),
+        None => println!("{line}"),
+    };
     let (mut totals, mut inconclusive) = (SeedTotals::default(), 0u64);
     for seed in seeds {
         let report = run(seed);
         totals.add(&report);
         inconclusive += u64::from(report.inconclusive);
         tally(&report);
+        if let Some(progress) = &progress {
+            progress.advance(1, &format!("{} failed", totals.failed));
+        }
         if args.seed.is_some() {
             println!("seed {seed}: faults {}", report.faults.describe());
             for line in &report.log {
@@ -1193,12 +1202,15 @@ fn run_seeds(
             }
         }
         if !report.violations.is_empty() {
-            println!("FAIL seed {seed} faults {}", report.faults.describe());
+            say(format!("FAIL seed {seed} faults {}", report.faults.describe()));
             for violation in &report.violations {
-                println!("  {violation}");
+                say(format!("  {violation}"));
             }
-            println!("  replay: tessera sim --protocol {name} --seed {seed}");
+            say(format!("  replay: tessera sim --protocol {name} --seed {seed}"));
         }
+    }
+    if let Some(progress) = progress {
+        progress.finish();
     }
     println!(
         "{name}: {} seeds in {:.1}s, {} failed, {inconclusive} inconclusive",
@@ -1228,6 +1240,11 @@ fn simulate_geo(args: &SimArgs, mode: tessera_protocol::Mode) -> Result<(), Stri
         None => args.first_seed..args.first_seed + args.seeds,
     };
     let started = std::time::Instant::now();
+    let progress = args.seed.is_none().then(|| Progress::new(&args.protocol, Some(seeds.end - seeds.start)));
+    let say = |line: String| match &progress {
+        Some(progress) => progress.println(&line),
+        None => println!("{line}"),
+    };
     let (mut runs, mut failed, mut operations, mut writes) = (0u64, 0u64, 0usize, 0usize);
     for seed in seeds {
         let defaults = tessera_sim::geo::GeoConfig::new(seed, mode);
@@ -1251,12 +1268,18 @@ fn simulate_geo(args: &SimArgs, mode: tessera_protocol::Mode) -> Result<(), Stri
         }
         if !report.violations.is_empty() {
             failed += 1;
-            println!("FAIL seed {seed} faults {}", report.faults.join("; "));
+            say(format!("FAIL seed {seed} faults {}", report.faults.join("; ")));
             for violation in &report.violations {
-                println!("  {violation}");
+                say(format!("  {violation}"));
             }
-            println!("  replay: tessera sim --protocol {} --seed {seed}", args.protocol);
+            say(format!("  replay: tessera sim --protocol {} --seed {seed}", args.protocol));
         }
+        if let Some(progress) = &progress {
+            progress.advance(1, &format!("{failed} failed"));
+        }
+    }
+    if let Some(progress) = progress {
+        progress.finish();
     }
     println!(
         "{}: {runs} seeds in {:.1}s, {failed} failed; operations completed {operations}, writes {writes}",
