@@ -95,9 +95,22 @@ pub fn acknowledgement(message: &PeerMessage) -> Option<(u32, u64, u64)> {
 #[derive(Debug)]
 struct Unacknowledged {
     records: Vec<(Bytes, Bytes)>,
+    /// The physical time of the oldest record's version: until it is past
+    /// the grace, no record is looked at for giving up.
+    oldest_ms: u64,
     sent_at: Option<Time>,
     /// The members it was sent to: an acknowledgement from one of them ends it.
     sent_to: Vec<NodeId>,
+}
+
+/// The physical time of a record's version (0 for one that does not
+/// decode: given up on at once).
+fn version_ms(raw: &Bytes) -> u64 {
+    Record::decode(raw.clone()).map_or(0, |record| record.version.physical_ms())
+}
+
+fn oldest_ms(records: &[(Bytes, Bytes)]) -> u64 {
+    records.iter().map(|(_, raw)| version_ms(raw)).min().unwrap_or(u64::MAX)
 }
 
 /// Where a batch goes: the shard that owns its keys now and that shard's
@@ -139,7 +152,10 @@ impl Handoff {
             .into_iter()
             .filter(|records| !records.is_empty())
             .zip(1..)
-            .map(|(records, batch)| (batch, Unacknowledged { records, sent_at: None, sent_to: Vec::new() }))
+            .map(|(records, batch)| {
+                let oldest_ms = oldest_ms(&records);
+                (batch, Unacknowledged { records, oldest_ms, sent_at: None, sent_to: Vec::new() })
+            })
             .collect();
         if batches.is_empty() {
             return None;
@@ -166,13 +182,15 @@ impl Handoff {
         let now = fx.now();
         let grace_ms = self.grace_ms;
         let mut abandoned = 0;
+        let past_grace = |physical_ms: u64| physical_ms + grace_ms <= now;
         self.batches.retain(|_, batch| {
-            batch.records.retain(|(_, raw)| {
-                let kept = Record::decode(raw.clone())
-                    .is_ok_and(|record| record.version.physical_ms() + grace_ms > now);
-                abandoned += usize::from(!kept);
-                kept
-            });
+            if !past_grace(batch.oldest_ms) {
+                return true;
+            }
+            let before = batch.records.len();
+            batch.records.retain(|(_, raw)| !past_grace(version_ms(raw)));
+            abandoned += before - batch.records.len();
+            batch.oldest_ms = oldest_ms(&batch.records);
             !batch.records.is_empty()
         });
         if abandoned > 0 {

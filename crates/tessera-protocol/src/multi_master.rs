@@ -295,7 +295,7 @@ struct InFlight {
 }
 
 /// A record waiting to be sent, and the keys it must travel with.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Unsent {
     raw: Bytes,
     /// The number of the write (among those accepted here) it came from.
@@ -936,10 +936,7 @@ impl Protocol for MultiMaster {
                 }
             }
             for (key, unsent) in &outbox.unsent {
-                keep(
-                    key,
-                    Unsent { raw: unsent.raw.clone(), write: unsent.write, batch: unsent.batch.clone() },
-                );
+                keep(key, unsent.clone());
             }
         }
         let mut messages = Vec::new();
@@ -1069,10 +1066,9 @@ mod tests {
         fx.take();
         let mut later = Effects::new(110);
         replicas[1].on_client(put(3, "k", "new"), &mut later);
-        let leaving = replicas.remove(0);
+        let mut leaving = replicas.remove(0);
         let mut fx = Effects::new(120);
-        let mut ignored = leaving;
-        ignored.on_tick(&mut fx);
+        leaving.on_tick(&mut fx);
         for effect in fx.take() {
             let Effect::Send { to, message } = effect else { continue };
             let target = replicas.iter_mut().find(|replica| replica.me == to).unwrap();
@@ -1081,7 +1077,7 @@ mod tests {
         later.take();
         assert_eq!(value(&replicas[1], "a"), None, "what it ships in its old view is ignored");
 
-        let mut handoff = Handoff::new(NodeId(1), 0, 1, ignored.unshipped(), 50, 60_000).unwrap();
+        let mut handoff = Handoff::new(NodeId(1), 0, 1, leaving.unshipped(), 50, 60_000).unwrap();
         let mut fx = Effects::new(130);
         handoff.on_tick(&|_: &[u8]| Some((0, vec![NodeId(2), NodeId(3)])), &mut fx);
         for effect in fx.take() {
