@@ -1272,6 +1272,7 @@ def test_info_has_what_tools_read_and_counts_as_redis_does(node, redis_server):
     assert stats["instantaneous_ops_per_sec"] > 1000, stats
     assert stats["instantaneous_input_kbps"] > 0
     assert cpu["used_cpu_user"] + cpu["used_cpu_sys"] > cpu_before["used_cpu_user"] + cpu_before["used_cpu_sys"]
-    assert ours.info("memory")["used_memory_peak"] >= ours.info("memory")["used_memory"] * 0.5
+    memory = ours.info("memory")
+    assert memory["used_memory_peak"] >= memory["used_memory"] > 0, memory
     ours.close()
     theirs.close()

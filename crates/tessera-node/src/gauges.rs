@@ -71,6 +71,15 @@ pub struct Count {
 }
 
 impl Count {
+    /// One live key, expiring `ttl_ms` from now if it expires.
+    pub fn key(&mut self, ttl_ms: Option<u64>) {
+        self.keys += 1;
+        if let Some(ttl_ms) = ttl_ms {
+            self.expiring += 1;
+            self.ttl_ms_sum += u128::from(ttl_ms);
+        }
+    }
+
     pub fn add(&mut self, other: &Count) {
         self.keys += other.keys;
         self.expiring += other.expiring;
@@ -87,24 +96,18 @@ pub struct Census {
 }
 
 impl Census {
-    /// A key the sweep met in `keyspace`, live, expiring `ttl_ms` from now if
-    /// it expires.
-    pub fn count(&mut self, keyspace: &str, ttl_ms: Option<u64>) {
+    /// What the sweep counted in a page of `keyspace`; `pass_done` when the
+    /// page was the keyspace's last, which makes the pass's count stand.
+    pub fn counted(&mut self, keyspace: &str, page: &Count, pass_done: bool) {
         let count = match self.under_way.get_mut(keyspace) {
             Some(count) => count,
             None => self.under_way.entry(keyspace.to_string()).or_default(),
         };
-        count.keys += 1;
-        if let Some(ttl_ms) = ttl_ms {
-            count.expiring += 1;
-            count.ttl_ms_sum += u128::from(ttl_ms);
+        count.add(page);
+        if pass_done {
+            let count = self.under_way.remove(keyspace).unwrap_or_default();
+            self.done.insert(keyspace.to_string(), count);
         }
-    }
-
-    /// The sweep reached the end of `keyspace`: its pass's count stands.
-    pub fn pass_done(&mut self, keyspace: &str) {
-        let count = self.under_way.remove(keyspace).unwrap_or_default();
-        self.done.insert(keyspace.to_string(), count);
     }
 
     /// Forgets keyspaces that are gone (a dropped table, a shard this node
@@ -160,15 +163,21 @@ mod tests {
 
     #[test]
     fn the_census_reports_whole_passes_of_the_keyspaces_still_there() {
+        let page = |ttls: &[Option<u64>]| {
+            let mut count = Count::default();
+            for ttl in ttls {
+                count.key(*ttl);
+            }
+            count
+        };
         let mut census = Census::default();
-        census.count("a", None);
-        census.count("a", Some(1_000));
+        census.counted("a", &page(&[None]), false);
+        census.counted("a", &page(&[Some(1_000)]), false);
         assert_eq!(census.total(), Count::default(), "a pass under way counts for nothing yet");
-        census.pass_done("a");
-        census.count("b", Some(3_000));
-        census.pass_done("b");
+        census.counted("a", &page(&[]), true);
+        census.counted("b", &page(&[Some(3_000)]), true);
         assert_eq!(census.total(), Count { keys: 3, expiring: 2, ttl_ms_sum: 4_000 });
-        census.count("a", None);
+        census.counted("a", &page(&[None]), false);
         assert_eq!(census.total().keys, 3, "the last whole pass stands while the next runs");
         census.keep_only(&["b"]);
         assert_eq!(census.total(), Count { keys: 1, expiring: 1, ttl_ms_sum: 3_000 });

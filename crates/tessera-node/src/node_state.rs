@@ -8,7 +8,7 @@
 
 use crate::diagnostics::{ClientPause, LatencyMonitor, SlowLog};
 use crate::disk_reads::DiskReads;
-use crate::gauges::{Census, Rates, Totals};
+use crate::gauges::{Census, Count, Rates, Totals};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -566,11 +566,11 @@ impl NodeState {
                     continue;
                 }
             };
+            let mut counted = Count::default();
             for (key, raw) in page.entries {
                 let stored = if reserved::is_reserved(&key) { None } else { Stored::decode(raw).ok() };
                 if let Some(stored) = stored.as_ref().filter(|stored| !stored.is_expired(now)) {
-                    let ttl_ms = stored.expires_at_ms.map(|at| at.saturating_sub(now));
-                    self.census.lock().count(name, ttl_ms);
+                    counted.key(stored.expires_at_ms.map(|at| at.saturating_sub(now)));
                 }
                 let removed = if reserved::is_reserved(&key) {
                     self.remove_if_orphan(keyspace, &key, now)
@@ -588,11 +588,9 @@ impl NodeState {
                     tracing::warn!(keyspace = %name, %error, "expiry sweep cannot delete a key");
                 }
             }
-            match page.next {
-                Some(next) => {
-                    self.sweep_positions.lock().insert(name.to_string(), next);
-                }
-                None => self.census.lock().pass_done(name),
+            self.census.lock().counted(name, &counted, page.next.is_none());
+            if let Some(next) = page.next {
+                self.sweep_positions.lock().insert(name.to_string(), next);
             }
         }
         let names: Vec<&str> = keyspaces.iter().map(|keyspace| keyspace.name()).collect();

@@ -179,6 +179,13 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
         let _ = write!(text, "# Cluster\r\ncluster_enabled:{}\r\n\r\n", u8::from(context.cluster.is_some()));
     }
     let tables = context.tables.by_name();
+    // Each table's keys, counted once for both sections that show them.
+    let mut table_keys = Vec::new();
+    if include("tables") || (include("keyspace") && context.cluster.is_none()) {
+        for table in &tables {
+            table_keys.push(table.reserved.keys_in(table.engine.as_ref())?);
+        }
+    }
     if include("keyspace") {
         // A cluster node counts the shards it heads (as DBSIZE does), by the
         // expiry sweep's last pass over each; a node of its own counts its
@@ -186,13 +193,7 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
         let census = node.census.lock().total();
         let keys = match context.cluster {
             Some(_) => census.keys,
-            None => {
-                let mut keys = 0u64;
-                for table in &tables {
-                    keys += table.reserved.keys_in(table.engine.as_ref())?;
-                }
-                keys
-            }
+            None => table_keys.iter().sum(),
         };
         text.push_str("# Keyspace\r\n");
         if keys > 0 {
@@ -204,14 +205,13 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
     }
     if include("tables") {
         text.push_str("# Tables\r\n");
-        for table in &tables {
+        for (table, keys) in tables.iter().zip(&table_keys) {
             let _ = write!(
                 text,
-                "table_{}:prefix={},engine={},keys={}\r\n",
+                "table_{}:prefix={},engine={},keys={keys}\r\n",
                 table.def.name,
                 escape_prefix(&table.prefix),
                 table.spec.kind.name(),
-                table.reserved.keys_in(table.engine.as_ref())?
             );
         }
         text.push_str("\r\n");
