@@ -29,3 +29,13 @@ def test_the_groups_simulation_refuses_what_it_does_not_check():
     assert refused.returncode != 0 and "without --transition-to" in refused.stderr
     refused = sim("--protocol", "chain", "--groups", "2", "--nodes", "2", "--seeds", "1")
     assert refused.returncode != 0 and "--replicas between 1 and --nodes" in refused.stderr
+
+
+def test_a_failing_seed_names_its_violations_and_how_to_replay_it():
+    # No time at all to read keys back after healing: every seed fails its
+    # liveness check, and says how to replay it.
+    failed = sim("--protocol", "chain", "--seeds", "2", "--liveness-ms", "1", "--safety-ms", "200")
+    assert failed.returncode != 0
+    assert "FAIL seed 0 faults " in failed.stdout and "  liveness: " in failed.stdout, failed.stdout
+    assert "  replay: tessera sim --protocol chain --seed 1" in failed.stdout, failed.stdout
+    assert "2 seeds" in failed.stdout and "2 failed" in failed.stdout, failed.stdout

@@ -1177,10 +1177,6 @@ fn run_seeds(
     };
     let started = std::time::Instant::now();
     let progress = args.seed.is_none().then(|| Progress::new(name, Some(seeds.end - seeds.start)));
-    let say = |line: String| match &progress {
-        Some(progress) => progress.println(&line),
-        None => println!("{line}"),
-    };
     let (mut totals, mut inconclusive) = (SeedTotals::default(), 0u64);
     for seed in seeds {
         let report = run(seed);
@@ -1202,11 +1198,7 @@ fn run_seeds(
             }
         }
         if !report.violations.is_empty() {
-            say(format!("FAIL seed {seed} faults {}", report.faults.describe()));
-            for violation in &report.violations {
-                say(format!("  {violation}"));
-            }
-            say(format!("  replay: tessera sim --protocol {name} --seed {seed}"));
+            print_failure(progress.as_ref(), seed, &report.faults.describe(), &report.violations, name);
         }
     }
     if let Some(progress) = progress {
@@ -1219,6 +1211,25 @@ fn run_seeds(
         totals.failed
     );
     totals
+}
+
+/// A failed seed: its faults, its violations and the command that replays
+/// it, on stdout (above the progress bar, if there is one).
+fn print_failure(
+    progress: Option<&Progress>,
+    seed: u64,
+    faults: &str,
+    violations: &[String],
+    protocol: &str,
+) {
+    let mut lines = vec![format!("FAIL seed {seed} faults {faults}")];
+    lines.extend(violations.iter().map(|violation| format!("  {violation}")));
+    lines.push(format!("  replay: tessera sim --protocol {protocol} --seed {seed}"));
+    let text = lines.join("\n");
+    match progress {
+        Some(progress) => progress.println(&text),
+        None => println!("{text}"),
+    }
 }
 
 /// `tessera sim --protocol cops` (or another causal protocol): datacenters
@@ -1241,10 +1252,6 @@ fn simulate_geo(args: &SimArgs, mode: tessera_protocol::Mode) -> Result<(), Stri
     };
     let started = std::time::Instant::now();
     let progress = args.seed.is_none().then(|| Progress::new(&args.protocol, Some(seeds.end - seeds.start)));
-    let say = |line: String| match &progress {
-        Some(progress) => progress.println(&line),
-        None => println!("{line}"),
-    };
     let (mut runs, mut failed, mut operations, mut writes) = (0u64, 0u64, 0usize, 0usize);
     for seed in seeds {
         let defaults = tessera_sim::geo::GeoConfig::new(seed, mode);
@@ -1268,11 +1275,13 @@ fn simulate_geo(args: &SimArgs, mode: tessera_protocol::Mode) -> Result<(), Stri
         }
         if !report.violations.is_empty() {
             failed += 1;
-            say(format!("FAIL seed {seed} faults {}", report.faults.join("; ")));
-            for violation in &report.violations {
-                say(format!("  {violation}"));
-            }
-            say(format!("  replay: tessera sim --protocol {} --seed {seed}", args.protocol));
+            print_failure(
+                progress.as_ref(),
+                seed,
+                &report.faults.join("; "),
+                &report.violations,
+                &args.protocol,
+            );
         }
         if let Some(progress) = &progress {
             progress.advance(1, &format!("{failed} failed"));
