@@ -10,6 +10,7 @@ pub mod etcd;
 pub mod grant;
 pub mod links;
 pub mod map;
+pub mod metrics;
 pub mod server;
 pub mod session;
 pub mod store;
