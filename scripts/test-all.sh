@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Installs what the tests need (redis-server, redis-cli, etcd, go-ycsb; redis-py
-# and pytest in a virtual environment under target/) and
-# runs every check: formatting, lints, unit and property tests, the engine
+# Installs what the tests need (redis-server, redis-cli, etcd, Prometheus and
+# redis_exporter, go-ycsb; redis-py and pytest in a virtual environment under
+# target/) and runs every check: formatting, lints, unit and property tests, the engine
 # conformance suite, and integration tests with real clients against the real
 # binary. CI runs exactly this (.ci/run).
 set -euo pipefail
@@ -14,6 +14,8 @@ command -v redis-server >/dev/null || missing+=(redis-server)
 command -v redis-cli >/dev/null || missing+=(redis-tools)
 command -v go >/dev/null || missing+=(golang-go)
 command -v etcd >/dev/null || missing+=(etcd-server)
+command -v prometheus >/dev/null || missing+=(prometheus)
+command -v prometheus-redis-exporter >/dev/null || missing+=(prometheus-redis-exporter)
 if [ ${#missing[@]} -gt 0 ]; then
     echo "== installing ${missing[*]}"
     as_root apt-get update -qq

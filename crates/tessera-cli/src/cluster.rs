@@ -36,6 +36,10 @@ mod slot_balance;
 
 /// The cluster's secret, in the cluster directory (mode 0600).
 const SECRET_FILE: &str = "cluster.secret";
+/// The bearer token metrics scrapes present, and a Prometheus configuration
+/// that scrapes the cluster with it (`up --metrics-base-port`).
+const METRICS_TOKEN_FILE: &str = "metrics.token";
+const SCRAPE_CONFIG_FILE: &str = "prometheus.yml";
 /// The certificates of a cluster made with `up --tls`, as
 /// [`tessera_cluster::tls::write_certificates`] writes them.
 const TLS_DIR: &str = "tls";
@@ -203,6 +207,11 @@ pub struct UpArgs {
     /// What a write past maxmemory does (as `serve --maxmemory-policy`).
     #[arg(long, value_parser = crate::parse_eviction_policy)]
     maxmemory_policy: Option<EvictionPolicy>,
+    /// Serve Prometheus metrics: the coordinator's on this port, node i's
+    /// on this + 1 + i, each answering scrapes that present the bearer token
+    /// in <dir>/metrics.token; <dir>/prometheus.yml scrapes them all.
+    #[arg(long)]
+    metrics_base_port: Option<u16>,
     /// Skip the demo of writes and reads.
     #[arg(long)]
     no_demo: bool,
@@ -243,6 +252,10 @@ struct Layout {
     maxmemory: Option<u64>,
     #[serde(default)]
     maxmemory_policy: Option<String>,
+    /// Where metrics are served (`up --metrics-base-port`): the coordinator
+    /// on this port, each node this far above it as its client port is.
+    #[serde(default)]
+    metrics_base_port: Option<u16>,
 }
 
 fn master_slave() -> String {
@@ -276,6 +289,11 @@ impl Layout {
 
     fn node_address(&self, port: u16) -> String {
         format!("{}:{port}", self.host)
+    }
+
+    /// The metrics port of the process whose client port is `port`.
+    fn metrics_port(&self, port: u16) -> Option<u16> {
+        self.metrics_base_port.map(|base| base + (port - self.coordinator_port))
     }
 
     fn port_of(&self, node: u32) -> Result<u16, String> {
@@ -379,6 +397,13 @@ fn up(args: UpArgs) -> Result<(), String> {
             if last_port > u32::from(u16::MAX) {
                 return Err("--base-port too high: nodes need port + 10000 for their peers".into());
             }
+            // Room for the nodes' metrics ports, and for a few standbys.
+            if args
+                .metrics_base_port
+                .is_some_and(|base| u32::from(base) + args.nodes + 8 > u32::from(u16::MAX))
+            {
+                return Err("--metrics-base-port too high for this many nodes".into());
+            }
             if args.tls && last_port - 10_000 + u32::from(TLS_PORT_OFFSET) > u32::from(u16::MAX) {
                 return Err(
                     "--base-port too high: with --tls, nodes need port + 20000 for TLS clients".into()
@@ -403,6 +428,7 @@ fn up(args: UpArgs) -> Result<(), String> {
                 tls: args.tls,
                 maxmemory: args.maxmemory,
                 maxmemory_policy: args.maxmemory_policy.map(|policy| policy.name().to_string()),
+                metrics_base_port: args.metrics_base_port,
             };
             fs::create_dir_all(dir).map_err(|error| format!("{}: {error}", dir.display()))?;
             layout.save(dir)?;
@@ -416,6 +442,7 @@ fn up(args: UpArgs) -> Result<(), String> {
     if layout.tls && !dir.join(TLS_DIR).join("ca.crt").exists() {
         tessera_cluster::tls::write_certificates(&dir.join(TLS_DIR), std::slice::from_ref(&layout.host))?;
     }
+    write_scrape_config(dir, &layout)?;
     let started = Instant::now();
     for name in
         std::iter::once("coordinator".to_string()).chain(layout.nodes.iter().map(|(id, _)| node_name(*id)))
@@ -455,6 +482,14 @@ fn up(args: UpArgs) -> Result<(), String> {
     }
     let first = layout.nodes.first().map(|(_, port)| *port).unwrap_or_default();
     println!();
+    if let Some(port) = layout.metrics_base_port {
+        println!(
+            "metrics:  prometheus --config.file {}   (or curl -H \"Authorization: Bearer $(cat {})\" {}:{port}/metrics)",
+            dir.join(SCRAPE_CONFIG_FILE).display(),
+            dir.join(METRICS_TOKEN_FILE).display(),
+            layout.host
+        );
+    }
     println!("connect:  redis-cli -c -p {first}        (any node; plain clients are forwarded, cluster clients follow MOVED)");
     println!("status:   tessera cluster status --dir {}", dir.display());
     println!("failover: tessera cluster kill 1 --dir {0} && tessera cluster status --dir {0}", dir.display());
@@ -778,6 +813,7 @@ fn add_standby(dir: &Path) -> Result<(), String> {
     };
     layout.nodes.push((id, port));
     layout.save(dir)?;
+    write_scrape_config(dir, &layout)?;
     start(dir, &layout, &node_name(id))?;
     println!("added standby n{id} on {address}; it joins a shard short of replicas, if one is");
     Ok(())
@@ -1286,6 +1322,60 @@ fn tls_flags(dir: &Path, layout: &Layout) -> Vec<String> {
     ]
 }
 
+/// The flags that make the process with client port `port` serve metrics.
+fn metrics_flags(dir: &Path, layout: &Layout, port: u16) -> Vec<String> {
+    let Some(metrics_port) = layout.metrics_port(port) else { return Vec::new() };
+    vec![
+        "--metrics-bind".into(),
+        format!("{}:{metrics_port}", layout.host),
+        "--metrics-token-file".into(),
+        dir.join(METRICS_TOKEN_FILE).display().to_string(),
+    ]
+}
+
+/// With metrics on: the scrapes' token (made once, mode 0600) and a
+/// Prometheus configuration that scrapes every process of the cluster.
+fn write_scrape_config(dir: &Path, layout: &Layout) -> Result<(), String> {
+    use std::io::{Read, Write};
+    use std::os::unix::fs::OpenOptionsExt;
+    if layout.metrics_base_port.is_none() {
+        return Ok(());
+    }
+    let dir = dir.canonicalize().map_err(|error| format!("{}: {error}", dir.display()))?;
+    let token_path = dir.join(METRICS_TOKEN_FILE);
+    if !token_path.exists() {
+        let mut random = [0u8; 24];
+        fs::File::open("/dev/urandom")
+            .and_then(|mut source| source.read_exact(&mut random))
+            .map_err(|error| format!("/dev/urandom: {error}"))?;
+        let token: String = random.iter().map(|byte| format!("{byte:02x}")).collect();
+        fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&token_path)
+            .and_then(|mut file| writeln!(file, "{token}"))
+            .map_err(|error| format!("{}: {error}", token_path.display()))?;
+    }
+    let target = |port: u16| format!("'{}:{}'", layout.host, layout.metrics_port(port).unwrap_or_default());
+    let nodes: Vec<String> = layout.nodes.iter().map(|(_, port)| target(*port)).collect();
+    let job = |name: &str, targets: &str| {
+        format!(
+            "  - job_name: {name}\n    authorization:\n      credentials_file: {}\n    static_configs:\n      - targets: [{targets}]\n",
+            token_path.display()
+        )
+    };
+    let text = format!(
+        "# Written by `tessera cluster up`: scrapes the coordinator and every node of {}.\n\
+         global:\n  scrape_interval: 5s\nscrape_configs:\n{}{}",
+        layout.cluster_id,
+        job("tessera-coordinator", &target(layout.coordinator_port)),
+        job("tessera-nodes", &nodes.join(", ")),
+    );
+    let path = dir.join(SCRAPE_CONFIG_FILE);
+    fs::write(&path, text).map_err(|error| format!("{}: {error}", path.display()))
+}
+
 /// Starts a process of the cluster, detached, logging to `<dir>/logs`.
 fn start(dir: &Path, layout: &Layout, name: &str) -> Result<(), String> {
     use std::os::unix::process::CommandExt;
@@ -1308,6 +1398,7 @@ fn start(dir: &Path, layout: &Layout, name: &str) -> Result<(), String> {
         args.extend(["--cluster-secret-file".into(), dir.join(SECRET_FILE).display().to_string()]);
         args.extend(["--failure-timeout-ms".into(), layout.failure_timeout_ms.to_string()]);
         args.extend(tls_flags(&dir, layout));
+        args.extend(metrics_flags(&dir, layout, layout.coordinator_port));
         if !state.join("cluster.json").exists() {
             let addresses: Vec<String> =
                 layout.nodes.iter().map(|(_, port)| layout.node_address(*port)).collect();
@@ -1361,6 +1452,7 @@ fn start(dir: &Path, layout: &Layout, name: &str) -> Result<(), String> {
         if layout.datacenter_delay_ms > 0 {
             args.extend(["--datacenter-delay-ms".into(), layout.datacenter_delay_ms.to_string()]);
         }
+        args.extend(metrics_flags(&dir, layout, port));
         if layout.clock_skew_ms > 0 && id % 2 == 1 {
             args.extend(["--clock-ahead-ms".into(), layout.clock_skew_ms.to_string()]);
         }

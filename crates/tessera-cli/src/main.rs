@@ -266,6 +266,12 @@ struct CoordinatorArgs {
     /// Seconds a leader's etcd lease lasts without renewal.
     #[arg(long, default_value_t = 2)]
     leader_ttl_secs: u64,
+    /// Serve Prometheus metrics at http://ADDRESS/metrics (host:port) [default: none].
+    #[arg(long, value_name = "ADDRESS")]
+    metrics_bind: Option<String>,
+    /// A scrape must present the first line of this file as a bearer token.
+    #[arg(long, requires = "metrics_bind")]
+    metrics_token_file: Option<PathBuf>,
     #[command(flatten)]
     log: LogArgs,
 }
@@ -457,6 +463,12 @@ struct ServeArgs {
     /// cluster, and its coordinator, must.
     #[arg(long)]
     tls_cluster: bool,
+    /// Serve Prometheus metrics at http://ADDRESS/metrics (host:port) [default: none].
+    #[arg(long, value_name = "ADDRESS")]
+    metrics_bind: Option<String>,
+    /// A scrape must present the first line of this file as a bearer token.
+    #[arg(long, requires = "metrics_bind")]
+    metrics_token_file: Option<PathBuf>,
     /// Memory the node may use, in bytes or with a unit (100mb, 2gb), as
     /// Redis's maxmemory; past it, writes evict keys or are refused [default: 0, none].
     #[arg(long, value_parser = parse_maxmemory)]
@@ -581,10 +593,14 @@ impl ServeArgs {
             config.password = self.password.clone();
         }
         config.tls_cluster |= self.tls_cluster;
+        if self.metrics_bind.is_some() {
+            config.metrics_bind.clone_from(&self.metrics_bind);
+        }
         for (file, setting) in [
             (&self.tls_cert_file, &mut config.tls_cert_file),
             (&self.tls_key_file, &mut config.tls_key_file),
             (&self.tls_ca_cert_file, &mut config.tls_ca_cert_file),
+            (&self.metrics_token_file, &mut config.metrics_token_file),
         ] {
             if file.is_some() {
                 setting.clone_from(file);
@@ -657,9 +673,24 @@ fn coordinator(args: CoordinatorArgs) -> Result<(), String> {
         .enable_all()
         .build()
         .map_err(|error| error.to_string())?;
+    let metrics = tessera_cluster::CoordinatorMetrics::default();
+    // The endpoint serves until the process exits.
+    let (_metrics_stop, metrics_stopping) = tokio::sync::watch::channel(false);
+    if let Some(address) = &args.metrics_bind {
+        let token =
+            args.metrics_token_file.as_deref().map(tessera_cluster::metrics::load_token).transpose()?;
+        let endpoint =
+            std::sync::Arc::new(tessera_cluster::metrics::MetricsEndpoint::new(metrics.clone(), token));
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind(address))
+            .map_err(|error| format!("--metrics-bind {address}: {error}"))?;
+        runtime.spawn(tessera_cluster::metrics::serve(listener, endpoint, metrics_stopping));
+    }
     // Whichever store keeps the map, the server starts the same way.
-    let start = move |store: Box<dyn tessera_cluster::MetadataStore>| {
-        CoordinatorServer::start(listen, store, initial, timing, secret, tls)
+    let start = move |store: Box<dyn tessera_cluster::MetadataStore>| async move {
+        let server = CoordinatorServer::start(listen, store, initial, timing, secret, tls).await?;
+        metrics.lead(&server);
+        Ok(server)
     };
     if let Some(endpoints) = &args.etcd {
         let cluster_id =

@@ -207,6 +207,27 @@ impl Completion {
 }
 
 /// One shard on this node.
+/// One shard as this node runs it, for the metrics endpoint.
+#[derive(Clone, Debug)]
+pub struct GroupState {
+    pub shard: u32,
+    /// `None`: granted no place in the current view (leaving).
+    pub role: Option<Role>,
+    pub mode: Mode,
+    pub view: u64,
+    /// The highest write sequence number applied here.
+    pub applied: u64,
+    pub live_keys: u64,
+    /// How long this replica may still act alone (zero: no lease).
+    pub lease_remaining_ms: u64,
+    /// Switching modes (a transition, or a migration's cut).
+    pub draining: bool,
+    /// The migration this replica streams out, if any.
+    pub migration: Option<tessera_protocol::migration::MigrationReport>,
+    /// Client requests handed to the driver and not yet answered.
+    pub waiting_requests: usize,
+}
+
 struct LocalShard {
     id: u32,
     state: Mutex<ShardState>,
@@ -556,6 +577,31 @@ impl Agent {
         self.local_shards()
             .iter()
             .map(|(id, local)| (*id, local.state.lock().granted.replica.progress()))
+            .collect()
+    }
+
+    /// What the metrics endpoint reports of each shard this node runs.
+    pub fn group_states(&self) -> Vec<GroupState> {
+        let now = self.now();
+        self.local_shards()
+            .iter()
+            .map(|(id, local)| {
+                let state = local.state.lock();
+                let replica = &state.granted.replica;
+                let progress = replica.progress();
+                GroupState {
+                    shard: *id,
+                    role: replica.role(),
+                    mode: replica.mode(),
+                    view: replica.view().number,
+                    applied: progress.applied,
+                    live_keys: replica.live_keys(),
+                    lease_remaining_ms: replica.lease_until().saturating_sub(now),
+                    draining: replica.draining(),
+                    migration: progress.migration,
+                    waiting_requests: state.waiting.len(),
+                }
+            })
             .collect()
     }
 

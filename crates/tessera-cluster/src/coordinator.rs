@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 
 use tessera_engine::EngineKind;
-use tessera_protocol::coordinator::{CoordinatorConfig, ShardCoordinator};
+use tessera_protocol::coordinator::{CoordinatorConfig, ShardCoordinator, HEAD_HANDED_OVER};
 use tessera_protocol::{Mode, NodeId, Progress, ShardView};
 
 use tessera_protocol::migration::MigrationReport;
@@ -79,6 +79,16 @@ pub enum SlotCommand {
     Stable,
 }
 
+/// Counts of a coordinator's decisions, for its metrics.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Decisions {
+    /// View changes, by their reason.
+    pub view_changes: BTreeMap<&'static str, u64>,
+    /// Shards whose head was replaced without handing over (it failed, or
+    /// was cut off).
+    pub failovers: u64,
+}
+
 pub struct ClusterCoordinator {
     map: ClusterMap,
     timing: Timing,
@@ -92,6 +102,8 @@ pub struct ClusterCoordinator {
     cuts: BTreeMap<u64, (u64, Option<NodeId>, Option<NodeId>)>,
     /// Per migration whose cut was given up: when the next may begin.
     cut_not_before: BTreeMap<u64, u64>,
+    /// What this coordinator decided since it started.
+    decisions: Decisions,
     /// For tests of the checkers: slots move as soon as the copy caught up,
     /// with no cut, so writes still reaching the source are lost.
     #[cfg(feature = "broken")]
@@ -142,6 +154,7 @@ impl ClusterCoordinator {
             migration_reports: BTreeMap::new(),
             cuts: BTreeMap::new(),
             cut_not_before: BTreeMap::new(),
+            decisions: Decisions::default(),
             #[cfg(feature = "broken")]
             broken_without_cut: false,
             #[cfg(feature = "broken")]
@@ -159,6 +172,10 @@ impl ClusterCoordinator {
     #[cfg(feature = "broken")]
     pub fn break_retirements(&mut self) {
         self.broken_retire_without_drain = true;
+    }
+
+    pub fn decisions(&self) -> &Decisions {
+        &self.decisions
     }
 
     pub fn map(&self) -> &ClusterMap {
@@ -775,6 +792,10 @@ impl ClusterCoordinator {
                     reason = change.reason,
                     "view change"
                 );
+                *self.decisions.view_changes.entry(change.reason).or_default() += 1;
+                if change.primary_changed && change.reason != HEAD_HANDED_OVER {
+                    self.decisions.failovers += 1;
+                }
             }
             if changes.is_empty() && !learnt.contains(id) {
                 continue;

@@ -21,5 +21,5 @@ pub use etcd::{Etcd, EtcdStore};
 pub use map::{
     ClusterMap, ClusterTable, MapError, NodeInfo, NodeRole, Shard, DEFAULT_TABLE, GROUPS_PER_NODE_DEFAULT,
 };
-pub use server::{CoordinatorServer, StartError};
+pub use server::{CoordinatorMetrics, CoordinatorServer, StartError};
 pub use store::{FileStore, MetadataStore, StoreError, Versioned};

@@ -26,10 +26,12 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::DescriptorEncoder;
 use tessera_protocol::migration::MigrationReport;
 use tessera_protocol::{Mode, NodeId, Progress};
 
@@ -46,7 +48,8 @@ use crate::auth::{
     from_hex, to_hex, ClusterSecret, Transcript, ADMIN, COORDINATOR, NONCE_BYTES, PROOF_BYTES,
 };
 use crate::coordinator::{ClusterCoordinator, JoinError, SlotCommand, Timing};
-use crate::map::{ClusterMap, ClusterTable, MapError, MigrationPhase};
+use crate::map::{ClusterMap, ClusterTable, MapError, MigrationPhase, NodeRole, Shard};
+use crate::metrics::{counter, counters, gauge, gauges, Labels};
 use crate::store::{MetadataStore, StoreError};
 use crate::tls::{self, MaybeTls, PeerTls};
 
@@ -281,6 +284,118 @@ impl CoordinatorServer {
 
     pub fn map(&self) -> ClusterMap {
         self.state.lock().coordinator.map().clone()
+    }
+}
+
+/// What a coordinator's Prometheus endpoint reads: the map and decisions
+/// of the coordinator this process runs once it leads; while it stands by
+/// (another leads through etcd), only that it does not lead.
+#[derive(Clone, Default)]
+pub struct CoordinatorMetrics {
+    leading: Arc<Mutex<Option<Weak<Mutex<State>>>>>,
+}
+
+impl std::fmt::Debug for CoordinatorMetrics {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.debug_struct("CoordinatorMetrics").finish_non_exhaustive()
+    }
+}
+
+impl CoordinatorMetrics {
+    /// From now on, report `server`'s state (until it stops).
+    pub fn lead(&self, server: &CoordinatorServer) {
+        *self.leading.lock() = Some(Arc::downgrade(&server.state));
+    }
+}
+
+impl Collector for CoordinatorMetrics {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let encoder = &mut encoder;
+        let state = self.leading.lock().as_ref().and_then(Weak::upgrade);
+        let Some(state) = state else {
+            return gauge(
+                encoder,
+                "tessera_coordinator_leader",
+                "1 if this coordinator leads and decides.",
+                0,
+            );
+        };
+        // Copied out so that a scrape holds the coordinator's lock briefly.
+        let (map, decisions, fenced) = {
+            let state = state.lock();
+            (state.coordinator.map().clone(), state.coordinator.decisions().clone(), state.fenced.is_some())
+        };
+        gauge(
+            encoder,
+            "tessera_coordinator_leader",
+            "1 if this coordinator leads and decides.",
+            u32::from(!fenced),
+        )?;
+        gauge(encoder, "tessera_coordinator_epoch", "The cluster map's epoch.", map.epoch)?;
+        let members = map.nodes.iter().filter(|node| node.role == NodeRole::Member).count();
+        gauges(
+            encoder,
+            "tessera_coordinator_nodes",
+            "Nodes in the map, by role.",
+            [(vec![("role", "member")], members), (vec![("role", "standby")], map.nodes.len() - members)],
+        )?;
+        let shard_labels = |shard: &Shard| -> Labels {
+            vec![("shard", shard.id.to_string()), ("table", shard.table.clone())]
+        };
+        gauges(
+            encoder,
+            "tessera_coordinator_shard_view",
+            "Each shard's view number.",
+            map.shards.iter().map(|shard| (shard_labels(shard), shard.view_number)),
+        )?;
+        gauges(
+            encoder,
+            "tessera_coordinator_shard_members",
+            "Each shard's members (learners left out).",
+            map.shards.iter().map(|shard| (shard_labels(shard), shard.members.len())),
+        )?;
+        gauges(
+            encoder,
+            "tessera_coordinator_shard_learners",
+            "Each shard's learners (replicas being filled).",
+            map.shards.iter().map(|shard| (shard_labels(shard), shard.learners.len())),
+        )?;
+        gauge(
+            encoder,
+            "tessera_coordinator_transitions",
+            "Shards switching modes.",
+            map.shards.iter().filter(|shard| shard.next_mode.is_some()).count(),
+        )?;
+        gauges(
+            encoder,
+            "tessera_coordinator_migrations",
+            "Slot migrations under way, by phase.",
+            [MigrationPhase::Copying, MigrationPhase::Cutting].map(|phase| {
+                let name = if phase == MigrationPhase::Copying { "copying" } else { "cutting" };
+                (
+                    vec![("phase", name)],
+                    map.migrations.iter().filter(|migration| migration.phase == phase).count(),
+                )
+            }),
+        )?;
+        gauge(
+            encoder,
+            "tessera_coordinator_replica_moves",
+            "Replicas moving between nodes.",
+            map.replica_moves.len(),
+        )?;
+        counters(
+            encoder,
+            "tessera_coordinator_view_changes",
+            "View changes this coordinator decided, by reason.",
+            decisions.view_changes.iter().map(|(reason, count)| (vec![("reason", *reason)], *count)),
+        )?;
+        counter(
+            encoder,
+            "tessera_coordinator_failovers",
+            "Shards whose head was replaced without handing over.",
+            decisions.failovers,
+        )
     }
 }
 

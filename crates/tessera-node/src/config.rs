@@ -82,6 +82,12 @@ pub struct Config {
     /// Peer links and the coordinator session in mutual TLS (Redis's
     /// tls-cluster), with the same certificate, key and CA.
     pub tls_cluster: bool,
+    /// Where to serve Prometheus metrics (`host:port`, path /metrics); none:
+    /// no endpoint.
+    pub metrics_bind: Option<String>,
+    /// A file whose first line is the bearer token a scrape must present;
+    /// none: any scrape is answered (bind the endpoint to a private address).
+    pub metrics_token_file: Option<PathBuf>,
     /// Set to run as a member of a cluster (docs/OPERATIONS.md, "Clusters").
     pub cluster: Option<ClusterConfig>,
 }
@@ -189,6 +195,8 @@ impl Default for Config {
             tls_ca_cert_file: None,
             tls_auth_clients: AuthClients::Yes,
             tls_cluster: false,
+            metrics_bind: None,
+            metrics_token_file: None,
             cluster: None,
         }
     }

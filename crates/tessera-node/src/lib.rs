@@ -21,6 +21,7 @@ pub mod glob;
 pub mod lua_libs;
 pub mod membership;
 pub mod memory;
+pub mod metrics;
 pub mod node_state;
 pub mod pubsub;
 pub mod rdb;

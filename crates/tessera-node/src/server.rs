@@ -64,6 +64,8 @@ pub struct Server {
     workers: Vec<JoinHandle<()>>,
     sweeper_stop: Arc<AtomicBool>,
     sweeper: Option<JoinHandle<()>>,
+    /// The Prometheus endpoint's address and thread, when `metrics_bind` is set.
+    metrics: Option<(SocketAddr, JoinHandle<()>)>,
 }
 
 /// A listening socket that other workers may bind too. tokio's listener must be
@@ -145,6 +147,10 @@ impl Server {
                 .map_err(ServerError::Thread)?;
             workers.push(worker);
         }
+        let metrics = match &node.config.metrics_bind {
+            Some(address) => Some(start_metrics(address, &node, cluster.clone(), stopping.clone())?),
+            None => None,
+        };
         let sweeper_stop = Arc::new(AtomicBool::new(false));
         let sweeper = {
             let (node, cluster, stop) = (node.clone(), cluster.clone(), sweeper_stop.clone());
@@ -153,11 +159,16 @@ impl Server {
                 .spawn(move || upkeep(node, cluster, stop))
                 .map_err(ServerError::Thread)?
         };
-        Ok(Self { node, local_addr, stop, workers, sweeper_stop, sweeper: Some(sweeper) })
+        Ok(Self { node, local_addr, stop, workers, sweeper_stop, sweeper: Some(sweeper), metrics })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Where the Prometheus endpoint listens, if it does.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().map(|(address, _)| *address)
     }
 
     pub fn node(&self) -> &Arc<NodeState> {
@@ -177,9 +188,50 @@ impl Server {
         if let Some(sweeper) = self.sweeper.take() {
             let _ = sweeper.join();
         }
+        if let Some((_, metrics)) = self.metrics.take() {
+            let _ = metrics.join();
+        }
         self.node.flush_all();
         tracing::info!("shutdown complete");
     }
+}
+
+/// Binds the Prometheus endpoint and serves it on a thread of its own, so
+/// that a scrape never waits behind clients' requests, until `stopping`.
+fn start_metrics(
+    address: &str,
+    node: &Arc<NodeState>,
+    cluster: Option<Arc<ClusterNode>>,
+    stopping: watch::Receiver<bool>,
+) -> Result<(SocketAddr, JoinHandle<()>), ServerError> {
+    let bind_error = |error| ServerError::Bind(format!("{address} (metrics)"), error);
+    let listener = std::net::TcpListener::bind(address).map_err(bind_error)?;
+    listener.set_nonblocking(true).map_err(bind_error)?;
+    let local = listener.local_addr().map_err(bind_error)?;
+    let token = match &node.config.metrics_token_file {
+        Some(path) => Some(
+            tessera_cluster::metrics::load_token(path)
+                .map_err(|error| ServerError::Config(ConfigError::Invalid(error)))?,
+        ),
+        None => None,
+    };
+    let collector = crate::metrics::NodeCollector { node: node.clone(), cluster };
+    let endpoint = Arc::new(tessera_cluster::metrics::MetricsEndpoint::new(collector, token));
+    let runtime =
+        tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(ServerError::Runtime)?;
+    let thread = thread::Builder::new()
+        .name("tessera-metrics".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                match TcpListener::from_std(listener) {
+                    Ok(listener) => tessera_cluster::metrics::serve(listener, endpoint, stopping).await,
+                    Err(error) => tracing::error!(%error, "cannot serve metrics"),
+                }
+            })
+        })
+        .map_err(ServerError::Thread)?;
+    tracing::info!(address = %local, "serving Prometheus metrics at /metrics");
+    Ok((local, thread))
 }
 
 fn run_worker(

@@ -67,6 +67,10 @@ pub struct CoordinatorConfig {
 /// view from which the shard runs it (the simulator switches there).
 pub const TRANSITION_COMPLETE: &str = "transition complete";
 
+/// The reason of the view in which a head handed over on purpose: its
+/// primary changed, and nothing failed.
+pub const HEAD_HANDED_OVER: &str = "head handed over";
+
 /// A new view and why it was made.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ViewChange {
@@ -496,7 +500,7 @@ impl ShardCoordinator {
             DrainEnd::Promote(node) => self.view.learners.contains(node),
         });
         let reason = match end {
-            Some(DrainEnd::HandOver(_)) => "head handed over",
+            Some(DrainEnd::HandOver(_)) => HEAD_HANDED_OVER,
             Some(DrainEnd::Retire(_)) => "replica retired",
             Some(DrainEnd::Promote(_)) => "learner promoted",
             // A handover, retirement or promotion whose member is gone:
@@ -711,7 +715,7 @@ mod tests {
         let changes = chain.take_changes();
         let last = changes.last().unwrap();
         assert!(last.primary_changed);
-        assert_eq!(last.reason, "head handed over");
+        assert_eq!(last.reason, HEAD_HANDED_OVER);
         assert!(!chain.transitioning());
         assert_eq!(chain.handing_over_to(), None);
 
