@@ -158,6 +158,10 @@ def test_prometheus_and_redis_exporter_watch_a_cluster_through_load_and_a_failov
             lambda seconds: seconds > 0)
         assert p99 < 1.0, p99
         prometheus.wait_for("sum(rate(tessera_net_input_bytes_total[1m]))", lambda rate: rate > 0)
+        # Every head reports its lag (a chain's other members too), which drains
+        # once the load stops.
+        prometheus.wait_for("count(tessera_group_replication_lag_writes)", lambda count: count >= shards)
+        prometheus.wait_for("max(tessera_group_replication_lag_writes)", lambda writes: writes == 0)
         prometheus.wait_for('redis_commands_total{cmd="set"}', lambda sets: sets > 0)
         prometheus.wait_for("redis_connected_clients", lambda clients: clients >= 1)
 

@@ -226,6 +226,9 @@ pub struct GroupState {
     pub migration: Option<tessera_protocol::migration::MigrationReport>,
     /// Client requests handed to the driver and not yet answered.
     pub waiting_requests: usize,
+    /// Writes taken here that another member lacks, where this replica
+    /// knows (a head, a primary, an active–active member).
+    pub replication_lag: Option<tessera_protocol::ReplicationLag>,
 }
 
 struct LocalShard {
@@ -600,6 +603,7 @@ impl Agent {
                     draining: replica.draining(),
                     migration: progress.migration,
                     waiting_requests: state.waiting.len(),
+                    replication_lag: replica.replication_lag(now),
                 }
             })
             .collect()

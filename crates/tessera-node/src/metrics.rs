@@ -289,6 +289,20 @@ fn encode_groups(encoder: &mut DescriptorEncoder, cluster: &ClusterNode) -> fmt:
         "Client requests waiting for the group's protocol.",
         groups.iter().map(|group| (labels(group.shard), group.waiting_requests)),
     )?;
+    let lags: Vec<_> =
+        groups.iter().filter_map(|group| group.replication_lag.map(|lag| (group.shard, lag))).collect();
+    gauges(
+        encoder,
+        "tessera_group_replication_lag_writes",
+        "Writes taken here that another member is not known to hold (heads, primaries, active-active members).",
+        lags.iter().map(|(shard, lag)| (labels(*shard), lag.writes)),
+    )?;
+    gauges(
+        encoder,
+        "tessera_group_replication_lag_seconds",
+        "How long ago the oldest of those writes was taken (to within a tick).",
+        lags.iter().map(|(shard, lag)| (labels(*shard), lag.oldest_ms as f64 / 1000.0)),
+    )?;
     gauges(
         encoder,
         "tessera_group_migration_sent_bytes",

@@ -893,6 +893,11 @@ impl Protocol for ChainReplication {
         self.applied
     }
 
+    /// The tail has applied every write acknowledged back up the chain.
+    fn replicated_through(&self) -> Option<u64> {
+        self.view.as_ref().map(|_| self.acked)
+    }
+
     /// A committed write is at every member; an uncommitted one is known to
     /// be at none but this one.
     fn replicas_holding(&self, position: u64) -> usize {

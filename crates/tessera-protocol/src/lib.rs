@@ -34,7 +34,7 @@ pub use primary_backup::{PrimaryBackup, PrimaryBackupOptions};
 pub use quorum::{QuorumOptions, QuorumRegister};
 pub use record::{BatchId, Hlc, Intent, Record, RecordError, Version};
 pub use registry::{Mode, ProtocolSpec, Start, Tuning};
-pub use replica::{ReadGate, Refusal, Replica, ReplicaConfig, Role};
+pub use replica::{ReadGate, Refusal, Replica, ReplicaConfig, ReplicationLag, Role};
 pub use snapshot::{
     entries_bytes, for_each_entry, Arrival, Chunk, SnapshotPace, SnapshotReceiver, SnapshotStream,
     StreamNumbers,
@@ -493,6 +493,13 @@ pub trait Protocol: Send {
     /// took through `position` (a lower bound).
     fn replicas_holding(&self, _position: u64) -> usize {
         0
+    }
+    /// The position (as [`Protocol::write_position`]) through which every
+    /// other member is known to hold this replica's writes: what the
+    /// replication lag is measured from. `None` where this replica does not
+    /// know (it takes no writes, or its protocol counts only quorums).
+    fn replicated_through(&self) -> Option<u64> {
+        None
     }
     /// Deleted keys whose tombstones the engine holds (those this replica
     /// has seen written), so that the engine's `len()` less these counts the

@@ -898,6 +898,27 @@ impl Protocol for MultiMaster {
         self.accepted
     }
 
+    /// Every peer holds the writes before the earliest one its outbox still
+    /// holds. (Writes past an overflowing outbox reach it by anti-entropy,
+    /// which this does not follow.)
+    fn replicated_through(&self) -> Option<u64> {
+        self.view.as_ref()?;
+        let peer_through = |outbox: &Outbox| {
+            let earliest_unsent = outbox.unsent.values().map(|unsent| unsent.write).min();
+            let earliest_in_flight = outbox.in_flight.values().map(|sent| sent.first_write).min();
+            match earliest_unsent.into_iter().chain(earliest_in_flight).min() {
+                Some(earliest) => earliest - 1,
+                None => self.accepted,
+            }
+        };
+        let through = self
+            .outboxes
+            .iter()
+            .filter(|(peer, _)| self.is_peer(**peer))
+            .map(|(_, outbox)| peer_through(outbox));
+        Some(through.min().unwrap_or(self.accepted))
+    }
+
     /// The other members whose outboxes hold nothing of those writes.
     fn replicas_holding(&self, position: u64) -> usize {
         let Some(view) = &self.view else { return 0 };

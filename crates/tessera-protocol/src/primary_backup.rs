@@ -702,6 +702,14 @@ impl Protocol for PrimaryBackup {
         self.applied
     }
 
+    /// The primary's: the lowest position a backup of the view confirmed.
+    fn replicated_through(&self) -> Option<u64> {
+        let view = self.view.as_ref().filter(|view| view.position(self.me) == Some(0))?;
+        let confirmed =
+            |backup: &NodeId| self.backups.get(backup).and_then(|state| state.confirmed).unwrap_or(0);
+        Some(view.replicas[1..].iter().map(confirmed).min().unwrap_or(self.applied))
+    }
+
     /// The primary's backups that confirmed `position` (relearnt in every
     /// view).
     fn replicas_holding(&self, position: u64) -> usize {

@@ -14,6 +14,7 @@
 //! Request ids are this replica's: [`Replica::submit`] hands them out, and
 //! every `Reply` effect names one.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use tessera_engine::{reserved, Engine};
@@ -110,6 +111,49 @@ pub struct Heard {
     pub drained: bool,
 }
 
+/// A group's replication lag as one replica sees it: writes it took that
+/// some other member is not known to hold, and how long ago the oldest of
+/// them was taken (to within a tick).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReplicationLag {
+    pub writes: u64,
+    pub oldest_ms: u64,
+}
+
+/// Most write positions remembered with their times. Past it the oldest are
+/// kept, so the age reported stays that of the oldest write behind.
+const WRITE_TIMES_MAX: usize = 256;
+
+/// When this replica's write position first reached each of its recent
+/// values, as seen at its ticks, until every member holds them.
+#[derive(Debug, Default)]
+struct WriteTimes {
+    /// The protocol instance the positions are of (a mode switch starts
+    /// numbering again).
+    instance: u64,
+    /// (position, first seen at), positions increasing.
+    samples: VecDeque<(u64, Time)>,
+}
+
+impl WriteTimes {
+    fn note(&mut self, instance: u64, position: u64, replicated: u64, now: Time) {
+        if instance != self.instance {
+            *self = Self { instance, samples: VecDeque::new() };
+        }
+        while self.samples.front().is_some_and(|(sampled, _)| *sampled <= replicated) {
+            self.samples.pop_front();
+        }
+        let advanced = self.samples.back().map_or(position > replicated, |(sampled, _)| position > *sampled);
+        if advanced && self.samples.len() < WRITE_TIMES_MAX {
+            self.samples.push_back((position, now));
+        }
+    }
+
+    fn oldest(&self) -> Option<Time> {
+        self.samples.front().map(|(_, at)| *at)
+    }
+}
+
 pub struct Replica {
     config: ReplicaConfig,
     /// The engine the protocol writes through: it logs changes while a
@@ -134,6 +178,7 @@ pub struct Replica {
     /// switch), so that a write position is read only by the instance that
     /// gave it.
     instance: u64,
+    write_times: WriteTimes,
 }
 
 impl Replica {
@@ -170,6 +215,7 @@ impl Replica {
             migration_streams: StreamNumbers::default(),
             sweep: None,
             instance: 0,
+            write_times: WriteTimes::default(),
         }
     }
 
@@ -206,6 +252,18 @@ impl Replica {
     #[cfg(test)]
     pub(crate) fn migration_forwarded(&self) -> bool {
         self.migration_out.as_ref().is_some_and(MigrationSource::forwarded)
+    }
+
+    /// The group's replication lag from this replica; `None` where it does
+    /// not know it (see [`Protocol::replicated_through`]).
+    pub fn replication_lag(&self, now: Time) -> Option<ReplicationLag> {
+        let replicated = self.protocol.replicated_through()?;
+        let writes = self.protocol.write_position().saturating_sub(replicated);
+        let oldest_ms = match self.write_times.oldest() {
+            Some(at) if writes > 0 => now.saturating_sub(at),
+            _ => 0,
+        };
+        Some(ReplicationLag { writes, oldest_ms })
     }
 
     /// The keys the engine holds that are live: its count less tombstones.
@@ -452,6 +510,9 @@ impl Replica {
     pub fn on_tick(&mut self, fx: &mut Effects) {
         let mark = fx.as_slice().len();
         self.protocol.on_tick(fx);
+        if let Some(replicated) = self.protocol.replicated_through() {
+            self.write_times.note(self.instance, self.protocol.write_position(), replicated, fx.now());
+        }
         if let Some(source) = &mut self.migration_out {
             source.poll(self.engine.as_ref(), &mut self.migration_streams, fx);
         }
@@ -656,6 +717,48 @@ mod tests {
         head.on_grant(10, view(2, &[2, 1]), Mode::named("chain").unwrap(), &mut fx);
         assert_eq!((head.view().number, head.lease_until()), (3, 240));
         assert_eq!(head.role(), Some(Role::Alone));
+    }
+
+    #[test]
+    fn the_replication_lag_counts_writes_a_member_lacks_and_ages_the_oldest() {
+        let chain = Mode::named("chain").unwrap();
+        let mut head = replica(1, "chain");
+        let mut fx = Effects::new(10);
+        head.on_grant(10, view(2, &[1, 2]), chain, &mut fx);
+        head.submit([put("a"), put("b")], &mut fx);
+        head.on_tick(&mut fx);
+        let written = head.progress().applied;
+        assert_eq!(head.replication_lag(10), Some(ReplicationLag { writes: written, oldest_ms: 0 }));
+        let mut fx = Effects::new(60);
+        head.submit([put("c")], &mut fx);
+        head.on_tick(&mut fx);
+        assert_eq!(head.replication_lag(75), Some(ReplicationLag { writes: written + 1, oldest_ms: 65 }));
+        // The tail holds the first writes: the age is the later one's.
+        let ack = |seq| PeerMessage::new(&crate::chain::ChainMessage::Ack { view: 2, seq });
+        head.on_peer(NodeId(2), ack(written), &mut fx);
+        head.on_tick(&mut fx);
+        assert_eq!(head.replication_lag(75), Some(ReplicationLag { writes: 1, oldest_ms: 15 }));
+        head.on_peer(NodeId(2), ack(written + 1), &mut fx);
+        head.on_tick(&mut fx);
+        assert_eq!(head.replication_lag(90), Some(ReplicationLag::default()));
+
+        // A primary's lag is that of its furthest backup; a backup reports none.
+        let primary_backup = Mode::named("primary-backup").unwrap();
+        let mut primary = replica(1, "primary-backup");
+        let mut fx = Effects::new(10);
+        primary.on_grant(10, view(2, &[1, 2, 3]), primary_backup, &mut fx);
+        primary.submit((0..5).map(|key| put(&format!("k{key}"))), &mut fx);
+        let applied = primary.progress().applied;
+        let position = |applied| {
+            PeerMessage::new(&crate::primary_backup::BackupMessage::Position { view: 2, applied, epoch: 2 })
+        };
+        primary.on_peer(NodeId(2), position(applied), &mut fx);
+        primary.on_peer(NodeId(3), position(applied - 2), &mut fx);
+        primary.on_tick(&mut fx);
+        assert_eq!(primary.replication_lag(30).map(|lag| lag.writes), Some(2));
+        let mut backup = replica(2, "primary-backup");
+        backup.on_grant(10, view(2, &[1, 2, 3]), primary_backup, &mut fx);
+        assert_eq!(backup.replication_lag(30), None);
     }
 
     #[test]

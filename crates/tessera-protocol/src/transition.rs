@@ -536,6 +536,10 @@ impl Protocol for Switchable {
     fn replicas_holding(&self, position: u64) -> usize {
         self.protocol.replicas_holding(position)
     }
+
+    fn replicated_through(&self) -> Option<u64> {
+        self.protocol.replicated_through()
+    }
 }
 
 #[cfg(test)]
