@@ -1,6 +1,7 @@
 //! `tessera`: run a node, or talk to one.
 
 mod cluster;
+mod import_rdb;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -69,6 +70,17 @@ enum Command {
     /// Check a history recorded from real clients (JSON lines, see
     /// docs/OPERATIONS.md) for linearizability, with the simulator's checker.
     CheckHistory { file: PathBuf },
+    /// Load a Redis dump (dump.rdb) into the node or cluster at --addr, key
+    /// by key with RESTORE; a file it cannot load whole loads nothing.
+    ImportRdb {
+        file: PathBuf,
+        /// The file's database to load (Tessera has one keyspace).
+        #[arg(long, default_value_t = 0)]
+        db: u64,
+        /// Overwrite keys that exist (otherwise they are left and reported).
+        #[arg(long)]
+        replace: bool,
+    },
     /// Check a history of causal sessions recorded from real clients (JSON
     /// lines) for causal consistency, with the simulator's checker: per
     /// session, and with --datacenters also per datacenter (what COPS
@@ -900,6 +912,7 @@ fn client_command(connection: &ConnectionArgs, command: Command) -> Result<(), S
         | Command::Repair { .. }
         | Command::TlsCerts { .. }
         | Command::CheckHistory { .. }
+        | Command::ImportRdb { .. }
         | Command::CheckCausal { .. } => {
             unreachable!("handled by main")
         }
@@ -1500,6 +1513,9 @@ fn main() -> ExitCode {
         Command::Repair { dir } => repair(&dir),
         Command::TlsCerts { dir, hosts } => tessera_cluster::tls::write_certificates(&dir, &hosts),
         Command::Bench(args) => bench(*args, cli.connection.password.clone()),
+        Command::ImportRdb { file, db, replace } => connect(&cli.connection).and_then(|mut client| {
+            import_rdb::run(&file, &mut client, &import_rdb::ImportOptions { db, replace })
+        }),
         command => client_command(&cli.connection, command),
     };
     match result {

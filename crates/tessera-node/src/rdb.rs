@@ -68,6 +68,17 @@ pub enum RdbError {
     TooLarge(usize),
 }
 
+impl RdbError {
+    /// The error with what a client's reply leaves to the log: which part
+    /// of the format was wrong.
+    pub fn detail(&self) -> String {
+        match self {
+            Self::Format(detail) => format!("{self}: {detail}"),
+            _ => self.to_string(),
+        }
+    }
+}
+
 type Result<T> = std::result::Result<T, RdbError>;
 
 /// DUMP's payload for `value`.
@@ -97,6 +108,132 @@ pub fn restore(payload: &[u8], bytes_max: usize) -> Result<Value> {
         return Err(RdbError::Format("bytes after the value"));
     }
     Ok(value)
+}
+
+/// Opcodes of an RDB file, between its keys.
+mod opcode {
+    pub const SLOT_INFO: u8 = 0xf4;
+    pub const FUNCTION: u8 = 0xf5;
+    pub const FUNCTION_PRE_GA: u8 = 0xf6;
+    pub const MODULE_AUX: u8 = 0xf7;
+    pub const IDLE: u8 = 0xf8;
+    pub const FREQ: u8 = 0xf9;
+    pub const AUX: u8 = 0xfa;
+    pub const RESIZE_DB: u8 = 0xfb;
+    pub const EXPIRE_MS: u8 = 0xfc;
+    pub const EXPIRE_SECONDS: u8 = 0xfd;
+    pub const SELECT_DB: u8 = 0xfe;
+    pub const EOF: u8 = 0xff;
+}
+
+/// One key of an RDB file.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FileEntry {
+    pub db: u64,
+    pub key: Bytes,
+    pub value: Value,
+    /// When it expires, in Unix milliseconds.
+    pub expires_at_ms: Option<u64>,
+}
+
+/// Reads a whole RDB file (`SAVE`'s or `BGSAVE`'s dump.rdb), key by key,
+/// for `tessera import-rdb`: the file's header, its databases, expiry times
+/// and every value type [`Reader::object`] reads. Auxiliary fields, LRU and
+/// LFU hints and slot sizes are passed over; Redis functions are counted and
+/// passed over; module data is refused. The checksum is checked at the end.
+pub struct FileReader<'a> {
+    reader: Reader<'a>,
+    db: u64,
+    /// Functions libraries passed over.
+    functions: u64,
+    done: bool,
+}
+
+impl<'a> FileReader<'a> {
+    /// A reader of the file `bytes`, each of whose values may decode to at
+    /// most `value_bytes_max` bytes.
+    pub fn new(bytes: &'a [u8], value_bytes_max: usize) -> Result<Self> {
+        let mut reader = Reader::new(bytes, value_bytes_max);
+        let header = reader.take(9).map_err(|_| RdbError::Format("not an RDB file: too short"))?;
+        let version = header
+            .strip_prefix(b"REDIS")
+            .and_then(|digits| std::str::from_utf8(digits).ok())
+            .and_then(|digits| digits.parse::<u16>().ok())
+            .ok_or(RdbError::Format("not an RDB file: no REDIS header"))?;
+        if version > NEWEST_VERSION {
+            return Err(RdbError::Format("an RDB version newer than Redis 7.4's"));
+        }
+        Ok(Self { reader, db: 0, functions: 0, done: false })
+    }
+
+    /// Where the reader is in the file, for error messages.
+    pub fn offset(&self) -> usize {
+        self.reader.at
+    }
+
+    /// Redis function libraries met so far (not loaded: Tessera has no
+    /// functions).
+    pub fn functions(&self) -> u64 {
+        self.functions
+    }
+
+    /// The next key, or `None` at the end of a file whose checksum matches.
+    pub fn next_entry(&mut self) -> Result<Option<FileEntry>> {
+        let mut expires_at_ms = None;
+        while !self.done {
+            let start = self.reader.at;
+            let kind = self.reader.byte()?;
+            match kind {
+                opcode::EOF => {
+                    self.done = true;
+                    let checksum = u64::from_le_bytes(self.reader.array()?);
+                    // Zero: written with rdbchecksum off.
+                    if checksum != 0 && checksum != CRC64.checksum(&self.reader.bytes[..start + 1]) {
+                        return Err(RdbError::Format("the file's checksum does not match: it is damaged"));
+                    }
+                }
+                opcode::SELECT_DB => self.db = self.reader.plain_length()?,
+                opcode::RESIZE_DB => {
+                    self.reader.plain_length()?;
+                    self.reader.plain_length()?;
+                }
+                opcode::SLOT_INFO => {
+                    for _ in 0..3 {
+                        self.reader.plain_length()?;
+                    }
+                }
+                opcode::AUX => {
+                    self.reader.unbudgeted_string()?;
+                    self.reader.unbudgeted_string()?;
+                }
+                opcode::EXPIRE_MS => expires_at_ms = Some(u64::from_le_bytes(self.reader.array()?)),
+                opcode::EXPIRE_SECONDS => {
+                    expires_at_ms = Some(u64::from(u32::from_le_bytes(self.reader.array()?)) * 1000);
+                }
+                opcode::IDLE => {
+                    self.reader.plain_length()?;
+                }
+                opcode::FREQ => {
+                    self.reader.byte()?;
+                }
+                opcode::FUNCTION | opcode::FUNCTION_PRE_GA => {
+                    if kind == opcode::FUNCTION_PRE_GA {
+                        return Err(RdbError::Unsupported("Redis 7.0 release-candidate function"));
+                    }
+                    self.reader.unbudgeted_string()?;
+                    self.functions += 1;
+                }
+                opcode::MODULE_AUX => return Err(RdbError::Unsupported("module auxiliary")),
+                _ => {
+                    self.reader.renew_budget();
+                    let key = self.reader.string()?;
+                    let value = self.reader.object(kind)?;
+                    return Ok(Some(FileEntry { db: self.db, key, value, expires_at_ms }));
+                }
+            }
+        }
+        Ok(None)
+    }
 }
 
 /// The type byte and the object, in the encodings DUMP writes.
@@ -176,6 +313,26 @@ impl<'a> Reader<'a> {
 
     pub fn is_done(&self) -> bool {
         self.at == self.bytes.len()
+    }
+
+    /// A new value begins: it has the whole budget.
+    fn renew_budget(&mut self) {
+        self.budget = self.budget_max;
+    }
+
+    /// A length that is a number, not a string encoding.
+    fn plain_length(&mut self) -> Result<u64> {
+        match self.length_or_encoding()? {
+            Length::Plain(length) => Ok(length),
+            _ => Err(RdbError::Format("an encoded string where a length belongs")),
+        }
+    }
+
+    /// A string outside any value (an auxiliary field), not counted against
+    /// a value's budget.
+    fn unbudgeted_string(&mut self) -> Result<Bytes> {
+        self.renew_budget();
+        self.string()
     }
 
     fn take(&mut self, count: usize) -> Result<&'a [u8]> {
@@ -594,6 +751,70 @@ mod tests {
 
     fn bytes(items: &[&str]) -> Vec<Bytes> {
         items.iter().map(|item| Bytes::copy_from_slice(item.as_bytes())).collect()
+    }
+
+    /// A file of `body` (opcodes and keys) between the header and the
+    /// checksum.
+    fn rdb_file(body: &[u8]) -> Vec<u8> {
+        let mut file = b"REDIS0011".to_vec();
+        file.extend_from_slice(body);
+        file.push(opcode::EOF);
+        let checksum = CRC64.checksum(&file);
+        file.extend_from_slice(&checksum.to_le_bytes());
+        file
+    }
+
+    #[test]
+    fn a_file_reads_key_by_key_with_databases_and_expiry_and_its_checksum_is_checked() {
+        let mut body = vec![opcode::AUX];
+        write_string(&mut body, b"redis-ver");
+        write_string(&mut body, b"7.0.15");
+        body.extend_from_slice(&[opcode::SELECT_DB, 0, opcode::RESIZE_DB, 2, 1]);
+        body.push(opcode::EXPIRE_MS);
+        body.extend_from_slice(&1_900_000_000_000u64.to_le_bytes());
+        body.extend_from_slice(&[opcode::FREQ, 5]);
+        body.push(object_type::STRING);
+        write_string(&mut body, b"k1");
+        write_string(&mut body, b"v1");
+        body.extend_from_slice(&[opcode::SELECT_DB, 3]);
+        let list = Value::List(bytes(&["a", "b"]));
+        let mut object = Vec::new();
+        write_object(&mut object, &list);
+        body.push(object[0]);
+        write_string(&mut body, b"k2");
+        body.extend_from_slice(&object[1..]);
+        let file = rdb_file(&body);
+
+        let mut reader = FileReader::new(&file, 1 << 20).unwrap();
+        let first = reader.next_entry().unwrap().unwrap();
+        assert_eq!((first.db, &first.key[..], first.expires_at_ms), (0, &b"k1"[..], Some(1_900_000_000_000)));
+        assert_eq!(first.value, Value::String(Bytes::from_static(b"v1")));
+        let second = reader.next_entry().unwrap().unwrap();
+        assert_eq!(
+            (second.db, &second.key[..], second.expires_at_ms, second.value),
+            (3, &b"k2"[..], None, list)
+        );
+        assert_eq!(reader.next_entry(), Ok(None));
+
+        // Any byte changed is caught (by the format or by the checksum);
+        // any cut, and no input panics.
+        for at in 9..file.len() - 8 {
+            let mut damaged = file.clone();
+            damaged[at] ^= 0x21;
+            let mut reader = FileReader::new(&damaged, 1 << 20).unwrap();
+            let outcome =
+                std::iter::from_fn(|| Some(reader.next_entry())).find(|next| !matches!(next, Ok(Some(_))));
+            assert!(matches!(outcome, Some(Err(_))), "a change at byte {at} went unnoticed");
+        }
+        for length in 0..file.len() {
+            if let Ok(mut reader) = FileReader::new(&file[..length], 1 << 20) {
+                let outcome = std::iter::from_fn(|| Some(reader.next_entry()))
+                    .find(|next| !matches!(next, Ok(Some(_))));
+                assert!(matches!(outcome, Some(Err(_))), "a file cut at {length} bytes read as whole");
+            }
+        }
+        assert!(FileReader::new(b"REDIS0099", 1 << 20).is_err(), "a version from the future");
+        assert!(FileReader::new(b"PNG\x00\x00\x00\x00\x00\x00", 1 << 20).is_err());
     }
 
     #[test]
