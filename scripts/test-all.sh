@@ -45,5 +45,7 @@ echo "== cargo clippy"
 cargo clippy --all-targets --release -- -D warnings
 echo "== cargo test"
 cargo test --release --workspace
+echo "== the Debian package, installed with dpkg"
+scripts/test-deb.sh
 echo "== redis-py integration tests"
 TESSERA_BIN="$PWD/target/release/tessera" "$VENV/bin/python" -m pytest -q tests/python
