@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand};
 use serde::{Deserialize, Serialize};
+use tessera_bench::progress::Progress;
 use tessera_cluster::auth::{ClusterSecret, ADMIN};
 use tessera_cluster::map::{ReplicaMove, Shard};
 use tessera_cluster::session::{CoordinatorSession, Credentials};
@@ -567,6 +568,7 @@ fn demo(layout: &Layout, map: &ClusterMap) -> Result<(), String> {
 fn wait_until_served(layout: &Layout, dir: &Path, timeout: Duration) -> Result<ClusterMap, String> {
     let deadline = Instant::now() + timeout;
     let mut last_problem = String::new();
+    let progress = Progress::new("groups ready", None);
     while Instant::now() < deadline {
         if let Some((id, _)) = layout.nodes.iter().find(|(id, _)| running_pid(dir, &node_name(*id)).is_none())
         {
@@ -575,12 +577,38 @@ fn wait_until_served(layout: &Layout, dir: &Path, timeout: Duration) -> Result<C
             let last = text.lines().last().unwrap_or("no log");
             return Err(format!("node {id} exited: {last} (log: {})", log.display()));
         }
-        match probe(dir, layout) {
-            Ok(map) => return Ok(map),
-            Err(problem) => last_problem = problem,
+        let nodes_up = layout
+            .nodes
+            .iter()
+            .filter(|(_, port)| {
+                let address = layout.node_address(*port);
+                Client::connect(address.as_str(), Duration::from_millis(200))
+                    .and_then(|mut client| client.command(&["PING"]))
+                    .is_ok()
+            })
+            .count();
+        let (map, ready) = match fetch_map(dir, layout) {
+            Ok(map) => {
+                let ready = probe(&map);
+                (Some(map), ready)
+            }
+            Err(problem) => (None, Readiness { ready: 0, total: 0, problem: Some(problem) }),
+        };
+        progress.set(
+            ready.ready as u64,
+            &format!("of {}; nodes answering {nodes_up} of {}", ready.total, layout.nodes.len()),
+        );
+        match (map, ready.problem) {
+            (Some(map), None) => {
+                progress.finish();
+                return Ok(map);
+            }
+            (_, Some(problem)) => last_problem = problem,
+            (None, None) => unreachable!("a readiness without a map has a problem"),
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+    progress.finish();
     Err(format!(
         "the cluster did not serve within {} s ({last_problem}); see the logs in {}",
         timeout.as_secs(),
@@ -588,34 +616,52 @@ fn wait_until_served(layout: &Layout, dir: &Path, timeout: Duration) -> Result<C
     ))
 }
 
-/// Whether every shard takes a write at its head (in a layout across
-/// datacenters, at its copy in each datacenter).
-fn probe(dir: &Path, layout: &Layout) -> Result<ClusterMap, String> {
-    let map = fetch_map(dir, layout)?;
+/// How many shards take a write, and why the first that does not.
+struct Readiness {
+    ready: usize,
+    total: usize,
+    problem: Option<String>,
+}
+
+/// Which shards take a write at their head (in a layout across
+/// datacenters, at their copy in each datacenter).
+fn probe(map: &ClusterMap) -> Readiness {
+    let mut readiness = Readiness { ready: 0, total: 0, problem: None };
     for shard in map.slot_shards() {
-        let writers =
-            if map.mode.geo { &shard.members[..] } else { &shard.members[..1.min(shard.members.len())] };
-        if writers.is_empty() {
-            return Err(format!("shard {} has no members", shard.id));
-        }
-        if shard.slots.is_empty() {
-            return Err(format!("shard {} owns no slots", shard.id));
-        }
-        let key = (0u32..)
-            .map(|index| format!("tessera:probe:{index}"))
-            .find(|key| shard.owns(key_slot(key.as_bytes()) as u16))
-            .expect("some key hashes into any slot");
-        for writer in writers {
-            let address = &map.node(*writer).ok_or("a head that is not in the map")?.address;
-            let mut client = Client::connect(address.as_str(), Duration::from_secs(1))
-                .map_err(|error| format!("{address}: {error}"))?;
-            match client.command(&["SET", key.as_str(), "1"]).map_err(|error| error.to_string())? {
-                Value::Simple(_) => {}
-                other => return Err(format!("shard {} answers {other:?} at node {writer}", shard.id)),
+        readiness.total += 1;
+        match probe_shard(map, shard) {
+            Ok(()) => readiness.ready += 1,
+            Err(problem) => {
+                readiness.problem.get_or_insert(problem);
             }
         }
     }
-    Ok(map)
+    readiness
+}
+
+fn probe_shard(map: &ClusterMap, shard: &Shard) -> Result<(), String> {
+    let writers =
+        if map.mode.geo { &shard.members[..] } else { &shard.members[..1.min(shard.members.len())] };
+    if writers.is_empty() {
+        return Err(format!("shard {} has no members", shard.id));
+    }
+    if shard.slots.is_empty() {
+        return Err(format!("shard {} owns no slots", shard.id));
+    }
+    let key = (0u32..)
+        .map(|index| format!("tessera:probe:{index}"))
+        .find(|key| shard.owns(key_slot(key.as_bytes()) as u16))
+        .expect("some key hashes into any slot");
+    for writer in writers {
+        let address = &map.node(*writer).ok_or("a head that is not in the map")?.address;
+        let mut client = Client::connect(address.as_str(), Duration::from_secs(1))
+            .map_err(|error| format!("{address}: {error}"))?;
+        match client.command(&["SET", key.as_str(), "1"]).map_err(|error| error.to_string())? {
+            Value::Simple(_) => {}
+            other => return Err(format!("shard {} answers {other:?} at node {writer}", shard.id)),
+        }
+    }
+    Ok(())
 }
 
 fn fetch_map(dir: &Path, layout: &Layout) -> Result<ClusterMap, String> {
