@@ -1504,6 +1504,9 @@ fn start(dir: &Path, layout: &Layout, name: &str) -> Result<(), String> {
         }
     }
     let log_path = dir.join("logs").join(format!("{name}.log"));
+    // The process rotates its own log; what it prints before it can goes
+    // to the same file.
+    args.extend(["--log-file".into(), log_path.display().to_string()]);
     let log = fs::OpenOptions::new()
         .create(true)
         .append(true)

@@ -2,6 +2,7 @@
 
 mod cluster;
 mod import_rdb;
+mod log_file;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -550,6 +551,16 @@ struct LogArgs {
     /// `text` for people, `json` (one object per line) for log collectors.
     #[arg(long, env = "TESSERA_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    /// Log to this file (stdout and stderr too) rather than stderr, rotated
+    /// by size: PATH.1 is the newest earlier file.
+    #[arg(long, value_name = "PATH")]
+    log_file: Option<PathBuf>,
+    /// Rotate the log file past this size (bytes, or with kb, mb, gb).
+    #[arg(long, value_parser = parse_maxmemory, default_value = "64mb")]
+    log_file_max_bytes: u64,
+    /// Earlier log files kept.
+    #[arg(long, default_value_t = 5)]
+    log_files_kept: usize,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -857,9 +868,20 @@ fn check_causal(file: &std::path::Path, datacenters: bool) -> Result<(), String>
 }
 
 fn init_logging(args: &LogArgs) -> Result<(), String> {
+    use tracing_subscriber::fmt::writer::BoxMakeWriter;
     let filter = tracing_subscriber::EnvFilter::try_new(&args.log)
         .map_err(|error| format!("--log {:?}: {error}", args.log))?;
-    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let writer = match &args.log_file {
+        Some(path) => {
+            let file = log_file::LogFile::open(path, args.log_file_max_bytes, args.log_files_kept)
+                .map_err(|error| format!("--log-file {}: {error}", path.display()))?;
+            BoxMakeWriter::new(log_file::CountedWriter(file))
+        }
+        None => BoxMakeWriter::new(std::io::stderr),
+    };
+    // Colours only for a person at a terminal, not in files.
+    let colours = args.log_file.is_none() && std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer).with_ansi(colours);
     match args.log_format {
         LogFormat::Text => logs.init(),
         LogFormat::Json => logs.json().flatten_event(true).with_current_span(false).init(),

@@ -234,3 +234,33 @@ fn a_coordinator_refuses_an_incomplete_or_impossible_cluster() {
     assert!(coordinator(&["--cluster-id", "c", "--nodes", "a,b,c"]).contains("not host:port"));
     assert!(coordinator(&["--lease-ms", "2000"]).contains("longer than --lease-ms"));
 }
+
+#[test]
+fn a_node_rotates_its_log_file_by_size_and_keeps_the_files_it_was_told_to() {
+    if !external_program_available("redis-cli") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("node.log");
+    let log_text = log.display().to_string();
+    let node = Node::start(
+        &dir.path().join("data"),
+        &["--log-file", &log_text, "--log-file-max-bytes", "2kb", "--log-files-kept", "2"],
+    );
+    // A script's redis.log lines are the node's warnings.
+    let script = format!("redis.log(redis.LOG_WARNING, '{}') return 1", "w".repeat(100));
+    for _ in 0..200 {
+        assert_eq!(node.redis_cli(&["EVAL", &script, "0"]), "1");
+    }
+    assert_eq!(node.redis_cli(&["PING"]), "PONG", "the node serves on after rotating");
+    let rotated = |number: usize| dir.path().join(format!("node.log.{number}"));
+    for path in [log.clone(), rotated(1), rotated(2)] {
+        let size = std::fs::metadata(&path).unwrap_or_else(|_| panic!("{} is missing", path.display())).len();
+        // Rotated past 2 KiB: at most one line beyond it.
+        assert!(size > 0 && size < 2048 + 512, "{}: {size} bytes", path.display());
+    }
+    assert!(!rotated(3).exists(), "only two earlier files are kept");
+    let newest = std::fs::read_to_string(&log).unwrap();
+    assert!(newest.lines().all(|line| line.contains(" WARN ") && !line.contains('\u{1b}')), "{newest}");
+    node.terminate();
+}
