@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs what the tests need (redis-server, redis-cli, etcd, Prometheus and
-# redis_exporter, go-ycsb; redis-py and pytest in a virtual environment under
-# target/) and runs every check: formatting, lints, unit and property tests, the engine
-# conformance suite, and integration tests with real clients against the real
-# binary. CI runs exactly this (.ci/run).
+# redis_exporter, Chromium and chromedriver, go-ycsb, cargo-deb; redis-py,
+# Selenium and pytest in a virtual environment under target/) and runs every
+# check: formatting, lints, unit and property tests, the engine conformance
+# suite, the Debian package, and integration tests with real clients and a real
+# browser against the real binary. CI runs exactly this (.ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,6 +17,8 @@ command -v go >/dev/null || missing+=(golang-go)
 command -v etcd >/dev/null || missing+=(etcd-server)
 command -v prometheus >/dev/null || missing+=(prometheus)
 command -v prometheus-redis-exporter >/dev/null || missing+=(prometheus-redis-exporter)
+command -v chromium >/dev/null || missing+=(chromium)
+command -v chromedriver >/dev/null || missing+=(chromium-driver)
 if [ ${#missing[@]} -gt 0 ]; then
     echo "== installing ${missing[*]}"
     as_root apt-get update -qq

@@ -41,6 +41,8 @@ const SECRET_FILE: &str = "cluster.secret";
 /// that scrapes the cluster with it (`up --metrics-base-port`).
 const METRICS_TOKEN_FILE: &str = "metrics.token";
 const SCRAPE_CONFIG_FILE: &str = "prometheus.yml";
+/// The token the dashboard's page presents (`up --dashboard-port`).
+const DASHBOARD_TOKEN_FILE: &str = "dashboard.token";
 /// The certificates of a cluster made with `up --tls`, as
 /// [`tessera_cluster::tls::write_certificates`] writes them.
 const TLS_DIR: &str = "tls";
@@ -213,6 +215,10 @@ pub struct UpArgs {
     /// in <dir>/metrics.token; <dir>/prometheus.yml scrapes them all.
     #[arg(long)]
     metrics_base_port: Option<u16>,
+    /// Serve the coordinator's web dashboard on this port; its token is in
+    /// <dir>/dashboard.token, and `up` prints the page's address with it.
+    #[arg(long)]
+    dashboard_port: Option<u16>,
     /// Skip the demo of writes and reads.
     #[arg(long)]
     no_demo: bool,
@@ -257,6 +263,9 @@ struct Layout {
     /// on this port, each node this far above it as its client port is.
     #[serde(default)]
     metrics_base_port: Option<u16>,
+    /// Where the coordinator serves its dashboard (`up --dashboard-port`).
+    #[serde(default)]
+    dashboard_port: Option<u16>,
 }
 
 fn master_slave() -> String {
@@ -430,6 +439,7 @@ fn up(args: UpArgs) -> Result<(), String> {
                 maxmemory: args.maxmemory,
                 maxmemory_policy: args.maxmemory_policy.map(|policy| policy.name().to_string()),
                 metrics_base_port: args.metrics_base_port,
+                dashboard_port: args.dashboard_port,
             };
             fs::create_dir_all(dir).map_err(|error| format!("{}: {error}", dir.display()))?;
             layout.save(dir)?;
@@ -444,6 +454,10 @@ fn up(args: UpArgs) -> Result<(), String> {
         tessera_cluster::tls::write_certificates(&dir.join(TLS_DIR), std::slice::from_ref(&layout.host))?;
     }
     write_scrape_config(dir, &layout)?;
+    let dashboard_token = match layout.dashboard_port {
+        Some(_) => Some(ensure_token(&dir.join(DASHBOARD_TOKEN_FILE))?),
+        None => None,
+    };
     let started = Instant::now();
     for name in
         std::iter::once("coordinator".to_string()).chain(layout.nodes.iter().map(|(id, _)| node_name(*id)))
@@ -483,6 +497,9 @@ fn up(args: UpArgs) -> Result<(), String> {
     }
     let first = layout.nodes.first().map(|(_, port)| *port).unwrap_or_default();
     println!();
+    if let (Some(port), Some(token)) = (layout.dashboard_port, &dashboard_token) {
+        println!("dashboard: http://{}:{port}/#token={token}", layout.host);
+    }
     if let Some(port) = layout.metrics_base_port {
         println!(
             "metrics:  prometheus --config.file {}   (or curl -H \"Authorization: Bearer $(cat {})\" {}:{port}/metrics)",
@@ -1379,17 +1396,11 @@ fn metrics_flags(dir: &Path, layout: &Layout, port: u16) -> Vec<String> {
     ]
 }
 
-/// With metrics on: the scrapes' token (made once, mode 0600) and a
-/// Prometheus configuration that scrapes every process of the cluster.
-fn write_scrape_config(dir: &Path, layout: &Layout) -> Result<(), String> {
+/// A random bearer token in `path` (mode 0600), made once; returns it.
+fn ensure_token(path: &Path) -> Result<String, String> {
     use std::io::{Read, Write};
     use std::os::unix::fs::OpenOptionsExt;
-    if layout.metrics_base_port.is_none() {
-        return Ok(());
-    }
-    let dir = dir.canonicalize().map_err(|error| format!("{}: {error}", dir.display()))?;
-    let token_path = dir.join(METRICS_TOKEN_FILE);
-    if !token_path.exists() {
+    if !path.exists() {
         let mut random = [0u8; 24];
         fs::File::open("/dev/urandom")
             .and_then(|mut source| source.read_exact(&mut random))
@@ -1399,10 +1410,23 @@ fn write_scrape_config(dir: &Path, layout: &Layout) -> Result<(), String> {
             .write(true)
             .create_new(true)
             .mode(0o600)
-            .open(&token_path)
+            .open(path)
             .and_then(|mut file| writeln!(file, "{token}"))
-            .map_err(|error| format!("{}: {error}", token_path.display()))?;
+            .map_err(|error| format!("{}: {error}", path.display()))?;
     }
+    let text = fs::read_to_string(path).map_err(|error| format!("{}: {error}", path.display()))?;
+    Ok(text.trim().to_string())
+}
+
+/// With metrics on: the scrapes' token (made once, mode 0600) and a
+/// Prometheus configuration that scrapes every process of the cluster.
+fn write_scrape_config(dir: &Path, layout: &Layout) -> Result<(), String> {
+    if layout.metrics_base_port.is_none() {
+        return Ok(());
+    }
+    let dir = dir.canonicalize().map_err(|error| format!("{}: {error}", dir.display()))?;
+    let token_path = dir.join(METRICS_TOKEN_FILE);
+    ensure_token(&token_path)?;
     let target = |port: u16| format!("'{}:{}'", layout.host, layout.metrics_port(port).unwrap_or_default());
     let nodes: Vec<String> = layout.nodes.iter().map(|(_, port)| target(*port)).collect();
     let job = |name: &str, targets: &str| {
@@ -1445,6 +1469,14 @@ fn start(dir: &Path, layout: &Layout, name: &str) -> Result<(), String> {
         args.extend(["--failure-timeout-ms".into(), layout.failure_timeout_ms.to_string()]);
         args.extend(tls_flags(&dir, layout));
         args.extend(metrics_flags(&dir, layout, layout.coordinator_port));
+        if let Some(port) = layout.dashboard_port {
+            args.extend([
+                "--dashboard-bind".into(),
+                format!("{}:{port}", layout.host),
+                "--dashboard-token-file".into(),
+                dir.join(DASHBOARD_TOKEN_FILE).display().to_string(),
+            ]);
+        }
         if !state.join("cluster.json").exists() {
             let addresses: Vec<String> =
                 layout.nodes.iter().map(|(_, port)| layout.node_address(*port)).collect();

@@ -285,6 +285,13 @@ struct CoordinatorArgs {
     /// A scrape must present the first line of this file as a bearer token.
     #[arg(long, requires = "metrics_bind")]
     metrics_token_file: Option<PathBuf>,
+    /// Serve the web dashboard at http://ADDRESS/ (host:port) [default: none].
+    #[arg(long, value_name = "ADDRESS")]
+    dashboard_bind: Option<String>,
+    /// The dashboard's data asks for the first line of this file as a bearer
+    /// token (open the page as http://ADDRESS/#token=TOKEN).
+    #[arg(long, requires = "dashboard_bind")]
+    dashboard_token_file: Option<PathBuf>,
     #[command(flatten)]
     log: LogArgs,
 }
@@ -696,23 +703,36 @@ fn coordinator(args: CoordinatorArgs) -> Result<(), String> {
         .enable_all()
         .build()
         .map_err(|error| error.to_string())?;
-    let metrics = tessera_cluster::CoordinatorMetrics::default();
-    // The endpoint serves until the process exits.
-    let (_metrics_stop, metrics_stopping) = tokio::sync::watch::channel(false);
+    let observer = tessera_cluster::CoordinatorObserver::default();
+    // The HTTP endpoints serve until the process exits.
+    let (_http_stop, http_stopping) = tokio::sync::watch::channel(false);
+    let serve_http =
+        |flag: &str, address: &str, endpoint: std::sync::Arc<dyn tessera_cluster::http::HttpEndpoint>| {
+            let listener = runtime
+                .block_on(tokio::net::TcpListener::bind(address))
+                .map_err(|error| format!("{flag} {address}: {error}"))?;
+            runtime.spawn(tessera_cluster::http::serve(listener, endpoint, http_stopping.clone()));
+            Ok::<_, String>(())
+        };
+    let token = |file: &Option<PathBuf>| file.as_deref().map(tessera_cluster::http::load_token).transpose();
     if let Some(address) = &args.metrics_bind {
-        let token =
-            args.metrics_token_file.as_deref().map(tessera_cluster::metrics::load_token).transpose()?;
-        let endpoint =
-            std::sync::Arc::new(tessera_cluster::metrics::MetricsEndpoint::new(metrics.clone(), token));
-        let listener = runtime
-            .block_on(tokio::net::TcpListener::bind(address))
-            .map_err(|error| format!("--metrics-bind {address}: {error}"))?;
-        runtime.spawn(tessera_cluster::metrics::serve(listener, endpoint, metrics_stopping));
+        let endpoint = tessera_cluster::metrics::MetricsEndpoint::new(
+            observer.clone(),
+            token(&args.metrics_token_file)?,
+        );
+        serve_http("--metrics-bind", address, std::sync::Arc::new(endpoint))?;
+    }
+    if let Some(address) = &args.dashboard_bind {
+        let endpoint = tessera_cluster::dashboard::DashboardEndpoint::new(
+            observer.clone(),
+            token(&args.dashboard_token_file)?,
+        );
+        serve_http("--dashboard-bind", address, std::sync::Arc::new(endpoint))?;
     }
     // Whichever store keeps the map, the server starts the same way.
     let start = move |store: Box<dyn tessera_cluster::MetadataStore>| async move {
         let server = CoordinatorServer::start(listen, store, initial, timing, secret, tls).await?;
-        metrics.lead(&server);
+        observer.lead(&server);
         Ok(server)
     };
     if let Some(endpoints) = &args.etcd {

@@ -79,7 +79,7 @@ pub enum SlotCommand {
     Stable,
 }
 
-/// Counts of a coordinator's decisions, for its metrics.
+/// A coordinator's decisions, for its metrics and its dashboard.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Decisions {
     /// View changes, by their reason.
@@ -87,6 +87,24 @@ pub struct Decisions {
     /// Shards whose head was replaced without handing over (it failed, or
     /// was cut off).
     pub failovers: u64,
+    /// The latest view changes, oldest first (at most [`RECENT_DECISIONS`]).
+    pub recent: std::collections::VecDeque<Decision>,
+}
+
+/// View changes a coordinator remembers for its dashboard.
+pub const RECENT_DECISIONS: usize = 200;
+
+/// One view change as the dashboard shows it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Decision {
+    /// When it was decided, in the coordinator's milliseconds.
+    pub at_ms: u64,
+    pub shard: u32,
+    pub view: u64,
+    pub members: Vec<u32>,
+    pub learners: Vec<u32>,
+    pub reason: &'static str,
+    pub failover: bool,
 }
 
 pub struct ClusterCoordinator {
@@ -793,9 +811,20 @@ impl ClusterCoordinator {
                     "view change"
                 );
                 *self.decisions.view_changes.entry(change.reason).or_default() += 1;
-                if change.primary_changed && change.reason != HEAD_HANDED_OVER {
-                    self.decisions.failovers += 1;
+                let failover = change.primary_changed && change.reason != HEAD_HANDED_OVER;
+                self.decisions.failovers += u64::from(failover);
+                if self.decisions.recent.len() == RECENT_DECISIONS {
+                    self.decisions.recent.pop_front();
                 }
+                self.decisions.recent.push_back(Decision {
+                    at_ms: change.at_ms,
+                    shard: *id,
+                    view: change.view.number,
+                    members,
+                    learners,
+                    reason: change.reason,
+                    failover,
+                });
             }
             if changes.is_empty() && !learnt.contains(id) {
                 continue;

@@ -6,8 +6,10 @@ pub mod agent;
 pub mod auth;
 pub mod capture;
 pub mod coordinator;
+pub mod dashboard;
 pub mod etcd;
 pub mod grant;
+pub mod http;
 pub mod links;
 pub mod map;
 pub mod metrics;
@@ -21,5 +23,5 @@ pub use etcd::{Etcd, EtcdStore};
 pub use map::{
     ClusterMap, ClusterTable, MapError, NodeInfo, NodeRole, Shard, DEFAULT_TABLE, GROUPS_PER_NODE_DEFAULT,
 };
-pub use server::{CoordinatorMetrics, CoordinatorServer, StartError};
+pub use server::{CoordinatorObserver, CoordinatorServer, StartError};
 pub use store::{FileStore, MetadataStore, StoreError, Versioned};

@@ -3,45 +3,20 @@
 //!
 //! Nothing is counted for it: at each scrape a [`Collector`] reads the
 //! figures the process already keeps and `prometheus-client` encodes them
-//! in the OpenMetrics text format. The listener is bounded like every other
-//! (connections, header bytes, time to send a request, a connection's
-//! lifetime) and, given a token, answers only requests that carry it as a
-//! bearer token.
+//! in the OpenMetrics text format, served by [`crate::http`]; given a token,
+//! only scrapes that carry it are answered.
 
-use std::convert::Infallible;
 use std::fmt;
-use std::path::Path;
-use std::sync::Arc;
-use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper::header::{HeaderValue, ALLOW, AUTHORIZATION, CONTENT_TYPE, WWW_AUTHENTICATE};
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
-use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper::StatusCode;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{
     DescriptorEncoder, EncodeCounterValue, EncodeGaugeValue, EncodeLabelSet, NoLabelSet,
 };
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
-use subtle::ConstantTimeEq;
-use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
 
-/// Scrapers served at once; more wait in the accept queue.
-const CONNECTIONS_MAX: usize = 16;
-/// A request's head must arrive within this, and fit in this many bytes.
-const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
-const HEADER_BYTES_MAX: usize = 16 * 1024;
-/// A kept-alive connection is closed (after its request in flight) this
-/// long after it opened; the scraper opens another.
-const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
-/// Shortest token accepted: a guessable one protects nothing.
-const TOKEN_BYTES_MIN: usize = 16;
+use crate::http::{not_found, respond, unauthorized, HttpEndpoint, HttpResponse};
 
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
@@ -65,101 +40,28 @@ impl MetricsEndpoint {
         prometheus_client::encoding::text::encode(&mut text, &self.registry)?;
         Ok(text)
     }
+}
 
-    fn answer(&self, request: &Request<Incoming>) -> Response<Full<Bytes>> {
-        let reply = |status: StatusCode, body: &str| {
-            let mut response = Response::new(Full::new(Bytes::from(body.to_string())));
-            *response.status_mut() = status;
-            response
-        };
-        if request.uri().path() != "/metrics" {
-            return reply(StatusCode::NOT_FOUND, "not found: the metrics are at /metrics\n");
+impl HttpEndpoint for MetricsEndpoint {
+    fn get(&self, path: &str, authorized: bool) -> HttpResponse {
+        if path != "/metrics" {
+            return not_found();
         }
-        if request.method() != Method::GET && request.method() != Method::HEAD {
-            let mut response = reply(StatusCode::METHOD_NOT_ALLOWED, "only GET\n");
-            response.headers_mut().insert(ALLOW, HeaderValue::from_static("GET, HEAD"));
-            return response;
-        }
-        if let Some(token) = &self.token {
-            let presented = request
-                .headers()
-                .get(AUTHORIZATION)
-                .and_then(|value| value.as_bytes().strip_prefix(b"Bearer "))
-                .unwrap_or_default();
-            if !bool::from(presented.ct_eq(token)) {
-                let mut response = reply(StatusCode::UNAUTHORIZED, "a bearer token is required\n");
-                response.headers_mut().insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-                return response;
-            }
+        if !authorized {
+            return unauthorized();
         }
         match self.render() {
-            Ok(text) => {
-                let mut response = Response::new(Full::new(Bytes::from(text)));
-                response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(OPENMETRICS));
-                response
-            }
-            Err(_) => reply(StatusCode::INTERNAL_SERVER_ERROR, "the metrics could not be encoded\n"),
+            Ok(text) => respond(StatusCode::OK, OPENMETRICS, text),
+            Err(_) => respond(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "text/plain; charset=utf-8",
+                "the metrics could not be encoded\n",
+            ),
         }
     }
-}
 
-/// Reads a bearer token from `path`: its first line, which must be long
-/// enough to be worth checking.
-pub fn load_token(path: &Path) -> Result<Vec<u8>, String> {
-    let text = std::fs::read_to_string(path).map_err(|error| format!("{}: {error}", path.display()))?;
-    let token = text.lines().next().unwrap_or_default().trim();
-    if token.len() < TOKEN_BYTES_MIN {
-        return Err(format!(
-            "{}: a metrics token needs at least {TOKEN_BYTES_MIN} characters",
-            path.display()
-        ));
-    }
-    Ok(token.as_bytes().to_vec())
-}
-
-/// Answers scrapes on `listener` until `stop` turns true.
-pub async fn serve(listener: TcpListener, endpoint: Arc<MetricsEndpoint>, mut stop: watch::Receiver<bool>) {
-    let permits = Arc::new(Semaphore::new(CONNECTIONS_MAX));
-    loop {
-        let permit = tokio::select! {
-            permit = permits.clone().acquire_owned() => permit,
-            _ = stop.wait_for(|stopped| *stopped) => return,
-        };
-        let Ok(permit) = permit else { return };
-        let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
-            _ = stop.wait_for(|stopped| *stopped) => return,
-        };
-        let stream = match accepted {
-            Ok((stream, _)) => stream,
-            Err(error) => {
-                // Out of descriptors, say: wait rather than spin.
-                tracing::warn!(%error, "metrics listener: accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let endpoint = endpoint.clone();
-        tokio::spawn(async move {
-            let _permit = permit;
-            let service = service_fn(move |request| {
-                let response = endpoint.answer(&request);
-                async move { Ok::<_, Infallible>(response) }
-            });
-            let connection = http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_TIMEOUT)
-                .max_buf_size(HEADER_BYTES_MAX)
-                .serve_connection(TokioIo::new(stream), service);
-            tokio::pin!(connection);
-            tokio::select! {
-                _ = connection.as_mut() => {}
-                _ = tokio::time::sleep(CONNECTION_LIFETIME) => {
-                    connection.as_mut().graceful_shutdown();
-                    let _ = tokio::time::timeout(HEADER_TIMEOUT, connection).await;
-                }
-            }
-        });
+    fn token(&self) -> Option<&[u8]> {
+        self.token.as_deref()
     }
 }
 
@@ -284,6 +186,12 @@ mod tests {
         assert!(text.contains("tessera_seconds_count{command=\"get\"} 3\n"), "{text}");
         assert!(text.ends_with("# EOF\n"));
     }
+
+    use crate::http::{load_token, serve, HEADER_BYTES_MAX};
+    use std::sync::Arc;
+    use std::time::Duration;
+    use tokio::net::TcpListener;
+    use tokio::sync::watch;
 
     #[test]
     fn a_token_must_be_long_enough() {

@@ -287,32 +287,75 @@ impl CoordinatorServer {
     }
 }
 
-/// What a coordinator's Prometheus endpoint reads: the map and decisions
-/// of the coordinator this process runs once it leads; while it stands by
-/// (another leads through etcd), only that it does not lead.
+/// What a coordinator's Prometheus endpoint and dashboard read: the map
+/// and decisions of the coordinator this process runs once it leads; while
+/// it stands by (another leads through etcd), only that it does not lead.
 #[derive(Clone, Default)]
-pub struct CoordinatorMetrics {
+pub struct CoordinatorObserver {
     leading: Arc<Mutex<Option<Weak<Mutex<State>>>>>,
 }
 
-impl std::fmt::Debug for CoordinatorMetrics {
+impl std::fmt::Debug for CoordinatorObserver {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        formatter.debug_struct("CoordinatorMetrics").finish_non_exhaustive()
+        formatter.debug_struct("CoordinatorObserver").finish_non_exhaustive()
     }
 }
 
-impl CoordinatorMetrics {
+impl CoordinatorObserver {
     /// From now on, report `server`'s state (until it stops).
     pub fn lead(&self, server: &CoordinatorServer) {
         *self.leading.lock() = Some(Arc::downgrade(&server.state));
     }
+
+    fn state(&self) -> Option<Arc<Mutex<State>>> {
+        self.leading.lock().as_ref().and_then(Weak::upgrade)
+    }
+
+    /// What the dashboard shows, as JSON: the map (its users left out),
+    /// each shard's mode, when each node was last heard from, and the
+    /// latest decisions.
+    pub fn dashboard_state(&self) -> serde_json::Value {
+        let Some(state) = self.state() else { return serde_json::json!({ "leader": false }) };
+        let state = state.lock();
+        let now = state.now_ms();
+        let map = state.coordinator.map();
+        let decisions = state.coordinator.decisions();
+        let mut shards = serde_json::to_value(&map.shards).unwrap_or_default();
+        for (json, shard) in shards.as_array_mut().into_iter().flatten().zip(&map.shards) {
+            json["mode_label"] = map.mode_of(shard).label().into();
+        }
+        let nodes: Vec<serde_json::Value> = map
+            .nodes
+            .iter()
+            .map(|node| {
+                let mut json = serde_json::to_value(node).unwrap_or_default();
+                json["heard_ms_ago"] =
+                    state.known_epochs.get(&node.id).map(|(_, at)| now.saturating_sub(*at)).into();
+                json
+            })
+            .collect();
+        serde_json::json!({
+            "leader": state.fenced.is_none(),
+            "cluster_id": map.cluster_id,
+            "epoch": map.epoch,
+            "now_ms": now,
+            "mode": map.mode.label(),
+            "replicas": map.replicas,
+            "nodes": nodes,
+            "shards": shards,
+            "tables": map.tables,
+            "migrations": map.migrations,
+            "replica_moves": map.replica_moves,
+            "failovers": decisions.failovers,
+            "decisions": decisions.recent,
+        })
+    }
 }
 
-impl Collector for CoordinatorMetrics {
+impl Collector for CoordinatorObserver {
     fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
         let encoder = &mut encoder;
-        let state = self.leading.lock().as_ref().and_then(Weak::upgrade);
-        let Some(state) = state else {
+        let Some(state) = self.state() else {
             return gauge(
                 encoder,
                 "tessera_coordinator_leader",

@@ -210,7 +210,7 @@ fn start_metrics(
     let local = listener.local_addr().map_err(bind_error)?;
     let token = match &node.config.metrics_token_file {
         Some(path) => Some(
-            tessera_cluster::metrics::load_token(path)
+            tessera_cluster::http::load_token(path)
                 .map_err(|error| ServerError::Config(ConfigError::Invalid(error)))?,
         ),
         None => None,
@@ -224,7 +224,7 @@ fn start_metrics(
         .spawn(move || {
             runtime.block_on(async move {
                 match TcpListener::from_std(listener) {
-                    Ok(listener) => tessera_cluster::metrics::serve(listener, endpoint, stopping).await,
+                    Ok(listener) => tessera_cluster::http::serve(listener, endpoint, stopping).await,
                     Err(error) => tracing::error!(%error, "cannot serve metrics"),
                 }
             })
