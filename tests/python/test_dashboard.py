@@ -11,8 +11,9 @@ import urllib.error
 import urllib.request
 
 import pytest
+import redis
 
-from conftest import ROOT
+from conftest import ROOT, table_info
 from test_cluster import NODES, LocalCluster, free_base_port
 
 ARTIFACTS = ROOT / "target" / "test-artifacts"
@@ -101,3 +102,67 @@ def test_the_dashboard_shows_the_topology_and_a_failover_as_it_happens(tmp_path)
         if page is not None:
             page.quit()
         cluster.down()
+
+
+def test_a_cluster_laid_out_in_the_designer_starts_as_designed(tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    # The designer is a page of the dashboard: a cluster serves it.
+    host = LocalCluster(tmp_path / "host", "strong")
+    dashboard_port = free_base_port(0)
+    host.options = ["--dashboard-port", str(dashboard_port)]
+    designed = LocalCluster(tmp_path / "designed", "strong")
+    used = set(range(host.base_port, host.base_port + NODES + 3)) | {dashboard_port}
+    while used & set(range(designed.base_port, designed.base_port + 8)):
+        designed = LocalCluster(tmp_path / "designed", "strong")
+    page = None
+    try:
+        host.up(nodes=3)
+        page = browser()
+        page.get(f"http://127.0.0.1:{dashboard_port}/designer")
+
+        def set_number(field, value):
+            element = page.find_element("id", field)
+            element.clear()
+            element.send_keys(str(value))
+
+        # A mistake is named, and no file is offered.
+        set_number("nodes", 2)
+        wait_until(lambda: "cannot keep 3 replicas" in page.find_element("id", "errors").text, "the mistake")
+        assert page.find_element("id", "config").text == ""
+
+        set_number("nodes", 4)
+        set_number("groups", 8)
+        set_number("base_port", designed.base_port)
+        Select(page.find_element("id", "consistency")).select_by_visible_text("eventual")
+        page.find_element("id", "add_table").click()
+        row = page.find_elements(By.CSS_SELECTOR, "#tables tbody tr")[0]
+        row.find_element(By.CLASS_NAME, "table-name").send_keys("events")
+        row.find_element(By.CLASS_NAME, "table-prefix").send_keys("ev:")
+        Select(row.find_element(By.CLASS_NAME, "table-engine")).select_by_visible_text("lsm")
+        Select(row.find_element(By.CLASS_NAME, "table-mode")).select_by_visible_text("aa+ec")
+        config = wait_until(lambda: page.find_element("id", "config").text, "the configuration")
+        assert page.find_element("id", "errors").text == ""
+        planned = {int(tag.get_attribute("data-group")): [int(node) for node in tag.get_attribute("data-members").split(",")]
+                   for tag in page.find_elements(By.CSS_SELECTOR, ".group.head")}
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.save_screenshot(str(ARTIFACTS / "designer.png"))
+
+        path = tmp_path / "cluster.toml"
+        path.write_text(config + "\n")
+        designed.nodes = 4
+        started = designed.cli("up", "--config", str(path), "--no-demo", "--lease-ms", "400",
+                               "--failure-timeout-ms", "700")
+        assert "table events" in started.stdout, started.stdout
+        shards = [shard for shard in designed.map()["shards"] if shard["table"] == "default"]
+        assert {shard["id"]: shard["members"] for shard in shards} == planned, "placed as the designer showed"
+        assert designed.map()["mode"] == "primary-backup", "master–slave, eventual"
+        info = table_info(redis.Redis(port=designed.port(0), socket_timeout=10), "events")
+        assert info[b"engine"] == b"lsm" and info[b"mode"] == b"aa+ec", info
+    finally:
+        if page is not None:
+            page.quit()
+        host.down()
+        designed.down()
+

@@ -33,6 +33,7 @@ use tessera_node::memory::EvictionPolicy;
 use tessera_wire::slot::key_slot;
 use tessera_wire::{Client, Value};
 
+mod design;
 mod slot_balance;
 
 /// The cluster's secret, in the cluster directory (mode 0600).
@@ -154,6 +155,11 @@ pub struct TargetArgs {
 pub struct UpArgs {
     #[arg(long, default_value = "tessera-cluster")]
     dir: PathBuf,
+    /// A cluster described in a TOML file (the dashboard's designer writes
+    /// them): its keys override these flags, and its tables are created
+    /// once the cluster serves.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
     /// Nodes that serve from the start.
     #[arg(long, default_value_t = 6)]
     nodes: u32,
@@ -364,7 +370,44 @@ pub fn run(command: ClusterCommand) -> Result<(), String> {
     }
 }
 
+/// `args` with what the design file, if any, says in place of the flags.
+fn apply_design(mut args: UpArgs) -> Result<(UpArgs, Vec<design::DesignedTable>), String> {
+    let Some(path) = &args.config else { return Ok((args, Vec::new())) };
+    let design = design::Design::load(path)?;
+    macro_rules! take {
+        ($($field:ident),*) => { $( if let Some(value) = design.$field { args.$field = value; } )* };
+    }
+    macro_rules! take_optional {
+        ($($field:ident),*) => { $( if design.$field.is_some() { args.$field = design.$field; } )* };
+    }
+    take!(nodes, replicas, topology, consistency, engine, base_port, threads, lease_ms, failure_timeout_ms);
+    take_optional!(groups, datacenters, metrics_base_port, dashboard_port);
+    Ok((args, design.tables))
+}
+
+/// Creates the designed tables that do not exist yet, through one node.
+fn create_tables(layout: &Layout, tables: &[design::DesignedTable]) -> Result<(), String> {
+    let Some((_, port)) = layout.nodes.first() else { return Ok(()) };
+    let mut client = Client::connect(layout.node_address(*port), Duration::from_secs(30))
+        .map_err(|error| error.to_string())?;
+    for table in tables {
+        let existing =
+            client.command(&["TABLE.INFO", table.name.as_str()]).map_err(|error| error.to_string())?;
+        if !matches!(existing, Value::Error(_)) {
+            continue;
+        }
+        for command in table.commands() {
+            if let Value::Error(message) = client.command(&command).map_err(|error| error.to_string())? {
+                return Err(format!("table {}: {}: {message}", table.name, command.join(" ")));
+            }
+        }
+        println!("table {} (prefix {}): engine {}", table.name, table.prefix, table.engine);
+    }
+    Ok(())
+}
+
 fn up(args: UpArgs) -> Result<(), String> {
+    let (args, tables) = apply_design(args)?;
     let dir = &args.dir;
     let layout = match Layout::load(dir) {
         Ok(layout) => {
@@ -492,6 +535,7 @@ fn up(args: UpArgs) -> Result<(), String> {
             file("server.key")
         );
     }
+    create_tables(&layout, &tables)?;
     if !args.no_demo {
         demo(&layout, &map)?;
     }

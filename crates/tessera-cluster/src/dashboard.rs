@@ -1,7 +1,9 @@
 //! The coordinator's web dashboard (`dashboard-bind`; docs/OPERATIONS.md,
 //! "Dashboard"): one page, with no data in it, that reads `/api/state`
 //! every second and draws the topology, the slot map, the tables and the
-//! coordinator's decisions as they happen. The API asks for the bearer
+//! coordinator's decisions as they happen; and the cluster designer
+//! (`/designer`), which lays a cluster out and writes the file `tessera
+//! cluster up --config` starts. The API asks for the bearer
 //! token; the page takes it from its URL's fragment (`#token=...`), which a
 //! browser never sends to the server.
 
@@ -11,6 +13,9 @@ use crate::http::{not_found, respond, unauthorized, HttpEndpoint, HttpResponse};
 use crate::server::CoordinatorObserver;
 
 const PAGE: &str = include_str!("dashboard/index.html");
+/// The cluster designer: a page of its own, with no data of the cluster's,
+/// that writes a file `tessera cluster up --config` starts.
+const DESIGNER: &str = include_str!("dashboard/designer.html");
 
 pub struct DashboardEndpoint {
     observer: CoordinatorObserver,
@@ -27,6 +32,7 @@ impl HttpEndpoint for DashboardEndpoint {
     fn get(&self, path: &str, authorized: bool) -> HttpResponse {
         match path {
             "/" | "/index.html" => respond(StatusCode::OK, "text/html; charset=utf-8", PAGE),
+            "/designer" => respond(StatusCode::OK, "text/html; charset=utf-8", DESIGNER),
             "/api/state" if authorized => respond(
                 StatusCode::OK,
                 "application/json",
