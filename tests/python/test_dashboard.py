@@ -6,6 +6,7 @@ node's kill turn into failovers, and saves a screenshot of each
 
 import os
 import shutil
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -47,9 +48,20 @@ def wait_until(condition, what, timeout=30):
 
 
 def rows(page, table):
-    from selenium.webdriver.common.by import By
-
-    return page.find_elements(By.CSS_SELECTOR, f"#{table} tbody tr")
+    """The rows of `table` as the page shows them now, read in one step (the
+    page redraws every second, so elements found earlier go stale): each
+    row's data attributes, its cells' text and its cells' classes."""
+    return page.execute_script(
+        """
+        return [...document.querySelectorAll(`#${arguments[0]} tbody tr`)].map(row => ({
+            data: {...row.dataset},
+            cells: [...row.cells].map(cell => cell.textContent),
+            classes: [...row.cells].map(cell => cell.className),
+            text: row.textContent,
+        }));
+        """,
+        table,
+    )
 
 
 def test_the_dashboard_shows_the_topology_and_a_failover_as_it_happens(tmp_path):
@@ -79,23 +91,43 @@ def test_the_dashboard_shows_the_topology_and_a_failover_as_it_happens(tmp_path)
         shards = cluster.map()["shards"]
         wait_until(lambda: len(rows(page, "nodes")) == NODES and len(rows(page, "shards")) == len(shards),
                    "every node and group")
-        wait_until(lambda: all(row.get_attribute("data-alive") == "true" for row in rows(page, "nodes")),
-                   "every node alive")
+        wait_until(lambda: all(row["data"]["alive"] == "true" for row in rows(page, "nodes")), "every node alive")
         heads = {str(shard["id"]): str(shard["members"][0]) for shard in cluster.map()["shards"]}
-        shown = {row.get_attribute("data-shard"): row.get_attribute("data-head") for row in rows(page, "shards")}
+        shown = {row["data"]["shard"]: row["data"]["head"] for row in rows(page, "shards")}
         assert shown == heads
         assert "epoch" in page.find_element("id", "status").text
+
+        # Writes show as writes per second at the nodes that head them.
+        writing = threading.Event()
+
+        def write():
+            client = cluster.client()
+            index = 0
+            while not writing.is_set():
+                client.set(f"dashboard:{index}", "v")
+                index += 1
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        try:
+            def shown_rates():
+                return [int(text) for row in rows(page, "nodes")
+                        for text, kind in zip(row["cells"], row["classes"]) if kind == "writes" and text.isdigit()]
+            wait_until(lambda: sum(shown_rates()) > 0, "writes per second")
+        finally:
+            writing.set()
+            writer.join()
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         page.save_screenshot(str(ARTIFACTS / "dashboard-before-failover.png"))
 
         cluster.cli("kill", "1")
-        node_1 = lambda: next(row for row in rows(page, "nodes") if row.get_attribute("data-node") == "1")
-        wait_until(lambda: node_1().get_attribute("data-alive") == "false", "node 1 silent")
-        wait_until(lambda: any(row.get_attribute("data-failover") == "true" for row in rows(page, "decisions")),
+        node_1 = lambda: next(row for row in rows(page, "nodes") if row["data"]["node"] == "1")
+        wait_until(lambda: node_1()["data"]["alive"] == "false", "node 1 silent")
+        wait_until(lambda: any(row["data"]["failover"] == "true" for row in rows(page, "decisions")),
                    "a failover among the decisions")
-        wait_until(lambda: all(row.get_attribute("data-head") != "1" for row in rows(page, "shards")),
+        wait_until(lambda: all(row["data"]["head"] != "1" for row in rows(page, "shards")),
                    "no group headed by node 1")
-        decisions = " ".join(row.text for row in rows(page, "decisions"))
+        decisions = " ".join(row["text"] for row in rows(page, "decisions"))
         assert "failover" in decisions and "replica removed" in decisions, decisions
         page.save_screenshot(str(ARTIFACTS / "dashboard-after-failover.png"))
     finally:
@@ -144,8 +176,9 @@ def test_a_cluster_laid_out_in_the_designer_starts_as_designed(tmp_path):
         Select(row.find_element(By.CLASS_NAME, "table-mode")).select_by_visible_text("aa+ec")
         config = wait_until(lambda: page.find_element("id", "config").text, "the configuration")
         assert page.find_element("id", "errors").text == ""
-        planned = {int(tag.get_attribute("data-group")): [int(node) for node in tag.get_attribute("data-members").split(",")]
-                   for tag in page.find_elements(By.CSS_SELECTOR, ".group.head")}
+        heads = page.execute_script(
+            "return [...document.querySelectorAll('.group.head')].map(tag => [tag.dataset.group, tag.dataset.members])")
+        planned = {int(group): [int(node) for node in members.split(",")] for group, members in heads}
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         page.save_screenshot(str(ARTIFACTS / "designer.png"))
 

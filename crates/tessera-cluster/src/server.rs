@@ -323,6 +323,8 @@ impl CoordinatorObserver {
         let mut shards = serde_json::to_value(&map.shards).unwrap_or_default();
         for (json, shard) in shards.as_array_mut().into_iter().flatten().zip(&map.shards) {
             json["mode_label"] = map.mode_of(shard).label().into();
+            let head = shard.members.first().and_then(|head| state.coordinator.applied(shard.id, *head));
+            json["head_applied"] = head.into();
         }
         let nodes: Vec<serde_json::Value> = map
             .nodes
