@@ -277,6 +277,9 @@ struct Outbox {
     /// Keys written here and not yet sent, with the encoded record written
     /// (the newest: a key written again is sent once).
     unsent: BTreeMap<Bytes, Unsent>,
+    /// How many of `unsent` came from each write, so that the earliest is
+    /// known without a walk over them (the replication lag, every tick).
+    unsent_writes: BTreeMap<u64, usize>,
     /// Batches sent and not acknowledged.
     in_flight: BTreeMap<u64, InFlight>,
     /// Writes accepted here through this number may not reach the peer by
@@ -305,6 +308,40 @@ struct Unsent {
 }
 
 impl Outbox {
+    /// Queues `key`'s record, in place of one queued before.
+    fn queue(&mut self, key: Bytes, unsent: Unsent) {
+        *self.unsent_writes.entry(unsent.write).or_default() += 1;
+        if let Some(replaced) = self.unsent.insert(key, unsent) {
+            self.forget_write(replaced.write);
+        }
+    }
+
+    /// Takes `key`'s queued record out.
+    fn take(&mut self, key: &Bytes) -> Option<Unsent> {
+        let unsent = self.unsent.remove(key)?;
+        self.forget_write(unsent.write);
+        Some(unsent)
+    }
+
+    fn forget_write(&mut self, write: u64) {
+        match self.unsent_writes.get_mut(&write) {
+            Some(count) if *count > 1 => *count -= 1,
+            Some(_) => {
+                self.unsent_writes.remove(&write);
+            }
+            None => unreachable!("write {write} was counted when it was queued"),
+        }
+    }
+
+    /// The earliest write the peer is not known to hold: queued, or sent
+    /// and not acknowledged (the window holds a few batches).
+    fn earliest_pending(&self) -> Option<u64> {
+        debug_assert_eq!(self.unsent_writes.values().sum::<usize>(), self.unsent.len());
+        let earliest_unsent = self.unsent_writes.keys().next().copied();
+        let earliest_in_flight = self.in_flight.values().map(|sent| sent.first_write).min();
+        earliest_unsent.into_iter().chain(earliest_in_flight).min()
+    }
+
     /// The keys that must go in the same message as `key`: its batch's, and
     /// theirs in turn, as far as they are still unsent (a key written again
     /// since carries its newer batch along).
@@ -348,7 +385,7 @@ impl Outbox {
                 break;
             }
             for key in unit {
-                let unsent = self.unsent.remove(&key).expect("a unit's keys are unsent");
+                let unsent = self.take(&key).expect("a unit's keys are unsent");
                 first_write = first_write.min(unsent.write);
                 entries.push((key, unsent.raw));
             }
@@ -619,7 +656,7 @@ impl MultiMaster {
     fn queue_for(&mut self, peers: &[NodeId], key: Bytes, raw: Bytes, batch: Option<Arc<[Bytes]>>) {
         for peer in peers {
             let unsent = Unsent { raw: raw.clone(), write: self.accepted, batch: batch.clone() };
-            self.outboxes.entry(*peer).or_default().unsent.insert(key.clone(), unsent);
+            self.outboxes.entry(*peer).or_default().queue(key.clone(), unsent);
         }
     }
 
@@ -903,14 +940,8 @@ impl Protocol for MultiMaster {
     /// which this does not follow.)
     fn replicated_through(&self) -> Option<u64> {
         self.view.as_ref()?;
-        let peer_through = |outbox: &Outbox| {
-            let earliest_unsent = outbox.unsent.values().map(|unsent| unsent.write).min();
-            let earliest_in_flight = outbox.in_flight.values().map(|sent| sent.first_write).min();
-            match earliest_unsent.into_iter().chain(earliest_in_flight).min() {
-                Some(earliest) => earliest - 1,
-                None => self.accepted,
-            }
-        };
+        let peer_through =
+            |outbox: &Outbox| outbox.earliest_pending().map_or(self.accepted, |earliest| earliest - 1);
         let through = self
             .outboxes
             .iter()
@@ -945,7 +976,7 @@ impl Protocol for MultiMaster {
         let mut all = Outbox::default();
         let mut keep = |key: &Bytes, unsent: Unsent| {
             if all.unsent.get(key).is_none_or(|held| rank(&unsent.raw) > rank(&held.raw)) {
-                all.unsent.insert(key.clone(), unsent);
+                all.queue(key.clone(), unsent);
             }
         };
         for outbox in self.outboxes.values() {

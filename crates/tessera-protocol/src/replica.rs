@@ -759,6 +759,34 @@ mod tests {
         let mut backup = replica(2, "primary-backup");
         backup.on_grant(10, view(2, &[1, 2, 3]), primary_backup, &mut fx);
         assert_eq!(backup.replication_lag(30), None);
+
+        // An active-active member's lag is what its slowest peer has not acknowledged.
+        let multi_master = Mode::named("multi-master").unwrap();
+        let mut member = replica(1, "multi-master");
+        let mut fx = Effects::new(10);
+        member.on_grant(10, view(2, &[1, 2]), multi_master, &mut fx);
+        fx.take();
+        member.submit([put("a"), put("b")], &mut fx);
+        member.on_tick(&mut fx);
+        assert_eq!(member.replication_lag(40), Some(ReplicationLag { writes: 2, oldest_ms: 30 }));
+        let batches: Vec<u64> = fx
+            .take()
+            .into_iter()
+            .filter_map(|effect| match effect {
+                Effect::Send { message, .. } => match message.open::<crate::multi_master::MultiMessage>() {
+                    Some(Ok(crate::multi_master::MultiMessage::Records { batch, .. })) => Some(batch),
+                    _ => None,
+                },
+                _ => None,
+            })
+            .collect();
+        assert!(!batches.is_empty(), "the writes went out");
+        for batch in batches {
+            let acked = crate::multi_master::MultiMessage::Acked { view: 2, batch };
+            member.on_peer(NodeId(2), PeerMessage::new(&acked), &mut fx);
+        }
+        member.on_tick(&mut fx);
+        assert_eq!(member.replication_lag(50), Some(ReplicationLag::default()));
     }
 
     #[test]
