@@ -336,7 +336,7 @@ impl Outbox {
     /// The earliest write the peer is not known to hold: queued, or sent
     /// and not acknowledged (the window holds a few batches).
     fn earliest_pending(&self) -> Option<u64> {
-        debug_assert_eq!(self.unsent_writes.values().sum::<usize>(), self.unsent.len());
+        debug_assert_eq!(self.unsent_writes.is_empty(), self.unsent.is_empty());
         let earliest_unsent = self.unsent_writes.keys().next().copied();
         let earliest_in_flight = self.in_flight.values().map(|sent| sent.first_write).min();
         earliest_unsent.into_iter().chain(earliest_in_flight).min()
@@ -408,9 +408,7 @@ impl Outbox {
         if write == 0 {
             return true;
         }
-        write > self.unshipped_through
-            && self.unsent.values().all(|unsent| unsent.write > write)
-            && self.in_flight.values().all(|sent| sent.first_write > write)
+        write > self.unshipped_through && self.earliest_pending().is_none_or(|earliest| earliest > write)
     }
 }
 
