@@ -206,7 +206,6 @@ impl Completion {
     }
 }
 
-/// One shard on this node.
 /// One shard as this node runs it, for the metrics endpoint.
 #[derive(Clone, Debug)]
 pub struct GroupState {
@@ -231,6 +230,7 @@ pub struct GroupState {
     pub replication_lag: Option<tessera_protocol::ReplicationLag>,
 }
 
+/// One shard on this node.
 struct LocalShard {
     id: u32,
     state: Mutex<ShardState>,

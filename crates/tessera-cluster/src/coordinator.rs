@@ -122,9 +122,6 @@ pub struct ClusterCoordinator {
     cut_not_before: BTreeMap<u64, u64>,
     /// What this coordinator decided since it started.
     decisions: Decisions,
-    /// Per shard and node, the write position the node last reported
-    /// (the dashboard's writes per second).
-    applied: BTreeMap<u32, BTreeMap<u32, u64>>,
     /// For tests of the checkers: slots move as soon as the copy caught up,
     /// with no cut, so writes still reaching the source are lost.
     #[cfg(feature = "broken")]
@@ -176,7 +173,6 @@ impl ClusterCoordinator {
             cuts: BTreeMap::new(),
             cut_not_before: BTreeMap::new(),
             decisions: Decisions::default(),
-            applied: BTreeMap::new(),
             #[cfg(feature = "broken")]
             broken_without_cut: false,
             #[cfg(feature = "broken")]
@@ -202,7 +198,7 @@ impl ClusterCoordinator {
 
     /// The write position `node` last reported for `shard`.
     pub fn applied(&self, shard: u32, node: u32) -> Option<u64> {
-        self.applied.get(&shard)?.get(&node).copied()
+        self.shards.get(&shard)?.applied(NodeId(node))
     }
 
     pub fn map(&self) -> &ClusterMap {
@@ -311,10 +307,6 @@ impl ClusterCoordinator {
                 learnt.push(shard);
             }
         }
-        for (shard, report) in progress.iter().filter(|(shard, _)| self.shards.contains_key(shard)) {
-            self.applied.entry(*shard).or_default().insert(node, report.applied);
-        }
-        self.applied.retain(|shard, _| self.shards.contains_key(shard));
         self.note_migrations(now, node, progress);
         self.advance_replica_moves(now);
         self.sync(&learnt);

@@ -366,9 +366,11 @@ impl Collector for CoordinatorObserver {
             );
         };
         // Copied out so that a scrape holds the coordinator's lock briefly.
-        let (map, decisions, fenced) = {
+        let (map, view_changes, failovers, fenced) = {
             let state = state.lock();
-            (state.coordinator.map().clone(), state.coordinator.decisions().clone(), state.fenced.is_some())
+            let decisions = state.coordinator.decisions();
+            let map = state.coordinator.map().clone();
+            (map, decisions.view_changes.clone(), decisions.failovers, state.fenced.is_some())
         };
         gauge(
             encoder,
@@ -433,13 +435,13 @@ impl Collector for CoordinatorObserver {
             encoder,
             "tessera_coordinator_view_changes",
             "View changes this coordinator decided, by reason.",
-            decisions.view_changes.iter().map(|(reason, count)| (vec![("reason", *reason)], *count)),
+            view_changes.iter().map(|(reason, count)| (vec![("reason", *reason)], *count)),
         )?;
         counter(
             encoder,
             "tessera_coordinator_failovers",
             "Shards whose head was replaced without handing over.",
-            decisions.failovers,
+            failovers,
         )
     }
 }

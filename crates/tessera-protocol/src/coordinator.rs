@@ -283,6 +283,11 @@ impl ShardCoordinator {
         self.incarnations.get(&node).copied()
     }
 
+    /// The write position `node` last reported.
+    pub fn applied(&self, node: NodeId) -> Option<u64> {
+        self.progress.get(&node).copied()
+    }
+
     /// The view changes made since the last call.
     pub fn take_changes(&mut self) -> Vec<ViewChange> {
         std::mem::take(&mut self.changes)
