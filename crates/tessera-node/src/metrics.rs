@@ -9,9 +9,8 @@ use std::sync::Arc;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 use tessera_cluster::metrics::{counter, counters, gauge, gauges, histograms, HistogramRow, Labels};
-use tessera_protocol::Role;
 
-use crate::cluster::ClusterNode;
+use crate::cluster::{role_name, ClusterNode};
 use crate::commands::all_commands;
 use crate::memory::{resident_memory, used_memory};
 use crate::node_state::{NodeState, LATENCY_BUCKETS};
@@ -25,16 +24,6 @@ pub struct NodeCollector {
 impl fmt::Debug for NodeCollector {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         formatter.debug_struct("NodeCollector").finish_non_exhaustive()
-    }
-}
-
-/// A role as the metrics name it.
-fn role_name(role: Option<Role>) -> &'static str {
-    match role {
-        Some(Role::Alone | Role::Head) => "head",
-        Some(Role::Middle | Role::Tail) => "member",
-        Some(Role::Learner) => "learner",
-        None => "leaving",
     }
 }
 
@@ -110,13 +99,14 @@ impl Collector for NodeCollector {
             "Keys evicted under maxmemory.",
             stats.evicted_keys.load(Ordering::Relaxed),
         )?;
-        gauge(encoder, "tessera_memory_used_bytes", "Bytes allocated by the node.", used_memory())?;
+        let used = used_memory();
+        gauge(encoder, "tessera_memory_used_bytes", "Bytes allocated by the node.", used)?;
         gauge(encoder, "tessera_memory_resident_bytes", "The process's resident set.", resident_memory())?;
         gauge(
             encoder,
             "tessera_memory_peak_bytes",
             "The most bytes allocated so far.",
-            node.peak_memory.fetch_max(used_memory(), Ordering::Relaxed).max(used_memory()),
+            node.memory_peak(used),
         )?;
         gauge(encoder, "tessera_maxmemory_bytes", "maxmemory (0: no limit).", node.settings.maxmemory())?;
         let (system, user) = crate::gauges::cpu_seconds();
@@ -197,9 +187,9 @@ impl NodeCollector {
             return Ok(());
         }
         let tables = self.node.tables();
+        let tables = tables.by_name();
         let rows: Vec<(Labels, u64)> = tables
-            .by_name()
-            .into_iter()
+            .iter()
             .map(|table| {
                 let keys = table.reserved.keys_in(table.engine.as_ref()).unwrap_or(0);
                 (
@@ -210,8 +200,7 @@ impl NodeCollector {
             .collect();
         gauges(encoder, "tessera_table_keys", "Keys in each table.", rows)?;
         let engine_stats: Vec<(Labels, u64)> = tables
-            .by_name()
-            .into_iter()
+            .iter()
             .flat_map(|table| {
                 table.engine.stats().into_iter().map(|(name, value)| {
                     (vec![("table", table.def.name.clone()), ("figure", name.to_string())], value)

@@ -597,6 +597,11 @@ impl NodeState {
         self.census.lock().keep_only(&names);
     }
 
+    /// The most memory used so far, `used` (used now) included.
+    pub fn memory_peak(&self, used: usize) -> usize {
+        self.peak_memory.fetch_max(used, Ordering::Relaxed).max(used)
+    }
+
     /// Samples the totals INFO's instantaneous rates and peak memory come
     /// from; the upkeep thread calls it every 100 ms or so.
     pub fn sample_gauges(&self) {
@@ -606,7 +611,7 @@ impl NodeState {
             output_bytes: self.worker_total(|worker| &worker.net_output_bytes),
         };
         self.rates.lock().sample(Instant::now(), totals);
-        self.peak_memory.fetch_max(used_memory(), Ordering::Relaxed);
+        self.memory_peak(used_memory());
     }
 
     /// Whether the node's memory, less `uncounted_bytes`, is over `maxmemory`.

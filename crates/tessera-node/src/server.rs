@@ -64,8 +64,8 @@ pub struct Server {
     workers: Vec<JoinHandle<()>>,
     sweeper_stop: Arc<AtomicBool>,
     sweeper: Option<JoinHandle<()>>,
-    /// The Prometheus endpoint's address and thread, when `metrics_bind` is set.
-    metrics: Option<(SocketAddr, JoinHandle<()>)>,
+    /// The Prometheus endpoint's thread, when `metrics_bind` is set.
+    metrics: Option<JoinHandle<()>>,
 }
 
 /// A listening socket that other workers may bind too. tokio's listener must be
@@ -137,6 +137,10 @@ impl Server {
             }));
         }
         let (stop, stopping) = watch::channel(false);
+        let metrics = match &node.config.metrics_bind {
+            Some(address) => Some(start_metrics(address, &node, cluster.clone(), stopping.clone())?),
+            None => None,
+        };
         let mut workers = Vec::with_capacity(threads);
         let sockets = listeners.into_iter().zip(tls_listeners);
         for (index, ((listener, tls_listener), runtime)) in sockets.zip(runtimes).enumerate() {
@@ -147,10 +151,6 @@ impl Server {
                 .map_err(ServerError::Thread)?;
             workers.push(worker);
         }
-        let metrics = match &node.config.metrics_bind {
-            Some(address) => Some(start_metrics(address, &node, cluster.clone(), stopping.clone())?),
-            None => None,
-        };
         let sweeper_stop = Arc::new(AtomicBool::new(false));
         let sweeper = {
             let (node, cluster, stop) = (node.clone(), cluster.clone(), sweeper_stop.clone());
@@ -164,11 +164,6 @@ impl Server {
 
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
-    }
-
-    /// Where the Prometheus endpoint listens, if it does.
-    pub fn metrics_addr(&self) -> Option<SocketAddr> {
-        self.metrics.as_ref().map(|(address, _)| *address)
     }
 
     pub fn node(&self) -> &Arc<NodeState> {
@@ -188,7 +183,7 @@ impl Server {
         if let Some(sweeper) = self.sweeper.take() {
             let _ = sweeper.join();
         }
-        if let Some((_, metrics)) = self.metrics.take() {
+        if let Some(metrics) = self.metrics.take() {
             let _ = metrics.join();
         }
         self.node.flush_all();
@@ -203,7 +198,7 @@ fn start_metrics(
     node: &Arc<NodeState>,
     cluster: Option<Arc<ClusterNode>>,
     stopping: watch::Receiver<bool>,
-) -> Result<(SocketAddr, JoinHandle<()>), ServerError> {
+) -> Result<JoinHandle<()>, ServerError> {
     let bind_error = |error| ServerError::Bind(format!("{address} (metrics)"), error);
     let listener = std::net::TcpListener::bind(address).map_err(bind_error)?;
     listener.set_nonblocking(true).map_err(bind_error)?;
@@ -231,7 +226,7 @@ fn start_metrics(
         })
         .map_err(ServerError::Thread)?;
     tracing::info!(address = %local, "serving Prometheus metrics at /metrics");
-    Ok((local, thread))
+    Ok(thread)
 }
 
 fn run_worker(

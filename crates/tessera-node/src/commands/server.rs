@@ -8,6 +8,7 @@ use tessera_protocol::Role;
 use tessera_wire::Request;
 
 use super::{all_commands, command_info, docs, is, lookup, CommandSpec, Context, Scope};
+use crate::cluster::role_name;
 use crate::error::{CommandError, CommandResult};
 use crate::gauges::cpu_seconds as total_cpu_seconds;
 use crate::memory::{
@@ -72,7 +73,7 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
     }
     if include("memory") {
         let (used, resident, limit) = (used_memory(), resident_memory(), node.settings.maxmemory());
-        let peak = node.peak_memory.fetch_max(used, Ordering::Relaxed).max(used);
+        let peak = node.memory_peak(used);
         let system = total_system_memory();
         let _ = write!(
             text,
@@ -275,12 +276,7 @@ fn replication(context: &Context) -> String {
     }
     let _ = write!(text, "master_replid:{}\r\nmaster_repl_offset:{offset}\r\n", context.node.run_id);
     for (shard, role) in &groups {
-        let role = match role {
-            Some(Role::Head | Role::Alone) => "head",
-            Some(Role::Learner) => "learner",
-            Some(Role::Middle | Role::Tail) => "member",
-            None => "leaving",
-        };
+        let role = role_name(*role);
         let mode = map.as_ref().map(|map| map.mode_of(shard).to_string()).unwrap_or_default();
         let members: Vec<String> = shard.members.iter().map(u32::to_string).collect();
         let _ = write!(
