@@ -648,24 +648,20 @@ fn wait_until_served(layout: &Layout, dir: &Path, timeout: Duration) -> Result<C
                     .is_ok()
             })
             .count();
-        let (map, ready) = match fetch_map(dir, layout) {
-            Ok(map) => {
-                let ready = probe(&map);
-                (Some(map), ready)
-            }
-            Err(problem) => (None, Readiness { ready: 0, total: 0, problem: Some(problem) }),
-        };
-        progress.set(
-            ready.ready as u64,
-            &format!("of {}; nodes answering {nodes_up} of {}", ready.total, layout.nodes.len()),
-        );
-        match (map, ready.problem) {
-            (Some(map), None) => {
+        let probed = fetch_map(dir, layout).map(|map| {
+            let readiness = probe(&map);
+            (map, readiness)
+        });
+        let (ready, total) =
+            probed.as_ref().map_or((0, 0), |(_, readiness)| (readiness.ready, readiness.total));
+        progress
+            .set(ready as u64, &format!("of {total}; nodes answering {nodes_up} of {}", layout.nodes.len()));
+        match probed {
+            Ok((map, Readiness { problem: None, .. })) => {
                 progress.finish();
                 return Ok(map);
             }
-            (_, Some(problem)) => last_problem = problem,
-            (None, None) => unreachable!("a readiness without a map has a problem"),
+            Ok((_, Readiness { problem: Some(problem), .. })) | Err(problem) => last_problem = problem,
         }
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -1440,26 +1436,14 @@ fn metrics_flags(dir: &Path, layout: &Layout, port: u16) -> Vec<String> {
     ]
 }
 
-/// A random bearer token in `path` (mode 0600), made once; returns it.
+/// A random bearer token in `path`, made once (as a cluster secret is: 64
+/// hexadecimal digits, mode 0600); returns it.
 fn ensure_token(path: &Path) -> Result<String, String> {
-    use std::io::{Read, Write};
-    use std::os::unix::fs::OpenOptionsExt;
     if !path.exists() {
-        let mut random = [0u8; 24];
-        fs::File::open("/dev/urandom")
-            .and_then(|mut source| source.read_exact(&mut random))
-            .map_err(|error| format!("/dev/urandom: {error}"))?;
-        let token: String = random.iter().map(|byte| format!("{byte:02x}")).collect();
-        fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(path)
-            .and_then(|mut file| writeln!(file, "{token}"))
-            .map_err(|error| format!("{}: {error}", path.display()))?;
+        ClusterSecret::generate().save(path).map_err(|error| error.to_string())?;
     }
-    let text = fs::read_to_string(path).map_err(|error| format!("{}: {error}", path.display()))?;
-    Ok(text.trim().to_string())
+    let token = tessera_cluster::http::load_token(path)?;
+    Ok(String::from_utf8_lossy(&token).into_owned())
 }
 
 /// With metrics on: the scrapes' token (made once, mode 0600) and a

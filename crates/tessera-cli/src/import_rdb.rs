@@ -122,9 +122,7 @@ pub fn run(path: &Path, client: &mut Client, options: &ImportOptions) -> Result<
     }
 
     let progress = Progress::new("keys", Some(contents.keys()));
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |since| since.as_millis() as u64);
+    let now_ms = tessera_node::node_state::now_ms();
     let mut reader = FileReader::new(&map, VALUE_BYTES_MAX).map_err(|error| error.to_string())?;
     let (mut loaded, mut expired) = (0u64, 0u64);
     let mut existing = NotLoaded::default();

@@ -12,7 +12,7 @@ use std::io::{self, Write};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use tracing_subscriber::fmt::MakeWriter;
 
@@ -29,7 +29,7 @@ pub struct LogFile {
 impl LogFile {
     /// Appends to `path` from now on, rotating past `bytes_max` and keeping
     /// `kept` earlier files.
-    pub fn open(path: &Path, bytes_max: u64, kept: usize) -> io::Result<Arc<Self>> {
+    pub fn open(path: &Path, bytes_max: u64, kept: usize) -> io::Result<Self> {
         if bytes_max == 0 || kept == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -39,7 +39,7 @@ impl LogFile {
         let file = append(path)?;
         redirect_output(&file)?;
         let written = AtomicU64::new(file.metadata()?.len());
-        Ok(Arc::new(Self { path: path.to_path_buf(), bytes_max, kept, written, rotating: Mutex::new(()) }))
+        Ok(Self { path: path.to_path_buf(), bytes_max, kept, written, rotating: Mutex::new(()) })
     }
 
     fn numbered(&self, number: usize) -> PathBuf {
@@ -99,13 +99,11 @@ fn redirect_output(file: &File) -> io::Result<()> {
     Ok(())
 }
 
-/// The logger's writer: stderr (the file), counted.
-pub struct Counted(Arc<LogFile>);
-
-impl Write for Counted {
+/// The logger writes each event to stderr (the file), counted.
+impl Write for &LogFile {
     fn write(&mut self, buffer: &[u8]) -> io::Result<usize> {
         let written = io::stderr().write(buffer)?;
-        self.0.wrote(written);
+        self.wrote(written);
         Ok(written)
     }
 
@@ -114,13 +112,10 @@ impl Write for Counted {
     }
 }
 
-impl<'a> MakeWriter<'a> for CountedWriter {
-    type Writer = Counted;
+impl<'a> MakeWriter<'a> for LogFile {
+    type Writer = &'a LogFile;
 
     fn make_writer(&'a self) -> Self::Writer {
-        Counted(self.0.clone())
+        self
     }
 }
-
-/// Makes a [`Counted`] writer per event.
-pub struct CountedWriter(pub Arc<LogFile>);

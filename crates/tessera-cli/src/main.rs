@@ -895,7 +895,7 @@ fn init_logging(args: &LogArgs) -> Result<(), String> {
         Some(path) => {
             let file = log_file::LogFile::open(path, args.log_file_max_bytes, args.log_files_kept)
                 .map_err(|error| format!("--log-file {}: {error}", path.display()))?;
-            BoxMakeWriter::new(log_file::CountedWriter(file))
+            BoxMakeWriter::new(file)
         }
         None => BoxMakeWriter::new(std::io::stderr),
     };
