@@ -45,3 +45,14 @@ impl Membership {
         })
     }
 }
+
+/// A node's place in a group, as INFO and the metrics name it.
+pub fn role_name(role: Option<tessera_protocol::Role>) -> &'static str {
+    use tessera_protocol::Role;
+    match role {
+        Some(Role::Head | Role::Alone) => "head",
+        Some(Role::Learner) => "learner",
+        Some(Role::Middle | Role::Tail) => "member",
+        None => "leaving",
+    }
+}

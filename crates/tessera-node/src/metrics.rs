@@ -10,8 +10,9 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 use tessera_cluster::metrics::{counter, counters, gauge, gauges, histograms, HistogramRow, Labels};
 
-use crate::cluster::{role_name, ClusterNode};
+use crate::cluster::ClusterNode;
 use crate::commands::all_commands;
+use crate::membership::role_name;
 use crate::memory::{resident_memory, used_memory};
 use crate::node_state::{NodeState, LATENCY_BUCKETS};
 

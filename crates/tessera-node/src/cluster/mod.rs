@@ -61,17 +61,6 @@ pub struct ClusterNode {
     traffic: slot_stats::SlotTraffic,
 }
 
-/// A node's place in a group, as INFO and the metrics name it.
-pub fn role_name(role: Option<tessera_protocol::Role>) -> &'static str {
-    use tessera_protocol::Role;
-    match role {
-        Some(Role::Head | Role::Alone) => "head",
-        Some(Role::Learner) => "learner",
-        Some(Role::Middle | Role::Tail) => "member",
-        None => "leaving",
-    }
-}
-
 /// How long a request waits for its shard to finish switching modes.
 const TRANSITION_WAIT: Duration = Duration::from_secs(10);
 

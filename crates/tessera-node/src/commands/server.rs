@@ -8,9 +8,9 @@ use tessera_protocol::Role;
 use tessera_wire::Request;
 
 use super::{all_commands, command_info, docs, is, lookup, CommandSpec, Context, Scope};
-use crate::cluster::role_name;
 use crate::error::{CommandError, CommandResult};
 use crate::gauges::cpu_seconds as total_cpu_seconds;
+use crate::membership::role_name;
 use crate::memory::{
     human_bytes, parse_size, resident_memory, total_system_memory, used_memory, EvictionPolicy,
 };
