@@ -6,6 +6,7 @@
 //! sockets, threads, clocks or global randomness, so the same code runs in the
 //! node and in the deterministic simulator. Engine calls are made directly.
 
+pub mod backup;
 pub mod causal;
 pub mod chain;
 pub mod codec;
@@ -26,6 +27,7 @@ pub mod transition;
 use bytes::Bytes;
 use tessera_engine::Engine;
 
+pub use backup::{BackupStep, ShardBackup};
 pub use causal::{CausalContext, Dependency, GeoPlace};
 pub use chain::{ChainOptions, ChainReplication};
 pub use codec::{Message, PeerMessage};

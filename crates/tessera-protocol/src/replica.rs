@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use tessera_engine::{reserved, Engine};
 
+use crate::backup::{BackupStep, ShardBackup};
 use crate::handoff::HandoffMessage;
 use crate::migration::{
     Batches, Change, Incoming, KeyFilter, MigrationMessage, MigrationSource, MigrationTarget, ObservedEngine,
@@ -157,7 +158,7 @@ impl WriteTimes {
 pub struct Replica {
     config: ReplicaConfig,
     /// The engine the protocol writes through: it logs changes while a
-    /// migration reads them.
+    /// migration or a backup reads them.
     observed: Arc<ObservedEngine>,
     engine: Arc<dyn Engine>,
     mode: Mode,
@@ -174,6 +175,9 @@ pub struct Replica {
     migration_in: Option<MigrationTarget>,
     migration_streams: StreamNumbers,
     sweep: Option<Sweep>,
+    /// A backup of this replica's records under way (docs/ARCHITECTURE.md,
+    /// "Backups").
+    backup: Option<ShardBackup>,
     /// Counts the protocol instances this replica has run (one per mode
     /// switch), so that a write position is read only by the instance that
     /// gave it.
@@ -214,6 +218,7 @@ impl Replica {
             migration_in: None,
             migration_streams: StreamNumbers::default(),
             sweep: None,
+            backup: None,
             instance: 0,
             write_times: WriteTimes::default(),
         }
@@ -533,14 +538,11 @@ impl Replica {
             (Some(source), Some(new)) if same_out(source, &new) => {}
             (_, Some(new)) => {
                 tracing::info!(replica = %self.config.me, migration = new.id, to_shard = new.to_shard, to = %new.to, "streaming migrating keys");
-                self.observed.watch(true);
                 self.start_source(new, now);
             }
-            (_, None) => {
-                self.observed.watch(false);
-                self.migration_out = None;
-            }
+            (_, None) => self.migration_out = None,
         }
+        self.watch_changes();
         let same_in = |target: &MigrationTarget, new: &Incoming| {
             (target.incoming().id, target.incoming().from) == (new.id, new.from)
         };
@@ -548,6 +550,41 @@ impl Replica {
             (Some(target), Some(new)) if same_in(target, &new) => {}
             (_, new) => self.migration_in = new.map(MigrationTarget::new),
         }
+    }
+
+    /// The engine logs its changes while a migration or a backup follows
+    /// them (and drops its log when neither does).
+    fn watch_changes(&self) {
+        self.observed.watch(self.migration_out.is_some() || self.backup.is_some());
+    }
+
+    /// Starts a backup of this replica's records; false while one is under
+    /// way already.
+    pub fn start_backup(&mut self, now: Time) -> bool {
+        if self.backup.is_some() {
+            return false;
+        }
+        self.backup = Some(ShardBackup::new(&mut self.migration_streams, now, self.config.tuning.snapshot));
+        self.watch_changes();
+        true
+    }
+
+    /// What the backup under way has next; `None` when there is none. Once
+    /// it says `Done`, the receiver holds the records as they are here at
+    /// this write position, and the backup is over.
+    pub fn poll_backup(&mut self, now: Time) -> Option<Result<BackupStep, crate::OperationError>> {
+        let backup = self.backup.as_mut()?;
+        let step = backup.poll(self.engine.as_ref(), now, &mut self.migration_streams);
+        if matches!(step, Ok(BackupStep::Done(_))) {
+            self.end_backup();
+        }
+        Some(step)
+    }
+
+    /// Abandons the backup under way, if any.
+    pub fn end_backup(&mut self) {
+        self.backup = None;
+        self.watch_changes();
     }
 
     /// Streams `outgoing`'s keys under a new stream number.
@@ -605,7 +642,14 @@ impl Replica {
             }
         }
         for change in self.observed.take_changes() {
-            let Some(source) = self.migration_out.as_mut() else { break };
+            if let Some(backup) = self.backup.as_mut() {
+                match &change {
+                    Change::Put(key, stored) => backup.record_change(key, Some(stored.clone())),
+                    Change::Delete(key) => backup.record_change(key, None),
+                    Change::Cleared => backup.restart(&mut self.migration_streams, fx.now()),
+                }
+            }
+            let Some(source) = self.migration_out.as_mut() else { continue };
             match change {
                 Change::Put(key, stored) => source.record_change(&key, Some(stored)),
                 Change::Delete(key) => source.record_change(&key, None),
@@ -717,6 +761,48 @@ mod tests {
         head.on_grant(10, view(2, &[2, 1]), Mode::named("chain").unwrap(), &mut fx);
         assert_eq!((head.view().number, head.lease_until()), (3, 240));
         assert_eq!(head.role(), Some(Role::Alone));
+    }
+
+    #[test]
+    fn a_backup_follows_the_writes_the_protocol_applies_until_it_ends() {
+        let mut config = ReplicaConfig::new(NodeId(1), 200, Tuning::default());
+        config.tuning.snapshot.chunk_bytes = 32;
+        for mode in ["chain", "primary-backup", "multi-master"] {
+            let mut head =
+                Replica::new(config.clone(), Arc::new(MemoryEngine::new()), Mode::named(mode).unwrap());
+            let mut fx = Effects::new(10);
+            head.on_grant(10, view(2, &[1]), Mode::named(mode).unwrap(), &mut fx);
+            head.submit((0..100).map(|key| put(&format!("k{key:02}"))), &mut fx);
+            assert!(head.poll_backup(10).is_none(), "{mode}: no backup yet");
+            assert!(head.start_backup(10));
+            assert!(!head.start_backup(10), "{mode}: one backup at a time");
+            let mut received = std::collections::BTreeMap::new();
+            for round in 0.. {
+                let overwrite = Operation::Put {
+                    key: Bytes::from(format!("k{:02}", (round * 37) % 100)),
+                    value: Bytes::from(format!("round {round}")),
+                };
+                let delete = Operation::Delete { key: Bytes::from(format!("k{:02}", (round * 11) % 100)) };
+                head.submit([overwrite, delete], &mut fx);
+                match head.poll_backup(10).expect("under way").unwrap() {
+                    BackupStep::Entries(entries) => received.extend(entries),
+                    BackupStep::Done(entries) => {
+                        received.extend(entries);
+                        break;
+                    }
+                    step => panic!("{mode}: {step:?}"),
+                }
+                assert!(round < 1_000, "{mode}: the backup never ends");
+            }
+            let page = head
+                .engine()
+                .scan(&tessera_engine::KeyRange::all(), &Default::default(), usize::MAX)
+                .unwrap();
+            let held: std::collections::BTreeMap<_, _> = page.entries.into_iter().collect();
+            received.retain(|_, record| !record.is_empty());
+            assert_eq!(received, held, "{mode}");
+            assert!(head.poll_backup(10).is_none(), "{mode}: the backup is over");
+        }
     }
 
     #[test]

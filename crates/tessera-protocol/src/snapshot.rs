@@ -223,6 +223,11 @@ impl SnapshotStream {
         self
     }
 
+    /// How this stream is sent.
+    pub fn pace(&self) -> SnapshotPace {
+        self.pace
+    }
+
     /// This stream's number (it changes when the stream starts over).
     pub fn id(&self) -> u64 {
         self.id
