@@ -155,7 +155,7 @@ mod tests {
             for _ in 0..rng.below(6) {
                 let key = format!("k{:03}", rng.below(260));
                 match rng.below(40) {
-                    0 if seed % 7 == 0 => engine.clear().unwrap(),
+                    0 if seed.is_multiple_of(7) => engine.clear().unwrap(),
                     1..=12 => drop(engine.delete(key.as_bytes()).unwrap()),
                     _ => engine.put(key.as_bytes(), Bytes::from(format!("v{now}"))).unwrap(),
                 }
