@@ -713,8 +713,14 @@ fn probe_shard(map: &ClusterMap, shard: &Shard) -> Result<(), String> {
         let address = &map.node(*writer).ok_or("a head that is not in the map")?.address;
         let mut client = Client::connect(address.as_str(), Duration::from_secs(1))
             .map_err(|error| format!("{address}: {error}"))?;
+        // A write that commits and a delete, so that the probe leaves no key
+        // behind in the user's keyspace (a restore would find it in the way).
         match client.command(&["SET", key.as_str(), "1"]).map_err(|error| error.to_string())? {
             Value::Simple(_) => {}
+            other => return Err(format!("shard {} answers {other:?} at node {writer}", shard.id)),
+        }
+        match client.command(&["DEL", key.as_str()]).map_err(|error| error.to_string())? {
+            Value::Integer(_) => {}
             other => return Err(format!("shard {} answers {other:?} at node {writer}", shard.id)),
         }
     }

@@ -1,5 +1,6 @@
 //! `tessera`: run a node, or talk to one.
 
+mod backup;
 mod cluster;
 mod import_rdb;
 mod log_file;
@@ -78,6 +79,24 @@ enum Command {
         /// The file's database to load (Tessera has one keyspace).
         #[arg(long, default_value_t = 0)]
         db: u64,
+        /// Overwrite keys that exist (otherwise they are left and reported).
+        #[arg(long)]
+        replace: bool,
+    },
+    /// Back up the node or cluster at --addr while it serves: one RDB file
+    /// per group, each at one write position, and a manifest of the tables
+    /// (docs/OPERATIONS.md, "Backup and restore").
+    Backup {
+        /// A new or empty directory for the files.
+        #[arg(long)]
+        to: PathBuf,
+    },
+    /// Rebuild a node or cluster from a backup: creates its tables on the
+    /// node or cluster at --addr and loads every group's file.
+    Restore {
+        /// A directory `tessera backup` wrote.
+        #[arg(long)]
+        from: PathBuf,
         /// Overwrite keys that exist (otherwise they are left and reported).
         #[arg(long)]
         replace: bool,
@@ -932,6 +951,10 @@ fn connect(args: &ConnectionArgs) -> Result<Client, String> {
     Ok(client)
 }
 
+fn reach(args: &ConnectionArgs) -> backup::Reach<'_> {
+    backup::Reach { addr: &args.addr, password: args.password.as_deref() }
+}
+
 fn expect_ok(value: Value) -> Result<Value, String> {
     match value {
         Value::Error(message) => Err(message),
@@ -955,6 +978,8 @@ fn client_command(connection: &ConnectionArgs, command: Command) -> Result<(), S
         | Command::TlsCerts { .. }
         | Command::CheckHistory { .. }
         | Command::ImportRdb { .. }
+        | Command::Backup { .. }
+        | Command::Restore { .. }
         | Command::CheckCausal { .. } => {
             unreachable!("handled by main")
         }
@@ -1558,6 +1583,8 @@ fn main() -> ExitCode {
         Command::ImportRdb { file, db, replace } => connect(&cli.connection).and_then(|mut client| {
             import_rdb::run(&file, &mut client, &import_rdb::ImportOptions { db, replace })
         }),
+        Command::Backup { to } => backup::backup(&reach(&cli.connection), &to),
+        Command::Restore { from, replace } => backup::restore(&reach(&cli.connection), &from, replace),
         command => client_command(&cli.connection, command),
     };
     match result {

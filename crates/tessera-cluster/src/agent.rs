@@ -23,7 +23,7 @@ use parking_lot::{Mutex, RwLock};
 use tessera_engine::{Engine, EngineSpec};
 use tessera_protocol::handoff::HandoffMessage;
 use tessera_protocol::{
-    ClientReply, Effect, Effects, Mode, NodeId, Operation, OperationError, Progress, ReadGate, Refusal,
+    BackupStep, ClientReply, Effect, Effects, Mode, NodeId, Operation, OperationError, Progress, ReadGate, Refusal,
     Replica, ReplicaConfig, RequestId, Role, ShardView, Tuning, WritePosition,
 };
 use tessera_wire::prefix::unescape_prefix;
@@ -1054,10 +1054,55 @@ impl Agent {
         watchers.push(watcher);
     }
 
+    /// Starts a backup of a shard this node runs (docs/ARCHITECTURE.md,
+    /// "Backups"), its records read as they are while writes go on.
+    pub fn start_backup(&self, shard: u32) -> Result<(), BackupError> {
+        let local = self.local_shard(shard).ok_or(BackupError::NotHere(shard))?;
+        let mut state = local.state.lock();
+        let now = self.now();
+        if state.granted.replica.start_backup(now) {
+            Ok(())
+        } else {
+            Err(BackupError::UnderWay(shard))
+        }
+    }
+
+    /// What a shard's backup has next, and, with the last entries, the
+    /// position of the newest write applied here, which they complete.
+    pub fn poll_backup(&self, shard: u32) -> Result<(BackupStep, u64), BackupError> {
+        let local = self.local_shard(shard).ok_or(BackupError::NotHere(shard))?;
+        let mut state = local.state.lock();
+        let now = self.now();
+        let replica = &mut state.granted.replica;
+        let step = replica.poll_backup(now).ok_or(BackupError::Abandoned(shard))?;
+        let step = step.map_err(|error| BackupError::Read(shard, error))?;
+        Ok((step, replica.progress().applied))
+    }
+
+    /// Abandons a shard's backup, if one is under way.
+    pub fn end_backup(&self, shard: u32) {
+        if let Some(local) = self.local_shard(shard) {
+            local.state.lock().granted.replica.end_backup();
+        }
+    }
+
     /// The engine behind a shard on this node (for inspection and tests).
     pub fn engine(&self, shard: u32) -> Option<Arc<dyn Engine>> {
         Some(self.local_shard(shard)?.state.lock().granted.replica.engine().clone())
     }
+}
+
+/// Why a shard's backup cannot go on.
+#[derive(Debug, thiserror::Error)]
+pub enum BackupError {
+    #[error("shard {0} does not run on this node")]
+    NotHere(u32),
+    #[error("a backup of shard {0} is under way already")]
+    UnderWay(u32),
+    #[error("the backup of shard {0} was abandoned")]
+    Abandoned(u32),
+    #[error("shard {0}: {1}")]
+    Read(u32, OperationError),
 }
 
 /// Peers listen on the client port + 10000, as Redis Cluster's bus does;

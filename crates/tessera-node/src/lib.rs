@@ -7,6 +7,7 @@
 //! ([`zset`]).
 
 pub mod acl;
+pub mod backup;
 pub mod blocking;
 pub mod clients;
 pub mod cluster;

@@ -6,6 +6,7 @@
 //! other; reads take no lock. Multi-key writes (MSET, DEL) hold all their
 //! stripes, taken in index order so that two of them cannot deadlock.
 
+use crate::backup::Backups;
 use crate::diagnostics::{ClientPause, LatencyMonitor, SlowLog};
 use crate::disk_reads::DiskReads;
 use crate::gauges::{Census, Count, Rates, Totals};
@@ -209,6 +210,8 @@ pub struct NodeState {
     /// When the node started, in seconds since the Unix epoch.
     pub started_unix_secs: u64,
     pub next_client_id: AtomicU64,
+    /// SAVE, BGSAVE and backups (docs/OPERATIONS.md, "Backup and restore").
+    pub backups: Arc<Backups>,
 }
 
 /// The id of the collection a stored value heads, whatever its type.
@@ -306,6 +309,7 @@ impl NodeState {
         let acl = Acl::open(&config.dir, config.password.as_deref(), commands)?;
         let scripts = Scripts::new(config.busy_reply_threshold_ms, config.worker_threads());
         let disk_reads = DiskReads::new(config.disk_reads_in_flight);
+        let config_dir = config.dir.clone();
         Ok(Self {
             settings: Settings::new(&config),
             acl,
@@ -338,6 +342,7 @@ impl NodeState {
             started: Instant::now(),
             started_unix_secs: now_ms() / 1000,
             next_client_id: AtomicU64::new(1),
+            backups: Arc::new(Backups::new(&config_dir, now_ms() / 1000)),
         })
     }
 

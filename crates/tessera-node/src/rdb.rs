@@ -238,20 +238,31 @@ impl<'a> FileReader<'a> {
 
 /// The type byte and the object, in the encodings DUMP writes.
 pub fn write_object(out: &mut Vec<u8>, value: &Value) {
+    out.push(type_byte(value));
+    write_payload(out, value);
+}
+
+fn type_byte(value: &Value) -> u8 {
     match value {
-        Value::String(bytes) => {
-            out.push(object_type::STRING);
-            write_string(out, bytes);
-        }
+        Value::String(_) => object_type::STRING,
+        Value::List(_) => object_type::LIST,
+        Value::Set(_) => object_type::SET,
+        Value::Hash(_) => object_type::HASH,
+        Value::SortedSet(_) => object_type::ZSET_2,
+    }
+}
+
+/// The object after its type byte.
+fn write_payload(out: &mut Vec<u8>, value: &Value) {
+    match value {
+        Value::String(bytes) => write_string(out, bytes),
         Value::List(elements) | Value::Set(elements) => {
-            out.push(if matches!(value, Value::List(_)) { object_type::LIST } else { object_type::SET });
             write_length(out, elements.len() as u64);
             for element in elements {
                 write_string(out, element);
             }
         }
         Value::Hash(entries) => {
-            out.push(object_type::HASH);
             write_length(out, entries.len() as u64);
             for (field, entry) in entries {
                 write_string(out, field);
@@ -259,13 +270,90 @@ pub fn write_object(out: &mut Vec<u8>, value: &Value) {
             }
         }
         Value::SortedSet(entries) => {
-            out.push(object_type::ZSET_2);
             write_length(out, entries.len() as u64);
             for (score, member) in entries {
                 write_string(out, member);
                 out.extend_from_slice(&score.to_le_bytes());
             }
         }
+    }
+}
+
+/// The checksum of a whole file, computed as it is written.
+static FILE_CRC64: Crc<u64> = Crc::<u64>::new(&CRC_64_REDIS);
+
+/// Writes an RDB file key by key (`SAVE`'s dump.rdb, a backup's file per
+/// group), in database 0, under [`DUMP_VERSION`] so that every Redis since
+/// 4.0 loads it, and so does [`FileReader`].
+pub struct FileWriter<W: std::io::Write> {
+    out: W,
+    digest: crc::Digest<'static, u64>,
+    buffer: Vec<u8>,
+    keys: u64,
+}
+
+impl<W: std::io::Write> FileWriter<W> {
+    /// The header, `aux` fields (name and value) and database 0's selector.
+    pub fn new(out: W, aux: &[(&str, &str)]) -> std::io::Result<Self> {
+        let mut writer = Self { out, digest: FILE_CRC64.digest(), buffer: Vec::new(), keys: 0 };
+        writer.buffer.extend_from_slice(format!("REDIS{DUMP_VERSION:04}").as_bytes());
+        for (name, value) in aux {
+            writer.put_aux(name, value);
+        }
+        writer.buffer.extend_from_slice(&[opcode::SELECT_DB, 0]);
+        writer.spill()?;
+        Ok(writer)
+    }
+
+    /// One key, with its deadline in Unix milliseconds if it has one.
+    pub fn entry(&mut self, key: &[u8], value: &Value, expires_at_ms: Option<u64>) -> std::io::Result<()> {
+        if let Some(at) = expires_at_ms {
+            self.buffer.push(opcode::EXPIRE_MS);
+            self.buffer.extend_from_slice(&at.to_le_bytes());
+        }
+        self.buffer.push(type_byte(value));
+        write_string(&mut self.buffer, key);
+        write_payload(&mut self.buffer, value);
+        self.keys += 1;
+        if self.buffer.len() >= 1 << 16 {
+            self.spill()?;
+        }
+        Ok(())
+    }
+
+    /// An auxiliary field between keys (Redis and [`FileReader`] skip those
+    /// they do not know).
+    pub fn aux(&mut self, name: &str, value: &str) -> std::io::Result<()> {
+        self.put_aux(name, value);
+        self.spill()
+    }
+
+    /// Keys written so far.
+    pub fn keys(&self) -> u64 {
+        self.keys
+    }
+
+    /// The end marker and the checksum; the writer it wrote to.
+    pub fn finish(mut self) -> std::io::Result<W> {
+        self.buffer.push(opcode::EOF);
+        self.spill()?;
+        let checksum = self.digest.finalize();
+        self.out.write_all(&checksum.to_le_bytes())?;
+        self.out.flush()?;
+        Ok(self.out)
+    }
+
+    fn put_aux(&mut self, name: &str, value: &str) {
+        self.buffer.push(opcode::AUX);
+        write_string(&mut self.buffer, name.as_bytes());
+        write_string(&mut self.buffer, value.as_bytes());
+    }
+
+    fn spill(&mut self) -> std::io::Result<()> {
+        self.digest.update(&self.buffer);
+        self.out.write_all(&self.buffer)?;
+        self.buffer.clear();
+        Ok(())
     }
 }
 

@@ -12,7 +12,7 @@ use tessera_wire::{encode_command, Request};
 use super::scripting::{spawn, ScriptOutcome};
 use super::{answer, integer_arg, is, Context};
 use crate::error::{CommandError, CommandResult};
-use crate::hashed::{self, Hashed, Layout};
+use crate::hashed::{self, Layout};
 use crate::list::{End, List};
 use crate::rdb::{self, Value};
 use crate::typed::{read_live, set_deadline, write, Kind};
@@ -20,30 +20,7 @@ use crate::zset::SortedSet;
 
 /// The value at `key` as the format carries it, and its deadline.
 pub fn read_value(context: &Context, key: &[u8]) -> CommandResult<Option<(Value, Option<u64>)>> {
-    let engine = context.engine(key);
-    let now = context.now_ms;
-    let Some(stored) = read_live(engine, key, now)? else { return Ok(None) };
-    let value = match stored.kind {
-        Kind::String => Value::String(stored.payload),
-        Kind::List => {
-            let mut list = List::open(engine, key, now)?.ok_or_else(crate::collection::corrupt)?;
-            Value::List(list.range(0, u64::MAX)?)
-        }
-        Kind::Set | Kind::Hash => {
-            let layout = Layout::of(stored.kind).expect("a set or a hash");
-            let mut value = Hashed::open(layout, engine, key, now)?.ok_or_else(crate::collection::corrupt)?;
-            if layout == Layout::Set {
-                Value::Set(value.members()?)
-            } else {
-                Value::Hash(value.entries()?)
-            }
-        }
-        Kind::SortedSet => {
-            let mut set = SortedSet::open(engine, key, now)?.ok_or_else(crate::collection::corrupt)?;
-            Value::SortedSet(set.range_by_rank(0, u64::MAX, false)?)
-        }
-    };
-    Ok(Some((value, stored.expires_at_ms)))
+    crate::backup::read_value_in(context.engine(key), key, context.now_ms)
 }
 
 /// Writes `value` at `key` in place of whatever was there. The caller holds

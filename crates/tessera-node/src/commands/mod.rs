@@ -12,6 +12,7 @@ mod docs_table;
 mod dump;
 mod hashes;
 mod introspection;
+mod persistence;
 pub mod keys;
 pub mod lists;
 pub mod pubsub;
@@ -356,7 +357,7 @@ pub fn command_index(spec: &CommandSpec) -> Option<usize> {
 
 /// The commands, by family: the family is a command's ACL category beside
 /// those its flags give (`@string`, `@hash`, … as Redis names them).
-const FAMILIES: [(&str, &[CommandSpec]); 16] = [
+const FAMILIES: [(&str, &[CommandSpec]); 17] = [
     ("connection", connection::COMMANDS),
     ("tessera", consistency::COMMANDS),
     ("cluster", cluster::COMMANDS),
@@ -368,6 +369,7 @@ const FAMILIES: [(&str, &[CommandSpec]); 16] = [
     ("sortedset", sorted_sets::COMMANDS),
     ("server", server::COMMANDS),
     ("server", introspection::COMMANDS),
+    ("server", persistence::COMMANDS),
     ("transaction", transactions::COMMANDS),
     ("pubsub", pubsub::COMMANDS),
     ("scripting", scripting::COMMANDS),

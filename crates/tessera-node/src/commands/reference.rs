@@ -280,9 +280,6 @@ pub const DIFFERENCES: &[(&str, &str)] = &[
 /// Redis commands Tessera does not serve, and why.
 pub const NOT_SERVED: &[(&str, &str)] = &[
     ("bgrewriteaof", PERSISTENCE),
-    ("bgsave", PERSISTENCE),
-    ("lastsave", PERSISTENCE),
-    ("save", PERSISTENCE),
     (
         "debug",
         "Redis's internals; Tessera's diagnostics are SLOWLOG, LATENCY, MEMORY and `tessera cluster status`.",
@@ -338,7 +335,7 @@ pub const NOT_SERVED: &[(&str, &str)] = &[
     ("shutdown", "Stop a node with SIGTERM (or `tessera cluster down`): it shuts down cleanly."),
 ];
 
-const PERSISTENCE: &str = "No RDB or AOF: each table's engine persists its own data (docs/OPERATIONS.md, Durability); backups are `tessera backup`'s, to come.";
+const PERSISTENCE: &str = "No AOF: each table's engine persists its own data (docs/OPERATIONS.md, Durability); SAVE and BGSAVE write an RDB file, and `tessera backup` backs a cluster up.";
 const REPLICATION: &str = "Redis's replication protocol: Tessera replicates through its own groups and their protocols (docs/ARCHITECTURE.md, Clusters).";
 const FUNCTIONS: &str = "Redis 7 functions are not built; EVAL and EVALSHA are.";
 const GEO: &str = "The geospatial commands are not built (they would sit on sorted sets).";

@@ -91,15 +91,21 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
         );
     }
     if include("persistence") {
-        // Tessera takes no RDB snapshots and keeps no AOF: what a persistent
-        // engine writes is its own log, counted in the Tables section.
+        // No AOF: what a persistent engine writes is its own log, counted in
+        // the Tables section. The RDB fields are SAVE's and BGSAVE's.
+        let (running, last_failed, writes_at_last_save) = node.backups.status();
+        let now_secs = crate::node_state::now_ms() / 1000;
+        let current_secs = running.as_ref().map_or(-1, |job| now_secs.saturating_sub(job.started_unix_ms / 1000) as i64);
         let _ = write!(
             text,
             "# Persistence\r\nloading:0\r\nasync_loading:0\r\nrdb_changes_since_last_save:{}\r\n\
-             rdb_bgsave_in_progress:0\r\nrdb_last_save_time:{}\r\nrdb_last_bgsave_status:ok\r\n\
+             rdb_bgsave_in_progress:{}\r\nrdb_last_save_time:{}\r\nrdb_last_bgsave_status:{}\r\n\
+             rdb_current_bgsave_time_sec:{current_secs}\r\n\
              aof_enabled:0\r\naof_rewrite_in_progress:0\r\naof_last_write_status:ok\r\n\r\n",
-            node.worker_total(|worker| &worker.writes),
-            node.started_unix_secs,
+            node.worker_total(|worker| &worker.writes).saturating_sub(writes_at_last_save),
+            u8::from(running.is_some()),
+            node.backups.last_success_unix(),
+            if last_failed { "err" } else { "ok" },
         );
     }
     if include("stats") {
