@@ -138,7 +138,9 @@ fn tables(client: &mut Client, cluster: bool) -> Result<(Vec<TableEntry>, BTreeS
             .map(|(name, value)| (name.to_string(), value.to_string()))
             .collect();
         if let Some(Value::Array(listed)) = info.get("shards") {
-            shards.extend(listed.iter().filter_map(|line| text(line).split_whitespace().next()?.parse::<u32>().ok()));
+            shards.extend(
+                listed.iter().filter_map(|line| text(line).split_whitespace().next()?.parse::<u32>().ok()),
+            );
         }
         tables.push(TableEntry {
             name: name.clone(),
@@ -166,7 +168,8 @@ fn heads(reach: &Reach, client: &mut Client) -> Result<BTreeMap<u32, String>, St
         let Ok(mut node) = reach.connect(&address) else { continue };
         let info = text(&command(&mut node, &["INFO", "replication"])?);
         for line in info.lines() {
-            let Some((group, details)) = line.strip_prefix("group").and_then(|rest| rest.split_once(':')) else {
+            let Some((group, details)) = line.strip_prefix("group").and_then(|rest| rest.split_once(':'))
+            else {
                 continue;
             };
             if details.split(',').any(|field| field == "role=head") {
@@ -262,7 +265,8 @@ pub fn backup(reach: &Reach, to: &Path) -> Result<(), String> {
     progress.finish();
     files.sort_by_key(|entry| entry.shard);
     let taken_at_unix_ms = tessera_node::node_state::now_ms();
-    let manifest = Manifest { format: 1, taken_at_unix_ms, source: reach.addr.to_string(), cluster, tables, files };
+    let manifest =
+        Manifest { format: 1, taken_at_unix_ms, source: reach.addr.to_string(), cluster, tables, files };
     let keys: u64 = manifest.files.iter().map(|entry| entry.keys).sum();
     let json = serde_json::to_string_pretty(&manifest).map_err(|error| error.to_string())?;
     write_synced(&to.join(MANIFEST_FILE), json.as_bytes())?;
@@ -318,14 +322,17 @@ fn fetch(client: &mut Client, pending: &Pending, to: &Path) -> Result<FileEntry,
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), String> {
     let partial = path.with_extension("partial");
     let mut file = File::create(&partial).map_err(|error| format!("{}: {error}", partial.display()))?;
-    file.write_all(bytes).and_then(|()| file.sync_all()).map_err(|error| format!("{}: {error}", partial.display()))?;
+    file.write_all(bytes)
+        .and_then(|()| file.sync_all())
+        .map_err(|error| format!("{}: {error}", partial.display()))?;
     fs::rename(&partial, path).map_err(|error| format!("{}: {error}", path.display()))
 }
 
 pub fn read_manifest(from: &Path) -> Result<Manifest, String> {
     let path = from.join(MANIFEST_FILE);
-    let json = fs::read_to_string(&path)
-        .map_err(|error| format!("{}: {error} (a backup directory without one is incomplete)", path.display()))?;
+    let json = fs::read_to_string(&path).map_err(|error| {
+        format!("{}: {error} (a backup directory without one is incomplete)", path.display())
+    })?;
     serde_json::from_str(&json).map_err(|error| format!("{}: {error}", path.display()))
 }
 
@@ -364,7 +371,12 @@ pub fn restore(reach: &Reach, from: &Path, replace: bool) -> Result<(), String> 
         }
     }
     if !failed.is_empty() {
-        return Err(format!("{} of {} files did not load whole:\n  {}", failed.len(), paths.len(), failed.join("\n  ")));
+        return Err(format!(
+            "{} of {} files did not load whole:\n  {}",
+            failed.len(),
+            paths.len(),
+            failed.join("\n  ")
+        ));
     }
     let keys: u64 = manifest.files.iter().map(|entry| entry.keys).sum();
     println!("restored {keys} keys from {} file(s) of {}", paths.len(), from.display());

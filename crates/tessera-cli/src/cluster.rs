@@ -187,6 +187,10 @@ pub struct UpArgs {
     /// nodes of different datacenters arrive this much later (one way).
     #[arg(long, default_value_t = 0, requires = "datacenters")]
     datacenter_delay_ms: u64,
+    /// Each node's limit on one snapshot stream (a joining replica's, a
+    /// migration's, a backup's), as `serve --snapshot-rate`.
+    #[arg(long, value_parser = crate::parse_maxmemory)]
+    snapshot_rate: Option<u64>,
     /// A test and benchmark option: the clocks of odd-numbered nodes run
     /// this many milliseconds ahead of the others' (clock skew on one machine).
     #[arg(long, default_value_t = 0)]
@@ -253,6 +257,9 @@ struct Layout {
     /// How far the clocks of odd-numbered nodes run ahead (`up --clock-skew-ms`).
     #[serde(default)]
     clock_skew_ms: u64,
+    /// Each node's snapshot stream limit (`up --snapshot-rate`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    snapshot_rate: Option<u64>,
     engine: String,
     threads: usize,
     lease_ms: u64,
@@ -474,6 +481,7 @@ fn up(args: UpArgs) -> Result<(), String> {
                 datacenters: args.datacenters,
                 datacenter_delay_ms: args.datacenter_delay_ms,
                 clock_skew_ms: args.clock_skew_ms,
+                snapshot_rate: args.snapshot_rate,
                 engine: args.engine.clone(),
                 threads: args.threads,
                 lease_ms: args.lease_ms,
@@ -1563,6 +1571,9 @@ fn start(dir: &Path, layout: &Layout, name: &str) -> Result<(), String> {
         }
         if layout.datacenter_delay_ms > 0 {
             args.extend(["--datacenter-delay-ms".into(), layout.datacenter_delay_ms.to_string()]);
+        }
+        if let Some(rate) = layout.snapshot_rate {
+            args.extend(["--snapshot-rate".into(), rate.to_string()]);
         }
         args.extend(metrics_flags(&dir, layout, port));
         if layout.clock_skew_ms > 0 && id % 2 == 1 {

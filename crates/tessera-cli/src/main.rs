@@ -555,6 +555,11 @@ struct ServeArgs {
     /// datacenters this long before handling them (WAN latency on one machine).
     #[arg(long)]
     datacenter_delay_ms: Option<u64>,
+    /// The most bytes per second one snapshot stream (a joining replica's,
+    /// a migration's, a backup's) reads and sends (bytes, or a number with
+    /// kb, mb, gb; 0 for no limit) [default: 128mb].
+    #[arg(long, value_parser = parse_maxmemory)]
+    snapshot_rate: Option<u64>,
     /// A test and benchmark option: run this node's clock this many
     /// milliseconds ahead of the wall clock (clock skew on one machine).
     #[arg(long)]
@@ -668,6 +673,9 @@ impl ServeArgs {
                 (id.clone(), node, coordinator.clone(), secret.clone());
             if let Some(delay) = self.datacenter_delay_ms {
                 cluster.datacenter_delay_ms = delay;
+            }
+            if let Some(rate) = self.snapshot_rate {
+                cluster.snapshot_bytes_per_sec = rate;
             }
             if let Some(ahead) = self.clock_ahead_ms {
                 cluster.clock_ahead_ms = ahead;

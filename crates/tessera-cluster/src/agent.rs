@@ -23,8 +23,8 @@ use parking_lot::{Mutex, RwLock};
 use tessera_engine::{Engine, EngineSpec};
 use tessera_protocol::handoff::HandoffMessage;
 use tessera_protocol::{
-    BackupStep, ClientReply, Effect, Effects, Mode, NodeId, Operation, OperationError, Progress, ReadGate, Refusal,
-    Replica, ReplicaConfig, RequestId, Role, ShardView, Tuning, WritePosition,
+    BackupStep, ClientReply, Effect, Effects, Mode, NodeId, Operation, OperationError, Progress, ReadGate,
+    Refusal, Replica, ReplicaConfig, RequestId, Role, ShardView, Tuning, WritePosition,
 };
 use tessera_wire::prefix::unescape_prefix;
 use tessera_wire::slot::SLOTS;

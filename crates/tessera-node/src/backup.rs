@@ -142,7 +142,12 @@ impl Backups {
     /// Starts a job on a thread of its own: `body` writes the keys.
     /// `writes_now` is the node's count of writes, which INFO counts
     /// changes since the last save from.
-    pub fn start(self: &Arc<Self>, target: Target, writes_now: u64, body: Body) -> Result<Arc<Job>, StartError> {
+    pub fn start(
+        self: &Arc<Self>,
+        target: Target,
+        writes_now: u64,
+        body: Body,
+    ) -> Result<Arc<Job>, StartError> {
         let mut state = self.state.lock();
         if state.running.is_some() {
             return Err(StartError::UnderWay);
@@ -251,15 +256,17 @@ fn partial(path: &Path) -> PathBuf {
 }
 
 fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.as_millis() as u64)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis() as u64)
 }
 
 fn run(job: &Job, body: Body) -> Result<Finished, String> {
     let partial_path = partial(&job.path);
     let file = File::create(&partial_path).map_err(|error| format!("{}: {error}", partial_path.display()))?;
     let aux = [("redis-ver", "7.0.0"), ("tessera-ver", env!("CARGO_PKG_VERSION"))];
-    let mut writer =
-        FileWriter::new(BufWriter::new(file), &aux).map_err(|error| format!("{}: {error}", partial_path.display()))?;
+    let mut writer = FileWriter::new(BufWriter::new(file), &aux)
+        .map_err(|error| format!("{}: {error}", partial_path.display()))?;
     let positions = body(job, &mut writer)?;
     let out = writer.finish().map_err(|error| error.to_string())?;
     let file = out.into_inner().map_err(|error| error.to_string())?;
@@ -295,7 +302,9 @@ pub fn write_shards(
     let mut positions = BTreeMap::new();
     for shard in shards {
         let position = write_shard(&backups.scratch_dir(job, shard), agent, shard, job, writer)?;
-        writer.aux("tessera-shard-position", &format!("{shard}:{position}")).map_err(|error| error.to_string())?;
+        writer
+            .aux("tessera-shard-position", &format!("{shard}:{position}"))
+            .map_err(|error| error.to_string())?;
         positions.insert(shard, position);
         job.shards_done.fetch_add(1, Ordering::Relaxed);
     }
@@ -304,7 +313,13 @@ pub fn write_shards(
 
 /// Receives a shard's backup stream into a scratch engine, then writes the
 /// keys it holds: the shard at the write position returned.
-fn write_shard(scratch_dir: &Path, agent: &Agent, shard: u32, job: &Job, writer: &mut RdbOut) -> Result<u64, String> {
+fn write_shard(
+    scratch_dir: &Path,
+    agent: &Agent,
+    shard: u32,
+    job: &Job,
+    writer: &mut RdbOut,
+) -> Result<u64, String> {
     let _ = fs::remove_dir_all(scratch_dir);
     let spec = EngineSpec::new(EngineKind::Lsm, [("fsync".to_string(), "never".to_string())].into())
         .map_err(|error| error.to_string())?;
@@ -340,7 +355,8 @@ fn receive(agent: &Agent, shard: u32, scratch: &dyn Engine, job: &Job) -> Result
         };
         job.received.fetch_add(entries.len() as u64, Ordering::Relaxed);
         for (key, record) in entries {
-            let applied = if record.is_empty() { scratch.delete(&key).map(drop) } else { scratch.put(&key, record) };
+            let applied =
+                if record.is_empty() { scratch.delete(&key).map(drop) } else { scratch.put(&key, record) };
             applied.map_err(|error| error.to_string())?;
         }
         if done {
@@ -377,7 +393,11 @@ fn write_keys(engine: &dyn Engine, job: &Job, writer: &mut RdbOut) -> Result<(),
 
 /// The value at `key` in `engine` as the format carries it, and its
 /// deadline; none once expired at `now` (Unix milliseconds).
-pub fn read_value_in(engine: &dyn Engine, key: &[u8], now: u64) -> CommandResult<Option<(Value, Option<u64>)>> {
+pub fn read_value_in(
+    engine: &dyn Engine,
+    key: &[u8],
+    now: u64,
+) -> CommandResult<Option<(Value, Option<u64>)>> {
     let Some(stored) = read_live(engine, key, now)? else { return Ok(None) };
     let value = match stored.kind {
         Kind::String => Value::String(stored.payload),

@@ -217,6 +217,17 @@ impl SnapshotStream {
         }
     }
 
+    /// Every change queued so far, in order, as if sent and acknowledged:
+    /// for a receiver that takes them at once (a backup, whose receiver is
+    /// its own driver), so that the rate holds back only reads of the engine.
+    pub fn take_changes(&mut self) -> Vec<(Bytes, Bytes)> {
+        let changes = self.changes.as_mut().expect("only a following stream carries changes");
+        let taken = changes.take(usize::MAX);
+        let bytes = entries_bytes(&taken) as u64;
+        self.sent = (self.sent.0 + taken.len() as u64, self.sent.1 + bytes);
+        taken
+    }
+
     /// Sends only the entries whose key `keep` accepts.
     pub fn only(mut self, keep: impl Fn(&[u8]) -> bool + Send + 'static) -> Self {
         self.keep = Some(Box::new(keep));

@@ -48,7 +48,10 @@ const TESSERA: &[(&str, &str)] = &[
     ("table.alter", "Changes a table's mode (topology and consistency) while it serves"),
     ("table.info", "Describes a table"),
     ("table.range", "Reads a range-partitioned table's keys in order, across its shards"),
-    ("backup.start", "Starts writing this node's keys (or the cluster shards named) to an RDB file, while it serves"),
+    (
+        "backup.start",
+        "Starts writing this node's keys (or the cluster shards named) to an RDB file, while it serves",
+    ),
     ("backup.status", "Reports a backup's state, progress, file size and each shard's write position"),
     ("backup.read", "Reads up to 1 MiB of a finished backup's file from an offset"),
     ("backup.drop", "Forgets a finished backup and deletes its file"),

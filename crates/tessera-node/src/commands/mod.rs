@@ -12,9 +12,9 @@ mod docs_table;
 mod dump;
 mod hashes;
 mod introspection;
-mod persistence;
 pub mod keys;
 pub mod lists;
+mod persistence;
 pub mod pubsub;
 #[cfg(test)]
 mod reference;

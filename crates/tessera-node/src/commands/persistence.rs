@@ -15,7 +15,7 @@ use crate::error::{CommandError, CommandResult};
 pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "save", arity: 1, flags: &["admin", "noscript", "no_multi"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: save },
     CommandSpec { name: "bgsave", arity: -1, flags: &["admin", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: bgsave },
-    CommandSpec { name: "lastsave", arity: 1, flags: &["fast", "loading", "stale"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: lastsave },
+    CommandSpec { name: "lastsave", arity: 1, flags: &["admin", "fast", "loading", "stale"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: lastsave },
     CommandSpec { name: "backup.start", arity: -1, flags: &["admin", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: backup_start },
     CommandSpec { name: "backup.status", arity: 2, flags: &["admin", "noscript", "loading", "stale"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: backup_status },
     CommandSpec { name: "backup.read", arity: 3, flags: &["admin", "noscript", "loading", "stale"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: backup_read },
@@ -108,7 +108,9 @@ fn backup_start(context: &mut Context, request: &Request) -> CommandResult {
         1 => None,
         count if count >= 3 && is(request.arg(1), "shard") => {
             if context.cluster.is_none() {
-                return Err(CommandError::Other("SHARD names a cluster's shards; this node is not in one".into()));
+                return Err(CommandError::Other(
+                    "SHARD names a cluster's shards; this node is not in one".into(),
+                ));
             }
             let shards = (2..count)
                 .map(|index| integer_arg(request, index).and_then(shard_id))
@@ -157,7 +159,9 @@ fn backup_status(context: &mut Context, request: &Request) -> CommandResult {
     out.bulk(b"keys");
     out.integer(job.keys.load(Ordering::Relaxed) as i64);
     out.bulk(b"file-bytes");
-    out.integer(outcome.as_ref().and_then(|outcome| outcome.as_ref().ok()).map_or(0, |done| done.file_bytes) as i64);
+    out.integer(
+        outcome.as_ref().and_then(|outcome| outcome.as_ref().ok()).map_or(0, |done| done.file_bytes) as i64
+    );
     out.bulk(b"positions");
     let positions = outcome.as_ref().and_then(|outcome| outcome.as_ref().ok()).map(|done| &done.positions);
     out.array(positions.map_or(0, |positions| positions.len()));

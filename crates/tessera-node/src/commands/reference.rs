@@ -274,6 +274,8 @@ pub const DIFFERENCES: &[(&str, &str)] = &[
     ("script", "`DEBUG` is not served."),
     ("cluster", "Served from the Tessera cluster's map: `INFO`, `MYID`, `NODES`, `SHARDS`, `SLOTS`, `KEYSLOT`, `COUNTKEYSINSLOT`, `GETKEYSINSLOT`, `SETSLOT`; slots are assigned by the coordinator, not by `ADDSLOTS` or `MEET`."),
     ("acl", "`CAT`, `DELUSER`, `GENPASS`, `GETUSER`, `LIST`, `SETUSER`, `USERS`, `WHOAMI`; in a cluster, users are the cluster's (changed through the coordinator)."),
+    ("save", "Only the calling connection waits. Outside a cluster, writes wait until the file is written (reads go on); in a cluster each group is read while it serves, at one write position (docs/OPERATIONS.md, Backup and restore)."),
+    ("bgsave", "A thread, not a fork: outside a cluster, writes wait until the file is written (reads go on); in a cluster each group is read while it serves, at one write position. `SCHEDULE` starts it at once (there is no AOF rewrite to wait for)."),
     ("publish", "In a cluster, delivered on every node; answers the receiving node's subscriber count, as a Redis Cluster node does."),
 ];
 

@@ -95,7 +95,8 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
         // the Tables section. The RDB fields are SAVE's and BGSAVE's.
         let (running, last_failed, writes_at_last_save) = node.backups.status();
         let now_secs = crate::node_state::now_ms() / 1000;
-        let current_secs = running.as_ref().map_or(-1, |job| now_secs.saturating_sub(job.started_unix_ms / 1000) as i64);
+        let current_secs =
+            running.as_ref().map_or(-1, |job| now_secs.saturating_sub(job.started_unix_ms / 1000) as i64);
         let _ = write!(
             text,
             "# Persistence\r\nloading:0\r\nasync_loading:0\r\nrdb_changes_since_last_save:{}\r\n\
