@@ -3,8 +3,9 @@
 # redis_exporter, Chromium and chromedriver, go-ycsb, cargo-deb; redis-py,
 # Selenium and pytest in a virtual environment under target/) and runs every
 # check: formatting, lints, unit and property tests, the engine conformance
-# suite, the Debian package, and integration tests with real clients and a real
-# browser against the real binary. CI runs exactly this (.ci/run).
+# suite, the Debian package, the deployment files (Kubernetes, compose), and
+# integration tests with real clients and a real browser against the real
+# binary. CI runs exactly this (.ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -50,5 +51,7 @@ echo "== cargo test"
 cargo test --release --workspace
 echo "== the Debian package, installed with dpkg"
 scripts/test-deb.sh
+echo "== deployment files (Kubernetes manifests, compose file)"
+(cd deploy/validate && go vet ./... && go test ./... && go run . ..)
 echo "== redis-py integration tests"
 TESSERA_BIN="$PWD/target/release/tessera" "$VENV/bin/python" -m pytest -q tests/python
