@@ -153,6 +153,10 @@ def test_prometheus_and_redis_exporter_watch_a_cluster_through_load_and_a_failov
         prometheus.wait_for('sum(tessera_command_calls_total{command="set"})', lambda sets: sets >= sets_before + keys)
         prometheus.wait_for("sum(tessera_group_keys)", lambda stored: stored >= 3 * keys)
         prometheus.wait_for('sum(tessera_group_applied_writes{group="0"})', lambda applied: applied > 0)
+        # Memory by group, as the expiry sweep's census estimates it: at least
+        # the keys' and values' bytes, once per key (heads only).
+        prometheus.wait_for("count(tessera_group_bytes)", lambda count: count == shards)
+        prometheus.wait_for("sum(tessera_group_bytes)", lambda stored: stored >= keys * (len("metrics:000") + 32))
         p99 = prometheus.wait_for(
             'histogram_quantile(0.99, sum by (le) (rate(tessera_command_duration_seconds_bucket{command="set"}[1m])))',
             lambda seconds: seconds > 0)
@@ -182,3 +186,39 @@ def test_prometheus_and_redis_exporter_watch_a_cluster_through_load_and_a_failov
             exporter.send_signal(signal.SIGTERM)
             exporter.wait(timeout=10)
         cluster.down()
+
+
+def test_a_node_reports_each_tables_keys_and_bytes(data_dir):
+    """A node of its own: keys and estimated bytes per table and engine, the
+    bytes at least what the keys and values hold."""
+    from conftest import Node, free_port
+    metrics_port = free_port()
+    node = Node(data_dir, "--metrics-bind", f"127.0.0.1:{metrics_port}", "--expiry-sweep-interval-ms", "10").start()
+    try:
+        client = node.client()
+        client.execute_command("TABLE.CREATE", "users", "PREFIX", "u:", "ENGINE", "ordered")
+        for index in range(500):
+            client.set(f"u:{index:03}", "x" * 100)
+        client.rpush("queue", *[f"job-{index:04}" * 10 for index in range(1_000)])
+
+        def scrape():
+            text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+            return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                    for line in text.splitlines() if line.startswith("tessera_table_")}
+
+        deadline = time.time() + 30
+        while True:
+            series = scrape()
+            users = series.get('tessera_table_bytes{table="users",engine="ordered"}', 0)
+            default = series.get('tessera_table_bytes{table="default",engine="memory"}', 0)
+            if users and default:
+                break
+            assert time.time() < deadline, series
+            time.sleep(0.1)
+        assert series['tessera_table_keys{table="users",engine="ordered"}'] == 500
+        assert series['tessera_table_keys{table="default",engine="memory"}'] == 1
+        assert 500 * (5 + 100) <= users < 500 * (5 + 100) * 4, users
+        list_bytes = 1_000 * len("job-0000" * 10)
+        assert list_bytes <= default < list_bytes * 4, default
+    finally:
+        node.stop()

@@ -68,6 +68,8 @@ pub struct Count {
     /// Keys with a time to live, and the sum of what is left of them.
     pub expiring: u64,
     pub ttl_ms_sum: u128,
+    /// The keys' bytes as MEMORY USAGE estimates them.
+    pub bytes: u64,
 }
 
 impl Count {
@@ -84,6 +86,7 @@ impl Count {
         self.keys += other.keys;
         self.expiring += other.expiring;
         self.ttl_ms_sum += other.ttl_ms_sum;
+        self.bytes += other.bytes;
     }
 }
 
@@ -115,6 +118,14 @@ impl Census {
     pub fn keep_only(&mut self, keyspaces: &[&str]) {
         self.under_way.retain(|name, _| keyspaces.contains(&name.as_str()));
         self.done.retain(|name, _| keyspaces.contains(&name.as_str()));
+    }
+
+    /// Each keyspace's last whole pass, by name.
+    pub fn by_keyspace(&self) -> Vec<(String, Count)> {
+        let mut counts: Vec<(String, Count)> =
+            self.done.iter().map(|(name, count)| (name.clone(), *count)).collect();
+        counts.sort_by(|a, b| a.0.cmp(&b.0));
+        counts
     }
 
     /// Every keyspace's last whole pass, summed.

@@ -15,6 +15,13 @@ use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
 use serde::Deserialize;
+use tessera_engine::Engine;
+
+use crate::error::CommandResult;
+use crate::hashed::{self, Hashed};
+use crate::list::List;
+use crate::typed::{read_live, Kind};
+use crate::zset::SortedSet;
 
 /// Bytes allocated through [`CountingAllocator`] and not yet freed.
 static ALLOCATED: AtomicUsize = AtomicUsize::new(0);
@@ -294,4 +301,75 @@ mod tests {
         clock.touch(b"k", 12_345);
         assert_eq!(clock.last_access(b"k"), 123);
     }
+}
+
+/// Bytes a value takes beyond its elements (header, index entry).
+const VALUE_OVERHEAD_BYTES: usize = 48;
+/// Bytes each element of a collection takes beyond its own.
+const ELEMENT_OVERHEAD_BYTES: usize = 16;
+
+/// The key's bytes and its value's, the elements estimated from the first
+/// `samples` of them (every one when there are no more), as Redis
+/// estimates; `None` for a missing key.
+pub fn estimated_bytes(
+    engine: &dyn Engine,
+    key: &[u8],
+    now: u64,
+    samples: usize,
+) -> CommandResult<Option<usize>> {
+    let Some(stored) = read_live(engine, key, now)? else { return Ok(None) };
+    let take = |len: u64| samples.min(len as usize).max(1);
+    // The number of elements, and the bytes of those sampled.
+    let (count, sampled): (usize, Vec<usize>) = match stored.kind {
+        Kind::String => (1, vec![stored.payload.len()]),
+        Kind::List => match List::open(engine, key, now)? {
+            Some(mut list) if !list.is_empty() => {
+                let sampled = list.range(0, take(list.len()) as u64 - 1)?;
+                (
+                    list.len() as usize,
+                    sampled.iter().map(|element| element.len() + ELEMENT_OVERHEAD_BYTES).collect(),
+                )
+            }
+            _ => (0, Vec::new()),
+        },
+        Kind::Set | Kind::Hash => {
+            let layout = hashed::Layout::of(stored.kind).expect("a set or a hash");
+            match Hashed::open(layout, engine, key, now)? {
+                Some(mut value) => {
+                    let wanted = take(value.len());
+                    let (mut cursor, mut sampled) = (0, Vec::new());
+                    loop {
+                        let (next, entries) = value.scan(cursor, wanted as u64)?;
+                        let sizes = entries
+                            .iter()
+                            .map(|(field, entry)| field.len() + entry.len() + ELEMENT_OVERHEAD_BYTES);
+                        sampled.extend(sizes);
+                        if next == 0 || sampled.len() >= wanted {
+                            break;
+                        }
+                        cursor = next;
+                    }
+                    sampled.truncate(wanted);
+                    (value.len() as usize, sampled)
+                }
+                None => (0, Vec::new()),
+            }
+        }
+        Kind::SortedSet => match SortedSet::open(engine, key, now)? {
+            Some(mut set) if !set.is_empty() => {
+                let sampled = set.range_by_rank(0, take(set.len()) as u64 - 1, false)?;
+                (
+                    set.len() as usize,
+                    sampled.iter().map(|(_, member)| member.len() + 8 + ELEMENT_OVERHEAD_BYTES).collect(),
+                )
+            }
+            _ => (0, Vec::new()),
+        },
+    };
+    let elements = if sampled.is_empty() {
+        0
+    } else {
+        sampled.iter().sum::<usize>().saturating_mul(count) / sampled.len()
+    };
+    Ok(Some(key.len() + VALUE_OVERHEAD_BYTES + elements))
 }

@@ -184,11 +184,35 @@ impl NodeCollector {
             "Keys with a time to live, at the expiry sweep's last pass.",
             census.expiring,
         )?;
+        let keyspaces = self.node.census.lock().by_keyspace();
         if self.cluster.is_some() {
-            return Ok(());
+            // A cluster node's keyspaces are the groups it heads, `table@group`.
+            let rows = keyspaces.iter().filter_map(|(name, count)| {
+                let (table, group) = name.rsplit_once('@')?;
+                Some((vec![("group", group.to_string()), ("table", table.to_string())], count.bytes))
+            });
+            return gauges(
+                encoder,
+                "tessera_group_bytes",
+                "Bytes of the keys in each group this node heads, as MEMORY USAGE estimates them, at the expiry sweep's last pass.",
+                rows,
+            );
         }
         let tables = self.node.tables();
         let tables = tables.by_name();
+        let bytes_of = |name: &str| {
+            keyspaces.iter().find(|(keyspace, _)| keyspace == name).map(|(_, count)| count.bytes)
+        };
+        gauges(
+            encoder,
+            "tessera_table_bytes",
+            "Bytes of the keys in each table, as MEMORY USAGE estimates them, at the expiry sweep's last pass.",
+            tables.iter().filter_map(|table| {
+                let labels =
+                    vec![("table", table.def.name.clone()), ("engine", table.spec.kind.name().to_string())];
+                Some((labels, bytes_of(&table.def.name)?))
+            }),
+        )?;
         let rows: Vec<(Labels, u64)> = tables
             .iter()
             .map(|table| {

@@ -25,7 +25,7 @@ use crate::clients::Clients;
 use crate::collection;
 use crate::config::Config;
 use crate::error::{CommandError, CommandResult};
-use crate::memory::{used_memory, AccessClock, EvictionPolicy, Settings};
+use crate::memory::{estimated_bytes, used_memory, AccessClock, EvictionPolicy, Settings};
 use crate::pubsub::PubSub;
 use crate::scripts::Scripts;
 use crate::tables::{Catalogue, Table, TableDef, TableError, TableSet};
@@ -33,6 +33,9 @@ use crate::typed::{decode_header, Kind, Stored};
 use crate::watch::KeyVersions;
 
 const LOCK_STRIPES: usize = 1024;
+/// Elements the expiry sweep's census samples to estimate a collection's
+/// bytes (MEMORY USAGE's default, as Redis's).
+const CENSUS_SAMPLES: usize = 5;
 /// How often a command waiting for a key's lock looks whether a script has
 /// gone past the busy threshold.
 const BUSY_CHECK_INTERVAL: Duration = Duration::from_millis(10);
@@ -576,6 +579,8 @@ impl NodeState {
                 let stored = if reserved::is_reserved(&key) { None } else { Stored::decode(raw).ok() };
                 if let Some(stored) = stored.as_ref().filter(|stored| !stored.is_expired(now)) {
                     counted.key(stored.expires_at_ms.map(|at| at.saturating_sub(now)));
+                    let bytes = estimated_bytes(keyspace.values(), &key, now, CENSUS_SAMPLES);
+                    counted.bytes += bytes.ok().flatten().unwrap_or(0) as u64;
                 }
                 let removed = if reserved::is_reserved(&key) {
                     self.remove_if_orphan(keyspace, &key, now)

@@ -7,11 +7,7 @@ use tessera_wire::Request;
 
 use super::{integer_arg, is, write_help, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
-use crate::hashed::{Hashed, Layout};
-use crate::list::List;
-use crate::memory::{resident_memory, used_memory};
-use crate::typed::{read_live, Kind};
-use crate::zset::SortedSet;
+use crate::memory::{estimated_bytes, resident_memory, used_memory};
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
@@ -169,11 +165,6 @@ fn latency(context: &mut Context, request: &Request) -> CommandResult {
     Ok(())
 }
 
-/// Bytes a value takes beyond its elements (header, index entry).
-const VALUE_OVERHEAD_BYTES: usize = 48;
-/// Bytes each element of a collection takes beyond its own.
-const ELEMENT_OVERHEAD_BYTES: usize = 16;
-
 fn memory(context: &mut Context, request: &Request) -> CommandResult {
     let subcommand = request.arg(1);
     if is(subcommand, "usage") {
@@ -186,7 +177,7 @@ fn memory(context: &mut Context, request: &Request) -> CommandResult {
             },
             _ => return Err(CommandError::Syntax),
         };
-        match estimated_bytes(context, request.arg(2), samples)? {
+        match estimated_bytes(context.engine(request.arg(2)), request.arg(2), context.now_ms, samples)? {
             Some(bytes) => context.out.integer(bytes as i64),
             None => context.out.null(),
         }
@@ -241,67 +232,4 @@ fn memory(context: &mut Context, request: &Request) -> CommandResult {
         );
     }
     Ok(())
-}
-
-/// The key's bytes and its value's, the elements estimated from the first
-/// `samples` of them (every one when there are no more), as Redis
-/// estimates; `None` for a missing key.
-fn estimated_bytes(context: &Context, key: &[u8], samples: usize) -> CommandResult<Option<usize>> {
-    let engine = context.engine(key);
-    let now = context.now_ms;
-    let Some(stored) = read_live(engine, key, now)? else { return Ok(None) };
-    let take = |len: u64| samples.min(len as usize).max(1);
-    // The number of elements, and the bytes of those sampled.
-    let (count, sampled): (usize, Vec<usize>) = match stored.kind {
-        Kind::String => (1, vec![stored.payload.len()]),
-        Kind::List => match List::open(engine, key, now)? {
-            Some(mut list) if !list.is_empty() => {
-                let sampled = list.range(0, take(list.len()) as u64 - 1)?;
-                (
-                    list.len() as usize,
-                    sampled.iter().map(|element| element.len() + ELEMENT_OVERHEAD_BYTES).collect(),
-                )
-            }
-            _ => (0, Vec::new()),
-        },
-        Kind::Set | Kind::Hash => {
-            let layout = Layout::of(stored.kind).expect("a set or a hash");
-            match Hashed::open(layout, engine, key, now)? {
-                Some(mut value) => {
-                    let wanted = take(value.len());
-                    let (mut cursor, mut sampled) = (0, Vec::new());
-                    loop {
-                        let (next, entries) = value.scan(cursor, wanted as u64)?;
-                        let sizes = entries
-                            .iter()
-                            .map(|(field, entry)| field.len() + entry.len() + ELEMENT_OVERHEAD_BYTES);
-                        sampled.extend(sizes);
-                        if next == 0 || sampled.len() >= wanted {
-                            break;
-                        }
-                        cursor = next;
-                    }
-                    sampled.truncate(wanted);
-                    (value.len() as usize, sampled)
-                }
-                None => (0, Vec::new()),
-            }
-        }
-        Kind::SortedSet => match SortedSet::open(engine, key, now)? {
-            Some(mut set) if !set.is_empty() => {
-                let sampled = set.range_by_rank(0, take(set.len()) as u64 - 1, false)?;
-                (
-                    set.len() as usize,
-                    sampled.iter().map(|(_, member)| member.len() + 8 + ELEMENT_OVERHEAD_BYTES).collect(),
-                )
-            }
-            _ => (0, Vec::new()),
-        },
-    };
-    let elements = if sampled.is_empty() {
-        0
-    } else {
-        sampled.iter().sum::<usize>().saturating_mul(count) / sampled.len()
-    };
-    Ok(Some(key.len() + VALUE_OVERHEAD_BYTES + elements))
 }
