@@ -187,11 +187,11 @@ mod tests {
         assert_eq!(census.total(), Count::default(), "a pass under way counts for nothing yet");
         census.counted("a", &page(&[]), true);
         census.counted("b", &page(&[Some(3_000)]), true);
-        assert_eq!(census.total(), Count { keys: 3, expiring: 2, ttl_ms_sum: 4_000 });
+        assert_eq!(census.total(), Count { keys: 3, expiring: 2, ttl_ms_sum: 4_000, bytes: 0 });
         census.counted("a", &page(&[None]), false);
         assert_eq!(census.total().keys, 3, "the last whole pass stands while the next runs");
         census.keep_only(&["b"]);
-        assert_eq!(census.total(), Count { keys: 1, expiring: 1, ttl_ms_sum: 3_000 });
+        assert_eq!(census.total(), Count { keys: 1, expiring: 1, ttl_ms_sum: 3_000, bytes: 0 });
     }
 
     #[test]
