@@ -263,46 +263,6 @@ impl Settings {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sizes_read_as_redis_reads_them() {
-        assert_eq!(parse_size("100"), Some(100));
-        assert_eq!(parse_size("100mb"), Some(100 << 20));
-        assert_eq!(parse_size("1GB"), Some(1 << 30));
-        assert_eq!(parse_size("2k"), Some(2000));
-        assert_eq!(parse_size("mb"), None);
-        assert_eq!(parse_size("1tb"), None);
-        assert_eq!(parse_size("99999999999999999999gb"), None);
-    }
-
-    #[test]
-    fn human_sizes_as_info_writes_them() {
-        assert_eq!(human_bytes(512), "512B");
-        assert_eq!(human_bytes(1536), "1.50K");
-        assert_eq!(human_bytes(100 << 20), "100.00M");
-    }
-
-    #[test]
-    fn policies_by_redis_names() {
-        for policy in EvictionPolicy::ALL {
-            assert_eq!(EvictionPolicy::parse(policy.name()), Some(policy));
-        }
-        assert_eq!(EvictionPolicy::parse("ALLKEYS-LRU"), Some(EvictionPolicy::AllkeysLru));
-        assert_eq!(EvictionPolicy::parse("allkeys-lfu"), None);
-    }
-
-    #[test]
-    fn the_access_clock_remembers_the_latest_use() {
-        let clock = AccessClock::default();
-        assert_eq!(clock.last_access(b"k"), 0);
-        clock.touch(b"k", 12_345);
-        assert_eq!(clock.last_access(b"k"), 123);
-    }
-}
-
 /// Bytes a value takes beyond its elements (header, index entry).
 const VALUE_OVERHEAD_BYTES: usize = 48;
 /// Bytes each element of a collection takes beyond its own.
@@ -372,4 +332,44 @@ pub fn estimated_bytes(
         sampled.iter().sum::<usize>().saturating_mul(count) / sampled.len()
     };
     Ok(Some(key.len() + VALUE_OVERHEAD_BYTES + elements))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_read_as_redis_reads_them() {
+        assert_eq!(parse_size("100"), Some(100));
+        assert_eq!(parse_size("100mb"), Some(100 << 20));
+        assert_eq!(parse_size("1GB"), Some(1 << 30));
+        assert_eq!(parse_size("2k"), Some(2000));
+        assert_eq!(parse_size("mb"), None);
+        assert_eq!(parse_size("1tb"), None);
+        assert_eq!(parse_size("99999999999999999999gb"), None);
+    }
+
+    #[test]
+    fn human_sizes_as_info_writes_them() {
+        assert_eq!(human_bytes(512), "512B");
+        assert_eq!(human_bytes(1536), "1.50K");
+        assert_eq!(human_bytes(100 << 20), "100.00M");
+    }
+
+    #[test]
+    fn policies_by_redis_names() {
+        for policy in EvictionPolicy::ALL {
+            assert_eq!(EvictionPolicy::parse(policy.name()), Some(policy));
+        }
+        assert_eq!(EvictionPolicy::parse("ALLKEYS-LRU"), Some(EvictionPolicy::AllkeysLru));
+        assert_eq!(EvictionPolicy::parse("allkeys-lfu"), None);
+    }
+
+    #[test]
+    fn the_access_clock_remembers_the_latest_use() {
+        let clock = AccessClock::default();
+        assert_eq!(clock.last_access(b"k"), 0);
+        clock.touch(b"k", 12_345);
+        assert_eq!(clock.last_access(b"k"), 123);
+    }
 }
