@@ -97,7 +97,8 @@ def test_the_dashboard_shows_the_topology_and_a_failover_as_it_happens(tmp_path)
         assert shown == heads
         assert "epoch" in page.find_element("id", "status").text
 
-        # Writes show as writes per second at the nodes that head them.
+        # Writes show as writes per second at the nodes that head them, reads
+        # as reads per second at the nodes that serve them, with latency.
         writing = threading.Event()
 
         def write():
@@ -105,6 +106,7 @@ def test_the_dashboard_shows_the_topology_and_a_failover_as_it_happens(tmp_path)
             index = 0
             while not writing.is_set():
                 client.set(f"dashboard:{index}", "v")
+                client.get(f"dashboard:{index}")
                 index += 1
 
         writer = threading.Thread(target=write)
@@ -114,6 +116,13 @@ def test_the_dashboard_shows_the_topology_and_a_failover_as_it_happens(tmp_path)
                 return [int(text) for row in rows(page, "nodes")
                         for text, kind in zip(row["cells"], row["classes"]) if kind == "writes" and text.isdigit()]
             wait_until(lambda: sum(shown_rates()) > 0, "writes per second")
+
+            def shown(kind):
+                return [text for row in rows(page, "nodes")
+                        for text, cell_kind in zip(row["cells"], row["classes"]) if cell_kind == kind]
+            wait_until(lambda: sum(int(text) for text in shown("reads") if text.isdigit()) > 0, "reads per second")
+            wait_until(lambda: all(" / " in text and "s" in text for text in shown("latency")),
+                       "every node's latency")
         finally:
             writing.set()
             writer.join()

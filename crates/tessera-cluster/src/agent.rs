@@ -37,7 +37,7 @@ use crate::auth::ClusterSecret;
 use crate::grant::{misrouted_handoff, GrantedReplica, Handoffs};
 use crate::links::{serve_incoming, Incoming, LinkConfig, Links, INCOMING_BATCHES_MAX};
 use crate::map::{range_index, ClusterMap, NodeInfo, DEFAULT_TABLE};
-use crate::session::{CoordinatorSession, Credentials, SessionError};
+use crate::session::{CoordinatorSession, Credentials, NodeLoad, SessionError};
 use crate::tls::PeerTls;
 
 /// Milliseconds since the Unix epoch as read once at start, advanced by a
@@ -470,11 +470,17 @@ pub struct Agent {
     /// Told whenever where requests go may have changed here: a new map in
     /// force, or this node's role in a shard changed.
     placement_watchers: Mutex<Vec<PlacementWatcher>>,
+    load_source: Mutex<Option<LoadSource>>,
 }
 
 /// Called when placement may have changed (the node wakes its blocked
 /// clients, whose keys may now be served elsewhere).
 pub type PlacementWatcher = Box<dyn Fn() + Send + Sync>;
+/// Reads the node's load, which the heartbeat loop reports (COORD.LOAD).
+pub type LoadSource = Box<dyn Fn() -> NodeLoad + Send + Sync>;
+
+/// How often a node reports its load to the coordinator.
+const LOAD_REPORT_EVERY: Duration = Duration::from_secs(1);
 
 /// What the node keeps from each map besides routing (its users).
 pub type MapWatcher = Box<dyn Fn(&ClusterMap) + Send + Sync>;
@@ -552,6 +558,7 @@ impl Agent {
             woken: Arc::new(Notify::new()),
             map_watchers: Mutex::new(Vec::new()),
             placement_watchers: Mutex::new(Vec::new()),
+            load_source: Mutex::new(None),
         });
         agent.tasks.lock().extend([
             tokio::spawn(heartbeat_loop(Arc::downgrade(&agent), coordinator)),
@@ -1043,6 +1050,12 @@ impl Agent {
         }
     }
 
+    /// From now on, the heartbeat loop reports what `source` reads of the
+    /// node's load to the coordinator, for its dashboard.
+    pub fn report_load(&self, source: LoadSource) {
+        *self.load_source.lock() = Some(source);
+    }
+
     /// Calls `watcher` with the map now, if there is one, and with every new
     /// map before the coordinator hears that this node routes by it (so a
     /// change the coordinator says is seen everywhere is applied everywhere).
@@ -1155,6 +1168,7 @@ async fn fetch_map(coordinator: &mut CoordinatorSession) -> Option<ClusterMap> {
 
 async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: CoordinatorSession) {
     let mut known_epoch = 0;
+    let mut load_reported = Instant::now() - LOAD_REPORT_EVERY;
     loop {
         let Some(agent_ref) = agent.upgrade() else { return };
         let interval = Duration::from_millis(agent_ref.config.heartbeat_ms);
@@ -1219,6 +1233,19 @@ async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: Coordina
                 match agent_ref.config.coordinator_session().await {
                     Ok(fresh) => coordinator = fresh,
                     Err(error) => tracing::warn!(%error, "coordinator unreachable"),
+                }
+            }
+        }
+        if load_reported.elapsed() >= LOAD_REPORT_EVERY {
+            load_reported = Instant::now();
+            let load = agent_ref.load_source.lock().as_ref().map(|source| source());
+            if let Some(load) = load {
+                let fields = [load.commands, load.reads, load.writes, load.p50_us, load.p99_us];
+                let mut args = vec![b"COORD.LOAD".to_vec(), agent_ref.config.node.to_string().into_bytes()];
+                args.extend(fields.iter().map(|field| field.to_string().into_bytes()));
+                let arg_slices: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+                if let Ok(Value::Error(message)) = coordinator.call(&arg_slices).await {
+                    tracing::debug!(%message, "the coordinator did not take the load report");
                 }
             }
         }

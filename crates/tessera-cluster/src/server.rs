@@ -9,6 +9,7 @@
 //! COORD.AUTH proof                                 +OK: the session is the identity's
 //! COORD.JOIN cluster-id node [tls-port]             the lease in ms, or an error naming the mismatch
 //! COORD.HEARTBEAT cluster-id node incarnation known-epoch [shard applied ready-learner ready-view]...
+//! COORD.LOAD node commands reads writes p50-us p99-us   +OK: the node's counters, for the dashboard
 //!     -> [epoch, [shard, view-number, [members...], [learners...]]...]   (ready-learner -1: none)
 //! COORD.ADD-NODE address                           the new standby node's id
 //! COORD.TABLE-CREATE name prefix engine [option value]...   +OK (prefix \xNN-escaped)
@@ -50,6 +51,7 @@ use crate::auth::{
 use crate::coordinator::{ClusterCoordinator, JoinError, SlotCommand, Timing};
 use crate::map::{ClusterMap, ClusterTable, MapError, MigrationPhase, NodeRole, Shard};
 use crate::metrics::{counter, counters, gauge, gauges, Labels};
+use crate::session::NodeLoad;
 use crate::store::{MetadataStore, StoreError};
 use crate::tls::{self, MaybeTls, PeerTls};
 
@@ -174,6 +176,8 @@ struct State {
     failure_timeout_ms: u64,
     /// Per node, the newest map epoch it said it routes by, and when.
     known_epochs: HashMap<u32, (u64, u64)>,
+    /// Per node of the map, the load it last reported, and when.
+    loads: HashMap<u32, (NodeLoad, u64)>,
     /// Set when storing the map failed: this coordinator decides nothing more.
     fenced: Option<String>,
 }
@@ -262,6 +266,7 @@ impl CoordinatorServer {
             lease_ms: timing.lease_ms,
             failure_timeout_ms: timing.failure_timeout_ms,
             known_epochs: HashMap::new(),
+            loads: HashMap::new(),
             store,
             version,
             epochs,
@@ -333,6 +338,16 @@ impl CoordinatorObserver {
                 let mut json = serde_json::to_value(node).unwrap_or_default();
                 json["heard_ms_ago"] =
                     state.known_epochs.get(&node.id).map(|(_, at)| now.saturating_sub(*at)).into();
+                if let Some((load, at)) = state.loads.get(&node.id) {
+                    json["load"] = serde_json::json!({
+                        "at_ms": at,
+                        "commands": load.commands,
+                        "reads": load.reads,
+                        "writes": load.writes,
+                        "p50_us": load.p50_us,
+                        "p99_us": load.p99_us,
+                    });
+                }
                 json
             })
             .collect();
@@ -556,6 +571,7 @@ async fn answer(state: &Arc<Mutex<State>>, session: &mut Session, args: &[Vec<u8
         b"COORD.HEARTBEAT" if args.len() >= 5 && (args.len() - 5).is_multiple_of(HEARTBEAT_SHARD_FIELDS) => {
             heartbeat(state, session, args, out)
         }
+        b"COORD.LOAD" if args.len() == 7 => load(state, session, args, out),
         b"COORD.MAP" if args.len() == 1 || args.len() == 3 => watch_map(state, session, args, out).await,
         b"COORD.ACL-SETUSER" if args.len() == 4 => {
             let expected = (!args[2].is_empty()).then(|| text(&args[2]));
@@ -616,6 +632,7 @@ async fn answer(state: &Arc<Mutex<State>>, session: &mut Session, args: &[Vec<u8
         | b"COORD.AUTH"
         | b"COORD.JOIN"
         | b"COORD.HEARTBEAT"
+        | b"COORD.LOAD"
         | b"COORD.MAP"
         | b"COORD.ADD-NODE"
         | b"COORD.TABLE-CREATE"
@@ -773,6 +790,35 @@ fn heartbeat(
         out.integer(i64::from(view.draining));
         out.bulk(mode.name.as_bytes());
     }
+    Ok(())
+}
+
+/// A node's counters (its session speaks for it alone), kept for the
+/// dashboard while the node is in the map.
+fn load(
+    state: &Arc<Mutex<State>>,
+    session: &Session,
+    args: &[Vec<u8>],
+    out: &mut ReplyWriter,
+) -> Result<(), Refused> {
+    let node: u32 = number(&args[1], "node id")?;
+    session.check_node(node)?;
+    let load = NodeLoad {
+        commands: number(&args[2], "commands")?,
+        reads: number(&args[3], "reads")?,
+        writes: number(&args[4], "writes")?,
+        p50_us: number(&args[5], "p50")?,
+        p99_us: number(&args[6], "p99")?,
+    };
+    let mut state = state.lock();
+    let now = state.now_ms();
+    let map = state.coordinator.map();
+    if map.node(node).is_some() {
+        let nodes: Vec<u32> = map.nodes.iter().map(|node| node.id).collect();
+        state.loads.retain(|id, _| nodes.contains(id));
+        state.loads.insert(node, (load, now));
+    }
+    out.ok();
     Ok(())
 }
 

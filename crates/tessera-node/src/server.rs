@@ -29,9 +29,10 @@ use tokio::task::JoinSet;
 use crate::cluster::{ClusterNode, JoinError};
 use crate::config::{Config, ConfigError};
 use crate::connection::Connection;
-use crate::node_state::NodeState;
+use crate::node_state::{CommandTotals, NodeState};
 use crate::tables::TableError;
 use crate::tls::{acceptor, ClientStream, TlsError};
+use tessera_cluster::session::NodeLoad;
 use tokio_rustls::TlsAcceptor;
 
 #[derive(Debug, thiserror::Error)]
@@ -130,11 +131,17 @@ impl Server {
                     }
                 }
             }));
-            cluster.agent.watch_placement(Box::new(move || {
-                if let Some(node) = node.upgrade() {
-                    node.waiters.wake_all();
+            cluster.agent.watch_placement(Box::new({
+                let node = node.clone();
+                move || {
+                    if let Some(node) = node.upgrade() {
+                        node.waiters.wake_all();
+                    }
                 }
             }));
+            cluster
+                .agent
+                .report_load(Box::new(move || node.upgrade().map(|node| load(&node)).unwrap_or_default()));
         }
         let (stop, stopping) = watch::channel(false);
         let metrics = match &node.config.metrics_bind {
@@ -352,5 +359,30 @@ fn upkeep(node: Arc<NodeState>, cluster: Option<Arc<ClusterNode>>, stop: Arc<Ato
             Some(cluster) => cluster.sweep_expired(&node),
             None => node.sweep_expired(node.config.expiry_sweep_entries),
         }
+    }
+}
+
+/// What the node reports of its load to the coordinator's dashboard: its
+/// commands, reads and writes so far, and the latency of all its commands.
+fn load(node: &NodeState) -> NodeLoad {
+    let specs: Vec<_> = crate::commands::all_commands().collect();
+    let mut all = CommandTotals::default();
+    let mut reads = 0;
+    for (index, totals) in node.command_totals() {
+        if specs.get(index).is_some_and(|spec| spec.flags.contains(&"readonly")) {
+            reads += totals.calls;
+        }
+        for (sum, bucket) in all.latency.iter_mut().zip(&totals.latency) {
+            *sum += bucket;
+        }
+    }
+    let observed = all.latency.iter().any(|count| *count > 0);
+    let quantile = |quantile| if observed { all.latency_quantile_micros(quantile) } else { 0 };
+    NodeLoad {
+        commands: node.worker_total(|worker| &worker.commands),
+        reads,
+        writes: node.worker_total(|worker| &worker.writes),
+        p50_us: quantile(0.5),
+        p99_us: quantile(0.99),
     }
 }
