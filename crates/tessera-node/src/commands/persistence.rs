@@ -61,7 +61,16 @@ fn save(context: &mut Context, _request: &Request) -> CommandResult {
         }
         start(context, Target::Dump, None)?;
     }
+    let stopped_waiting = context.session.blocked.as_ref().is_some_and(|blocked| blocked.timed_out);
     match context.node.backups.running() {
+        // Only a connection that stops waiting (none has a deadline here)
+        // answers before the job ends.
+        Some(_) if stopped_waiting => {
+            context.session.blocked = None;
+            return Err(CommandError::Other(
+                "SAVE stopped waiting; the save goes on, and LASTSAVE tells when it is done".into(),
+            ));
+        }
         Some(_) => {
             context.session.blocked = Some(crate::blocking::Blocked {
                 keys: Vec::new(),
