@@ -251,6 +251,9 @@ impl Config {
         if self.expiry_sweep_interval_ms == 0 || self.expiry_sweep_entries == 0 {
             return invalid("expiry_sweep_interval_ms and expiry_sweep_entries must be at least 1");
         }
+        if self.metrics_token_file.is_some() && self.metrics_bind.is_none() {
+            return invalid("metrics_token_file guards the metrics endpoint: set metrics_bind too");
+        }
         if let Some(cluster) = &self.cluster {
             if cluster.id.is_empty() || cluster.coordinator.is_empty() {
                 return invalid("cluster.id and cluster.coordinator must not be empty");
@@ -290,6 +293,9 @@ mod tests {
         assert_eq!(config.port, 9000);
         assert_eq!(config.engine_options["fsync"], "always");
         config.validate().unwrap();
+        // A token for an endpoint that is not served would guard nothing.
+        let config: Config = toml::from_str("metrics_token_file = \"/etc/tessera/metrics.token\"").unwrap();
+        assert!(config.validate().unwrap_err().to_string().contains("metrics_bind"));
     }
 }
 
