@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from conftest import BINARY, free_port, table_info, wait_for_ping
@@ -113,6 +114,7 @@ def test_a_cluster_backup_holds_each_group_at_one_point_and_restores_into_anothe
         plain.execute_command("TABLE.CREATE", "users", "PREFIX", "u:", "ENGINE", "lsm")
         plain.execute_command("TABLE.CREATE", "events", "PREFIX", "ev:", "ENGINE", "log")
         plain.execute_command("TABLE.ALTER", "events", "TOPOLOGY", "aa", "CONSISTENCY", "eventual")
+        plain.execute_command("ACL", "SETUSER", "alice", "on", ">secret", "~u:*", "+get")
         fill(client)
         pipe = client.pipeline(transaction=False)
         for index in range(2_000):
@@ -163,6 +165,10 @@ def test_a_cluster_backup_holds_each_group_at_one_point_and_restores_into_anothe
         after = target.client()
         info = table_info(redis.Redis(port=target.port(0)), "events")
         assert info[b"mode"] == b"aa+ec" and info[b"engine"] == b"log"
+        alice = redis.Redis(port=target.port(1), username="alice", password="secret")
+        assert alice.get("u:7") == b"y" * 1024
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            alice.set("u:7", "no")
         restored_keys = list(after.scan_iter(count=1000))
         assert len(restored_keys) == len(set(restored_keys)), "SCAN answers each key once"
         assert set(restored_keys) == set(seen)

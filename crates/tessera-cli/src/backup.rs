@@ -36,6 +36,9 @@ pub struct Manifest {
     pub source: String,
     pub cluster: bool,
     pub tables: Vec<TableEntry>,
+    /// ACL LIST's lines (passwords as their SHA-256 hashes).
+    #[serde(default)]
+    pub users: Vec<String>,
     pub files: Vec<FileEntry>,
 }
 
@@ -199,6 +202,10 @@ pub fn backup(reach: &Reach, to: &Path) -> Result<(), String> {
     let info = text(&command(&mut client, &["INFO", "cluster"])?);
     let cluster = info_field(&info, "cluster_enabled") == Some("1");
     let (tables, shards) = tables(&mut client, cluster)?;
+    let Value::Array(users) = command(&mut client, &["ACL", "LIST"])? else {
+        return Err("ACL LIST answered something else than a list".into());
+    };
+    let users: Vec<String> = users.iter().map(text).collect();
     // Each node runs one backup at a time: its groups go one after another,
     // the nodes side by side.
     let mut queues: BTreeMap<String, Vec<Option<u32>>> = BTreeMap::new();
@@ -265,8 +272,15 @@ pub fn backup(reach: &Reach, to: &Path) -> Result<(), String> {
     progress.finish();
     files.sort_by_key(|entry| entry.shard);
     let taken_at_unix_ms = tessera_node::node_state::now_ms();
-    let manifest =
-        Manifest { format: 1, taken_at_unix_ms, source: reach.addr.to_string(), cluster, tables, files };
+    let manifest = Manifest {
+        format: 1,
+        taken_at_unix_ms,
+        source: reach.addr.to_string(),
+        cluster,
+        tables,
+        users,
+        files,
+    };
     let keys: u64 = manifest.files.iter().map(|entry| entry.keys).sum();
     let json = serde_json::to_string_pretty(&manifest).map_err(|error| error.to_string())?;
     write_synced(&to.join(MANIFEST_FILE), json.as_bytes())?;
@@ -369,6 +383,20 @@ pub fn restore(reach: &Reach, from: &Path, replace: bool) -> Result<(), String> 
         if let Err(error) = import_rdb::run(path, &mut client, &ImportOptions { db: 0, replace }) {
             failed.push(format!("{}: {error}", path.display()));
         }
+    }
+    // The users last: a restore that changes the password it logged in with
+    // goes on, logged in, on its connection.
+    for user in &manifest.users {
+        let words: Vec<&str> = user.split_whitespace().collect();
+        let ["user", name, rules @ ..] = words.as_slice() else {
+            return Err(format!("the manifest names a user as '{user}', not as ACL LIST does"));
+        };
+        let mut args = vec!["ACL", "SETUSER", name, "reset"];
+        args.extend(rules);
+        command(&mut client, &args)?;
+    }
+    if !manifest.users.is_empty() {
+        println!("restored {} users", manifest.users.len());
     }
     if !failed.is_empty() {
         return Err(format!(
