@@ -271,7 +271,7 @@ pub fn backup(reach: &Reach, to: &Path) -> Result<(), String> {
     }
     progress.finish();
     files.sort_by_key(|entry| entry.shard);
-    let taken_at_unix_ms = tessera_node::node_state::now_ms();
+    let taken_at_unix_ms = tessera_node::clock::now_ms();
     let manifest = Manifest {
         format: 1,
         taken_at_unix_ms,

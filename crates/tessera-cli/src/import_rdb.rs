@@ -122,7 +122,7 @@ pub fn run(path: &Path, client: &mut Client, options: &ImportOptions) -> Result<
     }
 
     let progress = Progress::new("keys", Some(contents.keys()));
-    let now_ms = tessera_node::node_state::now_ms();
+    let now_ms = tessera_node::clock::now_ms();
     let mut reader = FileReader::new(&map, VALUE_BYTES_MAX).map_err(|error| error.to_string())?;
     let (mut loaded, mut expired) = (0u64, 0u64);
     let mut existing = NotLoaded::default();

@@ -24,6 +24,7 @@ use tessera_cluster::capture::CapturingView;
 use tessera_engine::{reserved, Engine, EngineKind, EngineSpec, KeyRange, ScanCursor};
 use tessera_protocol::BackupStep;
 
+use crate::clock::now_ms;
 use crate::error::CommandResult;
 use crate::hashed::{Hashed, Layout};
 use crate::list::List;
@@ -253,12 +254,6 @@ impl Backups {
 /// The file a job writes before it is complete.
 fn partial(path: &Path) -> PathBuf {
     path.with_extension("rdb.partial")
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |since| since.as_millis() as u64)
 }
 
 fn run(job: &Job, body: Body) -> Result<Finished, String> {

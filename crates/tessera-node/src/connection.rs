@@ -22,7 +22,8 @@ use crate::commands::connection::refresh_client_state;
 use crate::commands::scripting::ScriptOutcome;
 use crate::commands::{dispatch, lookup, CommandSpec, Context, Session};
 use crate::error::CommandError;
-use crate::node_state::{now_ms, NodeState, WorkerStats};
+use crate::clock::now_ms;
+use crate::node_state::{NodeState, WorkerStats};
 use crate::pubsub::{Message, Subscription};
 use crate::tables::TableSet;
 use crate::tls::ClientStream;
@@ -346,8 +347,8 @@ impl Connection {
                     // cluster's own links go on).
                     if !self.session.relay && self.node.pause.holds(true, now_ms) {
                         let writes = lookup(request.arg(0)).is_some_and(pausable_as_write);
-                        while self.node.pause.holds(writes, crate::node_state::now_ms()) {
-                            self.node.pause.wait(crate::node_state::now_ms()).await;
+                        while self.node.pause.holds(writes, crate::clock::now_ms()) {
+                            self.node.pause.wait(crate::clock::now_ms()).await;
                         }
                     }
                     if self.cluster.is_none() && self.session.authenticated && self.tables.reads_may_wait() {

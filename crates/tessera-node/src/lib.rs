@@ -10,6 +10,7 @@ pub mod acl;
 pub mod backup;
 pub mod blocking;
 pub mod clients;
+pub mod clock;
 pub mod cluster;
 pub mod commands;
 pub mod config;

@@ -6,22 +6,23 @@
 //! other; reads take no lock. Multi-key writes (MSET, DEL) hold all their
 //! stripes, taken in index order so that two of them cannot deadlock.
 
-use crate::backup::Backups;
 use crate::diagnostics::{ClientPause, LatencyMonitor, SlowLog};
 use crate::disk_reads::DiskReads;
 use crate::gauges::{Census, Count, Rates, Totals};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use tessera_engine::{reserved, Engine, EngineSpec, KeyRange, ScanCursor};
 
 use crate::acl::{Acl, CommandCatalog};
+use crate::backup::Backups;
 use crate::blocking::Waiters;
 use crate::clients::Clients;
+use crate::clock::now_ms;
 use crate::collection;
 use crate::config::Config;
 use crate::error::{CommandError, CommandResult};
@@ -290,10 +291,6 @@ impl<K: Keyspace + ?Sized> Keyspace for &K {
     }
 }
 
-pub fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |elapsed| elapsed.as_millis() as u64)
-}
-
 impl NodeState {
     /// The node's state over `config`'s directory; its users are checked
     /// against `commands` (the command table's names and categories).
@@ -312,7 +309,8 @@ impl NodeState {
         let acl = Acl::open(&config.dir, config.password.as_deref(), commands)?;
         let scripts = Scripts::new(config.busy_reply_threshold_ms, config.worker_threads());
         let disk_reads = DiskReads::new(config.disk_reads_in_flight);
-        let config_dir = config.dir.clone();
+        let started_unix_secs = now_ms() / 1000;
+        let backups = Arc::new(Backups::new(&config.dir, started_unix_secs));
         Ok(Self {
             settings: Settings::new(&config),
             acl,
@@ -343,9 +341,9 @@ impl NodeState {
             census: Mutex::new(Census::default()),
             run_id: (0..20).map(|_| format!("{:02x}", rand::random::<u8>())).collect(),
             started: Instant::now(),
-            started_unix_secs: now_ms() / 1000,
+            started_unix_secs,
             next_client_id: AtomicU64::new(1),
-            backups: Arc::new(Backups::new(&config_dir, now_ms() / 1000)),
+            backups,
         })
     }
 

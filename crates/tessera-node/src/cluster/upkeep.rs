@@ -24,7 +24,8 @@ use super::ClusterNode;
 use crate::collection;
 use crate::error::{CommandError, CommandResult};
 use crate::memory::EvictionPolicy;
-use crate::node_state::{now_ms, Keyspace, NodeState, Removal};
+use crate::clock::now_ms;
+use crate::node_state::{Keyspace, NodeState, Removal};
 
 /// How far past `maxmemory`, as a fraction (1/this), a head whose shards are
 /// small lets writes go before it evicts its own ([`ClusterNode::make_room`]).

@@ -94,7 +94,7 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
         // No AOF: what a persistent engine writes is its own log, counted in
         // the Tables section. The RDB fields are SAVE's and BGSAVE's.
         let (running, last_failed, writes_at_last_save) = node.backups.status();
-        let now_secs = crate::node_state::now_ms() / 1000;
+        let now_secs = crate::clock::now_ms() / 1000;
         let current_secs =
             running.as_ref().map_or(-1, |job| now_secs.saturating_sub(job.started_unix_ms / 1000) as i64);
         let _ = write!(
