@@ -30,7 +30,7 @@ use crate::hashed::{Hashed, Layout};
 use crate::list::List;
 use crate::rdb::{FileWriter, Value};
 use crate::tables::TableSet;
-use crate::typed::{read_live, Kind};
+use crate::typed::{read_live, Kind, Stored};
 use crate::zset::SortedSet;
 
 /// The file SAVE and BGSAVE write, in the node's directory (Redis's
@@ -366,16 +366,17 @@ fn write_keys(engine: &dyn Engine, job: &Job, writer: &mut RdbOut) -> Result<(),
     let mut cursor = ScanCursor::start();
     loop {
         let page = engine.scan(&KeyRange::all(), &cursor, SCAN_PAGE).map_err(|error| error.to_string())?;
-        for (key, _) in page.entries {
+        for (key, raw) in page.entries {
             if reserved::is_reserved(&key) {
                 continue;
             }
-            let key_text = || String::from_utf8_lossy(&key).into_owned();
-            let Some((value, expires_at_ms)) =
-                read_value_in(engine, &key, now).map_err(|error| format!("key {}: {error}", key_text()))?
-            else {
+            let key_error = |error: &dyn std::fmt::Display| format!("key {}: {error}", String::from_utf8_lossy(&key));
+            let stored = Stored::decode(raw).map_err(|error| key_error(&error))?;
+            if stored.is_expired(now) {
                 continue;
-            };
+            }
+            let expires_at_ms = stored.expires_at_ms;
+            let value = value_of(engine, &key, stored, now).map_err(|error| key_error(&error))?;
             writer.entry(&key, &value, expires_at_ms).map_err(|error| error.to_string())?;
             job.keys.fetch_add(1, Ordering::Relaxed);
         }
@@ -394,7 +395,14 @@ pub fn read_value_in(
     now: u64,
 ) -> CommandResult<Option<(Value, Option<u64>)>> {
     let Some(stored) = read_live(engine, key, now)? else { return Ok(None) };
-    let value = match stored.kind {
+    let expires_at_ms = stored.expires_at_ms;
+    Ok(Some((value_of(engine, key, stored, now)?, expires_at_ms)))
+}
+
+/// `stored`, the live value at `key` in `engine` (read already), as the
+/// format carries it: a collection's elements are read from the engine.
+fn value_of(engine: &dyn Engine, key: &[u8], stored: Stored, now: u64) -> CommandResult<Value> {
+    Ok(match stored.kind {
         Kind::String => Value::String(stored.payload),
         Kind::List => {
             let mut list = List::open(engine, key, now)?.ok_or_else(crate::collection::corrupt)?;
@@ -413,6 +421,5 @@ pub fn read_value_in(
             let mut set = SortedSet::open(engine, key, now)?.ok_or_else(crate::collection::corrupt)?;
             Value::SortedSet(set.range_by_rank(0, u64::MAX, false)?)
         }
-    };
-    Ok(Some((value, stored.expires_at_ms)))
+    })
 }

@@ -20,7 +20,7 @@ use tessera_engine::Engine;
 use crate::error::CommandResult;
 use crate::hashed::{self, Hashed};
 use crate::list::List;
-use crate::typed::{read_live, Kind};
+use crate::typed::{Kind, Stored};
 use crate::zset::SortedSet;
 
 /// Bytes allocated through [`CountingAllocator`] and not yet freed.
@@ -268,16 +268,16 @@ const VALUE_OVERHEAD_BYTES: usize = 48;
 /// Bytes each element of a collection takes beyond its own.
 const ELEMENT_OVERHEAD_BYTES: usize = 16;
 
-/// The key's bytes and its value's, the elements estimated from the first
-/// `samples` of them (every one when there are no more), as Redis
-/// estimates; `None` for a missing key.
+/// The bytes of `key` and of `stored`, its live value in `engine` (read
+/// already), the elements estimated from the first `samples` of them (every
+/// one when there are no more), as Redis estimates.
 pub fn estimated_bytes(
     engine: &dyn Engine,
     key: &[u8],
+    stored: &Stored,
     now: u64,
     samples: usize,
-) -> CommandResult<Option<usize>> {
-    let Some(stored) = read_live(engine, key, now)? else { return Ok(None) };
+) -> CommandResult<usize> {
     let take = |len: u64| samples.min(len as usize).max(1);
     // The number of elements, and the bytes of those sampled.
     let (count, sampled): (usize, Vec<usize>) = match stored.kind {
@@ -331,7 +331,7 @@ pub fn estimated_bytes(
     } else {
         sampled.iter().sum::<usize>().saturating_mul(count) / sampled.len()
     };
-    Ok(Some(key.len() + VALUE_OVERHEAD_BYTES + elements))
+    Ok(key.len() + VALUE_OVERHEAD_BYTES + elements)
 }
 
 #[cfg(test)]

@@ -577,8 +577,8 @@ impl NodeState {
                 let stored = if reserved::is_reserved(&key) { None } else { Stored::decode(raw).ok() };
                 if let Some(stored) = stored.as_ref().filter(|stored| !stored.is_expired(now)) {
                     counted.key(stored.expires_at_ms.map(|at| at.saturating_sub(now)));
-                    let bytes = estimated_bytes(keyspace.values(), &key, now, CENSUS_SAMPLES);
-                    counted.bytes += bytes.ok().flatten().unwrap_or(0) as u64;
+                    let bytes = estimated_bytes(keyspace.values(), &key, stored, now, CENSUS_SAMPLES);
+                    counted.bytes += bytes.unwrap_or(0) as u64;
                 }
                 let removed = if reserved::is_reserved(&key) {
                     self.remove_if_orphan(keyspace, &key, now)

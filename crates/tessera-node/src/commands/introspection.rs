@@ -8,6 +8,7 @@ use tessera_wire::Request;
 use super::{integer_arg, is, write_help, CommandSpec, Context, Scope};
 use crate::error::{CommandError, CommandResult};
 use crate::memory::{estimated_bytes, resident_memory, used_memory};
+use crate::typed::read_live;
 
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
@@ -177,8 +178,12 @@ fn memory(context: &mut Context, request: &Request) -> CommandResult {
             },
             _ => return Err(CommandError::Syntax),
         };
-        match estimated_bytes(context.engine(request.arg(2)), request.arg(2), context.now_ms, samples)? {
-            Some(bytes) => context.out.integer(bytes as i64),
+        let (key, engine) = (request.arg(2), context.engine(request.arg(2)));
+        match read_live(engine, key, context.now_ms)? {
+            Some(stored) => {
+                let bytes = estimated_bytes(engine, key, &stored, context.now_ms, samples)?;
+                context.out.integer(bytes as i64);
+            }
             None => context.out.null(),
         }
     } else if is(subcommand, "stats") {
