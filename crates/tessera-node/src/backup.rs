@@ -370,7 +370,8 @@ fn write_keys(engine: &dyn Engine, job: &Job, writer: &mut RdbOut) -> Result<(),
             if reserved::is_reserved(&key) {
                 continue;
             }
-            let key_error = |error: &dyn std::fmt::Display| format!("key {}: {error}", String::from_utf8_lossy(&key));
+            let key_error =
+                |error: &dyn std::fmt::Display| format!("key {}: {error}", String::from_utf8_lossy(&key));
             let stored = Stored::decode(raw).map_err(|error| key_error(&error))?;
             if stored.is_expired(now) {
                 continue;

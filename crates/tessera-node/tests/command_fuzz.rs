@@ -5,9 +5,9 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, TestRunner};
+use tessera_node::clock::now_ms;
 use tessera_node::commands::{all_commands, dispatch, Context, Session};
 use tessera_node::config::Config;
-use tessera_node::clock::now_ms;
 use tessera_node::node_state::{NodeState, WorkerStats};
 use tessera_wire::{parse_value, Protocol, ReplyWriter, Request, Value};
 

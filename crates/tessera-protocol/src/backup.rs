@@ -8,6 +8,7 @@
 use bytes::Bytes;
 use tessera_engine::Engine;
 
+use crate::migration::stream_entry;
 use crate::snapshot::{SnapshotPace, SnapshotStream, StreamNumbers};
 use crate::{OperationError, Time};
 
@@ -41,7 +42,8 @@ impl ShardBackup {
 
     /// The engine took `stored` for `key` (`None`: deleted it outright).
     pub fn record_change(&mut self, key: &[u8], stored: Option<Bytes>) {
-        self.stream.record_change(Bytes::copy_from_slice(key), stored.unwrap_or_default());
+        let (key, record) = stream_entry(key, stored);
+        self.stream.record_change(key, record);
     }
 
     /// The engine was cleared: the stream reads it anew from the start.
@@ -51,10 +53,11 @@ impl ShardBackup {
         self.restarted = true;
     }
 
-    /// Entries read and changed since the last poll, a window of chunks at
-    /// most (so that a caller holding the shard's lock lets go often); `Done` with those that complete the backup, once the engine
-    /// was read through and no change is left (so that a shard written
-    /// without pause still ends: each poll hands over every change so far).
+    /// Entries read and changed since the last poll: every change, and a
+    /// window of chunks at most (so that a caller holding the shard's lock
+    /// lets go often). `Done` with those that complete the backup, once the
+    /// engine was read through and no change is left; a shard written
+    /// without pause still ends, since each poll takes every change so far.
     pub fn poll(
         &mut self,
         engine: &dyn Engine,
@@ -82,11 +85,6 @@ impl ShardBackup {
         } else {
             BackupStep::Entries(entries)
         })
-    }
-
-    /// Entries, and bytes of keys and values, handed over so far.
-    pub fn sent(&self) -> (u64, u64) {
-        self.stream.sent()
     }
 }
 

@@ -136,7 +136,7 @@ impl Message for MigrationMessage {
 
 /// One record of a stream: the engine's stored record, or empty for a key
 /// deleted outright (protocols without tombstones).
-fn stream_entry(key: &[u8], stored: Option<Bytes>) -> (Bytes, Bytes) {
+pub(crate) fn stream_entry(key: &[u8], stored: Option<Bytes>) -> (Bytes, Bytes) {
     (Bytes::copy_from_slice(key), stored.unwrap_or_default())
 }
 

@@ -642,22 +642,27 @@ impl Replica {
             }
         }
         for change in self.observed.take_changes() {
-            if let Some(backup) = self.backup.as_mut() {
-                match &change {
-                    Change::Put(key, stored) => backup.record_change(key, Some(stored.clone())),
-                    Change::Delete(key) => backup.record_change(key, None),
-                    Change::Cleared => backup.restart(&mut self.migration_streams, fx.now()),
-                }
-            }
-            let Some(source) = self.migration_out.as_mut() else { continue };
-            match change {
-                Change::Put(key, stored) => source.record_change(&key, Some(stored)),
-                Change::Delete(key) => source.record_change(&key, None),
+            let (key, stored) = match change {
+                Change::Put(key, stored) => (key, Some(stored)),
+                Change::Delete(key) => (key, None),
                 Change::Cleared => {
-                    // Whatever was sent is stale: a new stream reads anew.
-                    let outgoing = source.outgoing().clone();
-                    self.start_source(outgoing, fx.now());
+                    // Whatever was sent is stale: new streams read anew.
+                    if let Some(backup) = self.backup.as_mut() {
+                        backup.restart(&mut self.migration_streams, fx.now());
+                    }
+                    if let Some(outgoing) =
+                        self.migration_out.as_ref().map(|source| source.outgoing().clone())
+                    {
+                        self.start_source(outgoing, fx.now());
+                    }
+                    continue;
                 }
+            };
+            if let Some(backup) = self.backup.as_mut() {
+                backup.record_change(&key, stored.clone());
+            }
+            if let Some(source) = self.migration_out.as_mut() {
+                source.record_change(&key, stored);
             }
         }
     }

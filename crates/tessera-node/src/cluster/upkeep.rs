@@ -21,10 +21,10 @@ use tessera_protocol::registry::Mode;
 use tessera_protocol::{Operation, Record, Write};
 
 use super::ClusterNode;
+use crate::clock::now_ms;
 use crate::collection;
 use crate::error::{CommandError, CommandResult};
 use crate::memory::EvictionPolicy;
-use crate::clock::now_ms;
 use crate::node_state::{Keyspace, NodeState, Removal};
 
 /// How far past `maxmemory`, as a fraction (1/this), a head whose shards are
