@@ -12,7 +12,6 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fs::{self, File};
-use std::io::BufWriter;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -46,14 +45,13 @@ const SCAN_PAGE: usize = 256;
 /// How long a backup waits when its stream's rate holds the next chunk back.
 const RATE_WAIT: Duration = Duration::from_millis(5);
 
-/// What a job writes.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Where a job writes (what it writes is its body's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Target {
-    /// `<dir>/dump.rdb`, every key this node holds (SAVE, BGSAVE).
+    /// `<dir>/dump.rdb` (SAVE, BGSAVE).
     Dump,
-    /// A spooled file of the shards named (all this node runs if none),
-    /// fetched with BACKUP.READ.
-    Spool(Option<Vec<u32>>),
+    /// A spooled file, fetched with BACKUP.READ and deleted with BACKUP.DROP.
+    Spool,
 }
 
 /// One backup or save, running or finished.
@@ -88,7 +86,7 @@ impl Job {
 }
 
 /// The file a job writes, as it writes it.
-pub type RdbOut = FileWriter<BufWriter<File>>;
+pub type RdbOut = FileWriter<File>;
 
 /// What a job does with its file: writes the keys, and answers the write
 /// position of each shard it wrote.
@@ -156,7 +154,7 @@ impl Backups {
         let id = state.next_id;
         let path = match &target {
             Target::Dump => self.dir.join(DUMP_FILE),
-            Target::Spool(_) => {
+            Target::Spool => {
                 let spool = self.dir.join(SPOOL_DIR);
                 fs::create_dir_all(&spool)
                     .map_err(|error| StartError::Spool(spool.display().to_string(), error.to_string()))?;
@@ -209,7 +207,7 @@ impl Backups {
         state.finished.push_back(job.clone());
         while state.finished.len() > FINISHED_KEPT {
             let forgotten = state.finished.pop_front().expect("longer than kept");
-            if matches!(forgotten.target, Target::Spool(_)) {
+            if forgotten.target == Target::Spool {
                 let _ = fs::remove_file(&forgotten.path);
             }
         }
@@ -232,7 +230,7 @@ impl Backups {
         let mut state = self.state.lock();
         let Some(index) = state.finished.iter().position(|job| job.id == id) else { return false };
         let job = state.finished.remove(index).expect("found");
-        if matches!(job.target, Target::Spool(_)) {
+        if job.target == Target::Spool {
             let _ = fs::remove_file(&job.path);
         }
         true
@@ -260,11 +258,10 @@ fn run(job: &Job, body: Body) -> Result<Finished, String> {
     let partial_path = partial(&job.path);
     let file = File::create(&partial_path).map_err(|error| format!("{}: {error}", partial_path.display()))?;
     let aux = [("redis-ver", "7.0.0"), ("tessera-ver", env!("CARGO_PKG_VERSION"))];
-    let mut writer = FileWriter::new(BufWriter::new(file), &aux)
+    let mut writer = FileWriter::new(file, &aux)
         .map_err(|error| format!("{}: {error}", partial_path.display()))?;
     let positions = body(job, &mut writer)?;
-    let out = writer.finish().map_err(|error| error.to_string())?;
-    let file = out.into_inner().map_err(|error| error.to_string())?;
+    let file = writer.finish().map_err(|error| error.to_string())?;
     file.sync_all().map_err(|error| error.to_string())?;
     let file_bytes = file.metadata().map_err(|error| error.to_string())?.len();
     fs::rename(&partial_path, &job.path).map_err(|error| format!("{}: {error}", job.path.display()))?;

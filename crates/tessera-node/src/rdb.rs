@@ -12,7 +12,8 @@
 use bytes::Bytes;
 use crc::{Crc, CRC_64_REDIS};
 
-const CRC64: Crc<u64> = Crc::<u64>::new(&CRC_64_REDIS);
+/// A static, not a const: a file's checksum is a digest that borrows it.
+static CRC64: Crc<u64> = Crc::<u64>::new(&CRC_64_REDIS);
 
 /// The version DUMP writes: Redis 4.0 and every later one read it.
 pub const DUMP_VERSION: u16 = 9;
@@ -279,23 +280,20 @@ fn write_payload(out: &mut Vec<u8>, value: &Value) {
     }
 }
 
-/// The checksum of a whole file, computed as it is written.
-static FILE_CRC64: Crc<u64> = Crc::<u64>::new(&CRC_64_REDIS);
-
 /// Writes an RDB file key by key (`SAVE`'s dump.rdb, a backup's file per
 /// group), in database 0, under [`DUMP_VERSION`] so that every Redis since
-/// 4.0 loads it, and so does [`FileReader`].
+/// 4.0 loads it, and so does [`FileReader`]. It buffers what it writes
+/// itself, 64 KiB at a time.
 pub struct FileWriter<W: std::io::Write> {
     out: W,
     digest: crc::Digest<'static, u64>,
     buffer: Vec<u8>,
-    keys: u64,
 }
 
 impl<W: std::io::Write> FileWriter<W> {
     /// The header, `aux` fields (name and value) and database 0's selector.
     pub fn new(out: W, aux: &[(&str, &str)]) -> std::io::Result<Self> {
-        let mut writer = Self { out, digest: FILE_CRC64.digest(), buffer: Vec::new(), keys: 0 };
+        let mut writer = Self { out, digest: CRC64.digest(), buffer: Vec::new() };
         writer.buffer.extend_from_slice(format!("REDIS{DUMP_VERSION:04}").as_bytes());
         for (name, value) in aux {
             writer.put_aux(name, value);
@@ -314,7 +312,6 @@ impl<W: std::io::Write> FileWriter<W> {
         self.buffer.push(type_byte(value));
         write_string(&mut self.buffer, key);
         write_payload(&mut self.buffer, value);
-        self.keys += 1;
         if self.buffer.len() >= 1 << 16 {
             self.spill()?;
         }
@@ -326,11 +323,6 @@ impl<W: std::io::Write> FileWriter<W> {
     pub fn aux(&mut self, name: &str, value: &str) -> std::io::Result<()> {
         self.put_aux(name, value);
         self.spill()
-    }
-
-    /// Keys written so far.
-    pub fn keys(&self) -> u64 {
-        self.keys
     }
 
     /// The end marker and the checksum; the writer it wrote to.

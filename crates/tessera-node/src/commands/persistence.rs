@@ -128,7 +128,7 @@ fn backup_start(context: &mut Context, request: &Request) -> CommandResult {
         }
         _ => return Err(CommandError::Syntax),
     };
-    let job = start(context, Target::Spool(shards.clone()), shards)?;
+    let job = start(context, Target::Spool, shards)?;
     context.out.integer(job.id as i64);
     Ok(())
 }
