@@ -23,6 +23,7 @@ use tessera_bench::progress::Progress;
 use tessera_wire::{Client, Value};
 
 use crate::import_rdb::{self, ImportOptions};
+use crate::{connect, connect_to, ConnectionArgs};
 
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// How often a running job's status is asked.
@@ -66,23 +67,6 @@ pub struct FileEntry {
     pub position: Option<u64>,
     pub keys: u64,
     pub bytes: u64,
-}
-
-/// How the CLI reaches nodes: the password goes to every node.
-pub struct Reach<'a> {
-    pub addr: &'a str,
-    pub password: Option<&'a str>,
-}
-
-impl Reach<'_> {
-    fn connect(&self, addr: &str) -> Result<Client, String> {
-        let mut client = Client::connect(addr, Duration::from_secs(10))
-            .map_err(|error| format!("cannot connect to {addr}: {error}"))?;
-        if let Some(password) = self.password {
-            command(&mut client, &["AUTH", password])?;
-        }
-        Ok(client)
-    }
 }
 
 fn command(client: &mut Client, args: &[&str]) -> Result<Value, String> {
@@ -159,7 +143,7 @@ fn tables(client: &mut Client, cluster: bool) -> Result<(Vec<TableEntry>, BTreeS
 
 /// Each node's address and the groups it heads, from CLUSTER NODES and
 /// each node's INFO replication (`groupN:...,role=head,...`).
-fn heads(reach: &Reach, client: &mut Client) -> Result<BTreeMap<u32, String>, String> {
+fn heads(connection: &ConnectionArgs, client: &mut Client) -> Result<BTreeMap<u32, String>, String> {
     let nodes = text(&command(client, &["CLUSTER", "NODES"])?);
     let mut heads = BTreeMap::new();
     for line in nodes.lines() {
@@ -168,7 +152,7 @@ fn heads(reach: &Reach, client: &mut Client) -> Result<BTreeMap<u32, String>, St
         if line.contains("fail") && !line.contains("fail?") {
             continue;
         }
-        let Ok(mut node) = reach.connect(&address) else { continue };
+        let Ok(mut node) = connect_to(connection, &address) else { continue };
         let info = text(&command(&mut node, &["INFO", "replication"])?);
         for line in info.lines() {
             let Some((group, details)) = line.strip_prefix("group").and_then(|rest| rest.split_once(':'))
@@ -193,12 +177,12 @@ struct Pending {
     job: String,
 }
 
-pub fn backup(reach: &Reach, to: &Path) -> Result<(), String> {
+pub fn backup(connection: &ConnectionArgs, to: &Path) -> Result<(), String> {
     if to.join(MANIFEST_FILE).exists() {
         return Err(format!("{} holds a backup already; choose another directory", to.display()));
     }
     fs::create_dir_all(to).map_err(|error| format!("{}: {error}", to.display()))?;
-    let mut client = reach.connect(reach.addr)?;
+    let mut client = connect(connection)?;
     let info = text(&command(&mut client, &["INFO", "cluster"])?);
     let cluster = info_field(&info, "cluster_enabled") == Some("1");
     let (tables, shards) = tables(&mut client, cluster)?;
@@ -210,7 +194,7 @@ pub fn backup(reach: &Reach, to: &Path) -> Result<(), String> {
     // the nodes side by side.
     let mut queues: BTreeMap<String, Vec<Option<u32>>> = BTreeMap::new();
     if cluster {
-        let heads = heads(reach, &mut client)?;
+        let heads = heads(connection, &mut client)?;
         for shard in &shards {
             let head = heads.get(shard).ok_or_else(|| {
                 format!("group {shard} has no head now (a failover under way?); try again in a moment")
@@ -218,14 +202,14 @@ pub fn backup(reach: &Reach, to: &Path) -> Result<(), String> {
             queues.entry(head.clone()).or_default().push(Some(*shard));
         }
     } else {
-        queues.insert(reach.addr.to_string(), vec![None]);
+        queues.insert(connection.addr.clone(), vec![None]);
     }
     let groups = queues.values().map(Vec::len).sum::<usize>() as u64;
     println!("backing up {groups} group(s) from {} node(s) to {}", queues.len(), to.display());
     let progress = Progress::new("groups", Some(groups));
     let mut clients: BTreeMap<String, Client> = BTreeMap::new();
     for node in queues.keys() {
-        clients.insert(node.clone(), reach.connect(node)?);
+        clients.insert(node.clone(), connect_to(connection, node)?);
     }
     let mut running: BTreeMap<String, Pending> = BTreeMap::new();
     let mut files = Vec::new();
@@ -254,17 +238,17 @@ pub fn backup(reach: &Reach, to: &Path) -> Result<(), String> {
             let status = fields(command(node_client, &["BACKUP.STATUS", &pending.job])?)?;
             match status.get("state").map(text).as_deref() {
                 Some("running") => {}
-                Some("done") => finished.push(node.clone()),
+                Some("done") => finished.push((node.clone(), status)),
                 _ => {
                     let error = status.get("error").map(text).unwrap_or_default();
                     return Err(format!("the backup on {node} failed: {error}"));
                 }
             }
         }
-        for node in finished {
+        for (node, status) in finished {
             let pending = running.remove(&node).expect("finished is running");
             let node_client = clients.get_mut(&node).expect("connected above");
-            let entry = fetch(node_client, &pending, to)?;
+            let entry = fetch(node_client, &pending, &status, to)?;
             progress.advance(1, &format!("{} ({} keys)", entry.file, entry.keys));
             files.push(entry);
         }
@@ -275,7 +259,7 @@ pub fn backup(reach: &Reach, to: &Path) -> Result<(), String> {
     let manifest = Manifest {
         format: 1,
         taken_at_unix_ms,
-        source: reach.addr.to_string(),
+        source: connection.addr.clone(),
         cluster,
         tables,
         users,
@@ -288,9 +272,14 @@ pub fn backup(reach: &Reach, to: &Path) -> Result<(), String> {
     Ok(())
 }
 
-/// Copies a finished job's file into `to`, then has the node delete it.
-fn fetch(client: &mut Client, pending: &Pending, to: &Path) -> Result<FileEntry, String> {
-    let status = fields(command(client, &["BACKUP.STATUS", &pending.job])?)?;
+/// Copies a finished job's file into `to`, then has the node delete it;
+/// `status` is what BACKUP.STATUS said of it once it was done.
+fn fetch(
+    client: &mut Client,
+    pending: &Pending,
+    status: &BTreeMap<String, Value>,
+    to: &Path,
+) -> Result<FileEntry, String> {
     let keys = status.get("keys").map(integer).transpose()?.unwrap_or(0) as u64;
     let expected = status.get("file-bytes").map(integer).transpose()?.unwrap_or(0) as u64;
     let position = match (pending.shard, status.get("positions")) {
@@ -352,9 +341,9 @@ pub fn read_manifest(from: &Path) -> Result<Manifest, String> {
 
 /// `replace`: keys that exist already are overwritten (otherwise they are
 /// left, reported, and the restore fails once every file was loaded).
-pub fn restore(reach: &Reach, from: &Path, replace: bool) -> Result<(), String> {
+pub fn restore(connection: &ConnectionArgs, from: &Path, replace: bool) -> Result<(), String> {
     let manifest = read_manifest(from)?;
-    let mut client = reach.connect(reach.addr)?;
+    let mut client = connect(connection)?;
     let info = text(&command(&mut client, &["INFO", "cluster"])?);
     let cluster = info_field(&info, "cluster_enabled") == Some("1");
     let Value::Array(existing) = command(&mut client, &["TABLE.LIST"])? else {

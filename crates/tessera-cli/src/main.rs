@@ -951,16 +951,18 @@ async fn shutdown_signal() {
 }
 
 fn connect(args: &ConnectionArgs) -> Result<Client, String> {
-    let mut client = Client::connect(args.addr.as_str(), Duration::from_secs(10))
-        .map_err(|error| format!("cannot connect to {}: {error}", args.addr))?;
+    connect_to(args, &args.addr)
+}
+
+/// A client of `addr` (a node of the cluster at `args.addr`: they share its
+/// password), logged in.
+fn connect_to(args: &ConnectionArgs, addr: &str) -> Result<Client, String> {
+    let mut client = Client::connect(addr, Duration::from_secs(10))
+        .map_err(|error| format!("cannot connect to {addr}: {error}"))?;
     if let Some(password) = &args.password {
         expect_ok(client.command(&["AUTH", password.as_str()]).map_err(|error| error.to_string())?)?;
     }
     Ok(client)
-}
-
-fn reach(args: &ConnectionArgs) -> backup::Reach<'_> {
-    backup::Reach { addr: &args.addr, password: args.password.as_deref() }
 }
 
 fn expect_ok(value: Value) -> Result<Value, String> {
@@ -1591,8 +1593,8 @@ fn main() -> ExitCode {
         Command::ImportRdb { file, db, replace } => connect(&cli.connection).and_then(|mut client| {
             import_rdb::run(&file, &mut client, &import_rdb::ImportOptions { db, replace })
         }),
-        Command::Backup { to } => backup::backup(&reach(&cli.connection), &to),
-        Command::Restore { from, replace } => backup::restore(&reach(&cli.connection), &from, replace),
+        Command::Backup { to } => backup::backup(&cli.connection, &to),
+        Command::Restore { from, replace } => backup::restore(&cli.connection, &from, replace),
         command => client_command(&cli.connection, command),
     };
     match result {

@@ -258,8 +258,8 @@ fn run(job: &Job, body: Body) -> Result<Finished, String> {
     let partial_path = partial(&job.path);
     let file = File::create(&partial_path).map_err(|error| format!("{}: {error}", partial_path.display()))?;
     let aux = [("redis-ver", "7.0.0"), ("tessera-ver", env!("CARGO_PKG_VERSION"))];
-    let mut writer = FileWriter::new(file, &aux)
-        .map_err(|error| format!("{}: {error}", partial_path.display()))?;
+    let mut writer =
+        FileWriter::new(file, &aux).map_err(|error| format!("{}: {error}", partial_path.display()))?;
     let positions = body(job, &mut writer)?;
     let file = writer.finish().map_err(|error| error.to_string())?;
     file.sync_all().map_err(|error| error.to_string())?;
