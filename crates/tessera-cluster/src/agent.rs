@@ -1240,7 +1240,7 @@ async fn heartbeat_loop(agent: std::sync::Weak<Agent>, mut coordinator: Coordina
             load_reported = Instant::now();
             let load = agent_ref.load_source.lock().as_ref().map(|source| source());
             if let Some(load) = load {
-                let fields = [load.commands, load.reads, load.writes, load.p50_us, load.p99_us];
+                let fields = [load.reads, load.p50_us, load.p99_us];
                 let mut args = vec![b"COORD.LOAD".to_vec(), agent_ref.config.node.to_string().into_bytes()];
                 args.extend(fields.iter().map(|field| field.to_string().into_bytes()));
                 let arg_slices: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();

@@ -9,8 +9,8 @@
 //! COORD.AUTH proof                                 +OK: the session is the identity's
 //! COORD.JOIN cluster-id node [tls-port]             the lease in ms, or an error naming the mismatch
 //! COORD.HEARTBEAT cluster-id node incarnation known-epoch [shard applied ready-learner ready-view]...
-//! COORD.LOAD node commands reads writes p50-us p99-us   +OK: the node's counters, for the dashboard
 //!     -> [epoch, [shard, view-number, [members...], [learners...]]...]   (ready-learner -1: none)
+//! COORD.LOAD node reads p50-us p99-us             +OK (the node's reads and latency, for the dashboard)
 //! COORD.ADD-NODE address                           the new standby node's id
 //! COORD.TABLE-CREATE name prefix engine [option value]...   +OK (prefix \xNN-escaped)
 //!     (option PARTITION RANGE|HASH; SPLIT key, repeated, for a range-partitioned table)
@@ -341,9 +341,7 @@ impl CoordinatorObserver {
                 if let Some((load, at)) = state.loads.get(&node.id) {
                     json["load"] = serde_json::json!({
                         "at_ms": at,
-                        "commands": load.commands,
                         "reads": load.reads,
-                        "writes": load.writes,
                         "p50_us": load.p50_us,
                         "p99_us": load.p99_us,
                     });
@@ -571,7 +569,7 @@ async fn answer(state: &Arc<Mutex<State>>, session: &mut Session, args: &[Vec<u8
         b"COORD.HEARTBEAT" if args.len() >= 5 && (args.len() - 5).is_multiple_of(HEARTBEAT_SHARD_FIELDS) => {
             heartbeat(state, session, args, out)
         }
-        b"COORD.LOAD" if args.len() == 7 => load(state, session, args, out),
+        b"COORD.LOAD" if args.len() == 5 => load(state, session, args, out),
         b"COORD.MAP" if args.len() == 1 || args.len() == 3 => watch_map(state, session, args, out).await,
         b"COORD.ACL-SETUSER" if args.len() == 4 => {
             let expected = (!args[2].is_empty()).then(|| text(&args[2]));
@@ -804,11 +802,9 @@ fn load(
     let node: u32 = number(&args[1], "node id")?;
     session.check_node(node)?;
     let load = NodeLoad {
-        commands: number(&args[2], "commands")?,
-        reads: number(&args[3], "reads")?,
-        writes: number(&args[4], "writes")?,
-        p50_us: number(&args[5], "p50")?,
-        p99_us: number(&args[6], "p99")?,
+        reads: number(&args[2], "reads")?,
+        p50_us: number(&args[3], "p50")?,
+        p99_us: number(&args[4], "p99")?,
     };
     let mut state = state.lock();
     let now = state.now_ms();

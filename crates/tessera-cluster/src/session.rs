@@ -112,13 +112,11 @@ impl CoordinatorSession {
 }
 
 /// What a node tells its coordinator of its load (COORD.LOAD), for the
-/// dashboard: counters since it started, and its commands' latency.
+/// dashboard, which has writes per group from the heartbeats already.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NodeLoad {
-    pub commands: u64,
-    /// Commands that only read (`readonly`), and writes that succeeded.
+    /// Commands that only read (`readonly`) since the node started.
     pub reads: u64,
-    pub writes: u64,
     /// Bounds of the latency buckets the median and the 99th percentile of
     /// every command so far fall in, in microseconds.
     pub p50_us: u64,

@@ -363,7 +363,7 @@ fn upkeep(node: Arc<NodeState>, cluster: Option<Arc<ClusterNode>>, stop: Arc<Ato
 }
 
 /// What the node reports of its load to the coordinator's dashboard: its
-/// commands, reads and writes so far, and the latency of all its commands.
+/// reads so far, and the latency of all its commands.
 fn load(node: &NodeState) -> NodeLoad {
     let specs: Vec<_> = crate::commands::all_commands().collect();
     let mut all = CommandTotals::default();
@@ -379,9 +379,7 @@ fn load(node: &NodeState) -> NodeLoad {
     let observed = all.latency.iter().any(|count| *count > 0);
     let quantile = |quantile| if observed { all.latency_quantile_micros(quantile) } else { 0 };
     NodeLoad {
-        commands: node.worker_total(|worker| &worker.commands),
         reads,
-        writes: node.worker_total(|worker| &worker.writes),
         p50_us: quantile(0.5),
         p99_us: quantile(0.99),
     }
