@@ -18,7 +18,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
-	"sort"
+	"strconv"
 	"strings"
 
 	"github.com/compose-spec/compose-go/v2/loader"
@@ -65,6 +65,19 @@ func strict(document []byte, out any) error {
 	return decoder.Decode(out)
 }
 
+// add decodes an object of type T strictly and files it by its name.
+func add[T any, P interface {
+	*T
+	GetName() string
+}](document []byte, into map[string]*T) error {
+	object := P(new(T))
+	if err := strict(document, object); err != nil {
+		return err
+	}
+	into[object.GetName()] = (*T)(object)
+	return nil
+}
+
 func documents(path string) [][]byte {
 	text, err := os.ReadFile(path)
 	if err != nil {
@@ -109,25 +122,15 @@ func loadKubernetes(dir string) objects {
 			var err error
 			switch head.APIVersion + " " + head.Kind {
 			case "v1 Service":
-				object := &corev1.Service{}
-				err = strict(document, object)
-				all.services[object.Name] = object
+				err = add(document, all.services)
 			case "apps/v1 StatefulSet":
-				object := &appsv1.StatefulSet{}
-				err = strict(document, object)
-				all.statefulSets[object.Name] = object
+				err = add(document, all.statefulSets)
 			case "v1 ConfigMap":
-				object := &corev1.ConfigMap{}
-				err = strict(document, object)
-				all.configMaps[object.Name] = object
+				err = add(document, all.configMaps)
 			case "v1 Secret":
-				object := &corev1.Secret{}
-				err = strict(document, object)
-				all.secrets[object.Name] = object
+				err = add(document, all.secrets)
 			case "policy/v1 PodDisruptionBudget":
-				object := &policyv1.PodDisruptionBudget{}
-				err = strict(document, object)
-				all.budgets[object.Name] = object
+				err = add(document, all.budgets)
 			default:
 				err = fmt.Errorf("an object of kind %q (apiVersion %q) the validator does not know", head.Kind, head.APIVersion)
 			}
@@ -325,14 +328,15 @@ func checkCompose(path string) {
 		return ""
 	}
 	nodes := strings.Split(flag(coordinator.Command, "nodes"), ",")
-	var names []string
+	nodeServices := 0
 	for name, service := range project.Services {
 		if name == "coordinator" {
 			continue
 		}
-		names = append(names, name)
+		nodeServices++
 		id := flag(service.Command, "node-id")
-		if want := fmt.Sprintf("%s:%s", name, flag(service.Command, "port")); id == "" || !contains(nodes, want) || nodes[atoi(id)] != want {
+		place, err := strconv.Atoi(id)
+		if want := fmt.Sprintf("%s:%s", name, flag(service.Command, "port")); err != nil || place < 0 || place >= len(nodes) || nodes[place] != want {
 			fail("%s: service %s (node-id %q) is not at its place in the coordinator's --nodes %v", path, name, id, nodes)
 		}
 		if flag(service.Command, "coordinator") != "coordinator:"+flag(coordinator.Command, "port") {
@@ -345,18 +349,9 @@ func checkCompose(path string) {
 			fail("%s: service %s has no health check", path, name)
 		}
 	}
-	sort.Strings(names)
-	if len(names) != len(nodes) {
-		fail("%s: %d node services for %d nodes in the map", path, len(names), len(nodes))
+	if nodeServices != len(nodes) {
+		fail("%s: %d node services for %d nodes in the map", path, nodeServices, len(nodes))
 	}
-}
-
-func atoi(text string) int {
-	var number int
-	if _, err := fmt.Sscanf(text, "%d", &number); err != nil || number < 0 {
-		return -1
-	}
-	return number
 }
 
 // validate checks the deployment files under dir: the problems found, and

@@ -69,6 +69,7 @@ func TestBrokenVariantsAreCaught(t *testing.T) {
 		{"a node without a liveness probe", "kubernetes/nodes.yaml", replace("          livenessProbe:", "          startupProbe:"), "no liveness probe"},
 		{"a compose key the specification lacks", "compose/compose.yaml", replace("    restart: unless-stopped\n    command:\n      - coordinator", "    restarts: unless-stopped\n    command:\n      - coordinator"), "restarts"},
 		{"a compose node at another place in the map", "compose/compose.yaml", replace("--node-id=2", "--node-id=1"), "not at its place"},
+		{"a compose node id past the map", "compose/compose.yaml", replace("--node-id=2", "--node-id=7"), "not at its place"},
 		{"a compose node in another cluster", "compose/compose.yaml", replace("      - --cluster-id=compose\n      - --node-id=1", "      - --cluster-id=other\n      - --node-id=1"), "another cluster"},
 	}
 	for _, each := range cases {

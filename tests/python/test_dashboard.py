@@ -121,7 +121,8 @@ def test_the_dashboard_shows_the_topology_and_a_failover_as_it_happens(tmp_path)
                 return [text for row in rows(page, "nodes")
                         for text, cell_kind in zip(row["cells"], row["classes"]) if cell_kind == kind]
             wait_until(lambda: sum(int(text) for text in shown("reads") if text.isdigit()) > 0, "reads per second")
-            wait_until(lambda: all(" / " in text and "s" in text for text in shown("latency")),
+            wait_until(lambda: len(shown("latency")) == NODES
+                       and all(" / " in text and "s" in text for text in shown("latency")),
                        "every node's latency")
         finally:
             writing.set()
