@@ -378,9 +378,5 @@ fn load(node: &NodeState) -> NodeLoad {
     }
     let observed = all.latency.iter().any(|count| *count > 0);
     let quantile = |quantile| if observed { all.latency_quantile_micros(quantile) } else { 0 };
-    NodeLoad {
-        reads,
-        p50_us: quantile(0.5),
-        p99_us: quantile(0.99),
-    }
+    NodeLoad { reads, p50_us: quantile(0.5), p99_us: quantile(0.99) }
 }
