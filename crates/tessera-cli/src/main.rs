@@ -375,7 +375,8 @@ struct SimArgs {
     /// registers (contended keys, checked for linearizability), appends
     /// (every write a fresh key: counts lost acknowledged writes exactly) or
     /// batches (writes to every key of a group as one unit, each group
-    /// checked as one register).
+    /// checked as one register) or collections (paged collections and the
+    /// expiry sweep deleting their orphaned pages; quorum protocols).
     #[arg(long, default_value = "registers")]
     workload: String,
     #[arg(long, default_value_t = 3)]
@@ -1184,6 +1185,11 @@ fn simulate(args: SimArgs) -> Result<(), String> {
     }
     let workload: tessera_sim::Workload = args.workload.parse()?;
     let transition_to = args.transition_to.as_deref().map(sim_protocol).transpose()?;
+    if workload == tessera_sim::Workload::Collections && (!protocol.quorum || transition_to.is_some()) {
+        return Err("--workload collections runs on a quorum protocol, without --transition-to: its \
+                    sweep deletes through conditional batches"
+            .into());
+    }
     let default = tessera_sim::RunTiming::for_run(workload, protocol, transition_to);
     let config = tessera_sim::SimConfig {
         faults: tessera_sim::FaultKind::parse_list(&args.faults)?,

@@ -29,6 +29,7 @@ pub(crate) fn history_key(key: &Bytes) -> Bytes {
     }
 }
 
+use crate::collections::{is_header, page_keys, CollectionRead};
 use crate::config::{RunTiming, Workload};
 use crate::history::{Call, Operation, Outcome};
 use crate::network::{Address, Message};
@@ -46,13 +47,18 @@ pub(crate) struct Pending {
     /// `call`, which follows once every key it writes is fetched: the
     /// records fetched so far (`None`: not conditional, or fetched).
     pub fetching: Option<Vec<Option<(Version, NodeId)>>>,
+    /// The request in flight is a step of a whole collection's read.
+    pub reading: Option<CollectionRead>,
 }
 
-/// The keys a write of `key` writes under `workload`: the key, or each key
-/// of its group.
-fn written_keys(workload: Workload, key: &Bytes) -> Vec<Bytes> {
-    match workload {
-        Workload::Batches => group_members(key).collect(),
+/// The keys `call` writes under `workload`: the key, each key of its
+/// group, or a collection's header and its new pages.
+fn written_keys(workload: Workload, key: &Bytes, call: &Call) -> Vec<Bytes> {
+    match (workload, call) {
+        (Workload::Batches, _) => group_members(key).collect(),
+        (Workload::Collections, Call::Put(id)) => {
+            [key.clone()].into_iter().chain(page_keys(key, id)).collect()
+        }
         _ => vec![key.clone()],
     }
 }
@@ -158,6 +164,9 @@ pub(crate) fn record_unknown(report: &mut Report, client: usize, pending: Pendin
     if pending.fetching.is_some() {
         return; // only a fetch was sent: the write never was
     }
+    if pending.reading.is_some() {
+        return; // a read has no effect
+    }
     report.unknown += 1;
     if pending.strong || pending.call != Call::Get {
         report.history.operations.push(Operation {
@@ -211,21 +220,28 @@ impl Simulation {
             (key, call, strong)
         };
         let request = state.next_id(client);
-        let written = written_keys(config.workload, &key);
+        let written = written_keys(config.workload, &key, &call);
         // Only on quorum protocols, and single deletes on last-writer-wins
         // ones (as the expiry sweep deletes there); only there does it take a
         // draw from the client's generator, so every other protocol's seeds
         // run as before.
-        let conditional = matches!(config.workload, Workload::Registers | Workload::Batches)
-            && (matches!(call, Call::Put(_) | Call::Delete) && mode.quorum
-                || call == Call::Delete && mode.last_writer_wins() && written.len() == 1)
-            && state.rng.chance(0.5);
+        let conditional =
+            matches!(config.workload, Workload::Registers | Workload::Batches | Workload::Collections)
+                && (matches!(call, Call::Put(_) | Call::Delete) && mode.quorum
+                    || call == Call::Delete && mode.last_writer_wins() && written.len() == 1)
+                && state.rng.chance(0.5);
         let batch = |write: Write| ProtocolOperation::Batch {
             writes: written.iter().map(|member| (member.clone(), write.clone())).collect(),
         };
+        // Final reads are single reads: a whole collection's takes four
+        // round trips, longer than the liveness window allows for them all.
+        let final_read = state.final_reads.last() == Some(&key);
+        let whole_collection =
+            config.workload == Workload::Collections && call == Call::Get && strong && is_header(&key);
+        let reading = (whole_collection && !final_read).then(CollectionRead::default);
         let operation = match &call {
-            _ if conditional => ProtocolOperation::Fetch { key: written[0].clone() },
-            Call::Put(value) if config.workload == Workload::Batches => batch(Write::Put(value.clone())),
+            _ if conditional || reading.is_some() => ProtocolOperation::Fetch { key: written[0].clone() },
+            Call::Put(value) if written.len() > 1 => batch(Write::Put(value.clone())),
             Call::Delete if config.workload == Workload::Batches => batch(Write::Delete),
             Call::Get => ProtocolOperation::Get {
                 key: key.clone(),
@@ -245,6 +261,7 @@ impl Simulation {
             invoked_at: self.now,
             deadline,
             fetching: conditional.then(Vec::new),
+            reading,
         });
         self.send(
             Address::Client(client),
@@ -295,7 +312,7 @@ impl Simulation {
             Call::Delete => Write::Delete,
             other => unreachable!("only puts and deletes are conditional: {other:?}"),
         };
-        let keys = written_keys(self.config.workload, &pending.key);
+        let keys = written_keys(self.config.workload, &pending.key, &pending.call);
         let mut fetched = pending.fetching.take().expect("fetching");
         fetched.push(expected);
         let operation = if fetched.len() < keys.len() {
@@ -308,6 +325,12 @@ impl Simulation {
             let writes = keys.into_iter().zip(fetched).map(|(key, expected)| (key, expected, write.clone()));
             ProtocolOperation::BatchIf { writes: writes.collect() }
         };
+        self.resend(client, pending, operation);
+    }
+
+    /// The next request of a multi-step operation (a conditional write's,
+    /// a whole collection's read), with a new id and deadline.
+    pub(crate) fn resend(&mut self, client: usize, pending: Pending, operation: ProtocolOperation) {
         let request = self.clients[client].next_id(client);
         let target = self.route(client, &pending.call, true);
         let deadline = self.now + self.config.timing.client_timeout_ms;
@@ -324,6 +347,9 @@ impl Simulation {
         let Some(pending) = self.clients[client].answered(request) else { return };
         if pending.fetching.is_some() {
             return self.on_fetched(client, pending, reply);
+        }
+        if pending.reading.is_some() {
+            return self.on_collection_read(client, pending, reply);
         }
         let outcome = match reply {
             ClientReply::Value(value) => Outcome::Value(value),

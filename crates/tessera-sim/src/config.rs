@@ -81,6 +81,12 @@ pub enum Workload {
     /// all), and reads of single keys: a group is checked as one register,
     /// so a replica that shows part of a batch fails the checks.
     Batches,
+    /// Paged collections on a quorum protocol: a header whose value names
+    /// its pages, written with them in one batch, and the expiry sweep at
+    /// the shard's head deleting the pages no header names, as a node's
+    /// sweep does; reads of a whole collection check that no page its
+    /// header names is ever missing.
+    Collections,
 }
 
 impl std::str::FromStr for Workload {
@@ -91,7 +97,8 @@ impl std::str::FromStr for Workload {
             "registers" => Ok(Workload::Registers),
             "appends" => Ok(Workload::Appends),
             "batches" => Ok(Workload::Batches),
-            _ => Err(format!("unknown workload {name:?}; choose registers, appends or batches")),
+            "collections" => Ok(Workload::Collections),
+            _ => Err(format!("unknown workload {name:?}; choose registers, appends, batches or collections")),
         }
     }
 }
@@ -133,14 +140,14 @@ impl Default for RunTiming {
 
 impl RunTiming {
     /// The timing of a run of `workload` on `protocol` (switching to
-    /// `transition_to`): the batches workload on a quorum reads back twelve
-    /// keys, each through a quorum's round trips (and waits for the batches
-    /// still writing it), which under the runs' message delays takes twice
-    /// the window.
+    /// `transition_to`): the batches and collections workloads on a quorum
+    /// read back keys that batches still write, each through a quorum's
+    /// round trips, which under the runs' message delays takes twice the
+    /// window.
     pub fn for_run(workload: Workload, protocol: Mode, transition_to: Option<Mode>) -> Self {
         let quorum = protocol.quorum || transition_to.is_some_and(|target| target.quorum);
         let mut timing = Self::default();
-        if workload == Workload::Batches && quorum {
+        if matches!(workload, Workload::Batches | Workload::Collections) && quorum {
             timing.liveness_ms *= 2;
         }
         timing
@@ -167,6 +174,10 @@ pub struct SimConfig {
     /// Transitions that skip the merge of the members' records.
     #[cfg(any(test, feature = "broken"))]
     pub broken_transition_without_merge: bool,
+    /// A collections sweep whose delete of a page is conditional on the
+    /// page alone, not on the header that made it an orphan.
+    #[cfg(any(test, feature = "broken"))]
+    pub broken_sweep_ignores_header: bool,
 }
 
 impl SimConfig {
@@ -184,6 +195,8 @@ impl SimConfig {
             transition_to: None,
             #[cfg(any(test, feature = "broken"))]
             broken_transition_without_merge: false,
+            #[cfg(any(test, feature = "broken"))]
+            broken_sweep_ignores_header: false,
         }
     }
 

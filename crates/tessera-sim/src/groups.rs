@@ -804,7 +804,8 @@ impl GroupsSimulation {
         let target = if self.config.protocol.active_active { *state.rng.pick(members) } else { members[0] };
         let deadline = self.now + self.config.timing.client_timeout_ms;
         let invoked_at = self.now;
-        state.pending = Some(Pending { request, key, call, strong, invoked_at, deadline, fetching: None });
+        state.pending =
+            Some(Pending { request, key, call, strong, invoked_at, deadline, fetching: None, reading: None });
         let message = Message::Request { id: request, operation };
         self.send(Address::Client(client), Address::Replica(target), message);
         self.timeline.schedule(deadline, Event::ClientWake(client));

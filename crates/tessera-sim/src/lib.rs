@@ -7,6 +7,7 @@
 
 pub mod checks;
 mod clients;
+mod collections;
 pub mod config;
 pub mod geo;
 pub mod groups;

@@ -22,6 +22,7 @@ use crate::checks::convergence::{self, Contents, Majority};
 use crate::checks::durability;
 use crate::checks::linearizability::{self, Verdict};
 use crate::clients::{group_members, Client};
+use crate::collections::Sweeper;
 use crate::config::{FaultKind, FaultMix, SimConfig, Workload};
 use crate::history::History;
 use crate::network::{schedule_faults, Address, Fault, Links, Message, Timeline};
@@ -56,6 +57,8 @@ pub struct Report {
     pub transition_completed_at: Option<u64>,
     /// Slot migrations that ended (the groups simulation).
     pub migrations_completed: u64,
+    /// Orphaned pages the sweep deleted (the collections workload).
+    pub orphans_swept: u64,
 }
 
 impl Report {
@@ -64,8 +67,9 @@ impl Report {
         for (index, client) in clients.iter().enumerate() {
             if !client.final_reads.is_empty() {
                 self.violations.push(format!(
-                    "liveness: client {index} could not read back {} keys within {liveness_ms} ms of healing",
+                    "liveness: client {index} could not read back {} keys within {liveness_ms} ms of healing: {:?}",
                     client.final_reads.len(),
+                    client.final_reads.iter().map(|key| String::from_utf8_lossy(key)).collect::<Vec<_>>(),
                 ));
             }
         }
@@ -85,11 +89,17 @@ impl Report {
 
 #[derive(Clone, Debug)]
 pub(crate) enum Event {
-    Deliver { from: Address, to: Address, message: Message },
+    Deliver {
+        from: Address,
+        to: Address,
+        message: Message,
+    },
     ReplicaTick(u32),
     CoordinatorTick,
     BeginTransition,
     ClientWake(usize),
+    /// The collections workload's sweep at the shard's head.
+    Sweep,
     Fault(Fault),
 }
 
@@ -125,6 +135,8 @@ pub struct Simulation {
     /// Every key's value when the transition completed (the members' common
     /// records), where a strong target's guarantee starts.
     switched_state: Vec<(Bytes, Option<Bytes>)>,
+    /// The collections workload's sweep.
+    pub(crate) sweeper: Sweeper,
 }
 
 pub(crate) fn key_name(prefix: &str, index: usize) -> Bytes {
@@ -180,6 +192,7 @@ impl Simulation {
             eventual_reads: 0,
             switched_in_view: None,
             switched_state: Vec::new(),
+            sweeper: Sweeper::default(),
             config,
         };
         simulation.schedule_start();
@@ -196,6 +209,9 @@ impl Simulation {
             // Clients start once replicas have had a first lease.
             let start = 50 + self.rng.below(20);
             self.timeline.schedule(start, Event::ClientWake(client));
+        }
+        if self.config.workload == Workload::Collections {
+            self.schedule_sweeps();
         }
         if self.config.transition_to.is_some() {
             let at = self.rng.between(300, self.config.timing.safety_ms * 2 / 3);
@@ -329,6 +345,7 @@ impl Simulation {
                 }
             }
             Event::ClientWake(client) => self.client_wake(client),
+            Event::Sweep => self.sweep(),
             Event::Fault(Fault::Crash(id)) => {
                 // At most f failures: the last live member of the view holds the
                 // only copy, and losing it loses the data in any system.
@@ -472,6 +489,25 @@ impl Simulation {
         }
     }
 
+    pub(crate) fn replica_alive(&self, id: u32) -> bool {
+        self.replicas[id as usize].alive
+    }
+
+    pub(crate) fn replica_engine(&self, id: u32) -> std::sync::Arc<dyn Engine> {
+        self.replicas[id as usize].driver.engine().clone()
+    }
+
+    /// Submits `operation` at replica `id` from its own node (no network
+    /// between), its answer addressed to the client `request` names.
+    pub(crate) fn submit_local(&mut self, id: u32, request: RequestId, operation: ProtocolOperation) {
+        let mut fx = Effects::new(self.local_time(id));
+        let replica = &mut self.replicas[id as usize];
+        let submitted = replica.driver.submit([operation], &mut fx);
+        replica.requests.insert(submitted[0], request);
+        let effects = fx.take();
+        self.run_effects(id, effects);
+    }
+
     fn replica_tick(&mut self, id: u32) {
         let local = self.local_time(id);
         let replica = &mut self.replicas[id as usize];
@@ -543,7 +579,11 @@ impl Simulation {
             }
             Address::Client(client) => {
                 if let Message::Response { request, reply } = message {
-                    self.on_response(client, request, reply);
+                    if client == self.clients.len() {
+                        self.on_sweep_reply(request, reply);
+                    } else {
+                        self.on_response(client, request, reply);
+                    }
                 }
             }
         }
@@ -646,6 +686,9 @@ impl Simulation {
         if self.config.workload == Workload::Batches {
             self.check_groups_whole(&contents, majority.as_ref());
         }
+        if let (Workload::Collections, Some(majority)) = (self.config.workload, &majority) {
+            self.check_collections_whole(majority);
+        }
         self.report.lost_acknowledged_writes = self.count_lost(final_state, 0);
         if self.config.workload == Workload::Appends {
             let writes_after_healing = self.report.history.operations.iter().any(|operation| {
@@ -693,11 +736,13 @@ impl Simulation {
     fn count_lost(&self, final_state: Option<&[(Bytes, Record)]>, since: u64) -> u64 {
         let history = &self.report.history;
         match (self.config.workload, final_state) {
-            (Workload::Registers, Some(state)) => durability::lost_writes(history, state, since),
+            (Workload::Registers | Workload::Collections, Some(state)) => {
+                durability::lost_writes(history, state, since)
+            }
             (Workload::Batches, Some(state)) => {
                 durability::lost_writes(history, &self.group_state(state), since)
             }
-            (Workload::Registers | Workload::Batches, None) => 0,
+            (Workload::Registers | Workload::Batches | Workload::Collections, None) => 0,
             (Workload::Appends, state) => durability::lost_appends(history, state.unwrap_or_default(), since),
         }
     }
@@ -723,11 +768,11 @@ pub(crate) fn catching_panics(seed: u64, run: impl FnOnce() -> Report) -> Report
 }
 
 /// Each key's value, as some holder shows it.
-type Values = Vec<(Bytes, Option<Bytes>)>;
+pub(crate) type Values = Vec<(Bytes, Option<Bytes>)>;
 
 /// Each key's value as a quorum reader sees it: an intent's value once the
 /// batch's primary shows it committed, the committed value otherwise.
-fn as_read(state: &[(Bytes, Record)]) -> Values {
+pub(crate) fn as_read(state: &[(Bytes, Record)]) -> Values {
     let record_of = |key: &[u8]| state.iter().find(|(other, _)| other == key).map(|(_, record)| record);
     state
         .iter()
