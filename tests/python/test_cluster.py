@@ -14,6 +14,7 @@ import ssl
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -2038,3 +2039,69 @@ def test_publish_reaches_subscribers_on_every_node_and_shard_channels_their_slot
     assert client.spublish("orders", "order-1") == 1
     message = shard_subscriber.get_sharded_message(timeout=5)
     assert message and message["data"] == b"order-1", message
+
+
+def test_active_active_strong_sweep_deletes_a_rewritten_collections_pages_and_never_a_live_one(cluster_factory):
+    """On AA+SC the expiry sweep at a slot's head deletes the pages of a
+    collection deleted or written anew, one conditional batch per
+    collection together with its header (docs/PROTOCOLS.md, "AA+SC"). While
+    writers on every member delete and rewrite paged hashes of one slot,
+    every hash read is whole (or gone); once the hashes are gone, the group's entries
+    (tessera_group_keys on every member) come back to what they were."""
+    metrics_base = free_base_port(NODES + 2)
+    cluster = cluster_factory("strong", nodes=3, topology="aa",
+                              options=("--metrics-base-port", str(metrics_base)))
+    token = (cluster.dir / "metrics.token").read_text().strip()
+    keys = [f"{{pages}}hash-{n}" for n in range(3)]
+    members = aa_strong_slot_members(cluster, keys[0])
+    slot = key_slot(keys[0].encode())
+    shard = next(shard["id"] for shard in cluster.map()["shards"]
+                 if any(first <= slot <= last for first, last in shard["slots"]))
+
+    def group_keys(member):
+        request = urllib.request.Request(f"http://127.0.0.1:{metrics_base + 1 + member}/metrics",
+                                         headers={"Authorization": f"Bearer {token}"})
+        page = urllib.request.urlopen(request, timeout=5).read().decode()
+        line = next(line for line in page.splitlines()
+                    if line.startswith("tessera_group_keys{") and f'group="{shard}"' in line)
+        return int(float(line.rsplit(" ", 1)[1]))
+
+    before = [group_keys(member) for member in members]
+    fields = {f"field-{n}": f"value-{n}" for n in range(2000)}
+    failures, reads = [], [0]
+
+    def writer(seed):
+        rng = random.Random(seed)
+        connection = redis.Redis(port=cluster.port(members[seed % len(members)]), socket_timeout=10, protocol=2)
+        for _ in range(6):
+            key = rng.choice(keys)
+            try:
+                if rng.random() < 0.5:
+                    connection.delete(key)
+                connection.hset(key, mapping=fields)
+                whole = connection.hgetall(key)
+            except redis.ResponseError as error:
+                # Busy keys, or a write whose outcome the quorum could not tell.
+                if not isinstance(error, redis.exceptions.TryAgainError) and "may or may not" not in str(error):
+                    failures.append(repr(error))
+                continue
+            reads[0] += 1
+            # Another writer may have deleted it since: whole or gone.
+            if whole and whole != {name.encode(): value.encode() for name, value in fields.items()}:
+                failures.append(f"{key} read with {len(whole)} of {len(fields)} fields")
+
+    threads = [threading.Thread(target=writer, args=(seed,)) for seed in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures[:5]
+    assert reads[0] >= 18, reads
+    assert all(group_keys(member) > count + len(keys) for member, count in zip(members, before)), \
+        "the hashes are paged: each holds more entries than its key"
+
+    cluster.client(socket_timeout=10).delete(*keys)
+    deadline = time.time() + 30
+    while [group_keys(member) for member in members] != before and time.time() < deadline:
+        time.sleep(0.2)
+    assert [group_keys(member) for member in members] == before, "the sweep left pages of deleted hashes"

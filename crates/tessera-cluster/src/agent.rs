@@ -124,6 +124,20 @@ pub enum Pending {
 }
 
 impl Pending {
+    /// Whether the answer has come (or never will: the shard was closed),
+    /// without waiting.
+    pub fn answered(&mut self) -> bool {
+        let Pending::Waiting(receiver) = self else { return true };
+        match receiver.try_recv() {
+            Ok(reply) => *self = Pending::Ready(reply),
+            Err(oneshot::error::TryRecvError::Empty) => return false,
+            Err(oneshot::error::TryRecvError::Closed) => {
+                *self = Pending::Ready(ClientReply::Retry("the shard was closed"))
+            }
+        }
+        true
+    }
+
     pub async fn answer(self) -> ClientReply {
         match self {
             Pending::Ready(reply) => reply,

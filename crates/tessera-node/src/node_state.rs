@@ -237,6 +237,8 @@ pub trait Keyspace {
     fn values(&self) -> &dyn Engine;
     /// Deletes `key`, whose lock the caller holds.
     fn remove(&self, key: &[u8], why: Removal) -> CommandResult<()>;
+    /// The sweep's pass over it has ended: deletes it put off go out.
+    fn end_pass(&self) {}
 }
 
 /// Why the node deletes a key no client asked it to delete.
@@ -596,6 +598,7 @@ impl NodeState {
                     tracing::warn!(keyspace = %name, %error, "expiry sweep cannot delete a key");
                 }
             }
+            keyspace.end_pass();
             self.census.lock().counted(name, &counted, page.next.is_none());
             if let Some(next) = page.next {
                 self.sweep_positions.lock().insert(name.to_string(), next);

@@ -59,6 +59,8 @@ pub struct ClusterNode {
     engine: EngineSpec,
     /// Request and reply bytes served here, per slot (CLUSTER SLOT-STATS).
     traffic: slot_stats::SlotTraffic,
+    /// The expiry sweep's deletes of orphaned entries still under way.
+    orphan_deletes: upkeep::OrphanDeletes,
 }
 
 /// How long a request waits for its shard to finish switching modes.
@@ -113,7 +115,12 @@ impl ClusterNode {
         let agent = runtime.block_on(Agent::start(agent_config))?;
         let address = format!("{}:{}", config.bind, client_address.port());
         tracing::info!(node = settings.node, incarnation, %address, "joined cluster {}", settings.id);
-        Ok(Self { membership: Membership { agent, address }, engine, traffic: Default::default() })
+        Ok(Self {
+            membership: Membership { agent, address },
+            engine,
+            traffic: Default::default(),
+            orphan_deletes: Default::default(),
+        })
     }
 }
 

@@ -10,10 +10,13 @@
 //! `replica-ignore-maxmemory`): its copy follows the head's, and every node
 //! heads its share of the shards.
 
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use tessera_cluster::agent::Agent;
+use parking_lot::Mutex;
+use tessera_cluster::agent::{Agent, Pending};
 use tessera_cluster::capture::CapturingView;
 use tessera_cluster::DEFAULT_TABLE;
 use tessera_engine::{reserved, Engine};
@@ -37,6 +40,37 @@ const SHARE_ALLOWANCE_DIVISOR: usize = 16;
 /// writes then wins.
 const ORPHAN_SETTLE_MS: u64 = 10_000;
 
+/// The sweep's deletes of orphaned entries under a quorum protocol that have
+/// not been answered, by shard and owner key: an owner with one is not
+/// swept again until it is answered. Deletes of one collection's entries
+/// each commit with its owner's record, so two at once refuse each other,
+/// and each abort restamps the owner's record the other expects (the
+/// collections workload of `tessera sim` showed a shard under delays stall
+/// for seconds that way).
+#[derive(Default)]
+pub(super) struct OrphanDeletes(Mutex<HashMap<(u32, Bytes), Pending>>);
+
+impl OrphanDeletes {
+    fn under_way(&self, shard: u32, owner: &Bytes) -> bool {
+        let mut deletes = self.0.lock();
+        let key = (shard, owner.clone());
+        let answered = deletes.get_mut(&key).is_none_or(Pending::answered);
+        if answered {
+            deletes.remove(&key);
+        }
+        !answered
+    }
+
+    /// Forgets the answered ones (of owners no pass met again).
+    fn prune(&self) {
+        self.0.lock().retain(|_, pending| !pending.answered());
+    }
+
+    fn insert(&self, shard: u32, owner: Bytes, pending: Pending) {
+        self.0.lock().insert((shard, owner), pending);
+    }
+}
+
 /// A shard as expiry and eviction see it: its values, and deletes handed to
 /// its replication.
 struct ShardKeyspace<'a> {
@@ -48,6 +82,11 @@ struct ShardKeyspace<'a> {
     /// How it replicates: it decides how a delete is made ([`Deletes::of`]).
     mode: Mode,
     agent: &'a Agent,
+    /// Under a quorum protocol, the orphaned entries this pass judged, by
+    /// owner key, with the records judged: each owner's go out in one
+    /// conditional batch when the pass ends.
+    orphans: RefCell<BTreeMap<Bytes, Vec<(Bytes, Record)>>>,
+    orphan_deletes: &'a OrphanDeletes,
 }
 
 /// How the head deletes what it judged expired, evicted or orphaned.
@@ -127,6 +166,12 @@ impl Keyspace for ShardKeyspace<'_> {
                 let Some(seen) = self.seen(&key)? else { return Ok(()) };
                 match owner {
                     None => Operation::WriteIf { key, expected: Some(seen.ballot()), write: Write::Delete },
+                    Some(owner) if why == Removal::Orphaned => {
+                        if !self.orphan_deletes.under_way(self.shard, &owner) {
+                            self.orphans.borrow_mut().entry(owner).or_default().push((key, seen));
+                        }
+                        return Ok(());
+                    }
                     Some(owner) => {
                         let owner_seen = self.seen(&owner)?;
                         let rewrite = Write::restoring(owner_seen.as_ref());
@@ -152,6 +197,31 @@ impl Keyspace for ShardKeyspace<'_> {
         // A record changed meanwhile answers that it changed: nothing to do.
         drop(self.agent.begin_all(self.shard, vec![delete]));
         Ok(())
+    }
+
+    /// Each owner's orphaned entries of the pass, deleted in one batch
+    /// conditional on every record judged, the owner's included.
+    fn end_pass(&self) {
+        for (owner, entries) in std::mem::take(&mut *self.orphans.borrow_mut()) {
+            let owner_seen = match self.seen(&owner) {
+                Ok(seen) => seen,
+                Err(error) => {
+                    tracing::warn!(keyspace = %self.name, %error, "expiry sweep cannot read a collection's owner");
+                    continue;
+                }
+            };
+            let mut writes: Vec<_> =
+                entries.into_iter().map(|(key, seen)| (key, Some(seen.ballot()), Write::Delete)).collect();
+            writes.push((
+                owner.clone(),
+                owner_seen.as_ref().map(Record::ballot),
+                Write::restoring(owner_seen.as_ref()),
+            ));
+            let pending = self.agent.begin_all(self.shard, vec![Operation::BatchIf { writes }]);
+            if let Some(pending) = pending.into_iter().next() {
+                self.orphan_deletes.insert(self.shard, owner, pending);
+            }
+        }
     }
 }
 
@@ -213,6 +283,7 @@ impl ClusterNode {
 
     /// Deletes expired keys from a slice of each shard this node heads.
     pub fn sweep_expired(&self, node: &NodeState) {
+        self.orphan_deletes.prune();
         node.sweep_expired_in(&self.headed_keyspaces(), node.config.expiry_sweep_entries);
     }
 
@@ -236,6 +307,8 @@ impl ClusterNode {
                     values: CapturingView::new(snapshot.engine),
                     mode: snapshot.mode,
                     agent: &self.agent,
+                    orphans: RefCell::default(),
+                    orphan_deletes: &self.orphan_deletes,
                 })
             })
             .collect()
