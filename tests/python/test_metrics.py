@@ -16,6 +16,7 @@ import urllib.parse
 import urllib.request
 
 import pytest
+import redis
 
 from test_cluster import NODES, LocalCluster, free_base_port
 
@@ -151,6 +152,8 @@ def test_prometheus_and_redis_exporter_watch_a_cluster_through_load_and_a_failov
         for index in range(keys):
             client.set(f"metrics:{index}", "v" * 32)
         prometheus.wait_for('sum(tessera_command_calls_total{command="set"})', lambda sets: sets >= sets_before + keys)
+        # By table too: the cluster's tables, as its map names them.
+        prometheus.wait_for('sum(tessera_table_commands_total{table="default"})', lambda calls: calls >= keys)
         prometheus.wait_for("sum(tessera_group_keys)", lambda stored: stored >= 3 * keys)
         prometheus.wait_for('sum(tessera_group_applied_writes{group="0"})', lambda applied: applied > 0)
         # Memory by group, as the expiry sweep's census estimates it: at least
@@ -188,9 +191,10 @@ def test_prometheus_and_redis_exporter_watch_a_cluster_through_load_and_a_failov
         cluster.down()
 
 
-def test_a_node_reports_each_tables_keys_and_bytes(data_dir):
+def test_a_node_reports_each_tables_keys_bytes_commands_and_errors(data_dir):
     """A node of its own: keys and estimated bytes per table and engine, the
-    bytes at least what the keys and values hold."""
+    bytes at least what the keys and values hold; commands and errors by
+    the table of their first key, in the metrics and in INFO tables."""
     from conftest import Node, free_port
     metrics_port = free_port()
     node = Node(data_dir, "--metrics-bind", f"127.0.0.1:{metrics_port}", "--expiry-sweep-interval-ms", "10").start()
@@ -206,19 +210,32 @@ def test_a_node_reports_each_tables_keys_and_bytes(data_dir):
             return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
                     for line in text.splitlines() if line.startswith("tessera_table_")}
 
+        # Until a whole pass of the sweep began after the writes: one under
+        # way while they ran counts only the keys it met.
+        users_bytes, list_bytes = 500 * (5 + 100), 1_000 * len("job-0000" * 10)
         deadline = time.time() + 30
         while True:
             series = scrape()
             users = series.get('tessera_table_bytes{table="users",engine="ordered"}', 0)
             default = series.get('tessera_table_bytes{table="default",engine="memory"}', 0)
-            if users and default:
+            if users >= users_bytes and default >= list_bytes:
                 break
             assert time.time() < deadline, series
             time.sleep(0.1)
+        with pytest.raises(redis.ResponseError):
+            client.incr("u:000")  # not an integer: an error of table users
+        client.lpop("queue")
+        client.ping()  # no key, no table
+        series = scrape()
+        assert series['tessera_table_commands_total{table="users"}'] == 501, series
+        assert series['tessera_table_command_errors_total{table="users"}'] == 1, series
+        assert series['tessera_table_commands_total{table="default"}'] == 2, series
+        assert series['tessera_table_command_errors_total{table="default"}'] == 0, series
+        tables = client.info("tables")
+        assert tables["table_users"]["calls"] == 501 and tables["table_users"]["failed_calls"] == 1, tables
         assert series['tessera_table_keys{table="users",engine="ordered"}'] == 500
         assert series['tessera_table_keys{table="default",engine="memory"}'] == 1
-        assert 500 * (5 + 100) <= users < 500 * (5 + 100) * 4, users
-        list_bytes = 1_000 * len("job-0000" * 10)
-        assert list_bytes <= default < list_bytes * 4, default
+        assert users < users_bytes * 4, users
+        assert default < list_bytes * 4, default
     finally:
         node.stop()

@@ -14,7 +14,7 @@ use crate::cluster::ClusterNode;
 use crate::commands::all_commands;
 use crate::membership::role_name;
 use crate::memory::{resident_memory, used_memory};
-use crate::node_state::{NodeState, LATENCY_BUCKETS};
+use crate::node_state::{NodeState, TableCounters, LATENCY_BUCKETS};
 
 /// Reads a node's figures at each scrape.
 pub struct NodeCollector {
@@ -150,6 +150,20 @@ impl NodeCollector {
             "tessera_command_rejected",
             "Commands refused before they ran (arity, permission, a busy script ...), by command.",
             totals.iter().map(|(index, total)| (labels(*index), total.rejected)),
+        )?;
+        let tables = self.node.table_totals();
+        let table = |counted: &TableCounters| -> Labels { vec![("table", counted.table.clone())] };
+        counters(
+            encoder,
+            "tessera_table_commands",
+            "Commands run on keys of each table (by their first key), here.",
+            tables.iter().map(|counted| (table(counted), counted.calls)),
+        )?;
+        counters(
+            encoder,
+            "tessera_table_command_errors",
+            "Commands on keys of each table that ran and answered an error.",
+            tables.iter().map(|counted| (table(counted), counted.failed)),
         )?;
         histograms(
             encoder,

@@ -81,6 +81,22 @@ pub struct WorkerStats {
     pub net_output_bytes: AtomicU64,
     /// By the command's place in the catalogue (`commands::command_index`).
     pub by_command: Box<[CommandCounters]>,
+    /// By the table of the command's first key. Only this worker writes it,
+    /// so its lock is uncontended but for INFO's and the metrics' reads.
+    pub by_table: Mutex<Vec<TableCounters>>,
+}
+
+/// The most tables a worker counts commands of; commands of tables past it
+/// (only ever after as many were created) are left uncounted.
+pub const COUNTED_TABLES_MAX: usize = 1024;
+
+/// The commands a worker ran on keys of one table.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TableCounters {
+    pub table: String,
+    pub calls: u64,
+    /// Ran and answered with an error.
+    pub failed: u64,
 }
 
 impl WorkerStats {
@@ -91,6 +107,21 @@ impl WorkerStats {
     /// The counters of the command at `index` in the catalogue.
     pub fn command(&self, index: usize) -> Option<&CommandCounters> {
         self.by_command.get(index)
+    }
+
+    /// Counts a command that ran on keys of `table`.
+    pub fn count_table(&self, table: &str, failed: bool) {
+        let mut tables = self.by_table.lock();
+        let index = match tables.iter().position(|counted| counted.table == table) {
+            Some(index) => index,
+            None if tables.len() < COUNTED_TABLES_MAX => {
+                tables.push(TableCounters { table: table.to_string(), ..TableCounters::default() });
+                tables.len() - 1
+            }
+            None => return,
+        };
+        tables[index].calls += 1;
+        tables[index].failed += u64::from(failed);
     }
 }
 
@@ -380,6 +411,20 @@ impl NodeState {
             .collect()
     }
 
+    /// Commands and failures by table, summed over the workers, in name order.
+    pub fn table_totals(&self) -> Vec<TableCounters> {
+        let mut totals: std::collections::BTreeMap<String, TableCounters> = Default::default();
+        for worker in self.worker_stats.lock().iter() {
+            for counted in worker.by_table.lock().iter() {
+                let total = totals.entry(counted.table.clone()).or_default();
+                total.table.clone_from(&counted.table);
+                total.calls += counted.calls;
+                total.failed += counted.failed;
+            }
+        }
+        totals.into_values().collect()
+    }
+
     /// One counter summed over every worker.
     pub fn worker_total(&self, counter: impl Fn(&WorkerStats) -> &AtomicU64) -> u64 {
         self.worker_stats.lock().iter().map(|stats| counter(stats).load(Ordering::Relaxed)).sum()
@@ -397,6 +442,7 @@ impl NodeState {
             counter.store(0, Ordering::Relaxed);
         }
         for stats in self.worker_stats.lock().iter() {
+            stats.by_table.lock().clear();
             for command in stats.by_command.iter() {
                 for counter in [&command.calls, &command.failed, &command.rejected, &command.nanos]
                     .into_iter()

@@ -546,6 +546,12 @@ fn execute(context: &mut Context, spec: &CommandSpec, request: &Request) -> Comm
             WorkerStats::add(&counters.failed, u64::from(answer.is_err()));
         }
     }
+    if let Some(first) = keys().next() {
+        match context.cluster.and_then(|membership| membership.agent.routing()) {
+            Some(routing) => context.stats.count_table(routing.table_of(first), answer.is_err()),
+            None => context.stats.count_table(&context.tables.route(first).def.name, answer.is_err()),
+        }
+    }
     answer
 }
 

@@ -213,10 +213,15 @@ fn info(context: &mut Context, request: &Request) -> CommandResult {
     }
     if include("tables") {
         text.push_str("# Tables\r\n");
+        let counted = node.table_totals();
         for (table, keys) in tables.iter().zip(&table_keys) {
+            let (calls, failed) = counted
+                .iter()
+                .find(|counted| counted.table == table.def.name)
+                .map_or((0, 0), |counted| (counted.calls, counted.failed));
             let _ = write!(
                 text,
-                "table_{}:prefix={},engine={},keys={keys}\r\n",
+                "table_{}:prefix={},engine={},keys={keys},calls={calls},failed_calls={failed}\r\n",
                 table.def.name,
                 escape_prefix(&table.prefix),
                 table.spec.kind.name(),
