@@ -180,6 +180,15 @@ pub(crate) fn record_unknown(report: &mut Report, client: usize, pending: Pendin
     }
 }
 
+/// The record a fetch answered (or none), unless the answer has none to use.
+pub(crate) fn fetched_record(reply: ClientReply) -> Option<Option<Record>> {
+    match reply {
+        ClientReply::Value(None) => Some(None),
+        ClientReply::Value(Some(raw)) => Record::decode(raw).ok().map(Some),
+        _ => None,
+    }
+}
+
 impl Simulation {
     pub(crate) fn client_wake(&mut self, client: usize) {
         if self.clients[client].wake(client, self.now, &self.config.timing, &mut self.report) {
@@ -296,17 +305,8 @@ impl Simulation {
     /// conditioned on the records fetched (a batch's on each of its keys');
     /// anything else leaves the write without effect, to be tried again.
     fn on_fetched(&mut self, client: usize, mut pending: Pending, reply: ClientReply) {
-        let fetched = match reply {
-            ClientReply::Value(None) => Some(None),
-            ClientReply::Value(Some(raw)) => Record::decode(raw).ok().map(|record| Some(record.ballot())),
-            _ => None,
-        };
-        let Some(expected) = fetched else {
-            self.report.retried += 1;
-            let retry_at = self.now + 5 + self.clients[client].rng.below(10);
-            self.timeline.schedule(retry_at, Event::ClientWake(client));
-            return;
-        };
+        let Some(fetched) = fetched_record(reply) else { return self.retry_later(client) };
+        let expected = fetched.as_ref().map(Record::ballot);
         let write = match &pending.call {
             Call::Put(value) => Write::Put(value.clone()),
             Call::Delete => Write::Delete,
@@ -326,6 +326,14 @@ impl Simulation {
             ProtocolOperation::BatchIf { writes: writes.collect() }
         };
         self.resend(client, pending, operation);
+    }
+
+    /// After an answer that had no effect: the client tries something
+    /// again shortly.
+    pub(crate) fn retry_later(&mut self, client: usize) {
+        self.report.retried += 1;
+        let retry_at = self.now + 5 + self.clients[client].rng.below(10);
+        self.timeline.schedule(retry_at, Event::ClientWake(client));
     }
 
     /// The next request of a multi-step operation (a conditional write's,
@@ -358,13 +366,7 @@ impl Simulation {
             ClientReply::Elsewhere(_)
             | ClientReply::Retry(_)
             | ClientReply::Changed
-            | ClientReply::Failed(_) => {
-                // No effect: try something again shortly.
-                self.report.retried += 1;
-                let retry_at = self.now + 5 + self.clients[client].rng.below(10);
-                self.timeline.schedule(retry_at, Event::ClientWake(client));
-                return;
-            }
+            | ClientReply::Failed(_) => return self.retry_later(client),
             ClientReply::Unknown(_) => {
                 // As after a timeout: it may take effect at any time from now.
                 record_unknown(&mut self.report, client, pending);

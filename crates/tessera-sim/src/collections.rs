@@ -25,7 +25,7 @@ use tessera_protocol::{
 };
 
 use crate::checks::convergence::Majority;
-use crate::clients::Pending;
+use crate::clients::{fetched_record, Pending};
 use crate::history::Outcome;
 use crate::sim::{as_read, Event, Simulation};
 
@@ -170,17 +170,7 @@ impl Simulation {
     /// retried later, as a fetch for a conditional write is (reads have no
     /// effect).
     pub(crate) fn on_collection_read(&mut self, client: usize, mut pending: Pending, reply: ClientReply) {
-        let fetched = match reply {
-            ClientReply::Value(None) => Some(None),
-            ClientReply::Value(Some(raw)) => Record::decode(raw).ok().map(Some),
-            _ => None,
-        };
-        let Some(fetched) = fetched else {
-            self.report.retried += 1;
-            let retry_at = self.now + 5 + self.clients[client].rng.below(10);
-            self.timeline.schedule(retry_at, Event::ClientWake(client));
-            return;
-        };
+        let Some(fetched) = fetched_record(reply) else { return self.retry_later(client) };
         let mut read = pending.reading.take().expect("a collection read");
         let header = pending.key.clone();
         let Some(first) = &read.header else {
