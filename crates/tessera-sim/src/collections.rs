@@ -90,7 +90,7 @@ pub(crate) struct CollectionRead {
 
 impl Simulation {
     /// The client id the sweep's requests carry: one past the clients'.
-    fn sweeper(&self) -> usize {
+    pub(crate) fn sweeper(&self) -> usize {
         self.clients.len()
     }
 

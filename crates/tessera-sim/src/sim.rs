@@ -579,7 +579,7 @@ impl Simulation {
             }
             Address::Client(client) => {
                 if let Message::Response { request, reply } = message {
-                    if client == self.clients.len() {
+                    if client == self.sweeper() {
                         self.on_sweep_reply(request, reply);
                     } else {
                         self.on_response(client, request, reply);
