@@ -11,7 +11,7 @@
 //! table's shards start on the same nodes, slot for slot.
 
 use tessera_cluster::auth::{from_hex, to_hex, LoginTo, Transcript, NONCE_BYTES, PROOF_BYTES};
-use tessera_cluster::ClusterMap;
+use tessera_cluster::{ClusterMap, NodeRole};
 use tessera_wire::slot::key_slot;
 use tessera_wire::Request;
 
@@ -245,11 +245,19 @@ fn nodes(map: &ClusterMap, me: u32, tls: bool) -> String {
             Some(head) => ("slave", node_name(map, head)),
             None => ("master", "-".to_string()),
         };
+        // The coordinator takes a member it finds dead out of every shard: a
+        // member in none is shown failed, so that clients stop using it.
+        let failed = node.role == NodeRole::Member
+            && !map
+                .shards
+                .iter()
+                .any(|shard| shard.members.contains(&node.id) || shard.learners.contains(&node.id));
+        let (fail, link) = if failed { (",fail", "disconnected") } else { ("", "connected") };
         let (host, port) = host_port(node.client_address(tls));
         // The peer port is the plain client port's, TLS or not.
         let bus_port = host_port(&node.address).1 + 10_000;
         text.push_str(&format!(
-            "{} {host}:{port}@{bus_port} {myself}{role} {master} 0 0 {} connected",
+            "{} {host}:{port}@{bus_port} {myself}{role}{fail} {master} 0 0 {} {link}",
             node_name(map, node.id),
             map.epoch
         ));
@@ -344,6 +352,19 @@ mod tests {
             "a standby heads nothing"
         );
         assert_eq!(node_name(&map, 1).len(), 40);
+    }
+
+    #[test]
+    fn nodes_shows_a_member_taken_out_of_every_shard_as_failed() {
+        let mut map = map();
+        for shard in &mut map.shards {
+            shard.members.retain(|member| *member != 2);
+        }
+        let text = nodes(&map, 0, false);
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[2].contains(" master,fail - 0 0 1 disconnected"), "{}", lines[2]);
+        assert!(lines[1].contains(" connected") && !lines[1].contains("fail"), "{}", lines[1]);
+        assert!(!lines[3].contains("fail"), "a standby holds nothing and has not failed: {}", lines[3]);
     }
 
     #[test]

@@ -22,7 +22,7 @@ use crate::membership::Membership;
 #[rustfmt::skip]
 pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec { name: "consistency", arity: -1, flags: &["fast", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: consistency },
-    CommandSpec { name: "consistency.read", arity: -3, flags: &["readonly", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::WrappedRead, handler: read_at },
+    CommandSpec { name: "consistency.read", arity: -3, flags: &["readonly", "noscript", "movablekeys"], first_key: 0, last_key: 0, step: 0, scope: Scope::WrappedRead, handler: read_at },
     CommandSpec { name: "causal.token", arity: -1, flags: &["fast", "noscript"], first_key: 0, last_key: 0, step: 0, scope: Scope::Keys, handler: causal_token },
 ];
 

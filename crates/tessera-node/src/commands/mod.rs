@@ -272,20 +272,31 @@ impl CommandSpec {
 
     /// Where the keys are in a call with `count` arguments (the name
     /// included), `arg` reading them: the range that `first_key`,
-    /// `last_key` and `step` give, then those an argument counts.
+    /// `last_key` and `step` give, then those an argument counts. A
+    /// CONSISTENCY.READ has the keys of the read it wraps, so that clients
+    /// route it (COMMAND GETKEYS) and access is checked on them.
     pub fn key_positions<'r>(
         &self,
         count: usize,
         arg: impl Fn(usize) -> &'r [u8],
     ) -> impl Iterator<Item = usize> {
-        let movable = movable_keys(self.name, count, &arg);
+        let wrapped = match self.scope {
+            Scope::WrappedRead if count > 2 => {
+                lookup(arg(2)).filter(|inner| inner.scope != Scope::WrappedRead)
+            }
+            _ => None,
+        };
+        let (spec, skip) = wrapped.map_or((self, 0), |inner| (inner, 2));
+        let count = count - skip;
+        let arg = |index| arg(index + skip);
+        let movable = movable_keys(spec.name, count, &arg);
         // MIGRATE's KEYS form names its keys there, and "" where the key stands.
-        let fixed_stand = !(self.name == "migrate" && movable.is_some());
-        let last = if self.last_key < 0 { count as i32 + self.last_key } else { self.last_key };
-        let first = if self.first_key > 0 && fixed_stand { self.first_key } else { last + 1 };
-        let fixed = (first..=last).step_by(self.step.max(1) as usize).map(|index| index as usize);
+        let fixed_stand = !(spec.name == "migrate" && movable.is_some());
+        let last = if spec.last_key < 0 { count as i32 + spec.last_key } else { spec.last_key };
+        let first = if spec.first_key > 0 && fixed_stand { spec.first_key } else { last + 1 };
+        let fixed = (first..=last).step_by(spec.step.max(1) as usize).map(|index| index as usize);
         let movable = movable.unwrap_or(0..0);
-        fixed.chain(movable)
+        fixed.chain(movable).map(move |index| index + skip)
     }
 
     /// Whether the command may run before AUTH.
@@ -674,10 +685,24 @@ mod tests {
         assert_eq!(command_index(&copy), None, "a spec from outside the catalogue has no index");
     }
 
-    /// docs/COMMANDS.md lists the command table; `TESSERA_BLESS=1` rewrites it.
     #[test]
     fn lookup_ignores_case_and_rejects_long_names() {
         assert_eq!(lookup(b"GeT").map(|spec| spec.name), Some("get"));
         assert!(lookup(&[b'a'; 100]).is_none());
+    }
+
+    #[test]
+    fn a_consistency_read_has_the_keys_of_the_read_it_wraps() {
+        let keys = |args: &[&[u8]]| -> Vec<usize> {
+            lookup(args[0]).expect("served").key_positions(args.len(), |index| args[index]).collect()
+        };
+        assert_eq!(keys(&[b"consistency.read", b"eventual", b"get", b"k"]), [3]);
+        assert_eq!(keys(&[b"CONSISTENCY.READ", b"strong", b"MGET", b"a", b"b"]), [3, 4]);
+        assert_eq!(keys(&[b"consistency.read", b"strong", b"zunion", b"2", b"a", b"b"]), [4, 5]);
+        assert!(
+            keys(&[b"consistency.read", b"strong", b"consistency.read", b"strong", b"get", b"k"]).is_empty()
+        );
+        assert!(keys(&[b"consistency.read", b"strong", b"nothing", b"k"]).is_empty());
+        assert!(keys(&[b"consistency.read", b"strong"]).is_empty());
     }
 }
