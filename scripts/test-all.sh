@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the tests need (redis-server, redis-cli, etcd, Prometheus and
 # redis_exporter, Chromium and chromedriver, go-ycsb, cargo-deb; redis-py,
-# Selenium and pytest in a virtual environment under target/) and runs every
+# Selenium, pytest, mypy and Tessera's Python client, from its wheel, in a
+# virtual environment under target/) and runs every
 # check: formatting, lints, unit and property tests, the engine conformance
 # suite, the Debian package, the deployment files (Kubernetes, compose), and
 # integration tests with real clients and a real browser against the real
@@ -35,6 +36,11 @@ if [ ! -x "$VENV/bin/python" ]; then
     }
 fi
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r tests/python/requirements.txt
+echo "== the Python client (clients/python): type-checked, built as a wheel and installed from it"
+(cd clients/python && "$VENV/bin/python" -m mypy src)
+rm -rf target/wheels
+"$VENV/bin/python" -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w target/wheels clients/python
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps target/wheels/tessera-*.whl
 
 echo "== building go-ycsb from the Go module proxy"
 scripts/build-go-ycsb.sh
