@@ -202,7 +202,7 @@ pub fn backup(connection: &ConnectionArgs, to: &Path) -> Result<(), String> {
             queues.entry(head.clone()).or_default().push(Some(*shard));
         }
     } else {
-        queues.insert(connection.addr.clone(), vec![None]);
+        queues.insert(connection.addr().to_string(), vec![None]);
     }
     let groups = queues.values().map(Vec::len).sum::<usize>() as u64;
     println!("backing up {groups} group(s) from {} node(s) to {}", queues.len(), to.display());
@@ -259,7 +259,7 @@ pub fn backup(connection: &ConnectionArgs, to: &Path) -> Result<(), String> {
     let manifest = Manifest {
         format: 1,
         taken_at_unix_ms,
-        source: connection.addr.clone(),
+        source: connection.addr().to_string(),
         cluster,
         tables,
         users,

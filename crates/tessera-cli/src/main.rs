@@ -422,12 +422,35 @@ enum TableCommand {
 
 #[derive(Args)]
 struct ConnectionArgs {
-    /// Address of the node (client commands).
-    #[arg(long, short = 'a', global = true, default_value = "127.0.0.1:7379", env = "TESSERA_ADDR")]
-    addr: String,
-    /// Password, if the node requires one (client commands).
-    #[arg(long = "auth", global = true, env = "TESSERA_AUTH")]
+    /// Address of a node (client commands) [default: 127.0.0.1:7379, where
+    /// `serve` listens, or if nothing answers there 127.0.0.1:7001, the first
+    /// node of `cluster up`].
+    #[arg(long = "addr", global = true, env = "TESSERA_ADDR")]
+    given_addr: Option<String>,
+    #[arg(skip)]
+    default_addr: std::sync::OnceLock<String>,
+    /// Password, if the node requires one (client commands), as redis-cli's -a.
+    #[arg(long = "auth", short = 'a', global = true, env = "TESSERA_AUTH")]
     password: Option<String>,
+}
+
+impl ConnectionArgs {
+    /// The node client commands go to: the one named, else a local node,
+    /// else a local cluster's first node.
+    fn addr(&self) -> &str {
+        if let Some(given) = &self.given_addr {
+            return given;
+        }
+        self.default_addr.get_or_init(|| {
+            let answers = |address: &str| {
+                address.parse().is_ok_and(|socket| {
+                    std::net::TcpStream::connect_timeout(&socket, Duration::from_millis(300)).is_ok()
+                })
+            };
+            let (node, cluster) = ("127.0.0.1:7379", "127.0.0.1:7001");
+            if !answers(node) && answers(cluster) { cluster } else { node }.to_string()
+        })
+    }
 }
 
 /// Flags override the config file, which overrides the defaults.
@@ -952,10 +975,10 @@ async fn shutdown_signal() {
 }
 
 fn connect(args: &ConnectionArgs) -> Result<Client, String> {
-    connect_to(args, &args.addr)
+    connect_to(args, args.addr())
 }
 
-/// A client of `addr` (a node of the cluster at `args.addr`: they share its
+/// A client of `addr` (a node of the cluster at `args.addr()`: they share its
 /// password), logged in.
 fn connect_to(args: &ConnectionArgs, addr: &str) -> Result<Client, String> {
     let mut client = Client::connect(addr, Duration::from_secs(10))

@@ -167,6 +167,19 @@ fn tessera_client_commands_talk_to_a_node() {
 }
 
 #[test]
+fn dash_a_is_the_password_as_in_redis_cli() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start(dir.path(), &["--password", "open sesame"]);
+    let refused = node.tessera(&["set", "k", "v"]);
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("NOAUTH"), "{refused:?}");
+    let stored = node.tessera(&["-a", "open sesame", "set", "k", "v"]);
+    assert!(stored.status.success(), "{stored:?}");
+    let read = node.tessera(&["get", "k", "-a", "open sesame"]);
+    assert_eq!(String::from_utf8_lossy(&read.stdout), "v\n");
+}
+
+#[test]
 fn unreachable_node_is_one_clear_error() {
     let output = Command::new(env!("CARGO_BIN_EXE_tessera"))
         .args(["--addr", &format!("127.0.0.1:{}", free_port()), "get", "k"])
