@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Installs what the tests need (redis-server, redis-cli, etcd, Prometheus and
-# redis_exporter, Chromium and chromedriver, go-ycsb, cargo-deb; redis-py,
-# Selenium, pytest, mypy and Tessera's Python client, from its wheel, in a
-# virtual environment under target/) and runs every
-# check: formatting, lints, unit and property tests, the engine conformance
-# suite, the Debian package, the deployment files (Kubernetes, compose), and
-# integration tests with real clients and a real browser against the real
-# binary. CI runs exactly this (.ci/run).
+# redis_exporter, Chromium and chromedriver, go-ycsb, cargo-deb; Node.js, a JDK
+# and Maven where missing, and the client libraries the tests prove, from their
+# registries; redis-py, Selenium, pytest, mypy and Tessera's Python client, from
+# its wheel, in a virtual environment under target/) and runs every check:
+# formatting, lints, unit and property tests, the engine conformance suite, the
+# Debian package, the deployment files (Kubernetes, compose), and integration
+# tests with real clients and a real browser against the real binary. CI runs
+# exactly this (.ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,6 +45,8 @@ rm -rf target/wheels
 
 echo "== building go-ycsb from the Go module proxy"
 scripts/build-go-ycsb.sh
+echo "== building the client workloads: go-redis, ioredis, node-redis, Jedis, Lettuce, redis-rs"
+scripts/build-client-workloads.sh
 export GO_YCSB="$PWD/target/tools/go-ycsb"
 
 # Tests that need an external program fail, rather than skip, when it is missing.
