@@ -102,6 +102,9 @@ def test_the_python_client_on_a_cluster_walks_ranges_reports_levels_and_sees_a_f
         assert session.levels() == ("eventual", "eventual")
         assert session.get("user:3") == "3"
 
+    hello = redis.Redis(port=cluster.port(2), protocol=3).execute_command("HELLO", "3")
+    assert hello[b"mode"] == b"cluster", hello
+
     status = db.cluster_status()
     assert status.healthy and status.slots_ok == 16384 and len(status.nodes) == 3
     assert {table.name for table in status.tables} == {"default", "ix"}

@@ -156,7 +156,7 @@ fn hello(context: &mut Context, request: &Request) -> CommandResult {
     out.bulk(b"id");
     out.integer(context.session.id as i64);
     out.bulk(b"mode");
-    out.bulk(b"standalone");
+    out.bulk(if context.cluster.is_some() { b"cluster" } else { b"standalone" });
     out.bulk(b"role");
     out.bulk(b"master");
     out.bulk(b"modules");
