@@ -996,9 +996,40 @@ fn expect_ok(value: Value) -> Result<Value, String> {
     }
 }
 
+/// The client commands' connection: tessera-client's, on a runtime of its
+/// own. A read is asked again if its answer is lost; a write is not.
+struct CommandClient {
+    runtime: tokio::runtime::Runtime,
+    client: tessera_client::Client,
+}
+
+impl CommandClient {
+    fn new(connection: &ConnectionArgs) -> Result<Self, String> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|error| error.to_string())?;
+        let options = tessera_client::Options {
+            connections_per_server: 1,
+            auth: connection.password.clone().map(|password| (None, password)),
+            ..tessera_client::Options::default()
+        };
+        Ok(Self { runtime, client: tessera_client::Client::new(connection.addr(), options) })
+    }
+
+    fn request(&self, args: &[&str], read: bool) -> Result<Value, String> {
+        let command = args[1..].iter().fold(tessera_client::cmd(args[0]), |command, arg| command.arg(arg));
+        let command = if read { command.idempotent() } else { command };
+        self.runtime.block_on(self.client.request(&command)).map_err(|error| match error {
+            tessera_client::Error::NotSent(why) => format!("cannot connect to {why}"),
+            error => error.to_string(),
+        })
+    }
+}
+
 fn run_command(connection: &ConnectionArgs, args: &[&str]) -> Result<Value, String> {
-    let mut client = connect(connection)?;
-    expect_ok(client.command(args).map_err(|error| error.to_string())?)
+    let read = matches!(args[0], "GET" | "TABLE.LIST" | "TABLE.INFO");
+    CommandClient::new(connection)?.request(args, read)
 }
 
 fn client_command(connection: &ConnectionArgs, command: Command) -> Result<(), String> {
@@ -1040,7 +1071,7 @@ fn client_command(connection: &ConnectionArgs, command: Command) -> Result<(), S
             Ok(())
         }
         Command::Scan { pattern, count } => {
-            let mut client = connect(connection)?;
+            let client = CommandClient::new(connection)?;
             let mut cursor = "0".to_string();
             let count = count.to_string();
             loop {
@@ -1048,7 +1079,7 @@ fn client_command(connection: &ConnectionArgs, command: Command) -> Result<(), S
                 if let Some(pattern) = &pattern {
                     args.extend(["MATCH", pattern]);
                 }
-                let reply = expect_ok(client.command(&args).map_err(|error| error.to_string())?)?;
+                let reply = client.request(&args, true)?;
                 let mut parts = reply.into_items().ok_or("malformed SCAN reply")?.into_iter();
                 let next = parts
                     .next()
