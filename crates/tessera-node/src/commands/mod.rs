@@ -282,7 +282,8 @@ impl CommandSpec {
     ) -> impl Iterator<Item = usize> {
         let wrapped = match self.scope {
             Scope::WrappedRead if count > 2 => {
-                lookup(arg(2)).filter(|inner| inner.scope != Scope::WrappedRead)
+                // Only a read of the right arity: its key positions then exist.
+                lookup(arg(2)).filter(|inner| inner.scope != Scope::WrappedRead && inner.arity_ok(count - 2))
             }
             _ => None,
         };
@@ -704,5 +705,7 @@ mod tests {
         );
         assert!(keys(&[b"consistency.read", b"strong", b"nothing", b"k"]).is_empty());
         assert!(keys(&[b"consistency.read", b"strong"]).is_empty());
+        assert!(keys(&[b"consistency.read", b"strong", b"get"]).is_empty(), "a read short of its key");
+        assert!(keys(&[b"consistency.read", b"strong", b"hget", b"h"]).is_empty());
     }
 }
