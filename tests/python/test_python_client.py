@@ -14,6 +14,7 @@ from redis.crc import key_slot
 
 from conftest import ROOT
 from tessera import Leveled, Tessera, TesseraCluster
+from test_causal import geo_cluster  # noqa: F401 - a fixture
 from test_cluster import cluster_factory  # noqa: F401 - a fixture
 
 
@@ -121,3 +122,29 @@ def test_the_python_client_on_a_cluster_walks_ranges_reports_levels_and_sees_a_f
 
     db.tables.drop("ix")
     assert db.tables.list() == ["default"]
+
+
+def test_python_sessions_carry_a_causal_context_through_a_token_and_never_reconnect_without_it(geo_cluster):
+    cluster = geo_cluster("causal-spartan")
+    author = Tessera(port=cluster.port(0), decode_responses=True).session("causal")
+    reader = Tessera(port=cluster.port(1), decode_responses=True).session()
+    with author, reader:
+        assert author.levels() == ("causal", "causal")
+        author.set("post:1", "hello")
+        author.set("comment:1", "hi back")
+        reader.resume(author.token())
+        assert reader.level == "causal" and reader.levels() == ("causal", "causal")
+        assert reader.get("comment:1") == "hi back" and reader.get("post:1") == "hello"
+        assert reader.read_at("causal", "GET", "post:1") == Leveled("hello", "causal")
+        with pytest.raises(redis.ResponseError, match="did not make|not a causal token"):
+            reader.resume("00" + author.token()[2:])
+
+    # The server keeps a causal session's context with its connection: when
+    # the connection is cut, the session says so instead of reconnecting
+    # without it.
+    session = Tessera(port=cluster.port(0)).session("causal")
+    session.set("post:2", "again")
+    redis.Redis(port=cluster.port(0)).client_kill_filter(_id=session.client_id())
+    with pytest.raises(redis.ConnectionError, match="context went with it"):
+        session.get("post:2")
+    session.close()
