@@ -221,8 +221,7 @@ impl Client {
 
     /// One read at `level`, and the level it was served at.
     pub async fn read_at(&self, level: Level, command: Command) -> Result<(Level, Value), Error> {
-        let answer = self.server.connection().await?.request(&command.at_level(level).args).await?;
-        leveled(answer)
+        leveled(self.request(&command.at_level(level)).await?)
     }
 
     pub async fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Bytes>, Error> {
