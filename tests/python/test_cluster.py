@@ -1490,9 +1490,10 @@ def test_expired_keys_leave_every_replica_of_a_cluster(cluster_factory, topology
     client = cluster.client(socket_timeout=10)
     before = {node: info["used_memory"] for node, info in node_stats(cluster, 3).items()}
     keys = [f"session:{index}" for index in range(30_000)]
-    # Long enough to outlast the writes on a loaded machine: a key that
-    # expires before the nodes are measured full would not count.
-    write_values(client, keys, b"s" * 1000, px=3000)
+    # Long enough to outlast the writes on a loaded machine (3 s was not,
+    # once): a key that expires before the nodes are measured full would not
+    # count.
+    write_values(client, keys, b"s" * 1000, px=6000)
     client.set("persistent", "stays")
     full = {node: info["used_memory"] for node, info in node_stats(cluster, 3).items()}
     deadline = time.time() + 30

@@ -842,6 +842,12 @@ impl Agent {
         self.routing.read().clone()
     }
 
+    /// `look` at the routing, without the copy [`Self::routing`] makes (its
+    /// reference counts are shared by every worker).
+    pub fn with_routing<R>(&self, look: impl FnOnce(&Routing) -> R) -> Option<R> {
+        self.routing.read().as_ref().map(look)
+    }
+
     pub fn node_id(&self) -> u32 {
         self.config.node
     }

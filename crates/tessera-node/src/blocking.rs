@@ -6,10 +6,12 @@
 //! first waiter of its key only; the connection runs the command again, and
 //! when it leaves the queue (served, timed out or gone) it passes the signal on
 //! to the next waiter, which finds whatever is left. So the longest waiter is
-//! served first, as in Redis, and no wake-up is lost.
+//! served first, as in Redis, and no wake-up is lost: a waiter is woken once
+//! as it joins, since a push on another worker may have come between the run
+//! that found nothing and the joining.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,11 +41,15 @@ struct Waiter {
 #[derive(Default)]
 pub struct Waiters {
     queues: Mutex<HashMap<Bytes, VecDeque<Arc<Waiter>>>>,
+    /// How many keys have a queue, set under the lock: a push, which
+    /// signals, mostly finds none and need not take the lock.
+    keys_waited_on: AtomicUsize,
     next_id: AtomicU64,
 }
 
 impl Waiters {
-    /// Joins the back of each of `keys`' queues until the returned wait drops.
+    /// Joins the back of each of `keys`' queues until the returned wait
+    /// drops, woken once at once.
     pub fn wait_on(self: &Arc<Self>, keys: &[Bytes]) -> Wait {
         let waiter =
             Arc::new(Waiter { id: self.next_id.fetch_add(1, Ordering::Relaxed), woken: Notify::new() });
@@ -51,11 +57,16 @@ impl Waiters {
         for key in keys {
             queues.entry(key.clone()).or_default().push_back(waiter.clone());
         }
+        self.keys_waited_on.store(queues.len(), Ordering::SeqCst);
+        waiter.woken.notify_one();
         Wait { waiters: self.clone(), waiter, keys: keys.to_vec() }
     }
 
     /// Something was pushed to `key`: its longest waiter runs again.
     pub fn signal(&self, key: &[u8]) {
+        if self.keys_waited_on.load(Ordering::SeqCst) == 0 {
+            return;
+        }
         if let Some(first) = self.queues.lock().get(key).and_then(|queue| queue.front()) {
             first.woken.notify_one();
         }
@@ -110,6 +121,7 @@ impl Drop for Wait {
                 }
             }
         }
+        self.waiters.keys_waited_on.store(queues.len(), Ordering::SeqCst);
     }
 }
 
@@ -123,6 +135,9 @@ mod tests {
         let key = Bytes::from_static(b"queue");
         let first = waiters.wait_on(std::slice::from_ref(&key));
         let second = waiters.wait_on(std::slice::from_ref(&key));
+        // Each runs once more as it joins: a push may have come just before.
+        first.woken().await;
+        second.woken().await;
         assert_eq!(waiters.blocked_clients(), 2);
         waiters.signal(&key);
         first.woken().await;

@@ -290,7 +290,7 @@ impl CommandSpec {
         let (spec, skip) = wrapped.map_or((self, 0), |inner| (inner, 2));
         let count = count - skip;
         let arg = |index| arg(index + skip);
-        let movable = movable_keys(spec.name, count, &arg);
+        let movable = spec.has_movable_keys().then(|| movable_keys(spec.name, count, &arg)).flatten();
         // MIGRATE's KEYS form names its keys there, and "" where the key stands.
         let fixed_stand = !(spec.name == "migrate" && movable.is_some());
         let last = if spec.last_key < 0 { count as i32 + spec.last_key } else { spec.last_key };
@@ -298,6 +298,12 @@ impl CommandSpec {
         let fixed = (first..=last).step_by(spec.step.max(1) as usize).map(|index| index as usize);
         let movable = movable.unwrap_or(0..0);
         fixed.chain(movable).map(move |index| index + skip)
+    }
+
+    /// Whether [`movable_keys`] may find keys in a call of this command,
+    /// known once per command rather than by its name on every call.
+    fn has_movable_keys(&self) -> bool {
+        command_index(self).is_none_or(|index| catalog().movable_keys[index])
     }
 
     /// Whether the command may run before AUTH.
@@ -309,6 +315,7 @@ impl CommandSpec {
 /// Where the keys of a command with movable keys are in a call with `count`
 /// arguments, beyond its fixed ones: those an argument counts, SORT's
 /// STORE destination, MEMORY USAGE's key, MIGRATE's KEYS list.
+/// (Every command it names must be in the catalog's `movable_keys`.)
 fn movable_keys<'r>(name: &str, count: usize, arg: &impl Fn(usize) -> &'r [u8]) -> Option<Range<usize>> {
     let counted_at = match name {
         "sort" => return sort::store_key_position(count, arg).map(|at| at..at + 1),
@@ -339,6 +346,8 @@ struct Catalog {
     specs: Vec<CommandSpec>,
     families: Vec<&'static str>,
     by_name: HashMap<&'static [u8], usize>,
+    /// By index: whether the command's keys may stand beyond its fixed ones.
+    movable_keys: Vec<bool>,
 }
 
 fn catalog() -> &'static Catalog {
@@ -349,7 +358,11 @@ fn catalog() -> &'static Catalog {
             .flat_map(|(family, commands)| commands.iter().map(move |spec| (family, *spec)))
             .unzip();
         let by_name = specs.iter().enumerate().map(|(index, spec)| (spec.name.as_bytes(), index)).collect();
-        Catalog { specs, families, by_name }
+        let movable_keys = specs
+            .iter()
+            .map(|spec| matches!(spec.name, "sort" | "memory" | "migrate") || counted_keys_at(spec.name).is_some())
+            .collect();
+        Catalog { specs, families, by_name, movable_keys }
     })
 }
 
@@ -510,8 +523,8 @@ fn check_subcommand(spec: &CommandSpec, request: &Request) -> CommandResult {
 /// While a script runs past the busy threshold, a client may only stop it,
 /// log in, or leave (Redis's commands allowed when busy).
 pub fn refuse_if_busy(context: &Context, spec: &CommandSpec) -> CommandResult {
-    let allowed = matches!(spec.name, "script" | "auth" | "hello" | "quit" | "reset" | "multi" | "discard");
-    if !allowed && context.node.scripts.busy() {
+    let allowed = || matches!(spec.name, "script" | "auth" | "hello" | "quit" | "reset" | "multi" | "discard");
+    if context.node.scripts.busy() && !allowed() {
         return Err(CommandError::Busy);
     }
     Ok(())
@@ -559,9 +572,12 @@ fn execute(context: &mut Context, spec: &CommandSpec, request: &Request) -> Comm
         }
     }
     if let Some(first) = keys().next() {
-        match context.cluster.and_then(|membership| membership.agent.routing()) {
-            Some(routing) => context.stats.count_table(routing.table_of(first), answer.is_err()),
-            None => context.stats.count_table(&context.tables.route(first).def.name, answer.is_err()),
+        let (stats, failed) = (context.stats, answer.is_err());
+        let counted = context.cluster.and_then(|membership| {
+            membership.agent.with_routing(|routing| stats.count_table(routing.table_of(first), failed))
+        });
+        if counted.is_none() {
+            stats.count_table(&context.tables.route(first).def.name, failed);
         }
     }
     answer
@@ -668,6 +684,19 @@ pub fn wrong_arity(request: &Request) -> CommandError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn commands_flagged_with_movable_keys_have_them_looked_for() {
+        // SORT_RO never stores; CONSISTENCY.READ takes the keys of the read it wraps.
+        let beside_flags = ["sort_ro", "consistency.read"];
+        for spec in all_commands().filter(|spec| spec.flags.contains(&"movablekeys")) {
+            assert!(spec.has_movable_keys() || beside_flags.contains(&spec.name), "{}", spec.name);
+        }
+        let memory = lookup(b"memory").unwrap();
+        let usage: [&[u8]; 3] = [b"memory", b"usage", b"k"];
+        assert_eq!(memory.key_positions(3, |index| usage[index]).collect::<Vec<_>>(), vec![2]);
+        assert!(!lookup(b"get").unwrap().has_movable_keys());
+    }
 
     #[test]
     fn every_command_is_registered_once_in_lower_case() {
