@@ -977,6 +977,7 @@ impl Agent {
             if locals.contains_key(shard) {
                 continue;
             }
+            self.handoffs.lock().rejoin(*shard);
             match self.open_shard(*shard, &map, *mode) {
                 Ok(local) => {
                     locals.insert(*shard, Arc::new(local));

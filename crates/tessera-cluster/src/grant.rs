@@ -78,7 +78,23 @@ impl GrantedReplica {
         let retransmit_after_ms = MultiMasterOptions::default().retransmit_after_ms;
         let grace_ms = self.replica.tuning().tombstone_grace_ms;
         let view = self.replica.view().number;
-        Handoff::new(self.replica.me(), shard, view, messages, retransmit_after_ms, grace_ms)
+        // Beside the keys the shard kept, its engine may hold copies of keys
+        // a migration moved away and the sweep's deletes of them: handed to
+        // the keys' owner, such a delete would delete them there.
+        let keeps = match kept_slots(map, shard) {
+            Some(slots) => slot_keys(&slots, true),
+            None => Arc::new(move |key: &[u8]| {
+                let Some(owner) = reserved::owner(key)
+                    .map(|(owner, _)| owner)
+                    .or_else(|| (!reserved::is_reserved(key)).then_some(key))
+                else {
+                    return false;
+                };
+                routing.shard_of(routing.table_of(owner), owner, key_slot(owner) as u16) == Some(shard)
+            }),
+        };
+        let held = self.replica.held_for_handoff().map(|engine| (engine, keeps));
+        Handoff::new(self.replica.me(), shard, view, messages, held, retransmit_after_ms, grace_ms)
     }
 
     /// A grant of `view` (in which the shard runs `mode`) for the heartbeat
@@ -130,6 +146,14 @@ impl Handoffs {
         self.under_way.is_empty()
     }
 
+    /// The node opens `shard`'s engine again: handoffs that left it stop
+    /// reading the old instance of it.
+    pub fn rejoin(&mut self, shard: u32) {
+        for handoff in self.under_way.iter_mut().filter(|handoff| handoff.from_shard() == shard) {
+            handoff.stop_reading();
+        }
+    }
+
     /// Records given up on so far, over every handoff.
     pub fn abandoned(&self) -> usize {
         self.abandoned
@@ -173,18 +197,26 @@ impl Handoffs {
 }
 
 /// Whether `message` hands `shard` records of keys it does not keep by
-/// `routing` (its own slots and those migrating in): the node that sent it
-/// routed by an older map, and sends it again by a newer one.
+/// `routing` (its own slots and those migrating in, not those migrating
+/// out): the node that sent it routed by an older map, or sent it while the
+/// keys' slot moves, and sends it again by a newer one. (Taken by a shard
+/// that is giving the slot away, a record could arrive after the migration
+/// copied the slot and stay behind its sweep.)
 pub fn misrouted_handoff(routing: &Routing, shard: u32, message: &PeerMessage) -> bool {
-    let Some(Ok(HandoffMessage::Records { records, .. })) = message.open::<HandoffMessage>() else {
+    let Some(Ok(HandoffMessage::Records { records, .. } | HandoffMessage::Held { records, .. })) =
+        message.open::<HandoffMessage>()
+    else {
         return false;
     };
-    let incoming = routing.map.migration_of(shard).filter(|migration| migration.to == shard);
+    let migration = routing.map.migration_of(shard);
+    let moving = |slot: u16, to_here: bool| {
+        migration.is_some_and(|migration| (migration.to == shard) == to_here && migration.moves(slot))
+    };
     !records.iter().all(|(key, _)| {
         let key = client_key(key);
         let slot = key_slot(key) as u16;
-        routing.shard_of(routing.table_of(key), key, slot) == Some(shard)
-            || incoming.is_some_and(|migration| migration.moves(slot))
+        (routing.shard_of(routing.table_of(key), key, slot) == Some(shard) && !moving(slot, false))
+            || moving(slot, true)
     })
 }
 

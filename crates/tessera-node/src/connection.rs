@@ -618,7 +618,8 @@ fn key_positions<'r>(request: &'r Request<'r>) -> impl Iterator<Item = usize> + 
 /// Notes a command's name as CLIENT LIST shows it: lower case, with the
 /// subcommand of a container command (`client|list`).
 fn note_command(last: &mut String, request: &Request) {
-    const CONTAINERS: [&str; 9] = ["client", "config", "script", "object", "cluster", "acl", "command", "pubsub", "memory"];
+    const CONTAINERS: [&str; 9] =
+        ["client", "config", "script", "object", "cluster", "acl", "command", "pubsub", "memory"];
     let name = request.arg(0);
     // A pipeline repeats its command: most often there is nothing new to note.
     if last.as_bytes().eq_ignore_ascii_case(name) && !CONTAINERS.contains(&last.as_str()) {

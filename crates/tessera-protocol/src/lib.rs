@@ -24,6 +24,8 @@ pub mod snapshot;
 mod test_support;
 pub mod transition;
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use tessera_engine::Engine;
 
@@ -518,10 +520,18 @@ pub trait Protocol: Send {
     fn unshipped(&self) -> Vec<Vec<(Bytes, Bytes)>> {
         Vec::new()
     }
+    /// The engine whose records, within the tombstone grace, a member
+    /// removed alive hands over after its unshipped ones ([`handoff`]): it
+    /// may be their last holder. The same protocols as [`Self::unshipped`].
+    fn held_for_handoff(&self) -> Option<Arc<dyn Engine>> {
+        None
+    }
     /// Records a member that left the view handed over ([`handoff`]):
-    /// stored where they outrank what is held and passed on to the peers.
-    /// Returns whether this replica took them (and so acknowledges them).
-    fn adopt(&mut self, _records: Vec<(Bytes, Bytes)>, _fx: &mut Effects) -> bool {
+    /// stored where they outrank what is held and passed on to the peers
+    /// (`held` records, read from the leaving member's engine: only those
+    /// that changed what this replica holds). Returns whether this replica
+    /// took them (and so acknowledges them).
+    fn adopt(&mut self, _records: Vec<(Bytes, Bytes)>, _held: bool, _fx: &mut Effects) -> bool {
         false
     }
 

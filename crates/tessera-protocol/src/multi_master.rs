@@ -996,11 +996,17 @@ impl Protocol for MultiMaster {
         messages
     }
 
+    fn held_for_handoff(&self) -> Option<Arc<dyn Engine>> {
+        Some(self.engine.clone())
+    }
+
     /// Each record is merged and, unless this replica holds a newer one,
     /// queued for every peer as one batch (the message kept the leaving
-    /// member's batches whole). A record past the tombstone grace is
-    /// refused: a delete of its key may have been collected since.
-    fn adopt(&mut self, records: Vec<(Bytes, Bytes)>, fx: &mut Effects) -> bool {
+    /// member's batches whole); a `held` record only if it changed what
+    /// this replica holds (one it already held is its own to ship, or
+    /// anti-entropy's). A record past the tombstone grace is refused: a
+    /// delete of its key may have been collected since.
+    fn adopt(&mut self, records: Vec<(Bytes, Bytes)>, held: bool, fx: &mut Effects) -> bool {
         self.check_invariants();
         if !self.is_member() {
             return false;
@@ -1013,16 +1019,19 @@ impl Protocol for MultiMaster {
                 continue;
             }
             let rank = record.rank();
-            let held_as_newest = match self.merge(&key, record, raw.clone(), now) {
+            let pass_on = match self.merge(&key, record, raw.clone(), now) {
                 Ok(true) => true,
-                Ok(false) => self.stored(&key).is_ok_and(|held| held.is_some_and(|held| held.rank() == rank)),
+                Ok(false) if held => false,
+                Ok(false) => {
+                    self.stored(&key).is_ok_and(|stored| stored.is_some_and(|stored| stored.rank() == rank))
+                }
                 Err(error) => {
                     // Unacknowledged: the leaving member sends it again.
                     tracing::error!(replica = %self.me, %error, "cannot store a handed-over record");
                     return false;
                 }
             };
-            if held_as_newest {
+            if pass_on {
                 taken.push((key, raw));
             }
         }
@@ -1127,7 +1136,7 @@ mod tests {
         later.take();
         assert_eq!(value(&replicas[1], "a"), None, "what it ships in its old view is ignored");
 
-        let mut handoff = Handoff::new(NodeId(1), 0, 1, leaving.unshipped(), 50, 60_000).unwrap();
+        let mut handoff = Handoff::new(NodeId(1), 0, 1, leaving.unshipped(), None, 50, 60_000).unwrap();
         let mut fx = Effects::new(130);
         handoff.on_tick(&|_: &[u8]| Some((0, vec![NodeId(2), NodeId(3)])), &mut fx);
         for effect in fx.take() {
@@ -1138,7 +1147,7 @@ mod tests {
             };
             assert_eq!(records.len(), 3, "the batch and the write, in one message");
             let target = replicas.iter_mut().find(|replica| replica.me == to).unwrap();
-            assert!(target.adopt(records, &mut later));
+            assert!(target.adopt(records, false, &mut later));
             handoff.on_acked(to, (from_shard, view, batch));
         }
         assert!(handoff.done());
@@ -1153,7 +1162,7 @@ mod tests {
         // Past the tombstone grace, a handed-over record is refused.
         let stale = Record::value(Version::new(140, 0), NodeId(1), Bytes::from_static(b"stale")).encode();
         let mut past_grace = Effects::new(140 + MultiMasterOptions::default().tombstone_grace_ms);
-        assert!(replicas[0].adopt(vec![(Bytes::from_static(b"gone"), stale)], &mut past_grace));
+        assert!(replicas[0].adopt(vec![(Bytes::from_static(b"gone"), stale)], false, &mut past_grace));
         assert_eq!(value(&replicas[0], "gone"), None);
     }
 

@@ -467,15 +467,24 @@ impl Replica {
         let was_drained = transition_view.is_some() && self.drained().is_some();
         let mark = fx.as_slice().len();
         if message.family() == <HandoffMessage as crate::Message>::FAMILY {
-            match message.open::<HandoffMessage>() {
+            let handed = match message.open::<HandoffMessage>() {
                 Some(Ok(HandoffMessage::Records { from_shard, view, batch, records })) => {
-                    if self.protocol.adopt(records, fx) {
-                        fx.send(from, PeerMessage::new(&HandoffMessage::Acked { from_shard, view, batch }));
-                    }
+                    Some((from_shard, view, batch, records, false))
+                }
+                Some(Ok(HandoffMessage::Held { from_shard, view, batch, records })) => {
+                    Some((from_shard, view, batch, records, true))
                 }
                 // Acknowledgements go to the node's handoff, not to a replica.
-                Some(Ok(HandoffMessage::Acked { .. })) => {}
-                _ => tracing::warn!(replica = %self.config.me, %from, "dropped a malformed handoff message"),
+                Some(Ok(HandoffMessage::Acked { .. })) => None,
+                _ => {
+                    tracing::warn!(replica = %self.config.me, %from, "dropped a malformed handoff message");
+                    None
+                }
+            };
+            if let Some((from_shard, view, batch, records, held)) = handed {
+                if self.protocol.adopt(records, held, fx) {
+                    fx.send(from, PeerMessage::new(&HandoffMessage::Acked { from_shard, view, batch }));
+                }
             }
             self.after_event(mark, fx);
             return Heard::default();
@@ -506,6 +515,11 @@ impl Replica {
     /// ([`Handoff`](crate::handoff::Handoff)).
     pub fn unshipped(&self) -> Vec<Vec<(bytes::Bytes, bytes::Bytes)>> {
         self.protocol.unshipped()
+    }
+
+    /// See [`crate::Protocol::held_for_handoff`].
+    pub fn held_for_handoff(&self) -> Option<Arc<dyn tessera_engine::Engine>> {
+        self.protocol.held_for_handoff()
     }
 
     pub fn tuning(&self) -> &Tuning {

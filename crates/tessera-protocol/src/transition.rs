@@ -519,10 +519,14 @@ impl Protocol for Switchable {
         self.protocol.unshipped()
     }
 
+    fn held_for_handoff(&self) -> Option<Arc<dyn Engine>> {
+        self.protocol.held_for_handoff()
+    }
+
     /// Not while draining: records merged beneath the old protocol now
     /// would change what the members compared; the leaving member resends.
-    fn adopt(&mut self, records: Vec<(Bytes, Bytes)>, fx: &mut Effects) -> bool {
-        self.drain.is_none() && self.protocol.adopt(records, fx)
+    fn adopt(&mut self, records: Vec<(Bytes, Bytes)>, held: bool, fx: &mut Effects) -> bool {
+        self.drain.is_none() && self.protocol.adopt(records, held, fx)
     }
 
     fn peers_in_step(&self) -> bool {

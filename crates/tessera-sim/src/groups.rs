@@ -683,6 +683,9 @@ impl GroupsSimulation {
         state.in_flight.retain(|(shard, _), _| shards.contains_key(shard));
         let mut effects = Vec::new();
         for (shard, view, mode) in grants {
+            if !state.shards.contains_key(&shard) {
+                state.handoffs.rejoin(shard);
+            }
             let granted = state.shards.entry(shard).or_insert_with(|| {
                 let config = ReplicaConfig::new(NodeId(node), lease_ms, tuning);
                 GrantedReplica::new(Replica::new(config, Arc::new(OrderedEngine::new()), mode))

@@ -360,7 +360,9 @@ fn catalog() -> &'static Catalog {
         let by_name = specs.iter().enumerate().map(|(index, spec)| (spec.name.as_bytes(), index)).collect();
         let movable_keys = specs
             .iter()
-            .map(|spec| matches!(spec.name, "sort" | "memory" | "migrate") || counted_keys_at(spec.name).is_some())
+            .map(|spec| {
+                matches!(spec.name, "sort" | "memory" | "migrate") || counted_keys_at(spec.name).is_some()
+            })
             .collect();
         Catalog { specs, families, by_name, movable_keys }
     })
@@ -523,7 +525,8 @@ fn check_subcommand(spec: &CommandSpec, request: &Request) -> CommandResult {
 /// While a script runs past the busy threshold, a client may only stop it,
 /// log in, or leave (Redis's commands allowed when busy).
 pub fn refuse_if_busy(context: &Context, spec: &CommandSpec) -> CommandResult {
-    let allowed = || matches!(spec.name, "script" | "auth" | "hello" | "quit" | "reset" | "multi" | "discard");
+    let allowed =
+        || matches!(spec.name, "script" | "auth" | "hello" | "quit" | "reset" | "multi" | "discard");
     if context.node.scripts.busy() && !allowed() {
         return Err(CommandError::Busy);
     }
