@@ -48,6 +48,9 @@ type Records = Vec<(Bytes, Bytes)>;
 const WINDOW_BATCHES: usize = 4;
 /// Records read from the left engine at a time.
 const HELD_PAGE: usize = 256;
+/// Pages read a tick at most: most of a large engine is older than the
+/// grace, and reading it whole at once would hold the node's tick up.
+const HELD_PAGES_PER_TICK: usize = 64;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum HandoffMessage {
@@ -262,12 +265,16 @@ impl Handoff {
         }
     }
 
-    /// Reads the left engine while fewer than a window of batches wait, into
-    /// batches whose keys share the shard `route` sends them to. A record
+    /// Reads the left engine while fewer than a window of batches wait (a
+    /// few pages a tick), into batches whose keys share the shard `route`
+    /// sends them to. A record
     /// past the grace period is skipped: it would be given up on.
     fn read_held(&mut self, route: Route, now: Time) {
         let grace_ms = self.grace_ms;
-        while self.batches.len() < WINDOW_BATCHES {
+        for _ in 0..HELD_PAGES_PER_TICK {
+            if self.batches.len() >= WINDOW_BATCHES {
+                return;
+            }
             let Some(held) = &mut self.held else { return };
             let Some(cursor) = held.cursor.take() else {
                 tracing::info!(replica = %self.me, shard = self.from_shard, view = self.view, records = held.found, "handed over the records held within the grace period");
