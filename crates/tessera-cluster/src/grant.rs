@@ -84,13 +84,9 @@ impl GrantedReplica {
         let keeps = match kept_slots(map, shard) {
             Some(slots) => slot_keys(&slots, true),
             None => Arc::new(move |key: &[u8]| {
-                let Some(owner) = reserved::owner(key)
-                    .map(|(owner, _)| owner)
-                    .or_else(|| (!reserved::is_reserved(key)).then_some(key))
-                else {
-                    return false;
-                };
-                routing.shard_of(routing.table_of(owner), owner, key_slot(owner) as u16) == Some(shard)
+                owning_client_key(key).is_some_and(|owner| {
+                    routing.shard_of(routing.table_of(owner), owner, key_slot(owner) as u16) == Some(shard)
+                })
             }),
         };
         let held = self.replica.held_for_handoff().map(|engine| (engine, keeps));
@@ -267,11 +263,16 @@ fn slot_keys(slots: &[(u16, u16)], inside: bool) -> KeyFilter {
         listed[*first as usize..=*last as usize].fill(true);
     }
     Arc::new(move |key: &[u8]| {
-        let client_key = match reserved::owner(key) {
-            Some((owner, _)) => owner,
-            None if reserved::is_reserved(key) => return false,
-            None => key,
-        };
-        listed[key_slot(client_key)] == inside
+        owning_client_key(key).is_some_and(|client_key| listed[key_slot(client_key)] == inside)
     })
+}
+
+/// The client key `key` is or belongs to; `None` for a named internal key,
+/// which no client key owns.
+fn owning_client_key(key: &[u8]) -> Option<&[u8]> {
+    match reserved::owner(key) {
+        Some((owner, _)) => Some(owner),
+        None if reserved::is_reserved(key) => None,
+        None => Some(key),
+    }
 }

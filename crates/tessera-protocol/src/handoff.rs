@@ -42,8 +42,6 @@ use crate::record::Record;
 use crate::snapshot::SNAPSHOT_CHUNK_BYTES;
 use crate::{entries_bytes, resend_due, Effects, NodeId, PeerMessage, Time};
 
-type Records = Vec<(Bytes, Bytes)>;
-
 /// Batches sent and not yet acknowledged, at most.
 const WINDOW_BATCHES: usize = 4;
 /// Records read from the left engine at a time.
@@ -203,9 +201,9 @@ impl Handoff {
     /// A handoff of `messages` from `me`, which ran `view` of `from_shard`,
     /// then of the records `held` (the engine the node leaves, and the keys
     /// of it the shard kept) keeps within the grace period; `None` if there
-    /// is nothing to hand over. Each
-    /// message travels whole, to the owner of its first key: the caller
-    /// groups records so that one owner holds each message's keys.
+    /// is nothing to hand over. Each message travels whole, to the owner of
+    /// its first key: the caller groups records so that one owner holds each
+    /// message's keys.
     pub fn new(
         me: NodeId,
         from_shard: u32,
@@ -267,8 +265,8 @@ impl Handoff {
 
     /// Reads the left engine while fewer than a window of batches wait (a
     /// few pages a tick), into batches whose keys share the shard `route`
-    /// sends them to. A record
-    /// past the grace period is skipped: it would be given up on.
+    /// sends them to. A record past the grace period is skipped: it would
+    /// be given up on.
     fn read_held(&mut self, route: Route, now: Time) {
         let grace_ms = self.grace_ms;
         for _ in 0..HELD_PAGES_PER_TICK {
@@ -290,32 +288,44 @@ impl Handoff {
                 }
             };
             held.cursor = page.next;
-            // Per shard: the records, and their bytes.
-            let mut by_shard: BTreeMap<Option<u32>, (Records, usize)> = BTreeMap::new();
-            for (key, raw) in page.entries {
-                // Deletes stay behind: the engine also holds the sweep's
-                // deletes of keys a migration took away, and if one of their
-                // slots has come back since, they would delete its keys.
-                let Ok(record) = Record::decode(raw.clone()) else { continue };
-                if record.tombstone || record.version.physical_ms() + grace_ms <= now || !(held.keeps)(&key) {
-                    continue;
-                }
-                held.found += 1;
-                let shard = route(&key).map(|(shard, _)| shard);
-                let (records, bytes) = by_shard.entry(shard).or_default();
-                *bytes += key.len() + raw.len();
-                records.push((key, raw));
-                if *bytes >= SNAPSHOT_CHUNK_BYTES {
-                    let full = std::mem::take(records);
-                    *bytes = 0;
-                    self.batches.insert(self.next_batch, Unacknowledged::new(full, true));
-                    self.next_batch += 1;
-                }
+            // Deletes stay behind: the engine also holds the sweep's deletes
+            // of keys a migration took away, and if one of their slots has
+            // come back since, they would delete its keys.
+            let within_grace = |raw: &Bytes| {
+                Record::decode(raw.clone())
+                    .is_ok_and(|record| !record.tombstone && record.version.physical_ms() + grace_ms > now)
+            };
+            let found: Vec<(Bytes, Bytes)> = page
+                .entries
+                .into_iter()
+                .filter(|(key, raw)| (held.keeps)(key) && within_grace(raw))
+                .collect();
+            held.found += found.len();
+            self.queue_held(route, found);
+        }
+    }
+
+    /// Queues held records in batches whose keys share the shard `route`
+    /// sends them to, each of about a chunk's bytes at most. (Unlike an
+    /// outbox's, held records need not travel together.)
+    fn queue_held(&mut self, route: Route, records: Vec<(Bytes, Bytes)>) {
+        // Per shard: its records, and their bytes.
+        type Filling = (Vec<(Bytes, Bytes)>, usize);
+        let mut by_shard: BTreeMap<Option<u32>, Filling> = BTreeMap::new();
+        let mut batches = Vec::new();
+        for (key, raw) in records {
+            let (records, bytes) = by_shard.entry(route(&key).map(|(shard, _)| shard)).or_default();
+            *bytes += key.len() + raw.len();
+            records.push((key, raw));
+            if *bytes >= SNAPSHOT_CHUNK_BYTES {
+                batches.push(std::mem::take(records));
+                *bytes = 0;
             }
-            for (records, _) in by_shard.into_values().filter(|(records, _)| !records.is_empty()) {
-                self.batches.insert(self.next_batch, Unacknowledged::new(records, true));
-                self.next_batch += 1;
-            }
+        }
+        batches.extend(by_shard.into_values().map(|(records, _)| records));
+        for records in batches.into_iter().filter(|records| !records.is_empty()) {
+            self.batches.insert(self.next_batch, Unacknowledged::new(records, true));
+            self.next_batch += 1;
         }
     }
 
@@ -391,14 +401,8 @@ impl Handoff {
             fx.send_to_shard(shard, to, PeerMessage::new(&message));
         }
         for number in to_split {
-            let Some(batch) = self.batches.remove(&number) else { continue };
-            let mut by_shard: BTreeMap<Option<u32>, Vec<(Bytes, Bytes)>> = BTreeMap::new();
-            for (key, raw) in batch.records {
-                by_shard.entry(route(&key).map(|(shard, _)| shard)).or_default().push((key, raw));
-            }
-            for records in by_shard.into_values() {
-                self.batches.insert(self.next_batch, Unacknowledged::new(records, true));
-                self.next_batch += 1;
+            if let Some(batch) = self.batches.remove(&number) {
+                self.queue_held(route, batch.records);
             }
         }
     }

@@ -518,7 +518,7 @@ impl Replica {
     }
 
     /// See [`crate::Protocol::held_for_handoff`].
-    pub fn held_for_handoff(&self) -> Option<Arc<dyn tessera_engine::Engine>> {
+    pub fn held_for_handoff(&self) -> Option<Arc<dyn Engine>> {
         self.protocol.held_for_handoff()
     }
 
