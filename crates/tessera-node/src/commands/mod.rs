@@ -290,9 +290,10 @@ impl CommandSpec {
         let (spec, skip) = wrapped.map_or((self, 0), |inner| (inner, 2));
         let count = count - skip;
         let arg = |index| arg(index + skip);
-        let movable = spec.has_movable_keys().then(|| movable_keys(spec.name, count, &arg)).flatten();
+        let kind = spec.movable_keys();
+        let movable = kind.and_then(|kind| movable_keys(kind, count, &arg));
         // MIGRATE's KEYS form names its keys there, and "" where the key stands.
-        let fixed_stand = !(spec.name == "migrate" && movable.is_some());
+        let fixed_stand = !(kind == Some(MovableKeys::MigrateList) && movable.is_some());
         let last = if spec.last_key < 0 { count as i32 + spec.last_key } else { spec.last_key };
         let first = if spec.first_key > 0 && fixed_stand { spec.first_key } else { last + 1 };
         let fixed = (first..=last).step_by(spec.step.max(1) as usize).map(|index| index as usize);
@@ -300,10 +301,10 @@ impl CommandSpec {
         fixed.chain(movable).map(move |index| index + skip)
     }
 
-    /// Whether [`movable_keys`] may find keys in a call of this command,
-    /// known once per command rather than by its name on every call.
-    fn has_movable_keys(&self) -> bool {
-        command_index(self).is_none_or(|index| catalog().movable_keys[index])
+    /// Where the command's keys may stand beyond its fixed ones, known once
+    /// per command rather than by its name on every call.
+    fn movable_keys(&self) -> Option<MovableKeys> {
+        command_index(self).map_or_else(|| MovableKeys::of(self.name), |index| catalog().movable_keys[index])
     }
 
     /// Whether the command may run before AUTH.
@@ -312,16 +313,41 @@ impl CommandSpec {
     }
 }
 
-/// Where the keys of a command with movable keys are in a call with `count`
-/// arguments, beyond its fixed ones: those an argument counts, SORT's
-/// STORE destination, MEMORY USAGE's key, MIGRATE's KEYS list.
-/// (Every command it names must be in the catalog's `movable_keys`.)
-fn movable_keys<'r>(name: &str, count: usize, arg: &impl Fn(usize) -> &'r [u8]) -> Option<Range<usize>> {
-    let counted_at = match name {
-        "sort" => return sort::store_key_position(count, arg).map(|at| at..at + 1),
-        "memory" => return (count >= 3 && is(arg(1), "usage")).then_some(2..3),
-        "migrate" => return dump::migrate_keys_at(count, arg).map(|at| at..count),
-        _ => counted_keys_at(name)?,
+/// Where a command's keys may stand beyond its fixed ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum MovableKeys {
+    /// After an argument that counts them, which stands here.
+    Counted(usize),
+    /// SORT's STORE destination.
+    SortStore,
+    /// MEMORY USAGE's key.
+    MemoryUsage,
+    /// MIGRATE's KEYS list.
+    MigrateList,
+}
+
+impl MovableKeys {
+    fn of(name: &str) -> Option<Self> {
+        match name {
+            "sort" => Some(MovableKeys::SortStore),
+            "memory" => Some(MovableKeys::MemoryUsage),
+            "migrate" => Some(MovableKeys::MigrateList),
+            _ => counted_keys_at(name).map(MovableKeys::Counted),
+        }
+    }
+}
+
+/// Where the movable keys of a call with `count` arguments are.
+fn movable_keys<'r>(
+    kind: MovableKeys,
+    count: usize,
+    arg: &impl Fn(usize) -> &'r [u8],
+) -> Option<Range<usize>> {
+    let counted_at = match kind {
+        MovableKeys::SortStore => return sort::store_key_position(count, arg).map(|at| at..at + 1),
+        MovableKeys::MemoryUsage => return (count >= 3 && is(arg(1), "usage")).then_some(2..3),
+        MovableKeys::MigrateList => return dump::migrate_keys_at(count, arg).map(|at| at..count),
+        MovableKeys::Counted(at) => at,
     };
     (counted_at < count).then(|| {
         let keys = parse_i64(arg(counted_at)).unwrap_or(0).clamp(0, (count - counted_at - 1) as i64) as usize;
@@ -346,8 +372,8 @@ struct Catalog {
     specs: Vec<CommandSpec>,
     families: Vec<&'static str>,
     by_name: HashMap<&'static [u8], usize>,
-    /// By index: whether the command's keys may stand beyond its fixed ones.
-    movable_keys: Vec<bool>,
+    /// By index: where the command's keys may stand beyond its fixed ones.
+    movable_keys: Vec<Option<MovableKeys>>,
 }
 
 fn catalog() -> &'static Catalog {
@@ -358,12 +384,7 @@ fn catalog() -> &'static Catalog {
             .flat_map(|(family, commands)| commands.iter().map(move |spec| (family, *spec)))
             .unzip();
         let by_name = specs.iter().enumerate().map(|(index, spec)| (spec.name.as_bytes(), index)).collect();
-        let movable_keys = specs
-            .iter()
-            .map(|spec| {
-                matches!(spec.name, "sort" | "memory" | "migrate") || counted_keys_at(spec.name).is_some()
-            })
-            .collect();
+        let movable_keys = specs.iter().map(|spec| MovableKeys::of(spec.name)).collect();
         Catalog { specs, families, by_name, movable_keys }
     })
 }
@@ -693,12 +714,12 @@ mod tests {
         // SORT_RO never stores; CONSISTENCY.READ takes the keys of the read it wraps.
         let beside_flags = ["sort_ro", "consistency.read"];
         for spec in all_commands().filter(|spec| spec.flags.contains(&"movablekeys")) {
-            assert!(spec.has_movable_keys() || beside_flags.contains(&spec.name), "{}", spec.name);
+            assert!(spec.movable_keys().is_some() || beside_flags.contains(&spec.name), "{}", spec.name);
         }
         let memory = lookup(b"memory").unwrap();
         let usage: [&[u8]; 3] = [b"memory", b"usage", b"k"];
         assert_eq!(memory.key_positions(3, |index| usage[index]).collect::<Vec<_>>(), vec![2]);
-        assert!(!lookup(b"get").unwrap().has_movable_keys());
+        assert_eq!(lookup(b"get").unwrap().movable_keys(), None);
     }
 
     #[test]
