@@ -11,22 +11,49 @@ use tessera_testkit::{external_program_available, free_port, wait_for_port};
 struct Node {
     port: u16,
     child: Child,
+    /// The node's own stderr, shown when a command against it fails.
+    stderr: tempfile::NamedTempFile,
 }
 
 impl Node {
     fn start(dir: &Path, args: &[&str]) -> Self {
         let port = free_port();
+        let stderr = tempfile::NamedTempFile::new().unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_tessera"))
             .args(["serve", "--port", &port.to_string(), "--log", "warn"])
             .arg("--dir")
             .arg(dir)
             .args(args)
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(stderr.reopen().unwrap())
             .spawn()
             .expect("start tessera");
-        assert!(wait_for_port(port, Duration::from_secs(15)), "tessera did not start");
-        Self { port, child }
+        let mut node = Self { port, child, stderr };
+        assert!(wait_for_port(port, Duration::from_secs(15)), "tessera did not start: {}", node.state());
+        node
+    }
+
+    /// Whether the node still runs, and what it wrote to stderr.
+    fn state(&mut self) -> String {
+        let running = match self.child.try_wait() {
+            Ok(None) => "running".to_string(),
+            Ok(Some(status)) => format!("exited with {status}"),
+            Err(error) => error.to_string(),
+        };
+        let stderr = std::fs::read_to_string(self.stderr.path()).unwrap_or_default();
+        format!("node on port {} {running}; its stderr: {stderr:?}", self.port)
+    }
+
+    /// A client command that must succeed; its stdout.
+    fn tessera_ok(&mut self, args: &[&str]) -> String {
+        let output = self.tessera(args);
+        assert!(
+            output.status.success(),
+            "tessera {args:?}: {}; {}",
+            String::from_utf8_lossy(&output.stderr),
+            self.state()
+        );
+        String::from_utf8(output.stdout).unwrap()
     }
 
     fn redis_cli(&self, args: &[&str]) -> String {
@@ -135,14 +162,13 @@ fn sigterm_flushes_a_persistent_engine_and_restart_keeps_the_data() {
 #[test]
 fn tessera_client_commands_talk_to_a_node() {
     let dir = tempfile::tempdir().unwrap();
-    let node = Node::start(dir.path(), &[]);
-    assert!(node.tessera(&["set", "city", "Lyon"]).status.success());
-    let get = node.tessera(&["get", "city"]);
-    assert_eq!(String::from_utf8_lossy(&get.stdout), "Lyon\n");
+    let mut node = Node::start(dir.path(), &[]);
+    node.tessera_ok(&["set", "city", "Lyon"]);
+    assert_eq!(node.tessera_ok(&["get", "city"]), "Lyon\n");
     let missing = node.tessera(&["get", "nowhere"]);
     assert!(!missing.status.success());
     assert!(String::from_utf8_lossy(&missing.stderr).contains("no such key"));
-    let create = node.tessera(&[
+    node.tessera_ok(&[
         "table",
         "create",
         "logs",
@@ -153,17 +179,13 @@ fn tessera_client_commands_talk_to_a_node() {
         "--option",
         "fsync=always",
     ]);
-    assert!(create.status.success(), "{}", String::from_utf8_lossy(&create.stderr));
-    assert!(node.tessera(&["set", "log:1", "boot"]).status.success());
-    let scan = node.tessera(&["scan", "--match", "log:*"]);
-    assert_eq!(String::from_utf8_lossy(&scan.stdout), "log:1\n");
-    let list = node.tessera(&["table", "list"]);
-    assert!(String::from_utf8_lossy(&list.stdout).contains("\"logs\""));
+    node.tessera_ok(&["set", "log:1", "boot"]);
+    assert_eq!(node.tessera_ok(&["scan", "--match", "log:*"]), "log:1\n");
+    assert!(node.tessera_ok(&["table", "list"]).contains("\"logs\""));
     let bad = node.tessera(&["table", "create", "x", "--prefix", "x:", "--engine", "nosuch"]);
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown engine"));
-    let deleted = node.tessera(&["del", "city", "log:1"]);
-    assert_eq!(String::from_utf8_lossy(&deleted.stdout), "(integer) 2\n");
+    assert_eq!(node.tessera_ok(&["del", "city", "log:1"]), "(integer) 2\n");
 }
 
 #[test]
