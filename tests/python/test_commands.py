@@ -1,6 +1,7 @@
 """The command list against a real node, through redis-py (RESP2 and RESP3)."""
 
 import json
+import random
 import socket
 import threading
 import time
@@ -208,6 +209,43 @@ def test_pipelining_keeps_order(r):
         pipe.get(f"k{i}")
     replies = pipe.execute()
     assert replies[1::2] == [str(i).encode() for i in range(10000)]
+
+
+def test_a_pipeline_that_arrives_in_pieces_is_answered_whole_and_in_order(node):
+    """The node reads ahead of a pipeline for the keys to prefetch, and stops
+    reading ahead for a while when the look finds one key again and again;
+    commands split anywhere across reads, while it does either, are each
+    answered once, in order."""
+    def encode(*args):
+        return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(arg), arg) for arg in args)
+
+    commands = []
+    for round_ in range(6):
+        commands += [encode(b"SET", b"k%d" % i, b"%d" % (round_ * 100 + i)) for i in range(40)]
+        commands += [encode(b"RPUSH", b"queue", b"%d" % i) for i in range(40)]
+        commands += [encode(b"GET", b"k%d" % i) for i in range(40)]
+    payload = b"".join(commands)
+    chunks = random.Random(7)
+    with socket.create_connection(("127.0.0.1", node.port), timeout=10) as sock:
+        at = 0
+        while at < len(payload):
+            size = chunks.choice([1, 2, 7, 30, 200, 1500])
+            sock.sendall(payload[at:at + size])
+            at += size
+            if chunks.random() < 0.2:
+                time.sleep(0.002)
+        reader = sock.makefile("rb")
+        replies = []
+        for _ in commands:
+            reply = reader.readline()
+            replies.append(reply + reader.readline() if reply.startswith(b"$") else reply)
+    expected = []
+    for round_ in range(6):
+        expected += [b"+OK\r\n"] * 40
+        expected += [b":%d\r\n" % (round_ * 40 + i + 1) for i in range(40)]
+        values = [b"%d" % (round_ * 100 + i) for i in range(40)]
+        expected += [b"$%d\r\n%s\r\n" % (len(value), value) for value in values]
+    assert replies == expected
 
 
 def test_resp3(node):

@@ -34,6 +34,9 @@ const READ_CHUNK_BYTES: usize = 16 << 10;
 const OUTPUT_FLUSH_BYTES: usize = 1 << 20;
 /// Buffers grown past this by one large request are shrunk back afterwards.
 const BUFFER_KEEP_BYTES: usize = 1 << 20;
+/// Commands a connection runs without looking ahead after a look found
+/// fewer than two keys: an eighth of the parsing looking ahead would do.
+const LOOKAHEAD_PAUSE_COMMANDS: u32 = 8 * PREFETCH_BATCH as u32;
 
 pub struct Connection {
     node: Arc<NodeState>,
@@ -42,6 +45,9 @@ pub struct Connection {
     parser: RequestParser,
     /// Reads ahead of `parser` for the keys to prefetch.
     lookahead: RequestParser,
+    /// Commands to run before looking ahead again: a look that found
+    /// nothing to overlap backs off (see `prefetch_ahead`).
+    lookahead_pause: u32,
     out: ReplyWriter,
     session: Session,
     /// The counters of the worker thread this connection runs on.
@@ -164,6 +170,7 @@ impl Connection {
         Self {
             parser: RequestParser::new(node.config.limits()),
             lookahead: RequestParser::new(node.config.limits()),
+            lookahead_pause: 0,
             tables: node.tables(),
             tables_generation,
             node,
@@ -343,8 +350,13 @@ impl Connection {
         let mut last_finished: Option<Instant> = None;
         loop {
             if start >= prefetched_to && self.session.authenticated && self.tables.prefetches() {
-                prefetched_to = self.prefetch_ahead(start);
-                last_finished = None;
+                if self.lookahead_pause > 0 {
+                    self.lookahead_pause -= 1;
+                    prefetched_to = start + 1;
+                } else {
+                    prefetched_to = self.prefetch_ahead(start);
+                    last_finished = None;
+                }
             }
             match self.parser.parse(&self.input, start) {
                 Ok(Parsed::Complete { end }) => {
@@ -479,6 +491,7 @@ impl Connection {
     fn prefetch_ahead(&mut self, start: usize) -> usize {
         let mut key_ranges: Vec<Range<usize>> = Vec::with_capacity(PREFETCH_BATCH);
         let mut at = start;
+        let mut commands = 0;
         for _ in 0..PREFETCH_BATCH {
             if key_ranges.len() == PREFETCH_BATCH {
                 break;
@@ -489,14 +502,27 @@ impl Connection {
                     let request = Request::new(&self.input, args);
                     let room = PREFETCH_BATCH - key_ranges.len();
                     key_ranges.extend(key_positions(&request).take(room).map(|index| args[index].clone()));
+                    commands += 1;
                     at = end;
                 }
                 Ok(Parsed::Empty { end }) => at = end,
                 Ok(Parsed::Incomplete) | Err(_) => break,
             }
         }
-        let keys: Vec<&[u8]> = key_ranges.into_iter().map(|range| &self.input[range]).collect();
-        self.tables.prefetch(&keys);
+        let mut keys: Vec<&[u8]> = key_ranges.into_iter().map(|range| &self.input[range]).collect();
+        keys.dedup();
+        if keys.len() > 1 {
+            self.tables.prefetch(&keys);
+        } else if commands > 0 {
+            // One key again and again (a pipeline of pushes to one list) is
+            // in the cache after its first command, and a lone command (no
+            // pipeline) has nothing to overlap with: looking ahead would
+            // parse each command twice for nothing, so the next few are not
+            // looked at.
+            self.lookahead_pause = LOOKAHEAD_PAUSE_COMMANDS;
+            // It will not parse on from where it stopped.
+            self.lookahead.reset();
+        }
         // Past `start` even when nothing parsed, so that a command is looked at once.
         at.max(start + 1)
     }

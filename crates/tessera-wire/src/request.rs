@@ -139,6 +139,11 @@ impl RequestParser {
         &self.args
     }
 
+    /// Forgets a half-parsed frame: the next `parse` starts afresh.
+    pub fn reset(&mut self) {
+        self.in_progress = false;
+    }
+
     /// Tells the parser that `count` bytes were removed from the buffer's front
     /// (all of them before the frame being parsed).
     pub fn discard_front(&mut self, count: usize) {
