@@ -6,6 +6,7 @@
 //! entries for `memory`).
 
 use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bytes::Bytes;
 use parking_lot::RwLock;
@@ -16,13 +17,25 @@ pub(crate) const BUCKET_COUNT: usize = 4096;
 
 pub(crate) struct ShardedMap<T> {
     buckets: Box<[RwLock<T>]>,
+    /// A word per bucket its table may publish for readers that take no
+    /// lock: where its memory lies, for prefetching (`memory`'s tables).
+    hints: Box<[AtomicUsize]>,
     hasher: foldhash::quality::RandomState,
+}
+
+/// A key's bucket, the hint it published, and the hash its table files the
+/// key under.
+pub(crate) struct Located<'a, T> {
+    pub(crate) bucket: &'a RwLock<T>,
+    pub(crate) hint: &'a AtomicUsize,
+    pub(crate) hash: u64,
 }
 
 impl<T: Default> ShardedMap<T> {
     pub(crate) fn new() -> Self {
         Self {
             buckets: (0..BUCKET_COUNT).map(|_| RwLock::new(T::default())).collect(),
+            hints: (0..BUCKET_COUNT).map(|_| AtomicUsize::new(0)).collect(),
             hasher: foldhash::quality::RandomState::default(),
         }
     }
@@ -36,8 +49,15 @@ impl<T: Default> ShardedMap<T> {
     /// that its own top bits (hashbrown's tag) and low bits (its position)
     /// are not the bits every key of the bucket shares.
     pub(crate) fn locate(&self, key: &[u8]) -> (&RwLock<T>, u64) {
+        let located = self.locate_hinted(key);
+        (located.bucket, located.hash)
+    }
+
+    /// As `locate`, with the bucket's hint.
+    pub(crate) fn locate_hinted(&self, key: &[u8]) -> Located<'_, T> {
         let hash = self.hasher.hash_one(key);
-        (&self.buckets[(hash >> 52) as usize % BUCKET_COUNT], hash.rotate_right(12))
+        let index = (hash >> 52) as usize % BUCKET_COUNT;
+        Located { bucket: &self.buckets[index], hint: &self.hints[index], hash: hash.rotate_right(12) }
     }
 
     /// The hash `locate` gives the key's table, for a table that grows.
@@ -51,9 +71,11 @@ impl<T: Default> ShardedMap<T> {
     }
 
     pub(crate) fn clear(&self) {
-        for bucket in self.buckets.iter() {
+        for (bucket, hint) in self.buckets.iter().zip(self.hints.iter()) {
+            let mut table = bucket.write();
             // Replace rather than clear so that a large table gives its memory back.
-            *bucket.write() = T::default();
+            *table = T::default();
+            hint.store(0, Ordering::Relaxed);
         }
     }
 

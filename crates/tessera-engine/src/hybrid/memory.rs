@@ -83,17 +83,10 @@ impl<T> Drop for ZeroedArray<T> {
     }
 }
 
-/// Asks the processor to bring `value`'s cache line in ahead of its use;
-/// only a hint, so nothing where the processor has no such instruction.
+/// Asks the processor to bring `value`'s cache line in ahead of its use.
 #[inline]
 pub(crate) fn prefetch<T>(value: &T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: prefetching never faults, whatever the address.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>((value as *const T).cast());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = value;
+    crate::prefetch_address((value as *const T).cast());
 }
 
 #[cfg(test)]

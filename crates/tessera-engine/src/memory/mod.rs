@@ -1,23 +1,30 @@
 //! `memory`: a concurrent in-memory hash engine.
 //!
 //! Each key and its value live in one allocation behind an eight-byte
-//! pointer (`Entry`), in hash tables split into buckets behind
-//! reader–writer locks (`ShardedMap`). A key costs its bytes, its value's,
-//! an eight-byte header, and a table slot of eight bytes and a control byte:
-//! less than Redis spends on a key (docs/BENCHMARKS.md, "Memory per key").
-//! A read is a miss on the table and one on the entry. An entry may also
-//! carry a native value (`Native`: a large set's hash table, say) after its
-//! stub.
+//! pointer (`Entry`), in hash tables of the engine's own (`GroupTable`)
+//! split into buckets behind reader–writer locks (`ShardedMap`). A key costs
+//! its bytes, its value's, an eight-byte header, and a table slot of eight
+//! bytes and a control byte: less than Redis spends on a key
+//! (docs/BENCHMARKS.md, "Memory per key"). A read is a miss on the table's
+//! group and one on the entry; a pipeline's keys have both prefetched
+//! ahead (`Engine::prefetch`). An entry may also carry a native value
+//! (`Native`: a large set's hash table, say) after its stub.
+
+mod table;
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
+use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
-use hashbrown::hash_table::{Entry as Slot, HashTable};
 
-use crate::sharded::ShardedMap;
+use self::table::GroupTable;
+use crate::sharded::{Located, ShardedMap};
 use crate::thread_buffer::with_thread_buffer;
-use crate::{Capabilities, Engine, KeyRange, Native, ReadNative, Result, ScanCursor, ScanPage, WriteNative};
+use crate::{
+    Capabilities, Engine, KeyRange, Native, ReadNative, Result, ScanCursor, ScanPage, WriteNative,
+    PREFETCH_BATCH,
+};
 
 /// Values longer than this are kept as the `Bytes` they came in, so that a
 /// read shares a large value instead of copying it.
@@ -205,6 +212,30 @@ impl Entry {
         })
     }
 
+    /// Gives an entry whose value is inline the value `edited`: in place
+    /// when the length is unchanged, otherwise in a new allocation that
+    /// keeps any native value. Returns `edited` unless the entry kept its
+    /// allocation.
+    fn replace_value(&mut self, key: &[u8], edited: Vec<u8>) -> Option<Vec<u8>> {
+        debug_assert!(self.shared().is_none());
+        if let Some(stored) = self.inline_value_mut().filter(|stored| stored.len() == edited.len()) {
+            stored.copy_from_slice(&edited);
+            return Some(edited);
+        }
+        if self.native().is_some() {
+            // Out with a placeholder for a moment: the native value moves over.
+            let old = std::mem::replace(self, Entry::new(b"", Bytes::new()));
+            *self = Entry::new_native(key, &edited, old.into_native().expect("a native value"));
+            Some(edited)
+        } else if edited.len() > SHARED_VALUE_BYTES {
+            *self = Entry::new(key, Bytes::from(edited));
+            None
+        } else {
+            *self = Entry::new(key, Bytes::copy_from_slice(&edited));
+            Some(edited)
+        }
+    }
+
     fn to_bytes(&self) -> Bytes {
         match self.shared() {
             Some(bytes) => bytes.clone(),
@@ -254,7 +285,7 @@ impl Drop for Entry {
     }
 }
 
-type Table = HashTable<Entry>;
+type Table = GroupTable<Entry>;
 
 pub struct MemoryEngine {
     map: ShardedMap<Table>,
@@ -268,7 +299,7 @@ impl Default for MemoryEngine {
 
 impl MemoryEngine {
     pub const CAPABILITIES: Capabilities =
-        Capabilities { ordered: false, persistent: false, reads_may_wait: false, prefetches: false };
+        Capabilities { ordered: false, persistent: false, reads_may_wait: false, prefetches: true };
 
     pub fn new() -> Self {
         Self { map: ShardedMap::new() }
@@ -278,6 +309,24 @@ impl MemoryEngine {
     /// choice uses other bits of the same hash).
     fn rehash(&self) -> impl Fn(&Entry) -> u64 + '_ {
         |entry| self.map.hash_in_bucket(entry.key())
+    }
+
+    /// Runs `change` on the key's table, under its lock, with the key's
+    /// hash; then publishes where the table's groups now lie, for
+    /// `prefetch`.
+    fn write<R>(&self, key: &[u8], change: impl FnOnce(&mut Table, u64) -> R) -> R {
+        let Located { bucket, hint, hash } = self.map.locate_hinted(key);
+        let mut table = bucket.write();
+        let result = change(&mut table, hash);
+        let moved = table.hint();
+        if hint.load(Ordering::Relaxed) != moved {
+            hint.store(moved, Ordering::Relaxed);
+        }
+        result
+    }
+
+    fn insert(&self, key: &[u8], entry: Entry) {
+        self.write(key, |table, hash| table.insert(hash, entry, |entry| entry.key() == key, self.rehash()));
     }
 }
 
@@ -301,78 +350,79 @@ impl Engine for MemoryEngine {
         Ok(())
     }
 
-    fn put(&self, key: &[u8], value: Bytes) -> Result<()> {
-        let (bucket, hash) = self.map.locate(key);
-        let entry = Entry::new(key, value);
-        match bucket.write().entry(hash, |entry| entry.key() == key, self.rehash()) {
-            Slot::Occupied(mut occupied) => *occupied.get_mut() = entry,
-            Slot::Vacant(vacant) => {
-                vacant.insert(entry);
+    /// The keys' buckets and groups first, taking no lock, so that their
+    /// misses overlap; then, the groups at hand, the entries whose tags
+    /// match, so that the lookups after find their keys in the cache.
+    fn prefetch(&self, keys: &[&[u8]]) {
+        for keys in keys.chunks(PREFETCH_BATCH) {
+            let located: [Option<Located<'_, Table>>; PREFETCH_BATCH] =
+                std::array::from_fn(|at| keys.get(at).map(|key| self.map.locate_hinted(key)));
+            for Located { bucket, hint, hash } in located.iter().flatten() {
+                crate::prefetch_address((*bucket as *const parking_lot::RwLock<Table>).cast());
+                Table::prefetch_group(hint.load(Ordering::Relaxed), *hash);
+            }
+            for Located { bucket, hash, .. } in located.iter().flatten() {
+                bucket.read().prefetch_candidates(*hash, |entry| entry.pointer.as_ptr());
             }
         }
+    }
+
+    fn put(&self, key: &[u8], value: Bytes) -> Result<()> {
+        self.insert(key, Entry::new(key, value));
         Ok(())
     }
 
     fn delete(&self, key: &[u8]) -> Result<bool> {
-        let (bucket, hash) = self.map.locate(key);
-        Ok(bucket.write().find_entry(hash, |entry| entry.key() == key).map(|found| found.remove()).is_ok())
+        Ok(self.write(key, |table, hash| {
+            table.remove(hash, |entry| entry.key() == key, self.rehash()).is_some()
+        }))
     }
 
     fn update(&self, key: &[u8], change: &mut dyn FnMut(&mut Option<Vec<u8>>) -> bool) -> Result<()> {
-        let (bucket, hash) = self.map.locate(key);
-        let mut table = bucket.write();
-        match table.find_entry(hash, |entry| entry.key() == key) {
-            Err(_) => {
-                let mut value = None;
-                if change(&mut value) {
+        self.write(key, |table, hash| {
+            let matches = |entry: &Entry| entry.key() == key;
+            match table.find_mut(hash, matches) {
+                None => {
+                    let mut value = None;
+                    if change(&mut value) {
+                        if let Some(value) = value {
+                            table.insert_unique(hash, Entry::new(key, Bytes::from(value)), self.rehash());
+                        }
+                    }
+                }
+                Some(found) if found.shared().is_none() => {
+                    // An inline value is edited in a copy in the thread's
+                    // buffer, and goes back where it lay when its length is
+                    // unchanged.
+                    let deleted = with_thread_buffer(|buffer| {
+                        buffer.extend_from_slice(found.value());
+                        let mut value = Some(std::mem::take(buffer));
+                        let mut deleted = false;
+                        if change(&mut value) {
+                            match value.take() {
+                                None => deleted = true,
+                                Some(edited) => value = found.replace_value(key, edited),
+                            }
+                        }
+                        // The allocation back for the next edit.
+                        *buffer = value.unwrap_or_default();
+                        deleted
+                    });
+                    if deleted {
+                        table.remove(hash, matches, self.rehash());
+                    }
+                }
+                Some(_) => {
+                    let entry = table.remove(hash, matches, self.rehash()).expect("found above");
+                    let mut value = Some(entry.into_value());
+                    change(&mut value);
+                    // Put back even when unchanged: the entry was taken out.
                     if let Some(value) = value {
                         table.insert_unique(hash, Entry::new(key, Bytes::from(value)), self.rehash());
                     }
                 }
             }
-            Ok(mut found) if found.get().shared().is_none() => with_thread_buffer(|buffer| {
-                // An inline value is edited in a copy in the thread's buffer,
-                // and goes back where it lay when its length is unchanged.
-                buffer.extend_from_slice(found.get().value());
-                let mut value = Some(std::mem::take(buffer));
-                let keeps_native = found.get().native().is_some();
-                if change(&mut value) {
-                    match value.take() {
-                        None => drop(found.remove()),
-                        Some(edited) => match found.get_mut().inline_value_mut() {
-                            Some(stored) if stored.len() == edited.len() => {
-                                stored.copy_from_slice(&edited);
-                                value = Some(edited);
-                            }
-                            _ if keeps_native => {
-                                let (entry, vacant) = found.remove();
-                                let native = entry.into_native().expect("a native value");
-                                vacant.insert(Entry::new_native(key, &edited, native));
-                                value = Some(edited);
-                            }
-                            _ if edited.len() > SHARED_VALUE_BYTES => {
-                                *found.get_mut() = Entry::new(key, Bytes::from(edited));
-                            }
-                            _ => {
-                                *found.get_mut() = Entry::new(key, Bytes::copy_from_slice(&edited));
-                                value = Some(edited);
-                            }
-                        },
-                    }
-                }
-                // The allocation back for the next edit.
-                *buffer = value.unwrap_or_default();
-            }),
-            Ok(found) => {
-                let (entry, vacant) = found.remove();
-                let mut value = Some(entry.into_value());
-                change(&mut value);
-                // Put back even when unchanged: the entry was taken out.
-                if let Some(value) = value {
-                    vacant.insert(Entry::new(key, Bytes::from(value)));
-                }
-            }
-        }
+        });
         Ok(())
     }
 
@@ -381,14 +431,7 @@ impl Engine for MemoryEngine {
     }
 
     fn put_native(&self, key: &[u8], stub: Bytes, native: Box<dyn Native>) -> Result<()> {
-        let (bucket, hash) = self.map.locate(key);
-        let entry = Entry::new_native(key, &stub, native);
-        match bucket.write().entry(hash, |entry| entry.key() == key, self.rehash()) {
-            Slot::Occupied(mut occupied) => *occupied.get_mut() = entry,
-            Slot::Vacant(vacant) => {
-                vacant.insert(entry);
-            }
-        }
+        self.insert(key, Entry::new_native(key, &stub, native));
         Ok(())
     }
 
