@@ -130,3 +130,22 @@ def table_info(client, name):
     """TABLE.INFO of table `name` as a dict (bytes keys), over RESP2 or RESP3."""
     reply = client.execute_command("TABLE.INFO", name)
     return reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2]))
+
+
+def resp_command(*args):
+    """A command as a client writes it: a RESP array of bulk strings (each
+    argument bytes or str)."""
+    encoded = [arg.encode() if isinstance(arg, str) else arg for arg in args]
+    return b"*%d\r\n" % len(encoded) + b"".join(b"$%d\r\n%s\r\n" % (len(arg), arg) for arg in encoded)
+
+
+def send_in_pieces(sock, payload, rng, sizes, pause_chance):
+    """Sends `payload` in pieces of sizes drawn from `sizes`, splitting frames
+    anywhere, now and then pausing so that the server reads a piece alone."""
+    at = 0
+    while at < len(payload):
+        size = rng.choice(sizes)
+        sock.sendall(payload[at:at + size])
+        at += size
+        if rng.random() < pause_chance:
+            time.sleep(0.002)

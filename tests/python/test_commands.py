@@ -9,7 +9,7 @@ import time
 import pytest
 import redis
 
-from conftest import Node
+from conftest import Node, resp_command, send_in_pieces
 
 
 def test_strings(r):
@@ -216,24 +216,13 @@ def test_a_pipeline_that_arrives_in_pieces_is_answered_whole_and_in_order(node):
     reading ahead for a while when the look finds one key again and again;
     commands split anywhere across reads, while it does either, are each
     answered once, in order."""
-    def encode(*args):
-        return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(arg), arg) for arg in args)
-
     commands = []
     for round_ in range(6):
-        commands += [encode(b"SET", b"k%d" % i, b"%d" % (round_ * 100 + i)) for i in range(40)]
-        commands += [encode(b"RPUSH", b"queue", b"%d" % i) for i in range(40)]
-        commands += [encode(b"GET", b"k%d" % i) for i in range(40)]
-    payload = b"".join(commands)
-    chunks = random.Random(7)
+        commands += [resp_command("SET", f"k{i}", str(round_ * 100 + i)) for i in range(40)]
+        commands += [resp_command("RPUSH", "queue", str(i)) for i in range(40)]
+        commands += [resp_command("GET", f"k{i}") for i in range(40)]
     with socket.create_connection(("127.0.0.1", node.port), timeout=10) as sock:
-        at = 0
-        while at < len(payload):
-            size = chunks.choice([1, 2, 7, 30, 200, 1500])
-            sock.sendall(payload[at:at + size])
-            at += size
-            if chunks.random() < 0.2:
-                time.sleep(0.002)
+        send_in_pieces(sock, b"".join(commands), random.Random(7), [1, 2, 7, 30, 200, 1500], 0.2)
         reader = sock.makefile("rb")
         replies = []
         for _ in commands:
@@ -600,8 +589,7 @@ def test_client_reply_and_pause_behave_as_in_redis(node, redis_server):
                   ["MULTI"], ["SET", "a", "changed"], ["RESET"], ["GET", "a"], ["CLIENT", "SETNAME", "named"],
                   ["RESET"], ["CLIENT", "GETNAME"], ["SUBSCRIBE", "channel"], ["RESET"],
                   ["GET", "a"], ["CLIENT", "REPLY", "OFF"], ["RESET"], ["RESET", "extra"], ["PING"]]
-        connection.sendall(b"".join(b"*%d\r\n" % len(command) + b"".join(
-            b"$%d\r\n%s\r\n" % (len(arg), arg.encode()) for arg in command) for command in script))
+        connection.sendall(b"".join(resp_command(*command) for command in script))
         connection.settimeout(1)
         data = b""
         while not data.endswith(b"+PONG\r\n"):

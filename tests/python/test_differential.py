@@ -51,7 +51,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from conftest import Node, free_port
+from conftest import Node, free_port, resp_command
 
 SEQUENCES = int(os.environ.get("TESSERA_DIFF_SEQUENCES", "60"))
 FIRST_SEED = int(os.environ.get("TESSERA_DIFF_SEED", "1"))
@@ -1131,8 +1131,7 @@ def raw_exchange(port, script):
     received = []
     for which, commands in script:
         for command in commands:
-            connections[which].sendall(
-                b"*%d\r\n" % len(command) + b"".join(b"$%d\r\n%s\r\n" % (len(arg), arg) for arg in command))
+            connections[which].sendall(resp_command(*command))
         time.sleep(0.05)
         step = []
         for connection in connections:

@@ -9,7 +9,7 @@ import time
 import pytest
 import redis
 
-from conftest import Node, evict_from_page_cache, table_info
+from conftest import Node, evict_from_page_cache, resp_command, send_in_pieces, table_info
 
 PERSISTENT_ENGINES = ["log", "lsm", "hybrid"]
 
@@ -210,17 +210,9 @@ def test_a_pipeline_on_a_prefetching_engine_answers_as_on_memory_however_it_arri
             if name == "PING":
                 return command
             return [name] + [prefix + arg if not arg.startswith("v") and arg != "x" else arg for arg in args]
-        wire = b"".join(
-            b"*%d\r\n" % len(command) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a.encode()) for a in command)
-            for command in map(with_prefix, commands))
+        wire = b"".join(resp_command(*with_prefix(command)) for command in commands)
         sock = socket.create_connection(("127.0.0.1", node.port))
-        at = 0
-        while at < len(wire):
-            piece = rng.choice([1, 2, 7, 30, 500, 4000])
-            sock.sendall(wire[at:at + piece])
-            at += piece
-            if rng.random() < 0.05:
-                time.sleep(0.001)
+        send_in_pieces(sock, wire, rng, [1, 2, 7, 30, 500, 4000], 0.05)
         sock.shutdown(socket.SHUT_WR)
         received = b""
         while chunk := sock.recv(65536):
