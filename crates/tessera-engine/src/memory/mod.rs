@@ -4,7 +4,7 @@
 //! pointer (`Entry`), in hash tables of the engine's own (`GroupTable`)
 //! split into buckets behind reader–writer locks (`ShardedMap`). A key costs
 //! its bytes, its value's, an eight-byte header, and a table slot of eight
-//! bytes and a control byte: less than Redis spends on a key
+//! bytes and a tag byte: less than Redis spends on a key
 //! (docs/BENCHMARKS.md, "Memory per key"). A read is a miss on the table's
 //! group and one on the entry; a pipeline's keys have both prefetched
 //! ahead (`Engine::prefetch`). An entry may also carry a native value
