@@ -313,7 +313,11 @@ pub fn refresh_client_state(
 ) {
     fn copy(target: &mut String, source: Option<&[u8]>) {
         let source = source.unwrap_or_default();
-        if target.as_bytes() != source {
+        // Two empty strings (no name, most often) are not compared: comparing
+        // empty slices costs a microcode assist on some processors (see
+        // `TableSet::route`), once a batch of commands here.
+        let same = target.len() == source.len() && (source.is_empty() || target.as_bytes() == source);
+        if !same {
             *target = String::from_utf8_lossy(source).into_owned();
         }
     }
