@@ -29,9 +29,9 @@ const OVERFLOW_SHIFT: u32 = 56;
 /// An overflow count that reached this stays there: it no longer knows how
 /// many entries passed, only that some may have.
 const OVERFLOW_SATURATED: u64 = 0xff;
-/// The most groups a table keeps per entry it holds: fewer entries than
-/// groups and it halves (a load under 1/7), more than six per group and it
-/// doubles (a load over 6/7).
+/// A table doubles its groups before it would hold more than six entries a
+/// group (a load over 6/7), and halves them once it holds fewer entries than
+/// groups (a load under 1/7).
 const GROW_ABOVE_PER_GROUP: usize = 6;
 
 #[repr(C, align(64))]
