@@ -214,8 +214,8 @@ impl Entry {
 
     /// Gives an entry whose value is inline the value `edited`: in place
     /// when the length is unchanged, otherwise in a new allocation that
-    /// keeps any native value. Returns `edited` unless the entry kept its
-    /// allocation.
+    /// keeps any native value. Gives `edited` back unless the entry took
+    /// its allocation (a value long enough to be shared).
     fn replace_value(&mut self, key: &[u8], edited: Vec<u8>) -> Option<Vec<u8>> {
         debug_assert!(self.shared().is_none());
         if let Some(stored) = self.inline_value_mut().filter(|stored| stored.len() == edited.len()) {

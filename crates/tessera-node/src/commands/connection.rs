@@ -313,11 +313,8 @@ pub fn refresh_client_state(
 ) {
     fn copy(target: &mut String, source: Option<&[u8]>) {
         let source = source.unwrap_or_default();
-        // Two empty strings (no name, most often) are not compared: comparing
-        // empty slices costs a microcode assist on some processors (see
-        // `TableSet::route`), once a batch of commands here.
-        let same = target.len() == source.len() && (source.is_empty() || target.as_bytes() == source);
-        if !same {
+        // Once a batch, and most often two empty names.
+        if !crate::same_bytes(target.as_bytes(), source) {
             *target = String::from_utf8_lossy(source).into_owned();
         }
     }
