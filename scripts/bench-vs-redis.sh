@@ -2,8 +2,9 @@
 # Tessera (memory engine) against Redis, side by side in one run, both driven by
 # Redis's own redis-benchmark:  -t $TESTS -n N -r 1000000 -c 50, at -P 1 and -P 16
 # (TESTS: redis-benchmark's test names, set,get unless given).
-# Rounds alternate the order of the servers; the report gives medians and the
-# Tessera/Redis ratio. It also gives each server's CPU time per request (user +
+# Each test runs on every server back to back, in an order that rotates; the
+# report gives medians, and each Tessera/Redis ratio as the median of the
+# rounds' ratios. It also gives each server's CPU time per request (user +
 # system, from /proc, over one test's run): on a shared machine a neighbour's
 # load moves requests per second far more than it moves the CPU a server spends
 # on a request, and a saturated single-threaded server's throughput is one over
@@ -90,25 +91,36 @@ cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 ticks_per_second=$(getconf CLK_TCK)
 
 echo "round,pipeline,server,test,rps,cpu_us_per_request" >"$results"
+# Runs one redis-benchmark test against one server and records its result.
+run_test() {
+    local round=$1 pipeline=$2 server=$3 test=$4
+    before=$(cpu_ticks "${server_pids[$server]}")
+    lines=$(redis-benchmark -p "${ports[$server]}" "${client_tls[@]}" -t "$test" -n "$requests" -r 1000000 -c 50 -P "$pipeline" --csv -q 2>/dev/null |
+        grep -v '^"test"' | tr -d '"')
+    after=$(cpu_ticks "${server_pids[$server]}")
+    # A test that prints two results (LRANGE fills its list first) has no CPU time of its own.
+    cpu=""
+    if [ "$(echo "$lines" | wc -l)" = 1 ]; then
+        cpu=$(awk -v t=$((after - before)) -v hz="$ticks_per_second" -v n="$requests" 'BEGIN {printf "%.3f", t * 1e6 / hz / n}')
+    fi
+    echo "$lines" | awk -F, -v r="$round" -v p="$pipeline" -v s="$server" -v c="$cpu" '{print r "," p "," s "," $1 "," $2 "," c}' >>"$results"
+}
 for round in $(seq "$rounds"); do
-    # Rotate the order so no server always runs first.
-    shift_by=$((round % ${#servers[@]}))
-    order=("${servers[@]:$shift_by}" "${servers[@]:0:$shift_by}")
     for pipeline in 1 16; do
-        for server in "${order[@]}"; do
+        for server in "${servers[@]}"; do
             redis-cli -p "${ports[$server]}" "${client_tls[@]}" flushall >/dev/null
-            for test in ${tests//,/ }; do
-                before=$(cpu_ticks "${server_pids[$server]}")
-                lines=$(redis-benchmark -p "${ports[$server]}" "${client_tls[@]}" -t "$test" -n "$requests" -r 1000000 -c 50 -P "$pipeline" --csv -q 2>/dev/null |
-                    grep -v '^"test"' | tr -d '"')
-                after=$(cpu_ticks "${server_pids[$server]}")
-                # A test that prints two results (LRANGE fills its list first) has no CPU time of its own.
-                cpu=""
-                if [ "$(echo "$lines" | wc -l)" = 1 ]; then
-                    cpu=$(awk -v t=$((after - before)) -v hz="$ticks_per_second" -v n="$requests" 'BEGIN {printf "%.3f", t * 1e6 / hz / n}')
-                fi
-                echo "$lines" | awk -F, -v r="$round" -v p="$pipeline" -v s="$server" -v c="$cpu" '{print r "," p "," s "," $1 "," $2 "," c}' >>"$results"
+        done
+        # Each test runs on every server back to back, so that a neighbour's
+        # load, which comes and goes over seconds, falls on all of them alike;
+        # the order rotates from test to test and round to round so that no
+        # server always runs first.
+        turn=$round
+        for test in ${tests//,/ }; do
+            shift_by=$((turn % ${#servers[@]}))
+            for server in "${servers[@]:$shift_by}" "${servers[@]:0:$shift_by}"; do
+                run_test "$round" "$pipeline" "$server" "$test"
             done
+            turn=$((turn + 1))
         done
         echo "round $round, -P $pipeline done" >&2
     done
@@ -118,19 +130,32 @@ python3 - "$results" $engines <<'PY'
 import csv, statistics, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
 engines = sys.argv[2:]
+def values(pipeline, server, test, column):
+    return {r["round"]: float(r[column]) for r in rows
+            if (r["pipeline"], r["server"], r["test"]) == (pipeline, server, test) and r[column]}
 def median(pipeline, server, test, column):
-    values = [float(r[column]) for r in rows if (r["pipeline"], r["server"], r["test"]) == (pipeline, server, test) and r[column]]
-    return statistics.median(values) if values else None
+    found = values(pipeline, server, test, column)
+    return statistics.median(found.values()) if found else None
+# The ratio of two servers is the median of each round's ratio: the two ran
+# one after the other, under the same load.
+def paired_ratio(pipeline, server, against, test, column, higher_is_better=True):
+    ours, theirs = values(pipeline, server, test, column), values(pipeline, against, test, column)
+    ratios = [ours[r] / theirs[r] if higher_is_better else theirs[r] / ours[r]
+              for r in ours if r in theirs and ours[r] and theirs[r]]
+    return statistics.median(ratios) if ratios else None
 tests = list(dict.fromkeys(r["test"] for r in rows))  # in redis-benchmark's order
 for engine in engines:
     name = "tessera" if engine == "memory" else f"tessera-{engine}"
-    print(f"\nEngine {engine}:\n")
+    single = f"{name}-1thread"
+    print(f"\nEngine {engine} (ratios: the median of each round's ratio):\n")
     print("| pipeline | test | Redis ops/s | Tessera ops/s | ratio | Tessera 1 thread ops/s | ratio | CPU µs/request: Redis | Tessera 1 thread | Redis / Tessera |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for pipeline in ("1", "16"):
         for test in tests:
-            redis, tessera, single = (median(pipeline, server, test, "rps") for server in ("redis", name, f"{name}-1thread"))
-            redis_cpu, single_cpu = (median(pipeline, server, test, "cpu_us_per_request") for server in ("redis", f"{name}-1thread"))
-            cpu = f"{redis_cpu:.2f} | {single_cpu:.2f} | {redis_cpu / single_cpu:.2f}x" if redis_cpu and single_cpu else "– | – | –"
-            print(f"| -P {pipeline} | {test} | {redis:,.0f} | {tessera:,.0f} | {tessera / redis:.2f}x | {single:,.0f} | {single / redis:.2f}x | {cpu} |")
+            redis, tessera, alone = (median(pipeline, server, test, "rps") for server in ("redis", name, single))
+            ratio, single_ratio = (paired_ratio(pipeline, server, "redis", test, "rps") for server in (name, single))
+            redis_cpu, single_cpu = (median(pipeline, server, test, "cpu_us_per_request") for server in ("redis", single))
+            cpu_ratio = paired_ratio(pipeline, single, "redis", test, "cpu_us_per_request", higher_is_better=False)
+            cpu = f"{redis_cpu:.2f} | {single_cpu:.2f} | {cpu_ratio:.2f}x" if redis_cpu and single_cpu and cpu_ratio else "– | – | –"
+            print(f"| -P {pipeline} | {test} | {redis:,.0f} | {tessera:,.0f} | {ratio:.2f}x | {alone:,.0f} | {single_ratio:.2f}x | {cpu} |")
 PY
